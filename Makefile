@@ -1,0 +1,62 @@
+# pipeshard: every target runs inside .venv, created by `make setup`.
+SHELL := /bin/bash
+PYTHON_BOOT ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.setup-stamp
+PROTO_SRC := $(shell find proto -name '*.proto')
+PROTO_OUT := pipeshard/v1
+
+STAGES ?= 2
+WEIGHTS ?= int4
+PRECISION ?= default
+STAGE ?= 0
+MODEL ?= smollm2-135m-instruct
+
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+
+.PHONY: setup proto lint model export test test-fast clean
+
+## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	touch $(STAMP)
+
+## proto: generate Python stubs (+ .pyi) into pipeshard/v1 (build output, git-ignored)
+proto: $(STAMP) $(PROTO_OUT)/.stamp
+
+$(PROTO_OUT)/.stamp: $(PROTO_SRC)
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
+	touch $@
+
+## lint: ruff and buf lint
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	cd proto && npx --yes @bufbuild/buf lint
+
+## model: fetch the bundled default model into models/ (idempotent)
+model: proto
+	$(VENV)/bin/pipeshard model fetch
+
+## export: export the default model into shards/<model>-<STAGES>s-<WEIGHTS>/
+export: model
+	$(VENV)/bin/pipeshard export --model $(MODEL) --stages $(STAGES) --weights $(WEIGHTS)
+
+## test: the whole suite, slow real-model tests included
+test: proto
+	$(VENV)/bin/pytest -q
+
+## test-fast: unit tests only
+test-fast: proto
+	$(VENV)/bin/pytest -q -m "not slow"
+
+clean:
+	rm -rf $(PROTO_OUT)/*_pb2*.py $(PROTO_OUT)/*_pb2*.pyi $(PROTO_OUT)/.stamp .pytest_cache

@@ -1,0 +1,30 @@
+"""Default locations, each overridable by an environment variable (see DESIGN.md Interfaces)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def repo_root() -> Path:
+    """The working directory the user runs pipeshard from (paths are relative to it)."""
+    return Path.cwd()
+
+
+def models_dir() -> Path:
+    return Path(os.environ.get("PIPESHARD_MODELS_DIR", repo_root() / "models"))
+
+
+def shards_dir() -> Path:
+    return Path(os.environ.get("PIPESHARD_SHARDS_DIR", repo_root() / "shards"))
+
+
+def default_model_dir() -> Path:
+    return models_dir() / DEFAULT_MODEL
+
+
+def export_name(model: str, stages: int, weights: str) -> str:
+    """Folder name of an export: ``<model>-<N>s-<weights>``."""
+    return f"{model}-{stages}s-{weights}"
