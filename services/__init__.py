@@ -1,0 +1,1 @@
+"""Runtime services: the shard runtime, the stage service and the coordinator."""

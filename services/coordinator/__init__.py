@@ -1,0 +1,1 @@
+"""CoordinatorService: tokenizer, decode loop across the stages, Generate for clients."""

@@ -1,0 +1,42 @@
+"""Incremental detokenization that never emits half a UTF-8 character, and stop strings.
+
+Uses the prefix/read offset scheme: decode a short window of recent ids twice and emit the
+difference only when it does not end in U+FFFD (an incomplete byte sequence).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()):
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""  # all decoded text
+        self._emitted = 0  # characters of ``text`` already streamed
+        self.stopped = False
+
+    def add(self, token_id: int) -> None:
+        self._ids.append(token_id)
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
+        new_text = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=True)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.text += new_text[len(prefix_text) :]
+            self._prefix, self._read = self._read, len(self._ids)
+        for s in self._stop:
+            at = self.text.find(s)
+            if at != -1:
+                self.text = self.text[:at]
+                self.stopped = True
+
+    def delta(self, final: bool = False) -> str:
+        """Text not yet streamed; holds back a tail that could still become a stop string."""
+        end = len(self.text) if (final or self.stopped) else max(self._emitted, len(self.text) - self._hold)
+        out = self.text[self._emitted : end]
+        self._emitted = end
+        return out

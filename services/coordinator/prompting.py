@@ -1,0 +1,36 @@
+"""Turning a request into prompt ids: plain text as is, chat messages through the chat template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeshard.errors import InvalidArgument
+
+_ROLES = ("system", "user", "assistant")
+
+
+class Prompter:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+
+    @classmethod
+    def from_dir(cls, folder: Path) -> Prompter:
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(folder))
+
+    def encode(self, prompt: str, messages: list[tuple[str, str]]) -> list[int]:
+        if prompt and messages:
+            raise InvalidArgument("prompt", "and `messages` are exclusive: set exactly one")
+        if messages:
+            for i, (role, content) in enumerate(messages):
+                if role not in _ROLES:
+                    raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(_ROLES)}, got {role!r}")
+                if not content:
+                    raise InvalidArgument(f"messages[{i}].content", "must not be empty")
+            chat = [{"role": r, "content": c} for r, c in messages]
+            return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True))
+        if not prompt:
+            raise InvalidArgument("prompt", "must not be empty (or send `messages`)")
+        return list(self.tokenizer.encode(prompt, add_special_tokens=False))

@@ -1,0 +1,89 @@
+"""Request parameters (OpenAI/vLLM names), their validation, and token selection.
+
+Greedy requests ask the final stage for Top1 only; sampling requests ask for logits and
+draw here with a per-request seeded generator, so a seed reproduces its output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeshard.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, *, prompt_tokens: int, max_context: int, vocab_size: int) -> None:
+        """Raise InvalidArgument naming the first parameter that is out of range."""
+        if self.max_tokens <= 0:
+            raise InvalidArgument("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if prompt_tokens >= max_context:
+            raise InvalidArgument(
+                "prompt", f"has {prompt_tokens} tokens, which leaves no room in the context of {max_context}"
+            )
+        if prompt_tokens + self.max_tokens > max_context:
+            raise InvalidArgument(
+                "max_tokens",
+                f"must be at most {max_context - prompt_tokens} for this {prompt_tokens}-token prompt "
+                f"(context {max_context}), got {self.max_tokens}",
+            )
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidArgument("temperature", f"must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidArgument("top_k", f"must be 0 (disabled) or positive, got {self.top_k}")
+        for s in self.stop:
+            if not s:
+                raise InvalidArgument("stop", "must not contain empty strings")
+        for t in self.stop_token_ids:
+            if not 0 <= t < vocab_size:
+                raise InvalidArgument("stop_token_ids", f"{t} is not a token id (vocabulary {vocab_size})")
+
+
+@dataclass
+class Sampler:
+    """Draws the next token from logits under one request's parameters."""
+
+    params: SamplingParams
+    rng: np.random.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.params.seed)
+
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution sampled from: temperature, then top-k, then top-p, renormalised."""
+        scaled = logits.astype(np.float64) / self.params.temperature
+        if 0 < self.params.top_k < scaled.size:
+            kth = np.partition(scaled, -self.params.top_k)[-self.params.top_k]
+            scaled = np.where(scaled < kth, -np.inf, scaled)
+        probs = np.exp(scaled - scaled.max())
+        probs /= probs.sum()
+        if self.params.top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")
+            cumulative = np.cumsum(probs[order])
+            keep = order[: int(np.searchsorted(cumulative, self.params.top_p)) + 1]
+            mask = np.zeros_like(probs)
+            mask[keep] = probs[keep]
+            probs = mask / mask.sum()
+        return probs
+
+    def sample(self, logits: np.ndarray) -> int:
+        probs = self.probabilities(logits)
+        return int(self.rng.choice(probs.size, p=probs))

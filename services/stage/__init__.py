@@ -1,0 +1,1 @@
+"""StageService: one shard of consecutive layers with per-session KV state."""

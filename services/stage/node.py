@@ -1,0 +1,77 @@
+"""A stage in the ring: runs frames on its shard in one worker thread, then passes them on.
+
+Frames are run in arrival order on a single worker (the CPU is the bottleneck; OpenVINO
+releases the GIL during inference, so the event loop keeps receiving and forwarding). A
+non-final stage forwards hidden states to its next hop; the final stage publishes results
+to the coordinator's subscription. A failure becomes a StageError that travels the rest
+of the ring, so the coordinator learns which stage failed and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import structlog
+
+from pipeshard.tensor_codec import Codec
+from pipeshard.v1 import activation_pb2
+from services.stage.engine import StageEngine
+from services.stage.results import ResultBroker
+from services.stage.wire import (
+    error_frame,
+    error_result,
+    frame_from_output,
+    result_from_output,
+    stage_error,
+    step_from_frame,
+)
+from services.transport.hop import HopStream
+
+log = structlog.get_logger(__name__)
+
+
+class StageNode:
+    def __init__(self, engine: StageEngine, stage_index: int, *, next_hop: HopStream | None,
+                 codec: int = Codec.CODEC_NONE):
+        if engine.is_last != (next_hop is None):
+            raise ValueError("exactly the final stage has no next hop")
+        self.engine = engine
+        self.stage_index = stage_index
+        self.next_hop = next_hop
+        self.results = ResultBroker()
+        self._codec = codec
+        self._port = "input_ids" if engine.is_first else "hidden_states"
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage_index}")
+
+    async def handle(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StageError | None:
+        """Run one frame and pass its output on; returns this stage's error, if any."""
+        if frame.HasField("error"):
+            await self._pass_on_error(frame, frame.error)
+            return None
+        try:
+            step = step_from_frame(frame, self._port)
+            out = await asyncio.get_running_loop().run_in_executor(self._worker, self.engine.run, step)
+        except Exception as exc:
+            error = stage_error(self.stage_index, exc)
+            log_fn = log.error if error.code == "INTERNAL" else log.warning
+            log_fn("frame_failed", session_id=frame.session_id, step_id=frame.step_id, code=error.code,
+                   message=error.message, exc_info=error.code == "INTERNAL")
+            await self._pass_on_error(frame, error)
+            return error
+        if self.next_hop is None:
+            self.results.publish(result_from_output(out))
+        else:
+            await self.next_hop.send(frame_from_output(out, self._codec))
+        return None
+
+    async def _pass_on_error(self, frame, error) -> None:
+        if self.next_hop is None:
+            self.results.publish(error_result(frame, error))
+        else:
+            await self.next_hop.send(error_frame(frame, error))
+
+    async def close(self) -> None:
+        if self.next_hop is not None:
+            await self.next_hop.close()
+        self._worker.shutdown(wait=False, cancel_futures=True)

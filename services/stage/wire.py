@@ -1,0 +1,87 @@
+"""Protobuf <-> stage domain objects; the servicer and the next-hop client speak through this."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeshard.errors import InvalidArgument, PipeshardError
+from pipeshard.tensor_codec import Codec, decode, encode
+from pipeshard.v1 import activation_pb2, tensor_pb2
+from services.stage.domain import ReturnMode, StepInput, StepOutput
+
+_MODES = {
+    activation_pb2.RETURN_MODE_UNSPECIFIED: ReturnMode.TOP1,
+    activation_pb2.RETURN_MODE_TOP1: ReturnMode.TOP1,
+    activation_pb2.RETURN_MODE_LOGITS: ReturnMode.LOGITS,
+    activation_pb2.RETURN_MODE_NONE: ReturnMode.NONE,
+}
+_PB_MODES = {ReturnMode.TOP1: activation_pb2.RETURN_MODE_TOP1, ReturnMode.LOGITS: activation_pb2.RETURN_MODE_LOGITS,
+             ReturnMode.NONE: activation_pb2.RETURN_MODE_NONE}
+
+
+def step_from_frame(frame: activation_pb2.ActivationFrame, port: str) -> StepInput:
+    """Decode a frame for a stage whose input port is ``port`` (input_ids or hidden_states)."""
+    if not frame.session_id:
+        raise InvalidArgument("session_id", "must not be empty")
+    tensors = {t.name: t.tensor for t in frame.tensors}
+    if port not in tensors:
+        raise InvalidArgument("tensors", f"must carry {port!r}, got {sorted(tensors) or 'none'}")
+    if frame.return_mode not in _MODES:
+        raise InvalidArgument("return_mode", f"unknown value {frame.return_mode}")
+    return StepInput(
+        session_id=frame.session_id,
+        step_id=frame.step_id,
+        positions=np.asarray(frame.positions, dtype=np.int64),
+        activations=decode(tensors[port], field=port),
+        invalidate=[(r.start, r.end) for r in frame.mask_update.invalidate],
+        return_mode=_MODES[frame.return_mode],
+        return_last=frame.return_last or 1,
+        compute_micros=list(frame.stage_compute_micros),
+        sent_unix_nanos=frame.sent_unix_nanos,
+    )
+
+
+def frame_from_output(out: StepOutput, codec: int = Codec.CODEC_NONE) -> activation_pb2.ActivationFrame:
+    """The frame a non-final stage sends on: its hidden states plus the step's bookkeeping."""
+    step = out.step
+    return activation_pb2.ActivationFrame(
+        session_id=step.session_id,
+        step_id=step.step_id,
+        positions=step.positions.tolist(),
+        mask_update=activation_pb2.MaskUpdate(
+            invalidate=[activation_pb2.CacheRange(start=s, end=e) for s, e in step.invalidate]
+        ),
+        tensors=[tensor_pb2.NamedTensor(name="hidden_states", tensor=encode(out.hidden_states, codec))],
+        return_mode=_PB_MODES[step.return_mode],
+        return_last=step.return_last,
+        stage_compute_micros=step.compute_micros,
+        sent_unix_nanos=step.sent_unix_nanos,
+    )
+
+
+def result_from_output(out: StepOutput) -> activation_pb2.StepResult:
+    step = out.step
+    result = activation_pb2.StepResult(
+        session_id=step.session_id, step_id=step.step_id, stage_compute_micros=step.compute_micros
+    )
+    if out.top1 is not None:
+        result.top1.token_ids.extend(out.top1.token_ids.tolist())
+        result.top1.probabilities.extend(out.top1.probabilities.tolist())
+    if out.logits is not None:
+        result.logits.CopyFrom(encode(out.logits))
+    return result
+
+
+def stage_error(stage_index: int, exc: BaseException) -> activation_pb2.StageError:
+    code = exc.code if isinstance(exc, PipeshardError) else "INTERNAL"
+    message = str(exc) if isinstance(exc, PipeshardError) else f"internal error: {type(exc).__name__}"
+    return activation_pb2.StageError(stage_index=stage_index, code=code, message=message)
+
+
+def error_frame(frame: activation_pb2.ActivationFrame, error: activation_pb2.StageError):
+    """A frame that carries an earlier stage's failure down the ring (no tensors)."""
+    return activation_pb2.ActivationFrame(session_id=frame.session_id, step_id=frame.step_id, error=error)
+
+
+def error_result(frame: activation_pb2.ActivationFrame, error: activation_pb2.StageError):
+    return activation_pb2.StepResult(session_id=frame.session_id, step_id=frame.step_id, error=error)

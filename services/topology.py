@@ -1,0 +1,84 @@
+"""config/topology.yaml: where every process of a fleet listens and which shards it serves.
+
+``make up`` writes it; ``make run-stage STAGE=k`` and the coordinator read it. Default ports
+(DESIGN.md): coordinator 50051, stage k 50061+k, exporter 50071; metrics 9100 + the same offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from pipeshard.errors import InvalidArgument
+
+COORDINATOR_PORT = 50051
+STAGE_PORT_BASE = 50061
+EXPORTER_PORT = 50071
+METRICS_OFFSET = 9100 - 50000
+
+
+@dataclass
+class Endpoint:
+    host: str
+    port: int
+    metrics_port: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def _endpoint(host: str, port: int) -> Endpoint:
+    return Endpoint(host=host, port=port, metrics_port=port + METRICS_OFFSET)
+
+
+@dataclass
+class Topology:
+    shards: str  # export folder (manifest.json and one folder per stage)
+    coordinator: Endpoint
+    exporter: Endpoint
+    stages: list[Endpoint] = field(default_factory=list)
+    precision: str = "default"
+
+    @classmethod
+    def loopback(cls, shards: str, num_stages: int, precision: str = "default", host: str = "127.0.0.1"):
+        return cls(
+            shards=shards,
+            coordinator=_endpoint(host, COORDINATOR_PORT),
+            exporter=_endpoint(host, EXPORTER_PORT),
+            stages=[_endpoint(host, STAGE_PORT_BASE + k) for k in range(num_stages)],
+            precision=precision,
+        )
+
+    def stage_addresses(self) -> list[str]:
+        return [s.address for s in self.stages]
+
+    def next_hop(self, stage: int) -> str | None:
+        return self.stages[stage + 1].address if stage + 1 < len(self.stages) else None
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(asdict(self), sort_keys=False))
+
+    @classmethod
+    def load(cls, path: Path) -> Topology:
+        if not path.is_file():
+            raise InvalidArgument("topology", f"no topology file at {path} (run `make up` to write one)")
+        raw = yaml.safe_load(path.read_text())
+        try:
+            return cls(
+                shards=raw["shards"],
+                coordinator=Endpoint(**raw["coordinator"]),
+                exporter=Endpoint(**raw["exporter"]),
+                stages=[Endpoint(**s) for s in raw["stages"]],
+                precision=raw.get("precision", "default"),
+            )
+        except (KeyError, TypeError) as exc:
+            raise InvalidArgument("topology", f"{path} is malformed ({exc})") from None
+
+    def stage(self, index: int) -> Endpoint:
+        if not 0 <= index < len(self.stages):
+            raise InvalidArgument("stage", f"must be in [0, {len(self.stages) - 1}], got {index}")
+        return self.stages[index]

@@ -1,0 +1,1 @@
+"""Client side of the persistent streams between hops."""
