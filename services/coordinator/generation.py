@@ -39,7 +39,9 @@ class Summary:
     error: str = ""
 
 
-def _frame(session_id: str, step: int, ids: list[int], start: int, greedy: bool) -> activation_pb2.ActivationFrame:
+def _frame(
+    session_id: str, step: int, ids: list[int], start: int, greedy: bool
+) -> activation_pb2.ActivationFrame:
     return activation_pb2.ActivationFrame(
         session_id=session_id,
         step_id=step,
@@ -72,7 +74,9 @@ class Generation:
         try:
             ids, position = prompt_ids, 0
             while len(generated) < params.max_tokens:
-                result = await self._ring.step(_frame(session_id, len(generated), ids, position, params.greedy))
+                result = await self._ring.step(
+                    _frame(session_id, len(generated), ids, position, params.greedy)
+                )
                 position += len(ids)
                 if sampler is None:
                     token = int(result.top1.token_ids[-1])

@@ -26,7 +26,9 @@ class Prompter:
         if messages:
             for i, (role, content) in enumerate(messages):
                 if role not in _ROLES:
-                    raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(_ROLES)}, got {role!r}")
+                    raise InvalidArgument(
+                        f"messages[{i}].role", f"must be one of {', '.join(_ROLES)}, got {role!r}"
+                    )
                 if not content:
                     raise InvalidArgument(f"messages[{i}].content", "must not be empty")
             chat = [{"role": r, "content": c} for r, c in messages]

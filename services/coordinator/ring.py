@@ -32,8 +32,9 @@ class StageFailed(PipeshardError):
 
 
 class Ring:
-    def __init__(self, stage_addresses: list[str], *, step_timeout_s: float = 30.0,
-                 control_timeout_s: float = 5.0):
+    def __init__(
+        self, stage_addresses: list[str], *, step_timeout_s: float = 30.0, control_timeout_s: float = 5.0
+    ):
         if not stage_addresses:
             raise ValueError("a ring needs at least one stage")
         self.addresses = stage_addresses
@@ -86,8 +87,9 @@ class Ring:
 
     async def release_session(self, session_id: str) -> None:
         """Release on every stage, tolerating stages that are down (their reaper frees it later)."""
-        await self._on_all("ReleaseSession", stage_pb2.ReleaseSessionRequest(session_id=session_id),
-                           tolerate=True)
+        await self._on_all(
+            "ReleaseSession", stage_pb2.ReleaseSessionRequest(session_id=session_id), tolerate=True
+        )
 
     async def stage_info(self) -> list[stage_pb2.GetStageInfoResponse]:
         return await self._on_all("GetStageInfo", stage_pb2.GetStageInfoRequest())
@@ -98,10 +100,16 @@ class Ring:
         for i, stub in enumerate(self._stubs):
             remaining = max(0.1, deadline - asyncio.get_running_loop().time())
             try:
-                await stub.GetStageInfo(stage_pb2.GetStageInfoRequest(), timeout=remaining, wait_for_ready=True)
+                await stub.GetStageInfo(
+                    stage_pb2.GetStageInfoRequest(), timeout=remaining, wait_for_ready=True
+                )
             except grpc.aio.AioRpcError as exc:
-                raise Unavailable(f"stage {i} at {self.addresses[i]} is not ready: {exc.code().name}") from None
-        await asyncio.wait_for(self._subscribed.wait(), max(0.1, deadline - asyncio.get_running_loop().time()))
+                raise Unavailable(
+                    f"stage {i} at {self.addresses[i]} is not ready: {exc.code().name}"
+                ) from None
+        await asyncio.wait_for(
+            self._subscribed.wait(), max(0.1, deadline - asyncio.get_running_loop().time())
+        )
 
     async def _on_all(self, method: str, request, *, tolerate: bool = False) -> list:
         async def call(i: int):
@@ -130,7 +138,9 @@ class Ring:
     async def _read_results(self) -> None:
         last = self._stubs[-1]
         while True:
-            call = last.Results(stage_pb2.ResultsRequest(subscriber_id=self._subscriber_id), wait_for_ready=True)
+            call = last.Results(
+                stage_pb2.ResultsRequest(subscriber_id=self._subscriber_id), wait_for_ready=True
+            )
             try:
                 await call.wait_for_connection()
                 self._subscribed.set()

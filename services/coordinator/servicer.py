@@ -33,8 +33,15 @@ def params_from_proto(p: coordinator_pb2.SamplingParams, default_max_tokens: int
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
-    def __init__(self, generation: Generation, prompter: Prompter, *, max_context: int, vocab_size: int,
-                 default_max_tokens: int):
+    def __init__(
+        self,
+        generation: Generation,
+        prompter: Prompter,
+        *,
+        max_context: int,
+        vocab_size: int,
+        default_max_tokens: int,
+    ):
         self._generation = generation
         self._prompter = prompter
         self._max_context = max_context
@@ -45,7 +52,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         messages = [(m.role, m.content) for m in request.messages]
         prompt_ids = self._prompter.encode(request.prompt, messages)
         params = params_from_proto(request.params, self._default_max_tokens)
-        params.validate(prompt_tokens=len(prompt_ids), max_context=self._max_context, vocab_size=self._vocab_size)
+        params.validate(
+            prompt_tokens=len(prompt_ids), max_context=self._max_context, vocab_size=self._vocab_size
+        )
         async for event in self._generation.run(prompt_ids, params):
             if isinstance(event, Chunk):
                 yield coordinator_pb2.GenerateResponse(

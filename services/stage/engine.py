@@ -14,8 +14,9 @@ from services.stage.sessions import SessionTable
 class StageEngine:
     """The stage's compute: validates a step against the shard's ports and runs it."""
 
-    def __init__(self, sessions: SessionTable, *, is_first: bool, is_last: bool, hidden_size: int,
-                 max_context: int):
+    def __init__(
+        self, sessions: SessionTable, *, is_first: bool, is_last: bool, hidden_size: int, max_context: int
+    ):
         self.sessions = sessions
         self.is_first = is_first
         self.is_last = is_last
@@ -45,7 +46,9 @@ class StageEngine:
         for start, end in step.invalidate:
             session.invalidate(start, end)
         started = time.perf_counter_ns()
-        out = session.run(x, step.positions.reshape(1, -1), return_last=step.return_last if self.is_last else 1)
+        out = session.run(
+            x, step.positions.reshape(1, -1), return_last=step.return_last if self.is_last else 1
+        )
         step.compute_micros.append((time.perf_counter_ns() - started) // 1000)
         if not self.is_last:
             return StepOutput(step=step, hidden_states=out)
@@ -60,11 +63,14 @@ class StageEngine:
         x = step.activations
         if self.is_first:
             if x.dtype != np.int64 or x.ndim != 2 or x.shape[0] != 1 or x.shape[1] == 0:
-                raise InvalidArgument(
-                    "input_ids", f"must be int64 [1, T>0], got {x.dtype} {list(x.shape)}"
-                )
-        elif x.dtype != np.float32 or x.ndim != 3 or x.shape[0] != 1 or x.shape[1] == 0 \
-                or x.shape[2] != self.hidden_size:
+                raise InvalidArgument("input_ids", f"must be int64 [1, T>0], got {x.dtype} {list(x.shape)}")
+        elif (
+            x.dtype != np.float32
+            or x.ndim != 3
+            or x.shape[0] != 1
+            or x.shape[1] == 0
+            or x.shape[2] != self.hidden_size
+        ):
             raise InvalidArgument(
                 "hidden_states",
                 f"must be float32 [1, T>0, {self.hidden_size}], got {x.dtype} {list(x.shape)}",

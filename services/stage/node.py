@@ -32,8 +32,14 @@ log = structlog.get_logger(__name__)
 
 
 class StageNode:
-    def __init__(self, engine: StageEngine, stage_index: int, *, next_hop: HopStream | None,
-                 codec: int = Codec.CODEC_NONE):
+    def __init__(
+        self,
+        engine: StageEngine,
+        stage_index: int,
+        *,
+        next_hop: HopStream | None,
+        codec: int = Codec.CODEC_NONE,
+    ):
         if engine.is_last != (next_hop is None):
             raise ValueError("exactly the final stage has no next hop")
         self.engine = engine
@@ -55,8 +61,14 @@ class StageNode:
         except Exception as exc:
             error = stage_error(self.stage_index, exc)
             log_fn = log.error if error.code == "INTERNAL" else log.warning
-            log_fn("frame_failed", session_id=frame.session_id, step_id=frame.step_id, code=error.code,
-                   message=error.message, exc_info=error.code == "INTERNAL")
+            log_fn(
+                "frame_failed",
+                session_id=frame.session_id,
+                step_id=frame.step_id,
+                code=error.code,
+                message=error.message,
+                exc_info=error.code == "INTERNAL",
+            )
             await self._pass_on_error(frame, error)
             return error
         if self.next_hop is None:

@@ -36,7 +36,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         return stage_pb2.ResetSessionResponse()
 
     async def ReleaseSession(self, request, context):
-        return stage_pb2.ReleaseSessionResponse(released=self._node.engine.sessions.release(request.session_id))
+        return stage_pb2.ReleaseSessionResponse(
+            released=self._node.engine.sessions.release(request.session_id)
+        )
 
     async def AbortSession(self, request, context):
         return stage_pb2.AbortSessionResponse(aborted=self._node.engine.sessions.release(request.session_id))

@@ -15,8 +15,11 @@ _MODES = {
     activation_pb2.RETURN_MODE_LOGITS: ReturnMode.LOGITS,
     activation_pb2.RETURN_MODE_NONE: ReturnMode.NONE,
 }
-_PB_MODES = {ReturnMode.TOP1: activation_pb2.RETURN_MODE_TOP1, ReturnMode.LOGITS: activation_pb2.RETURN_MODE_LOGITS,
-             ReturnMode.NONE: activation_pb2.RETURN_MODE_NONE}
+_PB_MODES = {
+    ReturnMode.TOP1: activation_pb2.RETURN_MODE_TOP1,
+    ReturnMode.LOGITS: activation_pb2.RETURN_MODE_LOGITS,
+    ReturnMode.NONE: activation_pb2.RETURN_MODE_NONE,
+}
 
 
 def step_from_frame(frame: activation_pb2.ActivationFrame, port: str) -> StepInput:

@@ -20,12 +20,16 @@ from services.transport.channels import open_channel
 log = structlog.get_logger(__name__)
 
 
-
 class HopStream:
     """Sends activation frames to ``address`` over one long-lived bidirectional stream."""
 
-    def __init__(self, address: str, *, on_error: Callable[[stage_pb2.ForwardResponse], None] | None = None,
-                 queue_size: int = 1024):
+    def __init__(
+        self,
+        address: str,
+        *,
+        on_error: Callable[[stage_pb2.ForwardResponse], None] | None = None,
+        queue_size: int = 1024,
+    ):
         self.address = address
         self._on_error = on_error
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=queue_size)
@@ -64,8 +68,9 @@ class HopStream:
                     if response.HasField("error") and self._on_error is not None:
                         self._on_error(response)
             except grpc.aio.AioRpcError as exc:
-                log.warning("hop_stream_broken", address=self.address, code=exc.code().name,
-                            details=exc.details())
+                log.warning(
+                    "hop_stream_broken", address=self.address, code=exc.code().name, details=exc.details()
+                )
             finally:
                 self.connected.clear()
                 call.cancel()

@@ -58,6 +58,11 @@ def test_same_seed_same_draws_and_distribution_is_followed():
     draws_a = [first.sample(logits) for _ in range(200)]
     draws_b = [second.sample(logits) for _ in range(200)]
     assert draws_a == draws_b and len(set(draws_a)) == 3
-    counts = np.bincount([Sampler(SamplingParams(temperature=1.0, seed=i)).sample(logits) for i in range(3000)],
-                         minlength=3) / 3000
+    counts = (
+        np.bincount(
+            [Sampler(SamplingParams(temperature=1.0, seed=i)).sample(logits) for i in range(3000)],
+            minlength=3,
+        )
+        / 3000
+    )
     np.testing.assert_allclose(counts, [0.6, 0.3, 0.1], atol=0.03)

@@ -31,7 +31,9 @@ def test_round_trip_is_bit_exact(array, codec):
 
 @settings(max_examples=40, deadline=None)
 @given(
-    array=hnp.arrays(np.float32, shapes, elements=st.floats(-(2.0**100), 2.0**100, width=32, allow_subnormal=False)),
+    array=hnp.arrays(
+        np.float32, shapes, elements=st.floats(-(2.0**100), 2.0**100, width=32, allow_subnormal=False)
+    ),
     codec=st.sampled_from(CODECS),
 )
 def test_bf16_round_trip_keeps_upper_half(array, codec):

@@ -1,0 +1,105 @@
+"""Prometheus metrics: served on their own port; base units (seconds, bytes); counters end in _total.
+
+Metrics live in the process-wide default registry. Create them with :func:`counter`,
+:func:`histogram` and :func:`gauge`, which return the existing collector when the name is already
+registered, so several servers (or a reloaded module) in one test process never hit
+"Duplicated timeseries" errors.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import prometheus_client
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+# Covers a fast unary call (ms) through a long prefill or a whole streamed generation (minutes).
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+_lock = threading.Lock()
+_created: dict[str, Any] = {}
+
+
+def _get_or_create(
+    kind: type, name: str, documentation: str, labelnames: Sequence[str], **kwargs: Any
+) -> Any:
+    with _lock:
+        existing = _created.get(name)
+        if existing is None:
+            try:
+                existing = kind(
+                    name, documentation, labelnames=tuple(labelnames), registry=REGISTRY, **kwargs
+                )
+            except ValueError:
+                # Registered by an earlier copy of this module (importlib.reload); reuse it.
+                existing = REGISTRY._names_to_collectors.get(name)
+                if existing is None:
+                    raise
+            _created[name] = existing
+        if not isinstance(existing, kind):
+            raise TypeError(f"metric {name!r} already exists as a {type(existing).__name__}")
+        if tuple(existing._labelnames) != tuple(labelnames):
+            raise ValueError(f"metric {name!r} already exists with labels {existing._labelnames}")
+        return existing
+
+
+def counter(name: str, documentation: str, labelnames: Sequence[str] = ()) -> Counter:
+    """A Counter; ``_total`` is appended on exposition (a trailing ``_total`` in ``name`` is dropped)."""
+    return _get_or_create(Counter, name.removesuffix("_total"), documentation, labelnames)
+
+
+def histogram(
+    name: str, documentation: str, labelnames: Sequence[str] = (), buckets: Sequence[float] = DURATION_BUCKETS
+) -> Histogram:
+    return _get_or_create(Histogram, name, documentation, labelnames, buckets=tuple(buckets))
+
+
+def gauge(name: str, documentation: str, labelnames: Sequence[str] = ()) -> Gauge:
+    return _get_or_create(Gauge, name, documentation, labelnames)
+
+
+# The RPC metrics the server interceptor records for every call (health and reflection included).
+RPC_REQUESTS = counter(
+    "pipeshard_rpc_requests",
+    "gRPC calls finished, by service, method and status code.",
+    ("service", "method", "code"),
+)
+RPC_DURATION = histogram(
+    "pipeshard_rpc_duration_seconds",
+    "Wall time of a gRPC call from handler start to its last message, in seconds.",
+    ("service", "method"),
+)
+
+
+def observe_rpc(service: str, method: str, code: str, seconds: float) -> None:
+    RPC_REQUESTS.labels(service=service, method=method, code=code).inc()
+    RPC_DURATION.labels(service=service, method=method).observe(seconds)
+
+
+class MetricsServer:
+    """A running /metrics HTTP server (a daemon thread); :meth:`close` stops it."""
+
+    def __init__(self, httpd: Any, thread: threading.Thread):
+        self._httpd = httpd
+        self._thread = thread
+
+    @property
+    def port(self) -> int:
+        return int(self._httpd.server_address[1])
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+def start_metrics_server(
+    port: int, host: str = "127.0.0.1", registry: CollectorRegistry = REGISTRY
+) -> MetricsServer | None:
+    """Serves ``/metrics`` on ``host:port`` in a background thread; ``port`` 0 means disabled (None)."""
+    if not port:
+        return None
+    httpd, thread = prometheus_client.start_http_server(port, addr=host, registry=registry)
+    return MetricsServer(httpd, thread)
