@@ -14,10 +14,18 @@ _COMMAND_MODULES = (
     "exporter.cli",
 )
 
+# Long-running services parse their own flags (typed settings, each also an environment variable).
+_SERVERS = {
+    "stage": ("services.stage.main", "serve one pipeline stage"),
+    "coordinator": ("services.coordinator.main", "serve Generate over a ring of stages"),
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipeshard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    for name, (_, text) in _SERVERS.items():
+        sub.add_parser(name, help=f"{text} (see `pipeshard {name} --help`)", add_help=False)
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
@@ -25,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     set_offline_defaults()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _SERVERS:
+        return importlib.import_module(_SERVERS[argv[0]][0]).main(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -60,6 +60,7 @@ class Generation:
         self._ring = ring
         self._tok = tokenizer
         self._eos = eos_ids
+        self._releases: set[asyncio.Task] = set()
 
     async def run(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Chunk | Summary]:
         session_id = uuid.uuid4().hex
@@ -98,7 +99,9 @@ class Generation:
                 ids = [token]
         finally:
             # Free the state on every stage even when the client went away mid-stream.
-            asyncio.ensure_future(self._ring.release_session(session_id))
+            task = asyncio.ensure_future(self._ring.release_session(session_id))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
         elapsed = time.perf_counter() - first_at
         yield Summary(
             finish_reason=finish,

@@ -75,4 +75,5 @@ class StageEngine:
                 "hidden_states",
                 f"must be float32 [1, T>0, {self.hidden_size}], got {x.dtype} {list(x.shape)}",
             )
-        return x
+        # Wire buffers are read-only; OpenVINO shares memory only with writeable arrays.
+        return np.require(x, requirements=["C", "W"])

@@ -49,6 +49,7 @@ class StageNode:
         self._codec = codec
         self._port = "input_ids" if engine.is_first else "hidden_states"
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage_index}")
+        self._reaper: asyncio.Task | None = None
 
     async def handle(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StageError | None:
         """Run one frame and pass its output on; returns this stage's error, if any."""
@@ -83,7 +84,22 @@ class StageNode:
         else:
             await self.next_hop.send(error_frame(frame, error))
 
+    def start_reaper(self, idle_timeout_s: float) -> None:
+        """Release sessions whose coordinator vanished without releasing them."""
+
+        async def reap() -> None:
+            while True:
+                await asyncio.sleep(min(30.0, max(0.5, idle_timeout_s / 4)))
+                for session_id in self.engine.sessions.reap_idle():
+                    log.info("session_reaped", session_id=session_id, idle_timeout_s=idle_timeout_s)
+
+        self._reaper = asyncio.create_task(reap(), name="session-reaper")
+
     async def close(self) -> None:
+        """Ends result subscriptions and the next-hop stream so a drain does not wait on them."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+        self.results.close()
         if self.next_hop is not None:
             await self.next_hop.close()
         self._worker.shutdown(wait=False, cancel_futures=True)

@@ -25,6 +25,11 @@ class ResultBroker:
         if self._queues.get(subscriber_id) is queue:
             del self._queues[subscriber_id]
 
+    def close(self) -> None:
+        """Ends every subscription (a None tells the stream to finish)."""
+        for queue in self._queues.values():
+            queue.put_nowait(None)
+
     def publish(self, result: activation_pb2.StepResult) -> None:
         if not self._queues:
             log.warning("result_dropped_no_subscriber", session_id=result.session_id, step_id=result.step_id)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import structlog
+
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 from services.stage.node import StageNode
+
+log = structlog.get_logger(__name__)
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
@@ -12,6 +16,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self._info = info
 
     async def Forward(self, request_iterator, context):
+        await context.send_initial_metadata(())  # lets the caller see the stream is up
         async for request in request_iterator:
             error = await self._node.handle(request.frame)
             if error is not None:
@@ -21,9 +26,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     async def Results(self, request, context):
         queue = self._node.results.subscribe(request.subscriber_id)
+        await context.send_initial_metadata(())  # lets the subscriber see it is live
         try:
-            while True:
-                yield stage_pb2.ResultsResponse(result=await queue.get())
+            while (result := await queue.get()) is not None:
+                yield stage_pb2.ResultsResponse(result=result)
         finally:
             self._node.results.unsubscribe(request.subscriber_id, queue)
 
@@ -41,6 +47,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         )
 
     async def AbortSession(self, request, context):
+        log.info("session_aborted", session_id=request.session_id, reason=request.reason)
         return stage_pb2.AbortSessionResponse(aborted=self._node.engine.sessions.release(request.session_id))
 
     async def GetStageInfo(self, request, context):

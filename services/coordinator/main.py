@@ -1,0 +1,89 @@
+"""``pipeshard coordinator``: serve Generate over a ring of stage services."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeshard.errors import InvalidArgument
+from pipeshard.grpc_server import run_server
+from pipeshard.offline import set_offline_defaults
+from pipeshard.settings import ServerSettings, load_settings, setting
+from pipeshard.v1 import coordinator_pb2_grpc
+from services.coordinator.generation import Generation
+from services.coordinator.prompting import Prompter
+from services.coordinator.ring import Ring
+from services.coordinator.servicer import CoordinatorServicer
+from services.topology import Topology
+
+
+@dataclass
+class CoordinatorSettings(ServerSettings):
+    topology: Path | None = setting(
+        None, "topology file (config/topology.yaml) giving ports, stages and shards"
+    )
+    stages: list[str] = setting(
+        default_factory=list, help="stage addresses in pipeline order (host:port,...)"
+    )
+    shards: Path | None = setting(None, "export folder: its manifest and tokenizer files are read")
+    step_timeout_s: float = setting(30.0, "a step with no result after this long fails as UNAVAILABLE")
+    ready_timeout_s: float = setting(120.0, "how long to wait at start for every stage to answer")
+    default_max_tokens: int = setting(256, "max_tokens of a request that does not set it")
+
+
+def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
+    if settings.topology is not None:
+        topo = Topology.load(settings.topology)
+        settings.stages = settings.stages or topo.stage_addresses()
+        settings.shards = settings.shards or Path(topo.shards)
+        settings.port = settings.port or topo.coordinator.port
+        settings.metrics_port = settings.metrics_port or topo.coordinator.metrics_port
+    if not settings.stages:
+        raise InvalidArgument("stages", "must list at least one stage address (or give --topology)")
+    if settings.shards is None:
+        raise InvalidArgument("shards", "is required (or give --topology)")
+    return settings
+
+
+@dataclass
+class Coordinator:
+    """Everything one coordinator process holds; built inside the running event loop."""
+
+    settings: CoordinatorSettings
+    ring: Ring = field(init=False)
+    servicer: CoordinatorServicer = field(init=False)
+
+    async def start(self) -> None:
+        manifest = json.loads((Path(self.settings.shards) / "manifest.json").read_text())
+        if manifest["num_stages"] != len(self.settings.stages):
+            raise InvalidArgument(
+                "stages",
+                f"lists {len(self.settings.stages)} addresses for a {manifest['num_stages']}-stage export",
+            )
+        prompter = Prompter.from_dir(Path(self.settings.shards))
+        self.ring = Ring(self.settings.stages, step_timeout_s=self.settings.step_timeout_s)
+        await self.ring.start()
+        await self.ring.wait_ready(self.settings.ready_timeout_s)
+        self.servicer = CoordinatorServicer(
+            Generation(self.ring, prompter.tokenizer, prompter.eos_ids),
+            prompter,
+            max_context=manifest["max_context"],
+            vocab_size=manifest["model"]["vocab_size"],
+            default_max_tokens=self.settings.default_max_tokens,
+        )
+
+    async def close(self) -> None:
+        await self.ring.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    set_offline_defaults()
+    settings = resolve(load_settings(CoordinatorSettings, argv, prog="pipeshard coordinator"))
+    coordinator = Coordinator(settings)
+
+    async def services():
+        await coordinator.start()
+        return [(coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server, coordinator.servicer)]
+
+    return run_server(settings, services, name="coordinator", shutdown_hooks=[coordinator.close])

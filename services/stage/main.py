@@ -1,0 +1,99 @@
+"""``pipeshard stage``: serve one stage of an export (``make run-stage STAGE=k``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeshard.errors import InvalidArgument
+from pipeshard.grpc_server import run_server
+from pipeshard.offline import set_offline_defaults
+from pipeshard.settings import ServerSettings, load_settings, setting
+from pipeshard.tensor_codec import Codec
+from pipeshard.v1 import stage_pb2, stage_pb2_grpc
+from services.runtime.shard import ShardRunner
+from services.stage.engine import StageEngine
+from services.stage.node import StageNode
+from services.stage.servicer import StageServicer
+from services.stage.sessions import SessionTable
+from services.topology import Topology
+from services.transport.hop import HopStream
+
+CODECS = {"none": Codec.CODEC_NONE, "zstd": Codec.CODEC_ZSTD, "byte_split_zstd": Codec.CODEC_BYTE_SPLIT_ZSTD}
+
+
+@dataclass
+class StageSettings(ServerSettings):
+    stage: int = setting(0, "index of this stage in the pipeline")
+    topology: Path | None = setting(
+        None, "topology file (config/topology.yaml) giving port, shards and next hop"
+    )
+    shards: Path | None = setting(None, "export folder holding manifest.json and the stage folders")
+    next_hop: str | None = setting(None, "address of the next stage (unset for the final stage)")
+    precision: str = setting("default", "inference precision", choices=("default", "f32"))
+    num_threads: int = setting(0, "OpenVINO inference threads (0 = the plugin's choice)")
+    max_sessions: int = setting(64, "sessions this stage holds at most")
+    idle_timeout_s: float = setting(300.0, "release a session idle this long, in seconds")
+    codec: str = setting("none", "compression of hidden states sent on", choices=tuple(CODECS))
+
+
+def resolve(settings: StageSettings) -> StageSettings:
+    """Fill what the topology file knows and the flags did not say."""
+    if settings.topology is None:
+        if settings.shards is None:
+            raise InvalidArgument("shards", "is required (or give --topology)")
+        return settings
+    topo = Topology.load(settings.topology)
+    me = topo.stage(settings.stage)
+    settings.shards = settings.shards or Path(topo.shards)
+    settings.next_hop = settings.next_hop or topo.next_hop(settings.stage)
+    settings.port = settings.port or me.port
+    settings.metrics_port = settings.metrics_port or me.metrics_port
+    settings.precision = topo.precision if settings.precision == "default" else settings.precision
+    return settings
+
+
+def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageInfoResponse]:
+    runner = ShardRunner(settings.shards, settings.stage, settings.precision, settings.num_threads or None)
+    if runner.is_last == bool(settings.next_hop):
+        raise InvalidArgument(
+            "next_hop", "must be set for every stage but the last" if not runner.is_last else "must be unset"
+        )
+    sessions = SessionTable(runner.new_session, settings.max_sessions, settings.idle_timeout_s)
+    engine = StageEngine(
+        sessions,
+        is_first=runner.is_first,
+        is_last=runner.is_last,
+        hidden_size=runner.hidden_size,
+        max_context=runner.max_context,
+    )
+    hop = HopStream(settings.next_hop) if settings.next_hop else None
+    node = StageNode(engine, settings.stage, next_hop=hop, codec=CODECS[settings.codec])
+    info = stage_pb2.GetStageInfoResponse(
+        stage_index=settings.stage,
+        num_stages=runner.num_stages,
+        layer_start=runner.entry["layer_start"],
+        layer_end=runner.entry["layer_end"],
+        model_fingerprint=runner.manifest["model"]["fingerprint"],
+        max_context=runner.max_context,
+        next_hop=settings.next_hop or "",
+    )
+    return node, info
+
+
+def main(argv: list[str] | None = None) -> int:
+    set_offline_defaults()
+    settings = resolve(load_settings(StageSettings, argv, prog="pipeshard stage"))
+    holder: dict[str, StageNode] = {}
+
+    async def services():
+        node, info = build_node(settings)
+        holder["node"] = node
+        node.start_reaper(settings.idle_timeout_s)
+        return [(stage_pb2_grpc.add_StageServiceServicer_to_server, StageServicer(node, info))]
+
+    async def shutdown():
+        if "node" in holder:
+            await holder["node"].close()
+
+    return run_server(settings, services, name=f"stage {settings.stage}", shutdown_hooks=[shutdown])
