@@ -17,7 +17,7 @@ MODEL ?= smollm2-135m-instruct
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup proto lint model export test test-fast clean
+.PHONY: setup proto lint model export test test-fast clean up down run-stage demo
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -49,6 +49,25 @@ model: proto
 ## export: export the default model into shards/<model>-<STAGES>s-<WEIGHTS>/
 export: model
 	$(VENV)/bin/pipeshard export --model $(MODEL) --stages $(STAGES) --weights $(WEIGHTS)
+
+## up: start a loopback fleet (exporter, STAGES stage processes, coordinator); prints `coordinator listening on HOST:PORT`
+up: model
+	$(VENV)/bin/pipeshard up --stages $(STAGES) --weights $(WEIGHTS) --precision $(PRECISION)
+
+## down: stop exactly the processes `make up` started
+down:
+	$(VENV)/bin/pipeshard down
+
+## run-stage: run stage STAGE in the foreground from config/topology.yaml
+run-stage: proto
+	$(VENV)/bin/pipeshard stage --topology config/topology.yaml --stage $(STAGE) --log-format console
+
+## demo: set up, fetch the model, export, start the fleet, stream one answer, stop
+demo: model
+	$(MAKE) --no-print-directory down
+	$(MAKE) --no-print-directory up
+	$(VENV)/bin/pipeshard generate --stream "What is the capital of France? Answer in one sentence." ; \
+	  status=$$?; $(MAKE) --no-print-directory down; exit $$status
 
 ## test: the whole suite, slow real-model tests included
 test: proto

@@ -12,6 +12,8 @@ from pipeshard.offline import set_offline_defaults
 _COMMAND_MODULES = (
     "pipeshard.model.cli",
     "exporter.cli",
+    "clients.cli",
+    "services.fleet_cli",
 )
 
 # Long-running services parse their own flags (typed settings, each also an environment variable).

@@ -82,7 +82,11 @@ class Ring:
 
     async def open_session(self, session_id: str) -> int:
         """Open the session on every stage; returns the smallest max_context among them."""
-        responses = await self._on_all("OpenSession", stage_pb2.OpenSessionRequest(session_id=session_id))
+        try:
+            responses = await self._on_all("OpenSession", stage_pb2.OpenSessionRequest(session_id=session_id))
+        except PipeshardError:
+            await self.release_session(session_id)  # all or nothing: no half-open session lingers
+            raise
         return min(r.max_context for r in responses)
 
     async def release_session(self, session_id: str) -> None:

@@ -1,0 +1,1 @@
+"""Clients of the coordinator: the Python library (sync and asyncio) and the `pipeshard generate` CLI."""

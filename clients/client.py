@@ -1,0 +1,149 @@
+"""Python client of CoordinatorService.Generate, sync and asyncio.
+
+with PipeshardClient("127.0.0.1:50051") as client:
+    for chunk in client.stream("What is the capital of France?"):
+        print(chunk.text, end="")
+    result = client.generate("Hello", max_tokens=16)
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+_FINISH = {
+    coordinator_pb2.FINISH_REASON_STOP: "stop",
+    coordinator_pb2.FINISH_REASON_LENGTH: "length",
+    coordinator_pb2.FINISH_REASON_CANCELLED: "cancelled",
+    coordinator_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+@dataclass
+class GenerateResult:
+    """The CLI's JSON keys (DESIGN.md Interfaces), the same as ``--local`` prints."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_ms: float = 0.0
+    tok_s: float = 0.0
+
+
+def build_request(
+    prompt: str | None = None,
+    *,
+    messages: list[dict[str, str]] | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    ignore_eos: bool = False,
+    speculative: str = "",
+    k: int = 0,
+    request_id: str = "",
+) -> coordinator_pb2.GenerateRequest:
+    """A plain prompt is sent as one user chat message unless ``messages`` is given."""
+    params = coordinator_pb2.SamplingParams(
+        stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos
+    )
+    for name, value in (
+        ("max_tokens", max_tokens),
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("top_k", top_k),
+        ("seed", seed),
+    ):
+        if value is not None:
+            setattr(params, name, value)
+    if messages is None:
+        messages = [{"role": "user", "content": prompt or ""}]
+    return coordinator_pb2.GenerateRequest(
+        messages=[coordinator_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
+        params=params,
+        speculative=speculative,
+        k=k,
+        request_id=request_id,
+    )
+
+
+def fold(result: GenerateResult, response: coordinator_pb2.GenerateResponse) -> GenerateResult:
+    """Accumulate one streamed response into ``result``."""
+    if response.HasField("chunk"):
+        result.token_ids.extend(response.chunk.token_ids)
+    else:
+        s = response.summary
+        result.text = s.text
+        result.finish_reason = _FINISH.get(s.finish_reason, "error")
+        result.prompt_tokens = s.prompt_tokens
+        result.completion_tokens = s.completion_tokens
+        result.ttft_ms = s.ttft_ms
+        result.tok_s = s.tok_s
+    return result
+
+
+class PipeshardClient:
+    def __init__(self, address: str, *, timeout_s: float | None = None):
+        self._channel = grpc.insecure_channel(address)
+        self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+        self._timeout = timeout_s
+
+    def __enter__(self) -> PipeshardClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def responses(self, prompt: str | None = None, **kwargs) -> Iterator[coordinator_pb2.GenerateResponse]:
+        yield from self._stub.Generate(build_request(prompt, **kwargs), timeout=self._timeout)
+
+    def stream(self, prompt: str | None = None, **kwargs) -> Iterator[coordinator_pb2.TokenChunk]:
+        for response in self.responses(prompt, **kwargs):
+            if response.HasField("chunk"):
+                yield response.chunk
+
+    def generate(self, prompt: str | None = None, **kwargs) -> GenerateResult:
+        result = GenerateResult()
+        for response in self.responses(prompt, **kwargs):
+            fold(result, response)
+        return result
+
+
+class AsyncPipeshardClient:
+    def __init__(self, address: str, *, timeout_s: float | None = None):
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+        self._timeout = timeout_s
+
+    async def __aenter__(self) -> AsyncPipeshardClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def responses(
+        self, prompt: str | None = None, **kwargs
+    ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        async for response in self._stub.Generate(build_request(prompt, **kwargs), timeout=self._timeout):
+            yield response
+
+    async def generate(self, prompt: str | None = None, **kwargs) -> GenerateResult:
+        result = GenerateResult()
+        async for response in self.responses(prompt, **kwargs):
+            fold(result, response)
+        return result

@@ -1,0 +1,77 @@
+"""``pipeshard up`` / ``pipeshard down``: a loopback fleet as background processes.
+
+``up`` fetches the default model and exports shards when they are missing, writes
+config/topology.yaml with the default ports, starts the stages and the coordinator, waits
+until they serve, and prints ``coordinator listening on HOST:PORT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeshard.paths import DEFAULT_MODEL, export_name, shards_dir
+from services.launcher import start_fleet, stop_recorded
+from services.topology import Topology
+
+RUN_DIR = Path("run")
+TOPOLOGY = Path("config/topology.yaml")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    up = sub.add_parser("up", help="start a loopback fleet (exports shards first if missing)")
+    up.add_argument("--stages", type=int, default=2)
+    up.add_argument("--weights", choices=("int4", "int8", "fp16", "fp32"), default="int4")
+    up.add_argument("--precision", choices=("default", "f32"), default="default")
+    up.add_argument("--model", default=DEFAULT_MODEL)
+    up.set_defaults(func=run_up)
+    down = sub.add_parser("down", help="stop the fleet that `pipeshard up` started")
+    down.set_defaults(func=run_down)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    if (RUN_DIR / "pids").exists():
+        print("a fleet is already up (run `make down` first)", file=sys.stderr)
+        return 1
+    shards = shards_dir() / export_name(args.model, args.stages, args.weights)
+    if not (shards / "manifest.json").exists():
+        cli = [sys.executable, "-m", "pipeshard.cli"]
+        subprocess.run([*cli, "model", "fetch"], check=True)
+        subprocess.run(
+            [
+                *cli,
+                "export",
+                "--model",
+                args.model,
+                "--stages",
+                str(args.stages),
+                "--weights",
+                args.weights,
+                "--out",
+                str(shards),
+            ],
+            check=True,
+        )
+    topo = Topology.loopback(str(shards), args.stages, args.precision)
+    topo.save(TOPOLOGY)
+    fleet = start_fleet(
+        shards,
+        args.stages,
+        RUN_DIR,
+        stage_ports=[s.port for s in topo.stages],
+        coordinator_port=topo.coordinator.port,
+        precision=args.precision,
+    )
+    print(f"topology written to {TOPOLOGY}; logs in {RUN_DIR}/")
+    for k, address in enumerate(fleet.stages):
+        print(f"stage {k} listening on {address}")
+    print(f"coordinator listening on {fleet.coordinator}", flush=True)
+    return 0
+
+
+def run_down(args: argparse.Namespace) -> int:
+    stopped = stop_recorded(RUN_DIR)
+    print(f"stopped {', '.join(stopped)}" if stopped else "no fleet was running")
+    return 0

@@ -1,0 +1,180 @@
+"""Start and stop a loopback fleet as plain processes (``make up`` / ``make down`` and the tests).
+
+Stages start from the last to the first, so each knows its next hop's address even when ports
+are ephemeral (port 0: each process prints ``<name> listening on HOST:PORT``, which is read
+back). Each process logs to ``<run_dir>/<name>.log`` and its pid goes to ``<run_dir>/pids``, so
+``make down`` stops exactly those processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_LISTENING = re.compile(r"listening on (\S+:\d+)")
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+    address: str
+    log: Path
+
+
+@dataclass
+class Fleet:
+    """A running set of stage processes and a coordinator."""
+
+    run_dir: Path
+    processes: list[Process] = field(default_factory=list)
+
+    @property
+    def coordinator(self) -> str:
+        return next(p.address for p in self.processes if p.name == "coordinator")
+
+    @property
+    def stages(self) -> list[str]:
+        named = sorted((p for p in self.processes if p.name.startswith("stage")), key=lambda p: p.name)
+        return [p.address for p in named]
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        for proc in reversed(self.processes):
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        for proc in self.processes:
+            try:
+                proc.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+
+
+def spawn(name: str, args: list[str], run_dir: Path, env: dict[str, str], timeout_s: float) -> Process:
+    log = run_dir / f"{name.replace(' ', '')}.log"
+    out = log.open("w")
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "pipeshard.cli", *args],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    with (run_dir / "pids").open("a") as pids:
+        pids.write(f"{popen.pid} {name}\n")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        match = _LISTENING.search(log.read_text())
+        if match:
+            return Process(name, popen, match.group(1), log)
+        if popen.poll() is not None:
+            raise RuntimeError(
+                f"{name} exited with {popen.returncode}; see {log}:\n{log.read_text()[-3000:]}"
+            )
+        time.sleep(0.1)
+    popen.kill()
+    raise RuntimeError(f"{name} did not start within {timeout_s:g} s; see {log}")
+
+
+def start_fleet(
+    shards: Path,
+    num_stages: int,
+    run_dir: Path,
+    *,
+    stage_ports: list[int] | None = None,
+    coordinator_port: int = 0,
+    precision: str = "default",
+    extra_stage_args: list[str] = (),
+    extra_coordinator_args: list[str] = (),
+    timeout_s: float = 180.0,
+    log_format: str = "json",
+) -> Fleet:
+    """Start ``num_stages`` stage processes and a coordinator on loopback; ports 0 = ephemeral."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+        "TRANSFORMERS_OFFLINE": os.environ.get("TRANSFORMERS_OFFLINE", "1"),
+    }
+    ports = stage_ports or [0] * num_stages
+    fleet = Fleet(run_dir)
+    next_hop: str | None = None
+    try:
+        for k in reversed(range(num_stages)):
+            args = [
+                "stage",
+                "--stage",
+                str(k),
+                "--shards",
+                str(shards),
+                "--port",
+                str(ports[k]),
+                "--precision",
+                precision,
+                "--log-format",
+                log_format,
+                *extra_stage_args,
+            ]
+            if next_hop:
+                args += ["--next-hop", next_hop]
+            proc = spawn(f"stage{k}", args, run_dir, env, timeout_s)
+            fleet.processes.insert(0, proc)
+            next_hop = proc.address
+        coordinator = spawn(
+            "coordinator",
+            [
+                "coordinator",
+                "--stages",
+                ",".join(fleet.stages),
+                "--shards",
+                str(shards),
+                "--port",
+                str(coordinator_port),
+                "--log-format",
+                log_format,
+                *extra_coordinator_args,
+            ],
+            run_dir,
+            env,
+            timeout_s,
+        )
+        fleet.processes.append(coordinator)
+    except BaseException:
+        fleet.stop()
+        raise
+    return fleet
+
+
+def stop_recorded(run_dir: Path, timeout_s: float = 15.0) -> list[str]:
+    """Stop the processes whose pids ``start_fleet`` recorded in ``run_dir``; returns their names."""
+    pids_file = run_dir / "pids"
+    if not pids_file.exists():
+        return []
+    stopped = []
+    entries = [line.split(" ", 1) for line in pids_file.read_text().splitlines() if line.strip()]
+    for pid, name in entries:
+        try:
+            os.kill(int(pid), signal.SIGTERM)
+            stopped.append(name)
+        except ProcessLookupError:
+            continue
+    deadline = time.monotonic() + timeout_s
+    for pid, _ in entries:
+        while time.monotonic() < deadline:
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+    pids_file.unlink()
+    return stopped

@@ -1,0 +1,98 @@
+"""Session fixtures shared by every test package."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pipeshard.offline import set_offline_defaults
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+set_offline_defaults()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The converted default model in the repository's models dir, built once (about 40 s), then reused."""
+    from pipeshard.model.fetch import ensure_default_model
+
+    models_dir = Path(os.environ.get("PIPESHARD_MODELS_DIR", REPO_ROOT / "models"))
+    return ensure_default_model(models_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm2_dir: Path):
+    """The default model in torch fp32: the reference every exactness test compares against."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+# Eight prompts of different kinds; exactness tests decode each of them.
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "List five fruits that are red.",
+    "Translate to French: The weather is nice today.",
+    "Write a short poem about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "If I have 3 apples and eat one, how many are left? Explain.",
+    "Hi! How are you today?",
+)
+
+
+@pytest.fixture(scope="session")
+def chat_prompt_ids(smollm2_dir: Path) -> list[list[int]]:
+    """PROMPTS as chat-templated token ids (one user message each)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    return [
+        list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True))
+        for p in PROMPTS
+    ]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy_128(hf_model, chat_prompt_ids) -> list[list[int]]:
+    """HF transformers greedy continuations of PROMPTS, 128 tokens each, ignoring eos."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for ids in chat_prompt_ids:
+            gen = hf_model.generate(
+                torch.tensor([ids]), do_sample=False, max_new_tokens=128, min_new_tokens=128, pad_token_id=2
+            )
+            out.append(gen[0, len(ids) :].tolist())
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_export(smollm2_dir: Path):
+    """Factory: the default model exported with (stages, weights), built once per session and cached on
+    disk under shards/.test (override with PIPESHARD_TEST_SHARDS) so local reruns skip the export."""
+    from exporter.export import export_model
+
+    root = Path(os.environ.get("PIPESHARD_TEST_SHARDS", REPO_ROOT / "shards" / ".test"))
+    built: dict[tuple[int, str], Path] = {}
+
+    def get(stages: int, weights: str) -> Path:
+        key = (stages, weights)
+        if key not in built:
+            out = root / f"smollm2-{stages}s-{weights}"
+            if not (out / "manifest.json").exists():
+                export_model(smollm2_dir, out, stages=stages, weights=weights)
+            built[key] = out
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def prompts() -> tuple[str, ...]:
+    return PROMPTS
