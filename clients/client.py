@@ -106,8 +106,9 @@ class PipeshardClient:
     def close(self) -> None:
         self._channel.close()
 
-    def responses(self, prompt: str | None = None, **kwargs) -> Iterator[coordinator_pb2.GenerateResponse]:
-        yield from self._stub.Generate(build_request(prompt, **kwargs), timeout=self._timeout)
+    def responses(self, prompt: str | None = None, **kwargs):
+        """The streaming call: iterate it for responses, ``cancel()`` it to stop the generation."""
+        return self._stub.Generate(build_request(prompt, **kwargs), timeout=self._timeout)
 
     def stream(self, prompt: str | None = None, **kwargs) -> Iterator[coordinator_pb2.TokenChunk]:
         for response in self.responses(prompt, **kwargs):
