@@ -20,6 +20,7 @@ _COMMAND_MODULES = (
 _SERVERS = {
     "stage": ("services.stage.main", "serve one pipeline stage"),
     "coordinator": ("services.coordinator.main", "serve Generate over a ring of stages"),
+    "exporter-service": ("exporter.main", "serve Export and FetchShard"),
 }
 
 

@@ -62,9 +62,11 @@ def run_up(args: argparse.Namespace) -> int:
         RUN_DIR,
         stage_ports=[s.port for s in topo.stages],
         coordinator_port=topo.coordinator.port,
+        exporter_port=topo.exporter.port,
         precision=args.precision,
     )
     print(f"topology written to {TOPOLOGY}; logs in {RUN_DIR}/")
+    print(f"exporter listening on {topo.exporter.address}")
     for k, address in enumerate(fleet.stages):
         print(f"stage {k} listening on {address}")
     print(f"coordinator listening on {fleet.coordinator}", flush=True)

@@ -45,6 +45,9 @@ class Fleet:
         named = sorted((p for p in self.processes if p.name.startswith("stage")), key=lambda p: p.name)
         return [p.address for p in named]
 
+    def process(self, name: str) -> Process:
+        return next(p for p in self.processes if p.name == name)
+
     def stop(self, timeout_s: float = 15.0) -> None:
         for proc in reversed(self.processes):
             if proc.popen.poll() is None:
@@ -93,10 +96,14 @@ def start_fleet(
     precision: str = "default",
     extra_stage_args: list[str] = (),
     extra_coordinator_args: list[str] = (),
+    exporter_port: int | None = None,
     timeout_s: float = 180.0,
     log_format: str = "json",
 ) -> Fleet:
-    """Start ``num_stages`` stage processes and a coordinator on loopback; ports 0 = ephemeral."""
+    """Start ``num_stages`` stage processes and a coordinator on loopback; ports 0 = ephemeral.
+
+    With ``exporter_port`` set, an exporter service over the shards' parent folder starts first and
+    every stage may pull its shard from it."""
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
@@ -107,6 +114,24 @@ def start_fleet(
     fleet = Fleet(run_dir)
     next_hop: str | None = None
     try:
+        if exporter_port is not None:
+            exporter = spawn(
+                "exporter",
+                [
+                    "exporter-service",
+                    "--shards-dir",
+                    str(Path(shards).parent),
+                    "--port",
+                    str(exporter_port),
+                    "--log-format",
+                    log_format,
+                ],
+                run_dir,
+                env,
+                timeout_s,
+            )
+            fleet.processes.append(exporter)
+            extra_stage_args = [*extra_stage_args, "--exporter", exporter.address]
         for k in reversed(range(num_stages)):
             args = [
                 "stage",
@@ -125,7 +150,7 @@ def start_fleet(
             if next_hop:
                 args += ["--next-hop", next_hop]
             proc = spawn(f"stage{k}", args, run_dir, env, timeout_s)
-            fleet.processes.insert(0, proc)
+            fleet.processes.insert(1 if exporter_port is not None else 0, proc)
             next_hop = proc.address
         coordinator = spawn(
             "coordinator",

@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeshard.errors import InvalidArgument
+import structlog
+
+from exporter.manifest import verify_shard
+from exporter.shard_pull import pull_shard
+from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound
 from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
 from pipeshard.settings import ServerSettings, load_settings, setting
@@ -18,6 +22,8 @@ from services.stage.servicer import StageServicer
 from services.stage.sessions import SessionTable
 from services.topology import Topology
 from services.transport.hop import HopStream
+
+log = structlog.get_logger(__name__)
 
 CODECS = {"none": Codec.CODEC_NONE, "zstd": Codec.CODEC_ZSTD, "byte_split_zstd": Codec.CODEC_BYTE_SPLIT_ZSTD}
 
@@ -35,6 +41,9 @@ class StageSettings(ServerSettings):
     max_sessions: int = setting(64, "sessions this stage holds at most")
     idle_timeout_s: float = setting(300.0, "release a session idle this long, in seconds")
     codec: str = setting("none", "compression of hidden states sent on", choices=tuple(CODECS))
+    exporter: str | None = setting(
+        None, "exporter address to pull this stage's shard from when it is missing"
+    )
 
 
 def resolve(settings: StageSettings) -> StageSettings:
@@ -47,10 +56,22 @@ def resolve(settings: StageSettings) -> StageSettings:
     me = topo.stage(settings.stage)
     settings.shards = settings.shards or Path(topo.shards)
     settings.next_hop = settings.next_hop or topo.next_hop(settings.stage)
+    settings.exporter = settings.exporter or topo.exporter.address
     settings.port = settings.port or me.port
     settings.metrics_port = settings.metrics_port or me.metrics_port
     settings.precision = topo.precision if settings.precision == "default" else settings.precision
     return settings
+
+
+def ensure_shard(settings: StageSettings) -> None:
+    """Pull the shard from the exporter when it is missing or damaged and an exporter is known."""
+    try:
+        verify_shard(settings.shards, settings.stage)
+    except (FailedPrecondition, NotFound, InvalidArgument, FileNotFoundError) as exc:
+        if not settings.exporter:
+            raise
+        log.info("pulling_shard", stage=settings.stage, exporter=settings.exporter, reason=str(exc))
+        pull_shard(settings.exporter, settings.shards, settings.stage)
 
 
 def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageInfoResponse]:
@@ -87,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     holder: dict[str, StageNode] = {}
 
     async def services():
+        ensure_shard(settings)
         node, info = build_node(settings)
         holder["node"] = node
         node.start_reaper(settings.idle_timeout_s)

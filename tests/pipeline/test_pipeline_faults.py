@@ -27,7 +27,7 @@ def test_stage_down_is_named_and_the_fleet_recovers(smollm2_export, fleet_factor
     fleet = fleet_factory(shards, 2, stage_ports=ports, extra_coordinator_args=["--step-timeout-s", "5"])
     with PipeshardClient(fleet.coordinator, timeout_s=60) as client:
         assert client.generate("Say hi.", max_tokens=4).completion_tokens == 4
-        stage1 = fleet.processes[1]
+        stage1 = fleet.process("stage1")
         stage1.popen.kill()
         stage1.popen.wait()
         started = time.monotonic()
@@ -37,7 +37,9 @@ def test_stage_down_is_named_and_the_fleet_recovers(smollm2_export, fleet_factor
         assert "stage 1" in info.value.details()
         assert time.monotonic() - started < 30
         args = ["stage", "--stage", "1", "--shards", str(shards), "--port", str(ports[1])]
-        fleet.processes[1] = spawn("stage1", args, fleet.run_dir, dict(os.environ), 120)
+        fleet.processes[fleet.processes.index(stage1)] = spawn(
+            "stage1", args, fleet.run_dir, dict(os.environ), 120
+        )
         deadline = time.monotonic() + 60
         while True:
             try:

@@ -1,0 +1,59 @@
+"""A fleet node pulls its stage's shard from the exporter, verifying every file's checksum.
+
+Files land in a temporary folder beside the target and are moved in only when every checksum
+matched, so an interrupted pull never leaves a shard that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import grpc
+
+from exporter.manifest import verify_shard
+from pipeshard.errors import FailedPrecondition, Unavailable
+from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc
+
+
+def pull_shard(address: str, export_dir: Path, stage: int, timeout_s: float = 600.0) -> Path:
+    """Fetch stage ``stage`` of export ``export_dir.name`` from the exporter at ``address``."""
+    export_dir = Path(export_dir)
+    tmp = export_dir.parent / f".{export_dir.name}.pull-{stage}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    request = exporter_pb2.FetchShardRequest(export_name=export_dir.name, stage_index=stage)
+    received: list[str] = []
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = exporter_pb2_grpc.ExporterServiceStub(channel)
+            digest, handle = None, None
+            for chunk in stub.FetchShard(request, timeout=timeout_s, wait_for_ready=True):
+                if chunk.offset == 0:
+                    target = (tmp / chunk.path).resolve()
+                    if tmp.resolve() not in target.parents:
+                        raise FailedPrecondition(f"exporter sent a path outside the shard: {chunk.path!r}")
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    handle, digest = target.open("wb"), hashlib.sha256()
+                handle.write(chunk.data)
+                digest.update(chunk.data)
+                if chunk.last_chunk:
+                    handle.close()
+                    if digest.hexdigest() != chunk.file_sha256.removeprefix("sha256:"):
+                        raise FailedPrecondition(f"{chunk.path} arrived damaged (sha256 mismatch)")
+                    received.append(chunk.path)
+    except grpc.RpcError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise Unavailable(
+            f"cannot pull stage {stage} from the exporter at {address}: {exc.details()}"
+        ) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    export_dir.mkdir(parents=True, exist_ok=True)
+    for rel in received:
+        (export_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).replace(export_dir / rel)
+    shutil.rmtree(tmp, ignore_errors=True)
+    verify_shard(export_dir, stage)
+    return export_dir

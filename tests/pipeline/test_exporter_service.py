@@ -1,0 +1,147 @@
+"""ExporterService in a real process: export over gRPC with progress, bad requests, shard pulls."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import grpc
+import pytest
+
+from exporter.manifest import verify_shard
+from exporter.shard_pull import pull_shard
+from pipeshard.errors import FailedPrecondition
+from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc, stage_pb2, stage_pb2_grpc
+from services.launcher import spawn
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def int4_export(smollm2_export):
+    return smollm2_export(2, "int4")
+
+
+@pytest.fixture(scope="module")
+def exporter(int4_export, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("exporter")
+    proc = spawn(
+        "exporter",
+        ["exporter-service", "--shards-dir", str(int4_export.parent), "--port", "0"],
+        run_dir,
+        dict(os.environ),
+        120,
+    )
+    yield proc
+    proc.popen.terminate()
+    proc.popen.wait(15)
+
+
+@pytest.fixture(scope="module")
+def stub(exporter):
+    with grpc.insecure_channel(exporter.address) as channel:
+        yield exporter_pb2_grpc.ExporterServiceStub(channel)
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "field"),
+    [
+        ({"model": "", "stages": 2}, "`model`"),
+        ({"model": "/nonexistent/model", "stages": 2}, "`model`"),
+        ({"model": "smollm2-135m-instruct", "stages": 31}, "`stages`"),
+        ({"model": "smollm2-135m-instruct", "split": [10, 10]}, "`split`"),
+        (
+            {"model": "smollm2-135m-instruct", "stages": 1, "weights": "int4", "group_size": 100},
+            "`group_size`",
+        ),
+        ({"model": "smollm2-135m-instruct", "stages": 1, "weights": "int3"}, "`weights`"),
+        ({"model": "smollm2-135m-instruct", "stages": 1, "out": "../escape"}, "`out`"),
+    ],
+)
+def test_bad_export_requests_name_the_field(stub, smollm2_dir, request_fields, field):
+    if request_fields.get("model") == "smollm2-135m-instruct":
+        request_fields = {**request_fields, "model": str(smollm2_dir)}
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Export(exporter_pb2.ExportRequest(**request_fields), timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert field in info.value.details()
+
+
+def test_export_streams_progress_then_manifest(stub, tmp_path):
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model_dir = tmp_path / "tiny-llama"
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    events = list(
+        stub.Export(
+            exporter_pb2.ExportRequest(
+                model=str(model_dir), stages=2, weights="fp32", out="tiny-service-test", force=True
+            ),
+            timeout=300,
+        )
+    )
+    phases = {(e.progress.stage_index, e.progress.phase) for e in events if e.HasField("progress")}
+    assert {(0, "convert"), (1, "convert"), (0, "save"), (1, "save")} <= phases
+    assert events[-1].HasField("done")
+    manifest = json.loads(events[-1].done.manifest_json)
+    assert manifest["num_stages"] == 2 and manifest["split"] == [2, 2]
+    shutil.rmtree(events[-1].done.out_dir)
+
+
+def test_pulled_shard_is_verified_and_served(exporter, int4_export, tmp_path):
+    target = tmp_path / int4_export.name
+    pull_shard(exporter.address, target, 1)
+    verify_shard(target, 1)
+    for rel in ("manifest.json", "stage_1/openvino_model.bin"):
+        assert (target / rel).read_bytes() == (int4_export / rel).read_bytes()
+    assert not (target / "stage_0").exists()
+    empty = tmp_path / "empty" / int4_export.name
+    stage = spawn(
+        "stage1",
+        ["stage", "--stage", "1", "--shards", str(empty), "--port", "0", "--exporter", exporter.address],
+        tmp_path,
+        dict(os.environ),
+        180,
+    )
+    try:
+        with grpc.insecure_channel(stage.address) as channel:
+            info = stage_pb2_grpc.StageServiceStub(channel).GetStageInfo(
+                stage_pb2.GetStageInfoRequest(), timeout=10
+            )
+        assert info.stage_index == 1 and info.layer_end == 30
+        verify_shard(empty, 1)
+    finally:
+        stage.popen.terminate()
+        stage.popen.wait(15)
+
+
+def test_damaged_source_file_fails_the_pull(exporter, int4_export, tmp_path_factory):
+    source = tmp_path_factory.mktemp("damaged") / int4_export.name
+    shutil.copytree(int4_export, source)
+    with (source / "stage_0" / "openvino_model.bin").open("r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01\x02\x03")
+    proc = spawn(
+        "exporter-damaged",
+        ["exporter-service", "--shards-dir", str(source.parent), "--port", "0"],
+        source.parent,
+        dict(os.environ),
+        120,
+    )
+    try:
+        with pytest.raises(FailedPrecondition, match="sha256"):
+            pull_shard(proc.address, tmp_path_factory.mktemp("dest") / int4_export.name, 0)
+    finally:
+        proc.popen.terminate()
+        proc.popen.wait(15)
