@@ -1,0 +1,1 @@
+"""Benchmarks (`make bench-NAME`): paired, interleaved runs; ratios of medians with intervals."""

@@ -1,0 +1,78 @@
+"""Paired benchmark statistics: interleaved runs, medians, and bootstrap intervals of ratios.
+
+Every configuration is run once per round, in a shuffled order, after warm-up rounds, so slow
+phases of this shared, noisy machine hit every configuration alike. A speed claim is the ratio
+of two medians with a 95% percentile-bootstrap interval (resampling rounds, which keeps pairs).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+RESULTS_DIR = Path("bench/results")
+
+
+def interleaved(configs: dict[str, Callable[[], float]], runs: int, warmup: int = 2,
+                seed: int = 0) -> dict[str, list[float]]:
+    """Call each config ``warmup + runs`` times in shuffled rounds; keep the last ``runs`` values."""
+    rng = random.Random(seed)
+    samples: dict[str, list[float]] = {name: [] for name in configs}
+    names = list(configs)
+    for round_index in range(warmup + runs):
+        rng.shuffle(names)
+        for name in names:
+            value = configs[name]()
+            if round_index >= warmup:
+                samples[name].append(value)
+        print(f"round {round_index + 1}/{warmup + runs}: "
+              + ", ".join(f"{n}={samples[n][-1]:.2f}" for n in sorted(names) if samples[n]), file=sys.stderr)
+    return samples
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": median(values), "min": float(min(values)), "max": float(max(values))}
+
+
+def ratio_ci(num: list[float], den: list[float], n_boot: int = 4000, seed: int = 1) -> tuple[float, list[float]]:
+    """Ratio of medians and its 95% bootstrap interval, resampling paired rounds."""
+    rng = random.Random(seed)
+    pairs = list(zip(num, den, strict=True))
+    boots = []
+    for _ in range(n_boot):
+        sample = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        boots.append(median([a for a, _ in sample]) / median([b for _, b in sample]))
+    boots.sort()
+    return median(num) / median(den), [boots[int(0.025 * n_boot)], boots[int(0.975 * n_boot) - 1]]
+
+
+def write_result(name: str, result: dict) -> Path:
+    """Write bench/results/NAME.json and print it as the last line of output."""
+    result = {"name": name, **result,
+              "date": datetime.now(UTC).isoformat(timespec="seconds"),
+              "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine()},
+              "command": f"make bench-{name}"}
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result), flush=True)
+    return path
+
+
+class Stopwatch:
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def ms(self) -> float:
+        return (time.perf_counter() - self.t0) * 1000.0
