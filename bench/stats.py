@@ -20,8 +20,9 @@ from pathlib import Path
 RESULTS_DIR = Path("bench/results")
 
 
-def interleaved(configs: dict[str, Callable[[], float]], runs: int, warmup: int = 2,
-                seed: int = 0) -> dict[str, list[float]]:
+def interleaved(
+    configs: dict[str, Callable[[], float]], runs: int, warmup: int = 2, seed: int = 0
+) -> dict[str, list[float]]:
     """Call each config ``warmup + runs`` times in shuffled rounds; keep the last ``runs`` values."""
     rng = random.Random(seed)
     samples: dict[str, list[float]] = {name: [] for name in configs}
@@ -32,8 +33,11 @@ def interleaved(configs: dict[str, Callable[[], float]], runs: int, warmup: int 
             value = configs[name]()
             if round_index >= warmup:
                 samples[name].append(value)
-        print(f"round {round_index + 1}/{warmup + runs}: "
-              + ", ".join(f"{n}={samples[n][-1]:.2f}" for n in sorted(names) if samples[n]), file=sys.stderr)
+        print(
+            f"round {round_index + 1}/{warmup + runs}: "
+            + ", ".join(f"{n}={samples[n][-1]:.2f}" for n in sorted(names) if samples[n]),
+            file=sys.stderr,
+        )
     return samples
 
 
@@ -45,7 +49,9 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"median": median(values), "min": float(min(values)), "max": float(max(values))}
 
 
-def ratio_ci(num: list[float], den: list[float], n_boot: int = 4000, seed: int = 1) -> tuple[float, list[float]]:
+def ratio_ci(
+    num: list[float], den: list[float], n_boot: int = 4000, seed: int = 1
+) -> tuple[float, list[float]]:
     """Ratio of medians and its 95% bootstrap interval, resampling paired rounds."""
     rng = random.Random(seed)
     pairs = list(zip(num, den, strict=True))
@@ -59,10 +65,16 @@ def ratio_ci(num: list[float], den: list[float], n_boot: int = 4000, seed: int =
 
 def write_result(name: str, result: dict) -> Path:
     """Write bench/results/NAME.json and print it as the last line of output."""
-    result = {"name": name, **result,
-              "date": datetime.now(UTC).isoformat(timespec="seconds"),
-              "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine()},
-              "command": f"make bench-{name}"}
+    result = {
+        "name": name,
+        **result,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "python": platform.python_version(),
+            "processor": platform.processor() or platform.machine(),
+        },
+        "command": f"make bench-{name}",
+    }
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(result, indent=2))

@@ -22,6 +22,7 @@ from services.stage.servicer import StageServicer
 from services.stage.sessions import SessionTable
 from services.topology import Topology
 from services.transport.hop import HopStream
+from services.transport.rawtcp import RawTcpStage
 
 log = structlog.get_logger(__name__)
 
@@ -41,9 +42,9 @@ class StageSettings(ServerSettings):
     max_sessions: int = setting(64, "sessions this stage holds at most")
     idle_timeout_s: float = setting(300.0, "release a session idle this long, in seconds")
     codec: str = setting("none", "compression of hidden states sent on", choices=tuple(CODECS))
-    exporter: str | None = setting(
-        None, "exporter address to pull this stage's shard from when it is missing"
-    )
+    exporter: str | None = setting(None, "exporter address to pull this stage's shard from when it is missing")
+    raw_tcp_port: int = setting(0, "also serve the raw-TCP transport baseline on this port (benchmarks; 0 = off)")
+    raw_tcp_next_hop: str | None = setting(None, "raw-TCP address of the next stage (benchmarks)")
 
 
 def resolve(settings: StageSettings) -> StageSettings:
@@ -105,13 +106,17 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
 def main(argv: list[str] | None = None) -> int:
     set_offline_defaults()
     settings = resolve(load_settings(StageSettings, argv, prog="pipeshard stage"))
-    holder: dict[str, StageNode] = {}
+    holder: dict = {}
 
     async def services():
         ensure_shard(settings)
         node, info = build_node(settings)
         holder["node"] = node
         node.start_reaper(settings.idle_timeout_s)
+        if settings.raw_tcp_port:
+            host, _, port = (settings.raw_tcp_next_hop or "").rpartition(":")
+            raw = RawTcpStage(node.engine, node.run_in_worker, (host, int(port)) if port else None)
+            holder["raw"] = await raw.serve(settings.host, settings.raw_tcp_port)
         return [(stage_pb2_grpc.add_StageServiceServicer_to_server, StageServicer(node, info))]
 
     async def shutdown():

@@ -58,7 +58,7 @@ class StageNode:
             return None
         try:
             step = step_from_frame(frame, self._port)
-            out = await asyncio.get_running_loop().run_in_executor(self._worker, self.engine.run, step)
+            out = await self.run_in_worker(self.engine.run, step)
         except Exception as exc:
             error = stage_error(self.stage_index, exc)
             log_fn = log.error if error.code == "INTERNAL" else log.warning
@@ -83,6 +83,10 @@ class StageNode:
             self.results.publish(error_result(frame, error))
         else:
             await self.next_hop.send(error_frame(frame, error))
+
+    async def run_in_worker(self, fn, *args):
+        """Run blocking shard work on the stage's single worker thread, in arrival order."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     def start_reaper(self, idle_timeout_s: float) -> None:
         """Release sessions whose coordinator vanished without releasing them."""
