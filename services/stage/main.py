@@ -42,8 +42,8 @@ class StageSettings(ServerSettings):
     max_sessions: int = setting(64, "sessions this stage holds at most")
     idle_timeout_s: float = setting(300.0, "release a session idle this long, in seconds")
     codec: str = setting("none", "compression of hidden states sent on", choices=tuple(CODECS))
-    exporter: str | None = setting(None, "exporter address to pull this stage's shard from when it is missing")
-    raw_tcp_port: int = setting(0, "also serve the raw-TCP transport baseline on this port (benchmarks; 0 = off)")
+    exporter: str | None = setting(None, "exporter to pull this stage's shard from when it is missing")
+    raw_tcp_port: int = setting(0, "also serve the raw-TCP baseline on this port (benchmarks; 0 = off)")
     raw_tcp_next_hop: str | None = setting(None, "raw-TCP address of the next stage (benchmarks)")
 
 
