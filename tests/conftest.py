@@ -52,23 +52,34 @@ def chat_prompt_ids(smollm2_dir: Path) -> list[list[int]]:
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     return [
-        list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True))
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+            )
+        )
         for p in PROMPTS
     ]
 
 
 @pytest.fixture(scope="session")
 def hf_greedy_128(hf_model, chat_prompt_ids) -> list[list[int]]:
-    """HF transformers greedy continuations of PROMPTS, 128 tokens each, ignoring eos."""
+    """HF transformers greedy continuations of PROMPTS, 128 tokens each, eos ignored.
+
+    A plain cached loop rather than ``generate(min_new_tokens=...)``, which would suppress the eos
+    logit and so change the argmax wherever the model wants to end its turn."""
     import torch
 
     out = []
     with torch.no_grad():
         for ids in chat_prompt_ids:
-            gen = hf_model.generate(
-                torch.tensor([ids]), do_sample=False, max_new_tokens=128, min_new_tokens=128, pad_token_id=2
-            )
-            out.append(gen[0, len(ids) :].tolist())
+            step = hf_model(torch.tensor([ids]), use_cache=True)
+            tokens = [int(step.logits[0, -1].argmax())]
+            while len(tokens) < 128:
+                step = hf_model(
+                    torch.tensor([[tokens[-1]]]), past_key_values=step.past_key_values, use_cache=True
+                )
+                tokens.append(int(step.logits[0, -1].argmax()))
+            out.append(tokens)
     return out
 
 
