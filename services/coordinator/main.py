@@ -12,9 +12,12 @@ from pipeshard.offline import set_offline_defaults
 from pipeshard.settings import ServerSettings, load_settings, setting
 from pipeshard.v1 import coordinator_pb2_grpc
 from services.coordinator.generation import Generation
+from services.coordinator.local_stage import LocalEntry, LocalStageStub
 from services.coordinator.prompting import Prompter
 from services.coordinator.ring import Ring
 from services.coordinator.servicer import CoordinatorServicer
+from services.stage.main import StageSettings, build_node
+from services.stage.servicer import StageServicer
 from services.topology import Topology
 
 
@@ -30,6 +33,8 @@ class CoordinatorSettings(ServerSettings):
     step_timeout_s: float = setting(30.0, "a step with no result after this long fails as UNAVAILABLE")
     ready_timeout_s: float = setting(120.0, "how long to wait at start for every stage to answer")
     default_max_tokens: int = setting(256, "max_tokens of a request that does not set it")
+    host_stage0: bool = setting(False, "run stage 0 in this process; --stages then lists stages 1..N-1")
+    precision: str = setting("default", "inference precision of a hosted stage 0", choices=("default", "f32"))
 
 
 def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
@@ -56,13 +61,19 @@ class Coordinator:
 
     async def start(self) -> None:
         manifest = json.loads((Path(self.settings.shards) / "manifest.json").read_text())
-        if manifest["num_stages"] != len(self.settings.stages):
+        remote = manifest["num_stages"] - (1 if self.settings.host_stage0 else 0)
+        if remote != len(self.settings.stages):
             raise InvalidArgument(
                 "stages",
-                f"lists {len(self.settings.stages)} addresses for a {manifest['num_stages']}-stage export",
+                f"lists {len(self.settings.stages)} addresses; this {manifest['num_stages']}-stage export "
+                f"needs {remote} remote stages"
+                + (" (stage 0 hosted here)" if self.settings.host_stage0 else ""),
             )
         prompter = Prompter.from_dir(Path(self.settings.shards))
-        self.ring = Ring(self.settings.stages, step_timeout_s=self.settings.step_timeout_s)
+        local = self._local_stage0() if self.settings.host_stage0 else None
+        self.ring = Ring(
+            self.settings.stages, step_timeout_s=self.settings.step_timeout_s, local_stage0=local
+        )
         await self.ring.start()
         await self.ring.wait_ready(self.settings.ready_timeout_s)
         self.servicer = CoordinatorServicer(
@@ -72,6 +83,16 @@ class Coordinator:
             vocab_size=manifest["model"]["vocab_size"],
             default_max_tokens=self.settings.default_max_tokens,
         )
+
+    def _local_stage0(self) -> tuple[LocalEntry, LocalStageStub]:
+        stage = StageSettings(
+            stage=0,
+            shards=self.settings.shards,
+            next_hop=self.settings.stages[0],
+            precision=self.settings.precision,
+        )
+        node, info = build_node(stage)
+        return LocalEntry(node), LocalStageStub(StageServicer(node, info))
 
     async def close(self) -> None:
         await self.ring.close()

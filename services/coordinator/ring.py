@@ -16,6 +16,7 @@ import structlog
 
 from pipeshard.errors import DeadlineExceeded, PipeshardError, Unavailable
 from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc
+from services.coordinator.local_stage import LocalEntry, LocalStageStub
 from services.transport.channels import open_channel
 from services.transport.hop import HopStream
 
@@ -33,16 +34,28 @@ class StageFailed(PipeshardError):
 
 class Ring:
     def __init__(
-        self, stage_addresses: list[str], *, step_timeout_s: float = 30.0, control_timeout_s: float = 5.0
+        self,
+        stage_addresses: list[str],
+        *,
+        step_timeout_s: float = 30.0,
+        control_timeout_s: float = 5.0,
+        local_stage0: tuple[LocalEntry, LocalStageStub] | None = None,
     ):
+        """``stage_addresses`` lists every remote stage in order; with ``local_stage0`` they are
+        stages 1..N-1 and stage 0 runs in this process."""
         if not stage_addresses:
-            raise ValueError("a ring needs at least one stage")
-        self.addresses = stage_addresses
+            raise ValueError("a ring needs at least one remote stage")
         self.step_timeout_s = step_timeout_s
         self.control_timeout_s = control_timeout_s
         self._channels = [open_channel(a) for a in stage_addresses]
         self._stubs = [stage_pb2_grpc.StageServiceStub(c) for c in self._channels]
-        self._entry = HopStream(stage_addresses[0], on_error=self._on_entry_error)
+        if local_stage0 is None:
+            self.addresses = list(stage_addresses)
+            self._entry = HopStream(stage_addresses[0], on_error=self._on_entry_error)
+        else:
+            self.addresses = ["in-process", *stage_addresses]
+            self._entry, stub0 = local_stage0
+            self._stubs.insert(0, stub0)
         self._pending: dict[tuple[str, int], asyncio.Future] = {}
         self._subscriber_id = f"coordinator-{uuid.uuid4().hex[:8]}"
         self._results_task: asyncio.Task | None = None

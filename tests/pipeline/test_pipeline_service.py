@@ -200,3 +200,37 @@ def test_cli_json_has_the_same_keys_and_tokens_in_both_modes(fleet, shards):
     keys = {"text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "ttft_ms", "tok_s"}
     assert keys <= remote.keys() and keys <= local.keys()
     assert remote["token_ids"] == local["token_ids"] and remote["text"] == local["text"]
+
+
+def test_coordinator_hosting_stage0_decodes_like_the_chain(shards, chat_prompt_ids, prompts, tmp_path):
+    import os
+
+    from services.launcher import spawn
+    from services.runtime.chain import LocalChain
+
+    chain = LocalChain(shards)
+    want = [chain.generate_greedy(ids, 32, ignore_eos=True).token_ids for ids in chat_prompt_ids[:2]]
+    del chain
+    env = dict(os.environ)
+    stage1 = spawn(
+        "stage1", ["stage", "--stage", "1", "--shards", str(shards), "--port", "0"], tmp_path, env, 120
+    )
+    coordinator = spawn(
+        "coordinator",
+        ["coordinator", "--host-stage0", "--stages", stage1.address, "--shards", str(shards), "--port", "0"],
+        tmp_path,
+        env,
+        120,
+    )
+    try:
+        with PipeshardClient(coordinator.address, timeout_s=120) as c:
+            got = [c.generate(p, max_tokens=32, ignore_eos=True).token_ids for p in prompts[:2]]
+        assert got == want
+        deadline = time.monotonic() + 30
+        while _live_sessions(stage1.address) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _live_sessions(stage1.address) == 0
+    finally:
+        for proc in (coordinator, stage1):
+            proc.popen.terminate()
+            proc.popen.wait(15)

@@ -1,0 +1,42 @@
+"""Stage 0 hosted inside the coordinator process (``--host-stage0``): one network hop fewer.
+
+The ring talks to it through the same two surfaces it uses for a remote stage: ``send`` for
+frames (run on the stage's worker thread, output forwarded to stage 1 over its hop stream) and
+a stub-like object whose control methods call the stage servicer directly.
+"""
+
+from __future__ import annotations
+
+from services.stage.node import StageNode
+from services.stage.servicer import StageServicer
+
+
+class LocalEntry:
+    """Stands where the HopStream to stage 0 would be."""
+
+    def __init__(self, node: StageNode):
+        self.node = node
+
+    def start(self) -> None:
+        """Nothing to dial."""
+
+    async def send(self, frame) -> None:
+        await self.node.handle(frame)  # failures travel the ring as error frames
+
+    async def close(self) -> None:
+        await self.node.close()
+
+
+class LocalStageStub:
+    """Answers the unary control calls of StageService in-process (same protos, no network)."""
+
+    def __init__(self, servicer: StageServicer):
+        self._servicer = servicer
+
+    def __getattr__(self, method: str):
+        handler = getattr(self._servicer, method)
+
+        async def call(request, timeout=None, wait_for_ready=None):
+            return await handler(request, None)
+
+        return call
