@@ -86,6 +86,7 @@ def _local(args: argparse.Namespace, stream: bool) -> GenerateResult:
         raise SystemExit("pipeshard generate: --local decodes greedily; use a coordinator to sample")
     prompter = Prompter.from_dir(args.local)
     chain = LocalChain(args.local, precision=args.precision)
+    chain.warmup()  # the first inference prepares kernels (0.5-2 s); keep it out of ttft
     detok = IncrementalDetokenizer(prompter.tokenizer)
     eos = prompter.eos_ids
 

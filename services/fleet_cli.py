@@ -63,6 +63,7 @@ def run_up(args: argparse.Namespace) -> int:
         stage_ports=[s.port for s in topo.stages],
         coordinator_port=topo.coordinator.port,
         exporter_port=topo.exporter.port,
+        detach=True,
         precision=args.precision,
     )
     print(f"topology written to {TOPOLOGY}; logs in {RUN_DIR}/")

@@ -8,6 +8,7 @@ back). Each process logs to ``<run_dir>/<name>.log`` and its pid goes to ``<run_
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
@@ -60,7 +61,22 @@ class Fleet:
                 proc.popen.wait()
 
 
-def spawn(name: str, args: list[str], run_dir: Path, env: dict[str, str], timeout_s: float) -> Process:
+_OWNED: list[subprocess.Popen] = []
+
+
+@atexit.register
+def _stop_owned() -> None:
+    """A crashed test or benchmark must not leave stage processes behind."""
+    for popen in _OWNED:
+        if popen.poll() is None:
+            popen.kill()
+
+
+def spawn(
+    name: str, args: list[str], run_dir: Path, env: dict[str, str], timeout_s: float, *, detach: bool = False
+) -> Process:
+    """Start ``pipeshard ARGS`` and wait for its ``listening on`` line. Unless ``detach`` (``make up``),
+    the process is killed when this interpreter exits, however it exits."""
     log = run_dir / f"{name.replace(' ', '')}.log"
     out = log.open("w")
     popen = subprocess.Popen(
@@ -70,6 +86,8 @@ def spawn(name: str, args: list[str], run_dir: Path, env: dict[str, str], timeou
         env=env,
         start_new_session=True,
     )
+    if not detach:
+        _OWNED.append(popen)
     with (run_dir / "pids").open("a") as pids:
         pids.write(f"{popen.pid} {name}\n")
     deadline = time.monotonic() + timeout_s
@@ -97,6 +115,7 @@ def start_fleet(
     extra_stage_args: list[str] = (),
     extra_coordinator_args: list[str] = (),
     exporter_port: int | None = None,
+    detach: bool = False,
     timeout_s: float = 180.0,
     log_format: str = "json",
 ) -> Fleet:
@@ -129,6 +148,7 @@ def start_fleet(
                 run_dir,
                 env,
                 timeout_s,
+                detach=detach,
             )
             fleet.processes.append(exporter)
             extra_stage_args = [*extra_stage_args, "--exporter", exporter.address]
@@ -149,7 +169,7 @@ def start_fleet(
             ]
             if next_hop:
                 args += ["--next-hop", next_hop]
-            proc = spawn(f"stage{k}", args, run_dir, env, timeout_s)
+            proc = spawn(f"stage{k}", args, run_dir, env, timeout_s, detach=detach)
             fleet.processes.insert(1 if exporter_port is not None else 0, proc)
             next_hop = proc.address
         coordinator = spawn(
@@ -169,6 +189,7 @@ def start_fleet(
             run_dir,
             env,
             timeout_s,
+            detach=detach,
         )
         fleet.processes.append(coordinator)
     except BaseException:

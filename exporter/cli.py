@@ -1,0 +1,167 @@
+"""``pipeshard export``: a Hugging Face model folder -> N per-stage OpenVINO shards + manifest.
+
+Every flag can also be set by an environment variable ``PIPESHARD_EXPORT_<FLAG>`` (for example
+``PIPESHARD_EXPORT_WEIGHTS=int8``); a flag on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from pipeshard import paths
+from pipeshard.errors import InvalidArgument, PipeshardError
+
+ENV_PREFIX = "PIPESHARD_EXPORT_"
+
+
+def _env(name: str, default=None):
+    return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
+
+
+def _env_flag(name: str) -> bool:
+    return str(_env(name, "")).lower() in ("1", "true", "yes", "on")
+
+
+def _int_or_none(value):
+    return None if value in (None, "") else int(value)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "export",
+        help="export a model into per-stage OpenVINO shards",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default=_env("model", paths.DEFAULT_MODEL),
+        help="a Hugging Face model folder, or a name under the models dir (default %(default)s)",
+    )
+    split = p.add_mutually_exclusive_group()
+    split.add_argument(
+        "--stages", type=int, default=_int_or_none(_env("stages")), help="number of stages (even split)"
+    )
+    split.add_argument(
+        "--split", default=_env("split"), help="layers per stage, comma-separated, e.g. 10,10,10"
+    )
+    p.add_argument("--weights", default=_env("weights", "int4"), choices=("int4", "int8", "fp16", "fp32"))
+    p.add_argument(
+        "--group-size",
+        default=_env("group_size", "auto"),
+        help="int4 group size: auto (largest of 128/64/32 dividing every input dim) or a number",
+    )
+    p.add_argument(
+        "--head-precision",
+        default=_env("head_precision", "int8"),
+        choices=("int8", "int4", "fp16", "fp32"),
+        help="embedding and LM head precision with int4/int8 weights (default int8, as optimum-intel)",
+    )
+    p.add_argument(
+        "--int8-sym",
+        action="store_true",
+        default=_env_flag("int8_sym"),
+        help="INT8 symmetric instead of asymmetric (int8 weights, and int8 embeddings/LM head)",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=_int_or_none(_env("max_context")),
+        help="longest sequence the shards serve (default min(max_position_embeddings, 4096))",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=_env("out"),
+        help="output folder (default SHARDS_DIR/<model>-<N>s-<weights>)",
+    )
+    p.add_argument(
+        "--no-beam-idx",
+        action="store_true",
+        default=_env_flag("no_beam_idx"),
+        help="do not add the beam_idx Gather in front of the KV state (benchmark config B0)",
+    )
+    p.add_argument(
+        "--force", action="store_true", default=_env_flag("force"), help="replace an existing export"
+    )
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        default=_env_flag("in_process"),
+        help="export stages in this process (no per-stage subprocess; peak RSS is then the process's)",
+    )
+    p.add_argument(
+        "--no-ov-tokenizer",
+        action="store_true",
+        default=_env_flag("no_ov_tokenizer"),
+        help="do not convert an openvino-tokenizers tokenizer/detokenizer pair",
+    )
+    p.set_defaults(func=run_export)
+
+
+def resolve_model(spec: str) -> Path:
+    from pipeshard.model.fetch import resolve_model_source
+
+    return resolve_model_source(spec)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from exporter.export import export_model, resolve_split
+    from exporter.families import load_config, resolve_spec
+    from exporter.progress import ProgressPrinter
+
+    try:
+        if args.stages is None and args.split is None:
+            raise InvalidArgument("stages", "is required (or give --split)")
+        model_dir = resolve_model(args.model)
+        spec = resolve_spec(load_config(model_dir))
+        layers = resolve_split(spec.num_layers, args.stages, args.split)
+        group = args.group_size if args.group_size in (None, "auto") else _parse_group(args.group_size)
+        out = args.out or paths.shards_dir() / paths.export_name(model_dir.name, len(layers), args.weights)
+        printer = ProgressPrinter()
+        try:
+            result = export_model(
+                model_dir,
+                out,
+                split=layers,
+                weights=args.weights,
+                group_size=group,
+                head_precision=args.head_precision,
+                int8_sym=args.int8_sym,
+                max_context=args.max_context,
+                beam_idx=not args.no_beam_idx,
+                force=args.force,
+                model_name=model_dir.name,
+                progress=printer,
+                isolate=not args.in_process,
+                convert_tokenizer=not args.no_ov_tokenizer,
+            )
+        finally:
+            printer.close()
+    except PipeshardError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, InvalidArgument) else 1
+    m = result.manifest
+    for stage in m["stages"]:
+        e = stage["export"]
+        print(
+            f"stage {stage['index']}: layers {stage['layer_start']}..{stage['layer_end'] - 1}, "
+            f"{e['seconds']:.1f} s, peak RSS {e['peak_rss_bytes'] / 2**20:.0f} MiB ({e['rss_scope']})"
+        )
+    w = m["weights"]
+    print(
+        f"exported {m['model']['name']} to {result.path}: {m['num_stages']} stages, {w['format']}"
+        + (f" (group {w['group_size']})" if w.get("group_size") else "")
+        + f", max_context {m['max_context']}, {result.seconds:.1f} s"
+    )
+    return 0
+
+
+def _parse_group(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidArgument("group_size", f"must be 'auto' or a positive integer, got {value!r}") from None

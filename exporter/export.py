@@ -1,0 +1,484 @@
+"""Export orchestration: validate the request, export every stage, write tokenizer files and manifest.
+
+Each stage runs load -> trace -> convert (stateful + beam_idx) -> compress -> save, by default in
+its own spawned process: the peak RSS of that process is the stage's export footprint (recorded
+in the manifest) and all of its memory is returned when it exits. Everything is written into a
+hidden sibling folder ``.<name>.partial-<pid>`` that is renamed to the target only at the end,
+so an interrupted export never looks complete (and never has a manifest at the target path).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import resource
+import shutil
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from exporter import EXPORTER_VERSION
+from exporter.compress import CompressionPlan, make_plan
+from exporter.families import ModelSpec, load_config, resolve_spec
+from exporter.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    export_id,
+    file_records,
+    model_fingerprint,
+    write_manifest,
+)
+from exporter.weights import weight_files
+from pipeshard import errors
+from pipeshard.errors import FailedPrecondition, InvalidArgument
+
+MODEL_XML = "openvino_model.xml"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "config.json",
+)
+PHASES = ("load", "trace", "convert", "compress", "save")
+
+
+@dataclass(frozen=True)
+class ProgressEvent:
+    """One progress report: ``stage`` is None for export-wide phases (tokenizer, manifest, done)."""
+
+    stage: int | None
+    phase: str
+    fraction: float
+    message: str = ""
+
+
+ProgressFn = Callable[[ProgressEvent], object]
+
+
+@dataclass(frozen=True)
+class StageJob:
+    """Everything a (possibly separate) process needs to export one stage."""
+
+    model_dir: str
+    config: dict
+    index: int
+    layer_start: int
+    layer_end: int
+    out_dir: str
+    plan: CompressionPlan
+    beam_idx: bool
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    manifest: dict[str, Any]
+    seconds: float
+    stage_seconds: list[float] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def default_split(num_layers: int, stages: int) -> list[int]:
+    """Layers per stage as even as possible; the remainder goes to the earlier stages (the last
+    stage also carries the final norm and the LM head)."""
+    base, extra = divmod(num_layers, stages)
+    return [base + (1 if i < extra else 0) for i in range(stages)]
+
+
+def resolve_split(num_layers: int, stages: int | None, split: Sequence[int] | str | None) -> list[int]:
+    """Validate ``stages`` / ``split`` against the model; return the layers per stage."""
+    if isinstance(split, str):
+        try:
+            split = [int(p) for p in split.split(",") if p.strip()]
+        except ValueError:
+            raise InvalidArgument("split", f"must be comma-separated layer counts, got {split!r}") from None
+    if split is not None:
+        split = list(split)
+        if not split:
+            raise InvalidArgument("split", "must list at least one stage")
+        if any((not isinstance(n, int)) or n < 1 for n in split):
+            raise InvalidArgument("split", f"every stage needs at least one layer, got {split}")
+        if sum(split) != num_layers:
+            raise InvalidArgument(
+                "split", f"{split} sums to {sum(split)}, but the model has {num_layers} layers"
+            )
+        if stages is not None and stages != len(split):
+            raise InvalidArgument("stages", f"is {stages} but `split` lists {len(split)} stages")
+        return split
+    if stages is None:
+        raise InvalidArgument("stages", "is required (or give `split`)")
+    if not isinstance(stages, int) or stages < 1:
+        raise InvalidArgument("stages", f"must be a positive integer, got {stages!r}")
+    if stages > num_layers:
+        raise InvalidArgument("stages", f"is {stages}, more than the model's {num_layers} layers")
+    return default_split(num_layers, stages)
+
+
+def resolve_max_context(spec: ModelSpec, max_context: int | None) -> int:
+    limit = spec.max_positions
+    if max_context is None:
+        value = min(limit, 4096)
+    else:
+        if not isinstance(max_context, int) or max_context < 1:
+            raise InvalidArgument("max_context", f"must be a positive integer, got {max_context!r}")
+        if max_context > limit:
+            raise InvalidArgument("max_context", f"is {max_context}, above the model's {limit} positions")
+        value = max_context
+    if spec.sliding_window:
+        value = min(value, spec.sliding_window)  # within the window sliding attention is full attention
+    return value
+
+
+# ----------------------------------------------------------------------------- one stage
+
+
+def _port_records(ports) -> list[dict[str, Any]]:
+    out = []
+    for port in ports:
+        shape = [d.get_length() if d.is_static else -1 for d in port.get_partial_shape()]
+        out.append(
+            {"name": port.get_any_name(), "shape": shape, "dtype": port.get_element_type().get_type_name()}
+        )
+    return out
+
+
+def export_stage(job: StageJob, progress: ProgressFn) -> dict[str, Any]:
+    """load -> trace -> convert -> compress -> save for one stage; returns its manifest entry."""
+    import openvino as ov
+
+    from exporter.compress import compress_stage
+    from exporter.convert import (
+        add_beam_idx,
+        kv_reorder_report,
+        make_stateful,
+        state_variable_ids,
+        trace_stage,
+    )
+    from exporter.stage_module import build_stage_module
+    from exporter.weights import load_stage_weights
+
+    t0 = time.perf_counter()
+    i = job.index
+    spec = resolve_spec(job.config)
+
+    def phase(name: str, fraction: float, message: str = "") -> None:
+        progress(ProgressEvent(i, name, fraction, message))
+
+    phase("load", 0.0, f"layers {job.layer_start}..{job.layer_end - 1}")
+    weights = load_stage_weights(Path(job.model_dir), spec, job.layer_start, job.layer_end)
+    module = build_stage_module(spec, job.layer_start, job.layer_end, weights)
+    del weights
+    phase("load", 1.0, f"{sum(p.numel() for p in module.parameters()) / 1e6:.1f} M parameters")
+
+    phase("trace", 0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript tracer warnings about shape-dependent arange
+        model = trace_stage(module)
+    del module
+    phase("trace", 1.0)
+
+    phase("convert", 0.0, "stateful KV" + (" + beam_idx" if job.beam_idx else ""))
+    past = [p.get_any_name() for p in model.inputs if p.get_any_name().startswith("past_key_values.")]
+    present = [p.get_any_name() for p in model.outputs if p.get_any_name().startswith("present.")]
+    if job.beam_idx:
+        add_beam_idx(model, past)
+    make_stateful(model, dict(zip(past, present, strict=True)))
+    phase("convert", 1.0)
+
+    phase("compress", 0.0, job.plan.weights)
+    model = compress_stage(model, job.plan)
+    phase("compress", 1.0)
+
+    phase("save", 0.0)
+    folder = Path(job.out_dir) / f"stage_{i}"
+    folder.mkdir(parents=True, exist_ok=True)
+    ov.save_model(model, folder / MODEL_XML, compress_to_fp16=job.plan.save_fp16)
+    phase("save", 1.0, str(folder))
+    variables = state_variable_ids(model)
+    return {
+        "index": i,
+        "layer_start": job.layer_start,
+        "layer_end": job.layer_end,
+        "folder": f"stage_{i}",
+        "model": f"stage_{i}/{MODEL_XML}",
+        "inputs": _port_records(model.inputs),
+        "outputs": _port_records(model.outputs),
+        "state_variables": variables,
+        "kv_reorder": kv_reorder_report(model),
+        "export": {"seconds": round(time.perf_counter() - t0, 3)},
+    }
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _stage_worker(job: StageJob, events: Any) -> None:
+    """Entry point of a spawned stage process: progress and the result go back over ``events``."""
+    try:
+        from pipeshard.offline import set_offline_defaults
+
+        set_offline_defaults()
+        entry = export_stage(job, lambda ev: events.put(("progress", asdict(ev))))
+        entry["export"].update(peak_rss_bytes=_peak_rss_bytes(), rss_scope="subprocess")
+        events.put(("result", entry))
+    except BaseException as exc:  # report everything; the parent re-raises it
+        events.put(
+            (
+                "error",
+                {
+                    "type": type(exc).__name__,
+                    "field": getattr(exc, "field", None),
+                    "message": str(exc),
+                    "traceback": traceback.format_exc(),
+                },
+            )
+        )
+
+
+def _raise_remote(info: dict[str, Any], stage: int) -> None:
+    if info["type"] == "InvalidArgument" and info.get("field"):
+        prefix = f"`{info['field']}` "
+        message = info["message"][len(prefix) :] if info["message"].startswith(prefix) else info["message"]
+        raise InvalidArgument(info["field"], message)
+    cls = getattr(errors, info["type"], None)
+    if isinstance(cls, type) and issubclass(cls, errors.PipeshardError) and cls is not InvalidArgument:
+        raise cls(info["message"])
+    raise errors.Internal(
+        f"stage {stage} export failed: {info['type']}: {info['message']}\n{info['traceback']}"
+    )
+
+
+def run_stage_isolated(job: StageJob, progress: ProgressFn, timeout: float | None = None) -> dict[str, Any]:
+    """Export one stage in a spawned process; returns its manifest entry with its peak RSS."""
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    proc = ctx.Process(target=_stage_worker, args=(job, events), name=f"pipeshard-export-stage-{job.index}")
+    proc.start()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                kind, payload = events.get(timeout=0.5)
+            except queue_mod.Empty:
+                if not proc.is_alive():
+                    raise errors.Internal(
+                        f"stage {job.index} export process exited with code {proc.exitcode} without a result"
+                    ) from None
+                if deadline is not None and time.monotonic() > deadline:
+                    raise errors.DeadlineExceeded(
+                        f"stage {job.index} export took longer than {timeout} s"
+                    ) from None
+                continue
+            if kind == "progress":
+                progress(ProgressEvent(**payload))
+            elif kind == "result":
+                return payload
+            else:
+                _raise_remote(payload, job.index)
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join()
+        events.close()
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def _eos_ids(model_dir: Path, config: dict[str, Any]) -> list[int]:
+    ids: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        add(json.loads(gen.read_text()).get("eos_token_id"))
+    else:
+        add(config.get("eos_token_id"))
+    return sorted(ids)
+
+
+def copy_tokenizer(
+    model_dir: Path, out: Path, progress: ProgressFn, convert_ov: bool = True
+) -> dict[str, Any]:
+    """Copy tokenizer files and chat template; convert an openvino-tokenizers pair when possible."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        src = model_dir / name
+        if src.is_file():
+            shutil.copy2(src, out / name)
+            copied.append(name)
+    info: dict[str, Any] = {
+        "files": copied,
+        "chat_template": False,
+        "openvino_tokenizer": None,
+        "openvino_detokenizer": None,
+    }
+    cfg = out / "tokenizer_config.json"
+    if (out / "chat_template.jinja").is_file() or (
+        cfg.is_file() and json.loads(cfg.read_text()).get("chat_template")
+    ):
+        info["chat_template"] = True
+    has_tokenizer = any(n in copied for n in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+    if not has_tokenizer:
+        info["error"] = "the model folder has no tokenizer files"
+        return info
+    if not convert_ov:
+        return info
+    progress(ProgressEvent(None, "tokenizer", 0.0, "openvino-tokenizers"))
+    try:
+        import openvino as ov
+        from openvino_tokenizers import convert_tokenizer
+        from transformers import AutoTokenizer
+
+        hf_tok = AutoTokenizer.from_pretrained(out)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tok, detok = convert_tokenizer(hf_tok, with_detokenizer=True)
+        ov.save_model(tok, out / "openvino_tokenizer.xml")
+        ov.save_model(detok, out / "openvino_detokenizer.xml")
+        info["openvino_tokenizer"] = "openvino_tokenizer.xml"
+        info["openvino_detokenizer"] = "openvino_detokenizer.xml"
+        progress(ProgressEvent(None, "tokenizer", 1.0, "converted"))
+    except Exception as exc:  # a tokenizer openvino-tokenizers cannot convert is not fatal
+        for name in ("openvino_tokenizer", "openvino_detokenizer"):
+            for ext in (".xml", ".bin"):
+                (out / f"{name}{ext}").unlink(missing_ok=True)
+        info["error"] = f"openvino-tokenizers conversion failed: {type(exc).__name__}: {exc}"
+        progress(ProgressEvent(None, "tokenizer", 1.0, info["error"]))
+    return info
+
+
+# ----------------------------------------------------------------------------- the export
+
+
+def _default_progress(event: ProgressEvent) -> None:
+    where = "export" if event.stage is None else f"stage {event.stage}"
+    print(
+        f"[{where}] {event.phase} {event.fraction:.0%} {event.message}".rstrip(), file=sys.stderr, flush=True
+    )
+
+
+def export_model(
+    model_dir: Path | str,
+    out_dir: Path | str,
+    *,
+    stages: int | None = None,
+    split: Sequence[int] | str | None = None,
+    weights: str = "int4",
+    group_size: int | str | None = "auto",
+    head_precision: str = "int8",
+    int8_sym: bool = False,
+    max_context: int | None = None,
+    beam_idx: bool = True,
+    force: bool = False,
+    model_name: str | None = None,
+    progress: ProgressFn | None = None,
+    isolate: bool = True,
+    convert_tokenizer: bool = True,
+) -> ExportResult:
+    """Export ``model_dir`` (a Hugging Face folder with safetensors) into N stage shards at ``out_dir``.
+
+    ``isolate`` runs each stage in a spawned process (peak RSS per stage, memory freed between
+    stages); tests of tiny models turn it off to save the process start-up.
+    """
+    t0 = time.perf_counter()
+    progress = progress or _default_progress
+    model_dir = Path(model_dir)
+    out_dir = Path(out_dir)
+    config = load_config(model_dir)
+    spec = resolve_spec(config)
+    layers = resolve_split(spec.num_layers, stages, split)
+    plan = make_plan(spec, weights, group_size, head_precision, int8_sym)
+    context = resolve_max_context(spec, max_context)
+    if out_dir.exists() and not force:
+        raise FailedPrecondition(f"{out_dir} already exists; pass --force (force=True) to replace it")
+    wfiles = weight_files(model_dir)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        stage_entries = []
+        start = 0
+        for index, count in enumerate(layers):
+            job = StageJob(str(model_dir), config, index, start, start + count, str(tmp), plan, beam_idx)
+            if isolate:
+                entry = run_stage_isolated(job, progress)
+            else:
+                entry = export_stage(job, progress)
+                entry["export"].update(peak_rss_bytes=_peak_rss_bytes(), rss_scope="process")
+            stage_entries.append(entry)
+            start += count
+
+        tok_info = copy_tokenizer(model_dir, tmp, progress, convert_ov=convert_tokenizer)
+        progress(ProgressEvent(None, "manifest", 0.0, "hashing files"))
+        fingerprint = model_fingerprint(model_dir / "config.json", wfiles)
+        files = file_records(tmp)
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "exporter_version": EXPORTER_VERSION,
+            "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "name": out_dir.name,
+            "model": {
+                "name": model_name or model_dir.name,
+                "source": str(model_dir.resolve()),
+                "fingerprint": fingerprint,
+                **spec.to_json(),
+                "eos_token_ids": _eos_ids(model_dir, config),
+            },
+            "export_id": export_id(files),
+            "num_stages": len(layers),
+            "split": layers,
+            "max_context": context,
+            "beam_idx": beam_idx,
+            "weights": plan.to_json(),
+            "stages": stage_entries,
+            "tokenizer": tok_info,
+            "files": files,
+        }
+        write_manifest(tmp, manifest)
+        _replace_folder(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    seconds = time.perf_counter() - t0
+    progress(ProgressEvent(None, "done", 1.0, f"{out_dir} in {seconds:.1f} s"))
+    return ExportResult(out_dir, manifest, seconds, [e["export"]["seconds"] for e in stage_entries])
+
+
+def _replace_folder(new: Path, target: Path) -> None:
+    """Rename ``new`` to ``target``; an existing ``target`` (force) is moved aside and removed after."""
+    if not target.exists():
+        new.rename(target)
+        return
+    old = target.parent / f".{target.name}.old-{os.getpid()}"
+    shutil.rmtree(old, ignore_errors=True)
+    target.rename(old)
+    new.rename(target)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,183 @@
+"""Model families as data: config field names and weight-name patterns, no per-family code.
+
+Every supported family is a decoder-only transformer with RMSNorm, rotary attention with
+grouped KV heads and a SwiGLU MLP; they differ only in where their config keeps things, in
+the tensor names and in whether q/k/v (and o) projections carry a bias. One ``Family`` value
+per model type describes that, and :func:`resolve_spec` turns a ``config.json`` into the
+plain numbers the stage module is built from.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeshard.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where one model family keeps its numbers and tensors."""
+
+    name: str
+    # config.json field names
+    num_layers: str = "num_hidden_layers"
+    hidden_size: str = "hidden_size"
+    intermediate_size: str = "intermediate_size"
+    num_heads: str = "num_attention_heads"
+    num_kv_heads: str = "num_key_value_heads"
+    head_dim: str = "head_dim"  # optional in config: falls back to hidden_size // num_heads
+    rope_theta: str = "rope_theta"
+    rms_eps: str = "rms_norm_eps"
+    tie_word_embeddings: str = "tie_word_embeddings"
+    vocab_size: str = "vocab_size"
+    max_positions: str = "max_position_embeddings"
+    hidden_act: str = "hidden_act"
+    rope_scaling: str = "rope_scaling"
+    # Bias on q/k/v (and o): True/False, or the name of a boolean config field.
+    qkv_bias: bool | str = False
+    o_bias: bool | str = False
+    # Tensor names; ``{i}`` is the global layer index.
+    layer_prefix: str = "model.layers.{i}."
+    q_proj: str = "self_attn.q_proj"
+    k_proj: str = "self_attn.k_proj"
+    v_proj: str = "self_attn.v_proj"
+    o_proj: str = "self_attn.o_proj"
+    gate_proj: str = "mlp.gate_proj"
+    up_proj: str = "mlp.up_proj"
+    down_proj: str = "mlp.down_proj"
+    input_norm: str = "input_layernorm"
+    post_attention_norm: str = "post_attention_layernorm"
+    embed: str = "model.embed_tokens.weight"
+    final_norm: str = "model.norm.weight"
+    lm_head: str = "lm_head.weight"
+
+    def layer_tensor(self, layer: int, part: str, kind: str = "weight") -> str:
+        """Full tensor name of ``part`` (a field value such as ``self.q_proj``) in ``layer``."""
+        return f"{self.layer_prefix.format(i=layer)}{part}.{kind}"
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(name="llama", qkv_bias="attention_bias", o_bias="attention_bias"),
+    "mistral": Family(name="mistral"),
+    "qwen2": Family(name="qwen2", qkv_bias=True),
+}
+
+
+def get_family(model_type: str | None) -> Family:
+    """The family for a config's ``model_type``; anything else is InvalidArgument("model", ...)."""
+    family = FAMILIES.get(model_type or "")
+    if family is None:
+        raise InvalidArgument(
+            "model",
+            f"has model_type {model_type!r}, which the exporter does not support "
+            f"(supported: {', '.join(sorted(FAMILIES))})",
+        )
+    return family
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The numbers a stage module is built from, resolved from one config.json."""
+
+    family: Family
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rope_theta: float
+    rms_eps: float
+    tie_word_embeddings: bool
+    max_positions: int
+    qkv_bias: bool
+    o_bias: bool
+    sliding_window: int | None
+
+    @property
+    def kv_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "family": self.family.name,
+            "model_type": self.model_type,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rope_theta": self.rope_theta,
+            "rms_eps": self.rms_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_positions,
+            "qkv_bias": self.qkv_bias,
+            "o_bias": self.o_bias,
+            "sliding_window": self.sliding_window,
+        }
+
+
+def _flag(config: dict[str, Any], value: bool | str) -> bool:
+    return bool(config.get(value, False)) if isinstance(value, str) else value
+
+
+def _require(config: dict[str, Any], key: str) -> Any:
+    if config.get(key) is None:
+        raise InvalidArgument("model", f"config.json has no `{key}`")
+    return config[key]
+
+
+def resolve_spec(config: dict[str, Any]) -> ModelSpec:
+    """Check a config against what the stage module implements and return its numbers."""
+    family = get_family(config.get("model_type"))
+    f = family
+    hidden = int(_require(config, f.hidden_size))
+    heads = int(_require(config, f.num_heads))
+    kv_heads = int(config.get(f.num_kv_heads) or heads)
+    head_dim = int(config.get(f.head_dim) or hidden // heads)
+    if heads % kv_heads:
+        raise InvalidArgument("model", f"has {heads} attention heads, not a multiple of {kv_heads} KV heads")
+    act = config.get(f.hidden_act, "silu")
+    if act not in ("silu", "swish"):
+        raise InvalidArgument("model", f"uses hidden_act {act!r}; only silu (SwiGLU) is supported")
+    scaling = config.get(f.rope_scaling)
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default"):
+        raise InvalidArgument("model", f"uses rope_scaling {scaling!r}; only plain rotary is supported")
+    if config.get("mlp_bias"):
+        raise InvalidArgument("model", "uses mlp_bias, which the stage module does not implement")
+    window = config.get("sliding_window")
+    if family.name == "qwen2" and not config.get("use_sliding_window", False):
+        window = None
+    return ModelSpec(
+        family=family,
+        model_type=config["model_type"],
+        num_layers=int(_require(config, f.num_layers)),
+        hidden_size=hidden,
+        intermediate_size=int(_require(config, f.intermediate_size)),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=int(_require(config, f.vocab_size)),
+        rope_theta=float(config.get(f.rope_theta, 10000.0)),
+        rms_eps=float(config.get(f.rms_eps, 1e-6)),
+        tie_word_embeddings=bool(config.get(f.tie_word_embeddings, False)),
+        max_positions=int(config.get(f.max_positions) or 4096),
+        qkv_bias=_flag(config, f.qkv_bias),
+        o_bias=_flag(config, f.o_bias),
+        sliding_window=int(window) if window else None,
+    )
+
+
+def load_config(model_dir: Path) -> dict[str, Any]:
+    """Read ``config.json`` from a Hugging Face model folder."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise InvalidArgument("model", f"{model_dir} has no config.json (not a Hugging Face model folder)")
+    return json.loads(path.read_text())

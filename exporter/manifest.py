@@ -1,0 +1,163 @@
+"""manifest.json: what an export holds, and the checks a stage runs before trusting its shard.
+
+Top-level keys (``format_version`` 1):
+
+- ``format`` ("pipeshard-shards"), ``format_version``, ``exporter_version``, ``created_at``, ``name``;
+- ``model``: ``name``, ``source`` (folder exported from), ``fingerprint`` ("sha256:..." over
+  config.json and every weight file), and the resolved spec (``family``, ``model_type``,
+  ``num_layers``, ``hidden_size``, ``num_heads``, ``num_kv_heads``, ``head_dim``, ``vocab_size``,
+  ``rope_theta``, ``rms_eps``, ``tie_word_embeddings``, ...), ``eos_token_ids``;
+- ``export_id``: "sha256:..." over the sorted (path, sha256) list of every exported file, so two
+  exports with equal ids hold byte-identical shards (the key for KV capture compatibility);
+- ``num_stages``, ``split`` (layers per stage), ``max_context``, ``beam_idx`` (bool);
+- ``weights``: ``format`` (int4|int8|fp16|fp32), ``group_size``, ``mode``, ``embedding_and_lm_head``;
+- ``stages``: one object per stage: ``index``, ``layer_start``, ``layer_end`` (exclusive),
+  ``folder``, ``model`` (the .xml path), ``inputs`` / ``outputs`` (each ``name``, ``shape`` with
+  -1 for dynamic dims, ``dtype``), ``state_variables``, ``export`` (``seconds``,
+  ``peak_rss_bytes``, ``rss_scope`` "subprocess" or "process");
+- ``tokenizer``: ``files`` copied, ``chat_template`` (bool), ``openvino_tokenizer`` /
+  ``openvino_detokenizer`` (file names or null) and ``error`` when conversion failed;
+- ``files``: relative path -> {``sha256``, ``size``} for every file of the export except the
+  manifest itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound
+
+MANIFEST = "manifest.json"
+FORMAT = "pipeshard-shards"
+FORMAT_VERSION = 1
+
+
+def file_sha256(path: Path, chunk: int = 4 << 20) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def model_fingerprint(config_path: Path, weight_paths: list[Path]) -> str:
+    """sha256 over config.json and the weight files (each named, in order)."""
+    digest = hashlib.sha256()
+    for path in [Path(config_path), *map(Path, weight_paths)]:
+        digest.update(f"{path.name}:{file_sha256(path)}\n".encode())
+    return "sha256:" + digest.hexdigest()
+
+
+def file_records(root: Path) -> dict[str, dict[str, Any]]:
+    """sha256 and size of every file under ``root`` except the manifest, keyed by relative path."""
+    root = Path(root)
+    records = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel == MANIFEST:
+            continue
+        records[rel] = {"sha256": file_sha256(path), "size": path.stat().st_size}
+    return records
+
+
+def export_id(files: dict[str, dict[str, Any]]) -> str:
+    digest = hashlib.sha256()
+    for rel in sorted(files):
+        digest.update(f"{rel}:{files[rel]['sha256']}\n".encode())
+    return "sha256:" + digest.hexdigest()
+
+
+def write_manifest(root: Path, manifest: dict[str, Any]) -> Path:
+    path = Path(root) / MANIFEST
+    path.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def load_manifest(export_dir: Path) -> dict[str, Any]:
+    """Read and sanity-check an export's manifest."""
+    export_dir = Path(export_dir)
+    path = export_dir / MANIFEST
+    if not path.is_file():
+        raise NotFound(f"no {MANIFEST} in {export_dir}: not a pipeshard export (or an unfinished one)")
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as exc:
+        raise FailedPrecondition(f"{path} is not valid JSON: {exc}") from None
+    if manifest.get("format") != FORMAT:
+        raise FailedPrecondition(f"{path} is not a {FORMAT} manifest (format={manifest.get('format')!r})")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise FailedPrecondition(
+            f"{path} has format_version {manifest.get('format_version')}, this build reads {FORMAT_VERSION}"
+        )
+    if len(manifest.get("stages", ())) != manifest.get("num_stages"):
+        raise FailedPrecondition(
+            f"{path} lists {len(manifest.get('stages', ()))} stages, expected num_stages"
+        )
+    return manifest
+
+
+def stage_entry(manifest: dict[str, Any], stage: int) -> dict[str, Any]:
+    n = manifest["num_stages"]
+    if not isinstance(stage, int) or not 0 <= stage < n:
+        raise InvalidArgument("stage", f"must be in [0, {n}) for this {n}-stage export, got {stage!r}")
+    return manifest["stages"][stage]
+
+
+def _check_files(
+    export_dir: Path, manifest: dict[str, Any], rels: list[str], hashes: bool, what: str
+) -> None:
+    files = manifest["files"]
+    for rel in rels:
+        record = files.get(rel)
+        path = export_dir / rel
+        if record is None:
+            raise FailedPrecondition(f"{what}: {rel} is not listed in the manifest of {export_dir}")
+        if not path.is_file():
+            raise FailedPrecondition(f"{what}: {rel} is missing from {export_dir}; re-export or re-fetch it")
+        size = path.stat().st_size
+        if size != record["size"]:
+            raise FailedPrecondition(
+                f"{what}: {rel} has {size} bytes, the manifest says {record['size']}; "
+                "the shard is damaged or from another export"
+            )
+        if hashes:
+            digest = file_sha256(path)
+            if digest != record["sha256"]:
+                raise FailedPrecondition(
+                    f"{what}: {rel} has sha256 {digest[:16]}..., "
+                    f"the manifest says {record['sha256'][:16]}...; "
+                    "the shard is damaged or from another export"
+                )
+
+
+def stage_files(manifest: dict[str, Any], stage: int) -> list[str]:
+    folder = stage_entry(manifest, stage)["folder"].rstrip("/") + "/"
+    return sorted(rel for rel in manifest["files"] if rel.startswith(folder))
+
+
+def verify_shard(export_dir: Path, stage: int, hashes: bool = True) -> dict[str, Any]:
+    """Check one stage's files against the manifest (size, and sha256 unless ``hashes`` is off).
+
+    Returns the manifest; raises FailedPrecondition naming the first file that does not match.
+    """
+    export_dir = Path(export_dir)
+    manifest = load_manifest(export_dir)
+    rels = stage_files(manifest, stage)
+    entry = manifest["stages"][stage]
+    if entry["model"] not in rels:
+        raise FailedPrecondition(
+            f"stage {stage}: {entry['model']} is not listed in the manifest of {export_dir}"
+        )
+    _check_files(export_dir, manifest, rels, hashes, f"stage {stage}")
+    return manifest
+
+
+def verify_export(export_dir: Path, hashes: bool = True) -> dict[str, Any]:
+    """Check every file of an export against its manifest."""
+    export_dir = Path(export_dir)
+    manifest = load_manifest(export_dir)
+    _check_files(export_dir, manifest, sorted(manifest["files"]), hashes, "export")
+    return manifest

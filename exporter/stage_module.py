@@ -1,0 +1,216 @@
+"""A torch module for one layer range, written from the family spec, with explicit past K/V.
+
+Ports, in this order (the names are set on the OpenVINO model after conversion):
+
+- ``input_ids`` int64 [B, T] (the stage holding layer 0) or ``hidden_states`` f32 [B, T, H];
+- ``attention_mask`` int64 [B, past + T]: 1 = a valid cache position, 0 = masked out. Masked
+  positions may sit anywhere in the cache: the speculative rewind masks rejected tokens
+  instead of cutting the KV state;
+- ``position_ids`` int64 [B, T]: logical positions, which after a rewind differ from the
+  physical cache indices;
+- ``logits_to_keep`` int64 [] (last stage only): logits are computed for the last n positions
+  only, so prefill does not pay for a [T, vocab] matmul and speculative verify can ask for k+1;
+- ``past_key_values.{layer}.key`` / ``.value`` f32 [B, kv_heads, past, head_dim] per layer
+  (``layer`` is the global layer index); these become graph state in ``convert.py``.
+
+Outputs: ``hidden_states`` f32 [B, T, H] or ``logits`` f32 [B, n, vocab] (last stage), then
+``present.{layer}.key`` / ``.value`` per layer.
+
+The additive attention mask is built in-graph: query i (physical index past + i) may see
+cache index j iff j <= past + i and attention_mask[j] == 1.
+
+Rotary cos/sin are computed in-graph from ``position_ids`` and a constant ``inv_freq``. The
+runtime and the speculative rewind then feed only logical positions; no cos/sin ports travel
+between processes and no caller needs to know the rotary base.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from exporter.families import ModelSpec
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
+        self.groups = spec.kv_groups
+        self.q_proj = nn.Linear(h, spec.num_heads * d, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.num_heads * d, h, bias=spec.o_bias)
+
+    def _repeat_kv(self, x: torch.Tensor) -> torch.Tensor:
+        # The Unsqueeze/Broadcast/Reshape GQA pattern the CPU plugin's SDPA fusion recognises.
+        if self.groups == 1:
+            return x
+        b, kvh, length, d = x.shape
+        return (
+            x[:, :, None, :, :]
+            .expand(b, kvh, self.groups, length, d)
+            .reshape(b, kvh * self.groups, length, d)
+        )
+
+    def forward(self, x, cos, sin, mask, past_k, past_v):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k = torch.cat([past_k, k], dim=2)
+        v = torch.cat([past_v, v], dim=2)
+        out = F.scaled_dot_product_attention(
+            q, self._repeat_kv(k), self._repeat_kv(v), attn_mask=mask, scale=self.head_dim**-0.5
+        )
+        out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
+        return self.o_proj(out), k, v
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, i = spec.hidden_size, spec.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, cos, sin, mask, past_k, past_v):
+        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k, v
+
+
+class StageModule(nn.Module):
+    """Layers [layer_start, layer_end) of a model; embeddings if it starts at 0, head if it ends last."""
+
+    def __init__(self, spec: ModelSpec, layer_start: int, layer_end: int):
+        super().__init__()
+        self.spec = spec
+        self.layer_start, self.layer_end = layer_start, layer_end
+        self.is_first = layer_start == 0
+        self.is_last = layer_end == spec.num_layers
+        if self.is_first:
+            self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(layer_start, layer_end))
+        if self.is_last:
+            self.norm = RMSNorm(spec.hidden_size, spec.rms_eps)
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        d = spec.head_dim
+        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    # -- port names -------------------------------------------------------------------------
+    @property
+    def layer_indices(self) -> range:
+        return range(self.layer_start, self.layer_end)
+
+    def input_names(self) -> list[str]:
+        names = ["input_ids" if self.is_first else "hidden_states", "attention_mask", "position_ids"]
+        if self.is_last:
+            names.append("logits_to_keep")
+        for i in self.layer_indices:
+            names += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+        return names
+
+    def output_names(self) -> list[str]:
+        names = ["logits" if self.is_last else "hidden_states"]
+        for i in self.layer_indices:
+            names += [f"present.{i}.key", f"present.{i}.value"]
+        return names
+
+    # -- forward ----------------------------------------------------------------------------
+    def forward(self, x, attention_mask, position_ids, *rest):
+        if self.is_last:
+            logits_to_keep, past = rest[0], rest[1:]
+        else:
+            logits_to_keep, past = None, rest
+        h = self.embed_tokens(x) if self.is_first else x
+        t = h.shape[1]
+        total = attention_mask.shape[1]
+
+        # Rotary tables from logical positions: [B, 1, T, head_dim].
+        freqs = position_ids[:, :, None].to(torch.float32) * self.inv_freq[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+
+        # Additive mask [B, 1, T, past + T]: causal over physical indices AND valid in attention_mask.
+        q_pos = torch.arange(t, dtype=torch.int64) + (total - t)
+        k_pos = torch.arange(total, dtype=torch.int64)
+        allowed = (k_pos[None, :] <= q_pos[:, None])[None, None] & (attention_mask[:, None, None, :] > 0)
+        mask = torch.where(
+            allowed, torch.tensor(0.0, dtype=torch.float32), torch.tensor(torch.finfo(torch.float32).min)
+        )
+
+        presents = []
+        for n, layer in enumerate(self.layers):
+            h, k, v = layer(h, cos, sin, mask, past[2 * n], past[2 * n + 1])
+            presents += [k, v]
+        if self.is_last:
+            h = self.norm(h)
+            # Slice before the LM head: only the last `logits_to_keep` positions get logits.
+            idx = torch.arange(t - logits_to_keep, t, dtype=torch.int64)
+            h = torch.index_select(h, 1, idx)
+            h = self.lm_head(h)
+        return (h, *presents)
+
+    # -- example inputs for tracing --------------------------------------------------------
+    def example_inputs(self, batch: int = 2, seq: int = 3, past: int = 4) -> tuple[torch.Tensor, ...]:
+        s = self.spec
+        if self.is_first:
+            x = torch.randint(0, s.vocab_size, (batch, seq), dtype=torch.int64)
+        else:
+            x = torch.randn(batch, seq, s.hidden_size)
+        mask = torch.ones(batch, past + seq, dtype=torch.int64)
+        pos = torch.arange(past, past + seq, dtype=torch.int64)[None].expand(batch, seq).contiguous()
+        inputs: list[torch.Tensor] = [x, mask, pos]
+        if self.is_last:
+            inputs.append(torch.tensor(2, dtype=torch.int64))
+        for _ in self.layer_indices:
+            inputs += [torch.randn(batch, s.num_kv_heads, past, s.head_dim) for _ in range(2)]
+        return tuple(inputs)
+
+
+def build_stage_module(
+    spec: ModelSpec, layer_start: int, layer_end: int, weights: dict[str, torch.Tensor]
+) -> StageModule:
+    """A StageModule with ``weights`` (stage-module state-dict keys) assigned, in eval mode."""
+    with torch.device("meta"):
+        module = StageModule(spec, layer_start, layer_end)
+    module.load_state_dict(weights, strict=True, assign=True)
+    d = spec.head_dim
+    module.inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    return module.eval()

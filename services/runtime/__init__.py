@@ -1,0 +1,1 @@
+"""The shard runtime shared by the stage service and the local runner."""

@@ -1,0 +1,233 @@
+"""One compiled stage shard and its per-session KV state.
+
+``ShardRunner`` verifies a stage's files against the export manifest and compiles its model
+once; ``ShardSession`` owns one InferRequest (so one KV cache held as graph state) and the
+validity mask of its physical cache positions.
+
+Physical vs logical positions: every ``run`` appends its T tokens to the cache at physical
+indices ``past_length .. past_length + T - 1`` and marks them valid. ``invalidate(start, end)``
+masks physical positions out without touching the state (the speculative rewind); later
+queries then ignore them. ``position_ids`` are logical (rotary) positions; by default a run
+continues at the number of valid positions, which is right after rewinds of rejected tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openvino as ov
+
+from exporter.manifest import load_manifest, stage_entry, verify_shard
+from pipeshard.errors import InvalidArgument, ResourceExhausted
+
+PRECISIONS = ("default", "f32")
+
+
+def compile_properties(precision: str = "default", num_threads: int | None = None) -> dict[str, Any]:
+    """CPU compile properties: LATENCY hint; ``f32`` also forces f32 inference and an f32 KV cache
+    (the CPU plugin otherwise runs bf16 with a u8 KV cache on this hardware)."""
+    if precision not in PRECISIONS:
+        raise InvalidArgument("precision", f"must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    props: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY"}
+    if precision == "f32":
+        props["INFERENCE_PRECISION_HINT"] = "f32"
+        props["KV_CACHE_PRECISION"] = "f32"
+    if num_threads is not None:
+        if num_threads < 1:
+            raise InvalidArgument("num_threads", f"must be positive, got {num_threads}")
+        props["INFERENCE_NUM_THREADS"] = int(num_threads)
+    return props
+
+
+class ShardRunner:
+    """A compiled stage of an export; hands out sessions (one InferRequest each)."""
+
+    def __init__(
+        self,
+        export_dir: Path | str,
+        stage_index: int,
+        precision: str = "default",
+        num_threads: int | None = None,
+        *,
+        verify: bool = True,
+        core: ov.Core | None = None,
+        device: str = "CPU",
+    ):
+        self.export_dir = Path(export_dir)
+        props = compile_properties(precision, num_threads)
+        manifest = verify_shard(self.export_dir, stage_index) if verify else load_manifest(self.export_dir)
+        self.manifest = manifest
+        self.entry = stage_entry(manifest, stage_index)
+        self.stage_index = stage_index
+        self.num_stages = manifest["num_stages"]
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == self.num_stages - 1
+        self.hidden_size = manifest["model"]["hidden_size"]
+        self.vocab_size = manifest["model"]["vocab_size"]
+        self.max_context = manifest["max_context"]
+        self.precision = precision
+        self.core = core or ov.Core()
+        self.compiled = self.core.compile_model(str(self.export_dir / self.entry["model"]), device, props)
+        names = [p.get_any_name() for p in self.compiled.inputs]
+        self.input_name = "input_ids" if self.is_first else "hidden_states"
+        self._index = {n: i for i, n in enumerate(names)}
+        for required in (self.input_name, "attention_mask", "position_ids"):
+            if required not in self._index:
+                raise InvalidArgument("export_dir", f"stage {stage_index} model has no `{required}` input")
+        self.has_beam_idx = "beam_idx" in self._index
+        self.state_variables = list(self.entry["state_variables"])
+
+    @property
+    def output_name(self) -> str:
+        return "logits" if self.is_last else "hidden_states"
+
+    def compiled_properties(self) -> dict[str, str]:
+        """A few properties the plugin actually chose (for logs and benchmarks)."""
+        out = {}
+        for key in (
+            "INFERENCE_PRECISION_HINT",
+            "KV_CACHE_PRECISION",
+            "PERFORMANCE_HINT",
+            "INFERENCE_NUM_THREADS",
+        ):
+            with contextlib.suppress(RuntimeError):
+                out[key] = str(self.compiled.get_property(key))
+        return out
+
+    def new_session(self) -> ShardSession:
+        return ShardSession(self)
+
+    def warmup(self, prefill: int = 8, decode: int = 2) -> None:
+        """Run a throwaway prefill and a few decode steps: the CPU plugin prepares its kernels on
+        the first inferences of new shapes, which would otherwise land in a real request's TTFT."""
+        session = self.new_session()
+        for t in [prefill] + [1] * decode:
+            x = (
+                np.zeros((1, t), dtype=np.int64)
+                if self.is_first
+                else np.zeros((1, t, self.hidden_size), dtype=np.float32)
+            )
+            session.run(x, copy=False)
+
+
+class ShardSession:
+    """One sequence's KV cache on one stage (batch 1)."""
+
+    def __init__(self, runner: ShardRunner):
+        self.runner = runner
+        self._req = runner.compiled.create_infer_request()
+        self._idx = runner._index
+        self._mask = np.ones(runner.max_context, dtype=np.int64)
+        self._past = 0
+        self._valid = 0
+        if runner.has_beam_idx:
+            self._beam_idx = np.zeros(1, dtype=np.int32)
+            self._req.set_input_tensor(self._idx["beam_idx"], ov.Tensor(self._beam_idx, shared_memory=True))
+        self._keep = np.zeros((), dtype=np.int64)
+        if runner.is_last:
+            self._req.set_input_tensor(self._idx["logits_to_keep"], ov.Tensor(self._keep, shared_memory=True))
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def past_length(self) -> int:
+        """Physical cache length: positions written so far, valid or not."""
+        return self._past
+
+    @property
+    def valid_length(self) -> int:
+        """Cache positions currently valid (the default next logical position)."""
+        return self._valid
+
+    @property
+    def mask(self) -> np.ndarray:
+        """A copy of the validity mask of the physical positions [0, past_length)."""
+        return self._mask[: self._past].copy()
+
+    @property
+    def infer_request(self) -> ov.InferRequest:
+        return self._req
+
+    def reset(self) -> None:
+        """Forget the sequence: empty KV state, every position valid again."""
+        self._req.reset_state()
+        self._mask[:] = 1
+        self._past = 0
+        self._valid = 0
+
+    def invalidate(self, start: int, end: int) -> None:
+        """Mask physical positions [start, end) out of every later query (state untouched)."""
+        if not 0 <= start <= end <= self._past:
+            raise InvalidArgument(
+                "invalidate", f"range [{start}, {end}) is outside the cache of {self._past}"
+            )
+        self._valid -= int(np.count_nonzero(self._mask[start:end]))
+        self._mask[start:end] = 0
+
+    # -- compute ----------------------------------------------------------------------------
+    def _check_input(self, x: np.ndarray) -> np.ndarray:
+        r = self.runner
+        if r.is_first:
+            if x.ndim == 1:
+                x = x.reshape(1, -1)
+            if x.dtype != np.int64:
+                if not np.issubdtype(x.dtype, np.integer):
+                    raise InvalidArgument("input_ids", f"must be integer token ids, got {x.dtype}")
+                x = x.astype(np.int64)
+            if x.ndim != 2 or x.shape[0] != 1 or x.shape[1] == 0:
+                raise InvalidArgument("input_ids", f"must have shape [1, T>0], got {list(x.shape)}")
+        else:
+            if x.dtype != np.float32:
+                x = x.astype(np.float32)
+            if x.ndim != 3 or x.shape[0] != 1 or x.shape[1] == 0 or x.shape[2] != r.hidden_size:
+                raise InvalidArgument(
+                    "hidden_states", f"must have shape [1, T>0, {r.hidden_size}], got {list(x.shape)}"
+                )
+        return np.ascontiguousarray(x)
+
+    def run(
+        self,
+        x: np.ndarray,
+        position_ids: np.ndarray | None = None,
+        return_last: int = 1,
+        *,
+        copy: bool = True,
+    ) -> np.ndarray:
+        """Append T tokens: ``x`` is int64 ids [1, T] (stage 0) or f32 hidden states [1, T, H].
+
+        Returns hidden states [1, T, H], or on the last stage logits [1, return_last, vocab] of
+        the last ``return_last`` positions. With ``copy=False`` the result is a view of the
+        request's output buffer, valid until this session runs again.
+        """
+        r = self.runner
+        x = self._check_input(np.asarray(x))
+        t = x.shape[1]
+        past = self._past
+        total = past + t
+        if total > r.max_context:
+            raise ResourceExhausted(
+                f"the cache would grow to {total} positions, beyond this export's max_context {r.max_context}"
+            )
+        if position_ids is None:
+            pos = np.arange(self._valid, self._valid + t, dtype=np.int64).reshape(1, t)
+        else:
+            pos = np.ascontiguousarray(np.asarray(position_ids, dtype=np.int64).reshape(1, -1))
+            if pos.shape[1] != t:
+                raise InvalidArgument("position_ids", f"has {pos.shape[1]} entries for {t} new tokens")
+        if r.is_last:
+            if not 1 <= return_last <= t:
+                raise InvalidArgument("return_last", f"must be in [1, {t}], got {return_last}")
+            self._keep[...] = return_last
+        self._mask[past:total] = 1
+        mask = self._mask[:total].reshape(1, total)
+        req, idx = self._req, self._idx
+        req.set_input_tensor(idx[r.input_name], ov.Tensor(x, shared_memory=True))
+        req.set_input_tensor(idx["attention_mask"], ov.Tensor(mask, shared_memory=True))
+        req.set_input_tensor(idx["position_ids"], ov.Tensor(pos, shared_memory=True))
+        req.infer()
+        self._past = total
+        self._valid += t
+        out = req.get_output_tensor(0).data
+        return out.copy() if copy else out

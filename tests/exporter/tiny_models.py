@@ -1,0 +1,110 @@
+"""Tiny random-weight models of every supported family, and fixtures exporting them (shared per session).
+
+Imported by tests/exporter/conftest.py and tests/runtime/conftest.py.
+
+Each family gets GQA ratios other than SmolLM2's 3 and at least one untied head:
+llama 4 heads / 2 KV (untied), qwen2 8 heads / 1 KV with q/k/v bias (tied),
+mistral 8 heads / 2 KV with head_dim 16 != hidden / heads (untied).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TINY_CONFIGS = {
+    "llama": dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=10000.0
+    ),
+    "qwen2": dict(
+        num_attention_heads=8, num_key_value_heads=1, tie_word_embeddings=True, rope_theta=1000000.0
+    ),
+    "mistral": dict(
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    ),
+}
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    max_position_embeddings=128,
+    initializer_range=0.2,
+    rms_norm_eps=1e-6,
+)
+
+
+def build_tiny(family: str, folder: Path, max_shard_size: str | None = None):
+    """Build, save (safetensors) and return a tiny random HF model of ``family``."""
+    import torch
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }
+    config_cls, model_cls = classes[family]
+    torch.manual_seed(1234)
+    config = config_cls(**COMMON, **TINY_CONFIGS[family])
+    model = model_cls(config).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """Factory: family -> (model folder, HF model); built once per session."""
+    cache: dict[str, tuple[Path, object]] = {}
+
+    def get(family: str):
+        if family not in cache:
+            folder = tmp_path_factory.mktemp(f"tiny-{family}")
+            cache[family] = (folder, build_tiny(family, folder))
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tiny_model, tmp_path_factory):
+    """Factory: (family, stages, weights, beam_idx) -> export folder, exported in-process once."""
+    from exporter.export import export_model
+
+    cache: dict[tuple, Path] = {}
+
+    def get(family: str, stages: int, weights: str = "fp32", beam_idx: bool = True) -> Path:
+        key = (family, stages, weights, beam_idx)
+        if key not in cache:
+            folder, _ = tiny_model(family)
+            out = (
+                tmp_path_factory.mktemp("exports")
+                / f"{family}-{stages}s-{weights}{'' if beam_idx else '-nobeam'}"
+            )
+            export_model(
+                folder,
+                out,
+                stages=stages,
+                weights=weights,
+                beam_idx=beam_idx,
+                isolate=False,
+                convert_tokenizer=False,
+                progress=lambda event: None,
+            )
+            cache[key] = out
+        return cache[key]
+
+    return get
