@@ -17,7 +17,7 @@ MODEL ?= smollm2-135m-instruct
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup proto lint model export test test-fast clean up down run-stage demo bench-pipeline
+.PHONY: setup proto lint model export test test-fast clean up down run-stage demo bench-parity bench-pipeline
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -68,6 +68,10 @@ demo: model
 	$(MAKE) --no-print-directory up
 	$(VENV)/bin/pipeshard generate --stream "What is the capital of France? Answer in one sentence." ; \
 	  status=$$?; $(MAKE) --no-print-directory down; exit $$status
+
+## bench-parity: our 1/2/3-stage shards against openvino_genai.LLMPipeline (bench/results/parity.json)
+bench-parity: model
+	$(PY) -m bench.parity
 
 ## bench-pipeline: distributed pipeline vs in-process chain, raw TCP and the monolith (bench/results/pipeline.json)
 bench-pipeline: model

@@ -108,15 +108,17 @@ def start_raw_fleet(shards: Path, run_dir: Path) -> tuple[Fleet, list[tuple[str,
 class RingDriver:
     """Runs greedy decodes over a gRPC ring from this process, on one private event loop."""
 
-    def __init__(self, addresses: list[str]):
-        self.loop = asyncio.new_event_loop()
-        self.ring = Ring(addresses, step_timeout_s=60)
-        self.loop.run_until_complete(self._start())
+    def __init__(self, loop: asyncio.AbstractEventLoop, addresses: list[str]):
+        self.loop = loop
+        self.ring = loop.run_until_complete(self._start(addresses))
         self.step_records: list[tuple[float, list[int]]] = []
 
-    async def _start(self) -> None:
-        await self.ring.start()
-        await self.ring.wait_ready(60)
+    @staticmethod
+    async def _start(addresses: list[str]) -> Ring:
+        ring = Ring(addresses, step_timeout_s=60)  # grpc.aio objects bind to the running loop
+        await ring.start()
+        await ring.wait_ready(60)
+        return ring
 
     def decode(self, ids: list[int], record: bool = False) -> dict:
         return self.loop.run_until_complete(self._decode(ids, record))
@@ -146,12 +148,17 @@ class RingDriver:
 
     def close(self) -> None:
         self.loop.run_until_complete(self.ring.close())
-        self.loop.close()
 
 
 class RawDriver:
-    def __init__(self, first: tuple[str, int], last: tuple[str, int], addresses: list[str]):
-        self.loop = asyncio.new_event_loop()
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        first: tuple[str, int],
+        last: tuple[str, int],
+        addresses: list[str],
+    ):
+        self.loop = loop
         self.raw = RawTcpRing(first, last)
         self.loop.run_until_complete(self.raw.connect())
         self._stubs = [stage_pb2_grpc.StageServiceStub(grpc.insecure_channel(a)) for a in addresses]
@@ -245,8 +252,9 @@ def main() -> int:
         120,
     )
     fleet2.processes.append(coordinator)
-    d2, d3 = RingDriver(fleet2.stages), RingDriver(fleet3.stages[:3])
-    r2 = RawDriver(raw_addresses[0], raw_addresses[1], fleet2.stages)
+    loop = asyncio.new_event_loop()
+    d2, d3 = RingDriver(loop, fleet2.stages), RingDriver(loop, fleet3.stages)
+    r2 = RawDriver(loop, raw_addresses[0], raw_addresses[1], fleet2.stages)
     client = PipeshardClient(fleet2.coordinator)
 
     def g2() -> dict:
