@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from exporter.main import ExporterSettings
 from pipeshard.settings import env_name
 from services.coordinator.main import CoordinatorSettings
 from services.stage.main import StageSettings
@@ -32,14 +33,22 @@ def test_compose_names_the_launchers_services_ports_and_variables():
         assert int(env["PIPESHARD_METRICS_PORT"]) == endpoint.metrics_port
         assert services[f"stage{k}"]["command"] == ["stage"]
     assert _env(services["stage0"])["PIPESHARD_NEXT_HOP"] == f"stage1:{topo.stages[1].port}"
+    exporter = _env(services["exporter"])
+    assert services["exporter"]["command"] == ["exporter-service"]
+    assert int(exporter["PIPESHARD_PORT"]) == topo.exporter.port
+    assert all(
+        _env(services[f"stage{k}"])["PIPESHARD_EXPORTER"] == f"exporter:{topo.exporter.port}" for k in (0, 1)
+    )
     coord = _env(services["coordinator"])
     assert int(coord["PIPESHARD_PORT"]) == topo.coordinator.port
     assert coord["PIPESHARD_STAGES"] == ",".join(f"stage{k}:{e.port}" for k, e in enumerate(topo.stages))
-    for name, settings in (
-        ("stage0", StageSettings),
-        ("stage1", StageSettings),
-        ("coordinator", CoordinatorSettings),
-    ):
+    settings_of = {
+        "stage0": StageSettings,
+        "stage1": StageSettings,
+        "coordinator": CoordinatorSettings,
+        "exporter": ExporterSettings,
+    }
+    for name, settings in settings_of.items():
         known = {env_name(f.name) for f in dataclasses.fields(settings)} | PATH_VARS
         unknown = {k for k in _env(services[name]) if k.startswith("PIPESHARD_")} - known
         assert not unknown, f"{name} sets variables no setting reads: {unknown}"
