@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         node.start_reaper(settings.idle_timeout_s)
         if settings.raw_tcp_port:
             host, _, port = (settings.raw_tcp_next_hop or "").rpartition(":")
-            raw = RawTcpStage(node.engine, node.run_in_worker, (host, int(port)) if port else None)
+            raw = RawTcpStage(node.engine, (host, int(port)) if port else None)
             holder["raw"] = await raw.serve(settings.host, settings.raw_tcp_port)
         return [(stage_pb2_grpc.add_StageServiceServicer_to_server, StageServicer(node, info))]
 

@@ -40,9 +40,8 @@ def pack_frame(session: int, step: int, position: int, payload: np.ndarray) -> b
 class RawTcpStage:
     """Serves raw frames for one stage, sharing the stage's engine and worker thread."""
 
-    def __init__(self, engine: StageEngine, run_in_worker, next_hop: tuple[str, int] | None):
+    def __init__(self, engine: StageEngine, next_hop: tuple[str, int] | None):
         self._engine = engine
-        self._run = run_in_worker
         self._next = next_hop
         self._next_writer: asyncio.StreamWriter | None = None
         self._results: asyncio.StreamWriter | None = None
@@ -67,8 +66,7 @@ class RawTcpStage:
                 x = np.frombuffer(payload, dtype=np.int64).reshape(1, n).copy()
             else:
                 x = np.frombuffer(payload, dtype=np.float32).reshape(1, n, -1).copy()
-            out = await self._run(
-                self._engine.run,
+            out = self._engine.run(
                 StepInput(
                     session_id=str(session),
                     step_id=step,
