@@ -128,3 +128,13 @@ def test_sessions_are_bounded_unique_and_reaped_when_idle():
     assert table.reap_idle(now + 5) == []
     assert sorted(table.reap_idle(now + 11)) == ["a", "b"]
     assert len(table) == 0 and table.release("a") is False
+
+
+def test_released_sessions_are_reset_and_reused():
+    table = SessionTable(FakeSession, 2, idle_timeout_s=10.0)
+    first = table.open("a")
+    first.past_length = 7
+    table.release("a")
+    assert first.past_length == 0
+    assert table.open("b") is first
+    assert table.open("c") is not first
