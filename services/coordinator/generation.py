@@ -40,14 +40,18 @@ class Summary:
 
 
 def _frame(
-    session_id: str, step: int, ids: list[int], start: int, greedy: bool
+    session_id: str, step: int, ids: list[int], start: int, greedy: bool, *, fill_only: bool = False
 ) -> activation_pb2.ActivationFrame:
+    if fill_only:
+        mode = activation_pb2.RETURN_MODE_NONE
+    else:
+        mode = activation_pb2.RETURN_MODE_TOP1 if greedy else activation_pb2.RETURN_MODE_LOGITS
     return activation_pb2.ActivationFrame(
         session_id=session_id,
         step_id=step,
         positions=range(start, start + len(ids)),
         tensors=[tensor_pb2.NamedTensor(name="input_ids", tensor=encode(np.asarray([ids], dtype=np.int64)))],
-        return_mode=activation_pb2.RETURN_MODE_TOP1 if greedy else activation_pb2.RETURN_MODE_LOGITS,
+        return_mode=mode,
         return_last=1,
         sent_unix_nanos=time.time_ns(),
     )
@@ -56,8 +60,9 @@ def _frame(
 class Generation:
     """Runs one request over the ring, yielding Chunks and then one Summary."""
 
-    def __init__(self, ring: Ring, tokenizer, eos_ids: set[int]):
+    def __init__(self, ring: Ring, tokenizer, eos_ids: set[int], *, prefill_chunk: int = 256):
         self._ring = ring
+        self._prefill_chunk = prefill_chunk
         self._tok = tokenizer
         self._eos = eos_ids
         self._releases: set[asyncio.Task] = set()
@@ -73,11 +78,20 @@ class Generation:
         first_at = started
         finish = "length"
         try:
-            ids, position = prompt_ids, 0
-            while len(generated) < params.max_tokens:
-                result = await self._ring.step(
-                    _frame(session_id, len(generated), ids, position, params.greedy)
+            # Chunked prefill: every chunk but the last only fills the cache, so other sessions'
+            # decode steps interleave with a long prompt. The chunk size is fixed per server, never
+            # chosen by load, so a request's output cannot depend on its neighbours.
+            step, position = 0, 0
+            while len(prompt_ids) - position > self._prefill_chunk:
+                chunk = prompt_ids[position : position + self._prefill_chunk]
+                await self._ring.step(
+                    _frame(session_id, step, chunk, position, params.greedy, fill_only=True)
                 )
+                step, position = step + 1, position + len(chunk)
+            ids = prompt_ids[position:]
+            while len(generated) < params.max_tokens:
+                result = await self._ring.step(_frame(session_id, step, ids, position, params.greedy))
+                step += 1
                 position += len(ids)
                 if sampler is None:
                     token = int(result.top1.token_ids[-1])

@@ -11,6 +11,7 @@ from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
 from pipeshard.settings import ServerSettings, load_settings, setting
 from pipeshard.v1 import coordinator_pb2_grpc
+from services.coordinator.admission import Admission
 from services.coordinator.generation import Generation
 from services.coordinator.local_stage import LocalEntry, LocalStageStub
 from services.coordinator.prompting import Prompter
@@ -33,6 +34,9 @@ class CoordinatorSettings(ServerSettings):
     step_timeout_s: float = setting(30.0, "a step with no result after this long fails as UNAVAILABLE")
     ready_timeout_s: float = setting(120.0, "how long to wait at start for every stage to answer")
     default_max_tokens: int = setting(256, "max_tokens of a request that does not set it")
+    max_running: int = setting(8, "generations running at once (each holds a session on every stage)")
+    max_queue: int = setting(32, "requests waiting for a slot; beyond it RESOURCE_EXHAUSTED")
+    prefill_chunk: int = setting(256, "prompt tokens per prefill step (fixed: outputs never depend on load)")
     host_stage0: bool = setting(False, "run stage 0 in this process; --stages then lists stages 1..N-1")
     precision: str = setting("default", "inference precision of a hosted stage 0", choices=("default", "f32"))
 
@@ -77,11 +81,14 @@ class Coordinator:
         await self.ring.start()
         await self.ring.wait_ready(self.settings.ready_timeout_s)
         self.servicer = CoordinatorServicer(
-            Generation(self.ring, prompter.tokenizer, prompter.eos_ids),
+            Generation(
+                self.ring, prompter.tokenizer, prompter.eos_ids, prefill_chunk=self.settings.prefill_chunk
+            ),
             prompter,
             max_context=manifest["max_context"],
             vocab_size=manifest["model"]["vocab_size"],
             default_max_tokens=self.settings.default_max_tokens,
+            admission=Admission(self.settings.max_running, self.settings.max_queue),
         )
 
     def _local_stage0(self) -> tuple[LocalEntry, LocalStageStub]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import structlog
 
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
+from services.coordinator.admission import Admission
 from services.coordinator.generation import Chunk, Generation
 from services.coordinator.prompting import Prompter
 from services.coordinator.sampling import SamplingParams
@@ -41,7 +42,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         max_context: int,
         vocab_size: int,
         default_max_tokens: int,
+        admission: Admission,
     ):
+        self._admission = admission
         self._generation = generation
         self._prompter = prompter
         self._max_context = max_context
@@ -55,6 +58,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         params.validate(
             prompt_tokens=len(prompt_ids), max_context=self._max_context, vocab_size=self._vocab_size
         )
+        async with self._admission.slot(context.time_remaining() if context else None):
+            async for response in self._stream(prompt_ids, params):
+                yield response
+
+    async def _stream(self, prompt_ids: list[int], params: SamplingParams):
         async for event in self._generation.run(prompt_ids, params):
             if isinstance(event, Chunk):
                 yield coordinator_pb2.GenerateResponse(
