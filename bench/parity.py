@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from bench.reference import GenAIPipeline, OwnLoop, optimum_export
-from bench.stats import interleaved, median, ratio_ci, summary, write_result
+from bench.stats import interleaved_generations, median, ratio_ci, summary, write_result
 from pipeshard import paths
 from pipeshard.offline import set_offline_defaults
 from services.coordinator.prompting import Prompter
@@ -61,16 +61,7 @@ def main() -> int:
         chains[name] = LocalChain(folder)
         chains[name].warmup()
         runners[name] = chain_runner(chains[name], ids)
-    last: dict[str, dict] = {}
-
-    def timed(name):
-        def run() -> float:
-            last[name] = runners[name]()
-            return last[name]["tok_s"]
-
-        return run
-
-    samples = interleaved({n: timed(n) for n in runners}, RUNS, warmup=2)
+    samples, last = interleaved_generations(runners, RUNS, warmup=2)
     ttft = {n: median([runners[n]()["ttft_ms"] for _ in range(3)]) for n in runners}
     ratios = {}
     for key, (num, den) in {

@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 
 from bench.reference import GenAIPipeline, optimum_export
-from bench.stats import interleaved, median, ratio_ci, summary, write_result
+from bench.stats import interleaved_generations, median, ratio_ci, summary, write_result
 from clients.client import PipeshardClient
 from pipeshard import paths
 from pipeshard.offline import set_offline_defaults
@@ -269,17 +269,8 @@ def main() -> int:
         "R2": lambda: r2.decode(ids),
         "G2": g2,
     }
-    last: dict[str, dict] = {}
-
-    def timed(name):
-        def run() -> float:
-            last[name] = runners[name]()
-            return last[name]["tok_s"]
-
-        return run
-
     try:
-        samples = interleaved({n: timed(n) for n in runners}, RUNS, WARMUP)
+        samples, last = interleaved_generations(runners, RUNS, WARMUP)
         same = {n: last[n]["tokens"] == last["C2"]["tokens"] for n in ("D2", "D3", "R2", "G2")}
         d2_c2, d2_c2_ci = ratio_ci(samples["D2"], samples["C2"])
         d2_r2, d2_r2_ci = ratio_ci(samples["D2"], samples["R2"])

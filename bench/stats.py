@@ -41,6 +41,23 @@ def interleaved(
     return samples
 
 
+def interleaved_generations(
+    runners: dict[str, Callable[[], dict]], runs: int, warmup: int = 2
+) -> tuple[dict[str, list[float]], dict[str, dict]]:
+    """:func:`interleaved` over runners that return a generation's ``{"tok_s", "tokens", ...}``;
+    gives the tok/s samples and each runner's last result (to compare tokens)."""
+    last: dict[str, dict] = {}
+
+    def timed(name: str) -> Callable[[], float]:
+        def run() -> float:
+            last[name] = runners[name]()
+            return last[name]["tok_s"]
+
+        return run
+
+    return interleaved({n: timed(n) for n in runners}, runs, warmup), last
+
+
 def median(values: list[float]) -> float:
     return float(statistics.median(values))
 
