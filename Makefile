@@ -17,7 +17,7 @@ MODEL ?= smollm2-135m-instruct
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup proto lint model export test test-fast clean up down run-stage demo bench-parity bench-pipeline
+.PHONY: setup proto lint model export test test-fast clean up down run-stage demo bench-parity bench-pipeline bench-mbatch
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -76,6 +76,10 @@ bench-parity: model
 ## bench-pipeline: distributed pipeline vs in-process chain, raw TCP and the monolith (bench/results/pipeline.json)
 bench-pipeline: model
 	$(PY) -m bench.pipeline
+
+## bench-mbatch: 1-8 concurrent streams across 2- and 3-stage fleets (bench/results/mbatch.json)
+bench-mbatch: model
+	$(PY) -m bench.mbatch
 
 ## test: the whole suite, slow real-model tests included
 test: proto
