@@ -29,7 +29,7 @@ from pipeshard import paths
 from pipeshard.offline import set_offline_defaults
 from pipeshard.tensor_codec import decode, encode
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
-from services.coordinator.generation import _frame
+from services.coordinator.generation import token_frame
 from services.coordinator.prompting import Prompter
 from services.coordinator.ring import Ring
 from services.launcher import Fleet, spawn, start_fleet
@@ -127,13 +127,13 @@ class RingDriver:
         session = f"bench-{time.monotonic_ns()}"
         await self.ring.open_session(session)
         t0 = time.perf_counter()
-        result = await self.ring.step(_frame(session, 0, ids, 0, True))
+        result = await self.ring.step(token_frame(session, 0, ids, 0, True))
         t_first = time.perf_counter()
         tokens = [int(result.top1.token_ids[-1])]
         position = len(ids)
         for step in range(1, NEW_TOKENS):
             ts = time.perf_counter()
-            result = await self.ring.step(_frame(session, step, [tokens[-1]], position, True))
+            result = await self.ring.step(token_frame(session, step, [tokens[-1]], position, True))
             if record:
                 self.step_records.append((time.perf_counter() - ts, list(result.stage_compute_micros)))
             position += 1

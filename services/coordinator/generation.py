@@ -39,9 +39,10 @@ class Summary:
     error: str = ""
 
 
-def _frame(
+def token_frame(
     session_id: str, step: int, ids: list[int], start: int, greedy: bool, *, fill_only: bool = False
 ) -> activation_pb2.ActivationFrame:
+    """The frame that carries token ids into stage 0 (``fill_only``: a prefill chunk, no result)."""
     if fill_only:
         mode = activation_pb2.RETURN_MODE_NONE
     else:
@@ -85,12 +86,12 @@ class Generation:
             while len(prompt_ids) - position > self._prefill_chunk:
                 chunk = prompt_ids[position : position + self._prefill_chunk]
                 await self._ring.step(
-                    _frame(session_id, step, chunk, position, params.greedy, fill_only=True)
+                    token_frame(session_id, step, chunk, position, params.greedy, fill_only=True)
                 )
                 step, position = step + 1, position + len(chunk)
             ids = prompt_ids[position:]
             while len(generated) < params.max_tokens:
-                result = await self._ring.step(_frame(session_id, step, ids, position, params.greedy))
+                result = await self._ring.step(token_frame(session_id, step, ids, position, params.greedy))
                 step += 1
                 position += len(ids)
                 if sampler is None:
