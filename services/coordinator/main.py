@@ -39,6 +39,9 @@ class CoordinatorSettings(ServerSettings):
     prefill_chunk: int = setting(256, "prompt tokens per prefill step (fixed: outputs never depend on load)")
     host_stage0: bool = setting(False, "run stage 0 in this process; --stages then lists stages 1..N-1")
     precision: str = setting("default", "inference precision of a hosted stage 0", choices=("default", "f32"))
+    hop_delay_ms: float = setting(
+        0.0, "emulated one-way latency added to every frame sent into the ring (benchmarks)"
+    )
 
 
 def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
@@ -76,7 +79,10 @@ class Coordinator:
         prompter = Prompter.from_dir(Path(self.settings.shards))
         local = self._local_stage0() if self.settings.host_stage0 else None
         self.ring = Ring(
-            self.settings.stages, step_timeout_s=self.settings.step_timeout_s, local_stage0=local
+            self.settings.stages,
+            step_timeout_s=self.settings.step_timeout_s,
+            local_stage0=local,
+            hop_delay_s=self.settings.hop_delay_ms / 1000.0,
         )
         await self.ring.start()
         await self.ring.wait_ready(self.settings.ready_timeout_s)
@@ -97,6 +103,7 @@ class Coordinator:
             shards=self.settings.shards,
             next_hop=self.settings.stages[0],
             precision=self.settings.precision,
+            hop_delay_ms=self.settings.hop_delay_ms,
         )
         node, info = build_node(stage)
         return LocalEntry(node), LocalStageStub(StageServicer(node, info))

@@ -40,9 +40,11 @@ class Ring:
         step_timeout_s: float = 30.0,
         control_timeout_s: float = 5.0,
         local_stage0: tuple[LocalEntry, LocalStageStub] | None = None,
+        hop_delay_s: float = 0.0,
     ):
         """``stage_addresses`` lists every remote stage in order; with ``local_stage0`` they are
-        stages 1..N-1 and stage 0 runs in this process."""
+        stages 1..N-1 and stage 0 runs in this process. ``hop_delay_s`` delays the frames sent to
+        stage 0 (emulated latency; a hosted stage 0 gets it on its own next hop instead)."""
         if not stage_addresses:
             raise ValueError("a ring needs at least one remote stage")
         self.step_timeout_s = step_timeout_s
@@ -51,7 +53,7 @@ class Ring:
         self._stubs = [stage_pb2_grpc.StageServiceStub(c) for c in self._channels]
         if local_stage0 is None:
             self.addresses = list(stage_addresses)
-            self._entry = HopStream(stage_addresses[0], on_error=self._on_entry_error)
+            self._entry = HopStream(stage_addresses[0], on_error=self._on_entry_error, delay_s=hop_delay_s)
         else:
             self.addresses = ["in-process", *stage_addresses]
             self._entry, stub0 = local_stage0

@@ -1,0 +1,77 @@
+"""Every stage of an export in this process, behind the ring's interface (no network).
+
+Frames go through the same wire decoding and ``StageEngine`` as in a stage service, so a
+``Generation`` over a ``LocalRing`` runs exactly the distributed decode loop, speculation
+included. ``pipeshard generate --local``, the exactness matrix and single-node benchmarks use it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openvino as ov
+
+from exporter.manifest import load_manifest
+from pipeshard.errors import PipeshardError
+from pipeshard.v1 import activation_pb2
+from services.coordinator.ring import StageFailed
+from services.runtime.shard import ShardRunner
+from services.stage.engine import StageEngine
+from services.stage.sessions import SessionTable
+from services.stage.wire import frame_from_output, result_from_output, stage_error, step_from_frame
+
+
+class LocalRing:
+    def __init__(
+        self,
+        export_dir: Path | str,
+        precision: str = "default",
+        num_threads: int | None = None,
+        *,
+        max_sessions: int = 64,
+    ):
+        self.export_dir = Path(export_dir)
+        manifest = load_manifest(self.export_dir)
+        core = ov.Core()
+        self.runners = [
+            ShardRunner(self.export_dir, i, precision, num_threads, core=core)
+            for i in range(manifest["num_stages"])
+        ]
+        self.max_context = manifest["max_context"]
+        self._engines = [
+            StageEngine(
+                SessionTable(r.new_session, max_sessions, idle_timeout_s=float("inf")),
+                is_first=r.is_first,
+                is_last=r.is_last,
+                hidden_size=r.hidden_size,
+                max_context=r.max_context,
+            )
+            for r in self.runners
+        ]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self._engines)
+
+    def warmup(self) -> None:
+        for runner in self.runners:
+            runner.warmup()
+
+    async def open_session(self, session_id: str) -> int:
+        for engine in self._engines:
+            engine.sessions.open(session_id)
+        return self.max_context
+
+    async def release_session(self, session_id: str) -> None:
+        for engine in self._engines:
+            engine.sessions.release(session_id)
+
+    async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
+        for index, engine in enumerate(self._engines):
+            try:
+                out = engine.run(step_from_frame(frame, "input_ids" if engine.is_first else "hidden_states"))
+            except PipeshardError as exc:
+                raise StageFailed(stage_error(index, exc)) from None
+            if not engine.is_last:
+                frame = frame_from_output(out)
+        return result_from_output(out)

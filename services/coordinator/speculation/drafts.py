@@ -1,0 +1,156 @@
+"""Draft sources: they propose the next K tokens; the target verifies them in one traversal.
+
+``NgramDrafter`` (prompt lookup) copies what followed the latest earlier occurrence of the
+context's last few tokens: free to run, strong on code, lists and quoting. ``ModelDrafter`` runs
+a small stateful shard on the coordinator (the self-draft the exporter builds from the target's
+first layers, or any same-tokenizer model folder). Its cache is realigned the way the stages'
+caches are: rejected drafts are masked out, never trimmed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from services.runtime.shard import ShardRunner, ShardSession
+
+Probabilities = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    # For sampling: the distribution each token was drawn from (None: deterministic proposals).
+    probs: list[np.ndarray] | None
+    seconds: float
+
+
+class Drafter(Protocol):
+    def propose(
+        self, context: Sequence[int], k: int, sample: tuple[Probabilities, np.random.Generator] | None
+    ) -> Draft:
+        """Up to ``k`` tokens to follow ``context``; ``sample`` draws instead of taking argmax."""
+
+    def commit(self, kept: int) -> None:
+        """The target kept the first ``kept`` tokens of the last proposal."""
+
+    def close(self) -> None:
+        """Give back what the drafter holds."""
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting: no model, no state."""
+
+    def __init__(self, max_ngram: int = 3):
+        self.max_ngram = max_ngram
+
+    def propose(self, context, k, sample) -> Draft:
+        started = time.perf_counter()
+        ctx = np.asarray(context, dtype=np.int64)
+        tokens: list[int] = []
+        for n in range(min(self.max_ngram, len(ctx) - 1), 0, -1):
+            windows = sliding_window_view(ctx[:-1], n)  # every n-gram that has a successor
+            hits = np.flatnonzero((windows == ctx[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                tokens = ctx[start : start + k].tolist()
+                break
+        return Draft(tokens=tokens, probs=None, seconds=time.perf_counter() - started)
+
+    def commit(self, kept: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ModelDrafter:
+    """A draft model's session. Tracks how much of the committed context its cache holds."""
+
+    def __init__(
+        self,
+        session: ShardSession,
+        vocab_ids: np.ndarray | None,
+        vocab_size: int,
+        release: Callable[[ShardSession], None],
+    ):
+        self._session = session
+        self._vocab_ids = vocab_ids  # sliced head: row index -> token id
+        self._vocab_size = vocab_size
+        self._release = release
+        self._cached = 0  # committed context tokens held (valid) in the draft cache
+        self._proposed = 0  # tokens of the last proposal
+        self._spec_start = 0  # physical index of the first draft token fed back
+
+    def propose(self, context, k, sample) -> Draft:
+        started = time.perf_counter()
+        session = self._session
+        room = session.runner.max_context - session.past_length - (len(context) - self._cached)
+        k = min(k, max(0, room))
+        if k == 0:
+            self._proposed = 0
+            return Draft(tokens=[], probs=None, seconds=time.perf_counter() - started)
+        row = session.run(np.asarray([context[self._cached :]], dtype=np.int64), copy=False)[0, -1]
+        self._cached = len(context)
+        self._spec_start = session.past_length
+        tokens: list[int] = []
+        probs: list[np.ndarray] | None = [] if sample else None
+        step = np.zeros((1, 1), dtype=np.int64)
+        for i in range(k):
+            token = self._pick(row, sample, probs)
+            tokens.append(token)
+            if i < k - 1:
+                step[0, 0] = token
+                row = session.run(step, copy=False)[0, -1]
+        self._proposed = k
+        return Draft(tokens=tokens, probs=probs, seconds=time.perf_counter() - started)
+
+    def _pick(self, row: np.ndarray, sample, probs: list[np.ndarray] | None) -> int:
+        if sample is None:
+            index = int(np.argmax(row))
+            return index if self._vocab_ids is None else int(self._vocab_ids[index])
+        probabilities, rng = sample
+        sliced = probabilities(row)
+        index = int(rng.choice(sliced.size, p=sliced))
+        if self._vocab_ids is None:
+            probs.append(sliced)
+            return index
+        full = np.zeros(self._vocab_size, dtype=sliced.dtype)
+        full[self._vocab_ids] = sliced
+        probs.append(full)
+        return int(self._vocab_ids[index])
+
+    def commit(self, kept: int) -> None:
+        # Drafts 1..k-1 were fed back (the last one never was); keep the accepted ones valid.
+        fed = max(0, self._proposed - 1)
+        keep = min(kept, fed)
+        if fed > keep:
+            self._session.invalidate(self._spec_start + keep, self._spec_start + fed)
+        self._cached += keep
+        self._proposed = 0
+
+    def close(self) -> None:
+        self._release(self._session)
+
+
+class DraftModel:
+    """A compiled draft shard and a pool of its sessions (one per running request)."""
+
+    def __init__(self, runner: ShardRunner, vocab_ids: np.ndarray | None, vocab_size: int):
+        self.runner = runner
+        self.vocab_ids = vocab_ids
+        self.vocab_size = vocab_size
+        self._free: list[ShardSession] = []
+
+    def drafter(self) -> ModelDrafter:
+        session = self._free.pop() if self._free else self.runner.new_session()
+        return ModelDrafter(session, self.vocab_ids, self.vocab_size, self._give_back)
+
+    def _give_back(self, session: ShardSession) -> None:
+        session.reset()
+        self._free.append(session)

@@ -1,0 +1,122 @@
+"""How many tokens to draft per verify step: a fixed K, or K chosen from measurements.
+
+Adaptive K maximises expected tokens per second of one verify step,
+
+    rate(K) = E[tokens | K] / (T(K + 1) + K * t_draft),   E[tokens | K] = 1 + a + a^2 + ... + a^K
+
+where ``a`` is the running per-draft acceptance of this request, ``T(n)`` the measured wall time
+of a pipeline traversal carrying n positions and ``t_draft`` the measured cost of one draft
+token. ``T`` is learned per coordinator (it is a property of the fleet and its links), so it
+holds everything the link costs: round trips, compute of n positions on every stage and the
+bytes of n positions per hop over the link's bandwidth. K = 0 is plain decoding; whenever no
+K > 0 beats it (BloomBee's break-even: the extra bytes and compute of K + 1 positions outweigh the
+round trips saved), the request falls back to plain steps, and tries K = 1 now and then so the
+decision follows the link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Before K + 1 positions are measured, assume each extra position adds this share of a
+# one-position traversal (CPU verify of a few rows costs little more than one row).
+_PRIOR_SLOPE = 0.05
+_EMA = 0.2
+
+
+@dataclass
+class TimingModel:
+    """Wall time of a traversal by number of positions, shared by every request of a coordinator."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def observe(self, positions: int, seconds: float) -> None:
+        old = self.seconds.get(positions)
+        self.seconds[positions] = seconds if old is None else old + _EMA * (seconds - old)
+
+    def estimate(self, positions: int) -> float | None:
+        if positions in self.seconds:
+            return self.seconds[positions]
+        if not self.seconds:
+            return None
+        if len(self.seconds) >= 2:
+            n = np.fromiter(self.seconds.keys(), dtype=np.float64)
+            t = np.fromiter(self.seconds.values(), dtype=np.float64)
+            slope, intercept = np.polyfit(n, t, 1)
+            slope = max(slope, 0.0)
+            return max(float(intercept + slope * positions), 1e-6)
+        ((n0, t0),) = self.seconds.items()
+        return t0 * (1.0 + _PRIOR_SLOPE * (positions - 1)) / (1.0 + _PRIOR_SLOPE * (n0 - 1))
+
+
+def expected_tokens(k: int, acceptance: float) -> float:
+    """Tokens one verify yields when each draft is kept with probability ``acceptance``."""
+    return float(sum(acceptance**i for i in range(k + 1)))
+
+
+class KPolicy:
+    """Chooses K for each verify step of one request."""
+
+    def __init__(
+        self,
+        timing: TimingModel,
+        *,
+        fixed_k: int | None,
+        max_k: int = 10,
+        initial_k: int = 4,
+        explore_every: int = 8,
+    ):
+        self.timing = timing
+        self.fixed_k = fixed_k
+        self.max_k = max_k
+        self.initial_k = initial_k
+        self.explore_every = explore_every
+        # Beta(3, 2) prior on the acceptance, decayed so it follows the text as it changes.
+        self._kept = 3.0
+        self._tried = 5.0
+        self._draft_s = 0.0
+        self._steps = 0
+        self.history: list[int] = []
+
+    @property
+    def acceptance(self) -> float:
+        return self._kept / self._tried
+
+    def choose(self, limit: int) -> int:
+        """K for the next step, at most ``limit`` (remaining tokens and cache room)."""
+        limit = max(0, limit)
+        k = min(self.fixed_k if self.fixed_k is not None else self._adaptive(), limit)
+        self._steps += 1
+        self.history.append(k)
+        return k
+
+    def _adaptive(self) -> int:
+        if not self.timing.seconds:
+            return self.initial_k
+        a = self.acceptance
+        rates = []
+        for k in range(self.max_k + 1):
+            t = self.timing.estimate(k + 1)
+            rates.append(expected_tokens(k, a) / (t + k * self._draft_s) if t else 0.0)
+        best = int(np.argmax(rates))
+        # Probe a neighbour now and then so the estimates near the optimum stay measured.
+        phase = self._steps % self.explore_every
+        if phase == self.explore_every // 2 - 1:
+            return min(best + 1, self.max_k)
+        if phase == self.explore_every - 1:
+            return max(best - 1, 0) if best > 1 else 1
+        return best
+
+    def observe(self, k: int, kept: int, seconds: float, draft_seconds: float) -> None:
+        """One step's outcome: ``kept`` of ``k`` drafts accepted; wall times of the traversal
+        and of drafting."""
+        self.timing.observe(k + 1, seconds)
+        if k == 0:
+            return
+        self._kept = 0.9 * self._kept + kept
+        self._tried = 0.9 * self._tried + kept + (1 if kept < k else 0)
+        per_token = draft_seconds / k
+        old = self._draft_s
+        self._draft_s = per_token if old == 0.0 else old + _EMA * (per_token - old)
