@@ -13,11 +13,13 @@ WEIGHTS ?= int4
 PRECISION ?= default
 STAGE ?= 0
 MODEL ?= smollm2-135m-instruct
+DELAY_MS ?= 50
+RATE_MBIT ?= 100
 
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup proto lint model export test test-fast clean up down run-stage demo bench-parity bench-pipeline bench-mbatch
+.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-pipeline bench-mbatch wan-up wan-down
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -58,6 +60,14 @@ up: model
 down:
 	$(VENV)/bin/pipeshard down
 
+## wan-up: (root) STAGES stages in network namespaces, DELAY_MS one way per hop, RATE_MBIT tbf cap (0 = none); stops itself after an hour
+wan-up: model
+	$(VENV)/bin/pipeshard wan up --stages $(STAGES) --delay-ms $(DELAY_MS) --rate-mbit $(RATE_MBIT) --weights $(WEIGHTS) --precision $(PRECISION)
+
+## wan-down: stop exactly what `make wan-up` started and delete its namespaces and veths
+wan-down:
+	$(VENV)/bin/pipeshard wan down
+
 ## run-stage: run stage STAGE in the foreground from config/topology.yaml
 run-stage: proto
 	$(VENV)/bin/pipeshard stage --topology config/topology.yaml --stage $(STAGE) --log-format console
@@ -84,6 +94,10 @@ bench-mbatch: model
 ## test: the whole suite, slow real-model tests included
 test: proto
 	$(VENV)/bin/pytest -q
+
+## test-exactness: the full speculative exactness matrix (10 prompts x 1/2/3 stages x K x draft source, f32)
+test-exactness: model
+	$(VENV)/bin/pytest -q -m exactness tests/speculation
 
 ## test-fast: unit tests only
 test-fast: proto

@@ -34,10 +34,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument(
+        "--speculative",
+        default="",
+        metavar="none|self|ngram|DRAFT_DIR",
+        help="draft source for speculative decoding (default: the coordinator's; none with --local)",
+    )
+    p.add_argument("--k", type=_k, default=0, metavar="N|auto", help="drafts per verify step (default auto)")
+    p.add_argument("--self-draft", type=Path, default=None, help="--local only: the self-draft export")
     p.add_argument("--precision", choices=("default", "f32"), default="default", help="--local only")
     p.add_argument("--stream", action="store_true", help="print text as it arrives")
     p.add_argument("--json", action="store_true", help="print one JSON object with the result")
     p.set_defaults(func=run)
+
+
+def _k(value: str) -> int:
+    if value == "auto":
+        return 0
+    try:
+        k = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number or auto, got {value!r}") from None
+    if not 1 <= k <= 32:
+        raise argparse.ArgumentTypeError(f"must be in 1..32 or auto, got {k}")
+    return k
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,6 +87,8 @@ def _remote(args: argparse.Namespace, stream: bool) -> GenerateResult:
                 seed=args.seed,
                 stop=args.stop,
                 ignore_eos=args.ignore_eos,
+                speculative=args.speculative,
+                k=args.k,
             ):
                 if stream and response.HasField("chunk"):
                     print(response.chunk.text, end="", flush=True)
@@ -78,37 +100,61 @@ def _remote(args: argparse.Namespace, stream: bool) -> GenerateResult:
 
 
 def _local(args: argparse.Namespace, stream: bool) -> GenerateResult:
-    from services.coordinator.detokenizer import IncrementalDetokenizer
+    """The coordinator's decode loop over every stage in this process (no services)."""
+    import asyncio
+
+    from pipeshard.errors import PipeshardError
+    from services.coordinator.generation import Generation, Summary
+    from services.coordinator.local_ring import LocalRing
     from services.coordinator.prompting import Prompter
-    from services.runtime.chain import LocalChain
+    from services.coordinator.sampling import SamplingParams
+    from services.coordinator.speculation.sources import DraftSources
 
-    if args.temperature:
-        raise SystemExit("pipeshard generate: --local decodes greedily; use a coordinator to sample")
     prompter = Prompter.from_dir(args.local)
-    chain = LocalChain(args.local, precision=args.precision)
-    chain.warmup()  # the first inference prepares kernels (0.5-2 s); keep it out of ttft
-    detok = IncrementalDetokenizer(prompter.tokenizer)
-    eos = prompter.eos_ids
-
-    def on_token(token: int) -> None:
-        if token in eos and not args.ignore_eos:
-            return
-        detok.add(token)
-        if stream:
-            print(detok.delta(), end="", flush=True)
-
-    ids = prompter.encode("", [("user", args.prompt)])
-    out = chain.generate_greedy(
-        ids, args.max_tokens, eos_ids=sorted(eos), ignore_eos=args.ignore_eos, on_token=on_token
+    ring = LocalRing(args.local, precision=args.precision)
+    ring.warmup()  # the first inference prepares kernels (0.5-2 s); keep it out of ttft
+    generation = Generation(
+        ring,
+        prompter.tokenizer,
+        prompter.eos_ids,
+        drafts=DraftSources(args.local, self_draft=args.self_draft),
     )
-    if stream:
-        print(detok.delta(final=True), end="", flush=True)
+    ids = prompter.encode("", [("user", args.prompt)])
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature or 0.0,
+        top_p=1.0 if args.top_p is None else args.top_p,
+        top_k=args.top_k or 0,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+        ignore_eos=args.ignore_eos,
+    )
+
+    async def generate() -> Summary:
+        params.validate(prompt_tokens=len(ids), max_context=ring.max_context, vocab_size=ring.vocab_size)
+        summary = None
+        async for event in generation.run(ids, params, speculative=args.speculative, k=args.k):
+            if isinstance(event, Summary):
+                summary = event
+            elif stream:
+                print(event.text, end="", flush=True)
+        return summary
+
+    try:
+        summary = asyncio.run(generate())
+    except PipeshardError as exc:
+        print(f"pipeshard generate: {exc.code}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     return GenerateResult(
-        text=detok.text,
-        token_ids=out.token_ids,
-        finish_reason=out.finish_reason,
-        prompt_tokens=out.prompt_tokens,
-        completion_tokens=out.completion_tokens,
-        ttft_ms=out.ttft_s * 1000.0,
-        tok_s=out.tok_s,
+        text=summary.text,
+        token_ids=summary.token_ids,
+        finish_reason=summary.finish_reason,
+        prompt_tokens=summary.prompt_tokens,
+        completion_tokens=summary.completion_tokens,
+        ttft_ms=summary.ttft_ms,
+        tok_s=summary.tok_s,
+        speculative=summary.speculative,
+        verify_steps=summary.verify_steps,
+        draft_tokens=summary.draft_tokens,
+        accepted_tokens=summary.accepted_tokens,
     )

@@ -34,6 +34,10 @@ class GenerateResult:
     completion_tokens: int = 0
     ttft_ms: float = 0.0
     tok_s: float = 0.0
+    speculative: str = "none"
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 def build_request(
@@ -88,6 +92,10 @@ def fold(result: GenerateResult, response: coordinator_pb2.GenerateResponse) -> 
         result.completion_tokens = s.completion_tokens
         result.ttft_ms = s.ttft_ms
         result.tok_s = s.tok_s
+        result.speculative = s.speculative
+        result.verify_steps = s.verify_steps
+        result.draft_tokens = s.draft_tokens
+        result.accepted_tokens = s.accepted_tokens
     return result
 
 

@@ -14,6 +14,7 @@ _COMMAND_MODULES = (
     "exporter.cli",
     "clients.cli",
     "services.fleet_cli",
+    "services.wan.cli",
 )
 
 # Long-running services parse their own flags (typed settings, each also an environment variable).

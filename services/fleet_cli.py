@@ -31,11 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     down.set_defaults(func=run_down)
 
 
-def run_up(args: argparse.Namespace) -> int:
-    if (RUN_DIR / "pids").exists():
-        print("a fleet is already up (run `make down` first)", file=sys.stderr)
-        return 1
-    shards = shards_dir() / export_name(args.model, args.stages, args.weights)
+def ensure_shards(model: str, stages: int, weights: str) -> Path:
+    """The export folder for (model, stages, weights), fetching and exporting it when missing."""
+    shards = shards_dir() / export_name(model, stages, weights)
     if not (shards / "manifest.json").exists():
         cli = [sys.executable, "-m", "pipeshard.cli"]
         subprocess.run([*cli, "model", "fetch"], check=True)
@@ -44,16 +42,24 @@ def run_up(args: argparse.Namespace) -> int:
                 *cli,
                 "export",
                 "--model",
-                args.model,
+                model,
                 "--stages",
-                str(args.stages),
+                str(stages),
                 "--weights",
-                args.weights,
+                weights,
                 "--out",
                 str(shards),
             ],
             check=True,
         )
+    return shards
+
+
+def run_up(args: argparse.Namespace) -> int:
+    if (RUN_DIR / "pids").exists():
+        print("a fleet is already up (run `make down` first)", file=sys.stderr)
+        return 1
+    shards = ensure_shards(args.model, args.stages, args.weights)
     topo = Topology.loopback(str(shards), args.stages, args.precision)
     topo.save(TOPOLOGY)
     fleet = start_fleet(

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,14 +74,23 @@ def _stop_owned() -> None:
 
 
 def spawn(
-    name: str, args: list[str], run_dir: Path, env: dict[str, str], timeout_s: float, *, detach: bool = False
+    name: str,
+    args: list[str],
+    run_dir: Path,
+    env: dict[str, str],
+    timeout_s: float,
+    *,
+    detach: bool = False,
+    prefix: Sequence[str] = (),
+    module: str = "pipeshard.cli",
 ) -> Process:
-    """Start ``pipeshard ARGS`` and wait for its ``listening on`` line. Unless ``detach`` (``make up``),
-    the process is killed when this interpreter exits, however it exits."""
+    """Start ``[PREFIX] python -m MODULE ARGS`` and wait for its ``listening on`` line. Unless ``detach``
+    (``make up``), the process is killed when this interpreter exits, however it exits. ``prefix``
+    wraps the command (``ip netns exec NS`` for the WAN emulator; it must exec, so the pid stays)."""
     log = run_dir / f"{name.replace(' ', '')}.log"
     out = log.open("w")
     popen = subprocess.Popen(
-        [sys.executable, "-m", "pipeshard.cli", *args],
+        [*prefix, sys.executable, "-m", module, *args],
         stdout=out,
         stderr=subprocess.STDOUT,
         env=env,
@@ -104,6 +114,46 @@ def spawn(
     raise RuntimeError(f"{name} did not start within {timeout_s:g} s; see {log}")
 
 
+def fleet_env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+        "TRANSFORMERS_OFFLINE": os.environ.get("TRANSFORMERS_OFFLINE", "1"),
+    }
+
+
+def stage_args(
+    k: int,
+    shards: Path,
+    port: int,
+    precision: str,
+    log_format: str,
+    next_hop: str | None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """``pipeshard stage`` arguments for stage ``k`` (no ``--next-hop`` for the final stage)."""
+    args = ["stage", "--stage", str(k), "--shards", str(shards), "--port", str(port)]
+    args += ["--precision", precision, "--log-format", log_format, *extra]
+    return [*args, "--next-hop", next_hop] if next_hop else args
+
+
+def coordinator_args(
+    stages: list[str], shards: Path, port: int, log_format: str, extra: Sequence[str] = ()
+) -> list[str]:
+    return [
+        "coordinator",
+        "--stages",
+        ",".join(stages),
+        "--shards",
+        str(shards),
+        "--port",
+        str(port),
+        "--log-format",
+        log_format,
+        *extra,
+    ]
+
+
 def start_fleet(
     shards: Path,
     num_stages: int,
@@ -124,11 +174,7 @@ def start_fleet(
     With ``exporter_port`` set, an exporter service over the shards' parent folder starts first and
     every stage may pull its shard from it."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
-        "TRANSFORMERS_OFFLINE": os.environ.get("TRANSFORMERS_OFFLINE", "1"),
-    }
+    env = fleet_env()
     ports = stage_ports or [0] * num_stages
     fleet = Fleet(run_dir)
     next_hop: str | None = None
@@ -153,39 +199,13 @@ def start_fleet(
             fleet.processes.append(exporter)
             extra_stage_args = [*extra_stage_args, "--exporter", exporter.address]
         for k in reversed(range(num_stages)):
-            args = [
-                "stage",
-                "--stage",
-                str(k),
-                "--shards",
-                str(shards),
-                "--port",
-                str(ports[k]),
-                "--precision",
-                precision,
-                "--log-format",
-                log_format,
-                *extra_stage_args,
-            ]
-            if next_hop:
-                args += ["--next-hop", next_hop]
+            args = stage_args(k, shards, ports[k], precision, log_format, next_hop, extra_stage_args)
             proc = spawn(f"stage{k}", args, run_dir, env, timeout_s, detach=detach)
             fleet.processes.insert(1 if exporter_port is not None else 0, proc)
             next_hop = proc.address
         coordinator = spawn(
             "coordinator",
-            [
-                "coordinator",
-                "--stages",
-                ",".join(fleet.stages),
-                "--shards",
-                str(shards),
-                "--port",
-                str(coordinator_port),
-                "--log-format",
-                log_format,
-                *extra_coordinator_args,
-            ],
+            coordinator_args(fleet.stages, shards, coordinator_port, log_format, extra_coordinator_args),
             run_dir,
             env,
             timeout_s,

@@ -38,6 +38,7 @@ class LocalRing:
             for i in range(manifest["num_stages"])
         ]
         self.max_context = manifest["max_context"]
+        self.vocab_size = manifest["model"]["vocab_size"]
         self._engines = [
             StageEngine(
                 SessionTable(r.new_session, max_sessions, idle_timeout_s=float("inf")),

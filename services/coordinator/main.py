@@ -17,6 +17,7 @@ from services.coordinator.local_stage import LocalEntry, LocalStageStub
 from services.coordinator.prompting import Prompter
 from services.coordinator.ring import Ring
 from services.coordinator.servicer import CoordinatorServicer
+from services.coordinator.speculation.sources import DraftSources
 from services.stage.main import StageSettings, build_node
 from services.stage.servicer import StageServicer
 from services.topology import Topology
@@ -39,6 +40,16 @@ class CoordinatorSettings(ServerSettings):
     prefill_chunk: int = setting(256, "prompt tokens per prefill step (fixed: outputs never depend on load)")
     host_stage0: bool = setting(False, "run stage 0 in this process; --stages then lists stages 1..N-1")
     precision: str = setting("default", "inference precision of a hosted stage 0", choices=("default", "f32"))
+    speculative: str = setting(
+        "none", "speculation of requests that do not choose: none, ngram, self or a draft model folder"
+    )
+    self_draft: Path | None = setting(
+        None, "self-draft export (pipeshard export --draft-layers K) used by `--speculative self`"
+    )
+    draft_cache: Path | None = setting(
+        None, "where Hugging Face draft folders are exported on first use (default: <shards>/../.drafts)"
+    )
+    max_k: int = setting(10, "largest draft length adaptive K may choose")
     hop_delay_ms: float = setting(
         0.0, "emulated one-way latency added to every frame sent into the ring (benchmarks)"
     )
@@ -55,6 +66,10 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
         raise InvalidArgument("stages", "must list at least one stage address (or give --topology)")
     if settings.shards is None:
         raise InvalidArgument("shards", "is required (or give --topology)")
+    if not 1 <= settings.max_k <= 32:
+        raise InvalidArgument("max_k", f"must be in 1..32, got {settings.max_k}")
+    if settings.speculative == "self" and settings.self_draft is None:
+        raise InvalidArgument("speculative", "self needs --self-draft DIR")
     return settings
 
 
@@ -88,7 +103,17 @@ class Coordinator:
         await self.ring.wait_ready(self.settings.ready_timeout_s)
         self.servicer = CoordinatorServicer(
             Generation(
-                self.ring, prompter.tokenizer, prompter.eos_ids, prefill_chunk=self.settings.prefill_chunk
+                self.ring,
+                prompter.tokenizer,
+                prompter.eos_ids,
+                prefill_chunk=self.settings.prefill_chunk,
+                drafts=DraftSources(
+                    Path(self.settings.shards),
+                    self_draft=self.settings.self_draft,
+                    draft_cache=self.settings.draft_cache,
+                ),
+                default_speculative=self.settings.speculative,
+                max_k=self.settings.max_k,
             ),
             prompter,
             max_context=manifest["max_context"],

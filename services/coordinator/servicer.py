@@ -58,12 +58,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         params.validate(
             prompt_tokens=len(prompt_ids), max_context=self._max_context, vocab_size=self._vocab_size
         )
+        self._generation.check_speculative(request.speculative, request.k)
         async with self._admission.slot(context.time_remaining() if context else None):
-            async for response in self._stream(prompt_ids, params):
+            async for response in self._stream(prompt_ids, params, request.speculative, request.k):
                 yield response
 
-    async def _stream(self, prompt_ids: list[int], params: SamplingParams):
-        async for event in self._generation.run(prompt_ids, params):
+    async def _stream(self, prompt_ids: list[int], params: SamplingParams, speculative: str, k: int):
+        async for event in self._generation.run(prompt_ids, params, speculative=speculative, k=k):
             if isinstance(event, Chunk):
                 yield coordinator_pb2.GenerateResponse(
                     chunk=coordinator_pb2.TokenChunk(text=event.text, token_ids=event.token_ids)
@@ -78,5 +79,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                         tok_s=event.tok_s,
                         text=event.text,
                         error=event.error,
+                        speculative=event.speculative,
+                        verify_steps=event.verify_steps,
+                        draft_tokens=event.draft_tokens,
+                        accepted_tokens=event.accepted_tokens,
                     )
                 )

@@ -45,6 +45,9 @@ class StageSettings(ServerSettings):
     exporter: str | None = setting(None, "exporter to pull this stage's shard from when it is missing")
     raw_tcp_port: int = setting(0, "also serve the raw-TCP baseline on this port (benchmarks; 0 = off)")
     raw_tcp_next_hop: str | None = setting(None, "raw-TCP address of the next stage (benchmarks)")
+    hop_delay_ms: float = setting(
+        0.0, "emulated one-way latency added to every frame or result this stage sends (benchmarks)"
+    )
 
 
 def resolve(settings: StageSettings) -> StageSettings:
@@ -89,8 +92,11 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         hidden_size=runner.hidden_size,
         max_context=runner.max_context,
     )
-    hop = HopStream(settings.next_hop) if settings.next_hop else None
-    node = StageNode(engine, settings.stage, next_hop=hop, codec=CODECS[settings.codec])
+    delay_s = settings.hop_delay_ms / 1000.0
+    hop = HopStream(settings.next_hop, delay_s=delay_s) if settings.next_hop else None
+    node = StageNode(
+        engine, settings.stage, next_hop=hop, codec=CODECS[settings.codec], results_delay_s=delay_s
+    )
     info = stage_pb2.GetStageInfoResponse(
         stage_index=settings.stage,
         num_stages=runner.num_stages,

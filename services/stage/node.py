@@ -38,13 +38,14 @@ class StageNode:
         *,
         next_hop: HopStream | None,
         codec: int = Codec.CODEC_NONE,
+        results_delay_s: float = 0.0,
     ):
         if engine.is_last != (next_hop is None):
             raise ValueError("exactly the final stage has no next hop")
         self.engine = engine
         self.stage_index = stage_index
         self.next_hop = next_hop
-        self.results = ResultBroker()
+        self.results = ResultBroker(results_delay_s)
         self._codec = codec
         self._port = "input_ids" if engine.is_first else "hidden_states"
         self._reaper: asyncio.Task | None = None

@@ -1,4 +1,9 @@
-"""Fan-out of the final stage's results to subscribed coordinators (the ring's return path)."""
+"""Fan-out of the final stage's results to subscribed coordinators (the ring's return path).
+
+With ``delay_s`` > 0 (the final stage's ``--hop-delay-ms``) each subscription is a
+:class:`DelayQueue`, so results reach the coordinator one emulated hop late: the return leg is
+delayed where it is sent, like every other hop.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +12,23 @@ import asyncio
 import structlog
 
 from pipeshard.v1 import activation_pb2
+from services.transport.delay import DelayQueue
 
 log = structlog.get_logger(__name__)
 
 
 class ResultBroker:
-    def __init__(self) -> None:
-        self._queues: dict[str, asyncio.Queue] = {}
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self._delay_s = delay_s
+        self._queues: dict[str, asyncio.Queue | DelayQueue] = {}
 
-    def subscribe(self, subscriber_id: str) -> asyncio.Queue:
+    def subscribe(self, subscriber_id: str) -> asyncio.Queue | DelayQueue:
         """A new subscription replaces an older one with the same id (a reconnecting coordinator)."""
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = DelayQueue(self._delay_s) if self._delay_s > 0 else asyncio.Queue()
         self._queues[subscriber_id] = queue
         return queue
 
-    def unsubscribe(self, subscriber_id: str, queue: asyncio.Queue) -> None:
+    def unsubscribe(self, subscriber_id: str, queue: asyncio.Queue | DelayQueue) -> None:
         if self._queues.get(subscriber_id) is queue:
             del self._queues[subscriber_id]
 

@@ -4,6 +4,9 @@ Frames go into a queue; one task keeps a stream open (``wait_for_ready`` lets gR
 with backoff until the hop is up, so start order does not matter) and feeds it from the
 queue. A frame lost with a broken stream is not resent: the coordinator's step deadline
 notices, names the stage and releases the session.
+
+With ``delay_s`` > 0 (``--hop-delay-ms``, the in-process WAN emulation) the queue is a
+:class:`DelayQueue`: each frame leaves ``delay_s`` after ``send``, in order, many in flight.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import structlog
 
 from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc
 from services.transport.channels import open_channel
+from services.transport.delay import DelayQueue
 
 log = structlog.get_logger(__name__)
 
@@ -29,10 +33,13 @@ class HopStream:
         *,
         on_error: Callable[[stage_pb2.ForwardResponse], None] | None = None,
         queue_size: int = 1024,
+        delay_s: float = 0.0,
     ):
         self.address = address
         self._on_error = on_error
-        self._queue: asyncio.Queue = asyncio.Queue(maxsize=queue_size)
+        self._queue: asyncio.Queue | DelayQueue = (
+            DelayQueue(delay_s, queue_size) if delay_s > 0 else asyncio.Queue(maxsize=queue_size)
+        )
         self._channel = open_channel(address)
         self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
         self._task: asyncio.Task | None = None

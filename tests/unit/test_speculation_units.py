@@ -1,0 +1,131 @@
+"""Acceptance rules, prompt lookup, the K policy and the session cursor, without a model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from services.coordinator.generation import _Cursor
+from services.coordinator.sampling import Sampler, SamplingParams
+from services.coordinator.speculation.acceptance import accept_greedy, accept_sampled
+from services.coordinator.speculation.drafts import NgramDrafter
+from services.coordinator.speculation.policy import KPolicy, TimingModel, expected_tokens
+
+
+def test_greedy_keeps_the_matching_prefix_and_the_targets_next_token():
+    assert accept_greedy([5, 6, 7], [5, 6, 9, 1]) == [5, 6, 9]
+    assert accept_greedy([5, 6, 7], [4, 6, 7, 1]) == [4]
+    assert accept_greedy([5, 6, 7], [5, 6, 7, 1]) == [5, 6, 7, 1]
+    assert accept_greedy([], [3]) == [3]
+    with pytest.raises(ValueError, match="need 3 target tokens"):
+        accept_greedy([1, 2], [1, 2])
+
+
+def _first_token_counts(draft_probs, target, draws: int, seed: int) -> np.ndarray:
+    """Run the acceptance rule many times; count the first emitted token."""
+    rng = np.random.default_rng(seed)
+    vocab = target.shape[1]
+    counts = np.zeros(vocab)
+    for _ in range(draws):
+        if draft_probs is None:
+            drafts = [int(rng.integers(vocab)) for _ in range(target.shape[0] - 1)]
+            probs = None
+        else:
+            drafts = [int(rng.choice(vocab, p=q)) for q in draft_probs]
+            probs = draft_probs
+        out = accept_sampled(drafts, probs, np.log(target), lambda row: np.exp(row) / np.exp(row).sum(), rng)
+        counts[out[0]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("draft", ["model", "point-mass"])
+def test_rejection_sampling_follows_the_target_distribution(draft):
+    """The first emitted token must be distributed as the target's first row, whatever the draft."""
+    rng = np.random.default_rng(0)
+    vocab, k, draws = 6, 3, 20000
+    target = rng.dirichlet(np.ones(vocab), size=k + 1)
+    # A draft that is confidently wrong about the target.
+    draft_probs = None if draft == "point-mass" else list(rng.dirichlet(np.full(vocab, 0.3), size=k))
+    counts = _first_token_counts(draft_probs, target, draws, seed=1)
+    p_value = stats.chisquare(counts, target[0] * draws).pvalue
+    assert p_value > 1e-3, (counts / draws, target[0])
+
+
+def test_rejection_sampling_check_can_fail():
+    """The same check rejects a rule that keeps every draft (the draft's distribution leaks)."""
+    rng = np.random.default_rng(0)
+    vocab, draws = 6, 20000
+    target = rng.dirichlet(np.ones(vocab), size=2)
+    q = rng.dirichlet(np.full(vocab, 0.3))
+    counts = np.bincount(rng.choice(vocab, size=draws, p=q), minlength=vocab)
+    assert stats.chisquare(counts, target[0] * draws).pvalue < 1e-3
+
+
+def test_ngram_proposes_what_followed_the_latest_match():
+    drafter = NgramDrafter(max_ngram=3)
+    context = [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 1, 2, 3]
+    # suffix [1, 2, 3] last occurred at the start: what followed was 4, 5, 9
+    assert drafter.propose(context, 3, None).tokens == [4, 5, 9]
+    assert drafter.propose([1, 2, 3, 4], 3, None).tokens == []  # 4 never occurred before
+    assert drafter.propose([7, 7], 5, None).tokens == [7]  # 1-gram: what followed the earlier 7
+
+
+def test_expected_tokens():
+    assert expected_tokens(0, 0.7) == 1.0
+    assert expected_tokens(3, 1.0) == 4.0
+    assert expected_tokens(2, 0.5) == pytest.approx(1.75)
+
+
+def _trained(slope_s: float, fixed_s: float) -> TimingModel:
+    timing = TimingModel()
+    for n in (1, 2, 4, 6, 9, 11):
+        timing.observe(n, fixed_s + slope_s * n)
+    return timing
+
+
+def _policy_with_acceptance(timing: TimingModel, acceptance_steps: int = 30) -> KPolicy:
+    policy = KPolicy(timing, fixed_k=None, max_k=10, explore_every=1000)
+    for _ in range(acceptance_steps):
+        policy.observe(5, 4, timing.estimate(6), 0.0)  # 4 of 5 kept: acceptance about 0.8
+    return policy
+
+
+def test_adaptive_k_is_long_when_round_trips_dominate():
+    policy = _policy_with_acceptance(_trained(slope_s=0.002, fixed_s=0.4))  # 100 ms per hop
+    assert 0.7 < policy.acceptance < 0.9
+    assert policy.choose(limit=100) >= 8
+
+
+def test_adaptive_k_is_short_on_a_fast_link():
+    policy = _policy_with_acceptance(_trained(slope_s=0.004, fixed_s=0.02))
+    assert 1 <= policy.choose(limit=100) <= 6
+
+
+def test_adaptive_k_falls_back_to_plain_when_positions_cost_more_than_round_trips_save():
+    # A slow link: each extra position's bytes cost as much as a whole round trip.
+    policy = _policy_with_acceptance(_trained(slope_s=0.05, fixed_s=0.01))
+    assert policy.choose(limit=100) == 0
+
+
+def test_fixed_k_is_kept_and_clipped():
+    policy = KPolicy(TimingModel(), fixed_k=5)
+    assert [policy.choose(10), policy.choose(3), policy.choose(0)] == [5, 3, 0]
+
+
+def test_cursor_masks_rejected_positions_in_the_next_frame():
+    cursor = _Cursor("s", greedy=True)
+    cursor.frame([1, 2, 3, 4])  # prompt: physical 0..3
+    cursor.frame([9, 10, 11, 12], return_last=4)  # last token + 3 drafts at 4..7
+    cursor.reject(2)  # drafts at 6, 7 rejected
+    frame = cursor.frame([13], return_last=1)
+    assert [(r.start, r.end) for r in frame.mask_update.invalidate] == [(6, 8)]
+    assert list(frame.positions) == [6]  # logical position continues after the kept tokens
+    assert cursor.physical == 9 and cursor.logical == 7
+    assert not cursor.frame([14]).mask_update.invalidate
+
+
+def test_sampler_probabilities_are_what_acceptance_uses():
+    sampler = Sampler(SamplingParams(temperature=0.7, top_k=3, seed=1))
+    p = sampler.probabilities(np.array([3.0, 1.0, 2.0, 0.5]))
+    assert p[3] == 0.0 and p.sum() == pytest.approx(1.0)
