@@ -19,7 +19,7 @@ RATE_MBIT ?= 100
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-pipeline bench-mbatch wan-up wan-down
+.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-pipeline bench-mbatch bench-spec wan-up wan-down
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -90,6 +90,10 @@ bench-pipeline: model
 ## bench-mbatch: 1-8 concurrent streams across 2- and 3-stage fleets (bench/results/mbatch.json)
 bench-mbatch: model
 	$(PY) -m bench.mbatch
+
+## bench-spec: speculative decoding single node (every draft source and K) and across the WAN emulator (bench/results/spec.json)
+bench-spec: model
+	$(PY) -m bench.spec
 
 ## test: the whole suite, slow real-model tests included
 test: proto

@@ -48,6 +48,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     split.add_argument(
         "--split", default=_env("split"), help="layers per stage, comma-separated, e.g. 10,10,10"
     )
+    p.add_argument(
+        "--draft-layers",
+        type=int,
+        default=_int_or_none(_env("draft_layers")),
+        help="export a one-stage speculative draft: the first K layers + final norm + LM head",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=_int_or_none(_env("draft_vocab")),
+        help="the draft's LM head scores only N token ids (BPE merge order, special tokens always in)",
+    )
     p.add_argument("--weights", default=_env("weights", "int4"), choices=("int4", "int8", "fp16", "fp32"))
     p.add_argument(
         "--group-size",
@@ -76,7 +88,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--out",
         type=Path,
         default=_env("out"),
-        help="output folder (default SHARDS_DIR/<model>-<N>s-<weights>)",
+        help="output folder (default SHARDS_DIR/<model>-<N>s-<weights>, "
+        "for a draft SHARDS_DIR/<model>-draft<K>[-v<N>]-<weights>)",
     )
     p.add_argument(
         "--no-beam-idx",
@@ -109,36 +122,52 @@ def resolve_model(spec: str) -> Path:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from exporter.draft import export_draft
     from exporter.export import export_model, resolve_split
     from exporter.families import load_config, resolve_spec
     from exporter.progress import ProgressPrinter
 
     try:
-        if args.stages is None and args.split is None:
-            raise InvalidArgument("stages", "is required (or give --split)")
         model_dir = resolve_model(args.model)
-        spec = resolve_spec(load_config(model_dir))
-        layers = resolve_split(spec.num_layers, args.stages, args.split)
+        if args.draft_layers is not None:
+            if args.stages not in (None, 1) or args.split is not None:
+                raise InvalidArgument("stages", "does not apply to a draft (a draft is one stage)")
+            name = paths.draft_export_name(model_dir.name, args.draft_layers, args.draft_vocab, args.weights)
+        elif args.draft_vocab is not None:
+            raise InvalidArgument("draft_vocab", "needs --draft-layers")
+        elif args.stages is None and args.split is None:
+            raise InvalidArgument("stages", "is required (or give --split)")
+        else:
+            spec = resolve_spec(load_config(model_dir))
+            layers = resolve_split(spec.num_layers, args.stages, args.split)
+            name = paths.export_name(model_dir.name, len(layers), args.weights)
         group = args.group_size if args.group_size in (None, "auto") else _parse_group(args.group_size)
-        out = args.out or paths.shards_dir() / paths.export_name(model_dir.name, len(layers), args.weights)
+        out = args.out or paths.shards_dir() / name
+        options = dict(
+            weights=args.weights,
+            group_size=group,
+            head_precision=args.head_precision,
+            int8_sym=args.int8_sym,
+            max_context=args.max_context,
+            beam_idx=not args.no_beam_idx,
+            force=args.force,
+            model_name=model_dir.name,
+            isolate=not args.in_process,
+            convert_tokenizer=not args.no_ov_tokenizer,
+        )
         printer = ProgressPrinter()
         try:
-            result = export_model(
-                model_dir,
-                out,
-                split=layers,
-                weights=args.weights,
-                group_size=group,
-                head_precision=args.head_precision,
-                int8_sym=args.int8_sym,
-                max_context=args.max_context,
-                beam_idx=not args.no_beam_idx,
-                force=args.force,
-                model_name=model_dir.name,
-                progress=printer,
-                isolate=not args.in_process,
-                convert_tokenizer=not args.no_ov_tokenizer,
-            )
+            if args.draft_layers is not None:
+                result = export_draft(
+                    model_dir,
+                    out,
+                    layers=args.draft_layers,
+                    vocab=args.draft_vocab,
+                    progress=printer,
+                    **options,
+                )
+            else:
+                result = export_model(model_dir, out, split=layers, progress=printer, **options)
         finally:
             printer.close()
     except PipeshardError as exc:
@@ -152,8 +181,9 @@ def run_export(args: argparse.Namespace) -> int:
             f"{e['seconds']:.1f} s, peak RSS {e['peak_rss_bytes'] / 2**20:.0f} MiB ({e['rss_scope']})"
         )
     w = m["weights"]
+    kind = f"draft of {m['draft']['layers']} layers" if "draft" in m else f"{m['num_stages']} stages"
     print(
-        f"exported {m['model']['name']} to {result.path}: {m['num_stages']} stages, {w['format']}"
+        f"exported {m['model']['name']} to {result.path}: {kind}, {w['format']}"
         + (f" (group {w['group_size']})" if w.get("group_size") else "")
         + f", max_context {m['max_context']}, {result.seconds:.1f} s"
     )

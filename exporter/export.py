@@ -23,11 +23,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from exporter import EXPORTER_VERSION
 from exporter.compress import CompressionPlan, make_plan
-from exporter.families import ModelSpec, load_config, resolve_spec
+from exporter.families import ModelSpec, cut_config, load_config, resolve_spec
 from exporter.manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -39,6 +39,9 @@ from exporter.manifest import (
 from exporter.weights import weight_files
 from pipeshard import errors
 from pipeshard.errors import FailedPrecondition, InvalidArgument
+
+if TYPE_CHECKING:
+    from exporter.draft import DraftPlan
 
 MODEL_XML = "openvino_model.xml"
 TOKENIZER_FILES = (
@@ -82,6 +85,7 @@ class StageJob:
     out_dir: str
     plan: CompressionPlan
     beam_idx: bool
+    head_ids: tuple[int, ...] | None = None  # a draft's vocabulary slice: the LM head rows kept
 
 
 @dataclass
@@ -183,6 +187,8 @@ def export_stage(job: StageJob, progress: ProgressFn) -> dict[str, Any]:
 
     phase("load", 0.0, f"layers {job.layer_start}..{job.layer_end - 1}")
     weights = load_stage_weights(Path(job.model_dir), spec, job.layer_start, job.layer_end)
+    if job.head_ids is not None:
+        weights["lm_head.weight"] = weights["lm_head.weight"][list(job.head_ids)]
     module = build_stage_module(spec, job.layer_start, job.layer_end, weights)
     del weights
     phase("load", 1.0, f"{sum(p.numel() for p in module.parameters()) / 1e6:.1f} M parameters")
@@ -399,11 +405,13 @@ def export_model(
     progress: ProgressFn | None = None,
     isolate: bool = True,
     convert_tokenizer: bool = True,
+    draft: DraftPlan | None = None,
 ) -> ExportResult:
     """Export ``model_dir`` (a Hugging Face folder with safetensors) into N stage shards at ``out_dir``.
 
     ``isolate`` runs each stage in a spawned process (peak RSS per stage, memory freed between
-    stages); tests of tiny models turn it off to save the process start-up.
+    stages); tests of tiny models turn it off to save the process start-up. ``draft`` (see
+    ``exporter.draft.export_draft``) exports the model cut to its first layers as one stage.
     """
     t0 = time.perf_counter()
     progress = progress or _default_progress
@@ -411,6 +419,11 @@ def export_model(
     out_dir = Path(out_dir)
     config = load_config(model_dir)
     spec = resolve_spec(config)
+    if draft is not None:
+        if stages != 1 or split is not None:
+            raise InvalidArgument("stages", "must be 1 for a draft (a draft is one stage)")
+        config = cut_config(config, draft.layers)  # a k-layer model: its one stage is the last
+        spec = resolve_spec(config)
     layers = resolve_split(spec.num_layers, stages, split)
     plan = make_plan(spec, weights, group_size, head_precision, int8_sym)
     context = resolve_max_context(spec, max_context)
@@ -426,7 +439,17 @@ def export_model(
         stage_entries = []
         start = 0
         for index, count in enumerate(layers):
-            job = StageJob(str(model_dir), config, index, start, start + count, str(tmp), plan, beam_idx)
+            job = StageJob(
+                str(model_dir),
+                config,
+                index,
+                start,
+                start + count,
+                str(tmp),
+                plan,
+                beam_idx,
+                None if draft is None else draft.vocab_ids,
+            )
             if isolate:
                 entry = run_stage_isolated(job, progress)
             else:
@@ -436,6 +459,7 @@ def export_model(
             start += count
 
         tok_info = copy_tokenizer(model_dir, tmp, progress, convert_ov=convert_tokenizer)
+        draft_entry = None if draft is None else draft.write(tmp, stage_entries[0]["folder"])
         progress(ProgressEvent(None, "manifest", 0.0, "hashing files"))
         fingerprint = model_fingerprint(model_dir / "config.json", wfiles)
         files = file_records(tmp)
@@ -462,6 +486,8 @@ def export_model(
             "tokenizer": tok_info,
             "files": files,
         }
+        if draft_entry is not None:
+            manifest["draft"] = draft_entry
         write_manifest(tmp, manifest)
         _replace_folder(tmp, out_dir)
     except BaseException:

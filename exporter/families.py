@@ -175,6 +175,14 @@ def resolve_spec(config: dict[str, Any]) -> ModelSpec:
     )
 
 
+def cut_config(config: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The config of the model's first ``layers`` layers (a draft, or a truncated HF folder)."""
+    out = {**config, get_family(config.get("model_type")).num_layers: layers}
+    if isinstance(out.get("layer_types"), list):  # per-layer attention kinds in newer configs
+        out["layer_types"] = out["layer_types"][:layers]
+    return out
+
+
 def load_config(model_dir: Path) -> dict[str, Any]:
     """Read ``config.json`` from a Hugging Face model folder."""
     path = Path(model_dir) / "config.json"

@@ -18,7 +18,9 @@ Top-level keys (``format_version`` 1):
 - ``tokenizer``: ``files`` copied, ``chat_template`` (bool), ``openvino_tokenizer`` /
   ``openvino_detokenizer`` (file names or null) and ``error`` when conversion failed;
 - ``files``: relative path -> {``sha256``, ``size``} for every file of the export except the
-  manifest itself.
+  manifest itself;
+- ``draft`` (drafts only): ``layers``, ``vocab_ids`` (path of the int64 .npy of the LM head's
+  token ids, or null for the full vocabulary), ``source_layers``.
 """
 
 from __future__ import annotations

@@ -115,9 +115,12 @@ class DecoderLayer(nn.Module):
 
 
 class StageModule(nn.Module):
-    """Layers [layer_start, layer_end) of a model; embeddings if it starts at 0, head if it ends last."""
+    """Layers [layer_start, layer_end) of a model; embeddings if it starts at 0, head if it ends last.
 
-    def __init__(self, spec: ModelSpec, layer_start: int, layer_end: int):
+    ``head_size`` < vocab_size is a draft's vocabulary slice: the LM head holds only those rows.
+    """
+
+    def __init__(self, spec: ModelSpec, layer_start: int, layer_end: int, head_size: int | None = None):
         super().__init__()
         self.spec = spec
         self.layer_start, self.layer_end = layer_start, layer_end
@@ -128,7 +131,7 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(layer_start, layer_end))
         if self.is_last:
             self.norm = RMSNorm(spec.hidden_size, spec.rms_eps)
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = nn.Linear(spec.hidden_size, head_size or spec.vocab_size, bias=False)
         d = spec.head_dim
         inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -207,9 +210,11 @@ class StageModule(nn.Module):
 def build_stage_module(
     spec: ModelSpec, layer_start: int, layer_end: int, weights: dict[str, torch.Tensor]
 ) -> StageModule:
-    """A StageModule with ``weights`` (stage-module state-dict keys) assigned, in eval mode."""
+    """A StageModule with ``weights`` (stage-module state-dict keys) assigned, in eval mode; the LM
+    head is as wide as its weight (a draft's vocabulary slice has fewer rows than the vocabulary)."""
+    head = weights.get("lm_head.weight")
     with torch.device("meta"):
-        module = StageModule(spec, layer_start, layer_end)
+        module = StageModule(spec, layer_start, layer_end, None if head is None else head.shape[0])
     module.load_state_dict(weights, strict=True, assign=True)
     d = spec.head_dim
     module.inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))

@@ -28,3 +28,8 @@ def default_model_dir() -> Path:
 def export_name(model: str, stages: int, weights: str) -> str:
     """Folder name of an export: ``<model>-<N>s-<weights>``."""
     return f"{model}-{stages}s-{weights}"
+
+
+def draft_export_name(model: str, layers: int, vocab: int | None, weights: str) -> str:
+    """Folder name of a self-draft export: ``<model>-draft<K>[-v<N>]-<weights>``."""
+    return f"{model}-draft{layers}{'' if vocab is None else f'-v{vocab}'}-{weights}"

@@ -105,5 +105,33 @@ def smollm2_export(smollm2_dir: Path):
 
 
 @pytest.fixture(scope="session")
+def smollm2_draft(smollm2_dir: Path):
+    """Factory: a self-draft of the default model (layers, vocab, weights), cached like smollm2_export."""
+    from exporter.draft import export_draft
+    from pipeshard.paths import draft_export_name
+
+    root = Path(os.environ.get("PIPESHARD_TEST_SHARDS", REPO_ROOT / "shards" / ".test"))
+
+    def get(layers: int, vocab: int | None = None, weights: str = "int4") -> Path:
+        out = root / draft_export_name("smollm2", layers, vocab, weights)
+        if not (out / "manifest.json").exists():
+            export_draft(smollm2_dir, out, layers=layers, vocab=vocab, weights=weights)
+        return out
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_draft_dir(smollm2_dir: Path) -> Path:
+    """A same-tokenizer Hugging Face draft folder: the default model cut to its first 2 layers."""
+    from exporter.truncate import truncate_model
+
+    out = Path(os.environ.get("PIPESHARD_TEST_SHARDS", REPO_ROOT / "shards" / ".test")) / "smollm2-first2-hf"
+    if not (out / "config.json").exists():
+        truncate_model(smollm2_dir, out, layers=2)
+    return out
+
+
+@pytest.fixture(scope="session")
 def prompts() -> tuple[str, ...]:
     return PROMPTS

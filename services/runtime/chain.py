@@ -63,6 +63,7 @@ class LocalChain:
         ]
         self.sessions: list[ShardSession] = [r.new_session() for r in self.runners]
         self.eos_ids = list(self.manifest["model"].get("eos_token_ids", []))
+        self._vocab_ids = self.runners[-1].vocab_ids  # a draft's head slice: column -> token id
         self.max_context = self.manifest["max_context"]
 
     @property
@@ -95,6 +96,10 @@ class LocalChain:
             x = s.run(x, position_ids, return_last, copy=i == last)
         return x
 
+    def _argmax(self, logits: np.ndarray) -> int:
+        i = int(np.argmax(logits))
+        return i if self._vocab_ids is None else int(self._vocab_ids[i])
+
     def generate_greedy(
         self,
         prompt_ids: Sequence[int] | np.ndarray,
@@ -121,7 +126,7 @@ class LocalChain:
 
         t0 = time.perf_counter()
         logits = self.step(prompt)
-        token = int(np.argmax(logits[0, -1]))
+        token = self._argmax(logits[0, -1])
         t_first = time.perf_counter()
         tokens, steps, margins = [token], [], []
         if top2_margins:
@@ -138,7 +143,7 @@ class LocalChain:
             x = ids
             for s in self.sessions:
                 x = s.run(x, pos, 1, copy=False)
-            token = int(np.argmax(x[0, -1]))
+            token = self._argmax(x[0, -1])
             if top2_margins:
                 margins.append(_margin(x[0, -1]))
             tokens.append(token)

@@ -6,7 +6,6 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import structlog
 
 from pipeshard.errors import InvalidArgument
@@ -71,12 +70,10 @@ class DraftSources:
 
     def _build(self, folder: Path) -> DraftModel:
         from exporter.draft import check_same_tokenizer, ensure_draft_export
-        from services.runtime.shard import draft_vocab
 
         export = ensure_draft_export(folder, self.draft_cache)
         check_same_tokenizer(self.target_shards, export)
         runner = ShardRunner(export, 0, num_threads=self.num_threads)
         runner.warmup()
-        vocab_ids = draft_vocab(runner)
-        log.info("draft_loaded", folder=str(folder), export=str(export), sliced=vocab_ids is not None)
-        return DraftModel(runner, None if vocab_ids is None else np.asarray(vocab_ids), runner.vocab_size)
+        log.info("draft_loaded", folder=str(folder), export=str(export), sliced=runner.vocab_ids is not None)
+        return DraftModel(runner, runner.vocab_ids, runner.vocab_size)

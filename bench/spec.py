@@ -1,0 +1,397 @@
+"""`make bench-spec`: speculative decoding against target-only decoding, single node and over WAN.
+
+Part 1, single node (every stage in this process, INT4 shards at the CPU's default precision):
+target-only greedy against each draft source (prompt lookup, the self-draft, a same-tokenizer
+Hugging Face folder) at K in {1, 3, 5, 8, 10} and adaptive K, over prompts of eight kinds, in
+shuffled rounds. Per configuration: tok/s, acceptance rate, tokens per verify; per kind and as
+the mean. Also: the per-call cost of the physical KV trim the mask-based rewind replaces, and
+the agreement of speculative with plain greedy output at this precision (with the top-2 margin
+where they part).
+
+Part 2, exactness at f32: every draft source and K on 1- and 2-stage shards, token for token
+against target-only greedy.
+
+Part 3, WAN sweep (stage processes in network namespaces, tbf bandwidth cap, user-space delay
+forwarder; see docs/SERVICES.md): 2 and 3 stages at 0, 10, 50, 100 ms one-way per hop, plain
+decoding against fixed K and adaptive K with the best single-node draft source.
+
+Sizes: BENCH_RUNS (10), BENCH_TOKENS (48 single node), BENCH_WAN_TOKENS (32), BENCH_WAN_PROMPTS (2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from bench.pipeline import ensure_export
+from bench.stats import interleaved, median, ratio_ci, write_result
+from clients.client import PipeshardClient
+from pipeshard import paths
+from pipeshard.offline import set_offline_defaults
+from services.coordinator.generation import Generation, Summary
+from services.coordinator.local_ring import LocalRing
+from services.coordinator.prompting import Prompter
+from services.coordinator.sampling import SamplingParams
+from services.coordinator.speculation.sources import DraftSources
+from services.runtime.chain import LocalChain
+
+RUNS = int(os.environ.get("BENCH_RUNS", "10"))
+TOKENS = int(os.environ.get("BENCH_TOKENS", "48"))
+WAN_TOKENS = int(os.environ.get("BENCH_WAN_TOKENS", "32"))
+WAN_PROMPTS = int(os.environ.get("BENCH_WAN_PROMPTS", "2"))
+KS = (1, 3, 5, 8, 10)
+WAN_KS = (5, 10)
+DELAYS_MS = (0, 10, 50, 100)
+RATE_MBIT = 100.0
+SELF_DRAFT = {"layers": 4, "vocab": 8192}
+HF_DRAFT_LAYERS = 2
+
+# The paper's eight kinds, one prompt each, as one user chat message.
+KINDS: tuple[tuple[str, str], ...] = (
+    ("short factual", "What is the capital of Italy?"),
+    ("reasoning", "A train leaves at 3 pm and travels 120 km at 60 km/h. When does it arrive? Explain."),
+    (
+        "code completion",
+        "Complete this Python function:\ndef is_prime(n):\n    if n < 2:\n        return False\n",
+    ),
+    ("list", "List the seven days of the week."),
+    ("creative", "Write a short story about a robot who learns to paint."),
+    ("technical explanation", "Explain how HTTPS keeps a connection secure."),
+    ("chat", "Hi! I'm planning a trip to the mountains this weekend. Any tips?"),
+    ("translation", "Translate into Spanish: 'Good morning, how are you today? I would like a coffee.'"),
+)
+# WAN prompts: kinds whose single-node acceptance is near the middle, not the best ones.
+WAN_KINDS = ("technical explanation", "chat", "reasoning", "creative")
+
+
+def drafts_for(target: Path) -> tuple[Path, Path]:
+    """The self-draft export and the Hugging Face draft folder (built once, cached under shards/)."""
+    from exporter.draft import export_draft
+    from exporter.truncate import truncate_model
+
+    model_dir = paths.default_model_dir()
+    self_draft = paths.shards_dir() / paths.draft_export_name(
+        paths.DEFAULT_MODEL, SELF_DRAFT["layers"], SELF_DRAFT["vocab"], "int4"
+    )
+    if not (self_draft / "manifest.json").exists():
+        export_draft(model_dir, self_draft, layers=SELF_DRAFT["layers"], vocab=SELF_DRAFT["vocab"])
+    hf = paths.shards_dir() / f"{paths.DEFAULT_MODEL}-first{HF_DRAFT_LAYERS}-hf"
+    if not (hf / "config.json").exists():
+        truncate_model(model_dir, hf, layers=HF_DRAFT_LAYERS)
+    return self_draft, hf
+
+
+def run_prompts(
+    loop, generation: Generation, prompts: list[list[int]], tokens: int, mode: str, k: int
+) -> dict:
+    """Greedy generations of every prompt; decode tok/s over all of them plus per-prompt stats."""
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    per_prompt = []
+
+    async def one(ids):
+        async for event in generation.run(ids, params, speculative=mode, k=k):
+            if isinstance(event, Summary):
+                return event
+
+    for ids in prompts:
+        per_prompt.append(loop.run_until_complete(one(ids)))
+    return _fold(per_prompt)
+
+
+def _fold(summaries: list) -> dict:
+    decode_s = sum((s.completion_tokens - 1) / s.tok_s for s in summaries if s.tok_s > 0)
+    produced = sum(s.completion_tokens - 1 for s in summaries)
+    return {
+        "tok_s": produced / decode_s,
+        "per_prompt_tok_s": [s.tok_s for s in summaries],
+        "tokens": [list(s.token_ids) for s in summaries],
+        "verify_steps": sum(s.verify_steps for s in summaries),
+        "draft_tokens": sum(s.draft_tokens for s in summaries),
+        "accepted_tokens": sum(s.accepted_tokens for s in summaries),
+        "per_prompt_acceptance": [
+            s.accepted_tokens / s.draft_tokens if s.draft_tokens else None for s in summaries
+        ],
+    }
+
+
+def spec_stats(last: dict) -> dict:
+    verify, drafted, kept = last["verify_steps"], last["draft_tokens"], last["accepted_tokens"]
+    return {
+        "acceptance": kept / drafted if drafted else None,
+        "tokens_per_verify": (kept + verify) / verify if verify else None,
+    }
+
+
+def single_node(loop, target: Path, self_draft: Path, hf_draft: Path, prompts: list[list[int]]) -> dict:
+    prompter = Prompter.from_dir(target)
+    ring = LocalRing(target)
+    ring.warmup()
+    drafts = DraftSources(target, self_draft=self_draft)
+    generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, drafts=drafts)
+    sources = {"ngram": "ngram", "self": "self", "hf": str(hf_draft)}
+    configs: dict[str, tuple[str, int]] = {"plain": ("none", 0)}
+    for name, mode in sources.items():
+        for k in KS:
+            configs[f"{name}-k{k}"] = (mode, k)
+        configs[f"{name}-auto"] = (mode, 0)
+    last: dict[str, dict] = {}
+    per_prompt: dict[str, list[list[float]]] = {n: [] for n in configs}
+
+    def runner(name: str):
+        mode, k = configs[name]
+
+        def run() -> float:
+            last[name] = run_prompts(loop, generation, prompts, TOKENS, mode, k)
+            per_prompt[name].append(last[name]["per_prompt_tok_s"])
+            return last[name]["tok_s"]
+
+        return run
+
+    samples = interleaved({n: runner(n) for n in configs}, RUNS, warmup=1)
+    for name in configs:
+        per_prompt[name] = per_prompt[name][-RUNS:]
+    plain = samples["plain"]
+    rows = {}
+    for name in configs:
+        ratio, ci = ratio_ci(samples[name], plain)
+        by_kind = {kind: median([run[i] for run in per_prompt[name]]) for i, (kind, _) in enumerate(KINDS)}
+        acceptance = last[name]["per_prompt_acceptance"]
+        rows[name] = {
+            "tok_s": median(samples[name]),
+            "speedup": ratio,
+            "speedup_ci95": ci,
+            "tok_s_by_kind": by_kind,
+            "acceptance_by_kind": {kind: acceptance[i] for i, (kind, _) in enumerate(KINDS)},
+            **spec_stats(last[name]),
+        }
+    best = max((n for n in configs if n != "plain"), key=lambda n: rows[n]["tok_s"])
+    agreement = bf16_agreement(target, prompts, last)
+    trim = trim_cost(target, prompts[0])
+    draft_cost = draft_costs(target, self_draft, hf_draft, drafts)
+    return {
+        "configs": rows,
+        "best": best,
+        "single_node_speedup": rows[best]["speedup"],
+        "single_node_speedup_ci95": rows[best]["speedup_ci95"],
+        "bf16_agreement": agreement,
+        "physical_trim_ms_per_call": trim * 1000.0,
+        "draft_cost": draft_cost,
+    }
+
+
+def bf16_agreement(target: Path, prompts: list[list[int]], last: dict) -> dict:
+    """At the CPU's default (bf16) precision a K+1-row verify may round differently from a 1-row
+    step: compare each configuration's tokens with plain greedy and give the top-2 margin of the
+    plain run where they first differ."""
+    chain = LocalChain(target)
+    plain = last["plain"]["tokens"]
+    margins = []
+    for ids, expected in zip(prompts, plain, strict=True):
+        out = chain.generate_greedy(ids, TOKENS, ignore_eos=True, top2_margins=True)
+        if out.token_ids != expected:
+            raise RuntimeError("the chain's greedy differs from the ring's plain greedy on the same shards")
+        margins.append(out.margins)
+    compared = diverged = 0
+    divergences = []
+    for name, result in last.items():
+        if name == "plain":
+            continue
+        for p, (tokens, expected) in enumerate(zip(result["tokens"], plain, strict=True)):
+            compared += 1
+            if tokens != expected:
+                diverged += 1
+                at = next(i for i, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b)
+                divergences.append(
+                    {"config": name, "kind": KINDS[p][0], "token": at, "top2_margin": margins[p][at]}
+                )
+    return {
+        "sequences_compared": compared,
+        "sequences_identical": compared - diverged,
+        "divergences": divergences,
+        "max_margin_at_divergence": max((d["top2_margin"] for d in divergences), default=None),
+    }
+
+
+def trim_cost(target: Path, prompt: list[int]) -> float:
+    from services.runtime.shard import ShardRunner, time_trim
+
+    session = ShardRunner(target, 0).new_session()
+    session.run([(prompt * 8)[:300]])
+    return time_trim(session, reps=50)
+
+
+def draft_costs(target: Path, self_draft: Path, hf_draft: Path, drafts: DraftSources) -> dict:
+    """Median seconds of a one-token step: the target (all stages) against each draft model."""
+    import time
+
+    import numpy as np
+
+    from services.runtime.shard import ShardRunner
+
+    def per_token(runner: ShardRunner) -> float:
+        session = runner.new_session()
+        session.run(np.zeros((1, 32), dtype=np.int64))
+        times = []
+        for _ in range(100):
+            t0 = time.perf_counter()
+            session.run(np.zeros((1, 1), dtype=np.int64), copy=False)
+            times.append(time.perf_counter() - t0)
+        return median(times)
+
+    from exporter.draft import ensure_draft_export
+
+    target_s = per_token(ShardRunner(target, 0))
+    out = {"target_ms": target_s * 1000.0}
+    for name, export in (("self", self_draft), ("hf", ensure_draft_export(hf_draft, drafts.draft_cache))):
+        draft_s = per_token(ShardRunner(export, 0))
+        out[f"{name}_ms"] = draft_s * 1000.0
+        out[f"{name}_over_target"] = draft_s / target_s
+    return out
+
+
+def exactness(loop, self_draft: Path, hf_draft: Path, prompts: list[list[int]]) -> dict:
+    """Every source and K on f32 shards of 1 and 2 stages against target-only greedy."""
+    from exporter.export import export_model
+
+    results = {}
+    for stages in (1, 2):
+        target = paths.shards_dir() / paths.export_name(paths.DEFAULT_MODEL, stages, "fp32")
+        if not (target / "manifest.json").exists():
+            export_model(paths.default_model_dir(), target, stages=stages, weights="fp32")
+        prompter = Prompter.from_dir(target)
+        generation = Generation(
+            LocalRing(target, "f32"),
+            prompter.tokenizer,
+            prompter.eos_ids,
+            drafts=DraftSources(target, self_draft=self_draft),
+        )
+        plain = run_prompts(loop, generation, prompts, TOKENS, "none", 0)["tokens"]
+        for name, mode in (("ngram", "ngram"), ("self", "self"), ("hf", str(hf_draft))):
+            for k in KS:
+                got = run_prompts(loop, generation, prompts, TOKENS, mode, k)["tokens"]
+                results[f"{stages}s-{name}-k{k}"] = sum(a == b for a, b in zip(got, plain, strict=True))
+        print(f"exactness {stages} stages: {results}", file=sys.stderr)
+    return {"sequences_per_config": len(prompts), "identical": results}
+
+
+def wan_sweep(self_draft: Path, hf_draft: Path, source: str, prompts: list[str]) -> dict:
+    from services.wan.emulator import WanFleet
+
+    mode = {"ngram": "ngram", "self": "self", "hf": str(hf_draft)}[source]
+    configs = {"plain": ("none", 0), **{f"k{k}": (mode, k) for k in WAN_KS}, "auto": (mode, 0)}
+    out: dict[str, dict] = {}
+    for stages in (2, 3):
+        shards = ensure_export(stages)
+        for delay in DELAYS_MS:
+            run_dir = Path(f"run/bench-spec-wan-{stages}s-{delay}ms")
+            extra = ["--self-draft", str(self_draft), "--step-timeout-s", "120"]
+            with WanFleet(shards, stages, delay, RATE_MBIT, run_dir, extra_coordinator_args=extra) as fleet:
+                client = PipeshardClient(fleet.coordinator, timeout_s=600)
+                last: dict[str, dict] = {}
+
+                def runner(name: str, client=client, last=last):
+                    spec, k = configs[name]
+
+                    def run() -> float:
+                        results = [
+                            client.generate(p, max_tokens=WAN_TOKENS, ignore_eos=True, speculative=spec, k=k)
+                            for p in prompts
+                        ]
+                        last[name] = _fold(results)
+                        return last[name]["tok_s"]
+
+                    return run
+
+                samples = interleaved({n: runner(n) for n in configs}, RUNS, warmup=1)
+                client.close()
+                emulation = fleet.emulation
+            key = f"{stages}s-{delay}ms"
+            plain = samples["plain"]
+            best_fixed = max((f"k{k}" for k in WAN_KS), key=lambda n: median(samples[n]))
+            out[key] = {
+                "stages": stages,
+                "delay_ms": delay,
+                "emulation": emulation,
+                "tok_s": {n: median(v) for n, v in samples.items()},
+                "speedup": {n: ratio_ci(v, plain)[0] for n, v in samples.items() if n != "plain"},
+                "speedup_ci95": {n: ratio_ci(v, plain)[1] for n, v in samples.items() if n != "plain"},
+                "best_fixed": best_fixed,
+                "adaptive_over_best_fixed": median(samples["auto"]) / median(samples[best_fixed]),
+                "spec": {n: spec_stats(r) for n, r in last.items() if n != "plain"},
+                "tokens_match_plain": {
+                    n: sum(a == b for a, b in zip(r["tokens"], last["plain"]["tokens"], strict=True))
+                    for n, r in last.items()
+                },
+            }
+            print(f"wan {key}: {out[key]['tok_s']}", file=sys.stderr)
+    return out
+
+
+def plot(wan: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, stages in zip(axes, (2, 3), strict=True):
+        points = sorted((v for v in wan.values() if v["stages"] == stages), key=lambda v: v["delay_ms"])
+        delays = [p["delay_ms"] for p in points]
+        for name in points[0]["tok_s"]:
+            ax.plot(delays, [p["tok_s"][name] for p in points], marker="o", label=name)
+        ax.set_title(f"{stages} stages (WAN emulator, {RATE_MBIT:g} Mbit/s)")
+        ax.set_xlabel("one-way latency per hop (ms)")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("tok/s (greedy, median)")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    set_offline_defaults()
+    target = ensure_export(1)
+    self_draft, hf_draft = drafts_for(target)
+    prompter = Prompter.from_dir(target)
+    prompts = [prompter.encode("", [("user", text)]) for _, text in KINDS]
+    loop = asyncio.new_event_loop()
+    single = single_node(loop, target, self_draft, hf_draft, prompts)
+    exact = exactness(loop, self_draft, hf_draft, prompts)
+    loop.close()
+    # The WAN draft source: the one that keeps the most tokens per verify at K = 10.
+    source = max(
+        ("ngram", "self", "hf"), key=lambda s: single["configs"][f"{s}-k10"]["tokens_per_verify"] or 0
+    )
+    texts = dict(KINDS)
+    wan = wan_sweep(self_draft, hf_draft, source, [texts[k] for k in WAN_KINDS[:WAN_PROMPTS]])
+    plot_path = Path("docs/img/bench-spec-wan.png")
+    plot_path.parent.mkdir(parents=True, exist_ok=True)
+    plot(wan, plot_path)
+    at_100 = wan["3s-100ms"]
+    result = {
+        "runs": RUNS,
+        "tokens": TOKENS,
+        "wan_tokens": WAN_TOKENS,
+        "wan_prompts": list(WAN_KINDS[:WAN_PROMPTS]),
+        "self_draft": SELF_DRAFT,
+        "hf_draft_layers": HF_DRAFT_LAYERS,
+        "wan_source": source,
+        "tok_s": {n: r["tok_s"] for n, r in single["configs"].items()},
+        "single_node_speedup": single["single_node_speedup"],
+        "speedup_at_100ms": max(at_100["speedup"].values()),
+        "adaptive_vs_best_fixed_min": min(v["adaptive_over_best_fixed"] for v in wan.values()),
+        "bit_exact": all(v == exact["sequences_per_config"] for v in exact["identical"].values()),
+        "single_node": single,
+        "exactness_f32": exact,
+        "wan": wan,
+        "plot": str(plot_path),
+    }
+    write_result("spec", result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Speculative decoding through a real fleet: exact greedy, per-request choice, bad input, cancel."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from clients.client import PipeshardClient
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 128
+
+
+@pytest.fixture(scope="module")
+def self_draft(smollm2_draft):
+    return smollm2_draft(2, 4096, "int4")
+
+
+@pytest.fixture(scope="module")
+def fleet(smollm2_export, fleet_factory, self_draft):
+    cache = self_draft.parent / ".drafts"  # shared with tests/speculation: a draft folder exports once
+    return fleet_factory(
+        smollm2_export(2, "fp32"),
+        2,
+        precision="f32",
+        extra_coordinator_args=["--self-draft", str(self_draft), "--draft-cache", str(cache)],
+    )
+
+
+@pytest.fixture(scope="module")
+def client(fleet):
+    with PipeshardClient(fleet.coordinator, timeout_s=600) as c:
+        yield c
+
+
+def _live_sessions(address: str) -> int:
+    from pipeshard.v1 import stage_pb2, stage_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = stage_pb2_grpc.StageServiceStub(channel)
+        return stub.GetStageInfo(stage_pb2.GetStageInfoRequest(), timeout=5).live_sessions
+
+
+@pytest.mark.parametrize(
+    ("source", "k", "prompt_indices"),
+    [("ngram", 0, (0, 1)), ("self", 3, (2, 3)), ("hf", 5, (4, 5))],
+)
+def test_speculative_fleet_matches_hf_greedy(
+    client, source, k, prompt_indices, prompts, hf_greedy_128, hf_draft_dir
+):
+    speculative = str(hf_draft_dir) if source == "hf" else source
+    for i in prompt_indices:
+        result = client.generate(
+            prompts[i], max_tokens=MAX_TOKENS, ignore_eos=True, speculative=speculative, k=k
+        )
+        assert result.token_ids == hf_greedy_128[i], f"prompt {i} differs under {source} K={k or 'auto'}"
+        assert result.speculative == speculative
+        assert result.verify_steps > 0 and result.accepted_tokens <= result.draft_tokens
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"speculative": "no-such-draft"}, "`speculative`"),
+        ({"speculative": "ngram", "k": 40}, "`k`"),
+        ({"speculative": "ngram", "k": -1}, "`k`"),
+    ],
+)
+def test_bad_speculation_requests_name_the_field_and_the_service_keeps_serving(client, kwargs, field):
+    with pytest.raises(grpc.RpcError) as info:
+        client.generate("hi", max_tokens=4, **kwargs)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in info.value.details()
+    assert client.generate("Say hi.", max_tokens=3, speculative="self", k=2).completion_tokens == 3
+
+
+def test_seeded_speculative_sampling_is_reproducible_at_fixed_k(client):
+    def sample(seed: int) -> list[int]:
+        return client.generate(
+            "Write a poem about rain.",
+            max_tokens=32,
+            temperature=0.9,
+            top_k=40,
+            seed=seed,
+            ignore_eos=True,
+            speculative="self",
+            k=4,
+        ).token_ids
+
+    first = sample(7)
+    assert sample(7) == first
+    assert len(first) == 32 and sample(8) != first
+
+
+def test_cancelled_speculative_stream_releases_sessions(fleet, client):
+    call = client.responses(
+        "List every country in Europe.", max_tokens=400, ignore_eos=True, speculative="self"
+    )
+    next(call)
+    next(call)
+    call.cancel()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_live_sessions(a) for a in fleet.stages):
+        time.sleep(0.2)
+    assert [_live_sessions(a) for a in fleet.stages] == [0, 0]
+
+
+def test_cli_speculative_flags(fleet):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeshard.cli",
+            "generate",
+            "--json",
+            "--coordinator",
+            fleet.coordinator,
+            "--speculative",
+            "ngram",
+            "--k",
+            "auto",
+            "--max-tokens",
+            "48",
+            "--ignore-eos",
+            "List the days of the week, then list them again.",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    result = json.loads(out.stdout)
+    assert result["speculative"] == "ngram" and result["completion_tokens"] == 48
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeshard.cli",
+            "generate",
+            "--coordinator",
+            fleet.coordinator,
+            "--k",
+            "0",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "--k" in bad.stderr

@@ -1,0 +1,105 @@
+"""Shared pieces of the speculative-decoding tests: prompts of many kinds, f32 rings, drafts and
+target-only greedy references, each built once per session."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from services.coordinator.generation import Generation, Summary
+from services.coordinator.local_ring import LocalRing
+from services.coordinator.prompting import Prompter
+from services.coordinator.sampling import SamplingParams
+from services.coordinator.speculation.sources import DraftSources
+from services.runtime.chain import LocalChain
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TOKENS = 256
+STAGE_COUNTS = (1, 2, 3)
+KS = (1, 3, 5, 8)
+SOURCES = ("ngram", "self", "dir")
+
+# (kind, chat messages): every kind the issue names, plus a multi-turn chat.
+SPEC_PROMPTS: tuple[tuple[str, list[tuple[str, str]]], ...] = (
+    ("factual", [("user", "What is the capital of Japan, and what is it known for?")]),
+    ("code", [("user", "Write a Python function that checks whether a string is a palindrome.")]),
+    ("list", [("user", "List ten fruits, one per line.")]),
+    ("translation", [("user", "Translate into French: 'The weather is nice today and I want to go out.'")]),
+    ("creative", [("user", "Write a short poem about the sea at night.")]),
+    (
+        "chat",
+        [
+            ("user", "Hi! Who are you?"),
+            ("assistant", "I am a helpful assistant."),
+            ("user", "What can you do?"),
+        ],
+    ),
+    ("reasoning", [("user", "If I have 3 apples and buy 5 more, then eat 2, how many do I have? Explain.")]),
+    ("technical", [("user", "Explain how a hash table handles collisions.")]),
+    (
+        "code-completion",
+        [("user", "Complete this code:\ndef fibonacci(n):\n    if n < 2:\n        return n\n")],
+    ),
+    ("summary", [("user", "Summarize in three sentences why sleep is important for health.")]),
+)
+
+
+def shards_root() -> Path:
+    return Path(os.environ.get("PIPESHARD_TEST_SHARDS", REPO_ROOT / "shards" / ".test"))
+
+
+@pytest.fixture(scope="session")
+def spec_prompt_ids(smollm2_export) -> list[list[int]]:
+    prompter = Prompter.from_dir(smollm2_export(1, "fp32"))
+    return [prompter.encode("", messages) for _, messages in SPEC_PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def spec_generation(smollm2_export, smollm2_draft, hf_draft_dir):
+    """Factory: (Generation over an f32 LocalRing of that many stages, draft mode of a source)."""
+    built: dict[int, Generation] = {}
+    self_draft = smollm2_draft(2, 4096, "int4")
+
+    def get(stages: int, source: str) -> tuple[Generation, str]:
+        if stages not in built:
+            export = smollm2_export(stages, "fp32")
+            prompter = Prompter.from_dir(export)
+            drafts = DraftSources(export, self_draft=self_draft, draft_cache=shards_root() / ".drafts")
+            built[stages] = Generation(
+                LocalRing(export, "f32"), prompter.tokenizer, prompter.eos_ids, drafts=drafts
+            )
+        mode = {"ngram": "ngram", "self": "self", "dir": str(hf_draft_dir)}[source]
+        return built[stages], mode
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(smollm2_export, spec_prompt_ids):
+    """Factory: target-only greedy (TOKENS, eos ignored) of prompt i on the f32 export of n stages."""
+    chains: dict[int, LocalChain] = {}
+    cache: dict[tuple[int, int], list[int]] = {}
+
+    def get(stages: int, prompt: int) -> list[int]:
+        if (stages, prompt) not in cache:
+            if stages not in chains:
+                chains[stages] = LocalChain(smollm2_export(stages, "fp32"), "f32")
+            out = chains[stages].generate_greedy(spec_prompt_ids[prompt], TOKENS, ignore_eos=True)
+            cache[(stages, prompt)] = out.token_ids
+        return cache[(stages, prompt)]
+
+    return get
+
+
+def generate(generation: Generation, ids: list[int], params: SamplingParams, mode: str, k: int) -> Summary:
+    async def run() -> Summary:
+        summary = None
+        async for event in generation.run(ids, params, speculative=mode, k=k):
+            if isinstance(event, Summary):
+                summary = event
+        return summary
+
+    return asyncio.run(run())
