@@ -23,9 +23,11 @@ def fleet(smollm2_export, fleet_factory):
     )
 
 
-def _generate(address: str, prompt: str) -> list[int]:
+def _generate(address: str, prompt: str, speculative: str = "none", k: int = 0) -> list[int]:
     with PipeshardClient(address, timeout_s=300) as client:
-        return client.generate(prompt, max_tokens=TOKENS, ignore_eos=True).token_ids
+        return client.generate(
+            prompt, max_tokens=TOKENS, ignore_eos=True, speculative=speculative, k=k
+        ).token_ids
 
 
 def test_concurrent_sessions_match_their_solo_runs(fleet, prompts):
@@ -35,6 +37,23 @@ def test_concurrent_sessions_match_their_solo_runs(fleet, prompts):
         together = list(pool.map(lambda p: _generate(fleet.coordinator, p), chosen))
     for prompt, tokens in zip(chosen, together, strict=True):
         assert tokens == solo[prompt], f"{prompt!r} changed when run beside others"
+
+
+def test_concurrent_speculative_sessions_match_their_solo_runs(fleet, prompts):
+    """Each session runs its own speculative loop at a fixed K: neighbours, speculative or not,
+    cannot change its output (at the default precision too: every session has its own state)."""
+    jobs = [
+        (prompts[2], "ngram", 3),
+        (prompts[2], "ngram", 3),
+        (prompts[3], "ngram", 5),
+        (prompts[3], "none", 0),
+        (prompts[5], "ngram", 1),
+    ]
+    solo = {job: _generate(fleet.coordinator, *job) for job in dict.fromkeys(jobs)}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(lambda job: _generate(fleet.coordinator, *job), jobs))
+    for job, tokens in zip(jobs, together, strict=True):
+        assert tokens == solo[job], f"{job} changed when run beside others"
 
 
 def test_full_coordinator_refuses_and_queued_deadline_is_honoured(smollm2_export, fleet_factory):
