@@ -50,6 +50,7 @@ def test_speculative_greedy_is_exact_subset(
 
 @pytest.mark.slow
 @pytest.mark.exactness
+@pytest.mark.timeout(3600)  # 10 prompts x 256 tokens; a loaded machine can pass 15 minutes
 @pytest.mark.parametrize(("stages", "source", "k"), FULL)
 def test_speculative_greedy_is_exact_full_matrix(
     spec_generation, greedy_reference, spec_prompt_ids, stages, source, k
