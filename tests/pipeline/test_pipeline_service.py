@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import grpc
 import numpy as np
@@ -14,6 +13,7 @@ import pytest
 from clients.client import PipeshardClient
 from pipeshard.tensor_codec import encode
 from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
+from tests.pipeline.stage_probe import live_sessions, sessions_after_release
 
 pytestmark = pytest.mark.slow
 
@@ -32,12 +32,6 @@ def fleet(shards, fleet_factory):
 def client(fleet):
     with PipeshardClient(fleet.coordinator, timeout_s=120) as c:
         yield c
-
-
-def _live_sessions(address: str) -> int:
-    with grpc.insecure_channel(address) as channel:
-        stub = stage_pb2_grpc.StageServiceStub(channel)
-        return stub.GetStageInfo(stage_pb2.GetStageInfoRequest(), timeout=5).live_sessions
 
 
 @pytest.mark.parametrize(
@@ -93,12 +87,9 @@ def test_cancelled_stream_releases_session_on_every_stage(fleet, client):
     call = client.responses("Write a long essay about rivers.", max_tokens=400, ignore_eos=True)
     next(call)
     next(call)
-    assert all(_live_sessions(a) == 1 for a in fleet.stages)
+    assert all(live_sessions(a) == 1 for a in fleet.stages)
     call.cancel()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(_live_sessions(a) for a in fleet.stages):
-        time.sleep(0.2)
-    assert [_live_sessions(a) for a in fleet.stages] == [0, 0]
+    assert sessions_after_release(fleet.stages) == [0, 0]
 
 
 def _forward_one(address: str, frame) -> stage_pb2.ForwardResponse:
@@ -226,10 +217,7 @@ def test_coordinator_hosting_stage0_decodes_like_the_chain(shards, chat_prompt_i
         with PipeshardClient(coordinator.address, timeout_s=120) as c:
             got = [c.generate(p, max_tokens=32, ignore_eos=True).token_ids for p in prompts[:2]]
         assert got == want
-        deadline = time.monotonic() + 30
-        while _live_sessions(stage1.address) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _live_sessions(stage1.address) == 0
+        assert sessions_after_release([stage1.address]) == [0]
     finally:
         for proc in (coordinator, stage1):
             proc.popen.terminate()

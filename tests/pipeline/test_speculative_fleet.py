@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
 
 from clients.client import PipeshardClient
+from tests.pipeline.stage_probe import sessions_after_release
 
 pytestmark = pytest.mark.slow
 
@@ -37,14 +37,6 @@ def fleet(smollm2_export, fleet_factory, self_draft):
 def client(fleet):
     with PipeshardClient(fleet.coordinator, timeout_s=600) as c:
         yield c
-
-
-def _live_sessions(address: str) -> int:
-    from pipeshard.v1 import stage_pb2, stage_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        stub = stage_pb2_grpc.StageServiceStub(channel)
-        return stub.GetStageInfo(stage_pb2.GetStageInfoRequest(), timeout=5).live_sessions
 
 
 @pytest.mark.parametrize(
@@ -105,10 +97,7 @@ def test_cancelled_speculative_stream_releases_sessions(fleet, client):
     next(call)
     next(call)
     call.cancel()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(_live_sessions(a) for a in fleet.stages):
-        time.sleep(0.2)
-    assert [_live_sessions(a) for a in fleet.stages] == [0, 0]
+    assert sessions_after_release(fleet.stages) == [0, 0]
 
 
 def test_cli_speculative_flags(fleet):
