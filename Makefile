@@ -87,7 +87,7 @@ bench-parity: model
 bench-pipeline: model
 	$(PY) -m bench.pipeline
 
-## bench-mbatch: 1-8 concurrent streams across 2- and 3-stage fleets (bench/results/mbatch.json)
+## bench-mbatch: 1-8 concurrent streams on 2-/3-stage fleets, plain and speculative, loopback and WAN 50 ms/hop; batch stacking (bench/results/mbatch.json)
 bench-mbatch: model
 	$(PY) -m bench.mbatch
 

@@ -1,10 +1,21 @@
 """`make bench-mbatch`: many concurrent streams interleaved across the stages of one fleet.
 
-Per concurrency level c, c clients each stream 128 tokens (eos ignored, the same chat prompt)
-at the same time through the coordinator. Reported: aggregate tok/s (all generated tokens / wall
-time of the batch), per-stream decode tok/s, p50/p95 inter-token latency, TTFT under load.
-Configurations run in shuffled rounds, as every benchmark here. Reference: LLMPipeline, one user.
-Fleets run with the default OpenVINO threads (2 per stage process on this 2-core machine).
+Per configuration, c clients each stream BENCH_TOKENS (128) tokens (eos ignored, the same chat
+prompt) at the same time through the coordinator: 2- and 3-stage loopback fleets with plain
+decoding, the 2-stage fleet with every stream speculating (prompt lookup, fixed K), and a 2-stage
+fleet on the WAN emulator at 50 ms one-way per hop, plain and speculative. Reported per
+configuration: aggregate tok/s (all generated tokens / wall time of the batch), per-stream decode
+tok/s, p50/p95 gap between streamed chunks (a speculative chunk carries every token one verify
+kept), TTFT under load, and acceptance for the speculative ones. Every configuration, the
+reference (LLMPipeline, one user) included, runs once per shuffled round, BENCH_RUNS (10) rounds
+after a warm-up round. Isolation: every stream of every round must give the tokens of a solo
+stream of the same decoding on the same shards (speculative against speculative with the same K:
+at the CPU's default bf16 precision a K+1-row verify may round differently from a plain step).
+Fleets run with the default OpenVINO threads (2 per stage process on this 2-core machine), and
+one 2-stage fleet with one thread per stage: the two-stream ratio's baseline is whichever of the
+two is faster with one stream.
+
+Then, in this process: batch-dimension stacking against interleaving (bench/stacking.py).
 """
 
 from __future__ import annotations
@@ -14,111 +25,240 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
+from bench import stacking
 from bench.pipeline import ensure_export
 from bench.reference import GenAIPipeline, optimum_export
+from bench.spec import spec_stats
 from bench.stats import interleaved, median, ratio_ci, summary, write_result
-from clients.client import AsyncPipeshardClient
+from clients.client import AsyncPipeshardClient, GenerateResult, fold
 from pipeshard import paths
 from pipeshard.offline import set_offline_defaults
 from services.coordinator.prompting import Prompter
 from services.launcher import start_fleet
+from services.wan.emulator import WanFleet
 
-NEW_TOKENS = 128
+TOKENS = int(os.environ.get("BENCH_TOKENS", "128"))
 PROMPT = "Explain in a few paragraphs how a bicycle works."
 RUNS = int(os.environ.get("BENCH_RUNS", "10"))
-LEVELS = {2: (1, 2, 3, 4, 8), 3: (1, 3)}
+SPEC_K = 3  # bench-spec: prompt lookup did best at small K on one node
+SPEC_K_WAN = 8  # bench-spec: larger K did better at high latency per hop
+WAN_DELAY_MS = 50.0
+WAN_RATE_MBIT = 100.0
+COORDINATOR_ARGS = ["--max-running", "8", "--step-timeout-s", "120"]
 
 
-async def _stream(address: str) -> dict:
+class Series(NamedTuple):
+    label: str
+    stages: int
+    k: int  # fixed draft length of prompt-lookup speculation; 0: plain decoding
+    wan: bool
+    levels: tuple[int, ...]
+    threads: int = 0  # OpenVINO inference threads per stage; 0: the plugin's choice (2 here)
+
+    @property
+    def fleet(self) -> tuple[int, int, bool]:
+        return self.stages, self.threads, self.wan
+
+
+SERIES = {
+    "2s": Series("2 stages", 2, 0, False, (1, 2, 3, 4, 8)),
+    "2s_1t": Series("2 stages, 1 thread per stage", 2, 0, False, (1, 2), threads=1),
+    "3s": Series("3 stages", 3, 0, False, (1, 3)),
+    "2s_spec": Series(f"2 stages, ngram K={SPEC_K}", 2, SPEC_K, False, (1, 2, 4)),
+    "wan50": Series("2 stages, WAN 50 ms/hop", 2, 0, True, (1, 4, 8)),
+    "wan50_spec": Series(f"2 stages, WAN 50 ms/hop, ngram K={SPEC_K_WAN}", 2, SPEC_K_WAN, True, (4, 8)),
+}
+
+
+async def _stream(address: str, k: int) -> dict:
     async with AsyncPipeshardClient(address, timeout_s=600) as client:
         t0 = time.perf_counter()
-        arrivals, tokens = [], []
-        async for response in client.responses(PROMPT, max_tokens=NEW_TOKENS, ignore_eos=True):
+        arrivals, result = [], GenerateResult()
+        responses = client.responses(
+            PROMPT, max_tokens=TOKENS, ignore_eos=True, speculative="ngram" if k else "", k=k
+        )
+        async for response in responses:
             if response.HasField("chunk"):
-                arrivals.append(time.perf_counter())
-                tokens.extend(response.chunk.token_ids)
-        return {"t0": t0, "arrivals": arrivals, "tokens": tokens}
+                arrivals.append((time.perf_counter(), len(response.chunk.token_ids)))
+            fold(result, response)
+        return {"t0": t0, "arrivals": arrivals, "result": result}
 
 
-def run_batch(loop: asyncio.AbstractEventLoop, address: str, c: int, record: dict) -> float:
+def run_batch(loop: asyncio.AbstractEventLoop, address: str, c: int, k: int, record: dict) -> float:
+    """One round of c concurrent streams; keeps them in ``record`` and ANDs their isolation."""
+
     async def batch():
-        return await asyncio.gather(*(_stream(address) for _ in range(c)))
+        return await asyncio.gather(*(_stream(address, k) for _ in range(c)))
 
     start = time.perf_counter()
     streams = loop.run_until_complete(batch())
     wall = time.perf_counter() - start
     record["streams"] = streams
-    return sum(len(s["tokens"]) for s in streams) / wall
+    record["isolated"] = record.get("isolated", True) and all(
+        s["result"].token_ids == record["solo"] for s in streams
+    )
+    return sum(len(s["result"].token_ids) for s in streams) / wall
+
+
+def stream_stats(streams: list[dict]) -> dict:
+    """The last round's streams; speculation counts summed over them."""
+    gaps = np.concatenate([np.diff([t for t, _ in s["arrivals"]]) for s in streams]) * 1000
+    per_stream = []
+    for s in streams:
+        (first, _), (last, _) = s["arrivals"][0], s["arrivals"][-1]
+        per_stream.append(sum(n for _, n in s["arrivals"][1:]) / (last - first))
+    counts = {
+        key: sum(getattr(s["result"], key) for s in streams)
+        for key in ("verify_steps", "draft_tokens", "accepted_tokens")
+    }
+    return {
+        "per_stream_tok_s": median(per_stream),
+        "inter_chunk_ms": {"p50": float(np.percentile(gaps, 50)), "p95": float(np.percentile(gaps, 95))},
+        "ttft_ms_under_load": median([(s["arrivals"][0][0] - s["t0"]) * 1000 for s in streams]),
+        "spec": {**counts, **spec_stats(counts)},
+    }
+
+
+def best(samples: dict[str, list[float]], names: list[str], over: str) -> dict:
+    """The fastest of ``names`` by median, as a ratio over ``over`` with its interval."""
+    name = max(names, key=lambda n: median(samples[n]))
+    ratio, ci = ratio_ci(samples[name], samples[over])
+    return {"ratio": ratio, "ci": ci, "config": name}
+
+
+def plot(samples: dict[str, list[float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for prefix, series in SERIES.items():
+        points = [summary(samples[f"{prefix}_x{c}"]) for c in series.levels]
+        mid = [p["median"] for p in points]
+        err = [
+            [m - p["min"] for m, p in zip(mid, points, strict=True)],
+            [p["max"] - m for m, p in zip(mid, points, strict=True)],
+        ]
+        ax.errorbar(series.levels, mid, yerr=err, marker="o", capsize=3, label=series.label)
+    ax.axhline(median(samples["A"]), color="black", linestyle="--", label="LLMPipeline, 1 user")
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel(f"aggregate tok/s (median, min-max; {TOKENS} tokens each)")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(ScalarFormatter())
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> int:
     set_offline_defaults()
     run_dir = Path("run/bench-mbatch")
     reference = optimum_export(paths.default_model_dir(), paths.shards_dir() / "optimum-int4-reference")
-    shards = {n: ensure_export(n) for n in LEVELS}
+    shards = {n: ensure_export(n) for n in (1, 2, 3)}
     ids = Prompter.from_dir(shards[2]).encode("", [("user", PROMPT)])
     genai = GenAIPipeline(reference)
-    fleets = {
-        n: start_fleet(shards[n], n, run_dir / f"{n}s", extra_coordinator_args=["--max-running", "8"])
-        for n in LEVELS
-    }
     loop = asyncio.new_event_loop()
+    fleets: dict = {}
     records: dict[str, dict] = {}
-    configs = {"A": lambda: genai.run(ids, NEW_TOKENS)["tok_s"]}
-    for n, levels in LEVELS.items():
-        for c in levels:
-            name = f"{n}s_x{c}"
+    configs = {"A": lambda: genai.run(ids, TOKENS)["tok_s"]}
+    for prefix, series in SERIES.items():
+        for c in series.levels:
+            name = f"{prefix}_x{c}"
             records[name] = {}
-            configs[name] = lambda n=n, c=c, name=name: run_batch(
-                loop, fleets[n].coordinator, c, records[name]
+            configs[name] = lambda s=series, c=c, name=name: run_batch(
+                loop, fleets[s.fleet].coordinator, c, s.k, records[name]
             )
     try:
-        solo = loop.run_until_complete(_stream(fleets[2].coordinator))["tokens"]
-        samples = interleaved(configs, RUNS, warmup=2)
+        for series in SERIES.values():
+            stages, threads, wan = series.fleet
+            if series.fleet in fleets:
+                continue
+            name = f"{stages}s-{threads or 'default'}t" + ("-wan" if wan else "")
+            stage_args = ["--num-threads", str(threads)] if threads else []
+            if wan:
+                fleets[series.fleet] = WanFleet(
+                    shards[stages],
+                    stages,
+                    WAN_DELAY_MS,
+                    WAN_RATE_MBIT,
+                    run_dir / name,
+                    extra_stage_args=stage_args,
+                    extra_coordinator_args=COORDINATOR_ARGS,
+                )
+            else:
+                fleets[series.fleet] = start_fleet(
+                    shards[stages],
+                    stages,
+                    run_dir / name,
+                    extra_stage_args=stage_args,
+                    extra_coordinator_args=COORDINATOR_ARGS,
+                )
+        # Solo references on loopback: the same shards, precision and threads give the same tokens at
+        # any delay (the thread count may change the kernels' rounding, so it is part of the key).
+        solos = {}
+        for prefix, series in SERIES.items():
+            key = (series.stages, series.threads, series.k)
+            if key not in solos:
+                loopback = fleets[(series.stages, series.threads, False)]
+                solos[key] = loop.run_until_complete(_stream(loopback.coordinator, series.k))
+            for c in series.levels:
+                records[f"{prefix}_x{c}"]["solo"] = solos[key]["result"].token_ids
+        samples = interleaved(configs, RUNS, warmup=1)
+        emulation = fleets[SERIES["wan50"].fleet].emulation
     finally:
         for fleet in fleets.values():
             fleet.stop()
-    per_stream, itl, ttft = {}, {}, {}
-    isolation_ok = True
-    for name, record in records.items():
-        streams = record["streams"]  # the last round
-        gaps = np.concatenate([np.diff(s["arrivals"]) for s in streams]) * 1000
-        itl[name] = {"p50_ms": float(np.percentile(gaps, 50)), "p95_ms": float(np.percentile(gaps, 95))}
-        per_stream[name] = median(
-            [(len(s["arrivals"]) - 1) / (s["arrivals"][-1] - s["arrivals"][0]) for s in streams]
-        )
-        ttft[name] = median([(s["arrivals"][0] - s["t0"]) * 1000 for s in streams])
-        if name.startswith("2s_"):
-            isolation_ok &= all(s["tokens"] == solo for s in streams)
-    best_single = "2s_x1"
-    two, two_ci = ratio_ci(samples["2s_x2"], samples[best_single])
-    full = max(
-        (k for k in samples if k.startswith("2s_") and int(k.split("x")[1]) <= 4),
-        key=lambda k: median(samples[k]),
-    )
-    full_mono, full_mono_ci = ratio_ci(samples[full], samples["A"])
+    stacked = stacking.measure(shards[1], ids, RUNS)
+    plot_path = Path("docs/img/bench-mbatch.png")
+    plot_path.parent.mkdir(parents=True, exist_ok=True)
+    plot(samples, plot_path)
+    # The issue's baseline: the thread count per stage that maximises single-stream speed.
+    single = max(("2s", "2s_1t"), key=lambda p: median(samples[f"{p}_x1"]))
+    two, two_ci = ratio_ci(samples[f"{single}_x2"], samples[f"{single}_x1"])
+    up_to_4 = [f"2s_x{c}" for c in (1, 2, 3, 4)] + [f"2s_spec_x{c}" for c in (1, 2, 4)]
+    full_mono = best(samples, up_to_4, "A")
+    wan_up_to_4 = ["wan50_x1", "wan50_x4", "wan50_spec_x4"]
+    full_wan = best(samples, wan_up_to_4, "wan50_x1")
+    wan_any = best(samples, [n for n in samples if n.startswith("wan50")], "wan50_x1")
+    isolation = {name: record["isolated"] for name, record in records.items()}
     write_result(
         "mbatch",
         {
             "runs": RUNS,
-            "baseline": f"{best_single} (2 stage processes, default 2 OpenVINO threads each, one stream) for "
-            "two_stream_over_single; A (LLMPipeline, one user) for full_stack_over_mono",
+            "tokens": TOKENS,
+            "spec_k": SPEC_K,
+            "spec_k_wan": SPEC_K_WAN,
+            "emulation": emulation,
+            "baseline": f"{single}_x1 ({SERIES[single].label}, one stream: the faster thread setting) for "
+            "two_stream_over_single; A (LLMPipeline, one user) for full_stack_over_mono; wan50_x1 "
+            "(plain, one stream) for full_stack_over_plain_at_50ms",
             "tok_s": {k: median(v) for k, v in samples.items()},
             "tok_s_range": {k: summary(v) for k, v in samples.items()},
-            "per_stream_tok_s": per_stream,
-            "inter_token_latency": itl,
-            "ttft_ms_under_load": ttft,
+            "streams": {name: stream_stats(record["streams"]) for name, record in records.items()},
             "two_stream_over_single": two,
             "two_stream_over_single_ci": two_ci,
-            "full_stack_over_mono": full_mono,
-            "full_stack_over_mono_ci": full_mono_ci,
-            "full_stack_config": f"{full} (no speculation: not built yet)",
-            "full_stack_over_plain_at_50ms": None,
-            "full_stack_over_plain_at_50ms_note": "not measured: no WAN emulator yet (speculative issue)",
-            "isolation_ok": bool(isolation_ok),
+            "two_stream_over_single_config": f"{single}_x2 over {single}_x1",
+            "full_stack_over_mono": full_mono["ratio"],
+            "full_stack_over_mono_ci": full_mono["ci"],
+            "full_stack_over_mono_config": full_mono["config"],
+            "full_stack_over_plain_at_50ms": full_wan["ratio"],
+            "full_stack_over_plain_at_50ms_ci": full_wan["ci"],
+            "full_stack_over_plain_at_50ms_config": full_wan["config"],
+            "best_at_50ms_any_concurrency": wan_any["ratio"],
+            "best_at_50ms_any_concurrency_ci": wan_any["ci"],
+            "best_at_50ms_any_concurrency_config": wan_any["config"],
+            "isolation": isolation,
+            "isolation_ok": all(isolation.values()),
+            "stacking": stacked,
+            "plot": str(plot_path),
         },
     )
     return 0
