@@ -30,19 +30,26 @@ from pipeshard.errors import InvalidArgument, ResourceExhausted
 PRECISIONS = ("default", "f32")
 
 
-def compile_properties(precision: str = "default", num_threads: int | None = None) -> dict[str, Any]:
+def compile_properties(
+    precision: str = "default", num_threads: int | None = None, num_streams: int | None = None
+) -> dict[str, Any]:
     """CPU compile properties: LATENCY hint; ``f32`` also forces f32 inference and an f32 KV cache
-    (the CPU plugin otherwise runs bf16 with a u8 KV cache on this hardware)."""
+    (the CPU plugin otherwise runs bf16 with a u8 KV cache on this hardware). Threads and streams
+    left unset follow the hint (all cores, one stream)."""
     if precision not in PRECISIONS:
         raise InvalidArgument("precision", f"must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     props: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY"}
     if precision == "f32":
         props["INFERENCE_PRECISION_HINT"] = "f32"
         props["KV_CACHE_PRECISION"] = "f32"
-    if num_threads is not None:
-        if num_threads < 1:
-            raise InvalidArgument("num_threads", f"must be positive, got {num_threads}")
-        props["INFERENCE_NUM_THREADS"] = int(num_threads)
+    for field, value, key in (
+        ("num_threads", num_threads, "INFERENCE_NUM_THREADS"),
+        ("num_streams", num_streams, "NUM_STREAMS"),
+    ):
+        if value is not None:
+            if value < 1:
+                raise InvalidArgument(field, f"must be positive, got {value}")
+            props[key] = int(value)
     return props
 
 
@@ -56,12 +63,13 @@ class ShardRunner:
         precision: str = "default",
         num_threads: int | None = None,
         *,
+        num_streams: int | None = None,
         verify: bool = True,
         core: ov.Core | None = None,
         device: str = "CPU",
     ):
         self.export_dir = Path(export_dir)
-        props = compile_properties(precision, num_threads)
+        props = compile_properties(precision, num_threads, num_streams)
         manifest = verify_shard(self.export_dir, stage_index) if verify else load_manifest(self.export_dir)
         self.manifest = manifest
         self.entry = stage_entry(manifest, stage_index)
@@ -101,6 +109,7 @@ class ShardRunner:
             "KV_CACHE_PRECISION",
             "PERFORMANCE_HINT",
             "INFERENCE_NUM_THREADS",
+            "NUM_STREAMS",
         ):
             with contextlib.suppress(RuntimeError):
                 out[key] = str(self.compiled.get_property(key))

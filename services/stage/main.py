@@ -39,6 +39,9 @@ class StageSettings(ServerSettings):
     next_hop: str | None = setting(None, "address of the next stage (unset for the final stage)")
     precision: str = setting("default", "inference precision", choices=("default", "f32"))
     num_threads: int = setting(0, "OpenVINO inference threads (0 = the plugin's choice)")
+    num_streams: int = setting(
+        0, "OpenVINO CPU streams (0 = the latency hint's one); a stage runs one inference at a time"
+    )
     max_sessions: int = setting(64, "sessions this stage holds at most")
     idle_timeout_s: float = setting(300.0, "release a session idle this long, in seconds")
     codec: str = setting("none", "compression of hidden states sent on", choices=tuple(CODECS))
@@ -79,7 +82,13 @@ def ensure_shard(settings: StageSettings) -> None:
 
 
 def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageInfoResponse]:
-    runner = ShardRunner(settings.shards, settings.stage, settings.precision, settings.num_threads or None)
+    runner = ShardRunner(
+        settings.shards,
+        settings.stage,
+        settings.precision,
+        settings.num_threads or None,
+        num_streams=settings.num_streams or None,
+    )
     if runner.is_last == bool(settings.next_hop):
         raise InvalidArgument(
             "next_hop", "must be set for every stage but the last" if not runner.is_last else "must be unset"

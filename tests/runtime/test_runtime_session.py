@@ -19,9 +19,14 @@ def test_compile_properties():
         "KV_CACHE_PRECISION": "f32",
         "INFERENCE_NUM_THREADS": 2,
     }
+    assert compile_properties(num_streams=2) == {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 2}
     with pytest.raises(InvalidArgument) as err:
         compile_properties("bf8")
     assert err.value.field == "precision"
+    for kwargs, field in (({"num_threads": 0}, "num_threads"), ({"num_streams": -1}, "num_streams")):
+        with pytest.raises(InvalidArgument) as err:
+            compile_properties(**kwargs)
+        assert err.value.field == field
 
 
 def test_runner_ports(tiny_export):
@@ -36,6 +41,13 @@ def test_runner_ports(tiny_export):
         "past_key_values.1.value",
     ]
     assert first.compiled_properties()["KV_CACHE_PRECISION"]
+
+
+def test_runner_threads_and_streams_reach_the_plugin(tiny_export):
+    # The plugin never runs more streams than threads: ask for a setting it keeps as given.
+    runner = ShardRunner(tiny_export("llama", 2), 0, "f32", 2, num_streams=2)
+    chosen = runner.compiled_properties()
+    assert (chosen["INFERENCE_NUM_THREADS"], chosen["NUM_STREAMS"]) == ("2", "2")
 
 
 def test_session_validation(tiny_export):
