@@ -26,7 +26,7 @@ from services.coordinator.detokenizer import IncrementalDetokenizer
 from services.coordinator.sampling import Sampler, SamplingParams
 from services.coordinator.speculation.acceptance import accept_greedy, accept_sampled
 from services.coordinator.speculation.drafts import Draft
-from services.coordinator.speculation.policy import KPolicy, TimingModel
+from services.coordinator.speculation.policy import KPolicy, SourceMemory, TimingModel
 from services.coordinator.speculation.sources import DraftSources
 
 
@@ -149,6 +149,7 @@ class Generation:
         self.default_speculative = default_speculative
         self.max_k = max_k
         self.timing = TimingModel()  # traversal cost by positions, learned across requests
+        self._sources: dict[str, SourceMemory] = {}  # acceptance by draft source, across requests
         self._releases: set[asyncio.Task] = set()
 
     def check_speculative(self, speculative: str, k: int) -> str:
@@ -172,7 +173,8 @@ class Generation:
         session_id = uuid.uuid4().hex
         max_context = await self._ring.open_session(session_id)
         drafter = factory() if factory else None
-        policy = KPolicy(self.timing, fixed_k=k or None, max_k=self.max_k)
+        memory = None if mode == "none" else self._sources.setdefault(mode, SourceMemory())
+        policy = KPolicy(self.timing, fixed_k=k or None, max_k=self.max_k, memory=memory)
         cursor = _Cursor(session_id, params.greedy)
         detok = IncrementalDetokenizer(self._tok, params.stop)
         sampler = None if params.greedy else Sampler(params)

@@ -10,7 +10,7 @@ from services.coordinator.generation import _Cursor
 from services.coordinator.sampling import Sampler, SamplingParams
 from services.coordinator.speculation.acceptance import accept_greedy, accept_sampled
 from services.coordinator.speculation.drafts import NgramDrafter
-from services.coordinator.speculation.policy import KPolicy, TimingModel, expected_tokens
+from services.coordinator.speculation.policy import KPolicy, SourceMemory, TimingModel, expected_tokens
 
 
 def test_greedy_keeps_the_matching_prefix_and_the_targets_next_token():
@@ -106,6 +106,20 @@ def test_adaptive_k_falls_back_to_plain_when_positions_cost_more_than_round_trip
     # A slow link: each extra position's bytes cost as much as a whole round trip.
     policy = _policy_with_acceptance(_trained(slope_s=0.05, fixed_s=0.01))
     assert policy.choose(limit=100) == 0
+
+
+def test_adaptive_k_starts_from_what_earlier_requests_of_the_source_learnt():
+    timing = _trained(slope_s=0.004, fixed_s=0.02)
+    memory = SourceMemory()
+    first = KPolicy(timing, fixed_k=None, max_k=10, explore_every=1000, memory=memory)
+    assert first.choose(limit=100) >= 1  # no history: the Beta(3, 2) prior says drafting pays
+    for _ in range(20):
+        first.observe(3, 0, timing.estimate(4), 0.003)  # a draft that never agrees
+    second = KPolicy(timing, fixed_k=None, max_k=10, explore_every=1000, memory=memory)
+    assert second.acceptance < 0.05
+    assert second.choose(limit=100) == 0  # plain decoding from its first step
+    fresh = KPolicy(timing, fixed_k=None, max_k=10, explore_every=1000, memory=SourceMemory())
+    assert fresh.choose(limit=100) >= 1  # another source's history is its own
 
 
 def test_fixed_k_is_kept_and_clipped():

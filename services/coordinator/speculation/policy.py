@@ -4,7 +4,8 @@ Adaptive K maximises expected tokens per second of one verify step,
 
     rate(K) = E[tokens | K] / (T(K + 1) + K * t_draft),   E[tokens | K] = 1 + a + a^2 + ... + a^K
 
-where ``a`` is the running per-draft acceptance of this request, ``T(n)`` the measured wall time
+where ``a`` is the running per-draft acceptance of this request (starting from what earlier
+requests of the same draft source learnt), ``T(n)`` the measured wall time
 of a pipeline traversal carrying n positions and ``t_draft`` the measured cost of one draft
 token. ``T`` is learned per coordinator (it is a property of the fleet and its links), so it
 holds everything the link costs: round trips, compute of n positions on every stage and the
@@ -24,6 +25,11 @@ import numpy as np
 # one-position traversal (CPU verify of a few rows costs little more than one row).
 _PRIOR_SLOPE = 0.05
 _EMA = 0.2
+# A request starts from its source's acceptance with the weight of this many drafts (the weight of
+# the Beta(3, 2) prior a source without history starts from): enough to skip drafting at once
+# for a source that never agrees, little enough that the request's own text soon takes over.
+_MEMORY_WEIGHT = 5.0
+_MEMORY_DECAY = 0.98
 
 
 @dataclass
@@ -51,6 +57,22 @@ class TimingModel:
         return t0 * (1.0 + _PRIOR_SLOPE * (positions - 1)) / (1.0 + _PRIOR_SLOPE * (n0 - 1))
 
 
+@dataclass
+class SourceMemory:
+    """Acceptance and draft cost of one draft source, learnt across a coordinator's requests, so
+    adaptive K does not spend each short request relearning that a draft is useless."""
+
+    kept: float = 0.0
+    tried: float = 0.0
+    draft_s: float = 0.0
+
+    def observe(self, k: int, kept: int, draft_per_token_s: float) -> None:
+        self.kept = _MEMORY_DECAY * self.kept + kept
+        self.tried = _MEMORY_DECAY * self.tried + kept + (1 if kept < k else 0)
+        old = self.draft_s
+        self.draft_s = draft_per_token_s if old == 0.0 else old + _EMA * (draft_per_token_s - old)
+
+
 def expected_tokens(k: int, acceptance: float) -> float:
     """Tokens one verify yields when each draft is kept with probability ``acceptance``."""
     return float(sum(acceptance**i for i in range(k + 1)))
@@ -67,16 +89,21 @@ class KPolicy:
         max_k: int = 10,
         initial_k: int = 4,
         explore_every: int = 8,
+        memory: SourceMemory | None = None,
     ):
         self.timing = timing
         self.fixed_k = fixed_k
         self.max_k = max_k
         self.initial_k = initial_k
         self.explore_every = explore_every
-        # Beta(3, 2) prior on the acceptance, decayed so it follows the text as it changes.
-        self._kept = 3.0
-        self._tried = 5.0
-        self._draft_s = 0.0
+        # Prior on the acceptance: the source's history, else Beta(3, 2); decayed as steps come in
+        # so it follows the text as it changes.
+        self._memory = memory
+        self._kept, self._tried, self._draft_s = 3.0, 5.0, 0.0
+        if memory is not None and memory.tried > 0:
+            scale = min(1.0, _MEMORY_WEIGHT / memory.tried)
+            self._kept, self._tried = memory.kept * scale, memory.tried * scale
+            self._draft_s = memory.draft_s
         self._steps = 0
         self.history: list[int] = []
 
@@ -120,3 +147,5 @@ class KPolicy:
         per_token = draft_seconds / k
         old = self._draft_s
         self._draft_s = per_token if old == 0.0 else old + _EMA * (per_token - old)
+        if self._memory is not None:
+            self._memory.observe(k, kept, per_token)
