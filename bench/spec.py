@@ -16,7 +16,10 @@ forwarder; see docs/SERVICES.md): 2 and 3 stages at 0, 10, 50, 100 ms one-way pe
 decoding against fixed K and adaptive K with the best single-node draft source.
 
 Sizes: BENCH_RUNS (10), BENCH_TOKENS (24 single node), BENCH_WAN_TOKENS (24), BENCH_WAN_PROMPTS (2).
-The exactness part compares K in {1, 5, 10}; `make test-exactness` runs the whole matrix.
+BENCH_PARTS (single,exact,wan) runs some of the parts only (the JSON is then named after them:
+bench/results/spec-single.json); BENCH_KS (1,3,5,8,10) sets the single node's fixed K (empty:
+adaptive only). The exactness part compares K in {1, 5, 10}; `make test-exactness` runs the whole
+matrix.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ RUNS = int(os.environ.get("BENCH_RUNS", "10"))
 TOKENS = int(os.environ.get("BENCH_TOKENS", "24"))
 WAN_TOKENS = int(os.environ.get("BENCH_WAN_TOKENS", "24"))
 WAN_PROMPTS = int(os.environ.get("BENCH_WAN_PROMPTS", "2"))
-KS = (1, 3, 5, 8, 10)
+KS = tuple(int(k) for k in os.environ.get("BENCH_KS", "1,3,5,8,10").split(",") if k)
+ALL_PARTS = ("single", "exact", "wan")
+PARTS = tuple(p for p in ALL_PARTS if p in os.environ.get("BENCH_PARTS", ",".join(ALL_PARTS)).split(","))
 WAN_KS = (5, 10)
 EXACT_KS = (1, 5, 10)
 DELAYS_MS = (0, 10, 50, 100)
@@ -360,38 +365,49 @@ def main() -> int:
     prompter = Prompter.from_dir(target)
     prompts = [prompter.encode("", [("user", text)]) for _, text in KINDS]
     loop = asyncio.new_event_loop()
-    single = single_node(loop, target, self_draft, hf_draft, prompts)
-    exact = exactness(loop, self_draft, hf_draft, prompts)
-    loop.close()
-    # The WAN draft source: the one that keeps the most tokens per verify at K = 10.
-    source = max(
-        ("ngram", "self", "hf"), key=lambda s: single["configs"][f"{s}-k10"]["tokens_per_verify"] or 0
-    )
-    texts = dict(KINDS)
-    wan = wan_sweep(self_draft, hf_draft, source, [texts[k] for k in WAN_KINDS[:WAN_PROMPTS]])
-    plot_path = Path("docs/img/bench-spec-wan.png")
-    plot_path.parent.mkdir(parents=True, exist_ok=True)
-    plot(wan, plot_path)
-    at_100 = wan["3s-100ms"]
-    result = {
+    result: dict = {
         "runs": RUNS,
+        "parts": list(PARTS),
         "tokens": TOKENS,
-        "wan_tokens": WAN_TOKENS,
-        "wan_prompts": list(WAN_KINDS[:WAN_PROMPTS]),
         "self_draft": SELF_DRAFT,
         "hf_draft_layers": HF_DRAFT_LAYERS,
-        "wan_source": source,
-        "tok_s": {n: r["tok_s"] for n, r in single["configs"].items()},
-        "single_node_speedup": single["single_node_speedup"],
-        "speedup_at_100ms": max(at_100["speedup"].values()),
-        "adaptive_vs_best_fixed_min": min(v["adaptive_over_best_fixed"] for v in wan.values()),
-        "bit_exact": all(v == exact["sequences_per_config"] for v in exact["identical"].values()),
-        "single_node": single,
-        "exactness_f32": exact,
-        "wan": wan,
-        "plot": str(plot_path),
     }
-    write_result("spec", result)
+    single = None
+    if "single" in PARTS:
+        single = single_node(loop, target, self_draft, hf_draft, prompts)
+        result["tok_s"] = {n: r["tok_s"] for n, r in single["configs"].items()}
+        result["single_node_speedup"] = single["single_node_speedup"]
+        result["single_node"] = single
+    if "exact" in PARTS:
+        exact = exactness(loop, self_draft, hf_draft, prompts)
+        result["bit_exact"] = all(v == exact["sequences_per_config"] for v in exact["identical"].values())
+        result["exactness_f32"] = exact
+    loop.close()
+    if "wan" in PARTS:
+        # The WAN draft source: the one that keeps the most tokens per verify at K = 10.
+        source = "ngram"
+        if single is not None and 10 in KS:
+            source = max(
+                ("ngram", "self", "hf"),
+                key=lambda s: single["configs"][f"{s}-k10"]["tokens_per_verify"] or 0,
+            )
+        texts = dict(KINDS)
+        wan = wan_sweep(self_draft, hf_draft, source, [texts[k] for k in WAN_KINDS[:WAN_PROMPTS]])
+        plot_path = Path("docs/img/bench-spec-wan.png")
+        plot_path.parent.mkdir(parents=True, exist_ok=True)
+        plot(wan, plot_path)
+        result |= {
+            "wan_tokens": WAN_TOKENS,
+            "wan_prompts": list(WAN_KINDS[:WAN_PROMPTS]),
+            "wan_source": source,
+            "speedup_at_100ms": max(wan["3s-100ms"]["speedup"].values()),
+            "adaptive_vs_best_fixed_min": min(v["adaptive_over_best_fixed"] for v in wan.values()),
+            "wan": wan,
+            "plot": str(plot_path),
+        }
+    knobs = " ".join(f"{k}={os.environ[k]}" for k in ("BENCH_PARTS", "BENCH_KS") if k in os.environ)
+    name = "spec" if PARTS == ALL_PARTS else "spec-" + "-".join(PARTS)
+    write_result(name, result, f"{knobs} make bench-spec".strip())
     return 0
 
 

@@ -80,7 +80,7 @@ def ratio_ci(
     return median(num) / median(den), [boots[int(0.025 * n_boot)], boots[int(0.975 * n_boot) - 1]]
 
 
-def write_result(name: str, result: dict) -> Path:
+def write_result(name: str, result: dict, command: str | None = None) -> Path:
     """Write bench/results/NAME.json and print it as the last line of output."""
     result = {
         "name": name,
@@ -90,7 +90,7 @@ def write_result(name: str, result: dict) -> Path:
             "python": platform.python_version(),
             "processor": platform.processor() or platform.machine(),
         },
-        "command": f"make bench-{name}",
+        "command": command or f"make bench-{name}",
     }
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
