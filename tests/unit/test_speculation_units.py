@@ -122,6 +122,18 @@ def test_adaptive_k_starts_from_what_earlier_requests_of_the_source_learnt():
     assert fresh.choose(limit=100) >= 1  # another source's history is its own
 
 
+def test_plain_steps_probe_k1_rarely_and_more_rarely_with_history():
+    timing = _trained(slope_s=0.004, fixed_s=0.02)
+    useless = SourceMemory(kept=0.0, tried=40.0)
+    new, known = (KPolicy(timing, fixed_k=None, explore_every=8, memory=m) for m in (None, useless))
+    for policy in (new, known):
+        policy._kept = 0.0  # this request's acceptance: nothing kept
+    new_ks = [new.choose(100) for _ in range(64)]
+    known_ks = [known.choose(100) for _ in range(64)]
+    assert set(new_ks) == {0, 1} and new_ks.count(1) == 8  # one K = 1 probe per 8 steps
+    assert known_ks.count(1) == 1  # eight times rarer: the source never agreed
+
+
 def test_fixed_k_is_kept_and_clipped():
     policy = KPolicy(TimingModel(), fixed_k=5)
     assert [policy.choose(10), policy.choose(3), policy.choose(0)] == [5, 3, 0]

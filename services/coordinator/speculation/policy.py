@@ -100,7 +100,9 @@ class KPolicy:
         # so it follows the text as it changes.
         self._memory = memory
         self._kept, self._tried, self._draft_s = 3.0, 5.0, 0.0
+        self._probe_backoff = 1
         if memory is not None and memory.tried > 0:
+            self._probe_backoff = 1 + min(7, int(memory.tried // _MEMORY_WEIGHT))
             scale = min(1.0, _MEMORY_WEIGHT / memory.tried)
             self._kept, self._tried = memory.kept * scale, memory.tried * scale
             self._draft_s = memory.draft_s
@@ -128,12 +130,17 @@ class KPolicy:
             t = self.timing.estimate(k + 1)
             rates.append(expected_tokens(k, a) / (t + k * self._draft_s) if t else 0.0)
         best = int(np.argmax(rates))
+        if best == 0:
+            # Plain steps win: K = 1 now and then tells whether the text or the link changed; the
+            # more drafts the source's history holds, the rarer (a probe costs a 2-row verify).
+            every = self.explore_every * self._probe_backoff
+            return 1 if self._steps % every == every - 1 else 0
         # Probe a neighbour now and then so the estimates near the optimum stay measured.
         phase = self._steps % self.explore_every
         if phase == self.explore_every // 2 - 1:
             return min(best + 1, self.max_k)
         if phase == self.explore_every - 1:
-            return max(best - 1, 0) if best > 1 else 1
+            return max(best - 1, 1)
         return best
 
     def observe(self, k: int, kept: int, seconds: float, draft_seconds: float) -> None:
