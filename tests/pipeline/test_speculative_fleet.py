@@ -47,13 +47,21 @@ def test_speculative_fleet_matches_hf_greedy(
     client, source, k, prompt_indices, prompts, hf_greedy_128, hf_draft_dir
 ):
     speculative = str(hf_draft_dir) if source == "hf" else source
+    verify_steps = []
     for i in prompt_indices:
         result = client.generate(
             prompts[i], max_tokens=MAX_TOKENS, ignore_eos=True, speculative=speculative, k=k
         )
         assert result.token_ids == hf_greedy_128[i], f"prompt {i} differs under {source} K={k or 'auto'}"
         assert result.speculative == speculative
-        assert result.verify_steps > 0 and result.accepted_tokens <= result.draft_tokens
+        assert result.accepted_tokens <= result.draft_tokens
+        verify_steps.append(result.verify_steps)
+    if k:
+        assert all(verify_steps), verify_steps
+    else:
+        # Auto K drafts from the first request on a new coordinator; later requests may rightly
+        # skip a source whose history (SourceMemory) shows drafting does not pay.
+        assert verify_steps[0] > 0, verify_steps
 
 
 @pytest.mark.parametrize(
