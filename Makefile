@@ -15,11 +15,14 @@ STAGE ?= 0
 MODEL ?= smollm2-135m-instruct
 DELAY_MS ?= 50
 RATE_MBIT ?= 100
+DRAFT_LAYERS ?= 2
+DRAFT_VOCAB ?= 8192
+DISTIL_PROMPTS ?= 400
 
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-pipeline bench-mbatch bench-spec wan-up wan-down
+.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-pipeline bench-mbatch bench-spec wan-up wan-down distil
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -90,6 +93,11 @@ bench-pipeline: model
 ## bench-mbatch: 1-8 concurrent streams on 2-/3-stage fleets, plain and speculative, loopback and WAN 50 ms/hop; batch stacking (bench/results/mbatch.json)
 bench-mbatch: model
 	$(PY) -m bench.mbatch
+
+## distil: train a DRAFT_LAYERS-layer draft on the 1-stage target's answers to synthetic prompts and export it (shards/<model>-distil<K>-v<N>; about 40 min)
+distil: model
+	test -f shards/$(MODEL)-1s-$(WEIGHTS)/manifest.json || $(VENV)/bin/pipeshard export --model $(MODEL) --stages 1 --weights $(WEIGHTS)
+	$(VENV)/bin/pipeshard distil --model $(MODEL) --target shards/$(MODEL)-1s-$(WEIGHTS) --layers $(DRAFT_LAYERS) --vocab $(DRAFT_VOCAB) --prompts $(DISTIL_PROMPTS)
 
 ## bench-spec: speculative decoding single node (every draft source and K) and across the WAN emulator (bench/results/spec.json)
 bench-spec: model

@@ -18,7 +18,8 @@ decoding against fixed K and adaptive K with the best single-node draft source.
 Sizes: BENCH_RUNS (10), BENCH_TOKENS (24 single node), BENCH_WAN_TOKENS (24), BENCH_WAN_PROMPTS (2).
 BENCH_PARTS (single,exact,wan) runs some of the parts only (the JSON is then named after them:
 bench/results/spec-single.json); BENCH_KS (1,3,5,8,10) sets the single node's fixed K (empty:
-adaptive only). The exactness part compares K in {1, 5, 10}; `make test-exactness` runs the whole
+adaptive only). BENCH_SELF_DRAFT=<export> replaces the self-draft (for example a distilled one,
+`make distil`). The exactness part compares K in {1, 5, 10}; `make test-exactness` runs the whole
 matrix.
 """
 
@@ -53,6 +54,7 @@ EXACT_KS = (1, 5, 10)
 DELAYS_MS = (0, 10, 50, 100)
 RATE_MBIT = 100.0
 SELF_DRAFT = {"layers": 4, "vocab": 8192}
+SELF_DRAFT_EXPORT = os.environ.get("BENCH_SELF_DRAFT")
 HF_DRAFT_LAYERS = 2
 
 # The paper's eight kinds, one prompt each, as one user chat message.
@@ -79,9 +81,14 @@ def drafts_for(target: Path) -> tuple[Path, Path]:
     from exporter.truncate import truncate_model
 
     model_dir = paths.default_model_dir()
-    self_draft = paths.shards_dir() / paths.draft_export_name(
-        paths.DEFAULT_MODEL, SELF_DRAFT["layers"], SELF_DRAFT["vocab"], "int4"
-    )
+    if SELF_DRAFT_EXPORT:
+        self_draft = Path(SELF_DRAFT_EXPORT)
+        if not (self_draft / "manifest.json").is_file():
+            raise SystemExit(f"BENCH_SELF_DRAFT={self_draft} is not an export (no manifest.json)")
+    else:
+        self_draft = paths.shards_dir() / paths.draft_export_name(
+            paths.DEFAULT_MODEL, SELF_DRAFT["layers"], SELF_DRAFT["vocab"], "int4"
+        )
     if not (self_draft / "manifest.json").exists():
         export_draft(model_dir, self_draft, layers=SELF_DRAFT["layers"], vocab=SELF_DRAFT["vocab"])
     hf = paths.shards_dir() / f"{paths.DEFAULT_MODEL}-first{HF_DRAFT_LAYERS}-hf"
@@ -369,7 +376,7 @@ def main() -> int:
         "runs": RUNS,
         "parts": list(PARTS),
         "tokens": TOKENS,
-        "self_draft": SELF_DRAFT,
+        "self_draft": SELF_DRAFT_EXPORT or SELF_DRAFT,
         "hf_draft_layers": HF_DRAFT_LAYERS,
     }
     single = None

@@ -12,6 +12,7 @@ from pipeshard.offline import set_offline_defaults
 _COMMAND_MODULES = (
     "pipeshard.model.cli",
     "exporter.cli",
+    "exporter.distil_cli",
     "clients.cli",
     "services.fleet_cli",
     "services.wan.cli",
