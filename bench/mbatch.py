@@ -16,6 +16,11 @@ one 2-stage fleet with one thread per stage: the two-stream ratio's baseline is 
 two is faster with one stream.
 
 Then, in this process: batch-dimension stacking against interleaving (bench/stacking.py).
+
+Knobs: BENCH_SERIES (comma-separated series names, default all; a subset skips stacking, the plot
+and the ratios whose inputs it lacks), BENCH_DRAFT=<draft export> speculates with that draft
+(`self`, for example a distilled one) instead of prompt lookup, BENCH_SPEC_K (3) and
+BENCH_SPEC_K_WAN (8) set the fixed K of the speculative series.
 """
 
 from __future__ import annotations
@@ -44,11 +49,16 @@ from services.wan.emulator import WanFleet
 TOKENS = int(os.environ.get("BENCH_TOKENS", "128"))
 PROMPT = "Explain in a few paragraphs how a bicycle works."
 RUNS = int(os.environ.get("BENCH_RUNS", "10"))
-SPEC_K = 3  # bench-spec: prompt lookup did best at small K on one node
-SPEC_K_WAN = 8  # bench-spec: larger K did better at high latency per hop
+# bench-spec: prompt lookup did best at small K on one node, larger K at high latency per hop.
+SPEC_K = int(os.environ.get("BENCH_SPEC_K", "3"))
+SPEC_K_WAN = int(os.environ.get("BENCH_SPEC_K_WAN", "8"))
+DRAFT = os.environ.get("BENCH_DRAFT")
+SPEC_SOURCE = "self" if DRAFT else "ngram"
 WAN_DELAY_MS = 50.0
 WAN_RATE_MBIT = 100.0
-COORDINATOR_ARGS = ["--max-running", "8", "--step-timeout-s", "120"]
+COORDINATOR_ARGS = ["--max-running", "8", "--step-timeout-s", "120"] + (
+    ["--self-draft", DRAFT] if DRAFT else []
+)
 
 
 class Series(NamedTuple):
@@ -64,14 +74,22 @@ class Series(NamedTuple):
         return self.stages, self.threads, self.wan
 
 
-SERIES = {
+ALL_SERIES = {
     "2s": Series("2 stages", 2, 0, False, (1, 2, 3, 4, 8)),
     "2s_1t": Series("2 stages, 1 thread per stage", 2, 0, False, (1, 2), threads=1),
     "3s": Series("3 stages", 3, 0, False, (1, 3)),
-    "2s_spec": Series(f"2 stages, ngram K={SPEC_K}", 2, SPEC_K, False, (1, 2, 4)),
+    "2s_spec": Series(f"2 stages, {SPEC_SOURCE} K={SPEC_K}", 2, SPEC_K, False, (1, 2, 4)),
     "wan50": Series("2 stages, WAN 50 ms/hop", 2, 0, True, (1, 4, 8)),
-    "wan50_spec": Series(f"2 stages, WAN 50 ms/hop, ngram K={SPEC_K_WAN}", 2, SPEC_K_WAN, True, (4, 8)),
+    "wan50_spec": Series(
+        f"2 stages, WAN 50 ms/hop, {SPEC_SOURCE} K={SPEC_K_WAN}", 2, SPEC_K_WAN, True, (4, 8)
+    ),
 }
+SERIES = {
+    n: s
+    for n, s in ALL_SERIES.items()
+    if n in os.environ.get("BENCH_SERIES", ",".join(ALL_SERIES)).split(",")
+}
+COMPLETE = SERIES == ALL_SERIES
 
 
 async def _stream(address: str, k: int) -> dict:
@@ -79,7 +97,7 @@ async def _stream(address: str, k: int) -> dict:
         t0 = time.perf_counter()
         arrivals, result = [], GenerateResult()
         responses = client.responses(
-            PROMPT, max_tokens=TOKENS, ignore_eos=True, speculative="ngram" if k else "", k=k
+            PROMPT, max_tokens=TOKENS, ignore_eos=True, speculative=SPEC_SOURCE if k else "", k=k
         )
         async for response in responses:
             if response.HasField("chunk"):
@@ -177,14 +195,15 @@ def main() -> int:
                 loop, fleets[s.fleet].coordinator, c, s.k, records[name]
             )
     try:
-        for series in SERIES.values():
-            stages, threads, wan = series.fleet
-            if series.fleet in fleets:
+        # Every series' fleet, and its loopback twin for the solo references.
+        wanted = {f for s in SERIES.values() for f in (s.fleet, (s.stages, s.threads, False))}
+        for stages, threads, wan in sorted(wanted):
+            if (stages, threads, wan) in fleets:
                 continue
             name = f"{stages}s-{threads or 'default'}t" + ("-wan" if wan else "")
             stage_args = ["--num-threads", str(threads)] if threads else []
             if wan:
-                fleets[series.fleet] = WanFleet(
+                fleets[(stages, threads, wan)] = WanFleet(
                     shards[stages],
                     stages,
                     WAN_DELAY_MS,
@@ -194,7 +213,7 @@ def main() -> int:
                     extra_coordinator_args=COORDINATOR_ARGS,
                 )
             else:
-                fleets[series.fleet] = start_fleet(
+                fleets[(stages, threads, wan)] = start_fleet(
                     shards[stages],
                     stages,
                     run_dir / name,
@@ -212,55 +231,60 @@ def main() -> int:
             for c in series.levels:
                 records[f"{prefix}_x{c}"]["solo"] = solos[key]["result"].token_ids
         samples = interleaved(configs, RUNS, warmup=1)
-        emulation = fleets[SERIES["wan50"].fleet].emulation
+        emulation = next((f.emulation for f in fleets.values() if isinstance(f, WanFleet)), None)
     finally:
         for fleet in fleets.values():
             fleet.stop()
-    stacked = stacking.measure(shards[1], ids, RUNS)
-    plot_path = Path("docs/img/bench-mbatch.png")
-    plot_path.parent.mkdir(parents=True, exist_ok=True)
-    plot(samples, plot_path)
+    result: dict = {
+        "runs": RUNS,
+        "tokens": TOKENS,
+        "series": list(SERIES),
+        "spec_source": DRAFT or SPEC_SOURCE,
+        "spec_k": SPEC_K,
+        "spec_k_wan": SPEC_K_WAN,
+        "emulation": emulation,
+        "tok_s": {k: median(v) for k, v in samples.items()},
+        "tok_s_range": {k: summary(v) for k, v in samples.items()},
+        "streams": {name: stream_stats(record["streams"]) for name, record in records.items()},
+    }
     # The issue's baseline: the thread count per stage that maximises single-stream speed.
-    single = max(("2s", "2s_1t"), key=lambda p: median(samples[f"{p}_x1"]))
-    two, two_ci = ratio_ci(samples[f"{single}_x2"], samples[f"{single}_x1"])
-    up_to_4 = [f"2s_x{c}" for c in (1, 2, 3, 4)] + [f"2s_spec_x{c}" for c in (1, 2, 4)]
-    full_mono = best(samples, up_to_4, "A")
-    wan_up_to_4 = ["wan50_x1", "wan50_x4", "wan50_spec_x4"]
-    full_wan = best(samples, wan_up_to_4, "wan50_x1")
-    wan_any = best(samples, [n for n in samples if n.startswith("wan50")], "wan50_x1")
-    isolation = {name: record["isolated"] for name, record in records.items()}
-    write_result(
-        "mbatch",
-        {
-            "runs": RUNS,
-            "tokens": TOKENS,
-            "spec_k": SPEC_K,
-            "spec_k_wan": SPEC_K_WAN,
-            "emulation": emulation,
-            "baseline": f"{single}_x1 ({SERIES[single].label}, one stream: the faster thread setting) for "
-            "two_stream_over_single; A (LLMPipeline, one user) for full_stack_over_mono; wan50_x1 "
-            "(plain, one stream) for full_stack_over_plain_at_50ms",
-            "tok_s": {k: median(v) for k, v in samples.items()},
-            "tok_s_range": {k: summary(v) for k, v in samples.items()},
-            "streams": {name: stream_stats(record["streams"]) for name, record in records.items()},
+    singles = [p for p in ("2s", "2s_1t") if f"{p}_x1" in samples and f"{p}_x2" in samples]
+    if singles:
+        single = max(singles, key=lambda p: median(samples[f"{p}_x1"]))
+        two, two_ci = ratio_ci(samples[f"{single}_x2"], samples[f"{single}_x1"])
+        result |= {
             "two_stream_over_single": two,
             "two_stream_over_single_ci": two_ci,
-            "two_stream_over_single_config": f"{single}_x2 over {single}_x1",
-            "full_stack_over_mono": full_mono["ratio"],
-            "full_stack_over_mono_ci": full_mono["ci"],
-            "full_stack_over_mono_config": full_mono["config"],
-            "full_stack_over_plain_at_50ms": full_wan["ratio"],
-            "full_stack_over_plain_at_50ms_ci": full_wan["ci"],
-            "full_stack_over_plain_at_50ms_config": full_wan["config"],
-            "best_at_50ms_any_concurrency": wan_any["ratio"],
-            "best_at_50ms_any_concurrency_ci": wan_any["ci"],
-            "best_at_50ms_any_concurrency_config": wan_any["config"],
-            "isolation": isolation,
-            "isolation_ok": all(isolation.values()),
-            "stacking": stacked,
-            "plot": str(plot_path),
-        },
-    )
+            "two_stream_over_single_config": f"{single}_x2 over {single}_x1 ({SERIES[single].label}: the "
+            "faster thread setting with one stream)",
+        }
+    ratios = {
+        "full_stack_over_mono": (
+            [f"2s_x{c}" for c in (1, 2, 3, 4)] + [f"2s_spec_x{c}" for c in (1, 2, 4)],
+            "A",
+        ),
+        "full_stack_over_plain_at_50ms": (["wan50_x1", "wan50_x4", "wan50_spec_x4"], "wan50_x1"),
+        "best_at_50ms_any_concurrency": ([n for n in samples if n.startswith("wan50")], "wan50_x1"),
+    }
+    for key, (names, over) in ratios.items():
+        present = [n for n in names if n in samples]
+        if present and over in samples:
+            top = best(samples, present, over)
+            result |= {
+                key: top["ratio"],
+                f"{key}_ci": top["ci"],
+                f"{key}_config": f"{top['config']} over {over}",
+            }
+    isolation = {name: record["isolated"] for name, record in records.items()}
+    result |= {"isolation": isolation, "isolation_ok": all(isolation.values())}
+    if COMPLETE:
+        result["stacking"] = stacking.measure(shards[1], ids, RUNS)
+        plot_path = Path("docs/img/bench-mbatch.png")
+        plot(samples, plot_path)
+        result["plot"] = str(plot_path)
+    knobs = ("BENCH_SERIES", "BENCH_DRAFT", "BENCH_SPEC_K", "BENCH_SPEC_K_WAN", "BENCH_RUNS", "BENCH_TOKENS")
+    command = " ".join(f"{k}={os.environ[k]}" for k in knobs if k in os.environ)
+    write_result("mbatch" if COMPLETE else "mbatch-subset", result, f"{command} make bench-mbatch".strip())
     return 0
 
 
