@@ -62,9 +62,9 @@ def run_distil(args: argparse.Namespace) -> int:
     from exporter.distil import distil
 
     try:
-        model_dir = resolve_model(args.model)
         if not (args.target / "manifest.json").is_file():
             raise InvalidArgument("target", f"{args.target} is not a pipeshard export (no manifest.json)")
+        model_dir = resolve_model(args.model)
         vocab = "" if args.vocab is None else f"-v{args.vocab}"
         out = args.out or paths.shards_dir() / f"{model_dir.name}-distil{args.layers}{vocab}"
         result = distil(
