@@ -82,7 +82,7 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_export(tiny_model, tmp_path_factory):
     """Factory: (family, stages, weights, beam_idx) -> export folder, exported in-process once."""
-    from exporter.export import export_model
+    from pipeshard.exporter.export import export_model
 
     cache: dict[tuple, Path] = {}
 
