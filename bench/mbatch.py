@@ -42,9 +42,9 @@ from bench.stats import interleaved, median, ratio_ci, summary, write_result
 from pipeshard import paths
 from pipeshard.clients.client import AsyncPipeshardClient, GenerateResult, fold
 from pipeshard.offline import set_offline_defaults
-from pipeshard.services.coordinator.prompting import Prompter
 from pipeshard.services.launcher import start_fleet
 from pipeshard.services.wan.emulator import WanFleet
+from pipeshard.shard.prompting import Prompter
 
 TOKENS = int(os.environ.get("BENCH_TOKENS", "128"))
 PROMPT = "Explain in a few paragraphs how a bicycle works."

@@ -18,8 +18,8 @@ from bench.reference import GenAIPipeline, OwnLoop, optimum_export
 from bench.stats import interleaved_generations, median, ratio_ci, summary, write_result
 from pipeshard import paths
 from pipeshard.offline import set_offline_defaults
-from pipeshard.services.coordinator.prompting import Prompter
-from pipeshard.services.runtime.chain import LocalChain
+from pipeshard.shard.chain import LocalChain
+from pipeshard.shard.prompting import Prompter
 
 NEW_TOKENS = 128
 PROMPT = "Explain in a few paragraphs how a bicycle works."

@@ -28,11 +28,11 @@ from pipeshard import paths
 from pipeshard.clients.client import PipeshardClient
 from pipeshard.offline import set_offline_defaults
 from pipeshard.services.coordinator.generation import token_frame
-from pipeshard.services.coordinator.prompting import Prompter
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.launcher import Fleet, spawn, start_fleet
-from pipeshard.services.runtime.chain import LocalChain
-from pipeshard.services.transport.rawtcp import RawTcpRing
+from pipeshard.services.stage.rawtcp import RawTcpRing
+from pipeshard.shard.chain import LocalChain
+from pipeshard.shard.prompting import Prompter
 from pipeshard.tensor_codec import decode, encode
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 

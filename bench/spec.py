@@ -38,10 +38,10 @@ from pipeshard.clients.client import PipeshardClient
 from pipeshard.offline import set_offline_defaults
 from pipeshard.services.coordinator.generation import Generation, Summary
 from pipeshard.services.coordinator.local_ring import LocalRing
-from pipeshard.services.coordinator.prompting import Prompter
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
-from pipeshard.services.runtime.chain import LocalChain
+from pipeshard.shard.chain import LocalChain
+from pipeshard.shard.prompting import Prompter
 
 RUNS = int(os.environ.get("BENCH_RUNS", "10"))
 TOKENS = int(os.environ.get("BENCH_TOKENS", "24"))
@@ -232,7 +232,7 @@ def bf16_agreement(target: Path, prompts: list[list[int]], last: dict) -> dict:
 
 
 def trim_cost(target: Path, prompt: list[int]) -> float:
-    from pipeshard.services.runtime.shard import ShardRunner, time_trim
+    from pipeshard.shard.runtime import ShardRunner, time_trim
 
     session = ShardRunner(target, 0).new_session()
     session.run([(prompt * 8)[:300]])
@@ -245,7 +245,7 @@ def draft_costs(target: Path, self_draft: Path, hf_draft: Path, drafts: DraftSou
 
     import numpy as np
 
-    from pipeshard.services.runtime.shard import ShardRunner
+    from pipeshard.shard.runtime import ShardRunner
 
     def per_token(runner: ShardRunner) -> float:
         session = runner.new_session()

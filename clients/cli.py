@@ -106,9 +106,9 @@ def _local(args: argparse.Namespace, stream: bool) -> GenerateResult:
     from pipeshard.errors import PipeshardError
     from pipeshard.services.coordinator.generation import Generation, Summary
     from pipeshard.services.coordinator.local_ring import LocalRing
-    from pipeshard.services.coordinator.prompting import Prompter
     from pipeshard.services.coordinator.sampling import SamplingParams
     from pipeshard.services.coordinator.speculation.sources import DraftSources
+    from pipeshard.shard.prompting import Prompter
 
     prompter = Prompter.from_dir(args.local)
     ring = LocalRing(args.local, precision=args.precision)

@@ -23,8 +23,8 @@ import numpy as np
 from pipeshard.errors import InvalidArgument, NotFound
 from pipeshard.exporter.export import ExportResult, ProgressFn, _eos_ids, export_model
 from pipeshard.exporter.families import load_config, resolve_spec
-from pipeshard.exporter.manifest import load_manifest, model_fingerprint
 from pipeshard.exporter.weights import weight_files
+from pipeshard.shard.manifest import load_manifest, model_fingerprint
 
 VOCAB_FILE = "draft_vocab_ids.npy"
 

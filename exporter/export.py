@@ -30,7 +30,8 @@ from pipeshard.errors import FailedPrecondition, InvalidArgument
 from pipeshard.exporter import EXPORTER_VERSION
 from pipeshard.exporter.compress import CompressionPlan, make_plan
 from pipeshard.exporter.families import ModelSpec, cut_config, load_config, resolve_spec
-from pipeshard.exporter.manifest import (
+from pipeshard.exporter.weights import weight_files
+from pipeshard.shard.manifest import (
     FORMAT,
     FORMAT_VERSION,
     export_id,
@@ -38,7 +39,6 @@ from pipeshard.exporter.manifest import (
     model_fingerprint,
     write_manifest,
 )
-from pipeshard.exporter.weights import weight_files
 
 if TYPE_CHECKING:
     from pipeshard.exporter.draft import DraftPlan

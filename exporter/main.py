@@ -9,8 +9,8 @@ from pipeshard import paths
 from pipeshard.exporter.service import ExporterServicer
 from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
-from pipeshard.services.topology import Topology
 from pipeshard.settings import ServerSettings, load_settings, setting
+from pipeshard.topology import Topology
 from pipeshard.v1 import exporter_pb2_grpc
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from pipeshard import paths
 from pipeshard.errors import InvalidArgument, NotFound
 from pipeshard.exporter.export import ExportResult, ProgressEvent, export_model
-from pipeshard.exporter.manifest import MANIFEST, file_sha256, load_manifest, stage_files
 from pipeshard.model.fetch import resolve_model_source
+from pipeshard.shard.manifest import MANIFEST, file_sha256, load_manifest, stage_files
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc
 
 CHUNK_BYTES = 1 << 20

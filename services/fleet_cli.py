@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pipeshard.paths import DEFAULT_MODEL, export_name, shards_dir
 from pipeshard.services.launcher import start_fleet, stop_recorded
-from pipeshard.services.topology import Topology
+from pipeshard.topology import Topology
 
 RUN_DIR = Path("run")
 TOPOLOGY = Path("config/topology.yaml")

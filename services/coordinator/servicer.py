@@ -6,8 +6,8 @@ import structlog
 
 from pipeshard.services.coordinator.admission import Admission
 from pipeshard.services.coordinator.generation import Chunk, Generation
-from pipeshard.services.coordinator.prompting import Prompter
 from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.shard.prompting import Prompter
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = structlog.get_logger(__name__)

@@ -20,10 +20,10 @@ from pipeshard.exporter.draft import (
     plan_draft,
 )
 from pipeshard.exporter.export import export_model
-from pipeshard.exporter.manifest import load_manifest, verify_export, verify_shard
 from pipeshard.exporter.truncate import truncate_model
-from pipeshard.services.runtime.chain import LocalChain
-from pipeshard.services.runtime.shard import ShardRunner
+from pipeshard.shard.chain import LocalChain
+from pipeshard.shard.manifest import load_manifest, verify_export, verify_shard
+from pipeshard.shard.runtime import ShardRunner
 
 QUIET = dict(isolate=False, convert_tokenizer=False, progress=lambda event: None)
 PREFILL, DECODE = 7, 5

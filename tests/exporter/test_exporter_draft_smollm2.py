@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from pipeshard.exporter.draft import check_same_tokenizer
-from pipeshard.exporter.manifest import verify_export
-from pipeshard.services.runtime.shard import ShardRunner
+from pipeshard.shard.manifest import verify_export
+from pipeshard.shard.runtime import ShardRunner
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeshard.exporter.manifest import load_manifest
-from pipeshard.services.runtime.shard import ShardRunner
+from pipeshard.shard.manifest import load_manifest
+from pipeshard.shard.runtime import ShardRunner
 
 RTOL = ATOL = 1e-4
 PREFILL, DECODE = 7, 10

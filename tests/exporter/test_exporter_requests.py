@@ -12,7 +12,7 @@ from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound
 from pipeshard.exporter.compress import choose_group_size, make_plan
 from pipeshard.exporter.export import default_split, export_model, resolve_split
 from pipeshard.exporter.families import get_family, resolve_spec
-from pipeshard.exporter.manifest import load_manifest, verify_export, verify_shard
+from pipeshard.shard.manifest import load_manifest, verify_export, verify_shard
 
 
 @pytest.mark.parametrize(
@@ -171,7 +171,7 @@ def test_manifest_contents(tiny_export):
 
 
 def test_tampered_shard_fails_verification(tiny_export, tmp_path):
-    from pipeshard.services.runtime.shard import ShardRunner
+    from pipeshard.shard.runtime import ShardRunner
 
     export = tmp_path / "copy"
     shutil.copytree(tiny_export("llama", 2), export)

@@ -9,9 +9,9 @@ import grpc
 import pytest
 
 from pipeshard.errors import FailedPrecondition
-from pipeshard.exporter.manifest import verify_shard
-from pipeshard.exporter.shard_pull import pull_shard
 from pipeshard.services.launcher import spawn
+from pipeshard.shard.manifest import verify_shard
+from pipeshard.shard.pull import pull_shard
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 pytestmark = pytest.mark.slow

@@ -197,7 +197,7 @@ def test_coordinator_hosting_stage0_decodes_like_the_chain(shards, chat_prompt_i
     import os
 
     from pipeshard.services.launcher import spawn
-    from pipeshard.services.runtime.chain import LocalChain
+    from pipeshard.shard.chain import LocalChain
 
     chain = LocalChain(shards)
     want = [chain.generate_greedy(ids, 32, ignore_eos=True).token_ids for ids in chat_prompt_ids[:2]]

@@ -11,10 +11,10 @@ import pytest
 
 from pipeshard.services.coordinator.generation import Generation, Summary
 from pipeshard.services.coordinator.local_ring import LocalRing
-from pipeshard.services.coordinator.prompting import Prompter
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
-from pipeshard.services.runtime.chain import LocalChain
+from pipeshard.shard.chain import LocalChain
+from pipeshard.shard.prompting import Prompter
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKENS = 256

@@ -15,9 +15,9 @@ from pipeshard.exporter.draft import plan_draft
 from pipeshard.exporter.truncate import truncate_model
 from pipeshard.services.coordinator.generation import Generation
 from pipeshard.services.coordinator.local_ring import LocalRing
-from pipeshard.services.coordinator.prompting import Prompter
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
+from pipeshard.shard.prompting import Prompter
 from tests.speculation.conftest import TOKENS, generate
 
 pytestmark = pytest.mark.slow

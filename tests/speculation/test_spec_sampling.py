@@ -13,8 +13,8 @@ from collections import Counter
 import pytest
 from scipy import stats
 
-from pipeshard.services.coordinator.prompting import Prompter
 from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.shard.prompting import Prompter
 from tests.speculation.conftest import generate
 
 pytestmark = pytest.mark.slow

@@ -10,8 +10,8 @@ import yaml
 from pipeshard.exporter.main import ExporterSettings
 from pipeshard.services.coordinator.main import CoordinatorSettings
 from pipeshard.services.stage.main import StageSettings
-from pipeshard.services.topology import Topology
 from pipeshard.settings import env_name
+from pipeshard.topology import Topology
 
 COMPOSE = Path(__file__).resolve().parents[2] / "docker" / "compose.yaml"
 PATH_VARS = {"PIPESHARD_MODELS_DIR", "PIPESHARD_SHARDS_DIR"}

@@ -10,7 +10,7 @@ import structlog
 
 from pipeshard.errors import InvalidArgument
 from pipeshard.services.coordinator.speculation.drafts import Drafter, DraftModel, NgramDrafter
-from pipeshard.services.runtime.shard import ShardRunner
+from pipeshard.shard.runtime import ShardRunner
 
 log = structlog.get_logger(__name__)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 
 from pipeshard.errors import FailedPrecondition, Unavailable
-from pipeshard.exporter.manifest import verify_shard
+from pipeshard.shard.manifest import verify_shard
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc
 
 

@@ -17,8 +17,8 @@ import numpy as np
 import openvino as ov
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.exporter.manifest import load_manifest
-from pipeshard.services.runtime.shard import ShardRunner, ShardSession
+from pipeshard.shard.manifest import load_manifest
+from pipeshard.shard.runtime import ShardRunner, ShardSession
 
 
 @dataclass

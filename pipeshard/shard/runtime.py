@@ -25,7 +25,7 @@ import numpy as np
 import openvino as ov
 
 from pipeshard.errors import InvalidArgument, ResourceExhausted
-from pipeshard.exporter.manifest import load_manifest, stage_entry, verify_shard
+from pipeshard.shard.manifest import load_manifest, stage_entry, verify_shard
 
 PRECISIONS = ("default", "f32")
 
