@@ -73,9 +73,9 @@ def main() -> int:
         "B_over_A_prime": ("B", "A_prime"),
     }.items():
         ratios[key], ratios[f"{key}_ci"] = ratio_ci(samples[num], samples[den])
-    import json
+    from pipeshard.shard.manifest import load_manifest
 
-    manifests = {n: json.loads((f / "manifest.json").read_text()) for n, f in exports.items()}
+    manifests = {n: load_manifest(f) for n, f in exports.items()}
     write_result(
         "parity",
         {
@@ -90,11 +90,11 @@ def main() -> int:
             "export": {
                 n: [
                     {
-                        "stage": s["index"],
-                        "seconds": s["export"]["seconds"],
-                        "peak_rss_mb": s["export"]["peak_rss_bytes"] / 2**20,
+                        "stage": s.index,
+                        "seconds": s.export["seconds"],
+                        "peak_rss_mb": s.export["peak_rss_bytes"] / 2**20,
                     }
-                    for s in m["stages"]
+                    for s in m.stages
                 ]
                 for n, m in manifests.items()
             },

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from pipeshard.clients.client import GenerateResult, PipeshardClient, fold
@@ -100,61 +100,6 @@ def _remote(args: argparse.Namespace, stream: bool) -> GenerateResult:
 
 
 def _local(args: argparse.Namespace, stream: bool) -> GenerateResult:
-    """The coordinator's decode loop over every stage in this process (no services)."""
-    import asyncio
-
-    from pipeshard.errors import PipeshardError
-    from pipeshard.services.coordinator.generation import Generation, Summary
-    from pipeshard.services.coordinator.local_ring import LocalRing
-    from pipeshard.services.coordinator.sampling import SamplingParams
-    from pipeshard.services.coordinator.speculation.sources import DraftSources
-    from pipeshard.shard.prompting import Prompter
-
-    prompter = Prompter.from_dir(args.local)
-    ring = LocalRing(args.local, precision=args.precision)
-    ring.warmup()  # the first inference prepares kernels (0.5-2 s); keep it out of ttft
-    generation = Generation(
-        ring,
-        prompter.tokenizer,
-        prompter.eos_ids,
-        drafts=DraftSources(args.local, self_draft=args.self_draft),
-    )
-    ids = prompter.encode("", [("user", args.prompt)])
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature or 0.0,
-        top_p=1.0 if args.top_p is None else args.top_p,
-        top_k=args.top_k or 0,
-        seed=args.seed,
-        stop=tuple(args.stop or ()),
-        ignore_eos=args.ignore_eos,
-    )
-
-    async def generate() -> Summary:
-        params.validate(prompt_tokens=len(ids), max_context=ring.max_context, vocab_size=ring.vocab_size)
-        summary = None
-        async for event in generation.run(ids, params, speculative=args.speculative, k=args.k):
-            if isinstance(event, Summary):
-                summary = event
-            elif stream:
-                print(event.text, end="", flush=True)
-        return summary
-
-    try:
-        summary = asyncio.run(generate())
-    except PipeshardError as exc:
-        print(f"pipeshard generate: {exc.code}: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    return GenerateResult(
-        text=summary.text,
-        token_ids=summary.token_ids,
-        finish_reason=summary.finish_reason,
-        prompt_tokens=summary.prompt_tokens,
-        completion_tokens=summary.completion_tokens,
-        ttft_ms=summary.ttft_ms,
-        tok_s=summary.tok_s,
-        speculative=summary.speculative,
-        verify_steps=summary.verify_steps,
-        draft_tokens=summary.draft_tokens,
-        accepted_tokens=summary.accepted_tokens,
-    )
+    """The in-process mode belongs to the services; pipeshard/cli.py hands it in as ``run_local``."""
+    summary = args.run_local(args, stream)
+    return GenerateResult(**{f.name: getattr(summary, f.name) for f in fields(GenerateResult)})

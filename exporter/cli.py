@@ -174,18 +174,17 @@ def run_export(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, InvalidArgument) else 1
     m = result.manifest
-    for stage in m["stages"]:
-        e = stage["export"]
+    for stage in m.stages:
+        e = stage.export
         print(
-            f"stage {stage['index']}: layers {stage['layer_start']}..{stage['layer_end'] - 1}, "
+            f"stage {stage.index}: layers {stage.layer_start}..{stage.layer_end - 1}, "
             f"{e['seconds']:.1f} s, peak RSS {e['peak_rss_bytes'] / 2**20:.0f} MiB ({e['rss_scope']})"
         )
-    w = m["weights"]
-    kind = f"draft of {m['draft']['layers']} layers" if "draft" in m else f"{m['num_stages']} stages"
+    kind = f"draft of {m.draft.layers} layers" if m.draft else f"{m.num_stages} stages"
     print(
-        f"exported {m['model']['name']} to {result.path}: {kind}, {w['format']}"
-        + (f" (group {w['group_size']})" if w.get("group_size") else "")
-        + f", max_context {m['max_context']}, {result.seconds:.1f} s"
+        f"exported {m.model.name} to {result.path}: {kind}, {m.weights.format}"
+        + (f" (group {m.weights.group_size})" if m.weights.group_size else "")
+        + f", max_context {m.max_context}, {result.seconds:.1f} s"
     )
     return 0
 

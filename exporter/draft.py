@@ -8,7 +8,9 @@ the stage folder (checksummed like the IR) and named by the manifest's ``draft``
 runtime maps a logit column back to its token id with ``ShardRunner.vocab_ids``.
 
 A draft can also be any same-tokenizer Hugging Face model: ``ensure_draft_export`` exports it
-once into a cache folder, and ``check_same_tokenizer`` refuses a pair whose token ids differ.
+once into a cache folder (serving processes run it as ``python -m pipeshard.exporter.draft``
+through ``pipeshard.shard.drafts.resolve_draft``), and ``pipeshard.shard.drafts.check_same_tokenizer``
+refuses a pair whose token ids differ.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from pipeshard.errors import InvalidArgument, NotFound
+from pipeshard.errors import InvalidArgument, PipeshardError
 from pipeshard.exporter.export import ExportResult, ProgressFn, _eos_ids, export_model
 from pipeshard.exporter.families import load_config, resolve_spec
 from pipeshard.exporter.weights import weight_files
-from pipeshard.shard.manifest import load_manifest, model_fingerprint
+from pipeshard.shard.drafts import existing_draft_export
+from pipeshard.shard.manifest import model_fingerprint
 
 VOCAB_FILE = "draft_vocab_ids.npy"
 
@@ -126,17 +129,8 @@ def ensure_draft_export(
     export of the Hugging Face folder ``source``, made once under ``cache_root`` and reused (the
     folder name carries a hash of config and weights, so a changed model is exported again)."""
     source = Path(source)
-    if (source / "manifest.json").is_file():
-        n = load_manifest(source)["num_stages"]
-        if n != 1:
-            raise InvalidArgument("speculative", f"{source} is a {n}-stage export; a draft must be one stage")
-        return source
-    if not (source / "config.json").is_file():
-        raise InvalidArgument(
-            "speculative",
-            f"{source} holds neither a pipeshard export (manifest.json) nor a Hugging Face model "
-            "(config.json)",
-        )
+    if (export := existing_draft_export(source)) is not None:
+        return export
     try:
         digest = model_fingerprint(source / "config.json", weight_files(source)).split(":")[1][:12]
         out = Path(cache_root) / f"{source.name}-{digest}-{weights}"
@@ -156,40 +150,24 @@ def ensure_draft_export(
     return out
 
 
-def _token_ids(export_dir: Path) -> dict[str, int]:
-    """token -> id of an export's tokenizer (vocabulary and added tokens)."""
-    path = export_dir / "tokenizer.json"
-    if path.is_file():
-        data = json.loads(path.read_text())
-        ids = dict(data.get("model", {}).get("vocab", {}))
-        ids.update({t["content"]: t["id"] for t in data.get("added_tokens", [])})
-        return ids
-    if (export_dir / "vocab.json").is_file():
-        return json.loads((export_dir / "vocab.json").read_text())
-    raise InvalidArgument("speculative", f"{export_dir} has no tokenizer.json or vocab.json to compare")
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pipeshard.exporter.draft SOURCE CACHE_ROOT [--weights W]``: ensure_draft_export in
+    its own process, for a serving process that must not import the exporter; prints the export."""
+    import argparse
+    import sys
 
-
-def check_same_tokenizer(target_export: Path | str, draft_export: Path | str) -> None:
-    """Refuse a draft whose token ids mean something else than the target's.
-
-    The draft reads and proposes token ids, so what must agree is the id space (vocab size) and
-    the id -> token mapping; merges or normaliser details only matter to the target, which alone
-    tokenizes text.
-    """
-    target, draft = Path(target_export), Path(draft_export)
+    parser = argparse.ArgumentParser(prog="python -m pipeshard.exporter.draft", description=main.__doc__)
+    parser.add_argument("source", type=Path)
+    parser.add_argument("cache_root", type=Path)
+    parser.add_argument("--weights", default="int4")
+    args = parser.parse_args(argv)
     try:
-        sizes = [load_manifest(p)["model"]["vocab_size"] for p in (target, draft)]
-    except NotFound as exc:
-        raise InvalidArgument("speculative", str(exc)) from None
-    if sizes[0] != sizes[1]:
-        raise InvalidArgument(
-            "speculative", f"draft {draft} has vocab size {sizes[1]}, the target {target} has {sizes[0]}"
-        )
-    a, b = _token_ids(target), _token_ids(draft)
-    if a != b:
-        diff = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])[:3]
-        raise InvalidArgument(
-            "speculative",
-            f"draft {draft} has a different tokenizer than the target {target} "
-            f"({len(a)} vs {len(b)} tokens; e.g. {diff})",
-        )
+        print(ensure_draft_export(args.source, args.cache_root, args.weights))
+    except PipeshardError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -34,6 +34,7 @@ from pipeshard.exporter.weights import weight_files
 from pipeshard.shard.manifest import (
     FORMAT,
     FORMAT_VERSION,
+    Manifest,
     export_id,
     file_records,
     model_fingerprint,
@@ -91,7 +92,7 @@ class StageJob:
 @dataclass
 class ExportResult:
     path: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
     seconds: float
     stage_seconds: list[float] = field(default_factory=list)
 
@@ -495,7 +496,12 @@ def export_model(
         raise
     seconds = time.perf_counter() - t0
     progress(ProgressEvent(None, "done", 1.0, f"{out_dir} in {seconds:.1f} s"))
-    return ExportResult(out_dir, manifest, seconds, [e["export"]["seconds"] for e in stage_entries])
+    return ExportResult(
+        out_dir,
+        Manifest.from_dict(out_dir, manifest),
+        seconds,
+        [e["export"]["seconds"] for e in stage_entries],
+    )
 
 
 def _replace_folder(new: Path, target: Path) -> None:

@@ -16,7 +16,7 @@ from pipeshard import paths
 from pipeshard.errors import InvalidArgument, NotFound
 from pipeshard.exporter.export import ExportResult, ProgressEvent, export_model
 from pipeshard.model.fetch import resolve_model_source
-from pipeshard.shard.manifest import MANIFEST, file_sha256, load_manifest, stage_files
+from pipeshard.shard.manifest import MANIFEST, file_sha256, load_manifest
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc
 
 CHUNK_BYTES = 1 << 20
@@ -27,13 +27,6 @@ def _safe_name(name: str, field: str) -> str:
     if not name or "/" in name or "\\" in name or name.startswith("."):
         raise InvalidArgument(field, f"must be a plain folder name under the shards directory, got {name!r}")
     return name
-
-
-def files_for_stage(manifest: dict, stage: int) -> list[str]:
-    """A stage needs its own folder, the manifest and the shared root files (config, tokenizer)."""
-    stage_folders = tuple(s["folder"].rstrip("/") + "/" for s in manifest["stages"])
-    shared = [rel for rel in manifest["files"] if not rel.startswith(stage_folders)]
-    return [MANIFEST, *sorted(shared), *stage_files(manifest, stage)]
 
 
 class ExporterServicer(exporter_pb2_grpc.ExporterServiceServicer):
@@ -97,7 +90,9 @@ class ExporterServicer(exporter_pb2_grpc.ExporterServiceServicer):
                 )
             result = await job
         yield exporter_pb2.ExportResponse(
-            done=exporter_pb2.ExportDone(out_dir=str(result.path), manifest_json=json.dumps(result.manifest))
+            done=exporter_pb2.ExportDone(
+                out_dir=str(result.path), manifest_json=json.dumps(result.manifest.raw)
+            )
         )
 
     async def FetchShard(self, request, context) -> AsyncIterator[exporter_pb2.FetchShardResponse]:
@@ -105,7 +100,7 @@ class ExporterServicer(exporter_pb2_grpc.ExporterServiceServicer):
         if not (root / MANIFEST).is_file():
             raise NotFound(f"no export named {request.export_name!r} in {self._shards_dir}")
         manifest = load_manifest(root)
-        for rel in files_for_stage(manifest, request.stage_index):
+        for rel in manifest.files_for_stage(request.stage_index):
             path = root / rel
             size = path.stat().st_size
             digest = file_sha256(path)

@@ -33,7 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser(name, help=f"{text} (see `pipeshard {name} --help`)", add_help=False)
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    sub.choices["generate"].set_defaults(run_local=_generate_local)
     return parser
+
+
+def _generate_local(args: argparse.Namespace, stream: bool):
+    """``generate --local`` runs the coordinator in this process; imported only when asked for."""
+    from pipeshard.services.coordinator.local_generate import generate_local
+
+    return generate_local(args, stream)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,12 +59,12 @@ class LocalChain:
         core = ov.Core()
         self.runners = [
             ShardRunner(self.export_dir, i, precision, num_threads, verify=verify, core=core)
-            for i in range(self.manifest["num_stages"])
+            for i in range(self.manifest.num_stages)
         ]
         self.sessions: list[ShardSession] = [r.new_session() for r in self.runners]
-        self.eos_ids = list(self.manifest["model"].get("eos_token_ids", []))
+        self.eos_ids = list(self.manifest.model.eos_token_ids)
         self._vocab_ids = self.runners[-1].vocab_ids  # a draft's head slice: column -> token id
-        self.max_context = self.manifest["max_context"]
+        self.max_context = self.manifest.max_context
 
     @property
     def past_length(self) -> int:

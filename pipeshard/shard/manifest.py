@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,88 +80,186 @@ def write_manifest(root: Path, manifest: dict[str, Any]) -> Path:
     return path
 
 
-def load_manifest(export_dir: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class FileRecord:
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class StageEntry:
+    """One stage of an export, as the manifest lists it."""
+
+    index: int
+    layer_start: int
+    layer_end: int  # exclusive
+    folder: str
+    model: str  # the .xml path, relative to the export folder
+    state_variables: tuple[str, ...]
+    export: Mapping[str, Any]  # seconds, peak_rss_bytes, rss_scope (statistics of the export run)
+
+    @property
+    def input_name(self) -> str:
+        """The first stage reads token ids, every later stage the previous stage's hidden states."""
+        return "input_ids" if self.index == 0 else "hidden_states"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    fingerprint: str
+    hidden_size: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class WeightsInfo:
+    format: str  # int4|int8|fp16|fp32
+    group_size: int | None
+
+
+@dataclass(frozen=True)
+class DraftInfo:
+    layers: int
+    vocab_ids: str | None  # the .npy of the LM head's token ids; None = the full vocabulary
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A validated manifest.json; ``raw`` is the JSON as written (for printing and forwarding)."""
+
+    export_dir: Path
+    num_stages: int
+    max_context: int
+    model: ModelInfo
+    weights: WeightsInfo
+    stages: tuple[StageEntry, ...]
+    files: Mapping[str, FileRecord]
+    draft: DraftInfo | None
+    raw: Mapping[str, Any]
+
+    @classmethod
+    def from_dict(cls, export_dir: Path, raw: Mapping[str, Any]) -> Manifest:
+        """Typed view of a manifest dict; a missing or mistyped key is a FailedPrecondition."""
+        where = Path(export_dir) / MANIFEST
+        try:
+            model = raw["model"]
+            draft = raw.get("draft")
+            return cls(
+                export_dir=Path(export_dir),
+                num_stages=int(raw["num_stages"]),
+                max_context=int(raw["max_context"]),
+                model=ModelInfo(
+                    name=str(model.get("name", "")),
+                    fingerprint=str(model["fingerprint"]),
+                    hidden_size=int(model["hidden_size"]),
+                    vocab_size=int(model["vocab_size"]),
+                    eos_token_ids=tuple(int(i) for i in model.get("eos_token_ids", ())),
+                ),
+                weights=WeightsInfo(str(raw["weights"]["format"]), raw["weights"].get("group_size")),
+                stages=tuple(
+                    StageEntry(
+                        index=int(s["index"]),
+                        layer_start=int(s["layer_start"]),
+                        layer_end=int(s["layer_end"]),
+                        folder=str(s["folder"]),
+                        model=str(s["model"]),
+                        state_variables=tuple(s["state_variables"]),
+                        export=dict(s.get("export", {})),
+                    )
+                    for s in raw["stages"]
+                ),
+                files={rel: FileRecord(str(r["sha256"]), int(r["size"])) for rel, r in raw["files"].items()},
+                draft=DraftInfo(int(draft["layers"]), draft.get("vocab_ids")) if draft else None,
+                raw=raw,
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise FailedPrecondition(f"{where} is malformed: {type(exc).__name__} {exc}") from None
+
+    def stage(self, stage: int) -> StageEntry:
+        n = self.num_stages
+        if not isinstance(stage, int) or not 0 <= stage < n:
+            raise InvalidArgument("stage", f"must be in [0, {n}) for this {n}-stage export, got {stage!r}")
+        return self.stages[stage]
+
+    def stage_files(self, stage: int) -> list[str]:
+        folder = self.stage(stage).folder.rstrip("/") + "/"
+        return sorted(rel for rel in self.files if rel.startswith(folder))
+
+    def files_for_stage(self, stage: int) -> list[str]:
+        """What one stage needs: the manifest, the shared root files (config, tokenizer), its folder."""
+        stage_folders = tuple(s.folder.rstrip("/") + "/" for s in self.stages)
+        shared = [rel for rel in self.files if not rel.startswith(stage_folders)]
+        return [MANIFEST, *sorted(shared), *self.stage_files(stage)]
+
+
+def load_manifest(export_dir: Path) -> Manifest:
     """Read and sanity-check an export's manifest."""
     export_dir = Path(export_dir)
     path = export_dir / MANIFEST
     if not path.is_file():
         raise NotFound(f"no {MANIFEST} in {export_dir}: not a pipeshard export (or an unfinished one)")
     try:
-        manifest = json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except ValueError as exc:
         raise FailedPrecondition(f"{path} is not valid JSON: {exc}") from None
-    if manifest.get("format") != FORMAT:
-        raise FailedPrecondition(f"{path} is not a {FORMAT} manifest (format={manifest.get('format')!r})")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        got = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+        raise FailedPrecondition(f"{path} is not a {FORMAT} manifest (format={got!r})")
+    if raw.get("format_version") != FORMAT_VERSION:
         raise FailedPrecondition(
-            f"{path} has format_version {manifest.get('format_version')}, this build reads {FORMAT_VERSION}"
+            f"{path} has format_version {raw.get('format_version')}, this build reads {FORMAT_VERSION}"
         )
-    if len(manifest.get("stages", ())) != manifest.get("num_stages"):
-        raise FailedPrecondition(
-            f"{path} lists {len(manifest.get('stages', ()))} stages, expected num_stages"
-        )
-    return manifest
+    if len(raw.get("stages", ())) != raw.get("num_stages"):
+        raise FailedPrecondition(f"{path} lists {len(raw.get('stages', ()))} stages, expected num_stages")
+    return Manifest.from_dict(export_dir, raw)
 
 
-def stage_entry(manifest: dict[str, Any], stage: int) -> dict[str, Any]:
-    n = manifest["num_stages"]
-    if not isinstance(stage, int) or not 0 <= stage < n:
-        raise InvalidArgument("stage", f"must be in [0, {n}) for this {n}-stage export, got {stage!r}")
-    return manifest["stages"][stage]
-
-
-def _check_files(
-    export_dir: Path, manifest: dict[str, Any], rels: list[str], hashes: bool, what: str
-) -> None:
-    files = manifest["files"]
+def _check_files(export_dir: Path, manifest: Manifest, rels: list[str], hashes: bool, what: str) -> None:
     for rel in rels:
-        record = files.get(rel)
+        record = manifest.files.get(rel)
         path = export_dir / rel
         if record is None:
             raise FailedPrecondition(f"{what}: {rel} is not listed in the manifest of {export_dir}")
         if not path.is_file():
             raise FailedPrecondition(f"{what}: {rel} is missing from {export_dir}; re-export or re-fetch it")
         size = path.stat().st_size
-        if size != record["size"]:
+        if size != record.size:
             raise FailedPrecondition(
-                f"{what}: {rel} has {size} bytes, the manifest says {record['size']}; "
+                f"{what}: {rel} has {size} bytes, the manifest says {record.size}; "
                 "the shard is damaged or from another export"
             )
         if hashes:
             digest = file_sha256(path)
-            if digest != record["sha256"]:
+            if digest != record.sha256:
                 raise FailedPrecondition(
                     f"{what}: {rel} has sha256 {digest[:16]}..., "
-                    f"the manifest says {record['sha256'][:16]}...; "
+                    f"the manifest says {record.sha256[:16]}...; "
                     "the shard is damaged or from another export"
                 )
 
 
-def stage_files(manifest: dict[str, Any], stage: int) -> list[str]:
-    folder = stage_entry(manifest, stage)["folder"].rstrip("/") + "/"
-    return sorted(rel for rel in manifest["files"] if rel.startswith(folder))
-
-
-def verify_shard(export_dir: Path, stage: int, hashes: bool = True) -> dict[str, Any]:
+def verify_shard(export_dir: Path, stage: int, hashes: bool = True) -> Manifest:
     """Check one stage's files against the manifest (size, and sha256 unless ``hashes`` is off).
 
     Returns the manifest; raises FailedPrecondition naming the first file that does not match.
     """
     export_dir = Path(export_dir)
     manifest = load_manifest(export_dir)
-    rels = stage_files(manifest, stage)
-    entry = manifest["stages"][stage]
-    if entry["model"] not in rels:
+    rels = manifest.stage_files(stage)
+    entry = manifest.stages[stage]
+    if entry.model not in rels:
         raise FailedPrecondition(
-            f"stage {stage}: {entry['model']} is not listed in the manifest of {export_dir}"
+            f"stage {stage}: {entry.model} is not listed in the manifest of {export_dir}"
         )
     _check_files(export_dir, manifest, rels, hashes, f"stage {stage}")
     return manifest
 
 
-def verify_export(export_dir: Path, hashes: bool = True) -> dict[str, Any]:
+def verify_export(export_dir: Path, hashes: bool = True) -> Manifest:
     """Check every file of an export against its manifest."""
     export_dir = Path(export_dir)
     manifest = load_manifest(export_dir)
-    _check_files(export_dir, manifest, sorted(manifest["files"]), hashes, "export")
+    _check_files(export_dir, manifest, sorted(manifest.files), hashes, "export")
     return manifest

@@ -25,7 +25,7 @@ import numpy as np
 import openvino as ov
 
 from pipeshard.errors import InvalidArgument, ResourceExhausted
-from pipeshard.shard.manifest import load_manifest, stage_entry, verify_shard
+from pipeshard.shard.manifest import load_manifest, verify_shard
 
 PRECISIONS = ("default", "f32")
 
@@ -72,27 +72,27 @@ class ShardRunner:
         props = compile_properties(precision, num_threads, num_streams)
         manifest = verify_shard(self.export_dir, stage_index) if verify else load_manifest(self.export_dir)
         self.manifest = manifest
-        self.entry = stage_entry(manifest, stage_index)
+        self.entry = manifest.stage(stage_index)
         self.stage_index = stage_index
-        self.num_stages = manifest["num_stages"]
+        self.num_stages = manifest.num_stages
         self.is_first = stage_index == 0
         self.is_last = stage_index == self.num_stages - 1
-        self.hidden_size = manifest["model"]["hidden_size"]
-        self.vocab_size = manifest["model"]["vocab_size"]
-        self.max_context = manifest["max_context"]
+        self.hidden_size = manifest.model.hidden_size
+        self.vocab_size = manifest.model.vocab_size
+        self.max_context = manifest.max_context
         self.precision = precision
         self.core = core or ov.Core()
-        self.compiled = self.core.compile_model(str(self.export_dir / self.entry["model"]), device, props)
+        self.compiled = self.core.compile_model(str(self.export_dir / self.entry.model), device, props)
         names = [p.get_any_name() for p in self.compiled.inputs]
-        self.input_name = "input_ids" if self.is_first else "hidden_states"
+        self.input_name = self.entry.input_name
         self._index = {n: i for i, n in enumerate(names)}
         for required in (self.input_name, "attention_mask", "position_ids"):
             if required not in self._index:
                 raise InvalidArgument("export_dir", f"stage {stage_index} model has no `{required}` input")
         self.has_beam_idx = "beam_idx" in self._index
-        self.state_variables = list(self.entry["state_variables"])
+        self.state_variables = list(self.entry.state_variables)
         # A draft's vocabulary slice: the token id of each logit column (None: column i is token i).
-        vocab_file = (manifest.get("draft") or {}).get("vocab_ids")
+        vocab_file = manifest.draft.vocab_ids if manifest.draft else None
         self.vocab_ids: np.ndarray | None = (
             np.load(self.export_dir / vocab_file, allow_pickle=False) if vocab_file else None
         )

@@ -35,10 +35,10 @@ class LocalRing:
         core = ov.Core()
         self.runners = [
             ShardRunner(self.export_dir, i, precision, num_threads, core=core)
-            for i in range(manifest["num_stages"])
+            for i in range(manifest.num_stages)
         ]
-        self.max_context = manifest["max_context"]
-        self.vocab_size = manifest["model"]["vocab_size"]
+        self.max_context = manifest.max_context
+        self.vocab_size = manifest.model.vocab_size
         self._engines = [
             StageEngine(
                 SessionTable(r.new_session, max_sessions, idle_timeout_s=float("inf")),

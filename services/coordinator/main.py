@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.services.stage.main import StageSettings, build_node
 from pipeshard.services.stage.servicer import StageServicer
 from pipeshard.settings import ServerSettings, load_settings, setting
+from pipeshard.shard.manifest import load_manifest
 from pipeshard.shard.prompting import Prompter
 from pipeshard.topology import Topology
 from pipeshard.v1 import coordinator_pb2_grpc
@@ -82,12 +82,12 @@ class Coordinator:
     servicer: CoordinatorServicer = field(init=False)
 
     async def start(self) -> None:
-        manifest = json.loads((Path(self.settings.shards) / "manifest.json").read_text())
-        remote = manifest["num_stages"] - (1 if self.settings.host_stage0 else 0)
+        manifest = load_manifest(Path(self.settings.shards))
+        remote = manifest.num_stages - (1 if self.settings.host_stage0 else 0)
         if remote != len(self.settings.stages):
             raise InvalidArgument(
                 "stages",
-                f"lists {len(self.settings.stages)} addresses; this {manifest['num_stages']}-stage export "
+                f"lists {len(self.settings.stages)} addresses; this {manifest.num_stages}-stage export "
                 f"needs {remote} remote stages"
                 + (" (stage 0 hosted here)" if self.settings.host_stage0 else ""),
             )
@@ -116,8 +116,8 @@ class Coordinator:
                 max_k=self.settings.max_k,
             ),
             prompter,
-            max_context=manifest["max_context"],
-            vocab_size=manifest["model"]["vocab_size"],
+            max_context=manifest.max_context,
+            vocab_size=manifest.model.vocab_size,
             default_max_tokens=self.settings.default_max_tokens,
             admission=Admission(self.settings.max_running, self.settings.max_queue),
         )

@@ -109,9 +109,9 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
     info = stage_pb2.GetStageInfoResponse(
         stage_index=settings.stage,
         num_stages=runner.num_stages,
-        layer_start=runner.entry["layer_start"],
-        layer_end=runner.entry["layer_end"],
-        model_fingerprint=runner.manifest["model"]["fingerprint"],
+        layer_start=runner.entry.layer_start,
+        layer_end=runner.entry.layer_end,
+        model_fingerprint=runner.manifest.model.fingerprint,
         max_context=runner.max_context,
         next_hop=settings.next_hop or "",
     )

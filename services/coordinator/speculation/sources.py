@@ -10,6 +10,7 @@ import structlog
 
 from pipeshard.errors import InvalidArgument
 from pipeshard.services.coordinator.speculation.drafts import Drafter, DraftModel, NgramDrafter
+from pipeshard.shard.drafts import check_same_tokenizer, resolve_draft
 from pipeshard.shard.runtime import ShardRunner
 
 log = structlog.get_logger(__name__)
@@ -69,9 +70,7 @@ class DraftSources:
             return self._models[folder]
 
     def _build(self, folder: Path) -> DraftModel:
-        from pipeshard.exporter.draft import check_same_tokenizer, ensure_draft_export
-
-        export = ensure_draft_export(folder, self.draft_cache)
+        export = resolve_draft(folder, self.draft_cache)
         check_same_tokenizer(self.target_shards, export)
         runner = ShardRunner(export, 0, num_threads=self.num_threads)
         runner.warmup()

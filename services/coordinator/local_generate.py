@@ -1,0 +1,57 @@
+"""``pipeshard generate --local``: the coordinator's decode loop over every stage in this process.
+
+It lives with the coordinator because it runs the coordinator's internals; the client CLI only
+dispatches to it (through pipeshard/cli.py), so clients/ imports nothing but the contract.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from pipeshard.errors import PipeshardError
+from pipeshard.services.coordinator.generation import Generation, Summary
+from pipeshard.services.coordinator.local_ring import LocalRing
+from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.speculation.sources import DraftSources
+from pipeshard.shard.prompting import Prompter
+
+
+def generate_local(args: argparse.Namespace, stream: bool) -> Summary:
+    """Run ``pipeshard generate``'s arguments against the export ``args.local``, no services."""
+    prompter = Prompter.from_dir(args.local)
+    ring = LocalRing(args.local, precision=args.precision)
+    ring.warmup()  # the first inference prepares kernels (0.5-2 s); keep it out of ttft
+    generation = Generation(
+        ring,
+        prompter.tokenizer,
+        prompter.eos_ids,
+        drafts=DraftSources(args.local, self_draft=args.self_draft),
+    )
+    ids = prompter.encode("", [("user", args.prompt)])
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature or 0.0,
+        top_p=1.0 if args.top_p is None else args.top_p,
+        top_k=args.top_k or 0,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+        ignore_eos=args.ignore_eos,
+    )
+
+    async def generate() -> Summary:
+        params.validate(prompt_tokens=len(ids), max_context=ring.max_context, vocab_size=ring.vocab_size)
+        summary = None
+        async for event in generation.run(ids, params, speculative=args.speculative, k=args.k):
+            if isinstance(event, Summary):
+                summary = event
+            elif stream:
+                print(event.text, end="", flush=True)
+        return summary
+
+    try:
+        return asyncio.run(generate())
+    except PipeshardError as exc:
+        print(f"pipeshard generate: {exc.code}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
