@@ -5,11 +5,12 @@ A service declares its settings as a dataclass (extend :class:`ServerSettings` f
     @dataclass
     class StageSettings(ServerSettings):
         port: int = setting(50061, "gRPC port of this stage")
-        shard_dir: Path = setting(Path("shards/x/stage-0"), "folder of this stage's shard")
+        shards: Path | None = setting(None, "export folder holding manifest.json")
 
     settings = load_settings(StageSettings, argv, prog="pipeshard-stage")
 
-Field ``shard_dir`` becomes flag ``--shard-dir`` and environment variable ``PIPESHARD_SHARD_DIR``
+Field ``idle_timeout_s`` becomes flag ``--idle-timeout-s`` and environment variable
+``PIPESHARD_IDLE_TIMEOUT_S``
 (the prefix can be changed per class with ``env_prefix: ClassVar[str] = "PIPESHARD_STAGE_"``).
 Precedence: flag > environment > default. Supported types: str, int, float, bool, Path, ``X | None``
 (an empty value or ``none`` means None) and ``list[X]`` (comma-separated). Booleans accept

@@ -1,7 +1,7 @@
 """Stage 0 hosted inside the coordinator process (``--host-stage0``): one network hop fewer.
 
 The ring talks to it through the same two surfaces it uses for a remote stage: ``send`` for
-frames (run on the stage's worker thread, output forwarded to stage 1 over its hop stream) and
+frames (run inline on the event loop like any stage, output forwarded to stage 1 over its hop stream) and
 a stub-like object whose control methods call the stage servicer directly.
 """
 

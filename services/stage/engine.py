@@ -1,4 +1,4 @@
-"""Runs one step of one session on this stage's shard (blocking; called from one worker thread)."""
+"""Runs one step of one session on this stage's shard (blocking; the node calls it inline on its loop)."""
 
 from __future__ import annotations
 

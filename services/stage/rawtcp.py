@@ -38,7 +38,7 @@ def pack_frame(session: int, step: int, position: int, payload: np.ndarray) -> b
 
 
 class RawTcpStage:
-    """Serves raw frames for one stage, sharing the stage's engine and worker thread."""
+    """Serves raw frames for one stage, sharing the stage's engine (run inline on the event loop)."""
 
     def __init__(self, engine: StageEngine, next_hop: tuple[str, int] | None):
         self._engine = engine
