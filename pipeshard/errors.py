@@ -46,10 +46,10 @@ class DeadlineExceeded(PipeshardError):
     code = "DEADLINE_EXCEEDED"
 
 
-class Cancelled(PipeshardError):
-    """The client went away."""
+class Unimplemented(PipeshardError):
+    """An RPC of the contract that an open issue will implement (it names the issue)."""
 
-    code = "CANCELLED"
+    code = "UNIMPLEMENTED"
 
 
 class FailedPrecondition(PipeshardError):

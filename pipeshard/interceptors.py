@@ -38,7 +38,7 @@ from pipeshard import metrics
 from pipeshard.errors import PipeshardError
 
 REQUEST_ID_METADATA = "x-request-id"
-_MAX_REQUEST_ID_CHARS = 128
+MAX_REQUEST_ID_CHARS = 128
 
 log = structlog.get_logger("pipeshard.rpc")
 
@@ -69,7 +69,7 @@ class _Call:
         for key, value in details.invocation_metadata or ():
             if key == REQUEST_ID_METADATA:
                 request_id = value.decode(errors="replace") if isinstance(value, bytes) else value
-                request_id = request_id[:_MAX_REQUEST_ID_CHARS]
+                request_id = request_id[:MAX_REQUEST_ID_CHARS]
                 break
         return cls(service or "unknown", method or path, request_id or uuid.uuid4().hex)
 

@@ -17,9 +17,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
+import structlog
 
+from pipeshard.errors import InvalidArgument, PipeshardError
 from pipeshard.services.coordinator.detokenizer import IncrementalDetokenizer
 from pipeshard.services.coordinator.sampling import Sampler, SamplingParams
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy, accept_sampled
@@ -28,6 +31,20 @@ from pipeshard.services.coordinator.speculation.policy import KPolicy, SourceMem
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.tensor_codec import decode, encode
 from pipeshard.v1 import activation_pb2, tensor_pb2
+
+log = structlog.get_logger(__name__)
+
+
+class RingLike(Protocol):
+    """What a generation needs of the stages: the gRPC ``Ring`` or the in-process ``LocalRing``."""
+
+    async def open_session(self, session_id: str) -> int: ...
+
+    async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult: ...
+
+    async def release_session(self, session_id: str) -> None: ...
+
+    async def abort_session(self, session_id: str, reason: str) -> None: ...
 
 
 @dataclass
@@ -130,7 +147,7 @@ class Generation:
 
     def __init__(
         self,
-        ring,
+        ring: RingLike,
         tokenizer,
         eos_ids: set[int],
         *,
@@ -139,8 +156,6 @@ class Generation:
         default_speculative: str = "none",
         max_k: int = 10,
     ):
-        """``ring`` is anything with async ``open_session``, ``step`` and ``release_session``:
-        the gRPC ``Ring`` or the in-process one."""
         self._ring = ring
         self._prefill_chunk = prefill_chunk
         self._tok = tokenizer
@@ -154,8 +169,6 @@ class Generation:
 
     def check_speculative(self, speculative: str, k: int) -> str:
         """The mode a request resolves to; InvalidArgument for an unknown source or K."""
-        from pipeshard.errors import InvalidArgument
-
         mode = speculative or self.default_speculative
         if not 0 <= k <= 32:
             raise InvalidArgument("k", f"must be 0 (adaptive) or 1..32, got {k}")
@@ -186,6 +199,7 @@ class Generation:
         started = time.perf_counter()
         first_at = started
         finish = "length"
+        failure = ""  # why the generation failed on the ring, if it did
         try:
             # Chunked prefill: every chunk but the last only fills the cache, so other sessions'
             # decode steps interleave with a long prompt. The chunk size is fixed per server, never
@@ -241,11 +255,24 @@ class Generation:
                     break
                 context.extend(new)
                 pending = [new[-1]]
+        except PipeshardError as exc:
+            failure = str(exc) or type(exc).__name__
+            if not generated:
+                raise  # nothing streamed yet: the call ends with the failing stage's status code
+            # Output already streamed: end it with a summary that says what failed.
+            log.warning("generation_failed", session_id=session_id, code=exc.code, error=failure)
+            finish, stats.error = "error", failure
         finally:
             if drafter is not None:
                 drafter.close()
-            # Free the state on every stage even when the client went away mid-stream.
-            task = asyncio.ensure_future(self._ring.release_session(session_id))
+            # Free the state on every stage even when the client went away mid-stream; a failed
+            # generation aborts (each stage logs why) instead of releasing.
+            ending = (
+                self._ring.abort_session(session_id, failure)
+                if failure
+                else self._ring.release_session(session_id)
+            )
+            task = asyncio.ensure_future(ending)
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
         elapsed = time.perf_counter() - first_at

@@ -67,6 +67,9 @@ class LocalRing:
         for engine in self._engines:
             engine.sessions.release(session_id)
 
+    async def abort_session(self, session_id: str, reason: str) -> None:
+        await self.release_session(session_id)  # in one process there is no other stage to tell
+
     async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
         for index, engine in enumerate(self._engines):
             try:

@@ -110,8 +110,12 @@ class Ring:
             "ReleaseSession", stage_pb2.ReleaseSessionRequest(session_id=session_id), tolerate=True
         )
 
-    async def stage_info(self) -> list[stage_pb2.GetStageInfoResponse]:
-        return await self._on_all("GetStageInfo", stage_pb2.GetStageInfoRequest())
+    async def abort_session(self, session_id: str, reason: str) -> None:
+        """Abort on every stage after a failed generation (logged there with the reason); frees
+        the state like a release, tolerating stages that are down."""
+        await self._on_all(
+            "AbortSession", stage_pb2.AbortSessionRequest(session_id=session_id, reason=reason), tolerate=True
+        )
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Wait until every stage answers and the result subscription is live."""

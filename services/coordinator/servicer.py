@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import structlog
 
+from pipeshard.interceptors import MAX_REQUEST_ID_CHARS
 from pipeshard.services.coordinator.admission import Admission
 from pipeshard.services.coordinator.generation import Chunk, Generation
 from pipeshard.services.coordinator.sampling import SamplingParams
@@ -52,6 +53,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._default_max_tokens = default_max_tokens
 
     async def Generate(self, request, context):
+        # The request's own id names this generation in the logs (else the interceptor's).
+        ids = {"request_id": request.request_id[:MAX_REQUEST_ID_CHARS]} if request.request_id else {}
+        with structlog.contextvars.bound_contextvars(**ids):
+            async for response in self._generate(request, context):
+                yield response
+
+    async def _generate(self, request, context):
         messages = [(m.role, m.content) for m in request.messages]
         prompt_ids = self._prompter.encode(request.prompt, messages)
         params = params_from_proto(request.params, self._default_max_tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import structlog
 
+from pipeshard.errors import Unimplemented
 from pipeshard.services.stage.node import StageNode
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
@@ -49,6 +50,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     async def AbortSession(self, request, context):
         log.info("session_aborted", session_id=request.session_id, reason=request.reason)
         return stage_pb2.AbortSessionResponse(aborted=self._node.engine.sessions.release(request.session_id))
+
+    async def CaptureKv(self, request, context):
+        raise Unimplemented("CaptureKv is not implemented yet (issue #19, KV capture and restore)")
+
+    async def RestoreKv(self, request, context):
+        raise Unimplemented("RestoreKv is not implemented yet (issue #19, KV capture and restore)")
 
     async def GetStageInfo(self, request, context):
         info = stage_pb2.GetStageInfoResponse()

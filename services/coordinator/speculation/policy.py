@@ -107,7 +107,6 @@ class KPolicy:
             self._kept, self._tried = memory.kept * scale, memory.tried * scale
             self._draft_s = memory.draft_s
         self._steps = 0
-        self.history: list[int] = []
 
     @property
     def acceptance(self) -> float:
@@ -118,7 +117,6 @@ class KPolicy:
         limit = max(0, limit)
         k = min(self.fixed_k if self.fixed_k is not None else self._adaptive(), limit)
         self._steps += 1
-        self.history.append(k)
         return k
 
     def _adaptive(self) -> int:

@@ -15,8 +15,6 @@ from pipeshard.shard.runtime import ShardRunner
 
 log = structlog.get_logger(__name__)
 
-MODES = ("none", "self", "ngram")
-
 
 class DraftSources:
     """``none``, ``ngram``, ``self`` (the configured self-draft export) or a draft folder (an
