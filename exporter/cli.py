@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pipeshard import paths
 from pipeshard.errors import InvalidArgument, PipeshardError
+from pipeshard.shard.manifest import WEIGHT_FORMATS
 
 ENV_PREFIX = "PIPESHARD_EXPORT_"
 
@@ -60,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=_int_or_none(_env("draft_vocab")),
         help="the draft's LM head scores only N token ids (BPE merge order, special tokens always in)",
     )
-    p.add_argument("--weights", default=_env("weights", "int4"), choices=("int4", "int8", "fp16", "fp32"))
+    p.add_argument("--weights", default=_env("weights", "int4"), choices=WEIGHT_FORMATS)
     p.add_argument(
         "--group-size",
         default=_env("group_size", "auto"),

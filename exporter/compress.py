@@ -27,8 +27,8 @@ import openvino as ov
 
 from pipeshard.errors import InvalidArgument
 from pipeshard.exporter.families import ModelSpec
+from pipeshard.shard.manifest import WEIGHT_FORMATS
 
-WEIGHT_FORMATS = ("int4", "int8", "fp16", "fp32")
 HEAD_PRECISIONS = ("int8", "int4", "fp16", "fp32")
 GROUP_SIZE_CANDIDATES = (128, 64, 32)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pipeshard import paths
 from pipeshard.errors import InvalidArgument, PipeshardError
+from pipeshard.shard.manifest import WEIGHT_FORMATS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="answer length per synthetic prompt")
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weights", default="int4", choices=("int4", "int8", "fp16", "fp32"))
+    p.add_argument("--weights", default="int4", choices=WEIGHT_FORMATS)
     p.add_argument(
         "--out", type=Path, default=None, help="output folder (default SHARDS_DIR/<model>-distil<K>[-v<N>])"
     )

@@ -16,11 +16,10 @@ from pipeshard import paths
 from pipeshard.errors import InvalidArgument, NotFound
 from pipeshard.exporter.export import ExportResult, ProgressEvent, export_model
 from pipeshard.model.fetch import resolve_model_source
-from pipeshard.shard.manifest import MANIFEST, file_sha256, load_manifest
+from pipeshard.shard.manifest import MANIFEST, WEIGHT_FORMATS, file_sha256, load_manifest
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc
 
 CHUNK_BYTES = 1 << 20
-WEIGHTS = ("int4", "int8", "fp16", "fp32")
 
 
 def _safe_name(name: str, field: str) -> str:
@@ -35,8 +34,10 @@ class ExporterServicer(exporter_pb2_grpc.ExporterServiceServicer):
         self._lock = asyncio.Lock()
 
     async def Export(self, request, context) -> AsyncIterator[exporter_pb2.ExportResponse]:
-        if request.weights and request.weights not in WEIGHTS:
-            raise InvalidArgument("weights", f"must be one of {', '.join(WEIGHTS)}, got {request.weights!r}")
+        if request.weights and request.weights not in WEIGHT_FORMATS:
+            raise InvalidArgument(
+                "weights", f"must be one of {', '.join(WEIGHT_FORMATS)}, got {request.weights!r}"
+            )
         if request.stages < 0:
             raise InvalidArgument("stages", f"must be positive, got {request.stages}")
         if not request.model:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeshard.exporter.families import ModelSpec
+from pipeshard.shard.manifest import input_port
 
 
 class RMSNorm(nn.Module):
@@ -142,7 +143,7 @@ class StageModule(nn.Module):
         return range(self.layer_start, self.layer_end)
 
     def input_names(self) -> list[str]:
-        names = ["input_ids" if self.is_first else "hidden_states", "attention_mask", "position_ids"]
+        names = [input_port(self.is_first), "attention_mask", "position_ids"]
         if self.is_last:
             names.append("logits_to_keep")
         for i in self.layer_indices:

@@ -37,6 +37,12 @@ from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound
 MANIFEST = "manifest.json"
 FORMAT = "pipeshard-shards"
 FORMAT_VERSION = 1
+WEIGHT_FORMATS = ("int4", "int8", "fp16", "fp32")
+
+
+def input_port(is_first: bool) -> str:
+    """The first stage reads token ids, every later stage the previous stage's hidden states."""
+    return "input_ids" if is_first else "hidden_states"
 
 
 def file_sha256(path: Path, chunk: int = 4 << 20) -> str:
@@ -100,8 +106,7 @@ class StageEntry:
 
     @property
     def input_name(self) -> str:
-        """The first stage reads token ids, every later stage the previous stage's hidden states."""
-        return "input_ids" if self.index == 0 else "hidden_states"
+        return input_port(self.index == 0)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pipeshard.services.coordinator.ring import StageFailed
 from pipeshard.services.stage.engine import StageEngine
 from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.services.stage.wire import frame_from_output, result_from_output, stage_error, step_from_frame
-from pipeshard.shard.manifest import load_manifest
+from pipeshard.shard.manifest import input_port, load_manifest
 from pipeshard.shard.runtime import ShardRunner
 from pipeshard.v1 import activation_pb2
 
@@ -73,7 +73,7 @@ class LocalRing:
     async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
         for index, engine in enumerate(self._engines):
             try:
-                out = engine.run(step_from_frame(frame, "input_ids" if engine.is_first else "hidden_states"))
+                out = engine.run(step_from_frame(frame, input_port(engine.is_first)))
             except PipeshardError as exc:
                 raise StageFailed(stage_error(index, exc)) from None
             if not engine.is_last:

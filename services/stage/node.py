@@ -24,6 +24,7 @@ from pipeshard.services.stage.wire import (
     step_from_frame,
 )
 from pipeshard.services.transport.hop import HopStream
+from pipeshard.shard.manifest import input_port
 from pipeshard.tensor_codec import Codec
 from pipeshard.v1 import activation_pb2
 
@@ -47,7 +48,7 @@ class StageNode:
         self.next_hop = next_hop
         self.results = ResultBroker(results_delay_s)
         self._codec = codec
-        self._port = "input_ids" if engine.is_first else "hidden_states"
+        self._port = input_port(engine.is_first)
         self._reaper: asyncio.Task | None = None
 
     async def handle(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StageError | None:

@@ -16,6 +16,7 @@ from pipeshard.services.fleet_cli import ensure_shards
 from pipeshard.services.wan import netns, state
 from pipeshard.services.wan.emulator import WanFleet
 from pipeshard.services.wan.netns import WanError
+from pipeshard.shard.manifest import WEIGHT_FORMATS
 
 RUN_DIR = Path("run/wan")
 
@@ -27,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--stages", type=int, default=2)
     up.add_argument("--delay-ms", type=float, default=50.0, help="one-way delay added on every hop")
     up.add_argument("--rate-mbit", type=float, default=100.0, help="tbf cap on every veth (0 = none)")
-    up.add_argument("--weights", choices=("int4", "int8", "fp16", "fp32"), default="int4")
+    up.add_argument("--weights", choices=WEIGHT_FORMATS, default="int4")
     up.add_argument("--precision", choices=("default", "f32"), default="default")
     up.add_argument("--model", default=DEFAULT_MODEL)
     up.add_argument("--port", type=int, default=50051, help="coordinator port on 127.0.0.1 (0 = any)")
