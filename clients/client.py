@@ -9,7 +9,7 @@ with PipeshardClient("127.0.0.1:50051") as client:
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import grpc
 
@@ -38,6 +38,13 @@ class GenerateResult:
     verify_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+
+
+# Summary fields a GenerateResult takes over as they are (finish_reason is mapped, token_ids
+# are collected from the chunks).
+_SUMMARY_FIELDS = tuple(
+    f.name for f in fields(GenerateResult) if f.name not in ("finish_reason", "token_ids")
+)
 
 
 def build_request(
@@ -86,16 +93,9 @@ def fold(result: GenerateResult, response: coordinator_pb2.GenerateResponse) -> 
         result.token_ids.extend(response.chunk.token_ids)
     else:
         s = response.summary
-        result.text = s.text
         result.finish_reason = _FINISH.get(s.finish_reason, "error")
-        result.prompt_tokens = s.prompt_tokens
-        result.completion_tokens = s.completion_tokens
-        result.ttft_ms = s.ttft_ms
-        result.tok_s = s.tok_s
-        result.speculative = s.speculative
-        result.verify_steps = s.verify_steps
-        result.draft_tokens = s.draft_tokens
-        result.accepted_tokens = s.accepted_tokens
+        for name in _SUMMARY_FIELDS:
+            setattr(result, name, getattr(s, name))
     return result
 
 

@@ -20,6 +20,11 @@ _FINISH = {
     "error": coordinator_pb2.FINISH_REASON_ERROR,
 }
 
+# GenerateSummary's fields that Summary holds under the same name (all but the enum).
+_SUMMARY_FIELDS = tuple(
+    f.name for f in coordinator_pb2.GenerateSummary.DESCRIPTOR.fields if f.name != "finish_reason"
+)
+
 
 def params_from_proto(p: coordinator_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
     return SamplingParams(
@@ -78,18 +83,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     chunk=coordinator_pb2.TokenChunk(text=event.text, token_ids=event.token_ids)
                 )
             else:
+                copied = {name: getattr(event, name) for name in _SUMMARY_FIELDS}
                 yield coordinator_pb2.GenerateResponse(
                     summary=coordinator_pb2.GenerateSummary(
-                        finish_reason=_FINISH[event.finish_reason],
-                        prompt_tokens=event.prompt_tokens,
-                        completion_tokens=event.completion_tokens,
-                        ttft_ms=event.ttft_ms,
-                        tok_s=event.tok_s,
-                        text=event.text,
-                        error=event.error,
-                        speculative=event.speculative,
-                        verify_steps=event.verify_steps,
-                        draft_tokens=event.draft_tokens,
-                        accepted_tokens=event.accepted_tokens,
+                        finish_reason=_FINISH[event.finish_reason], **copied
                     )
                 )

@@ -123,3 +123,34 @@ def test_unimplemented_rpcs_answer_unimplemented_naming_the_issue(rpc):
     with pytest.raises(Unimplemented, match="issue #19") as err:
         asyncio.run(getattr(servicer, rpc)(None, None))
     assert status_for(err.value)[0] == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_the_summary_reaches_the_client_result_field_for_field():
+    """One field list: Summary -> GenerateSummary (servicer) -> GenerateResult (client fold)."""
+    from pipeshard.clients.client import GenerateResult, fold
+
+    summary = Summary("error", 3, 2, 12.5, 40.0, "<7><7>", [7, 7], "stage 1 failed", "ngram", 1, 2, 1)
+
+    class Finished(_Generation):
+        async def run(self, prompt_ids, params, *, speculative, k):
+            yield Chunk(text="<7><7>", token_ids=[7, 7])
+            yield summary
+
+    servicer = CoordinatorServicer(
+        Finished(),
+        _Prompter(),
+        max_context=64,
+        vocab_size=10,
+        default_max_tokens=4,
+        admission=Admission(1, 1),
+    )
+
+    async def responses():
+        return [r async for r in servicer.Generate(coordinator_pb2.GenerateRequest(prompt="hi"), None)]
+
+    result = GenerateResult()
+    for response in asyncio.run(responses()):
+        fold(result, response)
+    assert asyncio.run(responses())[-1].summary.error == "stage 1 failed"
+    expected = {name: getattr(summary, name) for name in GenerateResult.__dataclass_fields__}
+    assert vars(result) == expected
