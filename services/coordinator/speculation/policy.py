@@ -32,6 +32,18 @@ _MEMORY_WEIGHT = 5.0
 _MEMORY_DECAY = 0.98
 
 
+def ema(old: float | None, new: float) -> float:
+    """Exponential moving average with weight _EMA on ``new``; the first sample (``old`` None or
+    0.0, "nothing measured yet") is taken as is."""
+    return new if not old else old + _EMA * (new - old)
+
+
+def decayed_counts(kept: float, tried: float, decay: float, k: int, accepted: int) -> tuple[float, float]:
+    """Acceptance counts after one verify of ``k`` drafts of which ``accepted`` were kept: older
+    evidence weighs ``decay``; a rejection counts the one draft that failed as tried."""
+    return decay * kept + accepted, decay * tried + accepted + (1 if accepted < k else 0)
+
+
 @dataclass
 class TimingModel:
     """Wall time of a traversal by number of positions, shared by every request of a coordinator."""
@@ -39,8 +51,7 @@ class TimingModel:
     seconds: dict[int, float] = field(default_factory=dict)
 
     def observe(self, positions: int, seconds: float) -> None:
-        old = self.seconds.get(positions)
-        self.seconds[positions] = seconds if old is None else old + _EMA * (seconds - old)
+        self.seconds[positions] = ema(self.seconds.get(positions), seconds)
 
     def estimate(self, positions: int) -> float | None:
         if positions in self.seconds:
@@ -67,10 +78,8 @@ class SourceMemory:
     draft_s: float = 0.0
 
     def observe(self, k: int, kept: int, draft_per_token_s: float) -> None:
-        self.kept = _MEMORY_DECAY * self.kept + kept
-        self.tried = _MEMORY_DECAY * self.tried + kept + (1 if kept < k else 0)
-        old = self.draft_s
-        self.draft_s = draft_per_token_s if old == 0.0 else old + _EMA * (draft_per_token_s - old)
+        self.kept, self.tried = decayed_counts(self.kept, self.tried, _MEMORY_DECAY, k, kept)
+        self.draft_s = ema(self.draft_s, draft_per_token_s)
 
 
 def expected_tokens(k: int, acceptance: float) -> float:
@@ -147,10 +156,8 @@ class KPolicy:
         self.timing.observe(k + 1, seconds)
         if k == 0:
             return
-        self._kept = 0.9 * self._kept + kept
-        self._tried = 0.9 * self._tried + kept + (1 if kept < k else 0)
+        self._kept, self._tried = decayed_counts(self._kept, self._tried, 0.9, k, kept)
         per_token = draft_seconds / k
-        old = self._draft_s
-        self._draft_s = per_token if old == 0.0 else old + _EMA * (per_token - old)
+        self._draft_s = ema(self._draft_s, per_token)
         if self._memory is not None:
             self._memory.observe(k, kept, per_token)
