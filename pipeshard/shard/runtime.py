@@ -53,6 +53,14 @@ def compile_properties(
     return props
 
 
+def check_room(past: int, new: int, max_context: int) -> None:
+    """The one cache-size check (the stage engine runs it before touching a session's mask)."""
+    if past + new > max_context:
+        raise ResourceExhausted(
+            f"the cache would grow to {past + new} positions, beyond this export's max_context {max_context}"
+        )
+
+
 class ShardRunner:
     """A compiled stage of an export; hands out sessions (one InferRequest each)."""
 
@@ -245,10 +253,7 @@ class ShardSession:
         t = x.shape[1]
         past = self._past
         total = past + t
-        if total > r.max_context:
-            raise ResourceExhausted(
-                f"the cache would grow to {total} positions, beyond this export's max_context {r.max_context}"
-            )
+        check_room(past, t, r.max_context)
         if position_ids is None:
             pos = np.arange(self._valid, self._valid + t, dtype=np.int64).reshape(1, t)
         else:

@@ -9,6 +9,7 @@ import numpy as np
 from pipeshard.errors import InvalidArgument
 from pipeshard.services.stage.domain import ReturnMode, StepInput, StepOutput, top1_of
 from pipeshard.services.stage.sessions import SessionTable
+from pipeshard.shard.runtime import check_room
 
 
 class StageEngine:
@@ -30,12 +31,7 @@ class StageEngine:
             raise InvalidArgument(
                 "positions", f"has {len(step.positions)} entries for {x.shape[1]} new tokens"
             )
-        if session.past_length + x.shape[1] > self.max_context:
-            raise InvalidArgument(
-                "positions",
-                f"step would grow the cache to {session.past_length + x.shape[1]} positions, "
-                f"beyond the shard's max_context {self.max_context}",
-            )
+        check_room(session.past_length, x.shape[1], self.max_context)
         for start, end in step.invalidate:
             if not 0 <= start <= end <= session.past_length:
                 raise InvalidArgument(

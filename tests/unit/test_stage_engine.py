@@ -81,7 +81,6 @@ def test_step_applies_mask_update_before_running_and_returns_last_positions():
         ({"ids": [1, 2], "positions": [0]}, "`positions`"),
         ({"ids": [1], "positions": [0], "invalidate": [(0, 5)]}, "`mask_update`"),
         ({"ids": [1], "positions": [0], "return_last": 2}, "`return_last`"),
-        ({"ids": list(range(17)), "positions": list(range(17))}, "max_context"),
     ],
 )
 def test_bad_steps_name_the_field(kwargs, field):
@@ -90,6 +89,15 @@ def test_bad_steps_name_the_field(kwargs, field):
     ids, positions = kwargs.pop("ids"), kwargs.pop("positions")
     with pytest.raises(InvalidArgument, match=field):
         e.run(step(ids, positions, **kwargs))
+    assert e.sessions.get("s").calls == []
+
+
+def test_a_step_beyond_max_context_is_resource_exhausted_like_in_the_runtime():
+    """One check, one code for a cache overflow (issue #11: it was INVALID_ARGUMENT here)."""
+    e = engine()
+    e.sessions.open("s")
+    with pytest.raises(ResourceExhausted, match="max_context 16"):
+        e.run(step(list(range(17)), list(range(17))))
     assert e.sessions.get("s").calls == []
 
 
