@@ -17,7 +17,7 @@ import structlog
 from pipeshard.errors import DeadlineExceeded, PipeshardError, Unavailable
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
 from pipeshard.services.transport.channels import open_channel
-from pipeshard.services.transport.hop import HopStream
+from pipeshard.services.transport.hop import HopStream, keep_open
 from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -159,24 +159,18 @@ class Ring:
         log.debug("stage0_rejected", session_id=response.session_id, code=response.error.code)
 
     async def _read_results(self) -> None:
-        last = self._stubs[-1]
-        while True:
-            call = last.Results(
-                stage_pb2.ResultsRequest(subscriber_id=self._subscriber_id), wait_for_ready=True
-            )
-            try:
-                await call.wait_for_connection()
-                self._subscribed.set()
-                async for response in call:
-                    future = self._pending.get((response.result.session_id, response.result.step_id))
-                    if future is not None and not future.done():
-                        future.set_result(response.result)
-            except grpc.aio.AioRpcError as exc:
-                log.warning("results_stream_broken", code=exc.code().name)
-            finally:
-                self._subscribed.clear()
-                call.cancel()
-            await asyncio.sleep(0.2)
+        def on_response(response: stage_pb2.ResultsResponse) -> None:
+            future = self._pending.get((response.result.session_id, response.result.step_id))
+            if future is not None and not future.done():
+                future.set_result(response.result)
+
+        request = stage_pb2.ResultsRequest(subscriber_id=self._subscriber_id)
+        await keep_open(
+            lambda: self._stubs[-1].Results(request, wait_for_ready=True),
+            on_response,
+            self._subscribed,
+            "results",
+        )
 
 
 def _stage_rpc_error(index: int, address: str, exc: grpc.aio.AioRpcError) -> PipeshardError:

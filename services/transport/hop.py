@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import structlog
@@ -65,20 +66,39 @@ class HopStream:
             yield stage_pb2.ForwardRequest(frame=frame)
 
     async def _run(self) -> None:
-        while True:
-            call = self._stub.Forward(self._requests(), wait_for_ready=True)
-            try:
-                await call.wait_for_connection()
-                self.connected.set()
-                log.info("hop_connected", address=self.address)
-                async for response in call:
-                    if response.HasField("error") and self._on_error is not None:
-                        self._on_error(response)
-            except grpc.aio.AioRpcError as exc:
-                log.warning(
-                    "hop_stream_broken", address=self.address, code=exc.code().name, details=exc.details()
-                )
-            finally:
-                self.connected.clear()
-                call.cancel()
-            await asyncio.sleep(0.2)
+        def on_response(response: stage_pb2.ForwardResponse) -> None:
+            if response.HasField("error") and self._on_error is not None:
+                self._on_error(response)
+
+        await keep_open(
+            lambda: self._stub.Forward(self._requests(), wait_for_ready=True),
+            on_response,
+            self.connected,
+            "hop",
+            address=self.address,
+        )
+
+
+async def keep_open(
+    open_call: Callable[[], Any],
+    on_message: Callable[[Any], None],
+    connected: asyncio.Event,
+    name: str,
+    **log_fields: Any,
+) -> None:
+    """Hold one persistent streaming call open for good: (re)open it, mark ``connected`` while it
+    is up, hand every message to ``on_message``, reopen 0.2 s after it breaks (until cancelled)."""
+    while True:
+        call = open_call()
+        try:
+            await call.wait_for_connection()
+            connected.set()
+            log.info(f"{name}_connected", **log_fields)
+            async for message in call:
+                on_message(message)
+        except grpc.aio.AioRpcError as exc:
+            log.warning(f"{name}_stream_broken", code=exc.code().name, details=exc.details(), **log_fields)
+        finally:
+            connected.clear()
+            call.cancel()
+        await asyncio.sleep(0.2)
