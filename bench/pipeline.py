@@ -27,10 +27,10 @@ from bench.stats import interleaved_generations, median, ratio_ci, summary, writ
 from pipeshard import paths
 from pipeshard.clients.client import PipeshardClient
 from pipeshard.offline import set_offline_defaults
-from pipeshard.services.coordinator.generation import token_frame
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.launcher import Fleet, spawn, start_fleet
 from pipeshard.services.stage.rawtcp import RawTcpRing
+from pipeshard.services.stage.wire import token_frame
 from pipeshard.shard.chain import LocalChain
 from pipeshard.shard.prompting import Prompter
 from pipeshard.tensor_codec import decode, encode

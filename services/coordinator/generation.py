@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import structlog
 
 from pipeshard.errors import InvalidArgument, PipeshardError
@@ -29,8 +28,9 @@ from pipeshard.services.coordinator.speculation.acceptance import accept_greedy,
 from pipeshard.services.coordinator.speculation.drafts import Draft
 from pipeshard.services.coordinator.speculation.policy import KPolicy, SourceMemory, TimingModel
 from pipeshard.services.coordinator.speculation.sources import DraftSources
-from pipeshard.tensor_codec import decode, encode
-from pipeshard.v1 import activation_pb2, tensor_pb2
+from pipeshard.services.stage.wire import token_frame
+from pipeshard.tensor_codec import decode
+from pipeshard.v1 import activation_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -67,41 +67,6 @@ class Summary:
     verify_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
-
-
-def token_frame(
-    session_id: str,
-    step: int,
-    ids: list[int],
-    start: int,
-    greedy: bool,
-    *,
-    fill_only: bool = False,
-    return_last: int = 1,
-    invalidate: list[tuple[int, int]] | None = None,
-) -> activation_pb2.ActivationFrame:
-    """The frame that carries token ids into stage 0 at logical positions ``start...``.
-
-    ``fill_only``: a prefill chunk, no result; otherwise the final stage answers for the last
-    ``return_last`` ids (the last token and the drafts after it). ``invalidate``: physical cache
-    ranges every stage masks out before running (rejected drafts of the previous step).
-    """
-    if fill_only:
-        mode = activation_pb2.RETURN_MODE_NONE
-    else:
-        mode = activation_pb2.RETURN_MODE_TOP1 if greedy else activation_pb2.RETURN_MODE_LOGITS
-    return activation_pb2.ActivationFrame(
-        session_id=session_id,
-        step_id=step,
-        positions=range(start, start + len(ids)),
-        mask_update=activation_pb2.MaskUpdate(
-            invalidate=[activation_pb2.CacheRange(start=s, end=e) for s, e in invalidate or ()]
-        ),
-        tensors=[tensor_pb2.NamedTensor(name="input_ids", tensor=encode(np.asarray([ids], dtype=np.int64)))],
-        return_mode=mode,
-        return_last=return_last,
-        sent_unix_nanos=time.time_ns(),
-    )
 
 
 class _Cursor:

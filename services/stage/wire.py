@@ -1,6 +1,9 @@
-"""Protobuf <-> stage domain objects; the servicer and the next-hop client speak through this."""
+"""Protobuf <-> stage domain objects: every activation frame is built and read here, by the
+stage (servicer, next hop) and by the coordinator (the token frames it sends into stage 0)."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -88,3 +91,38 @@ def error_frame(frame: activation_pb2.ActivationFrame, error: activation_pb2.Sta
 
 def error_result(frame: activation_pb2.ActivationFrame, error: activation_pb2.StageError):
     return activation_pb2.StepResult(session_id=frame.session_id, step_id=frame.step_id, error=error)
+
+
+def token_frame(
+    session_id: str,
+    step: int,
+    ids: list[int],
+    start: int,
+    greedy: bool,
+    *,
+    fill_only: bool = False,
+    return_last: int = 1,
+    invalidate: list[tuple[int, int]] | None = None,
+) -> activation_pb2.ActivationFrame:
+    """The frame that carries token ids into stage 0 at logical positions ``start...``.
+
+    ``fill_only``: a prefill chunk, no result; otherwise the final stage answers for the last
+    ``return_last`` ids (the last token and the drafts after it). ``invalidate``: physical cache
+    ranges every stage masks out before running (rejected drafts of the previous step).
+    """
+    if fill_only:
+        mode = activation_pb2.RETURN_MODE_NONE
+    else:
+        mode = activation_pb2.RETURN_MODE_TOP1 if greedy else activation_pb2.RETURN_MODE_LOGITS
+    return activation_pb2.ActivationFrame(
+        session_id=session_id,
+        step_id=step,
+        positions=range(start, start + len(ids)),
+        mask_update=activation_pb2.MaskUpdate(
+            invalidate=[activation_pb2.CacheRange(start=s, end=e) for s, e in invalidate or ()]
+        ),
+        tensors=[tensor_pb2.NamedTensor(name="input_ids", tensor=encode(np.asarray([ids], dtype=np.int64)))],
+        return_mode=mode,
+        return_last=return_last,
+        sent_unix_nanos=time.time_ns(),
+    )
