@@ -48,6 +48,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, PipeshardError):
         code = grpc.StatusCode.__members__.get(str(exc.code), grpc.StatusCode.INTERNAL)
         return code, str(exc) or code.name.lower().replace("_", " ")
+    if isinstance(exc, NotImplementedError):  # a generated base servicer's method not overridden
+        return grpc.StatusCode.UNIMPLEMENTED, "not implemented by this server"
     if isinstance(exc, TimeoutError):  # asyncio.TimeoutError is the same class on 3.11
         return grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded{': ' + str(exc) if str(exc) else ''}"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"

@@ -123,6 +123,8 @@ def test_unimplemented_rpcs_answer_unimplemented_naming_the_issue(rpc):
     with pytest.raises(Unimplemented, match="issue #19") as err:
         asyncio.run(getattr(servicer, rpc)(None, None))
     assert status_for(err.value)[0] == grpc.StatusCode.UNIMPLEMENTED
+    # a method of the generated base servicer that nobody overrides raises NotImplementedError
+    assert status_for(NotImplementedError("Method not implemented!"))[0] == grpc.StatusCode.UNIMPLEMENTED
 
 
 def test_the_summary_reaches_the_client_result_field_for_field():
