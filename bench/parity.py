@@ -91,8 +91,8 @@ def main() -> int:
                 n: [
                     {
                         "stage": s.index,
-                        "seconds": s.export["seconds"],
-                        "peak_rss_mb": s.export["peak_rss_bytes"] / 2**20,
+                        "seconds": s.export.seconds,
+                        "peak_rss_mb": s.export.peak_rss_bytes / 2**20,
                     }
                     for s in m.stages
                 ]

@@ -179,7 +179,7 @@ def run_export(args: argparse.Namespace) -> int:
         e = stage.export
         print(
             f"stage {stage.index}: layers {stage.layer_start}..{stage.layer_end - 1}, "
-            f"{e['seconds']:.1f} s, peak RSS {e['peak_rss_bytes'] / 2**20:.0f} MiB ({e['rss_scope']})"
+            f"{e.seconds:.1f} s, peak RSS {e.peak_rss_bytes / 2**20:.0f} MiB ({e.rss_scope})"
         )
     kind = f"draft of {m.draft.layers} layers" if m.draft else f"{m.num_stages} stages"
     print(

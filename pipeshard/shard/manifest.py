@@ -93,6 +93,15 @@ class FileRecord:
 
 
 @dataclass(frozen=True)
+class ExportStats:
+    """How exporting one stage went (for reports; nothing at serving time reads it)."""
+
+    seconds: float
+    peak_rss_bytes: int
+    rss_scope: str  # "subprocess" or "process"
+
+
+@dataclass(frozen=True)
 class StageEntry:
     """One stage of an export, as the manifest lists it."""
 
@@ -102,7 +111,7 @@ class StageEntry:
     folder: str
     model: str  # the .xml path, relative to the export folder
     state_variables: tuple[str, ...]
-    export: Mapping[str, Any]  # seconds, peak_rss_bytes, rss_scope (statistics of the export run)
+    export: ExportStats
 
     @property
     def input_name(self) -> str:
@@ -171,7 +180,11 @@ class Manifest:
                         folder=str(s["folder"]),
                         model=str(s["model"]),
                         state_variables=tuple(s["state_variables"]),
-                        export=dict(s.get("export", {})),
+                        export=ExportStats(
+                            float(s["export"]["seconds"]),
+                            int(s["export"]["peak_rss_bytes"]),
+                            str(s["export"]["rss_scope"]),
+                        ),
                     )
                     for s in raw["stages"]
                 ),
