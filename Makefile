@@ -10,7 +10,8 @@ PROTO_OUT := pipeshard/v1
 
 STAGES ?= 2
 WEIGHTS ?= int4
-PRECISION ?= default
+# PRECISION: default | f32 | exact; unset, every entry point uses DEFAULT_PRECISION (pipeshard/precision.py)
+PRECISION ?=
 STAGE ?= 0
 MODEL ?= smollm2-135m-instruct
 DELAY_MS ?= 50
@@ -57,7 +58,7 @@ export: model
 
 ## up: start a loopback fleet (exporter, STAGES stage processes, coordinator); prints `coordinator listening on HOST:PORT`
 up: model
-	$(VENV)/bin/pipeshard up --stages $(STAGES) --weights $(WEIGHTS) --precision $(PRECISION)
+	$(VENV)/bin/pipeshard up --stages $(STAGES) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION))
 
 ## down: stop exactly the processes `make up` started
 down:
@@ -65,7 +66,7 @@ down:
 
 ## wan-up: (root) STAGES stages in network namespaces, DELAY_MS one way per hop, RATE_MBIT tbf cap (0 = none); stops itself after an hour
 wan-up: model
-	$(VENV)/bin/pipeshard wan up --stages $(STAGES) --delay-ms $(DELAY_MS) --rate-mbit $(RATE_MBIT) --weights $(WEIGHTS) --precision $(PRECISION)
+	$(VENV)/bin/pipeshard wan up --stages $(STAGES) --delay-ms $(DELAY_MS) --rate-mbit $(RATE_MBIT) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION))
 
 ## wan-down: stop exactly what `make wan-up` started and delete its namespaces and veths
 wan-down:

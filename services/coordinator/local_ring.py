@@ -13,6 +13,7 @@ import openvino as ov
 
 from exporter.manifest import load_manifest
 from pipeshard.errors import PipeshardError
+from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.v1 import activation_pb2
 from services.coordinator.ring import StageFailed
 from services.runtime.shard import ShardRunner
@@ -25,7 +26,7 @@ class LocalRing:
     def __init__(
         self,
         export_dir: Path | str,
-        precision: str = "default",
+        precision: str = DEFAULT_PRECISION,
         num_threads: int | None = None,
         *,
         max_sessions: int = 64,

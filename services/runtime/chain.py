@@ -18,6 +18,7 @@ import openvino as ov
 
 from exporter.manifest import load_manifest
 from pipeshard.errors import InvalidArgument
+from pipeshard.precision import DEFAULT_PRECISION
 from services.runtime.shard import ShardRunner, ShardSession
 
 
@@ -49,7 +50,7 @@ class LocalChain:
     def __init__(
         self,
         export_dir: Path | str,
-        precision: str = "default",
+        precision: str = DEFAULT_PRECISION,
         num_threads: int | None = None,
         *,
         verify: bool = True,

@@ -26,22 +26,27 @@ import openvino as ov
 
 from exporter.manifest import load_manifest, stage_entry, verify_shard
 from pipeshard.errors import InvalidArgument, ResourceExhausted
-
-PRECISIONS = ("default", "f32")
+from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 
 
 def compile_properties(
-    precision: str = "default", num_threads: int | None = None, num_streams: int | None = None
+    precision: str = DEFAULT_PRECISION, num_threads: int | None = None, num_streams: int | None = None
 ) -> dict[str, Any]:
-    """CPU compile properties: LATENCY hint; ``f32`` also forces f32 inference and an f32 KV cache
-    (the CPU plugin otherwise runs bf16 with a u8 KV cache on this hardware). Threads and streams
-    left unset follow the hint (all cores, one stream)."""
+    """CPU compile properties: the LATENCY hint, and by precision (pipeshard/precision.py)
+      ``f32``    f32 inference and an f32 KV cache (the CPU plugin otherwise runs bf16 with a u8
+                 KV cache on this hardware), and no dynamic quantization: with INT4/INT8 weights
+                 the plugin otherwise quantizes activations on the fly per group of a row's
+                 inputs, which makes a row's logits depend on the rows computed with it;
+      ``exact``  the smallest set found to keep every row's logits within 1e-3 of one-row
+                 decoding whatever rows share an inference (bench/numerics.py measures it).
+    Threads and streams left unset follow the hint (all cores, one stream)."""
     if precision not in PRECISIONS:
         raise InvalidArgument("precision", f"must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     props: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY"}
-    if precision == "f32":
+    if precision in ("f32", "exact"):
         props["INFERENCE_PRECISION_HINT"] = "f32"
         props["KV_CACHE_PRECISION"] = "f32"
+        props["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
     for field, value, key in (
         ("num_threads", num_threads, "INFERENCE_NUM_THREADS"),
         ("num_streams", num_streams, "NUM_STREAMS"),
@@ -60,7 +65,7 @@ class ShardRunner:
         self,
         export_dir: Path | str,
         stage_index: int,
-        precision: str = "default",
+        precision: str = DEFAULT_PRECISION,
         num_threads: int | None = None,
         *,
         num_streams: int | None = None,
@@ -107,6 +112,7 @@ class ShardRunner:
         for key in (
             "INFERENCE_PRECISION_HINT",
             "KV_CACHE_PRECISION",
+            "DYNAMIC_QUANTIZATION_GROUP_SIZE",
             "PERFORMANCE_HINT",
             "INFERENCE_NUM_THREADS",
             "NUM_STREAMS",
