@@ -23,7 +23,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-pipeline bench-mbatch bench-spec wan-up wan-down distil
+.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-numerics bench-pipeline bench-mbatch bench-spec wan-up wan-down distil
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -87,6 +87,10 @@ demo: model
 bench-parity: model
 	$(PY) -m bench.parity
 
+## bench-numerics: max |delta logit| of verify rows, prefill chunks and batch rows against one-row decoding, per set of CPU properties (bench/results/numerics.json)
+bench-numerics: model
+	$(PY) -m bench.numerics
+
 ## bench-pipeline: distributed pipeline vs in-process chain, raw TCP and the monolith (bench/results/pipeline.json)
 bench-pipeline: model
 	$(PY) -m bench.pipeline
@@ -108,7 +112,7 @@ bench-spec: model
 test: proto
 	$(VENV)/bin/pytest -q
 
-## test-exactness: the full speculative exactness matrix (10 prompts x 1/2/3 stages x K x draft source, f32)
+## test-exactness: the full speculative exactness matrix (10 prompts x 1/2/3 stages x K x draft source; FP32 at f32, INT4 at exact)
 test-exactness: model
 	$(VENV)/bin/pytest -q -m exactness tests/speculation
 

@@ -135,6 +135,20 @@ def worst(result: dict, keys: tuple[str, ...]) -> float:
     )
 
 
+def measure_exact(export_1s: Path, export_2s: Path) -> dict:
+    """bench-parity's keys: the worst |delta logit| at ``exact`` of verify rows, prefill chunks and
+    batch rows against one-row decoding, and how many greedy tokens any of them changed."""
+    result = measure(export_1s, export_2s, {"exact": ("exact", {})})["exact"]
+    parts = [result[p] for p in ("1s", "2s", "batch_1s")]
+    return {
+        "max_abs_logit_delta_verify": worst(result, ("verify_",)),
+        "max_abs_logit_delta_prefill": worst(result, ("chunk_", "prefill_")),
+        "max_abs_logit_delta_batch": worst(result, ("same_prompt", "two_prompts")),
+        "exact_argmax_changes": sum(v["argmax_changes"] for part in parts for v in part.values()),
+        "numerics_exact": result,
+    }
+
+
 def main() -> int:
     set_offline_defaults()
     from bench.parity import ensure_export
