@@ -35,6 +35,7 @@ CANDIDATES: dict[str, tuple[str, dict]] = {
     "f32_dq0_1thread": ("default", {**F32, "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0, "INFERENCE_NUM_THREADS": 1}),
     "f32kv_dq0": ("default", {"KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}),
     "accuracy_mode": ("default", {"EXECUTION_MODE_HINT": "ACCURACY"}),
+    "exact": ("exact", {}),  # what --precision exact compiles (services/runtime/shard.py)
 }
 KS = (1, 3, 7)
 CHUNKS = (4, 16, 32)
