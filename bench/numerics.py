@@ -33,6 +33,10 @@ CANDIDATES: dict[str, tuple[str, dict]] = {
     "f32_hint_kv": ("default", F32),
     "f32_dq0": ("default", {**F32, "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}),
     "f32_dq0_1thread": ("default", {**F32, "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0, "INFERENCE_NUM_THREADS": 1}),
+    "f32_dq0_default_kv": (
+        "default",
+        {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0},
+    ),
     "f32kv_dq0": ("default", {"KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}),
     "accuracy_mode": ("default", {"EXECUTION_MODE_HINT": "ACCURACY"}),
     "exact": ("exact", {}),  # what --precision exact compiles (services/runtime/shard.py)
