@@ -19,12 +19,12 @@ from pathlib import Path
 import openvino as ov
 
 from bench.stats import write_result
-from exporter.manifest import load_manifest
 from pipeshard.offline import set_offline_defaults
-from services.coordinator.prompting import Prompter
-from services.runtime.chain import LocalChain
-from services.runtime.numerics import Delta, batch_logits, blocks_for, chain_logits, max_abs_delta
-from services.runtime.shard import ShardRunner
+from pipeshard.shard.chain import LocalChain
+from pipeshard.shard.manifest import load_manifest
+from pipeshard.shard.numerics import Delta, batch_logits, blocks_for, chain_logits, max_abs_delta
+from pipeshard.shard.prompting import Prompter
+from pipeshard.shard.runtime import ShardRunner
 
 F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
 # name -> (precision given to ShardRunner, extra CPU properties set on the Core)
@@ -39,7 +39,7 @@ CANDIDATES: dict[str, tuple[str, dict]] = {
     ),
     "f32kv_dq0": ("default", {"KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}),
     "accuracy_mode": ("default", {"EXECUTION_MODE_HINT": "ACCURACY"}),
-    "exact": ("exact", {}),  # what --precision exact compiles (services/runtime/shard.py)
+    "exact": ("exact", {}),  # what --precision exact compiles (pipeshard/shard/runtime.py)
 }
 KS = (1, 3, 7)
 CHUNKS = (4, 16, 32)

@@ -23,8 +23,8 @@ from bench.stats import interleaved, interleaved_generations, median, ratio_ci, 
 from pipeshard import paths
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION as DEFAULT
-from services.coordinator.prompting import Prompter
-from services.runtime.chain import LocalChain
+from pipeshard.shard.chain import LocalChain
+from pipeshard.shard.prompting import Prompter
 
 NEW_TOKENS = 128
 PROMPT = "Explain in a few paragraphs how a bicycle works."
@@ -35,7 +35,7 @@ CPU_DEFAULT_ROWS = {"B": "B", "C2": "C2"} if DEFAULT == "default" else {"B": "B_
 
 
 def ensure_export(stages: int, beam_idx: bool = True) -> Path:
-    from exporter.export import export_model
+    from pipeshard.exporter.export import export_model
 
     name = paths.export_name(paths.DEFAULT_MODEL, stages, "int4") + ("" if beam_idx else "-nobeam")
     out = paths.shards_dir() / name

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from pipeshard.paths import DEFAULT_MODEL, export_name, shards_dir
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
-from services.launcher import start_fleet, stop_recorded
-from services.topology import Topology
+from pipeshard.services.launcher import start_fleet, stop_recorded
+from pipeshard.topology import Topology
 
 RUN_DIR = Path("run")
 TOPOLOGY = Path("config/topology.yaml")

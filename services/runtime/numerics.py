@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeshard.errors import InvalidArgument
-from services.runtime.shard import ShardRunner
+from pipeshard.shard.runtime import ShardRunner
 
 
 def blocks_for(total: int, prefill: int, prompt_len: int, rows: int) -> list[int]:

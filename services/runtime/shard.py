@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import openvino as ov
 
-from exporter.manifest import load_manifest, stage_entry, verify_shard
 from pipeshard.errors import InvalidArgument, ResourceExhausted
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
+from pipeshard.shard.manifest import load_manifest, stage_entry, verify_shard
 
 
 def compile_properties(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pipeshard.precision import DEFAULT_PRECISION
-from services.launcher import Fleet, start_fleet
+from pipeshard.services.launcher import Fleet, start_fleet
 
 
 @pytest.fixture(scope="module")

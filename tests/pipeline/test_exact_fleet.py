@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from clients.client import PipeshardClient
-from services.coordinator.prompting import Prompter
-from services.runtime.chain import LocalChain
+from pipeshard.clients.client import PipeshardClient
+from pipeshard.shard.chain import LocalChain
+from pipeshard.shard.prompting import Prompter
 
 pytestmark = pytest.mark.slow
 

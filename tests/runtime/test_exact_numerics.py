@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.coordinator.prompting import Prompter
-from services.runtime.chain import LocalChain
-from services.runtime.numerics import batch_logits, blocks_for, chain_logits, max_abs_delta
-from services.runtime.shard import ShardRunner
+from pipeshard.shard.chain import LocalChain
+from pipeshard.shard.numerics import batch_logits, blocks_for, chain_logits, max_abs_delta
+from pipeshard.shard.prompting import Prompter
+from pipeshard.shard.runtime import ShardRunner
 
 pytestmark = pytest.mark.slow
 
