@@ -10,7 +10,8 @@ PROTO_OUT := pipeshard/v1
 
 STAGES ?= 2
 WEIGHTS ?= int4
-PRECISION ?= default
+# PRECISION: default | f32 | exact; unset, every entry point uses DEFAULT_PRECISION (pipeshard/precision.py)
+PRECISION ?=
 STAGE ?= 0
 MODEL ?= smollm2-135m-instruct
 DELAY_MS ?= 50
@@ -22,7 +23,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-pipeline bench-mbatch bench-spec wan-up wan-down distil
+.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-numerics bench-pipeline bench-mbatch bench-spec wan-up wan-down distil
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -57,7 +58,7 @@ export: model
 
 ## up: start a loopback fleet (exporter, STAGES stage processes, coordinator); prints `coordinator listening on HOST:PORT`
 up: model
-	$(VENV)/bin/pipeshard up --stages $(STAGES) --weights $(WEIGHTS) --precision $(PRECISION)
+	$(VENV)/bin/pipeshard up --stages $(STAGES) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION))
 
 ## down: stop exactly the processes `make up` started
 down:
@@ -65,7 +66,7 @@ down:
 
 ## wan-up: (root) STAGES stages in network namespaces, DELAY_MS one way per hop, RATE_MBIT tbf cap (0 = none); stops itself after an hour
 wan-up: model
-	$(VENV)/bin/pipeshard wan up --stages $(STAGES) --delay-ms $(DELAY_MS) --rate-mbit $(RATE_MBIT) --weights $(WEIGHTS) --precision $(PRECISION)
+	$(VENV)/bin/pipeshard wan up --stages $(STAGES) --delay-ms $(DELAY_MS) --rate-mbit $(RATE_MBIT) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION))
 
 ## wan-down: stop exactly what `make wan-up` started and delete its namespaces and veths
 wan-down:
@@ -85,6 +86,10 @@ demo: model
 ## bench-parity: our 1/2/3-stage shards against openvino_genai.LLMPipeline (bench/results/parity.json)
 bench-parity: model
 	$(PY) -m bench.parity
+
+## bench-numerics: max |delta logit| of verify rows, prefill chunks and batch rows against one-row decoding, per set of CPU properties (bench/results/numerics.json)
+bench-numerics: model
+	$(PY) -m bench.numerics
 
 ## bench-pipeline: distributed pipeline vs in-process chain, raw TCP and the monolith (bench/results/pipeline.json)
 bench-pipeline: model
@@ -107,7 +112,7 @@ bench-spec: model
 test: proto
 	$(VENV)/bin/pytest -q
 
-## test-exactness: the full speculative exactness matrix (10 prompts x 1/2/3 stages x K x draft source, f32)
+## test-exactness: the full speculative exactness matrix (10 prompts x 1/2/3 stages x K x draft source; FP32 at f32, INT4 at exact)
 test-exactness: model
 	$(VENV)/bin/pytest -q -m exactness tests/speculation
 

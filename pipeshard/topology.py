@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from pipeshard.errors import InvalidArgument
+from pipeshard.precision import DEFAULT_PRECISION
 
 COORDINATOR_PORT = 50051
 STAGE_PORT_BASE = 50061
@@ -40,10 +41,12 @@ class Topology:
     coordinator: Endpoint
     exporter: Endpoint
     stages: list[Endpoint] = field(default_factory=list)
-    precision: str = "default"
+    precision: str = DEFAULT_PRECISION
 
     @classmethod
-    def loopback(cls, shards: str, num_stages: int, precision: str = "default", host: str = "127.0.0.1"):
+    def loopback(
+        cls, shards: str, num_stages: int, precision: str = DEFAULT_PRECISION, host: str = "127.0.0.1"
+    ):
         return cls(
             shards=shards,
             coordinator=_endpoint(host, COORDINATOR_PORT),
@@ -73,7 +76,7 @@ class Topology:
                 coordinator=Endpoint(**raw["coordinator"]),
                 exporter=Endpoint(**raw["exporter"]),
                 stages=[Endpoint(**s) for s in raw["stages"]],
-                precision=raw.get("precision", "default"),
+                precision=raw.get("precision", DEFAULT_PRECISION),
             )
         except (KeyError, TypeError) as exc:
             raise InvalidArgument("topology", f"{path} is malformed ({exc})") from None

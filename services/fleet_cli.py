@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from pipeshard.paths import DEFAULT_MODEL, export_name, shards_dir
+from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.launcher import start_fleet, stop_recorded
 from pipeshard.shard.manifest import WEIGHT_FORMATS
 from pipeshard.topology import Topology
@@ -25,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="start a loopback fleet (exports shards first if missing)")
     up.add_argument("--stages", type=int, default=2)
     up.add_argument("--weights", choices=WEIGHT_FORMATS, default="int4")
-    up.add_argument("--precision", choices=("default", "f32"), default="default")
+    up.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION)
     up.add_argument("--model", default=DEFAULT_MODEL)
     up.set_defaults(func=run_up)
     down = sub.add_parser("down", help="stop the fleet that `pipeshard up` started")

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeshard.precision import DEFAULT_PRECISION
+
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
 
 
@@ -161,7 +163,7 @@ def start_fleet(
     *,
     stage_ports: list[int] | None = None,
     coordinator_port: int = 0,
-    precision: str = "default",
+    precision: str = DEFAULT_PRECISION,
     extra_stage_args: list[str] = (),
     extra_coordinator_args: list[str] = (),
     exporter_port: int | None = None,

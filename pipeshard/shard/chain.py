@@ -17,6 +17,7 @@ import numpy as np
 import openvino as ov
 
 from pipeshard.errors import InvalidArgument
+from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.shard.manifest import load_manifest
 from pipeshard.shard.runtime import ShardRunner, ShardSession
 
@@ -49,7 +50,7 @@ class LocalChain:
     def __init__(
         self,
         export_dir: Path | str,
-        precision: str = "default",
+        precision: str = DEFAULT_PRECISION,
         num_threads: int | None = None,
         *,
         verify: bool = True,

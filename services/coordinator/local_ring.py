@@ -12,6 +12,7 @@ from pathlib import Path
 import openvino as ov
 
 from pipeshard.errors import PipeshardError
+from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.coordinator.ring import StageFailed
 from pipeshard.services.stage.engine import StageEngine
 from pipeshard.services.stage.sessions import SessionTable
@@ -25,7 +26,7 @@ class LocalRing:
     def __init__(
         self,
         export_dir: Path | str,
-        precision: str = "default",
+        precision: str = DEFAULT_PRECISION,
         num_threads: int | None = None,
         *,
         max_sessions: int = 64,

@@ -8,6 +8,7 @@ from pathlib import Path
 from pipeshard.errors import InvalidArgument
 from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
+from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.coordinator.admission import Admission
 from pipeshard.services.coordinator.generation import Generation
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
@@ -39,7 +40,7 @@ class CoordinatorSettings(ServerSettings):
     max_queue: int = setting(32, "requests waiting for a slot; beyond it RESOURCE_EXHAUSTED")
     prefill_chunk: int = setting(256, "prompt tokens per prefill step (fixed: outputs never depend on load)")
     host_stage0: bool = setting(False, "run stage 0 in this process; --stages then lists stages 1..N-1")
-    precision: str = setting("default", "inference precision of a hosted stage 0", choices=("default", "f32"))
+    precision: str = setting(DEFAULT_PRECISION, "inference precision of a hosted stage 0", choices=PRECISIONS)
     speculative: str = setting(
         "none", "speculation of requests that do not choose: none, ngram, self or a draft model folder"
     )

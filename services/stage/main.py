@@ -10,6 +10,7 @@ import structlog
 from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound
 from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
+from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.stage.engine import StageEngine
 from pipeshard.services.stage.node import StageNode
 from pipeshard.services.stage.rawtcp import RawTcpStage
@@ -37,7 +38,7 @@ class StageSettings(ServerSettings):
     )
     shards: Path | None = setting(None, "export folder holding manifest.json and the stage folders")
     next_hop: str | None = setting(None, "address of the next stage (unset for the final stage)")
-    precision: str = setting("default", "inference precision", choices=("default", "f32"))
+    precision: str = setting(DEFAULT_PRECISION, "inference precision", choices=PRECISIONS)
     num_threads: int = setting(0, "OpenVINO inference threads (0 = the plugin's choice)")
     num_streams: int = setting(
         0, "OpenVINO CPU streams (0 = the latency hint's one); a stage runs one inference at a time"
@@ -66,7 +67,7 @@ def resolve(settings: StageSettings) -> StageSettings:
     settings.exporter = settings.exporter or topo.exporter.address
     settings.port = settings.port or me.port
     settings.metrics_port = settings.metrics_port or me.metrics_port
-    settings.precision = topo.precision if settings.precision == "default" else settings.precision
+    settings.precision = topo.precision if settings.precision == DEFAULT_PRECISION else settings.precision
     return settings
 
 

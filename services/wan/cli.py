@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from pipeshard.paths import DEFAULT_MODEL
+from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.fleet_cli import ensure_shards
 from pipeshard.services.wan import netns, state
 from pipeshard.services.wan.emulator import WanFleet
@@ -29,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--delay-ms", type=float, default=50.0, help="one-way delay added on every hop")
     up.add_argument("--rate-mbit", type=float, default=100.0, help="tbf cap on every veth (0 = none)")
     up.add_argument("--weights", choices=WEIGHT_FORMATS, default="int4")
-    up.add_argument("--precision", choices=("default", "f32"), default="default")
+    up.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION)
     up.add_argument("--model", default=DEFAULT_MODEL)
     up.add_argument("--port", type=int, default=50051, help="coordinator port on 127.0.0.1 (0 = any)")
     up.add_argument("--ttl-s", type=float, default=3600.0, help="tear down by itself after this long")

@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.launcher import Fleet, coordinator_args, fleet_env, spawn, stage_args
 from pipeshard.services.wan import netns, state
 from pipeshard.services.wan.netns import Link, WanError
@@ -45,7 +46,7 @@ class WanFleet:
         delay_ms: float,
         rate_mbit: float | None,
         run_dir: Path,
-        precision: str = "default",
+        precision: str = DEFAULT_PRECISION,
         extra_stage_args: Sequence[str] = (),
         extra_coordinator_args: Sequence[str] = (),
         *,

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.launcher import Fleet, start_fleet
 
 
@@ -14,7 +15,7 @@ def fleet_factory(tmp_path_factory):
     """Factory: start a fleet for an export; every fleet started is stopped when the module ends."""
     fleets: list[Fleet] = []
 
-    def start(shards: Path, stages: int, precision: str = "default", **kwargs) -> Fleet:
+    def start(shards: Path, stages: int, precision: str = DEFAULT_PRECISION, **kwargs) -> Fleet:
         run_dir = tmp_path_factory.mktemp(f"fleet-{stages}s")
         fleet = start_fleet(shards, stages, run_dir, precision=precision, **kwargs)
         fleets.append(fleet)

@@ -17,12 +17,19 @@ def test_compile_properties():
         "PERFORMANCE_HINT": "LATENCY",
         "INFERENCE_PRECISION_HINT": "f32",
         "KV_CACHE_PRECISION": "f32",
+        "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0,
         "INFERENCE_NUM_THREADS": 2,
+    }
+    assert compile_properties("exact") == {
+        "PERFORMANCE_HINT": "LATENCY",
+        "INFERENCE_PRECISION_HINT": "f32",
+        "KV_CACHE_PRECISION": "f32",
+        "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0,
     }
     assert compile_properties(num_streams=2) == {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 2}
     with pytest.raises(InvalidArgument) as err:
         compile_properties("bf8")
-    assert err.value.field == "precision"
+    assert err.value.field == "precision" and "exact" in str(err.value)
     for kwargs, field in (({"num_threads": 0}, "num_threads"), ({"num_streams": -1}, "num_streams")):
         with pytest.raises(InvalidArgument) as err:
             compile_properties(**kwargs)

@@ -1,5 +1,8 @@
-"""Shared pieces of the speculative-decoding tests: prompts of many kinds, f32 rings, drafts and
-target-only greedy references, each built once per session."""
+"""Shared pieces of the speculative-decoding tests: prompts of many kinds, rings, drafts and
+target-only greedy references, each built once per session and per weight format.
+
+FP32 shards run at ``f32``; INT4 shards (the default deployment) at ``exact``, the precision
+that promises speculation never changes a token."""
 
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ TOKENS = 256
 STAGE_COUNTS = (1, 2, 3)
 KS = (1, 3, 5, 8)
 SOURCES = ("ngram", "self", "dir")
+# The precision each weight format's exactness is checked at.
+PRECISION = {"fp32": "f32", "int4": "exact"}
 
 # (kind, chat messages): every kind the issue names, plus a multi-turn chat.
 SPEC_PROMPTS: tuple[tuple[str, list[tuple[str, str]]], ...] = (
@@ -59,37 +64,39 @@ def spec_prompt_ids(smollm2_export) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def spec_generation(smollm2_export, smollm2_draft, hf_draft_dir):
-    """Factory: (Generation over an f32 LocalRing of that many stages, draft mode of a source)."""
-    built: dict[int, Generation] = {}
+    """Factory: (Generation over a LocalRing of that many stages and weights at their PRECISION,
+    draft mode of a source)."""
+    built: dict[tuple[int, str], Generation] = {}
     self_draft = smollm2_draft(2, 4096, "int4")
 
-    def get(stages: int, source: str) -> tuple[Generation, str]:
-        if stages not in built:
-            export = smollm2_export(stages, "fp32")
+    def get(stages: int, source: str, weights: str = "fp32") -> tuple[Generation, str]:
+        if (stages, weights) not in built:
+            export = smollm2_export(stages, weights)
             prompter = Prompter.from_dir(export)
             drafts = DraftSources(export, self_draft=self_draft, draft_cache=shards_root() / ".drafts")
-            built[stages] = Generation(
-                LocalRing(export, "f32"), prompter.tokenizer, prompter.eos_ids, drafts=drafts
+            built[(stages, weights)] = Generation(
+                LocalRing(export, PRECISION[weights]), prompter.tokenizer, prompter.eos_ids, drafts=drafts
             )
         mode = {"ngram": "ngram", "self": "self", "dir": str(hf_draft_dir)}[source]
-        return built[stages], mode
+        return built[(stages, weights)], mode
 
     return get
 
 
 @pytest.fixture(scope="session")
 def greedy_reference(smollm2_export, spec_prompt_ids):
-    """Factory: target-only greedy (TOKENS, eos ignored) of prompt i on the f32 export of n stages."""
-    chains: dict[int, LocalChain] = {}
-    cache: dict[tuple[int, int], list[int]] = {}
+    """Factory: target-only greedy (TOKENS, eos ignored) of prompt i on the export of n stages and
+    those weights, at their PRECISION."""
+    chains: dict[tuple[int, str], LocalChain] = {}
+    cache: dict[tuple[int, int, str], list[int]] = {}
 
-    def get(stages: int, prompt: int) -> list[int]:
-        if (stages, prompt) not in cache:
-            if stages not in chains:
-                chains[stages] = LocalChain(smollm2_export(stages, "fp32"), "f32")
-            out = chains[stages].generate_greedy(spec_prompt_ids[prompt], TOKENS, ignore_eos=True)
-            cache[(stages, prompt)] = out.token_ids
-        return cache[(stages, prompt)]
+    def get(stages: int, prompt: int, weights: str = "fp32") -> list[int]:
+        if (stages, prompt, weights) not in cache:
+            if (stages, weights) not in chains:
+                chains[(stages, weights)] = LocalChain(smollm2_export(stages, weights), PRECISION[weights])
+            out = chains[(stages, weights)].generate_greedy(spec_prompt_ids[prompt], TOKENS, ignore_eos=True)
+            cache[(stages, prompt, weights)] = out.token_ids
+        return cache[(stages, prompt, weights)]
 
     return get
 
