@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import structlog
 
 from pipeshard.errors import InvalidArgument
 from pipeshard.grpc_server import run_server
@@ -12,15 +15,18 @@ from pipeshard.offline import set_offline_defaults
 from pipeshard.settings import ServerSettings, load_settings, setting
 from pipeshard.v1 import coordinator_pb2_grpc
 from services.coordinator.admission import Admission
-from services.coordinator.generation import Generation
+from services.coordinator.generation import Chunk, Generation
 from services.coordinator.local_stage import LocalEntry, LocalStageStub
 from services.coordinator.prompting import Prompter
 from services.coordinator.ring import Ring
+from services.coordinator.sampling import SamplingParams
 from services.coordinator.servicer import CoordinatorServicer
 from services.coordinator.speculation.sources import DraftSources
 from services.stage.main import StageSettings, build_node
 from services.stage.servicer import StageServicer
 from services.topology import Topology
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -101,25 +107,44 @@ class Coordinator:
         )
         await self.ring.start()
         await self.ring.wait_ready(self.settings.ready_timeout_s)
-        self.servicer = CoordinatorServicer(
-            Generation(
-                self.ring,
-                prompter.tokenizer,
-                prompter.eos_ids,
-                prefill_chunk=self.settings.prefill_chunk,
-                drafts=DraftSources(
-                    Path(self.settings.shards),
-                    self_draft=self.settings.self_draft,
-                    draft_cache=self.settings.draft_cache,
-                ),
-                default_speculative=self.settings.speculative,
-                max_k=self.settings.max_k,
+        generation = Generation(
+            self.ring,
+            prompter.tokenizer,
+            prompter.eos_ids,
+            prefill_chunk=self.settings.prefill_chunk,
+            drafts=DraftSources(
+                Path(self.settings.shards),
+                self_draft=self.settings.self_draft,
+                draft_cache=self.settings.draft_cache,
             ),
+            default_speculative=self.settings.speculative,
+            max_k=self.settings.max_k,
+        )
+        await self._warmup(generation, prompter)
+        self.servicer = CoordinatorServicer(
+            generation,
             prompter,
             max_context=manifest["max_context"],
             vocab_size=manifest["model"]["vocab_size"],
             default_max_tokens=self.settings.default_max_tokens,
             admission=Admission(self.settings.max_running, self.settings.max_queue),
+        )
+
+    async def _warmup(self, generation: Generation, prompter: Prompter) -> None:
+        """One throwaway greedy generation over the whole ring before the server reports SERVING:
+        the tokenizer, the template, every hop's stream and every stage's session path get their
+        first use here instead of in the first user's TTFT (stages warm their shards themselves)."""
+        started = time.perf_counter()
+        ids = prompter.encode("", [("user", "Warm up.")])
+        tokens = 0
+        async for event in generation.run(ids, SamplingParams(max_tokens=2, ignore_eos=True)):
+            if isinstance(event, Chunk):
+                tokens += len(event.token_ids)
+        log.info(
+            "warmup done",
+            prompt_tokens=len(ids),
+            tokens=tokens,
+            seconds=round(time.perf_counter() - started, 3),
         )
 
     def _local_stage0(self) -> tuple[LocalEntry, LocalStageStub]:

@@ -18,7 +18,7 @@ import openvino as ov
 
 from exporter.manifest import load_manifest
 from pipeshard.errors import InvalidArgument
-from services.runtime.shard import ShardRunner, ShardSession
+from services.runtime.shard import WARMUP_PREFILL, ShardRunner, ShardSession
 
 
 @dataclass
@@ -74,7 +74,7 @@ class LocalChain:
         for s in self.sessions:
             s.reset()
 
-    def warmup(self, prefill: int = 8, decode: int = 2) -> None:
+    def warmup(self, prefill: int = WARMUP_PREFILL, decode: int = 2) -> None:
         """A throwaway generation so the first real request does not pay for kernel preparation."""
         self.generate_greedy([0] * prefill, decode + 1, ignore_eos=True)
         self.reset()

@@ -28,6 +28,8 @@ from exporter.manifest import load_manifest, stage_entry, verify_shard
 from pipeshard.errors import InvalidArgument, ResourceExhausted
 
 PRECISIONS = ("default", "f32")
+# Tokens of the warm-up prefill: large enough that the plugin prepares its multi-row kernels.
+WARMUP_PREFILL = 128
 
 
 def compile_properties(
@@ -118,17 +120,21 @@ class ShardRunner:
     def new_session(self) -> ShardSession:
         return ShardSession(self)
 
-    def warmup(self, prefill: int = 8, decode: int = 2) -> None:
-        """Run a throwaway prefill and a few decode steps: the CPU plugin prepares its kernels on
-        the first inferences of new shapes, which would otherwise land in a real request's TTFT."""
+    def warmup(self, prefill: int = WARMUP_PREFILL, verify: int = 4, decode: int = 2) -> int:
+        """Run a throwaway prefill, one multi-row step on the filled cache (a speculative verify)
+        and a few decode steps; returns the number of inferences run. The CPU plugin allocates
+        and prepares its kernels on the first inferences of new shapes, which would otherwise land
+        in the first real request's TTFT."""
         session = self.new_session()
-        for t in [prefill] + [1] * decode:
+        steps = [prefill, verify] + [1] * decode
+        for t in steps:
             x = (
                 np.zeros((1, t), dtype=np.int64)
                 if self.is_first
                 else np.zeros((1, t, self.hidden_size), dtype=np.float32)
             )
             session.run(x, copy=False)
+        return len(steps)
 
 
 class ShardSession:
