@@ -33,7 +33,8 @@ def _first(events: list[dict], name: str) -> int:
 def test_every_service_reports_serving_once_the_launcher_returns(fleet):
     for proc in fleet.processes:
         with grpc.insecure_channel(proc.address) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING, proc.name
 
 
