@@ -15,7 +15,7 @@ from pipeshard.offline import set_offline_defaults
 from pipeshard.settings import ServerSettings, load_settings, setting
 from pipeshard.v1 import coordinator_pb2_grpc
 from services.coordinator.admission import Admission
-from services.coordinator.generation import Chunk, Generation
+from services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation
 from services.coordinator.local_stage import LocalEntry, LocalStageStub
 from services.coordinator.prompting import Prompter
 from services.coordinator.ring import Ring
@@ -43,7 +43,10 @@ class CoordinatorSettings(ServerSettings):
     default_max_tokens: int = setting(256, "max_tokens of a request that does not set it")
     max_running: int = setting(8, "generations running at once (each holds a session on every stage)")
     max_queue: int = setting(32, "requests waiting for a slot; beyond it RESOURCE_EXHAUSTED")
-    prefill_chunk: int = setting(256, "prompt tokens per prefill step (fixed: outputs never depend on load)")
+    prefill_chunk: int = setting(
+        DEFAULT_PREFILL_CHUNK,
+        "prompt tokens per prefill step (fixed: outputs never depend on load; default: one pass)",
+    )
     host_stage0: bool = setting(False, "run stage 0 in this process; --stages then lists stages 1..N-1")
     precision: str = setting("default", "inference precision of a hosted stage 0", choices=("default", "f32"))
     speculative: str = setting(
@@ -72,6 +75,8 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
         raise InvalidArgument("stages", "must list at least one stage address (or give --topology)")
     if settings.shards is None:
         raise InvalidArgument("shards", "is required (or give --topology)")
+    if settings.prefill_chunk < 1:
+        raise InvalidArgument("prefill_chunk", f"must be at least 1, got {settings.prefill_chunk}")
     if not 1 <= settings.max_k <= 32:
         raise InvalidArgument("max_k", f"must be in 1..32, got {settings.max_k}")
     if settings.speculative == "self" and settings.self_draft is None:
