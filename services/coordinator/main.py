@@ -38,7 +38,9 @@ class CoordinatorSettings(ServerSettings):
         default_factory=list, help="stage addresses in pipeline order (host:port,...)"
     )
     shards: Path | None = setting(None, "export folder: its manifest and tokenizer files are read")
-    step_timeout_s: float = setting(30.0, "a step with no result after this long fails as UNAVAILABLE")
+    step_timeout_s: float = setting(
+        30.0, "a step with no result after this long fails as UNAVAILABLE (per 256 rows of a prefill)"
+    )
     ready_timeout_s: float = setting(120.0, "how long to wait at start for every stage to answer")
     default_max_tokens: int = setting(256, "max_tokens of a request that does not set it")
     max_running: int = setting(8, "generations running at once (each holds a session on every stage)")
