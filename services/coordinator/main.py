@@ -22,6 +22,7 @@ from services.coordinator.ring import Ring
 from services.coordinator.sampling import SamplingParams
 from services.coordinator.servicer import CoordinatorServicer
 from services.coordinator.speculation.sources import DraftSources
+from services.runtime.shard import WARMUP_PREFILL
 from services.stage.main import StageSettings, build_node
 from services.stage.servicer import StageServicer
 from services.topology import Topology
@@ -127,7 +128,7 @@ class Coordinator:
             default_speculative=self.settings.speculative,
             max_k=self.settings.max_k,
         )
-        await self._warmup(generation, prompter)
+        await self._warmup(generation, prompter, manifest["max_context"])
         self.servicer = CoordinatorServicer(
             generation,
             prompter,
@@ -137,12 +138,14 @@ class Coordinator:
             admission=Admission(self.settings.max_running, self.settings.max_queue),
         )
 
-    async def _warmup(self, generation: Generation, prompter: Prompter) -> None:
+    async def _warmup(self, generation: Generation, prompter: Prompter, max_context: int) -> None:
         """One throwaway greedy generation over the whole ring before the server reports SERVING:
         the tokenizer, the template, every hop's stream and every stage's session path get their
-        first use here instead of in the first user's TTFT (stages warm their shards themselves)."""
+        first use here instead of in the first user's TTFT, at the stages' warm-up prompt length, so
+        the hops' large frames are warmed too (stages warm their shards themselves)."""
         started = time.perf_counter()
-        ids = prompter.encode("", [("user", "Warm up.")])
+        text = prompter.encode("", [("user", "Warm up.")])
+        ids = (text * (WARMUP_PREFILL // len(text) + 1))[: min(WARMUP_PREFILL, max_context - 4)]
         tokens = 0
         async for event in generation.run(ids, SamplingParams(max_tokens=2, ignore_eos=True)):
             if isinstance(event, Chunk):

@@ -28,8 +28,9 @@ from exporter.manifest import load_manifest, stage_entry, verify_shard
 from pipeshard.errors import InvalidArgument, ResourceExhausted
 
 PRECISIONS = ("default", "f32")
-# Tokens of the warm-up prefill: large enough that the plugin prepares its multi-row kernels.
-WARMUP_PREFILL = 128
+# Tokens of the warm-up prefill. The plugin allocates its buffers for the largest shape seen so
+# far: a first request longer than the warm-up paid about 1.2x its second's TTFT (bench-prefill).
+WARMUP_PREFILL = 1024
 
 
 def compile_properties(
@@ -126,6 +127,7 @@ class ShardRunner:
         and prepares its kernels on the first inferences of new shapes, which would otherwise land
         in the first real request's TTFT."""
         session = self.new_session()
+        prefill = max(1, min(prefill, self.max_context - verify - decode))
         steps = [prefill, verify] + [1] * decode
         for t in steps:
             x = (
