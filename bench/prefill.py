@@ -26,15 +26,15 @@ from pathlib import Path
 
 from bench.reference import GenAIPipeline, optimum_export
 from bench.stats import interleaved, median, ratio_ci, summary, write_result
-from clients.client import PipeshardClient
 from pipeshard import paths
+from pipeshard.clients.client import PipeshardClient
 from pipeshard.offline import set_offline_defaults
-from services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation
-from services.coordinator.local_ring import LocalRing
-from services.coordinator.prompting import Prompter
-from services.coordinator.sampling import SamplingParams
-from services.launcher import Fleet, start_fleet
-from services.runtime.shard import PRECISIONS, compile_properties
+from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation
+from pipeshard.services.coordinator.local_ring import LocalRing
+from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.launcher import Fleet, start_fleet
+from pipeshard.shard.prompting import Prompter
+from pipeshard.shard.runtime import PRECISIONS, compile_properties
 
 RUNS = int(os.environ.get("BENCH_RUNS", "10"))
 WARMUP = int(os.environ.get("BENCH_WARMUP", "1"))
@@ -48,7 +48,7 @@ PLOT = Path("docs/img/prefill_ttft.png")
 
 
 def ensure_export(stages: int) -> Path:
-    from exporter.export import export_model
+    from pipeshard.exporter.export import export_model
 
     out = paths.shards_dir() / paths.export_name(paths.DEFAULT_MODEL, stages, "int4")
     if not (out / "manifest.json").exists():

@@ -12,20 +12,20 @@ import structlog
 from pipeshard.errors import InvalidArgument
 from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
+from pipeshard.services.coordinator.admission import Admission
+from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation
+from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
+from pipeshard.services.coordinator.ring import Ring
+from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.servicer import CoordinatorServicer
+from pipeshard.services.coordinator.speculation.sources import DraftSources
+from pipeshard.services.stage.main import StageSettings, build_node
+from pipeshard.services.stage.servicer import StageServicer
 from pipeshard.settings import ServerSettings, load_settings, setting
+from pipeshard.shard.prompting import Prompter
+from pipeshard.shard.runtime import WARMUP_PREFILL
+from pipeshard.topology import Topology
 from pipeshard.v1 import coordinator_pb2_grpc
-from services.coordinator.admission import Admission
-from services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation
-from services.coordinator.local_stage import LocalEntry, LocalStageStub
-from services.coordinator.prompting import Prompter
-from services.coordinator.ring import Ring
-from services.coordinator.sampling import SamplingParams
-from services.coordinator.servicer import CoordinatorServicer
-from services.coordinator.speculation.sources import DraftSources
-from services.runtime.shard import WARMUP_PREFILL
-from services.stage.main import StageSettings, build_node
-from services.stage.servicer import StageServicer
-from services.topology import Topology
 
 log = structlog.get_logger(__name__)
 

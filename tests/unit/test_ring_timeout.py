@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.coordinator.ring import TIMEOUT_ROWS, Ring
+from pipeshard.services.coordinator.ring import TIMEOUT_ROWS, Ring
 
 
 def test_step_timeout_is_per_started_block_of_rows():
