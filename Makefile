@@ -23,7 +23,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-numerics bench-pipeline bench-mbatch bench-spec wan-up wan-down distil
+.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-numerics bench-prefill bench-pipeline bench-mbatch bench-spec wan-up wan-down distil
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -90,6 +90,10 @@ bench-parity: model
 ## bench-numerics: max |delta logit| of verify rows, prefill chunks and batch rows against one-row decoding, per set of CPU properties (bench/results/numerics.json)
 bench-numerics: model
 	$(PY) -m bench.numerics
+
+## bench-prefill: TTFT at 128-4000 prompt tokens, ours (1-/2-stage in-process, 2-stage fleet) vs LLMPipeline; cold vs warm first request (bench/results/prefill.json, docs/img/prefill_ttft.png)
+bench-prefill: model
+	$(PY) -m bench.prefill
 
 ## bench-pipeline: distributed pipeline vs in-process chain, raw TCP and the monolith (bench/results/pipeline.json)
 bench-pipeline: model

@@ -44,11 +44,12 @@ class GenAIPipeline:
     a few ms. Times are taken here with the wall clock (first streamed token, last token), the
     same way as for every other configuration."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, **properties):
+        """``properties``: extra CPU compile properties (a precision mode's, for paired runs)."""
         import openvino_genai
 
         self._genai = openvino_genai
-        self.pipe = openvino_genai.LLMPipeline(str(folder), "CPU", ATTENTION_BACKEND="SDPA")
+        self.pipe = openvino_genai.LLMPipeline(str(folder), "CPU", ATTENTION_BACKEND="SDPA", **properties)
 
     def run(self, ids: list[int], new_tokens: int) -> dict:
         import openvino as ov

@@ -19,7 +19,7 @@ import openvino as ov
 from pipeshard.errors import InvalidArgument
 from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.shard.manifest import load_manifest
-from pipeshard.shard.runtime import ShardRunner, ShardSession
+from pipeshard.shard.runtime import WARMUP_PREFILL, ShardRunner, ShardSession
 
 
 @dataclass
@@ -75,7 +75,7 @@ class LocalChain:
         for s in self.sessions:
             s.reset()
 
-    def warmup(self, prefill: int = 8, decode: int = 2) -> None:
+    def warmup(self, prefill: int = WARMUP_PREFILL, decode: int = 2) -> None:
         """A throwaway generation so the first real request does not pay for kernel preparation."""
         self.generate_greedy([0] * prefill, decode + 1, ignore_eos=True)
         self.reset()

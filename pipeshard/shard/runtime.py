@@ -28,6 +28,10 @@ from pipeshard.errors import InvalidArgument, ResourceExhausted
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.shard.manifest import load_manifest, verify_shard
 
+# Tokens of the warm-up prefill. The plugin allocates its buffers for the largest shape seen so
+# far: a first request longer than the warm-up paid about 1.2x its second's TTFT (bench-prefill).
+WARMUP_PREFILL = 1024
+
 
 def compile_properties(
     precision: str = DEFAULT_PRECISION, num_threads: int | None = None, num_streams: int | None = None
@@ -134,17 +138,22 @@ class ShardRunner:
     def new_session(self) -> ShardSession:
         return ShardSession(self)
 
-    def warmup(self, prefill: int = 8, decode: int = 2) -> None:
-        """Run a throwaway prefill and a few decode steps: the CPU plugin prepares its kernels on
-        the first inferences of new shapes, which would otherwise land in a real request's TTFT."""
+    def warmup(self, prefill: int = WARMUP_PREFILL, verify: int = 4, decode: int = 2) -> int:
+        """Run a throwaway prefill, one multi-row step on the filled cache (a speculative verify)
+        and a few decode steps; returns the number of inferences run. The CPU plugin allocates
+        and prepares its kernels on the first inferences of new shapes, which would otherwise land
+        in the first real request's TTFT."""
         session = self.new_session()
-        for t in [prefill] + [1] * decode:
+        prefill = max(1, min(prefill, self.max_context - verify - decode))
+        steps = [prefill, verify] + [1] * decode
+        for t in steps:
             x = (
                 np.zeros((1, t), dtype=np.int64)
                 if self.is_first
                 else np.zeros((1, t, self.hidden_size), dtype=np.float32)
             )
             session.run(x, copy=False)
+        return len(steps)
 
 
 class ShardSession:

@@ -46,6 +46,13 @@ class RingLike(Protocol):
 
     async def abort_session(self, session_id: str, reason: str) -> None: ...
 
+# Prompt tokens per prefill step: the whole context, so a prompt is prefilled in one pass. Measured
+# (docs/BENCHMARKS.md, bench-prefill): with the KV cache as graph state, the CPU plugin runs every
+# multi-row step on a non-empty cache through its one-token attention kernel (scaled_attn.cpp:
+# ``use_one_token = L1 == 1 || (fuse_concat && L0 > 0)``), so a 1024-token prompt in 256-token
+# chunks cost 5x the CPU time of one pass; only the first chunk takes the multi-row kernel.
+DEFAULT_PREFILL_CHUNK = 4096
+
 
 @dataclass
 class Chunk:
@@ -116,7 +123,7 @@ class Generation:
         tokenizer,
         eos_ids: set[int],
         *,
-        prefill_chunk: int = 256,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         drafts: DraftSources | None = None,
         default_speculative: str = "none",
         max_k: int = 10,

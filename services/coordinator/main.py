@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import structlog
 
 from pipeshard.errors import InvalidArgument
 from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.coordinator.admission import Admission
-from pipeshard.services.coordinator.generation import Generation
+from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
 from pipeshard.services.coordinator.ring import Ring
+from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.servicer import CoordinatorServicer
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.services.stage.main import StageSettings, build_node
@@ -20,8 +24,11 @@ from pipeshard.services.stage.servicer import StageServicer
 from pipeshard.settings import ServerSettings, load_settings, setting
 from pipeshard.shard.manifest import load_manifest
 from pipeshard.shard.prompting import Prompter
+from pipeshard.shard.runtime import WARMUP_PREFILL
 from pipeshard.topology import Topology
 from pipeshard.v1 import coordinator_pb2_grpc
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -33,12 +40,17 @@ class CoordinatorSettings(ServerSettings):
         default_factory=list, help="stage addresses in pipeline order (host:port,...)"
     )
     shards: Path | None = setting(None, "export folder: its manifest and tokenizer files are read")
-    step_timeout_s: float = setting(30.0, "a step with no result after this long fails as UNAVAILABLE")
+    step_timeout_s: float = setting(
+        30.0, "a step with no result after this long fails as UNAVAILABLE (per 256 rows of a prefill)"
+    )
     ready_timeout_s: float = setting(120.0, "how long to wait at start for every stage to answer")
     default_max_tokens: int = setting(256, "max_tokens of a request that does not set it")
     max_running: int = setting(8, "generations running at once (each holds a session on every stage)")
     max_queue: int = setting(32, "requests waiting for a slot; beyond it RESOURCE_EXHAUSTED")
-    prefill_chunk: int = setting(256, "prompt tokens per prefill step (fixed: outputs never depend on load)")
+    prefill_chunk: int = setting(
+        DEFAULT_PREFILL_CHUNK,
+        "prompt tokens per prefill step (fixed: outputs never depend on load; default: one pass)",
+    )
     host_stage0: bool = setting(False, "run stage 0 in this process; --stages then lists stages 1..N-1")
     precision: str = setting(DEFAULT_PRECISION, "inference precision of a hosted stage 0", choices=PRECISIONS)
     speculative: str = setting(
@@ -67,6 +79,8 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
         raise InvalidArgument("stages", "must list at least one stage address (or give --topology)")
     if settings.shards is None:
         raise InvalidArgument("shards", "is required (or give --topology)")
+    if settings.prefill_chunk < 1:
+        raise InvalidArgument("prefill_chunk", f"must be at least 1, got {settings.prefill_chunk}")
     if not 1 <= settings.max_k <= 32:
         raise InvalidArgument("max_k", f"must be in 1..32, got {settings.max_k}")
     if settings.speculative == "self" and settings.self_draft is None:
@@ -102,25 +116,46 @@ class Coordinator:
         )
         await self.ring.start()
         await self.ring.wait_ready(self.settings.ready_timeout_s)
-        self.servicer = CoordinatorServicer(
-            Generation(
-                self.ring,
-                prompter.tokenizer,
-                prompter.eos_ids,
-                prefill_chunk=self.settings.prefill_chunk,
-                drafts=DraftSources(
-                    Path(self.settings.shards),
-                    self_draft=self.settings.self_draft,
-                    draft_cache=self.settings.draft_cache,
-                ),
-                default_speculative=self.settings.speculative,
-                max_k=self.settings.max_k,
+        generation = Generation(
+            self.ring,
+            prompter.tokenizer,
+            prompter.eos_ids,
+            prefill_chunk=self.settings.prefill_chunk,
+            drafts=DraftSources(
+                Path(self.settings.shards),
+                self_draft=self.settings.self_draft,
+                draft_cache=self.settings.draft_cache,
             ),
+            default_speculative=self.settings.speculative,
+            max_k=self.settings.max_k,
+        )
+        await self._warmup(generation, prompter, manifest.max_context)
+        self.servicer = CoordinatorServicer(
+            generation,
             prompter,
             max_context=manifest.max_context,
             vocab_size=manifest.model.vocab_size,
             default_max_tokens=self.settings.default_max_tokens,
             admission=Admission(self.settings.max_running, self.settings.max_queue),
+        )
+
+    async def _warmup(self, generation: Generation, prompter: Prompter, max_context: int) -> None:
+        """One throwaway greedy generation over the whole ring before the server reports SERVING:
+        the tokenizer, the template, every hop's stream and every stage's session path get their
+        first use here instead of in the first user's TTFT, at the stages' warm-up prompt length, so
+        the hops' large frames are warmed too (stages warm their shards themselves)."""
+        started = time.perf_counter()
+        text = prompter.encode("", [("user", "Warm up.")])
+        ids = (text * (WARMUP_PREFILL // len(text) + 1))[: min(WARMUP_PREFILL, max_context - 4)]
+        tokens = 0
+        async for event in generation.run(ids, SamplingParams(max_tokens=2, ignore_eos=True)):
+            if isinstance(event, Chunk):
+                tokens += len(event.token_ids)
+        log.info(
+            "warmup done",
+            prompt_tokens=len(ids),
+            tokens=tokens,
+            seconds=round(time.perf_counter() - started, 3),
         )
 
     def _local_stage0(self) -> tuple[LocalEntry, LocalStageStub]:

@@ -22,6 +22,10 @@ from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
+# Rows of a step that ``step_timeout_s`` covers; a longer step (a one-pass prefill) gets that much
+# time per started block of this many rows.
+TIMEOUT_ROWS = 256
+
 
 class StageFailed(PipeshardError):
     """A stage rejected or failed a step; carries that stage's status code."""
@@ -86,7 +90,7 @@ class Ring:
         self._pending[key] = future
         try:
             await self._entry.send(frame)
-            result = await asyncio.wait_for(future, self.step_timeout_s)
+            result = await asyncio.wait_for(future, self.timeout_for(len(frame.positions)))
         except TimeoutError:
             raise await self._diagnose() from None
         finally:
@@ -94,6 +98,11 @@ class Ring:
         if result.HasField("error"):
             raise StageFailed(result.error)
         return result
+
+    def timeout_for(self, rows: int) -> float:
+        """``step_timeout_s`` per started block of TIMEOUT_ROWS rows: a prompt prefilled in one pass
+        is one long step, which must not read as a dead stage."""
+        return self.step_timeout_s * max(1, -(-rows // TIMEOUT_ROWS))
 
     async def open_session(self, session_id: str) -> int:
         """Open the session on every stage; returns the smallest max_context among them."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +95,16 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         raise InvalidArgument(
             "next_hop", "must be set for every stage but the last" if not runner.is_last else "must be unset"
         )
+    # Warm up before the server starts listening (so before health reports SERVING): the first
+    # inferences of a fresh compiled model pay for allocation and kernel preparation.
+    started = time.perf_counter()
+    inferences = runner.warmup()
+    log.info(
+        "warmup done",
+        stage=settings.stage,
+        inferences=inferences,
+        seconds=round(time.perf_counter() - started, 3),
+    )
     sessions = SessionTable(runner.new_session, settings.max_sessions, settings.idle_timeout_s)
     engine = StageEngine(
         sessions,
