@@ -20,6 +20,8 @@ from services.stage.engine import StageEngine
 from services.stage.sessions import SessionTable
 from services.stage.wire import frame_from_output, result_from_output, stage_error, step_from_frame
 
+LOCAL_OWNER = "local"  # one process, one party: the operator running it
+
 
 class LocalRing:
     def __init__(
@@ -60,14 +62,15 @@ class LocalRing:
 
     async def open_session(self, session_id: str) -> int:
         for engine in self._engines:
-            engine.sessions.open(session_id)
+            engine.sessions.open(LOCAL_OWNER, session_id)
         return self.max_context
 
     async def release_session(self, session_id: str) -> None:
         for engine in self._engines:
-            engine.sessions.release(session_id)
+            engine.sessions.release(LOCAL_OWNER, session_id)
 
     async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
+        frame.owner = LOCAL_OWNER
         for index, engine in enumerate(self._engines):
             try:
                 out = engine.run(step_from_frame(frame, "input_ids" if engine.is_first else "hidden_states"))

@@ -10,6 +10,7 @@ from pipeshard.errors import InvalidArgument
 from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
 from pipeshard.settings import ServerSettings, load_settings, setting
+from pipeshard.tls import TlsConfig
 from pipeshard.v1 import coordinator_pb2_grpc
 from services.coordinator.admission import Admission
 from services.coordinator.generation import Generation
@@ -98,6 +99,7 @@ class Coordinator:
             step_timeout_s=self.settings.step_timeout_s,
             local_stage0=local,
             hop_delay_s=self.settings.hop_delay_ms / 1000.0,
+            tls=self._tls(),
         )
         await self.ring.start()
         await self.ring.wait_ready(self.settings.ready_timeout_s)
@@ -122,6 +124,12 @@ class Coordinator:
             admission=Admission(self.settings.max_running, self.settings.max_queue),
         )
 
+    def _tls(self) -> TlsConfig | None:
+        """The coordinator's fleet certificate, presented to the stages (None = plaintext)."""
+        if self.settings.tls_dir is None:
+            return None
+        return TlsConfig.from_dir(self.settings.tls_dir, self.settings.tls_name or "coordinator")
+
     def _local_stage0(self) -> tuple[LocalEntry, LocalStageStub]:
         stage = StageSettings(
             stage=0,
@@ -129,6 +137,8 @@ class Coordinator:
             next_hop=self.settings.stages[0],
             precision=self.settings.precision,
             hop_delay_ms=self.settings.hop_delay_ms,
+            tls_dir=self.settings.tls_dir,
+            tls_name=self.settings.tls_name or "coordinator",
         )
         node, info = build_node(stage)
         return LocalEntry(node), LocalStageStub(StageServicer(node, info))
@@ -146,4 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         await coordinator.start()
         return [(coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server, coordinator.servicer)]
 
-    return run_server(settings, services, name="coordinator", shutdown_hooks=[coordinator.close])
+    return run_server(
+        settings,
+        services,
+        name="coordinator",
+        shutdown_hooks=[coordinator.close],
+        peers="clients",
+        node_name="coordinator",
+    )

@@ -14,6 +14,7 @@ from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
 from pipeshard.settings import ServerSettings, load_settings, setting
 from pipeshard.tensor_codec import Codec
+from pipeshard.tls import TlsConfig
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 from services.runtime.shard import ShardRunner
 from services.stage.engine import StageEngine
@@ -43,6 +44,12 @@ class StageSettings(ServerSettings):
         0, "OpenVINO CPU streams (0 = the latency hint's one); a stage runs one inference at a time"
     )
     max_sessions: int = setting(64, "sessions this stage holds at most")
+    max_sessions_per_owner: int = setting(
+        32, "sessions one owner (coordinator) holds here at most, so one cannot take them all"
+    )
+    lease_grace_s: float = setting(
+        5.0, "release an owner's sessions once it has held no Results subscription this long, in s"
+    )
     idle_timeout_s: float = setting(300.0, "release a session idle this long, in seconds")
     codec: str = setting("none", "compression of hidden states sent on", choices=tuple(CODECS))
     exporter: str | None = setting(None, "exporter to pull this stage's shard from when it is missing")
@@ -70,6 +77,13 @@ def resolve(settings: StageSettings) -> StageSettings:
     return settings
 
 
+def fleet_tls(settings: StageSettings) -> TlsConfig | None:
+    """This stage's fleet identity, for its next hop and the exporter (None = plaintext)."""
+    if settings.tls_dir is None:
+        return None
+    return TlsConfig.from_dir(settings.tls_dir, settings.tls_name or f"stage{settings.stage}")
+
+
 def ensure_shard(settings: StageSettings) -> None:
     """Pull the shard from the exporter when it is missing or damaged and an exporter is known."""
     try:
@@ -78,7 +92,9 @@ def ensure_shard(settings: StageSettings) -> None:
         if not settings.exporter:
             raise
         log.info("pulling_shard", stage=settings.stage, exporter=settings.exporter, reason=str(exc))
-        pull_shard(settings.exporter, settings.shards, settings.stage)
+        pull_shard(
+            settings.exporter, settings.shards, settings.stage, tls=fleet_tls(settings), token=settings.token
+        )
 
 
 def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageInfoResponse]:
@@ -93,7 +109,12 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         raise InvalidArgument(
             "next_hop", "must be set for every stage but the last" if not runner.is_last else "must be unset"
         )
-    sessions = SessionTable(runner.new_session, settings.max_sessions, settings.idle_timeout_s)
+    sessions = SessionTable(
+        runner.new_session,
+        settings.max_sessions,
+        settings.idle_timeout_s,
+        max_per_owner=settings.max_sessions_per_owner,
+    )
     engine = StageEngine(
         sessions,
         is_first=runner.is_first,
@@ -102,7 +123,9 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         max_context=runner.max_context,
     )
     delay_s = settings.hop_delay_ms / 1000.0
-    hop = HopStream(settings.next_hop, delay_s=delay_s) if settings.next_hop else None
+    hop = (
+        HopStream(settings.next_hop, delay_s=delay_s, tls=fleet_tls(settings)) if settings.next_hop else None
+    )
     node = StageNode(
         engine, settings.stage, next_hop=hop, codec=CODECS[settings.codec], results_delay_s=delay_s
     )
@@ -127,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         ensure_shard(settings)
         node, info = build_node(settings)
         holder["node"] = node
-        node.start_reaper(settings.idle_timeout_s)
+        node.start_reaper(settings.idle_timeout_s, settings.lease_grace_s)
         if settings.raw_tcp_port:
             host, _, port = (settings.raw_tcp_next_hop or "").rpartition(":")
             raw = RawTcpStage(node.engine, (host, int(port)) if port else None)
@@ -138,4 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         if "node" in holder:
             await holder["node"].close()
 
-    return run_server(settings, services, name=f"stage {settings.stage}", shutdown_hooks=[shutdown])
+    return run_server(
+        settings,
+        services,
+        name=f"stage {settings.stage}",
+        shutdown_hooks=[shutdown],
+        peers="fleet",
+        node_name=f"stage{settings.stage}",
+    )

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import structlog
 
+from pipeshard.tls import TlsConfig
 from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc
 from services.transport.channels import open_channel
 from services.transport.delay import DelayQueue
@@ -34,13 +35,17 @@ class HopStream:
         on_error: Callable[[stage_pb2.ForwardResponse], None] | None = None,
         queue_size: int = 1024,
         delay_s: float = 0.0,
+        tls: TlsConfig | None = None,
+        channel: grpc.aio.Channel | None = None,
     ):
+        """``channel`` shares one the caller owns (it then closes it); else one is opened."""
         self.address = address
         self._on_error = on_error
         self._queue: asyncio.Queue | DelayQueue = (
             DelayQueue(delay_s, queue_size) if delay_s > 0 else asyncio.Queue(maxsize=queue_size)
         )
-        self._channel = open_channel(address)
+        self._owns_channel = channel is None
+        self._channel = channel or open_channel(address, tls)
         self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
         self._task: asyncio.Task | None = None
         self.connected = asyncio.Event()
@@ -57,7 +62,8 @@ class HopStream:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await self._channel.close()
+        if self._owns_channel:
+            await self._channel.close()
 
     async def _requests(self) -> AsyncIterator[stage_pb2.ForwardRequest]:
         while True:
