@@ -38,6 +38,10 @@ class CoordinatorSettings(ServerSettings):
     default_max_tokens: int = setting(256, "max_tokens of a request that does not set it")
     max_running: int = setting(8, "generations running at once (each holds a session on every stage)")
     max_queue: int = setting(32, "requests waiting for a slot; beyond it RESOURCE_EXHAUSTED")
+    max_per_client: int = setting(
+        24,
+        "running plus queued requests of one client (its token, else its host); beyond it RESOURCE_EXHAUSTED",
+    )
     prefill_chunk: int = setting(256, "prompt tokens per prefill step (fixed: outputs never depend on load)")
     host_stage0: bool = setting(False, "run stage 0 in this process; --stages then lists stages 1..N-1")
     precision: str = setting("default", "inference precision of a hosted stage 0", choices=("default", "f32"))
@@ -121,7 +125,9 @@ class Coordinator:
             max_context=manifest["max_context"],
             vocab_size=manifest["model"]["vocab_size"],
             default_max_tokens=self.settings.default_max_tokens,
-            admission=Admission(self.settings.max_running, self.settings.max_queue),
+            admission=Admission(
+                self.settings.max_running, self.settings.max_queue, self.settings.max_per_client
+            ),
         )
 
     def _tls(self) -> TlsConfig | None:
