@@ -37,8 +37,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--speculative",
         default="",
-        metavar="none|self|ngram|DRAFT_DIR",
-        help="draft source for speculative decoding (default: the coordinator's; none with --local)",
+        metavar="NAME",
+        help="draft source for speculative decoding: none, ngram, self or a name the coordinator was "
+        "started with (--draft NAME=DIR); with --local also a draft folder (default: the "
+        "coordinator's; none with --local)",
     )
     p.add_argument("--k", type=_k, default=0, metavar="N|auto", help="drafts per verify step (default auto)")
     p.add_argument("--self-draft", type=Path, default=None, help="--local only: the self-draft export")
@@ -117,7 +119,7 @@ def _local(args: argparse.Namespace, stream: bool) -> GenerateResult:
         ring,
         prompter.tokenizer,
         prompter.eos_ids,
-        drafts=DraftSources(args.local, self_draft=args.self_draft),
+        drafts=DraftSources(args.local, self_draft=args.self_draft, allow_paths=True),
     )
     ids = prompter.encode("", [("user", args.prompt)])
     params = SamplingParams(

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from exporter.serving import hold_serving_lock
 from pipeshard.errors import InvalidArgument
 from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
@@ -18,7 +19,7 @@ from services.coordinator.local_stage import LocalEntry, LocalStageStub
 from services.coordinator.prompting import Prompter
 from services.coordinator.ring import Ring
 from services.coordinator.servicer import CoordinatorServicer
-from services.coordinator.speculation.sources import DraftSources
+from services.coordinator.speculation.sources import MODES, DraftSources, parse_named
 from services.stage.main import StageSettings, build_node
 from services.stage.servicer import StageServicer
 from services.topology import Topology
@@ -46,7 +47,11 @@ class CoordinatorSettings(ServerSettings):
     host_stage0: bool = setting(False, "run stage 0 in this process; --stages then lists stages 1..N-1")
     precision: str = setting("default", "inference precision of a hosted stage 0", choices=("default", "f32"))
     speculative: str = setting(
-        "none", "speculation of requests that do not choose: none, ngram, self or a draft model folder"
+        "none", "speculation of requests that do not choose: none, ngram, self or a --draft name"
+    )
+    draft: list[str] = setting(
+        default_factory=list,
+        help="draft folders clients may pick by name: NAME=DIR,... (an export or a same-tokenizer HF folder)",
     )
     self_draft: Path | None = setting(
         None, "self-draft export (pipeshard export --draft-layers K) used by `--speculative self`"
@@ -75,6 +80,9 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
         raise InvalidArgument("max_k", f"must be in 1..32, got {settings.max_k}")
     if settings.speculative == "self" and settings.self_draft is None:
         raise InvalidArgument("speculative", "self needs --self-draft DIR")
+    named = parse_named(settings.draft)
+    if settings.speculative not in (*MODES, *named):
+        raise InvalidArgument("speculative", "must be none, ngram, self or a name given with --draft")
     return settings
 
 
@@ -87,6 +95,7 @@ class Coordinator:
     servicer: CoordinatorServicer = field(init=False)
 
     async def start(self) -> None:
+        self._serving = hold_serving_lock(Path(self.settings.shards))  # see exporter.serving
         manifest = json.loads((Path(self.settings.shards) / "manifest.json").read_text())
         remote = manifest["num_stages"] - (1 if self.settings.host_stage0 else 0)
         if remote != len(self.settings.stages):
@@ -116,6 +125,7 @@ class Coordinator:
                 drafts=DraftSources(
                     Path(self.settings.shards),
                     self_draft=self.settings.self_draft,
+                    named=parse_named(self.settings.draft),
                     draft_cache=self.settings.draft_cache,
                 ),
                 default_speculative=self.settings.speculative,

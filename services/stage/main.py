@@ -8,6 +8,7 @@ from pathlib import Path
 import structlog
 
 from exporter.manifest import verify_shard
+from exporter.serving import hold_serving_lock
 from exporter.shard_pull import pull_shard
 from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound
 from pipeshard.grpc_server import run_server
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def services():
         ensure_shard(settings)
+        holder["serving"] = hold_serving_lock(settings.shards)  # no forced export replaces it now
         node, info = build_node(settings)
         holder["node"] = node
         node.start_reaper(settings.idle_timeout_s, settings.lease_grace_s)

@@ -67,12 +67,16 @@ def spec_generation(smollm2_export, smollm2_draft, hf_draft_dir):
         if stages not in built:
             export = smollm2_export(stages, "fp32")
             prompter = Prompter.from_dir(export)
-            drafts = DraftSources(export, self_draft=self_draft, draft_cache=shards_root() / ".drafts")
+            drafts = DraftSources(
+                export,
+                self_draft=self_draft,
+                named={"dir": hf_draft_dir},
+                draft_cache=shards_root() / ".drafts",
+            )
             built[stages] = Generation(
                 LocalRing(export, "f32"), prompter.tokenizer, prompter.eos_ids, drafts=drafts
             )
-        mode = {"ngram": "ngram", "self": "self", "dir": str(hf_draft_dir)}[source]
-        return built[stages], mode
+        return built[stages], source
 
     return get
 
