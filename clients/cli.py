@@ -27,6 +27,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     where.add_argument(
         "--local", type=Path, metavar="SHARD_DIR", help="run this export in-process, no services"
     )
+    p.add_argument("--token", default=None, help="bearer token (default: PIPESHARD_TOKEN, else certs/token)")
+    p.add_argument(
+        "--ca-cert",
+        type=Path,
+        default=None,
+        help="fleet CA certificate: speak TLS (default: PIPESHARD_CA_CERT, else run/ca.pem if present)",
+    )
+    p.add_argument("--plaintext", action="store_true", help="no TLS even if a CA certificate is found")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=None)
@@ -79,7 +87,11 @@ def _remote(args: argparse.Namespace, stream: bool) -> GenerateResult:
 
     result = GenerateResult()
     try:
-        with PipeshardClient(args.coordinator or DEFAULT_COORDINATOR) as client:
+        with PipeshardClient(
+            args.coordinator or DEFAULT_COORDINATOR,
+            token=args.token,
+            ca_cert="" if args.plaintext else args.ca_cert,
+        ) as client:
             for response in client.responses(
                 args.prompt,
                 max_tokens=args.max_tokens,

@@ -16,6 +16,7 @@ _COMMAND_MODULES = (
     "clients.cli",
     "services.fleet_cli",
     "services.wan.cli",
+    "pipeshard.certs_cli",
 )
 
 # Long-running services parse their own flags (typed settings, each also an environment variable).
