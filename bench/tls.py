@@ -12,10 +12,10 @@ import tempfile
 from pathlib import Path
 
 from bench.stats import interleaved_generations, median, ratio_ci, summary, write_result
-from clients.client import PipeshardClient
 from pipeshard.certs_cli import node_names
+from pipeshard.clients.client import PipeshardClient
+from pipeshard.services.launcher import start_fleet
 from pipeshard.tls import make_certs
-from services.launcher import start_fleet
 
 PROMPT = "Explain in a few paragraphs how a bicycle works."
 TOKENS = 64

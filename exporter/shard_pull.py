@@ -12,9 +12,9 @@ from pathlib import Path
 
 import grpc
 
-from exporter.manifest import verify_shard
 from pipeshard.auth import token_metadata
 from pipeshard.errors import FailedPrecondition, Unavailable
+from pipeshard.shard.manifest import verify_shard
 from pipeshard.tls import TlsConfig
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc
 

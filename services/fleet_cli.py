@@ -14,13 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from clients.client import RUN_CA_CERT
 from pipeshard.auth import load_or_create_token
 from pipeshard.certs_cli import node_names
+from pipeshard.clients.client import RUN_CA_CERT
 from pipeshard.paths import DEFAULT_MODEL, certs_dir, export_name, shards_dir
+from pipeshard.services.launcher import start_fleet, stop_recorded
 from pipeshard.tls import CA_CERT, make_certs
-from services.launcher import start_fleet, stop_recorded
-from services.topology import Topology
+from pipeshard.topology import Topology
 
 RUN_DIR = Path("run")
 TOPOLOGY = Path("config/topology.yaml")

@@ -6,23 +6,23 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exporter.serving import hold_serving_lock
 from pipeshard.errors import InvalidArgument
+from pipeshard.exporter.serving import hold_serving_lock
 from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
+from pipeshard.services.coordinator.admission import Admission
+from pipeshard.services.coordinator.generation import Generation
+from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
+from pipeshard.services.coordinator.ring import Ring
+from pipeshard.services.coordinator.servicer import CoordinatorServicer
+from pipeshard.services.coordinator.speculation.sources import MODES, DraftSources, parse_named
+from pipeshard.services.stage.main import StageSettings, build_node
+from pipeshard.services.stage.servicer import StageServicer
 from pipeshard.settings import ServerSettings, load_settings, setting
+from pipeshard.shard.prompting import Prompter
 from pipeshard.tls import TlsConfig
+from pipeshard.topology import Topology
 from pipeshard.v1 import coordinator_pb2_grpc
-from services.coordinator.admission import Admission
-from services.coordinator.generation import Generation
-from services.coordinator.local_stage import LocalEntry, LocalStageStub
-from services.coordinator.prompting import Prompter
-from services.coordinator.ring import Ring
-from services.coordinator.servicer import CoordinatorServicer
-from services.coordinator.speculation.sources import MODES, DraftSources, parse_named
-from services.stage.main import StageSettings, build_node
-from services.stage.servicer import StageServicer
-from services.topology import Topology
 
 
 @dataclass
@@ -95,7 +95,7 @@ class Coordinator:
     servicer: CoordinatorServicer = field(init=False)
 
     async def start(self) -> None:
-        self._serving = hold_serving_lock(Path(self.settings.shards))  # see exporter.serving
+        self._serving = hold_serving_lock(Path(self.settings.shards))  # see pipeshard.exporter.serving
         manifest = json.loads((Path(self.settings.shards) / "manifest.json").read_text())
         remote = manifest["num_stages"] - (1 if self.settings.host_stage0 else 0)
         if remote != len(self.settings.stages):

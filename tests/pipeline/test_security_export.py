@@ -10,10 +10,10 @@ import time
 import grpc
 import pytest
 
-from exporter.serving import hold_serving_lock
 from pipeshard.auth import token_metadata
+from pipeshard.exporter.serving import hold_serving_lock
+from pipeshard.services.launcher import spawn
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc
-from services.launcher import spawn
 
 pytestmark = pytest.mark.slow
 

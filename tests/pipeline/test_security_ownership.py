@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from clients.client import PipeshardClient
+from pipeshard.clients.client import PipeshardClient
 from pipeshard.ownership import owner_key, owner_metadata
 from pipeshard.tensor_codec import encode
 from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2

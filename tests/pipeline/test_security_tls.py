@@ -11,8 +11,8 @@ import threading
 import grpc
 import pytest
 
-from clients.client import PipeshardClient
 from pipeshard.certs_cli import node_names
+from pipeshard.clients.client import PipeshardClient
 from pipeshard.ownership import owner_metadata
 from pipeshard.tls import TlsConfig, make_certs
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
@@ -56,10 +56,10 @@ def stage_info(channel: grpc.Channel) -> stage_pb2.GetStageInfoResponse:
 
 
 def test_secured_fleet_generates_exactly_like_the_in_process_ring(fleet, certs, shards):
-    from services.coordinator.generation import Generation, Summary
-    from services.coordinator.local_ring import LocalRing
-    from services.coordinator.prompting import Prompter
-    from services.coordinator.sampling import SamplingParams
+    from pipeshard.services.coordinator.generation import Generation, Summary
+    from pipeshard.services.coordinator.local_ring import LocalRing
+    from pipeshard.services.coordinator.sampling import SamplingParams
+    from pipeshard.shard.prompting import Prompter
 
     with PipeshardClient(fleet.coordinator, timeout_s=120, token=TOKEN, ca_cert=certs / "ca.pem") as client:
         remote = client.generate(PROMPT, max_tokens=24, ignore_eos=True)

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from pipeshard.errors import DeadlineExceeded, ResourceExhausted
-from services.coordinator.admission import Admission
+from pipeshard.services.coordinator.admission import Admission
 
 
 def test_capacity_queue_and_rejection():
@@ -61,7 +61,7 @@ def test_deadline_while_queued():
 
 
 def test_one_client_cannot_fill_the_coordinator_and_16_users_of_one_client_pass_by_default():
-    from services.coordinator.main import CoordinatorSettings
+    from pipeshard.services.coordinator.main import CoordinatorSettings
 
     defaults = CoordinatorSettings()
 

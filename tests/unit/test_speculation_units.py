@@ -6,11 +6,16 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from services.coordinator.generation import _Cursor
-from services.coordinator.sampling import Sampler, SamplingParams
-from services.coordinator.speculation.acceptance import accept_greedy, accept_sampled
-from services.coordinator.speculation.drafts import NgramDrafter
-from services.coordinator.speculation.policy import KPolicy, SourceMemory, TimingModel, expected_tokens
+from pipeshard.services.coordinator.generation import _Cursor
+from pipeshard.services.coordinator.sampling import Sampler, SamplingParams
+from pipeshard.services.coordinator.speculation.acceptance import accept_greedy, accept_sampled
+from pipeshard.services.coordinator.speculation.drafts import NgramDrafter
+from pipeshard.services.coordinator.speculation.policy import (
+    KPolicy,
+    SourceMemory,
+    TimingModel,
+    expected_tokens,
+)
 
 
 def test_greedy_keeps_the_matching_prefix_and_the_targets_next_token():
@@ -159,7 +164,7 @@ def test_sampler_probabilities_are_what_acceptance_uses():
 
 def test_draft_sources_offer_only_operator_names_and_echo_no_path(tmp_path):
     from pipeshard.errors import InvalidArgument
-    from services.coordinator.speculation.sources import DraftSources, parse_named
+    from pipeshard.services.coordinator.speculation.sources import DraftSources, parse_named
 
     folder = tmp_path / "secret-draft"
     folder.mkdir()
