@@ -56,9 +56,9 @@ model: proto
 export: model
 	$(VENV)/bin/pipeshard export --model $(MODEL) --stages $(STAGES) --weights $(WEIGHTS)
 
-## up: start a loopback fleet (exporter, STAGES stage processes, coordinator); prints `coordinator listening on HOST:PORT`
+## up: start a loopback fleet (exporter, STAGES stage processes, coordinator); prints `coordinator listening on HOST:PORT`; SECURE=1: mutual TLS + client token (docs/SECURITY.md)
 up: model
-	$(VENV)/bin/pipeshard up --stages $(STAGES) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION))
+	$(VENV)/bin/pipeshard up --stages $(STAGES) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(filter 1 yes true,$(SECURE)),--secure)
 
 ## down: stop exactly the processes `make up` started
 down:

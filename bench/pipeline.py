@@ -27,9 +27,10 @@ from bench.stats import interleaved_generations, median, ratio_ci, summary, writ
 from pipeshard import paths
 from pipeshard.clients.client import PipeshardClient
 from pipeshard.offline import set_offline_defaults
+from pipeshard.ownership import owner_metadata
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.launcher import Fleet, spawn, start_fleet
-from pipeshard.services.stage.rawtcp import RawTcpRing
+from pipeshard.services.stage.rawtcp import RAW_TCP_SECRET, RawTcpRing
 from pipeshard.services.stage.wire import token_frame
 from pipeshard.shard.chain import LocalChain
 from pipeshard.shard.prompting import Prompter
@@ -37,6 +38,7 @@ from pipeshard.tensor_codec import decode, encode
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
 NEW_TOKENS = 128
+RAW_METADATA = owner_metadata(RAW_TCP_SECRET)
 PROMPT = "Explain in a few paragraphs how a bicycle works."
 RUNS = int(os.environ.get("BENCH_RUNS", "10"))
 WARMUP = 2
@@ -75,6 +77,8 @@ def start_raw_fleet(shards: Path, run_dir: Path) -> tuple[Fleet, list[tuple[str,
             "0",
             "--raw-tcp-port",
             str(raw_ports[1]),
+            "--lease-grace-s",
+            "3600",  # the raw driver holds no Results subscription (lease)
         ],
         run_dir,
         env,
@@ -96,6 +100,8 @@ def start_raw_fleet(shards: Path, run_dir: Path) -> tuple[Fleet, list[tuple[str,
             str(raw_ports[0]),
             "--raw-tcp-next-hop",
             f"127.0.0.1:{raw_ports[1]}",
+            "--lease-grace-s",
+            "3600",
         ],
         run_dir,
         env,
@@ -168,10 +174,14 @@ class RawDriver:
         self._n += 1
         handle = 1_000_000 + self._n
         for stub in self._stubs:
-            stub.OpenSession(stage_pb2.OpenSessionRequest(session_id=str(handle)), timeout=10)
+            stub.OpenSession(
+                stage_pb2.OpenSessionRequest(session_id=str(handle)), timeout=10, metadata=RAW_METADATA
+            )
         out = self.loop.run_until_complete(self._decode(handle, ids))
         for stub in self._stubs:
-            stub.ReleaseSession(stage_pb2.ReleaseSessionRequest(session_id=str(handle)), timeout=10)
+            stub.ReleaseSession(
+                stage_pb2.ReleaseSessionRequest(session_id=str(handle)), timeout=10, metadata=RAW_METADATA
+            )
         return out
 
     async def _decode(self, handle: int, ids: list[int]) -> dict:

@@ -145,9 +145,9 @@ def single_node(loop, target: Path, self_draft: Path, hf_draft: Path, prompts: l
     prompter = Prompter.from_dir(target)
     ring = LocalRing(target)
     ring.warmup()
-    drafts = DraftSources(target, self_draft=self_draft)
+    drafts = DraftSources(target, self_draft=self_draft, named={"hf": hf_draft})
     generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, drafts=drafts)
-    sources = {"ngram": "ngram", "self": "self", "hf": str(hf_draft)}
+    sources = {"ngram": "ngram", "self": "self", "hf": "hf"}
     configs: dict[str, tuple[str, int]] = {"plain": ("none", 0)}
     for name, mode in sources.items():
         for k in KS:
@@ -282,10 +282,10 @@ def exactness(loop, self_draft: Path, hf_draft: Path, prompts: list[list[int]]) 
             LocalRing(target, "f32"),
             prompter.tokenizer,
             prompter.eos_ids,
-            drafts=DraftSources(target, self_draft=self_draft),
+            drafts=DraftSources(target, self_draft=self_draft, named={"hf": hf_draft}),
         )
         plain = run_prompts(loop, generation, prompts, TOKENS, "none", 0)["tokens"]
-        for name, mode in (("ngram", "ngram"), ("self", "self"), ("hf", str(hf_draft))):
+        for name, mode in (("ngram", "ngram"), ("self", "self"), ("hf", "hf")):
             for k in EXACT_KS:
                 got = run_prompts(loop, generation, prompts, TOKENS, mode, k)["tokens"]
                 results[f"{stages}s-{name}-k{k}"] = sum(a == b for a, b in zip(got, plain, strict=True))
@@ -296,14 +296,14 @@ def exactness(loop, self_draft: Path, hf_draft: Path, prompts: list[list[int]]) 
 def wan_sweep(self_draft: Path, hf_draft: Path, source: str, prompts: list[str]) -> dict:
     from pipeshard.services.wan.emulator import WanFleet
 
-    mode = {"ngram": "ngram", "self": "self", "hf": str(hf_draft)}[source]
+    mode = source  # the coordinator is started with --draft hf=<folder>: clients pick names
     configs = {"plain": ("none", 0), **{f"k{k}": (mode, k) for k in WAN_KS}, "auto": (mode, 0)}
     out: dict[str, dict] = {}
     for stages in WAN_STAGES:
         shards = ensure_export(stages)
         for delay in DELAYS_MS:
             run_dir = Path(f"run/bench-spec-wan-{stages}s-{delay:g}ms")
-            extra = ["--self-draft", str(self_draft), "--step-timeout-s", "120"]
+            extra = ["--self-draft", str(self_draft), "--draft", f"hf={hf_draft}", "--step-timeout-s", "120"]
             with WanFleet(shards, stages, delay, RATE_MBIT, run_dir, extra_coordinator_args=extra) as fleet:
                 client = PipeshardClient(fleet.coordinator, timeout_s=600)
                 last: dict[str, dict] = {}

@@ -28,6 +28,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     where.add_argument(
         "--local", type=Path, metavar="SHARD_DIR", help="run this export in-process, no services"
     )
+    p.add_argument("--token", default=None, help="bearer token (default: PIPESHARD_TOKEN, else certs/token)")
+    p.add_argument(
+        "--ca-cert",
+        type=Path,
+        default=None,
+        help="fleet CA certificate: speak TLS (default: PIPESHARD_CA_CERT, else run/ca.pem if present)",
+    )
+    p.add_argument("--plaintext", action="store_true", help="no TLS even if a CA certificate is found")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=None)
@@ -38,8 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--speculative",
         default="",
-        metavar="none|self|ngram|DRAFT_DIR",
-        help="draft source for speculative decoding (default: the coordinator's; none with --local)",
+        metavar="NAME",
+        help="draft source for speculative decoding: none, ngram, self or a name the coordinator was "
+        "started with (--draft NAME=DIR); with --local also a draft folder (default: the "
+        "coordinator's; none with --local)",
     )
     p.add_argument("--k", type=_k, default=0, metavar="N|auto", help="drafts per verify step (default auto)")
     p.add_argument("--self-draft", type=Path, default=None, help="--local only: the self-draft export")
@@ -78,7 +88,11 @@ def _remote(args: argparse.Namespace, stream: bool) -> GenerateResult:
 
     result = GenerateResult()
     try:
-        with PipeshardClient(args.coordinator or DEFAULT_COORDINATOR) as client:
+        with PipeshardClient(
+            args.coordinator or DEFAULT_COORDINATOR,
+            token=args.token,
+            ca_cert="" if args.plaintext else args.ca_cert,
+        ) as client:
             for response in client.responses(
                 args.prompt,
                 max_tokens=args.max_tokens,

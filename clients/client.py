@@ -4,16 +4,69 @@ with PipeshardClient("127.0.0.1:50051") as client:
     for chunk in client.stream("What is the capital of France?"):
         print(chunk.text, end="")
     result = client.generate("Hello", max_tokens=16)
+
+Security (docs/SECURITY.md): the client speaks TLS when it finds the fleet CA certificate
+(``ca_cert``, else PIPESHARD_CA_CERT, else ``run/ca.pem`` that ``make up SECURE=1`` writes; an
+empty PIPESHARD_CA_CERT means plaintext) and then sends the bearer token (``token``, else
+PIPESHARD_TOKEN, else ``certs/token``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import grpc
 
+from pipeshard import paths
+from pipeshard.auth import token_metadata
+from pipeshard.tls import client_credentials
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+RUN_CA_CERT = Path("run") / "ca.pem"
+
+
+@dataclass(frozen=True)
+class Connection:
+    """How to reach a coordinator: the CA certificate to verify it (None = plaintext) and the
+    token to present."""
+
+    ca_cert: Path | None
+    token: str | None
+
+    @classmethod
+    def resolve(cls, ca_cert: Path | str | None = None, token: str | None = None) -> Connection:
+        if ca_cert is None:
+            env = os.environ.get("PIPESHARD_CA_CERT")
+            if env is not None:
+                ca_cert = env or None
+            elif RUN_CA_CERT.is_file():
+                ca_cert = RUN_CA_CERT
+        if ca_cert is not None and token is None:
+            token = os.environ.get("PIPESHARD_TOKEN")
+            stored = paths.certs_dir() / "token"
+            if token is None and stored.is_file():
+                token = stored.read_text().strip()
+        if token is None:
+            token = os.environ.get("PIPESHARD_TOKEN")
+        return cls(Path(ca_cert) if ca_cert else None, token or None)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return token_metadata(self.token)
+
+    def channel(self, address: str) -> grpc.Channel:
+        if self.ca_cert is None:
+            return grpc.insecure_channel(address)
+        return grpc.secure_channel(address, client_credentials(self.ca_cert))
+
+    def aio_channel(self, address: str) -> grpc.aio.Channel:
+        if self.ca_cert is None:
+            return grpc.aio.insecure_channel(address)
+        return grpc.aio.secure_channel(address, client_credentials(self.ca_cert))
+
 
 _FINISH = {
     coordinator_pb2.FINISH_REASON_STOP: "stop",
@@ -100,8 +153,16 @@ def fold(result: GenerateResult, response: coordinator_pb2.GenerateResponse) -> 
 
 
 class PipeshardClient:
-    def __init__(self, address: str, *, timeout_s: float | None = None):
-        self._channel = grpc.insecure_channel(address)
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float | None = None,
+        token: str | None = None,
+        ca_cert: Path | str | None = None,
+    ):
+        self._connection = Connection.resolve(ca_cert, token)
+        self._channel = self._connection.channel(address)
         self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
         self._timeout = timeout_s
 
@@ -116,7 +177,9 @@ class PipeshardClient:
 
     def responses(self, prompt: str | None = None, **kwargs):
         """The streaming call: iterate it for responses, ``cancel()`` it to stop the generation."""
-        return self._stub.Generate(build_request(prompt, **kwargs), timeout=self._timeout)
+        return self._stub.Generate(
+            build_request(prompt, **kwargs), timeout=self._timeout, metadata=self._connection.metadata
+        )
 
     def stream(self, prompt: str | None = None, **kwargs) -> Iterator[coordinator_pb2.TokenChunk]:
         for response in self.responses(prompt, **kwargs):
@@ -131,8 +194,16 @@ class PipeshardClient:
 
 
 class AsyncPipeshardClient:
-    def __init__(self, address: str, *, timeout_s: float | None = None):
-        self._channel = grpc.aio.insecure_channel(address)
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float | None = None,
+        token: str | None = None,
+        ca_cert: Path | str | None = None,
+    ):
+        self._connection = Connection.resolve(ca_cert, token)
+        self._channel = self._connection.aio_channel(address)
         self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
         self._timeout = timeout_s
 
@@ -148,7 +219,9 @@ class AsyncPipeshardClient:
     async def responses(
         self, prompt: str | None = None, **kwargs
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
-        async for response in self._stub.Generate(build_request(prompt, **kwargs), timeout=self._timeout):
+        async for response in self._stub.Generate(
+            build_request(prompt, **kwargs), timeout=self._timeout, metadata=self._connection.metadata
+        ):
             yield response
 
     async def generate(self, prompt: str | None = None, **kwargs) -> GenerateResult:

@@ -31,5 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         settings.metrics_port = settings.metrics_port or me.metrics_port
     servicer = ExporterServicer(settings.shards_dir or paths.shards_dir())
     return run_server(
-        settings, [(exporter_pb2_grpc.add_ExporterServiceServicer_to_server, servicer)], name="exporter"
+        settings,
+        [(exporter_pb2_grpc.add_ExporterServiceServicer_to_server, servicer)],
+        name="exporter",
+        peers="clients",
+        node_name="exporter",
     )

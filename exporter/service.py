@@ -1,23 +1,33 @@
 """ExporterService over gRPC: Export streams progress then the manifest; FetchShard streams files.
 
 Exports run one at a time in a worker thread (each stage in its own subprocess); progress
-events cross back to the event loop through a queue. FetchShard serves only files listed in an
+events cross back to the event loop through a queue. An export whose caller goes away is
+cancelled and leaves no partial folder; a forced export never replaces an export a running
+fleet serves (pipeshard.exporter.serving). With a token configured, only its holders may call (the
+operator): see pipeshard.auth. FetchShard serves only files listed in an
 export's manifest, so a request can never read outside the shards directory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
+
+import structlog
 
 from pipeshard import paths
 from pipeshard.errors import InvalidArgument, NotFound
 from pipeshard.exporter.export import ExportResult, ProgressEvent, export_model
+from pipeshard.exporter.serving import not_served
 from pipeshard.model.fetch import resolve_model_source
 from pipeshard.shard.manifest import MANIFEST, WEIGHT_FORMATS, file_sha256, load_manifest
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc
+
+log = structlog.get_logger(__name__)
 
 CHUNK_BYTES = 1 << 20
 
@@ -58,38 +68,51 @@ class ExporterServicer(exporter_pb2_grpc.ExporterServiceServicer):
             return
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[ProgressEvent | None] = asyncio.Queue()
+        cancel = threading.Event()
 
         def progress(event: ProgressEvent) -> None:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         def run() -> ExportResult:
             try:
-                return export_model(
-                    model_dir,
-                    out,
-                    stages=None if request.split else stages,
-                    split=list(request.split) or None,
-                    weights=weights,
-                    group_size=request.group_size or "auto",
-                    max_context=request.max_context or None,
-                    force=request.force,
-                    progress=progress,
-                )
+                # A forced export must not replace what a running fleet serves (pipeshard.exporter.serving).
+                with not_served(out) if request.force else contextlib.nullcontext():
+                    return export_model(
+                        model_dir,
+                        out,
+                        stages=None if request.split else stages,
+                        split=list(request.split) or None,
+                        weights=weights,
+                        group_size=request.group_size or "auto",
+                        max_context=request.max_context or None,
+                        force=request.force,
+                        progress=progress,
+                        cancel=cancel,
+                    )
             finally:
                 loop.call_soon_threadsafe(events.put_nowait, None)
 
         async with self._lock:
             job = loop.run_in_executor(None, run)
-            while (event := await events.get()) is not None:
-                yield exporter_pb2.ExportResponse(
-                    progress=exporter_pb2.ExportProgress(
-                        stage_index=-1 if event.stage is None else event.stage,
-                        phase=event.phase,
-                        fraction=event.fraction,
-                        message=event.message,
+            try:
+                while (event := await events.get()) is not None:
+                    yield exporter_pb2.ExportResponse(
+                        progress=exporter_pb2.ExportProgress(
+                            stage_index=-1 if event.stage is None else event.stage,
+                            phase=event.phase,
+                            fraction=event.fraction,
+                            message=event.message,
+                        )
                     )
-                )
-            result = await job
+                result = await job
+            finally:
+                if not job.done():
+                    # The caller went away (or the server is stopping): stop the export and wait
+                    # for it to remove its partial folder before the next export may start.
+                    cancel.set()
+                    log.info("export_cancelled", out=out.name)
+                    with contextlib.suppress(BaseException):
+                        await asyncio.shield(job)
         yield exporter_pb2.ExportResponse(
             done=exporter_pb2.ExportDone(
                 out_dir=str(result.path), manifest_json=json.dumps(result.manifest.raw)

@@ -16,6 +16,7 @@ _COMMAND_MODULES = (
     "pipeshard.clients.cli",
     "pipeshard.services.fleet_cli",
     "pipeshard.services.wan.cli",
+    "pipeshard.certs_cli",
 )
 
 # Long-running services parse their own flags (typed settings, each also an environment variable).

@@ -58,6 +58,18 @@ class FailedPrecondition(PipeshardError):
     code = "FAILED_PRECONDITION"
 
 
+class PermissionDenied(PipeshardError):
+    """The caller may not do this (for example touch a session another coordinator opened)."""
+
+    code = "PERMISSION_DENIED"
+
+
+class Unauthenticated(PipeshardError):
+    """The caller did not prove who it is (a missing or wrong bearer token)."""
+
+    code = "UNAUTHENTICATED"
+
+
 class Internal(PipeshardError):
     """A bug or an unexpected failure; logged with its traceback."""
 

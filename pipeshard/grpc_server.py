@@ -25,10 +25,13 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pipeshard.auth import TokenInterceptor
+from pipeshard.errors import PipeshardError
 from pipeshard.interceptors import ErrorInterceptor
 from pipeshard.logs import configure_logging
 from pipeshard.metrics import MetricsServer, start_metrics_server
 from pipeshard.settings import MIB, ServerSettings
+from pipeshard.tls import TlsConfig
 
 log = structlog.get_logger("pipeshard.server")
 
@@ -307,6 +310,38 @@ class GrpcServer:
 
 ServicesFactory = Callable[[], Sequence[ServiceSpec] | Awaitable[Sequence[ServiceSpec]]]
 
+_LOOPBACK = ("localhost", "::1", "[::1]")
+
+
+def _is_loopback(host: str) -> bool:
+    return host in _LOOPBACK or host.startswith("127.")
+
+
+def server_security(
+    settings: ServerSettings, *, peers: str, node_name: str
+) -> tuple[grpc.ServerCredentials | None, list[grpc.aio.ServerInterceptor]]:
+    """The credentials and auth interceptors a service runs with, from its settings.
+
+    ``peers="fleet"`` (stages): with ``tls_dir`` only holders of a fleet certificate connect.
+    ``peers="clients"`` (coordinator, exporter): TLS with ``tls_dir``, and with ``token`` every
+    call but health checks needs it. Plaintext on a non-loopback address needs ``allow_plaintext``.
+    """
+    if peers not in ("fleet", "clients"):
+        raise ValueError(f"peers must be fleet or clients, got {peers!r}")
+    credentials = None
+    if settings.tls_dir is not None:
+        tls = TlsConfig.from_dir(settings.tls_dir, settings.tls_name or node_name)
+        credentials = tls.server_credentials(require_client_cert=peers == "fleet")
+    elif not _is_loopback(settings.host) and not settings.allow_plaintext:
+        raise OSError(
+            f"refusing to serve plaintext on {settings.host}: give --tls-dir (see `pipeshard certs`) "
+            "or ask for plaintext with --allow-plaintext"
+        )
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if peers == "clients" and settings.token:
+        interceptors.append(TokenInterceptor(settings.token))
+    return credentials, interceptors
+
 
 async def serve(
     settings: ServerSettings,
@@ -345,10 +380,21 @@ def run_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
     shutdown_hooks: Sequence[ShutdownHook] = (),
+    peers: str | None = None,
+    node_name: str = "",
 ) -> int:
     """Entry-point helper: configures logging from ``settings``, serves until SIGTERM/SIGINT has
-    drained the server, returns the exit status (0)."""
+    drained the server, returns the exit status (0). With ``peers`` the TLS credentials and token
+    check come from the settings (:func:`server_security`; ``node_name`` names its certificate)."""
     configure_logging(settings.log_format, settings.log_level, service=name)
+    if peers is not None:
+        try:
+            credentials, extra = server_security(settings, peers=peers, node_name=node_name)
+        except (OSError, PipeshardError) as exc:
+            log.error("cannot start", error=str(exc))
+            print(f"{name}: {exc}", file=sys.stderr, flush=True)
+            return 1
+        interceptors = [*interceptors, *extra]
     try:
         import uvloop  # type: ignore[import-not-found]  # optional, not a dependency
     except ImportError:

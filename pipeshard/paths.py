@@ -21,6 +21,11 @@ def shards_dir() -> Path:
     return Path(os.environ.get("PIPESHARD_SHARDS_DIR", repo_root() / "shards"))
 
 
+def certs_dir() -> Path:
+    """Fleet CA, node certificates and the client token of ``make up SECURE=1``."""
+    return Path(os.environ.get("PIPESHARD_CERTS_DIR", repo_root() / "certs"))
+
+
 def default_model_dir() -> Path:
     return models_dir() / DEFAULT_MODEL
 

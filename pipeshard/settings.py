@@ -258,3 +258,14 @@ class ServerSettings:
     max_message_bytes: int = setting(64 * MIB, "largest gRPC message sent or received, in bytes")
     keepalive_time_ms: int = setting(30_000, "interval of keepalive pings the server sends, in ms")
     keepalive_timeout_ms: int = setting(10_000, "time to wait for a keepalive ack before closing, in ms")
+    tls_dir: Path | None = setting(
+        None, "fleet certificates from `pipeshard certs`; set, every link is TLS (stages: mutual TLS)"
+    )
+    tls_name: str = setting(
+        "", "this node's certificate name in tls_dir (default: stageK, coordinator, exporter)"
+    )
+    token: str | None = setting(
+        None,
+        "token clients of the coordinator and exporter must present (a stage shows it to the exporter)",
+    )
+    allow_plaintext: bool = setting(False, "listen without TLS on an address other than loopback")

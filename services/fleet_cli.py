@@ -8,14 +8,20 @@ until they serve, and prints ``coordinator listening on HOST:PORT``.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from pipeshard.paths import DEFAULT_MODEL, export_name, shards_dir
+from pipeshard.auth import load_or_create_token
+from pipeshard.certs_cli import node_names
+from pipeshard.clients.client import RUN_CA_CERT
+from pipeshard.paths import DEFAULT_MODEL, certs_dir, export_name, shards_dir
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.launcher import start_fleet, stop_recorded
 from pipeshard.shard.manifest import WEIGHT_FORMATS
+from pipeshard.tls import CA_CERT, make_certs
 from pipeshard.topology import Topology
 
 RUN_DIR = Path("run")
@@ -28,6 +34,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--weights", choices=WEIGHT_FORMATS, default="int4")
     up.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION)
     up.add_argument("--model", default=DEFAULT_MODEL)
+    up.add_argument(
+        "--secure",
+        action="store_true",
+        help="mutual TLS between all processes and a client token (certificates made if missing)",
+    )
     up.set_defaults(func=run_up)
     down = sub.add_parser("down", help="stop the fleet that `pipeshard up` started")
     down.set_defaults(func=run_down)
@@ -64,6 +75,7 @@ def run_up(args: argparse.Namespace) -> int:
     shards = ensure_shards(args.model, args.stages, args.weights)
     topo = Topology.loopback(str(shards), args.stages, args.precision)
     topo.save(TOPOLOGY)
+    tls_dir, token = secure_setup(args.stages) if args.secure else (None, None)
     fleet = start_fleet(
         shards,
         args.stages,
@@ -73,7 +85,14 @@ def run_up(args: argparse.Namespace) -> int:
         exporter_port=topo.exporter.port,
         detach=True,
         precision=args.precision,
+        tls_dir=tls_dir,
+        token=token,
     )
+    if tls_dir is not None:
+        shutil.copyfile(tls_dir / CA_CERT, RUN_CA_CERT)  # where clients look by default
+        print(f"secured: mutual TLS with the CA in {tls_dir}; clients use {RUN_CA_CERT} and the token")
+    else:
+        print("plaintext on loopback (`make up SECURE=1` for TLS and a token)")
     print(f"topology written to {TOPOLOGY}; logs in {RUN_DIR}/")
     print(f"exporter listening on {topo.exporter.address}")
     for k, address in enumerate(fleet.stages):
@@ -82,7 +101,23 @@ def run_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def secure_setup(stages: int) -> tuple[Path, str]:
+    """Certificates in certs/ (made if missing) and the client token: PIPESHARD_TOKEN when set,
+    else the one stored in certs/token (generated there the first time)."""
+    folder = certs_dir()
+    make_certs(folder, node_names(stages))
+    token = os.environ.get("PIPESHARD_TOKEN")
+    if token:
+        print("client token: PIPESHARD_TOKEN from the environment")
+    else:
+        stored = folder / "token"
+        token = load_or_create_token(stored)
+        print(f"client token stored in {stored} (mode 0600; clients read it there or from PIPESHARD_TOKEN)")
+    return folder, token
+
+
 def run_down(args: argparse.Namespace) -> int:
+    RUN_CA_CERT.unlink(missing_ok=True)
     stopped = stop_recorded(RUN_DIR)
     print(f"stopped {', '.join(stopped)}" if stopped else "no fleet was running")
     return 0

@@ -170,13 +170,21 @@ def start_fleet(
     detach: bool = False,
     timeout_s: float = 180.0,
     log_format: str = "json",
+    tls_dir: Path | None = None,
+    token: str | None = None,
 ) -> Fleet:
     """Start ``num_stages`` stage processes and a coordinator on loopback; ports 0 = ephemeral.
 
     With ``exporter_port`` set, an exporter service over the shards' parent folder starts first and
-    every stage may pull its shard from it."""
+    every stage may pull its shard from it. With ``tls_dir`` (certificates of ``pipeshard certs``
+    for exporter, coordinator and stage0..) every link is TLS; ``token`` (passed in the
+    environment, not on command lines) is then what clients of the coordinator and exporter need."""
     run_dir.mkdir(parents=True, exist_ok=True)
     env = fleet_env()
+    if token:
+        env["PIPESHARD_TOKEN"] = token
+    if tls_dir is not None:
+        env["PIPESHARD_TLS_DIR"] = str(tls_dir)
     ports = stage_ports or [0] * num_stages
     fleet = Fleet(run_dir)
     next_hop: str | None = None

@@ -12,23 +12,42 @@ from pathlib import Path
 
 import grpc
 
+from pipeshard.auth import token_metadata
 from pipeshard.errors import FailedPrecondition, Unavailable
 from pipeshard.shard.manifest import verify_shard
+from pipeshard.tls import TlsConfig
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc
 
 
-def pull_shard(address: str, export_dir: Path, stage: int, timeout_s: float = 600.0) -> Path:
-    """Fetch stage ``stage`` of export ``export_dir.name`` from the exporter at ``address``."""
+def pull_shard(
+    address: str,
+    export_dir: Path,
+    stage: int,
+    timeout_s: float = 600.0,
+    *,
+    tls: TlsConfig | None = None,
+    token: str | None = None,
+) -> Path:
+    """Fetch stage ``stage`` of export ``export_dir.name`` from the exporter at ``address``
+    (over TLS with ``tls``, presenting ``token`` when the exporter requires one)."""
     export_dir = Path(export_dir)
     tmp = export_dir.parent / f".{export_dir.name}.pull-{stage}"
     shutil.rmtree(tmp, ignore_errors=True)
     request = exporter_pb2.FetchShardRequest(export_name=export_dir.name, stage_index=stage)
     received: list[str] = []
     try:
-        with grpc.insecure_channel(address) as channel:
+        channel = (
+            grpc.secure_channel(address, tls.channel_credentials())
+            if tls is not None
+            else grpc.insecure_channel(address)
+        )
+        with channel:
             stub = exporter_pb2_grpc.ExporterServiceStub(channel)
             digest, handle = None, None
-            for chunk in stub.FetchShard(request, timeout=timeout_s, wait_for_ready=True):
+            calls = stub.FetchShard(
+                request, timeout=timeout_s, wait_for_ready=True, metadata=token_metadata(token)
+            )
+            for chunk in calls:
                 if chunk.offset == 0:
                     target = (tmp / chunk.path).resolve()
                     if tmp.resolve() not in target.parents:

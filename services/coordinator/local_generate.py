@@ -27,7 +27,7 @@ def generate_local(args: argparse.Namespace, stream: bool) -> Summary:
         ring,
         prompter.tokenizer,
         prompter.eos_ids,
-        drafts=DraftSources(args.local, self_draft=args.self_draft),
+        drafts=DraftSources(args.local, self_draft=args.self_draft, allow_paths=True),
     )
     ids = prompter.encode("", [("user", args.prompt)])
     params = SamplingParams(

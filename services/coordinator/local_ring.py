@@ -21,6 +21,8 @@ from pipeshard.shard.manifest import input_port, load_manifest
 from pipeshard.shard.runtime import ShardRunner
 from pipeshard.v1 import activation_pb2
 
+LOCAL_OWNER = "local"  # one process, one party: the operator running it
+
 
 class LocalRing:
     def __init__(
@@ -61,17 +63,18 @@ class LocalRing:
 
     async def open_session(self, session_id: str) -> int:
         for engine in self._engines:
-            engine.sessions.open(session_id)
+            engine.sessions.open(LOCAL_OWNER, session_id)
         return self.max_context
 
     async def release_session(self, session_id: str) -> None:
         for engine in self._engines:
-            engine.sessions.release(session_id)
+            engine.sessions.release(LOCAL_OWNER, session_id)
 
     async def abort_session(self, session_id: str, reason: str) -> None:
         await self.release_session(session_id)  # in one process there is no other stage to tell
 
     async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
+        frame.owner = LOCAL_OWNER
         for index, engine in enumerate(self._engines):
             try:
                 out = engine.run(step_from_frame(frame, input_port(engine.is_first)))

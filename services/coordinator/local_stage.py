@@ -27,6 +27,16 @@ class LocalEntry:
         await self.node.close()
 
 
+class _LocalContext:
+    """The part of a servicer context the stage servicer reads: the caller's metadata."""
+
+    def __init__(self, metadata):
+        self._metadata = tuple(metadata or ())
+
+    def invocation_metadata(self):
+        return self._metadata
+
+
 class LocalStageStub:
     """Answers the unary control calls of StageService in-process (same protos, no network)."""
 
@@ -36,7 +46,7 @@ class LocalStageStub:
     def __getattr__(self, method: str):
         handler = getattr(self._servicer, method)
 
-        async def call(request, timeout=None, wait_for_ready=None):
-            return await handler(request, None)
+        async def call(request, timeout=None, wait_for_ready=None, metadata=None):
+            return await handler(request, _LocalContext(metadata))
 
         return call

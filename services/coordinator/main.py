@@ -9,6 +9,7 @@ from pathlib import Path
 import structlog
 
 from pipeshard.errors import InvalidArgument
+from pipeshard.exporter.serving import hold_serving_lock
 from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
@@ -18,13 +19,14 @@ from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStu
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.servicer import CoordinatorServicer
-from pipeshard.services.coordinator.speculation.sources import DraftSources
+from pipeshard.services.coordinator.speculation.sources import MODES, DraftSources, parse_named
 from pipeshard.services.stage.main import StageSettings, build_node
 from pipeshard.services.stage.servicer import StageServicer
 from pipeshard.settings import ServerSettings, load_settings, setting
 from pipeshard.shard.manifest import load_manifest
 from pipeshard.shard.prompting import Prompter
 from pipeshard.shard.runtime import WARMUP_PREFILL
+from pipeshard.tls import TlsConfig
 from pipeshard.topology import Topology
 from pipeshard.v1 import coordinator_pb2_grpc
 
@@ -47,6 +49,10 @@ class CoordinatorSettings(ServerSettings):
     default_max_tokens: int = setting(256, "max_tokens of a request that does not set it")
     max_running: int = setting(8, "generations running at once (each holds a session on every stage)")
     max_queue: int = setting(32, "requests waiting for a slot; beyond it RESOURCE_EXHAUSTED")
+    max_per_client: int = setting(
+        24,
+        "running plus queued requests of one client (its token, else its host); beyond it RESOURCE_EXHAUSTED",
+    )
     prefill_chunk: int = setting(
         DEFAULT_PREFILL_CHUNK,
         "prompt tokens per prefill step (fixed: outputs never depend on load; default: one pass)",
@@ -54,7 +60,11 @@ class CoordinatorSettings(ServerSettings):
     host_stage0: bool = setting(False, "run stage 0 in this process; --stages then lists stages 1..N-1")
     precision: str = setting(DEFAULT_PRECISION, "inference precision of a hosted stage 0", choices=PRECISIONS)
     speculative: str = setting(
-        "none", "speculation of requests that do not choose: none, ngram, self or a draft model folder"
+        "none", "speculation of requests that do not choose: none, ngram, self or a --draft name"
+    )
+    draft: list[str] = setting(
+        default_factory=list,
+        help="draft folders clients may pick by name: NAME=DIR,... (an export or a same-tokenizer HF folder)",
     )
     self_draft: Path | None = setting(
         None, "self-draft export (pipeshard export --draft-layers K) used by `--speculative self`"
@@ -85,6 +95,9 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
         raise InvalidArgument("max_k", f"must be in 1..32, got {settings.max_k}")
     if settings.speculative == "self" and settings.self_draft is None:
         raise InvalidArgument("speculative", "self needs --self-draft DIR")
+    named = parse_named(settings.draft)
+    if settings.speculative not in (*MODES, *named):
+        raise InvalidArgument("speculative", "must be none, ngram, self or a name given with --draft")
     return settings
 
 
@@ -97,6 +110,7 @@ class Coordinator:
     servicer: CoordinatorServicer = field(init=False)
 
     async def start(self) -> None:
+        self._serving = hold_serving_lock(Path(self.settings.shards))  # see pipeshard.exporter.serving
         manifest = load_manifest(Path(self.settings.shards))
         remote = manifest.num_stages - (1 if self.settings.host_stage0 else 0)
         if remote != len(self.settings.stages):
@@ -113,6 +127,7 @@ class Coordinator:
             step_timeout_s=self.settings.step_timeout_s,
             local_stage0=local,
             hop_delay_s=self.settings.hop_delay_ms / 1000.0,
+            tls=self._tls(),
         )
         await self.ring.start()
         await self.ring.wait_ready(self.settings.ready_timeout_s)
@@ -124,6 +139,7 @@ class Coordinator:
             drafts=DraftSources(
                 Path(self.settings.shards),
                 self_draft=self.settings.self_draft,
+                named=parse_named(self.settings.draft),
                 draft_cache=self.settings.draft_cache,
             ),
             default_speculative=self.settings.speculative,
@@ -136,7 +152,9 @@ class Coordinator:
             max_context=manifest.max_context,
             vocab_size=manifest.model.vocab_size,
             default_max_tokens=self.settings.default_max_tokens,
-            admission=Admission(self.settings.max_running, self.settings.max_queue),
+            admission=Admission(
+                self.settings.max_running, self.settings.max_queue, self.settings.max_per_client
+            ),
         )
 
     async def _warmup(self, generation: Generation, prompter: Prompter, max_context: int) -> None:
@@ -157,6 +175,11 @@ class Coordinator:
             tokens=tokens,
             seconds=round(time.perf_counter() - started, 3),
         )
+    def _tls(self) -> TlsConfig | None:
+        """The coordinator's fleet certificate, presented to the stages (None = plaintext)."""
+        if self.settings.tls_dir is None:
+            return None
+        return TlsConfig.from_dir(self.settings.tls_dir, self.settings.tls_name or "coordinator")
 
     def _local_stage0(self) -> tuple[LocalEntry, LocalStageStub]:
         stage = StageSettings(
@@ -165,6 +188,8 @@ class Coordinator:
             next_hop=self.settings.stages[0],
             precision=self.settings.precision,
             hop_delay_ms=self.settings.hop_delay_ms,
+            tls_dir=self.settings.tls_dir,
+            tls_name=self.settings.tls_name or "coordinator",
         )
         node, info = build_node(stage)
         return LocalEntry(node), LocalStageStub(StageServicer(node, info))
@@ -182,4 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         await coordinator.start()
         return [(coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server, coordinator.servicer)]
 
-    return run_server(settings, services, name="coordinator", shutdown_hooks=[coordinator.close])
+    return run_server(
+        settings,
+        services,
+        name="coordinator",
+        shutdown_hooks=[coordinator.close],
+        peers="clients",
+        node_name="coordinator",
+    )

@@ -2,7 +2,10 @@
 
 One persistent Forward stream to stage 0 and one Results subscription to the final stage
 carry every session's steps; a step is a future keyed by (session id, step id). Control
-calls (open, release) go to every stage directly. When a step misses its deadline the ring
+calls (open, release) go to every stage directly. Every call carries this ring's owner secret
+(pipeshard.ownership) and every frame its owner key, so stages keep its sessions to itself; a
+Results subscription on every remote stage is its lease there (sessions are released a few
+seconds after it closes). When a step misses its deadline the ring
 asks each stage for its info and names the first that does not answer.
 """
 
@@ -15,9 +18,11 @@ import grpc
 import structlog
 
 from pipeshard.errors import DeadlineExceeded, PipeshardError, Unavailable
+from pipeshard.ownership import new_secret, owner_key, owner_metadata
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
 from pipeshard.services.transport.channels import open_channel
 from pipeshard.services.transport.hop import HopStream, keep_open
+from pipeshard.tls import TlsConfig
 from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -45,6 +50,7 @@ class Ring:
         control_timeout_s: float = 5.0,
         local_stage0: tuple[LocalEntry, LocalStageStub] | None = None,
         hop_delay_s: float = 0.0,
+        tls: TlsConfig | None = None,
     ):
         """``stage_addresses`` lists every remote stage in order; with ``local_stage0`` they are
         stages 1..N-1 and stage 0 runs in this process. ``hop_delay_s`` delays the frames sent to
@@ -53,28 +59,40 @@ class Ring:
             raise ValueError("a ring needs at least one remote stage")
         self.step_timeout_s = step_timeout_s
         self.control_timeout_s = control_timeout_s
-        self._channels = [open_channel(a) for a in stage_addresses]
+        secret = new_secret()
+        self._owner = owner_key(secret)
+        self._metadata = owner_metadata(secret)
+        self._channels = [open_channel(a, tls) for a in stage_addresses]
         self._stubs = [stage_pb2_grpc.StageServiceStub(c) for c in self._channels]
         if local_stage0 is None:
             self.addresses = list(stage_addresses)
-            self._entry = HopStream(stage_addresses[0], on_error=self._on_entry_error, delay_s=hop_delay_s)
+            self._entry = HopStream(
+                stage_addresses[0],
+                on_error=self._on_entry_error,
+                delay_s=hop_delay_s,
+                channel=self._channels[0],
+            )
         else:
             self.addresses = ["in-process", *stage_addresses]
             self._entry, stub0 = local_stage0
             self._stubs.insert(0, stub0)
         self._pending: dict[tuple[str, int], asyncio.Future] = {}
         self._subscriber_id = f"coordinator-{uuid.uuid4().hex[:8]}"
-        self._results_task: asyncio.Task | None = None
-        self._subscribed = asyncio.Event()
+        self._remote = self._stubs[self.num_stages - len(stage_addresses) :]
+        self._subscriptions: list[asyncio.Task] = []
+        self._subscribed = [asyncio.Event() for _ in self._remote]
 
     async def start(self) -> None:
         self._entry.start()
-        self._results_task = asyncio.create_task(self._read_results(), name="ring-results")
+        self._subscriptions = [
+            asyncio.create_task(self._subscribe(i), name=f"ring-results-{i}")
+            for i in range(len(self._remote))
+        ]
 
     async def close(self) -> None:
-        if self._results_task is not None:
-            self._results_task.cancel()
-            await asyncio.gather(self._results_task, return_exceptions=True)
+        for task in self._subscriptions:
+            task.cancel()
+        await asyncio.gather(*self._subscriptions, return_exceptions=True)
         await self._entry.close()
         for channel in self._channels:
             await channel.close()
@@ -85,6 +103,7 @@ class Ring:
 
     async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
         """Send one frame around the ring and wait for the final stage's result."""
+        frame.owner = self._owner
         key = (frame.session_id, frame.step_id)
         future = asyncio.get_running_loop().create_future()
         self._pending[key] = future
@@ -133,20 +152,24 @@ class Ring:
             remaining = max(0.1, deadline - asyncio.get_running_loop().time())
             try:
                 await stub.GetStageInfo(
-                    stage_pb2.GetStageInfoRequest(), timeout=remaining, wait_for_ready=True
+                    stage_pb2.GetStageInfoRequest(),
+                    timeout=remaining,
+                    wait_for_ready=True,
+                    metadata=self._metadata,
                 )
             except grpc.aio.AioRpcError as exc:
                 raise Unavailable(
                     f"stage {i} at {self.addresses[i]} is not ready: {exc.code().name}"
                 ) from None
-        await asyncio.wait_for(
-            self._subscribed.wait(), max(0.1, deadline - asyncio.get_running_loop().time())
-        )
+        for subscribed in self._subscribed:
+            await asyncio.wait_for(subscribed.wait(), max(0.1, deadline - asyncio.get_running_loop().time()))
 
     async def _on_all(self, method: str, request, *, tolerate: bool = False) -> list:
         async def call(i: int):
             try:
-                return await getattr(self._stubs[i], method)(request, timeout=self.control_timeout_s)
+                return await getattr(self._stubs[i], method)(
+                    request, timeout=self.control_timeout_s, metadata=self._metadata
+                )
             except grpc.aio.AioRpcError as exc:
                 if tolerate:
                     log.warning("stage_control_failed", stage=i, method=method, code=exc.code().name)
@@ -158,7 +181,9 @@ class Ring:
     async def _diagnose(self) -> PipeshardError:
         for i, stub in enumerate(self._stubs):
             try:
-                await stub.GetStageInfo(stage_pb2.GetStageInfoRequest(), timeout=self.control_timeout_s)
+                await stub.GetStageInfo(
+                    stage_pb2.GetStageInfoRequest(), timeout=self.control_timeout_s, metadata=self._metadata
+                )
             except grpc.aio.AioRpcError as exc:
                 return Unavailable(f"stage {i} at {self.addresses[i]} is not answering ({exc.code().name})")
         return DeadlineExceeded(f"no result from the pipeline within {self.step_timeout_s:g} s")
@@ -167,7 +192,10 @@ class Ring:
         # Stage 0's own errors also travel the ring; this only logs them early.
         log.debug("stage0_rejected", session_id=response.session_id, code=response.error.code)
 
-    async def _read_results(self) -> None:
+    async def _subscribe(self, index: int) -> None:
+        """Keep a Results subscription on remote stage ``index``: the final stage's delivers the
+        results; the others carry none and hold this ring's lease on its sessions there."""
+
         def on_response(response: stage_pb2.ResultsResponse) -> None:
             future = self._pending.get((response.result.session_id, response.result.step_id))
             if future is not None and not future.done():
@@ -175,10 +203,11 @@ class Ring:
 
         request = stage_pb2.ResultsRequest(subscriber_id=self._subscriber_id)
         await keep_open(
-            lambda: self._stubs[-1].Results(request, wait_for_ready=True),
+            lambda: self._remote[index].Results(request, wait_for_ready=True, metadata=self._metadata),
             on_response,
-            self._subscribed,
+            self._subscribed[index],
             "results",
+            stage=index,
         )
 
 

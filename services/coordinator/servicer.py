@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import structlog
 
+from pipeshard.auth import client_identity
 from pipeshard.interceptors import MAX_REQUEST_ID_CHARS
 from pipeshard.services.coordinator.admission import Admission
 from pipeshard.services.coordinator.generation import Chunk, Generation
@@ -72,7 +73,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             prompt_tokens=len(prompt_ids), max_context=self._max_context, vocab_size=self._vocab_size
         )
         self._generation.check_speculative(request.speculative, request.k)
-        async with self._admission.slot(context.time_remaining() if context else None):
+        async with self._admission.slot(
+            context.time_remaining() if context else None, client_identity(context) if context else ""
+        ):
             async for response in self._stream(prompt_ids, params, request.speculative, request.k):
                 yield response
 

@@ -29,6 +29,7 @@ class StepInput:
     return_last: int = 1
     compute_micros: list[int] = field(default_factory=list)  # per stage already passed
     sent_unix_nanos: int = 0
+    owner: str = ""  # owner key of the session (pipeshard.ownership)
 
 
 @dataclass

@@ -25,7 +25,7 @@ class StageEngine:
         self.max_context = max_context
 
     def run(self, step: StepInput) -> StepOutput:
-        session = self.sessions.get(step.session_id)
+        session = self.sessions.get(step.owner, step.session_id)
         x = self._check_activations(step)
         if len(step.positions) != x.shape[1]:
             raise InvalidArgument(

@@ -9,6 +9,7 @@ from pathlib import Path
 import structlog
 
 from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound
+from pipeshard.exporter.serving import hold_serving_lock
 from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
@@ -23,6 +24,7 @@ from pipeshard.shard.manifest import verify_shard
 from pipeshard.shard.pull import pull_shard
 from pipeshard.shard.runtime import ShardRunner
 from pipeshard.tensor_codec import Codec
+from pipeshard.tls import TlsConfig
 from pipeshard.topology import Topology
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
@@ -45,6 +47,12 @@ class StageSettings(ServerSettings):
         0, "OpenVINO CPU streams (0 = the latency hint's one); a stage runs one inference at a time"
     )
     max_sessions: int = setting(64, "sessions this stage holds at most")
+    max_sessions_per_owner: int = setting(
+        32, "sessions one owner (coordinator) holds here at most, so one cannot take them all"
+    )
+    lease_grace_s: float = setting(
+        5.0, "release an owner's sessions once it has held no Results subscription this long, in s"
+    )
     idle_timeout_s: float = setting(300.0, "release a session idle this long, in seconds")
     codec: str = setting("none", "compression of hidden states sent on", choices=tuple(CODECS))
     exporter: str | None = setting(None, "exporter to pull this stage's shard from when it is missing")
@@ -72,6 +80,13 @@ def resolve(settings: StageSettings) -> StageSettings:
     return settings
 
 
+def fleet_tls(settings: StageSettings) -> TlsConfig | None:
+    """This stage's fleet identity, for its next hop and the exporter (None = plaintext)."""
+    if settings.tls_dir is None:
+        return None
+    return TlsConfig.from_dir(settings.tls_dir, settings.tls_name or f"stage{settings.stage}")
+
+
 def ensure_shard(settings: StageSettings) -> None:
     """Pull the shard from the exporter when it is missing or damaged and an exporter is known."""
     try:
@@ -80,7 +95,9 @@ def ensure_shard(settings: StageSettings) -> None:
         if not settings.exporter:
             raise
         log.info("pulling_shard", stage=settings.stage, exporter=settings.exporter, reason=str(exc))
-        pull_shard(settings.exporter, settings.shards, settings.stage)
+        pull_shard(
+            settings.exporter, settings.shards, settings.stage, tls=fleet_tls(settings), token=settings.token
+        )
 
 
 def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageInfoResponse]:
@@ -105,7 +122,12 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         inferences=inferences,
         seconds=round(time.perf_counter() - started, 3),
     )
-    sessions = SessionTable(runner.new_session, settings.max_sessions, settings.idle_timeout_s)
+    sessions = SessionTable(
+        runner.new_session,
+        settings.max_sessions,
+        settings.idle_timeout_s,
+        max_per_owner=settings.max_sessions_per_owner,
+    )
     engine = StageEngine(
         sessions,
         is_first=runner.is_first,
@@ -114,7 +136,9 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         max_context=runner.max_context,
     )
     delay_s = settings.hop_delay_ms / 1000.0
-    hop = HopStream(settings.next_hop, delay_s=delay_s) if settings.next_hop else None
+    hop = (
+        HopStream(settings.next_hop, delay_s=delay_s, tls=fleet_tls(settings)) if settings.next_hop else None
+    )
     node = StageNode(
         engine, settings.stage, next_hop=hop, codec=CODECS[settings.codec], results_delay_s=delay_s
     )
@@ -137,9 +161,10 @@ def main(argv: list[str] | None = None) -> int:
 
     async def services():
         ensure_shard(settings)
+        holder["serving"] = hold_serving_lock(settings.shards)  # no forced export replaces it now
         node, info = build_node(settings)
         holder["node"] = node
-        node.start_reaper(settings.idle_timeout_s)
+        node.start_reaper(settings.idle_timeout_s, settings.lease_grace_s)
         if settings.raw_tcp_port:
             host, _, port = (settings.raw_tcp_next_hop or "").rpartition(":")
             raw = RawTcpStage(node.engine, (host, int(port)) if port else None)
@@ -150,4 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         if "node" in holder:
             await holder["node"].close()
 
-    return run_server(settings, services, name=f"stage {settings.stage}", shutdown_hooks=[shutdown])
+    return run_server(
+        settings,
+        services,
+        name=f"stage {settings.stage}",
+        shutdown_hooks=[shutdown],
+        peers="fleet",
+        node_name=f"stage{settings.stage}",
+    )

@@ -76,7 +76,7 @@ class StageNode:
             await self._pass_on_error(frame, error)
             return error
         if self.next_hop is None:
-            self.results.publish(result_from_output(out))
+            self.results.publish(result_from_output(out), frame.owner)
         else:
             await self.next_hop.send(frame_from_output(out, self._codec))
         await asyncio.sleep(0)  # let the output leave before the next frame's compute starts
@@ -84,16 +84,32 @@ class StageNode:
 
     async def _pass_on_error(self, frame, error) -> None:
         if self.next_hop is None:
-            self.results.publish(error_result(frame, error))
+            self.results.publish(error_result(frame, error), frame.owner)
         else:
             await self.next_hop.send(error_frame(frame, error))
 
-    def start_reaper(self, idle_timeout_s: float) -> None:
-        """Release sessions whose coordinator vanished without releasing them."""
+    def start_reaper(self, idle_timeout_s: float, lease_grace_s: float = 5.0) -> None:
+        """Release sessions whose coordinator vanished without releasing them: all of an owner's
+        sessions once it has held no Results subscription (its lease) for ``lease_grace_s``, and
+        any session idle for ``idle_timeout_s``."""
+        detached: dict[str, float] = {}
 
         async def reap() -> None:
+            loop = asyncio.get_running_loop()
             while True:
-                await asyncio.sleep(min(30.0, max(0.5, idle_timeout_s / 4)))
+                await asyncio.sleep(min(1.0, max(0.1, lease_grace_s / 4)))
+                now = loop.time()
+                owners = self.engine.sessions.owners()
+                for owner in list(detached):
+                    if owner not in owners or self.results.subscribed(owner):
+                        del detached[owner]
+                for owner in owners:
+                    if self.results.subscribed(owner):
+                        continue
+                    if now - detached.setdefault(owner, now) >= lease_grace_s:
+                        released = self.engine.sessions.release_owner(owner)
+                        del detached[owner]
+                        log.info("owner_sessions_released", sessions=len(released), reason="no lease")
                 for session_id in self.engine.sessions.reap_idle():
                     log.info("session_reaped", session_id=session_id, idle_timeout_s=idle_timeout_s)
 

@@ -8,6 +8,9 @@ the gRPC path (pipeshard.services.transport.hop) comes to a transport with nothi
 
 The first byte a client sends names its role: ``F`` (frames in) or ``R`` (results out; the
 final stage sends every result to the newest ``R`` connection).
+
+There is no authentication here (off by default; benchmarks only): raw frames act for the fixed
+owner of :data:`RAW_TCP_SECRET`, whose sessions the benchmark opens over gRPC with that secret.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ import struct
 
 import numpy as np
 
+from pipeshard.ownership import owner_key
 from pipeshard.services.stage.domain import ReturnMode, StepInput
 from pipeshard.services.stage.engine import StageEngine
 
 HEADER = struct.Struct("<IIIII")
 RESULT = struct.Struct("<IIIf4x")
+RAW_TCP_SECRET = "raw-tcp-baseline-benchmarks-only"
 
 
 def _nodelay(writer: asyncio.StreamWriter) -> None:
@@ -69,6 +74,7 @@ class RawTcpStage:
             out = self._engine.run(
                 StepInput(
                     session_id=str(session),
+                    owner=owner_key(RAW_TCP_SECRET),
                     step_id=step,
                     positions=np.arange(position, position + n, dtype=np.int64),
                     activations=x,

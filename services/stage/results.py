@@ -1,5 +1,10 @@
 """Fan-out of the final stage's results to subscribed coordinators (the ring's return path).
 
+A subscription belongs to an owner (pipeshard.ownership) and receives only the results of that
+owner's sessions. Every stage accepts subscriptions: on a non-final stage one carries no results
+but is the owner's lease, so the stage can release an owner's sessions soon after its last
+subscription closes (see StageNode.start_reaper).
+
 With ``delay_s`` > 0 (the final stage's ``--hop-delay-ms``) each subscription is a
 :class:`DelayQueue`, so results reach the coordinator one emulated hop late: the return leg is
 delayed where it is sent, like every other hop.
@@ -20,25 +25,31 @@ log = structlog.get_logger(__name__)
 class ResultBroker:
     def __init__(self, delay_s: float = 0.0) -> None:
         self._delay_s = delay_s
-        self._queues: dict[str, asyncio.Queue | DelayQueue] = {}
+        self._queues: dict[tuple[str, str], asyncio.Queue | DelayQueue] = {}
 
-    def subscribe(self, subscriber_id: str) -> asyncio.Queue | DelayQueue:
-        """A new subscription replaces an older one with the same id (a reconnecting coordinator)."""
+    def subscribe(self, owner: str, subscriber_id: str) -> asyncio.Queue | DelayQueue:
+        """A new subscription replaces the owner's older one with the same id (a reconnecting
+        coordinator); another owner's subscriptions are untouched whatever their ids."""
         queue = DelayQueue(self._delay_s) if self._delay_s > 0 else asyncio.Queue()
-        self._queues[subscriber_id] = queue
+        self._queues[(owner, subscriber_id)] = queue
         return queue
 
-    def unsubscribe(self, subscriber_id: str, queue: asyncio.Queue | DelayQueue) -> None:
-        if self._queues.get(subscriber_id) is queue:
-            del self._queues[subscriber_id]
+    def unsubscribe(self, owner: str, subscriber_id: str, queue: asyncio.Queue | DelayQueue) -> None:
+        if self._queues.get((owner, subscriber_id)) is queue:
+            del self._queues[(owner, subscriber_id)]
+
+    def subscribed(self, owner: str) -> bool:
+        return any(o == owner for o, _ in self._queues)
 
     def close(self) -> None:
         """Ends every subscription (a None tells the stream to finish)."""
         for queue in self._queues.values():
             queue.put_nowait(None)
 
-    def publish(self, result: activation_pb2.StepResult) -> None:
-        if not self._queues:
+    def publish(self, result: activation_pb2.StepResult, owner: str) -> None:
+        """Deliver to ``owner``'s subscriptions only."""
+        queues = [q for (o, _), q in self._queues.items() if o == owner]
+        if not queues:
             log.warning("result_dropped_no_subscriber", session_id=result.session_id, step_id=result.step_id)
-        for queue in self._queues.values():
+        for queue in queues:
             queue.put_nowait(result)

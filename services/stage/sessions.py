@@ -1,4 +1,9 @@
-"""Per-session KV state on one stage: one InferRequest per session, reaped when idle."""
+"""Per-session KV state on one stage: one InferRequest per session, reaped when idle.
+
+Sessions are keyed by (owner, session id): an owner (pipeshard.ownership) sees only its own, so
+ids chosen by different coordinators never collide and a lookup cannot reveal another owner's
+session. Each owner holds at most ``max_per_owner`` of the stage's ``max_sessions``.
+"""
 
 from __future__ import annotations
 
@@ -30,13 +35,17 @@ class _Entry:
 
 
 class SessionTable:
-    """Sessions by id, bounded in number; the factory builds a fresh shard session."""
+    """Sessions by (owner, id), bounded in number; the factory builds a fresh shard session."""
 
-    def __init__(self, factory: Any, max_sessions: int, idle_timeout_s: float):
+    def __init__(
+        self, factory: Any, max_sessions: int, idle_timeout_s: float, max_per_owner: int | None = None
+    ):
         self._factory = factory
         self._max = max_sessions
+        self._max_per_owner = max_sessions if max_per_owner is None else max_per_owner
         self._idle = idle_timeout_s
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[tuple[str, str], _Entry] = {}
+        self._per_owner: dict[str, int] = {}
         # Released sessions are reset and reused: a fresh InferRequest pays for its buffers on its
         # first (prefill) inference, which showed as tens of ms of TTFT per request.
         self._free: list[ShardSessionLike] = []
@@ -44,39 +53,61 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def open(self, session_id: str) -> ShardSessionLike:
+    def owners(self) -> list[str]:
+        return list(self._per_owner)
+
+    def open(self, owner: str, session_id: str) -> ShardSessionLike:
         if not session_id:
             raise InvalidArgument("session_id", "must not be empty")
-        if session_id in self._entries:
+        if (owner, session_id) in self._entries:
             raise InvalidArgument("session_id", f"{session_id!r} is already open")
+        if self._per_owner.get(owner, 0) >= self._max_per_owner:
+            raise ResourceExhausted(
+                f"this caller holds its maximum of {self._max_per_owner} sessions on the stage "
+                "(max_sessions_per_owner)"
+            )
         if len(self._entries) >= self._max:
             raise ResourceExhausted(f"stage holds its maximum of {self._max} sessions")
         entry = _Entry(self._free.pop() if self._free else self._factory())
-        self._entries[session_id] = entry
+        self._entries[(owner, session_id)] = entry
+        self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
         return entry.session
 
-    def get(self, session_id: str) -> ShardSessionLike:
-        entry = self._entries.get(session_id)
+    def get(self, owner: str, session_id: str) -> ShardSessionLike:
+        """The owner's session; another owner's session is as unknown as one never opened."""
+        entry = self._entries.get((owner, session_id))
         if entry is None:
             raise NotFound(f"unknown session {session_id!r}")
         entry.last_used = time.monotonic()
         return entry.session
 
-    def release(self, session_id: str) -> bool:
-        entry = self._entries.pop(session_id, None)
+    def release(self, owner: str, session_id: str) -> bool:
+        entry = self._entries.pop((owner, session_id), None)
         if entry is None:
             return False
-        self._recycle(entry.session)
+        self._drop(owner, entry)
         return True
 
-    def _recycle(self, session: ShardSessionLike) -> None:
-        session.reset()
-        self._free.append(session)
+    def release_owner(self, owner: str) -> list[str]:
+        """Release every session of ``owner`` (its coordinator went away); returns their ids."""
+        ids = [sid for (o, sid) in self._entries if o == owner]
+        for sid in ids:
+            self._drop(owner, self._entries.pop((owner, sid)))
+        return ids
+
+    def _drop(self, owner: str, entry: _Entry) -> None:
+        left = self._per_owner[owner] - 1
+        if left:
+            self._per_owner[owner] = left
+        else:
+            del self._per_owner[owner]
+        entry.session.reset()
+        self._free.append(entry.session)
 
     def reap_idle(self, now: float | None = None) -> list[str]:
         """Release sessions unused for longer than the idle timeout; returns their ids."""
         now = time.monotonic() if now is None else now
-        stale = [sid for sid, e in self._entries.items() if now - e.last_used > self._idle]
-        for sid in stale:
-            self._recycle(self._entries.pop(sid).session)
-        return stale
+        stale = [key for key, e in self._entries.items() if now - e.last_used > self._idle]
+        for owner, sid in stale:
+            self._drop(owner, self._entries.pop((owner, sid)))
+        return [sid for _, sid in stale]

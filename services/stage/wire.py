@@ -44,6 +44,7 @@ def step_from_frame(frame: activation_pb2.ActivationFrame, port: str) -> StepInp
         return_last=frame.return_last or 1,
         compute_micros=list(frame.stage_compute_micros),
         sent_unix_nanos=frame.sent_unix_nanos,
+        owner=frame.owner,
     )
 
 
@@ -62,6 +63,7 @@ def frame_from_output(out: StepOutput, codec: int = Codec.CODEC_NONE) -> activat
         return_last=step.return_last,
         stage_compute_micros=step.compute_micros,
         sent_unix_nanos=step.sent_unix_nanos,
+        owner=step.owner,
     )
 
 
@@ -86,7 +88,9 @@ def stage_error(stage_index: int, exc: BaseException) -> activation_pb2.StageErr
 
 def error_frame(frame: activation_pb2.ActivationFrame, error: activation_pb2.StageError):
     """A frame that carries an earlier stage's failure down the ring (no tensors)."""
-    return activation_pb2.ActivationFrame(session_id=frame.session_id, step_id=frame.step_id, error=error)
+    return activation_pb2.ActivationFrame(
+        session_id=frame.session_id, step_id=frame.step_id, error=error, owner=frame.owner
+    )
 
 
 def error_result(frame: activation_pb2.ActivationFrame, error: activation_pb2.StageError):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import grpc
 
+from pipeshard.tls import TlsConfig
+
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 CHANNEL_OPTIONS = [
@@ -20,5 +22,8 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def open_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def open_channel(address: str, tls: TlsConfig | None = None) -> grpc.aio.Channel:
+    """Plaintext, or with ``tls`` mutual TLS as the fleet member ``tls`` names."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)

@@ -20,6 +20,7 @@ import structlog
 
 from pipeshard.services.transport.channels import open_channel
 from pipeshard.services.transport.delay import DelayQueue
+from pipeshard.tls import TlsConfig
 from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -35,13 +36,17 @@ class HopStream:
         on_error: Callable[[stage_pb2.ForwardResponse], None] | None = None,
         queue_size: int = 1024,
         delay_s: float = 0.0,
+        tls: TlsConfig | None = None,
+        channel: grpc.aio.Channel | None = None,
     ):
+        """``channel`` shares one the caller owns (it then closes it); else one is opened."""
         self.address = address
         self._on_error = on_error
         self._queue: asyncio.Queue | DelayQueue = (
             DelayQueue(delay_s, queue_size) if delay_s > 0 else asyncio.Queue(maxsize=queue_size)
         )
-        self._channel = open_channel(address)
+        self._owns_channel = channel is None
+        self._channel = channel or open_channel(address, tls)
         self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
         self._task: asyncio.Task | None = None
         self.connected = asyncio.Event()
@@ -58,7 +63,8 @@ class HopStream:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await self._channel.close()
+        if self._owns_channel:
+            await self._channel.close()
 
     async def _requests(self) -> AsyncIterator[stage_pb2.ForwardRequest]:
         while True:

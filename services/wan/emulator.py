@@ -87,7 +87,9 @@ class WanFleet:
             start("forwarder", self._forwarder_args(), module="pipeshard.services.wan.forwarder")
             for link in self.links:
                 next_hop = f"{link.root_ip}:{NEXT_HOP_PORT}" if link.index < stages - 1 else None
-                extra = [*extra_stage_args, "--host", link.ns_ip]
+                # The namespace's private link: plaintext asked for (stages refuse it unasked beyond
+                # loopback); pass --tls-dir in extra_stage_args for a secured emulated WAN.
+                extra = [*extra_stage_args, "--host", link.ns_ip, "--allow-plaintext"]
                 args = stage_args(
                     link.index, Path(shards), STAGE_PORT, precision, log_format, next_hop, extra
                 )

@@ -58,3 +58,36 @@ def test_deadline_while_queued():
             assert admission.running == 1
 
     asyncio.run(scenario())
+
+
+def test_one_client_cannot_fill_the_coordinator_and_16_users_of_one_client_pass_by_default():
+    from pipeshard.services.coordinator.main import CoordinatorSettings
+
+    defaults = CoordinatorSettings()
+
+    async def scenario():
+        admission = Admission(defaults.max_running, defaults.max_queue, defaults.max_per_client)
+        hold = asyncio.Event()
+        entered: list[str] = []
+
+        async def user(client: str):
+            async with admission.slot(timeout_s=30, client=client):
+                entered.append(client)
+                await hold.wait()
+
+        users = [asyncio.create_task(user("peer:127.0.0.1")) for _ in range(16)]
+        await asyncio.sleep(0.01)
+        assert admission.running + admission.queued == 16  # none refused
+        more = [asyncio.create_task(user("peer:127.0.0.1")) for _ in range(defaults.max_per_client - 16)]
+        await asyncio.sleep(0.01)
+        with pytest.raises(ResourceExhausted, match="max_per_client"):
+            async with admission.slot(client="peer:127.0.0.1"):
+                pass
+        other = asyncio.create_task(user("token:other"))  # another client still gets in line
+        await asyncio.sleep(0.01)
+        assert admission.running + admission.queued == defaults.max_per_client + 1
+        hold.set()
+        await asyncio.gather(*users, *more, other)
+        assert len(entered) == defaults.max_per_client + 1 and admission._per_client == {}
+
+    asyncio.run(scenario())

@@ -52,3 +52,13 @@ def test_compose_names_the_launchers_services_ports_and_variables():
         known = {env_name(f.name) for f in dataclasses.fields(settings)} | PATH_VARS
         unknown = {k for k in _env(services[name]) if k.startswith("PIPESHARD_")} - known
         assert not unknown, f"{name} sets variables no setting reads: {unknown}"
+
+
+def test_compose_publishes_only_the_coordinator_and_metrics_and_only_on_loopback():
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    published = {name: service.get("ports", []) for name, service in services.items()}
+    assert all(port.startswith("127.0.0.1:") for ports in published.values() for port in ports), published
+    grpc_ports = {
+        name for name, ports in published.items() for p in ports if p.split(":")[1].startswith("50")
+    }
+    assert grpc_ports == {"coordinator"}

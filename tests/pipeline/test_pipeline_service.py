@@ -11,11 +11,15 @@ import numpy as np
 import pytest
 
 from pipeshard.clients.client import PipeshardClient
+from pipeshard.ownership import owner_key, owner_metadata
 from pipeshard.tensor_codec import encode
 from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 from tests.pipeline.stage_probe import live_sessions, sessions_after_release
 
 pytestmark = pytest.mark.slow
+
+PROBE_SECRET = "a-test-probe-acting-as-a-coordinator"
+PROBE, PROBE_OWNER = owner_metadata(PROBE_SECRET), owner_key(PROBE_SECRET)
 
 
 @pytest.fixture(scope="module")
@@ -101,17 +105,20 @@ def _forward_one(address: str, frame) -> stage_pb2.ForwardResponse:
 def test_malformed_frame_gets_invalid_argument_and_stage_keeps_serving(fleet, client):
     with grpc.insecure_channel(fleet.stages[1]) as channel:
         stub = stage_pb2_grpc.StageServiceStub(channel)
-        stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="raw"), timeout=5)
+        stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="raw"), timeout=5, metadata=PROBE)
         try:
             bad = tensor_pb2.NamedTensor(
                 name="hidden_states", tensor=encode(np.ones((1, 1, 576), np.float32))
             )
             bad.tensor.data = bad.tensor.data[:-4]
-            frame = activation_pb2.ActivationFrame(session_id="raw", step_id=1, positions=[0], tensors=[bad])
+            frame = activation_pb2.ActivationFrame(
+                session_id="raw", step_id=1, positions=[0], tensors=[bad], owner=PROBE_OWNER
+            )
             error = _forward_one(fleet.stages[1], frame).error
             assert error.code == "INVALID_ARGUMENT" and "`hidden_states`" in error.message
             wrong_shape = activation_pb2.ActivationFrame(
                 session_id="raw",
+                owner=PROBE_OWNER,
                 step_id=2,
                 positions=[0],
                 tensors=[
@@ -123,7 +130,7 @@ def test_malformed_frame_gets_invalid_argument_and_stage_keeps_serving(fleet, cl
             error = _forward_one(fleet.stages[1], wrong_shape).error
             assert error.code == "INVALID_ARGUMENT" and "576" in error.message
         finally:
-            stub.ReleaseSession(stage_pb2.ReleaseSessionRequest(session_id="raw"), timeout=5)
+            stub.ReleaseSession(stage_pb2.ReleaseSessionRequest(session_id="raw"), timeout=5, metadata=PROBE)
     frame = activation_pb2.ActivationFrame(
         session_id="nobody",
         step_id=1,

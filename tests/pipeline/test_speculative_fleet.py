@@ -23,13 +23,16 @@ def self_draft(smollm2_draft):
 
 
 @pytest.fixture(scope="module")
-def fleet(smollm2_export, fleet_factory, self_draft):
+def fleet(smollm2_export, fleet_factory, self_draft, hf_draft_dir):
     cache = self_draft.parent / ".drafts"  # shared with tests/speculation: a draft folder exports once
     return fleet_factory(
         smollm2_export(2, "fp32"),
         2,
         precision="f32",
-        extra_coordinator_args=["--self-draft", str(self_draft), "--draft-cache", str(cache)],
+        extra_coordinator_args=[
+            *("--self-draft", str(self_draft), "--draft-cache", str(cache)),
+            *("--draft", f"hf={hf_draft_dir}"),  # the operator names the folder; clients say "hf"
+        ],
     )
 
 
@@ -43,10 +46,8 @@ def client(fleet):
     ("source", "k", "prompt_indices"),
     [("ngram", 0, (0, 1)), ("self", 3, (2, 3)), ("hf", 5, (4, 5))],
 )
-def test_speculative_fleet_matches_hf_greedy(
-    client, source, k, prompt_indices, prompts, hf_greedy_128, hf_draft_dir
-):
-    speculative = str(hf_draft_dir) if source == "hf" else source
+def test_speculative_fleet_matches_hf_greedy(client, source, k, prompt_indices, prompts, hf_greedy_128):
+    speculative = source
     verify_steps = []
     for i in prompt_indices:
         result = client.generate(
@@ -77,6 +78,21 @@ def test_bad_speculation_requests_name_the_field_and_the_service_keeps_serving(c
         client.generate("hi", max_tokens=4, **kwargs)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in info.value.details()
+    assert client.generate("Say hi.", max_tokens=3, speculative="self", k=2).completion_tokens == 3
+
+
+def test_a_client_cannot_name_a_folder_and_learns_no_paths(client, hf_draft_dir, self_draft):
+    """Issue #14: a draft folder path from a client, real or not, is refused the same way, listing
+    the names on offer and echoing no path (neither its own nor the operator's)."""
+    details = set()
+    for probe in (str(hf_draft_dir), str(self_draft), "/etc", "/no/such/dir", "../shards"):
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate("hi", max_tokens=4, speculative=probe)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details.add(info.value.details())
+    assert details == {
+        "`speculative` must name a draft source this coordinator offers: none, ngram, self, hf"
+    }
     assert client.generate("Say hi.", max_tokens=3, speculative="self", k=2).completion_tokens == 3
 
 

@@ -73,12 +73,16 @@ def spec_generation(smollm2_export, smollm2_draft, hf_draft_dir):
         if (stages, weights) not in built:
             export = smollm2_export(stages, weights)
             prompter = Prompter.from_dir(export)
-            drafts = DraftSources(export, self_draft=self_draft, draft_cache=shards_root() / ".drafts")
+            drafts = DraftSources(
+                export,
+                self_draft=self_draft,
+                named={"dir": hf_draft_dir},
+                draft_cache=shards_root() / ".drafts",
+            )
             built[(stages, weights)] = Generation(
                 LocalRing(export, PRECISION[weights]), prompter.tokenizer, prompter.eos_ids, drafts=drafts
             )
-        mode = {"ngram": "ngram", "self": "self", "dir": str(hf_draft_dir)}[source]
-        return built[(stages, weights)], mode
+        return built[(stages, weights)], source
 
     return get
 

@@ -160,3 +160,32 @@ def test_sampler_probabilities_are_what_acceptance_uses():
     sampler = Sampler(SamplingParams(temperature=0.7, top_k=3, seed=1))
     p = sampler.probabilities(np.array([3.0, 1.0, 2.0, 0.5]))
     assert p[3] == 0.0 and p.sum() == pytest.approx(1.0)
+
+
+def test_draft_sources_offer_only_operator_names_and_echo_no_path(tmp_path):
+    from pipeshard.errors import InvalidArgument
+    from pipeshard.services.coordinator.speculation.sources import DraftSources, parse_named
+
+    folder = tmp_path / "secret-draft"
+    folder.mkdir()
+    named = parse_named([f"mine={folder}"])
+    sources = DraftSources(tmp_path, named=named)
+    assert sources.names == ["none", "ngram", "mine"]
+    for mode in ("none", "ngram", "mine"):
+        sources.validate(mode)
+    for probe in (str(folder), str(tmp_path), "/etc", "nope"):
+        with pytest.raises(InvalidArgument, match=r"none, ngram, mine$") as info:
+            sources.validate(probe)
+        assert str(tmp_path) not in str(info.value) and probe not in str(info.value)
+    with pytest.raises(InvalidArgument, match="--self-draft"):
+        sources.validate("self")
+    DraftSources(tmp_path, allow_paths=True).validate(str(folder))  # the operator's own command line
+    for bad in (
+        ["mine"],
+        ["self=/x"],
+        [f"a/b={folder}"],
+        ["x=/no/such/folder"],
+        [f"m={folder}", f"m={folder}"],
+    ):
+        with pytest.raises(InvalidArgument, match="`draft`"):
+            parse_named(bad)

@@ -36,6 +36,9 @@ class FakeSession:
         self.past_length = 0
 
 
+OWNER = "owner-a"
+
+
 def engine(last=True, first=True, max_context=16):
     return StageEngine(
         SessionTable(FakeSession, 2, 60.0),
@@ -49,6 +52,7 @@ def engine(last=True, first=True, max_context=16):
 def step(ids, positions, **kw):
     return StepInput(
         session_id="s",
+        owner=OWNER,
         step_id=0,
         positions=np.asarray(positions, np.int64),
         activations=np.asarray([ids], np.int64),
@@ -64,10 +68,10 @@ def test_top1_returns_argmax_and_probability():
 
 def test_step_applies_mask_update_before_running_and_returns_last_positions():
     e = engine()
-    e.sessions.open("s")
+    e.sessions.open(OWNER, "s")
     e.run(step([1, 2, 3, 4], [0, 1, 2, 3]))
     out = e.run(step([5, 6, 7], [2, 3, 4], invalidate=[(2, 4)], return_last=3))
-    session = e.sessions.get("s")
+    session = e.sessions.get(OWNER, "s")
     assert session.invalidated == [(2, 4)]
     assert out.top1.token_ids.tolist() == [5, 6, 7]
     assert out.step.compute_micros and len(out.step.compute_micros) == 1
@@ -85,11 +89,11 @@ def test_step_applies_mask_update_before_running_and_returns_last_positions():
 )
 def test_bad_steps_name_the_field(kwargs, field):
     e = engine()
-    e.sessions.open("s")
+    e.sessions.open(OWNER, "s")
     ids, positions = kwargs.pop("ids"), kwargs.pop("positions")
     with pytest.raises(InvalidArgument, match=field):
         e.run(step(ids, positions, **kwargs))
-    assert e.sessions.get("s").calls == []
+    assert e.sessions.get(OWNER, "s").calls == []
 
 
 def test_a_step_beyond_max_context_is_resource_exhausted_like_in_the_runtime():
@@ -103,9 +107,10 @@ def test_a_step_beyond_max_context_is_resource_exhausted_like_in_the_runtime():
 
 def test_wrong_activation_dtype_and_shape_are_rejected():
     e = engine(first=False)
-    e.sessions.open("s")
+    e.sessions.open(OWNER, "s")
     bad = StepInput(
         session_id="s",
+        owner=OWNER,
         step_id=0,
         positions=np.zeros(1, np.int64),
         activations=np.zeros((1, 1, HIDDEN + 1), np.float32),
@@ -119,30 +124,57 @@ def test_wrong_activation_dtype_and_shape_are_rejected():
 
 def test_sessions_are_bounded_unique_and_reaped_when_idle():
     table = SessionTable(FakeSession, 2, idle_timeout_s=10.0)
-    table.open("a")
+    table.open(OWNER, "a")
     with pytest.raises(InvalidArgument, match="already open"):
-        table.open("a")
-    table.open("b")
+        table.open(OWNER, "a")
+    table.open(OWNER, "b")
     with pytest.raises(ResourceExhausted):
-        table.open("c")
+        table.open(OWNER, "c")
     with pytest.raises(NotFound):
-        table.get("zz")
+        table.get(OWNER, "zz")
     with pytest.raises(InvalidArgument, match="`session_id`"):
-        table.open("")
+        table.open(OWNER, "")
     import time
 
     now = time.monotonic()
-    table.get("b")
+    table.get(OWNER, "b")
     assert table.reap_idle(now + 5) == []
     assert sorted(table.reap_idle(now + 11)) == ["a", "b"]
-    assert len(table) == 0 and table.release("a") is False
+    assert len(table) == 0 and table.release(OWNER, "a") is False
 
 
 def test_released_sessions_are_reset_and_reused():
     table = SessionTable(FakeSession, 2, idle_timeout_s=10.0)
-    first = table.open("a")
+    first = table.open(OWNER, "a")
     first.past_length = 7
-    table.release("a")
+    table.release(OWNER, "a")
     assert first.past_length == 0
-    assert table.open("b") is first
-    assert table.open("c") is not first
+    assert table.open(OWNER, "b") is first
+    assert table.open(OWNER, "c") is not first
+
+
+def test_sessions_belong_to_their_owner_and_ids_do_not_collide_across_owners():
+    table = SessionTable(FakeSession, 8, idle_timeout_s=10.0, max_per_owner=2)
+    mine = table.open(OWNER, "s")
+    theirs = table.open("owner-b", "s")  # same id, another owner: no collision, no hint
+    assert mine is not theirs
+    with pytest.raises(NotFound, match="unknown session 's'"):
+        table.get("owner-c", "s")
+    assert table.release("owner-c", "s") is False
+    assert table.get(OWNER, "s") is mine
+    table.open(OWNER, "t")
+    with pytest.raises(ResourceExhausted, match="max_sessions_per_owner"):
+        table.open(OWNER, "u")
+    table.open("owner-b", "u")  # another owner still gets sessions
+    assert sorted(table.release_owner(OWNER)) == ["s", "t"]
+    assert sorted(table.owners()) == ["owner-b"] and len(table) == 2
+
+
+def test_a_frame_for_another_owners_session_fails_like_an_unknown_session():
+    e = engine()
+    e.sessions.open(OWNER, "s")
+    intruder = step([1], [0])
+    intruder.owner = "someone-else"
+    with pytest.raises(NotFound, match="unknown session 's'"):
+        e.run(intruder)
+    assert e.sessions.get(OWNER, "s").calls == []

@@ -61,12 +61,12 @@ def test_results_are_delayed_at_the_final_stage():
 
     async def run():
         broker = ResultBroker(DELAY_S)
-        queue = broker.subscribe("coordinator")
+        queue = broker.subscribe("owner", "coordinator")
         consumer = asyncio.create_task(_collect(queue, n))
         sent = {}
         for i in range(n):
             sent[i] = time.monotonic()
-            broker.publish(activation_pb2.StepResult(session_id="s", step_id=i))
+            broker.publish(activation_pb2.StepResult(session_id="s", step_id=i), "owner")
             await asyncio.sleep(0.005)
         return sent, [(result.step_id, at) for result, at in await consumer]
 
@@ -76,7 +76,7 @@ def test_results_are_delayed_at_the_final_stage():
 def test_zero_delay_keeps_the_plain_queues():
     async def run():
         hop, delayed = HopStream("127.0.0.1:9"), HopStream("127.0.0.1:9", delay_s=DELAY_S)
-        kinds = type(hop._queue), type(delayed._queue), type(ResultBroker().subscribe("c"))
+        kinds = type(hop._queue), type(delayed._queue), type(ResultBroker().subscribe("o", "c"))
         await hop.close()
         await delayed.close()
         return kinds

@@ -1,9 +1,15 @@
-"""Turns a request's ``speculative`` field into a drafter factory, loading draft models once."""
+"""Turns a request's ``speculative`` field into a drafter factory, loading draft models once.
+
+A client only picks a name: the operator decides at start-up which draft folders exist
+(``--draft NAME=DIR``, plus ``self``: the ``--self-draft`` export), so a request can never make
+the coordinator read, export or keep in memory a folder it chose, nor learn which folders exist.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import structlog
@@ -15,41 +21,68 @@ from pipeshard.shard.runtime import ShardRunner
 
 log = structlog.get_logger(__name__)
 
+MODES = ("none", "self", "ngram")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def parse_named(specs: list[str]) -> dict[str, Path]:
+    """``NAME=DIR`` items of ``--draft`` as a name -> folder map (operator input, checked at start)."""
+    named: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, folder = spec.partition("=")
+        if not sep or not _NAME.fullmatch(name) or not folder:
+            raise InvalidArgument("draft", f"items must be NAME=DIR with a plain name, got {spec!r}")
+        if name in MODES or name in named:
+            raise InvalidArgument("draft", f"name {name!r} is built in or given twice")
+        if not Path(folder).is_dir():
+            raise InvalidArgument("draft", f"{name}: {folder} is not a folder")
+        named[name] = Path(folder)
+    return named
+
 
 class DraftSources:
-    """``none``, ``ngram``, ``self`` (the configured self-draft export) or a draft folder (an
-    export, or a same-tokenizer Hugging Face model folder exported on first use)."""
+    """``none``, ``ngram``, ``self`` (the configured self-draft export) or an operator-named draft
+    folder (an export, or a same-tokenizer Hugging Face model folder exported on first use).
+    ``allow_paths`` lets a mode be a folder itself: only where the caller is the operator
+    (``pipeshard generate --local``, in-process tests and benchmarks), never in a service."""
 
     def __init__(
         self,
         target_shards: Path,
         *,
         self_draft: Path | None = None,
+        named: Mapping[str, Path] | None = None,
         draft_cache: Path | None = None,
         num_threads: int | None = None,
+        allow_paths: bool = False,
     ):
         self.target_shards = Path(target_shards)
         self.self_draft = self_draft
+        self.named = dict(named or {})
+        self.allow_paths = allow_paths
         self.draft_cache = Path(draft_cache) if draft_cache else self.target_shards.parent / ".drafts"
         self.num_threads = num_threads
         self._models: dict[Path, DraftModel] = {}
         self._lock = asyncio.Lock()
 
+    @property
+    def names(self) -> list[str]:
+        """What a client may ask for, in a stable order."""
+        return ["none", "ngram", *(["self"] if self.self_draft is not None else []), *sorted(self.named)]
+
     def validate(self, mode: str) -> None:
         """Cheap checks at request time, before any slot or session is taken."""
-        if mode in ("none", "ngram"):
+        if mode in self.names or (self.allow_paths and mode not in MODES and Path(mode).is_dir()):
             return
         if mode == "self":
-            if self.self_draft is None:
-                raise InvalidArgument(
-                    "speculative",
-                    "self-draft is not configured on this coordinator (start it with --self-draft DIR)",
-                )
-            return
-        if not Path(mode).is_dir():
             raise InvalidArgument(
-                "speculative", f"must be none, self, ngram or a draft model folder; {mode!r} is none of these"
+                "speculative",
+                "self-draft is not configured on this coordinator (start it with --self-draft DIR)",
             )
+        # The request's value is not echoed: it may be a probe for which paths exist.
+        raise InvalidArgument(
+            "speculative", f"must name a draft source this coordinator offers: {', '.join(self.names)}"
+        )
 
     async def factory(self, mode: str) -> Callable[[], Drafter] | None:
         self.validate(mode)
@@ -57,7 +90,7 @@ class DraftSources:
             return None
         if mode == "ngram":
             return NgramDrafter
-        folder = self.self_draft if mode == "self" else Path(mode)
+        folder = self.self_draft if mode == "self" else self.named.get(mode, Path(mode))
         model = await self._load(Path(folder).resolve())
         return model.drafter
 

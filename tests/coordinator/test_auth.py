@@ -1,0 +1,65 @@
+"""pipeshard.auth and pipeshard.tls pieces that need no server: token parsing, client identity,
+certificates that chain to their own fleet CA only."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeshard.auth import bearer_of, client_identity, load_or_create_token, token_metadata
+from pipeshard.tls import make_certs
+
+
+class Context:
+    def __init__(self, metadata=(), peer="ipv4:127.0.0.1:50123"):
+        self._metadata, self._peer = metadata, peer
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def peer(self):
+        return self._peer
+
+
+def test_bearer_token_parsing_and_client_identity():
+    assert bearer_of(token_metadata("abc")) == "abc"
+    assert bearer_of((("authorization", "Basic abc"),)) is None and bearer_of(()) is None
+    a, b = client_identity(Context(token_metadata("abc"))), client_identity(Context(token_metadata("xyz")))
+    assert a.startswith("token:") and a != b and "abc" not in a
+    # Without a token a client is its host: every connection from one machine counts together.
+    assert client_identity(Context(peer="ipv4:127.0.0.1:1")) == client_identity(
+        Context(peer="ipv4:127.0.0.1:2")
+    )
+    assert client_identity(Context(peer="ipv6:[::1]:5")) == "peer:[::1]"
+
+
+def test_token_file_is_private_and_stable(tmp_path):
+    path = tmp_path / "certs" / "token"
+    token = load_or_create_token(path)
+    assert len(token) >= 32 and load_or_create_token(path) == token
+    assert path.stat().st_mode & 0o077 == 0
+
+
+def test_node_certificates_chain_to_their_own_ca_only(tmp_path):
+    from cryptography import x509
+    from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
+
+    make_certs(tmp_path / "a", ["stage0"], hosts=["10.0.0.5"])
+    make_certs(tmp_path / "b", ["stage0"])
+    assert make_certs(tmp_path / "a", ["stage0"]) == []  # idempotent: nothing rewritten
+    assert (tmp_path / "a" / "stage0.key").stat().st_mode & 0o077 == 0
+
+    def load(path):
+        return x509.load_pem_x509_certificate(path.read_bytes())
+
+    leaf = load(tmp_path / "a" / "stage0.pem")
+    verifier = (
+        PolicyBuilder()
+        .store(Store([load(tmp_path / "a" / "ca.pem")]))
+        .build_server_verifier(x509.DNSName("stage0"))
+    )
+    verifier.verify(leaf, [])
+    with pytest.raises(VerificationError):
+        verifier.verify(load(tmp_path / "b" / "stage0.pem"), [])
+    san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"stage0", "localhost"} <= set(san.get_values_for_type(x509.DNSName))
+    assert {"127.0.0.1", "10.0.0.5"} <= {str(ip) for ip in san.get_values_for_type(x509.IPAddress)}
