@@ -3,7 +3,7 @@
 Exports run one at a time in a worker thread (each stage in its own subprocess); progress
 events cross back to the event loop through a queue. An export whose caller goes away is
 cancelled and leaves no partial folder; a forced export never replaces an export a running
-fleet serves (pipeshard.exporter.serving). With a token configured, only its holders may call (the
+fleet serves (pipeshard.shard.serving). With a token configured, only its holders may call (the
 operator): see pipeshard.auth. FetchShard serves only files listed in an
 export's manifest, so a request can never read outside the shards directory.
 """
@@ -22,7 +22,7 @@ import structlog
 from pipeshard import paths
 from pipeshard.errors import InvalidArgument, NotFound
 from pipeshard.exporter.export import ExportResult, ProgressEvent, export_model
-from pipeshard.exporter.serving import not_served
+from pipeshard.shard.serving import not_served
 from pipeshard.model.fetch import resolve_model_source
 from pipeshard.shard.manifest import MANIFEST, WEIGHT_FORMATS, file_sha256, load_manifest
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc
@@ -75,7 +75,7 @@ class ExporterServicer(exporter_pb2_grpc.ExporterServiceServicer):
 
         def run() -> ExportResult:
             try:
-                # A forced export must not replace what a running fleet serves (pipeshard.exporter.serving).
+                # A forced export must not replace what a running fleet serves (pipeshard.shard.serving).
                 with not_served(out) if request.force else contextlib.nullcontext():
                     return export_model(
                         model_dir,

@@ -9,7 +9,7 @@ from pathlib import Path
 import structlog
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.exporter.serving import hold_serving_lock
+from pipeshard.shard.serving import hold_serving_lock
 from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
@@ -110,7 +110,7 @@ class Coordinator:
     servicer: CoordinatorServicer = field(init=False)
 
     async def start(self) -> None:
-        self._serving = hold_serving_lock(Path(self.settings.shards))  # see pipeshard.exporter.serving
+        self._serving = hold_serving_lock(Path(self.settings.shards))  # see pipeshard.shard.serving
         manifest = load_manifest(Path(self.settings.shards))
         remote = manifest.num_stages - (1 if self.settings.host_stage0 else 0)
         if remote != len(self.settings.stages):

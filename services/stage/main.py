@@ -9,7 +9,7 @@ from pathlib import Path
 import structlog
 
 from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound
-from pipeshard.exporter.serving import hold_serving_lock
+from pipeshard.shard.serving import hold_serving_lock
 from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from pipeshard.auth import token_metadata
-from pipeshard.exporter.serving import hold_serving_lock
+from pipeshard.shard.serving import hold_serving_lock
 from pipeshard.services.launcher import spawn
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc
 

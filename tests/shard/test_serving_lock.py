@@ -1,11 +1,11 @@
-"""pipeshard.exporter.serving: a forced export cannot take an export folder a fleet process holds."""
+"""pipeshard.shard.serving: a forced export cannot take an export folder a fleet process holds."""
 
 from __future__ import annotations
 
 import pytest
 
 from pipeshard.errors import FailedPrecondition
-from pipeshard.exporter.serving import hold_serving_lock, not_served
+from pipeshard.shard.serving import hold_serving_lock, not_served
 
 
 def test_a_served_export_cannot_be_taken_until_its_holders_are_gone(tmp_path):
