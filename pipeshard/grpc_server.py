@@ -317,10 +317,12 @@ async def serve(
     credentials: grpc.ServerCredentials | None = None,
     shutdown_hooks: Sequence[ShutdownHook] = (),
     handle_signals: bool = True,
+    on_started: Callable[[GrpcServer], None] | None = None,
 ) -> None:
     """Starts a server from ``settings``, prints ``<name> listening on HOST:PORT`` to stdout, and
     returns after a signal-triggered drain. ``services`` may be a (sync or async) factory, called
-    inside the running loop, so servicers can create loop-bound objects (channels, queues)."""
+    inside the running loop, so servicers can create loop-bound objects (channels, queues).
+    ``on_started`` gets the running server (e.g. to report health that follows dependencies)."""
     if callable(services):
         made = services()
         services = await made if inspect.isawaitable(made) else made
@@ -333,6 +335,8 @@ async def serve(
         handle_signals=handle_signals,
     )
     await server.start()
+    if on_started is not None:
+        on_started(server)
     print(f"{name} listening on {server.address}", flush=True)
     await server.wait()
 
@@ -345,6 +349,7 @@ def run_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
     shutdown_hooks: Sequence[ShutdownHook] = (),
+    on_started: Callable[[GrpcServer], None] | None = None,
 ) -> int:
     """Entry-point helper: configures logging from ``settings``, serves until SIGTERM/SIGINT has
     drained the server, returns the exit status (0)."""
@@ -364,6 +369,7 @@ def run_server(
                 interceptors=interceptors,
                 credentials=credentials,
                 shutdown_hooks=shutdown_hooks,
+                on_started=on_started,
             )
         )
     except OSError as exc:

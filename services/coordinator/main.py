@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.grpc_server import run_server
+from pipeshard.grpc_server import GrpcServer, run_server
 from pipeshard.offline import set_offline_defaults
 from pipeshard.settings import ServerSettings, load_settings, setting
-from pipeshard.v1 import coordinator_pb2_grpc
+from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.admission import Admission
 from services.coordinator.generation import Generation
 from services.coordinator.local_stage import LocalEntry, LocalStageStub
@@ -37,6 +37,9 @@ class CoordinatorSettings(ServerSettings):
     default_max_tokens: int = setting(256, "max_tokens of a request that does not set it")
     max_running: int = setting(8, "generations running at once (each holds a session on every stage)")
     max_queue: int = setting(32, "requests waiting for a slot; beyond it RESOURCE_EXHAUSTED")
+    max_prompt_bytes: int = setting(
+        256 * 1024, "largest prompt (or sum of message contents) in UTF-8 bytes, checked before tokenizing"
+    )
     prefill_chunk: int = setting(256, "prompt tokens per prefill step (fixed: outputs never depend on load)")
     host_stage0: bool = setting(False, "run stage 0 in this process; --stages then lists stages 1..N-1")
     precision: str = setting("default", "inference precision of a hosted stage 0", choices=("default", "f32"))
@@ -120,6 +123,7 @@ class Coordinator:
             vocab_size=manifest["model"]["vocab_size"],
             default_max_tokens=self.settings.default_max_tokens,
             admission=Admission(self.settings.max_running, self.settings.max_queue),
+            max_prompt_bytes=self.settings.max_prompt_bytes,
         )
 
     def _local_stage0(self) -> tuple[LocalEntry, LocalStageStub]:
@@ -133,7 +137,26 @@ class Coordinator:
         node, info = build_node(stage)
         return LocalEntry(node), LocalStageStub(StageServicer(node, info))
 
+    def report_health(self, server: GrpcServer) -> None:
+        """Health ("" and the service) follows the ring: NOT_SERVING while any stage is unreachable."""
+        names = ("", coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name)
+
+        def report(serving: bool) -> None:
+            for name in names:
+                server.set_serving(name, serving)
+
+        self.ring.on_health = report
+        report(self.ring.healthy)
+
     async def close(self) -> None:
+        """Graceful stop: no new requests, running ones get the grace period, the rest are ended
+        with a final CANCELLED summary; then the ring closes with no session left on a stage."""
+        if hasattr(self, "servicer"):  # started
+            grace = self.settings.grace_seconds
+            if not await self.servicer.drain(grace):
+                self.ring.stop_steps(f"coordinator shut down; generation stopped after its {grace:g} s grace")
+                await self.servicer.drain(5.0)  # their final messages go out
+            await self.servicer.released()
         await self.ring.close()
 
 
@@ -146,4 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         await coordinator.start()
         return [(coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server, coordinator.servicer)]
 
-    return run_server(settings, services, name="coordinator", shutdown_hooks=[coordinator.close])
+    return run_server(
+        settings,
+        services,
+        name="coordinator",
+        shutdown_hooks=[coordinator.close],
+        on_started=coordinator.report_health,
+    )

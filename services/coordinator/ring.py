@@ -2,14 +2,18 @@
 
 One persistent Forward stream to stage 0 and one Results subscription to the final stage
 carry every session's steps; a step is a future keyed by (session id, step id). Control
-calls (open, release) go to every stage directly. When a step misses its deadline the ring
-asks each stage for its info and names the first that does not answer.
+calls (open, release) go to every stage directly. A :class:`StageWatch` holds a health stream
+to every remote stage: when one breaks, every pending step fails at once with UNAVAILABLE
+naming the stage (the step deadline remains for a stage that freezes: then the ring asks each
+stage for its info and names the first that does not answer). Releases a stage missed while
+unreachable are sent again as aborts when it answers again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 
 import grpc
 import structlog
@@ -17,6 +21,7 @@ import structlog
 from pipeshard.errors import DeadlineExceeded, PipeshardError, Unavailable
 from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc
 from services.coordinator.local_stage import LocalEntry, LocalStageStub
+from services.coordinator.stage_watch import StageWatch
 from services.transport.channels import open_channel
 from services.transport.hop import HopStream
 
@@ -30,6 +35,10 @@ class StageFailed(PipeshardError):
         super().__init__(f"stage {error.stage_index}: {error.message}")
         self.code = error.code or "INTERNAL"
         self.stage_index = error.stage_index
+
+
+class ShuttingDown(Unavailable):
+    """The coordinator stopped the generations still running at the end of its shutdown grace."""
 
 
 class Ring:
@@ -62,15 +71,37 @@ class Ring:
         self._subscriber_id = f"coordinator-{uuid.uuid4().hex[:8]}"
         self._results_task: asyncio.Task | None = None
         self._subscribed = asyncio.Event()
+        first_remote = self.num_stages - len(self._channels)
+        self.watch = StageWatch(
+            {first_remote + j: c for j, c in enumerate(self._channels)}, self.addresses, self._on_reachability
+        )
+        self.on_health: Callable[[bool], None] = lambda serving: None  # the coordinator's health
+        self._unreleased: dict[int, set[str]] = {}  # stage -> sessions it missed the release of
+        self._background: set[asyncio.Task] = set()
+        self._stopped: ShuttingDown | None = None
+
+    @property
+    def healthy(self) -> bool:
+        """True while every stage is reachable."""
+        return not self.watch.down
 
     async def start(self) -> None:
         self._entry.start()
         self._results_task = asyncio.create_task(self._read_results(), name="ring-results")
+        self.watch.start()
+
+    def stop_steps(self, reason: str) -> None:
+        """Fails every pending and future step with :class:`ShuttingDown` (end of a drain)."""
+        self._stopped = ShuttingDown(reason)
+        self._fail_pending(self._stopped)
 
     async def close(self) -> None:
+        await self.watch.close()
+        for task in self._background:
+            task.cancel()
         if self._results_task is not None:
             self._results_task.cancel()
-            await asyncio.gather(self._results_task, return_exceptions=True)
+            await asyncio.gather(self._results_task, *self._background, return_exceptions=True)
         await self._entry.close()
         for channel in self._channels:
             await channel.close()
@@ -81,6 +112,10 @@ class Ring:
 
     async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
         """Send one frame around the ring and wait for the final stage's result."""
+        if self._stopped is not None:
+            raise self._stopped
+        if self.watch.down:
+            raise Unavailable(self.watch.describe(min(self.watch.down)))
         key = (frame.session_id, frame.step_id)
         future = asyncio.get_running_loop().create_future()
         self._pending[key] = future
@@ -88,7 +123,7 @@ class Ring:
             await self._entry.send(frame)
             result = await asyncio.wait_for(future, self.step_timeout_s)
         except TimeoutError:
-            raise await self._diagnose() from None
+            raise await self._diagnose() from None  # a stage named here fails the other steps too
         finally:
             self._pending.pop(key, None)
         if result.HasField("error"):
@@ -105,10 +140,14 @@ class Ring:
         return min(r.max_context for r in responses)
 
     async def release_session(self, session_id: str) -> None:
-        """Release on every stage, tolerating stages that are down (their reaper frees it later)."""
-        await self._on_all(
+        """Release on every stage, tolerating stages that are down: each is sent an abort for it
+        again when it answers again (a frozen stage still holds the session then)."""
+        responses = await self._on_all(
             "ReleaseSession", stage_pb2.ReleaseSessionRequest(session_id=session_id), tolerate=True
         )
+        for i, response in enumerate(responses):
+            if response is None:
+                self._unreleased.setdefault(i, set()).add(session_id)
 
     async def stage_info(self) -> list[stage_pb2.GetStageInfoResponse]:
         return await self._on_all("GetStageInfo", stage_pb2.GetStageInfoRequest())
@@ -143,12 +182,49 @@ class Ring:
         return list(await asyncio.gather(*(call(i) for i in range(self.num_stages))))
 
     async def _diagnose(self) -> PipeshardError:
-        for i, stub in enumerate(self._stubs):
+        async def probe(i: int) -> str | None:
             try:
-                await stub.GetStageInfo(stage_pb2.GetStageInfoRequest(), timeout=self.control_timeout_s)
+                await self._stubs[i].GetStageInfo(
+                    stage_pb2.GetStageInfoRequest(), timeout=self.control_timeout_s
+                )
             except grpc.aio.AioRpcError as exc:
-                return Unavailable(f"stage {i} at {self.addresses[i]} is not answering ({exc.code().name})")
+                return exc.code().name
+            return None
+
+        answers = await asyncio.gather(*(probe(i) for i in range(self.num_stages)))
+        for i, code in enumerate(answers):
+            if code is not None:
+                self.watch.mark_down(i, f"not answering: {code}")
+                return Unavailable(f"stage {i} at {self.addresses[i]} is not answering ({code})")
         return DeadlineExceeded(f"no result from the pipeline within {self.step_timeout_s:g} s")
+
+    def _fail_pending(self, error: PipeshardError) -> None:
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+
+    def _on_reachability(self, index: int, up: bool, reason: str) -> None:
+        if up:
+            sessions = self._unreleased.pop(index, set())
+            if sessions:
+                task = asyncio.create_task(self._abort_on(index, sessions), name=f"abort-on-stage{index}")
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+        else:
+            self._fail_pending(Unavailable(self.watch.describe(index)))
+        self.on_health(self.healthy)
+
+    async def _abort_on(self, index: int, sessions: set[str]) -> None:
+        """Frees on a stage that is back the sessions whose release it missed."""
+        for session_id in sessions:
+            request = stage_pb2.AbortSessionRequest(
+                session_id=session_id, reason="released while this stage was unreachable"
+            )
+            try:
+                await self._stubs[index].AbortSession(request, timeout=self.control_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("stage_abort_failed", stage=index, session_id=session_id, code=exc.code().name)
+                self._unreleased.setdefault(index, set()).add(session_id)
 
     def _on_entry_error(self, response: stage_pb2.ForwardResponse) -> None:
         # Stage 0's own errors also travel the ring; this only logs them early.

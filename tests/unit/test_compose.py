@@ -52,3 +52,18 @@ def test_compose_names_the_launchers_services_ports_and_variables():
         known = {env_name(f.name) for f in dataclasses.fields(settings)} | PATH_VARS
         unknown = {k for k in _env(services[name]) if k.startswith("PIPESHARD_")} - known
         assert not unknown, f"{name} sets variables no setting reads: {unknown}"
+
+
+def test_every_service_runs_unprivileged_with_a_grpc_health_check():
+    compose = yaml.safe_load(COMPOSE.read_text())
+    dockerfile = (COMPOSE.parent / "Dockerfile").read_text()
+    assert "--index-url https://download.pytorch.org/whl/cpu" in dockerfile
+    assert "\nUSER 10001" in dockerfile and "\nHEALTHCHECK " in dockerfile
+    probe = ["CMD", "python", "/usr/local/bin/pipeshard-healthcheck"]
+    for name, service in compose["services"].items():
+        assert service["user"] == "10001:10001", name
+        assert service["healthcheck"]["test"] == probe, name
+    assert compose["services"]["coordinator"]["depends_on"] == {
+        "stage0": {"condition": "service_healthy"},
+        "stage1": {"condition": "service_healthy"},
+    }
