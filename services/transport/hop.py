@@ -12,7 +12,7 @@ With ``delay_s`` > 0 (``--hop-delay-ms``, the in-process WAN emulation) the queu
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import grpc
 import structlog
@@ -59,18 +59,23 @@ class HopStream:
             await asyncio.gather(self._task, return_exceptions=True)
         await self._channel.close()
 
-    async def _requests(self) -> AsyncIterator[stage_pb2.ForwardRequest]:
+    async def _write(self, call) -> None:
+        """Feeds the queue into one call. Owned by ``_run`` and cancelled when the call ends, so a
+        broken call never takes a frame meant for the next one (grpc's own iterator poller
+        outlives a call that ended by itself and would)."""
         while True:
             frame = await self._queue.get()
-            yield stage_pb2.ForwardRequest(frame=frame)
+            await call.write(stage_pb2.ForwardRequest(frame=frame))
 
     async def _run(self) -> None:
         while True:
-            call = self._stub.Forward(self._requests(), wait_for_ready=True)
+            call = self._stub.Forward(wait_for_ready=True)
+            writer: asyncio.Task | None = None
             try:
                 await call.wait_for_connection()
                 self.connected.set()
                 log.info("hop_connected", address=self.address)
+                writer = asyncio.create_task(self._write(call), name=f"hop-write->{self.address}")
                 async for response in call:
                     if response.HasField("error") and self._on_error is not None:
                         self._on_error(response)
@@ -80,5 +85,8 @@ class HopStream:
                 )
             finally:
                 self.connected.clear()
+                if writer is not None:
+                    writer.cancel()
+                    await asyncio.gather(writer, return_exceptions=True)
                 call.cancel()
             await asyncio.sleep(0.2)
