@@ -6,6 +6,7 @@ be async generators or coroutines that use ``context.write``) so that:
 * a domain error (:mod:`pipeshard.errors`) ends the call with the code its ``.code`` names and its
   message ("`top_p` must be in (0, 1], got 1.5");
 * ``TimeoutError`` ends it with DEADLINE_EXCEEDED;
+* ``NotImplementedError`` (an RPC the servicer does not override) ends it with UNIMPLEMENTED;
 * a request that does not parse (invalid UTF-8 in a string field, say) ends it with
   INVALID_ARGUMENT naming the message type, instead of grpc's UNKNOWN and a logged traceback;
 * ``asyncio.CancelledError`` (the client went away) propagates untouched;
@@ -50,6 +51,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, PipeshardError):
         code = grpc.StatusCode.__members__.get(str(exc.code), grpc.StatusCode.INTERNAL)
         return code, str(exc) or code.name.lower().replace("_", " ")
+    if isinstance(exc, NotImplementedError):  # a generated servicer base method nobody overrode
+        return grpc.StatusCode.UNIMPLEMENTED, "method not implemented by this service"
     if isinstance(exc, TimeoutError):  # asyncio.TimeoutError is the same class on 3.11
         return grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded{': ' + str(exc) if str(exc) else ''}"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
