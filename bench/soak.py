@@ -136,7 +136,7 @@ async def _soak(fleet, shards: Path, ports: list[int], solo: dict[str, list[int]
             if outcome == "ok" and tokens != solo[prompt][:max_tokens]:
                 mismatches.append({"prompt": prompt, "max_tokens": max_tokens, "got": tokens})
             if outcome == "UNAVAILABLE":
-                await asyncio.sleep(0.5)  # a client backs off while a stage is down
+                await asyncio.sleep(1.0)  # a client backs off while a stage is down
             done += 1
 
     async def restart_stage1() -> dict:
@@ -145,13 +145,15 @@ async def _soak(fleet, shards: Path, ports: list[int], solo: dict[str, list[int]
         stage1 = fleet.process("stage1")
         stage1.popen.kill()
         stage1.popen.wait()
-        killed = time.monotonic()
+        killed, killed_after = time.monotonic(), done
         args = stage_args(1, shards, ports[1], "default", "json", None)
         proc = await asyncio.to_thread(spawn, "stage1", args, fleet.run_dir, fleet_env(), 180)
         fleet.processes[fleet.processes.index(stage1)] = proc
         restarted.set()
         return {
-            "killed_after_requests": done,
+            "killed_after_requests": killed_after,
+            "killed_at_s": round(killed - started, 1),
+            "restarted_after_requests": done,
             "down_s": round(time.monotonic() - killed, 2),
             "pid": proc.popen.pid,
         }

@@ -134,8 +134,9 @@ class Ring:
         """Open the session on every stage; returns the smallest max_context among them."""
         try:
             responses = await self._on_all("OpenSession", stage_pb2.OpenSessionRequest(session_id=session_id))
-        except PipeshardError:
-            await self.release_session(session_id)  # all or nothing: no half-open session lingers
+        except BaseException:
+            # All or nothing, also when the caller is cancelled meanwhile: no half-open session lingers.
+            self._in_background(self.release_session(session_id), f"release-{session_id}")
             raise
         return min(r.max_context for r in responses)
 
@@ -179,7 +180,13 @@ class Ring:
                     return None
                 raise _stage_rpc_error(i, self.addresses[i], exc) from None
 
-        return list(await asyncio.gather(*(call(i) for i in range(self.num_stages))))
+        # Every call is waited for before an error is raised: a release that overtook a still
+        # running open would leave that stage's session behind.
+        results = await asyncio.gather(*(call(i) for i in range(self.num_stages)), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
 
     async def _diagnose(self) -> PipeshardError:
         async def probe(i: int) -> str | None:
@@ -207,12 +214,16 @@ class Ring:
         if up:
             sessions = self._unreleased.pop(index, set())
             if sessions:
-                task = asyncio.create_task(self._abort_on(index, sessions), name=f"abort-on-stage{index}")
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._in_background(self._abort_on(index, sessions), f"abort-on-stage{index}")
         else:
             self._fail_pending(Unavailable(self.watch.describe(index)))
         self.on_health(self.healthy)
+
+    def _in_background(self, coro, name: str) -> None:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _abort_on(self, index: int, sessions: set[str]) -> None:
         """Frees on a stage that is back the sessions whose release it missed."""
