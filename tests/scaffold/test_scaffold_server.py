@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -268,3 +272,21 @@ def test_invalid_utf8_is_invalid_argument_for_unary_and_streaming_calls(scaffold
         list(streaming(iter([_bad_utf8(bad_frame)]), timeout=TIMEOUT))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     _assert_still_serving(stage)
+
+
+def test_the_container_healthcheck_probes_grpc_health(scaffold_server):
+    script = Path(__file__).resolve().parents[2] / "docker" / "healthcheck.py"
+
+    def probe(port: int) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PIPESHARD_PORT": str(port)}
+        return subprocess.run(
+            [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=30
+        )
+
+    up = probe(scaffold_server.port)
+    assert up.returncode == 0 and "SERVING" in up.stdout
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    down = probe(free)
+    assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
