@@ -28,6 +28,9 @@ from services.transport.hop import HopStream
 log = structlog.get_logger(__name__)
 
 
+_MAX_UNRELEASED = 4096  # sessions remembered per unreachable stage, to abort when it returns
+
+
 class StageFailed(PipeshardError):
     """A stage rejected or failed a step; carries that stage's status code."""
 
@@ -147,8 +150,9 @@ class Ring:
             "ReleaseSession", stage_pb2.ReleaseSessionRequest(session_id=session_id), tolerate=True
         )
         for i, response in enumerate(responses):
-            if response is None:
-                self._unreleased.setdefault(i, set()).add(session_id)
+            missed = self._unreleased.setdefault(i, set())
+            if response is None and len(missed) < _MAX_UNRELEASED:
+                missed.add(session_id)  # beyond the cap (a long outage) the stage's reaper frees them
 
     async def stage_info(self) -> list[stage_pb2.GetStageInfoResponse]:
         return await self._on_all("GetStageInfo", stage_pb2.GetStageInfoRequest())
