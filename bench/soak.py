@@ -28,11 +28,11 @@ from pathlib import Path
 import grpc
 
 from bench.stats import write_result
-from clients.client import AsyncPipeshardClient, PipeshardClient
 from pipeshard import paths
+from pipeshard.clients.client import AsyncPipeshardClient, PipeshardClient
 from pipeshard.offline import set_offline_defaults
+from pipeshard.services.launcher import fleet_env, spawn, stage_args, start_fleet
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
-from services.launcher import fleet_env, spawn, stage_args, start_fleet
 
 REQUESTS = int(os.environ.get("SOAK_REQUESTS", "200"))
 CLIENTS = int(os.environ.get("SOAK_CLIENTS", "16"))
@@ -75,7 +75,7 @@ def _shards() -> Path:
     chosen = os.environ.get("SOAK_SHARDS")
     if chosen:
         return Path(chosen)
-    from exporter.export import export_model
+    from pipeshard.exporter.export import export_model
 
     out = paths.shards_dir() / paths.export_name(paths.DEFAULT_MODEL, 2, "int4")
     if not (out / "manifest.json").exists():

@@ -17,9 +17,9 @@ from pathlib import Path
 import grpc
 
 from bench.stats import median, write_result
-from clients.client import PipeshardClient
+from pipeshard.clients.client import PipeshardClient
 from pipeshard.offline import set_offline_defaults
-from services.launcher import start_fleet
+from pipeshard.services.launcher import start_fleet
 
 ROUNDS = int(os.environ.get("STALL_ROUNDS", "5"))
 TOKENS = 200

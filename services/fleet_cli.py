@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from pipeshard.paths import DEFAULT_MODEL, export_name, shards_dir
-from services.launcher import start_fleet, stop_recorded
-from services.topology import Topology
+from pipeshard.services.launcher import start_fleet, stop_recorded
+from pipeshard.topology import Topology
 
 RUN_DIR = Path("run")
 TOPOLOGY = Path("config/topology.yaml")

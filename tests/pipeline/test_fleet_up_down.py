@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clients.client import PipeshardClient
+from pipeshard.clients.client import PipeshardClient
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

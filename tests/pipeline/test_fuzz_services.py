@@ -16,7 +16,7 @@ from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clients.client import PipeshardClient
+from pipeshard.clients.client import PipeshardClient
 from pipeshard.v1 import coordinator_pb2, exporter_pb2, stage_pb2
 from tests.pipeline.stage_probe import sessions_after_release
 

@@ -12,8 +12,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients.client import PipeshardClient
-from services.launcher import spawn
+from pipeshard.clients.client import PipeshardClient
+from pipeshard.services.launcher import spawn
 from tests.pipeline.stage_probe import live_sessions
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

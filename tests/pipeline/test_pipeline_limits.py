@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients.client import PipeshardClient, build_request
+from pipeshard.clients.client import PipeshardClient, build_request
+from pipeshard.shard.prompting import Prompter
 from pipeshard.tensor_codec import encode
 from pipeshard.v1 import (
     activation_pb2,
@@ -21,7 +22,6 @@ from pipeshard.v1 import (
     stage_pb2_grpc,
     tensor_pb2,
 )
-from services.coordinator.prompting import Prompter
 from tests.pipeline.stage_probe import sessions_after_release
 
 pytestmark = pytest.mark.slow

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from services.launcher import process_start_time, stop_recorded
+from pipeshard.services.launcher import process_start_time, stop_recorded
 
 
 def _sleeper() -> subprocess.Popen:

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from pipeshard.errors import ResourceExhausted
+from pipeshard.services.stage.results import ResultBroker
 from pipeshard.v1 import activation_pb2
-from services.stage.results import ResultBroker
 
 
 def _result(i: int) -> activation_pb2.StepResult:
