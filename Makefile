@@ -23,7 +23,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-numerics bench-prefill bench-pipeline bench-mbatch bench-spec wan-up wan-down distil
+.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-numerics bench-prefill bench-pipeline bench-mbatch bench-spec wan-up wan-down distil soak
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -102,6 +102,10 @@ bench-pipeline: model
 ## bench-mbatch: 1-8 concurrent streams on 2-/3-stage fleets, plain and speculative, loopback and WAN 50 ms/hop; batch stacking (bench/results/mbatch.json)
 bench-mbatch: model
 	$(PY) -m bench.mbatch
+
+## soak: 200 requests from 16 clients with random cancels while stage 1 is killed and restarted (not in `make test`; SOAK_SHARDS=DIR uses an existing 2-stage export; bench/results/soak.json)
+soak: model
+	$(PY) -m bench.soak
 
 ## distil: train a DRAFT_LAYERS-layer draft on the 1-stage target's answers to synthetic prompts and export it (shards/<model>-distil<K>-v<N>; generating the answers at ~45 tokens/s dominates)
 distil: model

@@ -352,10 +352,12 @@ async def serve(
     credentials: grpc.ServerCredentials | None = None,
     shutdown_hooks: Sequence[ShutdownHook] = (),
     handle_signals: bool = True,
+    on_started: Callable[[GrpcServer], None] | None = None,
 ) -> None:
     """Starts a server from ``settings``, prints ``<name> listening on HOST:PORT`` to stdout, and
     returns after a signal-triggered drain. ``services`` may be a (sync or async) factory, called
-    inside the running loop, so servicers can create loop-bound objects (channels, queues)."""
+    inside the running loop, so servicers can create loop-bound objects (channels, queues).
+    ``on_started`` gets the running server (e.g. to report health that follows dependencies)."""
     if callable(services):
         made = services()
         services = await made if inspect.isawaitable(made) else made
@@ -368,6 +370,8 @@ async def serve(
         handle_signals=handle_signals,
     )
     await server.start()
+    if on_started is not None:
+        on_started(server)
     print(f"{name} listening on {server.address}", flush=True)
     await server.wait()
 
@@ -382,6 +386,7 @@ def run_server(
     shutdown_hooks: Sequence[ShutdownHook] = (),
     peers: str | None = None,
     node_name: str = "",
+    on_started: Callable[[GrpcServer], None] | None = None,
 ) -> int:
     """Entry-point helper: configures logging from ``settings``, serves until SIGTERM/SIGINT has
     drained the server, returns the exit status (0). With ``peers`` the TLS credentials and token
@@ -410,6 +415,7 @@ def run_server(
                 interceptors=interceptors,
                 credentials=credentials,
                 shutdown_hooks=shutdown_hooks,
+                on_started=on_started,
             )
         )
     except OSError as exc:

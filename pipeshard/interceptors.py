@@ -6,6 +6,9 @@ be async generators or coroutines that use ``context.write``) so that:
 * a domain error (:mod:`pipeshard.errors`) ends the call with the code its ``.code`` names and its
   message ("`top_p` must be in (0, 1], got 1.5");
 * ``TimeoutError`` ends it with DEADLINE_EXCEEDED;
+* ``NotImplementedError`` (an RPC the servicer does not override) ends it with UNIMPLEMENTED;
+* a request that does not parse (invalid UTF-8 in a string field, say) ends it with
+  INVALID_ARGUMENT naming the message type, instead of grpc's UNKNOWN and a logged traceback;
 * ``asyncio.CancelledError`` (the client went away) propagates untouched;
 * ``context.abort(...)`` called by a servicer passes through;
 * anything else ends it with INTERNAL, "internal error: <ExceptionType>" (no stack to the client),
@@ -35,7 +38,7 @@ import grpc
 import structlog
 
 from pipeshard import metrics
-from pipeshard.errors import PipeshardError
+from pipeshard.errors import InvalidArgument, PipeshardError
 
 REQUEST_ID_METADATA = "x-request-id"
 MAX_REQUEST_ID_CHARS = 128
@@ -116,10 +119,49 @@ async def _call_scope(call: _Call, context: grpc.aio.ServicerContext) -> AsyncIt
 Behavior = Callable[[Any, grpc.aio.ServicerContext], Any]
 
 
+@dataclass(frozen=True)
+class _Undecodable:
+    """Stands for a request message that did not parse; the handler turns it into INVALID_ARGUMENT."""
+
+    error: str
+
+    def fail(self) -> InvalidArgument:
+        return InvalidArgument("request", f"cannot be parsed: {self.error}")
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # protobuf's DecodeError; the message says which type
+            return _Undecodable(str(exc) or type(exc).__name__)
+
+    return parse
+
+
+def _checked(request: Any) -> Any:
+    """The request, or for a request stream an iterator that raises at the first undecodable message."""
+    if isinstance(request, _Undecodable):
+        raise request.fail()
+    if not hasattr(request, "__aiter__"):
+        return request
+
+    async def messages() -> AsyncIterator[Any]:
+        async for message in request:
+            if isinstance(message, _Undecodable):
+                raise message.fail()
+            yield message
+
+    return messages()
+
+
 def _wrap_unary_response(behavior: Behavior, call: _Call) -> Callable[..., Awaitable[Any]]:
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
         async with _call_scope(call, context):
-            result = behavior(request, context)
+            result = behavior(_checked(request), context)
             return await result if inspect.isawaitable(result) else result
 
     return handle
@@ -128,7 +170,7 @@ def _wrap_unary_response(behavior: Behavior, call: _Call) -> Callable[..., Await
 def _wrap_stream_response(behavior: Behavior, call: _Call) -> Callable[..., AsyncIterator[Any]]:
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         async with _call_scope(call, context):
-            result = behavior(request, context)
+            result = behavior(_checked(request), context)
             if hasattr(result, "aclose"):  # an async generator; closed at once if the call ends early,
                 async with contextlib.aclosing(result):  # so its finally blocks run (client gone)
                     async for message in result:
@@ -157,7 +199,7 @@ def _wrap(handler: grpc.RpcMethodHandler, call: _Call) -> grpc.RpcMethodHandler:
         if behavior is not None:
             return make_handler(
                 wrap(behavior, call),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
     return handler

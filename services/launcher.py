@@ -2,8 +2,9 @@
 
 Stages start from the last to the first, so each knows its next hop's address even when ports
 are ephemeral (port 0: each process prints ``<name> listening on HOST:PORT``, which is read
-back). Each process logs to ``<run_dir>/<name>.log`` and its pid goes to ``<run_dir>/pids``, so
-``make down`` stops exactly those processes.
+back). Each process logs to ``<run_dir>/<name>.log`` and its pid with its start time goes to
+``<run_dir>/pids``, so ``make down`` stops exactly those processes: a pid reused by another
+process since (its start time differs) is left alone.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def spawn(
     if not detach:
         _OWNED.append(popen)
     with (run_dir / "pids").open("a") as pids:
-        pids.write(f"{popen.pid} {name}\n")
+        pids.write(f"{popen.pid} {process_start_time(popen.pid)} {name}\n")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         match = _LISTENING.search(log.read_text())
@@ -114,6 +115,17 @@ def spawn(
         time.sleep(0.1)
     popen.kill()
     raise RuntimeError(f"{name} did not start within {timeout_s:g} s; see {log}")
+
+
+def process_start_time(pid: int) -> str:
+    """When ``pid`` started (clock ticks since boot, from /proc), or "" when it has exited.
+    A pid and its start time name one process: a recycled pid has a later start time."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    fields = stat.rpartition(")")[2].split()  # after the name, which may hold spaces
+    return "" if fields[0] == "Z" else fields[19]  # state, starttime: fields 3 and 22 of proc(5)
 
 
 def fleet_env() -> dict[str, str]:
@@ -229,28 +241,28 @@ def start_fleet(
 
 
 def stop_recorded(run_dir: Path, timeout_s: float = 15.0) -> list[str]:
-    """Stop the processes whose pids ``start_fleet`` recorded in ``run_dir``; returns their names."""
+    """Stop the processes whose pids ``start_fleet`` recorded in ``run_dir``; returns their names.
+    A pid whose process is gone, or is another process now (a different start time), is skipped."""
     pids_file = run_dir / "pids"
     if not pids_file.exists():
         return []
-    stopped = []
-    entries = [line.split(" ", 1) for line in pids_file.read_text().splitlines() if line.strip()]
-    for pid, name in entries:
-        try:
-            os.kill(int(pid), signal.SIGTERM)
-            stopped.append(name)
-        except ProcessLookupError:
+    ours: list[tuple[int, str, str]] = []
+    for line in pids_file.read_text().splitlines():
+        if not line.strip():
             continue
+        pid, started, name = line.split(" ", 2)
+        if process_start_time(int(pid)) != started:
+            print(f"not stopping pid {pid} ({name}): it is no longer the process started", file=sys.stderr)
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGTERM)
+            ours.append((int(pid), started, name))
     deadline = time.monotonic() + timeout_s
-    for pid, _ in entries:
-        while time.monotonic() < deadline:
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
-                break
+    for pid, started, _ in ours:
+        while time.monotonic() < deadline and process_start_time(pid) == started:
             time.sleep(0.1)
-        else:
+        if process_start_time(pid) == started:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
     pids_file.unlink()
-    return stopped
+    return [name for _, _, name in ours]

@@ -20,6 +20,16 @@ class Prompter:
 
         return cls(AutoTokenizer.from_pretrained(folder))
 
+    @staticmethod
+    def check_size(prompt: str, messages: list[tuple[str, str]], max_bytes: int) -> None:
+        """Refuses a prompt over ``max_bytes`` of UTF-8 before any tokenizing work is spent on it."""
+        field = "messages" if messages else "prompt"
+        size = (
+            sum(len(c.encode()) + len(r.encode()) for r, c in messages) if messages else len(prompt.encode())
+        )
+        if size > max_bytes:
+            raise InvalidArgument(field, f"is {size} bytes, above the limit of {max_bytes} bytes")
+
     def encode(self, prompt: str, messages: list[tuple[str, str]]) -> list[int]:
         if prompt and messages:
             raise InvalidArgument("prompt", "and `messages` are exclusive: set exactly one")

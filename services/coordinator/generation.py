@@ -114,6 +114,27 @@ class _Cursor:
             self.logical -= n
 
 
+def _take(
+    new: list[int], generated: list[int], detok: IncrementalDetokenizer, stop_ids: set[int], max_tokens: int
+) -> tuple[list[int], str, str]:
+    """Appends accepted tokens up to a stop or the limit: (tokens emitted, finish, text delta)."""
+    emitted: list[int] = []
+    finish = "length"
+    for token in new:
+        generated.append(token)
+        emitted.append(token)
+        if token in stop_ids:
+            finish = "stop"
+        else:
+            detok.add(token)
+            if detok.stopped:
+                finish = "stop"
+        if finish == "stop" or len(generated) >= max_tokens:
+            break
+    done = finish == "stop" or len(generated) >= max_tokens
+    return emitted, finish, detok.delta(final=done)
+
+
 class Generation:
     """Runs one request over the ring, yielding Chunks and then one Summary."""
 
@@ -138,6 +159,10 @@ class Generation:
         self.timing = TimingModel()  # traversal cost by positions, learned across requests
         self._sources: dict[str, SourceMemory] = {}  # acceptance by draft source, across requests
         self._releases: set[asyncio.Task] = set()
+
+    async def released(self) -> None:
+        """Waits for the session releases still under way (before the ring closes)."""
+        await asyncio.gather(*self._releases, return_exceptions=True)
 
     def check_speculative(self, speculative: str, k: int) -> str:
         """The mode a request resolves to; InvalidArgument for an unknown source or K."""
@@ -209,20 +234,12 @@ class Generation:
                         stats.accepted_tokens += kept
                 if not generated:
                     first_at = time.perf_counter()
-                emitted = []
-                for token in new:
-                    generated.append(token)
-                    emitted.append(token)
-                    if token in stop_ids:
-                        finish = "stop"
-                    else:
-                        detok.add(token)
-                        if detok.stopped:
-                            finish = "stop"
-                    if finish == "stop" or len(generated) >= params.max_tokens:
-                        break
+                # Detokenization runs on a worker thread: a slow decode must not stall other streams.
+                emitted, finish, text = await asyncio.to_thread(
+                    _take, new, generated, detok, stop_ids, params.max_tokens
+                )
                 done = finish == "stop" or len(generated) >= params.max_tokens
-                yield Chunk(text=detok.delta(final=done), token_ids=emitted)
+                yield Chunk(text=text, token_ids=emitted)
                 if done:
                     break
                 context.extend(new)

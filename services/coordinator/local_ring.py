@@ -49,6 +49,7 @@ class LocalRing:
                 is_last=r.is_last,
                 hidden_size=r.hidden_size,
                 max_context=r.max_context,
+                vocab_size=r.vocab_size,
             )
             for r in self.runners
         ]

@@ -9,8 +9,8 @@ from pathlib import Path
 import structlog
 
 from pipeshard.errors import InvalidArgument
+from pipeshard.grpc_server import GrpcServer, run_server
 from pipeshard.shard.serving import hold_serving_lock
-from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.coordinator.admission import Admission
@@ -28,7 +28,7 @@ from pipeshard.shard.prompting import Prompter
 from pipeshard.shard.runtime import WARMUP_PREFILL
 from pipeshard.tls import TlsConfig
 from pipeshard.topology import Topology
-from pipeshard.v1 import coordinator_pb2_grpc
+from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
@@ -52,6 +52,9 @@ class CoordinatorSettings(ServerSettings):
     max_per_client: int = setting(
         24,
         "running plus queued requests of one client (its token, else its host); beyond it RESOURCE_EXHAUSTED",
+    )
+    max_prompt_bytes: int = setting(
+        256 * 1024, "largest prompt (or sum of message contents) in UTF-8 bytes, checked before tokenizing"
     )
     prefill_chunk: int = setting(
         DEFAULT_PREFILL_CHUNK,
@@ -155,6 +158,7 @@ class Coordinator:
             admission=Admission(
                 self.settings.max_running, self.settings.max_queue, self.settings.max_per_client
             ),
+            max_prompt_bytes=self.settings.max_prompt_bytes,
         )
 
     async def _warmup(self, generation: Generation, prompter: Prompter, max_context: int) -> None:
@@ -194,7 +198,26 @@ class Coordinator:
         node, info = build_node(stage)
         return LocalEntry(node), LocalStageStub(StageServicer(node, info))
 
+    def report_health(self, server: GrpcServer) -> None:
+        """Health ("" and the service) follows the ring: NOT_SERVING while any stage is unreachable."""
+        names = ("", coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name)
+
+        def report(serving: bool) -> None:
+            for name in names:
+                server.set_serving(name, serving)
+
+        self.ring.on_health = report
+        report(self.ring.healthy)
+
     async def close(self) -> None:
+        """Graceful stop: no new requests, running ones get the grace period, the rest are ended
+        with a final CANCELLED summary; then the ring closes with no session left on a stage."""
+        if hasattr(self, "servicer"):  # started
+            grace = self.settings.grace_seconds
+            if not await self.servicer.drain(grace):
+                self.ring.stop_steps(f"coordinator shut down; generation stopped after its {grace:g} s grace")
+                await self.servicer.drain(5.0)  # their final messages go out
+            await self.servicer.released()
         await self.ring.close()
 
 
@@ -214,4 +237,5 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_hooks=[coordinator.close],
         peers="clients",
         node_name="coordinator",
+        on_started=coordinator.report_health,
     )

@@ -5,14 +5,18 @@ carry every session's steps; a step is a future keyed by (session id, step id). 
 calls (open, release) go to every stage directly. Every call carries this ring's owner secret
 (pipeshard.ownership) and every frame its owner key, so stages keep its sessions to itself; a
 Results subscription on every remote stage is its lease there (sessions are released a few
-seconds after it closes). When a step misses its deadline the ring
-asks each stage for its info and names the first that does not answer.
+seconds after it closes). A :class:`StageWatch` holds a health stream to every remote stage:
+when one breaks, every pending step fails at once with UNAVAILABLE naming the stage (the step
+deadline remains for a stage that freezes: then the ring asks each stage for its info and names
+the first that does not answer). Releases a stage missed while unreachable are sent again as
+aborts when it answers again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 
 import grpc
 import structlog
@@ -20,6 +24,7 @@ import structlog
 from pipeshard.errors import DeadlineExceeded, PipeshardError, Unavailable
 from pipeshard.ownership import new_secret, owner_key, owner_metadata
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
+from pipeshard.services.coordinator.stage_watch import StageWatch
 from pipeshard.services.transport.channels import open_channel
 from pipeshard.services.transport.hop import HopStream, keep_open
 from pipeshard.tls import TlsConfig
@@ -32,6 +37,9 @@ log = structlog.get_logger(__name__)
 TIMEOUT_ROWS = 256
 
 
+_MAX_UNRELEASED = 4096  # sessions remembered per unreachable stage, to abort when it returns
+
+
 class StageFailed(PipeshardError):
     """A stage rejected or failed a step; carries that stage's status code."""
 
@@ -39,6 +47,10 @@ class StageFailed(PipeshardError):
         super().__init__(f"stage {error.stage_index}: {error.message}")
         self.code = error.code or "INTERNAL"
         self.stage_index = error.stage_index
+
+
+class ShuttingDown(Unavailable):
+    """The coordinator stopped the generations still running at the end of its shutdown grace."""
 
 
 class Ring:
@@ -81,6 +93,19 @@ class Ring:
         self._remote = self._stubs[self.num_stages - len(stage_addresses) :]
         self._subscriptions: list[asyncio.Task] = []
         self._subscribed = [asyncio.Event() for _ in self._remote]
+        first_remote = self.num_stages - len(self._channels)
+        self.watch = StageWatch(
+            {first_remote + j: c for j, c in enumerate(self._channels)}, self.addresses, self._on_reachability
+        )
+        self.on_health: Callable[[bool], None] = lambda serving: None  # the coordinator's health
+        self._unreleased: dict[int, set[str]] = {}  # stage -> sessions it missed the release of
+        self._background: set[asyncio.Task] = set()
+        self._stopped: ShuttingDown | None = None
+
+    @property
+    def healthy(self) -> bool:
+        """True while every stage is reachable."""
+        return not self.watch.down
 
     async def start(self) -> None:
         self._entry.start()
@@ -88,11 +113,19 @@ class Ring:
             asyncio.create_task(self._subscribe(i), name=f"ring-results-{i}")
             for i in range(len(self._remote))
         ]
+        self.watch.start()
+
+    def stop_steps(self, reason: str) -> None:
+        """Fails every pending and future step with :class:`ShuttingDown` (end of a drain)."""
+        self._stopped = ShuttingDown(reason)
+        self._fail_pending(self._stopped)
 
     async def close(self) -> None:
-        for task in self._subscriptions:
+        await self.watch.close()
+        tasks = [*self._subscriptions, *self._background]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._subscriptions, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._entry.close()
         for channel in self._channels:
             await channel.close()
@@ -103,6 +136,10 @@ class Ring:
 
     async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
         """Send one frame around the ring and wait for the final stage's result."""
+        if self._stopped is not None:
+            raise self._stopped
+        if self.watch.down:
+            raise Unavailable(self.watch.describe(min(self.watch.down)))
         frame.owner = self._owner
         key = (frame.session_id, frame.step_id)
         future = asyncio.get_running_loop().create_future()
@@ -111,7 +148,7 @@ class Ring:
             await self._entry.send(frame)
             result = await asyncio.wait_for(future, self.timeout_for(len(frame.positions)))
         except TimeoutError:
-            raise await self._diagnose() from None
+            raise await self._diagnose() from None  # a stage named here fails the other steps too
         finally:
             self._pending.pop(key, None)
         if result.HasField("error"):
@@ -127,16 +164,22 @@ class Ring:
         """Open the session on every stage; returns the smallest max_context among them."""
         try:
             responses = await self._on_all("OpenSession", stage_pb2.OpenSessionRequest(session_id=session_id))
-        except PipeshardError:
-            await self.release_session(session_id)  # all or nothing: no half-open session lingers
+        except BaseException:
+            # All or nothing, also when the caller is cancelled meanwhile: no half-open session lingers.
+            self._in_background(self.release_session(session_id), f"release-{session_id}")
             raise
         return min(r.max_context for r in responses)
 
     async def release_session(self, session_id: str) -> None:
-        """Release on every stage, tolerating stages that are down (their reaper frees it later)."""
-        await self._on_all(
+        """Release on every stage, tolerating stages that are down: each is sent an abort for it
+        again when it answers again (a frozen stage still holds the session then)."""
+        responses = await self._on_all(
             "ReleaseSession", stage_pb2.ReleaseSessionRequest(session_id=session_id), tolerate=True
         )
+        for i, response in enumerate(responses):
+            missed = self._unreleased.setdefault(i, set())
+            if response is None and len(missed) < _MAX_UNRELEASED:
+                missed.add(session_id)  # beyond the cap (a long outage) the stage's reaper frees them
 
     async def abort_session(self, session_id: str, reason: str) -> None:
         """Abort on every stage after a failed generation (logged there with the reason); frees
@@ -176,17 +219,64 @@ class Ring:
                     return None
                 raise _stage_rpc_error(i, self.addresses[i], exc) from None
 
-        return list(await asyncio.gather(*(call(i) for i in range(self.num_stages))))
+        # Every call is waited for before an error is raised: a release that overtook a still
+        # running open would leave that stage's session behind.
+        results = await asyncio.gather(*(call(i) for i in range(self.num_stages)), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
 
     async def _diagnose(self) -> PipeshardError:
-        for i, stub in enumerate(self._stubs):
+        async def probe(i: int) -> str | None:
             try:
-                await stub.GetStageInfo(
+                await self._stubs[i].GetStageInfo(
                     stage_pb2.GetStageInfoRequest(), timeout=self.control_timeout_s, metadata=self._metadata
                 )
             except grpc.aio.AioRpcError as exc:
-                return Unavailable(f"stage {i} at {self.addresses[i]} is not answering ({exc.code().name})")
+                return exc.code().name
+            return None
+
+        answers = await asyncio.gather(*(probe(i) for i in range(self.num_stages)))
+        for i, code in enumerate(answers):
+            if code is not None:
+                self.watch.mark_down(i, f"not answering: {code}")
+                return Unavailable(f"stage {i} at {self.addresses[i]} is not answering ({code})")
         return DeadlineExceeded(f"no result from the pipeline within {self.step_timeout_s:g} s")
+
+    def _fail_pending(self, error: PipeshardError) -> None:
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+
+    def _on_reachability(self, index: int, up: bool, reason: str) -> None:
+        if up:
+            sessions = self._unreleased.pop(index, set())
+            if sessions:
+                self._in_background(self._abort_on(index, sessions), f"abort-on-stage{index}")
+        else:
+            self._fail_pending(Unavailable(self.watch.describe(index)))
+        self.on_health(self.healthy)
+
+    def _in_background(self, coro, name: str) -> None:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort_on(self, index: int, sessions: set[str]) -> None:
+        """Frees on a stage that is back the sessions whose release it missed."""
+        for session_id in sessions:
+            request = stage_pb2.AbortSessionRequest(
+                session_id=session_id, reason="released while this stage was unreachable"
+            )
+            try:
+                await self._stubs[index].AbortSession(
+                    request, timeout=self.control_timeout_s, metadata=self._metadata
+                )
+            except grpc.aio.AioRpcError as exc:
+                log.warning("stage_abort_failed", stage=index, session_id=session_id, code=exc.code().name)
+                self._unreleased.setdefault(index, set()).add(session_id)
 
     def _on_entry_error(self, response: stage_pb2.ForwardResponse) -> None:
         # Stage 0's own errors also travel the ring; this only logs them early.

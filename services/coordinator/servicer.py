@@ -1,13 +1,22 @@
-"""CoordinatorService over gRPC: GenerateRequest in, Generation run, GenerateResponse stream out."""
+"""CoordinatorService over gRPC: GenerateRequest in, Generation run, GenerateResponse stream out.
+
+On shutdown :meth:`CoordinatorServicer.drain` refuses new requests with UNAVAILABLE and waits for
+the running ones; a generation the ring then stops (:class:`ShuttingDown`) still ends its stream
+with a summary, FINISH_REASON_CANCELLED, instead of a bare transport error.
+"""
 
 from __future__ import annotations
+
+import asyncio
 
 import structlog
 
 from pipeshard.auth import client_identity
+from pipeshard.errors import Unavailable
 from pipeshard.interceptors import MAX_REQUEST_ID_CHARS
 from pipeshard.services.coordinator.admission import Admission
 from pipeshard.services.coordinator.generation import Chunk, Generation
+from pipeshard.services.coordinator.ring import ShuttingDown
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.shard.prompting import Prompter
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -50,24 +59,56 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         vocab_size: int,
         default_max_tokens: int,
         admission: Admission,
+        max_prompt_bytes: int,
     ):
         self._admission = admission
+        self._max_prompt_bytes = max_prompt_bytes
         self._generation = generation
         self._prompter = prompter
         self._max_context = max_context
         self._vocab_size = vocab_size
         self._default_max_tokens = default_max_tokens
+        self._draining = False
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Stops admission and waits up to ``timeout_s`` for running generations; True if none remain."""
+        self._draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def released(self) -> None:
+        await self._generation.released()
+
+    def _refuse_if_draining(self) -> None:
+        if self._draining:
+            raise Unavailable("coordinator is shutting down and takes no new requests; retry elsewhere")
 
     async def Generate(self, request, context):
+        self._refuse_if_draining()
+        self._active += 1
+        self._idle.clear()
         # The request's own id names this generation in the logs (else the interceptor's).
         ids = {"request_id": request.request_id[:MAX_REQUEST_ID_CHARS]} if request.request_id else {}
-        with structlog.contextvars.bound_contextvars(**ids):
-            async for response in self._generate(request, context):
-                yield response
+        try:
+            with structlog.contextvars.bound_contextvars(**ids):
+                async for response in self._generate(request, context):
+                    yield response
+        finally:
+            self._active -= 1
+            if not self._active:
+                self._idle.set()
 
     async def _generate(self, request, context):
         messages = [(m.role, m.content) for m in request.messages]
-        prompt_ids = self._prompter.encode(request.prompt, messages)
+        self._prompter.check_size(request.prompt, messages, self._max_prompt_bytes)
+        # Tokenizing runs on a worker thread: a long prompt must not stall the other streams.
+        prompt_ids = await asyncio.to_thread(self._prompter.encode, request.prompt, messages)
         params = params_from_proto(request.params, self._default_max_tokens)
         params.validate(
             prompt_tokens=len(prompt_ids), max_context=self._max_context, vocab_size=self._vocab_size
@@ -76,10 +117,31 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         async with self._admission.slot(
             context.time_remaining() if context else None, client_identity(context) if context else ""
         ):
+            self._refuse_if_draining()  # queued while the drain began
             async for response in self._stream(prompt_ids, params, request.speculative, request.k):
                 yield response
 
     async def _stream(self, prompt_ids: list[int], params: SamplingParams, speculative: str, k: int):
+        token_ids: list[int] = []
+        text: list[str] = []
+        try:
+            async for response in self._responses(prompt_ids, params, speculative, k):
+                if response.HasField("chunk"):
+                    token_ids.extend(response.chunk.token_ids)
+                    text.append(response.chunk.text)
+                yield response
+        except ShuttingDown as exc:
+            yield coordinator_pb2.GenerateResponse(
+                summary=coordinator_pb2.GenerateSummary(
+                    finish_reason=coordinator_pb2.FINISH_REASON_CANCELLED,
+                    prompt_tokens=len(prompt_ids),
+                    completion_tokens=len(token_ids),
+                    text="".join(text),
+                    error=str(exc),
+                )
+            )
+
+    async def _responses(self, prompt_ids: list[int], params: SamplingParams, speculative: str, k: int):
         async for event in self._generation.run(prompt_ids, params, speculative=speculative, k=k):
             if isinstance(event, Chunk):
                 yield coordinator_pb2.GenerateResponse(

@@ -16,13 +16,21 @@ class StageEngine:
     """The stage's compute: validates a step against the shard's ports and runs it."""
 
     def __init__(
-        self, sessions: SessionTable, *, is_first: bool, is_last: bool, hidden_size: int, max_context: int
+        self,
+        sessions: SessionTable,
+        *,
+        is_first: bool,
+        is_last: bool,
+        hidden_size: int,
+        max_context: int,
+        vocab_size: int,
     ):
         self.sessions = sessions
         self.is_first = is_first
         self.is_last = is_last
         self.hidden_size = hidden_size
         self.max_context = max_context
+        self.vocab_size = vocab_size
 
     def run(self, step: StepInput) -> StepOutput:
         session = self.sessions.get(step.owner, step.session_id)
@@ -31,6 +39,10 @@ class StageEngine:
             raise InvalidArgument(
                 "positions", f"has {len(step.positions)} entries for {x.shape[1]} new tokens"
             )
+        # Out-of-range ids or positions would index the embedding or rotary tables out of bounds.
+        _check_range("positions", step.positions, self.max_context)
+        if self.is_first:
+            _check_range("input_ids", x, self.vocab_size)
         check_room(session.past_length, x.shape[1], self.max_context)
         for start, end in step.invalidate:
             if not 0 <= start <= end <= session.past_length:
@@ -73,3 +85,9 @@ class StageEngine:
             )
         # Wire buffers are read-only; OpenVINO shares memory only with writeable arrays.
         return np.require(x, requirements=["C", "W"])
+
+
+def _check_range(field: str, values: np.ndarray, limit: int) -> None:
+    if values.size and (values.min() < 0 or values.max() >= limit):
+        bad = values[(values < 0) | (values >= limit)].flat[0]
+        raise InvalidArgument(field, f"must lie in [0, {limit}), got {int(bad)}")

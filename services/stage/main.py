@@ -134,6 +134,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         is_last=runner.is_last,
         hidden_size=runner.hidden_size,
         max_context=runner.max_context,
+        vocab_size=runner.vocab_size,
     )
     delay_s = settings.hop_delay_ms / 1000.0
     hop = (

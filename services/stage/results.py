@@ -5,6 +5,9 @@ owner's sessions. Every stage accepts subscriptions: on a non-final stage one ca
 but is the owner's lease, so the stage can release an owner's sessions soon after its last
 subscription closes (see StageNode.start_reaper).
 
+Each subscription's queue is bounded: a subscriber that falls ``max_pending`` results behind
+is disconnected (its stream ends with RESOURCE_EXHAUSTED) rather than buffered without limit.
+
 With ``delay_s`` > 0 (the final stage's ``--hop-delay-ms``) each subscription is a
 :class:`DelayQueue`, so results reach the coordinator one emulated hop late: the return leg is
 delayed where it is sent, like every other hop.
@@ -16,40 +19,77 @@ import asyncio
 
 import structlog
 
+from pipeshard.errors import ResourceExhausted
 from pipeshard.services.transport.delay import DelayQueue
 from pipeshard.v1 import activation_pb2
 
 log = structlog.get_logger(__name__)
 
 
-class ResultBroker:
-    def __init__(self, delay_s: float = 0.0) -> None:
-        self._delay_s = delay_s
-        self._queues: dict[tuple[str, str], asyncio.Queue | DelayQueue] = {}
+class Subscription:
+    """One subscriber's queue of results; ``None`` ends it, an overflow ends it with an error."""
 
-    def subscribe(self, owner: str, subscriber_id: str) -> asyncio.Queue | DelayQueue:
+    def __init__(self, subscriber_id: str, delay_s: float, max_pending: int):
+        self.subscriber_id = subscriber_id
+        self.max_pending = max_pending
+        self._queue: asyncio.Queue | DelayQueue = (
+            DelayQueue(delay_s, max_pending) if delay_s > 0 else asyncio.Queue(max_pending)
+        )
+        self._overflowed = False
+
+    def put(self, item: activation_pb2.StepResult | None) -> bool:
+        """False when the subscriber is too far behind (it is then ended, see :meth:`get`)."""
+        try:
+            self._queue.put_nowait(item)
+        except asyncio.QueueFull:
+            self._overflowed = True
+            return False
+        return True
+
+    async def get(self) -> activation_pb2.StepResult | None:
+        # A full queue means the reader is stuck: the flag is seen at its next read, at the latest.
+        if self._overflowed:
+            raise self._overflow_error()
+        return await self._queue.get()
+
+    def _overflow_error(self) -> ResourceExhausted:
+        return ResourceExhausted(
+            f"results subscriber {self.subscriber_id!r} fell {self.max_pending} results behind and was "
+            "disconnected; read faster and subscribe again"
+        )
+
+
+class ResultBroker:
+    def __init__(self, delay_s: float = 0.0, max_pending: int = 4096) -> None:
+        self._delay_s = delay_s
+        self._max_pending = max_pending
+        self._subscriptions: dict[tuple[str, str], Subscription] = {}
+
+    def subscribe(self, owner: str, subscriber_id: str) -> Subscription:
         """A new subscription replaces the owner's older one with the same id (a reconnecting
         coordinator); another owner's subscriptions are untouched whatever their ids."""
-        queue = DelayQueue(self._delay_s) if self._delay_s > 0 else asyncio.Queue()
-        self._queues[(owner, subscriber_id)] = queue
-        return queue
+        subscription = Subscription(subscriber_id, self._delay_s, self._max_pending)
+        self._subscriptions[(owner, subscriber_id)] = subscription
+        return subscription
 
-    def unsubscribe(self, owner: str, subscriber_id: str, queue: asyncio.Queue | DelayQueue) -> None:
-        if self._queues.get((owner, subscriber_id)) is queue:
-            del self._queues[(owner, subscriber_id)]
+    def unsubscribe(self, owner: str, subscriber_id: str, subscription: Subscription) -> None:
+        if self._subscriptions.get((owner, subscriber_id)) is subscription:
+            del self._subscriptions[(owner, subscriber_id)]
 
     def subscribed(self, owner: str) -> bool:
-        return any(o == owner for o, _ in self._queues)
+        return any(o == owner for o, _ in self._subscriptions)
 
     def close(self) -> None:
         """Ends every subscription (a None tells the stream to finish)."""
-        for queue in self._queues.values():
-            queue.put_nowait(None)
+        for subscription in self._subscriptions.values():
+            subscription.put(None)
 
     def publish(self, result: activation_pb2.StepResult, owner: str) -> None:
-        """Deliver to ``owner``'s subscriptions only."""
-        queues = [q for (o, _), q in self._queues.items() if o == owner]
-        if not queues:
+        """Deliver to ``owner``'s subscriptions only; one too far behind is disconnected."""
+        mine = [(key, s) for key, s in self._subscriptions.items() if key[0] == owner]
+        if not mine:
             log.warning("result_dropped_no_subscriber", session_id=result.session_id, step_id=result.step_id)
-        for queue in queues:
-            queue.put_nowait(result)
+        for (_, subscriber_id), subscription in mine:
+            if not subscription.put(result):
+                log.warning("results_subscriber_too_slow", subscriber_id=subscriber_id)
+                self.unsubscribe(owner, subscriber_id, subscription)

@@ -38,13 +38,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     async def Results(self, request, context):
         owner = _owner(context)
-        queue = self._node.results.subscribe(owner, request.subscriber_id)
+        subscription = self._node.results.subscribe(owner, request.subscriber_id)
         await context.send_initial_metadata(())  # lets the subscriber see it is live
         try:
-            while (result := await queue.get()) is not None:
+            while (result := await subscription.get()) is not None:
                 yield stage_pb2.ResultsResponse(result=result)
         finally:
-            self._node.results.unsubscribe(owner, request.subscriber_id, queue)
+            self._node.results.unsubscribe(owner, request.subscriber_id, subscription)
 
     async def OpenSession(self, request, context):
         self._node.engine.sessions.open(_owner(context), request.session_id)

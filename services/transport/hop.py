@@ -12,7 +12,7 @@ With ``delay_s`` > 0 (``--hop-delay-ms``, the in-process WAN emulation) the queu
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -66,10 +66,13 @@ class HopStream:
         if self._owns_channel:
             await self._channel.close()
 
-    async def _requests(self) -> AsyncIterator[stage_pb2.ForwardRequest]:
+    async def _write(self, call) -> None:
+        """Feeds the queue into one call. Owned by ``_run`` and cancelled when the call ends, so a
+        broken call never takes a frame meant for the next one (grpc's own iterator poller
+        outlives a call that ended by itself and would)."""
         while True:
             frame = await self._queue.get()
-            yield stage_pb2.ForwardRequest(frame=frame)
+            await call.write(stage_pb2.ForwardRequest(frame=frame))
 
     async def _run(self) -> None:
         def on_response(response: stage_pb2.ForwardResponse) -> None:
@@ -77,12 +80,21 @@ class HopStream:
                 self._on_error(response)
 
         await keep_open(
-            lambda: self._stub.Forward(self._requests(), wait_for_ready=True),
+            lambda: self._stub.Forward(wait_for_ready=True),
             on_response,
             self.connected,
             "hop",
+            write=self._write,
             address=self.address,
         )
+
+    async def _write(self, call) -> None:
+        """Feeds the queue into one call. Owned by ``keep_open`` and cancelled when the call ends, so
+        a broken call never takes a frame meant for the next one (grpc's own request-iterator
+        poller outlives a call that ended by itself and would)."""
+        while True:
+            frame = await self._queue.get()
+            await call.write(stage_pb2.ForwardRequest(frame=frame))
 
 
 async def keep_open(
@@ -90,21 +102,30 @@ async def keep_open(
     on_message: Callable[[Any], None],
     connected: asyncio.Event,
     name: str,
+    *,
+    write: Callable[[Any], Awaitable[None]] | None = None,
     **log_fields: Any,
 ) -> None:
     """Hold one persistent streaming call open for good: (re)open it, mark ``connected`` while it
-    is up, hand every message to ``on_message``, reopen 0.2 s after it breaks (until cancelled)."""
+    is up, hand every message to ``on_message``, reopen 0.2 s after it breaks (until cancelled).
+    ``write(call)``, for a bidirectional call, runs as a task for the life of each call."""
     while True:
         call = open_call()
+        writer: asyncio.Task | None = None
         try:
             await call.wait_for_connection()
             connected.set()
             log.info(f"{name}_connected", **log_fields)
+            if write is not None:
+                writer = asyncio.create_task(write(call), name=f"{name}-write")
             async for message in call:
                 on_message(message)
         except grpc.aio.AioRpcError as exc:
             log.warning(f"{name}_stream_broken", code=exc.code().name, details=exc.details(), **log_fields)
         finally:
             connected.clear()
+            if writer is not None:
+                writer.cancel()
+                await asyncio.gather(writer, return_exceptions=True)
             call.cancel()
         await asyncio.sleep(0.2)

@@ -62,3 +62,16 @@ def test_compose_publishes_only_the_coordinator_and_metrics_and_only_on_loopback
         name for name, ports in published.items() for p in ports if p.split(":")[1].startswith("50")
     }
     assert grpc_ports == {"coordinator"}
+def test_every_service_runs_unprivileged_with_a_grpc_health_check():
+    compose = yaml.safe_load(COMPOSE.read_text())
+    dockerfile = (COMPOSE.parent / "Dockerfile").read_text()
+    assert "--index-url https://download.pytorch.org/whl/cpu" in dockerfile
+    assert "\nUSER 10001" in dockerfile and "\nHEALTHCHECK " in dockerfile
+    probe = ["CMD", "python", "/usr/local/bin/pipeshard-healthcheck"]
+    for name, service in compose["services"].items():
+        assert service["user"] == "10001:10001", name
+        assert service["healthcheck"]["test"] == probe, name
+    assert compose["services"]["coordinator"]["depends_on"] == {
+        "stage0": {"condition": "service_healthy"},
+        "stage1": {"condition": "service_healthy"},
+    }

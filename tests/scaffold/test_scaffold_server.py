@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -244,3 +248,45 @@ def test_metrics_server_serves_rpc_metrics_and_zero_disables(stage):
         in body
     )
     assert "pipeshard_rpc_duration_seconds_bucket" in body
+
+
+# ---------------------------------------------------------------- requests that do not parse
+
+
+def _bad_utf8(message) -> bytes:
+    """``message`` serialized with its last string byte replaced by an invalid UTF-8 byte."""
+    data = bytearray(message.SerializeToString())
+    data[-1] = 0xFF
+    return bytes(data)
+
+
+def test_invalid_utf8_is_invalid_argument_for_unary_and_streaming_calls(scaffold_server, channel, stage):
+    unary = channel.unary_unary(f"/{STAGE_SERVICE}/OpenSession")
+    with pytest.raises(grpc.RpcError) as err:
+        unary(_bad_utf8(stage_pb2.OpenSessionRequest(session_id="s")), timeout=TIMEOUT)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "`request` cannot be parsed" in err.value.details() and "UTF-8" in err.value.details()
+    streaming = channel.stream_stream(f"/{STAGE_SERVICE}/Forward")
+    bad_frame = stage_pb2.ForwardRequest(frame=activation_pb2.ActivationFrame(session_id="s"))
+    with pytest.raises(grpc.RpcError) as err:
+        list(streaming(iter([_bad_utf8(bad_frame)]), timeout=TIMEOUT))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    _assert_still_serving(stage)
+
+
+def test_the_container_healthcheck_probes_grpc_health(scaffold_server):
+    script = Path(__file__).resolve().parents[2] / "docker" / "healthcheck.py"
+
+    def probe(port: int) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PIPESHARD_PORT": str(port)}
+        return subprocess.run(
+            [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=30
+        )
+
+    up = probe(scaffold_server.port)
+    assert up.returncode == 0 and "SERVING" in up.stdout
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    down = probe(free)
+    assert down.returncode == 1 and "UNAVAILABLE" in down.stderr

@@ -76,7 +76,7 @@ def test_results_are_delayed_at_the_final_stage():
 def test_zero_delay_keeps_the_plain_queues():
     async def run():
         hop, delayed = HopStream("127.0.0.1:9"), HopStream("127.0.0.1:9", delay_s=DELAY_S)
-        kinds = type(hop._queue), type(delayed._queue), type(ResultBroker().subscribe("o", "c"))
+        kinds = type(hop._queue), type(delayed._queue), type(ResultBroker().subscribe("o", "c")._queue)
         await hop.close()
         await delayed.close()
         return kinds
