@@ -22,9 +22,9 @@ import structlog
 from pipeshard import paths
 from pipeshard.errors import InvalidArgument, NotFound
 from pipeshard.exporter.export import ExportResult, ProgressEvent, export_model
-from pipeshard.shard.serving import not_served
 from pipeshard.model.fetch import resolve_model_source
 from pipeshard.shard.manifest import MANIFEST, WEIGHT_FORMATS, file_sha256, load_manifest
+from pipeshard.shard.serving import not_served
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc
 
 log = structlog.get_logger(__name__)

@@ -46,6 +46,7 @@ class RingLike(Protocol):
 
     async def abort_session(self, session_id: str, reason: str) -> None: ...
 
+
 # Prompt tokens per prefill step: the whole context, so a prompt is prefilled in one pass. Measured
 # (docs/BENCHMARKS.md, bench-prefill): with the KV cache as graph state, the CPU plugin runs every
 # multi-row step on a non-empty cache through its one-token attention kernel (scaled_attn.cpp:

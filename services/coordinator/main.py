@@ -10,7 +10,6 @@ import structlog
 
 from pipeshard.errors import InvalidArgument
 from pipeshard.grpc_server import GrpcServer, run_server
-from pipeshard.shard.serving import hold_serving_lock
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.coordinator.admission import Admission
@@ -26,6 +25,7 @@ from pipeshard.settings import ServerSettings, load_settings, setting
 from pipeshard.shard.manifest import load_manifest
 from pipeshard.shard.prompting import Prompter
 from pipeshard.shard.runtime import WARMUP_PREFILL
+from pipeshard.shard.serving import hold_serving_lock
 from pipeshard.tls import TlsConfig
 from pipeshard.topology import Topology
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -179,6 +179,7 @@ class Coordinator:
             tokens=tokens,
             seconds=round(time.perf_counter() - started, 3),
         )
+
     def _tls(self) -> TlsConfig | None:
         """The coordinator's fleet certificate, presented to the stages (None = plaintext)."""
         if self.settings.tls_dir is None:

@@ -9,7 +9,6 @@ from pathlib import Path
 import structlog
 
 from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound
-from pipeshard.shard.serving import hold_serving_lock
 from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
@@ -23,6 +22,7 @@ from pipeshard.settings import ServerSettings, load_settings, setting
 from pipeshard.shard.manifest import verify_shard
 from pipeshard.shard.pull import pull_shard
 from pipeshard.shard.runtime import ShardRunner
+from pipeshard.shard.serving import hold_serving_lock
 from pipeshard.tensor_codec import Codec
 from pipeshard.tls import TlsConfig
 from pipeshard.topology import Topology

@@ -62,6 +62,8 @@ def test_compose_publishes_only_the_coordinator_and_metrics_and_only_on_loopback
         name for name, ports in published.items() for p in ports if p.split(":")[1].startswith("50")
     }
     assert grpc_ports == {"coordinator"}
+
+
 def test_every_service_runs_unprivileged_with_a_grpc_health_check():
     compose = yaml.safe_load(COMPOSE.read_text())
     dockerfile = (COMPOSE.parent / "Dockerfile").read_text()

@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from pipeshard.auth import token_metadata
-from pipeshard.shard.serving import hold_serving_lock
 from pipeshard.services.launcher import spawn
+from pipeshard.shard.serving import hold_serving_lock
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc
 
 pytestmark = pytest.mark.slow
