@@ -13,7 +13,6 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 from pipeshard.clients.client import GenerateResult, PipeshardClient, fold
-from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 
 DEFAULT_COORDINATOR = "127.0.0.1:50051"
 
@@ -53,7 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--k", type=_k, default=0, metavar="N|auto", help="drafts per verify step (default auto)")
     p.add_argument("--self-draft", type=Path, default=None, help="--local only: the self-draft export")
-    p.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION, help="--local only")
+    p.add_argument(
+        "--precision", default=None, help="--local only: default, f32 or exact (unset: the services' default)"
+    )
     p.add_argument("--stream", action="store_true", help="print text as it arrives")
     p.add_argument("--json", action="store_true", help="print one JSON object with the result")
     p.set_defaults(func=run)

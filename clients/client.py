@@ -20,12 +20,15 @@ from pathlib import Path
 
 import grpc
 
-from pipeshard import paths
-from pipeshard.auth import token_metadata
-from pipeshard.tls import client_credentials
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
 
+# Where `make up SECURE=1` leaves the fleet's CA certificate and client token (docs/SECURITY.md).
+# The client knows only the contract, so these defaults are spelled here, not imported.
 RUN_CA_CERT = Path("run") / "ca.pem"
+
+
+def _stored_token_file() -> Path:
+    return Path(os.environ.get("PIPESHARD_CERTS_DIR", "certs")) / "token"
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class Connection:
                 ca_cert = RUN_CA_CERT
         if ca_cert is not None and token is None:
             token = os.environ.get("PIPESHARD_TOKEN")
-            stored = paths.certs_dir() / "token"
+            stored = _stored_token_file()
             if token is None and stored.is_file():
                 token = stored.read_text().strip()
         if token is None:
@@ -55,17 +58,21 @@ class Connection:
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        return token_metadata(self.token)
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def _credentials(self) -> grpc.ChannelCredentials:
+        # Verifies the coordinator against the fleet CA; a client presents no certificate.
+        return grpc.ssl_channel_credentials(root_certificates=Path(self.ca_cert).read_bytes())
 
     def channel(self, address: str) -> grpc.Channel:
         if self.ca_cert is None:
             return grpc.insecure_channel(address)
-        return grpc.secure_channel(address, client_credentials(self.ca_cert))
+        return grpc.secure_channel(address, self._credentials())
 
     def aio_channel(self, address: str) -> grpc.aio.Channel:
         if self.ca_cert is None:
             return grpc.aio.insecure_channel(address)
-        return grpc.aio.secure_channel(address, client_credentials(self.ca_cert))
+        return grpc.aio.secure_channel(address, self._credentials())
 
 
 _FINISH = {

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from pipeshard.auth import load_or_create_token
 from pipeshard.certs_cli import node_names
-from pipeshard.clients.client import RUN_CA_CERT
 from pipeshard.paths import DEFAULT_MODEL, certs_dir, export_name, shards_dir
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.launcher import start_fleet, stop_recorded
@@ -25,6 +24,7 @@ from pipeshard.tls import CA_CERT, make_certs
 from pipeshard.topology import Topology
 
 RUN_DIR = Path("run")
+RUN_CA_CERT = RUN_DIR / "ca.pem"  # where the CLI and the Python client look for the CA
 TOPOLOGY = Path("config/topology.yaml")
 
 
@@ -90,7 +90,7 @@ def run_up(args: argparse.Namespace) -> int:
     )
     if tls_dir is not None:
         shutil.copyfile(tls_dir / CA_CERT, RUN_CA_CERT)  # where clients look by default
-        print(f"secured: mutual TLS with the CA in {tls_dir}; clients use {RUN_CA_CERT} and the token")
+        print(f"secured: mutual TLS with the CA in {tls_dir}; clients use {RUN_DIR / 'ca.pem'} and the token")
     else:
         print("plaintext on loopback (`make up SECURE=1` for TLS and a token)")
     print(f"topology written to {TOPOLOGY}; logs in {RUN_DIR}/")

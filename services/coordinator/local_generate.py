@@ -11,6 +11,7 @@ import asyncio
 import sys
 
 from pipeshard.errors import PipeshardError
+from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.coordinator.generation import Generation, Summary
 from pipeshard.services.coordinator.local_ring import LocalRing
 from pipeshard.services.coordinator.sampling import SamplingParams
@@ -21,7 +22,7 @@ from pipeshard.shard.prompting import Prompter
 def generate_local(args: argparse.Namespace, stream: bool) -> Summary:
     """Run ``pipeshard generate``'s arguments against the export ``args.local``, no services."""
     prompter = Prompter.from_dir(args.local)
-    ring = LocalRing(args.local, precision=args.precision)
+    ring = LocalRing(args.local, precision=args.precision or DEFAULT_PRECISION)
     ring.warmup()  # the first inference prepares kernels (0.5-2 s); keep it out of ttft
     generation = Generation(
         ring,

@@ -13,6 +13,7 @@ from pipeshard.services.coordinator.admission import Admission
 from pipeshard.services.coordinator.generation import Chunk, Generation, Summary
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.servicer import CoordinatorServicer
+from pipeshard.shard.prompting import Prompter
 from pipeshard.v1 import activation_pb2, coordinator_pb2
 
 
@@ -76,6 +77,8 @@ def test_a_finished_generation_releases():
 
 
 class _Prompter:
+    check_size = staticmethod(Prompter.check_size)
+
     def encode(self, prompt, messages):
         return [1, 2, 3]
 
@@ -99,6 +102,7 @@ def test_request_id_names_the_generation_in_logs(sent, logged):
         vocab_size=10,
         default_max_tokens=4,
         admission=Admission(1, 1),
+        max_prompt_bytes=1 << 16,
     )
     request = coordinator_pb2.GenerateRequest(prompt="hi", request_id=sent)
 
@@ -145,6 +149,7 @@ def test_the_summary_reaches_the_client_result_field_for_field():
         vocab_size=10,
         default_max_tokens=4,
         admission=Admission(1, 1),
+        max_prompt_bytes=1 << 16,
     )
 
     async def responses():

@@ -104,10 +104,10 @@ def test_bad_steps_name_the_field(kwargs, field):
 def test_a_step_beyond_max_context_is_resource_exhausted_like_in_the_runtime():
     """One check, one code for a cache overflow (issue #11: it was INVALID_ARGUMENT here)."""
     e = engine()
-    e.sessions.open("s")
+    e.sessions.open(OWNER, "s")
     with pytest.raises(ResourceExhausted, match="max_context 16"):
-        e.run(step(list(range(17)), list(range(17))))
-    assert e.sessions.get("s").calls == []
+        e.run(step([1] * 17, [0] * 17))  # positions in range, but 17 rows do not fit the cache
+    assert e.sessions.get(OWNER, "s").calls == []
 
 
 def test_wrong_activation_dtype_and_shape_are_rejected():
