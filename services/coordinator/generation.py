@@ -21,7 +21,7 @@ from typing import Protocol
 
 import structlog
 
-from pipeshard.errors import InvalidArgument, PipeshardError
+from pipeshard.errors import InvalidArgument, PipeshardError, Unavailable
 from pipeshard.services.coordinator.detokenizer import IncrementalDetokenizer
 from pipeshard.services.coordinator.sampling import Sampler, SamplingParams
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy, accept_sampled
@@ -247,8 +247,10 @@ class Generation:
                 pending = [new[-1]]
         except PipeshardError as exc:
             failure = str(exc) or type(exc).__name__
-            if not generated:
-                raise  # nothing streamed yet: the call ends with the failing stage's status code
+            if not generated or isinstance(exc, Unavailable):
+                # Nothing streamed yet, or a stage is unreachable (a fault a client may retry, and
+                # a drain's end): the call ends with that status code, naming the stage.
+                raise
             # Output already streamed: end it with a summary that says what failed.
             log.warning("generation_failed", session_id=session_id, code=exc.code, error=failure)
             finish, stats.error = "error", failure

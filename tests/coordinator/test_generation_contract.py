@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import structlog
 
-from pipeshard.errors import Unavailable
+from pipeshard.errors import Internal, PipeshardError, Unavailable
 from pipeshard.services.coordinator.admission import Admission
 from pipeshard.services.coordinator.generation import Chunk, Generation, Summary
 from pipeshard.services.coordinator.sampling import SamplingParams
@@ -23,10 +23,11 @@ class Tokenizer:
 
 
 class Ring:
-    """Answers token 7 to every step until step ``fail_at`` (counted from 0), which fails."""
+    """Answers token 7 to every step until step ``fail_at`` (counted from 0), which raises ``error``."""
 
-    def __init__(self, fail_at: int):
+    def __init__(self, fail_at: int, error: PipeshardError | None = None):
         self.fail_at, self.steps, self.calls = fail_at, 0, []
+        self.error = error or Unavailable("stage 1 at 127.0.0.1:1 is not answering")
 
     async def open_session(self, session_id):
         self.calls.append("open")
@@ -35,7 +36,7 @@ class Ring:
     async def step(self, frame):
         self.steps += 1
         if self.steps - 1 == self.fail_at:
-            raise Unavailable("stage 1 at 127.0.0.1:1 is not answering")
+            raise self.error
         return activation_pb2.StepResult(top1=activation_pb2.Top1(token_ids=[7], probabilities=[1.0]))
 
     async def release_session(self, session_id):
@@ -53,12 +54,20 @@ async def _run(ring: Ring, max_tokens: int = 5) -> list[Chunk | Summary]:
 
 
 def test_a_failure_after_output_ends_with_an_error_summary_and_aborts():
-    ring = Ring(fail_at=2)
+    ring = Ring(fail_at=2, error=Internal("stage 1: the step failed"))
     events = asyncio.run(_run(ring))
     summary = events[-1]
     assert [e.token_ids for e in events[:-1]] == [[7], [7]]
     assert isinstance(summary, Summary) and summary.finish_reason == "error"
     assert "stage 1" in summary.error and summary.token_ids == [7, 7] and summary.text == "<7><7>"
+    assert ring.calls == ["open", ("abort", "stage 1: the step failed")]
+
+
+def test_an_unreachable_stage_after_output_ends_the_call_unavailable_and_aborts():
+    """A stage that is down is a transport fault (issue #15): the status names it, even mid-stream."""
+    ring = Ring(fail_at=2)
+    with pytest.raises(Unavailable, match="stage 1"):
+        asyncio.run(_run(ring))
     assert ring.calls == ["open", ("abort", "stage 1 at 127.0.0.1:1 is not answering")]
 
 
