@@ -118,14 +118,15 @@ def spawn(
 
 
 def process_start_time(pid: int) -> str:
-    """When ``pid`` started (clock ticks since boot, from /proc), or "" when it has exited.
+    """When ``pid`` started (clock ticks since boot, from /proc), or "" when there is no such pid.
     A pid and its start time name one process: a recycled pid has a later start time."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return ""
-    fields = stat.rpartition(")")[2].split()  # after the name, which may hold spaces
-    return "" if fields[0] == "Z" else fields[19]  # state, starttime: fields 3 and 22 of proc(5)
+    # Field 22 of proc(5), counted after the name (which may hold spaces). A zombie keeps its start
+    # time until reaped, so `down` returns only once the processes are gone.
+    return stat.rpartition(")")[2].split()[19]
 
 
 def fleet_env() -> dict[str, str]:
