@@ -23,6 +23,7 @@ _SERVERS = {
     "stage": ("services.stage.main", "serve one pipeline stage"),
     "coordinator": ("services.coordinator.main", "serve Generate over a ring of stages"),
     "exporter-service": ("exporter.main", "serve Export and FetchShard"),
+    "serve-openai": ("services.gateway.main", "serve the OpenAI HTTP API in front of a coordinator"),
 }
 
 

@@ -1,8 +1,9 @@
 """``pipeshard up`` / ``pipeshard down``: a loopback fleet as background processes.
 
 ``up`` fetches the default model and exports shards when they are missing, writes
-config/topology.yaml with the default ports, starts the stages and the coordinator, waits
-until they serve, and prints ``coordinator listening on HOST:PORT``.
+config/topology.yaml with the default ports, starts the stages, the coordinator and the OpenAI
+gateway, waits until they serve, and prints ``coordinator listening on HOST:PORT`` and
+``openai gateway listening on HOST:PORT``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 from pipeshard.paths import DEFAULT_MODEL, export_name, shards_dir
+from services.gateway.settings import GATEWAY_PORT
 from services.launcher import start_fleet, stop_recorded
 from services.topology import Topology
 
@@ -26,6 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--weights", choices=("int4", "int8", "fp16", "fp32"), default="int4")
     up.add_argument("--precision", choices=("default", "f32"), default="default")
     up.add_argument("--model", default=DEFAULT_MODEL)
+    up.add_argument("--gateway-port", type=int, default=GATEWAY_PORT, help="OpenAI gateway HTTP port")
     up.set_defaults(func=run_up)
     down = sub.add_parser("down", help="stop the fleet that `pipeshard up` started")
     down.set_defaults(func=run_down)
@@ -69,6 +72,7 @@ def run_up(args: argparse.Namespace) -> int:
         stage_ports=[s.port for s in topo.stages],
         coordinator_port=topo.coordinator.port,
         exporter_port=topo.exporter.port,
+        gateway_port=args.gateway_port,
         detach=True,
         precision=args.precision,
     )
@@ -76,7 +80,8 @@ def run_up(args: argparse.Namespace) -> int:
     print(f"exporter listening on {topo.exporter.address}")
     for k, address in enumerate(fleet.stages):
         print(f"stage {k} listening on {address}")
-    print(f"coordinator listening on {fleet.coordinator}", flush=True)
+    print(f"coordinator listening on {fleet.coordinator}")
+    print(f"openai gateway listening on {fleet.gateway}", flush=True)
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import re
 import signal
@@ -33,7 +34,7 @@ class Process:
 
 @dataclass
 class Fleet:
-    """A running set of stage processes and a coordinator."""
+    """A running set of stage processes, a coordinator and optionally an OpenAI gateway."""
 
     run_dir: Path
     processes: list[Process] = field(default_factory=list)
@@ -41,6 +42,10 @@ class Fleet:
     @property
     def coordinator(self) -> str:
         return next(p.address for p in self.processes if p.name == "coordinator")
+
+    @property
+    def gateway(self) -> str:
+        return next(p.address for p in self.processes if p.name == "gateway")
 
     @property
     def stages(self) -> list[str]:
@@ -154,6 +159,13 @@ def coordinator_args(
     ]
 
 
+def gateway_args(coordinator: str, shards: Path, port: int, log_format: str) -> list[str]:
+    """``pipeshard serve-openai`` in front of ``coordinator``; /v1/models names the export's model."""
+    model = json.loads((Path(shards) / "manifest.json").read_text())["model"]["name"]
+    args = ["serve-openai", "--coordinator", coordinator, "--port", str(port), "--model-name", model]
+    return [*args, "--log-format", log_format]
+
+
 def start_fleet(
     shards: Path,
     num_stages: int,
@@ -165,6 +177,7 @@ def start_fleet(
     extra_stage_args: list[str] = (),
     extra_coordinator_args: list[str] = (),
     exporter_port: int | None = None,
+    gateway_port: int | None = None,
     detach: bool = False,
     timeout_s: float = 180.0,
     log_format: str = "json",
@@ -172,7 +185,7 @@ def start_fleet(
     """Start ``num_stages`` stage processes and a coordinator on loopback; ports 0 = ephemeral.
 
     With ``exporter_port`` set, an exporter service over the shards' parent folder starts first and
-    every stage may pull its shard from it."""
+    every stage may pull its shard from it. With ``gateway_port`` set, the OpenAI gateway starts last."""
     run_dir.mkdir(parents=True, exist_ok=True)
     env = fleet_env()
     ports = stage_ports or [0] * num_stages
@@ -212,6 +225,16 @@ def start_fleet(
             detach=detach,
         )
         fleet.processes.append(coordinator)
+        if gateway_port is not None:
+            gateway = spawn(
+                "gateway",
+                gateway_args(coordinator.address, shards, gateway_port, log_format),
+                run_dir,
+                env,
+                timeout_s,
+                detach=detach,
+            )
+            fleet.processes.append(gateway)
     except BaseException:
         fleet.stop()
         raise
