@@ -22,7 +22,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-pipeline bench-mbatch bench-spec wan-up wan-down distil
+.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-pipeline bench-mbatch bench-spec bench-gateway serve-openai wan-up wan-down distil
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -55,7 +55,7 @@ model: proto
 export: model
 	$(VENV)/bin/pipeshard export --model $(MODEL) --stages $(STAGES) --weights $(WEIGHTS)
 
-## up: start a loopback fleet (exporter, STAGES stage processes, coordinator); prints `coordinator listening on HOST:PORT`
+## up: start a loopback fleet (exporter, STAGES stage processes, coordinator, OpenAI gateway on 8080); prints `coordinator listening on HOST:PORT` and `openai gateway listening on HOST:PORT`
 up: model
 	$(VENV)/bin/pipeshard up --stages $(STAGES) --weights $(WEIGHTS) --precision $(PRECISION)
 
@@ -93,6 +93,15 @@ bench-pipeline: model
 ## bench-mbatch: 1-8 concurrent streams on 2-/3-stage fleets, plain and speculative, loopback and WAN 50 ms/hop; batch stacking (bench/results/mbatch.json)
 bench-mbatch: model
 	$(PY) -m bench.mbatch
+
+## bench-gateway: tok/s and TTFT through the OpenAI gateway vs the gRPC client, 1 and 8 users (bench/results/gateway.json)
+bench-gateway: model
+	$(PY) -m bench.gateway
+
+## serve-openai: the OpenAI gateway alone in the foreground, in front of COORDINATOR
+COORDINATOR ?= 127.0.0.1:50051
+serve-openai: proto
+	$(VENV)/bin/pipeshard serve-openai --coordinator $(COORDINATOR) --log-format console
 
 ## distil: train a DRAFT_LAYERS-layer draft on the 1-stage target's answers to synthetic prompts and export it (shards/<model>-distil<K>-v<N>; generating the answers at ~45 tokens/s dominates)
 distil: model

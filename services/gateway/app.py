@@ -139,6 +139,7 @@ class Gateway:
             top_k=body.top_k,
             seed=body.seed,
             stop=body.stop_list(),
+            ignore_eos=body.ignore_eos,
             request_id=uuid.uuid4().hex[:24],
         )
 

@@ -30,7 +30,8 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)  # a vLLM extension the coordinator supports
+    top_k: int | None = Field(None, ge=0)  # top_k and ignore_eos: vLLM extensions the coordinator supports
+    ignore_eos: bool = False
     seed: int | None = Field(None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     n: int | None = None

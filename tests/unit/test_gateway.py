@@ -82,11 +82,13 @@ def test_chat_completion_translates_parameters(http, coordinator):
 
 
 def test_completion_sends_raw_prompt(http, coordinator):
-    reply = http.post("/v1/completions", json={"model": "m", "prompt": "Once upon", "max_tokens": 4})
+    body = {"model": "m", "prompt": "Once upon", "max_tokens": 4, "ignore_eos": True}
+    reply = http.post("/v1/completions", json=body)
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["text"] == "Hello world"
     sent = coordinator[0].requests[-1]
     assert sent.prompt == "Once upon" and not sent.messages and sent.params.max_tokens == 4
+    assert sent.params.ignore_eos
 
 
 def _events(reply) -> list:
