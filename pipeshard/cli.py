@@ -15,6 +15,7 @@ _COMMAND_MODULES = (
     "exporter.distil_cli",
     "clients.cli",
     "services.fleet_cli",
+    "services.top",
     "services.wan.cli",
 )
 

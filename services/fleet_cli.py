@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from pipeshard.paths import DEFAULT_MODEL, export_name, shards_dir
-from services.gateway.settings import GATEWAY_PORT
+from services.gateway.settings import GATEWAY_METRICS_PORT, GATEWAY_PORT
 from services.launcher import start_fleet, stop_recorded
 from services.topology import Topology
 
@@ -73,6 +73,12 @@ def run_up(args: argparse.Namespace) -> int:
         coordinator_port=topo.coordinator.port,
         exporter_port=topo.exporter.port,
         gateway_port=args.gateway_port,
+        metrics_ports={
+            "exporter": topo.exporter.metrics_port,
+            **{f"stage{k}": s.metrics_port for k, s in enumerate(topo.stages)},
+            "coordinator": topo.coordinator.metrics_port,
+            "gateway": GATEWAY_METRICS_PORT,
+        },
         detach=True,
         precision=args.precision,
     )
@@ -81,6 +87,9 @@ def run_up(args: argparse.Namespace) -> int:
     for k, address in enumerate(fleet.stages):
         print(f"stage {k} listening on {address}")
     print(f"coordinator listening on {fleet.coordinator}")
+    metrics = [topo.exporter.metrics_port, *(s.metrics_port for s in topo.stages)]
+    metrics += [topo.coordinator.metrics_port, GATEWAY_METRICS_PORT]
+    print(f"/metrics on ports {', '.join(map(str, metrics))}; watch the fleet with `pipeshard top`")
     print(f"openai gateway listening on {fleet.gateway}", flush=True)
     return 0
 

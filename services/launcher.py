@@ -178,6 +178,7 @@ def start_fleet(
     extra_coordinator_args: list[str] = (),
     exporter_port: int | None = None,
     gateway_port: int | None = None,
+    metrics_ports: dict[str, int] | None = None,
     detach: bool = False,
     timeout_s: float = 180.0,
     log_format: str = "json",
@@ -185,8 +186,15 @@ def start_fleet(
     """Start ``num_stages`` stage processes and a coordinator on loopback; ports 0 = ephemeral.
 
     With ``exporter_port`` set, an exporter service over the shards' parent folder starts first and
-    every stage may pull its shard from it. With ``gateway_port`` set, the OpenAI gateway starts last."""
+    every stage may pull its shard from it. With ``gateway_port`` set, the OpenAI gateway starts last.
+    ``metrics_ports`` maps process names (exporter, stage0, ..., coordinator, gateway) to the port
+    each serves Prometheus /metrics on."""
     run_dir.mkdir(parents=True, exist_ok=True)
+
+    def metered(name: str, args: list[str]) -> list[str]:
+        port = (metrics_ports or {}).get(name)
+        return [*args, "--metrics-port", str(port)] if port else args
+
     env = fleet_env()
     ports = stage_ports or [0] * num_stages
     fleet = Fleet(run_dir)
@@ -195,15 +203,18 @@ def start_fleet(
         if exporter_port is not None:
             exporter = spawn(
                 "exporter",
-                [
-                    "exporter-service",
-                    "--shards-dir",
-                    str(Path(shards).parent),
-                    "--port",
-                    str(exporter_port),
-                    "--log-format",
-                    log_format,
-                ],
+                metered(
+                    "exporter",
+                    [
+                        "exporter-service",
+                        "--shards-dir",
+                        str(Path(shards).parent),
+                        "--port",
+                        str(exporter_port),
+                        "--log-format",
+                        log_format,
+                    ],
+                ),
                 run_dir,
                 env,
                 timeout_s,
@@ -213,12 +224,15 @@ def start_fleet(
             extra_stage_args = [*extra_stage_args, "--exporter", exporter.address]
         for k in reversed(range(num_stages)):
             args = stage_args(k, shards, ports[k], precision, log_format, next_hop, extra_stage_args)
-            proc = spawn(f"stage{k}", args, run_dir, env, timeout_s, detach=detach)
+            proc = spawn(f"stage{k}", metered(f"stage{k}", args), run_dir, env, timeout_s, detach=detach)
             fleet.processes.insert(1 if exporter_port is not None else 0, proc)
             next_hop = proc.address
         coordinator = spawn(
             "coordinator",
-            coordinator_args(fleet.stages, shards, coordinator_port, log_format, extra_coordinator_args),
+            metered(
+                "coordinator",
+                coordinator_args(fleet.stages, shards, coordinator_port, log_format, extra_coordinator_args),
+            ),
             run_dir,
             env,
             timeout_s,
@@ -228,7 +242,7 @@ def start_fleet(
         if gateway_port is not None:
             gateway = spawn(
                 "gateway",
-                gateway_args(coordinator.address, shards, gateway_port, log_format),
+                metered("gateway", gateway_args(coordinator.address, shards, gateway_port, log_format)),
                 run_dir,
                 env,
                 timeout_s,

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.client import build_request
+from pipeshard.metrics import counter
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.gateway.errors import GatewayError
 from services.gateway.responses import Shaper
@@ -30,6 +31,9 @@ from services.gateway.schema import ChatCompletionRequest, CompletionRequest, _S
 from services.gateway.settings import GatewaySettings
 
 log = structlog.get_logger(__name__)
+REQUESTS = counter(
+    "pipeshard_gateway_requests_total", "HTTP requests answered, by path and status.", ("path", "status")
+)
 T = TypeVar("T")
 EOF_ = grpc.aio.EOF
 
@@ -217,6 +221,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     app = FastAPI(title="pipeshard OpenAI-compatible gateway", lifespan=lifespan)
     app.state.gateway = gateway
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        response = await call_next(request)
+        path = request.url.path if request.url.path.startswith(("/v1/chat", "/v1/completions")) else "other"
+        REQUESTS.labels(path=path, status=str(response.status_code)).inc()
+        return response
 
     @app.exception_handler(GatewayError)
     async def gateway_error(_request: Request, exc: GatewayError) -> JSONResponse:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pipeshard.settings import setting
 
 GATEWAY_PORT = 8080
+GATEWAY_METRICS_PORT = 9180  # `make up`; the gRPC services' metrics ports are 9100 + their port offset
 
 
 @dataclass

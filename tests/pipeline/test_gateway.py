@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 
 import httpx2 as httpx
@@ -12,7 +13,9 @@ import openai
 import pytest
 
 from clients.client import PipeshardClient, build_request
+from pipeshard.cli import main as pipeshard
 from pipeshard.v1 import coordinator_pb2_grpc
+from services.topology import Endpoint, Topology
 from tests.pipeline.stage_probe import sessions_after_release
 
 pytestmark = pytest.mark.slow
@@ -21,9 +24,18 @@ TOKENS = 48
 MODEL = "smollm2-135m-instruct"
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def fleet(smollm2_export, fleet_factory):
-    return fleet_factory(smollm2_export(2, "int4"), 2, gateway_port=0)
+    metrics = {name: _free_port() for name in ("stage0", "stage1", "coordinator", "gateway")}
+    started = fleet_factory(smollm2_export(2, "int4"), 2, gateway_port=0, metrics_ports=metrics)
+    started.metrics_ports = metrics
+    return started
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +185,44 @@ def test_full_queue_is_429_and_a_disconnect_frees_the_slot(smollm2_export, fleet
         # The client hung up 3000 tokens early: the stage must drop the session well before that.
         assert sessions_after_release(small.stages, timeout_s=20) == [0]
         assert api.chat.completions.create(model=MODEL, messages=hi, max_tokens=8).choices[0].message.content
+
+
+def _endpoint(address: str, metrics_port: int = 0) -> Endpoint:
+    host, port = address.rsplit(":", 1)
+    return Endpoint(host=host, port=int(port), metrics_port=metrics_port)
+
+
+def test_every_service_serves_metrics_and_top_shows_the_fleet(fleet, api, tmp_path, capsys):
+    api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    for name, port in fleet.metrics_ports.items():
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert "pipeshard_" in text, name
+    gateway_metrics = httpx.get(f"http://127.0.0.1:{fleet.metrics_ports['gateway']}/metrics").text
+    assert 'pipeshard_gateway_requests_total{path="/v1/chat/completions",status="200"}' in gateway_metrics
+
+    topo = Topology(
+        shards="unused",
+        coordinator=_endpoint(fleet.coordinator, fleet.metrics_ports["coordinator"]),
+        exporter=_endpoint("127.0.0.1:1"),
+        stages=[_endpoint(address) for address in fleet.stages],
+    )
+    topo.save(tmp_path / "topology.yaml")
+    capsys.readouterr()
+    assert (
+        pipeshard(
+            [
+                "top",
+                "--once",
+                "--topology",
+                str(tmp_path / "topology.yaml"),
+                "--gateway",
+                f"http://{fleet.gateway}",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    for address in (*fleet.stages, fleet.coordinator, fleet.gateway):
+        assert address in out
+    assert out.count("serving") == 4 and "0-14" in out and "15-29" in out
+    assert "OK " in out  # the coordinator's finished Generate calls, from its /metrics
