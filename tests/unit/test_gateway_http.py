@@ -1,5 +1,5 @@
 """The OpenAI gateway against a scripted in-process coordinator: request translation, SSE shape,
-error mapping and token forwarding (the real fleet is in tests/pipeline/test_gateway.py)."""
+error mapping and token forwarding (the real fleet: tests/pipeline/test_gateway.py)."""
 
 from __future__ import annotations
 
