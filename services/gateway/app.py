@@ -27,7 +27,7 @@ from pipeshard.metrics import counter
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.gateway.errors import GatewayError
 from services.gateway.responses import Shaper
-from services.gateway.schema import ChatCompletionRequest, CompletionRequest, _Sampling
+from services.gateway.schema import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from services.gateway.settings import GatewaySettings
 
 log = structlog.get_logger(__name__)
@@ -35,7 +35,7 @@ REQUESTS = counter(
     "pipeshard_gateway_requests_total", "HTTP requests answered, by path and status.", ("path", "status")
 )
 T = TypeVar("T")
-EOF_ = grpc.aio.EOF
+END = grpc.aio.EOF
 
 
 def _sse(obj: dict | str) -> str:
@@ -130,11 +130,11 @@ class Gateway:
         shaper = Shaper(f"cmpl-{rpc.request_id}", self._name(body), chat=False)
         return await self._answer(request, body, rpc, shaper)
 
-    def _name(self, body: _Sampling) -> str:
+    def _name(self, body: OpenAIRequest) -> str:
         return body.model or self.settings.model_name
 
     @staticmethod
-    def _request(body: _Sampling, max_tokens: int | None, messages: list[dict[str, str]]):
+    def _request(body: OpenAIRequest, max_tokens: int | None, messages: list[dict[str, str]]):
         return build_request(
             messages=messages,
             max_tokens=max_tokens,
@@ -148,7 +148,7 @@ class Gateway:
         )
 
     async def _answer(
-        self, request: Request, body: _Sampling, rpc: coordinator_pb2.GenerateRequest, shaper: Shaper
+        self, request: Request, body: OpenAIRequest, rpc: coordinator_pb2.GenerateRequest, shaper: Shaper
     ):
         call = self.stub.Generate(rpc, metadata=_metadata(request), timeout=self.settings.request_timeout_s)
         try:
@@ -170,7 +170,7 @@ class Gateway:
 
 async def _summary(call: grpc.aio.UnaryStreamCall) -> coordinator_pb2.GenerateSummary:
     summary = None
-    while (response := await call.read()) is not EOF_:
+    while (response := await call.read()) is not END:
         if response.HasField("summary"):
             summary = response.summary
     if summary is None:
@@ -188,7 +188,7 @@ async def _events(
             yield _sse(shaper.chunk(None, role=True, with_usage=include_usage))
         response = first
         summary = None
-        while response is not EOF_:
+        while response is not END:
             if response.HasField("chunk"):
                 if response.chunk.text:
                     yield _sse(shaper.chunk(response.chunk.text, with_usage=include_usage))

@@ -19,7 +19,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class OpenAIRequest(BaseModel):
     """Fields shared by chat and completions; ranges as in OpenAI's API reference."""
 
     model_config = ConfigDict(extra="allow")
@@ -79,7 +79,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
@@ -134,7 +134,7 @@ def _text(content: str | list[dict[str, Any]] | None, i: int) -> str:
     return "".join(parts)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(OpenAIRequest):
     prompt: str | list[str]
     logprobs: int | None = None
     echo: bool = False
