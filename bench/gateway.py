@@ -20,10 +20,10 @@ from pathlib import Path
 import openai
 
 from bench.stats import difference_ci, interleaved, ratio_ci, summary, write_result
-from clients.client import AsyncPipeshardClient
 from pipeshard import paths
+from pipeshard.clients.client import AsyncPipeshardClient
 from pipeshard.offline import set_offline_defaults
-from services.launcher import start_fleet
+from pipeshard.services.launcher import start_fleet
 
 PROMPT = "Explain in a few paragraphs how a bicycle works."
 TOKENS = int(os.environ.get("BENCH_TOKENS", "64"))
@@ -66,7 +66,7 @@ def main() -> int:
     set_offline_defaults()
     shards = paths.shards_dir() / paths.export_name(paths.DEFAULT_MODEL, 2, "int4")
     if not (shards / "manifest.json").exists():
-        from exporter.export import export_model
+        from pipeshard.exporter.export import export_model
 
         export_model(paths.default_model_dir(), shards, stages=2, weights="int4")
     fleet = start_fleet(shards, 2, Path(tempfile.mkdtemp(prefix="bench-gateway-")), gateway_port=0)

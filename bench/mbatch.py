@@ -39,12 +39,12 @@ from bench.pipeline import ensure_export
 from bench.reference import GenAIPipeline, optimum_export
 from bench.spec import spec_stats
 from bench.stats import interleaved, median, ratio_ci, summary, write_result
-from clients.client import AsyncPipeshardClient, GenerateResult, fold
 from pipeshard import paths
+from pipeshard.clients.client import AsyncPipeshardClient, GenerateResult, fold
 from pipeshard.offline import set_offline_defaults
-from services.coordinator.prompting import Prompter
-from services.launcher import start_fleet
-from services.wan.emulator import WanFleet
+from pipeshard.services.launcher import start_fleet
+from pipeshard.services.wan.emulator import WanFleet
+from pipeshard.shard.prompting import Prompter
 
 TOKENS = int(os.environ.get("BENCH_TOKENS", "128"))
 PROMPT = "Explain in a few paragraphs how a bicycle works."

@@ -18,8 +18,8 @@ from bench.reference import GenAIPipeline, OwnLoop, optimum_export
 from bench.stats import interleaved_generations, median, ratio_ci, summary, write_result
 from pipeshard import paths
 from pipeshard.offline import set_offline_defaults
-from services.coordinator.prompting import Prompter
-from services.runtime.chain import LocalChain
+from pipeshard.shard.chain import LocalChain
+from pipeshard.shard.prompting import Prompter
 
 NEW_TOKENS = 128
 PROMPT = "Explain in a few paragraphs how a bicycle works."
@@ -27,7 +27,7 @@ RUNS = int(os.environ.get("BENCH_RUNS", "10"))
 
 
 def ensure_export(stages: int, beam_idx: bool = True) -> Path:
-    from exporter.export import export_model
+    from pipeshard.exporter.export import export_model
 
     name = paths.export_name(paths.DEFAULT_MODEL, stages, "int4") + ("" if beam_idx else "-nobeam")
     out = paths.shards_dir() / name

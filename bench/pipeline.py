@@ -24,17 +24,17 @@ import numpy as np
 
 from bench.reference import GenAIPipeline, optimum_export
 from bench.stats import interleaved_generations, median, ratio_ci, summary, write_result
-from clients.client import PipeshardClient
 from pipeshard import paths
+from pipeshard.clients.client import PipeshardClient
 from pipeshard.offline import set_offline_defaults
+from pipeshard.services.coordinator.generation import token_frame
+from pipeshard.services.coordinator.ring import Ring
+from pipeshard.services.launcher import Fleet, spawn, start_fleet
+from pipeshard.services.stage.rawtcp import RawTcpRing
+from pipeshard.shard.chain import LocalChain
+from pipeshard.shard.prompting import Prompter
 from pipeshard.tensor_codec import decode, encode
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
-from services.coordinator.generation import token_frame
-from services.coordinator.prompting import Prompter
-from services.coordinator.ring import Ring
-from services.launcher import Fleet, spawn, start_fleet
-from services.runtime.chain import LocalChain
-from services.transport.rawtcp import RawTcpRing
 
 NEW_TOKENS = 128
 PROMPT = "Explain in a few paragraphs how a bicycle works."
@@ -49,7 +49,7 @@ def _free_port() -> int:
 
 
 def ensure_export(stages: int) -> Path:
-    from exporter.export import export_model
+    from pipeshard.exporter.export import export_model
 
     out = paths.shards_dir() / paths.export_name(paths.DEFAULT_MODEL, stages, "int4")
     if not (out / "manifest.json").exists():

@@ -33,15 +33,15 @@ from pathlib import Path
 
 from bench.pipeline import ensure_export
 from bench.stats import interleaved, median, ratio_ci, write_result
-from clients.client import PipeshardClient
 from pipeshard import paths
+from pipeshard.clients.client import PipeshardClient
 from pipeshard.offline import set_offline_defaults
-from services.coordinator.generation import Generation, Summary
-from services.coordinator.local_ring import LocalRing
-from services.coordinator.prompting import Prompter
-from services.coordinator.sampling import SamplingParams
-from services.coordinator.speculation.sources import DraftSources
-from services.runtime.chain import LocalChain
+from pipeshard.services.coordinator.generation import Generation, Summary
+from pipeshard.services.coordinator.local_ring import LocalRing
+from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.speculation.sources import DraftSources
+from pipeshard.shard.chain import LocalChain
+from pipeshard.shard.prompting import Prompter
 
 RUNS = int(os.environ.get("BENCH_RUNS", "10"))
 TOKENS = int(os.environ.get("BENCH_TOKENS", "24"))
@@ -80,8 +80,8 @@ WAN_KINDS = ("technical explanation", "chat", "reasoning", "creative")
 
 def drafts_for(target: Path) -> tuple[Path, Path]:
     """The self-draft export and the Hugging Face draft folder (built once, cached under shards/)."""
-    from exporter.draft import export_draft
-    from exporter.truncate import truncate_model
+    from pipeshard.exporter.draft import export_draft
+    from pipeshard.exporter.truncate import truncate_model
 
     model_dir = paths.default_model_dir()
     if SELF_DRAFT_EXPORT:
@@ -232,7 +232,7 @@ def bf16_agreement(target: Path, prompts: list[list[int]], last: dict) -> dict:
 
 
 def trim_cost(target: Path, prompt: list[int]) -> float:
-    from services.runtime.shard import ShardRunner, time_trim
+    from pipeshard.shard.runtime import ShardRunner, time_trim
 
     session = ShardRunner(target, 0).new_session()
     session.run([(prompt * 8)[:300]])
@@ -245,7 +245,7 @@ def draft_costs(target: Path, self_draft: Path, hf_draft: Path, drafts: DraftSou
 
     import numpy as np
 
-    from services.runtime.shard import ShardRunner
+    from pipeshard.shard.runtime import ShardRunner
 
     def per_token(runner: ShardRunner) -> float:
         session = runner.new_session()
@@ -257,7 +257,7 @@ def draft_costs(target: Path, self_draft: Path, hf_draft: Path, drafts: DraftSou
             times.append(time.perf_counter() - t0)
         return median(times)
 
-    from exporter.draft import ensure_draft_export
+    from pipeshard.exporter.draft import ensure_draft_export
 
     target_s = per_token(ShardRunner(target, 0))
     out = {"target_ms": target_s * 1000.0}
@@ -270,7 +270,7 @@ def draft_costs(target: Path, self_draft: Path, hf_draft: Path, drafts: DraftSou
 
 def exactness(loop, self_draft: Path, hf_draft: Path, prompts: list[list[int]]) -> dict:
     """Every source and K on f32 shards of 1 and 2 stages against target-only greedy."""
-    from exporter.export import export_model
+    from pipeshard.exporter.export import export_model
 
     results = {}
     for stages in (1, 2):
@@ -294,7 +294,7 @@ def exactness(loop, self_draft: Path, hf_draft: Path, prompts: list[list[int]]) 
 
 
 def wan_sweep(self_draft: Path, hf_draft: Path, source: str, prompts: list[str]) -> dict:
-    from services.wan.emulator import WanFleet
+    from pipeshard.services.wan.emulator import WanFleet
 
     mode = {"ngram": "ngram", "self": "self", "hf": str(hf_draft)}[source]
     configs = {"plain": ("none", 0), **{f"k{k}": (mode, k) for k in WAN_KS}, "auto": (mode, 0)}

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.stats import interleaved, ratio_ci, summary
-from services.runtime.shard import ShardRunner
+from pipeshard.shard.runtime import ShardRunner
 
 BATCHES = (1, 2, 4)
 STEPS = 64  # decode steps after the prompt

@@ -12,7 +12,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from clients.client import GenerateResult, PipeshardClient, fold
+from pipeshard.clients.client import GenerateResult, PipeshardClient, fold
 
 DEFAULT_COORDINATOR = "127.0.0.1:50051"
 
@@ -104,11 +104,11 @@ def _local(args: argparse.Namespace, stream: bool) -> GenerateResult:
     import asyncio
 
     from pipeshard.errors import PipeshardError
-    from services.coordinator.generation import Generation, Summary
-    from services.coordinator.local_ring import LocalRing
-    from services.coordinator.prompting import Prompter
-    from services.coordinator.sampling import SamplingParams
-    from services.coordinator.speculation.sources import DraftSources
+    from pipeshard.services.coordinator.generation import Generation, Summary
+    from pipeshard.services.coordinator.local_ring import LocalRing
+    from pipeshard.services.coordinator.sampling import SamplingParams
+    from pipeshard.services.coordinator.speculation.sources import DraftSources
+    from pipeshard.shard.prompting import Prompter
 
     prompter = Prompter.from_dir(args.local)
     ring = LocalRing(args.local, precision=args.precision)

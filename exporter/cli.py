@@ -122,10 +122,10 @@ def resolve_model(spec: str) -> Path:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from exporter.draft import export_draft
-    from exporter.export import export_model, resolve_split
-    from exporter.families import load_config, resolve_spec
-    from exporter.progress import ProgressPrinter
+    from pipeshard.exporter.draft import export_draft
+    from pipeshard.exporter.export import export_model, resolve_split
+    from pipeshard.exporter.families import load_config, resolve_spec
+    from pipeshard.exporter.progress import ProgressPrinter
 
     try:
         model_dir = resolve_model(args.model)

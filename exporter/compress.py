@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import openvino as ov
 
-from exporter.families import ModelSpec
 from pipeshard.errors import InvalidArgument
+from pipeshard.exporter.families import ModelSpec
 
 WEIGHT_FORMATS = ("int4", "int8", "fp16", "fp32")
 HEAD_PRECISIONS = ("int8", "int4", "fp16", "fp32")

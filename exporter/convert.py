@@ -20,7 +20,7 @@ import torch
 from openvino import opset13
 from openvino._offline_transformations import apply_make_stateful_transformation
 
-from exporter.stage_module import StageModule
+from pipeshard.exporter.stage_module import StageModule
 
 BEAM_IDX = "beam_idx"
 

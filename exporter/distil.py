@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from exporter.draft import DraftPlan, plan_draft
-from exporter.export import TOKENIZER_FILES, ExportResult, export_model
-from exporter.truncate import truncate_model
 from pipeshard.errors import InvalidArgument
+from pipeshard.exporter.draft import DraftPlan, plan_draft
+from pipeshard.exporter.export import TOKENIZER_FILES, ExportResult, export_model
+from pipeshard.exporter.truncate import truncate_model
 
 Report = Callable[[str, float, str], object]  # (phase, fraction, message)
 
@@ -81,7 +81,7 @@ class Sample:
 def read_texts(path: Path, target_export: Path) -> list[tuple[list[int], int]]:
     """(ids, start) per line of a JSONL file of ``{"prompt": ..., "text": ...}`` objects: the
     prompt as one chat message, the text as the target's answer (for example a serving log)."""
-    from services.coordinator.prompting import Prompter
+    from pipeshard.shard.prompting import Prompter
 
     prompter = Prompter.from_dir(target_export)
     out = []
@@ -106,8 +106,8 @@ def generate_texts(
     target_export: Path, prompts: Sequence[str], max_tokens: int, report: Report
 ) -> list[tuple[list[int], int]]:
     """(ids, start) per prompt: the target's own greedy answer, the very text a draft will read."""
-    from services.coordinator.prompting import Prompter
-    from services.runtime.chain import LocalChain
+    from pipeshard.shard.chain import LocalChain
+    from pipeshard.shard.prompting import Prompter
 
     prompter = Prompter.from_dir(target_export)
     chain = LocalChain(target_export)
@@ -123,7 +123,7 @@ def generate_texts(
 
 def label(target_export: Path, texts: Sequence[tuple[list[int], int]], report: Report) -> list[Sample]:
     """The target's argmax at every position of every text, in one prefill per text."""
-    from services.runtime.chain import LocalChain
+    from pipeshard.shard.chain import LocalChain
 
     chain = LocalChain(target_export)
     samples = []

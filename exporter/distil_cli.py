@@ -58,8 +58,8 @@ def _report(phase: str, fraction: float, message: str) -> None:
 
 
 def run_distil(args: argparse.Namespace) -> int:
-    from exporter.cli import resolve_model
-    from exporter.distil import distil
+    from pipeshard.exporter.cli import resolve_model
+    from pipeshard.exporter.distil import distil
 
     try:
         if not (args.target / "manifest.json").is_file():

@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from exporter.export import ExportResult, ProgressFn, _eos_ids, export_model
-from exporter.families import load_config, resolve_spec
-from exporter.manifest import load_manifest, model_fingerprint
-from exporter.weights import weight_files
 from pipeshard.errors import InvalidArgument, NotFound
+from pipeshard.exporter.export import ExportResult, ProgressFn, _eos_ids, export_model
+from pipeshard.exporter.families import load_config, resolve_spec
+from pipeshard.exporter.weights import weight_files
+from pipeshard.shard.manifest import load_manifest, model_fingerprint
 
 VOCAB_FILE = "draft_vocab_ids.npy"
 

@@ -25,10 +25,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from exporter import EXPORTER_VERSION
-from exporter.compress import CompressionPlan, make_plan
-from exporter.families import ModelSpec, cut_config, load_config, resolve_spec
-from exporter.manifest import (
+from pipeshard import errors
+from pipeshard.errors import FailedPrecondition, InvalidArgument
+from pipeshard.exporter import EXPORTER_VERSION
+from pipeshard.exporter.compress import CompressionPlan, make_plan
+from pipeshard.exporter.families import ModelSpec, cut_config, load_config, resolve_spec
+from pipeshard.exporter.weights import weight_files
+from pipeshard.shard.manifest import (
     FORMAT,
     FORMAT_VERSION,
     export_id,
@@ -36,12 +39,9 @@ from exporter.manifest import (
     model_fingerprint,
     write_manifest,
 )
-from exporter.weights import weight_files
-from pipeshard import errors
-from pipeshard.errors import FailedPrecondition, InvalidArgument
 
 if TYPE_CHECKING:
-    from exporter.draft import DraftPlan
+    from pipeshard.exporter.draft import DraftPlan
 
 MODEL_XML = "openvino_model.xml"
 TOKENIZER_FILES = (
@@ -167,16 +167,16 @@ def export_stage(job: StageJob, progress: ProgressFn) -> dict[str, Any]:
     """load -> trace -> convert -> compress -> save for one stage; returns its manifest entry."""
     import openvino as ov
 
-    from exporter.compress import compress_stage
-    from exporter.convert import (
+    from pipeshard.exporter.compress import compress_stage
+    from pipeshard.exporter.convert import (
         add_beam_idx,
         kv_reorder_report,
         make_stateful,
         state_variable_ids,
         trace_stage,
     )
-    from exporter.stage_module import build_stage_module
-    from exporter.weights import load_stage_weights
+    from pipeshard.exporter.stage_module import build_stage_module
+    from pipeshard.exporter.weights import load_stage_weights
 
     t0 = time.perf_counter()
     i = job.index
@@ -411,7 +411,7 @@ def export_model(
 
     ``isolate`` runs each stage in a spawned process (peak RSS per stage, memory freed between
     stages); tests of tiny models turn it off to save the process start-up. ``draft`` (see
-    ``exporter.draft.export_draft``) exports the model cut to its first layers as one stage.
+    ``pipeshard.exporter.draft.export_draft``) exports the model cut to its first layers as one stage.
     """
     t0 = time.perf_counter()
     progress = progress or _default_progress

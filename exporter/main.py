@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporter.service import ExporterServicer
 from pipeshard import paths
+from pipeshard.exporter.service import ExporterServicer
 from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
 from pipeshard.settings import ServerSettings, load_settings, setting
+from pipeshard.topology import Topology
 from pipeshard.v1 import exporter_pb2_grpc
-from services.topology import Topology
 
 
 @dataclass

@@ -6,11 +6,11 @@ import sys
 import time
 from typing import IO
 
-from exporter.export import PHASES, ProgressEvent
+from pipeshard.exporter.export import PHASES, ProgressEvent
 
 
 class ProgressPrinter:
-    """Callable progress sink for :func:`exporter.export.export_model`."""
+    """Callable progress sink for :func:`pipeshard.exporter.export.export_model`."""
 
     def __init__(self, stream: IO[str] | None = None, tty: bool | None = None):
         self.stream = stream or sys.stderr

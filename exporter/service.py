@@ -12,11 +12,11 @@ import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from exporter.export import ExportResult, ProgressEvent, export_model
-from exporter.manifest import MANIFEST, file_sha256, load_manifest, stage_files
 from pipeshard import paths
 from pipeshard.errors import InvalidArgument, NotFound
+from pipeshard.exporter.export import ExportResult, ProgressEvent, export_model
 from pipeshard.model.fetch import resolve_model_source
+from pipeshard.shard.manifest import MANIFEST, file_sha256, load_manifest, stage_files
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc
 
 CHUNK_BYTES = 1 << 20

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import grpc
 
-from exporter.manifest import verify_shard
 from pipeshard.errors import FailedPrecondition, Unavailable
+from pipeshard.shard.manifest import verify_shard
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc
 
 

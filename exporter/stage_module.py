@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exporter.families import ModelSpec
+from pipeshard.exporter.families import ModelSpec
 
 
 class RMSNorm(nn.Module):

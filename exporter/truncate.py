@@ -3,7 +3,7 @@
 That is a small same-tokenizer draft model made without network access, and, loaded with
 transformers, the reference a self-draft export (``export_draft(layers=k)``) is tested against.
 
-    python -m exporter.truncate models/smollm2-135m-instruct /tmp/smollm2-2l --layers 2
+    python -m pipeshard.exporter.truncate models/smollm2-135m-instruct /tmp/smollm2-2l --layers 2
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from exporter.export import TOKENIZER_FILES
-from exporter.families import cut_config, load_config, resolve_spec
-from exporter.weights import SINGLE_FILE, weight_files
 from pipeshard.errors import InvalidArgument
+from pipeshard.exporter.export import TOKENIZER_FILES
+from pipeshard.exporter.families import cut_config, load_config, resolve_spec
+from pipeshard.exporter.weights import SINGLE_FILE, weight_files
 
 
 def truncate_model(model_dir: Path | str, out_dir: Path | str, layers: int) -> Path:
@@ -55,7 +55,7 @@ def truncate_model(model_dir: Path | str, out_dir: Path | str, layers: int) -> P
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m exporter.truncate", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pipeshard.exporter.truncate", description=__doc__)
     parser.add_argument("model", type=Path, help="Hugging Face model folder")
     parser.add_argument("out", type=Path, help="output folder (must not exist)")
     parser.add_argument("--layers", type=int, required=True, help="decoder layers to keep")

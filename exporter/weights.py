@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from exporter.families import ModelSpec
 from pipeshard.errors import InvalidArgument
+from pipeshard.exporter.families import ModelSpec
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

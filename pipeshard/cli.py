@@ -11,20 +11,20 @@ from pipeshard.offline import set_offline_defaults
 # Modules exposing ``register(subparsers)``; each adds its subcommands with ``set_defaults(func=...)``.
 _COMMAND_MODULES = (
     "pipeshard.model.cli",
-    "exporter.cli",
-    "exporter.distil_cli",
-    "clients.cli",
-    "services.fleet_cli",
-    "services.top",
-    "services.wan.cli",
+    "pipeshard.exporter.cli",
+    "pipeshard.exporter.distil_cli",
+    "pipeshard.clients.cli",
+    "pipeshard.services.fleet_cli",
+    "pipeshard.services.top",
+    "pipeshard.services.wan.cli",
 )
 
 # Long-running services parse their own flags (typed settings, each also an environment variable).
 _SERVERS = {
-    "stage": ("services.stage.main", "serve one pipeline stage"),
-    "coordinator": ("services.coordinator.main", "serve Generate over a ring of stages"),
-    "exporter-service": ("exporter.main", "serve Export and FetchShard"),
-    "serve-openai": ("services.gateway.main", "serve the OpenAI HTTP API in front of a coordinator"),
+    "stage": ("pipeshard.services.stage.main", "serve one pipeline stage"),
+    "coordinator": ("pipeshard.services.coordinator.main", "serve Generate over a ring of stages"),
+    "exporter-service": ("pipeshard.exporter.main", "serve Export and FetchShard"),
+    "serve-openai": ("pipeshard.services.gateway.main", "serve the OpenAI HTTP API in front of a coordinator"),
 }
 
 

@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 from pipeshard.paths import DEFAULT_MODEL, export_name, shards_dir
-from services.gateway.settings import GATEWAY_METRICS_PORT, GATEWAY_PORT
-from services.launcher import start_fleet, stop_recorded
-from services.topology import Topology
+from pipeshard.services.gateway.settings import GATEWAY_METRICS_PORT, GATEWAY_PORT
+from pipeshard.services.launcher import start_fleet, stop_recorded
+from pipeshard.topology import Topology
 
 RUN_DIR = Path("run")
 TOPOLOGY = Path("config/topology.yaml")

@@ -22,8 +22,8 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from pipeshard.topology import Topology
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
-from services.topology import Topology
 
 TIMEOUT_S = 2.0
 

@@ -87,7 +87,7 @@ def hf_greedy_128(hf_model, chat_prompt_ids) -> list[list[int]]:
 def smollm2_export(smollm2_dir: Path):
     """Factory: the default model exported with (stages, weights), built once per session and cached on
     disk under shards/.test (override with PIPESHARD_TEST_SHARDS) so local reruns skip the export."""
-    from exporter.export import export_model
+    from pipeshard.exporter.export import export_model
 
     root = Path(os.environ.get("PIPESHARD_TEST_SHARDS", REPO_ROOT / "shards" / ".test"))
     built: dict[tuple[int, str], Path] = {}
@@ -107,7 +107,7 @@ def smollm2_export(smollm2_dir: Path):
 @pytest.fixture(scope="session")
 def smollm2_draft(smollm2_dir: Path):
     """Factory: a self-draft of the default model (layers, vocab, weights), cached like smollm2_export."""
-    from exporter.draft import export_draft
+    from pipeshard.exporter.draft import export_draft
     from pipeshard.paths import draft_export_name
 
     root = Path(os.environ.get("PIPESHARD_TEST_SHARDS", REPO_ROOT / "shards" / ".test"))
@@ -124,7 +124,7 @@ def smollm2_draft(smollm2_dir: Path):
 @pytest.fixture(scope="session")
 def hf_draft_dir(smollm2_dir: Path) -> Path:
     """A same-tokenizer Hugging Face draft folder: the default model cut to its first 2 layers."""
-    from exporter.truncate import truncate_model
+    from pipeshard.exporter.truncate import truncate_model
 
     out = Path(os.environ.get("PIPESHARD_TEST_SHARDS", REPO_ROOT / "shards" / ".test")) / "smollm2-first2-hf"
     if not (out / "config.json").exists():

@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeshard.services.coordinator.detokenizer import IncrementalDetokenizer
+from pipeshard.services.coordinator.sampling import Sampler, SamplingParams
+from pipeshard.services.coordinator.speculation.acceptance import accept_greedy, accept_sampled
+from pipeshard.services.coordinator.speculation.drafts import Draft
+from pipeshard.services.coordinator.speculation.policy import KPolicy, SourceMemory, TimingModel
+from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.tensor_codec import decode, encode
 from pipeshard.v1 import activation_pb2, tensor_pb2
-from services.coordinator.detokenizer import IncrementalDetokenizer
-from services.coordinator.sampling import Sampler, SamplingParams
-from services.coordinator.speculation.acceptance import accept_greedy, accept_sampled
-from services.coordinator.speculation.drafts import Draft
-from services.coordinator.speculation.policy import KPolicy, SourceMemory, TimingModel
-from services.coordinator.speculation.sources import DraftSources
 
 
 @dataclass

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import openvino as ov
 
-from exporter.manifest import load_manifest
 from pipeshard.errors import PipeshardError
+from pipeshard.services.coordinator.ring import StageFailed
+from pipeshard.services.stage.engine import StageEngine
+from pipeshard.services.stage.sessions import SessionTable
+from pipeshard.services.stage.wire import frame_from_output, result_from_output, stage_error, step_from_frame
+from pipeshard.shard.manifest import load_manifest
+from pipeshard.shard.runtime import ShardRunner
 from pipeshard.v1 import activation_pb2
-from services.coordinator.ring import StageFailed
-from services.runtime.shard import ShardRunner
-from services.stage.engine import StageEngine
-from services.stage.sessions import SessionTable
-from services.stage.wire import frame_from_output, result_from_output, stage_error, step_from_frame
 
 
 class LocalRing:

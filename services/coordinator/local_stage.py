@@ -7,8 +7,8 @@ a stub-like object whose control methods call the stage servicer directly.
 
 from __future__ import annotations
 
-from services.stage.node import StageNode
-from services.stage.servicer import StageServicer
+from pipeshard.services.stage.node import StageNode
+from pipeshard.services.stage.servicer import StageServicer
 
 
 class LocalEntry:

@@ -9,18 +9,18 @@ from pathlib import Path
 from pipeshard.errors import InvalidArgument
 from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
+from pipeshard.services.coordinator.admission import Admission
+from pipeshard.services.coordinator.generation import Generation
+from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
+from pipeshard.services.coordinator.ring import Ring
+from pipeshard.services.coordinator.servicer import CoordinatorServicer
+from pipeshard.services.coordinator.speculation.sources import DraftSources
+from pipeshard.services.stage.main import StageSettings, build_node
+from pipeshard.services.stage.servicer import StageServicer
 from pipeshard.settings import ServerSettings, load_settings, setting
+from pipeshard.shard.prompting import Prompter
+from pipeshard.topology import Topology
 from pipeshard.v1 import coordinator_pb2_grpc
-from services.coordinator.admission import Admission
-from services.coordinator.generation import Generation
-from services.coordinator.local_stage import LocalEntry, LocalStageStub
-from services.coordinator.prompting import Prompter
-from services.coordinator.ring import Ring
-from services.coordinator.servicer import CoordinatorServicer
-from services.coordinator.speculation.sources import DraftSources
-from services.stage.main import StageSettings, build_node
-from services.stage.servicer import StageServicer
-from services.topology import Topology
 
 
 @dataclass

@@ -15,10 +15,10 @@ import grpc
 import structlog
 
 from pipeshard.errors import DeadlineExceeded, PipeshardError, Unavailable
+from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
+from pipeshard.services.transport.channels import open_channel
+from pipeshard.services.transport.hop import HopStream
 from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc
-from services.coordinator.local_stage import LocalEntry, LocalStageStub
-from services.transport.channels import open_channel
-from services.transport.hop import HopStream
 
 log = structlog.get_logger(__name__)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import structlog
 
+from pipeshard.services.coordinator.admission import Admission
+from pipeshard.services.coordinator.generation import Chunk, Generation
+from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.shard.prompting import Prompter
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
-from services.coordinator.admission import Admission
-from services.coordinator.generation import Chunk, Generation
-from services.coordinator.prompting import Prompter
-from services.coordinator.sampling import SamplingParams
 
 log = structlog.get_logger(__name__)
 

@@ -22,13 +22,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients.client import build_request
+from pipeshard.clients.client import build_request
 from pipeshard.metrics import counter
+from pipeshard.services.gateway.errors import GatewayError
+from pipeshard.services.gateway.responses import Shaper
+from pipeshard.services.gateway.schema import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from pipeshard.services.gateway.settings import GatewaySettings
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
-from services.gateway.errors import GatewayError
-from services.gateway.responses import Shaper
-from services.gateway.schema import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from services.gateway.settings import GatewaySettings
 
 log = structlog.get_logger(__name__)
 REQUESTS = counter(

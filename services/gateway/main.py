@@ -9,9 +9,9 @@ import uvicorn
 
 from pipeshard.logs import configure_logging
 from pipeshard.metrics import start_metrics_server
+from pipeshard.services.gateway.app import create_app
+from pipeshard.services.gateway.settings import GatewaySettings
 from pipeshard.settings import load_settings
-from services.gateway.app import create_app
-from services.gateway.settings import GatewaySettings
 
 
 def _listen(host: str, port: int) -> socket.socket:

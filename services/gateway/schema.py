@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.gateway.errors import GatewayError
+from pipeshard.services.gateway.errors import GatewayError
 
 
 class StreamOptions(BaseModel):

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from exporter.manifest import load_manifest
 from pipeshard.errors import InvalidArgument
-from services.runtime.shard import ShardRunner, ShardSession
+from pipeshard.shard.manifest import load_manifest
+from pipeshard.shard.runtime import ShardRunner, ShardSession
 
 
 @dataclass

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import openvino as ov
 
-from exporter.manifest import load_manifest, stage_entry, verify_shard
 from pipeshard.errors import InvalidArgument, ResourceExhausted
+from pipeshard.shard.manifest import load_manifest, stage_entry, verify_shard
 
 PRECISIONS = ("default", "f32")
 

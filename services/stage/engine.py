@@ -7,8 +7,8 @@ import time
 import numpy as np
 
 from pipeshard.errors import InvalidArgument
-from services.stage.domain import ReturnMode, StepInput, StepOutput, top1_of
-from services.stage.sessions import SessionTable
+from pipeshard.services.stage.domain import ReturnMode, StepInput, StepOutput, top1_of
+from pipeshard.services.stage.sessions import SessionTable
 
 
 class StageEngine:

@@ -7,22 +7,22 @@ from pathlib import Path
 
 import structlog
 
-from exporter.manifest import verify_shard
-from exporter.shard_pull import pull_shard
 from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound
 from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
+from pipeshard.services.stage.engine import StageEngine
+from pipeshard.services.stage.node import StageNode
+from pipeshard.services.stage.rawtcp import RawTcpStage
+from pipeshard.services.stage.servicer import StageServicer
+from pipeshard.services.stage.sessions import SessionTable
+from pipeshard.services.transport.hop import HopStream
 from pipeshard.settings import ServerSettings, load_settings, setting
+from pipeshard.shard.manifest import verify_shard
+from pipeshard.shard.pull import pull_shard
+from pipeshard.shard.runtime import ShardRunner
 from pipeshard.tensor_codec import Codec
+from pipeshard.topology import Topology
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
-from services.runtime.shard import ShardRunner
-from services.stage.engine import StageEngine
-from services.stage.node import StageNode
-from services.stage.servicer import StageServicer
-from services.stage.sessions import SessionTable
-from services.topology import Topology
-from services.transport.hop import HopStream
-from services.transport.rawtcp import RawTcpStage
 
 log = structlog.get_logger(__name__)
 

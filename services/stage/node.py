@@ -13,11 +13,9 @@ import asyncio
 
 import structlog
 
-from pipeshard.tensor_codec import Codec
-from pipeshard.v1 import activation_pb2
-from services.stage.engine import StageEngine
-from services.stage.results import ResultBroker
-from services.stage.wire import (
+from pipeshard.services.stage.engine import StageEngine
+from pipeshard.services.stage.results import ResultBroker
+from pipeshard.services.stage.wire import (
     error_frame,
     error_result,
     frame_from_output,
@@ -25,7 +23,9 @@ from services.stage.wire import (
     stage_error,
     step_from_frame,
 )
-from services.transport.hop import HopStream
+from pipeshard.services.transport.hop import HopStream
+from pipeshard.tensor_codec import Codec
+from pipeshard.v1 import activation_pb2
 
 log = structlog.get_logger(__name__)
 

@@ -11,8 +11,8 @@ import asyncio
 
 import structlog
 
+from pipeshard.services.transport.delay import DelayQueue
 from pipeshard.v1 import activation_pb2
-from services.transport.delay import DelayQueue
 
 log = structlog.get_logger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import structlog
 
+from pipeshard.services.stage.node import StageNode
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
-from services.stage.node import StageNode
 
 log = structlog.get_logger(__name__)
 

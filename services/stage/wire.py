@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from pipeshard.errors import InvalidArgument, PipeshardError
+from pipeshard.services.stage.domain import ReturnMode, StepInput, StepOutput
 from pipeshard.tensor_codec import Codec, decode, encode
 from pipeshard.v1 import activation_pb2, tensor_pb2
-from services.stage.domain import ReturnMode, StepInput, StepOutput
 
 _MODES = {
     activation_pb2.RETURN_MODE_UNSPECIFIED: ReturnMode.TOP1,

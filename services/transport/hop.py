@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import structlog
 
+from pipeshard.services.transport.channels import open_channel
+from pipeshard.services.transport.delay import DelayQueue
 from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc
-from services.transport.channels import open_channel
-from services.transport.delay import DelayQueue
 
 log = structlog.get_logger(__name__)
 

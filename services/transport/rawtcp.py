@@ -4,7 +4,7 @@ A frame is a 20-byte header ``<IIIII``: session handle, step id, first position,
 payload bytes; then the raw payload (int64 ids for stage 0, float32 hidden states after it).
 A result is ``<IIIf`` + padding: session handle, step id, top-1 id, probability. TCP_NODELAY
 on every socket. No mask updates, sampling or error frames: this exists to measure how close
-the gRPC path (services.transport.hop) comes to a transport with nothing in it.
+the gRPC path (pipeshard.services.transport.hop) comes to a transport with nothing in it.
 
 The first byte a client sends names its role: ``F`` (frames in) or ``R`` (results out; the
 final stage sends every result to the newest ``R`` connection).
@@ -18,8 +18,8 @@ import struct
 
 import numpy as np
 
-from services.stage.domain import ReturnMode, StepInput
-from services.stage.engine import StageEngine
+from pipeshard.services.stage.domain import ReturnMode, StepInput
+from pipeshard.services.stage.engine import StageEngine
 
 HEADER = struct.Struct("<IIIII")
 RESULT = struct.Struct("<IIIf4x")

@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 from pipeshard.paths import DEFAULT_MODEL
-from services.fleet_cli import ensure_shards
-from services.wan import netns, state
-from services.wan.emulator import WanFleet
-from services.wan.netns import WanError
+from pipeshard.services.fleet_cli import ensure_shards
+from pipeshard.services.wan import netns, state
+from pipeshard.services.wan.emulator import WanFleet
+from pipeshard.services.wan.netns import WanError
 
 RUN_DIR = Path("run/wan")
 

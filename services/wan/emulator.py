@@ -24,9 +24,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.launcher import Fleet, coordinator_args, fleet_env, spawn, stage_args
-from services.wan import netns, state
-from services.wan.netns import Link, WanError
+from pipeshard.services.launcher import Fleet, coordinator_args, fleet_env, spawn, stage_args
+from pipeshard.services.wan import netns, state
+from pipeshard.services.wan.netns import Link, WanError
 
 STAGE_PORT = 50061  # each stage's port inside its own namespace
 CONTROL_PORT = 7000  # on 10.77.<k>.1: the coordinator's door to stage k
@@ -83,7 +83,7 @@ class WanFleet:
                     spawn(name, args, self.run_dir, env, timeout_s, detach=detach, **kwargs)
                 )
 
-            start("forwarder", self._forwarder_args(), module="services.wan.forwarder")
+            start("forwarder", self._forwarder_args(), module="pipeshard.services.wan.forwarder")
             for link in self.links:
                 next_hop = f"{link.root_ip}:{NEXT_HOP_PORT}" if link.index < stages - 1 else None
                 extra = [*extra_stage_args, "--host", link.ns_ip]
@@ -116,7 +116,7 @@ class WanFleet:
 
     def _start_watchdog(self, detach: bool, ttl_s: float | None) -> subprocess.Popen:
         """Detached: it ends the fleet after ``ttl_s``. Owned: also when this process dies unannounced."""
-        args = [sys.executable, "-m", "services.wan.watchdog", str(self.run_dir)]
+        args = [sys.executable, "-m", "pipeshard.services.wan.watchdog", str(self.run_dir)]
         args += ["--ttl-s", str(ttl_s)] if ttl_s is not None else []
         args += [] if detach else ["--owner-pid", str(os.getpid())]
         with (self.run_dir / "watchdog.log").open("w") as log:

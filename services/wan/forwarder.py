@@ -1,6 +1,6 @@
 """User-space TCP forwarder that adds one-way latency: netem's job, which this kernel lacks.
 
-``python -m services.wan.forwarder --delay-ms 50 LISTEN=UPSTREAM ...`` serves every route in one
+``python -m pipeshard.services.wan.forwarder --delay-ms 50 LISTEN=UPSTREAM ...`` serves every route in one
 process (so forwarding never shares a GIL with the benchmark). Each accepted connection gets its
 own upstream connection; in each direction one task reads chunks into a :class:`DelayQueue` and
 one task writes each chunk out ``delay`` after it arrived: order kept, many chunks in flight, so
@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import sys
 
-from services.transport.delay import DelayQueue
+from pipeshard.services.transport.delay import DelayQueue
 
 CHUNK_BYTES = 64 * 1024
 QUEUE_CHUNKS = 1024  # at most 64 MiB held per direction; beyond it the reader waits (backpressure)
@@ -83,7 +83,7 @@ async def _main(routes: list[tuple[str, str]], delay_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.wan.forwarder", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pipeshard.services.wan.forwarder", description=__doc__)
     parser.add_argument("--delay-ms", type=float, required=True, help="one-way delay in each direction")
     parser.add_argument("routes", nargs="+", metavar="LISTEN=UPSTREAM", help="host:port=host:port")
     args = parser.parse_args(argv)

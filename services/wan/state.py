@@ -12,8 +12,8 @@ import os
 import signal
 from pathlib import Path
 
-from services.launcher import stop_recorded
-from services.wan import netns
+from pipeshard.services.launcher import stop_recorded
+from pipeshard.services.wan import netns
 
 NAMESPACES = "namespaces"
 WATCHDOG = "watchdog"

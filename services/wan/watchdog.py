@@ -1,6 +1,6 @@
 """Tears a WAN fleet down when its owner dies or its time is up, whoever forgot to.
 
-``python -m services.wan.watchdog RUN_DIR [--owner-pid P] [--ttl-s T]``: a benchmark killed with
+``python -m pipeshard.services.wan.watchdog RUN_DIR [--owner-pid P] [--ttl-s T]``: a benchmark killed with
 SIGKILL runs no atexit hook, and a detached ``wan up`` has no owner at all; without this, stage
 processes and namespaces would outlive both. It waits on a pidfd, so it wakes the moment the owner
 exits (reaped or not), and sleeps otherwise.
@@ -14,7 +14,7 @@ import select
 import sys
 from pathlib import Path
 
-from services.wan.state import teardown
+from pipeshard.services.wan.state import teardown
 
 
 def wait(owner_pid: int | None, ttl_s: float | None) -> None:
@@ -27,7 +27,7 @@ def wait(owner_pid: int | None, ttl_s: float | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.wan.watchdog", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pipeshard.services.wan.watchdog", description=__doc__)
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--owner-pid", type=int, default=None)
     parser.add_argument("--ttl-s", type=float, default=None)

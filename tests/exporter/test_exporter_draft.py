@@ -11,19 +11,19 @@ import numpy as np
 import pytest
 import torch
 
-from exporter.draft import (
+from pipeshard.errors import InvalidArgument
+from pipeshard.exporter.draft import (
     VOCAB_FILE,
     check_same_tokenizer,
     ensure_draft_export,
     export_draft,
     plan_draft,
 )
-from exporter.export import export_model
-from exporter.manifest import load_manifest, verify_export, verify_shard
-from exporter.truncate import truncate_model
-from pipeshard.errors import InvalidArgument
-from services.runtime.chain import LocalChain
-from services.runtime.shard import ShardRunner
+from pipeshard.exporter.export import export_model
+from pipeshard.exporter.truncate import truncate_model
+from pipeshard.shard.chain import LocalChain
+from pipeshard.shard.manifest import load_manifest, verify_export, verify_shard
+from pipeshard.shard.runtime import ShardRunner
 
 QUIET = dict(isolate=False, convert_tokenizer=False, progress=lambda event: None)
 PREFILL, DECODE = 7, 5
@@ -147,7 +147,7 @@ def test_draft_is_one_stage_and_truncate_checks_layers(tiny_model, tmp_path):
 
 
 def test_cli_draft_flags(tiny_model, tmp_path, capsys, monkeypatch):
-    from exporter import cli
+    from pipeshard.exporter import cli
 
     parser = argparse.ArgumentParser()
     cli.register(parser.add_subparsers(dest="command"))
@@ -166,7 +166,7 @@ def test_cli_draft_flags(tiny_model, tmp_path, capsys, monkeypatch):
 
 def test_ensure_draft_export(tiny_model, tiny_export, tmp_path, monkeypatch):
     """An HF folder is exported once into the cache and reused; an export passes through."""
-    import exporter.draft as draft_mod
+    import pipeshard.exporter.draft as draft_mod
 
     folder, _ = tiny_model("llama")
     hf2 = truncate_model(folder, tmp_path / "tiny-2l", 2)

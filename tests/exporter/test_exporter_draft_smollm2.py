@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from exporter.draft import check_same_tokenizer
-from exporter.manifest import verify_export
-from services.runtime.shard import ShardRunner
+from pipeshard.exporter.draft import check_same_tokenizer
+from pipeshard.shard.manifest import verify_export
+from pipeshard.shard.runtime import ShardRunner
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ def test_smollm2_draft_matches_truncated_hf(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from exporter.truncate import truncate_model
+    from pipeshard.exporter.truncate import truncate_model
 
     export = smollm2_draft(2, 4096, "fp32")
     m = verify_export(export)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from exporter.manifest import load_manifest
-from services.runtime.shard import ShardRunner
+from pipeshard.shard.manifest import load_manifest
+from pipeshard.shard.runtime import ShardRunner
 
 RTOL = ATOL = 1e-4
 PREFILL, DECODE = 7, 10
@@ -123,7 +123,7 @@ def test_explicit_positions_after_rewind(tiny_export):
 
 def test_no_beam_idx_export_matches(tiny_model, tiny_export):
     """Benchmark config B0: no beam_idx port, same numbers."""
-    from exporter.convert import kv_reorder_report
+    from pipeshard.exporter.convert import kv_reorder_report
 
     _, hf = tiny_model("llama")
     export = tiny_export("llama", 2, beam_idx=False)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-from exporter.export import PHASES, ProgressEvent
-from exporter.progress import ProgressPrinter
+from pipeshard.exporter.export import PHASES, ProgressEvent
+from pipeshard.exporter.progress import ProgressPrinter
 
 
 def _events():

@@ -8,11 +8,11 @@ import shutil
 
 import pytest
 
-from exporter.compress import choose_group_size, make_plan
-from exporter.export import default_split, export_model, resolve_split
-from exporter.families import get_family, resolve_spec
-from exporter.manifest import load_manifest, verify_export, verify_shard
 from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound
+from pipeshard.exporter.compress import choose_group_size, make_plan
+from pipeshard.exporter.export import default_split, export_model, resolve_split
+from pipeshard.exporter.families import get_family, resolve_spec
+from pipeshard.shard.manifest import load_manifest, verify_export, verify_shard
 
 
 @pytest.mark.parametrize(
@@ -111,8 +111,8 @@ def test_split_defaults():
 
 def test_selective_weights_from_sharded_index(tmp_path):
     """A sharded checkpoint (index file) loads, and a stage reads only its own tensors."""
-    from exporter.families import load_config
-    from exporter.weights import load_stage_weights, weight_files
+    from pipeshard.exporter.families import load_config
+    from pipeshard.exporter.weights import load_stage_weights, weight_files
     from tests.exporter.tiny_models import build_tiny
 
     build_tiny("llama", tmp_path, max_shard_size="100KB")
@@ -127,8 +127,8 @@ def test_selective_weights_from_sharded_index(tmp_path):
 
 
 def test_tied_head_reuses_embedding(tiny_model):
-    from exporter.families import load_config
-    from exporter.weights import load_stage_weights
+    from pipeshard.exporter.families import load_config
+    from pipeshard.exporter.weights import load_stage_weights
 
     folder, _ = tiny_model("qwen2")
     spec = resolve_spec(load_config(folder))
@@ -171,7 +171,7 @@ def test_manifest_contents(tiny_export):
 
 
 def test_tampered_shard_fails_verification(tiny_export, tmp_path):
-    from services.runtime.shard import ShardRunner
+    from pipeshard.shard.runtime import ShardRunner
 
     export = tmp_path / "copy"
     shutil.copytree(tiny_export("llama", 2), export)
@@ -202,7 +202,7 @@ def test_missing_manifest(tmp_path):
 
 
 def test_interrupted_export_leaves_nothing(tiny_model, tmp_path, monkeypatch):
-    import exporter.export as ex
+    import pipeshard.exporter.export as ex
 
     real = ex.export_stage
 
@@ -221,7 +221,7 @@ def test_interrupted_export_leaves_nothing(tiny_model, tmp_path, monkeypatch):
 
 
 def test_cli_reports_bad_stages(tiny_model, capsys):
-    from exporter import cli
+    from pipeshard.exporter import cli
 
     parser = argparse.ArgumentParser()
     cli.register(parser.add_subparsers(dest="command"))
@@ -233,7 +233,7 @@ def test_cli_reports_bad_stages(tiny_model, capsys):
 
 def test_cli_export_in_subprocess(tiny_model, tmp_path, capsys):
     """The CLI path: per-stage subprocess export (peak RSS measured there), then a local generate."""
-    from exporter import cli
+    from pipeshard.exporter import cli
 
     parser = argparse.ArgumentParser()
     cli.register(parser.add_subparsers(dest="command"))

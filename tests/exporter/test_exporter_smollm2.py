@@ -6,8 +6,8 @@ import numpy as np
 import openvino as ov
 import pytest
 
-from exporter.convert import kv_reorder_report
-from exporter.manifest import verify_shard
+from pipeshard.exporter.convert import kv_reorder_report
+from pipeshard.shard.manifest import verify_shard
 
 pytestmark = pytest.mark.slow
 
@@ -69,8 +69,8 @@ def test_fp32_stages_match_hf_at_every_boundary(stages, smollm2_export, hf_model
     SmolLM2's residual stream reaches about 2.5e4 in the middle layers (FACTS.md)."""
     import torch
 
-    from exporter.manifest import load_manifest
-    from services.runtime.shard import ShardRunner
+    from pipeshard.shard.manifest import load_manifest
+    from pipeshard.shard.runtime import ShardRunner
 
     export = smollm2_export(stages, "fp32")
     manifest = load_manifest(export)

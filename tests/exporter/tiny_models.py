@@ -1,6 +1,6 @@
 """Tiny random-weight models of every supported family, and fixtures exporting them (shared per session).
 
-Imported by tests/exporter/conftest.py and tests/runtime/conftest.py.
+Imported by tests/exporter/conftest.py and tests/shard/conftest.py.
 
 Each family gets GQA ratios other than SmolLM2's 3 and at least one untied head:
 llama 4 heads / 2 KV (untied), qwen2 8 heads / 1 KV with q/k/v bias (tied),
@@ -82,7 +82,7 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_export(tiny_model, tmp_path_factory):
     """Factory: (family, stages, weights, beam_idx) -> export folder, exported in-process once."""
-    from exporter.export import export_model
+    from pipeshard.exporter.export import export_model
 
     cache: dict[tuple, Path] = {}
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.launcher import Fleet, start_fleet
+from pipeshard.services.launcher import Fleet, start_fleet
 
 
 @pytest.fixture(scope="module")

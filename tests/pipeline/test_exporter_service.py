@@ -8,11 +8,11 @@ import shutil
 import grpc
 import pytest
 
-from exporter.manifest import verify_shard
-from exporter.shard_pull import pull_shard
 from pipeshard.errors import FailedPrecondition
+from pipeshard.services.launcher import spawn
+from pipeshard.shard.manifest import verify_shard
+from pipeshard.shard.pull import pull_shard
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc, stage_pb2, stage_pb2_grpc
-from services.launcher import spawn
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import httpx2 as httpx
 import pytest
 import yaml
 
-from clients.client import PipeshardClient
+from pipeshard.clients.client import PipeshardClient
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

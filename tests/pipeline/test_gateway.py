@@ -12,10 +12,10 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from clients.client import PipeshardClient, build_request
 from pipeshard.cli import main as pipeshard
+from pipeshard.clients.client import PipeshardClient, build_request
+from pipeshard.topology import Endpoint, Topology
 from pipeshard.v1 import coordinator_pb2_grpc
-from services.topology import Endpoint, Topology
 from tests.pipeline.stage_probe import sessions_after_release
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from clients.client import PipeshardClient
+from pipeshard.clients.client import PipeshardClient
 
 pytestmark = pytest.mark.slow
 

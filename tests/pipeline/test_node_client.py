@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from clients.client import PipeshardClient
+from pipeshard.clients.client import PipeshardClient
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clients.client import PipeshardClient
+from pipeshard.clients.client import PipeshardClient
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,7 @@ def test_fp32_fleet_matches_hf_greedy(
 
 
 def test_int4_fleet_matches_in_process_chain(smollm2_export, fleet_factory, prompts, chat_prompt_ids):
-    from services.runtime.chain import LocalChain
+    from pipeshard.shard.chain import LocalChain
 
     shards = smollm2_export(2, "int4")
     chain = LocalChain(shards)

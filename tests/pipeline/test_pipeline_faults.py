@@ -10,8 +10,8 @@ import time
 import grpc
 import pytest
 
-from clients.client import PipeshardClient
-from services.launcher import spawn
+from pipeshard.clients.client import PipeshardClient
+from pipeshard.services.launcher import spawn
 
 pytestmark = pytest.mark.slow
 

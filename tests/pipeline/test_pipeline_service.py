@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from clients.client import PipeshardClient
+from pipeshard.clients.client import PipeshardClient
 from pipeshard.tensor_codec import encode
 from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 from tests.pipeline.stage_probe import live_sessions, sessions_after_release
@@ -196,8 +196,8 @@ def test_cli_json_has_the_same_keys_and_tokens_in_both_modes(fleet, shards):
 def test_coordinator_hosting_stage0_decodes_like_the_chain(shards, chat_prompt_ids, prompts, tmp_path):
     import os
 
-    from services.launcher import spawn
-    from services.runtime.chain import LocalChain
+    from pipeshard.services.launcher import spawn
+    from pipeshard.shard.chain import LocalChain
 
     chain = LocalChain(shards)
     want = [chain.generate_greedy(ids, 32, ignore_eos=True).token_ids for ids in chat_prompt_ids[:2]]

@@ -9,7 +9,7 @@ import sys
 import grpc
 import pytest
 
-from clients.client import PipeshardClient
+from pipeshard.clients.client import PipeshardClient
 from tests.pipeline.stage_probe import sessions_after_release
 
 pytestmark = pytest.mark.slow

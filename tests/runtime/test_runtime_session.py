@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from pipeshard.errors import InvalidArgument, ResourceExhausted
-from services.runtime.chain import LocalChain
-from services.runtime.shard import ShardRunner, compile_properties
+from pipeshard.shard.chain import LocalChain
+from pipeshard.shard.runtime import ShardRunner, compile_properties
 
 
 def test_compile_properties():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.runtime.chain import LocalChain
+from pipeshard.shard.chain import LocalChain
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pipeshard.errors import InvalidArgument
-from services.runtime.shard import ShardRunner, time_trim
+from pipeshard.shard.runtime import ShardRunner, time_trim
 
 
 def _greedy(session, token: int, n: int) -> list[int]:

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from services.coordinator.generation import Generation, Summary
-from services.coordinator.local_ring import LocalRing
-from services.coordinator.prompting import Prompter
-from services.coordinator.sampling import SamplingParams
-from services.coordinator.speculation.sources import DraftSources
-from services.runtime.chain import LocalChain
+from pipeshard.services.coordinator.generation import Generation, Summary
+from pipeshard.services.coordinator.local_ring import LocalRing
+from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.speculation.sources import DraftSources
+from pipeshard.shard.chain import LocalChain
+from pipeshard.shard.prompting import Prompter
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKENS = 256

@@ -9,15 +9,15 @@ import sys
 
 import pytest
 
-from exporter.distil import TrainableDraft, distil, label, read_texts, synthetic_prompts, train
-from exporter.draft import plan_draft
-from exporter.truncate import truncate_model
 from pipeshard.errors import InvalidArgument
-from services.coordinator.generation import Generation
-from services.coordinator.local_ring import LocalRing
-from services.coordinator.prompting import Prompter
-from services.coordinator.sampling import SamplingParams
-from services.coordinator.speculation.sources import DraftSources
+from pipeshard.exporter.distil import TrainableDraft, distil, label, read_texts, synthetic_prompts, train
+from pipeshard.exporter.draft import plan_draft
+from pipeshard.exporter.truncate import truncate_model
+from pipeshard.services.coordinator.generation import Generation
+from pipeshard.services.coordinator.local_ring import LocalRing
+from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.speculation.sources import DraftSources
+from pipeshard.shard.prompting import Prompter
 from tests.speculation.conftest import TOKENS, generate
 
 pytestmark = pytest.mark.slow

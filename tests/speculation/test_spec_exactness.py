@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-from services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.sampling import SamplingParams
 from tests.speculation.conftest import KS, SOURCES, SPEC_PROMPTS, STAGE_COUNTS, TOKENS, generate
 
 FULL = list(itertools.product(STAGE_COUNTS, SOURCES, KS))

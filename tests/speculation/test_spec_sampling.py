@@ -3,7 +3,7 @@
 Over many seeds, the empirical distribution of the tokens that speculation produced (the second
 and third of each generation; the first comes from the prefill) must match plain sampling from
 the target; a two-sample chi-square test that fails when the draft's distribution leaks through
-(tests/unit/test_speculation_units.py shows the same test catching such a leak).
+(tests/speculation/test_speculation_units.py shows the same test catching such a leak).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections import Counter
 import pytest
 from scipy import stats
 
-from services.coordinator.prompting import Prompter
-from services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.shard.prompting import Prompter
 from tests.speculation.conftest import generate
 
 pytestmark = pytest.mark.slow

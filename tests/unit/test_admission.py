@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from pipeshard.errors import DeadlineExceeded, ResourceExhausted
-from services.coordinator.admission import Admission
+from pipeshard.services.coordinator.admission import Admission
 
 
 def test_capacity_queue_and_rejection():

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import yaml
 
-from exporter.main import ExporterSettings
+from pipeshard.exporter.main import ExporterSettings
+from pipeshard.services.coordinator.main import CoordinatorSettings
+from pipeshard.services.stage.main import StageSettings
 from pipeshard.settings import env_name
-from services.coordinator.main import CoordinatorSettings
-from services.stage.main import StageSettings
-from services.topology import Topology
+from pipeshard.topology import Topology
 
 COMPOSE = Path(__file__).resolve().parents[2] / "docker" / "compose.yaml"
 PATH_VARS = {"PIPESHARD_MODELS_DIR", "PIPESHARD_SHARDS_DIR"}

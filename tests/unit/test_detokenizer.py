@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.coordinator.detokenizer import IncrementalDetokenizer
+from pipeshard.services.coordinator.detokenizer import IncrementalDetokenizer
 
 
 class ByteTokenizer:

@@ -11,10 +11,10 @@ import pytest
 from fastapi.testclient import TestClient
 from grpc_health.v1 import health, health_pb2_grpc
 
+from pipeshard.services.gateway.app import create_app
+from pipeshard.services.gateway.errors import GatewayError
+from pipeshard.services.gateway.settings import GatewaySettings
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
-from services.gateway.app import create_app
-from services.gateway.errors import GatewayError
-from services.gateway.settings import GatewaySettings
 
 
 class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pipeshard.errors import InvalidArgument
-from services.coordinator.sampling import Sampler, SamplingParams
+from pipeshard.services.coordinator.sampling import Sampler, SamplingParams
 
 OK = {"prompt_tokens": 10, "max_context": 200, "vocab_size": 50}
 

@@ -6,11 +6,16 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from services.coordinator.generation import _Cursor
-from services.coordinator.sampling import Sampler, SamplingParams
-from services.coordinator.speculation.acceptance import accept_greedy, accept_sampled
-from services.coordinator.speculation.drafts import NgramDrafter
-from services.coordinator.speculation.policy import KPolicy, SourceMemory, TimingModel, expected_tokens
+from pipeshard.services.coordinator.generation import _Cursor
+from pipeshard.services.coordinator.sampling import Sampler, SamplingParams
+from pipeshard.services.coordinator.speculation.acceptance import accept_greedy, accept_sampled
+from pipeshard.services.coordinator.speculation.drafts import NgramDrafter
+from pipeshard.services.coordinator.speculation.policy import (
+    KPolicy,
+    SourceMemory,
+    TimingModel,
+    expected_tokens,
+)
 
 
 def test_greedy_keeps_the_matching_prefix_and_the_targets_next_token():

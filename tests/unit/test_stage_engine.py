@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from pipeshard.errors import InvalidArgument, NotFound, ResourceExhausted
-from services.stage.domain import ReturnMode, StepInput, top1_of
-from services.stage.engine import StageEngine
-from services.stage.sessions import SessionTable
+from pipeshard.services.stage.domain import ReturnMode, StepInput, top1_of
+from pipeshard.services.stage.engine import StageEngine
+from pipeshard.services.stage.sessions import SessionTable
 
 VOCAB, HIDDEN = 11, 4
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+from pipeshard.services.stage.results import ResultBroker
+from pipeshard.services.transport.delay import DelayQueue
+from pipeshard.services.transport.hop import HopStream
 from pipeshard.v1 import activation_pb2
-from services.stage.results import ResultBroker
-from services.transport.delay import DelayQueue
-from services.transport.hop import HopStream
 
 DELAY_S = 0.05
 EPS_S = 0.02  # the machine is shared: allow for a busy event loop

@@ -8,9 +8,9 @@ import subprocess
 
 import pytest
 
-from clients.client import PipeshardClient
-from services.launcher import start_fleet
-from services.wan.emulator import WanFleet
+from pipeshard.clients.client import PipeshardClient
+from pipeshard.services.launcher import start_fleet
+from pipeshard.services.wan.emulator import WanFleet
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 
-from services.wan.forwarder import serve
+from pipeshard.services.wan.forwarder import serve
 
 DELAY_S = 0.05
 EPS_S = 0.025  # the machine is shared: allow for a busy event loop

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from services.wan import netns
-from services.wan.netns import Link
+from pipeshard.services.wan import netns
+from pipeshard.services.wan.netns import Link
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
@@ -74,7 +74,7 @@ def test_watchdog_tears_down_when_its_owner_dies_unannounced(link, tmp_path):
     (tmp_path / "namespaces").write_text(f"{link.namespace}\n")
     owner = subprocess.Popen(["sleep", "0.5"])  # stands for a benchmark killed with SIGKILL
     watchdog = subprocess.run(
-        [sys.executable, "-m", "services.wan.watchdog", str(tmp_path), "--owner-pid", str(owner.pid)],
+        [sys.executable, "-m", "pipeshard.services.wan.watchdog", str(tmp_path), "--owner-pid", str(owner.pid)],
         capture_output=True,
         text=True,
         timeout=30,

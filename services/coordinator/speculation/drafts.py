@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from services.runtime.shard import ShardRunner, ShardSession
+from pipeshard.shard.runtime import ShardRunner, ShardSession
 
 Probabilities = Callable[[np.ndarray], np.ndarray]
 

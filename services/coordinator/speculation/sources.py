@@ -9,8 +9,8 @@ from pathlib import Path
 import structlog
 
 from pipeshard.errors import InvalidArgument
-from services.coordinator.speculation.drafts import Drafter, DraftModel, NgramDrafter
-from services.runtime.shard import ShardRunner
+from pipeshard.services.coordinator.speculation.drafts import Drafter, DraftModel, NgramDrafter
+from pipeshard.shard.runtime import ShardRunner
 
 log = structlog.get_logger(__name__)
 
@@ -69,7 +69,7 @@ class DraftSources:
             return self._models[folder]
 
     def _build(self, folder: Path) -> DraftModel:
-        from exporter.draft import check_same_tokenizer, ensure_draft_export
+        from pipeshard.exporter.draft import check_same_tokenizer, ensure_draft_export
 
         export = ensure_draft_export(folder, self.draft_cache)
         check_same_tokenizer(self.target_shards, export)
