@@ -105,3 +105,17 @@ class Stopwatch:
 
     def ms(self) -> float:
         return (time.perf_counter() - self.t0) * 1000.0
+
+
+def difference_ci(
+    a: list[float], b: list[float], n_boot: int = 4000, seed: int = 1
+) -> tuple[float, list[float]]:
+    """Difference of medians (a - b) and its 95% bootstrap interval, resampling paired rounds."""
+    rng = random.Random(seed)
+    pairs = list(zip(a, b, strict=True))
+    boots = []
+    for _ in range(n_boot):
+        sample = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        boots.append(median([x for x, _ in sample]) - median([y for _, y in sample]))
+    boots.sort()
+    return median(a) - median(b), [boots[int(0.025 * n_boot)], boots[int(0.975 * n_boot) - 1]]

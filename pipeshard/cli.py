@@ -15,6 +15,7 @@ _COMMAND_MODULES = (
     "pipeshard.exporter.distil_cli",
     "pipeshard.clients.cli",
     "pipeshard.services.fleet_cli",
+    "pipeshard.services.top",
     "pipeshard.services.wan.cli",
     "pipeshard.certs_cli",
 )
@@ -24,6 +25,10 @@ _SERVERS = {
     "stage": ("pipeshard.services.stage.main", "serve one pipeline stage"),
     "coordinator": ("pipeshard.services.coordinator.main", "serve Generate over a ring of stages"),
     "exporter-service": ("pipeshard.exporter.main", "serve Export and FetchShard"),
+    "serve-openai": (
+        "pipeshard.services.gateway.main",
+        "serve the OpenAI HTTP API in front of a coordinator",
+    ),
 }
 
 

@@ -1,8 +1,9 @@
 """``pipeshard up`` / ``pipeshard down``: a loopback fleet as background processes.
 
 ``up`` fetches the default model and exports shards when they are missing, writes
-config/topology.yaml with the default ports, starts the stages and the coordinator, waits
-until they serve, and prints ``coordinator listening on HOST:PORT``.
+config/topology.yaml with the default ports, starts the stages, the coordinator and the OpenAI
+gateway, waits until they serve, and prints ``coordinator listening on HOST:PORT`` and
+``openai gateway listening on HOST:PORT``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pipeshard.auth import load_or_create_token
 from pipeshard.certs_cli import node_names
 from pipeshard.paths import DEFAULT_MODEL, certs_dir, export_name, shards_dir
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
+from pipeshard.services.gateway.settings import GATEWAY_METRICS_PORT, GATEWAY_PORT
 from pipeshard.services.launcher import start_fleet, stop_recorded
 from pipeshard.shard.manifest import WEIGHT_FORMATS
 from pipeshard.tls import CA_CERT, make_certs
@@ -39,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="mutual TLS between all processes and a client token (certificates made if missing)",
     )
+    up.add_argument("--gateway-port", type=int, default=GATEWAY_PORT, help="OpenAI gateway HTTP port")
     up.set_defaults(func=run_up)
     down = sub.add_parser("down", help="stop the fleet that `pipeshard up` started")
     down.set_defaults(func=run_down)
@@ -83,6 +86,13 @@ def run_up(args: argparse.Namespace) -> int:
         stage_ports=[s.port for s in topo.stages],
         coordinator_port=topo.coordinator.port,
         exporter_port=topo.exporter.port,
+        gateway_port=args.gateway_port,
+        metrics_ports={
+            "exporter": topo.exporter.metrics_port,
+            **{f"stage{k}": s.metrics_port for k, s in enumerate(topo.stages)},
+            "coordinator": topo.coordinator.metrics_port,
+            "gateway": GATEWAY_METRICS_PORT,
+        },
         detach=True,
         precision=args.precision,
         tls_dir=tls_dir,
@@ -97,7 +107,11 @@ def run_up(args: argparse.Namespace) -> int:
     print(f"exporter listening on {topo.exporter.address}")
     for k, address in enumerate(fleet.stages):
         print(f"stage {k} listening on {address}")
-    print(f"coordinator listening on {fleet.coordinator}", flush=True)
+    print(f"coordinator listening on {fleet.coordinator}")
+    metrics = [topo.exporter.metrics_port, *(s.metrics_port for s in topo.stages)]
+    metrics += [topo.coordinator.metrics_port, GATEWAY_METRICS_PORT]
+    print(f"/metrics on ports {', '.join(map(str, metrics))}; watch the fleet with `pipeshard top`")
+    print(f"openai gateway listening on {fleet.gateway}", flush=True)
     return 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import re
 import signal
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeshard.precision import DEFAULT_PRECISION
+from pipeshard.tls import CA_CERT
 
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
 
@@ -36,7 +38,7 @@ class Process:
 
 @dataclass
 class Fleet:
-    """A running set of stage processes and a coordinator."""
+    """A running set of stage processes, a coordinator and optionally an OpenAI gateway."""
 
     run_dir: Path
     processes: list[Process] = field(default_factory=list)
@@ -44,6 +46,10 @@ class Fleet:
     @property
     def coordinator(self) -> str:
         return next(p.address for p in self.processes if p.name == "coordinator")
+
+    @property
+    def gateway(self) -> str:
+        return next(p.address for p in self.processes if p.name == "gateway")
 
     @property
     def stages(self) -> list[str]:
@@ -169,6 +175,13 @@ def coordinator_args(
     ]
 
 
+def gateway_args(coordinator: str, shards: Path, port: int, log_format: str) -> list[str]:
+    """``pipeshard serve-openai`` in front of ``coordinator``; /v1/models names the export's model."""
+    model = json.loads((Path(shards) / "manifest.json").read_text())["model"]["name"]
+    args = ["serve-openai", "--coordinator", coordinator, "--port", str(port), "--model-name", model]
+    return [*args, "--log-format", log_format]
+
+
 def start_fleet(
     shards: Path,
     num_stages: int,
@@ -180,6 +193,8 @@ def start_fleet(
     extra_stage_args: list[str] = (),
     extra_coordinator_args: list[str] = (),
     exporter_port: int | None = None,
+    gateway_port: int | None = None,
+    metrics_ports: dict[str, int] | None = None,
     detach: bool = False,
     timeout_s: float = 180.0,
     log_format: str = "json",
@@ -191,13 +206,21 @@ def start_fleet(
     With ``exporter_port`` set, an exporter service over the shards' parent folder starts first and
     every stage may pull its shard from it. With ``tls_dir`` (certificates of ``pipeshard certs``
     for exporter, coordinator and stage0..) every link is TLS; ``token`` (passed in the
-    environment, not on command lines) is then what clients of the coordinator and exporter need."""
+    environment, not on command lines) is then what clients of the coordinator and exporter need.
+    With ``gateway_port`` set, the OpenAI gateway starts last. ``metrics_ports`` maps process
+    names (exporter, stage0, ..., coordinator, gateway) to the port each serves Prometheus /metrics on."""
     run_dir.mkdir(parents=True, exist_ok=True)
+
+    def metered(name: str, args: list[str]) -> list[str]:
+        port = (metrics_ports or {}).get(name)
+        return [*args, "--metrics-port", str(port)] if port else args
+
     env = fleet_env()
     if token:
         env["PIPESHARD_TOKEN"] = token
     if tls_dir is not None:
         env["PIPESHARD_TLS_DIR"] = str(tls_dir)
+        env["PIPESHARD_CA_CERT"] = str(tls_dir / CA_CERT)  # the gateway's view of the coordinator
     ports = stage_ports or [0] * num_stages
     fleet = Fleet(run_dir)
     next_hop: str | None = None
@@ -205,15 +228,18 @@ def start_fleet(
         if exporter_port is not None:
             exporter = spawn(
                 "exporter",
-                [
-                    "exporter-service",
-                    "--shards-dir",
-                    str(Path(shards).parent),
-                    "--port",
-                    str(exporter_port),
-                    "--log-format",
-                    log_format,
-                ],
+                metered(
+                    "exporter",
+                    [
+                        "exporter-service",
+                        "--shards-dir",
+                        str(Path(shards).parent),
+                        "--port",
+                        str(exporter_port),
+                        "--log-format",
+                        log_format,
+                    ],
+                ),
                 run_dir,
                 env,
                 timeout_s,
@@ -223,18 +249,31 @@ def start_fleet(
             extra_stage_args = [*extra_stage_args, "--exporter", exporter.address]
         for k in reversed(range(num_stages)):
             args = stage_args(k, shards, ports[k], precision, log_format, next_hop, extra_stage_args)
-            proc = spawn(f"stage{k}", args, run_dir, env, timeout_s, detach=detach)
+            proc = spawn(f"stage{k}", metered(f"stage{k}", args), run_dir, env, timeout_s, detach=detach)
             fleet.processes.insert(1 if exporter_port is not None else 0, proc)
             next_hop = proc.address
         coordinator = spawn(
             "coordinator",
-            coordinator_args(fleet.stages, shards, coordinator_port, log_format, extra_coordinator_args),
+            metered(
+                "coordinator",
+                coordinator_args(fleet.stages, shards, coordinator_port, log_format, extra_coordinator_args),
+            ),
             run_dir,
             env,
             timeout_s,
             detach=detach,
         )
         fleet.processes.append(coordinator)
+        if gateway_port is not None:
+            gateway = spawn(
+                "gateway",
+                metered("gateway", gateway_args(coordinator.address, shards, gateway_port, log_format)),
+                run_dir,
+                env,
+                timeout_s,
+                detach=detach,
+            )
+            fleet.processes.append(gateway)
     except BaseException:
         fleet.stop()
         raise

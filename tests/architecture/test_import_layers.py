@@ -44,14 +44,21 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("pipeshard.services.coordinator",),
         ("contract", "core", "format", "transport", "stage"),
     ),
-    "fleet": (
-        ("pipeshard.services.launcher", "pipeshard.services.fleet_cli", "pipeshard.services.wan"),
-        ("contract", "core", "format", "transport"),
-    ),
     "clients": (("pipeshard.clients", "pipeshard.client"), ("contract",)),
+    # the OpenAI gateway is a client of the coordinator that serves HTTP
+    "gateway": (("pipeshard.services.gateway",), ("contract", "core", "clients")),
+    "fleet": (
+        (
+            "pipeshard.services.launcher",
+            "pipeshard.services.fleet_cli",
+            "pipeshard.services.wan",
+            "pipeshard.services.top",
+        ),
+        ("contract", "core", "format", "transport", "gateway"),
+    ),
     "cli": (
         ("pipeshard.cli",),
-        ("contract", "core", "format", "exporter", "stage", "coordinator", "fleet", "clients"),
+        ("contract", "core", "format", "exporter", "stage", "coordinator", "fleet", "clients", "gateway"),
     ),
 }
 

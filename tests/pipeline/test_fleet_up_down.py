@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx2 as httpx
 import pytest
 import yaml
 
@@ -45,9 +46,14 @@ def test_up_serves_on_default_ports_and_down_stops_exactly_those(smollm2_export,
         topology = yaml.safe_load((tmp_path / "config" / "topology.yaml").read_text())
         assert [s["port"] for s in topology["stages"]] == [50061, 50062]
         assert topology["exporter"]["port"] == 50071 and topology["coordinator"]["metrics_port"] == 9151
-        assert len(pids) == 4 and all(_alive(p) for p in pids)
+        assert "openai gateway listening on 127.0.0.1:8080" in up.stdout
+        assert len(pids) == 5 and all(_alive(p) for p in pids)
         with PipeshardClient("127.0.0.1:50051", timeout_s=60) as client:
             assert "Paris" in client.generate("What is the capital of France?", max_tokens=24).text
+        models = httpx.get("http://127.0.0.1:8080/v1/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == ["smollm2-135m-instruct"]
+        for port in (9171, 9161, 9162, 9151, 9180):  # every process serves /metrics
+            assert "pipeshard_" in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
     finally:
         down = subprocess.run(
             [*cli, "down"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60

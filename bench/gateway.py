@@ -1,0 +1,119 @@
+"""`make bench-gateway`: the OpenAI gateway against the gRPC client, 1 and 8 concurrent users.
+
+One 2-stage INT4 fleet with its gateway; each round runs four configurations in shuffled order:
+N users (1 or 8) streaming the same greedy request (64 tokens, eos ignored) at once, either with
+the async gRPC client straight to the coordinator or with the official `openai` async client
+through the gateway. Per configuration and round: aggregate tok/s (all users' tokens over the
+round's wall time) and the median client-side time to first token. Goal (issue #18): the gateway
+costs at most 5% throughput and 5 ms TTFT at 8 users.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import openai
+
+from bench.stats import difference_ci, interleaved, ratio_ci, summary, write_result
+from pipeshard import paths
+from pipeshard.clients.client import AsyncPipeshardClient
+from pipeshard.offline import set_offline_defaults
+from pipeshard.services.launcher import start_fleet
+
+PROMPT = "Explain in a few paragraphs how a bicycle works."
+TOKENS = int(os.environ.get("BENCH_TOKENS", "64"))
+RUNS = int(os.environ.get("BENCH_RUNS", "10"))
+WARMUP = 2
+USERS = (1, 8)
+
+
+async def _grpc_user(address: str) -> tuple[float, int]:
+    async with AsyncPipeshardClient(address) as client:
+        t0 = time.perf_counter()
+        ttft, tokens = None, 0
+        async for response in client.responses(PROMPT, max_tokens=TOKENS, ignore_eos=True):
+            if response.HasField("chunk"):
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                tokens += len(response.chunk.token_ids)
+        return ttft * 1000, tokens
+
+
+async def _gateway_user(api: openai.AsyncOpenAI) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    ttft, tokens = None, 0
+    stream = await api.chat.completions.create(
+        model="any",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content and ttft is None:
+            ttft = time.perf_counter() - t0
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return ttft * 1000, tokens
+
+
+def main() -> int:
+    set_offline_defaults()
+    shards = paths.shards_dir() / paths.export_name(paths.DEFAULT_MODEL, 2, "int4")
+    if not (shards / "manifest.json").exists():
+        from pipeshard.exporter.export import export_model
+
+        export_model(paths.default_model_dir(), shards, stages=2, weights="int4")
+    fleet = start_fleet(shards, 2, Path(tempfile.mkdtemp(prefix="bench-gateway-")), gateway_port=0)
+    loop = asyncio.new_event_loop()
+    api = openai.AsyncOpenAI(base_url=f"http://{fleet.gateway}/v1", api_key="unused", max_retries=0)
+    ttfts: dict[str, list[float]] = {}
+
+    def config(name: str, users: int):
+        def run() -> float:
+            async def one_round():
+                if name.startswith("grpc"):
+                    return await asyncio.gather(*(_grpc_user(fleet.coordinator) for _ in range(users)))
+                return await asyncio.gather(*(_gateway_user(api) for _ in range(users)))
+
+            start = time.perf_counter()
+            results = loop.run_until_complete(one_round())
+            wall = time.perf_counter() - start
+            if {tokens for _, tokens in results} != {TOKENS}:
+                raise RuntimeError(f"{name}: expected {TOKENS} tokens per user, got {results}")
+            ttfts.setdefault(name, []).append(statistics.median(t for t, _ in results))
+            return users * TOKENS / wall
+
+        return run
+
+    try:
+        configs = {f"{path}_{u}": config(f"{path}_{u}", u) for path in ("grpc", "gateway") for u in USERS}
+        samples = interleaved(configs, RUNS, WARMUP)
+    finally:
+        loop.run_until_complete(api.close())
+        loop.close()
+        fleet.stop()
+    ttft = {name: values[WARMUP:] for name, values in ttfts.items()}
+    result: dict = {"tokens": TOKENS, "runs": RUNS, "warmup": WARMUP, "stages": 2, "weights": "int4"}
+    result["tok_s"] = {name: summary(values) for name, values in samples.items()}
+    result["ttft_ms"] = {name: summary(values) for name, values in ttft.items()}
+    for u in USERS:
+        suffix = "user" if u == 1 else "users"
+        ratio, ci = ratio_ci(samples[f"gateway_{u}"], samples[f"grpc_{u}"])
+        result[f"gateway_over_grpc_{u}{suffix}"] = ratio
+        result[f"gateway_over_grpc_{u}{suffix}_ci95"] = ci
+        overhead, ci = difference_ci(ttft[f"gateway_{u}"], ttft[f"grpc_{u}"])
+        key = "gateway_ttft_overhead_ms" if u == 8 else "gateway_ttft_overhead_ms_1user"
+        result[key] = overhead
+        result[f"{key}_ci95"] = ci
+    write_result("gateway", result, command=f"make bench-gateway  # BENCH_RUNS={RUNS} BENCH_TOKENS={TOKENS}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

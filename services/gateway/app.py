@@ -1,0 +1,253 @@
+"""The FastAPI app: OpenAI routes over one gRPC channel to the coordinator.
+
+Each HTTP request is one Generate call. The first response is awaited before answering, so
+refusals (bad parameter, full queue, stage down) get their HTTP status even when streaming; a
+client that goes away, before or during the stream, cancels the call, and the coordinator then
+cancels the generation on every stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+import grpc
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pipeshard.clients.client import Connection, build_request
+from pipeshard.metrics import counter
+from pipeshard.services.gateway.errors import GatewayError
+from pipeshard.services.gateway.responses import Shaper
+from pipeshard.services.gateway.schema import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from pipeshard.services.gateway.settings import GatewaySettings
+from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+log = structlog.get_logger(__name__)
+REQUESTS = counter(
+    "pipeshard_gateway_requests_total", "HTTP requests answered, by path and status.", ("path", "status")
+)
+T = TypeVar("T")
+END = grpc.aio.EOF
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _metadata(request: Request) -> tuple[tuple[str, str], ...]:
+    """The caller's ``Authorization: Bearer`` (the OpenAI API key) is the coordinator's client token."""
+    value = request.headers.get("authorization", "")
+    return (("authorization", value),) if value.lower().startswith("bearer ") else ()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_gone(request: Request, work: Awaitable[T], call: grpc.aio.UnaryStreamCall) -> T:
+    """``work``'s result, or the call cancelled and a 499 if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        call.cancel()
+        raise GatewayError(499, "client disconnected", code="cancelled")
+    try:
+        return task.result()
+    except grpc.aio.AioRpcError as exc:
+        raise GatewayError.from_rpc(exc) from None
+
+
+def _failed(summary: coordinator_pb2.GenerateSummary) -> GatewayError | None:
+    if summary.finish_reason == coordinator_pb2.FINISH_REASON_ERROR:
+        return GatewayError(503, summary.error or "the generation failed", code="generation_failed")
+    if summary.finish_reason == coordinator_pb2.FINISH_REASON_CANCELLED:
+        return GatewayError(499, "the generation was cancelled", code="cancelled")
+    return None
+
+
+class Gateway:
+    """Holds the channel (opened inside the server's event loop) and serves the routes."""
+
+    def __init__(self, settings: GatewaySettings):
+        self.settings = settings
+        self.channel: grpc.aio.Channel | None = None
+
+    async def open(self) -> None:
+        # TLS to a secured coordinator; the token is each HTTP request's own (see _metadata).
+        self.channel = Connection.resolve(self.settings.ca_cert).aio_channel(self.settings.coordinator)
+        self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+
+    async def health(self) -> JSONResponse:
+        try:
+            reply = await self.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError as exc:
+            where = self.settings.coordinator
+            raise GatewayError(503, f"coordinator {where} unreachable: {exc.details()}") from None
+        if not serving:
+            raise GatewayError(503, f"coordinator {self.settings.coordinator} is not serving")
+        return JSONResponse({"status": "ok", "coordinator": self.settings.coordinator})
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [self._model()]}
+
+    def _model(self) -> dict:
+        return {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "pipeshard"}
+
+    def model(self, model_id: str) -> dict:
+        if model_id != self.settings.model_name:
+            raise GatewayError(404, f"model {model_id!r} not found", param="model", code="model_not_found")
+        return self._model()
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        body.check()
+        rpc = self._request(body, body.limit(), messages=body.chat())
+        shaper = Shaper(f"chatcmpl-{rpc.request_id}", self._name(body), chat=True)
+        return await self._answer(request, body, rpc, shaper)
+
+    async def completions(self, body: CompletionRequest, request: Request):
+        body.check()
+        rpc = self._request(body, body.limit(), messages=[])
+        rpc.prompt = body.text()  # raw text, no chat template (build_request wraps a prompt as a message)
+        shaper = Shaper(f"cmpl-{rpc.request_id}", self._name(body), chat=False)
+        return await self._answer(request, body, rpc, shaper)
+
+    def _name(self, body: OpenAIRequest) -> str:
+        return body.model or self.settings.model_name
+
+    @staticmethod
+    def _request(body: OpenAIRequest, max_tokens: int | None, messages: list[dict[str, str]]):
+        return build_request(
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=body.seed,
+            stop=body.stop_list(),
+            ignore_eos=body.ignore_eos,
+            request_id=uuid.uuid4().hex[:24],
+        )
+
+    async def _answer(
+        self, request: Request, body: OpenAIRequest, rpc: coordinator_pb2.GenerateRequest, shaper: Shaper
+    ):
+        call = self.stub.Generate(rpc, metadata=_metadata(request), timeout=self.settings.request_timeout_s)
+        try:
+            if not body.stream:
+                summary = await _unless_gone(request, _summary(call), call)
+                if (error := _failed(summary)) is not None:
+                    raise error
+                return JSONResponse(shaper.completion(summary))
+            first = await _unless_gone(request, call.read(), call)
+        except BaseException:
+            call.cancel()
+            raise
+        return StreamingResponse(
+            _events(call, first, shaper, body.include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+
+async def _summary(call: grpc.aio.UnaryStreamCall) -> coordinator_pb2.GenerateSummary:
+    summary = None
+    while (response := await call.read()) is not END:
+        if response.HasField("summary"):
+            summary = response.summary
+    if summary is None:
+        raise GatewayError(502, "the coordinator ended the stream without a summary")
+    return summary
+
+
+async def _events(
+    call: grpc.aio.UnaryStreamCall, first, shaper: Shaper, include_usage: bool
+) -> AsyncIterator[str]:
+    """SSE lines: a role chunk (chat), text deltas, the finish chunk, the usage chunk, ``[DONE]``.
+    Cancelled by Starlette when the client disconnects; the call is cancelled with it."""
+    try:
+        if shaper.chat:
+            yield _sse(shaper.chunk(None, role=True, with_usage=include_usage))
+        response = first
+        summary = None
+        while response is not END:
+            if response.HasField("chunk"):
+                if response.chunk.text:
+                    yield _sse(shaper.chunk(response.chunk.text, with_usage=include_usage))
+            else:
+                summary = response.summary
+            response = await call.read()
+        error = _failed(summary) if summary is not None else GatewayError(502, "no summary from coordinator")
+        if error is not None:
+            yield _sse(error.body())
+            return
+        finish = "length" if summary.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH else "stop"
+        yield _sse(shaper.chunk(None, finish, with_usage=include_usage))
+        if include_usage:
+            yield _sse(shaper.usage_chunk(summary))
+        yield _sse("[DONE]")
+    except grpc.aio.AioRpcError as exc:
+        yield _sse(GatewayError.from_rpc(exc).body())
+    finally:
+        call.cancel()  # a no-op once the call has finished
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    gateway = Gateway(settings)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await gateway.open()
+        yield
+        await gateway.close()
+
+    app = FastAPI(title="pipeshard OpenAI-compatible gateway", lifespan=lifespan)
+    app.state.gateway = gateway
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        response = await call_next(request)
+        path = request.url.path if request.url.path.startswith(("/v1/chat", "/v1/completions")) else "other"
+        REQUESTS.labels(path=path, status=str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(GatewayError)
+    async def gateway_error(_request: Request, exc: GatewayError) -> JSONResponse:
+        if exc.status >= 500:
+            log.warning("request failed", status=exc.status, error=exc.message)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        loc = [str(part) for part in first["loc"] if part != "body"]
+        # The union types of `stop`/`content` add the tried type to the location; keep the field.
+        param = ".".join(p for p in loc if not p.startswith(("str", "list[", "dict[", "int", "function")))
+        message = f"`{param or 'body'}`: {first['msg']}"
+        return JSONResponse(GatewayError(400, message, param=param or None).body(), status_code=400)
+
+    app.get("/health")(gateway.health)
+    app.get("/v1/models")(gateway.models)
+    app.get("/v1/models/{model_id}")(gateway.model)
+    app.post("/v1/chat/completions")(gateway.chat)
+    app.post("/v1/completions")(gateway.completions)
+    return app

@@ -1,0 +1,162 @@
+"""OpenAI request bodies and their validation: what the fleet supports, and a 400 naming anything else.
+
+Unknown fields are kept (``extra="allow"``) so they can be refused by name instead of being
+silently ignored; known-but-unsupported fields are accepted only at their neutral value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeshard.services.gateway.errors import GatewayError
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class OpenAIRequest(BaseModel):
+    """Fields shared by chat and completions; ranges as in OpenAI's API reference."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)  # top_k and ignore_eos: vLLM extensions the coordinator supports
+    ignore_eos: bool = False
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stop: str | list[str] | None = None
+    n: int | None = None
+    user: str | None = None  # an end-user id for abuse tracking; nothing to do with generation
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def _unsupported(self) -> list[str]:
+        """Fields this fleet cannot honour; neutral values (n=1, penalties 0, null) are fine."""
+        names = [k for k, v in (self.model_extra or {}).items() if v not in (None, [], {})]
+        if self.n not in (None, 1):
+            names.append("n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                names.append(name)
+        if self.stream_options is not None and not self.stream:
+            names.append("stream_options")
+        return names
+
+    def check(self) -> None:
+        names = self._unsupported()
+        if names:
+            raise GatewayError(
+                400,
+                f"unsupported parameter{'s' if len(names) > 1 else ''}: {', '.join(sorted(names))} "
+                "(this fleet serves n=1 text generation without tools, logprobs, penalties or formats)",
+                param=sorted(names)[0],
+                code="unsupported_parameter",
+            )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+
+    def _unsupported(self) -> list[str]:
+        names = super()._unsupported()
+        if self.logprobs:
+            names.append("logprobs")
+        return names
+
+    def limit(self) -> int | None:
+        """``max_completion_tokens`` replaces the deprecated ``max_tokens``; either is honoured."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat(self) -> list[dict[str, str]]:
+        """role/content pairs for the coordinator's chat template; text parts only."""
+        out = []
+        for i, message in enumerate(self.messages):
+            role = "system" if message.role == "developer" else message.role
+            if role not in ("system", "user", "assistant"):
+                raise GatewayError(
+                    400,
+                    f"messages[{i}].role must be system, developer, user or assistant, got {message.role!r}",
+                    param=f"messages[{i}].role",
+                )
+            extras = sorted(k for k, v in (message.model_extra or {}).items() if v is not None)
+            if extras:
+                raise GatewayError(
+                    400,
+                    f"unsupported parameter: messages[{i}].{extras[0]}",
+                    param=f"messages[{i}].{extras[0]}",
+                    code="unsupported_parameter",
+                )
+            out.append({"role": role, "content": _text(message.content, i)})
+        return out
+
+
+def _text(content: str | list[dict[str, Any]] | None, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise GatewayError(
+                400,
+                f"messages[{i}].content: only text parts are supported, got type {part.get('type')!r}",
+                param=f"messages[{i}].content",
+            )
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: str | list[str]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def _unsupported(self) -> list[str]:
+        names = super()._unsupported()
+        if self.logprobs is not None:
+            names.append("logprobs")
+        if self.echo:
+            names.append("echo")
+        if self.best_of not in (None, 1):
+            names.append("best_of")
+        if self.suffix:
+            names.append("suffix")
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            names.append("prompt")  # a batch of prompts means n > 1 choices
+        return names
+
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    def limit(self) -> int | None:
+        return self.max_tokens

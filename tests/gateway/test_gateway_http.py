@@ -1,0 +1,217 @@
+"""The OpenAI gateway against a scripted in-process coordinator: request translation, SSE shape,
+error mapping and token forwarding (the real fleet: tests/pipeline/test_gateway.py)."""
+
+from __future__ import annotations
+
+import json
+from concurrent import futures
+
+import grpc
+import pytest
+from fastapi.testclient import TestClient
+from grpc_health.v1 import health, health_pb2_grpc
+
+from pipeshard.services.gateway.app import create_app
+from pipeshard.services.gateway.errors import GatewayError
+from pipeshard.services.gateway.settings import GatewaySettings
+from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+
+class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
+    """Answers "Hello world" in two chunks; a prompt naming a status code aborts with it."""
+
+    def __init__(self):
+        self.requests: list[coordinator_pb2.GenerateRequest] = []
+        self.metadata: list[dict[str, str]] = []
+
+    def Generate(self, request, context):
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+        text = request.prompt or request.messages[-1].content
+        if text in grpc.StatusCode.__members__:
+            context.abort(grpc.StatusCode[text], f"`max_tokens` scripted {text}")
+        yield coordinator_pb2.GenerateResponse(chunk=coordinator_pb2.TokenChunk(text="Hello", token_ids=[1]))
+        yield coordinator_pb2.GenerateResponse(chunk=coordinator_pb2.TokenChunk(text=" world", token_ids=[2]))
+        yield coordinator_pb2.GenerateResponse(
+            summary=coordinator_pb2.GenerateSummary(
+                finish_reason=coordinator_pb2.FINISH_REASON_LENGTH,
+                prompt_tokens=5,
+                completion_tokens=2,
+                text="Hello world",
+            )
+        )
+
+
+@pytest.fixture(scope="module")
+def coordinator():
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    servicer = ScriptedCoordinator()
+    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+@pytest.fixture(scope="module")
+def http(coordinator):
+    settings = GatewaySettings(coordinator=coordinator[1], model_name="smollm2-135m-instruct")
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+def chat(http, content="Hi", **extra):
+    body = {"model": "whatever", "messages": [{"role": "user", "content": content}], **extra}
+    return http.post("/v1/chat/completions", json=body)
+
+
+def test_chat_completion_translates_parameters(http, coordinator):
+    reply = chat(http, max_completion_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop="\n", n=1, user="u")
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["object"] == "chat.completion" and body["model"] == "whatever"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello world", "refusal": None}
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    sent = coordinator[0].requests[-1]
+    assert [(m.role, m.content) for m in sent.messages] == [("user", "Hi")]
+    p = sent.params
+    assert (p.max_tokens, p.top_p, p.seed, list(p.stop)) == (7, pytest.approx(0.9), 3, ["\n"])
+    assert p.temperature == pytest.approx(0.5)
+
+
+def test_completion_sends_raw_prompt(http, coordinator):
+    body = {"model": "m", "prompt": "Once upon", "max_tokens": 4, "ignore_eos": True}
+    reply = http.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == "Hello world"
+    sent = coordinator[0].requests[-1]
+    assert sent.prompt == "Once upon" and not sent.messages and sent.params.max_tokens == 4
+    assert sent.params.ignore_eos
+
+
+def _events(reply) -> list:
+    lines = [line for line in reply.text.split("\n\n") if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    return [line.removeprefix("data: ") for line in lines]
+
+
+def test_chat_stream_is_sse_with_usage_and_done(http):
+    reply = chat(http, stream=True, stream_options={"include_usage": True})
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+    events = _events(reply)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == "Hello world"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 7
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_completion_stream(http):
+    reply = http.post("/v1/completions", json={"prompt": "x", "stream": True})
+    chunks = [json.loads(e) for e in _events(reply)[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "Hello world"
+    assert "usage" not in chunks[-1]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"logprobs": True}, "logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
+def test_unsupported_parameters_are_refused_by_name(http, coordinator, extra, param):
+    before = len(coordinator[0].requests)
+    reply = chat(http, **extra)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == param and param in error["message"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "unsupported_parameter"
+    assert len(coordinator[0].requests) == before  # refused before any generation
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"seed": -1}, "seed"),
+        ({"messages": []}, "messages"),
+    ],
+)
+def test_out_of_range_values_are_400_naming_the_parameter(http, extra, param):
+    reply = chat(http, **extra)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == param
+
+
+def test_tool_role_and_image_parts_are_refused(http):
+    tool = http.post("/v1/chat/completions", json={"messages": [{"role": "tool", "content": "x"}]})
+    assert tool.status_code == 400 and tool.json()["error"]["param"] == "messages[0].role"
+    image = chat(http, content=[{"type": "image_url", "image_url": {"url": "x"}}])
+    assert image.status_code == 400 and image.json()["error"]["param"] == "messages[0].content"
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [("INVALID_ARGUMENT", 400), ("UNAUTHENTICATED", 401), ("RESOURCE_EXHAUSTED", 429), ("UNAVAILABLE", 503)],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_coordinator_status_codes_map_to_http(http, code, status, stream):
+    reply = chat(http, content=code, stream=stream)
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert error["code"] == code.lower() and f"scripted {code}" in error["message"]
+    assert error["param"] == "max_tokens"
+
+
+def test_bearer_token_is_forwarded_as_grpc_metadata(http, coordinator):
+    http.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}]},
+        headers={"Authorization": "Bearer s3cret"},
+    )
+    assert coordinator[0].metadata[-1]["authorization"] == "Bearer s3cret"
+    http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
+    assert "authorization" not in coordinator[0].metadata[-1]
+
+
+def test_models_and_health(http):
+    models = http.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["smollm2-135m-instruct"]
+    assert http.get("/v1/models/smollm2-135m-instruct").status_code == 200
+    assert http.get("/v1/models/gpt-4").status_code == 404
+    assert http.get("/health").json()["status"] == "ok"
+
+
+def test_health_is_503_without_a_coordinator():
+    settings = GatewaySettings(coordinator="127.0.0.1:1")
+    with TestClient(create_app(settings)) as client:
+        health = client.get("/health")
+        assert health.status_code == 503 and "unreachable" in health.json()["error"]["message"]
+        reply = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        assert reply.status_code == 503 and reply.json()["error"]["code"] == "unavailable"
+
+
+def test_error_body_has_openai_shape():
+    body = GatewayError(429, "full", code="resource_exhausted").body()
+    assert body == {
+        "error": {
+            "message": "full",
+            "type": "rate_limit_exceeded",
+            "param": None,
+            "code": "resource_exhausted",
+        }
+    }

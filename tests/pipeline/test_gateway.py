@@ -1,0 +1,228 @@
+"""The OpenAI gateway in front of a real fleet, driven by the official `openai` client and curl:
+outputs identical to the gRPC path, errors in OpenAI's shape, queue-full 429, disconnect cancels."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from pipeshard.cli import main as pipeshard
+from pipeshard.clients.client import PipeshardClient, build_request
+from pipeshard.topology import Endpoint, Topology
+from pipeshard.v1 import coordinator_pb2_grpc
+from tests.pipeline.stage_probe import sessions_after_release
+
+pytestmark = pytest.mark.slow
+
+TOKENS = 48
+MODEL = "smollm2-135m-instruct"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fleet(smollm2_export, fleet_factory):
+    metrics = {name: _free_port() for name in ("stage0", "stage1", "coordinator", "gateway")}
+    started = fleet_factory(smollm2_export(2, "int4"), 2, gateway_port=0, metrics_ports=metrics)
+    started.metrics_ports = metrics
+    return started
+
+
+@pytest.fixture(scope="module")
+def api(fleet):
+    with openai.OpenAI(base_url=f"http://{fleet.gateway}/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
+def grpc_generate(fleet, prompt: str, **kwargs):
+    with PipeshardClient(fleet.coordinator, timeout_s=300) as client:
+        return client.generate(prompt, max_tokens=TOKENS, **kwargs)
+
+
+def raw_grpc_text(fleet, prompt: str, **kwargs) -> str:
+    """The gRPC path for a raw (no chat template) prompt, as /v1/completions sends it."""
+    import grpc
+
+    request = build_request(messages=[], max_tokens=TOKENS, **kwargs)
+    request.prompt = prompt
+    with grpc.insecure_channel(fleet.coordinator) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        return next(r.summary.text for r in stub.Generate(request, timeout=300) if r.HasField("summary"))
+
+
+@pytest.mark.parametrize("index", [0, 2])
+def test_greedy_chat_matches_grpc_streaming_and_not(fleet, api, prompts, index):
+    expected = grpc_generate(fleet, prompts[index])
+    messages = [{"role": "user", "content": prompts[index]}]
+    whole = api.chat.completions.create(model="any", messages=messages, max_tokens=TOKENS, temperature=0)
+    assert whole.choices[0].message.content == expected.text
+    assert whole.choices[0].finish_reason == expected.finish_reason
+    assert whole.usage.completion_tokens == len(expected.token_ids)
+    assert whole.usage.prompt_tokens == expected.prompt_tokens
+
+    stream = api.chat.completions.create(
+        model="any",
+        messages=messages,
+        max_completion_tokens=TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_completions_send_the_raw_prompt(fleet, api):
+    prompt = "The three primary colours are"
+    expected = raw_grpc_text(fleet, prompt)
+    whole = api.completions.create(model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0)
+    assert whole.choices[0].text == expected
+    streamed = api.completions.create(model=MODEL, prompt=prompt, max_tokens=TOKENS, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+def test_seeded_sampling_and_stop_match_grpc(fleet, api, prompts):
+    sampled = dict(temperature=0.9, top_p=0.95, seed=1234)
+    expected = grpc_generate(fleet, prompts[4], **sampled)
+    messages = [{"role": "user", "content": prompts[4]}]
+    got = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=TOKENS, **sampled)
+    assert got.choices[0].message.content == expected.text
+
+    stopped = grpc_generate(fleet, prompts[0], stop=["Paris"])
+    got = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompts[0]}], max_tokens=TOKENS, stop="Paris"
+    )
+    assert got.choices[0].message.content == stopped.text
+    assert got.choices[0].finish_reason == stopped.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"temperature": -1}, "temperature"),
+        ({"max_tokens": 100_000}, "max_tokens"),  # refused by the coordinator (INVALID_ARGUMENT)
+    ],
+)
+def test_bad_requests_are_400_naming_the_parameter(api, extra, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], **extra)
+    assert info.value.status_code == 400
+    assert info.value.param == param and param in info.value.message
+
+
+def test_models_and_health(fleet, api):
+    assert [m.id for m in api.models.list()] == [MODEL]
+    health = httpx.get(f"http://{fleet.gateway}/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_streams_server_sent_events(fleet, prompts):
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompts[0]}],
+        "max_tokens": TOKENS,
+        "stream": True,
+    }
+    out = subprocess.run(
+        [
+            "curl",
+            "-sN",
+            f"http://{fleet.gateway}/v1/chat/completions",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            json.dumps(body),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    events = [line.removeprefix("data: ") for line in out.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+    assert text == grpc_generate(fleet, prompts[0]).text
+
+
+def test_full_queue_is_429_and_a_disconnect_frees_the_slot(smollm2_export, fleet_factory):
+    """One slot, no queue: a second request is refused with 429 while a long stream holds the slot;
+    dropping that stream cancels the generation on the stage, and the next request is served."""
+    small = fleet_factory(
+        smollm2_export(1, "int4"),
+        1,
+        gateway_port=0,
+        extra_coordinator_args=["--max-running", "1", "--max-queue", "0"],
+    )
+    url = f"http://{small.gateway}/v1"
+    hi = [{"role": "user", "content": "Hi"}]
+    with (
+        openai.OpenAI(base_url=url, api_key="unused", max_retries=0) as holder,
+        openai.OpenAI(base_url=url, api_key="unused", max_retries=0) as api,
+    ):
+        held = holder.completions.create(
+            model=MODEL, prompt="1, 2, 3, 4, 5, 6, 7,", max_tokens=3000, stream=True
+        )
+        with held:
+            next(iter(held))  # the generation is running and holds the only slot
+            with pytest.raises(openai.RateLimitError) as info:
+                api.chat.completions.create(model=MODEL, messages=hi)
+            assert info.value.status_code == 429 and info.value.code == "resource_exhausted"
+        # The client hung up 3000 tokens early: the stage must drop the session well before that.
+        assert sessions_after_release(small.stages, timeout_s=20) == [0]
+        assert api.chat.completions.create(model=MODEL, messages=hi, max_tokens=8).choices[0].message.content
+
+
+def _endpoint(address: str, metrics_port: int = 0) -> Endpoint:
+    host, port = address.rsplit(":", 1)
+    return Endpoint(host=host, port=int(port), metrics_port=metrics_port)
+
+
+def test_every_service_serves_metrics_and_top_shows_the_fleet(fleet, api, tmp_path, capsys):
+    api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    for name, port in fleet.metrics_ports.items():
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert "pipeshard_" in text, name
+    gateway_metrics = httpx.get(f"http://127.0.0.1:{fleet.metrics_ports['gateway']}/metrics").text
+    assert 'pipeshard_gateway_requests_total{path="/v1/chat/completions",status="200"}' in gateway_metrics
+
+    topo = Topology(
+        shards="unused",
+        coordinator=_endpoint(fleet.coordinator, fleet.metrics_ports["coordinator"]),
+        exporter=_endpoint("127.0.0.1:1"),
+        stages=[_endpoint(address) for address in fleet.stages],
+    )
+    topo.save(tmp_path / "topology.yaml")
+    capsys.readouterr()
+    assert (
+        pipeshard(
+            [
+                "top",
+                "--once",
+                "--topology",
+                str(tmp_path / "topology.yaml"),
+                "--gateway",
+                f"http://{fleet.gateway}",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    for address in (*fleet.stages, fleet.coordinator, fleet.gateway):
+        assert address in out
+    assert out.count("serving") == 4 and "0-14" in out and "15-29" in out
+    assert "OK " in out  # the coordinator's finished Generate calls, from its /metrics
