@@ -27,7 +27,7 @@ _SERVERS = {
     "exporter-service": ("pipeshard.exporter.main", "serve Export and FetchShard"),
     "serve-openai": (
         "pipeshard.services.gateway.main",
-        "serve the OpenAI HTTP API in front of a coordinator",
+        "serve the OpenAI HTTP API before a coordinator",
     ),
 }
 
