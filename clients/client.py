@@ -159,7 +159,11 @@ def fold(result: GenerateResult, response: coordinator_pb2.GenerateResponse) -> 
     return result
 
 
-class PipeshardClient:
+class _Client:
+    """The connection both clients share; they differ only in the kind of channel."""
+
+    _aio = False
+
     def __init__(
         self,
         address: str,
@@ -169,10 +173,13 @@ class PipeshardClient:
         ca_cert: Path | str | None = None,
     ):
         self._connection = Connection.resolve(ca_cert, token)
-        self._channel = self._connection.channel(address)
+        channel = self._connection.aio_channel if self._aio else self._connection.channel
+        self._channel = channel(address)
         self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
         self._timeout = timeout_s
 
+
+class PipeshardClient(_Client):
     def __enter__(self) -> PipeshardClient:
         return self
 
@@ -200,19 +207,8 @@ class PipeshardClient:
         return result
 
 
-class AsyncPipeshardClient:
-    def __init__(
-        self,
-        address: str,
-        *,
-        timeout_s: float | None = None,
-        token: str | None = None,
-        ca_cert: Path | str | None = None,
-    ):
-        self._connection = Connection.resolve(ca_cert, token)
-        self._channel = self._connection.aio_channel(address)
-        self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
-        self._timeout = timeout_s
+class AsyncPipeshardClient(_Client):
+    _aio = True
 
     async def __aenter__(self) -> AsyncPipeshardClient:
         return self

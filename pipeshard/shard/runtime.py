@@ -65,11 +65,48 @@ def compile_properties(
 
 
 def check_room(past: int, new: int, max_context: int) -> None:
-    """The one cache-size check (the stage engine runs it before touching a session's mask)."""
+    """The one cache-size check, so an overflow has one status code wherever it is caught."""
     if past + new > max_context:
         raise ResourceExhausted(
             f"the cache would grow to {past + new} positions, beyond this export's max_context {max_context}"
         )
+
+
+def check_activations(x: np.ndarray, *, is_first: bool, hidden_size: int) -> None:
+    """The input port's contract, in one place for the runtime and the stage engine: int64 ids
+    [1, T>0] on the first stage, float32 hidden states [1, T>0, H] on the others."""
+    if is_first:
+        if x.dtype != np.int64 or x.ndim != 2 or x.shape[0] != 1 or x.shape[1] == 0:
+            raise InvalidArgument("input_ids", f"must be int64 [1, T>0], got {x.dtype} {list(x.shape)}")
+    elif (
+        x.dtype != np.float32
+        or x.ndim != 3
+        or x.shape[0] != 1
+        or x.shape[1] == 0
+        or x.shape[2] != hidden_size
+    ):
+        raise InvalidArgument(
+            "hidden_states", f"must be float32 [1, T>0, {hidden_size}], got {x.dtype} {list(x.shape)}"
+        )
+
+
+def check_step(
+    past: int,
+    t: int,
+    positions: int,
+    return_last: int,
+    *,
+    max_context: int,
+    is_last: bool,
+    positions_field: str = "position_ids",
+) -> None:
+    """A step's checks against the session, in one place: the stage engine runs them before it
+    touches a session's mask, the runtime before it touches the cache."""
+    if positions != t:
+        raise InvalidArgument(positions_field, f"has {positions} entries for {t} new tokens")
+    check_room(past, t, max_context)
+    if is_last and not 1 <= return_last <= t:
+        raise InvalidArgument("return_last", f"must be in [1, {t}], got {return_last}")
 
 
 class ShardRunner:
@@ -232,6 +269,7 @@ class ShardSession:
 
     # -- compute ----------------------------------------------------------------------------
     def _check_input(self, x: np.ndarray) -> np.ndarray:
+        """Takes 1-D ids as one row and any integer (or float) dtype the port can hold losslessly."""
         r = self.runner
         if r.is_first:
             if x.ndim == 1:
@@ -240,15 +278,9 @@ class ShardSession:
                 if not np.issubdtype(x.dtype, np.integer):
                     raise InvalidArgument("input_ids", f"must be integer token ids, got {x.dtype}")
                 x = x.astype(np.int64)
-            if x.ndim != 2 or x.shape[0] != 1 or x.shape[1] == 0:
-                raise InvalidArgument("input_ids", f"must have shape [1, T>0], got {list(x.shape)}")
-        else:
-            if x.dtype != np.float32:
-                x = x.astype(np.float32)
-            if x.ndim != 3 or x.shape[0] != 1 or x.shape[1] == 0 or x.shape[2] != r.hidden_size:
-                raise InvalidArgument(
-                    "hidden_states", f"must have shape [1, T>0, {r.hidden_size}], got {list(x.shape)}"
-                )
+        elif x.dtype != np.float32:
+            x = x.astype(np.float32)
+        check_activations(x, is_first=r.is_first, hidden_size=r.hidden_size)
         return np.ascontiguousarray(x)
 
     def run(
@@ -270,16 +302,12 @@ class ShardSession:
         t = x.shape[1]
         past = self._past
         total = past + t
-        check_room(past, t, r.max_context)
         if position_ids is None:
             pos = np.arange(self._valid, self._valid + t, dtype=np.int64).reshape(1, t)
         else:
             pos = np.ascontiguousarray(np.asarray(position_ids, dtype=np.int64).reshape(1, -1))
-            if pos.shape[1] != t:
-                raise InvalidArgument("position_ids", f"has {pos.shape[1]} entries for {t} new tokens")
+        check_step(past, t, pos.shape[1], return_last, max_context=r.max_context, is_last=r.is_last)
         if r.is_last:
-            if not 1 <= return_last <= t:
-                raise InvalidArgument("return_last", f"must be in [1, {t}], got {return_last}")
             self._keep[...] = return_last
         self._mask[past:total] = 1
         mask = self._mask[:total].reshape(1, total)

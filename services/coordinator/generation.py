@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,7 +25,7 @@ from pipeshard.errors import InvalidArgument, PipeshardError, Unavailable
 from pipeshard.services.coordinator.detokenizer import IncrementalDetokenizer
 from pipeshard.services.coordinator.sampling import Sampler, SamplingParams
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy, accept_sampled
-from pipeshard.services.coordinator.speculation.drafts import Draft
+from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
 from pipeshard.services.coordinator.speculation.policy import KPolicy, SourceMemory, TimingModel
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.services.stage.wire import token_frame
@@ -136,6 +136,113 @@ def _take(
     return emitted, finish, detok.delta(final=done)
 
 
+class _Request:
+    """One request's state across its steps, so each phase of ``Generation.run`` is a small method."""
+
+    def __init__(
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        mode: str,
+        max_context: int,
+        drafter: Drafter | None,
+        policy: KPolicy,
+        detok: IncrementalDetokenizer,
+        stop_ids: set[int],
+    ):
+        self.session_id = session_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.max_context = max_context
+        self.drafter = drafter
+        self.policy = policy
+        self.cursor = _Cursor(session_id, params.greedy)
+        self.detok = detok
+        self.sampler = None if params.greedy else Sampler(params)
+        self.sample = None if self.sampler is None else (self.sampler.probabilities, self.sampler.rng)
+        self.stop_ids = stop_ids
+        self.context = list(prompt_ids)
+        self.generated: list[int] = []
+        self.stats = Summary("length", len(prompt_ids), 0, 0.0, 0.0, "", self.generated, speculative=mode)
+        self.started = time.perf_counter()
+        self.first_at = self.started
+        self.finish = "length"
+        self.pending: list[int] = []  # tokens the stages have not seen yet
+
+    def prefill_frames(self, chunk: int) -> Iterator[activation_pb2.ActivationFrame]:
+        """Fill-only frames for all of the prompt but its last chunk, so other sessions' decode
+        steps interleave with a long prompt. The chunk size is fixed per server, never chosen by
+        load, so a request's output cannot depend on its neighbours."""
+        while len(self.prompt_ids) - self.cursor.logical > chunk:
+            yield self.cursor.frame(
+                self.prompt_ids[self.cursor.logical : self.cursor.logical + chunk], fill_only=True
+            )
+        self.pending = self.prompt_ids[self.cursor.logical :]
+
+    def draft(self) -> Draft:
+        """Chooses K and drafts that many tokens (none on the first step or without a drafter)."""
+        if self.drafter is None or not self.generated:
+            return Draft([], None, 0.0)
+        remaining = self.params.max_tokens - len(self.generated)
+        # Rejected drafts use cache room too: always leave room to finish plainly.
+        room = self.max_context - self.cursor.physical - remaining
+        k_step = self.policy.choose(min(remaining - 1, room))
+        if not k_step:
+            return Draft([], None, 0.0)
+        return self.drafter.propose(self.context, k_step, self.sample)
+
+    def frame(self, draft: Draft) -> activation_pb2.ActivationFrame:
+        """The step's frame: the pending tokens plus the draft, returning a row per draft token + 1."""
+        return self.cursor.frame(self.pending + draft.tokens, return_last=len(draft.tokens) + 1)
+
+    def accept(self, draft: Draft, result: activation_pb2.StepResult) -> list[int]:
+        """The tokens this step keeps: the agreed draft prefix plus the target's next token."""
+        if self.sampler is None:
+            return accept_greedy(draft.tokens, list(result.top1.token_ids))
+        rows = decode(result.logits, field="logits")
+        return accept_sampled(draft.tokens, draft.probs, rows, self.sampler.probabilities, self.sampler.rng)
+
+    def record(self, draft: Draft, new: list[int], elapsed: float) -> None:
+        """Masks rejected drafts out of the cache and feeds the K policy and the summary counters."""
+        kept = len(new) - 1
+        self.cursor.reject(len(draft.tokens) - kept)
+        if self.drafter is not None and self.generated:
+            self.drafter.commit(kept)
+            self.policy.observe(len(draft.tokens), kept, elapsed, draft.seconds)
+            if draft.tokens:
+                self.stats.verify_steps += 1
+                self.stats.draft_tokens += len(draft.tokens)
+                self.stats.accepted_tokens += kept
+        if not self.generated:
+            self.first_at = time.perf_counter()
+
+    async def emit(self, new: list[int]) -> tuple[Chunk, bool]:
+        """The chunk for the accepted tokens and whether the request is done (stop or length)."""
+        # Detokenization runs on a worker thread: a slow decode must not stall other streams.
+        emitted, self.finish, text = await asyncio.to_thread(
+            _take, new, self.generated, self.detok, self.stop_ids, self.params.max_tokens
+        )
+        done = self.finish == "stop" or len(self.generated) >= self.params.max_tokens
+        if not done:
+            self.context.extend(new)
+            self.pending = [new[-1]]
+        return Chunk(text=text, token_ids=emitted), done
+
+    def summary(self) -> Summary:
+        """The final Summary: finish reason, counts and timings."""
+        stats = self.stats
+        elapsed = time.perf_counter() - self.first_at
+        stats.finish_reason = self.finish
+        stats.completion_tokens = len(self.generated)
+        stats.ttft_ms = (self.first_at - self.started) * 1000.0
+        n = len(self.generated)
+        stats.tok_s = (n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0
+        stats.text = self.detok.text
+        return stats
+
+
 class Generation:
     """Runs one request over the ring, yielding Chunks and then one Summary."""
 
@@ -179,98 +286,72 @@ class Generation:
     async def run(
         self, prompt_ids: list[int], params: SamplingParams, *, speculative: str = "", k: int = 0
     ) -> AsyncIterator[Chunk | Summary]:
+        """Streams Chunks then one Summary; raises if nothing was streamed or a stage is
+        unreachable, and otherwise ends a failed generation with an "error" Summary."""
+        request = await self._open(prompt_ids, params, speculative, k)
+        failure = ""  # why the generation failed on the ring, if it did
+        try:
+            for frame in request.prefill_frames(self._prefill_chunk):
+                await self._ring.step(frame)
+            done = False
+            while not done:
+                chunk, done = await self._step(request)
+                yield chunk
+        except PipeshardError as exc:
+            failure = str(exc) or type(exc).__name__
+            if not request.generated or isinstance(exc, Unavailable):
+                # Nothing streamed yet, or a stage is unreachable (a fault a client may retry, and
+                # a drain's end): the call ends with that status code, naming the stage.
+                raise
+            # Output already streamed: end it with a summary that says what failed.
+            log.warning("generation_failed", session_id=request.session_id, code=exc.code, error=failure)
+            request.finish, request.stats.error = "error", failure
+        finally:
+            self._close(request, failure)
+        yield request.summary()
+
+    async def _open(
+        self, prompt_ids: list[int], params: SamplingParams, speculative: str, k: int
+    ) -> _Request:
+        """Validates the request, opens its session on every stage and sets up its drafter and K policy."""
         mode = self.check_speculative(speculative, k)
         factory = None if mode == "none" else await self._drafts.factory(mode)
         session_id = uuid.uuid4().hex
         max_context = await self._ring.open_session(session_id)
         drafter = factory() if factory else None
         memory = None if mode == "none" else self._sources.setdefault(mode, SourceMemory())
-        policy = KPolicy(self.timing, fixed_k=k or None, max_k=self.max_k, memory=memory)
-        cursor = _Cursor(session_id, params.greedy)
-        detok = IncrementalDetokenizer(self._tok, params.stop)
-        sampler = None if params.greedy else Sampler(params)
-        sample = None if sampler is None else (sampler.probabilities, sampler.rng)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos)
-        context = list(prompt_ids)
-        generated: list[int] = []
-        stats = Summary("length", len(prompt_ids), 0, 0.0, 0.0, "", generated, speculative=mode)
-        started = time.perf_counter()
-        first_at = started
-        finish = "length"
-        failure = ""  # why the generation failed on the ring, if it did
-        try:
-            # Chunked prefill: every chunk but the last only fills the cache, so other sessions'
-            # decode steps interleave with a long prompt. The chunk size is fixed per server, never
-            # chosen by load, so a request's output cannot depend on its neighbours.
-            while len(prompt_ids) - cursor.logical > self._prefill_chunk:
-                chunk = prompt_ids[cursor.logical : cursor.logical + self._prefill_chunk]
-                await self._ring.step(cursor.frame(chunk, fill_only=True))
-            pending = prompt_ids[cursor.logical :]  # tokens the stages have not seen yet
-            while True:
-                draft = Draft([], None, 0.0)
-                if drafter is not None and generated:
-                    remaining = params.max_tokens - len(generated)
-                    # Rejected drafts use cache room too: always leave room to finish plainly.
-                    room = max_context - cursor.physical - remaining
-                    k_step = policy.choose(min(remaining - 1, room))
-                    if k_step:
-                        draft = drafter.propose(context, k_step, sample)
-                sent = time.perf_counter()
-                frame = cursor.frame(pending + draft.tokens, return_last=len(draft.tokens) + 1)
-                result = await self._ring.step(frame)
-                elapsed = time.perf_counter() - sent
-                if sampler is None:
-                    new = accept_greedy(draft.tokens, list(result.top1.token_ids))
-                else:
-                    rows = decode(result.logits, field="logits")
-                    new = accept_sampled(draft.tokens, draft.probs, rows, sampler.probabilities, sampler.rng)
-                kept = len(new) - 1
-                cursor.reject(len(draft.tokens) - kept)
-                if drafter is not None and generated:
-                    drafter.commit(kept)
-                    policy.observe(len(draft.tokens), kept, elapsed, draft.seconds)
-                    if draft.tokens:
-                        stats.verify_steps += 1
-                        stats.draft_tokens += len(draft.tokens)
-                        stats.accepted_tokens += kept
-                if not generated:
-                    first_at = time.perf_counter()
-                # Detokenization runs on a worker thread: a slow decode must not stall other streams.
-                emitted, finish, text = await asyncio.to_thread(
-                    _take, new, generated, detok, stop_ids, params.max_tokens
-                )
-                done = finish == "stop" or len(generated) >= params.max_tokens
-                yield Chunk(text=text, token_ids=emitted)
-                if done:
-                    break
-                context.extend(new)
-                pending = [new[-1]]
-        except PipeshardError as exc:
-            failure = str(exc) or type(exc).__name__
-            if not generated or isinstance(exc, Unavailable):
-                # Nothing streamed yet, or a stage is unreachable (a fault a client may retry, and
-                # a drain's end): the call ends with that status code, naming the stage.
-                raise
-            # Output already streamed: end it with a summary that says what failed.
-            log.warning("generation_failed", session_id=session_id, code=exc.code, error=failure)
-            finish, stats.error = "error", failure
-        finally:
-            if drafter is not None:
-                drafter.close()
-            # Free the state on every stage even when the client went away mid-stream; a failed
-            # generation aborts (each stage logs why) instead of releasing.
-            ending = (
-                self._ring.abort_session(session_id, failure)
-                if failure
-                else self._ring.release_session(session_id)
-            )
-            task = asyncio.ensure_future(ending)
-            self._releases.add(task)
-            task.add_done_callback(self._releases.discard)
-        elapsed = time.perf_counter() - first_at
-        stats.finish_reason = finish
-        stats.completion_tokens = len(generated)
-        stats.ttft_ms = (first_at - started) * 1000.0
-        stats.tok_s = (len(generated) - 1) / elapsed if len(generated) > 1 and elapsed > 0 else 0.0
-        stats.text = detok.text
-        yield stats
+        return _Request(
+            session_id,
+            prompt_ids,
+            params,
+            mode=mode,
+            max_context=max_context,
+            drafter=drafter,
+            policy=KPolicy(self.timing, fixed_k=k or None, max_k=self.max_k, memory=memory),
+            detok=IncrementalDetokenizer(self._tok, params.stop),
+            stop_ids=set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos),
+        )
+
+    async def _step(self, request: _Request) -> tuple[Chunk, bool]:
+        """One traversal: the last token plus any drafts through every stage, then acceptance."""
+        draft = request.draft()
+        sent = time.perf_counter()
+        result = await self._ring.step(request.frame(draft))
+        elapsed = time.perf_counter() - sent
+        new = request.accept(draft, result)
+        request.record(draft, new, elapsed)
+        return await request.emit(new)
+
+    def _close(self, request: _Request, failure: str) -> None:
+        """Frees the session on every stage in the background, even when the client went away
+        mid-stream; a failed generation aborts (each stage logs why) instead of releasing."""
+        if request.drafter is not None:
+            request.drafter.close()
+        ending = (
+            self._ring.abort_session(request.session_id, failure)
+            if failure
+            else self._ring.release_session(request.session_id)
+        )
+        task = asyncio.ensure_future(ending)
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)

@@ -9,7 +9,7 @@ import numpy as np
 from pipeshard.errors import InvalidArgument
 from pipeshard.services.stage.domain import ReturnMode, StepInput, StepOutput, top1_of
 from pipeshard.services.stage.sessions import SessionTable
-from pipeshard.shard.runtime import check_room
+from pipeshard.shard.runtime import check_activations, check_step
 
 
 class StageEngine:
@@ -34,23 +34,27 @@ class StageEngine:
 
     def run(self, step: StepInput) -> StepOutput:
         session = self.sessions.get(step.owner, step.session_id)
-        x = self._check_activations(step)
-        if len(step.positions) != x.shape[1]:
-            raise InvalidArgument(
-                "positions", f"has {len(step.positions)} entries for {x.shape[1]} new tokens"
-            )
+        check_activations(step.activations, is_first=self.is_first, hidden_size=self.hidden_size)
+        # Wire buffers are read-only; OpenVINO shares memory only with writeable arrays.
+        x = np.require(step.activations, requirements=["C", "W"])
         # Out-of-range ids or positions would index the embedding or rotary tables out of bounds.
         _check_range("positions", step.positions, self.max_context)
         if self.is_first:
             _check_range("input_ids", x, self.vocab_size)
-        check_room(session.past_length, x.shape[1], self.max_context)
+        check_step(
+            session.past_length,
+            x.shape[1],
+            len(step.positions),
+            step.return_last,
+            max_context=self.max_context,
+            is_last=self.is_last,
+            positions_field="positions",
+        )
         for start, end in step.invalidate:
             if not 0 <= start <= end <= session.past_length:
                 raise InvalidArgument(
                     "mask_update", f"range [{start}, {end}) is outside the cache of {session.past_length}"
                 )
-        if self.is_last and not 1 <= step.return_last <= x.shape[1]:
-            raise InvalidArgument("return_last", f"must be in [1, {x.shape[1]}], got {step.return_last}")
         for start, end in step.invalidate:
             session.invalidate(start, end)
         started = time.perf_counter_ns()
@@ -66,25 +70,6 @@ class StageEngine:
         if step.return_mode is ReturnMode.LOGITS:
             return StepOutput(step=step, logits=np.ascontiguousarray(logits, dtype=np.float32))
         return StepOutput(step=step)
-
-    def _check_activations(self, step: StepInput) -> np.ndarray:
-        x = step.activations
-        if self.is_first:
-            if x.dtype != np.int64 or x.ndim != 2 or x.shape[0] != 1 or x.shape[1] == 0:
-                raise InvalidArgument("input_ids", f"must be int64 [1, T>0], got {x.dtype} {list(x.shape)}")
-        elif (
-            x.dtype != np.float32
-            or x.ndim != 3
-            or x.shape[0] != 1
-            or x.shape[1] == 0
-            or x.shape[2] != self.hidden_size
-        ):
-            raise InvalidArgument(
-                "hidden_states",
-                f"must be float32 [1, T>0, {self.hidden_size}], got {x.dtype} {list(x.shape)}",
-            )
-        # Wire buffers are read-only; OpenVINO shares memory only with writeable arrays.
-        return np.require(x, requirements=["C", "W"])
 
 
 def _check_range(field: str, values: np.ndarray, limit: int) -> None:
