@@ -126,7 +126,7 @@ bench-spec: model
 
 ## test: the whole suite, slow real-model tests included
 test: proto
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=30
 
 ## test-exactness: the full speculative exactness matrix (10 prompts x 1/2/3 stages x K x draft source; FP32 at f32, INT4 at exact)
 test-exactness: model
