@@ -12,6 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pipeshard.clients.client import PipeshardClient, build_request
+from pipeshard.ownership import new_secret, owner_key, owner_metadata
 from pipeshard.shard.prompting import Prompter
 from pipeshard.tensor_codec import encode
 from pipeshard.v1 import (
@@ -65,18 +66,25 @@ def test_a_4000_token_prompt_is_served(fleet, smollm2_export):
 def test_out_of_range_ids_and_positions_are_invalid_argument(fleet, ids, positions, field):
     with grpc.insecure_channel(fleet.stages[0]) as channel:
         stub = stage_pb2_grpc.StageServiceStub(channel)
-        stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="range"), timeout=10)
+        secret = new_secret()  # stages serve only the owner of a session (issue #14)
+        owner = owner_metadata(secret)
+        stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="range"), timeout=10, metadata=owner)
         try:
             frame = activation_pb2.ActivationFrame(
                 session_id="range",
+                owner=owner_key(secret),
                 positions=positions,
                 tensors=[
                     tensor_pb2.NamedTensor(name="input_ids", tensor=encode(np.asarray([ids], dtype=np.int64)))
                 ],
             )
-            (response,) = list(stub.Forward(iter([stage_pb2.ForwardRequest(frame=frame)]), timeout=10))
+            (response,) = list(
+                stub.Forward(iter([stage_pb2.ForwardRequest(frame=frame)]), timeout=10, metadata=owner)
+            )
         finally:
-            stub.ReleaseSession(stage_pb2.ReleaseSessionRequest(session_id="range"), timeout=10)
+            stub.ReleaseSession(
+                stage_pb2.ReleaseSessionRequest(session_id="range"), timeout=10, metadata=owner
+            )
     assert response.error.code == "INVALID_ARGUMENT"
     assert response.error.message.startswith(f"`{field}` must lie in [0, ")
 
