@@ -13,6 +13,7 @@ from pipeshard.services.launcher import spawn
 from pipeshard.shard.manifest import verify_shard
 from pipeshard.shard.pull import pull_shard
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc, stage_pb2, stage_pb2_grpc
+from tests.exporter.tiny_models import build_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -70,19 +71,8 @@ def test_bad_export_requests_name_the_field(stub, smollm2_dir, request_fields, f
 def test_export_streams_progress_then_manifest(stub, tmp_path):
     import json
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     model_dir = tmp_path / "tiny-llama"
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    LlamaForCausalLM(config).save_pretrained(model_dir)
+    build_tiny("llama", model_dir)
     events = list(
         stub.Export(
             exporter_pb2.ExportRequest(

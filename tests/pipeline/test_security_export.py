@@ -14,6 +14,7 @@ from pipeshard.auth import token_metadata
 from pipeshard.services.launcher import spawn
 from pipeshard.shard.serving import hold_serving_lock
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc
+from tests.exporter.tiny_models import build_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -22,19 +23,8 @@ TOKEN = "operator-token-for-the-export-tests"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     model_dir = tmp_path_factory.mktemp("models") / "tiny-llama"
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    LlamaForCausalLM(config).save_pretrained(model_dir)
+    build_tiny("llama", model_dir)
     return model_dir
 
 
