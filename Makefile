@@ -23,7 +23,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-numerics bench-prefill bench-pipeline bench-mbatch bench-spec bench-gateway serve-openai wan-up wan-down distil soak
+.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-numerics bench-prefill bench-pipeline bench-commits bench-mbatch bench-spec bench-gateway serve-openai wan-up wan-down distil soak
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -98,6 +98,10 @@ bench-prefill: model
 ## bench-pipeline: distributed pipeline vs in-process chain, raw TCP and the monolith (bench/results/pipeline.json)
 bench-pipeline: model
 	$(PY) -m bench.pipeline
+
+## bench-commits: two commits' 2-stage fleets side by side, paired (BEFORE=REV [AFTER=REV]; bench/results/commits.json)
+bench-commits: model
+	$(PY) -m bench.commits --before $(BEFORE) --after $(or $(AFTER),HEAD)
 
 ## bench-mbatch: 1-8 concurrent streams on 2-/3-stage fleets, plain and speculative, loopback and WAN 50 ms/hop; batch stacking (bench/results/mbatch.json)
 bench-mbatch: model
