@@ -44,9 +44,20 @@ class QuickBench:
     env: dict[str, str] = field(default_factory=dict)
     args: tuple[str, ...] = ()
 
+    def argv(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            self.module,
+            *(a.replace(EXPORT_2S_INT4, _export_2s_int4()) for a in self.args),
+        ]
+
     def command(self) -> str:
         knobs = " ".join(f"{k}={v}" for k, v in self.env.items())
-        return f"{knobs} {sys.executable} -m {self.module} {' '.join(self.args)}".strip()
+        return f"{knobs} {' '.join(self.argv())}".strip()
+
+
+EXPORT_2S_INT4 = "{export_2s_int4}"  # stands for the default 2-stage INT4 export in arguments
 
 
 def _export_2s_int4() -> str:
@@ -60,7 +71,7 @@ def _export_2s_int4() -> str:
 # gateway and 5 for TLS on a quiet machine; several times that while others load it.
 QUICK = (
     QuickBench("gateway", "bench.gateway", {"BENCH_RUNS": "10", "BENCH_TOKENS": "32"}),
-    QuickBench("tls", "bench.tls", {"BENCH_RUNS": "10"}, ("{export_2s_int4}",)),
+    QuickBench("tls", "bench.tls", {"BENCH_RUNS": "10"}, (EXPORT_2S_INT4,)),
 )
 
 
@@ -75,15 +86,12 @@ def run_quick(names: list[str]) -> None:
     print("make report runs the quick benchmarks (reduced settings):", flush=True)
     for bench in chosen:
         print(f"  {bench.name}: {bench.command()}", flush=True)
-    if any("{export_2s_int4}" in a for b in chosen for a in b.args):
+    if any(EXPORT_2S_INT4 in a for b in chosen for a in b.args):
         _ensure_export()
     for bench in chosen:
-        args = [a.replace("{export_2s_int4}", _export_2s_int4()) for a in bench.args]
         started = time.monotonic()
         print(f"running {bench.name} ...", flush=True)
-        subprocess.run(
-            [sys.executable, "-m", bench.module, *args], env={**os.environ, **bench.env}, check=True
-        )
+        subprocess.run(bench.argv(), env={**os.environ, **bench.env}, check=True)
         print(f"{bench.name} done in {time.monotonic() - started:.0f} s", flush=True)
 
 

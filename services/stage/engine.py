@@ -28,7 +28,7 @@ class StageEngine:
         meters: StageMeters | None = None,
     ):
         self.sessions = sessions
-        self.meters = meters or StageMeters(0)
+        self.meters = meters or StageMeters(0)  # unit tests build engines without a stage index
         self.is_first = is_first
         self.is_last = is_last
         self.hidden_size = hidden_size

@@ -113,3 +113,10 @@ def test_a_result_without_series_says_so(tmp_path):
     assert render(tmp_path / "r", doc, tmp_path / "img") == ["soak"]
     assert "(no series or ratios in this result; see the JSON)" in doc.read_text()
     assert not (tmp_path / "img" / "report-soak.png").exists()
+
+
+def test_an_unknown_quick_benchmark_is_refused_by_name():
+    from bench.report import run_quick
+
+    with pytest.raises(SystemExit, match="REPORT_BENCHES: unknown bogus"):
+        run_quick(["gateway", "bogus"])
