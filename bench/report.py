@@ -63,7 +63,8 @@ EXPORT_2S_INT4 = "{export_2s_int4}"  # stands for the default 2-stage INT4 expor
 def _export_2s_int4() -> str:
     from pipeshard import paths
 
-    return str(paths.shards_dir() / paths.export_name(paths.DEFAULT_MODEL, 2, "int4"))
+    export = paths.shards_dir() / paths.export_name(paths.DEFAULT_MODEL, 2, "int4")
+    return os.path.relpath(export) if export.is_absolute() and Path.cwd() in export.parents else str(export)
 
 
 # Reduced so the default run stays under 20 minutes on this 2-core machine: fewer tokens per
