@@ -114,6 +114,11 @@ soak: model
 bench-gateway: model
 	$(PY) -m bench.gateway
 
+## report: run the quick benchmarks (it prints which; REPORT_BENCHES=gateway,tls picks some) and render docs/BENCHMARKS.md's generated blocks and docs/img/report-*.png from bench/results/*.json; RENDER_ONLY=1 only re-renders
+.PHONY: report
+report: model
+	$(PY) -m bench.report $(if $(filter 1 yes true,$(RENDER_ONLY)),--render-only)
+
 ## serve-openai: the OpenAI gateway alone in the foreground, in front of COORDINATOR
 COORDINATOR ?= 127.0.0.1:50051
 serve-openai: proto

@@ -98,12 +98,13 @@ class GenerateResult:
     verify_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    logprobs: list[float] = field(default_factory=list)  # per generated token, with logprobs=True
 
 
-# Summary fields a GenerateResult takes over as they are (finish_reason is mapped, token_ids
-# are collected from the chunks).
+# Summary fields a GenerateResult takes over as they are (finish_reason is mapped, token_ids and
+# logprobs are collected from the chunks).
 _SUMMARY_FIELDS = tuple(
-    f.name for f in fields(GenerateResult) if f.name not in ("finish_reason", "token_ids")
+    f.name for f in fields(GenerateResult) if f.name not in ("finish_reason", "token_ids", "logprobs")
 )
 
 
@@ -122,10 +123,12 @@ def build_request(
     speculative: str = "",
     k: int = 0,
     request_id: str = "",
+    logprobs: bool = False,
 ) -> coordinator_pb2.GenerateRequest:
-    """A plain prompt is sent as one user chat message unless ``messages`` is given."""
+    """A plain prompt is sent as one user chat message unless ``messages`` is given. With
+    ``logprobs`` every chunk carries each token's log-probability and text."""
     params = coordinator_pb2.SamplingParams(
-        stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos
+        stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos, logprobs=logprobs
     )
     for name, value in (
         ("max_tokens", max_tokens),
@@ -151,6 +154,7 @@ def fold(result: GenerateResult, response: coordinator_pb2.GenerateResponse) -> 
     """Accumulate one streamed response into ``result``."""
     if response.HasField("chunk"):
         result.token_ids.extend(response.chunk.token_ids)
+        result.logprobs.extend(response.chunk.logprobs)
     else:
         s = response.summary
         result.finish_reason = _FINISH.get(s.finish_reason, "error")

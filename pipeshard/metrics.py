@@ -103,3 +103,69 @@ def start_metrics_server(
         return None
     httpd, thread = prometheus_client.start_http_server(port, addr=host, registry=registry)
     return MetricsServer(httpd, thread)
+
+
+# --- Serving metrics (issue #18). Defined here, in one place, because `pipeshard top` reads them
+# back by name; the stage and the coordinator record them.
+
+# Rows (tokens) per step: 1 for decode, K+1 for a speculative verify, the prompt for a prefill,
+# and the packed rows of a batched step once stages batch.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Per-step and per-token latencies: sub-millisecond decode steps up to long prefills.
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.5, 1, 2, 5)
+
+STAGE_STEP_SECONDS = histogram(
+    "pipeshard_stage_step_seconds",
+    "Compute time of one step on a stage's shard (the inference alone), in seconds.",
+    ("stage",),
+    buckets=STEP_BUCKETS,
+)
+STAGE_STEP_ROWS = histogram(
+    "pipeshard_stage_step_rows",
+    "Rows (tokens) computed in one step on a stage, all sessions of the step together.",
+    ("stage",),
+    buckets=ROW_BUCKETS,
+)
+STAGE_SESSIONS = gauge("pipeshard_stage_sessions", "Sessions open on a stage.", ("stage",))
+STAGE_CACHE_POSITIONS = gauge(
+    "pipeshard_stage_cache_positions",
+    "KV cache positions written by the open sessions of a stage (valid or masked out).",
+    ("stage",),
+)
+STAGE_CACHE_BYTES = gauge(
+    "pipeshard_stage_cache_bytes",
+    "KV cache held by the open sessions of a stage, in bytes: positions x layers x 2 x KV heads x "
+    "head size x the element size of the compiled KV cache precision (quantization scales not counted).",
+    ("stage",),
+)
+
+COORDINATOR_RUNNING = gauge(
+    "pipeshard_coordinator_running_requests", "Generations running on the coordinator (its users)."
+)
+COORDINATOR_QUEUED = gauge(
+    "pipeshard_coordinator_queued_requests", "Generations waiting in the coordinator's queue for a slot."
+)
+GENERATED_TOKENS = counter(
+    "pipeshard_generated_tokens_total", "Tokens generated and streamed to clients by the coordinator."
+)
+TIME_TO_FIRST_TOKEN = histogram(
+    "pipeshard_time_to_first_token_seconds",
+    "From a generation's start (session opened, prompt tokenized) to its first token, in seconds.",
+    buckets=DURATION_BUCKETS,
+)
+INTER_TOKEN = histogram(
+    "pipeshard_inter_token_seconds",
+    "Time per generated token after the first: a step's wall time divided by the tokens it "
+    "produced, observed once per token, in seconds.",
+    buckets=STEP_BUCKETS,
+)
+SPECULATIVE_DRAFTED = counter(
+    "pipeshard_speculative_draft_tokens_total",
+    "Draft tokens proposed for verification, by draft source.",
+    ("source",),
+)
+SPECULATIVE_ACCEPTED = counter(
+    "pipeshard_speculative_accepted_tokens_total",
+    "Draft tokens the target accepted, by draft source.",
+    ("source",),
+)

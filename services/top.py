@@ -1,9 +1,10 @@
 """``pipeshard top``: the fleet in config/topology.yaml, live in the terminal (rich).
 
-Each refresh asks every stage for GetStageInfo and grpc.health, the coordinator for its health and
-(when its metrics port serves) its Generate calls by status code, and the gateway for /health.
-Everything is read through the services' public interfaces; a part that does not answer shows as
-down and the view keeps refreshing.
+Each refresh asks every stage for GetStageInfo and grpc.health, the coordinator for its health,
+the gateway for /health, and every stage and the coordinator for their /metrics (step time, rows
+per step, cache use; users, queue, tokens). Rates (step time, tok/s) are taken over the last
+refresh interval. Everything is read through the services' public interfaces; a part that does
+not answer shows as down (or its figures as "-") and the view keeps refreshing.
 """
 
 from __future__ import annotations
@@ -22,10 +23,59 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from pipeshard.metrics import (
+    COORDINATOR_QUEUED,
+    COORDINATOR_RUNNING,
+    GENERATED_TOKENS,
+    STAGE_CACHE_BYTES,
+    STAGE_CACHE_POSITIONS,
+    STAGE_STEP_ROWS,
+    STAGE_STEP_SECONDS,
+)
 from pipeshard.topology import Topology
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
 TIMEOUT_S = 2.0
+
+
+@dataclass
+class Scrape:
+    """One /metrics page: sample values by name and labels, and when it was read."""
+
+    at: float
+    samples: dict[tuple[str, frozenset], float] = field(default_factory=dict)
+
+    def value(self, name: str, **labels: str) -> float:
+        """The sum of ``name``'s samples whose labels include ``labels`` (0 if none)."""
+        want = set(labels.items())
+        return sum(v for (n, ls), v in self.samples.items() if n == name and want <= ls)
+
+
+def scrape(host: str, port: int) -> Scrape | None:
+    """The /metrics page at host:port, or None (no port, or it does not answer)."""
+    if not port:
+        return None
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=TIMEOUT_S) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    out = Scrape(time.monotonic())
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return out
+
+
+def _name(metric) -> str:
+    return metric.describe()[0].name  # the family name (a counter's without _total)
+
+
+def _per(now: Scrape, before: Scrape | None, name: str, per: str, **labels: str) -> float | None:
+    """Increase of counter ``name`` per increase of ``per`` since ``before`` (or since the start)."""
+    start = before.value if before is not None else (lambda *_a, **_k: 0.0)
+    d_per = now.value(per, **labels) - start(per, **labels)
+    return (now.value(name, **labels) - start(name, **labels)) / d_per if d_per > 0 else None
 
 
 @dataclass
@@ -34,6 +84,9 @@ class StageRow:
     health: str
     layers: str = "?"
     sessions: str = "?"
+    step_ms: str = "-"
+    rows_per_step: str = "-"
+    cache: str = "-"
 
 
 @dataclass
@@ -41,6 +94,9 @@ class CoordinatorRow:
     address: str
     health: str
     generate_calls: dict[str, int] = field(default_factory=dict)
+    users: str = "-"
+    queue: str = "-"
+    tok_s: str = "-"
 
 
 def _health(channel: grpc.Channel) -> str:
@@ -67,27 +123,41 @@ def stage_row(address: str) -> StageRow:
         return row
 
 
-def _generate_calls(host: str, metrics_port: int) -> dict[str, int]:
+def stage_figures(row: StageRow, now: Scrape | None, before: Scrape | None, stage: int) -> None:
+    """Step time and rows per step over the interval, and cache use now, from the stage's /metrics."""
+    if now is None:
+        return
+    label = {"stage": str(stage)}
+    seconds, rows = _name(STAGE_STEP_SECONDS), _name(STAGE_STEP_ROWS)
+    step_s = _per(now, before, f"{seconds}_sum", f"{seconds}_count", **label)
+    per_step = _per(now, before, f"{rows}_sum", f"{rows}_count", **label)
+    row.step_ms = f"{step_s * 1000:.1f}" if step_s is not None else "idle"
+    row.rows_per_step = f"{per_step:.1f}" if per_step is not None else "-"
+    positions = now.value(_name(STAGE_CACHE_POSITIONS), **label)
+    mib = now.value(_name(STAGE_CACHE_BYTES), **label) / 2**20
+    row.cache = f"{positions:.0f} pos, {mib:.1f} MiB"
+
+
+def _generate_calls(now: Scrape | None) -> dict[str, int]:
     """Finished Generate calls by status code, from the coordinator's /metrics (empty if none)."""
-    try:
-        with urllib.request.urlopen(f"http://{host}:{metrics_port}/metrics", timeout=TIMEOUT_S) as reply:
-            text = reply.read().decode()
-    except OSError:
-        return {}
     calls: dict[str, int] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name != "pipeshard_rpc_requests":
-            continue
-        for sample in family.samples:
-            if sample.name.endswith("_total") and sample.labels.get("method") == "Generate":
-                calls[sample.labels["code"]] = int(sample.value)
+    for (name, labels), value in (now.samples if now else {}).items():
+        got = dict(labels)
+        if name == "pipeshard_rpc_requests_total" and got.get("method") == "Generate":
+            calls[got["code"]] = int(value)
     return calls
 
 
-def coordinator_row(topo: Topology) -> CoordinatorRow:
+def coordinator_row(topo: Topology, now: Scrape | None, before: Scrape | None) -> CoordinatorRow:
     with grpc.insecure_channel(topo.coordinator.address) as channel:
         row = CoordinatorRow(topo.coordinator.address, _health(channel))
-    row.generate_calls = _generate_calls(topo.coordinator.host, topo.coordinator.metrics_port)
+    row.generate_calls = _generate_calls(now)
+    if now is not None:
+        row.users = f"{now.value(_name(COORDINATOR_RUNNING)):.0f}"
+        row.queue = f"{now.value(_name(COORDINATOR_QUEUED)):.0f}"
+        if before is not None and now.at > before.at:
+            tokens = f"{_name(GENERATED_TOKENS)}_total"
+            row.tok_s = f"{(now.value(tokens) - before.value(tokens)) / (now.at - before.at):.1f}"
     return row
 
 
@@ -99,34 +169,69 @@ def gateway_health(url: str) -> str:
         return f"down ({getattr(exc, 'code', None) or type(exc).__name__})"
 
 
-def render(topo: Topology, gateway: str | None) -> Group:
-    stages = Table(title="stages", title_justify="left")
-    for column in ("stage", "address", "layers", "health", "live sessions"):
-        stages.add_column(column)
-    for k, endpoint in enumerate(topo.stages):
-        row = stage_row(endpoint.address)
-        stages.add_row(str(k), row.address, row.layers, row.health, row.sessions)
-    coordinator = coordinator_row(topo)
-    front = Table(title="front", title_justify="left")
-    for column in ("service", "address", "health", "Generate calls by code"):
-        front.add_column(column)
-    calls = ", ".join(f"{code} {n}" for code, n in sorted(coordinator.generate_calls.items())) or "-"
-    front.add_row("coordinator", coordinator.address, coordinator.health, calls)
-    if gateway:
-        front.add_row("openai gateway", gateway, gateway_health(gateway), "")
-    return Group(stages, front)
+class View:
+    """Renders the fleet; keeps the previous scrape of each /metrics page for the rates."""
+
+    def __init__(self, topo: Topology, gateway: str | None):
+        self.topo = topo
+        self.gateway = gateway
+        self._last: dict[str, Scrape] = {}
+
+    def _scrape(self, key: str, host: str, port: int) -> tuple[Scrape | None, Scrape | None]:
+        now, before = scrape(host, port), self._last.get(key)
+        if now is not None:
+            self._last[key] = now
+        return now, before
+
+    def render(self) -> Group:
+        stages = Table(title="stages", title_justify="left")
+        for column in ("stage", "address", "layers", "health", "step ms", "rows/step", "sessions", "cache"):
+            stages.add_column(column)
+        for k, endpoint in enumerate(self.topo.stages):
+            row = stage_row(endpoint.address)
+            stage_figures(row, *self._scrape(f"stage{k}", endpoint.host, endpoint.metrics_port), k)
+            stages.add_row(
+                str(k),
+                row.address,
+                row.layers,
+                row.health,
+                row.step_ms,
+                row.rows_per_step,
+                row.sessions,
+                row.cache,
+            )
+        c = self.topo.coordinator
+        coordinator = coordinator_row(self.topo, *self._scrape("coordinator", c.host, c.metrics_port))
+        front = Table(title="front", title_justify="left")
+        for column in ("service", "address", "health", "users", "queue", "tok/s", "Generate calls by code"):
+            front.add_column(column)
+        calls = ", ".join(f"{code} {n}" for code, n in sorted(coordinator.generate_calls.items())) or "-"
+        front.add_row(
+            "coordinator",
+            coordinator.address,
+            coordinator.health,
+            coordinator.users,
+            coordinator.queue,
+            coordinator.tok_s,
+            calls,
+        )
+        if self.gateway:
+            front.add_row("openai gateway", self.gateway, gateway_health(self.gateway), "", "", "", "")
+        return Group(stages, front)
 
 
 def run(args: argparse.Namespace) -> int:
-    topo = Topology.load(args.topology)
+    view = View(Topology.load(args.topology), args.gateway)
     if args.once:
-        Console(width=None if sys.stdout.isatty() else 160).print(render(topo, args.gateway))
+        view.render()  # a first scrape, so the rates cover one interval
+        time.sleep(args.interval)
+        Console(width=None if sys.stdout.isatty() else 160).print(view.render())
         return 0
-    with Live(render(topo, args.gateway), refresh_per_second=4, screen=False) as live:
+    with Live(view.render(), refresh_per_second=4, screen=False) as live:
         try:
             while True:
                 time.sleep(args.interval)
-                live.update(render(topo, args.gateway))
+                live.update(view.render())
         except KeyboardInterrupt:
             return 0
 
@@ -136,5 +241,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--topology", type=Path, default=Path("config/topology.yaml"))
     p.add_argument("--gateway", default="http://127.0.0.1:8080", help="gateway URL ('' to leave it out)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
-    p.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    p.add_argument(
+        "--once", action="store_true", help="print one snapshot (rates over one interval) and exit"
+    )
     p.set_defaults(func=run)

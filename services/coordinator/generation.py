@@ -13,17 +13,25 @@ as if they had never been written.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
 
 from pipeshard.errors import InvalidArgument, PipeshardError, Unavailable
+from pipeshard.metrics import (
+    GENERATED_TOKENS,
+    INTER_TOKEN,
+    SPECULATIVE_ACCEPTED,
+    SPECULATIVE_DRAFTED,
+    TIME_TO_FIRST_TOKEN,
+)
 from pipeshard.services.coordinator.detokenizer import IncrementalDetokenizer
-from pipeshard.services.coordinator.sampling import Sampler, SamplingParams
+from pipeshard.services.coordinator.sampling import Sampler, SamplingParams, token_logprobs
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy, accept_sampled
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
 from pipeshard.services.coordinator.speculation.policy import KPolicy, SourceMemory, TimingModel
@@ -59,6 +67,8 @@ DEFAULT_PREFILL_CHUNK = 4096
 class Chunk:
     text: str
     token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)  # per token, when the request asked
+    tokens: list[str] = field(default_factory=list)  # each token's own text, likewise
 
 
 @dataclass
@@ -75,6 +85,7 @@ class Summary:
     verify_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    logprobs: list[float] = field(default_factory=list)  # per generated token, when asked
 
 
 class _Cursor:
@@ -151,8 +162,10 @@ class _Request:
         policy: KPolicy,
         detok: IncrementalDetokenizer,
         stop_ids: set[int],
+        metered: bool = True,
     ):
         self.session_id = session_id
+        self.metered = metered  # False for the coordinator's warm-up: not a client's tokens
         self.prompt_ids = prompt_ids
         self.params = params
         self.max_context = max_context
@@ -170,6 +183,8 @@ class _Request:
         self.first_at = self.started
         self.finish = "length"
         self.pending: list[int] = []  # tokens the stages have not seen yet
+        self.emitted_at = self.started  # when the last tokens were handed out
+        self.new_logprobs: list[float] = []  # of the tokens the last step accepted, when asked
 
     def prefill_frames(self, chunk: int) -> Iterator[activation_pb2.ActivationFrame]:
         """Fill-only frames for all of the prompt but its last chunk, so other sessions' decode
@@ -200,9 +215,15 @@ class _Request:
     def accept(self, draft: Draft, result: activation_pb2.StepResult) -> list[int]:
         """The tokens this step keeps: the agreed draft prefix plus the target's next token."""
         if self.sampler is None:
-            return accept_greedy(draft.tokens, list(result.top1.token_ids))
+            new = accept_greedy(draft.tokens, list(result.top1.token_ids))
+            if self.params.logprobs:  # greedy keeps row i's argmax, whose probability Top1 carries
+                self.new_logprobs = [math.log(p) for p in result.top1.probabilities[: len(new)]]
+            return new
         rows = decode(result.logits, field="logits")
-        return accept_sampled(draft.tokens, draft.probs, rows, self.sampler.probabilities, self.sampler.rng)
+        new = accept_sampled(draft.tokens, draft.probs, rows, self.sampler.probabilities, self.sampler.rng)
+        if self.params.logprobs:  # token i was drawn (or kept) from row i
+            self.new_logprobs = token_logprobs(rows, new)
+        return new
 
     def record(self, draft: Draft, new: list[int], elapsed: float) -> None:
         """Masks rejected drafts out of the cache and feeds the K policy and the summary counters."""
@@ -215,6 +236,9 @@ class _Request:
                 self.stats.verify_steps += 1
                 self.stats.draft_tokens += len(draft.tokens)
                 self.stats.accepted_tokens += kept
+                if self.metered:
+                    SPECULATIVE_DRAFTED.labels(source=self.stats.speculative).inc(len(draft.tokens))
+                    SPECULATIVE_ACCEPTED.labels(source=self.stats.speculative).inc(kept)
         if not self.generated:
             self.first_at = time.perf_counter()
 
@@ -225,10 +249,28 @@ class _Request:
             _take, new, self.generated, self.detok, self.stop_ids, self.params.max_tokens
         )
         done = self.finish == "stop" or len(self.generated) >= self.params.max_tokens
+        if self.metered:
+            self._meter(len(emitted))
         if not done:
             self.context.extend(new)
             self.pending = [new[-1]]
-        return Chunk(text=text, token_ids=emitted), done
+        chunk = Chunk(text=text, token_ids=emitted)
+        if self.params.logprobs:
+            chunk.logprobs = self.new_logprobs[: len(emitted)]
+            self.stats.logprobs.extend(chunk.logprobs)
+        return chunk, done
+
+    def _meter(self, tokens: int) -> None:
+        """Tokens streamed, TTFT (as in the summary) and the time per token since the last chunk."""
+        now = time.perf_counter()
+        GENERATED_TOKENS.inc(tokens)
+        if len(self.generated) == tokens:  # the first chunk
+            TIME_TO_FIRST_TOKEN.observe(self.first_at - self.started)
+        elif tokens:
+            per_token = (now - self.emitted_at) / tokens
+            for _ in range(tokens):
+                INTER_TOKEN.observe(per_token)
+        self.emitted_at = now
 
     def summary(self) -> Summary:
         """The final Summary: finish reason, counts and timings."""
@@ -284,11 +326,18 @@ class Generation:
         return mode
 
     async def run(
-        self, prompt_ids: list[int], params: SamplingParams, *, speculative: str = "", k: int = 0
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        speculative: str = "",
+        k: int = 0,
+        metered: bool = True,
     ) -> AsyncIterator[Chunk | Summary]:
         """Streams Chunks then one Summary; raises if nothing was streamed or a stage is
-        unreachable, and otherwise ends a failed generation with an "error" Summary."""
-        request = await self._open(prompt_ids, params, speculative, k)
+        unreachable, and otherwise ends a failed generation with an "error" Summary. ``metered``
+        False keeps a generation (the coordinator's warm-up) out of the token metrics."""
+        request = await self._open(prompt_ids, params, speculative, k, metered)
         failure = ""  # why the generation failed on the ring, if it did
         try:
             for frame in request.prefill_frames(self._prefill_chunk):
@@ -311,7 +360,7 @@ class Generation:
         yield request.summary()
 
     async def _open(
-        self, prompt_ids: list[int], params: SamplingParams, speculative: str, k: int
+        self, prompt_ids: list[int], params: SamplingParams, speculative: str, k: int, metered: bool
     ) -> _Request:
         """Validates the request, opens its session on every stage and sets up its drafter and K policy."""
         mode = self.check_speculative(speculative, k)
@@ -330,6 +379,7 @@ class Generation:
             policy=KPolicy(self.timing, fixed_k=k or None, max_k=self.max_k, memory=memory),
             detok=IncrementalDetokenizer(self._tok, params.stop),
             stop_ids=set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos),
+            metered=metered,
         )
 
     async def _step(self, request: _Request) -> tuple[Chunk, bool]:
@@ -340,7 +390,10 @@ class Generation:
         elapsed = time.perf_counter() - sent
         new = request.accept(draft, result)
         request.record(draft, new, elapsed)
-        return await request.emit(new)
+        chunk, done = await request.emit(new)
+        if request.params.logprobs:  # each token's own text, for OpenAI's logprobs objects
+            chunk.tokens = await asyncio.to_thread(lambda: [self._tok.decode([t]) for t in chunk.token_ids])
+        return chunk, done
 
     def _close(self, request: _Request, failure: str) -> None:
         """Frees the session on every stage in the background, even when the client went away

@@ -15,6 +15,7 @@ from pipeshard.errors import PipeshardError
 from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.coordinator.ring import StageFailed
 from pipeshard.services.stage.engine import StageEngine
+from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.services.stage.wire import frame_from_output, result_from_output, stage_error, step_from_frame
 from pipeshard.shard.manifest import input_port, load_manifest
@@ -50,6 +51,7 @@ class LocalRing:
                 hidden_size=r.hidden_size,
                 max_context=r.max_context,
                 vocab_size=r.vocab_size,
+                meters=StageMeters(r.stage_index),
             )
             for r in self.runners
         ]

@@ -10,6 +10,7 @@ import structlog
 
 from pipeshard.errors import InvalidArgument
 from pipeshard.grpc_server import GrpcServer, run_server
+from pipeshard.metrics import COORDINATOR_QUEUED, COORDINATOR_RUNNING
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.coordinator.admission import Admission
@@ -149,15 +150,18 @@ class Coordinator:
             max_k=self.settings.max_k,
         )
         await self._warmup(generation, prompter, manifest.max_context)
+        admission = Admission(
+            self.settings.max_running, self.settings.max_queue, self.settings.max_per_client
+        )
+        COORDINATOR_RUNNING.set_function(lambda: admission.running)
+        COORDINATOR_QUEUED.set_function(lambda: admission.queued)
         self.servicer = CoordinatorServicer(
             generation,
             prompter,
             max_context=manifest.max_context,
             vocab_size=manifest.model.vocab_size,
             default_max_tokens=self.settings.default_max_tokens,
-            admission=Admission(
-                self.settings.max_running, self.settings.max_queue, self.settings.max_per_client
-            ),
+            admission=admission,
             max_prompt_bytes=self.settings.max_prompt_bytes,
         )
 
@@ -170,7 +174,7 @@ class Coordinator:
         text = prompter.encode("", [("user", "Warm up.")])
         ids = (text * (WARMUP_PREFILL // len(text) + 1))[: min(WARMUP_PREFILL, max_context - 4)]
         tokens = 0
-        async for event in generation.run(ids, SamplingParams(max_tokens=2, ignore_eos=True)):
+        async for event in generation.run(ids, SamplingParams(max_tokens=2, ignore_eos=True), metered=False):
             if isinstance(event, Chunk):
                 tokens += len(event.token_ids)
         log.info(

@@ -24,6 +24,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: bool = False  # return each generated token's logprob and text
 
     @property
     def greedy(self) -> bool:
@@ -87,3 +88,12 @@ class Sampler:
     def sample(self, logits: np.ndarray) -> int:
         probs = self.probabilities(logits)
         return int(self.rng.choice(probs.size, p=probs))
+
+
+def token_logprobs(logits: np.ndarray, tokens: list[int]) -> list[float]:
+    """Log-probability of ``tokens[i]`` under row i of ``logits`` [n, vocab]: the model's raw
+    distribution (log-softmax of the logits, before temperature, top-k or top-p), in float64."""
+    rows = logits[: len(tokens)].astype(np.float64)
+    top = rows.max(axis=-1)
+    log_z = top + np.log(np.exp(rows - top[:, None]).sum(axis=-1))
+    return [float(rows[i, t] - log_z[i]) for i, t in enumerate(tokens)]

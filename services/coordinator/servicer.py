@@ -46,6 +46,7 @@ def params_from_proto(p: coordinator_pb2.SamplingParams, default_max_tokens: int
         stop=tuple(p.stop),
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
     )
 
 
@@ -145,7 +146,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         async for event in self._generation.run(prompt_ids, params, speculative=speculative, k=k):
             if isinstance(event, Chunk):
                 yield coordinator_pb2.GenerateResponse(
-                    chunk=coordinator_pb2.TokenChunk(text=event.text, token_ids=event.token_ids)
+                    chunk=coordinator_pb2.TokenChunk(
+                        text=event.text,
+                        token_ids=event.token_ids,
+                        logprobs=event.logprobs,
+                        tokens=event.tokens,
+                    )
                 )
             else:
                 copied = {name: getattr(event, name) for name in _SUMMARY_FIELDS}

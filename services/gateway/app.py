@@ -121,14 +121,16 @@ class Gateway:
     async def chat(self, body: ChatCompletionRequest, request: Request):
         body.check()
         rpc = self._request(body, body.limit(), messages=body.chat())
-        shaper = Shaper(f"chatcmpl-{rpc.request_id}", self._name(body), chat=True)
+        shaper = Shaper(
+            f"chatcmpl-{rpc.request_id}", self._name(body), chat=True, logprobs=body.wants_logprobs
+        )
         return await self._answer(request, body, rpc, shaper)
 
     async def completions(self, body: CompletionRequest, request: Request):
         body.check()
         rpc = self._request(body, body.limit(), messages=[])
         rpc.prompt = body.text()  # raw text, no chat template (build_request wraps a prompt as a message)
-        shaper = Shaper(f"cmpl-{rpc.request_id}", self._name(body), chat=False)
+        shaper = Shaper(f"cmpl-{rpc.request_id}", self._name(body), chat=False, logprobs=body.wants_logprobs)
         return await self._answer(request, body, rpc, shaper)
 
     def _name(self, body: OpenAIRequest) -> str:
@@ -146,6 +148,7 @@ class Gateway:
             stop=body.stop_list(),
             ignore_eos=body.ignore_eos,
             request_id=uuid.uuid4().hex[:24],
+            logprobs=body.wants_logprobs,
         )
 
     async def _answer(
@@ -154,10 +157,10 @@ class Gateway:
         call = self.stub.Generate(rpc, metadata=_metadata(request), timeout=self.settings.request_timeout_s)
         try:
             if not body.stream:
-                summary = await _unless_gone(request, _summary(call), call)
+                summary, tokens, logprobs = await _unless_gone(request, _collect(call), call)
                 if (error := _failed(summary)) is not None:
                     raise error
-                return JSONResponse(shaper.completion(summary))
+                return JSONResponse(shaper.completion(summary, tokens, logprobs))
             first = await _unless_gone(request, call.read(), call)
         except BaseException:
             call.cancel()
@@ -169,14 +172,20 @@ class Gateway:
         )
 
 
-async def _summary(call: grpc.aio.UnaryStreamCall) -> coordinator_pb2.GenerateSummary:
-    summary = None
+async def _collect(
+    call: grpc.aio.UnaryStreamCall,
+) -> tuple[coordinator_pb2.GenerateSummary, list[str], list[float]]:
+    """The whole stream: its summary and every token's text and logprob (when asked for)."""
+    summary, tokens, logprobs = None, [], []
     while (response := await call.read()) is not END:
         if response.HasField("summary"):
             summary = response.summary
+        else:
+            tokens.extend(response.chunk.tokens)
+            logprobs.extend(response.chunk.logprobs)
     if summary is None:
         raise GatewayError(502, "the coordinator ended the stream without a summary")
-    return summary
+    return summary, tokens, logprobs
 
 
 async def _events(
@@ -191,8 +200,11 @@ async def _events(
         summary = None
         while response is not END:
             if response.HasField("chunk"):
-                if response.chunk.text:
-                    yield _sse(shaper.chunk(response.chunk.text, with_usage=include_usage))
+                chunk = response.chunk
+                # A token that ends inside a UTF-8 character brings no text, but its logprob.
+                if chunk.text or (shaper.logprobs and chunk.token_ids):
+                    logprobs = shaper.token_logprobs(chunk.tokens, chunk.logprobs)
+                    yield _sse(shaper.chunk(chunk.text, with_usage=include_usage, logprobs=logprobs))
             else:
                 summary = response.summary
             response = await call.read()

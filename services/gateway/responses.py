@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeshard.v1 import coordinator_pb2
@@ -23,12 +24,15 @@ def usage(summary: coordinator_pb2.GenerateSummary) -> dict:
 
 @dataclass
 class Shaper:
-    """Builds the objects of one response; ``chat`` picks chat.completion vs text_completion."""
+    """Builds the objects of one response; ``chat`` picks chat.completion vs text_completion;
+    ``logprobs`` adds each token's logprob object to the choices."""
 
     id: str
     model: str
     chat: bool
     created: int = 0
+    logprobs: bool = False
+    _offset: int = 0  # characters of generated text before the next token (completions' text_offset)
 
     def __post_init__(self) -> None:
         self.created = self.created or int(time.time())
@@ -37,34 +41,75 @@ class Shaper:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _choice(self, text: str | None, finish: str | None, *, delta: bool, role: bool = False) -> dict:
+    def token_logprobs(self, tokens: Sequence[str], logprobs: Sequence[float]) -> dict | None:
+        """OpenAI's logprobs object for these tokens (chat: ``content``; completions: parallel
+        lists), with no alternatives: the fleet returns the chosen token's logprob only."""
+        if not self.logprobs:
+            return None
+        if self.chat:
+            content = [
+                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, lp in zip(tokens, logprobs, strict=True)
+            ]
+            return {"content": content, "refusal": None}
+        offsets = []
+        for t in tokens:
+            offsets.append(self._offset)
+            self._offset += len(t)
+        return {
+            "tokens": list(tokens),
+            "token_logprobs": list(logprobs),
+            "top_logprobs": None,
+            "text_offset": offsets,
+        }
+
+    def _choice(
+        self,
+        text: str | None,
+        finish: str | None,
+        *,
+        delta: bool,
+        role: bool = False,
+        logprobs: dict | None = None,
+    ) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         if delta:
             body = {"role": "assistant", "content": text or ""} if role else {}
             if text and not role:
                 body["content"] = text
-            return {"index": 0, "delta": body, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "delta": body, "logprobs": logprobs, "finish_reason": finish}
         return {
             "index": 0,
             "message": {"role": "assistant", "content": text, "refusal": None},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish,
         }
 
-    def completion(self, summary: coordinator_pb2.GenerateSummary) -> dict:
+    def completion(
+        self,
+        summary: coordinator_pb2.GenerateSummary,
+        tokens: Sequence[str] = (),
+        logprobs: Sequence[float] = (),
+    ) -> dict:
         finish = FINISH.get(summary.finish_reason, "stop")
-        return {
-            **self._envelope(chunk=False),
-            "choices": [self._choice(summary.text, finish, delta=False)],
-            "usage": usage(summary),
-        }
+        choice = self._choice(
+            summary.text, finish, delta=False, logprobs=self.token_logprobs(tokens, logprobs)
+        )
+        return {**self._envelope(chunk=False), "choices": [choice], "usage": usage(summary)}
 
     def chunk(
-        self, text: str | None, finish: str | None = None, *, role: bool = False, with_usage: bool = False
+        self,
+        text: str | None,
+        finish: str | None = None,
+        *,
+        role: bool = False,
+        with_usage: bool = False,
+        logprobs: dict | None = None,
     ) -> dict:
         """One streamed chunk; with ``include_usage`` every chunk carries ``"usage": null``."""
-        out = {**self._envelope(chunk=True), "choices": [self._choice(text, finish, delta=True, role=role)]}
+        choice = self._choice(text, finish, delta=True, role=role, logprobs=logprobs)
+        out = {**self._envelope(chunk=True), "choices": [choice]}
         if with_usage:
             out["usage"] = None
         return out

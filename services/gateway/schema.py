@@ -62,7 +62,7 @@ class OpenAIRequest(BaseModel):
             raise GatewayError(
                 400,
                 f"unsupported parameter{'s' if len(names) > 1 else ''}: {', '.join(sorted(names))} "
-                "(this fleet serves n=1 text generation without tools, logprobs, penalties or formats)",
+                "(this fleet serves n=1 text generation without tools, top logprobs, penalties or formats)",
                 param=sorted(names)[0],
                 code="unsupported_parameter",
             )
@@ -70,6 +70,11 @@ class OpenAIRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether each generated token's logprob is asked for (the chosen token's only)."""
+        return False
 
 
 class ChatMessage(BaseModel):
@@ -83,12 +88,17 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     def _unsupported(self) -> list[str]:
         names = super()._unsupported()
-        if self.logprobs:
-            names.append("logprobs")
+        if self.top_logprobs:  # the coordinator returns the chosen token's logprob only
+            names.append("top_logprobs")
         return names
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
 
     def limit(self) -> int | None:
         """``max_completion_tokens`` replaces the deprecated ``max_tokens``; either is honoured."""
@@ -136,14 +146,14 @@ def _text(content: str | list[dict[str, Any]] | None, i: int) -> str:
 
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[str]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
     def _unsupported(self) -> list[str]:
         names = super()._unsupported()
-        if self.logprobs is not None:
+        if self.logprobs:  # 0 asks for the chosen token's logprob, which is all the fleet returns
             names.append("logprobs")
         if self.echo:
             names.append("echo")
@@ -157,6 +167,10 @@ class CompletionRequest(OpenAIRequest):
 
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
     def limit(self) -> int | None:
         return self.max_tokens

@@ -8,6 +8,7 @@ import numpy as np
 
 from pipeshard.errors import InvalidArgument
 from pipeshard.services.stage.domain import ReturnMode, StepInput, StepOutput, top1_of
+from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.shard.runtime import check_activations, check_step
 
@@ -24,8 +25,10 @@ class StageEngine:
         hidden_size: int,
         max_context: int,
         vocab_size: int,
+        meters: StageMeters | None = None,
     ):
         self.sessions = sessions
+        self.meters = meters or StageMeters(0)  # unit tests build engines without a stage index
         self.is_first = is_first
         self.is_last = is_last
         self.hidden_size = hidden_size
@@ -61,7 +64,9 @@ class StageEngine:
         out = session.run(
             x, step.positions.reshape(1, -1), return_last=step.return_last if self.is_last else 1
         )
-        step.compute_micros.append((time.perf_counter_ns() - started) // 1000)
+        elapsed_ns = time.perf_counter_ns() - started
+        step.compute_micros.append(elapsed_ns // 1000)
+        self.meters.step(elapsed_ns / 1e9, x.shape[1])  # rows: every token the step computed
         if not self.is_last:
             return StepOutput(step=step, hidden_states=out)
         logits = out.reshape(-1, out.shape[-1])

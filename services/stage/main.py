@@ -13,6 +13,7 @@ from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.stage.engine import StageEngine
+from pipeshard.services.stage.meters import StageMeters, kv_bytes_per_position
 from pipeshard.services.stage.node import StageNode
 from pipeshard.services.stage.rawtcp import RawTcpStage
 from pipeshard.services.stage.servicer import StageServicer
@@ -128,6 +129,8 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         settings.idle_timeout_s,
         max_per_owner=settings.max_sessions_per_owner,
     )
+    meters = StageMeters(settings.stage)
+    meters.watch(sessions, kv_bytes_per_position(runner))
     engine = StageEngine(
         sessions,
         is_first=runner.is_first,
@@ -135,6 +138,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         hidden_size=runner.hidden_size,
         max_context=runner.max_context,
         vocab_size=runner.vocab_size,
+        meters=meters,
     )
     delay_s = settings.hop_delay_ms / 1000.0
     hop = (

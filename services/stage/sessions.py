@@ -56,6 +56,11 @@ class SessionTable:
     def owners(self) -> list[str]:
         return list(self._per_owner)
 
+    def cached_positions(self) -> int:
+        """Cache positions the open sessions hold (read by the metrics thread: list() of the
+        values is one step under the GIL, so a concurrent open or release cannot break it)."""
+        return sum(entry.session.past_length for entry in list(self._entries.values()))
+
     def open(self, owner: str, session_id: str) -> ShardSessionLike:
         if not session_id:
             raise InvalidArgument("session_id", "must not be empty")

@@ -144,11 +144,13 @@ def test_the_summary_reaches_the_client_result_field_for_field():
     """One field list: Summary -> GenerateSummary (servicer) -> GenerateResult (client fold)."""
     from pipeshard.clients.client import GenerateResult, fold
 
-    summary = Summary("error", 3, 2, 12.5, 40.0, "<7><7>", [7, 7], "stage 1 failed", "ngram", 1, 2, 1)
+    summary = Summary(
+        "error", 3, 2, 12.5, 40.0, "<7><7>", [7, 7], "stage 1 failed", "ngram", 1, 2, 1, [-0.5, -0.25]
+    )
 
     class Finished(_Generation):
         async def run(self, prompt_ids, params, *, speculative, k):
-            yield Chunk(text="<7><7>", token_ids=[7, 7])
+            yield Chunk(text="<7><7>", token_ids=[7, 7], logprobs=[-0.5, -0.25], tokens=["<7>", "<7>"])
             yield summary
 
     servicer = CoordinatorServicer(

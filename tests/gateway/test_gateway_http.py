@@ -18,7 +18,8 @@ from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
 class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
-    """Answers "Hello world" in two chunks; a prompt naming a status code aborts with it."""
+    """Answers "Hello world" in two chunks (with logprobs when asked); a prompt naming a status
+    code aborts with it."""
 
     def __init__(self):
         self.requests: list[coordinator_pb2.GenerateRequest] = []
@@ -30,8 +31,12 @@ class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
         text = request.prompt or request.messages[-1].content
         if text in grpc.StatusCode.__members__:
             context.abort(grpc.StatusCode[text], f"`max_tokens` scripted {text}")
-        yield coordinator_pb2.GenerateResponse(chunk=coordinator_pb2.TokenChunk(text="Hello", token_ids=[1]))
-        yield coordinator_pb2.GenerateResponse(chunk=coordinator_pb2.TokenChunk(text=" world", token_ids=[2]))
+        for text, token, logprob in (("Hello", 1, -0.5), (" world", 2, -0.25)):
+            chunk = coordinator_pb2.TokenChunk(text=text, token_ids=[token])
+            if request.params.logprobs:
+                chunk.logprobs.append(logprob)
+                chunk.tokens.append(text)
+            yield coordinator_pb2.GenerateResponse(chunk=chunk)
         yield coordinator_pb2.GenerateResponse(
             summary=coordinator_pb2.GenerateSummary(
                 finish_reason=coordinator_pb2.FINISH_REASON_LENGTH,
@@ -125,7 +130,7 @@ def test_completion_stream(http):
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"logit_bias": {"1": 5}}, "logit_bias"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
@@ -138,6 +143,41 @@ def test_unsupported_parameters_are_refused_by_name(http, coordinator, extra, pa
     assert error["param"] == param and param in error["message"]
     assert error["type"] == "invalid_request_error" and error["code"] == "unsupported_parameter"
     assert len(coordinator[0].requests) == before  # refused before any generation
+
+
+def test_completion_logprobs_above_zero_are_refused_by_name(http):
+    reply = http.post("/v1/completions", json={"prompt": "x", "logprobs": 2})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "logprobs"
+
+
+def test_chat_logprobs_carry_the_chosen_tokens(http, coordinator):
+    plain = chat(http).json()["choices"][0]
+    assert plain["logprobs"] is None and not coordinator[0].requests[-1].params.logprobs
+    whole = chat(http, logprobs=True, top_logprobs=0).json()["choices"][0]["logprobs"]
+    assert coordinator[0].requests[-1].params.logprobs
+    assert whole == {
+        "content": [
+            {"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello"), "top_logprobs": []},
+            {"token": " world", "logprob": -0.25, "bytes": list(b" world"), "top_logprobs": []},
+        ],
+        "refusal": None,
+    }
+    chunks = [json.loads(e) for e in _events(chat(http, logprobs=True, stream=True))[:-1]]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks]
+    assert streamed[0] is None and streamed[-1] is None  # the role chunk and the finish chunk
+    assert [entry for lp in streamed[1:-1] for entry in lp["content"]] == whole["content"]
+
+
+def test_completion_logprobs_zero_gives_token_logprobs(http):
+    body = {"prompt": "x", "logprobs": 0}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    expected = {"tokens": ["Hello", " world"], "token_logprobs": [-0.5, -0.25], "top_logprobs": None}
+    assert whole == {**expected, "text_offset": [0, 5]}
+    stream = http.post("/v1/completions", json={**body, "stream": True})
+    chunks = [json.loads(e) for e in _events(stream)[:-1]]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert [lp["token_logprobs"][0] for lp in streamed] == [-0.5, -0.25]
+    assert [lp["text_offset"][0] for lp in streamed] == [0, 5]
 
 
 @pytest.mark.parametrize(

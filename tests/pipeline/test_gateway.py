@@ -108,6 +108,35 @@ def test_seeded_sampling_and_stop_match_grpc(fleet, api, prompts):
     assert got.choices[0].finish_reason == stopped.finish_reason == "stop"
 
 
+def test_logprobs_of_the_chosen_tokens_match_grpc(fleet, api, prompts):
+    expected = grpc_generate(fleet, prompts[2], logprobs=True)
+    assert len(expected.logprobs) == len(expected.token_ids) and all(lp <= 0 for lp in expected.logprobs)
+    messages = [{"role": "user", "content": prompts[2]}]
+    whole = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=TOKENS, logprobs=True)
+    content = whole.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(expected.logprobs, abs=1e-6)
+    assert all(c.top_logprobs == [] and bytes(c.bytes) == c.token.encode() for c in content)
+    stream = api.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=TOKENS, logprobs=True, stream=True
+    )
+    streamed = [
+        c
+        for chunk in stream
+        if chunk.choices and chunk.choices[0].logprobs
+        for c in chunk.choices[0].logprobs.content
+    ]
+    assert [c.logprob for c in streamed] == [c.logprob for c in content]
+
+    prompt = "The three primary colours are"
+    raw = api.completions.create(model=MODEL, prompt=prompt, max_tokens=TOKENS, logprobs=0)
+    logprobs = raw.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == raw.usage.completion_tokens
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(model=MODEL, messages=messages, logprobs=True, top_logprobs=3)
+    assert refused.value.param == "top_logprobs"
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [

@@ -1,0 +1,142 @@
+"""Every service of a real loopback fleet serves Prometheus metrics, and they move with the work:
+tokens counted as streamed, one TTFT and n-1 inter-token observations per request, per-stage
+steps and rows, live sessions and cache use while a request runs, speculative drafted/accepted."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from pipeshard.clients.client import GenerateResult, PipeshardClient, fold
+from pipeshard.services.top import Scrape, scrape
+from tests.pipeline.stage_probe import sessions_after_release
+
+pytestmark = pytest.mark.slow
+
+TOKENS = 16
+NAMES = ("exporter", "stage0", "stage1", "coordinator", "gateway")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fleet(smollm2_export, fleet_factory):
+    ports = {name: _free_port() for name in NAMES}
+    started = fleet_factory(
+        smollm2_export(2, "int4"), 2, exporter_port=0, gateway_port=0, metrics_ports=ports
+    )
+    started.metrics_ports = ports
+    return started
+
+
+def metrics(fleet, name: str) -> Scrape:
+    page = scrape("127.0.0.1", fleet.metrics_ports[name])
+    assert page is not None, f"{name} serves no /metrics"
+    return page
+
+
+def delta(after: Scrape, before: Scrape, name: str, **labels: str) -> float:
+    return after.value(name, **labels) - before.value(name, **labels)
+
+
+def test_every_service_serves_pipeshard_metrics(fleet):
+    for name in NAMES:
+        assert any(n.startswith("pipeshard_") for n, _ in metrics(fleet, name).samples), name
+
+
+def test_a_generation_moves_the_token_step_and_cache_metrics(fleet, prompts):
+    coordinator0 = metrics(fleet, "coordinator")
+    stages0 = [metrics(fleet, f"stage{k}") for k in range(2)]
+    result = GenerateResult()
+    with PipeshardClient(fleet.coordinator, timeout_s=300) as client:
+        stream = client.responses(prompts[1], max_tokens=TOKENS, ignore_eos=True)
+        fold(result, next(stream))  # the first chunk: the session is open on every stage
+        during = [metrics(fleet, f"stage{k}") for k in range(2)]
+        users = metrics(fleet, "coordinator").value("pipeshard_coordinator_running_requests")
+        for response in stream:
+            fold(result, response)
+    assert result.completion_tokens == len(result.token_ids) == TOKENS
+    assert users == 1
+    for k, page in enumerate(during):
+        label = {"stage": str(k)}
+        assert page.value("pipeshard_stage_sessions", **label) == 1
+        positions = page.value("pipeshard_stage_cache_positions", **label)
+        assert positions >= result.prompt_tokens
+        # 15 layers x K and V x 3 KV heads x 64 x the KV element size (1 to 4 bytes) per position
+        per_position = page.value("pipeshard_stage_cache_bytes", **label) / positions
+        assert per_position in {30 * 3 * 64 * size for size in (1, 2, 4)}
+
+    coordinator = metrics(fleet, "coordinator")
+    assert delta(coordinator, coordinator0, "pipeshard_generated_tokens_total") == TOKENS
+    assert delta(coordinator, coordinator0, "pipeshard_time_to_first_token_seconds_count") == 1
+    assert delta(coordinator, coordinator0, "pipeshard_inter_token_seconds_count") == TOKENS - 1
+    ttft = delta(coordinator, coordinator0, "pipeshard_time_to_first_token_seconds_sum")
+    assert ttft == pytest.approx(result.ttft_ms / 1000, rel=1e-6)
+    assert coordinator.value("pipeshard_coordinator_queued_requests") == 0
+
+    assert sessions_after_release(fleet.stages) == [0, 0]
+    for k, before in enumerate(stages0):
+        after, label = metrics(fleet, f"stage{k}"), {"stage": str(k)}
+        # One prefill step, then one step per further token; rows: the prompt, then one each.
+        assert delta(after, before, "pipeshard_stage_step_seconds_count", **label) == TOKENS
+        assert delta(after, before, "pipeshard_stage_step_seconds_sum", **label) > 0
+        assert delta(after, before, "pipeshard_stage_step_rows_sum", **label) == (
+            result.prompt_tokens + TOKENS - 1
+        )
+        assert after.value("pipeshard_stage_sessions", **label) == 0
+        assert after.value("pipeshard_stage_cache_positions", **label) == 0
+
+
+def test_speculative_drafted_and_accepted_match_the_summary(fleet):
+    before = metrics(fleet, "coordinator")
+    with PipeshardClient(fleet.coordinator, timeout_s=300) as client:
+        # Repetitive text, so prompt lookup finds drafts.
+        result = client.generate(
+            "Repeat exactly: one two three four one two three four one two three four",
+            max_tokens=24,
+            speculative="ngram",
+            k=3,
+        )
+    after = metrics(fleet, "coordinator")
+    drafted = delta(after, before, "pipeshard_speculative_draft_tokens_total", source="ngram")
+    accepted = delta(after, before, "pipeshard_speculative_accepted_tokens_total", source="ngram")
+    assert drafted == result.draft_tokens > 0
+    assert accepted == result.accepted_tokens
+
+
+def test_top_shows_step_time_cache_users_and_tokens(fleet, tmp_path, capsys):
+    from pipeshard.cli import main as pipeshard
+    from pipeshard.topology import Endpoint, Topology
+
+    def endpoint(address: str, name: str) -> Endpoint:
+        host, port = address.rsplit(":", 1)
+        return Endpoint(host=host, port=int(port), metrics_port=fleet.metrics_ports[name])
+
+    Topology(
+        shards="unused",
+        coordinator=endpoint(fleet.coordinator, "coordinator"),
+        exporter=endpoint(fleet.process("exporter").address, "exporter"),
+        stages=[endpoint(a, f"stage{k}") for k, a in enumerate(fleet.stages)],
+    ).save(tmp_path / "topology.yaml")
+    capsys.readouterr()
+    args = [
+        "top",
+        "--once",
+        "--interval",
+        "0.2",
+        "--topology",
+        str(tmp_path / "topology.yaml"),
+        "--gateway",
+        "",
+    ]
+    assert pipeshard(args) == 0
+    out = capsys.readouterr().out
+    for column in ("step ms", "rows/step", "cache", "users", "queue", "tok/s"):
+        assert column in out
+    assert out.count(" pos, ") == 2 and "MiB" in out  # cache use of both stages
+    assert "OK " in out
