@@ -13,8 +13,9 @@ nodes.yaml is a list in pipeline order (the planner never reorders it)::
 
 Optional per node: ``overhead_ms`` (fixed cost of one step), ``embed_ms`` (extra on the first
 stage), ``head_ms`` (final norm + LM head on the last stage), ``reserve_bytes`` (memory kept
-free). A missing ``link_to_next`` is an ideal link (loopback). Each node's link carries what it
-sends: to the next stage it uses, or from the last stage back to the coordinator.
+free). A profile file is itself a valid entry (its ``measured`` detail is ignored). A missing
+``link_to_next`` is an ideal link (loopback). Each node's link carries what it sends: to the next
+stage it uses, or from the last stage back to the coordinator.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ _FIELDS = {
     "memory_bytes",
     "reserve_bytes",
     "link_to_next",
+    "measured",  # a profile's measurement detail: kept for people, ignored by the planner
 }
 # What a profile file contributes; everything else in it (measurement detail) is ignored.
 _FROM_PROFILE = ("name", "address", "per_layer_ms", "overhead_ms", "embed_ms", "head_ms", "memory_bytes")
