@@ -107,20 +107,32 @@ def _least_sum(
     return float(best[0]), out
 
 
+def _least_bottleneck(cost: np.ndarray) -> float:
+    """The least possible largest stage time over all plans (min-max recurrence, O(N L^2))."""
+    n_nodes, size, _ = cost.shape
+    best = np.full(size, np.inf)
+    best[size - 1] = 0.0
+    for i in range(n_nodes - 1, -1, -1):
+        best = np.minimum(np.maximum(cost[i], best).min(axis=1), best)
+    return float(best[0])
+
+
 def _best_for(
-    cost: np.ndarray, m: int, total: float, stages: list[tuple[int, int, int]]
+    cost: np.ndarray, m: int, total: float, stages: list[tuple[int, int, int]], bottleneck: float
 ) -> tuple[float, list[tuple[int, int, int]]]:
     """The least round time max(sum, m * max) and its stages, for m micro-batches, given the
-    least unconstrained sum ``total`` and its ``stages``."""
+    least unconstrained sum ``total``, its ``stages`` and the least bottleneck."""
     if not stages or m == 1:
         return total, stages
 
     def value(st: list[tuple[int, int, int]]) -> float:
         return round_ms([float(cost[i, a, b]) for i, a, b in st], m)
 
-    # S(tau) >= total, so S(tau) <= m * tau needs tau >= total / m; and it holds from the largest
-    # stage time of the unconstrained optimum on. Only candidate bounds in between are searched.
-    low, high = total / m, max(total / m, max(float(cost[i, a, b]) for i, a, b in stages))
+    # S(tau) >= total, so S(tau) <= m * tau needs tau >= total / m, and no plan exists below the
+    # least bottleneck; it holds from the largest stage time of the unconstrained optimum on.
+    # Only candidate bounds in between are searched.
+    low = max(total / m, bottleneck)
+    high = max(low, max(float(cost[i, a, b]) for i, a, b in stages))
     finite = cost[np.isfinite(cost)]
     taus = np.unique(finite[(finite >= low) & (finite <= high)])
     below = finite[finite < low]
@@ -185,15 +197,17 @@ def plan_layers(
         if micro_batches not in micro_batch_counts(batch):
             raise InvalidArgument("micro_batches", f"must divide batch {batch}, got {micro_batches!r}")
         counts = [micro_batches]
-    # The unconstrained least sum bounds each m's round time from below: an m whose bound cannot
-    # beat the best round found so far is not searched.
+    # max(least sum, m * least bottleneck) bounds each m's round time from below: an m whose
+    # bound cannot beat the best round found so far is not searched.
     tables = {m: stage_table(nodes, model, batch // m, batch) for m in counts}
     sums = {m: _least_sum(tables[m]) for m in counts}
+    necks = {m: _least_bottleneck(tables[m]) if m > 1 else 0.0 for m in counts}
+    bound = {m: max(sums[m][0], m * necks[m]) for m in counts}
     found: tuple[float, int, list, np.ndarray] | None = None
-    for m in sorted(counts, key=lambda m: (sums[m][0], m)):
-        if found is not None and sums[m][0] > found[0]:
+    for m in sorted(counts, key=lambda m: (bound[m], m)):
+        if found is not None and bound[m] > found[0]:
             break
-        value, stages = _best_for(tables[m], m, *sums[m])
+        value, stages = _best_for(tables[m], m, *sums[m], necks[m])
         if stages and (found is None or value < found[0] or (value == found[0] and m < found[1])):
             found = (value, m, stages, tables[m])
     if found is None:

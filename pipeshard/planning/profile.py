@@ -159,17 +159,26 @@ def measure_link(peer: str, reps: int = 20, payload: int = 1 << 20) -> dict[str,
 
 
 def profile_node(
-    model_dir: Path, options: ProfileOptions, *, name: str, address: str = "", peer: str | None = None
+    model_dir: Path,
+    options: ProfileOptions,
+    *,
+    name: str,
+    address: str = "",
+    peer: str | None = None,
+    probes_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Measure this machine; returns the node description (plain data for YAML)."""
+    """Measure this machine; returns the node description (plain data for YAML). ``probes_dir``
+    keeps the probe stages for another run (benchmarks profile several thread counts)."""
     import openvino as ov
 
     from pipeshard.shard.runtime import compile_properties
 
     started = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix="pipeshard-profile-"))
+    work = probes_dir or Path(tempfile.mkdtemp(prefix="pipeshard-profile-"))
     try:
-        xmls = export_probes(model_dir, options.weights, work)
+        xmls = {key: work / key / f"stage_{i}" / "openvino_model.xml" for i, key in enumerate(PROBES)}
+        if not all(x.is_file() for x in xmls.values()):
+            xmls = export_probes(model_dir, options.weights, work)
         core = ov.Core()
         props = compile_properties(options.precision, options.threads)
         probes = {}
@@ -193,7 +202,8 @@ def profile_node(
             prefill.append({"tokens": tokens, **_split(t)})
         sizes = {k: _bin_bytes(x) for k, x in xmls.items()}
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if probes_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
     layer_bytes = (sizes["mid3"] - sizes["mid1"]) // 2
     short = min(options.contexts)
     at_short = [d for d in decode if d["context"] == short]

@@ -1,0 +1,220 @@
+"""bench-planner: the planner's speed, and its predictions against a real unequal fleet.
+
+1. Planner time for 8 nodes x 80 layers (a Llama-70B-sized model at int4, random heterogeneous
+   nodes), latency and throughput (8 sequences, micro-batch count chosen) objectives.
+2. A 3-stage loopback fleet with deliberately unequal stages: stage 1 runs with 1 inference
+   thread, stages 0 and 2 with the plugin's default (2 here). Each node may hold at most
+   BENCH_NODE_MB of weights and KV cache (4096 tokens), so no node can take the whole model and
+   all three are used. This machine is profiled at both thread counts (`pipeshard profile`), the
+   link measured to a running stage, and the latency plan exported; then the planned split and the
+   even split (10,10,10) decode the same prompt in interleaved rounds.
+
+Keys: planner_ms (latency objective; planner_ms_throughput beside it), plan_error (|predicted -
+measured| / measured tok/s of the planned fleet; plan_error_even for the even fleet),
+planned_over_even (ratio of median tok/s, baseline: the even split on the same unequal fleet).
+The machine is shared and noisy: the profile and the fleets see the same load only roughly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench.stats import interleaved_generations, median, ratio_ci, summary, write_result
+from pipeshard import paths
+from pipeshard.offline import set_offline_defaults
+from pipeshard.planning.cost import Curve, Link, ModelCost
+from pipeshard.planning.dp import plan_layers, stage_ms
+from pipeshard.planning.nodes import Node, parse_node
+
+RUNS = int(os.environ.get("BENCH_RUNS", "10"))
+TOKENS = int(os.environ.get("BENCH_TOKENS", "64"))
+NODE_MB = float(os.environ.get("BENCH_NODE_MB", "150"))
+PROFILE_REPEATS = int(os.environ.get("BENCH_PROFILE_REPEATS", "3"))
+PROMPT = "Explain how a refrigerator keeps food cold."
+THREADS = (None, 1, None)  # per stage: None = the plugin's default
+
+
+def time_planner(repeats: int = 50) -> dict[str, float]:
+    """Median ms of plan_layers for 8 random nodes and an 80-layer model, per objective (wall
+    clock, and this process's CPU time: numpy may use a second thread, so CPU can exceed wall)."""
+    model = ModelCost.estimate(
+        num_layers=80,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+        weights="int4",
+        context=4096,
+        name="llama-70b-like",
+    )
+    rng = random.Random(21)
+    nodes = [
+        Node(
+            name=f"n{i}",
+            address="",
+            per_layer_ms=Curve(((1, rng.uniform(5, 20)), (8, rng.uniform(20, 60)))),
+            memory_bytes=int(rng.uniform(8, 24) * 2**30),
+            link_to_next=Link(mbit=rng.choice([100, 1000]), rtt_ms=rng.uniform(1, 50)),
+            overhead_ms=Curve.constant(0.5),
+        )
+        for i in range(8)
+    ]
+    out = {}
+    for key, objective, batch in (("latency", "latency", 1), ("throughput", "throughput", 8)):
+        for _ in range(5):
+            plan_layers(nodes, model, objective, batch)
+        wall, cpu = [], []
+        for _ in range(repeats):
+            t0, c0 = time.perf_counter(), time.process_time()
+            plan_layers(nodes, model, objective, batch)
+            wall.append((time.perf_counter() - t0) * 1000)
+            cpu.append((time.process_time() - c0) * 1000)
+        out[key] = statistics.median(wall)
+        out[f"{key}_cpu"] = statistics.median(cpu)  # this process's CPU time: less hit by load
+    return out
+
+
+def start_unequal_fleet(shards: Path, run_dir: Path, threads: list[int | None]):
+    """Stages with per-stage thread counts (start_fleet gives every stage the same arguments)."""
+    from pipeshard.services.launcher import Fleet, coordinator_args, fleet_env, spawn, stage_args
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = fleet_env()
+    fleet = Fleet(run_dir)
+    next_hop = None
+    try:
+        for k in reversed(range(len(threads))):
+            extra = ["--num-threads", str(threads[k])] if threads[k] else []
+            args = stage_args(k, shards, 0, "default", "json", next_hop, extra)
+            proc = spawn(f"stage{k}", args, run_dir, env, 240)
+            fleet.processes.insert(0, proc)
+            next_hop = proc.address
+        coordinator = spawn(
+            "coordinator", coordinator_args(fleet.stages, shards, 0, "json"), run_dir, env, 240
+        )
+        fleet.processes.append(coordinator)
+    except BaseException:
+        fleet.stop()
+        raise
+    return fleet
+
+
+def profile_threads(model_dir: Path, probes: Path, repeats: int) -> dict[int, dict]:
+    """Per-layer, fixed, embedding and head ms at each thread count of THREADS: the median of
+    ``repeats`` profiles taken in alternation, so a burst of load hits every setting alike."""
+    from pipeshard.planning.profile import ProfileOptions, profile_node
+
+    keys = ("per_layer_ms", "overhead_ms", "embed_ms", "head_ms")
+    runs: dict[int, list[dict]] = {t or 0: [] for t in THREADS}
+    for _ in range(repeats):
+        for threads in runs:
+            options = ProfileOptions(
+                rows=(1,), contexts=(128,), prefill=(), steps=32, threads=threads or None
+            )
+            runs[threads].append(profile_node(model_dir, options, name=f"t{threads}", probes_dir=probes))
+    return {t: {k: {1: median([r[k][1] for r in rs])} for k in keys} for t, rs in runs.items()}
+
+
+def predicted_tok_s(nodes: list[Node], cost: ModelCost, split: list[int]) -> float:
+    a, total = 0, 0.0
+    for node, count in zip(nodes, split, strict=True):
+        total += stage_ms(node, cost, a, a + count, 1)
+        a += count
+    return 1000.0 / total
+
+
+def main() -> int:
+    set_offline_defaults()
+    from pipeshard.clients.client import PipeshardClient
+    from pipeshard.exporter.export import export_model
+    from pipeshard.planning.cli import model_cost
+    from pipeshard.planning.profile import measure_link
+
+    planner_ms = time_planner()
+    print(f"planner: {planner_ms}", file=sys.stderr)
+
+    model_dir = paths.default_model_dir()
+    even_dir = paths.shards_dir() / paths.export_name(paths.DEFAULT_MODEL, 3, "int4")
+    if not (even_dir / "manifest.json").exists():
+        export_model(model_dir, even_dir, stages=3, weights="int4")
+    run_dir = Path("run/bench-planner")
+    fleets = {"even": start_unequal_fleet(even_dir, run_dir / "even", list(THREADS))}
+    try:
+        link = measure_link(fleets["even"].stages[0])
+        profiles = profile_threads(model_dir, run_dir / "probes", PROFILE_REPEATS)
+        nodes = []
+        for k, threads in enumerate(THREADS):
+            raw = {**profiles[threads or 0], "name": f"stage{k}-{threads or 'default'}t"}
+            raw |= {"memory_bytes": int(NODE_MB * 2**20), "link_to_next": link}
+            nodes.append(parse_node(raw, f"nodes[{k}]"))
+        cost = model_cost(model_dir, "int4", None)
+        plan = plan_layers(nodes, cost, "latency")
+        print(f"plan {plan.ranges} predicted {plan.tok_s:.1f} tok/s; skipped {plan.skipped}", file=sys.stderr)
+        # the planner may skip a node: the planned fleet runs the nodes it uses, with their threads
+        used = [next(k for k, n in enumerate(nodes) if n.name == s.node) for s in plan.stages]
+        name = paths.export_name(paths.DEFAULT_MODEL, len(plan.stages), "int4")
+        planned_dir = paths.shards_dir() / f"{name}-planned"
+        manifest = planned_dir / "manifest.json"
+        if not manifest.exists() or json.loads(manifest.read_text())["split"] != plan.split:
+            export_model(model_dir, planned_dir, split=plan.ranges, weights="int4", force=True)
+        fleets["planned"] = start_unequal_fleet(planned_dir, run_dir / "planned", [THREADS[k] for k in used])
+        clients = {name: PipeshardClient(f.coordinator, timeout_s=600) for name, f in fleets.items()}
+
+        def runner(name: str):
+            def run() -> dict:
+                r = clients[name].generate(PROMPT, max_tokens=TOKENS, ignore_eos=True)
+                return {"tok_s": r.tok_s, "tokens": r.token_ids}
+
+            return run
+
+        samples, _ = interleaved_generations({n: runner(n) for n in clients}, RUNS, warmup=2)
+    finally:
+        for fleet in fleets.values():
+            fleet.stop()
+    even_split = [10, 10, 10]
+    predicted = {"even": predicted_tok_s(nodes, cost, even_split), "planned": plan.tok_s}
+    measured = {k: median(v) for k, v in samples.items()}
+    ratio, ci = ratio_ci(samples["planned"], samples["even"])
+    result = {
+        "runs": RUNS,
+        "tokens": TOKENS,
+        "tok_s": measured,
+        "tok_s_range": {k: summary(v) for k, v in samples.items()},
+        "predicted_tok_s": predicted,
+        "planner_ms": planner_ms["latency"],
+        "planner_ms_throughput": planner_ms["throughput"],
+        "planner_cpu_ms": {"latency": planner_ms["latency_cpu"], "throughput": planner_ms["throughput_cpu"]},
+        "plan_error": abs(predicted["planned"] - measured["planned"]) / measured["planned"],
+        "plan_error_even": abs(predicted["even"] - measured["even"]) / measured["even"],
+        "planned_over_even": ratio,
+        "planned_over_even_ci": ci,
+        "planned_over_even_config": "planned split over the even split 10,10,10, both on stages with "
+        "threads default/1/default (the planned fleet runs the nodes its plan uses)",
+        "planned_split": plan.ranges,
+        "node_mb": NODE_MB,
+        "link": link,
+        "planned_nodes": [s.node for s in plan.stages],
+        "profiles": {
+            f"threads_{t or 'default'}": {
+                k: p[k] for k in ("per_layer_ms", "overhead_ms", "embed_ms", "head_ms")
+            }
+            for t, p in profiles.items()
+        },
+    }
+    knobs = ("BENCH_RUNS", "BENCH_TOKENS", "BENCH_NODE_MB", "BENCH_PROFILE_REPEATS")
+    command = " ".join(f"{k}={os.environ[k]}" for k in knobs if k in os.environ)
+    write_result("planner", result, f"{command} make bench-planner".strip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
