@@ -3,11 +3,13 @@
 1. Planner time for 8 nodes x 80 layers (a Llama-70B-sized model at int4, random heterogeneous
    nodes), latency and throughput (8 sequences, micro-batch count chosen) objectives.
 2. A 3-stage loopback fleet with deliberately unequal stages: stage 1 runs with 1 inference
-   thread, stages 0 and 2 with the plugin's default (2 here). Each node may hold at most
-   BENCH_NODE_MB of weights and KV cache (4096 tokens), so no node can take the whole model and
-   all three are used. This machine is profiled at both thread counts (`pipeshard profile`), the
-   link measured to a running stage, and the latency plan exported; then the planned split and the
-   even split (10,10,10) decode the same prompt in interleaved rounds.
+   thread (stages 0 and 2 with the plugin's default, 2 here) and/or sends every frame
+   BENCH_DELAY_MS late (its --hop-delay-ms, an emulated slow link); BENCH_SLOW picks
+   (default both). Each node may hold at most BENCH_NODE_MB of weights and KV cache (4096 tokens),
+   so no node can take the whole model. This machine is profiled at the thread counts used
+   (`pipeshard profile`, alternating, medians), the link measured to a running stage (plus the
+   emulated delay), and the latency plan exported; then the planned split (on the nodes it uses)
+   and the even split 10,10,10 decode the same prompt in interleaved rounds.
 
 Keys: planner_ms (latency objective; planner_ms_throughput beside it), plan_error (|predicted -
 measured| / measured tok/s of the planned fleet; plan_error_even for the even fleet),
@@ -38,6 +40,12 @@ NODE_MB = float(os.environ.get("BENCH_NODE_MB", "150"))
 PROFILE_REPEATS = int(os.environ.get("BENCH_PROFILE_REPEATS", "3"))
 PROMPT = "Explain how a refrigerator keeps food cold."
 THREADS = (None, 1, None)  # per stage: None = the plugin's default
+# What makes stage 1 slow: "threads" (1 inference thread), "link" (every frame it sends waits
+# BENCH_DELAY_MS more: the stage's --hop-delay-ms), or both (comma-separated).
+SLOW = set(os.environ.get("BENCH_SLOW", "threads,link").split(","))
+DELAY_MS = float(os.environ.get("BENCH_DELAY_MS", "10"))
+THREADS_USED = THREADS if "threads" in SLOW else (None, None, None)
+DELAYS = (0.0, DELAY_MS if "link" in SLOW else 0.0, 0.0)
 
 
 def time_planner(repeats: int = 50) -> dict[str, float]:
@@ -83,8 +91,9 @@ def time_planner(repeats: int = 50) -> dict[str, float]:
     return out
 
 
-def start_unequal_fleet(shards: Path, run_dir: Path, threads: list[int | None]):
-    """Stages with per-stage thread counts (start_fleet gives every stage the same arguments)."""
+def start_unequal_fleet(shards: Path, run_dir: Path, threads: list[int | None], delays: list[float]):
+    """Stages with per-stage thread counts and send delays (start_fleet gives every stage the same
+    arguments)."""
     from pipeshard.services.launcher import Fleet, coordinator_args, fleet_env, spawn, stage_args
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -94,6 +103,8 @@ def start_unequal_fleet(shards: Path, run_dir: Path, threads: list[int | None]):
     try:
         for k in reversed(range(len(threads))):
             extra = ["--num-threads", str(threads[k])] if threads[k] else []
+            if delays[k]:
+                extra += ["--hop-delay-ms", str(delays[k])]
             args = stage_args(k, shards, 0, "default", "json", next_hop, extra)
             proc = spawn(f"stage{k}", args, run_dir, env, 240)
             fleet.processes.insert(0, proc)
@@ -109,12 +120,12 @@ def start_unequal_fleet(shards: Path, run_dir: Path, threads: list[int | None]):
 
 
 def profile_threads(model_dir: Path, probes: Path, repeats: int) -> dict[int, dict]:
-    """Per-layer, fixed, embedding and head ms at each thread count of THREADS: the median of
+    """Per-layer, fixed, embedding and head ms at each thread count of THREADS_USED: the median of
     ``repeats`` profiles taken in alternation, so a burst of load hits every setting alike."""
     from pipeshard.planning.profile import ProfileOptions, profile_node
 
     keys = ("per_layer_ms", "overhead_ms", "embed_ms", "head_ms")
-    runs: dict[int, list[dict]] = {t or 0: [] for t in THREADS}
+    runs: dict[int, list[dict]] = {t or 0: [] for t in THREADS_USED}
     for _ in range(repeats):
         for threads in runs:
             options = ProfileOptions(
@@ -147,14 +158,16 @@ def main() -> int:
     if not (even_dir / "manifest.json").exists():
         export_model(model_dir, even_dir, stages=3, weights="int4")
     run_dir = Path("run/bench-planner")
-    fleets = {"even": start_unequal_fleet(even_dir, run_dir / "even", list(THREADS))}
+    fleets = {"even": start_unequal_fleet(even_dir, run_dir / "even", list(THREADS_USED), list(DELAYS))}
     try:
         link = measure_link(fleets["even"].stages[0])
         profiles = profile_threads(model_dir, run_dir / "probes", PROFILE_REPEATS)
         nodes = []
-        for k, threads in enumerate(THREADS):
-            raw = {**profiles[threads or 0], "name": f"stage{k}-{threads or 'default'}t"}
-            raw |= {"memory_bytes": int(NODE_MB * 2**20), "link_to_next": link}
+        for k, threads in enumerate(THREADS_USED):
+            raw = {**profiles[threads or 0], "name": f"stage{k}-{threads or 'default'}t-{DELAYS[k]:g}ms"}
+            # the stage's send delay is half a round trip more on its link
+            slow_link = {**link, "rtt_ms": link["rtt_ms"] + 2 * DELAYS[k]}
+            raw |= {"memory_bytes": int(NODE_MB * 2**20), "link_to_next": slow_link}
             nodes.append(parse_node(raw, f"nodes[{k}]"))
         cost = model_cost(model_dir, "int4", None)
         plan = plan_layers(nodes, cost, "latency")
@@ -166,7 +179,9 @@ def main() -> int:
         manifest = planned_dir / "manifest.json"
         if not manifest.exists() or json.loads(manifest.read_text())["split"] != plan.split:
             export_model(model_dir, planned_dir, split=plan.ranges, weights="int4", force=True)
-        fleets["planned"] = start_unequal_fleet(planned_dir, run_dir / "planned", [THREADS[k] for k in used])
+        fleets["planned"] = start_unequal_fleet(
+            planned_dir, run_dir / "planned", [THREADS_USED[k] for k in used], [DELAYS[k] for k in used]
+        )
         clients = {name: PipeshardClient(f.coordinator, timeout_s=600) for name, f in fleets.items()}
 
         def runner(name: str):
@@ -197,8 +212,9 @@ def main() -> int:
         "plan_error_even": abs(predicted["even"] - measured["even"]) / measured["even"],
         "planned_over_even": ratio,
         "planned_over_even_ci": ci,
-        "planned_over_even_config": "planned split over the even split 10,10,10, both on stages with "
-        "threads default/1/default (the planned fleet runs the nodes its plan uses)",
+        "planned_over_even_config": "planned split over the even split 10,10,10 on the same unequal "
+        "nodes (the planned fleet runs the nodes its plan uses)",
+        "slow_stage": {"how": sorted(SLOW), "threads": list(THREADS_USED), "send_delay_ms": list(DELAYS)},
         "planned_split": plan.ranges,
         "node_mb": NODE_MB,
         "link": link,
@@ -210,7 +226,14 @@ def main() -> int:
             for t, p in profiles.items()
         },
     }
-    knobs = ("BENCH_RUNS", "BENCH_TOKENS", "BENCH_NODE_MB", "BENCH_PROFILE_REPEATS")
+    knobs = (
+        "BENCH_RUNS",
+        "BENCH_TOKENS",
+        "BENCH_NODE_MB",
+        "BENCH_PROFILE_REPEATS",
+        "BENCH_SLOW",
+        "BENCH_DELAY_MS",
+    )
     command = " ".join(f"{k}={os.environ[k]}" for k in knobs if k in os.environ)
     write_result("planner", result, f"{command} make bench-planner".strip())
     return 0

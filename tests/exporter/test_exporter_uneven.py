@@ -61,6 +61,7 @@ def test_uneven_smollm2_chain_equals_hf_greedy(smollm2_dir, hf_model, chat_promp
         out,
         split="0:4,4:23,23:30",
         weights="fp32",
+        isolate=False,  # saves three process start-ups
         convert_tokenizer=False,
         progress=lambda e: None,
     )
