@@ -11,10 +11,15 @@
    emulated delay), and the latency plan exported; then the planned split (on the nodes it uses)
    and the even split 10,10,10 decode the same prompt in interleaved rounds.
 
-Keys: planner_ms (latency objective; planner_ms_throughput beside it), plan_error (|predicted -
-measured| / measured tok/s of the planned fleet; plan_error_even for the even fleet),
-planned_over_even (ratio of median tok/s, baseline: the even split on the same unequal fleet).
-The machine is shared and noisy: the profile and the fleets see the same load only roughly.
+Each round also profiles the machine again (the third interleaved configuration): on this
+shared machine the load moves too much between a profile and a later run, so the prediction
+checked is the cost model evaluated with the profiles of the measured rounds (the one the plan was
+made with is reported beside it).
+
+Keys: planner_ms (latency objective; planner_ms_throughput beside it, and both in CPU time),
+plan_error (|predicted - measured| / measured tok/s of the planned fleet; plan_error_even for the
+even fleet), planned_over_even (ratio of median tok/s, baseline: the even split on the same
+unequal nodes).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.stats import interleaved_generations, median, ratio_ci, summary, write_result
+from bench.stats import interleaved, median, ratio_ci, summary, write_result
 from pipeshard import paths
 from pipeshard.offline import set_offline_defaults
 from pipeshard.planning.cost import Curve, Link, ModelCost
@@ -119,20 +124,34 @@ def start_unequal_fleet(shards: Path, run_dir: Path, threads: list[int | None], 
     return fleet
 
 
-def profile_threads(model_dir: Path, probes: Path, repeats: int) -> dict[int, dict]:
-    """Per-layer, fixed, embedding and head ms at each thread count of THREADS_USED: the median of
-    ``repeats`` profiles taken in alternation, so a burst of load hits every setting alike."""
+PROFILE_KEYS = ("per_layer_ms", "overhead_ms", "embed_ms", "head_ms")
+
+
+def profile_once(model_dir: Path, probes: Path) -> dict[int, dict]:
+    """One profile at each thread count of THREADS_USED (0 = the default)."""
     from pipeshard.planning.profile import ProfileOptions, profile_node
 
-    keys = ("per_layer_ms", "overhead_ms", "embed_ms", "head_ms")
-    runs: dict[int, list[dict]] = {t or 0: [] for t in THREADS_USED}
-    for _ in range(repeats):
-        for threads in runs:
-            options = ProfileOptions(
-                rows=(1,), contexts=(128,), prefill=(), steps=32, threads=threads or None
-            )
-            runs[threads].append(profile_node(model_dir, options, name=f"t{threads}", probes_dir=probes))
-    return {t: {k: {1: median([r[k][1] for r in rs])} for k in keys} for t, rs in runs.items()}
+    out = {}
+    for threads in sorted({t or 0 for t in THREADS_USED}):
+        options = ProfileOptions(rows=(1,), contexts=(128,), prefill=(), steps=32, threads=threads or None)
+        out[threads] = profile_node(model_dir, options, name=f"t{threads}", probes_dir=probes)
+    return out
+
+
+def median_profile(runs: list[dict[int, dict]]) -> dict[int, dict]:
+    """Per thread count, the median of each measured figure over the runs."""
+    return {t: {k: {1: median([run[t][k][1] for run in runs])} for k in PROFILE_KEYS} for t in runs[0]}
+
+
+def fleet_nodes(profiles: dict[int, dict], link: dict) -> list[Node]:
+    nodes = []
+    for k, threads in enumerate(THREADS_USED):
+        raw = {**profiles[threads or 0], "name": f"stage{k}-{threads or 'default'}t-{DELAYS[k]:g}ms"}
+        # the stage's send delay is half a round trip more on its link
+        slow_link = {**link, "rtt_ms": link["rtt_ms"] + 2 * DELAYS[k]}
+        raw |= {"memory_bytes": int(NODE_MB * 2**20), "link_to_next": slow_link}
+        nodes.append(parse_node(raw, f"nodes[{k}]"))
+    return nodes
 
 
 def predicted_tok_s(nodes: list[Node], cost: ModelCost, split: list[int]) -> float:
@@ -161,14 +180,9 @@ def main() -> int:
     fleets = {"even": start_unequal_fleet(even_dir, run_dir / "even", list(THREADS_USED), list(DELAYS))}
     try:
         link = measure_link(fleets["even"].stages[0])
-        profiles = profile_threads(model_dir, run_dir / "probes", PROFILE_REPEATS)
-        nodes = []
-        for k, threads in enumerate(THREADS_USED):
-            raw = {**profiles[threads or 0], "name": f"stage{k}-{threads or 'default'}t-{DELAYS[k]:g}ms"}
-            # the stage's send delay is half a round trip more on its link
-            slow_link = {**link, "rtt_ms": link["rtt_ms"] + 2 * DELAYS[k]}
-            raw |= {"memory_bytes": int(NODE_MB * 2**20), "link_to_next": slow_link}
-            nodes.append(parse_node(raw, f"nodes[{k}]"))
+        probes = run_dir / "probes"
+        profiles = median_profile([profile_once(model_dir, probes) for _ in range(PROFILE_REPEATS)])
+        nodes = fleet_nodes(profiles, link)
         cost = model_cost(model_dir, "int4", None)
         plan = plan_layers(nodes, cost, "latency")
         print(f"plan {plan.ranges} predicted {plan.tok_s:.1f} tok/s; skipped {plan.skipped}", file=sys.stderr)
@@ -185,18 +199,32 @@ def main() -> int:
         clients = {name: PipeshardClient(f.coordinator, timeout_s=600) for name, f in fleets.items()}
 
         def runner(name: str):
-            def run() -> dict:
-                r = clients[name].generate(PROMPT, max_tokens=TOKENS, ignore_eos=True)
-                return {"tok_s": r.tok_s, "tokens": r.token_ids}
+            def run() -> float:
+                return clients[name].generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).tok_s
 
             return run
 
-        samples, _ = interleaved_generations({n: runner(n) for n in clients}, RUNS, warmup=2)
+        # The prediction is checked against profiles taken in the same rounds as the fleets run:
+        # on this shared machine the load moves too much between a profile and a later run.
+        round_profiles: list[dict[int, dict]] = []
+
+        def profile_round() -> float:
+            round_profiles.append(profile_once(model_dir, probes))
+            return round_profiles[-1][0]["per_layer_ms"][1]
+
+        configs = {**{n: runner(n) for n in clients}, "profile": profile_round}
+        samples = interleaved(configs, RUNS, warmup=2)
     finally:
         for fleet in fleets.values():
             fleet.stop()
-    even_split = [10, 10, 10]
-    predicted = {"even": predicted_tok_s(nodes, cost, even_split), "planned": plan.tok_s}
+    per_layer_samples = samples.pop("profile")
+    in_rounds = fleet_nodes(median_profile(round_profiles[-RUNS:]), link)
+    planned_nodes = [in_rounds[k] for k in used]
+    predicted = {
+        "even": predicted_tok_s(in_rounds, cost, [10, 10, 10]),
+        "planned": predicted_tok_s(planned_nodes, cost, plan.split),
+    }
+    at_planning = {"even": predicted_tok_s(nodes, cost, [10, 10, 10]), "planned": plan.tok_s}
     measured = {k: median(v) for k, v in samples.items()}
     ratio, ci = ratio_ci(samples["planned"], samples["even"])
     result = {
@@ -204,7 +232,9 @@ def main() -> int:
         "tokens": TOKENS,
         "tok_s": measured,
         "tok_s_range": {k: summary(v) for k, v in samples.items()},
-        "predicted_tok_s": predicted,
+        "predicted_tok_s": predicted,  # from the profiles taken in the measured rounds
+        "predicted_tok_s_at_planning": at_planning,  # from the profiles the plan was made with
+        "profile_per_layer_ms_default_threads": summary(per_layer_samples),
         "planner_ms": planner_ms["latency"],
         "planner_ms_throughput": planner_ms["throughput"],
         "planner_cpu_ms": {"latency": planner_ms["latency_cpu"], "throughput": planner_ms["throughput_cpu"]},
@@ -219,11 +249,9 @@ def main() -> int:
         "node_mb": NODE_MB,
         "link": link,
         "planned_nodes": [s.node for s in plan.stages],
-        "profiles": {
-            f"threads_{t or 'default'}": {
-                k: p[k] for k in ("per_layer_ms", "overhead_ms", "embed_ms", "head_ms")
-            }
-            for t, p in profiles.items()
+        "profiles_at_planning": {f"threads_{t or 'default'}": p for t, p in profiles.items()},
+        "profiles_in_rounds": {
+            f"threads_{t or 'default'}": p for t, p in median_profile(round_profiles[-RUNS:]).items()
         },
     }
     knobs = (
