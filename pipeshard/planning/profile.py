@@ -126,7 +126,9 @@ def _bin_bytes(xml: Path) -> int:
     return xml.with_suffix(".bin").stat().st_size
 
 
-def measure_link(peer: str, reps: int = 20, payload: int = 1 << 20) -> dict[str, float]:
+def measure_link(
+    peer: str, reps: int = 20, payload: int = 1 << 20, connect_timeout_s: float = 10.0
+) -> dict[str, float]:
     """Round trip and bandwidth to ``peer`` over gRPC health checks (an unknown service name of
     ``payload`` bytes: the server answers NOT_FOUND after receiving it all)."""
     import grpc
@@ -134,7 +136,7 @@ def measure_link(peer: str, reps: int = 20, payload: int = 1 << 20) -> dict[str,
 
     channel = grpc.insecure_channel(peer, options=[("grpc.max_send_message_length", 2 * payload)])
     try:
-        grpc.channel_ready_future(channel).result(timeout=10)
+        grpc.channel_ready_future(channel).result(timeout=connect_timeout_s)
     except grpc.FutureTimeoutError:
         raise InvalidArgument("peer", f"nothing answers at {peer}") from None
     stub = health_pb2_grpc.HealthStub(channel)

@@ -84,5 +84,5 @@ def test_profile_writes_a_node_description(tiny6, tmp_path, health_server):
 
 def test_link_to_nothing_is_a_clear_error():
     with pytest.raises(InvalidArgument, match="nothing answers") as info:
-        measure_link("127.0.0.1:1", reps=1)
+        measure_link("127.0.0.1:1", reps=1, connect_timeout_s=1.0)
     assert info.value.field == "peer"
