@@ -189,3 +189,25 @@ def test_export_takes_a_plan(tiny_model, tmp_path):  # noqa: F811
     raw["num_layers"], raw["stages"][-1]["layer_end"] = 5, 5
     bad.write_text(yaml.safe_dump(raw))
     assert main(["export", "--model", str(folder), "--plan", str(bad), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_plan_cli_throughput_chooses_micro_batches(tmp_path, capsys):
+    model = _tiny_config(tmp_path / "tiny")
+    nodes = [{"name": k, "per_layer_ms": {1: 1.0, 4: 4.0}, "memory_bytes": 10**9} for k in "abc"]
+    (tmp_path / "nodes.yaml").write_text(yaml.safe_dump(nodes))
+    argv = [
+        "plan",
+        "--nodes",
+        str(tmp_path / "nodes.yaml"),
+        "--model",
+        str(model),
+        "--objective",
+        "throughput",
+    ]
+    assert main([*argv, "--batch", "4", "--out", str(tmp_path / "plan.yaml")]) == 0
+    plan = Plan.load(tmp_path / "plan.yaml")
+    assert plan.objective == "throughput" and plan.batch == 4
+    assert plan.split == [2, 2, 2] and plan.micro_batches in (2, 4)  # compute-bound rows: pipeline them
+    assert "micro-batch" in capsys.readouterr().out
+    assert main([*argv[:-2], "--batch", "4"]) == 2  # --batch with the latency objective is refused
+    assert "`batch` applies to the throughput objective" in capsys.readouterr().err
