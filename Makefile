@@ -23,7 +23,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-numerics bench-prefill bench-pipeline bench-commits bench-mbatch bench-spec bench-gateway serve-openai wan-up wan-down distil soak
+.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-numerics bench-prefill bench-pipeline bench-commits bench-mbatch bench-spec bench-gateway serve-openai wan-up wan-down distil soak bench-planner
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -118,6 +118,10 @@ bench-gateway: model
 .PHONY: report
 report: model
 	$(PY) -m bench.report $(if $(filter 1 yes true,$(RENDER_ONLY)),--render-only)
+
+## bench-planner: planner time for 8 nodes x 80 layers; predicted vs measured tok/s of a planned and an even split on a 3-stage loopback fleet with a 1-thread middle stage (bench/results/planner.json)
+bench-planner: model
+	$(PY) -m bench.planner
 
 ## serve-openai: the OpenAI gateway alone in the foreground, in front of COORDINATOR
 COORDINATOR ?= 127.0.0.1:50051

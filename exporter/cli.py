@@ -47,7 +47,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--stages", type=int, default=_int_or_none(_env("stages")), help="number of stages (even split)"
     )
     split.add_argument(
-        "--split", default=_env("split"), help="layers per stage, comma-separated, e.g. 10,10,10"
+        "--split",
+        default=_env("split"),
+        help="layers per stage (10,10,10) or layer ranges (0:12,12:20,20:30)",
+    )
+    split.add_argument(
+        "--plan",
+        type=Path,
+        default=_env("plan"),
+        help="a plan.yaml of `pipeshard plan`: export its layer ranges",
     )
     p.add_argument(
         "--draft-layers",
@@ -131,15 +139,17 @@ def run_export(args: argparse.Namespace) -> int:
     try:
         model_dir = resolve_model(args.model)
         if args.draft_layers is not None:
-            if args.stages not in (None, 1) or args.split is not None:
+            if args.stages not in (None, 1) or args.split is not None or args.plan is not None:
                 raise InvalidArgument("stages", "does not apply to a draft (a draft is one stage)")
             name = paths.draft_export_name(model_dir.name, args.draft_layers, args.draft_vocab, args.weights)
         elif args.draft_vocab is not None:
             raise InvalidArgument("draft_vocab", "needs --draft-layers")
-        elif args.stages is None and args.split is None:
-            raise InvalidArgument("stages", "is required (or give --split)")
+        elif args.stages is None and args.split is None and args.plan is None:
+            raise InvalidArgument("stages", "is required (or give --split or --plan)")
         else:
             spec = resolve_spec(load_config(model_dir))
+            if args.plan is not None:
+                args.split = _plan_split(args.plan, spec.num_layers)
             layers = resolve_split(spec.num_layers, args.stages, args.split)
             name = paths.export_name(model_dir.name, len(layers), args.weights)
         group = args.group_size if args.group_size in (None, "auto") else _parse_group(args.group_size)
@@ -188,6 +198,18 @@ def run_export(args: argparse.Namespace) -> int:
         + f", max_context {m.max_context}, {result.seconds:.1f} s"
     )
     return 0
+
+
+def _plan_split(path: Path, num_layers: int) -> str:
+    """The layer ranges of a plan file, checked against the model being exported."""
+    from pipeshard.planning.plan import Plan
+
+    plan = Plan.load(path)
+    if plan.num_layers != num_layers:
+        raise InvalidArgument(
+            "plan", f"{path} places {plan.num_layers} layers, but the model has {num_layers}"
+        )
+    return plan.ranges
 
 
 def _parse_group(value: str) -> int:

@@ -109,8 +109,13 @@ def default_split(num_layers: int, stages: int) -> list[int]:
 
 
 def resolve_split(num_layers: int, stages: int | None, split: Sequence[int] | str | None) -> list[int]:
-    """Validate ``stages`` / ``split`` against the model; return the layers per stage."""
-    if isinstance(split, str):
+    """Validate ``stages`` / ``split`` against the model; return the layers per stage.
+
+    ``split`` is layers per stage (``10,10,10``) or layer ranges (``0:12,12:20,20:30``, as a plan
+    prints them), which must be contiguous from layer 0."""
+    if isinstance(split, str) and ":" in split:
+        split = _ranges_to_counts(split)
+    elif isinstance(split, str):
         try:
             split = [int(p) for p in split.split(",") if p.strip()]
         except ValueError:
@@ -135,6 +140,27 @@ def resolve_split(num_layers: int, stages: int | None, split: Sequence[int] | st
     if stages > num_layers:
         raise InvalidArgument("stages", f"is {stages}, more than the model's {num_layers} layers")
     return default_split(num_layers, stages)
+
+
+def _ranges_to_counts(text: str) -> list[int]:
+    """``0:12,12:20,20:30`` -> [12, 8, 10]; the ranges must follow each other from layer 0."""
+    counts, expected = [], 0
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            start, end = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise InvalidArgument(
+                "split", f"must be ranges START:END separated by commas, got {part!r}"
+            ) from None
+        if start != expected:
+            raise InvalidArgument(
+                "split", f"range {part} must start at layer {expected} (ranges are contiguous)"
+            )
+        if end <= start:
+            raise InvalidArgument("split", f"range {part} is empty (every stage needs at least one layer)")
+        counts.append(end - start)
+        expected = end
+    return counts
 
 
 def resolve_max_context(spec: ModelSpec, max_context: int | None) -> int:

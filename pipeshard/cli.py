@@ -18,6 +18,7 @@ _COMMAND_MODULES = (
     "pipeshard.services.top",
     "pipeshard.services.wan.cli",
     "pipeshard.certs_cli",
+    "pipeshard.planning.cli",
 )
 
 # Long-running services parse their own flags (typed settings, each also an environment variable).

@@ -37,7 +37,9 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("contract",),
     ),
     "format": (("pipeshard.shard", "pipeshard.topology"), ("contract", "core")),
-    "exporter": (("pipeshard.exporter",), ("contract", "core", "format")),
+    # the planner proper is plain domain code; measuring this machine and the CLI sit above it
+    "planning": (("pipeshard.planning",), ("core",)),
+    "exporter": (("pipeshard.exporter",), ("contract", "core", "format", "planning")),
     "transport": (("pipeshard.services.transport",), ("contract", "core")),
     "stage": (("pipeshard.services.stage",), ("contract", "core", "format", "transport")),
     "coordinator": (
@@ -56,9 +58,25 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ),
         ("contract", "core", "format", "transport", "gateway"),
     ),
+    "profiling": (
+        ("pipeshard.planning.profile", "pipeshard.planning.cli"),
+        ("contract", "core", "format", "exporter", "planning"),
+    ),
     "cli": (
         ("pipeshard.cli",),
-        ("contract", "core", "format", "exporter", "stage", "coordinator", "fleet", "clients", "gateway"),
+        (
+            "contract",
+            "core",
+            "format",
+            "exporter",
+            "stage",
+            "coordinator",
+            "fleet",
+            "clients",
+            "gateway",
+            "planning",
+            "profiling",
+        ),
     ),
 }
 

@@ -24,6 +24,10 @@ from pipeshard.shard.manifest import load_manifest, verify_export, verify_shard
         ({"split": [2, 1]}, "split"),
         ({"split": [2, 2, 0]}, "split"),
         ({"split": "2,x"}, "split"),
+        ({"split": "0:2,3:4"}, "split"),
+        ({"split": "0:2,2:2,2:4"}, "split"),
+        ({"split": "0:2,2:3"}, "split"),
+        ({"split": "0:1,1:x"}, "split"),
         ({"stages": 3, "split": [2, 2]}, "stages"),
         ({"stages": 2, "weights": "int3"}, "weights"),
         ({"stages": 2, "weights": "int4", "group_size": 48}, "group_size"),
@@ -107,6 +111,8 @@ def test_split_defaults():
     assert default_split(30, 1) == [30]
     assert resolve_split(30, None, "10,10,10") == [10, 10, 10]
     assert resolve_split(30, 3, None) == [10, 10, 10]
+    assert resolve_split(30, None, "0:12,12:20,20:30") == [12, 8, 10]
+    assert resolve_split(30, 3, " 0:1, 1:29 ,29:30") == [1, 28, 1]
 
 
 def test_selective_weights_from_sharded_index(tmp_path):
