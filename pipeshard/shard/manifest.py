@@ -125,6 +125,8 @@ class ModelInfo:
     hidden_size: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    num_kv_heads: int  # with head_dim, what one cached position of one layer holds
+    head_dim: int
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,8 @@ class Manifest:
                     hidden_size=int(model["hidden_size"]),
                     vocab_size=int(model["vocab_size"]),
                     eos_token_ids=tuple(int(i) for i in model.get("eos_token_ids", ())),
+                    num_kv_heads=int(model["num_kv_heads"]),
+                    head_dim=int(model["head_dim"]),
                 ),
                 weights=WeightsInfo(str(raw["weights"]["format"]), raw["weights"].get("group_size")),
                 stages=tuple(

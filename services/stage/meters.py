@@ -25,12 +25,16 @@ _KV_ELEMENT_BYTES = {"u8": 1, "i8": 1, "f16": 2, "bf16": 2, "f32": 4}
 def kv_bytes_per_position(runner: ShardRunner) -> int:
     """Bytes one cache position costs on this stage: every state variable (a K or V of one layer)
     holds KV heads x head size elements at the compiled KV cache precision (f32 if unknown)."""
-    model = runner.manifest.raw.get("model", {})
-    kv_heads, head_dim = int(model.get("num_kv_heads", 0)), int(model.get("head_dim", 0))
+    model = runner.manifest.model
     precision = "f32"
     with contextlib.suppress(RuntimeError):
         precision = str(runner.compiled.get_property("KV_CACHE_PRECISION")).lower()
-    return len(runner.state_variables) * kv_heads * head_dim * _KV_ELEMENT_BYTES.get(precision, 4)
+    return (
+        len(runner.state_variables)
+        * model.num_kv_heads
+        * model.head_dim
+        * _KV_ELEMENT_BYTES.get(precision, 4)
+    )
 
 
 class StageMeters:
