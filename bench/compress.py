@@ -107,14 +107,27 @@ def frames_by_kind(cap: Captured, batch: int) -> dict[str, list[np.ndarray]]:
     for b, prompts in cap.prefill.items():
         kinds["prefill_b1"].extend(prompts[:4])
         if len(prompts) >= batch:
-            t = min(p.shape[1] for p in prompts[:batch])
-            kinds[f"prefill_b{batch}"].append(np.concatenate([p[:, :t] for p in prompts[:batch]]))
+            # Without the chat template's shared head (bit-identical in every prompt, so it would
+            # flatter zstd's long matches and a prefix cache would not send it anyway).
+            group = prompts[:batch]
+            head = _shared_head(group)
+            t = min(p.shape[1] for p in group)
+            kinds[f"prefill_b{batch}"].append(np.concatenate([p[:, head:t] for p in group]))
         steps = cap.decode[b]
         kinds["decode_b1"].extend(s for session in steps[:4] for s in session)
         if len(steps) >= batch:
             for i in range(len(steps[0])):
                 kinds[f"decode_b{batch}"].append(np.concatenate([session[i] for session in steps[:batch]]))
     return {k: v for k, v in kinds.items() if v}
+
+
+def _shared_head(prompts: list[np.ndarray]) -> int:
+    """Leading positions whose hidden states are the same bits in every prompt."""
+    t = min(p.shape[1] for p in prompts) - 1  # keep at least one position
+    head = 0
+    while head < t and all(np.array_equal(p[0, head], prompts[0][0, head]) for p in prompts):
+        head += 1
+    return head
 
 
 def wire_array(frame: np.ndarray, dtype: str) -> np.ndarray:

@@ -48,9 +48,15 @@ def step_from_frame(frame: activation_pb2.ActivationFrame, port: str) -> StepInp
     )
 
 
-def frame_from_output(out: StepOutput, codec: int = Codec.CODEC_NONE) -> activation_pb2.ActivationFrame:
+WIRE_DTYPES = ("fp32", "fp16", "bf16")  # fp16 and bf16 are LOSSY opt-ins (docs/BENCHMARKS.md)
+
+
+def frame_from_output(
+    out: StepOutput, codec: int = Codec.CODEC_NONE, wire_dtype: str = "fp32"
+) -> activation_pb2.ActivationFrame:
     """The frame a non-final stage sends on: its hidden states plus the step's bookkeeping."""
     step = out.step
+    hidden = encode(out.hidden_states, codec, as_fp16=wire_dtype == "fp16", as_bf16=wire_dtype == "bf16")
     return activation_pb2.ActivationFrame(
         session_id=step.session_id,
         step_id=step.step_id,
@@ -58,7 +64,7 @@ def frame_from_output(out: StepOutput, codec: int = Codec.CODEC_NONE) -> activat
         mask_update=activation_pb2.MaskUpdate(
             invalidate=[activation_pb2.CacheRange(start=s, end=e) for s, e in step.invalidate]
         ),
-        tensors=[tensor_pb2.NamedTensor(name="hidden_states", tensor=encode(out.hidden_states, codec))],
+        tensors=[tensor_pb2.NamedTensor(name="hidden_states", tensor=hidden)],
         return_mode=_PB_MODES[step.return_mode],
         return_last=step.return_last,
         stage_compute_micros=step.compute_micros,
