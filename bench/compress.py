@@ -107,12 +107,12 @@ def frames_by_kind(cap: Captured, batch: int) -> dict[str, list[np.ndarray]]:
     for b, prompts in cap.prefill.items():
         kinds["prefill_b1"].extend(prompts[:4])
         if len(prompts) >= batch:
-            # Without the chat template's shared head (bit-identical in every prompt, so it would
-            # flatter zstd's long matches and a prefix cache would not send it anyway).
+            # Each prompt's last positions, after the chat template's shared head: positions whose
+            # tokens and context are the same in several prompts are bit-identical there, which
+            # would flatter zstd's long matches (and a prefix cache would not send them anyway).
             group = prompts[:batch]
-            head = _shared_head(group)
-            t = min(p.shape[1] for p in group)
-            kinds[f"prefill_b{batch}"].append(np.concatenate([p[:, head:t] for p in group]))
+            t = min(p.shape[1] for p in group) - _shared_head(group)
+            kinds[f"prefill_b{batch}"].append(np.concatenate([p[:, -t:] for p in group]))
         steps = cap.decode[b]
         kinds["decode_b1"].extend(s for session in steps[:4] for s in session)
         if len(steps) >= batch:
