@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         node, info = build_node(settings)
         holder["node"] = node
         node.start_reaper(settings.idle_timeout_s, settings.lease_grace_s)
+        if node.next_hop is not None:
+            node.next_hop.start()  # dial (and probe the link) now, while no frame is computing
         if settings.raw_tcp_port:
             host, _, port = (settings.raw_tcp_next_hop or "").rpartition(":")
             raw = RawTcpStage(node.engine, (host, int(port)) if port else None)

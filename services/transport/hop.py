@@ -9,7 +9,8 @@ With ``delay_s`` > 0 (``--hop-delay-ms``, the in-process WAN emulation) the queu
 :class:`DelayQueue`: each frame leaves ``delay_s`` after ``send``, in order, many in flight.
 
 The stream also measures its link (``self.link``, pipeshard/link_model.py): at every connect
-(and every ``probe_interval_s``) it sends an empty and a ``PROBE_BYTES`` probe, and it asks the
+(and every ``probe_interval_s``) it sends ``PROBE_ROUNDS`` pairs of an empty and a ``PROBE_BYTES``
+probe, and it asks the
 next hop to acknowledge frames large enough to time plus one small frame in ``RTT_SAMPLE_EVERY``;
 each acknowledgement's delay since the write is a sample. Emulated ``delay_s`` is spent before
 the write, so it is not part of the measured link.
@@ -35,6 +36,7 @@ from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc
 log = structlog.get_logger(__name__)
 
 PROBE_BYTES = 64 * 1024
+PROBE_ROUNDS = 3
 RTT_SAMPLE_EVERY = 8
 
 
@@ -67,6 +69,7 @@ class HopStream:
         self._probe_interval_s = probe_interval_s
         self._ack_ids = itertools.count(1)
         self._acks: dict[int, tuple[int, float, bool]] = {}  # ack id -> (bytes, write time, probe)
+        self._probes_left = 0
 
     def start(self) -> None:
         if self._task is None:
@@ -126,8 +129,11 @@ class HopStream:
                 await call.write(request)
 
     async def _probe(self, call) -> None:
-        for size in (0, PROBE_BYTES):
-            await self._timed_write(call, stage_pb2.ForwardRequest(padding=bytes(size)), probe=True)
+        """A few empty + ``PROBE_BYTES`` pairs (the filters keep the best of them)."""
+        self._probes_left = 2 * PROBE_ROUNDS
+        for _ in range(PROBE_ROUNDS):
+            for size in (0, PROBE_BYTES):
+                await self._timed_write(call, stage_pb2.ForwardRequest(padding=bytes(size)), probe=True)
 
     async def _timed_write(self, call, request: stage_pb2.ForwardRequest, *, probe: bool) -> None:
         request.ack_id = next(self._ack_ids)
@@ -140,7 +146,8 @@ class HopStream:
             return
         nbytes, written, probe = sent
         self.link.observe(nbytes, time.perf_counter() - written)
-        if probe and nbytes >= PROBE_BYTES:
+        self._probes_left -= probe
+        if probe and self._probes_left == 0:
             log.info(
                 "link_measured",
                 address=self.address,
