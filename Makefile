@@ -23,7 +23,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-numerics bench-prefill bench-pipeline bench-mbatch bench-spec bench-gateway bench-compress serve-openai wan-up wan-down distil soak
+.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-numerics bench-prefill bench-pipeline bench-mbatch bench-spec bench-gateway bench-compress bench-wan serve-openai wan-up wan-down distil soak
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -109,6 +109,10 @@ soak: model
 ## bench-compress: size (% of raw) and MB/s of every tensor codec on real SmolLM2 hidden states; fp16/bf16 wire token agreement (bench/results/compress.json)
 bench-compress: model
 	$(PY) -m bench.compress
+
+## bench-wan: greedy and sampled decoding over the WAN emulator (tbf 500/100/20 Mbit/s x 0/25 ms per hop), stage codec none / lane blocks / auto; final-stage sampling vs shipped logits (root; WAN_POINTS=20:25 for a reduced run; bench/results/wan.json)
+bench-wan: model
+	$(PY) -m bench.wan
 
 ## bench-gateway: tok/s and TTFT through the OpenAI gateway vs the gRPC client, 1 and 8 users (bench/results/gateway.json)
 bench-gateway: model
