@@ -41,7 +41,7 @@ def step_from_frame(frame: activation_pb2.ActivationFrame, port: str) -> StepInp
         session_id=frame.session_id,
         step_id=frame.step_id,
         positions=np.asarray(frame.positions, dtype=np.int64),
-        activations=decode(tensors[port], field=port),
+        activations=_widen(decode(tensors[port], field=port)),
         invalidate=[(r.start, r.end) for r in frame.mask_update.invalidate],
         return_mode=_MODES[frame.return_mode],
         return_last=frame.return_last or 1,
@@ -50,6 +50,11 @@ def step_from_frame(frame: activation_pb2.ActivationFrame, port: str) -> StepInp
         owner=frame.owner,
         sampling=_sampling_step(frame) if frame.return_mode == activation_pb2.RETURN_MODE_SAMPLED else None,
     )
+
+
+def _widen(x: np.ndarray) -> np.ndarray:
+    """Hidden states sent as fp16 (``--wire-dtype fp16``, lossy) run as float32 like the rest."""
+    return x.astype(np.float32) if x.dtype == np.float16 else x
 
 
 def _sampling_step(frame: activation_pb2.ActivationFrame) -> SamplingStep:
