@@ -50,6 +50,7 @@ class Driver:
 
     def __init__(self, wan: WanFleet, shards: Path):
         self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)  # grpc.aio binds channels to the current loop
         self.ring = Ring([f"{link.root_ip}:{CONTROL_PORT}" for link in wan.links], step_timeout_s=120)
         prompter = Prompter.from_dir(shards)
         self.ids = prompter.encode("", [("user", PROMPT)])
@@ -80,6 +81,8 @@ class Driver:
         return run
 
     def close(self) -> None:
+        for gen in self.gens.values():
+            self.loop.run_until_complete(gen.released())
         self.loop.run_until_complete(self.ring.close())
         self.loop.close()
 

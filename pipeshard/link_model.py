@@ -4,7 +4,7 @@ A link's sender keeps a :class:`LinkEstimate`: the round-trip time as a windowed
 acknowledgement times, and the bandwidth as a windowed maximum of delivery-rate samples
 (bytes / (ack time - RTT)) of frames large enough to time. Queueing behind a busy receiver
 only lengthens an ack, so the min/max filters keep the link's own figures (as BBR does).
-The transport feeds it from a probe at connect and then from acknowledged traffic.
+The transport feeds it from a probe train at connect and then from acknowledged traffic.
 
 :class:`CodecChooser` keeps, per dtype, what each codec costs on this sender's own data
 (ratio, compress and decompress seconds per raw byte, re-measured on one frame in
@@ -39,7 +39,9 @@ AUTO = "auto"
 # Candidates for auto: BYTE_SPLIT is never smaller than LANE_BLOCKS on hidden states
 # (make bench-compress), so measuring it would only cost CPU.
 AUTO_CANDIDATES = (Codec.CODEC_ZSTD, Codec.CODEC_LANE_BLOCKS_ZSTD)
-MIN_TIMED_BYTES = 16 * 1024  # smaller frames time the RTT, not the bandwidth
+# Smaller frames time the RTT, not the bandwidth; larger than a token bucket's usual burst
+# (tbf burst 64 KB), so a passive sample is not a burst at line rate.
+MIN_TIMED_BYTES = 256 * 1024
 SHADOW_BYTES = 64 * 1024  # what each shadow measurement of the candidates encodes at most
 
 LINK_BANDWIDTH = gauge(
@@ -60,6 +62,7 @@ class LinkEstimate:
         self._rtts: deque[float] = deque(maxlen=window)
         self._rates: deque[float] = deque(maxlen=window)
         self._large: deque[tuple[int, float]] = deque(maxlen=window)
+        self._passive: list[float] = []
 
     @property
     def rtt_s(self) -> float | None:
@@ -67,10 +70,12 @@ class LinkEstimate:
 
     @property
     def bandwidth_bytes_s(self) -> float | None:
-        return max(self._rates) if self._rates else None
+        rates = [*self._rates, *self._passive]
+        return max(rates) if rates else None
 
     def observe(self, nbytes: int, elapsed_s: float) -> None:
-        """One acknowledged send: ``nbytes`` on the wire, acknowledged ``elapsed_s`` after writing."""
+        """One acknowledged send: ``nbytes`` on the wire, acknowledged ``elapsed_s`` after writing.
+        Small sends time the RTT; large ones give a rate once an RTT is known."""
         if nbytes < MIN_TIMED_BYTES:
             self._rtts.append(elapsed_s)
         else:
@@ -78,12 +83,18 @@ class LinkEstimate:
         rtt = self.rtt_s
         if rtt is None:
             return
-        # Re-derive from every large sample: a smaller RTT seen later sharpens older ones.
-        self._rates.clear()
-        for size, elapsed in self._large:
-            self._rates.append(size / max(elapsed - rtt, 1e-6))
         LINK_RTT.labels(self.link).set(rtt)
-        if self._rates:
+        # Re-derive from every large sample: a smaller RTT seen later sharpens older ones.
+        self._passive = [size / max(elapsed - rtt, 1e-6) for size, elapsed in self._large]
+        self._publish()
+
+    def observe_rate(self, bytes_s: float) -> None:
+        """A rate measured directly (a probe train's spacing)."""
+        self._rates.append(bytes_s)
+        self._publish()
+
+    def _publish(self) -> None:
+        if self.bandwidth_bytes_s is not None:
             LINK_BANDWIDTH.labels(self.link).set(self.bandwidth_bytes_s)
 
 

@@ -9,10 +9,9 @@ With ``delay_s`` > 0 (``--hop-delay-ms``, the in-process WAN emulation) the queu
 :class:`DelayQueue`: each frame leaves ``delay_s`` after ``send``, in order, many in flight.
 
 The stream also measures its link (``self.link``, pipeshard/link_model.py): at every connect
-(and every ``probe_interval_s``) it sends ``PROBE_ROUNDS`` pairs of an empty and a ``PROBE_BYTES``
-probe, and it asks the
-next hop to acknowledge frames large enough to time plus one small frame in ``RTT_SAMPLE_EVERY``;
-each acknowledgement's delay since the write is a sample. Emulated ``delay_s`` is spent before
+it sends an empty probe and a train of ``PROBE_TRAIN`` x ``PROBE_BYTES`` probes, then asks the
+next hop to acknowledge frames large enough to time plus one small frame in ``RTT_SAMPLE_EVERY``.
+Each acknowledgement's delay since the write is a sample. Emulated ``delay_s`` is spent before
 the write, so it is not part of the measured link.
 """
 
@@ -36,7 +35,7 @@ from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc
 log = structlog.get_logger(__name__)
 
 PROBE_BYTES = 64 * 1024
-PROBE_ROUNDS = 3
+PROBE_TRAIN = 5
 RTT_SAMPLE_EVERY = 8
 
 
@@ -52,7 +51,6 @@ class HopStream:
         delay_s: float = 0.0,
         tls: TlsConfig | None = None,
         channel: grpc.aio.Channel | None = None,
-        probe_interval_s: float = 30.0,
     ):
         """``channel`` shares one the caller owns (it then closes it); else one is opened."""
         self.address = address
@@ -66,10 +64,9 @@ class HopStream:
         self._task: asyncio.Task | None = None
         self.connected = asyncio.Event()
         self.link = LinkEstimate(address)
-        self._probe_interval_s = probe_interval_s
         self._ack_ids = itertools.count(1)
         self._acks: dict[int, tuple[int, float, bool]] = {}  # ack id -> (bytes, write time, probe)
-        self._probes_left = 0
+        self._train: list[tuple[int, float]] = []  # (bytes, ack time) of the probe train
 
     def start(self) -> None:
         if self._task is None:
@@ -116,12 +113,8 @@ class HopStream:
         poller outlives a call that ended by itself and would)."""
         self._acks.clear()
         await self._probe(call)
-        last_probe = time.monotonic()
         for sent in itertools.count():
             frame = await self._queue.get()
-            if time.monotonic() - last_probe >= self._probe_interval_s:
-                await self._probe(call)
-                last_probe = time.monotonic()
             request = stage_pb2.ForwardRequest(frame=frame)
             if sent % RTT_SAMPLE_EVERY == 0 or frame.ByteSize() >= MIN_TIMED_BYTES:
                 await self._timed_write(call, request, probe=False)
@@ -129,11 +122,13 @@ class HopStream:
                 await call.write(request)
 
     async def _probe(self, call) -> None:
-        """A few empty + ``PROBE_BYTES`` pairs (the filters keep the best of them)."""
-        self._probes_left = 2 * PROBE_ROUNDS
-        for _ in range(PROBE_ROUNDS):
-            for size in (0, PROBE_BYTES):
-                await self._timed_write(call, stage_pb2.ForwardRequest(padding=bytes(size)), probe=True)
+        """An empty probe (RTT) then a train of ``PROBE_TRAIN`` x ``PROBE_BYTES`` (bandwidth from
+        the spacing of its acks: a token-bucket link lets its first burst through at line rate,
+        so one message alone would overstate it)."""
+        self._train = []
+        await self._timed_write(call, stage_pb2.ForwardRequest(), probe=True)
+        for _ in range(PROBE_TRAIN):
+            await self._timed_write(call, stage_pb2.ForwardRequest(padding=bytes(PROBE_BYTES)), probe=True)
 
     async def _timed_write(self, call, request: stage_pb2.ForwardRequest, *, probe: bool) -> None:
         request.ack_id = next(self._ack_ids)
@@ -145,9 +140,14 @@ class HopStream:
         if sent is None:
             return
         nbytes, written, probe = sent
-        self.link.observe(nbytes, time.perf_counter() - written)
-        self._probes_left -= probe
-        if probe and self._probes_left == 0:
+        now = time.perf_counter()
+        if not probe or nbytes < PROBE_BYTES:
+            self.link.observe(nbytes, now - written)
+            return
+        self._train.append((nbytes, now))
+        if len(self._train) == PROBE_TRAIN:
+            (_, first), *rest = self._train
+            self.link.observe_rate(sum(n for n, _ in rest) / max(rest[-1][1] - first, 1e-6))
             log.info(
                 "link_measured",
                 address=self.address,

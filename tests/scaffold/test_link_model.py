@@ -97,3 +97,12 @@ def test_auto_measures_its_own_data_and_follows_the_link():
 def test_unknown_mode_names_the_codec_parameter():
     with pytest.raises(InvalidArgument, match="`codec`"):
         CodecChooser("gzip", None)
+
+
+def test_a_probe_trains_rate_counts_with_the_passive_samples():
+    link = LinkEstimate("train")
+    link.observe_rate(2.5e6)  # 20 Mbit/s from a probe train's ack spacing
+    assert link.bandwidth_bytes_s == pytest.approx(2.5e6)
+    link.observe(0, 0.05)
+    link.observe(MIN_TIMED_BYTES, 0.05 + MIN_TIMED_BYTES / 2.0e6)  # a slower passive sample
+    assert link.bandwidth_bytes_s == pytest.approx(2.5e6)
