@@ -20,6 +20,7 @@ the same for both lane codecs, so one decoder serves both.
 from __future__ import annotations
 
 import math
+import threading
 import zlib
 
 import numpy as np
@@ -50,6 +51,19 @@ MAX_RAW_BYTES = 256 * 1024 * 1024
 _LANE_CODECS = (Codec.CODEC_BYTE_SPLIT_ZSTD, Codec.CODEC_LANE_BLOCKS_ZSTD)
 _ZSTD_CODECS = (Codec.CODEC_ZSTD, *_LANE_CODECS)
 FP16_MAX = float(np.finfo(np.float16).max)
+_local = threading.local()  # zstd contexts are reused (cheaper per frame) but not thread-safe
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    if not hasattr(_local, "compressor"):
+        _local.compressor = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
+    return _local.compressor
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_local, "decompressor"):
+        _local.decompressor = zstandard.ZstdDecompressor()
+    return _local.decompressor
 
 
 class MalformedTensor(InvalidArgument):
@@ -141,12 +155,12 @@ def _lanes(raw: np.ndarray) -> np.ndarray:
 
 def _compress(raw: np.ndarray, codec: int) -> bytes:
     if codec == Codec.CODEC_ZSTD:
-        return zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(raw.tobytes())
+        return _compressor().compress(raw.tobytes())
     if codec == Codec.CODEC_BYTE_SPLIT_ZSTD:
-        return zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(_lanes(raw).tobytes())
+        return _compressor().compress(_lanes(raw).tobytes())
     if codec == Codec.CODEC_LANE_BLOCKS_ZSTD:
         # One frame (its header declares the full size), a block boundary after every lane.
-        stream = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compressobj(size=raw.nbytes)
+        stream = _compressor().compressobj(size=raw.nbytes)
         parts = []
         for lane in _lanes(raw):
             parts.append(stream.compress(lane.tobytes()))
@@ -169,7 +183,7 @@ def _decompress(tensor: tensor_pb2.Tensor, expected: int, field: str) -> bytes:
         if declared != expected:
             said = "no content size" if declared < 0 else f"{declared} bytes"
             raise MalformedTensor(field, f"is {name} data declaring {said} but shape needs {expected}")
-        raw = zstandard.ZstdDecompressor().decompress(tensor.data, max_output_size=max(expected, 1))
+        raw = _decompressor().decompress(tensor.data, max_output_size=max(expected, 1))
     except zstandard.ZstdError as exc:
         raise MalformedTensor(field, f"is not valid {name} data ({exc})") from None
     if codec in _LANE_CODECS and len(raw) == expected:
