@@ -124,17 +124,21 @@ def transfer_cost_s(nbytes: int, cost: CodecCost | None, bandwidth_bytes_s: floa
 
 
 def best_codec(
-    nbytes: int, costs: dict[int, CodecCost], bandwidth_bytes_s: float | None, margin: float = 0.05
+    nbytes: int,
+    costs: dict[int, CodecCost],
+    bandwidth_bytes_s: float | None,
+    margin: float = 0.05,
+    current: int = Codec.CODEC_NONE,
 ) -> int:
-    """The codec that moves ``nbytes`` soonest; compression only if it saves more than ``margin``."""
+    """The codec that moves ``nbytes`` soonest. Leaving ``current`` (none at first) takes a saving
+    of more than ``margin``, so a link near break-even does not flap between choices."""
     if bandwidth_bytes_s is None or nbytes == 0:
         return Codec.CODEC_NONE
-    plain = transfer_cost_s(nbytes, None, bandwidth_bytes_s)
-    best, best_s = Codec.CODEC_NONE, plain * (1 - margin)
-    for codec, cost in costs.items():
-        s = transfer_cost_s(nbytes, cost, bandwidth_bytes_s)
-        if s < best_s:
-            best, best_s = codec, s
+    options = {Codec.CODEC_NONE: transfer_cost_s(nbytes, None, bandwidth_bytes_s)}
+    options |= {c: transfer_cost_s(nbytes, cost, bandwidth_bytes_s) for c, cost in costs.items()}
+    best = min(options, key=options.__getitem__)
+    if current in options and options[best] > options[current] * (1 - margin):
+        return current
     return best
 
 
@@ -175,7 +179,7 @@ class CodecChooser:
                 self._measure(array, costs)
             self._sent += 1
             bandwidth = self.link.bandwidth_bytes_s if self.link is not None else None
-            codec = best_codec(array.nbytes, costs, bandwidth)
+            codec = best_codec(array.nbytes, costs, bandwidth, current=self.current or Codec.CODEC_NONE)
         self._record(codec)
         return codec
 

@@ -106,3 +106,13 @@ def test_a_probe_trains_rate_counts_with_the_passive_samples():
     link.observe(0, 0.05)
     link.observe(MIN_TIMED_BYTES, 0.05 + MIN_TIMED_BYTES / 2.0e6)  # a slower passive sample
     assert link.bandwidth_bytes_s == pytest.approx(2.5e6)
+
+
+def test_near_break_even_the_current_choice_holds():
+    bandwidth = 60 * MBIT  # where lane blocks barely pay off on a decode frame
+    plain = transfer_cost_s(DECODE_FRAME, None, bandwidth)
+    lanes = transfer_cost_s(DECODE_FRAME, LANES, bandwidth)
+    assert lanes < plain < lanes / 0.95  # a saving, but under the 5% margin
+    assert best_codec(DECODE_FRAME, COSTS, bandwidth, current=Codec.CODEC_NONE) == Codec.CODEC_NONE
+    held = best_codec(DECODE_FRAME, COSTS, bandwidth, current=Codec.CODEC_LANE_BLOCKS_ZSTD)
+    assert held == Codec.CODEC_LANE_BLOCKS_ZSTD
