@@ -1,15 +1,27 @@
 """numpy <-> ``pipeshard.v1.Tensor``: the one place tensors are put on and taken off the wire.
 
 Decoding never trusts the sender: the dtype must be on the allow-list, the decoded byte
-length must equal product(shape) x itemsize, and decompression is capped at that size, so
-a malformed frame raises :class:`MalformedTensor` (INVALID_ARGUMENT) instead of crashing a
-stage or allocating without bound. bfloat16 travels as the upper half of a float32 and is
-widened back to float32 on decode (numpy has no bfloat16).
+length must equal product(shape) x itemsize (at most ``MAX_RAW_BYTES``), a compressed frame
+must declare exactly that content size before anything is allocated, and the decoded bytes
+must match the sender's CRC-32 when it gave one; so a malformed frame raises
+:class:`MalformedTensor` (INVALID_ARGUMENT) instead of crashing a stage or allocating without
+bound. bfloat16 travels as the upper half of a float32 and is widened back to float32 on
+decode (numpy has no bfloat16); ``as_fp16``/``as_bf16`` are the opt-in LOSSY wire formats.
+
+Codecs (all exactly lossless): zstd; byte lanes (byte 0 of every element, then byte 1, ...)
+then zstd, as BloomBee does; and the same lanes with each lane its own zstd block
+(CODEC_LANE_BLOCKS_ZSTD). zstd shares one entropy table per block, so BloomBee's single
+stream mixes the nearly random mantissa lanes with the exponent lane; a block per lane codes
+each with its own table and measured 7-10 points of raw smaller on SmolLM2 hidden states
+(docs/BENCHMARKS.md, ``make bench-compress``). The wire layout of the decompressed bytes is
+the same for both lane codecs, so one decoder serves both.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+import zlib
 
 import numpy as np
 import zstandard
@@ -32,7 +44,26 @@ _NUMPY_OF: dict[int, np.dtype] = {
 }
 _DTYPE_OF: dict[np.dtype, int] = {v: k for k, v in _NUMPY_OF.items() if k != Dtype.DTYPE_BF16}
 
-_ZSTD_LEVEL = 1  # level 3 was never better on hidden states (FACTS.md)
+_ZSTD_LEVEL = 1  # level 3 was never better on hidden states (FACTS.md; again for lane blocks)
+# The largest tensor any decoder materialises: 4x the gRPC message cap, far above a 4000-token
+# prefill (9 MB) or a speculative step's logits; a shape that claims more is refused unread.
+MAX_RAW_BYTES = 256 * 1024 * 1024
+_LANE_CODECS = (Codec.CODEC_BYTE_SPLIT_ZSTD, Codec.CODEC_LANE_BLOCKS_ZSTD)
+_ZSTD_CODECS = (Codec.CODEC_ZSTD, *_LANE_CODECS)
+FP16_MAX = float(np.finfo(np.float16).max)
+_local = threading.local()  # zstd contexts are reused (cheaper per frame) but not thread-safe
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    if not hasattr(_local, "compressor"):
+        _local.compressor = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
+    return _local.compressor
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_local, "decompressor"):
+        _local.decompressor = zstandard.ZstdDecompressor()
+    return _local.decompressor
 
 
 class MalformedTensor(InvalidArgument):
@@ -47,20 +78,33 @@ def encode(
     codec: int = Codec.CODEC_NONE,
     *,
     as_bf16: bool = False,
+    as_fp16: bool = False,
     field: str = "tensor",
 ) -> tensor_pb2.Tensor:
-    """Encode an array; ``as_bf16`` narrows a float32 array to bfloat16 (round to nearest even)."""
+    """Encode an array with its CRC-32. LOSSY opt-ins: ``as_bf16`` narrows a float array to
+    bfloat16 (round to nearest even); ``as_fp16`` to float16, saturating beyond +-65504."""
+    if as_bf16 and as_fp16:
+        raise InvalidArgument(field, "can narrow to bf16 or fp16, not both")
     if as_bf16:
         dtype = Dtype.DTYPE_BF16
         raw = _to_bf16_bits(array)
+    elif as_fp16:
+        dtype = Dtype.DTYPE_FP16
+        raw = np.clip(np.asarray(array, dtype=np.float32), -FP16_MAX, FP16_MAX).astype("<f2")
     else:
         dtype = _DTYPE_OF.get(array.dtype.newbyteorder("<"))
         if dtype is None:
             raise InvalidArgument(field, f"has unsupported dtype {array.dtype}")
         raw = np.ascontiguousarray(array, dtype=_NUMPY_OF[dtype])
+    raw = np.ascontiguousarray(raw)
     data = raw.tobytes() if codec in (Codec.CODEC_NONE, Codec.CODEC_UNSPECIFIED) else _compress(raw, codec)
     return tensor_pb2.Tensor(
-        dtype=dtype, shape=array.shape, data=data, codec=codec or Codec.CODEC_NONE, raw_size=raw.nbytes
+        dtype=dtype,
+        shape=array.shape,
+        data=data,
+        codec=codec or Codec.CODEC_NONE,
+        raw_size=raw.nbytes,
+        crc32=zlib.crc32(raw),
     )
 
 
@@ -74,6 +118,10 @@ def decode(tensor: tensor_pb2.Tensor, *, field: str = "tensor") -> np.ndarray:
     if any(d < 0 for d in shape):
         raise MalformedTensor(field, f"has a negative dimension in shape {list(shape)}")
     expected = math.prod(shape) * np_dtype.itemsize
+    if expected > MAX_RAW_BYTES:
+        raise MalformedTensor(
+            field, f"shape {list(shape)} needs {expected} bytes, over the {MAX_RAW_BYTES} cap"
+        )
     if tensor.raw_size and tensor.raw_size != expected:
         raise MalformedTensor(
             field, f"declares raw_size {tensor.raw_size} but shape {list(shape)} needs {expected} bytes"
@@ -83,6 +131,10 @@ def decode(tensor: tensor_pb2.Tensor, *, field: str = "tensor") -> np.ndarray:
         raise MalformedTensor(
             field,
             f"has {len(raw)} data bytes but shape {list(shape)} x {np_dtype.itemsize} needs {expected}",
+        )
+    if tensor.HasField("crc32") and zlib.crc32(raw) != tensor.crc32:
+        raise MalformedTensor(
+            field, f"fails its crc32 check (sent {tensor.crc32:#010x}, got {zlib.crc32(raw):#010x})"
         )
     array = np.frombuffer(raw, dtype=np_dtype).reshape(shape)
     if tensor.dtype == Dtype.DTYPE_BF16:
@@ -96,12 +148,25 @@ def _to_bf16_bits(array: np.ndarray) -> np.ndarray:
     return ((bits + rounding) >> 16).astype("<u2")
 
 
+def _lanes(raw: np.ndarray) -> np.ndarray:
+    """[itemsize, n] view-copy: row k holds byte k of every element."""
+    return np.ascontiguousarray(raw.reshape(-1).view(np.uint8).reshape(-1, raw.dtype.itemsize).T)
+
+
 def _compress(raw: np.ndarray, codec: int) -> bytes:
     if codec == Codec.CODEC_ZSTD:
-        return zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(raw.tobytes())
+        return _compressor().compress(raw.tobytes())
     if codec == Codec.CODEC_BYTE_SPLIT_ZSTD:
-        lanes = raw.reshape(-1).view(np.uint8).reshape(-1, raw.dtype.itemsize).T
-        return zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(np.ascontiguousarray(lanes).tobytes())
+        return _compressor().compress(_lanes(raw).tobytes())
+    if codec == Codec.CODEC_LANE_BLOCKS_ZSTD:
+        # One frame (its header declares the full size), a block boundary after every lane.
+        stream = _compressor().compressobj(size=raw.nbytes)
+        parts = []
+        for lane in _lanes(raw):
+            parts.append(stream.compress(lane.tobytes()))
+            parts.append(stream.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+        parts.append(stream.flush(zstandard.COMPRESSOBJ_FLUSH_FINISH))
+        return b"".join(parts)
     raise InvalidArgument("codec", f"unknown codec {codec}")
 
 
@@ -109,16 +174,19 @@ def _decompress(tensor: tensor_pb2.Tensor, expected: int, field: str) -> bytes:
     codec = tensor.codec
     if codec in (Codec.CODEC_NONE, Codec.CODEC_UNSPECIFIED):
         return tensor.data
-    if codec not in (Codec.CODEC_ZSTD, Codec.CODEC_BYTE_SPLIT_ZSTD):
+    if codec not in _ZSTD_CODECS:
         raise MalformedTensor(field, f"has unknown codec {codec}")
+    name = Codec.Name(codec)
     try:
+        # Refuse before allocating: the frame must declare exactly the size the shape needs.
         declared = zstandard.frame_content_size(tensor.data)
-        if declared > expected:
-            raise MalformedTensor(field, f"decompresses to {declared} bytes but shape needs {expected}")
-        raw = zstandard.ZstdDecompressor().decompress(tensor.data, max_output_size=max(expected, 1))
+        if declared != expected:
+            said = "no content size" if declared < 0 else f"{declared} bytes"
+            raise MalformedTensor(field, f"is {name} data declaring {said} but shape needs {expected}")
+        raw = _decompressor().decompress(tensor.data, max_output_size=max(expected, 1))
     except zstandard.ZstdError as exc:
-        raise MalformedTensor(field, f"is not valid {Codec.Name(codec)} data ({exc})") from None
-    if codec == Codec.CODEC_BYTE_SPLIT_ZSTD and len(raw) == expected:
+        raise MalformedTensor(field, f"is not valid {name} data ({exc})") from None
+    if codec in _LANE_CODECS and len(raw) == expected:
         itemsize = _NUMPY_OF[tensor.dtype].itemsize
         lanes = np.frombuffer(raw, dtype=np.uint8).reshape(itemsize, -1)
         raw = np.ascontiguousarray(lanes.T).tobytes()

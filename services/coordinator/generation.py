@@ -30,9 +30,10 @@ from pipeshard.metrics import (
     SPECULATIVE_DRAFTED,
     TIME_TO_FIRST_TOKEN,
 )
+from pipeshard.sampling import accept_sampled, restore_rng, rng_state
 from pipeshard.services.coordinator.detokenizer import IncrementalDetokenizer
 from pipeshard.services.coordinator.sampling import Sampler, SamplingParams, token_logprobs
-from pipeshard.services.coordinator.speculation.acceptance import accept_greedy, accept_sampled
+from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
 from pipeshard.services.coordinator.speculation.policy import KPolicy, SourceMemory, TimingModel
 from pipeshard.services.coordinator.speculation.sources import DraftSources
@@ -101,7 +102,12 @@ class _Cursor:
         self._rejected: list[tuple[int, int]] = []
 
     def frame(
-        self, ids: list[int], *, fill_only: bool = False, return_last: int = 1
+        self,
+        ids: list[int],
+        *,
+        fill_only: bool = False,
+        return_last: int = 1,
+        sampling: activation_pb2.SamplingRequest | None = None,
     ) -> activation_pb2.ActivationFrame:
         frame = token_frame(
             self.session_id,
@@ -112,6 +118,7 @@ class _Cursor:
             fill_only=fill_only,
             return_last=return_last,
             invalidate=self._rejected,
+            sampling=sampling,
         )
         self._rejected = []
         self.step += 1
@@ -159,6 +166,7 @@ class _Request:
         mode: str,
         max_context: int,
         drafter: Drafter | None,
+        final_stage_sampling: bool = True,
         policy: KPolicy,
         detok: IncrementalDetokenizer,
         stop_ids: set[int],
@@ -175,6 +183,7 @@ class _Request:
         self.detok = detok
         self.sampler = None if params.greedy else Sampler(params)
         self.sample = None if self.sampler is None else (self.sampler.probabilities, self.sampler.rng)
+        self.final_stage_sampling = final_stage_sampling
         self.stop_ids = stop_ids
         self.context = list(prompt_ids)
         self.generated: list[int] = []
@@ -210,7 +219,29 @@ class _Request:
 
     def frame(self, draft: Draft) -> activation_pb2.ActivationFrame:
         """The step's frame: the pending tokens plus the draft, returning a row per draft token + 1."""
-        return self.cursor.frame(self.pending + draft.tokens, return_last=len(draft.tokens) + 1)
+        return self.cursor.frame(
+            self.pending + draft.tokens, return_last=len(draft.tokens) + 1, sampling=self._sampling(draft)
+        )
+
+    def _sampling(self, draft: Draft) -> activation_pb2.SamplingRequest | None:
+        """The final stage draws (with this request's generator) unless the drafts carry their
+        own distributions, which would cost more to ship than the logits they save, or the
+        client asked for logprobs, which are computed here from the logits."""
+        if (
+            self.sampler is None
+            or not self.final_stage_sampling
+            or draft.probs is not None
+            or self.params.logprobs
+        ):
+            return None
+        dist = self.sampler.distribution
+        return activation_pb2.SamplingRequest(
+            temperature=dist.temperature,
+            top_k=dist.top_k,
+            top_p=dist.top_p,
+            rng_state=rng_state(self.sampler.rng),
+            draft_tokens=draft.tokens,
+        )
 
     def accept(self, draft: Draft, result: activation_pb2.StepResult) -> list[int]:
         """The tokens this step keeps: the agreed draft prefix plus the target's next token."""
@@ -219,6 +250,9 @@ class _Request:
             if self.params.logprobs:  # greedy keeps row i's argmax, whose probability Top1 carries
                 self.new_logprobs = [math.log(p) for p in result.top1.probabilities[: len(new)]]
             return new
+        if result.HasField("sampled"):  # drawn on the final stage: continue from its generator
+            restore_rng(self.sampler.rng, result.sampled.rng_state, "sampled.rng_state")
+            return list(result.sampled.token_ids)
         rows = decode(result.logits, field="logits")
         new = accept_sampled(draft.tokens, draft.probs, rows, self.sampler.probabilities, self.sampler.rng)
         if self.params.logprobs:  # token i was drawn (or kept) from row i
@@ -298,6 +332,7 @@ class Generation:
         drafts: DraftSources | None = None,
         default_speculative: str = "none",
         max_k: int = 10,
+        final_stage_sampling: bool = True,
     ):
         self._ring = ring
         self._prefill_chunk = prefill_chunk
@@ -306,6 +341,7 @@ class Generation:
         self._drafts = drafts
         self.default_speculative = default_speculative
         self.max_k = max_k
+        self.final_stage_sampling = final_stage_sampling
         self.timing = TimingModel()  # traversal cost by positions, learned across requests
         self._sources: dict[str, SourceMemory] = {}  # acceptance by draft source, across requests
         self._releases: set[asyncio.Task] = set()
@@ -376,6 +412,7 @@ class Generation:
             mode=mode,
             max_context=max_context,
             drafter=drafter,
+            final_stage_sampling=self.final_stage_sampling,
             policy=KPolicy(self.timing, fixed_k=k or None, max_k=self.max_k, memory=memory),
             detok=IncrementalDetokenizer(self._tok, params.stop),
             stop_ids=set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos),

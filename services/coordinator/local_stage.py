@@ -18,7 +18,9 @@ class LocalEntry:
         self.node = node
 
     def start(self) -> None:
-        """Nothing to dial."""
+        """Dials the hosted stage 0's next hop now, so its link is probed while nothing computes."""
+        if self.node.next_hop is not None:
+            self.node.next_hop.start()
 
     async def send(self, frame) -> None:
         await self.node.handle(frame)  # failures travel the ring as error frames

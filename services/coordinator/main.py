@@ -77,6 +77,9 @@ class CoordinatorSettings(ServerSettings):
         None, "where Hugging Face draft folders are exported on first use (default: <shards>/../.drafts)"
     )
     max_k: int = setting(10, "largest draft length adaptive K may choose")
+    final_stage_sampling: bool = setting(
+        True, "temperature > 0: the final stage draws the tokens (ids back, not 49152 logits per position)"
+    )
     hop_delay_ms: float = setting(
         0.0, "emulated one-way latency added to every frame sent into the ring (benchmarks)"
     )
@@ -148,6 +151,7 @@ class Coordinator:
             ),
             default_speculative=self.settings.speculative,
             max_k=self.settings.max_k,
+            final_stage_sampling=self.settings.final_stage_sampling,
         )
         await self._warmup(generation, prompter, manifest.max_context)
         admission = Admission(

@@ -1,7 +1,8 @@
 """Request parameters (OpenAI/vLLM names), their validation, and token selection.
 
-Greedy requests ask the final stage for Top1 only; sampling requests ask for logits and
-draw here with a per-request seeded generator, so a seed reproduces its output.
+Greedy requests ask the final stage for Top1 only. Sampling requests draw with a per-request
+seeded generator, so a seed reproduces its output: the final stage draws with it
+(RETURN_MODE_SAMPLED, the math in pipeshard/sampling.py), or the coordinator does from logits.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeshard.errors import InvalidArgument
+from pipeshard.sampling import Distribution
 
 
 @dataclass(frozen=True)
@@ -64,26 +66,15 @@ class Sampler:
 
     params: SamplingParams
     rng: np.random.Generator = field(init=False)
+    distribution: Distribution = field(init=False)
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.params.seed)
+        self.distribution = Distribution(self.params.temperature, self.params.top_k, self.params.top_p)
 
     def probabilities(self, logits: np.ndarray) -> np.ndarray:
         """The distribution sampled from: temperature, then top-k, then top-p, renormalised."""
-        scaled = logits.astype(np.float64) / self.params.temperature
-        if 0 < self.params.top_k < scaled.size:
-            kth = np.partition(scaled, -self.params.top_k)[-self.params.top_k]
-            scaled = np.where(scaled < kth, -np.inf, scaled)
-        probs = np.exp(scaled - scaled.max())
-        probs /= probs.sum()
-        if self.params.top_p < 1.0:
-            order = np.argsort(-probs, kind="stable")
-            cumulative = np.cumsum(probs[order])
-            keep = order[: int(np.searchsorted(cumulative, self.params.top_p)) + 1]
-            mask = np.zeros_like(probs)
-            mask[keep] = probs[keep]
-            probs = mask / mask.sum()
-        return probs
+        return self.distribution.probabilities(logits)
 
     def sample(self, logits: np.ndarray) -> int:
         probs = self.probabilities(logits)

@@ -7,6 +7,8 @@ from enum import Enum
 
 import numpy as np
 
+from pipeshard.sampling import Distribution
+
 
 class ReturnMode(Enum):
     """What the final stage returns for a step."""
@@ -14,6 +16,7 @@ class ReturnMode(Enum):
     TOP1 = "top1"
     LOGITS = "logits"
     NONE = "none"
+    SAMPLED = "sampled"  # the final stage draws the tokens (pipeshard/sampling.py)
 
 
 @dataclass
@@ -30,6 +33,23 @@ class StepInput:
     compute_micros: list[int] = field(default_factory=list)  # per stage already passed
     sent_unix_nanos: int = 0
     owner: str = ""  # owner key of the session (pipeshard.ownership)
+    sampling: SamplingStep | None = None  # with ReturnMode.SAMPLED
+
+
+@dataclass
+class SamplingStep:
+    """How the final stage draws a step: the distribution, the request's generator state and
+    the step's point-mass drafts (return_last - 1 of them)."""
+
+    distribution: Distribution
+    rng_state: bytes
+    draft_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Sampled:
+    token_ids: list[int]  # kept drafts, then the next token
+    rng_state: bytes  # the generator state after the draw
 
 
 @dataclass
@@ -46,6 +66,7 @@ class StepOutput:
     hidden_states: np.ndarray | None = None
     top1: Top1 | None = None
     logits: np.ndarray | None = None  # float32 [n, vocab]
+    sampled: Sampled | None = None
 
 
 def top1_of(logits: np.ndarray) -> Top1:

@@ -7,7 +7,8 @@ import time
 import numpy as np
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.services.stage.domain import ReturnMode, StepInput, StepOutput, top1_of
+from pipeshard.sampling import sample_step
+from pipeshard.services.stage.domain import ReturnMode, Sampled, StepInput, StepOutput, top1_of
 from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.shard.runtime import check_activations, check_step
@@ -53,6 +54,8 @@ class StageEngine:
             is_last=self.is_last,
             positions_field="positions",
         )
+        if self.is_last and step.return_mode is ReturnMode.SAMPLED:
+            _check_sampling(step, self.vocab_size)
         for start, end in step.invalidate:
             if not 0 <= start <= end <= session.past_length:
                 raise InvalidArgument(
@@ -74,7 +77,29 @@ class StageEngine:
             return StepOutput(step=step, top1=top1_of(logits))
         if step.return_mode is ReturnMode.LOGITS:
             return StepOutput(step=step, logits=np.ascontiguousarray(logits, dtype=np.float32))
+        if step.return_mode is ReturnMode.SAMPLED:
+            return StepOutput(step=step, sampled=_sample(np.asarray(logits, dtype=np.float32), step))
         return StepOutput(step=step)
+
+
+def _sample(logits: np.ndarray, step: StepInput) -> Sampled:
+    """The draw the coordinator would make from these logits (same rows, same generator)."""
+    spec = step.sampling
+    tokens, state = sample_step(logits, spec.distribution, spec.draft_tokens, spec.rng_state)
+    return Sampled(tokens, state)
+
+
+def _check_sampling(step: StepInput, vocab_size: int) -> None:
+    """Checked before the step runs, so a bad request leaves the cache as it was."""
+    spec = step.sampling
+    if spec is None:
+        raise InvalidArgument("sampling", "is required with RETURN_MODE_SAMPLED")
+    if len(spec.draft_tokens) != step.return_last - 1:
+        raise InvalidArgument(
+            "sampling.draft_tokens",
+            f"must hold return_last - 1 = {step.return_last - 1} tokens, got {len(spec.draft_tokens)}",
+        )
+    _check_range("sampling.draft_tokens", np.asarray(spec.draft_tokens, dtype=np.int64), vocab_size)
 
 
 def _check_range(field: str, values: np.ndarray, limit: int) -> None:

@@ -10,6 +10,7 @@ import structlog
 
 from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound
 from pipeshard.grpc_server import run_server
+from pipeshard.link_model import AUTO, CODEC_NAMES, CodecChooser
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.stage.engine import StageEngine
@@ -18,20 +19,18 @@ from pipeshard.services.stage.node import StageNode
 from pipeshard.services.stage.rawtcp import RawTcpStage
 from pipeshard.services.stage.servicer import StageServicer
 from pipeshard.services.stage.sessions import SessionTable
+from pipeshard.services.stage.wire import WIRE_DTYPES
 from pipeshard.services.transport.hop import HopStream
 from pipeshard.settings import ServerSettings, load_settings, setting
 from pipeshard.shard.manifest import verify_shard
 from pipeshard.shard.pull import pull_shard
 from pipeshard.shard.runtime import ShardRunner
 from pipeshard.shard.serving import hold_serving_lock
-from pipeshard.tensor_codec import Codec
 from pipeshard.tls import TlsConfig
 from pipeshard.topology import Topology
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
 log = structlog.get_logger(__name__)
-
-CODECS = {"none": Codec.CODEC_NONE, "zstd": Codec.CODEC_ZSTD, "byte_split_zstd": Codec.CODEC_BYTE_SPLIT_ZSTD}
 
 
 @dataclass
@@ -55,7 +54,16 @@ class StageSettings(ServerSettings):
         5.0, "release an owner's sessions once it has held no Results subscription this long, in s"
     )
     idle_timeout_s: float = setting(300.0, "release a session idle this long, in seconds")
-    codec: str = setting("none", "compression of hidden states sent on", choices=tuple(CODECS))
+    codec: str = setting(
+        AUTO,
+        "compression of hidden states sent on; auto: per link from its measured bandwidth (off on loopback)",
+        choices=(AUTO, *CODEC_NAMES),
+    )
+    wire_dtype: str = setting(
+        "fp32",
+        "dtype of hidden states on the wire; fp16 and bf16 are LOSSY (fewer bytes)",
+        choices=WIRE_DTYPES,
+    )
     exporter: str | None = setting(None, "exporter to pull this stage's shard from when it is missing")
     raw_tcp_port: int = setting(0, "also serve the raw-TCP baseline on this port (benchmarks; 0 = off)")
     raw_tcp_next_hop: str | None = setting(None, "raw-TCP address of the next stage (benchmarks)")
@@ -145,7 +153,12 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         HopStream(settings.next_hop, delay_s=delay_s, tls=fleet_tls(settings)) if settings.next_hop else None
     )
     node = StageNode(
-        engine, settings.stage, next_hop=hop, codec=CODECS[settings.codec], results_delay_s=delay_s
+        engine,
+        settings.stage,
+        next_hop=hop,
+        codec=CodecChooser(settings.codec, hop.link if hop is not None else None),
+        wire_dtype=settings.wire_dtype,
+        results_delay_s=delay_s,
     )
     info = stage_pb2.GetStageInfoResponse(
         stage_index=settings.stage,
@@ -170,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         node, info = build_node(settings)
         holder["node"] = node
         node.start_reaper(settings.idle_timeout_s, settings.lease_grace_s)
+        if node.next_hop is not None:
+            node.next_hop.start()  # dial (and probe the link) now, while no frame is computing
         if settings.raw_tcp_port:
             host, _, port = (settings.raw_tcp_next_hop or "").rpartition(":")
             raw = RawTcpStage(node.engine, (host, int(port)) if port else None)

@@ -13,6 +13,7 @@ import asyncio
 
 import structlog
 
+from pipeshard.link_model import CodecChooser
 from pipeshard.services.stage.engine import StageEngine
 from pipeshard.services.stage.results import ResultBroker
 from pipeshard.services.stage.wire import (
@@ -25,7 +26,6 @@ from pipeshard.services.stage.wire import (
 )
 from pipeshard.services.transport.hop import HopStream
 from pipeshard.shard.manifest import input_port
-from pipeshard.tensor_codec import Codec
 from pipeshard.v1 import activation_pb2
 
 log = structlog.get_logger(__name__)
@@ -38,16 +38,20 @@ class StageNode:
         stage_index: int,
         *,
         next_hop: HopStream | None,
-        codec: int = Codec.CODEC_NONE,
+        codec: CodecChooser | None = None,
+        wire_dtype: str = "fp32",
         results_delay_s: float = 0.0,
     ):
+        """``codec`` picks the compression of each frame sent on (fixed or measured per link);
+        ``wire_dtype`` fp16/bf16 narrows hidden states on the wire (lossy, opt-in)."""
         if engine.is_last != (next_hop is None):
             raise ValueError("exactly the final stage has no next hop")
         self.engine = engine
         self.stage_index = stage_index
         self.next_hop = next_hop
         self.results = ResultBroker(results_delay_s)
-        self._codec = codec
+        self._codec = codec or CodecChooser("none", None)
+        self._wire_dtype = wire_dtype
         self._port = input_port(engine.is_first)
         self._reaper: asyncio.Task | None = None
 
@@ -78,7 +82,11 @@ class StageNode:
         if self.next_hop is None:
             self.results.publish(result_from_output(out), frame.owner)
         else:
-            await self.next_hop.send(frame_from_output(out, self._codec))
+            codec = self._codec.choose(out.hidden_states)
+            frame = frame_from_output(out, codec, self._wire_dtype)
+            sent = frame.tensors[0].tensor
+            self._codec.sent(sent.raw_size, len(sent.data), codec)
+            await self.next_hop.send(frame)
         await asyncio.sleep(0)  # let the output leave before the next frame's compute starts
         return None
 

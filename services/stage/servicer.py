@@ -30,6 +30,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         # coordinator or, further down the ring, from the previous hop.
         await context.send_initial_metadata(())  # lets the caller see the stream is up
         async for request in request_iterator:
+            if request.ack_id:  # the sender times its link: acknowledge before the compute
+                yield stage_pb2.ForwardResponse(ack_id=request.ack_id)
+            if not request.HasField("frame"):
+                continue  # a link probe
             error = await self._node.handle(request.frame)
             if error is not None:
                 yield stage_pb2.ForwardResponse(

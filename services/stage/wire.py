@@ -8,7 +8,8 @@ import time
 import numpy as np
 
 from pipeshard.errors import InvalidArgument, PipeshardError
-from pipeshard.services.stage.domain import ReturnMode, StepInput, StepOutput
+from pipeshard.sampling import Distribution, check_rng_state
+from pipeshard.services.stage.domain import ReturnMode, SamplingStep, StepInput, StepOutput
 from pipeshard.tensor_codec import Codec, decode, encode
 from pipeshard.v1 import activation_pb2, tensor_pb2
 
@@ -17,11 +18,13 @@ _MODES = {
     activation_pb2.RETURN_MODE_TOP1: ReturnMode.TOP1,
     activation_pb2.RETURN_MODE_LOGITS: ReturnMode.LOGITS,
     activation_pb2.RETURN_MODE_NONE: ReturnMode.NONE,
+    activation_pb2.RETURN_MODE_SAMPLED: ReturnMode.SAMPLED,
 }
 _PB_MODES = {
     ReturnMode.TOP1: activation_pb2.RETURN_MODE_TOP1,
     ReturnMode.LOGITS: activation_pb2.RETURN_MODE_LOGITS,
     ReturnMode.NONE: activation_pb2.RETURN_MODE_NONE,
+    ReturnMode.SAMPLED: activation_pb2.RETURN_MODE_SAMPLED,
 }
 
 
@@ -38,19 +41,52 @@ def step_from_frame(frame: activation_pb2.ActivationFrame, port: str) -> StepInp
         session_id=frame.session_id,
         step_id=frame.step_id,
         positions=np.asarray(frame.positions, dtype=np.int64),
-        activations=decode(tensors[port], field=port),
+        activations=_widen(decode(tensors[port], field=port)),
         invalidate=[(r.start, r.end) for r in frame.mask_update.invalidate],
         return_mode=_MODES[frame.return_mode],
         return_last=frame.return_last or 1,
         compute_micros=list(frame.stage_compute_micros),
         sent_unix_nanos=frame.sent_unix_nanos,
         owner=frame.owner,
+        sampling=_sampling_step(frame) if frame.return_mode == activation_pb2.RETURN_MODE_SAMPLED else None,
     )
 
 
-def frame_from_output(out: StepOutput, codec: int = Codec.CODEC_NONE) -> activation_pb2.ActivationFrame:
+def _widen(x: np.ndarray) -> np.ndarray:
+    """Hidden states sent as fp16 (``--wire-dtype fp16``, lossy) run as float32 like the rest."""
+    return x.astype(np.float32) if x.dtype == np.float16 else x
+
+
+def _sampling_step(frame: activation_pb2.ActivationFrame) -> SamplingStep:
+    if not frame.HasField("sampling"):
+        raise InvalidArgument("sampling", "is required with RETURN_MODE_SAMPLED")
+    s = frame.sampling
+    dist = Distribution(s.temperature, s.top_k, s.top_p)
+    dist.check("sampling.")
+    check_rng_state(s.rng_state, "sampling.rng_state")
+    return SamplingStep(dist, s.rng_state, list(s.draft_tokens))
+
+
+def sampling_request(step: SamplingStep) -> activation_pb2.SamplingRequest:
+    d = step.distribution
+    return activation_pb2.SamplingRequest(
+        temperature=d.temperature,
+        top_k=d.top_k,
+        top_p=d.top_p,
+        rng_state=step.rng_state,
+        draft_tokens=step.draft_tokens,
+    )
+
+
+WIRE_DTYPES = ("fp32", "fp16", "bf16")  # fp16 and bf16 are LOSSY opt-ins (docs/BENCHMARKS.md)
+
+
+def frame_from_output(
+    out: StepOutput, codec: int = Codec.CODEC_NONE, wire_dtype: str = "fp32"
+) -> activation_pb2.ActivationFrame:
     """The frame a non-final stage sends on: its hidden states plus the step's bookkeeping."""
     step = out.step
+    hidden = encode(out.hidden_states, codec, as_fp16=wire_dtype == "fp16", as_bf16=wire_dtype == "bf16")
     return activation_pb2.ActivationFrame(
         session_id=step.session_id,
         step_id=step.step_id,
@@ -58,12 +94,13 @@ def frame_from_output(out: StepOutput, codec: int = Codec.CODEC_NONE) -> activat
         mask_update=activation_pb2.MaskUpdate(
             invalidate=[activation_pb2.CacheRange(start=s, end=e) for s, e in step.invalidate]
         ),
-        tensors=[tensor_pb2.NamedTensor(name="hidden_states", tensor=encode(out.hidden_states, codec))],
+        tensors=[tensor_pb2.NamedTensor(name="hidden_states", tensor=hidden)],
         return_mode=_PB_MODES[step.return_mode],
         return_last=step.return_last,
         stage_compute_micros=step.compute_micros,
         sent_unix_nanos=step.sent_unix_nanos,
         owner=step.owner,
+        sampling=sampling_request(step.sampling) if step.sampling is not None else None,
     )
 
 
@@ -77,6 +114,9 @@ def result_from_output(out: StepOutput) -> activation_pb2.StepResult:
         result.top1.probabilities.extend(out.top1.probabilities.tolist())
     if out.logits is not None:
         result.logits.CopyFrom(encode(out.logits))
+    if out.sampled is not None:
+        result.sampled.token_ids.extend(out.sampled.token_ids)
+        result.sampled.rng_state = out.sampled.rng_state
     return result
 
 
@@ -107,15 +147,19 @@ def token_frame(
     fill_only: bool = False,
     return_last: int = 1,
     invalidate: list[tuple[int, int]] | None = None,
+    sampling: activation_pb2.SamplingRequest | None = None,
 ) -> activation_pb2.ActivationFrame:
     """The frame that carries token ids into stage 0 at logical positions ``start...``.
 
     ``fill_only``: a prefill chunk, no result; otherwise the final stage answers for the last
-    ``return_last`` ids (the last token and the drafts after it). ``invalidate``: physical cache
+    ``return_last`` ids (the last token and the drafts after it): Top1 when ``greedy``, drawn
+    tokens when ``sampling`` is given, else logits. ``invalidate``: physical cache
     ranges every stage masks out before running (rejected drafts of the previous step).
     """
     if fill_only:
-        mode = activation_pb2.RETURN_MODE_NONE
+        mode, sampling = activation_pb2.RETURN_MODE_NONE, None
+    elif sampling is not None:
+        mode = activation_pb2.RETURN_MODE_SAMPLED
     else:
         mode = activation_pb2.RETURN_MODE_TOP1 if greedy else activation_pb2.RETURN_MODE_LOGITS
     return activation_pb2.ActivationFrame(
@@ -129,4 +173,5 @@ def token_frame(
         return_mode=mode,
         return_last=return_last,
         sent_unix_nanos=time.time_ns(),
+        sampling=sampling,
     )

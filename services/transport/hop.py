@@ -7,23 +7,36 @@ notices, names the stage and releases the session.
 
 With ``delay_s`` > 0 (``--hop-delay-ms``, the in-process WAN emulation) the queue is a
 :class:`DelayQueue`: each frame leaves ``delay_s`` after ``send``, in order, many in flight.
+
+The stream also measures its link (``self.link``, pipeshard/link_model.py): at every connect
+it sends an empty probe and a train of ``PROBE_TRAIN`` x ``PROBE_BYTES`` probes, then asks the
+next hop to acknowledge frames large enough to time plus one small frame in ``RTT_SAMPLE_EVERY``.
+Each acknowledgement's delay since the write is a sample. Emulated ``delay_s`` is spent before
+the write, so it is not part of the measured link.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 import structlog
 
+from pipeshard.link_model import MIN_TIMED_BYTES, LinkEstimate
 from pipeshard.services.transport.channels import open_channel
 from pipeshard.services.transport.delay import DelayQueue
 from pipeshard.tls import TlsConfig
 from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc
 
 log = structlog.get_logger(__name__)
+
+PROBE_BYTES = 64 * 1024
+PROBE_TRAIN = 5
+RTT_SAMPLE_EVERY = 8
 
 
 class HopStream:
@@ -50,6 +63,10 @@ class HopStream:
         self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
         self._task: asyncio.Task | None = None
         self.connected = asyncio.Event()
+        self.link = LinkEstimate(address)
+        self._ack_ids = itertools.count(1)
+        self._acks: dict[int, tuple[int, float, bool]] = {}  # ack id -> (bytes, write time, probe)
+        self._train: list[tuple[int, float]] = []  # (bytes, ack time) of the probe train
 
     def start(self) -> None:
         if self._task is None:
@@ -76,6 +93,8 @@ class HopStream:
 
     async def _run(self) -> None:
         def on_response(response: stage_pb2.ForwardResponse) -> None:
+            if response.ack_id:
+                self._on_ack(response.ack_id)
             if response.HasField("error") and self._on_error is not None:
                 self._on_error(response)
 
@@ -92,9 +111,49 @@ class HopStream:
         """Feeds the queue into one call. Owned by ``keep_open`` and cancelled when the call ends, so
         a broken call never takes a frame meant for the next one (grpc's own request-iterator
         poller outlives a call that ended by itself and would)."""
-        while True:
+        self._acks.clear()
+        await self._probe(call)
+        for sent in itertools.count():
             frame = await self._queue.get()
-            await call.write(stage_pb2.ForwardRequest(frame=frame))
+            request = stage_pb2.ForwardRequest(frame=frame)
+            if sent % RTT_SAMPLE_EVERY == 0 or frame.ByteSize() >= MIN_TIMED_BYTES:
+                await self._timed_write(call, request, probe=False)
+            else:
+                await call.write(request)
+
+    async def _probe(self, call) -> None:
+        """An empty probe (RTT) then a train of ``PROBE_TRAIN`` x ``PROBE_BYTES`` (bandwidth from
+        the spacing of its acks: a token-bucket link lets its first burst through at line rate,
+        so one message alone would overstate it)."""
+        self._train = []
+        await self._timed_write(call, stage_pb2.ForwardRequest(), probe=True)
+        for _ in range(PROBE_TRAIN):
+            await self._timed_write(call, stage_pb2.ForwardRequest(padding=bytes(PROBE_BYTES)), probe=True)
+
+    async def _timed_write(self, call, request: stage_pb2.ForwardRequest, *, probe: bool) -> None:
+        request.ack_id = next(self._ack_ids)
+        self._acks[request.ack_id] = (request.ByteSize(), time.perf_counter(), probe)
+        await call.write(request)
+
+    def _on_ack(self, ack_id: int) -> None:
+        sent = self._acks.pop(ack_id, None)
+        if sent is None:
+            return
+        nbytes, written, probe = sent
+        now = time.perf_counter()
+        if not probe or nbytes < PROBE_BYTES:
+            self.link.observe(nbytes, now - written)
+            return
+        self._train.append((nbytes, now))
+        if len(self._train) == PROBE_TRAIN:
+            (_, first), *rest = self._train
+            self.link.observe_rate(sum(n for n, _ in rest) / max(rest[-1][1] - first, 1e-6))
+            log.info(
+                "link_measured",
+                address=self.address,
+                rtt_s=self.link.rtt_s,
+                bandwidth_bytes_s=self.link.bandwidth_bytes_s,
+            )
 
 
 async def keep_open(

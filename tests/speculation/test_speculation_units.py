@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from pipeshard.sampling import accept_sampled
 from pipeshard.services.coordinator.generation import _Cursor
 from pipeshard.services.coordinator.sampling import Sampler, SamplingParams
-from pipeshard.services.coordinator.speculation.acceptance import accept_greedy, accept_sampled
+from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
 from pipeshard.services.coordinator.speculation.drafts import NgramDrafter
 from pipeshard.services.coordinator.speculation.policy import (
     KPolicy,
