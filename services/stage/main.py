@@ -13,7 +13,9 @@ from pipeshard.grpc_server import run_server
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.stage.engine import StageEngine
+from pipeshard.services.stage.kv import StageKv
 from pipeshard.services.stage.node import StageNode
+from pipeshard.services.stage.prefix_store import PrefixStore
 from pipeshard.services.stage.rawtcp import RawTcpStage
 from pipeshard.services.stage.servicer import StageServicer
 from pipeshard.services.stage.sessions import SessionTable
@@ -60,6 +62,9 @@ class StageSettings(ServerSettings):
     raw_tcp_next_hop: str | None = setting(None, "raw-TCP address of the next stage (benchmarks)")
     hop_delay_ms: float = setting(
         0.0, "emulated one-way latency added to every frame or result this stage sends (benchmarks)"
+    )
+    prefix_cache_bytes: int = setting(
+        512 * 1024 * 1024, "bytes of captured KV the prefix cache keeps (least recently used out; 0 = off)"
     )
 
 
@@ -141,7 +146,12 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         HopStream(settings.next_hop, delay_s=delay_s, tls=fleet_tls(settings)) if settings.next_hop else None
     )
     node = StageNode(
-        engine, settings.stage, next_hop=hop, codec=CODECS[settings.codec], results_delay_s=delay_s
+        engine,
+        settings.stage,
+        next_hop=hop,
+        codec=CODECS[settings.codec],
+        results_delay_s=delay_s,
+        kv=StageKv(sessions, runner.kv_source, PrefixStore(settings.prefix_cache_bytes)),
     )
     info = stage_pb2.GetStageInfoResponse(
         stage_index=settings.stage,

@@ -14,6 +14,7 @@ import asyncio
 import structlog
 
 from pipeshard.services.stage.engine import StageEngine
+from pipeshard.services.stage.kv import StageKv
 from pipeshard.services.stage.results import ResultBroker
 from pipeshard.services.stage.wire import (
     error_frame,
@@ -40,6 +41,7 @@ class StageNode:
         next_hop: HopStream | None,
         codec: int = Codec.CODEC_NONE,
         results_delay_s: float = 0.0,
+        kv: StageKv | None = None,
     ):
         if engine.is_last != (next_hop is None):
             raise ValueError("exactly the final stage has no next hop")
@@ -47,6 +49,7 @@ class StageNode:
         self.stage_index = stage_index
         self.next_hop = next_hop
         self.results = ResultBroker(results_delay_s)
+        self.kv = kv  # KV capture/restore and the prefix cache (None: a node without a shard runtime)
         self._codec = codec
         self._port = input_port(engine.is_first)
         self._reaper: asyncio.Task | None = None
