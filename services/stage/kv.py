@@ -23,14 +23,14 @@ class StageKv:
 
     def capture(self, owner: str, session_id: str, token_ids: Sequence[int]) -> KvBlob:
         """The session's valid positions (the first len(token_ids) when given) as a checked blob."""
-        session = self.sessions.get(owner, session_id)
+        session = self._holding(owner, session_id, token_ids)
         return export_kv(session, positions=len(token_ids) or None, token_ids=tuple(token_ids))
 
     def keep(self, owner: str, session_id: str, scope: str, token_ids: Sequence[int]) -> tuple[int, int]:
         """Capture into the prefix cache; returns (positions, bytes newly stored)."""
         if not token_ids:
             raise InvalidArgument("token_ids", "must name the captured tokens to keep them in the cache")
-        session = self.sessions.get(owner, session_id)
+        session = self._holding(owner, session_id, token_ids)
         blob = export_kv(session, positions=len(token_ids), checksum=False)
         return blob.positions, self.store.put(owner, scope, token_ids, blob.arrays)
 
@@ -51,6 +51,14 @@ class StageKv:
         session = self._fresh(owner, session_id)
         import_kv(session, blob, verify_checksum=False)  # our own memory: nothing crossed a wire
         return positions
+
+    def _holding(self, owner: str, session_id: str, token_ids: Sequence[int]):
+        session = self.sessions.get(owner, session_id)
+        if len(token_ids) > session.valid_length:
+            raise InvalidArgument(
+                "token_ids", f"names {len(token_ids)} tokens; the session holds {session.valid_length}"
+            )
+        return session
 
     def _fresh(self, owner: str, session_id: str):
         try:
