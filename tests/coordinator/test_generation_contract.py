@@ -98,7 +98,7 @@ class _Generation:
     def check_speculative(self, speculative, k):
         return "none"
 
-    async def run(self, prompt_ids, params, *, speculative, k):
+    async def run(self, prompt_ids, params, *, speculative, k, scope=""):
         yield Chunk(text=structlog.contextvars.get_contextvars().get("request_id", ""), token_ids=[])
 
 
@@ -141,7 +141,7 @@ def test_the_summary_reaches_the_client_result_field_for_field():
     summary = Summary("error", 3, 2, 12.5, 40.0, "<7><7>", [7, 7], "stage 1 failed", "ngram", 1, 2, 1)
 
     class Finished(_Generation):
-        async def run(self, prompt_ids, params, *, speculative, k):
+        async def run(self, prompt_ids, params, *, speculative, k, scope=""):
             yield Chunk(text="<7><7>", token_ids=[7, 7])
             yield summary
 
