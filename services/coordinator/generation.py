@@ -381,6 +381,7 @@ class Generation:
                 self.restore_timeout_s,
             )
         except (PipeshardError, TimeoutError) as exc:
+            self.prefix.unpin(hit)
             self.prefix.drop(hit)
             reason = str(exc) or type(exc).__name__
             log.info(
@@ -393,6 +394,9 @@ class Generation:
             request.session_id = request.cursor.session_id = uuid.uuid4().hex
             await self._ring.open_session(request.session_id)
             return
+        except BaseException:  # cancelled (the client went away): the entry stays usable
+            self.prefix.unpin(hit)
+            raise
         self.prefix.unpin(hit)
         request.cursor.restored(hit.positions)
         request.stats.cached_tokens = hit.positions

@@ -80,11 +80,7 @@ class PrefixIndex:
 
     def drop(self, hit: PrefixHit) -> None:
         """Forget an entry a restore failed on (a stage evicted it, or never kept it)."""
-        entry = self._entries.get(hit._key)
-        if entry is not None:
-            entry.pins -= 1
-            if not entry.pins:
-                del self._entries[hit._key]
+        self._entries.pop(hit._key, None)
 
     def add(self, scope: str, tokens: list[int]) -> None:
         """Remember a kept sequence; the entries it extends are dropped (it covers them)."""

@@ -41,6 +41,7 @@ def test_index_drops_covered_entries_and_evicts_unpinned_ones_first():
     index.add("s", [9, 9, 9])
     index.add("s", [8, 8, 8])  # over the limit: the pinned entry stays, [9, 9, 9] goes
     assert index.lookup("s", [9, 9, 9, 1]) is None
+    index.unpin(pinned)
     index.drop(pinned)  # a failed restore forgets the entry
     assert index.lookup("s", [1, 2, 3, 4, 5, 6]) is None and len(index) == 1
 
