@@ -23,7 +23,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-numerics bench-prefill bench-pipeline bench-commits bench-mbatch bench-spec bench-gateway serve-openai wan-up wan-down distil soak bench-planner bench-compress bench-wan
+.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-numerics bench-prefill bench-pipeline bench-commits bench-mbatch bench-spec bench-gateway serve-openai wan-up wan-down distil soak bench-planner bench-compress bench-wan bench-prefix
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -144,6 +144,10 @@ distil: model
 ## bench-spec: speculative decoding single node (every draft source and K) and across the WAN emulator (bench/results/spec.json)
 bench-spec: model
 	$(PY) -m bench.spec
+
+## bench-prefix: TTFT of a chat's next turn, warm (prefix cache) vs cold, at 256/1024/2048 tokens of history on 2-stage fleets; KV capture/restore time and bytes per stage (bench/results/prefix.json)
+bench-prefix: model
+	$(PY) -m bench.prefix
 
 ## test: the whole suite, slow real-model tests included
 test: proto

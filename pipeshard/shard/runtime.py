@@ -24,8 +24,9 @@ from typing import Any
 import numpy as np
 import openvino as ov
 
-from pipeshard.errors import InvalidArgument, ResourceExhausted
+from pipeshard.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
+from pipeshard.shard.kvblob import KvBlob, KvSource
 from pipeshard.shard.manifest import load_manifest, verify_shard
 
 # Tokens of the warm-up prefill. The plugin allocates its buffers for the largest shape seen so
@@ -152,6 +153,17 @@ class ShardRunner:
         self.vocab_ids: np.ndarray | None = (
             np.load(self.export_dir / vocab_file, allow_pickle=False) if vocab_file else None
         )
+        model = manifest.raw["model"]
+        self.kv_source = KvSource(
+            model_fingerprint=manifest.model.fingerprint,
+            export_id=str(manifest.raw.get("export_id", "")),
+            stage_index=stage_index,
+            layer_start=self.entry.layer_start,
+            layer_end=self.entry.layer_end,
+            names=tuple(self.state_variables),
+            kv_heads=int(model["num_kv_heads"]),
+            head_dim=int(model["head_dim"]),
+        )
 
     @property
     def output_name(self) -> str:
@@ -267,6 +279,12 @@ class ShardSession:
         self._past = length
         self._valid = int(np.count_nonzero(self._mask[:length]))
 
+    def restored(self, length: int) -> None:
+        """The state now holds ``length`` valid positions written by ``import_kv``."""
+        self._mask[:] = 1
+        self._past = length
+        self._valid = length
+
     # -- compute ----------------------------------------------------------------------------
     def _check_input(self, x: np.ndarray) -> np.ndarray:
         """Takes 1-D ids as one row and any integer (or float) dtype the port can hold losslessly."""
@@ -320,6 +338,46 @@ class ShardSession:
         self._valid += t
         out = req.get_output_tensor(0).data
         return out.copy() if copy else out
+
+
+def export_kv(
+    session: ShardSession, positions: int | None = None, token_ids=(), *, checksum: bool = True
+) -> KvBlob:
+    """The session's KV as a blob: the first ``positions`` mask-valid positions (default: all),
+    masked holes dropped, every state variable in layer order. ``checksum=False`` skips hashing
+    the bytes (a capture that never leaves this process)."""
+    valid = session.valid_length
+    n = valid if positions is None else positions
+    if not 0 < n <= valid:
+        raise InvalidArgument("positions", f"must be in [1, {valid}] (the valid positions), got {n}")
+    keep = np.flatnonzero(session.mask)[:n]
+    contiguous = keep[-1] == n - 1  # no holes before position n: a slice, no gather
+    states = {s.name: s for s in session.infer_request.query_state()}
+    arrays = []
+    for name in session.runner.state_variables:
+        data = states[name].state.data[0]  # [kv_heads, past, head_dim]
+        arrays.append(data[:, :n] if contiguous else data[:, keep])
+    return KvBlob.build(session.runner.kv_source, arrays, tuple(token_ids), checksum=checksum)
+
+
+def import_kv(session: ShardSession, blob: KvBlob, *, verify_checksum: bool = True) -> None:
+    """Load ``blob`` into an empty session; later runs continue at position ``blob.positions``.
+    Refuses a blob of another model, export or layer range, a damaged one and wrong shapes
+    before touching the session."""
+    runner = session.runner
+    blob.check_for(runner.kv_source, verify_checksum=verify_checksum)
+    if session.past_length:
+        raise FailedPrecondition(
+            f"KV restore needs an empty session; this one holds {session.past_length} positions"
+        )
+    t = blob.positions
+    if not 0 < t <= runner.max_context:
+        raise InvalidArgument("snapshot.states", f"must hold 1..{runner.max_context} positions, got {t}")
+    states = {s.name: s for s in session.infer_request.query_state()}
+    for name, array in zip(runner.state_variables, blob.arrays, strict=True):
+        # Copied in (shared_memory=False): the blob stays the caller's, later runs write the state.
+        states[name].state = ov.Tensor(np.ascontiguousarray(array[None]), shared_memory=False)
+    session.restored(t)
 
 
 def time_trim(session: ShardSession, reps: int = 20) -> float:

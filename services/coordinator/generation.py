@@ -8,6 +8,12 @@ token plus K drafted tokens through the pipeline in one traversal (K = 0 is a pl
 keeps what the target agrees with. Rejected positions stay in every stage's cache and are
 masked out by the next frame's mask update; positions are logical, so the sequence continues
 as if they had never been written.
+
+With a prefix index (prefix caching), a request first restores on every stage the longest
+prefix of its prompt that a finished request of the same client left in the stages' caches, and
+prefills only the rest; a finished request leaves its own sequence there. A restore that fails
+anywhere (a stage evicted the entry, refused it, or missed the deadline) is thrown away whole:
+the session goes and the request prefills cold in a new one.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from pipeshard.metrics import (
 )
 from pipeshard.sampling import accept_sampled, restore_rng, rng_state
 from pipeshard.services.coordinator.detokenizer import IncrementalDetokenizer
+from pipeshard.services.coordinator.prefix_cache import PrefixIndex
 from pipeshard.services.coordinator.sampling import Sampler, SamplingParams, token_logprobs
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
@@ -54,6 +61,12 @@ class RingLike(Protocol):
     async def release_session(self, session_id: str) -> None: ...
 
     async def abort_session(self, session_id: str, reason: str) -> None: ...
+
+    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> list[int]: ...
+
+    async def restore_kv(
+        self, session_id: str, scope: str, token_ids: list[int], positions: int, timeout_s: float
+    ) -> None: ...
 
 
 # Prompt tokens per prefill step: the whole context, so a prompt is prefilled in one pass. Measured
@@ -87,6 +100,7 @@ class Summary:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)  # per generated token, when asked
+    cached_tokens: int = 0  # prompt positions restored from the prefix cache instead of prefilled
 
 
 class _Cursor:
@@ -125,6 +139,10 @@ class _Cursor:
         self.physical += len(ids)
         self.logical += len(ids)
         return frame
+
+    def restored(self, positions: int) -> None:
+        """The session starts with ``positions`` positions restored on every stage."""
+        self.physical = self.logical = positions
 
     def reject(self, n: int) -> None:
         """The last ``n`` positions written hold rejected drafts."""
@@ -333,8 +351,12 @@ class Generation:
         default_speculative: str = "none",
         max_k: int = 10,
         final_stage_sampling: bool = True,
+        prefix: PrefixIndex | None = None,
+        restore_timeout_s: float = 5.0,
     ):
         self._ring = ring
+        self.prefix = prefix
+        self.restore_timeout_s = restore_timeout_s
         self._prefill_chunk = prefill_chunk
         self._tok = tokenizer
         self._eos = eos_ids
@@ -369,19 +391,28 @@ class Generation:
         speculative: str = "",
         k: int = 0,
         metered: bool = True,
+        scope: str = "",
+        cache: bool = True,
     ) -> AsyncIterator[Chunk | Summary]:
         """Streams Chunks then one Summary; raises if nothing was streamed or a stage is
         unreachable, and otherwise ends a failed generation with an "error" Summary. ``metered``
-        False keeps a generation (the coordinator's warm-up) out of the token metrics."""
+        False keeps a generation (the coordinator's warm-up) out of the token metrics; ``scope``
+        names whose prefix cache entries the request may use (its client); ``cache=False`` keeps
+        it out of the prefix cache."""
         request = await self._open(prompt_ids, params, speculative, k, metered)
+        cache = cache and self.prefix is not None
         failure = ""  # why the generation failed on the ring, if it did
         try:
+            if cache:
+                await self._warm(request, scope)
             for frame in request.prefill_frames(self._prefill_chunk):
                 await self._ring.step(frame)
             done = False
             while not done:
                 chunk, done = await self._step(request)
                 yield chunk
+            if cache:
+                await self._keep(request, scope)
         except PipeshardError as exc:
             failure = str(exc) or type(exc).__name__
             if not request.generated or isinstance(exc, Unavailable):
@@ -419,6 +450,62 @@ class Generation:
             metered=metered,
         )
 
+    async def _warm(self, request: _Request, scope: str) -> None:
+        """Restores the longest cached prefix of the prompt on every stage, or none of it."""
+        hit = self.prefix.lookup(scope, request.prompt_ids)
+        if hit is None:
+            return
+        try:
+            await asyncio.wait_for(
+                self._ring.restore_kv(
+                    request.session_id, scope, hit.tokens, hit.positions, self.restore_timeout_s
+                ),
+                self.restore_timeout_s,
+            )
+        except (PipeshardError, TimeoutError) as exc:
+            self.prefix.unpin(hit)
+            self.prefix.drop(hit)
+            reason = str(exc) or type(exc).__name__
+            log.info(
+                "prefix_cache_fallback", session_id=request.session_id, positions=hit.positions, reason=reason
+            )
+            # Nothing half-restored is used: the session goes, the request runs cold in a new one.
+            self._in_background(
+                self._ring.abort_session(request.session_id, f"prefix restore failed: {reason}")
+            )
+            request.session_id = request.cursor.session_id = uuid.uuid4().hex
+            await self._ring.open_session(request.session_id)
+            return
+        except BaseException:  # cancelled (the client went away): the entry stays usable
+            self.prefix.unpin(hit)
+            raise
+        self.prefix.unpin(hit)
+        request.cursor.restored(hit.positions)
+        request.stats.cached_tokens = hit.positions
+        log.info("prefix_cache_hit", session_id=request.session_id, positions=hit.positions)
+
+    async def _keep(self, request: _Request, scope: str) -> None:
+        """Leaves the finished sequence in every stage's prefix cache (all but the last token,
+        which no stage has seen) and indexes it; a failure only costs the next request its hit."""
+        sequence = request.prompt_ids + request.generated
+        tokens = sequence[: min(request.cursor.logical, len(sequence) - 1)]
+        if len(tokens) < self.prefix.min_tokens:
+            return
+        try:
+            stored = await asyncio.wait_for(
+                self._ring.keep_kv(request.session_id, scope, tokens), self.restore_timeout_s
+            )
+        except (PipeshardError, TimeoutError) as exc:
+            log.info("prefix_cache_keep_failed", session_id=request.session_id, reason=str(exc) or "timeout")
+            return
+        self.prefix.add(scope, tokens)
+        log.debug("prefix_cache_kept", session_id=request.session_id, positions=len(tokens), bytes=stored)
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
     async def _step(self, request: _Request) -> tuple[Chunk, bool]:
         """One traversal: the last token plus any drafts through every stage, then acceptance."""
         draft = request.draft()
@@ -437,11 +524,8 @@ class Generation:
         mid-stream; a failed generation aborts (each stage logs why) instead of releasing."""
         if request.drafter is not None:
             request.drafter.close()
-        ending = (
+        self._in_background(
             self._ring.abort_session(request.session_id, failure)
             if failure
             else self._ring.release_session(request.session_id)
         )
-        task = asyncio.ensure_future(ending)
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)

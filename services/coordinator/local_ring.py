@@ -15,7 +15,9 @@ from pipeshard.errors import PipeshardError
 from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.coordinator.ring import StageFailed
 from pipeshard.services.stage.engine import StageEngine
+from pipeshard.services.stage.kv import StageKv
 from pipeshard.services.stage.meters import StageMeters
+from pipeshard.services.stage.prefix_store import PrefixStore
 from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.services.stage.wire import frame_from_output, result_from_output, stage_error, step_from_frame
 from pipeshard.shard.manifest import input_port, load_manifest
@@ -33,6 +35,7 @@ class LocalRing:
         num_threads: int | None = None,
         *,
         max_sessions: int = 64,
+        prefix_cache_bytes: int = 512 * 1024 * 1024,
     ):
         self.export_dir = Path(export_dir)
         manifest = load_manifest(self.export_dir)
@@ -55,6 +58,10 @@ class LocalRing:
             )
             for r in self.runners
         ]
+        self.kv = [
+            StageKv(e.sessions, r.kv_source, PrefixStore(prefix_cache_bytes))
+            for e, r in zip(self._engines, self.runners, strict=True)
+        ]
 
     @property
     def num_stages(self) -> int:
@@ -75,6 +82,21 @@ class LocalRing:
 
     async def abort_session(self, session_id: str, reason: str) -> None:
         await self.release_session(session_id)  # in one process there is no other stage to tell
+
+    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> list[int]:
+        return [self._on(i, kv.keep, session_id, scope, token_ids)[1] for i, kv in enumerate(self.kv)]
+
+    async def restore_kv(
+        self, session_id: str, scope: str, token_ids: list[int], positions: int, timeout_s: float
+    ) -> None:
+        for i, kv in enumerate(self.kv):
+            self._on(i, kv.restore_cached, session_id, scope, token_ids, positions)
+
+    def _on(self, index: int, method, *args):
+        try:
+            return method(LOCAL_OWNER, *args)
+        except PipeshardError as exc:
+            raise StageFailed(stage_error(index, exc)) from None
 
     async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
         frame.owner = LOCAL_OWNER

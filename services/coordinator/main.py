@@ -16,6 +16,7 @@ from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.coordinator.admission import Admission
 from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
+from pipeshard.services.coordinator.prefix_cache import PrefixIndex
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.servicer import CoordinatorServicer
@@ -82,6 +83,14 @@ class CoordinatorSettings(ServerSettings):
     )
     hop_delay_ms: float = setting(
         0.0, "emulated one-way latency added to every frame sent into the ring (benchmarks)"
+    )
+    prefix_cache: bool = setting(
+        True, "reuse the KV of earlier requests' prompts that share a prefix (the stages keep it)"
+    )
+    prefix_cache_entries: int = setting(256, "token sequences the prefix index remembers (LRU)")
+    prefix_min_tokens: int = setting(64, "shortest shared prefix worth restoring instead of prefilling")
+    prefix_restore_timeout_s: float = setting(
+        5.0, "a prefix restore (or keep) not done on every stage by then is dropped: cold prefill"
     )
 
 
@@ -152,6 +161,12 @@ class Coordinator:
             default_speculative=self.settings.speculative,
             max_k=self.settings.max_k,
             final_stage_sampling=self.settings.final_stage_sampling,
+            prefix=(
+                PrefixIndex(self.settings.prefix_cache_entries, self.settings.prefix_min_tokens)
+                if self.settings.prefix_cache
+                else None
+            ),
+            restore_timeout_s=self.settings.prefix_restore_timeout_s,
         )
         await self._warmup(generation, prompter, manifest.max_context)
         admission = Admission(
@@ -178,7 +193,8 @@ class Coordinator:
         text = prompter.encode("", [("user", "Warm up.")])
         ids = (text * (WARMUP_PREFILL // len(text) + 1))[: min(WARMUP_PREFILL, max_context - 4)]
         tokens = 0
-        async for event in generation.run(ids, SamplingParams(max_tokens=2, ignore_eos=True), metered=False):
+        warm = SamplingParams(max_tokens=2, ignore_eos=True)
+        async for event in generation.run(ids, warm, metered=False, cache=False):
             if isinstance(event, Chunk):
                 tokens += len(event.token_ids)
         log.info(

@@ -188,6 +188,24 @@ class Ring:
             "AbortSession", stage_pb2.AbortSessionRequest(session_id=session_id, reason=reason), tolerate=True
         )
 
+    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> list[int]:
+        """Every stage keeps the session's KV of ``token_ids`` in its prefix cache; returns the
+        bytes each newly stored."""
+        request = stage_pb2.CaptureKvRequest(
+            session_id=session_id, token_ids=token_ids, keep_in_cache=True, cache_scope=scope
+        )
+        return [r.cached_bytes for r in await self._on_all("CaptureKv", request)]
+
+    async def restore_kv(
+        self, session_id: str, scope: str, token_ids: list[int], positions: int, timeout_s: float
+    ) -> None:
+        """Restore the first ``positions`` positions of a cached sequence on every stage within
+        ``timeout_s``; raises if any stage fails (the caller then discards the session)."""
+        request = stage_pb2.RestoreKvRequest(
+            session_id=session_id, cache_scope=scope, cached_token_ids=token_ids, positions=positions
+        )
+        await self._on_all("RestoreKv", request, timeout=timeout_s)  # a late stage: UNAVAILABLE
+
     async def wait_ready(self, timeout_s: float) -> None:
         """Wait until every stage answers and the result subscription is live."""
         deadline = asyncio.get_running_loop().time() + timeout_s
@@ -207,11 +225,13 @@ class Ring:
         for subscribed in self._subscribed:
             await asyncio.wait_for(subscribed.wait(), max(0.1, deadline - asyncio.get_running_loop().time()))
 
-    async def _on_all(self, method: str, request, *, tolerate: bool = False) -> list:
+    async def _on_all(
+        self, method: str, request, *, tolerate: bool = False, timeout: float | None = None
+    ) -> list:
         async def call(i: int):
             try:
                 return await getattr(self._stubs[i], method)(
-                    request, timeout=self.control_timeout_s, metadata=self._metadata
+                    request, timeout=timeout or self.control_timeout_s, metadata=self._metadata
                 )
             except grpc.aio.AioRpcError as exc:
                 if tolerate:

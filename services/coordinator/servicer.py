@@ -115,18 +115,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             prompt_tokens=len(prompt_ids), max_context=self._max_context, vocab_size=self._vocab_size
         )
         self._generation.check_speculative(request.speculative, request.k)
-        async with self._admission.slot(
-            context.time_remaining() if context else None, client_identity(context) if context else ""
-        ):
+        client = client_identity(context) if context else ""
+        async with self._admission.slot(context.time_remaining() if context else None, client):
             self._refuse_if_draining()  # queued while the drain began
-            async for response in self._stream(prompt_ids, params, request.speculative, request.k):
+            async for response in self._stream(prompt_ids, params, request.speculative, request.k, client):
                 yield response
 
-    async def _stream(self, prompt_ids: list[int], params: SamplingParams, speculative: str, k: int):
+    async def _stream(
+        self, prompt_ids: list[int], params: SamplingParams, speculative: str, k: int, client: str
+    ):
         token_ids: list[int] = []
         text: list[str] = []
         try:
-            async for response in self._responses(prompt_ids, params, speculative, k):
+            async for response in self._responses(prompt_ids, params, speculative, k, client):
                 if response.HasField("chunk"):
                     token_ids.extend(response.chunk.token_ids)
                     text.append(response.chunk.text)
@@ -142,8 +143,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 )
             )
 
-    async def _responses(self, prompt_ids: list[int], params: SamplingParams, speculative: str, k: int):
-        async for event in self._generation.run(prompt_ids, params, speculative=speculative, k=k):
+    async def _responses(
+        self, prompt_ids: list[int], params: SamplingParams, speculative: str, k: int, client: str
+    ):
+        # The client's identity scopes its prefix cache entries: a hit's timing reveals a prompt.
+        events = self._generation.run(prompt_ids, params, speculative=speculative, k=k, scope=client)
+        async for event in events:
             if isinstance(event, Chunk):
                 yield coordinator_pb2.GenerateResponse(
                     chunk=coordinator_pb2.TokenChunk(

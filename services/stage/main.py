@@ -14,8 +14,10 @@ from pipeshard.link_model import AUTO, CODEC_NAMES, CodecChooser
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.stage.engine import StageEngine
+from pipeshard.services.stage.kv import StageKv
 from pipeshard.services.stage.meters import StageMeters, kv_bytes_per_position
 from pipeshard.services.stage.node import StageNode
+from pipeshard.services.stage.prefix_store import PrefixStore
 from pipeshard.services.stage.rawtcp import RawTcpStage
 from pipeshard.services.stage.servicer import StageServicer
 from pipeshard.services.stage.sessions import SessionTable
@@ -69,6 +71,9 @@ class StageSettings(ServerSettings):
     raw_tcp_next_hop: str | None = setting(None, "raw-TCP address of the next stage (benchmarks)")
     hop_delay_ms: float = setting(
         0.0, "emulated one-way latency added to every frame or result this stage sends (benchmarks)"
+    )
+    prefix_cache_bytes: int = setting(
+        512 * 1024 * 1024, "bytes of captured KV the prefix cache keeps (least recently used out; 0 = off)"
     )
 
 
@@ -159,6 +164,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         codec=CodecChooser(settings.codec, hop.link if hop is not None else None),
         wire_dtype=settings.wire_dtype,
         results_delay_s=delay_s,
+        kv=StageKv(sessions, runner.kv_source, PrefixStore(settings.prefix_cache_bytes)),
     )
     info = stage_pb2.GetStageInfoResponse(
         stage_index=settings.stage,

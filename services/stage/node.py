@@ -15,6 +15,7 @@ import structlog
 
 from pipeshard.link_model import CodecChooser
 from pipeshard.services.stage.engine import StageEngine
+from pipeshard.services.stage.kv import StageKv
 from pipeshard.services.stage.results import ResultBroker
 from pipeshard.services.stage.wire import (
     error_frame,
@@ -41,6 +42,7 @@ class StageNode:
         codec: CodecChooser | None = None,
         wire_dtype: str = "fp32",
         results_delay_s: float = 0.0,
+        kv: StageKv | None = None,
     ):
         """``codec`` picks the compression of each frame sent on (fixed or measured per link);
         ``wire_dtype`` fp16/bf16 narrows hidden states on the wire (lossy, opt-in)."""
@@ -52,6 +54,7 @@ class StageNode:
         self.results = ResultBroker(results_delay_s)
         self._codec = codec or CodecChooser("none", None)
         self._wire_dtype = wire_dtype
+        self.kv = kv  # KV capture/restore and the prefix cache (None: a node without a shard runtime)
         self._port = input_port(engine.is_first)
         self._reaper: asyncio.Task | None = None
 

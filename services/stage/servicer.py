@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import structlog
 
-from pipeshard.errors import Unimplemented
 from pipeshard.ownership import owner_from_metadata
 from pipeshard.services.stage.node import StageNode
+from pipeshard.shard.kvblob import from_proto, to_proto
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -71,10 +71,22 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         )
 
     async def CaptureKv(self, request, context):
-        raise Unimplemented("CaptureKv is not implemented yet (issue #19, KV capture and restore)")
+        owner, kv = _owner(context), self._node.kv
+        if request.keep_in_cache:
+            positions, added = kv.keep(owner, request.session_id, request.cache_scope, request.token_ids)
+            return stage_pb2.CaptureKvResponse(positions=positions, cached_bytes=added)
+        blob = kv.capture(owner, request.session_id, request.token_ids)
+        return stage_pb2.CaptureKvResponse(snapshot=to_proto(blob), positions=blob.positions)
 
     async def RestoreKv(self, request, context):
-        raise Unimplemented("RestoreKv is not implemented yet (issue #19, KV capture and restore)")
+        owner, kv = _owner(context), self._node.kv
+        if request.HasField("snapshot"):
+            positions = kv.restore(owner, request.session_id, from_proto(request.snapshot))
+        else:
+            positions = kv.restore_cached(
+                owner, request.session_id, request.cache_scope, request.cached_token_ids, request.positions
+            )
+        return stage_pb2.RestoreKvResponse(positions=positions)
 
     async def GetStageInfo(self, request, context):
         info = stage_pb2.GetStageInfoResponse()

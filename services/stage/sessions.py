@@ -20,6 +20,7 @@ class ShardSessionLike(Protocol):
     """What the stage needs from the shard runtime's session."""
 
     past_length: int
+    valid_length: int
 
     def run(self, x: np.ndarray, position_ids: np.ndarray, return_last: int = 1) -> np.ndarray: ...
 

@@ -1,0 +1,229 @@
+"""`make bench-prefix`: time to first token of a chat's next turn, warm (prefix cache) against cold.
+
+Two 2-stage INT4 loopback fleets on the same shards: ``warm`` (prefix caching on, the default)
+and ``cold`` (``--no-prefix-cache``). Each round and history length H builds a conversation of its
+own (a first user message of about H tokens, unique per round, so no round hits another's cache),
+runs its first turn on the warm fleet (untimed: it leaves the history in the stages' caches), then
+times the next turn (the history, the assistant's reply, a new message of about 30 tokens) on
+both fleets, in random order, back to back. TTFT is client wall time from the call to the first
+token. ``identical``: every timed turn answered the same tokens on both fleets.
+
+Then, in this process, capture and restore per stage at each H: ``export_kv``/``import_kv`` of a
+blob with its checksum (what CaptureKv/RestoreKv send over the wire to move a session) and the
+prefix-cache path (keep into / restore from the stage's block store), with the bytes per stage.
+
+Knobs (environment): BENCH_RUNS (rounds, default 10), BENCH_WARMUP (default 1), BENCH_LENGTHS
+(default 256,1024,2048), BENCH_PRECISION (default exact), BENCH_KV_REPS (default 5), BENCH_SHARDS
+(a 2-stage INT4 export to use; default shards/<model>-2s-int4, exported when missing).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.stats import median, ratio_ci, summary, write_result
+from pipeshard import paths
+from pipeshard.clients.client import PipeshardClient
+from pipeshard.offline import set_offline_defaults
+from pipeshard.services.launcher import start_fleet
+from pipeshard.services.stage.kv import StageKv
+from pipeshard.services.stage.prefix_store import PrefixStore
+from pipeshard.services.stage.sessions import SessionTable
+from pipeshard.shard.prompting import Prompter
+from pipeshard.shard.runtime import ShardRunner, export_kv, import_kv
+
+RUNS = int(os.environ.get("BENCH_RUNS", "10"))
+WARMUP = int(os.environ.get("BENCH_WARMUP", "1"))
+LENGTHS = [int(n) for n in os.environ.get("BENCH_LENGTHS", "256,1024,2048").split(",")]
+PRECISION = os.environ.get("BENCH_PRECISION", "exact")
+KV_REPS = int(os.environ.get("BENCH_KV_REPS", "5"))
+NEW_MESSAGE = "Thanks. Now summarise all of that in one short sentence, and tell me which part matters most."
+REPLY_TOKENS = 16
+
+
+def ensure_export(stages: int) -> Path:
+    from pipeshard.exporter.export import export_model
+
+    out = paths.shards_dir() / paths.export_name(paths.DEFAULT_MODEL, stages, "int4")
+    if not (out / "manifest.json").exists():
+        export_model(paths.default_model_dir(), out, stages=stages, weights="int4")
+    return out
+
+
+def history(prompter: Prompter, length: int, nonce: str) -> str:
+    """A first user message whose chat-templated prompt is about ``length`` tokens."""
+    words = [
+        "the",
+        "river",
+        "carries",
+        "stones",
+        "and",
+        "sand",
+        "down",
+        "to",
+        "the",
+        "sea",
+        "while",
+        "the",
+        "town",
+        "sleeps",
+    ]
+    text = f"Conversation {nonce}. Remember these notes:"
+    rng = random.Random(nonce)
+    while len(prompter.encode("", [("user", text)])) < length:
+        text += " " + " ".join(rng.choice(words) for _ in range(16))
+    return text
+
+
+def turn(address: str, messages: list[dict], max_tokens: int) -> tuple[float, list[int], str]:
+    """(TTFT ms, token ids, text) of one request."""
+    tokens: list[int] = []
+    text: list[str] = []
+    ttft = 0.0
+    with PipeshardClient(address, timeout_s=600) as client:
+        t0 = time.perf_counter()
+        for response in client.responses(messages=messages, max_tokens=max_tokens, ignore_eos=True):
+            if response.HasField("chunk"):
+                if not ttft:
+                    ttft = (time.perf_counter() - t0) * 1000.0
+                tokens.extend(response.chunk.token_ids)
+                text.append(response.chunk.text)
+    return ttft, tokens, "".join(text)
+
+
+def chat_rounds(warm: str, cold: str, prompter: Prompter) -> tuple[dict[str, list[float]], bool, dict]:
+    rng = random.Random(0)
+    samples: dict[str, list[float]] = {f"{c}@{n}": [] for n in LENGTHS for c in ("warm", "cold")}
+    identical = True
+    prompt_tokens: dict[int, int] = {}
+    for r in range(WARMUP + RUNS):
+        lengths = list(LENGTHS)
+        rng.shuffle(lengths)
+        for n in lengths:
+            messages = [{"role": "user", "content": history(prompter, n, f"{r}-{n}")}]
+            _, _, reply = turn(warm, messages, REPLY_TOKENS)  # the first turn: fills the warm caches
+            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": NEW_MESSAGE}]
+            prompt_tokens[n] = len(prompter.encode("", [(m["role"], m["content"]) for m in messages]))
+            got = {}
+            for config in rng.sample(["warm", "cold"], 2):
+                ttft, tokens, _ = turn(warm if config == "warm" else cold, messages, REPLY_TOKENS)
+                got[config] = tokens
+                if r >= WARMUP:
+                    samples[f"{config}@{n}"].append(ttft)
+            identical = identical and got["warm"] == got["cold"]
+        print(
+            f"round {r + 1}/{WARMUP + RUNS}: "
+            + ", ".join(f"{k}={v[-1]:.1f}" for k, v in sorted(samples.items()) if v),
+            file=sys.stderr,
+        )
+    return samples, identical, prompt_tokens
+
+
+def kv_costs(export: Path) -> dict:
+    """Per stage and length: capture/restore ms (blob with checksum; prefix-cache keep/restore) and bytes."""
+    out: dict = {}
+    for stage in range(2):
+        runner = ShardRunner(export, stage, PRECISION)
+        runner.warmup()
+        sessions = SessionTable(runner.new_session, 4, float("inf"))
+        kv = StageKv(sessions, runner.kv_source, PrefixStore(4 << 30))
+        for n in LENGTHS:
+            times: dict[str, list[float]] = {k: [] for k in ("capture", "restore", "keep", "restore_cached")}
+            for rep in range(KV_REPS):
+                src = sessions.open("bench", f"src{rep}")
+                x = (
+                    np.arange(n, dtype=np.int64).reshape(1, n) % 1000 + rep
+                    if runner.is_first
+                    else np.random.default_rng(rep)
+                    .standard_normal((1, n, runner.hidden_size))
+                    .astype(np.float32)
+                )
+                src.run(x)
+                ids = [rep] * n  # the key only; the KV is whatever the run left
+                t0 = time.perf_counter()
+                blob = export_kv(src)
+                t1 = time.perf_counter()
+                dst = runner.new_session()
+                import_kv(dst, blob)
+                t2 = time.perf_counter()
+                kv.keep("bench", f"src{rep}", f"s{n}", ids)
+                t3 = time.perf_counter()
+                kv.restore_cached("bench", f"dst{rep}", f"s{n}", ids, n)
+                t4 = time.perf_counter()
+                for key, (a, b) in (
+                    ("capture", (t0, t1)),
+                    ("restore", (t1, t2)),
+                    ("keep", (t2, t3)),
+                    ("restore_cached", (t3, t4)),
+                ):
+                    times[key].append((b - a) * 1000.0)
+                sessions.release("bench", f"src{rep}")
+                sessions.release("bench", f"dst{rep}")
+            out[f"stage{stage}@{n}"] = {
+                "bytes": blob.nbytes,
+                **{f"{k}_ms": statistics.median(v) for k, v in times.items()},
+            }
+    return out
+
+
+def main() -> int:
+    set_offline_defaults()
+    started = time.perf_counter()
+    export = Path(os.environ["BENCH_SHARDS"]) if "BENCH_SHARDS" in os.environ else ensure_export(2)
+    prompter = Prompter.from_dir(export)
+    runs_dir = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
+    warm = start_fleet(export, 2, runs_dir / "warm", precision=PRECISION)
+    try:
+        cold = start_fleet(
+            export, 2, runs_dir / "cold", precision=PRECISION, extra_coordinator_args=["--no-prefix-cache"]
+        )
+        try:
+            samples, identical, prompt_tokens = chat_rounds(warm.coordinator, cold.coordinator, prompter)
+        finally:
+            cold.stop()
+    finally:
+        warm.stop()
+    result: dict = {
+        "runs": RUNS,
+        "precision": PRECISION,
+        "lengths": LENGTHS,
+        "prompt_tokens": {str(n): prompt_tokens[n] for n in LENGTHS},
+        "baseline": "cold: the same turn on a 2-stage fleet with --no-prefix-cache",
+        "tok_s": {},  # this benchmark measures TTFT (ttft_ms); the key keeps the shared JSON shape
+        "ttft_ms": {k: median(v) for k, v in samples.items()},
+        "ttft_ms_range": {k: summary(v) for k, v in samples.items()},
+        "identical": identical,
+    }
+    for n in LENGTHS:
+        ratio, ci = ratio_ci(samples[f"cold@{n}"], samples[f"warm@{n}"])
+        result[f"warm_speedup_{n}"] = ratio
+        result[f"warm_speedup_{n}_ci"] = ci
+    result["kv_per_stage"] = kv_costs(export)
+    result["goals"] = {"warm_speedup_1024": 15.0}
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    knobs = " ".join(
+        f"{k}={os.environ[k]}"
+        for k in (
+            "BENCH_RUNS",
+            "BENCH_WARMUP",
+            "BENCH_LENGTHS",
+            "BENCH_PRECISION",
+            "BENCH_KV_REPS",
+            "BENCH_SHARDS",
+        )
+        if k in os.environ
+    )
+    write_result("prefix", result, command=f"{knobs} make bench-prefix".strip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

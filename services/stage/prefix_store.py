@@ -1,0 +1,89 @@
+"""The stage's prefix cache: captured KV kept in blocks, keyed by (owner, scope, token prefix).
+
+A sequence's KV is cut into blocks of BLOCK positions; each block is keyed by the hash of its
+scope and *every* token up to its end (a hash chain), so two sequences that share a prefix share
+its full blocks: a system prompt many conversations start with is stored once. The KV of a
+position depends only on the tokens up to it, which is why the first ``n`` positions of any stored
+sequence can be restored for a prompt that shares ``n`` tokens with it. Blocks are evicted least
+recently used first beyond a byte budget. Owners (coordinators) never see each other's blocks;
+within one owner, scopes (client identities) never do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from pipeshard.errors import InvalidArgument, NotFound
+
+BLOCK = 32  # positions per block: the paged backend's block size, so both can share this layout
+
+
+def block_keys(scope: str, token_ids: Sequence[int]) -> list[tuple[int, int, str]]:
+    """(start, end, key) of each block of ``token_ids``; the last block may be partial."""
+    digest = hashlib.sha256(scope.encode() + b"\0")
+    ids = np.asarray(token_ids, dtype="<i8")
+    out = []
+    for start in range(0, len(ids), BLOCK):
+        end = min(start + BLOCK, len(ids))
+        digest.update(ids[start:end].tobytes())
+        out.append((start, end, digest.copy().hexdigest()))
+    return out
+
+
+class PrefixStore:
+    """Byte-budgeted LRU of KV blocks; each block holds one [kv_heads, n, head_dim] array per state."""
+
+    def __init__(self, budget_bytes: int):
+        if budget_bytes < 0:
+            raise InvalidArgument("prefix_cache_bytes", f"must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._blocks: OrderedDict[tuple[str, str], tuple[np.ndarray, ...]] = OrderedDict()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def put(self, owner: str, scope: str, token_ids: Sequence[int], arrays: Sequence[np.ndarray]) -> int:
+        """Keep the KV of ``token_ids`` (``arrays`` [kv_heads, len(token_ids), head_dim] each);
+        returns the bytes newly stored (blocks already held are only marked recently used)."""
+        if not token_ids:
+            raise InvalidArgument("token_ids", "must name the captured tokens to keep them in the cache")
+        added = 0
+        for start, end, key in block_keys(scope, token_ids):
+            slot = (owner, key)
+            if slot in self._blocks:
+                self._blocks.move_to_end(slot)
+                continue
+            block = tuple(np.array(a[:, start:end], dtype=np.float32, order="C") for a in arrays)
+            size = sum(b.nbytes for b in block)
+            if size > self.budget_bytes:
+                break  # the rest of the sequence would not fit either: its blocks chain on this one
+            self._blocks[slot] = block
+            self.nbytes += size
+            added += size
+            self._evict()
+        return added
+
+    def get(self, owner: str, scope: str, token_ids: Sequence[int], positions: int) -> list[np.ndarray]:
+        """The KV of the first ``positions`` tokens of a kept sequence, one array per state."""
+        if not 0 < positions <= len(token_ids):
+            raise InvalidArgument("positions", f"must be in [1, {len(token_ids)}], got {positions}")
+        slots = [(start, (owner, key)) for start, _, key in block_keys(scope, token_ids) if start < positions]
+        blocks = []
+        for start, slot in slots:
+            block = self._blocks.get(slot)
+            if block is None:
+                raise NotFound(f"prefix cache has no block for positions from {start} (evicted?)")
+            blocks.append(block)
+        for _, slot in slots:
+            self._blocks.move_to_end(slot)
+        return [np.concatenate([b[i] for b in blocks], axis=1)[:, :positions] for i in range(len(blocks[0]))]
+
+    def _evict(self) -> None:
+        while self.nbytes > self.budget_bytes and self._blocks:
+            _, block = self._blocks.popitem(last=False)
+            self.nbytes -= sum(b.nbytes for b in block)

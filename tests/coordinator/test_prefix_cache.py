@@ -1,0 +1,227 @@
+"""Prefix caching in the coordinator: the index, the all-or-nothing restore with its fallbacks,
+and warm output equal to cold on real INT4 shards at exact (1, 2 and 3 stages, with and without
+speculative decoding)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pipeshard.errors import NotFound
+from pipeshard.services.coordinator.generation import Chunk, Generation, Summary
+from pipeshard.services.coordinator.prefix_cache import PrefixIndex
+from pipeshard.services.coordinator.ring import StageFailed
+from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.stage.wire import stage_error
+from pipeshard.v1 import activation_pb2
+
+# -- the index ----------------------------------------------------------------------------------
+
+
+def test_index_finds_the_longest_shared_prefix_within_a_scope_only():
+    index = PrefixIndex(max_entries=8, min_tokens=4)
+    index.add("alice", list(range(100)))
+    index.add("alice", [*range(50), 7, 7, 7, 7, 7, 7])
+    hit = index.lookup("alice", [*range(60), 1, 2])
+    assert hit.positions == 60 and hit.tokens == list(range(64))  # cut after the block it needs
+    index.unpin(hit)
+    assert index.lookup("bob", list(range(100))) is None  # another client's entries stay invisible
+    # The whole prompt matches: its last token is still prefilled (its logits give the first token).
+    assert index.lookup("alice", list(range(100))).positions == 99
+    assert index.lookup("alice", [0, 1, 2, 9]) is None  # 3 shared tokens < min_tokens
+
+
+def test_index_drops_covered_entries_and_evicts_unpinned_ones_first():
+    index = PrefixIndex(max_entries=2, min_tokens=1)
+    index.add("s", [1, 2, 3])
+    index.add("s", [1, 2, 3, 4, 5])  # covers the first: stored once
+    assert len(index) == 1
+    pinned = index.lookup("s", [1, 2, 3, 4, 5, 6])
+    index.add("s", [9, 9, 9])
+    index.add("s", [8, 8, 8])  # over the limit: the pinned entry stays, [9, 9, 9] goes
+    assert index.lookup("s", [9, 9, 9, 1]) is None
+    index.unpin(pinned)
+    index.drop(pinned)  # a failed restore forgets the entry
+    assert index.lookup("s", [1, 2, 3, 4, 5, 6]) is None and len(index) == 1
+
+
+# -- restore and fallback, on a fake ring -------------------------------------------------------
+
+
+class Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids)
+
+
+class Ring:
+    """Answers token 7 to every step; records what happens to sessions; restores as told."""
+
+    def __init__(self, restore: str = "ok"):
+        self.restore, self.calls, self.frames = restore, [], []
+
+    async def open_session(self, session_id):
+        self.calls.append(("open", session_id))
+        return 4096
+
+    async def step(self, frame):
+        self.frames.append((frame.session_id, list(frame.positions)))
+        return activation_pb2.StepResult(top1=activation_pb2.Top1(token_ids=[7], probabilities=[1.0]))
+
+    async def release_session(self, session_id):
+        self.calls.append(("release", session_id))
+
+    async def abort_session(self, session_id, reason):
+        self.calls.append(("abort", session_id, reason))
+
+    async def keep_kv(self, session_id, scope, token_ids):
+        self.calls.append(("keep", session_id, scope, len(token_ids)))
+        return [0]
+
+    async def restore_kv(self, session_id, scope, token_ids, positions, timeout_s):
+        self.calls.append(("restore", session_id, positions))
+        if self.restore == "missing":
+            raise StageFailed(stage_error(1, NotFound("prefix cache has no block for positions from 32")))
+        if self.restore == "hang":
+            await asyncio.sleep(60)
+
+
+async def _generate(generation: Generation, prompt: list[int], scope: str = "c") -> Summary:
+    events = [e async for e in generation.run(prompt, SamplingParams(max_tokens=4), scope=scope)]
+    await asyncio.sleep(0.01)  # background releases and aborts
+    assert all(isinstance(e, Chunk) for e in events[:-1])
+    return events[-1]
+
+
+@pytest.mark.parametrize("failure", ["ok", "missing", "hang"])
+def test_second_turn_restores_or_falls_back_whole(failure):
+    ring = Ring(failure)
+    generation = Generation(ring, Tokenizer(), set(), prefix=PrefixIndex(min_tokens=8), restore_timeout_s=0.2)
+    first = list(range(100, 140))
+
+    async def two_turns():
+        cold = await _generate(generation, first)
+        warm = await _generate(generation, [*first, 7, 7, 7, 5, 6, 7])
+        return cold, warm
+
+    cold, warm = asyncio.run(two_turns())
+    assert cold.cached_tokens == 0
+    kept = [c for c in ring.calls if c[0] == "keep"]
+    assert kept[0][2:] == ("c", 40 + 3)  # prompt and generated tokens but the last
+    second = [c for c in ring.calls if c[0] == "open"][1][1]
+    assert ("restore", second, 43) in ring.calls
+    if failure == "ok":
+        assert warm.cached_tokens == 43
+        assert ring.frames[-4] == (second, [43, 44, 45])  # only the uncached suffix is prefilled
+    else:
+        # The restored-into session is aborted; a fresh one runs the whole prompt cold.
+        assert warm.cached_tokens == 0
+        (abort,) = [c for c in ring.calls if c[0] == "abort"]
+        assert abort[1] == second and "prefix restore failed" in abort[2]
+        third = [c for c in ring.calls if c[0] == "open"][2][1]
+        assert ring.frames[-4] == (third, list(range(46)))
+        assert len(generation.prefix) == 1  # the failed entry is forgotten, the new one kept
+    assert warm.token_ids == cold.token_ids == [7, 7, 7, 7]
+
+
+def test_other_clients_and_opted_out_requests_neither_hit_nor_keep():
+    ring = Ring()
+    generation = Generation(ring, Tokenizer(), set(), prefix=PrefixIndex(min_tokens=8))
+    prompt = list(range(100, 140))
+
+    async def run():
+        await _generate(generation, prompt, scope="alice")
+        assert (await _generate(generation, prompt, scope="bob")).cached_tokens == 0
+        events = [e async for e in generation.run(prompt, SamplingParams(max_tokens=2), cache=False)]
+        return events[-1]
+
+    assert asyncio.run(run()).cached_tokens == 0
+    assert [c[2] for c in ring.calls if c[0] == "keep"] == ["alice", "bob"]
+    assert not [c for c in ring.calls if c[0] == "restore"]
+
+
+# -- real shards --------------------------------------------------------------------------------
+
+
+def _chat(prompter, turns: list[tuple[str, str]]) -> list[int]:
+    return prompter.encode("", turns)
+
+
+@pytest.fixture(scope="module")
+def prompter(smollm2_export):
+    from pipeshard.shard.prompting import Prompter
+
+    return Prompter.from_dir(smollm2_export(1, "int4"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_warm_equals_cold_int4_exact(stages, smollm2_export, prompter):
+    """Three chat turns on one warm Generation against each turn's prompt on a cold one: token for
+    token, plain greedy and speculative (prompt lookup at K=3, and adaptive K on 2 stages)."""
+    from pipeshard.services.coordinator.local_ring import LocalRing
+    from pipeshard.services.coordinator.speculation.sources import DraftSources
+
+    export = smollm2_export(stages, "int4")
+    ring = LocalRing(export, precision="exact")
+    drafts = DraftSources(export)
+    warm = Generation(ring, prompter.tokenizer, prompter.eos_ids, drafts=drafts, prefix=PrefixIndex())
+    cold = Generation(ring, prompter.tokenizer, prompter.eos_ids, drafts=drafts)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+
+    async def tokens(generation, ids, speculative="none", k=0):
+        events = [e async for e in generation.run(ids, params, speculative=speculative, k=k)]
+        return events[-1]
+
+    async def conversation(speculative, k):
+        turns = [("system", "You are a careful assistant. " * 12), ("user", "Name three rivers in Europe.")]
+        for question in ("And in Africa?", "Which of them is the longest?"):
+            ids = _chat(prompter, turns)
+            got = await tokens(warm, ids, speculative, k)
+            want = await tokens(cold, ids, speculative, k)
+            assert got.token_ids == want.token_ids, (speculative, k, len(ids))
+            yield got
+            turns += [("assistant", got.text), ("user", question)]
+
+    async def run():
+        hits = []
+        modes = (("none", 0), ("ngram", 3), ("ngram", 0)) if stages == 2 else (("none", 0), ("ngram", 3))
+        for speculative, k in modes:
+            async for summary in conversation(speculative, k):
+                hits.append(summary.cached_tokens)
+        return hits
+
+    hits = asyncio.run(run())
+    # Every turn after a conversation's first restores most of its prompt; the first turn of each
+    # conversation hits the system prompt the previous conversation left.
+    assert hits[0] == 0 and all(h >= 64 for h in hits[1:]), hits
+
+
+@pytest.mark.slow
+def test_a_restore_failing_on_one_stage_is_undone_on_every_stage(smollm2_export, prompter):
+    """2 stages: stage 0 restores, stage 1 keeps nothing and refuses; the request runs cold in a
+    new session, equal to a cold run, and no session is left on either stage."""
+    from pipeshard.services.coordinator.local_ring import LocalRing
+    from pipeshard.services.stage.prefix_store import PrefixStore
+
+    ring = LocalRing(smollm2_export(2, "int4"), precision="exact")
+    ring.kv[1].store = PrefixStore(0)
+    warm = Generation(ring, prompter.tokenizer, prompter.eos_ids, prefix=PrefixIndex())
+    cold = Generation(ring, prompter.tokenizer, prompter.eos_ids)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    turns = [("system", "You are a careful assistant. " * 12), ("user", "Name three rivers in Europe.")]
+
+    async def run(generation, ids):
+        events = [e async for e in generation.run(ids, params)]
+        await generation.released()
+        return events[-1]
+
+    async def both():
+        first = await run(warm, _chat(prompter, turns))
+        ids = _chat(prompter, [*turns, ("assistant", first.text), ("user", "And in Africa?")])
+        return await run(warm, ids), await run(cold, ids)
+
+    got, want = asyncio.run(both())
+    assert got.cached_tokens == 0 and got.token_ids == want.token_ids
+    assert [len(kv.sessions) for kv in ring.kv] == [0, 0]
+    assert len(warm.prefix) == 1  # the failed entry went; the second turn's own sequence is kept

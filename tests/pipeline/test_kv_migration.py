@@ -1,0 +1,149 @@
+"""CaptureKv / RestoreKv between real stage processes: a session captured on one stage process and
+restored on a second serving the same layers decodes what the original decodes; every refusal
+answers with its own status code and leaves the target untouched."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import grpc
+import pytest
+
+from pipeshard.ownership import owner_key, owner_metadata
+from pipeshard.services.stage.wire import token_frame
+from pipeshard.v1 import stage_pb2, stage_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+
+class Driver:
+    """Talks to one final stage as a coordinator would: its own owner secret, a Results
+    subscription, one Forward stream; ``step`` sends token ids and returns the greedy token."""
+
+    def __init__(self, address: str, name: str):
+        secret = f"{name}-secret-for-the-kv-migration-tests"
+        self.metadata, self.owner = owner_metadata(secret), owner_key(secret)
+        self.channel = grpc.insecure_channel(address)
+        self.stub = stage_pb2_grpc.StageServiceStub(self.channel)
+        self._results: queue.Queue = queue.Queue()
+        self._subscription = self.stub.Results(
+            stage_pb2.ResultsRequest(subscriber_id=name), metadata=self.metadata
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self._frames: queue.Queue = queue.Queue()
+        self._forward = self.stub.Forward(iter(self._frames.get, None), metadata=self.metadata)
+        self.step_id = 0
+
+    def _read(self) -> None:
+        try:
+            for response in self._subscription:
+                self._results.put(response.result)
+        except grpc.RpcError:
+            pass
+
+    def step(self, session_id: str, ids: list[int], start: int) -> int:
+        frame = token_frame(session_id, self.step_id, ids, start, True)
+        frame.owner = self.owner
+        self.step_id += 1
+        self._frames.put(stage_pb2.ForwardRequest(frame=frame))
+        result = self._results.get(timeout=60)
+        assert not result.HasField("error"), result.error.message
+        return int(result.top1.token_ids[-1])
+
+    def greedy(self, session_id: str, token: int, start: int, n: int) -> list[int]:
+        out = []
+        for i in range(n):
+            token = self.step(session_id, [token], start + i)
+            out.append(token)
+        return out
+
+    def call(self, method: str, request):
+        return getattr(self.stub, method)(request, timeout=30, metadata=self.metadata)
+
+    def close(self) -> None:
+        self._frames.put(None)
+        self._subscription.cancel()
+        self.channel.close()
+
+
+@pytest.fixture(scope="module")
+def two_stage_processes(smollm2_export, fleet_factory):
+    """Two 1-stage INT4 fleets at exact: two stage processes serving the same layers."""
+    export = smollm2_export(1, "int4")
+    a = fleet_factory(export, 1, precision="exact")
+    b = fleet_factory(export, 1, precision="exact")
+    return a.stages[0], b.stages[0]
+
+
+def test_captured_session_continues_identically_on_another_process(two_stage_processes, chat_prompt_ids):
+    src, dst = Driver(two_stage_processes[0], "src"), Driver(two_stage_processes[1], "dst")
+    try:
+        prompt = chat_prompt_ids[3]
+        src.call("OpenSession", stage_pb2.OpenSessionRequest(session_id="m"))
+        first = src.step("m", prompt, 0)
+        head = src.greedy("m", first, len(prompt), 8)
+        held = [*prompt, first, *head[:-1]]  # what the cache holds: the last token is not fed yet
+        captured = src.call("CaptureKv", stage_pb2.CaptureKvRequest(session_id="m", token_ids=held))
+        assert captured.positions == len(held) and list(captured.snapshot.token_ids) == held
+        restored = dst.call(
+            "RestoreKv", stage_pb2.RestoreKvRequest(session_id="m", snapshot=captured.snapshot)
+        )
+        assert restored.positions == len(held)
+        want = src.greedy("m", head[-1], len(held), 32)
+        got = dst.greedy("m", head[-1], len(held), 32)  # the session was created by the restore
+        assert got == want
+
+        # Refusals, each with its code; the target session keeps running afterwards.
+        def refused(method: str, request, driver=dst) -> grpc.StatusCode:
+            with pytest.raises(grpc.RpcError) as err:
+                driver.call(method, request)
+            return err.value.code(), err.value.details()
+
+        def restore(snapshot):
+            return stage_pb2.RestoreKvRequest(session_id="m2", snapshot=snapshot)
+
+        wrong_model = stage_pb2.RestoreKvRequest()
+        wrong_model.snapshot.CopyFrom(captured.snapshot)
+        wrong_model.snapshot.model_fingerprint = "sha256:another-model"
+        code, details = refused("RestoreKv", restore(wrong_model.snapshot))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "model" in details
+        wrong_range = stage_pb2.RestoreKvRequest()
+        wrong_range.snapshot.CopyFrom(captured.snapshot)
+        wrong_range.snapshot.layer_start, wrong_range.snapshot.layer_end = 0, 15
+        code, details = refused("RestoreKv", restore(wrong_range.snapshot))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "layers [0, 15)" in details
+        corrupt = stage_pb2.RestoreKvRequest()
+        corrupt.snapshot.CopyFrom(captured.snapshot)
+        data = bytearray(corrupt.snapshot.states[5].tensor.data)
+        data[100] ^= 0x40
+        corrupt.snapshot.states[5].tensor.data = bytes(data)
+        code, details = refused("RestoreKv", restore(corrupt.snapshot))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "corrupt" in details
+        truncated = stage_pb2.RestoreKvRequest()
+        truncated.snapshot.CopyFrom(captured.snapshot)
+        del truncated.snapshot.states[-1]
+        code, _ = refused("RestoreKv", restore(truncated.snapshot))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        code, details = refused("CaptureKv", stage_pb2.CaptureKvRequest(session_id="never-opened"))
+        assert code == grpc.StatusCode.NOT_FOUND
+        # Another owner's session is as unknown as a missing one; a prefix never kept is missing.
+        intruder = Driver(two_stage_processes[1], "intruder")
+        try:
+            code, _ = refused("CaptureKv", stage_pb2.CaptureKvRequest(session_id="m"), driver=intruder)
+        finally:
+            intruder.close()
+        assert code == grpc.StatusCode.NOT_FOUND
+        code, _ = refused(
+            "RestoreKv",
+            stage_pb2.RestoreKvRequest(session_id="m2", cache_scope="x", cached_token_ids=held, positions=10),
+        )
+        assert code == grpc.StatusCode.NOT_FOUND
+        after = dst.greedy("m", got[-1], len(held) + 32, 4)
+        assert after == src.greedy("m", want[-1], len(held) + 32, 4)
+        for driver in (src, dst):
+            assert driver.call("ReleaseSession", stage_pb2.ReleaseSessionRequest(session_id="m")).released
+    finally:
+        src.close()
+        dst.close()

@@ -1,0 +1,46 @@
+"""Prefix caching through real fleets (2 stages, INT4, exact), no client change: a chat's next turn
+restores its history on every stage and answers exactly what a fleet whose stages keep nothing
+(every restore fails there and falls back to a cold prefill) answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeshard.clients.client import PipeshardClient
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = "You answer in short, precise sentences. " * 10
+
+
+@pytest.fixture(scope="module")
+def fleets(smollm2_export, fleet_factory):
+    export = smollm2_export(2, "int4")
+    warm = fleet_factory(export, 2, precision="exact")
+    cold = fleet_factory(export, 2, precision="exact", extra_stage_args=["--prefix-cache-bytes", "0"])
+    return warm, cold
+
+
+def _conversation(address: str) -> list[list[int]]:
+    """Three turns (the second speculative); each turn resends the whole history."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name two planets."}]
+    replies = []
+    with PipeshardClient(address, timeout_s=300) as client:
+        for i, question in enumerate(("Which one is larger?", "How far is it from the Sun?", "")):
+            spec = {"speculative": "ngram", "k": 3} if i == 1 else {}
+            result = client.generate(messages=messages, max_tokens=24, ignore_eos=True, **spec)
+            replies.append(result.token_ids)
+            messages += [{"role": "assistant", "content": result.text}, {"role": "user", "content": question}]
+    return replies
+
+
+def test_warm_turns_equal_cold_turns_and_failed_restores_fall_back(fleets):
+    warm, cold = fleets
+    assert _conversation(warm.coordinator) == _conversation(cold.coordinator)
+    warm_log = warm.process("coordinator").log.read_text()
+    cold_log = cold.process("coordinator").log.read_text()
+    assert warm_log.count('"prefix_cache_hit"') >= 2 and '"prefix_cache_fallback"' not in warm_log
+    # The cold fleet's stages keep nothing: the index still tries, every stage refuses, all of it
+    # is dropped and the turn prefills cold, with the reason logged.
+    assert cold_log.count('"prefix_cache_fallback"') >= 2 and '"prefix_cache_hit"' not in cold_log
+    assert "prefix cache has no block" in cold_log

@@ -1,0 +1,59 @@
+"""The stage's prefix cache: blocks keyed by (owner, scope, token prefix), shared, LRU by bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeshard.errors import InvalidArgument, NotFound
+from pipeshard.services.stage.prefix_store import BLOCK, PrefixStore, block_keys
+
+
+def kv(tokens: list[int]) -> list[np.ndarray]:
+    """Fake KV whose every position holds its token id: [kv_heads 2, T, head_dim 3], K and V."""
+    a = np.broadcast_to(np.asarray(tokens, np.float32)[None, :, None], (2, len(tokens), 3))
+    return [a, -a]
+
+
+def test_keys_chain_over_every_token_before_them():
+    a = block_keys("s", list(range(70)))
+    b = block_keys("s", [*range(64), 99, 98])
+    assert [(s, e) for s, e, _ in a] == [(0, 32), (32, 64), (64, 70)]
+    assert [k for *_, k in a[:2]] == [k for *_, k in b[:2]] and a[2][2] != b[2][2]
+    assert block_keys("other", list(range(32)))[0][2] != a[0][2]  # scopes never share a block
+
+
+def test_prefix_of_a_kept_sequence_comes_back_and_shared_blocks_are_stored_once():
+    store = PrefixStore(1 << 20)
+    system = list(range(1000, 1000 + 2 * BLOCK))
+    one, two = [*system, 1, 2, 3], [*system, 7, 8, 9, 10]
+    first = store.put("o", "s", one, kv(one))
+    second = store.put("o", "s", two, kv(two))
+    per_position = 2 * (2 * 3 * 4)  # K and V of 2 heads x 3 dims of f32
+    assert first == len(one) * per_position
+    assert second == 4 * per_position  # only the new partial block: the system prompt is shared
+    k, v = store.get("o", "s", two, 66)
+    assert k.shape == (2, 66, 3) and k[0, :, 0].tolist() == two[:66] and (v == -k).all()
+    with pytest.raises(NotFound):
+        store.get("o", "other-scope", two, 10)
+    with pytest.raises(NotFound):
+        store.get("another-owner", "s", two, 10)
+    with pytest.raises(InvalidArgument) as err:
+        store.get("o", "s", two, len(two) + 1)
+    assert err.value.field == "positions"
+
+
+def test_least_recently_used_blocks_go_beyond_the_budget():
+    per_block = BLOCK * 2 * (2 * 3 * 4)
+    store = PrefixStore(2 * per_block)
+    a, b = list(range(BLOCK)), list(range(100, 100 + BLOCK))
+    store.put("o", "s", a, kv(a))
+    store.put("o", "s", b, kv(b))
+    store.get("o", "s", a, BLOCK)  # a is now the most recently used
+    c = list(range(200, 200 + BLOCK))
+    store.put("o", "s", c, kv(c))
+    assert store.nbytes == 2 * per_block and len(store) == 2
+    store.get("o", "s", a, 1)
+    with pytest.raises(NotFound):
+        store.get("o", "s", b, 1)
+    assert PrefixStore(0).put("o", "s", a, kv(a)) == 0  # a zero budget keeps nothing
