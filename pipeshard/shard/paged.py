@@ -206,6 +206,10 @@ class PagedShard:
     def length(self, seq: Hashable) -> int:
         return self._get(seq).length
 
+    def capacity(self, seq: Hashable) -> int:
+        """Tokens the sequence's reservation holds (its blocks times the block size)."""
+        return self._get(seq).capacity
+
     def rewind(self, seq: Hashable, length: int) -> None:
         """Shorten a sequence to its first ``length`` tokens (speculation's rejected drafts): the
         slots past it are simply overwritten by the next step; nothing moves or is copied."""

@@ -38,7 +38,7 @@ log = structlog.get_logger(__name__)
 class RingLike(Protocol):
     """What a generation needs of the stages: the gRPC ``Ring`` or the in-process ``LocalRing``."""
 
-    async def open_session(self, session_id: str) -> int: ...
+    async def open_session(self, session_id: str, capacity: int | None = None) -> int: ...
 
     async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult: ...
 
@@ -81,9 +81,10 @@ class _Cursor:
     """Where one session's cache stands on every stage: physical length written, logical
     length kept, and the rejected ranges the next frame must mask out."""
 
-    def __init__(self, session_id: str, greedy: bool):
+    def __init__(self, session_id: str, greedy: bool, *, truncates: bool = False):
         self.session_id = session_id
         self.greedy = greedy
+        self.truncates = truncates  # the ring rewinds by shortening the cache (paged): no holes
         self.step = 0
         self.physical = 0
         self.logical = 0
@@ -113,6 +114,8 @@ class _Cursor:
         if n:
             self._rejected.append((self.physical - n, self.physical))
             self.logical -= n
+            if self.truncates:
+                self.physical -= n
 
 
 def _take(
@@ -151,6 +154,7 @@ class _Request:
         policy: KPolicy,
         detok: IncrementalDetokenizer,
         stop_ids: set[int],
+        truncates: bool = False,
     ):
         self.session_id = session_id
         self.prompt_ids = prompt_ids
@@ -158,7 +162,7 @@ class _Request:
         self.max_context = max_context
         self.drafter = drafter
         self.policy = policy
-        self.cursor = _Cursor(session_id, params.greedy)
+        self.cursor = _Cursor(session_id, params.greedy, truncates=truncates)
         self.detok = detok
         self.sampler = None if params.greedy else Sampler(params)
         self.sample = None if self.sampler is None else (self.sampler.probabilities, self.sampler.rng)
@@ -317,7 +321,9 @@ class Generation:
         mode = self.check_speculative(speculative, k)
         factory = None if mode == "none" else await self._drafts.factory(mode)
         session_id = uuid.uuid4().hex
-        max_context = await self._ring.open_session(session_id)
+        # The cache room the request can use: its prompt, its tokens and one verify step's drafts.
+        capacity = len(prompt_ids) + params.max_tokens + self.max_k + 1
+        max_context = await self._ring.open_session(session_id, capacity)
         drafter = factory() if factory else None
         memory = None if mode == "none" else self._sources.setdefault(mode, SourceMemory())
         return _Request(
@@ -330,6 +336,7 @@ class Generation:
             policy=KPolicy(self.timing, fixed_k=k or None, max_k=self.max_k, memory=memory),
             detok=IncrementalDetokenizer(self._tok, params.stop),
             stop_ids=set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos),
+            truncates=getattr(self._ring, "truncates_on_rewind", False),
         )
 
     async def _step(self, request: _Request) -> tuple[Chunk, bool]:

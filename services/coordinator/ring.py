@@ -160,8 +160,9 @@ class Ring:
         is one long step, which must not read as a dead stage."""
         return self.step_timeout_s * max(1, -(-rows // TIMEOUT_ROWS))
 
-    async def open_session(self, session_id: str) -> int:
-        """Open the session on every stage; returns the smallest max_context among them."""
+    async def open_session(self, session_id: str, capacity: int | None = None) -> int:
+        """Open the session on every stage; returns the smallest max_context among them.
+        ``capacity`` (the tokens the session may use) is not sent yet: stages serve stateful."""
         try:
             responses = await self._on_all("OpenSession", stage_pb2.OpenSessionRequest(session_id=session_id))
         except BaseException:
