@@ -13,6 +13,7 @@ from pipeshard.services.coordinator.batched_ring import BatchedRing
 from pipeshard.services.coordinator.generation import Generation, Summary
 from pipeshard.services.coordinator.local_ring import LocalRing
 from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.shard.prompting import Prompter
 
 pytestmark = pytest.mark.slow
@@ -103,3 +104,31 @@ def test_admission_names_the_budget(setup):
 
     assert len(asyncio.run(main())) == 8
     assert all(s.usage().blocks_used == 0 for s in small.shards)
+
+
+def test_speculation_rewinds_by_truncation_and_keeps_the_plain_tokens(setup):
+    export, prompter, ring, _ = setup
+    ids = prompter.encode("", [("user", "Repeat after me: one two three, one two three, one two three.")])
+
+    async def main():
+        generation = Generation(
+            ring,
+            prompter.tokenizer,
+            prompter.eos_ids,
+            prefill_chunk=ring.prefill_chunk,
+            drafts=DraftSources(export),
+        )
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        runs = {}
+        for mode in ("none", "ngram"):
+            async for event in generation.run(ids, params, speculative=mode, k=4):
+                if isinstance(event, Summary):
+                    runs[mode] = event
+        await generation.released()
+        return runs
+
+    runs = asyncio.run(main())
+    spec = runs["ngram"]
+    assert spec.token_ids == runs["none"].token_ids
+    assert spec.verify_steps and spec.accepted_tokens < spec.draft_tokens  # some drafts were rewound
+    assert all(s.usage().blocks_used == 0 for s in ring.shards)
