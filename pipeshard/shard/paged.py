@@ -153,7 +153,10 @@ class PagedShard:
         if not cache_ports:
             raise InvalidArgument("export_dir", f"stage {stage_index} has no attention layers to page")
         shapes = [p.get_partial_shape() for p in cache_ports]
-        self.block_tokens = shapes[0][2].get_length()
+        # Tokens per block from a value cache: a u8 key cache (the default precision) stores its
+        # per-token scales and zero points as extra rows, [blocks, heads, 32 + 8, head_dim].
+        values = [s for p, s in zip(cache_ports, shapes, strict=True) if "value_" in p.get_any_name()]
+        self.block_tokens = values[0][2].get_length()
         block_bytes = sum(
             p.get_element_type().size * math.prod(s[i].get_length() for i in (1, 2, 3))
             for p, s in zip(cache_ports, shapes, strict=True)

@@ -159,3 +159,17 @@ def test_bad_rows_fail_the_step_and_change_nothing(paged):
     finally:
         first.free("x")
         first.free("y")
+
+
+def test_default_precision_blocks_hold_32_tokens_with_a_u8_cache(export):
+    # The u8 key cache keeps its scales as extra rows ([blocks, 3, 40, 64]); blocks still hold 32
+    # tokens, and a sequence longer than one block decodes like its prefill predicted.
+    stage = PagedShard(export, 0, "default", cache_bytes=8 << 20)
+    assert stage.block_tokens == 32
+    assert stage.block_bytes == 15 * (3 * 40 * 64 + 3 * 32 * 72)
+    stage.open("a", 100)
+    stage.open("b", 100)
+    hidden = stage.step([PagedRow("a", np.arange(70)), PagedRow("b", np.arange(5, 75))])
+    assert [h.shape for h in hidden] == [(70, 576), (70, 576)]
+    assert np.isfinite(hidden[0]).all() and np.isfinite(hidden[1]).all()
+    assert stage.usage().blocks_used == 8
