@@ -15,6 +15,7 @@ from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.coordinator.admission import Admission
 from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
+from pipeshard.services.coordinator.plan_ring import PlanRing
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.servicer import CoordinatorServicer
@@ -79,6 +80,12 @@ class CoordinatorSettings(ServerSettings):
     hop_delay_ms: float = setting(
         0.0, "emulated one-way latency added to every frame sent into the ring (benchmarks)"
     )
+    kv: str = setting(
+        "stateful",
+        "the stages' KV backend: paged batches every running session into one plan frame per step "
+        "(start the stages with --kv paged)",
+        choices=("stateful", "paged"),
+    )
 
 
 def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
@@ -134,11 +141,15 @@ class Coordinator:
         )
         await self.ring.start()
         await self.ring.wait_ready(self.settings.ready_timeout_s)
+        paged = self.settings.kv == "paged"
+        chunk = self.settings.prefill_chunk
+        if paged and chunk == DEFAULT_PREFILL_CHUNK:
+            chunk = PlanRing.prefill_chunk  # the same chunks as `generate --local --kv paged`
         generation = Generation(
-            self.ring,
+            PlanRing(self.ring) if paged else self.ring,
             prompter.tokenizer,
             prompter.eos_ids,
-            prefill_chunk=self.settings.prefill_chunk,
+            prefill_chunk=chunk,
             drafts=DraftSources(
                 Path(self.settings.shards),
                 self_draft=self.settings.self_draft,
@@ -192,6 +203,7 @@ class Coordinator:
             shards=self.settings.shards,
             next_hop=self.settings.stages[0],
             precision=self.settings.precision,
+            kv=self.settings.kv,
             hop_delay_ms=self.settings.hop_delay_ms,
             tls_dir=self.settings.tls_dir,
             tls_name=self.settings.tls_name or "coordinator",

@@ -32,6 +32,15 @@ class StageEngine:
         self.max_context = max_context
         self.vocab_size = vocab_size
 
+    kv_backend = "stateful"
+
+    def open(self, owner: str, session_id: str, capacity: int | None = None) -> None:
+        """Opens a session (each holds its own cache: ``capacity`` needs no reservation)."""
+        self.sessions.open(owner, session_id)
+
+    def reset(self, owner: str, session_id: str) -> None:
+        self.sessions.get(owner, session_id).reset()
+
     def run(self, step: StepInput) -> StepOutput:
         session = self.sessions.get(step.owner, step.session_id)
         check_activations(step.activations, is_first=self.is_first, hidden_size=self.hidden_size)

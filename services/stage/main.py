@@ -14,12 +14,14 @@ from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.stage.engine import StageEngine
 from pipeshard.services.stage.node import StageNode
+from pipeshard.services.stage.paged_engine import PagedEngine
 from pipeshard.services.stage.rawtcp import RawTcpStage
 from pipeshard.services.stage.servicer import StageServicer
 from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.services.transport.hop import HopStream
 from pipeshard.settings import ServerSettings, load_settings, setting
 from pipeshard.shard.manifest import verify_shard
+from pipeshard.shard.paged import DEFAULT_CACHE_BYTES, PagedShard
 from pipeshard.shard.pull import pull_shard
 from pipeshard.shard.runtime import ShardRunner
 from pipeshard.shard.serving import hold_serving_lock
@@ -61,6 +63,13 @@ class StageSettings(ServerSettings):
     hop_delay_ms: float = setting(
         0.0, "emulated one-way latency added to every frame or result this stage sends (benchmarks)"
     )
+    kv: str = setting(
+        "stateful",
+        "KV backend: stateful (one cache per session) or paged (a shared block pool; plan frames run "
+        "many sessions in one inference)",
+        choices=("stateful", "paged"),
+    )
+    kv_cache_bytes: int = setting(DEFAULT_CACHE_BYTES, "byte budget of the paged KV block pool (--kv paged)")
 
 
 def resolve(settings: StageSettings) -> StageSettings:
@@ -101,19 +110,23 @@ def ensure_shard(settings: StageSettings) -> None:
 
 
 def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageInfoResponse]:
-    runner = ShardRunner(
-        settings.shards,
-        settings.stage,
-        settings.precision,
-        settings.num_threads or None,
-        num_streams=settings.num_streams or None,
-    )
+    threads = settings.num_threads or None
+    if settings.kv == "paged":
+        runner = PagedShard(
+            settings.shards, settings.stage, settings.precision, threads, cache_bytes=settings.kv_cache_bytes
+        )
+    else:
+        runner = ShardRunner(
+            settings.shards,
+            settings.stage,
+            settings.precision,
+            threads,
+            num_streams=settings.num_streams or None,
+        )
     if runner.is_last == bool(settings.next_hop):
         raise InvalidArgument(
             "next_hop", "must be set for every stage but the last" if not runner.is_last else "must be unset"
         )
-    # Warm up before the server starts listening (so before health reports SERVING): the first
-    # inferences of a fresh compiled model pay for allocation and kernel preparation.
     started = time.perf_counter()
     inferences = runner.warmup()
     log.info(
@@ -122,20 +135,25 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         inferences=inferences,
         seconds=round(time.perf_counter() - started, 3),
     )
-    sessions = SessionTable(
-        runner.new_session,
-        settings.max_sessions,
-        settings.idle_timeout_s,
-        max_per_owner=settings.max_sessions_per_owner,
-    )
-    engine = StageEngine(
-        sessions,
-        is_first=runner.is_first,
-        is_last=runner.is_last,
-        hidden_size=runner.hidden_size,
-        max_context=runner.max_context,
-        vocab_size=runner.vocab_size,
-    )
+    if settings.kv == "paged":
+        engine = PagedEngine(
+            runner, settings.max_sessions, settings.idle_timeout_s, settings.max_sessions_per_owner
+        )
+    else:
+        sessions = SessionTable(
+            runner.new_session,
+            settings.max_sessions,
+            settings.idle_timeout_s,
+            max_per_owner=settings.max_sessions_per_owner,
+        )
+        engine = StageEngine(
+            sessions,
+            is_first=runner.is_first,
+            is_last=runner.is_last,
+            hidden_size=runner.hidden_size,
+            max_context=runner.max_context,
+            vocab_size=runner.vocab_size,
+        )
     delay_s = settings.hop_delay_ms / 1000.0
     hop = (
         HopStream(settings.next_hop, delay_s=delay_s, tls=fleet_tls(settings)) if settings.next_hop else None

@@ -62,7 +62,13 @@ class PagedEngine:
         self.max_context = shard.max_context
         self.vocab_size = shard.vocab_size
 
-    def open(self, owner: str, session_id: str, capacity: int | None) -> None:
+    kv_backend = "paged"
+
+    def reset(self, owner: str, session_id: str) -> None:
+        """Forgets the session's tokens; it keeps its reservation."""
+        self.shard.rewind(self.sessions.get(owner, session_id).key, 0)
+
+    def open(self, owner: str, session_id: str, capacity: int | None = None) -> None:
         """Opens a session and reserves room for ``capacity`` tokens (the export's max_context
         when None); refuses with RESOURCE_EXHAUSTED naming the budget when it cannot fit."""
         session = self.sessions.open(owner, session_id)
