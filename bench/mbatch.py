@@ -25,7 +25,10 @@ threads, and the stateful ``LocalRing`` with one user as the single-user baselin
 ``four_users_over_best_single`` (the best 4-user configuration over the best single-user one of
 any backend, precision and thread setting), ``full_stack_over_mono`` (the best up to 8 users
 over LLMPipeline), per-user TTFT and inter-token p50/p95, and isolation against solo runs.
-The fleet series still run the stateful stages (plan frames through a fleet are not built yet).
+The ``2s_paged`` / ``2s_paged_exact`` series run the 2-stage fleet with ``--kv paged`` on stages and
+coordinator (plan frames: every user's row in each inference), at the default precision and in
+exact mode with 1 thread per stage; when present, they give ``four_users_over_one`` and
+``eight_users_over_one`` (exact) and their ``_default`` twins instead of the local series.
 
 Knobs: BENCH_SERIES (comma-separated series names, default all; a subset skips stacking, the plot
 and the ratios whose inputs it lacks), BENCH_DRAFT=<draft export> speculates with that draft
@@ -79,16 +82,33 @@ class Series(NamedTuple):
     wan: bool
     levels: tuple[int, ...]
     threads: int = 0  # OpenVINO inference threads per stage; 0: the plugin's choice (2 here)
+    kv: str = "stateful"  # paged: stages and coordinator batch every session per step (#16)
+    precision: str = "default"
 
     @property
-    def fleet(self) -> tuple[int, int, bool]:
-        return self.stages, self.threads, self.wan
+    def fleet(self) -> tuple[int, int, bool, str, str]:
+        return self.stages, self.threads, self.wan, self.kv, self.precision
+
+    @property
+    def loopback(self) -> tuple[int, int, bool, str, str]:
+        return self.stages, self.threads, False, self.kv, self.precision
 
 
 ALL_SERIES = {
     "2s": Series("2 stages", 2, 0, False, (1, 2, 3, 4, 8)),
     "2s_1t": Series("2 stages, 1 thread per stage", 2, 0, False, (1, 2), threads=1),
     "3s": Series("3 stages", 3, 0, False, (1, 3)),
+    "2s_paged": Series("2 stages, paged, batched", 2, 0, False, (1, 2, 4, 8), kv="paged"),
+    "2s_paged_exact": Series(
+        "2 stages, paged, batched, exact, 1 thread",
+        2,
+        0,
+        False,
+        (1, 4, 8),
+        threads=1,
+        kv="paged",
+        precision="exact",
+    ),
     "2s_spec": Series(f"2 stages, {SPEC_SOURCE} K={SPEC_K}", 2, SPEC_K, False, (1, 2, 4)),
     "wan50": Series("2 stages, WAN 50 ms/hop", 2, 0, True, (1, 4, 8)),
     "wan50_spec": Series(
@@ -245,37 +265,44 @@ def main() -> int:
             )
     try:
         # Every series' fleet, and its loopback twin for the solo references.
-        wanted = {f for s in SERIES.values() for f in (s.fleet, (s.stages, s.threads, False))}
-        for stages, threads, wan in sorted(wanted):
-            if (stages, threads, wan) in fleets:
+        wanted = {f for s in SERIES.values() for f in (s.fleet, s.loopback)}
+        for key in sorted(wanted):
+            if key in fleets:
                 continue
-            name = f"{stages}s-{threads or 'default'}t" + ("-wan" if wan else "")
+            stages, threads, wan, kv, precision = key
+            name = f"{stages}s-{threads or 'default'}t-{kv}-{precision}" + ("-wan" if wan else "")
             stage_args = ["--num-threads", str(threads)] if threads else []
+            coordinator_args = list(COORDINATOR_ARGS)
+            if kv == "paged":
+                stage_args += ["--kv", "paged"]
+                coordinator_args += ["--kv", "paged"]
             if wan:
-                fleets[(stages, threads, wan)] = WanFleet(
+                fleets[key] = WanFleet(
                     shards[stages],
                     stages,
                     WAN_DELAY_MS,
                     WAN_RATE_MBIT,
                     run_dir / name,
+                    precision=precision,
                     extra_stage_args=stage_args,
-                    extra_coordinator_args=COORDINATOR_ARGS,
+                    extra_coordinator_args=coordinator_args,
                 )
             else:
-                fleets[(stages, threads, wan)] = start_fleet(
+                fleets[key] = start_fleet(
                     shards[stages],
                     stages,
                     run_dir / name,
+                    precision=precision,
                     extra_stage_args=stage_args,
-                    extra_coordinator_args=COORDINATOR_ARGS,
+                    extra_coordinator_args=coordinator_args,
                 )
         # Solo references on loopback: the same shards, precision and threads give the same tokens at
         # any delay (the thread count may change the kernels' rounding, so it is part of the key).
         solos = {}
         for prefix, series in SERIES.items():
-            key = (series.stages, series.threads, series.k)
+            key = (series.loopback, series.k)
             if key not in solos:
-                loopback = fleets[(series.stages, series.threads, False)]
+                loopback = fleets[series.loopback]
                 solos[key] = loop.run_until_complete(_stream(loopback.coordinator, series.k))
             for c in series.levels:
                 records[f"{prefix}_x{c}"]["solo"] = solos[key]["result"].token_ids
@@ -313,20 +340,31 @@ def main() -> int:
         "full_stack_over_mono": (
             [f"2s_x{c}" for c in (1, 2, 3, 4)]
             + [f"2s_spec_x{c}" for c in (1, 2, 4)]
-            + [f"{p}_x{c}" for p, s in LOCAL.items() for c in s.levels],
+            + [
+                f"{p}_x{c}"
+                for p, s in [*SERIES.items(), *LOCAL.items()]
+                if "paged" in p or p in LOCAL
+                for c in s.levels
+            ],
             "A",
         ),
-        "four_users_over_one": (["local_exact_x4"], "local_exact_x1"),
-        "eight_users_over_one": (["local_exact_x8"], "local_exact_x1"),
-        "four_users_over_one_default": (["local_default_x4"], "local_default_x1"),
-        "eight_users_over_one_default": (["local_default_x8"], "local_default_x1"),
         "full_stack_over_plain_at_50ms": (["wan50_x1", "wan50_x4", "wan50_spec_x4"], "wan50_x1"),
         "best_at_50ms_any_concurrency": ([n for n in samples if n.startswith("wan50")], "wan50_x1"),
     }
-    singles = [f"{p}_x1" for p in LOCAL if f"{p}_x1" in samples]
+    # The issue's ratios on the paged 2-stage fleet in exact mode, else on the in-process paged ring.
+    for key, users in (("four_users_over_one", 4), ("eight_users_over_one", 8)):
+        for prefix in ("2s_paged_exact", "local_exact"):
+            if f"{prefix}_x{users}" in samples and f"{prefix}_x1" in samples:
+                ratios[key] = ([f"{prefix}_x{users}"], f"{prefix}_x1")
+                break
+        for prefix in ("2s_paged", "local_default"):
+            if f"{prefix}_x{users}" in samples and f"{prefix}_x1" in samples:
+                ratios[f"{key}_default"] = ([f"{prefix}_x{users}"], f"{prefix}_x1")
+                break
+    singles = [n for n in samples if n.endswith("_x1") and n != "A"]
     if singles:
         ratios["four_users_over_best_single"] = (
-            [f"{p}_x4" for p in LOCAL],
+            [n for n in samples if n.endswith("_x4")],
             max(singles, key=lambda n: median(samples[n])),
         )
     for key, (names, over) in ratios.items():
