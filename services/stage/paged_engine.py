@@ -73,7 +73,8 @@ class PagedEngine:
         when None); refuses with RESOURCE_EXHAUSTED naming the budget when it cannot fit."""
         session = self.sessions.open(owner, session_id)
         try:
-            session.reserve(capacity or self.max_context)
+            # Drafts may ask beyond max_context on a full-length request; they never get it (check_step).
+            session.reserve(min(capacity or self.max_context, self.max_context))
         except PipeshardError:
             self.sessions.release(owner, session_id)
             raise
