@@ -111,6 +111,10 @@ def ensure_shard(settings: StageSettings) -> None:
 
 def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageInfoResponse]:
     threads = settings.num_threads or None
+    if settings.kv == "paged" and settings.raw_tcp_port:
+        raise InvalidArgument(
+            "raw_tcp_port", "the raw-TCP baseline serves the stateful backend only (--kv stateful)"
+        )
     if settings.kv == "paged":
         runner = PagedShard(
             settings.shards, settings.stage, settings.precision, threads, cache_bytes=settings.kv_cache_bytes
