@@ -168,6 +168,7 @@ class PagedShard:
         self.block_bytes = block_bytes
         self.cache_bytes = cache_bytes
         self.blocks_total = cache_bytes // block_bytes
+        self._cache_names = [p.get_any_name() for p in cache_ports]
         for port, shape in zip(cache_ports, shapes, strict=True):
             dims = [self.blocks_total] + [shape[i].get_length() for i in (1, 2, 3)]
             tensor = ov.Tensor(port.get_element_type(), dims)
@@ -222,6 +223,50 @@ class PagedShard:
                 "length", f"must be in [0, {state.length}] for sequence {seq!r}, got {length}"
             )
         state.length = length
+
+    def export_kv(self, seq: Hashable) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The sequence's cache per layer as (K, V), each [kv_heads, length, head_dim] f32: the
+        backend-neutral shape of KV capture (issue #19). f32 caches only (``f32``/``exact``)."""
+        state = self._get(seq)
+        out = []
+        for layer in range(len(self._cache_names) // 2):
+            pair = []
+            for kind in ("key_cache", "value_cache"):
+                pool = self._pool(f"{kind}.{layer}")
+                pair.append(np.concatenate(list(pool[state.blocks]), axis=1)[:, : state.length].copy())
+            out.append((pair[0], pair[1]))
+        return out
+
+    def import_kv(self, seq: Hashable, layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Write ``export_kv``'s layers into an open sequence (its length becomes theirs)."""
+        state = self._get(seq)
+        if len(layers) != len(self._cache_names) // 2:
+            raise InvalidArgument(
+                "layers", f"must hold {len(self._cache_names) // 2} layers, got {len(layers)}"
+            )
+        length = layers[0][0].shape[1]
+        if length > state.capacity:
+            raise ResourceExhausted(
+                f"{length} tokens of KV exceed the sequence's reservation of {state.capacity}"
+            )
+        bt = self.block_tokens
+        for layer, pair in enumerate(layers):
+            for kind, array in zip(("key_cache", "value_cache"), pair, strict=True):
+                pool = self._pool(f"{kind}.{layer}")
+                if array.shape != (pool.shape[1], length, pool.shape[3]):
+                    raise InvalidArgument("layers", f"layer {layer} {kind} has shape {list(array.shape)}")
+                for i, block in enumerate(state.blocks[: self.blocks_for(length)]):
+                    part = array[:, i * bt : (i + 1) * bt]
+                    pool[block, :, : part.shape[1]] = part
+        state.length = length
+
+    def _pool(self, name: str) -> np.ndarray:
+        tensor = self._req.get_tensor(name)
+        if tensor.element_type != ov.Type.f32:
+            raise InvalidArgument(
+                "precision", f"KV export needs an f32 cache (f32 or exact), not {tensor.element_type}"
+            )
+        return tensor.data
 
     def usage(self) -> CacheUsage:
         with self._lock:

@@ -173,3 +173,24 @@ def test_default_precision_blocks_hold_32_tokens_with_a_u8_cache(export):
     assert [h.shape for h in hidden] == [(70, 576), (70, 576)]
     assert np.isfinite(hidden[0]).all() and np.isfinite(hidden[1]).all()
     assert stage.usage().blocks_used == 8
+
+
+def test_exported_kv_restores_into_another_sequence(paged, chat_prompt_ids):
+    ids = chat_prompt_ids[2]
+    for p in paged:
+        p.open("src", len(ids) + 4)
+        p.open("dst", len(ids) + 4)
+    try:
+        token = int(_step(paged, {"src": ids})["src"].argmax())
+        blobs = [p.export_kv("src") for p in paged]
+        assert len(blobs[0]) == 15 and blobs[0][0][0].shape == (3, len(ids), 64)
+        for p, blob in zip(paged, blobs, strict=True):
+            p.import_kv("dst", blob)
+        after = _step(paged, {"src": [token], "dst": [token]})
+        np.testing.assert_array_equal(after["dst"], after["src"])
+        with pytest.raises(InvalidArgument, match="`layers`"):
+            paged[0].import_kv("dst", blobs[0][:3])
+    finally:
+        for p in paged:
+            p.free("src")
+            p.free("dst")
