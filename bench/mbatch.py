@@ -17,6 +17,19 @@ two is faster with one stream.
 
 Then, in this process: batch-dimension stacking against interleaving (bench/stacking.py).
 
+The ``local_*`` series (continuous batching, issue #16) serve 1-8 users with different prompts
+(bench/batched.py) through every stage in this process: the paged ``BatchedRing`` (all users'
+rows in each inference) in exact mode at 1 thread and at the default precision with the plugin's
+threads, and the stateful ``LocalRing`` with one user as the single-user baselines. Their keys:
+``four_users_over_one`` / ``eight_users_over_one`` (paged exact, over its own single user),
+``four_users_over_best_single`` (the best 4-user configuration over the best single-user one of
+any backend, precision and thread setting), ``full_stack_over_mono`` (the best up to 8 users
+over LLMPipeline), per-user TTFT and inter-token p50/p95, and isolation against solo runs.
+The ``2s_paged`` / ``2s_paged_exact`` series run the 2-stage fleet with ``--kv paged`` on stages and
+coordinator (plan frames: every user's row in each inference), at the default precision and in
+exact mode with 1 thread per stage; when present, they give ``four_users_over_one`` and
+``eight_users_over_one`` (exact) and their ``_default`` twins instead of the local series.
+
 Knobs: BENCH_SERIES (comma-separated series names, default all; a subset skips stacking, the plot
 and the ratios whose inputs it lacks), BENCH_DRAFT=<draft export> speculates with that draft
 (`self`, for example a distilled one) instead of prompt lookup, BENCH_SPEC_K (3) and
@@ -35,6 +48,7 @@ from typing import NamedTuple
 import numpy as np
 
 from bench import stacking
+from bench.batched import LocalUsers, latency
 from bench.pipeline import ensure_export
 from bench.reference import GenAIPipeline, optimum_export
 from bench.spec import spec_stats
@@ -68,28 +82,61 @@ class Series(NamedTuple):
     wan: bool
     levels: tuple[int, ...]
     threads: int = 0  # OpenVINO inference threads per stage; 0: the plugin's choice (2 here)
+    kv: str = "stateful"  # paged: stages and coordinator batch every session per step (#16)
+    precision: str = "default"
 
     @property
-    def fleet(self) -> tuple[int, int, bool]:
-        return self.stages, self.threads, self.wan
+    def fleet(self) -> tuple[int, int, bool, str, str]:
+        return self.stages, self.threads, self.wan, self.kv, self.precision
+
+    @property
+    def loopback(self) -> tuple[int, int, bool, str, str]:
+        return self.stages, self.threads, False, self.kv, self.precision
 
 
 ALL_SERIES = {
     "2s": Series("2 stages", 2, 0, False, (1, 2, 3, 4, 8)),
     "2s_1t": Series("2 stages, 1 thread per stage", 2, 0, False, (1, 2), threads=1),
     "3s": Series("3 stages", 3, 0, False, (1, 3)),
+    "2s_paged": Series("2 stages, paged, batched", 2, 0, False, (1, 2, 4, 8), kv="paged"),
+    "2s_paged_exact": Series(
+        "2 stages, paged, batched, exact, 1 thread",
+        2,
+        0,
+        False,
+        (1, 4, 8),
+        threads=1,
+        kv="paged",
+        precision="exact",
+    ),
     "2s_spec": Series(f"2 stages, {SPEC_SOURCE} K={SPEC_K}", 2, SPEC_K, False, (1, 2, 4)),
     "wan50": Series("2 stages, WAN 50 ms/hop", 2, 0, True, (1, 4, 8)),
     "wan50_spec": Series(
         f"2 stages, WAN 50 ms/hop, {SPEC_SOURCE} K={SPEC_K_WAN}", 2, SPEC_K_WAN, True, (4, 8)
     ),
 }
-SERIES = {
-    n: s
-    for n, s in ALL_SERIES.items()
-    if n in os.environ.get("BENCH_SERIES", ",".join(ALL_SERIES)).split(",")
+
+
+class LocalSeries(NamedTuple):
+    label: str
+    paged: bool
+    precision: str
+    threads: int | None
+    levels: tuple[int, ...]
+
+
+ALL_LOCAL = {
+    "local_exact": LocalSeries("in-process paged, exact, 1 thread", True, "exact", 1, (1, 2, 4, 8)),
+    "local_default": LocalSeries("in-process paged, default precision", True, "default", None, (1, 2, 4, 8)),
+    "local_stateful_exact": LocalSeries("in-process stateful, exact, 1 thread", False, "exact", 1, (1,)),
+    "local_stateful_default": LocalSeries(
+        "in-process stateful, default precision", False, "default", None, (1,)
+    ),
 }
-COMPLETE = SERIES == ALL_SERIES
+_WANTED = os.environ.get("BENCH_SERIES", ",".join([*ALL_SERIES, *ALL_LOCAL])).split(",")
+SERIES = {n: s for n, s in ALL_SERIES.items() if n in _WANTED}
+LOCAL = {n: s for n, s in ALL_LOCAL.items() if n in _WANTED}
+COMPLETE = SERIES == ALL_SERIES and LOCAL == ALL_LOCAL
 
 
 async def _stream(address: str, k: int) -> dict:
@@ -156,7 +203,7 @@ def plot(samples: dict[str, list[float]], path: Path) -> None:
     from matplotlib.ticker import ScalarFormatter
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for prefix, series in SERIES.items():
+    for prefix, series in [*SERIES.items(), *LOCAL.items()]:
         points = [summary(samples[f"{prefix}_x{c}"]) for c in series.levels]
         mid = [p["median"] for p in points]
         err = [
@@ -176,11 +223,20 @@ def plot(samples: dict[str, list[float]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _local_round(users: LocalUsers, c: int, rounds: list, record: dict) -> float:
+    """One round of c in-process users; keeps its latencies and ANDs its isolation."""
+    out = users.run(c)
+    rounds.append(out)
+    record["isolated"] = record["isolated"] and out.tokens == record["solo"]
+    return out.tok_s
+
+
 def main() -> int:
     set_offline_defaults()
     run_dir = Path("run/bench-mbatch")
     reference = optimum_export(paths.default_model_dir(), paths.shards_dir() / "optimum-int4-reference")
-    shards = {n: ensure_export(n) for n in (1, 2, 3)}
+    stage_counts = {s.stages for s in SERIES.values()} | {2} | ({1} if COMPLETE else set())
+    shards = {n: ensure_export(n) for n in sorted(stage_counts)}
     ids = Prompter.from_dir(shards[2]).encode("", [("user", PROMPT)])
     genai = GenAIPipeline(reference)
     loop = asyncio.new_event_loop()
@@ -194,39 +250,59 @@ def main() -> int:
             configs[name] = lambda s=series, c=c, name=name: run_batch(
                 loop, fleets[s.fleet].coordinator, c, s.k, records[name]
             )
+    users = {
+        n: LocalUsers(shards[2], paged=s.paged, precision=s.precision, threads=s.threads, tokens=TOKENS)
+        for n, s in LOCAL.items()
+    }
+    rounds: dict[str, list] = {}
+    for prefix, series in LOCAL.items():
+        for c in series.levels:
+            name = f"{prefix}_x{c}"
+            rounds[name] = []
+            records[name] = {"solo": users[prefix].solo_runs(c), "isolated": True}
+            configs[name] = lambda u=users[prefix], c=c, name=name: _local_round(
+                u, c, rounds[name], records[name]
+            )
     try:
         # Every series' fleet, and its loopback twin for the solo references.
-        wanted = {f for s in SERIES.values() for f in (s.fleet, (s.stages, s.threads, False))}
-        for stages, threads, wan in sorted(wanted):
-            if (stages, threads, wan) in fleets:
+        wanted = {f for s in SERIES.values() for f in (s.fleet, s.loopback)}
+        for key in sorted(wanted):
+            if key in fleets:
                 continue
-            name = f"{stages}s-{threads or 'default'}t" + ("-wan" if wan else "")
+            stages, threads, wan, kv, precision = key
+            name = f"{stages}s-{threads or 'default'}t-{kv}-{precision}" + ("-wan" if wan else "")
             stage_args = ["--num-threads", str(threads)] if threads else []
+            coordinator_args = list(COORDINATOR_ARGS)
+            if kv == "paged":
+                stage_args += ["--kv", "paged"]
+                coordinator_args += ["--kv", "paged"]
             if wan:
-                fleets[(stages, threads, wan)] = WanFleet(
+                fleets[key] = WanFleet(
                     shards[stages],
                     stages,
                     WAN_DELAY_MS,
                     WAN_RATE_MBIT,
                     run_dir / name,
+                    precision=precision,
                     extra_stage_args=stage_args,
-                    extra_coordinator_args=COORDINATOR_ARGS,
+                    extra_coordinator_args=coordinator_args,
                 )
             else:
-                fleets[(stages, threads, wan)] = start_fleet(
+                fleets[key] = start_fleet(
                     shards[stages],
                     stages,
                     run_dir / name,
+                    precision=precision,
                     extra_stage_args=stage_args,
-                    extra_coordinator_args=COORDINATOR_ARGS,
+                    extra_coordinator_args=coordinator_args,
                 )
         # Solo references on loopback: the same shards, precision and threads give the same tokens at
         # any delay (the thread count may change the kernels' rounding, so it is part of the key).
         solos = {}
         for prefix, series in SERIES.items():
-            key = (series.stages, series.threads, series.k)
+            key = (series.loopback, series.k)
             if key not in solos:
-                loopback = fleets[(series.stages, series.threads, False)]
+                loopback = fleets[series.loopback]
                 solos[key] = loop.run_until_complete(_stream(loopback.coordinator, series.k))
             for c in series.levels:
                 records[f"{prefix}_x{c}"]["solo"] = solos[key]["result"].token_ids
@@ -245,7 +321,9 @@ def main() -> int:
         "emulation": emulation,
         "tok_s": {k: median(v) for k, v in samples.items()},
         "tok_s_range": {k: summary(v) for k, v in samples.items()},
-        "streams": {name: stream_stats(record["streams"]) for name, record in records.items()},
+        "streams": {name: stream_stats(r["streams"]) for name, r in records.items() if "streams" in r},
+        "local_latency": {name: latency(r) for name, r in rounds.items()},
+        "local_series": {n: s.label for n, s in LOCAL.items()},
     }
     # The issue's baseline: the thread count per stage that maximises single-stream speed.
     singles = [p for p in ("2s", "2s_1t") if f"{p}_x1" in samples and f"{p}_x2" in samples]
@@ -260,12 +338,35 @@ def main() -> int:
         }
     ratios = {
         "full_stack_over_mono": (
-            [f"2s_x{c}" for c in (1, 2, 3, 4)] + [f"2s_spec_x{c}" for c in (1, 2, 4)],
+            [f"2s_x{c}" for c in (1, 2, 3, 4)]
+            + [f"2s_spec_x{c}" for c in (1, 2, 4)]
+            + [
+                f"{p}_x{c}"
+                for p, s in [*SERIES.items(), *LOCAL.items()]
+                if "paged" in p or p in LOCAL
+                for c in s.levels
+            ],
             "A",
         ),
         "full_stack_over_plain_at_50ms": (["wan50_x1", "wan50_x4", "wan50_spec_x4"], "wan50_x1"),
         "best_at_50ms_any_concurrency": ([n for n in samples if n.startswith("wan50")], "wan50_x1"),
     }
+    # The issue's ratios on the paged 2-stage fleet in exact mode, else on the in-process paged ring.
+    for key, users in (("four_users_over_one", 4), ("eight_users_over_one", 8)):
+        for prefix in ("2s_paged_exact", "local_exact"):
+            if f"{prefix}_x{users}" in samples and f"{prefix}_x1" in samples:
+                ratios[key] = ([f"{prefix}_x{users}"], f"{prefix}_x1")
+                break
+        for prefix in ("2s_paged", "local_default"):
+            if f"{prefix}_x{users}" in samples and f"{prefix}_x1" in samples:
+                ratios[f"{key}_default"] = ([f"{prefix}_x{users}"], f"{prefix}_x1")
+                break
+    singles = [n for n in samples if n.endswith("_x1") and n != "A"]
+    if singles:
+        ratios["four_users_over_best_single"] = (
+            [n for n in samples if n.endswith("_x4")],
+            max(singles, key=lambda n: median(samples[n])),
+        )
     for key, (names, over) in ratios.items():
         present = [n for n in names if n in samples]
         if present and over in samples:
@@ -280,6 +381,10 @@ def main() -> int:
     if COMPLETE:
         result["stacking"] = stacking.measure(shards[1], ids, RUNS)
         plot_path = Path("docs/img/bench-mbatch.png")
+        plot(samples, plot_path)
+        result["plot"] = str(plot_path)
+    elif LOCAL:
+        plot_path = Path("docs/img/bench-mbatch-subset.png")
         plot(samples, plot_path)
         result["plot"] = str(plot_path)
     knobs = ("BENCH_SERIES", "BENCH_DRAFT", "BENCH_SPEC_K", "BENCH_SPEC_K_WAN", "BENCH_RUNS", "BENCH_TOKENS")

@@ -99,7 +99,9 @@ def client_ttft_ms(address: str, text: str) -> float:
 def run_fleet(export: Path, precision: str) -> Fleet:
     run_dir = Path(tempfile.mkdtemp(prefix="bench-prefill-fleet-"))
     # Prefill is what this measures: no prefix cache (the same prompts repeat every round).
-    return start_fleet(export, 2, run_dir, precision=precision, extra_coordinator_args=["--no-prefix-cache"])
+    return start_fleet(
+        export, 2, run_dir, precision=precision, extra_coordinator_args=["--prefix-cache", "off"]
+    )
 
 
 def cold_over_warm(export: Path, precision: str, text: str) -> dict:

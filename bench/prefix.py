@@ -1,7 +1,7 @@
 """`make bench-prefix`: time to first token of a chat's next turn, warm (prefix cache) against cold.
 
 Two 2-stage INT4 loopback fleets on the same shards: ``warm`` (prefix caching on, the default)
-and ``cold`` (``--no-prefix-cache``). Each round and history length H builds a conversation of its
+and ``cold`` (``--prefix-cache off``). Each round and history length H builds a conversation of its
 own (a first user message of about H tokens, unique per round, so no round hits another's cache),
 runs its first turn on the warm fleet (untimed: it leaves the history in the stages' caches), then
 times the next turn (the history, the assistant's reply, a new message of about 30 tokens) on
@@ -183,7 +183,11 @@ def main() -> int:
     warm = start_fleet(export, 2, runs_dir / "warm", precision=PRECISION)
     try:
         cold = start_fleet(
-            export, 2, runs_dir / "cold", precision=PRECISION, extra_coordinator_args=["--no-prefix-cache"]
+            export,
+            2,
+            runs_dir / "cold",
+            precision=PRECISION,
+            extra_coordinator_args=["--prefix-cache", "off"],
         )
         try:
             samples, identical, prompt_tokens = chat_rounds(warm.coordinator, cold.coordinator, prompter)
@@ -196,7 +200,7 @@ def main() -> int:
         "precision": PRECISION,
         "lengths": LENGTHS,
         "prompt_tokens": {str(n): prompt_tokens[n] for n in LENGTHS},
-        "baseline": "cold: the same turn on a 2-stage fleet with --no-prefix-cache",
+        "baseline": "cold: the same turn on a 2-stage fleet with --prefix-cache off",
         "tok_s": {},  # this benchmark measures TTFT (ttft_ms); the key keeps the shared JSON shape
         "ttft_ms": {k: median(v) for k, v in samples.items()},
         "ttft_ms_range": {k: summary(v) for k, v in samples.items()},

@@ -51,12 +51,12 @@ def _hammer(address: str, size: int, stop: threading.Event, sent: list[int]) -> 
 def main() -> int:
     set_offline_defaults()
     shards = Path(os.environ["STALL_SHARDS"])
-    # The large prompts repeat: without --no-prefix-cache they would be restored, not prefilled.
+    # The large prompts repeat: without --prefix-cache off they would be restored, not prefilled.
     fleet = start_fleet(
         shards,
         2,
         Path(tempfile.mkdtemp(prefix="pipeshard-stall-")),
-        extra_coordinator_args=["--no-prefix-cache"],
+        extra_coordinator_args=["--prefix-cache", "off"],
     )
     gaps: dict[str, list[float]] = {name: [] for name in LOADS}
     refused: dict[str, int] = dict.fromkeys(LOADS, 0)

@@ -55,6 +55,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--precision", default=None, help="--local only: default, f32 or exact (unset: the services' default)"
     )
+    p.add_argument(
+        "--kv",
+        choices=("stateful", "paged"),
+        default="stateful",
+        help="--local only: the KV backend, stateful (one cache per session) or paged (continuous batching)",
+    )
     p.add_argument("--stream", action="store_true", help="print text as it arrives")
     p.add_argument("--json", action="store_true", help="print one JSON object with the result")
     p.set_defaults(func=run)

@@ -54,7 +54,7 @@ log = structlog.get_logger(__name__)
 class RingLike(Protocol):
     """What a generation needs of the stages: the gRPC ``Ring`` or the in-process ``LocalRing``."""
 
-    async def open_session(self, session_id: str) -> int: ...
+    async def open_session(self, session_id: str, capacity: int | None = None) -> int: ...
 
     async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult: ...
 
@@ -107,9 +107,10 @@ class _Cursor:
     """Where one session's cache stands on every stage: physical length written, logical
     length kept, and the rejected ranges the next frame must mask out."""
 
-    def __init__(self, session_id: str, greedy: bool):
+    def __init__(self, session_id: str, greedy: bool, *, truncates: bool = False):
         self.session_id = session_id
         self.greedy = greedy
+        self.truncates = truncates  # the ring rewinds by shortening the cache (paged): no holes
         self.step = 0
         self.physical = 0
         self.logical = 0
@@ -149,6 +150,8 @@ class _Cursor:
         if n:
             self._rejected.append((self.physical - n, self.physical))
             self.logical -= n
+            if self.truncates:
+                self.physical -= n
 
 
 def _take(
@@ -189,6 +192,7 @@ class _Request:
         detok: IncrementalDetokenizer,
         stop_ids: set[int],
         metered: bool = True,
+        truncates: bool = False,
     ):
         self.session_id = session_id
         self.metered = metered  # False for the coordinator's warm-up: not a client's tokens
@@ -197,7 +201,7 @@ class _Request:
         self.max_context = max_context
         self.drafter = drafter
         self.policy = policy
-        self.cursor = _Cursor(session_id, params.greedy)
+        self.cursor = _Cursor(session_id, params.greedy, truncates=truncates)
         self.detok = detok
         self.sampler = None if params.greedy else Sampler(params)
         self.sample = None if self.sampler is None else (self.sampler.probabilities, self.sampler.rng)
@@ -433,7 +437,9 @@ class Generation:
         mode = self.check_speculative(speculative, k)
         factory = None if mode == "none" else await self._drafts.factory(mode)
         session_id = uuid.uuid4().hex
-        max_context = await self._ring.open_session(session_id)
+        # The cache room the request can use: its prompt, its tokens and one verify step's drafts.
+        capacity = len(prompt_ids) + params.max_tokens + self.max_k + 1
+        max_context = await self._ring.open_session(session_id, capacity)
         drafter = factory() if factory else None
         memory = None if mode == "none" else self._sources.setdefault(mode, SourceMemory())
         return _Request(
@@ -448,6 +454,7 @@ class Generation:
             detok=IncrementalDetokenizer(self._tok, params.stop),
             stop_ids=set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos),
             metered=metered,
+            truncates=getattr(self._ring, "truncates_on_rewind", False),
         )
 
     async def _warm(self, request: _Request, scope: str) -> None:

@@ -12,7 +12,8 @@ import sys
 
 from pipeshard.errors import PipeshardError
 from pipeshard.precision import DEFAULT_PRECISION
-from pipeshard.services.coordinator.generation import Generation, Summary
+from pipeshard.services.coordinator.batched_ring import BatchedRing
+from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Generation, Summary
 from pipeshard.services.coordinator.local_ring import LocalRing
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
@@ -22,12 +23,15 @@ from pipeshard.shard.prompting import Prompter
 def generate_local(args: argparse.Namespace, stream: bool) -> Summary:
     """Run ``pipeshard generate``'s arguments against the export ``args.local``, no services."""
     prompter = Prompter.from_dir(args.local)
-    ring = LocalRing(args.local, precision=args.precision or DEFAULT_PRECISION)
+    precision = args.precision or DEFAULT_PRECISION
+    paged = args.kv == "paged"
+    ring = BatchedRing(args.local, precision) if paged else LocalRing(args.local, precision=precision)
     ring.warmup()  # the first inference prepares kernels (0.5-2 s); keep it out of ttft
     generation = Generation(
         ring,
         prompter.tokenizer,
         prompter.eos_ids,
+        prefill_chunk=ring.prefill_chunk if paged else DEFAULT_PREFILL_CHUNK,
         drafts=DraftSources(args.local, self_draft=args.self_draft, allow_paths=True),
     )
     ids = prompter.encode("", [("user", args.prompt)])

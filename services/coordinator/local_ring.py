@@ -71,7 +71,7 @@ class LocalRing:
         for runner in self.runners:
             runner.warmup()
 
-    async def open_session(self, session_id: str) -> int:
+    async def open_session(self, session_id: str, capacity: int | None = None) -> int:
         for engine in self._engines:
             engine.sessions.open(LOCAL_OWNER, session_id)
         return self.max_context

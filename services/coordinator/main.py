@@ -16,6 +16,7 @@ from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.coordinator.admission import Admission
 from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
+from pipeshard.services.coordinator.plan_ring import PlanRing
 from pipeshard.services.coordinator.prefix_cache import PrefixIndex
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
@@ -30,9 +31,11 @@ from pipeshard.shard.runtime import WARMUP_PREFILL
 from pipeshard.shard.serving import hold_serving_lock
 from pipeshard.tls import TlsConfig
 from pipeshard.topology import Topology
-from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
+from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
 log = structlog.get_logger(__name__)
+
+PREFIX_CACHE_MODES = ("auto", "on", "off")
 
 
 @dataclass
@@ -84,13 +87,22 @@ class CoordinatorSettings(ServerSettings):
     hop_delay_ms: float = setting(
         0.0, "emulated one-way latency added to every frame sent into the ring (benchmarks)"
     )
-    prefix_cache: bool = setting(
-        True, "reuse the KV of earlier requests' prompts that share a prefix (the stages keep it)"
+    prefix_cache: str = setting(
+        "auto",
+        "reuse the KV of earlier requests' prompts that share a prefix (the stages keep it); auto: "
+        "on where a warm turn is tested to equal a cold one (stateful stages at exact or f32 precision)",
+        choices=PREFIX_CACHE_MODES,
     )
     prefix_cache_entries: int = setting(256, "token sequences the prefix index remembers (LRU)")
     prefix_min_tokens: int = setting(64, "shortest shared prefix worth restoring instead of prefilling")
     prefix_restore_timeout_s: float = setting(
         5.0, "a prefix restore (or keep) not done on every stage by then is dropped: cold prefill"
+    )
+    kv: str = setting(
+        "stateful",
+        "the stages' KV backend: paged batches every running session into one plan frame per step "
+        "(start the stages with --kv paged)",
+        choices=("stateful", "paged"),
     )
 
 
@@ -115,6 +127,23 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
     if settings.speculative not in (*MODES, *named):
         raise InvalidArgument("speculative", "must be none, ngram, self or a name given with --draft")
     return settings
+
+
+def use_prefix_cache(mode: str, stages: list[stage_pb2.GetStageInfoResponse], paged: bool) -> bool:
+    """Whether to keep and restore prompt prefixes. Only stateful stages capture KV. ``auto`` asks
+    for exact or f32 precision on every stage: there a restored prefix plus the prefilled suffix
+    gives the tokens a cold prefill gives (tested); at the default precision the suffix runs a
+    different kernel on a bf16 / u8 cache, which can change tokens, so it takes ``on``."""
+    if mode == "off" or paged:
+        if mode == "on":
+            log.warning("prefix_cache_off", reason="the paged KV backend does not capture KV yet")
+        return False
+    if mode == "on":
+        return True
+    precisions = sorted({info.precision or "default" for info in stages})
+    enabled = all(p in ("exact", "f32") for p in precisions)
+    log.info("prefix_cache", enabled=enabled, stage_precisions=precisions)
+    return enabled
 
 
 @dataclass
@@ -147,11 +176,16 @@ class Coordinator:
         )
         await self.ring.start()
         await self.ring.wait_ready(self.settings.ready_timeout_s)
+        paged = self.settings.kv == "paged"
+        prefix = use_prefix_cache(self.settings.prefix_cache, await self.ring.stage_infos(), paged)
+        chunk = self.settings.prefill_chunk
+        if paged and chunk == DEFAULT_PREFILL_CHUNK:
+            chunk = PlanRing.prefill_chunk  # the same chunks as `generate --local --kv paged`
         generation = Generation(
-            self.ring,
+            PlanRing(self.ring) if paged else self.ring,
             prompter.tokenizer,
             prompter.eos_ids,
-            prefill_chunk=self.settings.prefill_chunk,
+            prefill_chunk=chunk,
             drafts=DraftSources(
                 Path(self.settings.shards),
                 self_draft=self.settings.self_draft,
@@ -160,10 +194,11 @@ class Coordinator:
             ),
             default_speculative=self.settings.speculative,
             max_k=self.settings.max_k,
-            final_stage_sampling=self.settings.final_stage_sampling,
+            # Plan frames carry no sampling request: a paged ring samples here, from logits.
+            final_stage_sampling=self.settings.final_stage_sampling and not paged,
             prefix=(
                 PrefixIndex(self.settings.prefix_cache_entries, self.settings.prefix_min_tokens)
-                if self.settings.prefix_cache
+                if prefix
                 else None
             ),
             restore_timeout_s=self.settings.prefix_restore_timeout_s,
@@ -216,6 +251,7 @@ class Coordinator:
             shards=self.settings.shards,
             next_hop=self.settings.stages[0],
             precision=self.settings.precision,
+            kv=self.settings.kv,
             hop_delay_ms=self.settings.hop_delay_ms,
             tls_dir=self.settings.tls_dir,
             tls_name=self.settings.tls_name or "coordinator",

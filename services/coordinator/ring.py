@@ -25,6 +25,7 @@ from pipeshard.errors import DeadlineExceeded, PipeshardError, Unavailable
 from pipeshard.ownership import new_secret, owner_key, owner_metadata
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
 from pipeshard.services.coordinator.stage_watch import StageWatch
+from pipeshard.services.stage.wire import plan_from_frames
 from pipeshard.services.transport.channels import open_channel
 from pipeshard.services.transport.hop import HopStream, keep_open
 from pipeshard.tls import TlsConfig
@@ -155,15 +156,43 @@ class Ring:
             raise StageFailed(result.error)
         return result
 
+    async def step_plan(self, frames: list[activation_pb2.ActivationFrame]) -> list:
+        """Send many sessions' frames around the ring as one plan frame (paged stages run them in
+        one inference); answers each with its StepResult or the error to raise for it."""
+        if self._stopped is not None:
+            return [self._stopped] * len(frames)
+        if self.watch.down:
+            return [Unavailable(self.watch.describe(min(self.watch.down)))] * len(frames)
+        for frame in frames:
+            frame.owner = self._owner
+        loop = asyncio.get_running_loop()
+        keys = [(f.session_id, f.step_id) for f in frames]
+        futures = [loop.create_future() for _ in frames]
+        self._pending.update(zip(keys, futures, strict=True))
+        try:
+            await self._entry.send(plan_from_frames(frames))
+            rows = sum(len(f.positions) for f in frames)
+            done, _ = await asyncio.wait(futures, timeout=self.timeout_for(rows))
+            if len(done) < len(futures):
+                error = await self._diagnose()
+                return [f.result() if f in done else error for f in futures]
+        finally:
+            for key in keys:
+                self._pending.pop(key, None)
+        results = [f.result() for f in futures]
+        return [StageFailed(r.error) if r.HasField("error") else r for r in results]
+
     def timeout_for(self, rows: int) -> float:
         """``step_timeout_s`` per started block of TIMEOUT_ROWS rows: a prompt prefilled in one pass
         is one long step, which must not read as a dead stage."""
         return self.step_timeout_s * max(1, -(-rows // TIMEOUT_ROWS))
 
-    async def open_session(self, session_id: str) -> int:
-        """Open the session on every stage; returns the smallest max_context among them."""
+    async def open_session(self, session_id: str, capacity: int | None = None) -> int:
+        """Open the session on every stage; returns the smallest max_context among them.
+        ``capacity``: the tokens the session may use (a paged stage reserves them or refuses)."""
+        request = stage_pb2.OpenSessionRequest(session_id=session_id, capacity=capacity or 0)
         try:
-            responses = await self._on_all("OpenSession", stage_pb2.OpenSessionRequest(session_id=session_id))
+            responses = await self._on_all("OpenSession", request)
         except BaseException:
             # All or nothing, also when the caller is cancelled meanwhile: no half-open session lingers.
             self._in_background(self.release_session(session_id), f"release-{session_id}")
@@ -224,6 +253,10 @@ class Ring:
                 ) from None
         for subscribed in self._subscribed:
             await asyncio.wait_for(subscribed.wait(), max(0.1, deadline - asyncio.get_running_loop().time()))
+
+    async def stage_infos(self) -> list[stage_pb2.GetStageInfoResponse]:
+        """Every stage's GetStageInfo answer, in pipeline order."""
+        return await self._on_all("GetStageInfo", stage_pb2.GetStageInfoRequest())
 
     async def _on_all(
         self, method: str, request, *, tolerate: bool = False, timeout: float | None = None

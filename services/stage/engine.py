@@ -36,15 +36,24 @@ class StageEngine:
         self.max_context = max_context
         self.vocab_size = vocab_size
 
+    kv_backend = "stateful"
+
+    def open(self, owner: str, session_id: str, capacity: int | None = None) -> None:
+        """Opens a session (each holds its own cache: ``capacity`` needs no reservation)."""
+        self.sessions.open(owner, session_id)
+
+    def reset(self, owner: str, session_id: str) -> None:
+        self.sessions.get(owner, session_id).reset()
+
     def run(self, step: StepInput) -> StepOutput:
         session = self.sessions.get(step.owner, step.session_id)
         check_activations(step.activations, is_first=self.is_first, hidden_size=self.hidden_size)
         # Wire buffers are read-only; OpenVINO shares memory only with writeable arrays.
         x = np.require(step.activations, requirements=["C", "W"])
         # Out-of-range ids or positions would index the embedding or rotary tables out of bounds.
-        _check_range("positions", step.positions, self.max_context)
+        check_range("positions", step.positions, self.max_context)
         if self.is_first:
-            _check_range("input_ids", x, self.vocab_size)
+            check_range("input_ids", x, self.vocab_size)
         check_step(
             session.past_length,
             x.shape[1],
@@ -99,10 +108,10 @@ def _check_sampling(step: StepInput, vocab_size: int) -> None:
             "sampling.draft_tokens",
             f"must hold return_last - 1 = {step.return_last - 1} tokens, got {len(spec.draft_tokens)}",
         )
-    _check_range("sampling.draft_tokens", np.asarray(spec.draft_tokens, dtype=np.int64), vocab_size)
+    check_range("sampling.draft_tokens", np.asarray(spec.draft_tokens, dtype=np.int64), vocab_size)
 
 
-def _check_range(field: str, values: np.ndarray, limit: int) -> None:
+def check_range(field: str, values: np.ndarray, limit: int) -> None:
     if values.size and (values.min() < 0 or values.max() >= limit):
         bad = values[(values < 0) | (values >= limit)].flat[0]
         raise InvalidArgument(field, f"must lie in [0, {limit}), got {int(bad)}")

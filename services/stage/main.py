@@ -17,6 +17,7 @@ from pipeshard.services.stage.engine import StageEngine
 from pipeshard.services.stage.kv import StageKv
 from pipeshard.services.stage.meters import StageMeters, kv_bytes_per_position
 from pipeshard.services.stage.node import StageNode
+from pipeshard.services.stage.paged_engine import PagedEngine
 from pipeshard.services.stage.prefix_store import PrefixStore
 from pipeshard.services.stage.rawtcp import RawTcpStage
 from pipeshard.services.stage.servicer import StageServicer
@@ -25,6 +26,7 @@ from pipeshard.services.stage.wire import WIRE_DTYPES
 from pipeshard.services.transport.hop import HopStream
 from pipeshard.settings import ServerSettings, load_settings, setting
 from pipeshard.shard.manifest import verify_shard
+from pipeshard.shard.paged import DEFAULT_CACHE_BYTES, PagedShard
 from pipeshard.shard.pull import pull_shard
 from pipeshard.shard.runtime import ShardRunner
 from pipeshard.shard.serving import hold_serving_lock
@@ -75,6 +77,13 @@ class StageSettings(ServerSettings):
     prefix_cache_bytes: int = setting(
         512 * 1024 * 1024, "bytes of captured KV the prefix cache keeps (least recently used out; 0 = off)"
     )
+    kv: str = setting(
+        "stateful",
+        "KV backend: stateful (one cache per session) or paged (a shared block pool; plan frames run "
+        "many sessions in one inference)",
+        choices=("stateful", "paged"),
+    )
+    kv_cache_bytes: int = setting(DEFAULT_CACHE_BYTES, "byte budget of the paged KV block pool (--kv paged)")
 
 
 def resolve(settings: StageSettings) -> StageSettings:
@@ -115,13 +124,23 @@ def ensure_shard(settings: StageSettings) -> None:
 
 
 def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageInfoResponse]:
-    runner = ShardRunner(
-        settings.shards,
-        settings.stage,
-        settings.precision,
-        settings.num_threads or None,
-        num_streams=settings.num_streams or None,
-    )
+    threads = settings.num_threads or None
+    if settings.kv == "paged" and settings.raw_tcp_port:
+        raise InvalidArgument(
+            "raw_tcp_port", "the raw-TCP baseline serves the stateful backend only (--kv stateful)"
+        )
+    if settings.kv == "paged":
+        runner = PagedShard(
+            settings.shards, settings.stage, settings.precision, threads, cache_bytes=settings.kv_cache_bytes
+        )
+    else:
+        runner = ShardRunner(
+            settings.shards,
+            settings.stage,
+            settings.precision,
+            threads,
+            num_streams=settings.num_streams or None,
+        )
     if runner.is_last == bool(settings.next_hop):
         raise InvalidArgument(
             "next_hop", "must be set for every stage but the last" if not runner.is_last else "must be unset"
@@ -136,23 +155,35 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         inferences=inferences,
         seconds=round(time.perf_counter() - started, 3),
     )
-    sessions = SessionTable(
-        runner.new_session,
-        settings.max_sessions,
-        settings.idle_timeout_s,
-        max_per_owner=settings.max_sessions_per_owner,
-    )
     meters = StageMeters(settings.stage)
-    meters.watch(sessions, kv_bytes_per_position(runner))
-    engine = StageEngine(
-        sessions,
-        is_first=runner.is_first,
-        is_last=runner.is_last,
-        hidden_size=runner.hidden_size,
-        max_context=runner.max_context,
-        vocab_size=runner.vocab_size,
-        meters=meters,
-    )
+    if settings.kv == "paged":
+        engine = PagedEngine(
+            runner,
+            settings.max_sessions,
+            settings.idle_timeout_s,
+            settings.max_sessions_per_owner,
+            meters=meters,
+        )
+        meters.watch(engine.sessions, runner.block_bytes // runner.block_tokens)
+        kv = None  # KV capture/restore and the prefix cache serve the stateful backend only (so far)
+    else:
+        sessions = SessionTable(
+            runner.new_session,
+            settings.max_sessions,
+            settings.idle_timeout_s,
+            max_per_owner=settings.max_sessions_per_owner,
+        )
+        meters.watch(sessions, kv_bytes_per_position(runner))
+        engine = StageEngine(
+            sessions,
+            is_first=runner.is_first,
+            is_last=runner.is_last,
+            hidden_size=runner.hidden_size,
+            max_context=runner.max_context,
+            vocab_size=runner.vocab_size,
+            meters=meters,
+        )
+        kv = StageKv(sessions, runner.kv_source, PrefixStore(settings.prefix_cache_bytes))
     delay_s = settings.hop_delay_ms / 1000.0
     hop = (
         HopStream(settings.next_hop, delay_s=delay_s, tls=fleet_tls(settings)) if settings.next_hop else None
@@ -164,7 +195,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         codec=CodecChooser(settings.codec, hop.link if hop is not None else None),
         wire_dtype=settings.wire_dtype,
         results_delay_s=delay_s,
-        kv=StageKv(sessions, runner.kv_source, PrefixStore(settings.prefix_cache_bytes)),
+        kv=kv,
     )
     info = stage_pb2.GetStageInfoResponse(
         stage_index=settings.stage,
@@ -174,6 +205,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         model_fingerprint=runner.manifest.model.fingerprint,
         max_context=runner.max_context,
         next_hop=settings.next_hop or "",
+        precision=settings.precision,
     )
     return node, info
 

@@ -16,14 +16,17 @@ import structlog
 from pipeshard.link_model import CodecChooser
 from pipeshard.services.stage.engine import StageEngine
 from pipeshard.services.stage.kv import StageKv
+from pipeshard.services.stage.paged_engine import PagedEngine
 from pipeshard.services.stage.results import ResultBroker
 from pipeshard.services.stage.wire import (
     error_frame,
     error_result,
     frame_from_output,
+    plan_from_outputs,
     result_from_output,
     stage_error,
     step_from_frame,
+    steps_from_plan,
 )
 from pipeshard.services.transport.hop import HopStream
 from pipeshard.shard.manifest import input_port
@@ -35,7 +38,7 @@ log = structlog.get_logger(__name__)
 class StageNode:
     def __init__(
         self,
-        engine: StageEngine,
+        engine: StageEngine | PagedEngine,
         stage_index: int,
         *,
         next_hop: HopStream | None,
@@ -63,6 +66,8 @@ class StageNode:
         if frame.HasField("error"):
             await self._pass_on_error(frame, frame.error)
             return None
+        if isinstance(self.engine, PagedEngine):
+            return await self._handle_batch(frame)
         try:
             step = step_from_frame(frame, self._port)
             # Inline on the event-loop thread: measured 0.3 ms per transfer and about 1.4 ms of
@@ -91,6 +96,51 @@ class StageNode:
             self._codec.sent(sent.raw_size, len(sent.data), codec)
             await self.next_hop.send(frame)
         await asyncio.sleep(0)  # let the output leave before the next frame's compute starts
+        return None
+
+    async def _handle_batch(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StageError | None:
+        """A paged stage: every row of a plan frame (or the one step of a plain frame) in one
+        inference; a failed row travels the ring as its own error, the others go on together."""
+        try:
+            plan = bool(frame.plan.rows)
+            steps = steps_from_plan(frame, self._port) if plan else [step_from_frame(frame, self._port)]
+            outs = self.engine.run(steps)  # inline, as in handle()
+        except Exception as exc:
+            error = stage_error(self.stage_index, exc)
+            log.error("frame_failed", session_id=frame.session_id, code=error.code, message=error.message)
+            # Every row's session hears of it, not only the first: the others would wait for a timeout.
+            for row in frame.plan.rows or [frame]:
+                await self._pass_on_error(
+                    activation_pb2.ActivationFrame(
+                        session_id=row.session_id, step_id=row.step_id, owner=frame.owner
+                    ),
+                    error,
+                )
+            return error
+        good = []
+        for step, out in zip(steps, outs, strict=True):
+            if isinstance(out, Exception):
+                error = stage_error(self.stage_index, out)
+                log.warning(
+                    "frame_failed", session_id=step.session_id, code=error.code, message=error.message
+                )
+                await self._pass_on_error(step, error)
+            else:
+                good.append(out)
+        if self.next_hop is None:
+            for out in good:
+                self.results.publish(result_from_output(out), frame.owner)
+        elif good:
+            codec = self._codec.choose(good[0].hidden_states)
+            sent = (
+                plan_from_outputs(good, codec)
+                if plan
+                else frame_from_output(good[0], codec, self._wire_dtype)
+            )
+            tensor = sent.tensors[0].tensor
+            self._codec.sent(tensor.raw_size, len(tensor.data), codec)
+            await self.next_hop.send(sent)
+        await asyncio.sleep(0)
         return None
 
     async def _pass_on_error(self, frame, error) -> None:

@@ -51,11 +51,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             self._node.results.unsubscribe(owner, request.subscriber_id, subscription)
 
     async def OpenSession(self, request, context):
-        self._node.engine.sessions.open(_owner(context), request.session_id)
+        self._node.engine.open(_owner(context), request.session_id, request.capacity or None)
         return stage_pb2.OpenSessionResponse(max_context=self._node.engine.max_context)
 
     async def ResetSession(self, request, context):
-        self._node.engine.sessions.get(_owner(context), request.session_id).reset()
+        self._node.engine.reset(_owner(context), request.session_id)
         return stage_pb2.ResetSessionResponse()
 
     async def ReleaseSession(self, request, context):
@@ -91,5 +91,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     async def GetStageInfo(self, request, context):
         info = stage_pb2.GetStageInfoResponse()
         info.CopyFrom(self._info)
-        info.live_sessions = len(self._node.engine.sessions)
+        engine = self._node.engine
+        info.live_sessions = len(engine.sessions)
+        info.kv_backend = engine.kv_backend
+        if engine.kv_backend == "paged":
+            usage = engine.shard.usage()
+            info.kv_cache_budget_bytes = usage.budget_bytes
+            info.kv_cache_used_bytes = usage.bytes_used
+            info.kv_block_tokens = usage.block_tokens
         return info

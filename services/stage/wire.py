@@ -81,6 +81,105 @@ def sampling_request(step: SamplingStep) -> activation_pb2.SamplingRequest:
 WIRE_DTYPES = ("fp32", "fp16", "bf16")  # fp16 and bf16 are LOSSY opt-ins (docs/BENCHMARKS.md)
 
 
+def steps_from_plan(frame: activation_pb2.ActivationFrame, port: str) -> list[StepInput]:
+    """Decode a plan frame (continuous batching): one StepInput per row, each taking its
+    ``tokens`` of the frame's positions and tensor rows in row order."""
+    tensors = {t.name: t.tensor for t in frame.tensors}
+    if port not in tensors:
+        raise InvalidArgument("tensors", f"must carry {port!r}, got {sorted(tensors) or 'none'}")
+    x = decode(tensors[port], field=port)
+    counts = [row.tokens for row in frame.plan.rows]
+    total = len(frame.positions)
+    if min(counts) < 1 or sum(counts) != total or x.ndim < 2 or x.shape[0] != 1 or x.shape[1] != total:
+        raise InvalidArgument(
+            "plan", f"rows of {counts} tokens must cover the frame's {total} positions and {port} rows"
+        )
+    positions = np.asarray(frame.positions, dtype=np.int64)
+    steps, start = [], 0
+    for row in frame.plan.rows:
+        if not row.session_id:
+            raise InvalidArgument("plan.rows.session_id", "must not be empty")
+        if row.return_mode not in _MODES:
+            raise InvalidArgument("plan.rows.return_mode", f"unknown value {row.return_mode}")
+        end = start + row.tokens
+        steps.append(
+            StepInput(
+                session_id=row.session_id,
+                step_id=row.step_id,
+                positions=positions[start:end],
+                activations=x[:, start:end],
+                invalidate=[(r.start, r.end) for r in row.mask_update.invalidate],
+                return_mode=_MODES[row.return_mode],
+                return_last=row.return_last or 1,
+                compute_micros=list(frame.stage_compute_micros),
+                sent_unix_nanos=frame.sent_unix_nanos,
+                owner=frame.owner,
+            )
+        )
+        start = end
+    return steps
+
+
+def _plan_row(step: StepInput, tokens: int) -> activation_pb2.PlanRow:
+    return activation_pb2.PlanRow(
+        slot_id=-1,
+        position=int(step.positions[0]) if len(step.positions) else 0,
+        session_id=step.session_id,
+        step_id=step.step_id,
+        tokens=tokens,
+        return_mode=_PB_MODES[step.return_mode],
+        return_last=step.return_last,
+        mask_update=activation_pb2.MaskUpdate(
+            invalidate=[activation_pb2.CacheRange(start=s, end=e) for s, e in step.invalidate]
+        ),
+    )
+
+
+def plan_from_outputs(
+    outs: list[StepOutput], codec: int = Codec.CODEC_NONE
+) -> activation_pb2.ActivationFrame:
+    """The plan frame a non-final stage sends on: every row's hidden states concatenated."""
+    hidden = np.concatenate([o.hidden_states for o in outs], axis=1)
+    first = outs[0].step
+    return activation_pb2.ActivationFrame(
+        session_id=first.session_id,
+        step_id=first.step_id,
+        positions=np.concatenate([o.step.positions for o in outs]).tolist(),
+        tensors=[tensor_pb2.NamedTensor(name="hidden_states", tensor=encode(hidden, codec))],
+        plan=activation_pb2.PlanFrame(rows=[_plan_row(o.step, o.hidden_states.shape[1]) for o in outs]),
+        stage_compute_micros=first.compute_micros,
+        sent_unix_nanos=first.sent_unix_nanos,
+        owner=first.owner,
+    )
+
+
+def plan_from_frames(frames: list[activation_pb2.ActivationFrame]) -> activation_pb2.ActivationFrame:
+    """The coordinator's plan frame for a step of many sessions' token frames (one row each)."""
+    ids = [decode(f.tensors[0].tensor, field="input_ids") for f in frames]
+    rows = [
+        activation_pb2.PlanRow(
+            slot_id=-1,
+            position=f.positions[0],
+            session_id=f.session_id,
+            step_id=f.step_id,
+            tokens=len(f.positions),
+            return_mode=f.return_mode,
+            return_last=f.return_last,
+            mask_update=f.mask_update,
+        )
+        for f in frames
+    ]
+    return activation_pb2.ActivationFrame(
+        session_id=frames[0].session_id,
+        step_id=frames[0].step_id,
+        positions=[p for f in frames for p in f.positions],
+        tensors=[tensor_pb2.NamedTensor(name="input_ids", tensor=encode(np.concatenate(ids, axis=1)))],
+        plan=activation_pb2.PlanFrame(rows=rows),
+        sent_unix_nanos=time.time_ns(),
+        owner=frames[0].owner,
+    )
+
+
 def frame_from_output(
     out: StepOutput, codec: int = Codec.CODEC_NONE, wire_dtype: str = "fp32"
 ) -> activation_pb2.ActivationFrame:
@@ -126,14 +225,15 @@ def stage_error(stage_index: int, exc: BaseException) -> activation_pb2.StageErr
     return activation_pb2.StageError(stage_index=stage_index, code=code, message=message)
 
 
-def error_frame(frame: activation_pb2.ActivationFrame, error: activation_pb2.StageError):
-    """A frame that carries an earlier stage's failure down the ring (no tensors)."""
+def error_frame(frame, error: activation_pb2.StageError):
+    """A frame that carries an earlier stage's failure down the ring (no tensors); ``frame`` is
+    the failed frame or step (a plan frame's row fails alone)."""
     return activation_pb2.ActivationFrame(
         session_id=frame.session_id, step_id=frame.step_id, error=error, owner=frame.owner
     )
 
 
-def error_result(frame: activation_pb2.ActivationFrame, error: activation_pb2.StageError):
+def error_result(frame, error: activation_pb2.StageError):
     return activation_pb2.StepResult(session_id=frame.session_id, step_id=frame.step_id, error=error)
 
 

@@ -29,7 +29,7 @@ class Ring:
         self.fail_at, self.steps, self.calls = fail_at, 0, []
         self.error = error or Unavailable("stage 1 at 127.0.0.1:1 is not answering")
 
-    async def open_session(self, session_id):
+    async def open_session(self, session_id, capacity=None):
         self.calls.append("open")
         return 64
 

@@ -1,0 +1,407 @@
+"""A stage shard that runs rows of many sequences in one inference over a paged KV cache.
+
+At load time the stage's model goes through OpenVINO's PagedAttention pass (the
+SDPAToPagedAttention transformation openvino_genai's continuous batching runs): the graph then
+takes the tokens of every sequence of a step concatenated, with ``past_lens``,
+``subsequence_begins`` and per-sequence block tables into per-layer K/V block pools that this
+module owns. So decode tokens and prefill chunks of different sequences, of different lengths,
+share one inference, and sequences join and leave between any two steps.
+
+Two graph edits make our export fit the pass and serve batches:
+  * a later stage's ``hidden_states`` input is renamed ``inputs_embeds`` (friendly AND tensor
+    name): the pass finds the input by tensor name but makes it 2-D [tokens, hidden] only when
+    the friendly name matches; left 3-D, the stage broadcast position tensors against the token
+    axis at inference;
+  * on the last stage the LM head reads its rows through a Gather on a new ``logits_indices``
+    input (the ``logits_to_keep`` slice is meaningless once all sequences share one token axis),
+    so a 1024-token prefill chunk asks for one row of logits, not a 1024 x 49152 matmul.
+
+Memory: the block pools are allocated once from a byte budget; a sequence reserves the blocks
+for its whole capacity when it opens (admission), so nothing is evicted from under a running
+sequence and a step never fails for want of blocks. Rewind (the rejected drafts of speculation)
+shortens a sequence's length: the next step overwrites those cache slots, nothing is copied.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+from openvino._offline_transformations import paged_attention_transformation
+
+from pipeshard.errors import InvalidArgument, NotFound, ResourceExhausted
+from pipeshard.precision import DEFAULT_PRECISION
+from pipeshard.shard.manifest import load_manifest, verify_shard
+from pipeshard.shard.runtime import compile_properties
+
+# Default KV budget per stage: 256 MiB hold about 11,000 f32 tokens of a 15-layer SmolLM2 stage.
+DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
+LOGITS_INDICES = "logits_indices"
+
+
+@dataclass(frozen=True)
+class PagedRow:
+    """One sequence's part of a step.
+
+    ``inputs``: int64 token ids [T] on the first stage, float32 hidden states [T, hidden] on the
+    others. ``positions``: the T logical (rotary) positions; None continues at the sequence's
+    length. ``logits``: on the last stage, how many trailing tokens of the row get logits (0:
+    none, for a prefill chunk that is not the prompt's last)."""
+
+    seq: Hashable
+    inputs: np.ndarray
+    positions: np.ndarray | None = None
+    logits: int = 0
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    """The block pool's budget and use, in bytes and blocks (GetStageInfo reports it)."""
+
+    budget_bytes: int
+    block_bytes: int
+    block_tokens: int
+    blocks_total: int
+    blocks_used: int
+    sequences: int
+
+    @property
+    def bytes_used(self) -> int:
+        return self.blocks_used * self.block_bytes
+
+    @property
+    def blocks_free(self) -> int:
+        return self.blocks_total - self.blocks_used
+
+
+@dataclass
+class _Sequence:
+    blocks: np.ndarray  # int32 block ids reserved for the sequence's whole capacity
+    capacity: int  # tokens the reservation holds
+    length: int = 0  # tokens in the cache
+
+
+def _prepare_model(model: ov.Model, is_first: bool, is_last: bool) -> ov.Model:
+    """Apply the PagedAttention pass (with the input naming it needs) and, on the last stage,
+    the logits row gather."""
+    if not is_first:
+        for p in model.get_parameters():
+            if p.get_output_tensor(0).get_any_name() == "hidden_states":
+                p.set_friendly_name("inputs_embeds")
+                p.get_output_tensor(0).set_names({"inputs_embeds"})
+    paged_attention_transformation(model, False, False, False)
+    if is_last:
+        head = model.get_results()[0].input(0).get_source_output().get_node()
+        keep = head.input(0).get_source_output().get_node()
+        if head.get_type_name() != "MatMul" or keep.get_type_name() != "Gather":
+            raise InvalidArgument("export_dir", "the last stage's LM head is not MatMul(Gather(hidden))")
+        indices = ops.parameter([-1], ov.Type.i64, name=LOGITS_INDICES)
+        indices.get_output_tensor(0).set_names({LOGITS_INDICES})
+        rows = ops.gather(keep.input(0).get_source_output(), indices, ops.constant(0, ov.Type.i64))
+        head.input(0).replace_source_output(rows.output(0))
+        model.add_parameters([indices])
+        for p in model.get_parameters():
+            if p.get_friendly_name() == "logits_to_keep":
+                model.remove_parameter(p)
+        model.validate_nodes_and_infer_types()
+    return model
+
+
+class PagedShard:
+    """One compiled stage with a paged KV cache shared by many sequences (one InferRequest)."""
+
+    def __init__(
+        self,
+        export_dir: Path | str,
+        stage_index: int,
+        precision: str = DEFAULT_PRECISION,
+        num_threads: int | None = None,
+        *,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        verify: bool = True,
+        core: ov.Core | None = None,
+        device: str = "CPU",
+    ):
+        self.export_dir = Path(export_dir)
+        manifest = verify_shard(self.export_dir, stage_index) if verify else load_manifest(self.export_dir)
+        self.manifest = manifest
+        self.entry = manifest.stage(stage_index)
+        self.stage_index = stage_index
+        self.num_stages = manifest.num_stages
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == self.num_stages - 1
+        self.hidden_size = manifest.model.hidden_size
+        self.vocab_size = manifest.model.vocab_size
+        self.max_context = manifest.max_context
+        self.precision = precision
+        self.core = core or ov.Core()
+        model = _prepare_model(
+            self.core.read_model(str(self.export_dir / self.entry.model)), self.is_first, self.is_last
+        )
+        self.compiled = self.core.compile_model(model, device, compile_properties(precision, num_threads))
+        self._req = self.compiled.create_infer_request()
+        self._input = "input_ids" if self.is_first else "inputs_embeds"
+        cache_ports = [
+            p for p in self.compiled.inputs if p.get_any_name().startswith(("key_cache.", "value_cache."))
+        ]
+        if not cache_ports:
+            raise InvalidArgument("export_dir", f"stage {stage_index} has no attention layers to page")
+        shapes = [p.get_partial_shape() for p in cache_ports]
+        # Tokens per block from a value cache: a u8 key cache (the default precision) stores its
+        # per-token scales and zero points as extra rows, [blocks, heads, 32 + 8, head_dim].
+        values = [s for p, s in zip(cache_ports, shapes, strict=True) if "value_" in p.get_any_name()]
+        self.block_tokens = values[0][2].get_length()
+        block_bytes = sum(
+            p.get_element_type().size * math.prod(s[i].get_length() for i in (1, 2, 3))
+            for p, s in zip(cache_ports, shapes, strict=True)
+        )
+        if cache_bytes < block_bytes:
+            raise InvalidArgument(
+                "cache_bytes", f"must hold at least one block ({block_bytes} bytes), got {cache_bytes}"
+            )
+        self.block_bytes = block_bytes
+        self.cache_bytes = cache_bytes
+        self.blocks_total = cache_bytes // block_bytes
+        self._cache_names = [p.get_any_name() for p in cache_ports]
+        for port, shape in zip(cache_ports, shapes, strict=True):
+            dims = [self.blocks_total] + [shape[i].get_length() for i in (1, 2, 3)]
+            tensor = ov.Tensor(port.get_element_type(), dims)
+            self._req.set_tensor(port.get_any_name(), tensor)
+        self._free = list(range(self.blocks_total - 1, -1, -1))  # pop() hands out low ids first
+        self._seqs: dict[Hashable, _Sequence] = {}
+        self._lock = threading.Lock()
+
+    # -- sequences ---------------------------------------------------------------------------
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens)
+
+    def open(self, seq: Hashable, capacity: int) -> None:
+        """Reserve the blocks for ``capacity`` tokens of a new sequence, or refuse (admission)."""
+        if not 1 <= capacity <= self.max_context:
+            raise InvalidArgument("capacity", f"must be in [1, {self.max_context}], got {capacity}")
+        need = self.blocks_for(capacity)
+        with self._lock:
+            if seq in self._seqs:
+                raise InvalidArgument("seq", f"sequence {seq!r} is already open")
+            if need > len(self._free):
+                raise ResourceExhausted(
+                    f"the KV cache budget of {self.cache_bytes} bytes ({self.blocks_total} blocks of "
+                    f"{self.block_tokens} tokens) has {len(self._free)} blocks free; "
+                    f"{capacity} tokens need {need}"
+                )
+            blocks = np.array([self._free.pop() for _ in range(need)], dtype=np.int32)
+            self._seqs[seq] = _Sequence(blocks=blocks, capacity=need * self.block_tokens)
+
+    def free(self, seq: Hashable) -> bool:
+        """Give a sequence's blocks back; False if it was not open."""
+        with self._lock:
+            state = self._seqs.pop(seq, None)
+            if state is None:
+                return False
+            self._free.extend(int(b) for b in state.blocks[::-1])
+            return True
+
+    def length(self, seq: Hashable) -> int:
+        return self._get(seq).length
+
+    def capacity(self, seq: Hashable) -> int:
+        """Tokens the sequence's reservation holds (its blocks times the block size)."""
+        return self._get(seq).capacity
+
+    def rewind(self, seq: Hashable, length: int) -> None:
+        """Shorten a sequence to its first ``length`` tokens (speculation's rejected drafts): the
+        slots past it are simply overwritten by the next step; nothing moves or is copied."""
+        state = self._get(seq)
+        if not 0 <= length <= state.length:
+            raise InvalidArgument(
+                "length", f"must be in [0, {state.length}] for sequence {seq!r}, got {length}"
+            )
+        state.length = length
+
+    def export_kv(self, seq: Hashable) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The sequence's cache per layer as (K, V), each [kv_heads, length, head_dim] f32: the
+        backend-neutral shape of KV capture (issue #19). f32 caches only (``f32``/``exact``)."""
+        state = self._get(seq)
+        out = []
+        for layer in range(len(self._cache_names) // 2):
+            pair = []
+            for kind in ("key_cache", "value_cache"):
+                pool = self._pool(f"{kind}.{layer}")
+                pair.append(np.concatenate(list(pool[state.blocks]), axis=1)[:, : state.length].copy())
+            out.append((pair[0], pair[1]))
+        return out
+
+    def import_kv(self, seq: Hashable, layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Write ``export_kv``'s layers into an open sequence (its length becomes theirs)."""
+        state = self._get(seq)
+        if len(layers) != len(self._cache_names) // 2:
+            raise InvalidArgument(
+                "layers", f"must hold {len(self._cache_names) // 2} layers, got {len(layers)}"
+            )
+        length = layers[0][0].shape[1]
+        if length > state.capacity:
+            raise ResourceExhausted(
+                f"{length} tokens of KV exceed the sequence's reservation of {state.capacity}"
+            )
+        bt = self.block_tokens
+        for layer, pair in enumerate(layers):
+            for kind, array in zip(("key_cache", "value_cache"), pair, strict=True):
+                pool = self._pool(f"{kind}.{layer}")
+                if array.shape != (pool.shape[1], length, pool.shape[3]):
+                    raise InvalidArgument("layers", f"layer {layer} {kind} has shape {list(array.shape)}")
+                for i, block in enumerate(state.blocks[: self.blocks_for(length)]):
+                    part = array[:, i * bt : (i + 1) * bt]
+                    pool[block, :, : part.shape[1]] = part
+        state.length = length
+
+    def _pool(self, name: str) -> np.ndarray:
+        tensor = self._req.get_tensor(name)
+        if tensor.element_type != ov.Type.f32:
+            raise InvalidArgument(
+                "precision", f"KV export needs an f32 cache (f32 or exact), not {tensor.element_type}"
+            )
+        return tensor.data
+
+    def usage(self) -> CacheUsage:
+        with self._lock:
+            return CacheUsage(
+                budget_bytes=self.cache_bytes,
+                block_bytes=self.block_bytes,
+                block_tokens=self.block_tokens,
+                blocks_total=self.blocks_total,
+                blocks_used=self.blocks_total - len(self._free),
+                sequences=len(self._seqs),
+            )
+
+    def _get(self, seq: Hashable) -> _Sequence:
+        state = self._seqs.get(seq)
+        if state is None:
+            raise NotFound(f"sequence {seq!r} is not open on stage {self.stage_index}")
+        return state
+
+    # -- compute -----------------------------------------------------------------------------
+    def _check_row(self, row: PagedRow, seen: set) -> tuple[_Sequence, np.ndarray, np.ndarray]:
+        state = self._get(row.seq)
+        if row.seq in seen:
+            raise InvalidArgument("rows", f"sequence {row.seq!r} appears twice in one step")
+        seen.add(row.seq)
+        x = np.asarray(row.inputs)
+        if self.is_first:
+            if x.ndim != 1 or x.shape[0] == 0 or not np.issubdtype(x.dtype, np.integer):
+                raise InvalidArgument(
+                    "input_ids", f"must be integer ids [T>0], got {x.dtype} {list(x.shape)}"
+                )
+            x = x.astype(np.int64, copy=False)
+        else:
+            if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] != self.hidden_size or x.dtype != np.float32:
+                raise InvalidArgument(
+                    "hidden_states",
+                    f"must be float32 [T>0, {self.hidden_size}], got {x.dtype} {list(x.shape)}",
+                )
+        t = x.shape[0]
+        if row.positions is None:
+            pos = np.arange(state.length, state.length + t, dtype=np.int64)
+        else:
+            pos = np.asarray(row.positions)
+            if pos.ndim != 1 or pos.shape[0] != t or not np.issubdtype(pos.dtype, np.integer):
+                raise InvalidArgument(
+                    "position_ids", f"must be integer [{t}] for {t} new tokens, got {list(pos.shape)}"
+                )
+            if pos.size and (pos.min() < 0 or pos.max() >= self.max_context):
+                raise InvalidArgument(
+                    "position_ids", f"must be in [0, {self.max_context}), got {pos.min()}..{pos.max()}"
+                )
+        if state.length + t > state.capacity:
+            raise ResourceExhausted(
+                f"sequence {row.seq!r} would grow to {state.length + t} tokens, "
+                f"beyond its reservation of {state.capacity}"
+            )
+        if self.is_last:
+            if not 0 <= row.logits <= t:
+                raise InvalidArgument("logits", f"must be in [0, {t}], got {row.logits}")
+        elif row.logits:
+            raise InvalidArgument(
+                "logits", f"only the last stage returns logits; stage {self.stage_index} is not"
+            )
+        return state, x, pos
+
+    def step(self, rows: Sequence[PagedRow]) -> list[np.ndarray]:
+        """Run one inference over ``rows`` (at most one per sequence) and return, per row, its
+        hidden states [T, hidden] (a copy), or on the last stage its logits [logits, vocab].
+
+        Every row is checked before anything runs: a bad row fails the step and no cache
+        changes."""
+        if not rows:
+            raise InvalidArgument("rows", "must name at least one sequence")
+        with self._lock:
+            seen: set = set()
+            checked = [self._check_row(row, seen) for row in rows]
+            lengths = [x.shape[0] for _, x, _ in checked]
+            past = np.array([s.length for s, _, _ in checked], dtype=np.int32)
+            ends = past + np.array(lengths, dtype=np.int32)
+            begins = np.zeros(len(rows) + 1, dtype=np.int32)
+            np.cumsum(lengths, out=begins[1:])
+            used = [self.blocks_for(int(e)) for e in ends]
+            table_begins = np.zeros(len(rows) + 1, dtype=np.int32)
+            np.cumsum(used, out=table_begins[1:])
+            feed = {
+                self._input: np.concatenate([x for _, x, _ in checked]),
+                "position_ids": np.concatenate([p for _, _, p in checked]).astype(np.int64, copy=False),
+                "past_lens": past,
+                "subsequence_begins": begins,
+                "block_indices": np.concatenate(
+                    [s.blocks[:n] for (s, _, _), n in zip(checked, used, strict=True)]
+                ),
+                "block_indices_begins": table_begins,
+            }
+            wanted = [row.logits for row in rows]
+            if self.is_last:
+                picks = [np.arange(b - k, b, dtype=np.int64) for b, k in zip(begins[1:], wanted, strict=True)]
+                # At least one row goes through the head; a step that wants none discards it.
+                feed[LOGITS_INDICES] = np.concatenate(picks) if sum(wanted) else np.zeros(1, dtype=np.int64)
+            req = self._req
+            for name, value in feed.items():
+                req.set_tensor(name, ov.Tensor(np.ascontiguousarray(value), shared_memory=True))
+            req.set_tensor("max_context_len", ov.Tensor(np.array(int(ends.max()), dtype=np.int32)))
+            req.infer()
+            for (state, _, _), end in zip(checked, ends, strict=True):
+                state.length = int(end)
+            out = req.get_output_tensor(0).data
+            if self.is_last:
+                out = out.reshape(-1, out.shape[-1])[: sum(wanted)]
+                splits = np.cumsum(wanted)[:-1]
+            else:
+                out = out.reshape(-1, self.hidden_size)
+                splits = begins[1:-1]
+            return np.split(out.copy(), splits)
+
+    def warmup(self, prefill: int = 256, decode: int = 2) -> int:
+        """A throwaway prefill and a few decode steps on a temporary sequence (the plugin prepares
+        its kernels on the first inferences of new shapes); returns the inferences run, 0 when the
+        budget has no room for it."""
+        key = ("__warmup__",)
+        prefill = max(
+            1, min(prefill, self.blocks_total * self.block_tokens - decode, self.max_context - decode)
+        )
+        try:
+            self.open(key, prefill + decode)
+        except (ResourceExhausted, InvalidArgument):
+            return 0
+        try:
+            steps = [prefill] + [1] * decode
+            for t in steps:
+                x = (
+                    np.zeros(t, dtype=np.int64)
+                    if self.is_first
+                    else np.zeros((t, self.hidden_size), dtype=np.float32)
+                )
+                self.step([PagedRow(key, x, logits=1 if self.is_last else 0)])
+            return len(steps)
+        finally:
+            self.free(key)

@@ -1,0 +1,138 @@
+"""Every stage of an export in this process on the paged backend, stepping all sessions together.
+
+Behind the ring's interface, like ``LocalRing``: each ``Generation`` sends its frames and awaits
+its result as if it were alone; a ``StepBatcher`` forms each step from every session's frame
+(step_batcher.py) and the step runs every stage's ``PagedEngine`` over all of them at once. In
+exact mode at one thread a row's result does not depend on the rows beside it
+(tests/coordinator/test_batched_ring.py), so every session gets its solo run's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import openvino as ov
+
+from pipeshard.errors import PipeshardError
+from pipeshard.precision import DEFAULT_PRECISION
+from pipeshard.services.coordinator.local_ring import LOCAL_OWNER
+from pipeshard.services.coordinator.ring import StageFailed
+from pipeshard.services.coordinator.step_batcher import DEFAULT_STEP_TOKENS, PAGED_PREFILL_CHUNK, StepBatcher
+from pipeshard.services.stage.domain import StepInput, StepOutput
+from pipeshard.services.stage.paged_engine import PagedEngine
+from pipeshard.services.stage.wire import result_from_output, stage_error, step_from_frame
+from pipeshard.shard.manifest import input_port, load_manifest
+from pipeshard.shard.paged import DEFAULT_CACHE_BYTES, PagedShard
+from pipeshard.v1 import activation_pb2
+
+
+class BatchedRing:
+    """All stages in-process over paged KV caches; concurrent sessions share each inference."""
+
+    # Rewinds shorten a session (no mask): the generation's cursor keeps physical == logical.
+    truncates_on_rewind = True
+    prefill_chunk = PAGED_PREFILL_CHUNK
+
+    def __init__(
+        self,
+        export_dir: Path | str,
+        precision: str = DEFAULT_PRECISION,
+        num_threads: int | None = None,
+        *,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        max_sessions: int = 64,
+        step_tokens: int = DEFAULT_STEP_TOKENS,
+        gather_s: float = 0.002,
+    ):
+        self.export_dir = Path(export_dir)
+        manifest = load_manifest(self.export_dir)
+        core = ov.Core()
+        self.shards = [
+            PagedShard(self.export_dir, i, precision, num_threads, cache_bytes=cache_bytes, core=core)
+            for i in range(manifest.num_stages)
+        ]
+        self._engines = [PagedEngine(s, max_sessions, idle_timeout_s=float("inf")) for s in self.shards]
+        self.max_context = manifest.max_context
+        self.vocab_size = manifest.model.vocab_size
+        self._open: set[str] = set()
+        self._batcher = StepBatcher(self._run_step, lambda: len(self._open), step_tokens, gather_s)
+
+    @property
+    def steps_run(self) -> int:
+        """Steps (one inference per stage each) run so far."""
+        return self._batcher.steps_run
+
+    @property
+    def num_stages(self) -> int:
+        return len(self._engines)
+
+    def warmup(self) -> None:
+        for shard in self.shards:
+            shard.warmup()
+
+    async def open_session(self, session_id: str, capacity: int | None = None) -> int:
+        opened = []
+        try:
+            for engine in self._engines:
+                engine.open(LOCAL_OWNER, session_id, capacity)
+                opened.append(engine)
+        except PipeshardError:
+            for engine in opened:
+                engine.sessions.release(LOCAL_OWNER, session_id)
+            raise
+        self._open.add(session_id)
+        return self.max_context
+
+    async def release_session(self, session_id: str) -> None:
+        """Frees the session's blocks on every stage at once; a queued frame of it fails."""
+        self._open.discard(session_id)
+        for engine in self._engines:
+            engine.sessions.release(LOCAL_OWNER, session_id)
+
+    async def abort_session(self, session_id: str, reason: str) -> None:
+        await self.release_session(session_id)
+
+    async def close(self) -> None:
+        await self._batcher.close()
+
+    async def _run_step(self, frames: list[activation_pb2.ActivationFrame]) -> list:
+        """The step on a worker thread (the event loop meanwhile takes the next frames)."""
+        try:
+            return await asyncio.to_thread(self._run, frames)
+        except Exception as exc:  # an inference failure fails every row of the step
+            return [StageFailed(stage_error(0, exc))] * len(frames)
+
+    async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
+        frame.owner = LOCAL_OWNER
+        return await self._batcher.step(frame)
+
+    def _run(self, frames: list[activation_pb2.ActivationFrame]) -> list:
+        """Every stage over the step's frames; a frame failing on a stage answers with its error."""
+        answers: list = [None] * len(frames)
+        live: list[tuple[int, StepInput]] = []
+        for i, frame in enumerate(frames):
+            try:
+                live.append((i, step_from_frame(frame, input_port(True))))
+            except PipeshardError as exc:
+                answers[i] = StageFailed(stage_error(0, exc))
+        for index, engine in enumerate(self._engines):
+            if not live:
+                break
+            outs = engine.run([s for _, s in live])
+            nxt = []
+            for (i, step), out in zip(live, outs, strict=True):
+                if isinstance(out, PipeshardError):
+                    answers[i] = StageFailed(stage_error(index, out))
+                elif engine.is_last:
+                    answers[i] = result_from_output(out)
+                else:
+                    nxt.append((i, _next_input(step, out)))
+            live = nxt
+        return answers
+
+
+def _next_input(step: StepInput, out: StepOutput) -> StepInput:
+    """The next stage's input in-process: the same step carrying this stage's hidden states."""
+    step.activations = out.hidden_states
+    return step

@@ -1,0 +1,166 @@
+"""Runs the steps of many sessions in one inference on a paged shard (pipeshard/shard/paged.py).
+
+The paged counterpart of ``StageEngine``: each step is checked on its own, so a bad step fails
+only its own session; the good ones then share one inference. Sessions live in the same
+``SessionTable`` (keyed by owner, so a session is only usable by its owner); a session's handle
+reserves its blocks when it opens and gives them back when the table releases or reaps it.
+
+Rewind: the paged cache has no validity mask. A step's ``invalidate`` ranges must be the tail
+of the session's cache (what the coordinator's rejected drafts are); the session is shortened
+to the range's start and the next tokens overwrite those slots.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+
+from pipeshard.errors import InvalidArgument, PipeshardError, ResourceExhausted
+from pipeshard.services.stage.domain import ReturnMode, StepInput, StepOutput, top1_of
+from pipeshard.services.stage.engine import check_range
+from pipeshard.services.stage.meters import StageMeters
+from pipeshard.services.stage.sessions import SessionTable
+from pipeshard.shard.paged import PagedRow, PagedShard
+from pipeshard.shard.runtime import check_activations, check_step
+
+_keys = itertools.count()
+
+
+class PagedSession:
+    """A session's handle on the shared paged cache (what the session table holds)."""
+
+    def __init__(self, shard: PagedShard):
+        self.shard = shard
+        self.key = ("session", next(_keys))
+        self.reserved = False
+
+    @property
+    def past_length(self) -> int:
+        return self.shard.length(self.key) if self.reserved else 0
+
+    def reserve(self, capacity: int) -> None:
+        self.shard.open(self.key, capacity)
+        self.reserved = True
+
+    def reset(self) -> None:
+        """Gives the session's blocks back (the table calls it on release and reaping)."""
+        if self.reserved:
+            self.shard.free(self.key)
+            self.reserved = False
+
+
+class PagedEngine:
+    """The stage's compute over a paged shard: open sessions with a capacity, run steps in batches."""
+
+    def __init__(
+        self,
+        shard: PagedShard,
+        max_sessions: int,
+        idle_timeout_s: float,
+        max_per_owner=None,
+        *,
+        meters: StageMeters | None = None,
+    ):
+        self.shard = shard
+        self.meters = meters or StageMeters(shard.stage_index)
+        self.sessions = SessionTable(lambda: PagedSession(shard), max_sessions, idle_timeout_s, max_per_owner)
+        self.is_first = shard.is_first
+        self.is_last = shard.is_last
+        self.hidden_size = shard.hidden_size
+        self.max_context = shard.max_context
+        self.vocab_size = shard.vocab_size
+
+    kv_backend = "paged"
+
+    def reset(self, owner: str, session_id: str) -> None:
+        """Forgets the session's tokens; it keeps its reservation."""
+        self.shard.rewind(self.sessions.get(owner, session_id).key, 0)
+
+    def open(self, owner: str, session_id: str, capacity: int | None = None) -> None:
+        """Opens a session and reserves room for ``capacity`` tokens (the export's max_context
+        when None); refuses with RESOURCE_EXHAUSTED naming the budget when it cannot fit."""
+        session = self.sessions.open(owner, session_id)
+        try:
+            # Drafts may ask beyond max_context on a full-length request; they never get it (check_step).
+            session.reserve(min(capacity or self.max_context, self.max_context))
+        except PipeshardError:
+            self.sessions.release(owner, session_id)
+            raise
+
+    def _prepare(self, step: StepInput, seen: set) -> tuple[PagedSession, int, np.ndarray]:
+        """Checks one step against its session; returns (session, rewound length, activations)."""
+        session = self.sessions.get(step.owner, step.session_id)
+        if session.key in seen:
+            raise InvalidArgument("session_id", f"{step.session_id!r} has two steps in one batch")
+        check_activations(step.activations, is_first=self.is_first, hidden_size=self.hidden_size)
+        if step.return_mode is ReturnMode.SAMPLED:
+            raise InvalidArgument(
+                "return_mode", "RETURN_MODE_SAMPLED is not served by a paged stage (ask for logits)"
+            )
+        x = step.activations[0]
+        check_range("positions", step.positions, self.max_context)
+        if self.is_first:
+            check_range("input_ids", x, self.vocab_size)
+        length = session.past_length
+        for start, end in sorted(step.invalidate, reverse=True):
+            if not 0 <= start <= end == length:
+                raise InvalidArgument(
+                    "mask_update",
+                    f"range [{start}, {end}) is not the tail of the cache of {length} "
+                    "(the paged cache rewinds only its tail)",
+                )
+            length = start
+        check_step(
+            length,
+            x.shape[0],
+            len(step.positions),
+            step.return_last,
+            max_context=self.max_context,
+            is_last=self.is_last,
+            positions_field="positions",
+        )
+        room = self.shard.capacity(session.key)
+        if length + x.shape[0] > room:
+            raise ResourceExhausted(
+                f"session {step.session_id!r} would grow to {length + x.shape[0]} tokens, "
+                f"beyond the {room} it reserved"
+            )
+        seen.add(session.key)
+        return session, length, x
+
+    def run(self, steps: list[StepInput]) -> list[StepOutput | PipeshardError]:
+        """One inference for every valid step; a failed check answers with its error in place."""
+        answers: list[StepOutput | PipeshardError | None] = [None] * len(steps)
+        batch: list[tuple[int, PagedSession, int, np.ndarray]] = []
+        seen: set = set()
+        for i, step in enumerate(steps):
+            try:
+                batch.append((i, *self._prepare(step, seen)))
+            except PipeshardError as exc:
+                answers[i] = exc
+        if not batch:
+            return answers
+        rows = []
+        for i, session, length, x in batch:
+            self.shard.rewind(session.key, length)
+            step = steps[i]
+            want = step.return_last if self.is_last and step.return_mode is not ReturnMode.NONE else 0
+            rows.append(PagedRow(session.key, x, step.positions, logits=want))
+        started = time.perf_counter_ns()
+        outs = self.shard.step(rows)
+        micros = (time.perf_counter_ns() - started) // 1000
+        self.meters.step(micros / 1e6, sum(len(row.inputs) for row in rows))
+        for (i, _, _, _), out in zip(batch, outs, strict=True):
+            step = steps[i]
+            step.compute_micros.append(micros)
+            if not self.is_last:
+                answers[i] = StepOutput(step=step, hidden_states=out[None])
+            elif step.return_mode is ReturnMode.TOP1:
+                answers[i] = StepOutput(step=step, top1=top1_of(out))
+            elif step.return_mode is ReturnMode.LOGITS:
+                answers[i] = StepOutput(step=step, logits=np.ascontiguousarray(out, dtype=np.float32))
+            else:
+                answers[i] = StepOutput(step=step)
+        return answers

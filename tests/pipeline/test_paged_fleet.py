@@ -1,0 +1,106 @@
+"""A fleet of paged stages (``--kv paged``) with a batching coordinator: concurrent sessions share
+each step through plan frames and still give their solo tokens (exact mode, INT4, 1 thread per
+stage) and the tokens of ``generate --local --kv paged``; GetStageInfo reports the cache budget;
+a cancelled stream's blocks are freed on every stage; a request the budget cannot hold is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from pipeshard.clients.client import PipeshardClient
+from pipeshard.services.coordinator.batched_ring import BatchedRing
+from pipeshard.services.coordinator.generation import Generation, Summary
+from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.shard.prompting import Prompter
+from pipeshard.v1 import stage_pb2, stage_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+TOKENS = 32
+BUDGET = 64 << 20  # 91 blocks of 32 tokens per stage
+
+
+@pytest.fixture(scope="module")
+def export(smollm2_export):
+    return smollm2_export(2, "int4")
+
+
+@pytest.fixture(scope="module")
+def fleet(export, fleet_factory):
+    return fleet_factory(
+        export,
+        2,
+        precision="exact",
+        extra_stage_args=["--kv", "paged", "--num-threads", "1", "--kv-cache-bytes", str(BUDGET)],
+        extra_coordinator_args=["--kv", "paged", "--max-running", "8"],
+    )
+
+
+def _generate(address: str, prompt: str, tokens: int = TOKENS) -> list[int]:
+    with PipeshardClient(address, timeout_s=300) as client:
+        return client.generate(prompt, max_tokens=tokens, ignore_eos=True).token_ids
+
+
+def _info(address: str) -> stage_pb2.GetStageInfoResponse:
+    with grpc.insecure_channel(address) as channel:
+        return stage_pb2_grpc.StageServiceStub(channel).GetStageInfo(
+            stage_pb2.GetStageInfoRequest(), timeout=5
+        )
+
+
+def _used_after_release(addresses: list[str], timeout_s: float = 30) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_info(a).kv_cache_used_bytes for a in addresses):
+        time.sleep(0.2)
+    return [_info(a).kv_cache_used_bytes for a in addresses]
+
+
+def test_concurrent_sessions_share_steps_and_keep_their_solo_tokens(fleet, export, prompts):
+    chosen = list(prompts[:6])
+    solo = [_generate(fleet.coordinator, p) for p in chosen]
+    with ThreadPoolExecutor(len(chosen)) as pool:
+        together = list(pool.map(lambda p: _generate(fleet.coordinator, p), chosen))
+    assert together == solo
+    # `generate --local --kv paged` (the in-process batched ring) gives the fleet's tokens.
+    prompter = Prompter.from_dir(export)
+    ring = BatchedRing(export, "exact", 1, cache_bytes=BUDGET)
+
+    async def local():
+        generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, prefill_chunk=ring.prefill_chunk)
+        out = []
+        for prompt in chosen[:2]:
+            ids = prompter.encode("", [("user", prompt)])
+            async for event in generation.run(ids, SamplingParams(max_tokens=TOKENS, ignore_eos=True)):
+                if isinstance(event, Summary):
+                    out.append(event.token_ids)
+        return out
+
+    assert asyncio.run(local()) == solo[:2]
+
+
+def test_stage_info_reports_the_budget_and_a_cancel_frees_every_stage(fleet, prompts):
+    for i, address in enumerate(fleet.stages):
+        info = _info(address)
+        assert (info.kv_backend, info.kv_cache_budget_bytes, info.kv_block_tokens) == ("paged", BUDGET, 32), i
+    with PipeshardClient(fleet.coordinator, timeout_s=300) as client:
+        call = client.responses(prompts[2], max_tokens=200, ignore_eos=True)
+        for n, _ in enumerate(call):
+            if n == 3:
+                held = [_info(a).kv_cache_used_bytes for a in fleet.stages]
+                call.cancel()
+                break
+    assert all(h > 0 for h in held)
+    assert _used_after_release(fleet.stages) == [0, 0]
+
+
+def test_a_request_beyond_the_budget_is_refused_naming_it(fleet, prompts):
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(fleet.coordinator, prompts[0], tokens=3500)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "KV cache budget" in err.value.details()
+    assert _generate(fleet.coordinator, prompts[0], tokens=4) == _generate(fleet.coordinator, prompts[0])[:4]

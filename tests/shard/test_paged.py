@@ -1,0 +1,196 @@
+"""The paged backend (pipeshard/shard/paged.py) on INT4 2-stage SmolLM2 shards in exact mode: rows of
+many sequences in one inference give each sequence the tokens of its stateful solo run, whoever
+joins or leaves; rewind, admission and bad rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeshard.errors import InvalidArgument, NotFound, ResourceExhausted
+from pipeshard.shard.chain import LocalChain
+from pipeshard.shard.paged import PagedRow, PagedShard
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def export(smollm2_export):
+    return smollm2_export(2, "int4")
+
+
+@pytest.fixture(scope="module")
+def paged(export):
+    return [PagedShard(export, s, "exact", 1, cache_bytes=64 << 20) for s in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def solo(export, chat_prompt_ids):
+    """Greedy NEW_TOKENS of every prompt on the stateful backend, one at a time."""
+    chain = LocalChain(export, "exact", 1)
+    return [chain.generate_greedy(ids, NEW_TOKENS, ignore_eos=True).token_ids for ids in chat_prompt_ids]
+
+
+def _step(paged, feeds: dict) -> dict:
+    """One inference per stage for ``feeds`` (seq -> token ids); returns seq -> last-row logits."""
+    seqs = list(feeds)
+    hidden = paged[0].step([PagedRow(s, np.array(feeds[s])) for s in seqs])
+    logits = paged[1].step([PagedRow(s, h, logits=1) for s, h in zip(seqs, hidden, strict=True)])
+    return {s: lg[-1] for s, lg in zip(seqs, logits, strict=True)}
+
+
+def test_sequences_joining_and_leaving_match_their_solo_runs(paged, chat_prompt_ids, solo):
+    # Prompt i joins at step 3 * i; prompts end after NEW_TOKENS, freeing blocks that later ones reuse.
+    arrivals = {i: 3 * i for i in range(len(chat_prompt_ids))}
+    pending: dict[int, list[int]] = {}
+    out: dict[int, list[int]] = {}
+    step = 0
+    while len(out) < len(chat_prompt_ids) or pending:
+        for i, at in arrivals.items():
+            if at == step:
+                for p in paged:
+                    p.open(i, len(chat_prompt_ids[i]) + NEW_TOKENS)
+                pending[i] = list(chat_prompt_ids[i])
+                out[i] = []
+        if pending:
+            for i, logits in _step(paged, pending).items():
+                out[i].append(int(logits.argmax()))
+                pending[i] = [out[i][-1]]
+                if len(out[i]) == NEW_TOKENS:
+                    del pending[i]
+                    assert all(p.free(i) for p in paged)
+        step += 1
+    assert [out[i] for i in range(len(chat_prompt_ids))] == solo
+    assert all(p.usage().blocks_used == 0 for p in paged)
+
+
+def test_rewind_recomputes_the_same_logits(paged, chat_prompt_ids):
+    ids = chat_prompt_ids[0]
+    for p in paged:
+        p.open("r", len(ids) + 8)
+    try:
+        first = _step(paged, {"r": ids})["r"]
+        tokens = [int(first.argmax())]
+        logits = []
+        for _ in range(4):
+            logits.append(_step(paged, {"r": tokens[-1:]})["r"])
+            tokens.append(int(logits[-1].argmax()))
+        for p in paged:
+            p.rewind("r", len(ids) + 2)  # drop the last two tokens fed
+        again = [_step(paged, {"r": [t]})["r"] for t in tokens[2:4]]
+        np.testing.assert_array_equal(np.stack(again), np.stack(logits[2:4]))
+        assert paged[0].length("r") == len(ids) + 4
+        with pytest.raises(InvalidArgument, match="`length`"):
+            paged[0].rewind("r", len(ids) + 5)
+    finally:
+        for p in paged:
+            p.free("r")
+
+
+def test_a_long_prefill_asks_the_head_for_one_row(paged):
+    for p in paged:
+        p.open("long", 1025)
+    try:
+        hidden = paged[0].step([PagedRow("long", np.full(1024, 42, dtype=np.int64))])
+        assert hidden[0].shape == (1024, 576)
+        logits = paged[1].step([PagedRow("long", hidden[0], logits=1)])
+        assert logits[0].shape == (1, 49152)
+        assert paged[1].step([PagedRow("long", np.zeros((1, 576), np.float32), logits=0)])[0].shape == (
+            0,
+            49152,
+        )
+    finally:
+        for p in paged:
+            p.free("long")
+
+
+def test_admission_refuses_what_the_budget_cannot_hold(export):
+    stage = PagedShard(export, 0, "exact", 1, cache_bytes=3 * 737280)
+    usage = stage.usage()
+    assert (usage.blocks_total, usage.block_tokens, usage.budget_bytes) == (3, 32, 3 * 737280)
+    stage.open("a", 64)
+    with pytest.raises(ResourceExhausted, match="KV cache budget of 2211840 bytes"):
+        stage.open("b", 64)
+    assert stage.usage().blocks_used == 2 and stage.usage().bytes_used == 2 * 737280
+    stage.open("b", 32)
+    with pytest.raises(ResourceExhausted, match="beyond its reservation of 32"):
+        stage.step([PagedRow("b", np.zeros(33, dtype=np.int64))])
+    stage.free("a")
+    stage.open("c", 40)
+    assert stage.usage().blocks_free == 0
+    with pytest.raises(InvalidArgument, match="`cache_bytes`"):
+        PagedShard(export, 0, "exact", 1, cache_bytes=1000)
+
+
+def test_bad_rows_fail_the_step_and_change_nothing(paged):
+    first, last = paged
+    first.open("x", 64)
+    first.open("y", 64)
+    try:
+        first.step([PagedRow("x", np.array([1, 2, 3]))])
+        cases = [
+            ([PagedRow("x", np.array([1.5]))], InvalidArgument, "`input_ids`"),
+            ([PagedRow("x", np.array([[1, 2]]))], InvalidArgument, "`input_ids`"),
+            ([PagedRow("x", np.array([4])), PagedRow("x", np.array([5]))], InvalidArgument, "appears twice"),
+            ([PagedRow("y", np.array([4])), PagedRow("nobody", np.array([5]))], NotFound, "nobody"),
+            ([PagedRow("x", np.array([4, 5]), positions=np.array([3]))], InvalidArgument, "`position_ids`"),
+            ([PagedRow("x", np.array([4]), positions=np.array([-1]))], InvalidArgument, "`position_ids`"),
+            ([PagedRow("x", np.array([4]), logits=1)], InvalidArgument, "`logits`"),
+            ([], InvalidArgument, "`rows`"),
+        ]
+        for rows, error, message in cases:
+            with pytest.raises(error, match=message):
+                first.step(rows)
+        assert (first.length("x"), first.length("y")) == (3, 0)
+        last.open("z", 8)
+        try:
+            with pytest.raises(InvalidArgument, match="`hidden_states`"):
+                last.step([PagedRow("z", np.zeros((1, 575), np.float32), logits=1)])
+            with pytest.raises(InvalidArgument, match="`logits`"):
+                last.step([PagedRow("z", np.zeros((1, 576), np.float32), logits=2)])
+            assert last.length("z") == 0
+        finally:
+            last.free("z")
+        with pytest.raises(NotFound):
+            first.length("nobody")
+        assert first.free("nobody") is False
+    finally:
+        first.free("x")
+        first.free("y")
+
+
+def test_default_precision_blocks_hold_32_tokens_with_a_u8_cache(export):
+    # The u8 key cache keeps its scales as extra rows ([blocks, 3, 40, 64]); blocks still hold 32
+    # tokens, and a sequence longer than one block decodes like its prefill predicted.
+    stage = PagedShard(export, 0, "default", cache_bytes=8 << 20)
+    assert stage.block_tokens == 32
+    assert stage.block_bytes == 15 * (3 * 40 * 64 + 3 * 32 * 72)
+    stage.open("a", 100)
+    stage.open("b", 100)
+    hidden = stage.step([PagedRow("a", np.arange(70)), PagedRow("b", np.arange(5, 75))])
+    assert [h.shape for h in hidden] == [(70, 576), (70, 576)]
+    assert np.isfinite(hidden[0]).all() and np.isfinite(hidden[1]).all()
+    assert stage.usage().blocks_used == 8
+
+
+def test_exported_kv_restores_into_another_sequence(paged, chat_prompt_ids):
+    ids = chat_prompt_ids[2]
+    for p in paged:
+        p.open("src", len(ids) + 4)
+        p.open("dst", len(ids) + 4)
+    try:
+        token = int(_step(paged, {"src": ids})["src"].argmax())
+        blobs = [p.export_kv("src") for p in paged]
+        assert len(blobs[0]) == 15 and blobs[0][0][0].shape == (3, len(ids), 64)
+        for p, blob in zip(paged, blobs, strict=True):
+            p.import_kv("dst", blob)
+        after = _step(paged, {"src": [token], "dst": [token]})
+        np.testing.assert_array_equal(after["dst"], after["src"])
+        with pytest.raises(InvalidArgument, match="`layers`"):
+            paged[0].import_kv("dst", blobs[0][:3])
+    finally:
+        for p in paged:
+            p.free("src")
+            p.free("dst")
