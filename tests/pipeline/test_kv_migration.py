@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import zlib
 
 import grpc
 import pytest
@@ -119,6 +120,9 @@ def test_captured_session_continues_identically_on_another_process(two_stage_pro
         data = bytearray(corrupt.snapshot.states[5].tensor.data)
         data[100] ^= 0x40
         corrupt.snapshot.states[5].tensor.data = bytes(data)
+        code, details = refused("RestoreKv", restore(corrupt.snapshot))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "crc32" in details  # the tensor's own check
+        corrupt.snapshot.states[5].tensor.crc32 = zlib.crc32(bytes(data))  # passes it: the blob's checksum
         code, details = refused("RestoreKv", restore(corrupt.snapshot))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "corrupt" in details
         truncated = stage_pb2.RestoreKvRequest()
