@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from bench.reference import GenAIPipeline, optimum_export
-from bench.stats import interleaved, median, ratio_ci, summary, write_result
+from bench.stats import command_with_knobs, interleaved, median, ratio_ci, summary, write_result
 from pipeshard import paths
 from pipeshard.clients.client import PipeshardClient
 from pipeshard.offline import set_offline_defaults
@@ -204,19 +204,15 @@ def main() -> int:
     result["seconds"] = round(time.perf_counter() - started, 1)
     plot(ttft)
     result["plot"] = str(PLOT)
-    knobs = " ".join(
-        f"{k}={os.environ[k]}"
-        for k in (
-            "BENCH_RUNS",
-            "BENCH_WARMUP",
-            "BENCH_LENGTHS",
-            "BENCH_PRECISIONS",
-            "BENCH_COLD_RUNS",
-            "BENCH_COLD_LENGTH",
-        )
-        if k in os.environ
+    knobs = (
+        "BENCH_RUNS",
+        "BENCH_WARMUP",
+        "BENCH_LENGTHS",
+        "BENCH_PRECISIONS",
+        "BENCH_COLD_RUNS",
+        "BENCH_COLD_LENGTH",
     )
-    write_result("prefill", result, command=f"{knobs} make bench-prefill".strip())
+    write_result("prefill", result, command=command_with_knobs("bench-prefill", knobs))
     return 0
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.stats import median, ratio_ci, summary, write_result
+from bench.stats import command_with_knobs, median, ratio_ci, summary, write_result
 from pipeshard import paths
 from pipeshard.clients.client import PipeshardClient
 from pipeshard.offline import set_offline_defaults
@@ -213,19 +213,15 @@ def main() -> int:
     result["kv_per_stage"] = kv_costs(export)
     result["goals"] = {"warm_speedup_1024": 15.0}
     result["seconds"] = round(time.perf_counter() - started, 1)
-    knobs = " ".join(
-        f"{k}={os.environ[k]}"
-        for k in (
-            "BENCH_RUNS",
-            "BENCH_WARMUP",
-            "BENCH_LENGTHS",
-            "BENCH_PRECISION",
-            "BENCH_KV_REPS",
-            "BENCH_SHARDS",
-        )
-        if k in os.environ
+    knobs = (
+        "BENCH_RUNS",
+        "BENCH_WARMUP",
+        "BENCH_LENGTHS",
+        "BENCH_PRECISION",
+        "BENCH_KV_REPS",
+        "BENCH_SHARDS",
     )
-    write_result("prefix", result, command=f"{knobs} make bench-prefix".strip())
+    write_result("prefix", result, command=command_with_knobs("bench-prefix", knobs))
     return 0
 
 

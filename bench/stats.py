@@ -8,12 +8,13 @@ of two medians with a 95% percentile-bootstrap interval (resampling rounds, whic
 from __future__ import annotations
 
 import json
+import os
 import platform
 import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -78,6 +79,12 @@ def ratio_ci(
         boots.append(median([a for a, _ in sample]) / median([b for _, b in sample]))
     boots.sort()
     return median(num) / median(den), [boots[int(0.025 * n_boot)], boots[int(0.975 * n_boot) - 1]]
+
+
+def command_with_knobs(target: str, knobs: Sequence[str]) -> str:
+    """``make TARGET`` preceded by the BENCH_* settings this run was given (so it can be repeated)."""
+    given = " ".join(f"{k}={os.environ[k]}" for k in knobs if k in os.environ)
+    return f"{given} make {target}".strip()
 
 
 def write_result(name: str, result: dict, command: str | None = None) -> Path:

@@ -153,6 +153,7 @@ class Manifest:
     stages: tuple[StageEntry, ...]
     files: Mapping[str, FileRecord]
     draft: DraftInfo | None
+    export_id: str  # "" in exports written before it existed
     raw: Mapping[str, Any]
 
     @classmethod
@@ -194,6 +195,7 @@ class Manifest:
                 ),
                 files={rel: FileRecord(str(r["sha256"]), int(r["size"])) for rel, r in raw["files"].items()},
                 draft=DraftInfo(int(draft["layers"]), draft.get("vocab_ids")) if draft else None,
+                export_id=str(raw.get("export_id", "")),
                 raw=raw,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:

@@ -37,8 +37,7 @@ from openvino._offline_transformations import paged_attention_transformation
 
 from pipeshard.errors import InvalidArgument, NotFound, ResourceExhausted
 from pipeshard.precision import DEFAULT_PRECISION
-from pipeshard.shard.manifest import load_manifest, verify_shard
-from pipeshard.shard.runtime import compile_properties
+from pipeshard.shard.runtime import StageShard, compile_properties
 
 # Default KV budget per stage: 256 MiB hold about 11,000 f32 tokens of a 15-layer SmolLM2 stage.
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
@@ -113,7 +112,7 @@ def _prepare_model(model: ov.Model, is_first: bool, is_last: bool) -> ov.Model:
     return model
 
 
-class PagedShard:
+class PagedShard(StageShard):
     """One compiled stage with a paged KV cache shared by many sequences (one InferRequest)."""
 
     def __init__(
@@ -128,19 +127,7 @@ class PagedShard:
         core: ov.Core | None = None,
         device: str = "CPU",
     ):
-        self.export_dir = Path(export_dir)
-        manifest = verify_shard(self.export_dir, stage_index) if verify else load_manifest(self.export_dir)
-        self.manifest = manifest
-        self.entry = manifest.stage(stage_index)
-        self.stage_index = stage_index
-        self.num_stages = manifest.num_stages
-        self.is_first = stage_index == 0
-        self.is_last = stage_index == self.num_stages - 1
-        self.hidden_size = manifest.model.hidden_size
-        self.vocab_size = manifest.model.vocab_size
-        self.max_context = manifest.max_context
-        self.precision = precision
-        self.core = core or ov.Core()
+        super().__init__(export_dir, stage_index, precision, verify=verify, core=core)
         model = _prepare_model(
             self.core.read_model(str(self.export_dir / self.entry.model)), self.is_first, self.is_last
         )

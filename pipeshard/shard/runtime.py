@@ -110,7 +110,29 @@ def check_step(
         raise InvalidArgument("return_last", f"must be in [1, {t}], got {return_last}")
 
 
-class ShardRunner:
+class StageShard:
+    """What every KV backend of one stage reads from the export (the stateful ``ShardRunner``
+    and the paged ``PagedShard``): the verified manifest entry and the stage's place and sizes."""
+
+    def __init__(
+        self, export_dir: Path | str, stage_index: int, precision: str, *, verify: bool, core: ov.Core | None
+    ):
+        self.export_dir = Path(export_dir)
+        manifest = verify_shard(self.export_dir, stage_index) if verify else load_manifest(self.export_dir)
+        self.manifest = manifest
+        self.entry = manifest.stage(stage_index)
+        self.stage_index = stage_index
+        self.num_stages = manifest.num_stages
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == self.num_stages - 1
+        self.hidden_size = manifest.model.hidden_size
+        self.vocab_size = manifest.model.vocab_size
+        self.max_context = manifest.max_context
+        self.precision = precision
+        self.core = core or ov.Core()
+
+
+class ShardRunner(StageShard):
     """A compiled stage of an export; hands out sessions (one InferRequest each)."""
 
     def __init__(
@@ -125,20 +147,8 @@ class ShardRunner:
         core: ov.Core | None = None,
         device: str = "CPU",
     ):
-        self.export_dir = Path(export_dir)
         props = compile_properties(precision, num_threads, num_streams)
-        manifest = verify_shard(self.export_dir, stage_index) if verify else load_manifest(self.export_dir)
-        self.manifest = manifest
-        self.entry = manifest.stage(stage_index)
-        self.stage_index = stage_index
-        self.num_stages = manifest.num_stages
-        self.is_first = stage_index == 0
-        self.is_last = stage_index == self.num_stages - 1
-        self.hidden_size = manifest.model.hidden_size
-        self.vocab_size = manifest.model.vocab_size
-        self.max_context = manifest.max_context
-        self.precision = precision
-        self.core = core or ov.Core()
+        super().__init__(export_dir, stage_index, precision, verify=verify, core=core)
         self.compiled = self.core.compile_model(str(self.export_dir / self.entry.model), device, props)
         names = [p.get_any_name() for p in self.compiled.inputs]
         self.input_name = self.entry.input_name
@@ -149,20 +159,20 @@ class ShardRunner:
         self.has_beam_idx = "beam_idx" in self._index
         self.state_variables = list(self.entry.state_variables)
         # A draft's vocabulary slice: the token id of each logit column (None: column i is token i).
+        manifest = self.manifest
         vocab_file = manifest.draft.vocab_ids if manifest.draft else None
         self.vocab_ids: np.ndarray | None = (
             np.load(self.export_dir / vocab_file, allow_pickle=False) if vocab_file else None
         )
-        model = manifest.raw["model"]
         self.kv_source = KvSource(
             model_fingerprint=manifest.model.fingerprint,
-            export_id=str(manifest.raw.get("export_id", "")),
+            export_id=manifest.export_id,
             stage_index=stage_index,
             layer_start=self.entry.layer_start,
             layer_end=self.entry.layer_end,
             names=tuple(self.state_variables),
-            kv_heads=int(model["num_kv_heads"]),
-            head_dim=int(model["head_dim"]),
+            kv_heads=manifest.model.num_kv_heads,
+            head_dim=manifest.model.head_dim,
         )
 
     @property
