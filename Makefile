@@ -23,7 +23,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup proto lint model export test test-fast test-exactness clean up down run-stage demo bench-parity bench-numerics bench-prefill bench-pipeline bench-commits bench-mbatch bench-spec bench-gateway serve-openai wan-up wan-down distil soak bench-planner bench-compress bench-wan bench-prefix
+.PHONY: setup proto lint model export test test-fast test-exactness test-extended clean up down run-stage demo bench-parity bench-numerics bench-prefill bench-pipeline bench-commits bench-mbatch bench-spec bench-gateway serve-openai wan-up wan-down distil soak bench-planner bench-compress bench-wan bench-prefix
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -156,6 +156,10 @@ test: proto
 ## test-exactness: the full speculative exactness matrix (10 prompts x 1/2/3 stages x K x draft source; FP32 at f32, INT4 at exact)
 test-exactness: model
 	$(VENV)/bin/pytest -q -m exactness tests/speculation
+
+## test-extended: repeated variants of cases `make test` already covers (more stage counts and modes), kept out of its 30-minute budget
+test-extended: model
+	$(VENV)/bin/pytest -q -m extended
 
 ## test-fast: unit tests only
 test-fast: proto
