@@ -211,22 +211,31 @@ class PagedShard(StageShard):
             )
         state.length = length
 
-    def export_kv(self, seq: Hashable) -> list[tuple[np.ndarray, np.ndarray]]:
-        """The sequence's cache per layer as (K, V), each [kv_heads, length, head_dim] f32: the
-        backend-neutral shape of KV capture (issue #19). f32 caches only (``f32``/``exact``)."""
-        state = self._get(seq)
-        out = []
-        for layer in range(len(self._cache_names) // 2):
-            pair = []
-            for kind in ("key_cache", "value_cache"):
-                pool = self._pool(f"{kind}.{layer}")
-                pair.append(np.concatenate(list(pool[state.blocks]), axis=1)[:, : state.length].copy())
-            out.append((pair[0], pair[1]))
-        return out
+    def export_kv(self, seq: Hashable, positions: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The sequence's first ``positions`` cached tokens (default: all) per layer as (K, V),
+        each [kv_heads, positions, head_dim] f32: the backend-neutral shape of KV capture (issue
+        #19). Only the blocks those positions fill are read. f32 caches only (``f32``/``exact``)."""
+        with self._lock:  # a batched ring steps on a worker thread meanwhile
+            state = self._get(seq)
+            n = state.length if positions is None else positions
+            if not 0 < n <= state.length:
+                raise InvalidArgument("positions", f"must be in [1, {state.length}], got {n}")
+            blocks = state.blocks[: self.blocks_for(n)]
+            out = []
+            for layer in range(len(self._cache_names) // 2):
+                pair = []
+                for kind in ("key_cache", "value_cache"):
+                    pool = self._pool(f"{kind}.{layer}")
+                    pair.append(np.concatenate(list(pool[blocks]), axis=1)[:, :n].copy())
+                out.append((pair[0], pair[1]))
+            return out
 
     def import_kv(self, seq: Hashable, layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
         """Write ``export_kv``'s layers into an open sequence (its length becomes theirs)."""
-        state = self._get(seq)
+        with self._lock:
+            self._import_kv(self._get(seq), layers)
+
+    def _import_kv(self, state: _Sequence, layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
         if len(layers) != len(self._cache_names) // 2:
             raise InvalidArgument(
                 "layers", f"must hold {len(self._cache_names) // 2} layers, got {len(layers)}"

@@ -130,6 +130,18 @@ class StageShard:
         self.max_context = manifest.max_context
         self.precision = precision
         self.core = core or ov.Core()
+        self.state_variables = list(self.entry.state_variables)
+        # What a KV blob of this stage names (both backends capture the same per-layer K, V).
+        self.kv_source = KvSource(
+            model_fingerprint=manifest.model.fingerprint,
+            export_id=manifest.export_id,
+            stage_index=stage_index,
+            layer_start=self.entry.layer_start,
+            layer_end=self.entry.layer_end,
+            names=tuple(self.state_variables),
+            kv_heads=manifest.model.num_kv_heads,
+            head_dim=manifest.model.head_dim,
+        )
 
 
 class ShardRunner(StageShard):
@@ -157,22 +169,11 @@ class ShardRunner(StageShard):
             if required not in self._index:
                 raise InvalidArgument("export_dir", f"stage {stage_index} model has no `{required}` input")
         self.has_beam_idx = "beam_idx" in self._index
-        self.state_variables = list(self.entry.state_variables)
         # A draft's vocabulary slice: the token id of each logit column (None: column i is token i).
         manifest = self.manifest
         vocab_file = manifest.draft.vocab_ids if manifest.draft else None
         self.vocab_ids: np.ndarray | None = (
             np.load(self.export_dir / vocab_file, allow_pickle=False) if vocab_file else None
-        )
-        self.kv_source = KvSource(
-            model_fingerprint=manifest.model.fingerprint,
-            export_id=manifest.export_id,
-            stage_index=stage_index,
-            layer_start=self.entry.layer_start,
-            layer_end=self.entry.layer_end,
-            names=tuple(self.state_variables),
-            kv_heads=manifest.model.num_kv_heads,
-            head_dim=manifest.model.head_dim,
         )
 
     @property

@@ -20,7 +20,9 @@ from pipeshard.services.coordinator.local_ring import LOCAL_OWNER
 from pipeshard.services.coordinator.ring import StageFailed
 from pipeshard.services.coordinator.step_batcher import DEFAULT_STEP_TOKENS, PAGED_PREFILL_CHUNK, StepBatcher
 from pipeshard.services.stage.domain import StepInput, StepOutput
+from pipeshard.services.stage.kv import StageKv
 from pipeshard.services.stage.paged_engine import PagedEngine
+from pipeshard.services.stage.prefix_store import PrefixStore
 from pipeshard.services.stage.wire import result_from_output, stage_error, step_from_frame
 from pipeshard.shard.manifest import input_port, load_manifest
 from pipeshard.shard.paged import DEFAULT_CACHE_BYTES, PagedShard
@@ -44,6 +46,7 @@ class BatchedRing:
         max_sessions: int = 64,
         step_tokens: int = DEFAULT_STEP_TOKENS,
         gather_s: float = 0.002,
+        prefix_cache_bytes: int = 512 * 1024 * 1024,
     ):
         self.export_dir = Path(export_dir)
         manifest = load_manifest(self.export_dir)
@@ -53,6 +56,7 @@ class BatchedRing:
             for i in range(manifest.num_stages)
         ]
         self._engines = [PagedEngine(s, max_sessions, idle_timeout_s=float("inf")) for s in self.shards]
+        self.kv = [StageKv.paged(e, PrefixStore(prefix_cache_bytes)) for e in self._engines]
         self.max_context = manifest.max_context
         self.vocab_size = manifest.model.vocab_size
         self._open: set[str] = set()
@@ -92,6 +96,21 @@ class BatchedRing:
 
     async def abort_session(self, session_id: str, reason: str) -> None:
         await self.release_session(session_id)
+
+    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> list[int]:
+        return [self._on(i, kv.keep, session_id, scope, token_ids)[1] for i, kv in enumerate(self.kv)]
+
+    async def restore_kv(
+        self, session_id: str, scope: str, token_ids: list[int], positions: int, timeout_s: float
+    ) -> None:
+        for i, kv in enumerate(self.kv):
+            self._on(i, kv.restore_cached, session_id, scope, token_ids, positions)
+
+    def _on(self, index: int, method, *args):
+        try:
+            return method(LOCAL_OWNER, *args)
+        except PipeshardError as exc:
+            raise StageFailed(stage_error(index, exc)) from None
 
     async def close(self) -> None:
         await self._batcher.close()

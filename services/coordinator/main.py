@@ -90,7 +90,7 @@ class CoordinatorSettings(ServerSettings):
     prefix_cache: str = setting(
         "auto",
         "reuse the KV of earlier requests' prompts that share a prefix (the stages keep it); auto: "
-        "on where a warm turn is tested to equal a cold one (stateful stages at exact or f32 precision)",
+        "on where a warm turn is tested to equal a cold one (stages at exact or f32 precision)",
         choices=PREFIX_CACHE_MODES,
     )
     prefix_cache_entries: int = setting(256, "token sequences the prefix index remembers (LRU)")
@@ -129,14 +129,12 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
     return settings
 
 
-def use_prefix_cache(mode: str, stages: list[stage_pb2.GetStageInfoResponse], paged: bool) -> bool:
-    """Whether to keep and restore prompt prefixes. Only stateful stages capture KV. ``auto`` asks
-    for exact or f32 precision on every stage: there a restored prefix plus the prefilled suffix
-    gives the tokens a cold prefill gives (tested); at the default precision the suffix runs a
-    different kernel on a bf16 / u8 cache, which can change tokens, so it takes ``on``."""
-    if mode == "off" or paged:
-        if mode == "on":
-            log.warning("prefix_cache_off", reason="the paged KV backend does not capture KV yet")
+def use_prefix_cache(mode: str, stages: list[stage_pb2.GetStageInfoResponse]) -> bool:
+    """Whether to keep and restore prompt prefixes. ``auto`` asks for exact or f32 precision on
+    every stage, stateful or paged: there a restored prefix plus the prefilled suffix gives the
+    tokens a cold prefill gives (tested on both backends); at the default precision the suffix
+    runs on a bf16 / u8 cache (and a paged stage cannot capture it), so it takes ``on``."""
+    if mode == "off":
         return False
     if mode == "on":
         return True
@@ -177,7 +175,7 @@ class Coordinator:
         await self.ring.start()
         await self.ring.wait_ready(self.settings.ready_timeout_s)
         paged = self.settings.kv == "paged"
-        prefix = use_prefix_cache(self.settings.prefix_cache, await self.ring.stage_infos(), paged)
+        prefix = use_prefix_cache(self.settings.prefix_cache, await self.ring.stage_infos())
         chunk = self.settings.prefill_chunk
         if paged and chunk == DEFAULT_PREFILL_CHUNK:
             chunk = PlanRing.prefill_chunk  # the same chunks as `generate --local --kv paged`

@@ -42,6 +42,14 @@ class PlanRing:
         self._open.discard(session_id)
         await self.ring.abort_session(session_id, reason)
 
+    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> list[int]:
+        return await self.ring.keep_kv(session_id, scope, token_ids)
+
+    async def restore_kv(
+        self, session_id: str, scope: str, token_ids: list[int], positions: int, timeout_s: float
+    ) -> None:
+        await self.ring.restore_kv(session_id, scope, token_ids, positions, timeout_s)
+
     async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
         return await self.batcher.step(frame)
 

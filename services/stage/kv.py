@@ -1,7 +1,9 @@
 """KV capture and restore on a stage, for one owner's sessions: blobs out and in, and the prefix cache.
 
 A restore is all or nothing on this stage: the blob (or the cached prefix) is checked in full
-before the session is touched, and a session that already held a sequence is replaced.
+before the session is touched, and a session that already held a sequence is replaced. Both KV
+backends capture the same backend-neutral arrays (pipeshard/shard/kvblob.py), so one prefix
+store and one blob format serve a stateful stage (graph state) and a paged one (block pools).
 """
 
 from __future__ import annotations
@@ -9,36 +11,101 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipeshard.errors import InvalidArgument, NotFound
+from pipeshard.services.stage.paged_engine import PagedEngine
 from pipeshard.services.stage.prefix_store import PrefixStore
 from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.shard.kvblob import KvBlob, KvSource
 from pipeshard.shard.runtime import export_kv, import_kv
 
 
+class StatefulAccess:
+    """A stateful session's KV: its graph state, mask-valid positions only."""
+
+    def __init__(self, sessions: SessionTable):
+        self.sessions = sessions
+
+    def held(self, session) -> int:
+        return session.valid_length
+
+    def blob(self, session, positions: int, token_ids: tuple[int, ...], checksum: bool) -> KvBlob:
+        return export_kv(session, positions=positions, token_ids=token_ids, checksum=checksum)
+
+    def fresh(self, owner: str, session_id: str):
+        try:
+            session = self.sessions.get(owner, session_id)
+        except NotFound:
+            return self.sessions.open(owner, session_id)
+        session.reset()
+        return session
+
+    def load(self, session, blob: KvBlob) -> None:
+        import_kv(session, blob, verify_checksum=False)  # the caller checked the blob
+
+
+class PagedAccess:
+    """A paged session's KV: the blocks it reserved in the shard's pools. A restore into a
+    session the coordinator has not opened reserves the export's whole context for it."""
+
+    def __init__(self, engine: PagedEngine):
+        self.engine = engine
+        self.sessions = engine.sessions
+        self.shard = engine.shard
+
+    def held(self, session) -> int:
+        return session.past_length
+
+    def blob(self, session, positions: int, token_ids: tuple[int, ...], checksum: bool) -> KvBlob:
+        layers = self.shard.export_kv(session.key, positions)
+        arrays = [a for pair in layers for a in pair]  # K, V per layer: the state variables' order
+        return KvBlob.build(self.shard.kv_source, arrays, token_ids, checksum=checksum)
+
+    def fresh(self, owner: str, session_id: str):
+        try:
+            self.engine.reset(owner, session_id)
+        except NotFound:
+            self.engine.open(owner, session_id)
+        return self.sessions.get(owner, session_id)
+
+    def load(self, session, blob: KvBlob) -> None:
+        arrays = blob.arrays
+        self.shard.import_kv(session.key, list(zip(arrays[0::2], arrays[1::2], strict=True)))
+
+
 class StageKv:
-    def __init__(self, sessions: SessionTable, source: KvSource, store: PrefixStore):
+    def __init__(
+        self,
+        sessions: SessionTable,
+        source: KvSource,
+        store: PrefixStore,
+        access: StatefulAccess | PagedAccess | None = None,
+    ):
         self.sessions = sessions
         self.source = source
         self.store = store
+        self.access = access or StatefulAccess(sessions)
+
+    @classmethod
+    def paged(cls, engine: PagedEngine, store: PrefixStore) -> StageKv:
+        return cls(engine.sessions, engine.shard.kv_source, store, PagedAccess(engine))
 
     def capture(self, owner: str, session_id: str, token_ids: Sequence[int]) -> KvBlob:
         """The session's valid positions (the first len(token_ids) when given) as a checked blob."""
         session = self._holding(owner, session_id, token_ids)
-        return export_kv(session, positions=len(token_ids) or None, token_ids=tuple(token_ids))
+        positions = len(token_ids) or self.access.held(session)
+        return self.access.blob(session, positions, tuple(token_ids), checksum=True)
 
     def keep(self, owner: str, session_id: str, scope: str, token_ids: Sequence[int]) -> tuple[int, int]:
         """Capture into the prefix cache; returns (positions, bytes newly stored)."""
         if not token_ids:
             raise InvalidArgument("token_ids", "must name the captured tokens to keep them in the cache")
         session = self._holding(owner, session_id, token_ids)
-        blob = export_kv(session, positions=len(token_ids), checksum=False)
+        blob = self.access.blob(session, len(token_ids), (), checksum=False)
         return blob.positions, self.store.put(owner, scope, token_ids, blob.arrays)
 
     def restore(self, owner: str, session_id: str, blob: KvBlob) -> int:
         """Load a blob into the session (opened if absent, replaced if present); returns its positions."""
         blob.check_for(self.source)
-        session = self._fresh(owner, session_id)
-        import_kv(session, blob, verify_checksum=False)  # verified just above
+        self.access.load(self.access.fresh(owner, session_id), blob)
         return blob.positions
 
     def restore_cached(
@@ -47,23 +114,13 @@ class StageKv:
         """Load the first ``positions`` positions of a sequence kept in the prefix cache."""
         arrays = self.store.get(owner, scope, token_ids, positions)
         blob = KvBlob(self.source, (), tuple(arrays), "")
-        blob.check_for(self.source, verify_checksum=False)
-        session = self._fresh(owner, session_id)
-        import_kv(session, blob, verify_checksum=False)  # our own memory: nothing crossed a wire
+        blob.check_for(self.source, verify_checksum=False)  # our own memory: nothing crossed a wire
+        self.access.load(self.access.fresh(owner, session_id), blob)
         return positions
 
     def _holding(self, owner: str, session_id: str, token_ids: Sequence[int]):
         session = self.sessions.get(owner, session_id)
-        if len(token_ids) > session.valid_length:
-            raise InvalidArgument(
-                "token_ids", f"names {len(token_ids)} tokens; the session holds {session.valid_length}"
-            )
-        return session
-
-    def _fresh(self, owner: str, session_id: str):
-        try:
-            session = self.sessions.get(owner, session_id)
-        except NotFound:
-            return self.sessions.open(owner, session_id)
-        session.reset()
+        held = self.access.held(session)
+        if len(token_ids) > held:
+            raise InvalidArgument("token_ids", f"names {len(token_ids)} tokens; the session holds {held}")
         return session

@@ -165,7 +165,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
             meters=meters,
         )
         meters.watch(engine.sessions, runner.block_bytes // runner.block_tokens)
-        kv = None  # KV capture/restore and the prefix cache serve the stateful backend only (so far)
+        kv = StageKv.paged(engine, PrefixStore(settings.prefix_cache_bytes))
     else:
         sessions = SessionTable(
             runner.new_session,

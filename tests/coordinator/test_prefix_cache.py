@@ -154,19 +154,15 @@ def prompter(smollm2_export):
     return Prompter.from_dir(smollm2_export(1, "int4"))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stages", [1, 2, 3])
-def test_warm_equals_cold_int4_exact(stages, smollm2_export, prompter):
-    """Three chat turns on one warm Generation against each turn's prompt on a cold one: token for
-    token, plain greedy and speculative (prompt lookup at K=3, and adaptive K on 2 stages)."""
-    from pipeshard.services.coordinator.local_ring import LocalRing
+def _warm_against_cold(ring, export, prompter, modes, **generation_args) -> list[int]:
+    """Three chat turns on one warm Generation against each turn's prompt on a cold one, token for
+    token, in each speculative mode; returns every turn's restored positions."""
     from pipeshard.services.coordinator.speculation.sources import DraftSources
 
-    export = smollm2_export(stages, "int4")
-    ring = LocalRing(export, precision="exact")
     drafts = DraftSources(export)
-    warm = Generation(ring, prompter.tokenizer, prompter.eos_ids, drafts=drafts, prefix=PrefixIndex())
-    cold = Generation(ring, prompter.tokenizer, prompter.eos_ids, drafts=drafts)
+    args = dict(drafts=drafts, **generation_args)
+    warm = Generation(ring, prompter.tokenizer, prompter.eos_ids, prefix=PrefixIndex(), **args)
+    cold = Generation(ring, prompter.tokenizer, prompter.eos_ids, **args)
     params = SamplingParams(max_tokens=32, ignore_eos=True)
 
     async def tokens(generation, ids, speculative="none", k=0):
@@ -185,16 +181,56 @@ def test_warm_equals_cold_int4_exact(stages, smollm2_export, prompter):
 
     async def run():
         hits = []
-        modes = (("none", 0), ("ngram", 3), ("ngram", 0)) if stages == 2 else (("none", 0), ("ngram", 3))
         for speculative, k in modes:
             async for summary in conversation(speculative, k):
                 hits.append(summary.cached_tokens)
+        await warm.released()
+        await cold.released()
         return hits
 
     hits = asyncio.run(run())
     # Every turn after a conversation's first restores most of its prompt; the first turn of each
     # conversation hits the system prompt the previous conversation left.
     assert hits[0] == 0 and all(h >= 64 for h in hits[1:]), hits
+    return hits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_warm_equals_cold_int4_exact(stages, smollm2_export, prompter):
+    """Stateful stages: plain greedy and speculative (prompt lookup at K=3, and adaptive K on 2
+    stages)."""
+    from pipeshard.services.coordinator.local_ring import LocalRing
+
+    export = smollm2_export(stages, "int4")
+    modes = (("none", 0), ("ngram", 3), ("ngram", 0)) if stages == 2 else (("none", 0), ("ngram", 3))
+    _warm_against_cold(LocalRing(export, precision="exact"), export, prompter, modes)
+
+
+def _paged_warm_against_cold(stages, smollm2_export, prompter, modes):
+    from pipeshard.services.coordinator.batched_ring import BatchedRing
+
+    export = smollm2_export(stages, "int4")
+    ring = BatchedRing(export, "exact", 1, cache_bytes=96 << 20)
+    _warm_against_cold(ring, export, prompter, modes, prefill_chunk=ring.prefill_chunk)
+    stored = [kv.store for kv in ring.kv]
+    # Blocks the paged stages captured, stored once however many turns shared them.
+    assert all(len(store) and store.nbytes <= store.budget_bytes for store in stored)
+    assert [len(kv.sessions) for kv in ring.kv] == [0] * stages  # every session released
+
+
+@pytest.mark.slow
+def test_paged_warm_equals_cold_int4_exact(smollm2_export, prompter):
+    """Paged stages (block pools, one thread, exact), 2 stages: a restored prefix's suffix runs in
+    the paged kernel's chunks on a filled cache and gives the cold tokens, plain and speculative."""
+    _paged_warm_against_cold(2, smollm2_export, prompter, (("none", 0), ("ngram", 3)))
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("stages", [1, 3])
+def test_paged_warm_equals_cold_int4_exact_other_stage_counts(stages, smollm2_export, prompter):
+    _paged_warm_against_cold(stages, smollm2_export, prompter, (("none", 0), ("ngram", 0)))
 
 
 @pytest.mark.slow
