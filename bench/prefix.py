@@ -1,12 +1,19 @@
 """`make bench-prefix`: time to first token of a chat's next turn, warm (prefix cache) against cold.
 
-Two 2-stage INT4 loopback fleets on the same shards: ``warm`` (prefix caching on, the default)
-and ``cold`` (``--prefix-cache off``). Each round and history length H builds a conversation of its
+Per KV backend (BENCH_KV: ``stateful`` and ``paged``, the paged stages at one thread each), two
+2-stage INT4 loopback fleets on the same shards: ``warm`` (prefix caching on, the default) and
+``cold`` (``--prefix-cache off``). Each round and history length H builds a conversation of its
 own (a first user message of about H tokens, unique per round, so no round hits another's cache),
 runs its first turn on the warm fleet (untimed: it leaves the history in the stages' caches), then
 times the next turn (the history, the assistant's reply, a new message of about 30 tokens) on
 both fleets, in random order, back to back. TTFT is client wall time from the call to the first
 token. ``identical``: every timed turn answered the same tokens on both fleets.
+
+Shared system prompt (on the last backend listed, paged by default: it batches the users): 8
+users at once, each with the same system prompt of about 512 tokens and a message of its own,
+REPLY_TOKENS x 2 tokens each; aggregate tok/s (every user's tokens over the wall time of the
+round) on the warm fleet, where the prompt is kept once and restored for every user, against
+the cold one, where every user prefills it.
 
 Then, in this process, capture and restore per stage at each H: ``export_kv``/``import_kv`` of a
 blob with its checksum (what CaptureKv/RestoreKv send over the wire to move a session) and the
@@ -14,7 +21,9 @@ prefix-cache path (keep into / restore from the stage's block store), with the b
 
 Knobs (environment): BENCH_RUNS (rounds, default 10), BENCH_WARMUP (default 1), BENCH_LENGTHS
 (default 256,1024,2048), BENCH_PRECISION (default exact), BENCH_KV_REPS (default 5), BENCH_SHARDS
-(a 2-stage INT4 export to use; default shards/<model>-2s-int4, exported when missing).
+(a 2-stage INT4 export to use; default shards/<model>-2s-int4, exported when missing), BENCH_KV
+(default stateful,paged), BENCH_USERS (default 8; 0 skips the shared-prompt figure), BENCH_KV_REPS=0
+skips the capture/restore costs.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +55,11 @@ WARMUP = int(os.environ.get("BENCH_WARMUP", "1"))
 LENGTHS = [int(n) for n in os.environ.get("BENCH_LENGTHS", "256,1024,2048").split(",")]
 PRECISION = os.environ.get("BENCH_PRECISION", "exact")
 KV_REPS = int(os.environ.get("BENCH_KV_REPS", "5"))
+BACKENDS = os.environ.get("BENCH_KV", "stateful,paged").split(",")
+USERS = int(os.environ.get("BENCH_USERS", "8"))
+SYSTEM_TOKENS = 512
+# Paged stages at one thread: two stage processes share this machine's two cores.
+STAGE_ARGS = {"stateful": [], "paged": ["--kv", "paged", "--num-threads", "1"]}
 NEW_MESSAGE = "Thanks. Now summarise all of that in one short sentence, and tell me which part matters most."
 REPLY_TOKENS = 16
 
@@ -127,6 +142,47 @@ def chat_rounds(warm: str, cold: str, prompter: Prompter) -> tuple[dict[str, lis
     return samples, identical, prompt_tokens
 
 
+def shared_prompt_rounds(warm: str, cold: str, prompter: Prompter) -> tuple[dict[str, list[float]], bool]:
+    """Aggregate tok/s of USERS simultaneous users whose prompts start with one system prompt."""
+    system = history(prompter, SYSTEM_TOKENS, "system")
+    rng = random.Random(1)
+    samples: dict[str, list[float]] = {"shared": [], "unshared": []}
+    identical = True
+    tokens_each = 2 * REPLY_TOKENS
+
+    def users(address: str, r: int) -> tuple[float, list[list[int]]]:
+        out: list[list[int]] = [[] for _ in range(USERS)]
+
+        def one(i: int) -> None:
+            messages = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"I am user {i} of round {r}. {NEW_MESSAGE}"},
+            ]
+            out[i] = turn(address, messages, tokens_each)[1]
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(USERS)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sum(map(len, out)) / (time.perf_counter() - t0), out
+
+    for r in range(WARMUP + RUNS):
+        got = {}
+        for config in rng.sample(["shared", "unshared"], 2):
+            tok_s, got[config] = users(warm if config == "shared" else cold, r)
+            if r >= WARMUP:
+                samples[config].append(tok_s)
+        identical = identical and got["shared"] == got["unshared"]
+        print(
+            f"users round {r + 1}/{WARMUP + RUNS}: "
+            + ", ".join(f"{k}={v[-1]:.1f}" for k, v in samples.items() if v),
+            file=sys.stderr,
+        )
+    return samples, identical
+
+
 def kv_costs(export: Path) -> dict:
     """Per stage and length: capture/restore ms (blob with checksum; prefix-cache keep/restore) and bytes."""
     out: dict = {}
@@ -180,37 +236,74 @@ def main() -> int:
     export = Path(os.environ["BENCH_SHARDS"]) if "BENCH_SHARDS" in os.environ else ensure_export(2)
     prompter = Prompter.from_dir(export)
     runs_dir = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
-    warm = start_fleet(export, 2, runs_dir / "warm", precision=PRECISION)
-    try:
-        cold = start_fleet(
-            export,
-            2,
-            runs_dir / "cold",
-            precision=PRECISION,
-            extra_coordinator_args=["--prefix-cache", "off"],
-        )
-        try:
-            samples, identical, prompt_tokens = chat_rounds(warm.coordinator, cold.coordinator, prompter)
-        finally:
-            cold.stop()
-    finally:
-        warm.stop()
     result: dict = {
         "runs": RUNS,
         "precision": PRECISION,
         "lengths": LENGTHS,
-        "prompt_tokens": {str(n): prompt_tokens[n] for n in LENGTHS},
         "baseline": "cold: the same turn on a 2-stage fleet with --prefix-cache off",
-        "tok_s": {},  # this benchmark measures TTFT (ttft_ms); the key keeps the shared JSON shape
-        "ttft_ms": {k: median(v) for k, v in samples.items()},
-        "ttft_ms_range": {k: summary(v) for k, v in samples.items()},
-        "identical": identical,
+        "tok_s": {},
     }
-    for n in LENGTHS:
-        ratio, ci = ratio_ci(samples[f"cold@{n}"], samples[f"warm@{n}"])
-        result[f"warm_speedup_{n}"] = ratio
-        result[f"warm_speedup_{n}_ci"] = ci
-    result["kv_per_stage"] = kv_costs(export)
+    for backend in BACKENDS:
+        warm = start_fleet(
+            export,
+            2,
+            runs_dir / f"warm-{backend}",
+            precision=PRECISION,
+            extra_stage_args=STAGE_ARGS[backend],
+            extra_coordinator_args=["--kv", backend],
+        )
+        try:
+            cold = start_fleet(
+                export,
+                2,
+                runs_dir / f"cold-{backend}",
+                precision=PRECISION,
+                extra_stage_args=STAGE_ARGS[backend],
+                extra_coordinator_args=["--kv", backend, "--prefix-cache", "off"],
+            )
+            try:
+                samples, identical, prompt_tokens = chat_rounds(warm.coordinator, cold.coordinator, prompter)
+                users = None
+                if USERS and backend == BACKENDS[-1]:
+                    users = shared_prompt_rounds(warm.coordinator, cold.coordinator, prompter)
+            finally:
+                cold.stop()
+        finally:
+            warm.stop()
+        series: dict = {
+            "prompt_tokens": {str(n): prompt_tokens[n] for n in LENGTHS},
+            "ttft_ms": {k: median(v) for k, v in samples.items()},
+            "ttft_ms_range": {k: summary(v) for k, v in samples.items()},
+            "identical": identical,
+        }
+        for n in LENGTHS:
+            ratio, ci = ratio_ci(samples[f"cold@{n}"], samples[f"warm@{n}"])
+            series[f"warm_speedup_{n}"] = ratio
+            series[f"warm_speedup_{n}_ci"] = ci
+        if users is not None:
+            user_samples, user_identical = users
+            ratio, ci = ratio_ci(user_samples["shared"], user_samples["unshared"])
+            result["tok_s"] = {f"{k}_{backend}": median(v) for k, v in user_samples.items()}
+            result["shared_system_prompt"] = {
+                "backend": backend,
+                "users": USERS,
+                "system_prompt_tokens": SYSTEM_TOKENS,
+                "tokens_per_user": 2 * REPLY_TOKENS,
+                "tok_s": {k: median(v) for k, v in user_samples.items()},
+                "tok_s_range": {k: summary(v) for k, v in user_samples.items()},
+                "speedup": ratio,
+                "speedup_ci": ci,
+                "identical": user_identical,
+            }
+        result[backend] = series
+    # The headline keys: the first backend's (the shared JSON shape), each backend's in its series.
+    head = result[BACKENDS[0]]
+    result.update({k: v for k, v in head.items() if k.startswith("warm_speedup_") or k == "identical"})
+    result["identical"] = all(result[b]["identical"] for b in BACKENDS) and result.get(
+        "shared_system_prompt", {}
+    ).get("identical", True)
+    if KV_REPS:
+        result["kv_per_stage"] = kv_costs(export)
     result["goals"] = {"warm_speedup_1024": 15.0}
     result["seconds"] = round(time.perf_counter() - started, 1)
     knobs = (
@@ -220,6 +313,8 @@ def main() -> int:
         "BENCH_PRECISION",
         "BENCH_KV_REPS",
         "BENCH_SHARDS",
+        "BENCH_KV",
+        "BENCH_USERS",
     )
     write_result("prefix", result, command=command_with_knobs("bench-prefix", knobs))
     return 0

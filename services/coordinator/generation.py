@@ -437,9 +437,7 @@ class Generation:
         mode = self.check_speculative(speculative, k)
         factory = None if mode == "none" else await self._drafts.factory(mode)
         session_id = uuid.uuid4().hex
-        # The cache room the request can use: its prompt, its tokens and one verify step's drafts.
-        capacity = len(prompt_ids) + params.max_tokens + self.max_k + 1
-        max_context = await self._ring.open_session(session_id, capacity)
+        max_context = await self._ring.open_session(session_id, self._capacity(prompt_ids, params))
         drafter = factory() if factory else None
         memory = None if mode == "none" else self._sources.setdefault(mode, SourceMemory())
         return _Request(
@@ -456,6 +454,11 @@ class Generation:
             metered=metered,
             truncates=getattr(self._ring, "truncates_on_rewind", False),
         )
+
+    def _capacity(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """The cache room a request can use (what a paged stage reserves): its prompt, its tokens
+        and one verify step's drafts."""
+        return len(prompt_ids) + params.max_tokens + self.max_k + 1
 
     async def _warm(self, request: _Request, scope: str) -> None:
         """Restores the longest cached prefix of the prompt on every stage, or none of it."""
@@ -481,7 +484,9 @@ class Generation:
                 self._ring.abort_session(request.session_id, f"prefix restore failed: {reason}")
             )
             request.session_id = request.cursor.session_id = uuid.uuid4().hex
-            await self._ring.open_session(request.session_id)
+            await self._ring.open_session(
+                request.session_id, self._capacity(request.prompt_ids, request.params)
+            )
             return
         except BaseException:  # cancelled (the client went away): the entry stays usable
             self.prefix.unpin(hit)

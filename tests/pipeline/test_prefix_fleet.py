@@ -44,3 +44,21 @@ def test_warm_turns_equal_cold_turns_and_failed_restores_fall_back(fleets):
     # is dropped and the turn prefills cold, with the reason logged.
     assert cold_log.count('"prefix_cache_fallback"') >= 2 and '"prefix_cache_hit"' not in cold_log
     assert "prefix cache has no block" in cold_log
+
+
+PAGED_STAGE = ["--kv", "paged", "--num-threads", "1", "--kv-cache-bytes", str(64 << 20)]
+
+
+@pytest.mark.extended
+def test_paged_fleets_warm_turns_equal_cold_turns(smollm2_export, fleet_factory):
+    """The same through paged stages and a plan-frame coordinator (--kv paged), where prefix
+    caching is on by default at exact: warm turns restore block pools and equal a fleet whose
+    stages keep nothing."""
+    export = smollm2_export(2, "int4")
+    paged = dict(precision="exact", extra_coordinator_args=["--kv", "paged"])
+    warm = fleet_factory(export, 2, extra_stage_args=PAGED_STAGE, **paged)
+    cold = fleet_factory(export, 2, extra_stage_args=[*PAGED_STAGE, "--prefix-cache-bytes", "0"], **paged)
+    assert _conversation(warm.coordinator) == _conversation(cold.coordinator)
+    warm_log = warm.process("coordinator").log.read_text()
+    assert warm_log.count('"prefix_cache_hit"') >= 2 and '"prefix_cache_fallback"' not in warm_log
+    assert '"prefix_cache_hit"' not in cold.process("coordinator").log.read_text()
