@@ -15,6 +15,7 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from pipeshard.errors import FailedPrecondition, InvalidArgument
 from pipeshard.tensor_codec import decode, encode
@@ -151,3 +152,43 @@ def from_proto(snapshot: kv_pb2.KvSnapshot) -> KvBlob:
         head_dim=int(first.shape[2]),
     )
     return KvBlob(source, tuple(snapshot.token_ids), tuple(arrays), snapshot.checksum)
+
+
+# -- snapshots in chunks (CaptureKvStream / RestoreKvStream) -------------------------------------
+DEFAULT_CHUNK_BYTES = 1 << 20
+MAX_SNAPSHOT_BYTES = (1 << 31) - 1  # protobuf parses no larger message
+
+
+def snapshot_chunks(snapshot: kv_pb2.KvSnapshot, chunk_bytes: int = 0) -> tuple[int, list[bytes]]:
+    """The serialized snapshot's size and its bytes cut into chunks of ``chunk_bytes`` (0: 1 MiB),
+    so a snapshot beyond the gRPC message limit travels as several messages below it."""
+    if chunk_bytes < 0:
+        raise InvalidArgument("chunk_bytes", f"must be >= 0, got {chunk_bytes}")
+    step = chunk_bytes or DEFAULT_CHUNK_BYTES
+    data = snapshot.SerializeToString()
+    return len(data), [data[i : i + step] for i in range(0, len(data), step)]
+
+
+class SnapshotAssembler:
+    """Collects a snapshot's chunks; refuses more or fewer bytes than the sender announced."""
+
+    def __init__(self, total: int):
+        if not 0 < total <= MAX_SNAPSHOT_BYTES:
+            raise InvalidArgument("snapshot_bytes", f"must be in [1, {MAX_SNAPSHOT_BYTES}], got {total}")
+        self.total = total
+        self._buffer = bytearray()
+
+    def add(self, chunk: bytes) -> None:
+        if len(self._buffer) + len(chunk) > self.total:
+            raise InvalidArgument("snapshot_chunk", f"chunks exceed the announced {self.total} bytes")
+        self._buffer += chunk
+
+    def snapshot(self) -> kv_pb2.KvSnapshot:
+        if len(self._buffer) != self.total:
+            raise InvalidArgument(
+                "snapshot_chunk", f"chunks hold {len(self._buffer)} of the announced {self.total} bytes"
+            )
+        try:
+            return kv_pb2.KvSnapshot.FromString(bytes(self._buffer))
+        except DecodeError:
+            raise InvalidArgument("snapshot_chunk", "the chunks do not parse as a KvSnapshot") from None

@@ -18,6 +18,7 @@ from pipeshard.services.stage.kv import StageKv
 from pipeshard.services.stage.meters import StageMeters, kv_bytes_per_position
 from pipeshard.services.stage.node import StageNode
 from pipeshard.services.stage.paged_engine import PagedEngine
+from pipeshard.services.stage.prefix_spill import PrefixSpill
 from pipeshard.services.stage.prefix_store import PrefixStore
 from pipeshard.services.stage.rawtcp import RawTcpStage
 from pipeshard.services.stage.servicer import StageServicer
@@ -28,7 +29,7 @@ from pipeshard.settings import ServerSettings, load_settings, setting
 from pipeshard.shard.manifest import verify_shard
 from pipeshard.shard.paged import DEFAULT_CACHE_BYTES, PagedShard
 from pipeshard.shard.pull import pull_shard
-from pipeshard.shard.runtime import ShardRunner
+from pipeshard.shard.runtime import ShardRunner, StageShard
 from pipeshard.shard.serving import hold_serving_lock
 from pipeshard.tls import TlsConfig
 from pipeshard.topology import Topology
@@ -77,6 +78,14 @@ class StageSettings(ServerSettings):
     prefix_cache_bytes: int = setting(
         512 * 1024 * 1024, "bytes of captured KV the prefix cache keeps (least recently used out; 0 = off)"
     )
+    prefix_spill_dir: Path | None = setting(
+        None,
+        "also keep the prefix cache's blocks in this folder (checked KV blobs), so a restarted stage "
+        "keeps its cache; off when unset",
+    )
+    prefix_spill_bytes: int = setting(
+        4 * 1024 * 1024 * 1024, "bytes of blocks the spill folder keeps (oldest out; --prefix-spill-dir)"
+    )
     kv: str = setting(
         "stateful",
         "KV backend: stateful (one cache per session) or paged (a shared block pool; plan frames run "
@@ -123,6 +132,16 @@ def ensure_shard(settings: StageSettings) -> None:
         )
 
 
+def prefix_store(settings: StageSettings, shard: StageShard) -> PrefixStore:
+    """The prefix cache, spilling to ``--prefix-spill-dir`` when set (one folder per stage)."""
+    spill = None
+    if settings.prefix_spill_dir is not None:
+        folder = Path(settings.prefix_spill_dir) / f"stage{shard.stage_index}"
+        spill = PrefixSpill(folder, shard.kv_source, settings.prefix_spill_bytes)
+        log.info("prefix_spill", folder=str(folder), blocks=len(spill), bytes=spill.nbytes)
+    return PrefixStore(settings.prefix_cache_bytes, spill)
+
+
 def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageInfoResponse]:
     threads = settings.num_threads or None
     if settings.kv == "paged" and settings.raw_tcp_port:
@@ -165,7 +184,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
             meters=meters,
         )
         meters.watch(engine.sessions, runner.block_bytes // runner.block_tokens)
-        kv = StageKv.paged(engine, PrefixStore(settings.prefix_cache_bytes))
+        kv = StageKv.paged(engine, prefix_store(settings, runner))
     else:
         sessions = SessionTable(
             runner.new_session,
@@ -183,7 +202,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
             vocab_size=runner.vocab_size,
             meters=meters,
         )
-        kv = StageKv(sessions, runner.kv_source, PrefixStore(settings.prefix_cache_bytes))
+        kv = StageKv(sessions, runner.kv_source, prefix_store(settings, runner))
     delay_s = settings.hop_delay_ms / 1000.0
     hop = (
         HopStream(settings.next_hop, delay_s=delay_s, tls=fleet_tls(settings)) if settings.next_hop else None

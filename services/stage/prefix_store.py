@@ -6,7 +6,8 @@ its full blocks: a system prompt many conversations start with is stored once. T
 position depends only on the tokens up to it, which is why the first ``n`` positions of any stored
 sequence can be restored for a prompt that shares ``n`` tokens with it. Blocks are evicted least
 recently used first beyond a byte budget. Owners (coordinators) never see each other's blocks;
-within one owner, scopes (client identities) never do.
+within one owner, scopes (client identities) never do. With a spill folder (prefix_spill.py) every
+block is also kept on disk, and a block missing from memory is looked for there.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipeshard.errors import InvalidArgument, NotFound
+from pipeshard.services.stage.prefix_spill import PrefixSpill
 
 BLOCK = 32  # positions per block: the paged backend's block size, so both can share this layout
 
@@ -37,10 +39,11 @@ def block_keys(scope: str, token_ids: Sequence[int]) -> list[tuple[int, int, str
 class PrefixStore:
     """Byte-budgeted LRU of KV blocks; each block holds one [kv_heads, n, head_dim] array per state."""
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, spill: PrefixSpill | None = None):
         if budget_bytes < 0:
             raise InvalidArgument("prefix_cache_bytes", f"must be >= 0, got {budget_bytes}")
         self.budget_bytes = budget_bytes
+        self.spill = spill
         self._blocks: OrderedDict[tuple[str, str], tuple[np.ndarray, ...]] = OrderedDict()
         self.nbytes = 0
 
@@ -65,6 +68,8 @@ class PrefixStore:
             self._blocks[slot] = block
             self.nbytes += size
             added += size
+            if self.spill is not None:
+                self.spill.write(owner, key, block)
             self._evict()
         return added
 
@@ -76,11 +81,17 @@ class PrefixStore:
         blocks = []
         for start, slot in slots:
             block = self._blocks.get(slot)
+            if block is None and self.spill is not None:
+                block = self.spill.read(*slot)
+                if block is not None:  # back in memory: the next hit needs no disk
+                    self._blocks[slot] = block
+                    self.nbytes += sum(b.nbytes for b in block)
             if block is None:
                 raise NotFound(f"prefix cache has no block for positions from {start} (evicted?)")
             blocks.append(block)
         for _, slot in slots:
             self._blocks.move_to_end(slot)
+        self._evict()
         return [np.concatenate([b[i] for b in blocks], axis=1)[:, :positions] for i in range(len(blocks[0]))]
 
     def _evict(self) -> None:

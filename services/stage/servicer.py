@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import structlog
 
+from pipeshard.errors import InvalidArgument
 from pipeshard.ownership import owner_from_metadata
 from pipeshard.services.stage.node import StageNode
-from pipeshard.shard.kvblob import from_proto, to_proto
+from pipeshard.shard.kvblob import SnapshotAssembler, from_proto, snapshot_chunks, to_proto
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -87,6 +88,30 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 owner, request.session_id, request.cache_scope, request.cached_token_ids, request.positions
             )
         return stage_pb2.RestoreKvResponse(positions=positions)
+
+    async def CaptureKvStream(self, request, context):
+        if request.capture.keep_in_cache:
+            raise InvalidArgument("capture.keep_in_cache", "must be false: keep with CaptureKv")
+        capture = request.capture
+        blob = self._node.kv.capture(_owner(context), capture.session_id, capture.token_ids)
+        total, chunks = snapshot_chunks(to_proto(blob), request.chunk_bytes)
+        for chunk in chunks:
+            yield stage_pb2.CaptureKvStreamResponse(
+                snapshot_chunk=chunk, snapshot_bytes=total, positions=blob.positions
+            )
+
+    async def RestoreKvStream(self, request_iterator, context):
+        owner, session_id, assembler = _owner(context), "", None
+        async for request in request_iterator:
+            if assembler is None:
+                session_id, assembler = request.session_id, SnapshotAssembler(request.snapshot_bytes)
+            assembler.add(request.snapshot_chunk)
+        if assembler is None:
+            raise InvalidArgument("snapshot_chunk", "the stream sent no chunk")
+        if not session_id:
+            raise InvalidArgument("session_id", "must not be empty (set it in the first chunk)")
+        positions = self._node.kv.restore(owner, session_id, from_proto(assembler.snapshot()))
+        return stage_pb2.RestoreKvStreamResponse(positions=positions)
 
     async def GetStageInfo(self, request, context):
         info = stage_pb2.GetStageInfoResponse()

@@ -22,10 +22,10 @@ class Driver:
     """Talks to one final stage as a coordinator would: its own owner secret, a Results
     subscription, one Forward stream; ``step`` sends token ids and returns the greedy token."""
 
-    def __init__(self, address: str, name: str):
+    def __init__(self, address: str, name: str, options=()):
         secret = f"{name}-secret-for-the-kv-migration-tests"
         self.metadata, self.owner = owner_metadata(secret), owner_key(secret)
-        self.channel = grpc.insecure_channel(address)
+        self.channel = grpc.insecure_channel(address, options=options)
         self.stub = stage_pb2_grpc.StageServiceStub(self.channel)
         self._results: queue.Queue = queue.Queue()
         self._subscription = self.stub.Results(
@@ -148,6 +148,57 @@ def test_captured_session_continues_identically_on_another_process(two_stage_pro
         assert after == src.greedy("m", want[-1], len(held) + 32, 4)
         for driver in (src, dst):
             assert driver.call("ReleaseSession", stage_pb2.ReleaseSessionRequest(session_id="m")).released
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_snapshots_beyond_the_message_limit_travel_in_chunks(two_stage_processes, chat_prompt_ids):
+    """With the message limit shrunk to 1 MiB (this client's), a unary capture of a ~4 MiB session
+    fails while CaptureKvStream / RestoreKvStream move it in chunks: the restored session decodes
+    what the original decodes; a stream cut short restores nothing."""
+    limit = 1 << 20
+    options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    src = Driver(two_stage_processes[0], "src-chunks", options)
+    dst = Driver(two_stage_processes[1], "dst-chunks", options)
+    try:
+        prompt = chat_prompt_ids[3]
+        src.call("OpenSession", stage_pb2.OpenSessionRequest(session_id="big"))
+        first = src.step("big", prompt, 0)
+        capture = stage_pb2.CaptureKvRequest(session_id="big", token_ids=prompt)
+        with pytest.raises(grpc.RpcError) as err:
+            src.call("CaptureKv", capture)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        chunks = list(
+            src.stub.CaptureKvStream(
+                stage_pb2.CaptureKvStreamRequest(capture=capture, chunk_bytes=limit // 2),
+                timeout=30,
+                metadata=src.metadata,
+            )
+        )
+        total = chunks[0].snapshot_bytes
+        assert total > limit and sum(len(c.snapshot_chunk) for c in chunks) == total
+        assert len(chunks) == -(-total // (limit // 2)) and chunks[0].positions == len(prompt)
+        requests = [
+            stage_pb2.RestoreKvStreamRequest(
+                session_id="big" if i == 0 else "", snapshot_chunk=c.snapshot_chunk, snapshot_bytes=total
+            )
+            for i, c in enumerate(chunks)
+        ]
+
+        def restore(session_id: str, parts):
+            parts = [stage_pb2.RestoreKvStreamRequest(session_id=session_id), *parts]
+            parts[0].snapshot_bytes = total
+            return dst.stub.RestoreKvStream(iter(parts), timeout=30, metadata=dst.metadata)
+
+        with pytest.raises(grpc.RpcError) as err:
+            restore("cut", requests[:-1])
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "announced" in err.value.details()
+        with pytest.raises(grpc.RpcError):
+            dst.call("CaptureKv", stage_pb2.CaptureKvRequest(session_id="cut"))  # nothing was opened
+        restored = dst.stub.RestoreKvStream(iter(requests), timeout=30, metadata=dst.metadata)
+        assert restored.positions == len(prompt)
+        assert dst.greedy("big", first, len(prompt), 16) == src.greedy("big", first, len(prompt), 16)
     finally:
         src.close()
         dst.close()

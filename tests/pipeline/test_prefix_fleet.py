@@ -4,9 +4,15 @@ restores its history on every stage and answers exactly what a fleet whose stage
 
 from __future__ import annotations
 
+import os
+import socket
+import time
+
+import grpc
 import pytest
 
 from pipeshard.clients.client import PipeshardClient
+from pipeshard.services.launcher import spawn, stage_args
 
 pytestmark = pytest.mark.slow
 
@@ -62,3 +68,54 @@ def test_paged_fleets_warm_turns_equal_cold_turns(smollm2_export, fleet_factory)
     warm_log = warm.process("coordinator").log.read_text()
     assert warm_log.count('"prefix_cache_hit"') >= 2 and '"prefix_cache_fallback"' not in warm_log
     assert '"prefix_cache_hit"' not in cold.process("coordinator").log.read_text()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _served(address: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    with PipeshardClient(address, timeout_s=60) as client:
+        while True:
+            try:
+                client.generate("Say hi.", max_tokens=2)
+                return
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+
+
+def test_a_restarted_stage_restores_from_its_spill_folder(smollm2_export, fleet_factory, tmp_path):
+    """--prefix-spill-dir: stage 1 is killed (-9) after a chat turn and started again on its port;
+    the next turn still restores the history on both stages (stage 1 from its files) and answers
+    what it answered before the restart."""
+    export = smollm2_export(2, "int4")
+    ports = [_free_port(), _free_port()]
+    spill = ["--prefix-spill-dir", str(tmp_path / "spill")]
+    fleet = fleet_factory(export, 2, precision="exact", stage_ports=ports, extra_stage_args=spill)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name two planets."}]
+    with PipeshardClient(fleet.coordinator, timeout_s=300) as client:
+        first = client.generate(messages=messages, max_tokens=16, ignore_eos=True)
+        messages += [
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "Which is larger?"},
+        ]
+        before = client.generate(messages=messages, max_tokens=16, ignore_eos=True)
+        assert list((tmp_path / "spill" / "stage1").glob("*.kvblock"))
+        stage1 = fleet.process("stage1")
+        stage1.popen.kill()
+        stage1.popen.wait()
+        args = stage_args(1, export, ports[1], "exact", "json", None, spill)
+        fleet.processes[fleet.processes.index(stage1)] = spawn(
+            "stage1", args, fleet.run_dir, dict(os.environ), 180
+        )
+        _served(fleet.coordinator)
+        after = client.generate(messages=messages, max_tokens=16, ignore_eos=True)
+    assert after.token_ids == before.token_ids
+    log = fleet.process("coordinator").log.read_text()
+    assert log.count('"prefix_cache_hit"') == 2 and '"prefix_cache_fallback"' not in log
+    assert '"prefix_spill"' in fleet.process("stage1").log.read_text()

@@ -57,3 +57,66 @@ def test_least_recently_used_blocks_go_beyond_the_budget():
     with pytest.raises(NotFound):
         store.get("o", "s", b, 1)
     assert PrefixStore(0).put("o", "s", a, kv(a)) == 0  # a zero budget keeps nothing
+
+
+# -- spilled to disk ------------------------------------------------------------------------------
+
+
+def _source(stage: int = 0, export_id: str = "export-a"):
+    from pipeshard.shard.kvblob import KvSource
+
+    names = ("past_key_values.0.key", "past_key_values.0.value")
+    return KvSource("sha256:model", export_id, stage, 0, 1, names, kv_heads=2, head_dim=3)
+
+
+def test_a_new_store_on_the_spill_folder_restores_what_the_old_one_kept(tmp_path):
+    from pipeshard.services.stage.prefix_spill import PrefixSpill
+
+    tokens = list(range(500, 500 + 2 * BLOCK + 5))
+    old = PrefixStore(1 << 20, PrefixSpill(tmp_path, _source(), 1 << 20))
+    old.put("o", "s", tokens, kv(tokens))
+    assert len(old.spill) == 3
+    # A restarted stage: an empty store in memory over the same folder.
+    new = PrefixStore(1 << 20, PrefixSpill(tmp_path, _source(), 1 << 20))
+    assert len(new) == 0
+    k, v = new.get("o", "s", tokens, len(tokens))
+    assert k[0, :, 0].tolist() == tokens and (v == -k).all()
+    assert len(new) == 3  # read back into memory
+    with pytest.raises(NotFound):
+        new.get("another-owner", "s", tokens, 10)
+
+
+def test_spilled_blocks_of_another_export_or_damaged_are_dropped_not_used(tmp_path):
+    from pipeshard.services.stage.prefix_spill import SUFFIX, PrefixSpill
+
+    tokens = list(range(BLOCK))
+    PrefixStore(1 << 20, PrefixSpill(tmp_path, _source(), 1 << 20)).put("o", "s", tokens, kv(tokens))
+    other = PrefixStore(1 << 20, PrefixSpill(tmp_path, _source(export_id="export-b"), 1 << 20))
+    with pytest.raises(NotFound):
+        other.get("o", "s", tokens, BLOCK)
+    assert not list(tmp_path.glob(f"*{SUFFIX}"))  # refused and deleted
+    PrefixStore(1 << 20, PrefixSpill(tmp_path, _source(), 1 << 20)).put("o", "s", tokens, kv(tokens))
+    (path,) = tmp_path.glob(f"*{SUFFIX}")
+    data = bytearray(path.read_bytes())
+    data[-40] ^= 0xFF  # a flipped byte inside the arrays or the checksum
+    path.write_bytes(bytes(data))
+    with pytest.raises(NotFound):
+        PrefixStore(1 << 20, PrefixSpill(tmp_path, _source(), 1 << 20)).get("o", "s", tokens, BLOCK)
+    assert not path.exists()
+
+
+def test_the_spill_folder_keeps_its_byte_budget_oldest_out(tmp_path):
+    from pipeshard.services.stage.prefix_spill import PrefixSpill
+
+    spill = PrefixSpill(tmp_path, _source(), 1 << 20)
+    store = PrefixStore(1 << 20, spill)
+    a, b = list(range(BLOCK)), list(range(100, 100 + BLOCK))
+    store.put("o", "s", a, kv(a))
+    one = spill.nbytes
+    store.put("o", "s", b, kv(b))
+    small = PrefixSpill(tmp_path, _source(), one + one // 2)  # reopened with room for one block
+    assert len(small) == 1 and small.nbytes <= small.budget_bytes
+    assert small.read("o", block_keys("s", b)[0][2]) is not None  # the newer file stayed
+    with pytest.raises(InvalidArgument) as err:
+        PrefixSpill(tmp_path, _source(), -1)
+    assert err.value.field == "prefix_spill_bytes"
