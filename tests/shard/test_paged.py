@@ -190,6 +190,13 @@ def test_exported_kv_restores_into_another_sequence(paged, chat_prompt_ids):
         np.testing.assert_array_equal(after["dst"], after["src"])
         with pytest.raises(InvalidArgument, match="`layers`"):
             paged[0].import_kv("dst", blobs[0][:3])
+        # A prefix (the prefix cache's keep) reads only its blocks and equals the whole cut short.
+        n = len(ids) - 5
+        head = paged[1].export_kv("src", n)
+        np.testing.assert_array_equal(head[7][1], blobs[1][7][1][:, :n])
+        with pytest.raises(InvalidArgument) as err:
+            paged[1].export_kv("src", len(ids) + 2)
+        assert err.value.field == "positions"
     finally:
         for p in paged:
             p.free("src")
