@@ -15,9 +15,10 @@ REPLY_TOKENS x 2 tokens each; aggregate tok/s (every user's tokens over the wall
 round) on the warm fleet, where the prompt is kept once and restored for every user, against
 the cold one, where every user prefills it.
 
-Then, in this process, capture and restore per stage at each H: ``export_kv``/``import_kv`` of a
-blob with its checksum (what CaptureKv/RestoreKv send over the wire to move a session) and the
-prefix-cache path (keep into / restore from the stage's block store), with the bytes per stage.
+Then, in this process (for each backend listed), capture and restore per stage at each H:
+``export_kv``/``import_kv`` of a blob with its checksum (what CaptureKv/RestoreKv send over the
+wire to move a session) and the prefix-cache path (keep into / restore from the stage's block
+store), with the bytes per stage.
 
 Knobs (environment): BENCH_RUNS (rounds, default 10), BENCH_WARMUP (default 1), BENCH_LENGTHS
 (default 256,1024,2048), BENCH_PRECISION (default exact), BENCH_KV_REPS (default 5), BENCH_SHARDS
@@ -45,8 +46,10 @@ from pipeshard.clients.client import PipeshardClient
 from pipeshard.offline import set_offline_defaults
 from pipeshard.services.launcher import start_fleet
 from pipeshard.services.stage.kv import StageKv
+from pipeshard.services.stage.paged_engine import PagedEngine
 from pipeshard.services.stage.prefix_store import PrefixStore
 from pipeshard.services.stage.sessions import SessionTable
+from pipeshard.shard.paged import PagedRow, PagedShard
 from pipeshard.shard.prompting import Prompter
 from pipeshard.shard.runtime import ShardRunner, export_kv, import_kv
 
@@ -230,6 +233,50 @@ def kv_costs(export: Path) -> dict:
     return out
 
 
+def paged_kv_costs(export: Path) -> dict:
+    """The same per stage on a paged stage, through StageKv (what CaptureKv/RestoreKv run):
+    capture/restore of a checked blob, keep/restore_cached of the prefix cache's blocks."""
+    out: dict = {}
+    for stage in range(2):
+        shard = PagedShard(export, stage, PRECISION, 1)
+        engine = PagedEngine(shard, 2 * KV_REPS + 2, float("inf"))
+        kv = StageKv.paged(engine, PrefixStore(4 << 30))
+        for n in LENGTHS:
+            times: dict[str, list[float]] = {k: [] for k in ("capture", "restore", "keep", "restore_cached")}
+            for rep in range(KV_REPS):
+                engine.open("bench", f"src{rep}", n)
+                x = (
+                    np.arange(n, dtype=np.int64) % 1000 + rep
+                    if shard.is_first
+                    else np.random.default_rng(rep).standard_normal((n, shard.hidden_size)).astype(np.float32)
+                )
+                shard.step([PagedRow(engine.sessions.get("bench", f"src{rep}").key, x)])
+                ids = [rep] * n
+                t0 = time.perf_counter()
+                blob = kv.capture("bench", f"src{rep}", ids)
+                t1 = time.perf_counter()
+                kv.restore("bench", f"dst{rep}", blob)
+                t2 = time.perf_counter()
+                kv.keep("bench", f"src{rep}", f"s{n}", ids)
+                t3 = time.perf_counter()
+                kv.restore_cached("bench", f"dst{rep}", f"s{n}", ids, n)
+                t4 = time.perf_counter()
+                for key, (a, b) in (
+                    ("capture", (t0, t1)),
+                    ("restore", (t1, t2)),
+                    ("keep", (t2, t3)),
+                    ("restore_cached", (t3, t4)),
+                ):
+                    times[key].append((b - a) * 1000.0)
+                engine.sessions.release("bench", f"src{rep}")
+                engine.sessions.release("bench", f"dst{rep}")
+            out[f"stage{stage}@{n}"] = {
+                "bytes": blob.nbytes,
+                **{f"{k}_ms": statistics.median(v) for k, v in times.items()},
+            }
+    return out
+
+
 def main() -> int:
     set_offline_defaults()
     started = time.perf_counter()
@@ -304,6 +351,8 @@ def main() -> int:
     ).get("identical", True)
     if KV_REPS:
         result["kv_per_stage"] = kv_costs(export)
+        if "paged" in BACKENDS:
+            result["kv_per_stage_paged"] = paged_kv_costs(export)
     result["goals"] = {"warm_speedup_1024": 15.0}
     result["seconds"] = round(time.perf_counter() - started, 1)
     knobs = (
