@@ -42,7 +42,7 @@ from pipeshard.services.coordinator.prefix_cache import PrefixIndex
 from pipeshard.services.coordinator.sampling import Sampler, SamplingParams, token_logprobs
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
-from pipeshard.services.coordinator.speculation.policy import KPolicy, SourceMemory, TimingModel
+from pipeshard.services.coordinator.speculation.policy import KPolicy, SourceMemory, StepLoad, TimingModel
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.services.stage.wire import token_frame
 from pipeshard.tensor_codec import decode
@@ -371,6 +371,10 @@ class Generation:
         self.timing = TimingModel()  # traversal cost by positions, learned across requests
         self._sources: dict[str, SourceMemory] = {}  # acceptance by draft source, across requests
         self._releases: set[asyncio.Task] = set()
+        # Tokens of each running request's latest frame: on a ring that batches (paged), the rows
+        # that share a request's next step, which batch-aware K weighs (speculation/policy.py).
+        self._rows: dict[int, int] = {}
+        self._batches = getattr(ring, "truncates_on_rewind", False)  # the paged rings batch every step
 
     async def released(self) -> None:
         """Waits for the session releases still under way (before the ring closes)."""
@@ -410,6 +414,7 @@ class Generation:
             if cache:
                 await self._warm(request, scope)
             for frame in request.prefill_frames(self._prefill_chunk):
+                self._rows[id(request)] = len(frame.positions)
                 await self._ring.step(frame)
             done = False
             while not done:
@@ -442,7 +447,7 @@ class Generation:
         max_context = await self._ring.open_session(session_id, capacity)
         drafter = factory() if factory else None
         memory = None if mode == "none" else self._sources.setdefault(mode, SourceMemory())
-        return _Request(
+        request = _Request(
             session_id,
             prompt_ids,
             params,
@@ -456,6 +461,15 @@ class Generation:
             metered=metered,
             truncates=getattr(self._ring, "truncates_on_rewind", False),
         )
+        if self._batches:
+            request.policy.load = lambda: self._step_load(request)
+        return request
+
+    def _step_load(self, request: _Request) -> StepLoad:
+        """The other running requests' rows and tokens as they last sent them: what the request's
+        next step will carry besides its own row (a batcher may also run some of them apart)."""
+        others = [n for key, n in self._rows.items() if key != id(request)]
+        return StepLoad(rows=len(others), tokens=sum(others))
 
     async def _warm(self, request: _Request, scope: str) -> None:
         """Restores the longest cached prefix of the prompt on every stage, or none of it."""
@@ -516,8 +530,10 @@ class Generation:
     async def _step(self, request: _Request) -> tuple[Chunk, bool]:
         """One traversal: the last token plus any drafts through every stage, then acceptance."""
         draft = request.draft()
+        frame = request.frame(draft)
+        self._rows[id(request)] = len(frame.positions)
         sent = time.perf_counter()
-        result = await self._ring.step(request.frame(draft))
+        result = await self._ring.step(frame)
         elapsed = time.perf_counter() - sent
         new = request.accept(draft, result)
         request.record(draft, new, elapsed)
@@ -529,6 +545,7 @@ class Generation:
     def _close(self, request: _Request, failure: str) -> None:
         """Frees the session on every stage in the background, even when the client went away
         mid-stream; a failed generation aborts (each stage logs why) instead of releasing."""
+        self._rows.pop(id(request), None)
         if request.drafter is not None:
             request.drafter.close()
         self._in_background(
