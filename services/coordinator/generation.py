@@ -357,6 +357,7 @@ class Generation:
         final_stage_sampling: bool = True,
         prefix: PrefixIndex | None = None,
         restore_timeout_s: float = 5.0,
+        batch_aware_k: bool = True,
     ):
         self._ring = ring
         self.prefix = prefix
@@ -374,7 +375,8 @@ class Generation:
         # Tokens of each running request's latest frame: on a ring that batches (paged), the rows
         # that share a request's next step, which batch-aware K weighs (speculation/policy.py).
         self._rows: dict[int, int] = {}
-        self._batches = getattr(ring, "truncates_on_rewind", False)  # the paged rings batch every step
+        # The paged rings batch every step; ``batch_aware_k`` False chooses K as if alone (A/B).
+        self._batches = batch_aware_k and getattr(ring, "truncates_on_rewind", False)
 
     async def released(self) -> None:
         """Waits for the session releases still under way (before the ring closes)."""
