@@ -15,6 +15,12 @@ what prompt lookup predicts perfectly); the kept set's repetition rate (repeated
 4-grams) is reported with every speculative figure. Exactness: every speculative user's tokens
 must equal its plain greedy answer (``exact_ok``).
 
+First, the cost model of batch-aware K (services/coordinator/speculation/policy.py): one step of
+the two paged stages against its rows and tokens (decode rows of 1 token, verify rows of 4-16),
+configurations interleaved, median process CPU time and wall time per step (CPU time, because the
+machine is shared: wall time there measures the neighbours), and a least-squares line
+``cpu_ms = a + b * tokens + c * rows``.
+
 Knobs: BENCH_RUNS (10), BENCH_TOKENS (128), BENCH_USERS (1,4,8), BENCH_SOURCES (ngram,self),
 BENCH_SELF_DRAFT (a draft export; default the 4-layer, 8192-token self-draft of bench-spec).
 """
@@ -24,8 +30,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import statistics
 import sys
 import time
+
+import numpy as np
 
 from bench.pipeline import ensure_export
 from bench.spec import SELF_DRAFT
@@ -36,6 +45,7 @@ from pipeshard.services.coordinator.batched_ring import BatchedRing
 from pipeshard.services.coordinator.generation import Generation, Summary
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
+from pipeshard.shard.paged import PagedRow
 from pipeshard.shard.prompting import Prompter
 
 RUNS = int(os.environ.get("BENCH_RUNS", "10"))
@@ -59,7 +69,92 @@ PROMPTS = (
     "Explain how vaccines train the immune system.",
     "Write a polite email asking a colleague to review my report.",
     "List the planets of the solar system with one fact about each.",
+    "How does a bill become a law in the United States?",
+    "Explain the difference between weather and climate.",
+    "Describe a typical day in the life of a honeybee.",
+    "What are some good habits for studying effectively?",
+    "Explain how a credit card works and what interest is.",
+    "Write a short review of a fictional Italian restaurant.",
+    "How do airplanes stay in the air?",
+    "Give me three ideas for a birthday party for a ten-year-old.",
+    "Explain what photosynthesis is to a child.",
+    "What is the history of the Eiffel Tower?",
 )
+
+
+# Step shapes for the cost model: name -> tokens of each row.
+STEP_SHAPES = {
+    "1x1": [1],
+    "2x1": [1] * 2,
+    "4x1": [1] * 4,
+    "8x1": [1] * 8,
+    "16x1": [1] * 16,
+    "1x4": [4],
+    "1x8": [8],
+    "1x16": [16],
+    "4x1+1x4": [1] * 4 + [4],
+    "8x1+1x4": [1] * 8 + [4],
+    "8x1+1x8": [1] * 8 + [8],
+    "4x4": [4] * 4,
+    "8x4": [4] * 8,
+}
+STEP_CONTEXT = 160  # cached tokens of every row's sequence
+
+
+def step_cost(ring: BatchedRing, rounds: int) -> dict:
+    """Median CPU and wall milliseconds of one step through every stage, per STEP_SHAPES entry,
+    and the fitted line cpu_ms = a + b * tokens + c * rows."""
+    shards = ring.shards
+    keys = [("cost", i) for i in range(16)]
+    for shard in shards:
+        for key in keys:
+            shard.open(key, STEP_CONTEXT + 32)
+    for key in keys:  # fill each sequence's context through both stages
+        x = np.zeros(STEP_CONTEXT, dtype=np.int64)
+        for shard in shards:
+            x = shard.step([PagedRow(key, x)])[0]
+
+    def once(shape: list[int]) -> tuple[float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        h = None
+        for shard in shards:
+            rows = [
+                PagedRow(
+                    keys[j],
+                    np.ones(t, dtype=np.int64) if shard.is_first else h[j],
+                    np.arange(STEP_CONTEXT, STEP_CONTEXT + t),
+                    logits=t if shard.is_last else 0,
+                )
+                for j, t in enumerate(shape)
+            ]
+            h = shard.step(rows)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        for shard in shards:
+            for key in keys[: len(shape)]:
+                shard.rewind(key, STEP_CONTEXT)
+        return wall * 1e3, cpu * 1e3
+
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in STEP_SHAPES}
+    for r in range(rounds + 2):  # two warm-up rounds: the plugin prepares each new shape
+        for name, shape in STEP_SHAPES.items():
+            value = once(shape)
+            if r >= 2:
+                samples[name].append(value)
+    for shard in shards:
+        for key in keys:
+            shard.free(key)
+    table = {
+        name: {
+            "tokens": sum(STEP_SHAPES[name]),
+            "rows": len(STEP_SHAPES[name]),
+            "cpu_ms": statistics.median(c for _, c in v),
+            "wall_ms": statistics.median(w for w, _ in v),
+        }
+        for name, v in samples.items()
+    }
+    design = np.array([[1.0, t["tokens"], t["rows"]] for t in table.values()])
+    a, b, c = np.linalg.lstsq(design, np.array([t["cpu_ms"] for t in table.values()]), rcond=None)[0]
+    return {"shapes": table, "fit_cpu_ms": {"fixed": a, "per_token": b, "per_row": c}}
 
 
 def most_repeated(tokens: list[int], n: int = 4) -> int:
@@ -83,7 +178,7 @@ class Users:
 
     def __init__(self, export, self_draft):
         self.prompter = Prompter.from_dir(export)
-        self.ring = BatchedRing(export, "exact", 1, cache_bytes=192 << 20)
+        self.ring = BatchedRing(export, "exact", 1, cache_bytes=256 << 20)
         self.ring.warmup()
         drafts = DraftSources(export, self_draft=self_draft)
         self.generations = {
@@ -137,9 +232,16 @@ def self_draft_export():
 
 def main() -> int:
     set_offline_defaults()
-    export = ensure_export(2)
-    self_draft = self_draft_export()
-    users = Users(export, self_draft)
+    users = Users(ensure_export(2), self_draft_export())
+    try:
+        return measure(users)
+    finally:
+        users.loop.run_until_complete(users.ring.close())
+
+
+def measure(users: Users) -> int:
+    cost = step_cost(users.ring, max(5, RUNS))
+    print(f"step cost fit (CPU ms): {cost['fit_cpu_ms']}", file=sys.stderr)
 
     # Greedy answers of every candidate (one batch: exact mode gives each its solo tokens).
     _, plain = users.run(len(PROMPTS), "none")
@@ -184,7 +286,6 @@ def main() -> int:
     configs |= dict(config(n, best) for n in USERS)
     configs |= dict(config(n, best, aware=False) for n in USERS if n > 1)
     samples = interleaved(configs, RUNS, warmup=1)
-    users.loop.run_until_complete(users.ring.close())
 
     result: dict = {
         "runs": RUNS,
@@ -198,6 +299,7 @@ def main() -> int:
         "spec": spec_stats,
         "baselines": "spec_N over plain_N; spec_N over spec_blind_N (K chosen as if alone)",
         "precision": "exact, 1 thread per stage, INT4 2 stages, in-process BatchedRing",
+        "step_cost": cost,
     }
     for n in USERS:
         r, ci = ratio_ci(samples[f"spec_{n}"], samples[f"plain_{n}"])
