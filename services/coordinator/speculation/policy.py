@@ -22,10 +22,11 @@ tokens per second, not the request's alone,
 
 where R and n are the other sessions' rows and tokens in the step (``StepLoad``, what they sent
 last) and ``T`` is keyed by the step's total positions. Measured on the paged 2-stage INT4 stages
-(docs/BENCHMARKS.md, "step cost against rows"), a step's cost grows with its tokens whichever rows
-carry them, about linearly, so ``T`` stays one line fitted over total positions. Alone (R = n =
-0) this is the formula above; in a full step (large R) a draft must be likely to be kept to pay for
-delaying everyone, so K shrinks, to 0 when it does not pay.
+(docs/BENCHMARKS.md, bench.spec_batch, "step cost against rows and tokens"), a step's cost grows
+about linearly with its tokens whichever rows carry them (a row adds little), so ``T`` stays one
+line fitted over total positions. Alone (R = n = 0) this is the formula above; in a full step
+(large R) a draft must be likely to be kept to pay for delaying everyone, so K shrinks, to 0 when
+it does not pay.
 """
 
 from __future__ import annotations
