@@ -42,7 +42,7 @@ from pipeshard.services.coordinator.prefix_cache import PrefixIndex
 from pipeshard.services.coordinator.sampling import Sampler, SamplingParams, token_logprobs
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
-from pipeshard.services.coordinator.speculation.policy import KPolicy, SourceMemory, TimingModel
+from pipeshard.services.coordinator.speculation.policy import KPolicy, SourceMemory, StepLoad, TimingModel
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.services.stage.wire import token_frame
 from pipeshard.tensor_codec import decode
@@ -357,6 +357,7 @@ class Generation:
         final_stage_sampling: bool = True,
         prefix: PrefixIndex | None = None,
         restore_timeout_s: float = 5.0,
+        batch_aware_k: bool = True,
     ):
         self._ring = ring
         self.prefix = prefix
@@ -371,6 +372,11 @@ class Generation:
         self.timing = TimingModel()  # traversal cost by positions, learned across requests
         self._sources: dict[str, SourceMemory] = {}  # acceptance by draft source, across requests
         self._releases: set[asyncio.Task] = set()
+        # Tokens of each running request's latest frame: on a ring that batches (paged), the rows
+        # that share a request's next step, which batch-aware K weighs (speculation/policy.py).
+        self._rows: dict[int, int] = {}
+        # The paged rings batch every step; ``batch_aware_k`` False chooses K as if alone (A/B).
+        self._batches = batch_aware_k and getattr(ring, "truncates_on_rewind", False)
 
     async def released(self) -> None:
         """Waits for the session releases still under way (before the ring closes)."""
@@ -410,6 +416,7 @@ class Generation:
             if cache:
                 await self._warm(request, scope)
             for frame in request.prefill_frames(self._prefill_chunk):
+                self._rows[id(request)] = len(frame.positions)
                 await self._ring.step(frame)
             done = False
             while not done:
@@ -440,7 +447,7 @@ class Generation:
         max_context = await self._ring.open_session(session_id, self._capacity(prompt_ids, params))
         drafter = factory() if factory else None
         memory = None if mode == "none" else self._sources.setdefault(mode, SourceMemory())
-        return _Request(
+        request = _Request(
             session_id,
             prompt_ids,
             params,
@@ -454,6 +461,15 @@ class Generation:
             metered=metered,
             truncates=getattr(self._ring, "truncates_on_rewind", False),
         )
+        if self._batches:
+            request.policy.load = lambda: self._step_load(request)
+        return request
+
+    def _step_load(self, request: _Request) -> StepLoad:
+        """The other running requests' rows and tokens as they last sent them: what the request's
+        next step will carry besides its own row (a batcher may also run some of them apart)."""
+        others = [n for key, n in self._rows.items() if key != id(request)]
+        return StepLoad(rows=len(others), tokens=sum(others))
 
     def _capacity(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """The cache room a request can use (what a paged stage reserves): its prompt, its tokens
@@ -521,8 +537,10 @@ class Generation:
     async def _step(self, request: _Request) -> tuple[Chunk, bool]:
         """One traversal: the last token plus any drafts through every stage, then acceptance."""
         draft = request.draft()
+        frame = request.frame(draft)
+        self._rows[id(request)] = len(frame.positions)
         sent = time.perf_counter()
-        result = await self._ring.step(request.frame(draft))
+        result = await self._ring.step(frame)
         elapsed = time.perf_counter() - sent
         new = request.accept(draft, result)
         request.record(draft, new, elapsed)
@@ -534,6 +552,7 @@ class Generation:
     def _close(self, request: _Request, failure: str) -> None:
         """Frees the session on every stage in the background, even when the client went away
         mid-stream; a failed generation aborts (each stage logs why) instead of releasing."""
+        self._rows.pop(id(request), None)
         if request.drafter is not None:
             request.drafter.close()
         self._in_background(

@@ -192,8 +192,7 @@ class Coordinator:
             ),
             default_speculative=self.settings.speculative,
             max_k=self.settings.max_k,
-            # Plan frames carry no sampling request: a paged ring samples here, from logits.
-            final_stage_sampling=self.settings.final_stage_sampling and not paged,
+            final_stage_sampling=self.settings.final_stage_sampling,
             prefix=(
                 PrefixIndex(self.settings.prefix_cache_entries, self.settings.prefix_min_tokens)
                 if prefix

@@ -64,7 +64,7 @@ class StageEngine:
             positions_field="positions",
         )
         if self.is_last and step.return_mode is ReturnMode.SAMPLED:
-            _check_sampling(step, self.vocab_size)
+            check_sampling(step, self.vocab_size)
         for start, end in step.invalidate:
             if not 0 <= start <= end <= session.past_length:
                 raise InvalidArgument(
@@ -87,18 +87,18 @@ class StageEngine:
         if step.return_mode is ReturnMode.LOGITS:
             return StepOutput(step=step, logits=np.ascontiguousarray(logits, dtype=np.float32))
         if step.return_mode is ReturnMode.SAMPLED:
-            return StepOutput(step=step, sampled=_sample(np.asarray(logits, dtype=np.float32), step))
+            return StepOutput(step=step, sampled=sample(np.asarray(logits, dtype=np.float32), step))
         return StepOutput(step=step)
 
 
-def _sample(logits: np.ndarray, step: StepInput) -> Sampled:
+def sample(logits: np.ndarray, step: StepInput) -> Sampled:
     """The draw the coordinator would make from these logits (same rows, same generator)."""
     spec = step.sampling
     tokens, state = sample_step(logits, spec.distribution, spec.draft_tokens, spec.rng_state)
     return Sampled(tokens, state)
 
 
-def _check_sampling(step: StepInput, vocab_size: int) -> None:
+def check_sampling(step: StepInput, vocab_size: int) -> None:
     """Checked before the step runs, so a bad request leaves the cache as it was."""
     spec = step.sampling
     if spec is None:

@@ -8,6 +8,10 @@ reserves its blocks when it opens and gives them back when the table releases or
 Rewind: the paged cache has no validity mask. A step's ``invalidate`` ranges must be the tail
 of the session's cache (what the coordinator's rejected drafts are); the session is shortened
 to the range's start and the next tokens overwrite those slots.
+
+Sampling (RETURN_MODE_SAMPLED): the last stage draws each row from its own logits with the
+row's own generator state (pipeshard/sampling.py, as ``StageEngine`` does), so a batched step
+returns a few token ids per session instead of 49152 floats per position.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 
 from pipeshard.errors import InvalidArgument, PipeshardError, ResourceExhausted
 from pipeshard.services.stage.domain import ReturnMode, StepInput, StepOutput, top1_of
-from pipeshard.services.stage.engine import check_range
+from pipeshard.services.stage.engine import check_range, check_sampling, sample
 from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.shard.paged import PagedRow, PagedShard
@@ -95,10 +99,8 @@ class PagedEngine:
         if session.key in seen:
             raise InvalidArgument("session_id", f"{step.session_id!r} has two steps in one batch")
         check_activations(step.activations, is_first=self.is_first, hidden_size=self.hidden_size)
-        if step.return_mode is ReturnMode.SAMPLED:
-            raise InvalidArgument(
-                "return_mode", "RETURN_MODE_SAMPLED is not served by a paged stage (ask for logits)"
-            )
+        if self.is_last and step.return_mode is ReturnMode.SAMPLED:
+            check_sampling(step, self.vocab_size)
         x = step.activations[0]
         check_range("positions", step.positions, self.max_context)
         if self.is_first:
@@ -161,6 +163,8 @@ class PagedEngine:
                 answers[i] = StepOutput(step=step, top1=top1_of(out))
             elif step.return_mode is ReturnMode.LOGITS:
                 answers[i] = StepOutput(step=step, logits=np.ascontiguousarray(out, dtype=np.float32))
+            elif step.return_mode is ReturnMode.SAMPLED:  # each row draws with its own generator
+                answers[i] = StepOutput(step=step, sampled=sample(np.asarray(out, dtype=np.float32), step))
             else:
                 answers[i] = StepOutput(step=step)
         return answers

@@ -57,13 +57,14 @@ def _widen(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float32) if x.dtype == np.float16 else x
 
 
-def _sampling_step(frame: activation_pb2.ActivationFrame) -> SamplingStep:
+def _sampling_step(frame, prefix: str = "") -> SamplingStep:
+    """The sampling request of a frame or of a plan frame's row (``prefix`` names the field)."""
     if not frame.HasField("sampling"):
-        raise InvalidArgument("sampling", "is required with RETURN_MODE_SAMPLED")
+        raise InvalidArgument(f"{prefix}sampling", "is required with RETURN_MODE_SAMPLED")
     s = frame.sampling
     dist = Distribution(s.temperature, s.top_k, s.top_p)
-    dist.check("sampling.")
-    check_rng_state(s.rng_state, "sampling.rng_state")
+    dist.check(f"{prefix}sampling.")
+    check_rng_state(s.rng_state, f"{prefix}sampling.rng_state")
     return SamplingStep(dist, s.rng_state, list(s.draft_tokens))
 
 
@@ -114,6 +115,11 @@ def steps_from_plan(frame: activation_pb2.ActivationFrame, port: str) -> list[St
                 compute_micros=list(frame.stage_compute_micros),
                 sent_unix_nanos=frame.sent_unix_nanos,
                 owner=frame.owner,
+                sampling=(
+                    _sampling_step(row, "plan.rows.")
+                    if row.return_mode == activation_pb2.RETURN_MODE_SAMPLED
+                    else None
+                ),
             )
         )
         start = end
@@ -132,6 +138,7 @@ def _plan_row(step: StepInput, tokens: int) -> activation_pb2.PlanRow:
         mask_update=activation_pb2.MaskUpdate(
             invalidate=[activation_pb2.CacheRange(start=s, end=e) for s, e in step.invalidate]
         ),
+        sampling=sampling_request(step.sampling) if step.sampling is not None else None,
     )
 
 
@@ -166,6 +173,7 @@ def plan_from_frames(frames: list[activation_pb2.ActivationFrame]) -> activation
             return_mode=f.return_mode,
             return_last=f.return_last,
             mask_update=f.mask_update,
+            sampling=f.sampling if f.HasField("sampling") else None,
         )
         for f in frames
     ]

@@ -16,6 +16,7 @@ from pipeshard.clients.client import PipeshardClient
 from pipeshard.services.coordinator.batched_ring import BatchedRing
 from pipeshard.services.coordinator.generation import Generation, Summary
 from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.shard.prompting import Prompter
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
@@ -104,3 +105,54 @@ def test_a_request_beyond_the_budget_is_refused_naming_it(fleet, prompts):
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "KV cache budget" in err.value.details()
     assert _generate(fleet.coordinator, prompts[0], tokens=4) == _generate(fleet.coordinator, prompts[0])[:4]
+
+
+def test_speculating_and_sampled_sessions_share_steps_and_keep_their_solo_tokens(fleet, export, prompts):
+    """Verify rows (prompt lookup, fixed and adaptive K) and rows the paged final stage samples
+    (RETURN_MODE_SAMPLED per plan row) ride in shared steps: each session gives its solo tokens,
+    and a seed draws on the stage what the coordinator draws from logits."""
+    # (prompt, temperature, seed, draft source, K)
+    plans = [
+        (prompts[1], 0.0, None, "ngram", 3),
+        (prompts[2], 0.0, None, "ngram", 0),
+        (prompts[4], 0.8, 3, "ngram", 2),
+        (prompts[7], 0.8, 4, "none", 0),
+    ]
+
+    def generate(i: int) -> list[int]:
+        prompt, temperature, seed, mode, k = plans[i]
+        with PipeshardClient(fleet.coordinator, timeout_s=300) as client:
+            return client.generate(
+                prompt,
+                max_tokens=TOKENS,
+                temperature=temperature,
+                seed=seed,
+                ignore_eos=True,
+                speculative=mode,
+                k=k,
+            ).token_ids
+
+    solo = [generate(i) for i in range(len(plans))]
+    with ThreadPoolExecutor(len(plans)) as pool:
+        together = list(pool.map(generate, range(len(plans))))
+    assert together == solo
+    # The sampled sessions drawn at the coordinator from logits (in-process, same backend).
+    prompter = Prompter.from_dir(export)
+    ring = BatchedRing(export, "exact", 1, cache_bytes=BUDGET)
+
+    async def local(i: int) -> list[int]:
+        prompt, temperature, seed, mode, k = plans[i]
+        generation = Generation(
+            ring,
+            prompter.tokenizer,
+            prompter.eos_ids,
+            prefill_chunk=ring.prefill_chunk,
+            drafts=DraftSources(export),
+            final_stage_sampling=False,
+        )
+        params = SamplingParams(max_tokens=TOKENS, temperature=temperature, seed=seed, ignore_eos=True)
+        ids = prompter.encode("", [("user", prompt)])
+        events = [e async for e in generation.run(ids, params, speculative=mode, k=k)]
+        return events[-1].token_ids
+
+    assert [asyncio.run(local(i)) for i in (2, 3)] == solo[2:]

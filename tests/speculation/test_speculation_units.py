@@ -14,6 +14,7 @@ from pipeshard.services.coordinator.speculation.drafts import NgramDrafter
 from pipeshard.services.coordinator.speculation.policy import (
     KPolicy,
     SourceMemory,
+    StepLoad,
     TimingModel,
     expected_tokens,
 )
@@ -138,6 +139,42 @@ def test_plain_steps_probe_k1_rarely_and_more_rarely_with_history():
     known_ks = [known.choose(100) for _ in range(64)]
     assert set(new_ks) == {0, 1} and new_ks.count(1) == 8  # one K = 1 probe per 8 steps
     assert known_ks.count(1) == 1  # eight times rarer: the source never agreed
+
+
+def _paged_step_cost() -> TimingModel:
+    """A paged step's cost by its total positions: 34 ms plus 3.5 ms per position (as measured on
+    the 2-stage INT4 stages, docs/BENCHMARKS.md, "Step cost against rows and tokens")."""
+    timing = TimingModel()
+    for n in (1, 2, 4, 8, 16, 32):
+        timing.observe(n, 0.034 + 0.0035 * n)
+    return timing
+
+
+def _k_under(load: StepLoad, accepted: int = 3) -> int:
+    policy = KPolicy(_paged_step_cost(), fixed_k=None, max_k=10, explore_every=1000, load=lambda: load)
+    for _ in range(30):
+        policy.observe(5, accepted, policy.timing.estimate(6), 0.0)  # keeps the cost line as it is
+    return policy.choose(limit=100)
+
+
+def test_batch_aware_k_shrinks_as_the_step_fills():
+    alone, few, full = (_k_under(StepLoad(rows, rows)) for rows in (0, 3, 15))
+    assert alone > few > full >= 1  # each draft delays every other row of the step
+    assert _k_under(StepLoad(15, 15), accepted=1) == 0  # a weak draft does not pay for 15 rows
+    assert _k_under(StepLoad(0, 0), accepted=1) >= 1  # but does alone
+
+
+def test_batch_aware_k_times_the_whole_step():
+    timing = TimingModel()
+    load = StepLoad(rows=4, tokens=260)  # a decode row beside a prefill chunk and three others
+    policy = KPolicy(timing, fixed_k=3, load=lambda: load)
+    assert policy.choose(limit=100) == 3
+    policy.observe(3, 2, 0.05, 0.001)
+    assert timing.seconds == {264: 0.05}  # keyed by all of the step's positions
+    alone = KPolicy(timing, fixed_k=3)
+    alone.choose(limit=100)
+    alone.observe(3, 2, 0.02, 0.001)
+    assert timing.seconds[4] == 0.02
 
 
 def test_fixed_k_is_kept_and_clipped():

@@ -13,10 +13,25 @@ bytes of n positions per hop over the link's bandwidth. K = 0 is plain decoding;
 K > 0 beats it (BloomBee's break-even: the extra bytes and compute of K + 1 positions outweigh the
 round trips saved), the request falls back to plain steps, and tries K = 1 now and then so the
 decision follows the link.
+
+Batch-aware (continuous batching, issue #17): a verify row shares its step with other sessions'
+rows, and its K extra positions lengthen that step for all of them. So K maximises the step's
+tokens per second, not the request's alone,
+
+    rate(K) = (R + E[tokens | K]) / (T(n + K + 1) + K * t_draft)
+
+where R and n are the other sessions' rows and tokens in the step (``StepLoad``, what they sent
+last) and ``T`` is keyed by the step's total positions. Measured on the paged 2-stage INT4 stages
+(docs/BENCHMARKS.md, bench.spec_batch, "step cost against rows and tokens"), a step's cost grows
+about linearly with its tokens whichever rows carry them (a row adds little), so ``T`` stays one
+line fitted over total positions. Alone (R = n = 0) this is the formula above; in a full step
+(large R) a draft must be likely to be kept to pay for delaying everyone, so K shrinks, to 0 when
+it does not pay.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,14 +59,33 @@ def decayed_counts(kept: float, tried: float, decay: float, k: int, accepted: in
     return decay * kept + accepted, decay * tried + accepted + (1 if accepted < k else 0)
 
 
+@dataclass(frozen=True)
+class StepLoad:
+    """The rest of the step a request's next frame joins: the other sessions' rows and tokens."""
+
+    rows: int = 0
+    tokens: int = 0
+
+
+# Where a request learns its step's load; a ring that steps alone has none.
+LoadProbe = Callable[[], StepLoad]
+
+
+def _alone() -> StepLoad:
+    return StepLoad()
+
+
 @dataclass
 class TimingModel:
-    """Wall time of a traversal by number of positions, shared by every request of a coordinator."""
+    """Wall time of a traversal by the step's positions (every session's rows in it), shared by
+    every request of a coordinator."""
 
     seconds: dict[int, float] = field(default_factory=dict)
+    _line: tuple[float, float] | None = field(default=None, repr=False)  # fitted (slope, intercept)
 
     def observe(self, positions: int, seconds: float) -> None:
         self.seconds[positions] = ema(self.seconds.get(positions), seconds)
+        self._line = None
 
     def estimate(self, positions: int) -> float | None:
         if positions in self.seconds:
@@ -59,11 +93,13 @@ class TimingModel:
         if not self.seconds:
             return None
         if len(self.seconds) >= 2:
-            n = np.fromiter(self.seconds.keys(), dtype=np.float64)
-            t = np.fromiter(self.seconds.values(), dtype=np.float64)
-            slope, intercept = np.polyfit(n, t, 1)
-            slope = max(slope, 0.0)
-            return max(float(intercept + slope * positions), 1e-6)
+            if self._line is None:  # refit only after new observations (choose asks per K)
+                n = np.fromiter(self.seconds.keys(), dtype=np.float64)
+                t = np.fromiter(self.seconds.values(), dtype=np.float64)
+                slope, intercept = np.polyfit(n, t, 1)
+                self._line = (max(float(slope), 0.0), float(intercept))
+            slope, intercept = self._line
+            return max(intercept + slope * positions, 1e-6)
         ((n0, t0),) = self.seconds.items()
         return t0 * (1.0 + _PRIOR_SLOPE * (positions - 1)) / (1.0 + _PRIOR_SLOPE * (n0 - 1))
 
@@ -99,8 +135,10 @@ class KPolicy:
         initial_k: int = 4,
         explore_every: int = 8,
         memory: SourceMemory | None = None,
+        load: LoadProbe = _alone,
     ):
         self.timing = timing
+        self.load = load
         self.fixed_k = fixed_k
         self.max_k = max_k
         self.initial_k = initial_k
@@ -116,6 +154,7 @@ class KPolicy:
             self._kept, self._tried = memory.kept * scale, memory.tried * scale
             self._draft_s = memory.draft_s
         self._steps = 0
+        self._load = StepLoad()  # the load the last chosen K was chosen for
 
     @property
     def acceptance(self) -> float:
@@ -124,6 +163,7 @@ class KPolicy:
     def choose(self, limit: int) -> int:
         """K for the next step, at most ``limit`` (remaining tokens and cache room)."""
         limit = max(0, limit)
+        self._load = self.load()
         k = min(self.fixed_k if self.fixed_k is not None else self._adaptive(), limit)
         self._steps += 1
         return k
@@ -132,10 +172,11 @@ class KPolicy:
         if not self.timing.seconds:
             return self.initial_k
         a = self.acceptance
+        others = self._load
         rates = []
         for k in range(self.max_k + 1):
-            t = self.timing.estimate(k + 1)
-            rates.append(expected_tokens(k, a) / (t + k * self._draft_s) if t else 0.0)
+            t = self.timing.estimate(others.tokens + k + 1)
+            rates.append((others.rows + expected_tokens(k, a)) / (t + k * self._draft_s) if t else 0.0)
         best = int(np.argmax(rates))
         if best == 0:
             # Plain steps win: K = 1 now and then tells whether the text or the link changed; the
@@ -153,7 +194,7 @@ class KPolicy:
     def observe(self, k: int, kept: int, seconds: float, draft_seconds: float) -> None:
         """One step's outcome: ``kept`` of ``k`` drafts accepted; wall times of the traversal
         and of drafting."""
-        self.timing.observe(k + 1, seconds)
+        self.timing.observe(self._load.tokens + k + 1, seconds)
         if k == 0:
             return
         self._kept, self._tried = decayed_counts(self._kept, self._tried, 0.9, k, kept)

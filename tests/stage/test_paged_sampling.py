@@ -1,0 +1,123 @@
+"""Final-stage sampling on paged stages (RETURN_MODE_SAMPLED per plan-frame row): each row of a
+batched step draws with its own generator state, so a seed gives the same tokens as the
+coordinator's draw from full logits, plain and speculative, next to other sessions' rows."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from pipeshard.errors import InvalidArgument
+from pipeshard.sampling import rng_state
+from pipeshard.services.coordinator.batched_ring import BatchedRing
+from pipeshard.services.coordinator.generation import Generation, Summary
+from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.speculation.sources import DraftSources
+from pipeshard.services.stage.domain import ReturnMode, StepOutput
+from pipeshard.services.stage.wire import plan_from_frames, plan_from_outputs, steps_from_plan, token_frame
+from pipeshard.shard.prompting import Prompter
+from pipeshard.v1 import activation_pb2
+
+
+def _sampled(session: str, seed: int, drafts: list[int], **dist) -> activation_pb2.ActivationFrame:
+    request = activation_pb2.SamplingRequest(
+        **{"temperature": 0.8, "top_p": 0.9, **dist},
+        rng_state=rng_state(np.random.default_rng(seed)),
+        draft_tokens=drafts,
+    )
+    return token_frame(session, 3, [5, *drafts], 10, False, return_last=len(drafts) + 1, sampling=request)
+
+
+def test_plan_rows_carry_their_own_sampling_request_to_every_stage():
+    greedy = token_frame("g", 0, [7], 4, True)
+    plan = plan_from_frames([_sampled("a", 1, [11, 12]), greedy, _sampled("b", 2, [], top_k=5)])
+    steps = steps_from_plan(plan, "input_ids")
+    assert [s.return_mode for s in steps] == [ReturnMode.SAMPLED, ReturnMode.TOP1, ReturnMode.SAMPLED]
+    a, g, b = (s.sampling for s in steps)
+    assert g is None
+    assert (a.draft_tokens, a.distribution.top_p, b.distribution.top_k) == ([11, 12], 0.9, 5)
+    assert a.rng_state == rng_state(np.random.default_rng(1)) != b.rng_state
+    # A middle stage forwards each row's request with its hidden states.
+    for step in steps:
+        step.activations = np.zeros((1, len(step.positions), 4), dtype=np.float32)
+    outs = [StepOutput(step=s, hidden_states=s.activations) for s in steps]
+    onward = steps_from_plan(plan_from_outputs(outs), "hidden_states")
+    assert [s.sampling for s in onward] == [a, None, b]
+
+
+def test_a_bad_row_sampling_request_names_the_row_field():
+    plan = plan_from_frames([_sampled("a", 1, [], top_p=1.5)])
+    with pytest.raises(InvalidArgument, match=r"`plan\.rows\.sampling\.top_p`"):
+        steps_from_plan(plan, "input_ids")
+    plan.plan.rows[0].ClearField("sampling")
+    with pytest.raises(InvalidArgument, match=r"`plan\.rows\.sampling`"):
+        steps_from_plan(plan, "input_ids")
+
+
+class _Spy(BatchedRing):
+    """Counts the results that came back as drawn tokens, logits and Top1."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kinds: list[str] = []
+
+    async def step(self, frame):
+        result = await super().step(frame)
+        self.kinds.append(_kind(result))
+        return result
+
+
+def _kind(result: activation_pb2.StepResult) -> str:
+    for kind in ("sampled", "logits", "top1"):
+        if result.HasField(kind):
+            return kind
+    return "none"
+
+
+@pytest.mark.slow
+def test_same_seed_same_tokens_drawn_on_the_paged_stage_or_the_coordinator(smollm2_export):
+    export = smollm2_export(2, "int4")
+    prompter = Prompter.from_dir(export)
+    ring = _Spy(export, "exact", 1, cache_bytes=64 << 20)
+    ring.warmup()
+    prompts = ["Tell me a story about a cat and a cat and a cat.", "Name three rivers.", "Hi!"]
+    ids = [prompter.encode("", [("user", p)]) for p in prompts]
+    # (temperature, seed, draft source): two sampled sessions (one speculating) beside a greedy one.
+    plans = [(0.9, 1, "ngram"), (0.7, 5, "none"), (0.0, None, "none")]
+
+    def run(on_stage: bool) -> list[list[int]]:
+        generation = Generation(
+            ring,
+            prompter.tokenizer,
+            prompter.eos_ids,
+            prefill_chunk=ring.prefill_chunk,
+            drafts=DraftSources(export),
+            final_stage_sampling=on_stage,
+        )
+
+        async def one(i: int) -> list[int]:
+            temperature, seed, mode = plans[i]
+            params = SamplingParams(
+                max_tokens=24, temperature=temperature, top_p=0.95, top_k=40, seed=seed, ignore_eos=True
+            )
+            events = [e async for e in generation.run(ids[i], params, speculative=mode, k=3)]
+            assert isinstance(events[-1], Summary)
+            return events[-1].token_ids
+
+        async def main():
+            out = await asyncio.gather(*(one(i) for i in range(len(plans))))
+            await generation.released()
+            return out
+
+        return asyncio.run(main())
+
+    ring.kinds.clear()
+    on_stage = run(True)
+    assert set(ring.kinds) == {"sampled", "top1"}
+    ring.kinds.clear()
+    at_coordinator = run(False)
+    assert set(ring.kinds) == {"logits", "top1"}
+    assert on_stage == at_coordinator
+    assert all(len(t) == 24 for t in on_stage)
