@@ -4,11 +4,15 @@ frames through the wire helpers."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from pipeshard.errors import InvalidArgument, NotFound
+from pipeshard.services.coordinator.main import CoordinatorSettings, resolve
+from pipeshard.services.coordinator.plan_ring import PlanRing
 from pipeshard.services.coordinator.step_batcher import StepBatcher
 from pipeshard.services.stage.domain import ReturnMode
 from pipeshard.services.stage.wire import plan_from_frames, steps_from_plan, token_frame
@@ -140,3 +144,13 @@ def test_a_runner_that_raises_fails_the_rows_of_its_step():
         await batcher.close()
 
     asyncio.run(main())
+
+
+def test_inflight_defaults_to_one_batch_per_stage_and_a_negative_setting_is_refused_by_name():
+    ring = SimpleNamespace(num_stages=3, step_plan=None)
+    assert PlanRing(ring).batcher.inflight == 3
+    assert PlanRing(ring, inflight=1).batcher.inflight == 1
+    with pytest.raises(InvalidArgument, match="`inflight`"):
+        resolve(CoordinatorSettings(stages=["127.0.0.1:1"], shards=Path("x"), inflight=-1))
+    with pytest.raises(ValueError, match="inflight"):
+        StepBatcher(lambda frames: None, sessions=lambda: 1, inflight=0)
