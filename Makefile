@@ -103,7 +103,7 @@ bench-pipeline: model
 bench-commits: model
 	$(PY) -m bench.commits --before $(BEFORE) --after $(or $(AFTER),HEAD)
 
-## bench-mbatch: 1-8 concurrent streams on 2-/3-stage fleets, plain and speculative, loopback and WAN 50 ms/hop; batch stacking (bench/results/mbatch.json)
+## bench-mbatch: 1-16 concurrent streams on 2-/3-stage fleets, plain and speculative, batches in flight, TTFT under load, loopback and WAN 50 ms/hop; batch stacking (bench/results/mbatch.json; BENCH_QUICK=1: the #17 keys only)
 bench-mbatch: model
 	$(PY) -m bench.mbatch
 

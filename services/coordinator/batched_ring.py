@@ -5,6 +5,10 @@ its result as if it were alone; a ``StepBatcher`` forms each step from every ses
 (step_batcher.py) and the step runs every stage's ``PagedEngine`` over all of them at once. In
 exact mode at one thread a row's result does not depend on the rows beside it
 (tests/coordinator/test_batched_ring.py), so every session gets its solo run's tokens.
+
+With ``inflight`` > 1 several steps run at once, each stage on its own worker thread taking one
+step at a time (a stage's lock), so stage 0 starts the next step while stage 1 runs the last one.
+The default is 1: here the stages share the machine's cores (docs/BENCHMARKS.md, bench-mbatch).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class BatchedRing:
         step_tokens: int = DEFAULT_STEP_TOKENS,
         gather_s: float = 0.002,
         prefix_cache_bytes: int = 512 * 1024 * 1024,
+        inflight: int = 1,
     ):
         self.export_dir = Path(export_dir)
         manifest = load_manifest(self.export_dir)
@@ -60,7 +65,9 @@ class BatchedRing:
         self.max_context = manifest.max_context
         self.vocab_size = manifest.model.vocab_size
         self._open: set[str] = set()
-        self._batcher = StepBatcher(self._run_step, lambda: len(self._open), step_tokens, gather_s)
+        self._locks: list[asyncio.Lock] = []  # one step at a time per stage (made per event loop)
+        self._locks_loop: asyncio.AbstractEventLoop | None = None
+        self._batcher = StepBatcher(self._run_step, lambda: len(self._open), step_tokens, gather_s, inflight)
 
     @property
     def steps_run(self) -> int:
@@ -116,18 +123,8 @@ class BatchedRing:
         await self._batcher.close()
 
     async def _run_step(self, frames: list[activation_pb2.ActivationFrame]) -> list:
-        """The step on a worker thread (the event loop meanwhile takes the next frames)."""
-        try:
-            return await asyncio.to_thread(self._run, frames)
-        except Exception as exc:  # an inference failure fails every row of the step
-            return [StageFailed(stage_error(0, exc))] * len(frames)
-
-    async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
-        frame.owner = LOCAL_OWNER
-        return await self._batcher.step(frame)
-
-    def _run(self, frames: list[activation_pb2.ActivationFrame]) -> list:
-        """Every stage over the step's frames; a frame failing on a stage answers with its error."""
+        """Every stage over the step's frames, each on a worker thread (the event loop meanwhile
+        takes the next frames); a frame failing on a stage answers with its error."""
         answers: list = [None] * len(frames)
         live: list[tuple[int, StepInput]] = []
         for i, frame in enumerate(frames):
@@ -138,7 +135,13 @@ class BatchedRing:
         for index, engine in enumerate(self._engines):
             if not live:
                 break
-            outs = engine.run([s for _, s in live])
+            try:
+                async with self._stage_lock(index):
+                    outs = await asyncio.to_thread(engine.run, [s for _, s in live])
+            except Exception as exc:  # an inference failure fails every row of the step
+                for i, _ in live:
+                    answers[i] = StageFailed(stage_error(index, exc))
+                break
             nxt = []
             for (i, step), out in zip(live, outs, strict=True):
                 if isinstance(out, PipeshardError):
@@ -149,6 +152,17 @@ class BatchedRing:
                     nxt.append((i, _next_input(step, out)))
             live = nxt
         return answers
+
+    def _stage_lock(self, index: int) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()
+        if self._locks_loop is not loop:  # a lock belongs to one event loop; a ring may see several
+            self._locks = [asyncio.Lock() for _ in self._engines]
+            self._locks_loop = loop
+        return self._locks[index]
+
+    async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
+        frame.owner = LOCAL_OWNER
+        return await self._batcher.step(frame)
 
 
 def _next_input(step: StepInput, out: StepOutput) -> StepInput:

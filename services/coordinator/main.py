@@ -104,6 +104,12 @@ class CoordinatorSettings(ServerSettings):
         "(start the stages with --kv paged)",
         choices=("stateful", "paged"),
     )
+    inflight: int = setting(
+        1,
+        "with --kv paged: the most batched steps travelling the stages at once, each stage working "
+        "on a different one (0: one per stage; pays only where a stage's compute rivals the hop "
+        "latency on its own machine: on shared cores and at 50 ms per hop it measured slower)",
+    )
 
 
 def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
@@ -119,6 +125,8 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
         raise InvalidArgument("shards", "is required (or give --topology)")
     if settings.prefill_chunk < 1:
         raise InvalidArgument("prefill_chunk", f"must be at least 1, got {settings.prefill_chunk}")
+    if settings.inflight < 0:
+        raise InvalidArgument("inflight", f"must be 0 (one per stage) or more, got {settings.inflight}")
     if not 1 <= settings.max_k <= 32:
         raise InvalidArgument("max_k", f"must be in 1..32, got {settings.max_k}")
     if settings.speculative == "self" and settings.self_draft is None:
@@ -180,7 +188,7 @@ class Coordinator:
         if paged and chunk == DEFAULT_PREFILL_CHUNK:
             chunk = PlanRing.prefill_chunk  # the same chunks as `generate --local --kv paged`
         generation = Generation(
-            PlanRing(self.ring) if paged else self.ring,
+            PlanRing(self.ring, inflight=self.settings.inflight or None) if paged else self.ring,
             prompter.tokenizer,
             prompter.eos_ids,
             prefill_chunk=chunk,

@@ -6,6 +6,9 @@ from every session's frame (step_batcher.py) and ``Ring.step_plan`` sends them a
 whose rows each stage runs in one inference; the final stage answers each row on its own, so every
 generation gets its own result. Sessions open with the capacity they may use, which every paged
 stage reserves (or refuses) at once; a release or cancellation frees it on every stage.
+
+Up to ``inflight`` plan frames travel the ring at once (default: one per stage), so each stage
+works on a different step; a stage runs frames in arrival order, so this needs nothing of it.
 """
 
 from __future__ import annotations
@@ -20,10 +23,19 @@ class PlanRing:
     truncates_on_rewind = True
     prefill_chunk = PAGED_PREFILL_CHUNK
 
-    def __init__(self, ring: Ring, step_tokens: int = DEFAULT_STEP_TOKENS, gather_s: float = 0.002):
+    def __init__(
+        self,
+        ring: Ring,
+        step_tokens: int = DEFAULT_STEP_TOKENS,
+        gather_s: float = 0.002,
+        inflight: int | None = None,
+    ):
+        """``inflight``: the most steps travelling the ring at once (None: one per stage)."""
         self.ring = ring
         self._open: set[str] = set()
-        self.batcher = StepBatcher(ring.step_plan, lambda: len(self._open), step_tokens, gather_s)
+        self.batcher = StepBatcher(
+            ring.step_plan, lambda: len(self._open), step_tokens, gather_s, inflight or ring.num_stages
+        )
 
     @property
     def num_stages(self) -> int:

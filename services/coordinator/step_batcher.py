@@ -1,11 +1,21 @@
 """Forms each step of continuous batching from the frames of every running session.
 
 Each ``Generation`` sends its frame and awaits its result as if it were alone; the batcher
-queues the frames and one scheduler task forms each step from them: every decode row (the last
-token, plus drafts when the session speculates), then prefill chunks in arrival order while the
-step's token budget lasts (a step never runs empty: its first frame always goes). The budget
-only picks which chunks run; their size is the generation's fixed prefill chunk, so a session's
-chunks never depend on its neighbours.
+queues the frames and one scheduler task forms each step from them: decode rows (the last
+token, plus drafts when the session speculates), then prefill chunks while the step's token
+budget lasts (a step never runs empty: its first frame always goes). The budget only picks
+which chunks run; their size is the generation's fixed prefill chunk, so a session's chunks
+never depend on its neighbours.
+
+Fair latency: a session's first frame and any chunk already passed over once go ahead of the
+other chunks (in arrival order among them), so a newcomer's first chunk gets into the next step
+however many long prompts are being prefilled, and a passed-over chunk goes before any frame
+that arrived after it: nothing waits more than a few steps.
+
+No pipeline bubble: up to ``inflight`` steps travel at once (on a fleet of N stages, N: each
+stage works on a different step). Each session has at most one step in flight (its generation
+awaits the result before sending on), so the running sessions split into about ``inflight``
+groups: a step takes at most its share, ceil(open sessions / inflight), of the decode rows.
 
 After a step the scheduler waits up to ``gather_s`` for the sessions just answered to send their
 next frames, so they ride in the same next step instead of trickling into separate ones.
@@ -15,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -38,6 +49,8 @@ class _Waiting:
     frame: activation_pb2.ActivationFrame
     tokens: int
     answer: asyncio.Future
+    arrival: int  # order of arrival (ties between equally urgent frames go to the earlier)
+    urgent: bool  # a session's first frame, or a chunk passed over once: goes before other chunks
 
 
 class StepBatcher:
@@ -47,63 +60,112 @@ class StepBatcher:
         sessions: Callable[[], int],
         step_tokens: int = DEFAULT_STEP_TOKENS,
         gather_s: float = 0.002,
+        inflight: int = 1,
     ):
+        if inflight < 1:
+            raise ValueError(f"inflight must be at least 1, got {inflight}")
         self._run = run
         self._sessions = sessions  # how many sessions are open (the most frames a step can wait for)
         self.step_tokens = step_tokens
         self.gather_s = gather_s
+        self.inflight = inflight  # the most steps travelling at once
         self.steps_run = 0  # steps formed so far (benchmarks and tests read it)
         self.rows_run = 0
+        self.max_in_flight = 0  # the most steps that were in flight at once
+        self.last_step_rows = 0  # rows and tokens of the latest step (how full steps run)
+        self.last_step_tokens = 0
         self._queue: list[_Waiting] = []
-        self._arrived: asyncio.Event | None = None
+        self._rows_in_flight = 0
+        self._steps: set[asyncio.Task] = set()
+        self._changed: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._arrivals = itertools.count()
 
     async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
         if self._task is None or self._task.done():  # first step, or a new event loop
-            self._arrived = asyncio.Event()
+            self._changed = asyncio.Event()
             self._queue = []
+            self._steps = set()
+            self._rows_in_flight = 0
             self._task = asyncio.create_task(self._schedule(), name="step-batcher")
-        waiting = _Waiting(frame, len(frame.positions), asyncio.get_running_loop().create_future())
+        waiting = _Waiting(
+            frame,
+            len(frame.positions),
+            asyncio.get_running_loop().create_future(),
+            next(self._arrivals),
+            urgent=frame.step_id == 0,
+        )
         self._queue.append(waiting)
-        self._arrived.set()
+        self._changed.set()
         return await waiting.answer
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        tasks = [t for t in (self._task, *self._steps) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
+
+    def _share(self) -> int:
+        """Decode rows one step may take: the open sessions split over the steps in flight."""
+        return max(1, -(-self._sessions() // self.inflight))
 
     async def _schedule(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            await self._arrived.wait()
-            deadline = loop.time() + self.gather_s
-            while len(self._queue) < self._sessions() and loop.time() < deadline:
-                self._arrived.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._arrived.wait(), deadline - loop.time())
-            self._arrived.clear()
-            batch = self._pick()
-            if not batch:
+            await self._changed.wait()
+            self._changed.clear()
+            if len(self._steps) >= self.inflight or not self._queue:
                 continue
-            self.steps_run += 1
-            self.rows_run += len(batch)
-            answers = await self._run([w.frame for w in batch])
-            for waiting, answer in zip(batch, answers, strict=True):
-                if waiting.answer.done():
-                    continue
-                if isinstance(answer, BaseException):
-                    waiting.answer.set_exception(answer)
-                else:
-                    waiting.answer.set_result(answer)
+            # Wait a little for the sessions not in flight to send their frames (up to a share).
+            deadline = loop.time() + self.gather_s
+            while (
+                len(self._queue) < min(self._share(), self._sessions() - self._rows_in_flight)
+                and loop.time() < deadline
+            ):
+                self._changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), deadline - loop.time())
+            batch = self._pick()
+            if batch:
+                self._launch(batch)
             if self._queue:
-                self._arrived.set()
+                self._changed.set()
+
+    def _launch(self, batch: list[_Waiting]) -> None:
+        self.steps_run += 1
+        self.rows_run += len(batch)
+        self.last_step_rows = len(batch)
+        self.last_step_tokens = sum(w.tokens for w in batch)
+        self._rows_in_flight += len(batch)
+        task = asyncio.create_task(self._run_step(batch), name="batch-step")
+        self._steps.add(task)
+        self.max_in_flight = max(self.max_in_flight, len(self._steps))
+
+    async def _run_step(self, batch: list[_Waiting]) -> None:
+        try:
+            answers = await self._run([w.frame for w in batch])
+        except Exception as exc:  # a runner that raises fails every row of its step
+            answers = [exc] * len(batch)
+        finally:
+            self._rows_in_flight -= len(batch)
+            self._steps.discard(asyncio.current_task())
+            self._changed.set()
+        for waiting, answer in zip(batch, answers, strict=True):
+            if waiting.answer.done():
+                continue
+            if isinstance(answer, BaseException):
+                waiting.answer.set_exception(answer)
+            else:
+                waiting.answer.set_result(answer)
 
     def _pick(self) -> list[_Waiting]:
-        """The next step: every decode row, then prefill frames in order while the budget lasts."""
+        """The next step: decode rows up to a share, then prefill frames while the budget lasts,
+        urgent ones (first frames, chunks passed over before) first, each group in arrival order."""
         queue = [w for w in self._queue if not w.answer.done()]  # a cancelled caller's frame drops
-        step = [w for w in queue if w.tokens <= DECODE_ROW_TOKENS]
+        queue.sort(key=lambda w: (not w.urgent, w.arrival))
+        step = [w for w in queue if w.tokens <= DECODE_ROW_TOKENS][: self._share()]
         budget = self.step_tokens
         for w in queue:
             if w.tokens > DECODE_ROW_TOKENS and (w.tokens <= budget or not step):
@@ -111,4 +173,8 @@ class StepBatcher:
                 budget -= w.tokens
         taken = {id(w) for w in step}
         self._queue = [w for w in queue if id(w) not in taken]
+        for w in self._queue:
+            if w.tokens > DECODE_ROW_TOKENS:
+                w.urgent = True  # passed over once: ahead of everything that arrives later
+        self._queue.sort(key=lambda w: w.arrival)
         return step

@@ -1,6 +1,7 @@
 """The batched in-process ring (services/coordinator/batched_ring.py): twelve concurrent generations
 with different prompts and lengths, staggered arrivals and a cancellation, on INT4 2-stage shards in
-exact mode, each token for token equal to its solo run; the steps really were shared."""
+exact mode, each token for token equal to its solo run, with two steps in flight (the stages
+pipelined on their own threads); the steps really were shared."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ EXTRA = ("Name three planets.", "What is 12 times 12?", LONG, "Tell me a joke ab
 def setup(smollm2_export, prompts):
     export = smollm2_export(2, "int4")
     prompter = Prompter.from_dir(export)
-    ring = BatchedRing(export, "exact", 1, cache_bytes=96 << 20)
+    ring = BatchedRing(export, "exact", 1, cache_bytes=96 << 20, inflight=2)  # stages pipelined
     ring.warmup()
     ids = [prompter.encode("", [("user", p)]) for p in (*prompts, *EXTRA)]
     return export, prompter, ring, ids

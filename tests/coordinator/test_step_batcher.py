@@ -4,11 +4,15 @@ frames through the wire helpers."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from pipeshard.errors import InvalidArgument, NotFound
+from pipeshard.services.coordinator.main import CoordinatorSettings, resolve
+from pipeshard.services.coordinator.plan_ring import PlanRing
 from pipeshard.services.coordinator.step_batcher import StepBatcher
 from pipeshard.services.stage.domain import ReturnMode
 from pipeshard.services.stage.wire import plan_from_frames, steps_from_plan, token_frame
@@ -69,3 +73,84 @@ def test_plan_frames_carry_each_rows_tokens_and_return_mode():
     plan.plan.rows[0].tokens = 2
     with pytest.raises(InvalidArgument, match="`plan`"):
         steps_from_plan(plan, "input_ids")
+
+
+def test_up_to_inflight_steps_travel_at_once_each_session_in_one_of_them():
+    running: set[str] = set()
+    steps: list[list[str]] = []
+
+    async def run(frames):
+        names = [f.session_id for f in frames]
+        assert not running & set(names)  # a session is never in two steps at once
+        running.update(names)
+        steps.append(names)
+        await asyncio.sleep(0.01)  # the step travels the stages
+        running.difference_update(names)
+        return [activation_pb2.StepResult(session_id=f.session_id, step_id=f.step_id) for f in frames]
+
+    async def session(batcher, name):
+        got = []
+        for step in range(6):
+            result = await batcher.step(_frame(name, 1, step))
+            got.append((result.session_id, result.step_id))
+        return got
+
+    async def main():
+        batcher = StepBatcher(run, sessions=lambda: 6, gather_s=0.005, inflight=3)
+        out = await asyncio.gather(*(session(batcher, f"s{i}") for i in range(6)))
+        await batcher.close()
+        return out, batcher
+
+    out, batcher = asyncio.run(main())
+    assert out == [[(f"s{i}", k) for k in range(6)] for i in range(6)]
+    assert batcher.max_in_flight == 3
+    # The six sessions split into three groups of (at most) two decode rows.
+    assert max(len(s) for s in steps) == 2 and batcher.rows_run == 36
+
+
+def test_a_newcomers_first_chunk_goes_ahead_of_later_chunks_and_passed_over_chunks_come_next():
+    seen: list[list[str]] = []
+
+    async def run(frames):
+        seen.append([f.session_id for f in frames])
+        await asyncio.sleep(0.01)
+        return [activation_pb2.StepResult(session_id=f.session_id) for f in frames]
+
+    async def main():
+        batcher = StepBatcher(run, sessions=lambda: 4, step_tokens=300, gather_s=0.05)
+        # Two long prompts in the middle of their prefill, one decoding session, and a newcomer.
+        first = [_frame("A", 256, 3), _frame("C", 256, 3), _frame("d", 1, 9), _frame("B", 256, 0)]
+        tasks = [asyncio.create_task(batcher.step(f)) for f in first]
+        while not seen:
+            await asyncio.sleep(0.001)
+        late = asyncio.create_task(batcher.step(_frame("E", 256, 0)))  # arrives during step 1
+        await asyncio.gather(*tasks, late)
+        await batcher.close()
+
+    asyncio.run(main())
+    # B's first chunk rides in the next step ahead of A's and C's later chunks; those, passed over
+    # once, go before the newcomer E that arrived after them: nobody waits indefinitely.
+    assert seen == [["d", "B"], ["A"], ["C"], ["E"]]
+
+
+def test_a_runner_that_raises_fails_the_rows_of_its_step():
+    async def run(frames):
+        raise RuntimeError("stage exploded")
+
+    async def main():
+        batcher = StepBatcher(run, sessions=lambda: 1, inflight=2)
+        with pytest.raises(RuntimeError, match="exploded"):
+            await batcher.step(_frame("a", 1))
+        await batcher.close()
+
+    asyncio.run(main())
+
+
+def test_inflight_defaults_to_one_batch_per_stage_and_a_negative_setting_is_refused_by_name():
+    ring = SimpleNamespace(num_stages=3, step_plan=None)
+    assert PlanRing(ring).batcher.inflight == 3
+    assert PlanRing(ring, inflight=1).batcher.inflight == 1
+    with pytest.raises(InvalidArgument, match="`inflight`"):
+        resolve(CoordinatorSettings(stages=["127.0.0.1:1"], shards=Path("x"), inflight=-1))
+    with pytest.raises(ValueError, match="inflight"):
+        StepBatcher(lambda frames: None, sessions=lambda: 1, inflight=0)

@@ -1,6 +1,7 @@
 """A fleet of paged stages (``--kv paged``) with a batching coordinator: concurrent sessions share
 each step through plan frames and still give their solo tokens (exact mode, INT4, 1 thread per
-stage) and the tokens of ``generate --local --kv paged``; GetStageInfo reports the cache budget;
+stage; the coordinator's default keeps one batch in flight per stage, so two plan frames travel
+the stages at once) and the tokens of ``generate --local --kv paged``; GetStageInfo reports the cache budget;
 a cancelled stream's blocks are freed on every stage; a request the budget cannot hold is refused."""
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def fleet(export, fleet_factory):
         2,
         precision="exact",
         extra_stage_args=["--kv", "paged", "--num-threads", "1", "--kv-cache-bytes", str(BUDGET)],
-        extra_coordinator_args=["--kv", "paged", "--max-running", "8"],
+        extra_coordinator_args=["--kv", "paged", "--max-running", "8", "--inflight", "0"],
     )
 
 
