@@ -54,6 +54,13 @@ LINK_RAW = counter("pipeshard_link_raw_bytes_total", "Tensor bytes before encodi
 LINK_WIRE = counter("pipeshard_link_wire_bytes_total", "Tensor bytes after encoding, by hop", ["link"])
 
 
+def train_rate(train: list[tuple[int, float]]) -> float:
+    """Bandwidth from a probe train's (bytes, arrival time) samples: the bytes after the first over
+    the time they took to arrive behind it (a token bucket lets the first through at line rate)."""
+    (_, first), *rest = train
+    return sum(n for n, _ in rest) / max(rest[-1][1] - first, 1e-6)
+
+
 class LinkEstimate:
     """RTT (windowed min) and bandwidth (windowed max) of one link, from timed acknowledgements."""
 
