@@ -9,13 +9,13 @@ in % of raw, and compress / decompress MB/s of raw bytes (median of interleaved 
 Ratio keys (the worst kind decides): ``lane_over_zstd`` = max over kinds of size(byte lanes +
 zstd) / size(zstd), ``best_over_lane`` = max over kinds of size(best codec) / size(byte lanes +
 zstd); ``lane_blocks_over_zstd`` the same for the shipped lane codec (CODEC_LANE_BLOCKS_ZSTD).
-Analysis rows (measured and round-tripped, not shipped): ``xor_prev_step`` (decode, batch 1) XORs
-each step's bits with the same session's previous step before lane blocks; ``lane_dicts`` codes
-each byte lane with a zstd dictionary trained on held-out sessions' decode frames (the tables a
-small frame otherwise pays for); ``quantum_pack`` (fp32) cuts each mantissa to the bits above a
-per-frame quantum (these activations are sums of bf16-computed terms); ``quantum_pack_dict`` adds
-a trained dictionary for its exponent bytes. ``analysis_minus_lane_blocks_points``: what the best
-of them saves over lane blocks, per kind.
+``quantum_zstd`` (CODEC_QUANTUM_ZSTD, fp32 only) cuts each mantissa to the bits above a per-frame
+quantum (these activations are sums of bf16-computed terms). Analysis rows (measured and
+round-tripped, not shipped): ``xor_prev_step`` (decode, batch 1) XORs each step's bits with the
+same session's previous step before lane blocks; ``lane_dicts`` codes each byte lane with a zstd
+dictionary trained on held-out sessions' decode frames (the tables a small frame otherwise pays
+for); ``quantum_dict`` (fp32) is the quantum codec with such a dictionary for its exponent bytes.
+``analysis_minus_lane_blocks_points``: what the best analysis row saves over lane blocks, per kind.
 Also measured: greedy token agreement when hidden states cross the wire as fp16 or bf16.
 
 Env: BENCH_EXPORTS (comma-separated export folders; default the 3-stage INT4 export),
@@ -36,6 +36,7 @@ import numpy as np
 import zstandard
 
 from bench.stats import interleaved, median, write_result
+from pipeshard import tensor_codec_quantum as quantum
 from pipeshard.offline import set_offline_defaults
 from pipeshard.shard.chain import LocalChain
 from pipeshard.shard.prompting import Prompter
@@ -46,7 +47,17 @@ CODECS = {
     "zstd": Codec.CODEC_ZSTD,
     "lane_zstd": Codec.CODEC_BYTE_SPLIT_ZSTD,
     "lane_blocks_zstd": Codec.CODEC_LANE_BLOCKS_ZSTD,
+    "quantum_zstd": Codec.CODEC_QUANTUM_ZSTD,  # fp32 frames only
 }
+
+
+def codecs_for(frames: list[np.ndarray]) -> dict[str, int]:
+    """The codecs that take these frames (CODEC_QUANTUM_ZSTD takes float32 only)."""
+    if frames[0].dtype == np.float32:
+        return CODECS
+    return {n: c for n, c in CODECS.items() if c != Codec.CODEC_QUANTUM_ZSTD}
+
+
 TOPICS = (
     "a refrigerator",
     "a bicycle",
@@ -144,7 +155,7 @@ def wire_array(frame: np.ndarray, dtype: str) -> np.ndarray:
 def sizes(frames: list[np.ndarray]) -> dict[str, float]:
     raw = sum(f.nbytes for f in frames)
     out = {}
-    for name, codec in CODECS.items():
+    for name, codec in codecs_for(frames).items():
         total = 0
         for f in frames:
             wire = encode(f, codec)
@@ -200,83 +211,24 @@ def _byte_lanes(f: np.ndarray) -> np.ndarray:
     return f.reshape(-1).view(np.uint8).reshape(-1, f.itemsize).T
 
 
-QUANTA = range(-24, -15)
-
-
-def quantum_pack(frames: list[np.ndarray], train: list[np.ndarray] | None = None) -> float:
-    """% of raw for fp32 frames coded as zstd(exponent byte) + sign bits + each mantissa cut to the
-    bits above a per-frame quantum 2**Q (best Q per frame; values with set bits below it are
-    exceptions, kept whole and listed by 4-byte index). These hidden states are sums of bf16-computed
-    terms, so almost all are multiples of about 2**-19: their low mantissa bits are zero by
-    construction, which byte lanes only partly see. With ``train``, the exponent bytes are coded
-    with a zstd dictionary trained on those frames' (as :func:`lane_dicts`). Round-tripped here;
-    measured, not shipped."""
-    book = None
-    if train is not None:
-        exponents = [(_fp32_bits(f) >> 23).astype(np.uint8).tobytes() for f in train]
-        book = zstandard.train_dictionary(1024, exponents, level=1)
+def quantum_dict(train: list[np.ndarray], test: list[np.ndarray]) -> float:
+    """% of raw for fp32 ``test`` frames coded as CODEC_QUANTUM_ZSTD but with the exponent bytes
+    coded with a zstd dictionary trained on ``train``'s (as :func:`lane_dicts`). Measured, not
+    shipped."""
+    exponents = [(_fp32_bits(f) >> 23).astype(np.uint8).tobytes() for f in train]
+    book = zstandard.train_dictionary(1024, exponents, level=1)
     total = raw = 0
-    for f in frames:
-        bits = _fp32_bits(f)
-        best = min((_quantum_packed(bits, q, book) for q in QUANTA), key=len)
-        if not np.array_equal(_quantum_unpack(best, bits.size, book), bits):
-            raise AssertionError("quantum packing is not lossless")
-        total += len(best)
+    for f in test:
+        packed = quantum.encode_fp32(f, book)
+        if not np.array_equal(quantum.decode_fp32(packed, f.size, book), _fp32_bits(f)):
+            raise AssertionError("quantum packing with a dictionary is not lossless")
+        total += len(packed)
         raw += f.nbytes
     return 100.0 * total / raw
 
 
 def _fp32_bits(f: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(f, dtype="<f4").reshape(-1).view(np.uint32)
-
-
-def _quantum_widths(exponent: np.ndarray, q: int, exceptions: np.ndarray) -> np.ndarray:
-    """Mantissa bits kept per value: all 23 for zeros, subnormals, inf/nan and exceptions."""
-    normal = (exponent >= 1) & (exponent <= 254)
-    cut = np.where(normal, np.clip(q - (exponent.astype(np.int64) - 150), 0, 23), 0)
-    cut[exceptions] = 0
-    return 23 - cut
-
-
-def _quantum_packed(bits: np.ndarray, q: int, book: zstandard.ZstdCompressionDict | None) -> bytes:
-    exponent = ((bits >> 23) & 0xFF).astype(np.uint8)
-    mantissa = bits & 0x7FFFFF
-    width = _quantum_widths(exponent, q, np.zeros(bits.size, dtype=bool))
-    low = mantissa & ((np.uint32(1) << (23 - width).astype(np.uint32)) - 1)
-    exceptions = np.flatnonzero(low != 0).astype("<u4")
-    width = _quantum_widths(exponent, q, exceptions)
-    mbits = np.unpackbits(mantissa.astype(">u4").view(np.uint8).reshape(-1, 4), axis=1)[:, 9:]
-    keep = np.arange(23)[None, :] < width[:, None]
-    zexp = _exponent_coder(book).compress(exponent.tobytes())
-    head = np.asarray([q + 128, len(zexp), exceptions.size], dtype="<u4").tobytes()
-    signs = np.packbits((bits >> 31).astype(np.uint8)).tobytes()
-    return head + exceptions.tobytes() + zexp + signs + np.packbits(mbits[keep]).tobytes()
-
-
-def _exponent_coder(book: zstandard.ZstdCompressionDict | None) -> zstandard.ZstdCompressor:
-    if book is None:
-        return zstandard.ZstdCompressor(level=1)
-    return zstandard.ZstdCompressor(level=1, dict_data=book, write_content_size=False, write_dict_id=False)
-
-
-def _quantum_unpack(data: bytes, n: int, book: zstandard.ZstdCompressionDict | None) -> np.ndarray:
-    q, zlen, n_exc = (int(v) for v in np.frombuffer(data[:12], dtype="<u4"))
-    at = 12
-    exceptions = np.frombuffer(data[at : at + 4 * n_exc], dtype="<u4")
-    at += 4 * n_exc
-    unzip = zstandard.ZstdDecompressor(dict_data=book) if book is not None else zstandard.ZstdDecompressor()
-    exponent = np.frombuffer(unzip.decompress(data[at : at + zlen], max_output_size=n), dtype=np.uint8)
-    at += zlen
-    signs = np.unpackbits(np.frombuffer(data[at : at + (n + 7) // 8], dtype=np.uint8))[:n]
-    at += (n + 7) // 8
-    width = _quantum_widths(exponent, q - 128, exceptions.astype(np.int64))
-    keep = np.arange(23)[None, :] < width[:, None]
-    mbits = np.zeros((n, 23), dtype=np.uint8)
-    mbits[keep] = np.unpackbits(np.frombuffer(data[at:], dtype=np.uint8))[: int(width.sum())]
-    padded = np.zeros((n, 32), dtype=np.uint8)
-    padded[:, 9:] = mbits
-    mantissa = np.packbits(padded, axis=1).view(">u4").reshape(-1).astype(np.uint32)
-    return (signs.astype(np.uint32) << 31) | (exponent.astype(np.uint32) << 23) | mantissa
 
 
 def _per_boundary(
@@ -293,7 +245,8 @@ def _per_boundary(
 def speeds(frames: list[np.ndarray], reps: int) -> dict[str, dict[str, float]]:
     """Compress and decompress MB/s of raw bytes per codec, interleaved repeats."""
     raw = sum(f.nbytes for f in frames)
-    wires = {n: [encode(f, c) for f in frames] for n, c in CODECS.items()}
+    codecs = codecs_for(frames)
+    wires = {n: [encode(f, c) for f in frames] for n, c in codecs.items()}
 
     def enc(codec: int) -> Callable[[], float]:
         def run() -> float:
@@ -313,10 +266,10 @@ def speeds(frames: list[np.ndarray], reps: int) -> dict[str, dict[str, float]]:
 
         return run
 
-    configs = {f"{n}.compress": enc(c) for n, c in CODECS.items()}
-    configs |= {f"{n}.decompress": dec(n) for n in CODECS}
+    configs = {f"{n}.compress": enc(c) for n, c in codecs.items()}
+    configs |= {f"{n}.decompress": dec(n) for n in codecs}
     samples = interleaved(configs, reps, warmup=1)
-    return {n: {op: median(samples[f"{n}.{op}"]) for op in ("compress", "decompress")} for n in CODECS}
+    return {n: {op: median(samples[f"{n}.{op}"]) for op in ("compress", "decompress")} for n in codecs}
 
 
 def token_agreement(export: Path, prompts: list[list[int]], new_tokens: int) -> dict[str, dict]:
@@ -407,15 +360,11 @@ def main() -> int:
                     }
                     analysis["lane_dicts"] = _per_boundary(lane_dicts, train, test)
                     if wire == "fp32":
-                        analysis["quantum_pack_dict"] = _per_boundary(
-                            lambda tr, te: quantum_pack(te, tr), train, test
-                        )
-                if wire == "fp32":
-                    analysis["quantum_pack"] = quantum_pack(frames)
+                        analysis["quantum_dict"] = _per_boundary(quantum_dict, train, test)
                 row["size_pct"] |= analysis
                 row["mb_s"] = speeds(frames, reps)
                 pct = row["size_pct"]
-                best = min(pct[n] for n in CODECS if n != "none")
+                best = min(pct[n] for n in codecs_for(frames) if n != "none")
                 lane_over_zstd = max(lane_over_zstd, pct["lane_zstd"] / pct["zstd"])
                 lane_blocks_over_zstd = max(lane_blocks_over_zstd, pct["lane_blocks_zstd"] / pct["zstd"])
                 if analysis:
