@@ -39,7 +39,10 @@ def test_wan_summary_takes_the_worst_mode_and_point():
         points[name] = {c: {m: config(10.0) for m in MODES} for c in CODECS}
         points[name]["auto"]["sampled_logits"] = config(auto_logits)
         points[name]["auto"]["sampled_on_stage"] = config(20.0)
+        points[name]["none"]["sampled_on_stage"] = config(20.0)
+        points[name]["none"]["sampled_logits"] = config(20.0 / 3 if name.startswith("20") else 5.0)
     result = summarise(points)
     assert result["auto_vs_best_min"] == pytest.approx(0.8)
     assert result["auto_vs_best_min_at"] == "20mbit_25ms/sampled_logits"
-    assert result["final_stage_sampling_speedup_20mbit"] == pytest.approx(2.5)
+    assert result["final_stage_sampling_speedup_20mbit"] == pytest.approx(3.0)  # raw logits, 20 Mbit/s only
+    assert result["final_stage_sampling_speedup_20mbit_auto"] == pytest.approx(2.5)
