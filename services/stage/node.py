@@ -10,9 +10,11 @@ of the ring, so the coordinator learns which stage failed and why.
 from __future__ import annotations
 
 import asyncio
+import math
 
 import structlog
 
+from pipeshard.errors import InvalidArgument
 from pipeshard.link_model import CodecChooser, LinkEstimate
 from pipeshard.services.stage.engine import StageEngine
 from pipeshard.services.stage.kv import StageKv
@@ -147,6 +149,10 @@ class StageNode:
     def note_results_link(self, owner: str, bandwidth_bytes_s: float) -> None:
         """The owner's measurement of its return link (final stage -> coordinator), sent with each
         OpenSession; the final stage chooses the codec of that owner's logits from it."""
+        if not math.isfinite(bandwidth_bytes_s) or bandwidth_bytes_s < 0:
+            raise InvalidArgument(
+                "results_link_bandwidth_bytes_per_second", f"must be finite and >= 0, got {bandwidth_bytes_s}"
+            )
         if self.next_hop is None and bandwidth_bytes_s > 0:
             self._results_chooser(owner).link.observe_rate(bandwidth_bytes_s)
 

@@ -56,8 +56,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     async def OpenSession(self, request, context):
         owner = _owner(context)
-        self._node.engine.open(owner, request.session_id, request.capacity or None)
         self._node.note_results_link(owner, request.results_link_bandwidth_bytes_per_second)
+        self._node.engine.open(owner, request.session_id, request.capacity or None)
         return stage_pb2.OpenSessionResponse(max_context=self._node.engine.max_context)
 
     async def ResetSession(self, request, context):

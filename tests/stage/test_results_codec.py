@@ -8,6 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from pipeshard.errors import InvalidArgument
 from pipeshard.link_model import CodecChooser
 from pipeshard.services.stage.domain import ReturnMode, StepInput, StepOutput
 from pipeshard.services.stage.node import StageNode
@@ -77,3 +78,10 @@ def test_a_fixed_codec_applies_to_the_results_link_too():
     codec, back, logits = _result_codec("lane_blocks_zstd", None)
     assert codec == Codec.CODEC_LANE_BLOCKS_ZSTD
     assert back.tobytes() == logits.tobytes()
+
+
+@pytest.mark.parametrize("bandwidth", [float("nan"), float("inf"), -1.0])
+def test_a_nonsense_return_link_measurement_names_its_field(bandwidth):
+    node = StageNode(FinalEngine(np.zeros((1, 4), np.float32)), 1, next_hop=None)
+    with pytest.raises(InvalidArgument, match="`results_link_bandwidth_bytes_per_second`"):
+        node.note_results_link("owner-a", bandwidth)
