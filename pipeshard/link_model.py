@@ -178,6 +178,10 @@ class CodecChooser:
         self.current: int | None = None
         self._link_name = link.link if link is not None else "unmeasured"
 
+    def for_link(self, link: LinkEstimate) -> CodecChooser:
+        """A chooser for another link with this one's mode, shadow period and clock."""
+        return CodecChooser(self.mode, link, shadow_every=self.shadow_every, clock=self._clock)
+
     def choose(self, array: np.ndarray) -> int:
         """The codec for this tensor (measuring every candidate on it now and then)."""
         if self.mode != AUTO:

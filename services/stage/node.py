@@ -160,7 +160,7 @@ class StageNode:
         chooser = self._results_codecs.get(owner)
         if chooser is None:
             link = LinkEstimate(f"results-{owner[:8]}")
-            chooser = self._results_codecs[owner] = CodecChooser(self._codec.mode, link)
+            chooser = self._results_codecs[owner] = self._codec.for_link(link)
         return chooser
 
     def _result(self, out, owner: str) -> activation_pb2.StepResult:

@@ -48,7 +48,11 @@ def _frame(owner: str):
 def _result_codec(mode: str, bandwidth_bytes_s: float | None) -> tuple[int, np.ndarray, np.ndarray]:
     # Logits-like values: a few bits of exponent entropy, so the lane codecs have something to take.
     logits = (np.random.default_rng(0).standard_normal((1, VOCAB)) * 3).astype(np.float32)
-    node = StageNode(FinalEngine(logits), 1, next_hop=None, codec=CodecChooser(mode, None))
+    # Sizes are measured on the logits; CPU time on a fake clock (1 us per call), so a loaded
+    # machine cannot flip the choice.
+    ticks = iter(range(10**6))
+    chooser = CodecChooser(mode, None, clock=lambda: next(ticks) * 1e-6)
+    node = StageNode(FinalEngine(logits), 1, next_hop=None, codec=chooser)
 
     async def run():
         subscription = node.results.subscribe("owner-a", "sub")
