@@ -215,7 +215,7 @@ def summarise(results: dict[str, dict]) -> dict:
 
 def plot(result: dict, out: Path = PLOT) -> Path:
     """tok/s per point, codec and mode; and the median decode step split into the stages' compute
-    and the rest, with and without logits shipped (auto fleet)."""
+    and the rest, with and without raw logits shipped (the codec-none fleet)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -251,7 +251,7 @@ def plot(result: dict, out: Path = PLOT) -> Path:
     labels, compute, rest = [], [], []
     for p in points:
         for mode, short in (("sampled_on_stage", "stage"), ("sampled_logits", "logits")):
-            step = result["points"][p]["auto"][mode]["step"]
+            step = result["points"][p]["none"][mode]["step"]
             labels.append(f"{p.replace('mbit_', 'M ')}\n{short}")
             compute.append(step.get("compute_ms", 0.0))
             rest.append(step.get("rest_ms", 0.0))
@@ -259,7 +259,7 @@ def plot(result: dict, out: Path = PLOT) -> Path:
     ax.bar(range(len(labels)), rest, bottom=compute, label="rest: wire, delays, forwarder, Python")
     ax.set_xticks(range(len(labels)), labels, fontsize=6)
     ax.set_ylabel("median decode step (ms)")
-    ax.set_title("a T=0.8 token, auto fleet")
+    ax.set_title("a T=0.8 token, --codec none (raw logits)")
     ax.legend(fontsize=7)
     fig.suptitle(
         f"bench-wan ({result.get('date', '')[:10]}, 2-stage INT4, WAN emulator, {result['tokens']} tokens)"
