@@ -8,8 +8,14 @@ in % of raw, and compress / decompress MB/s of raw bytes (median of interleaved 
 
 Ratio keys (the worst kind decides): ``lane_over_zstd`` = max over kinds of size(byte lanes +
 zstd) / size(zstd), ``best_over_lane`` = max over kinds of size(best codec) / size(byte lanes +
-zstd). The analysis row ``xor_prev_step`` (decode, batch 1) XORs each step's bits with the same
-session's previous step before lane blocks: a stateful transform measured, not shipped.
+zstd); ``lane_blocks_over_zstd`` the same for the shipped lane codec (CODEC_LANE_BLOCKS_ZSTD).
+``quantum_zstd`` (CODEC_QUANTUM_ZSTD, fp32 only) cuts each mantissa to the bits above a per-frame
+quantum (these activations are sums of bf16-computed terms). Analysis rows (measured and
+round-tripped, not shipped): ``xor_prev_step`` (decode, batch 1) XORs each step's bits with the
+same session's previous step before lane blocks; ``lane_dicts`` codes each byte lane with a zstd
+dictionary trained on held-out sessions' decode frames (the tables a small frame otherwise pays
+for); ``quantum_dict`` (fp32) is the quantum codec with such a dictionary for its exponent bytes.
+``analysis_minus_lane_blocks_points``: what the best analysis row saves over lane blocks, per kind.
 Also measured: greedy token agreement when hidden states cross the wire as fp16 or bf16.
 
 Env: BENCH_EXPORTS (comma-separated export folders; default the 3-stage INT4 export),
@@ -27,8 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import zstandard
 
 from bench.stats import interleaved, median, write_result
+from pipeshard import tensor_codec_quantum as quantum
 from pipeshard.offline import set_offline_defaults
 from pipeshard.shard.chain import LocalChain
 from pipeshard.shard.prompting import Prompter
@@ -39,7 +47,17 @@ CODECS = {
     "zstd": Codec.CODEC_ZSTD,
     "lane_zstd": Codec.CODEC_BYTE_SPLIT_ZSTD,
     "lane_blocks_zstd": Codec.CODEC_LANE_BLOCKS_ZSTD,
+    "quantum_zstd": Codec.CODEC_QUANTUM_ZSTD,  # fp32 frames only
 }
+
+
+def codecs_for(frames: list[np.ndarray]) -> dict[str, int]:
+    """The codecs that take these frames (CODEC_QUANTUM_ZSTD takes float32 only)."""
+    if frames[0].dtype == np.float32:
+        return CODECS
+    return {n: c for n, c in CODECS.items() if c != Codec.CODEC_QUANTUM_ZSTD}
+
+
 TOPICS = (
     "a refrigerator",
     "a bicycle",
@@ -137,7 +155,7 @@ def wire_array(frame: np.ndarray, dtype: str) -> np.ndarray:
 def sizes(frames: list[np.ndarray]) -> dict[str, float]:
     raw = sum(f.nbytes for f in frames)
     out = {}
-    for name, codec in CODECS.items():
+    for name, codec in codecs_for(frames).items():
         total = 0
         for f in frames:
             wire = encode(f, codec)
@@ -163,10 +181,72 @@ def xor_prev_step(sessions: list[list[np.ndarray]]) -> float:
     return 100.0 * total / raw
 
 
+def lane_dicts(train: list[np.ndarray], test: list[np.ndarray], dict_bytes: int = 1024) -> float:
+    """% of raw for ``test`` frames with each byte lane its own zstd frame coded with a dictionary
+    trained on that lane of ``train`` (other sessions' frames): the entropy tables a small frame
+    otherwise spends its own bytes on come from the dictionary, which the receiver must already
+    hold (shipped with the shard, or sent once per link). Measured, not shipped."""
+    itemsize = test[0].itemsize
+    dicts = [
+        zstandard.train_dictionary(dict_bytes, [_byte_lanes(f)[k].tobytes() for f in train], level=1)
+        for k in range(itemsize)
+    ]
+    coders = [
+        zstandard.ZstdCompressor(level=1, dict_data=d, write_content_size=False, write_dict_id=False)
+        for d in dicts
+    ]
+    decoders = [zstandard.ZstdDecompressor(dict_data=d) for d in dicts]
+    total = raw = 0
+    for f in test:
+        for k, lane in enumerate(_byte_lanes(f)):
+            packed = coders[k].compress(lane.tobytes())
+            if decoders[k].decompress(packed, max_output_size=lane.size) != lane.tobytes():
+                raise AssertionError("lane dictionaries are not lossless")
+            total += min(len(packed), lane.size + 3)  # + 3: a raw zstd block when it does not compress
+        raw += f.nbytes
+    return 100.0 * total / raw
+
+
+def _byte_lanes(f: np.ndarray) -> np.ndarray:
+    return f.reshape(-1).view(np.uint8).reshape(-1, f.itemsize).T
+
+
+def quantum_dict(train: list[np.ndarray], test: list[np.ndarray]) -> float:
+    """% of raw for fp32 ``test`` frames coded as CODEC_QUANTUM_ZSTD but with the exponent bytes
+    coded with a zstd dictionary trained on ``train``'s (as :func:`lane_dicts`). Measured, not
+    shipped."""
+    exponents = [(_fp32_bits(f) >> 23).astype(np.uint8).tobytes() for f in train]
+    book = zstandard.train_dictionary(1024, exponents, level=1)
+    total = raw = 0
+    for f in test:
+        packed = quantum.encode_fp32(f, book)
+        if not np.array_equal(quantum.decode_fp32(packed, f.size, book), _fp32_bits(f)):
+            raise AssertionError("quantum packing with a dictionary is not lossless")
+        total += len(packed)
+        raw += f.nbytes
+    return 100.0 * total / raw
+
+
+def _fp32_bits(f: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(f, dtype="<f4").reshape(-1).view(np.uint32)
+
+
+def _per_boundary(
+    pct: Callable[[list[np.ndarray], list[np.ndarray]], float],
+    train: dict[int, list[np.ndarray]],
+    test: dict[int, list[np.ndarray]],
+) -> float:
+    """% of raw over every boundary's test frames, each coded with tables trained on its own
+    boundary's ``train`` frames (weighted by bytes)."""
+    sizes = {b: sum(f.nbytes for f in frames) for b, frames in test.items()}
+    return sum(pct(train[b], test[b]) * n for b, n in sizes.items()) / sum(sizes.values())
+
+
 def speeds(frames: list[np.ndarray], reps: int) -> dict[str, dict[str, float]]:
     """Compress and decompress MB/s of raw bytes per codec, interleaved repeats."""
     raw = sum(f.nbytes for f in frames)
-    wires = {n: [encode(f, c) for f in frames] for n, c in CODECS.items()}
+    codecs = codecs_for(frames)
+    wires = {n: [encode(f, c) for f in frames] for n, c in codecs.items()}
 
     def enc(codec: int) -> Callable[[], float]:
         def run() -> float:
@@ -186,10 +266,10 @@ def speeds(frames: list[np.ndarray], reps: int) -> dict[str, dict[str, float]]:
 
         return run
 
-    configs = {f"{n}.compress": enc(c) for n, c in CODECS.items()}
-    configs |= {f"{n}.decompress": dec(n) for n in CODECS}
+    configs = {f"{n}.compress": enc(c) for n, c in codecs.items()}
+    configs |= {f"{n}.decompress": dec(n) for n in codecs}
     samples = interleaved(configs, reps, warmup=1)
-    return {n: {op: median(samples[f"{n}.{op}"]) for op in ("compress", "decompress")} for n in CODECS}
+    return {n: {op: median(samples[f"{n}.{op}"]) for op in ("compress", "decompress")} for n in codecs}
 
 
 def token_agreement(export: Path, prompts: list[list[int]], new_tokens: int) -> dict[str, dict]:
@@ -251,7 +331,8 @@ def main() -> int:
     reps = int(os.environ.get("BENCH_REPS", "10"))
     batch = min(32, n_prompts)
     results: dict[str, dict] = {}
-    lane_over_zstd = best_over_lane = 0.0
+    lane_over_zstd = best_over_lane = lane_blocks_over_zstd = 0.0
+    analysis_gain: dict[str, float] = {}
     worst_gap_points = float("inf")
     agreement = {}
     for export in exports:
@@ -262,15 +343,33 @@ def main() -> int:
             for kind, frames in frames_by_kind(cap, batch).items():
                 frames = [wire_array(f, wire) for f in frames]
                 row = {"frames": len(frames), "frame_bytes": frames[0].nbytes, "size_pct": sizes(frames)}
+                analysis = {}
                 if kind == "decode_b1":
                     sessions = [
                         [wire_array(s, wire) for s in sess] for b in cap.decode for sess in cap.decode[b][:4]
                     ]
-                    row["size_pct"]["xor_prev_step"] = xor_prev_step(sessions)
+                    analysis["xor_prev_step"] = xor_prev_step(sessions)
+                    # Tables trained per boundary on the other sessions' decode frames (held out).
+                    train = {
+                        b: [wire_array(s, wire) for sess in cap.decode[b][4:] for s in sess]
+                        for b in cap.decode
+                    }
+                    test = {
+                        b: [wire_array(s, wire) for sess in cap.decode[b][:4] for s in sess]
+                        for b in cap.decode
+                    }
+                    analysis["lane_dicts"] = _per_boundary(lane_dicts, train, test)
+                    if wire == "fp32":
+                        analysis["quantum_dict"] = _per_boundary(quantum_dict, train, test)
+                row["size_pct"] |= analysis
                 row["mb_s"] = speeds(frames, reps)
                 pct = row["size_pct"]
-                best = min(pct[n] for n in CODECS if n != "none")
+                best = min(pct[n] for n in codecs_for(frames) if n != "none")
                 lane_over_zstd = max(lane_over_zstd, pct["lane_zstd"] / pct["zstd"])
+                lane_blocks_over_zstd = max(lane_blocks_over_zstd, pct["lane_blocks_zstd"] / pct["zstd"])
+                if analysis:
+                    best_analysis = min(analysis.values())
+                    analysis_gain[f"{wire}/{kind}"] = pct["lane_blocks_zstd"] - best_analysis
                 best_over_lane = max(best_over_lane, best / pct["lane_zstd"])
                 worst_gap_points = min(worst_gap_points, pct["lane_zstd"] - best)
                 results[f"{export.name}/{wire}/{kind}"] = row
@@ -287,6 +386,9 @@ def main() -> int:
             "lane_over_zstd": lane_over_zstd,
             "best_over_lane": best_over_lane,
             "best_minus_lane_points_worst_kind": worst_gap_points,
+            "lane_blocks_over_zstd": lane_blocks_over_zstd,
+            # Points of raw the best analysis transform (not shipped) saves over lane blocks.
+            "analysis_minus_lane_blocks_points": analysis_gain,
             "baselines": {"lane_over_zstd": "zstd", "best_over_lane": "lane_zstd"},
             "wire_precision_agreement": agreement,
         },

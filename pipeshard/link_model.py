@@ -34,10 +34,13 @@ CODEC_NAMES = {
     "zstd": Codec.CODEC_ZSTD,
     "byte_split_zstd": Codec.CODEC_BYTE_SPLIT_ZSTD,
     "lane_blocks_zstd": Codec.CODEC_LANE_BLOCKS_ZSTD,
+    "quantum_zstd": Codec.CODEC_QUANTUM_ZSTD,
 }
 AUTO = "auto"
 # Candidates for auto: BYTE_SPLIT is never smaller than LANE_BLOCKS on hidden states
-# (make bench-compress), so measuring it would only cost CPU.
+# (make bench-compress), so measuring it would only cost CPU; QUANTUM (fp32 only) saves 4 points
+# of raw over LANE_BLOCKS on decode frames for about 4x its CPU time, which pays only below a few
+# Mbit/s, so it is a fixed choice (--codec quantum_zstd), not measured on every link.
 AUTO_CANDIDATES = (Codec.CODEC_ZSTD, Codec.CODEC_LANE_BLOCKS_ZSTD)
 # Smaller frames time the RTT, not the bandwidth; larger than a token bucket's usual burst
 # (tbf burst 64 KB), so a passive sample is not a burst at line rate.
@@ -52,6 +55,13 @@ LINK_CODEC = gauge("pipeshard_link_codec", "1 for the codec a hop currently send
 LINK_FRAMES = counter("pipeshard_link_frames_total", "Tensors sent on a hop, by codec", ["link", "codec"])
 LINK_RAW = counter("pipeshard_link_raw_bytes_total", "Tensor bytes before encoding, by hop", ["link"])
 LINK_WIRE = counter("pipeshard_link_wire_bytes_total", "Tensor bytes after encoding, by hop", ["link"])
+
+
+def train_rate(train: list[tuple[int, float]]) -> float:
+    """Bandwidth from a probe train's (bytes, arrival time) samples: the bytes after the first over
+    the time they took to arrive behind it (a token bucket lets the first through at line rate)."""
+    (_, first), *rest = train
+    return sum(n for n, _ in rest) / max(rest[-1][1] - first, 1e-6)
 
 
 class LinkEstimate:
@@ -167,6 +177,10 @@ class CodecChooser:
         self._sent = 0
         self.current: int | None = None
         self._link_name = link.link if link is not None else "unmeasured"
+
+    def for_link(self, link: LinkEstimate) -> CodecChooser:
+        """A chooser for another link with this one's mode, shadow period and clock."""
+        return CodecChooser(self.mode, link, shadow_every=self.shadow_every, clock=self._clock)
 
     def choose(self, array: np.ndarray) -> int:
         """The codec for this tensor (measuring every candidate on it now and then)."""

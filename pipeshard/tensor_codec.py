@@ -14,7 +14,8 @@ then zstd, as BloomBee does; and the same lanes with each lane its own zstd bloc
 stream mixes the nearly random mantissa lanes with the exponent lane; a block per lane codes
 each with its own table and measured 7-10 points of raw smaller on SmolLM2 hidden states
 (docs/BENCHMARKS.md, ``make bench-compress``). The wire layout of the decompressed bytes is
-the same for both lane codecs, so one decoder serves both.
+the same for both lane codecs, so one decoder serves both. CODEC_QUANTUM_ZSTD (fp32 only,
+pipeshard/tensor_codec_quantum.py) leaves out the mantissa bits below a common quantum.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import zlib
 import numpy as np
 import zstandard
 
+from pipeshard import tensor_codec_quantum as quantum
 from pipeshard.errors import InvalidArgument
 from pipeshard.v1 import tensor_pb2
 
@@ -167,6 +169,10 @@ def _compress(raw: np.ndarray, codec: int) -> bytes:
             parts.append(stream.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
         parts.append(stream.flush(zstandard.COMPRESSOBJ_FLUSH_FINISH))
         return b"".join(parts)
+    if codec == Codec.CODEC_QUANTUM_ZSTD:
+        if raw.dtype != np.dtype("<f4"):
+            raise InvalidArgument("codec", f"CODEC_QUANTUM_ZSTD takes float32 tensors, not {raw.dtype}")
+        return quantum.encode_fp32(raw)
     raise InvalidArgument("codec", f"unknown codec {codec}")
 
 
@@ -174,6 +180,15 @@ def _decompress(tensor: tensor_pb2.Tensor, expected: int, field: str) -> bytes:
     codec = tensor.codec
     if codec in (Codec.CODEC_NONE, Codec.CODEC_UNSPECIFIED):
         return tensor.data
+    if codec == Codec.CODEC_QUANTUM_ZSTD:
+        if tensor.dtype != Dtype.DTYPE_FP32:
+            raise MalformedTensor(
+                field, f"is CODEC_QUANTUM_ZSTD data of dtype {Dtype.Name(tensor.dtype)}, not FP32"
+            )
+        try:
+            return quantum.decode_fp32(tensor.data, expected // 4).tobytes()
+        except quantum.QuantumFrameError as exc:
+            raise MalformedTensor(field, f"is CODEC_QUANTUM_ZSTD data that {exc}") from None
     if codec not in _ZSTD_CODECS:
         raise MalformedTensor(field, f"has unknown codec {codec}")
     name = Codec.Name(codec)

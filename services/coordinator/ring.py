@@ -15,6 +15,7 @@ aborts when it answers again.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Callable
 
@@ -22,12 +23,13 @@ import grpc
 import structlog
 
 from pipeshard.errors import DeadlineExceeded, PipeshardError, Unavailable
+from pipeshard.link_model import LinkEstimate, train_rate
 from pipeshard.ownership import new_secret, owner_key, owner_metadata
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
 from pipeshard.services.coordinator.stage_watch import StageWatch
 from pipeshard.services.stage.wire import plan_from_frames
 from pipeshard.services.transport.channels import open_channel
-from pipeshard.services.transport.hop import HopStream, keep_open
+from pipeshard.services.transport.hop import PROBE_TRAIN, HopStream, keep_open
 from pipeshard.tls import TlsConfig
 from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc
 
@@ -102,6 +104,9 @@ class Ring:
         self._unreleased: dict[int, set[str]] = {}  # stage -> sessions it missed the release of
         self._background: set[asyncio.Task] = set()
         self._stopped: ShuttingDown | None = None
+        # The return link (final stage -> here), probed at each Results subscription; the final
+        # stage hears of it with every OpenSession and picks its results codec from it.
+        self.results_link = LinkEstimate("results")
 
     @property
     def healthy(self) -> bool:
@@ -190,7 +195,11 @@ class Ring:
     async def open_session(self, session_id: str, capacity: int | None = None) -> int:
         """Open the session on every stage; returns the smallest max_context among them.
         ``capacity``: the tokens the session may use (a paged stage reserves them or refuses)."""
-        request = stage_pb2.OpenSessionRequest(session_id=session_id, capacity=capacity or 0)
+        request = stage_pb2.OpenSessionRequest(
+            session_id=session_id,
+            capacity=capacity or 0,
+            results_link_bandwidth_bytes_per_second=self.results_link.bandwidth_bytes_s or 0.0,
+        )
         try:
             responses = await self._on_all("OpenSession", request)
         except BaseException:
@@ -344,10 +353,26 @@ class Ring:
             if future is not None and not future.done():
                 future.set_result(response.result)
 
-        request = stage_pb2.ResultsRequest(subscriber_id=self._subscriber_id)
+        final = index == len(self._remote) - 1
+        train: list[tuple[int, float]] = []
+
+        def on_message(response: stage_pb2.ResultsResponse) -> None:
+            if not response.padding:
+                on_response(response)
+                return
+            train.append((response.ByteSize(), time.perf_counter()))
+            if len(train) == PROBE_TRAIN:
+                self.results_link.observe_rate(train_rate(train))
+                log.info("results_link_measured", bandwidth_bytes_s=self.results_link.bandwidth_bytes_s)
+
+        def open_call():
+            train.clear()  # each (re)subscription probes the return link again
+            return self._remote[index].Results(request, wait_for_ready=True, metadata=self._metadata)
+
+        request = stage_pb2.ResultsRequest(subscriber_id=self._subscriber_id, link_probe=final)
         await keep_open(
-            lambda: self._remote[index].Results(request, wait_for_ready=True, metadata=self._metadata),
-            on_response,
+            open_call,
+            on_message,
             self._subscribed[index],
             "results",
             stage=index,

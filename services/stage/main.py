@@ -61,7 +61,8 @@ class StageSettings(ServerSettings):
     idle_timeout_s: float = setting(300.0, "release a session idle this long, in seconds")
     codec: str = setting(
         AUTO,
-        "compression of hidden states sent on; auto: per link from its measured bandwidth (off on loopback)",
+        "compression of hidden states sent on (and, on the final stage, of logits returned); auto: per "
+        "link from its measured bandwidth (off on loopback); quantum_zstd: fp32 hidden states only",
         choices=(AUTO, *CODEC_NAMES),
     )
     wire_dtype: str = setting(
@@ -147,6 +148,10 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
     if settings.kv == "paged" and settings.raw_tcp_port:
         raise InvalidArgument(
             "raw_tcp_port", "the raw-TCP baseline serves the stateful backend only (--kv stateful)"
+        )
+    if settings.codec == "quantum_zstd" and settings.wire_dtype != "fp32":
+        raise InvalidArgument(
+            "codec", f"quantum_zstd takes fp32 hidden states, not --wire-dtype {settings.wire_dtype}"
         )
     if settings.kv == "paged":
         runner = PagedShard(

@@ -10,10 +10,12 @@ of the ring, so the coordinator learns which stage failed and why.
 from __future__ import annotations
 
 import asyncio
+import math
 
 import structlog
 
-from pipeshard.link_model import CodecChooser
+from pipeshard.errors import InvalidArgument
+from pipeshard.link_model import CodecChooser, LinkEstimate
 from pipeshard.services.stage.engine import StageEngine
 from pipeshard.services.stage.kv import StageKv
 from pipeshard.services.stage.paged_engine import PagedEngine
@@ -56,6 +58,7 @@ class StageNode:
         self.next_hop = next_hop
         self.results = ResultBroker(results_delay_s)
         self._codec = codec or CodecChooser("none", None)
+        self._results_codecs: dict[str, CodecChooser] = {}  # owner -> its return link's choice
         self._wire_dtype = wire_dtype
         self.kv = kv  # KV capture/restore and the prefix cache (None: a node without a shard runtime)
         self._port = input_port(engine.is_first)
@@ -88,7 +91,7 @@ class StageNode:
             await self._pass_on_error(frame, error)
             return error
         if self.next_hop is None:
-            self.results.publish(result_from_output(out), frame.owner)
+            self.results.publish(self._result(out, frame.owner), frame.owner)
         else:
             codec = self._codec.choose(out.hidden_states)
             frame = frame_from_output(out, codec, self._wire_dtype)
@@ -129,7 +132,7 @@ class StageNode:
                 good.append(out)
         if self.next_hop is None:
             for out in good:
-                self.results.publish(result_from_output(out), frame.owner)
+                self.results.publish(self._result(out, frame.owner), frame.owner)
         elif good:
             codec = self._codec.choose(good[0].hidden_states)
             sent = (
@@ -142,6 +145,35 @@ class StageNode:
             await self.next_hop.send(sent)
         await asyncio.sleep(0)
         return None
+
+    def note_results_link(self, owner: str, bandwidth_bytes_s: float) -> None:
+        """The owner's measurement of its return link (final stage -> coordinator), sent with each
+        OpenSession; the final stage chooses the codec of that owner's logits from it."""
+        if not math.isfinite(bandwidth_bytes_s) or bandwidth_bytes_s < 0:
+            raise InvalidArgument(
+                "results_link_bandwidth_bytes_per_second", f"must be finite and >= 0, got {bandwidth_bytes_s}"
+            )
+        if self.next_hop is None and bandwidth_bytes_s > 0:
+            self._results_chooser(owner).link.observe_rate(bandwidth_bytes_s)
+
+    def _results_chooser(self, owner: str) -> CodecChooser:
+        chooser = self._results_codecs.get(owner)
+        if chooser is None:
+            link = LinkEstimate(f"results-{owner[:8]}")
+            chooser = self._results_codecs[owner] = self._codec.for_link(link)
+        return chooser
+
+    def _result(self, out, owner: str) -> activation_pb2.StepResult:
+        """The final stage's result for ``owner``. Only logits are worth compressing on the return
+        link (top-1 and sampled ids are a few bytes): chosen like the next hop's codec, from the
+        owner's measured return link."""
+        if out.logits is None:
+            return result_from_output(out)
+        chooser = self._results_chooser(owner)
+        codec = chooser.choose(out.logits)
+        result = result_from_output(out, codec)
+        chooser.sent(result.logits.raw_size, len(result.logits.data), codec)
+        return result
 
     async def _pass_on_error(self, frame, error) -> None:
         if self.next_hop is None:
@@ -170,6 +202,7 @@ class StageNode:
                     if now - detached.setdefault(owner, now) >= lease_grace_s:
                         released = self.engine.sessions.release_owner(owner)
                         del detached[owner]
+                        self._results_codecs.pop(owner, None)
                         log.info("owner_sessions_released", sessions=len(released), reason="no lease")
                 for session_id in self.engine.sessions.reap_idle():
                     log.info("session_reaped", session_id=session_id, idle_timeout_s=idle_timeout_s)

@@ -11,6 +11,7 @@ import structlog
 from pipeshard.errors import InvalidArgument
 from pipeshard.ownership import owner_from_metadata
 from pipeshard.services.stage.node import StageNode
+from pipeshard.services.transport.hop import PROBE_BYTES, PROBE_TRAIN
 from pipeshard.shard.kvblob import SnapshotAssembler, from_proto, snapshot_chunks, to_proto
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
@@ -46,13 +47,18 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         subscription = self._node.results.subscribe(owner, request.subscriber_id)
         await context.send_initial_metadata(())  # lets the subscriber see it is live
         try:
+            if request.link_probe:  # the subscriber times the spacing of these (its return link)
+                for _ in range(PROBE_TRAIN):
+                    yield stage_pb2.ResultsResponse(padding=bytes(PROBE_BYTES))
             while (result := await subscription.get()) is not None:
                 yield stage_pb2.ResultsResponse(result=result)
         finally:
             self._node.results.unsubscribe(owner, request.subscriber_id, subscription)
 
     async def OpenSession(self, request, context):
-        self._node.engine.open(_owner(context), request.session_id, request.capacity or None)
+        owner = _owner(context)
+        self._node.note_results_link(owner, request.results_link_bandwidth_bytes_per_second)
+        self._node.engine.open(owner, request.session_id, request.capacity or None)
         return stage_pb2.OpenSessionResponse(max_context=self._node.engine.max_context)
 
     async def ResetSession(self, request, context):

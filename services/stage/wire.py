@@ -211,7 +211,8 @@ def frame_from_output(
     )
 
 
-def result_from_output(out: StepOutput) -> activation_pb2.StepResult:
+def result_from_output(out: StepOutput, codec: int = Codec.CODEC_NONE) -> activation_pb2.StepResult:
+    """The final stage's result; ``codec`` compresses its logits (the return link's choice)."""
     step = out.step
     result = activation_pb2.StepResult(
         session_id=step.session_id, step_id=step.step_id, stage_compute_micros=step.compute_micros
@@ -220,7 +221,7 @@ def result_from_output(out: StepOutput) -> activation_pb2.StepResult:
         result.top1.token_ids.extend(out.top1.token_ids.tolist())
         result.top1.probabilities.extend(out.top1.probabilities.tolist())
     if out.logits is not None:
-        result.logits.CopyFrom(encode(out.logits))
+        result.logits.CopyFrom(encode(out.logits, codec))
     if out.sampled is not None:
         result.sampled.token_ids.extend(out.sampled.token_ids)
         result.sampled.rng_state = out.sampled.rng_state

@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 import structlog
 
-from pipeshard.link_model import MIN_TIMED_BYTES, LinkEstimate
+from pipeshard.link_model import MIN_TIMED_BYTES, LinkEstimate, train_rate
 from pipeshard.services.transport.channels import open_channel
 from pipeshard.services.transport.delay import DelayQueue
 from pipeshard.tls import TlsConfig
@@ -146,8 +146,7 @@ class HopStream:
             return
         self._train.append((nbytes, now))
         if len(self._train) == PROBE_TRAIN:
-            (_, first), *rest = self._train
-            self.link.observe_rate(sum(n for n, _ in rest) / max(rest[-1][1] - first, 1e-6))
+            self.link.observe_rate(train_rate(self._train))
             log.info(
                 "link_measured",
                 address=self.address,

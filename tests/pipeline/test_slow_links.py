@@ -55,12 +55,13 @@ def test_loopback_fleet_measures_its_hop_and_picks_none(fleet):
     assert {c["codec"] for c in choices} == {"CODEC_NONE"}
 
 
-def _coordinator_side(fleet, shards, params: SamplingParams) -> list[int]:
-    """The same request through the same stages, sampled here from shipped logits (as before)."""
+def _coordinator_side(fleet, shards, params: SamplingParams) -> tuple[list[int], float | None]:
+    """The same request through the same stages, sampled here from shipped logits (as before);
+    also the return link's bandwidth as this ring measured it."""
     prompter = Prompter.from_dir(shards)
     ids = prompter.encode("", [("user", PROMPT)])
 
-    async def run() -> list[int]:
+    async def run() -> tuple[list[int], float | None]:
         ring = Ring(fleet.stages)
         await ring.start()
         try:
@@ -72,7 +73,7 @@ def _coordinator_side(fleet, shards, params: SamplingParams) -> list[int]:
             await ring.close()
         summary = events[-1]
         assert isinstance(summary, Summary)
-        return summary.token_ids
+        return summary.token_ids, ring.results_link.bandwidth_bytes_s
 
     return asyncio.run(run())
 
@@ -83,4 +84,12 @@ def test_final_stage_sampling_gives_the_seeds_tokens(fleet, shards, seed):
     with PipeshardClient(fleet.coordinator, timeout_s=120) as client:
         on_stage = client.generate(PROMPT, ignore_eos=True, **sampled).token_ids
     assert len(on_stage) == 24
-    assert on_stage == _coordinator_side(fleet, shards, SamplingParams(ignore_eos=True, **sampled))
+    shipped, results_bandwidth = _coordinator_side(fleet, shards, SamplingParams(ignore_eos=True, **sampled))
+    assert on_stage == shipped
+    # The shipped logits crossed the results link: measured by the ring's probe, and on loopback
+    # the final stage's auto choice for that link leaves them uncompressed.
+    assert results_bandwidth is not None and results_bandwidth > 0
+    choices = [
+        c for c in _events(fleet.process("stage1").log, "link_codec") if c["link"].startswith("results-")
+    ]
+    assert choices and {c["codec"] for c in choices} == {"CODEC_NONE"}

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from pipeshard.errors import InvalidArgument
 from pipeshard.services.stage.domain import StepInput, StepOutput
+from pipeshard.services.stage.main import StageSettings, build_node
 from pipeshard.services.stage.wire import frame_from_output, step_from_frame
 from pipeshard.tensor_codec import Codec
 
@@ -32,3 +36,9 @@ def test_narrow_wire_halves_the_bytes_and_arrives_as_float32(wire_dtype, rtol):
     assert back.dtype == np.float32 and back.shape == hidden.shape
     np.testing.assert_allclose(back, hidden, rtol=rtol, atol=1e-6)
     assert back.tobytes() != hidden.tobytes()  # lossy
+
+
+def test_quantum_codec_with_a_narrow_wire_dtype_is_refused_at_start():
+    settings = StageSettings(shards=Path("unused"), codec="quantum_zstd", wire_dtype="fp16")
+    with pytest.raises(InvalidArgument, match="`codec` quantum_zstd takes fp32"):
+        build_node(settings)

@@ -1,0 +1,48 @@
+"""The analysis transforms bench-compress measures (not shipped) must be exactly lossless, or their
+sizes would mean nothing; and bench-wan's summary must pick the worst point and mode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench.compress import lane_dicts, quantum_dict
+from bench.wan import CODECS, MODES, summarise
+
+
+def _quantized(rng: np.random.Generator, n: int, quantum: float | None = 2.0**-12) -> np.ndarray:
+    """Activation-like values, all multiples of ``quantum`` (None: full fp32 mantissas)."""
+    x = (rng.standard_normal(n) * 4).astype(np.float32)
+    if quantum is not None:
+        x = (np.round(x / quantum) * quantum).astype(np.float32)
+    return x[None, None, :]
+
+
+def test_quantum_with_an_exponent_dictionary_is_lossless_and_compresses():
+    rng = np.random.default_rng(1)
+    frames = [_quantized(rng, 576) for _ in range(48)]
+    assert quantum_dict(frames[8:], frames[:8]) < 75.0  # the function checks every round trip
+
+
+def test_lane_dictionaries_are_lossless_and_compress():
+    rng = np.random.default_rng(2)
+    frames = [_quantized(rng, 576) for _ in range(40)]
+    assert lane_dicts(frames[8:], frames[:8]) < 100.0  # the function checks every lane round trip
+
+
+def test_wan_summary_takes_the_worst_mode_and_point():
+    def config(tok_s: float) -> dict:
+        return {"tok_s": tok_s, "samples": [tok_s] * 10, "step": {}}
+
+    points = {}
+    for name, auto_logits in (("500mbit_0ms", 10.0), ("20mbit_25ms", 8.0)):
+        points[name] = {c: {m: config(10.0) for m in MODES} for c in CODECS}
+        points[name]["auto"]["sampled_logits"] = config(auto_logits)
+        points[name]["auto"]["sampled_on_stage"] = config(20.0)
+        points[name]["none"]["sampled_on_stage"] = config(20.0)
+        points[name]["none"]["sampled_logits"] = config(20.0 / 3 if name.startswith("20") else 5.0)
+    result = summarise(points)
+    assert result["auto_vs_best_min"] == pytest.approx(0.8)
+    assert result["auto_vs_best_min_at"] == "20mbit_25ms/sampled_logits"
+    assert result["final_stage_sampling_speedup_20mbit"] == pytest.approx(3.0)  # raw logits, 20 Mbit/s only
+    assert result["final_stage_sampling_speedup_20mbit_auto"] == pytest.approx(2.5)

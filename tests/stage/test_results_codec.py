@@ -1,0 +1,91 @@
+"""The results link (final stage -> coordinator): logits are compressed by the same per-link
+choice as every other hop, from the return link the coordinator measured, and arrive exact."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from pipeshard.errors import InvalidArgument
+from pipeshard.link_model import CodecChooser
+from pipeshard.services.stage.domain import ReturnMode, StepInput, StepOutput
+from pipeshard.services.stage.node import StageNode
+from pipeshard.services.stage.wire import frame_from_output
+from pipeshard.tensor_codec import Codec, decode
+
+VOCAB = 49152
+
+
+class FinalEngine:
+    """The final stage's engine, reduced to what StageNode asks of it: logits for every step."""
+
+    is_first = False
+    is_last = True
+
+    def __init__(self, logits: np.ndarray):
+        self.logits = logits
+
+    def run(self, step):
+        return StepOutput(step=step, logits=self.logits)
+
+
+def _frame(owner: str):
+    """The frame the previous stage sends: one position's hidden state, logits asked for."""
+    hidden = np.zeros((1, 1, 576), dtype=np.float32)
+    step = StepInput(
+        session_id="s",
+        step_id=1,
+        positions=np.arange(1),
+        activations=hidden,
+        return_mode=ReturnMode.LOGITS,
+        owner=owner,
+    )
+    return frame_from_output(StepOutput(step=step, hidden_states=hidden))
+
+
+def _result_codec(mode: str, bandwidth_bytes_s: float | None) -> tuple[int, np.ndarray, np.ndarray]:
+    # Logits-like values: a few bits of exponent entropy, so the lane codecs have something to take.
+    logits = (np.random.default_rng(0).standard_normal((1, VOCAB)) * 3).astype(np.float32)
+    # Sizes are measured on the logits; CPU time on a fake clock (1 us per call), so a loaded
+    # machine cannot flip the choice.
+    ticks = iter(range(10**6))
+    chooser = CodecChooser(mode, None, clock=lambda: next(ticks) * 1e-6)
+    node = StageNode(FinalEngine(logits), 1, next_hop=None, codec=chooser)
+
+    async def run():
+        subscription = node.results.subscribe("owner-a", "sub")
+        if bandwidth_bytes_s is not None:
+            node.note_results_link("owner-a", bandwidth_bytes_s)
+        assert await node.handle(_frame("owner-a")) is None
+        return await subscription.get()
+
+    result = asyncio.run(run())
+    return result.logits.codec, decode(result.logits, field="logits"), logits
+
+
+def test_auto_compresses_logits_on_a_slow_return_link_and_they_arrive_exact():
+    codec, back, logits = _result_codec("auto", 2.5e6)  # 20 Mbit/s
+    assert codec != Codec.CODEC_NONE
+    assert back.tobytes() == logits.tobytes()
+
+
+@pytest.mark.parametrize("bandwidth", [None, 5e9])
+def test_auto_leaves_logits_raw_when_the_return_link_is_fast_or_unmeasured(bandwidth):
+    codec, back, logits = _result_codec("auto", bandwidth)
+    assert codec == Codec.CODEC_NONE
+    assert back.tobytes() == logits.tobytes()
+
+
+def test_a_fixed_codec_applies_to_the_results_link_too():
+    codec, back, logits = _result_codec("lane_blocks_zstd", None)
+    assert codec == Codec.CODEC_LANE_BLOCKS_ZSTD
+    assert back.tobytes() == logits.tobytes()
+
+
+@pytest.mark.parametrize("bandwidth", [float("nan"), float("inf"), -1.0])
+def test_a_nonsense_return_link_measurement_names_its_field(bandwidth):
+    node = StageNode(FinalEngine(np.zeros((1, 4), np.float32)), 1, next_hop=None)
+    with pytest.raises(InvalidArgument, match="`results_link_bandwidth_bytes_per_second`"):
+        node.note_results_link("owner-a", bandwidth)
