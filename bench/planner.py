@@ -11,15 +11,17 @@
    emulated delay), and the latency plan exported; then the planned split (on the nodes it uses)
    and the even split 10,10,10 decode the same prompt in interleaved rounds.
 
-Each round also profiles the machine again (the third interleaved configuration): on this
-shared machine the load moves too much between a profile and a later run, so the prediction
-checked is the cost model evaluated with the profiles of the measured rounds (the one the plan was
-made with is reported beside it).
+The prediction is checked against profiles taken in the same rounds as the fleets run: each
+fleet's measured run comes right after a profile of this machine (on this shared machine the load
+moves too much between an up-front profile and later runs), and that fleet's prediction for the
+round is the cost model at that profile. Prediction and measurement are compared as a ratio of
+medians over the rounds with a 95% paired-bootstrap interval (the plan made up front is reported
+beside it).
 
 Keys: planner_ms (latency objective; planner_ms_throughput beside it, and both in CPU time),
-plan_error (|predicted - measured| / measured tok/s of the planned fleet; plan_error_even for the
-even fleet), planned_over_even (ratio of median tok/s, baseline: the even split on the same
-unequal nodes).
+plan_error (|predicted - measured| / measured median tok/s of the planned fleet, with its
+interval; plan_error_even for the even fleet), planned_over_even (ratio of median tok/s,
+baseline: the even split on the same unequal nodes).
 """
 
 from __future__ import annotations
@@ -197,49 +199,61 @@ def main() -> int:
             planned_dir, run_dir / "planned", [THREADS_USED[k] for k in used], [DELAYS[k] for k in used]
         )
         clients = {name: PipeshardClient(f.coordinator, timeout_s=600) for name, f in fleets.items()}
+        positions = {"even": [0, 1, 2], "planned": used}  # the nodes each fleet runs on
+        splits = {"even": [10, 10, 10], "planned": plan.split}
+        round_profiles: list[dict[int, dict]] = []
+        predictions: dict[str, list[float]] = {name: [] for name in clients}
 
         def runner(name: str):
+            """Profile, predict this fleet from that profile, then measure it: one round's pair."""
+
             def run() -> float:
+                round_profiles.append(profile_once(model_dir, probes))
+                now = fleet_nodes(round_profiles[-1], link)
+                predictions[name].append(
+                    predicted_tok_s([now[k] for k in positions[name]], cost, splits[name])
+                )
                 return clients[name].generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).tok_s
 
             return run
 
-        # The prediction is checked against profiles taken in the same rounds as the fleets run:
-        # on this shared machine the load moves too much between a profile and a later run.
-        round_profiles: list[dict[int, dict]] = []
-
-        def profile_round() -> float:
-            round_profiles.append(profile_once(model_dir, probes))
-            return round_profiles[-1][0]["per_layer_ms"][1]
-
-        configs = {**{n: runner(n) for n in clients}, "profile": profile_round}
-        samples = interleaved(configs, RUNS, warmup=2)
+        samples = interleaved({n: runner(n) for n in clients}, RUNS, warmup=2)
     finally:
         for fleet in fleets.values():
             fleet.stop()
-    per_layer_samples = samples.pop("profile")
-    in_rounds = fleet_nodes(median_profile(round_profiles[-RUNS:]), link)
-    planned_nodes = [in_rounds[k] for k in used]
-    predicted = {
-        "even": predicted_tok_s(in_rounds, cost, [10, 10, 10]),
-        "planned": predicted_tok_s(planned_nodes, cost, plan.split),
-    }
-    at_planning = {"even": predicted_tok_s(nodes, cost, [10, 10, 10]), "planned": plan.tok_s}
+    predicted = {name: values[-RUNS:] for name, values in predictions.items()}
     measured = {k: median(v) for k, v in samples.items()}
+    # predicted over measured: a ratio of medians over the rounds, each prediction from the profile
+    # taken right before its measured run
+    fit = {name: ratio_ci(predicted[name], samples[name]) for name in samples}
+
+    def error(name: str) -> tuple[float, list[float]]:
+        """|predicted / measured - 1| of the medians, with the interval it takes over the ratio's."""
+        ratio, (low, high) = fit[name]
+        span = [abs(low - 1), abs(high - 1)]
+        return abs(ratio - 1), [0.0 if low <= 1 <= high else min(span), max(span)]
+
+    at_planning = {"even": predicted_tok_s(nodes, cost, [10, 10, 10]), "planned": plan.tok_s}
     ratio, ci = ratio_ci(samples["planned"], samples["even"])
     result = {
         "runs": RUNS,
         "tokens": TOKENS,
         "tok_s": measured,
         "tok_s_range": {k: summary(v) for k, v in samples.items()},
-        "predicted_tok_s": predicted,  # from the profiles taken in the measured rounds
+        "predicted_tok_s": {k: median(v) for k, v in predicted.items()},  # from each round's profile
+        "predicted_tok_s_range": {k: summary(v) for k, v in predicted.items()},
+        "predicted_over_measured": {k: {"ratio": r, "ci": c} for k, (r, c) in fit.items()},
+        "plan_error_per_round_median": median(
+            [abs(p - m) / m for p, m in zip(predicted["planned"], samples["planned"], strict=True)]
+        ),
         "predicted_tok_s_at_planning": at_planning,  # from the profiles the plan was made with
-        "profile_per_layer_ms_default_threads": summary(per_layer_samples),
         "planner_ms": planner_ms["latency"],
         "planner_ms_throughput": planner_ms["throughput"],
         "planner_cpu_ms": {"latency": planner_ms["latency_cpu"], "throughput": planner_ms["throughput_cpu"]},
-        "plan_error": abs(predicted["planned"] - measured["planned"]) / measured["planned"],
-        "plan_error_even": abs(predicted["even"] - measured["even"]) / measured["even"],
+        "plan_error": error("planned")[0],
+        "plan_error_ci": error("planned")[1],
+        "plan_error_even": error("even")[0],
+        "plan_error_even_ci": error("even")[1],
         "planned_over_even": ratio,
         "planned_over_even_ci": ci,
         "planned_over_even_config": "planned split over the even split 10,10,10 on the same unequal "
@@ -251,7 +265,7 @@ def main() -> int:
         "planned_nodes": [s.node for s in plan.stages],
         "profiles_at_planning": {f"threads_{t or 'default'}": p for t, p in profiles.items()},
         "profiles_in_rounds": {
-            f"threads_{t or 'default'}": p for t, p in median_profile(round_profiles[-RUNS:]).items()
+            f"threads_{t or 'default'}": p for t, p in median_profile(round_profiles[-2 * RUNS :]).items()
         },
     }
     knobs = (

@@ -46,75 +46,77 @@ def round_ms(times: Sequence[float], micro_batches: int) -> float:
     return max(sum(times), micro_batches * max(times))
 
 
-def stage_table(nodes: Sequence[Node], model: ModelCost, rows: int, resident: int) -> np.ndarray:
-    """Step times [node, a, b] of every candidate stage (inf where b <= a or it does not fit)."""
+def stage_tables(nodes: Sequence[Node], model: ModelCost, batch: int, counts: Sequence[int]) -> np.ndarray:
+    """Step times [k, node, a, b] of every candidate stage with counts[k] micro-batches of
+    batch / counts[k] rows (inf where b <= a or the range does not fit the node): one numpy
+    expression for every count, the grids and the memory check shared."""
     n_layers = model.num_layers
     a = np.arange(n_layers + 1)[:, None]
     b = np.arange(n_layers + 1)[None, :]
     count = (b - a).astype(np.float64)
-    first, last = (a == 0), (b == n_layers)
-    per_layer = model.layer_bytes + model.kv_bytes_per_token * model.context * resident
-    need = count * per_layer + first * model.embed_bytes + last * model.head_bytes
-    mid_send, last_send = model.wire_bytes(rows, False), model.wire_bytes(rows, True)
+    per_layer = model.layer_bytes + model.kv_bytes_per_token * model.context * batch
+    need = count * per_layer + (a == 0) * model.embed_bytes + (b == n_layers) * model.head_bytes
+    usable = np.array([n.usable_bytes for n in nodes], dtype=np.float64)[:, None, None]
+    coef = np.empty((4, len(counts), len(nodes)))
+    for k, m in enumerate(counts):
+        rows = batch // m
+        mid_send, last_send = model.wire_bytes(rows, False), model.wire_bytes(rows, True)
+        for i, n in enumerate(nodes):
+            mid = n.link_to_next.transfer_ms(mid_send)
+            coef[:, k, i] = (
+                n.overhead_ms.at(rows) + mid,
+                n.per_layer_ms.at(rows),
+                n.embed_ms.at(rows),
+                n.head_ms.at(rows) + n.link_to_next.transfer_ms(last_send) - mid,
+            )
+    # built in place: numpy's broadcast where() over [k, node, a, b] costs more than the rest
+    t = count * coef[1, ..., None, None]
+    t += coef[0, ..., None, None]
+    t += np.where((count >= 1) & (need <= usable), 0.0, np.inf)
+    t[..., 0, :] += coef[2, ..., None]  # the embedding on the first stage
+    t[..., :, n_layers] += coef[3, ..., None]  # the head, and the smaller send, on the last
+    return t
 
-    def column(values: list[float]) -> np.ndarray:
-        return np.array(values, dtype=np.float64)[:, None, None]
 
-    sends = [(n.link_to_next.transfer_ms(mid_send), n.link_to_next.transfer_ms(last_send)) for n in nodes]
-    t = (
-        column([n.overhead_ms.at(rows) + mid for n, (mid, _) in zip(nodes, sends, strict=True)])
-        + count * column([n.per_layer_ms.at(rows) for n in nodes])
-        + first * column([n.embed_ms.at(rows) for n in nodes])
-        + last * column([n.head_ms.at(rows) + end - mid for n, (mid, end) in zip(nodes, sends, strict=True)])
-    )
-    fits = (count >= 1) & (need <= column([n.usable_bytes for n in nodes]))
-    return np.where(fits, t, np.inf)
-
-
-def _least_sum(
-    cost: np.ndarray, cap: float = np.inf, stages: bool = True
-) -> tuple[float, list[tuple[int, int, int]]]:
-    """The least sum of stage times over plans whose every stage takes <= cap; its stages."""
-    n_nodes, size, _ = cost.shape
-    n_layers = size - 1
-    if cap != np.inf:
-        cost = np.where(cost <= cap, cost, np.inf)
-    best = np.full(size, np.inf)
-    best[n_layers] = 0.0
-    rows = np.arange(size)
-    choice = np.full((n_nodes, size), -1, dtype=np.int64)
+def _least_sums(cost: np.ndarray, caps: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per table k of cost [k, node, a, b]: the least sum of stage times over plans whose every
+    stage takes <= caps[k] (inf if none), and choice [k, node, a]: the end of the range the
+    node takes when the rest of a best plan starts at layer a with it, or -1 if it is skipped."""
+    n_tables, n_nodes, size = cost.shape[:3]
+    best = np.full((n_tables, size), np.inf)
+    best[:, size - 1] = 0.0
+    choice = np.empty((n_tables, n_nodes, size), dtype=np.int64)
     for i in range(n_nodes - 1, -1, -1):
-        total = cost[i] + best
-        if not stages:  # the search only needs the value
-            best = np.minimum(total.min(axis=1), best)
-            continue
-        arg = total.argmin(axis=1)
-        use = total[rows, arg]
-        take = use < best  # ties skip the node: fewer stages for the same time
-        choice[i] = np.where(take, arg, -1)
-        best = np.minimum(use, best)
-    if not np.isfinite(best[0]):
-        return np.inf, []
-    if not stages:
-        return float(best[0]), []
-    out, a = [], 0
-    for i in range(n_nodes):
-        if a == n_layers:
+        c = cost[:, i] if caps is None else np.where(cost[:, i] <= caps[:, None, None], cost[:, i], np.inf)
+        total = c + best[:, None, :]
+        arg, use = total.argmin(axis=2), total.min(axis=2)
+        choice[:, i] = np.where(use < best, arg, -1)  # ties skip the node: fewer stages, same time
+        np.minimum(use, best, out=best)
+    return best[:, 0], choice
+
+
+def _stages(choice: np.ndarray) -> list[tuple[int, int, int]]:
+    """The stages (node, a, b) of the best plan from layer 0, from one table's choice [node, a];
+    none if no plan fits."""
+    out, a, end = [], 0, choice.shape[1] - 1
+    for i in range(choice.shape[0]):
+        if a == end:
             break
         if choice[i, a] >= 0:
             out.append((i, a, int(choice[i, a])))
             a = int(choice[i, a])
-    return float(best[0]), out
+    return out if a == end else []
 
 
-def _least_bottleneck(cost: np.ndarray) -> float:
-    """The least possible largest stage time over all plans (min-max recurrence, O(N L^2))."""
-    n_nodes, size, _ = cost.shape
-    best = np.full(size, np.inf)
-    best[size - 1] = 0.0
+def _least_bottlenecks(cost: np.ndarray) -> np.ndarray:
+    """Per table k of cost [k, node, a, b]: the least possible largest stage time over all plans
+    (the min-max recurrence)."""
+    n_nodes, size = cost.shape[1], cost.shape[2]
+    best = np.full((cost.shape[0], size), np.inf)
+    best[:, size - 1] = 0.0
     for i in range(n_nodes - 1, -1, -1):
-        best = np.minimum(np.maximum(cost[i], best).min(axis=1), best)
-    return float(best[0])
+        np.minimum(np.maximum(cost[:, i], best[:, None, :]).min(axis=2), best, out=best)
+    return best[:, 0]
 
 
 def _best_for(
@@ -122,33 +124,48 @@ def _best_for(
 ) -> tuple[float, list[tuple[int, int, int]]]:
     """The least round time max(sum, m * max) and its stages, for m micro-batches, given the
     least unconstrained sum ``total``, its ``stages`` and the least bottleneck."""
-    if not stages or m == 1:
-        return total, stages
 
     def value(st: list[tuple[int, int, int]]) -> float:
         return round_ms([float(cost[i, a, b]) for i, a, b in st], m)
 
-    # S(tau) >= total, so S(tau) <= m * tau needs tau >= total / m, and no plan exists below the
-    # least bottleneck; it holds from the largest stage time of the unconstrained optimum on.
-    # Only candidate bounds in between are searched.
+    high = max(float(cost[i, a, b]) for i, a, b in stages)
+    if m == 1 or m * high <= total:  # the least sum is reached with the busiest stage in the shadow
+        return value(stages), stages
+    # The answer is the smallest stage-time bound tau with S(tau) <= m * tau (S: the least sum
+    # under the bound), or the bound just below it. S(tau) >= total, so tau >= total / m, and no
+    # plan exists below the least bottleneck; the unconstrained optimum holds from its busiest
+    # stage on. Only candidate bounds in between are searched.
     low = max(total / m, bottleneck)
-    high = max(low, max(float(cost[i, a, b]) for i, a, b in stages))
     finite = cost[np.isfinite(cost)]
-    taus = np.unique(finite[(finite >= low) & (finite <= high)])
-    below = finite[finite < low]
-    lo, hi = 0, len(taus) - 1  # the smallest candidate with S(tau) <= m * tau
+    taus = np.unique(np.append(finite[(finite >= low) & (finite <= high)], high))
+    scaled = m * taus  # the predicate's right side, as it is compared
+    sums: dict[int, tuple[float, list[tuple[int, int, int]]]] = {}
+
+    def least(k: int) -> tuple[float, list[tuple[int, int, int]]]:
+        """S(taus[k]) and its stages; k = -1 stands for the largest bound below the range."""
+        if k not in sums:
+            cap = taus[k : k + 1] if k >= 0 else np.array([finite[finite < low].max(initial=-np.inf)])
+            least_sum, choice = _least_sums(cost[None], cap)
+            sums[k] = float(least_sum[0]), _stages(choice[0])
+        return sums[k]
+
+    # Binary search for the smallest k with S(taus[k]) <= m * taus[k] (it holds at the top: S is
+    # total there). Every probe also bounds the answer by value: below a bound with sum s no
+    # bound under s / m can hold, and above it every bound from s / m on holds (S only falls).
+    # The plans at that k and just below it are the candidates (below, the sum decides).
+    lo, hi = 0, len(taus) - 1
+    probe = lo  # the busiest stage often decides: try the lowest bound first
     while lo < hi:
-        mid = (lo + hi) // 2
-        if _least_sum(cost, taus[mid], stages=False)[0] <= m * taus[mid]:
-            hi = mid
+        s = least(probe)[0]
+        at = int(np.searchsorted(scaled, s, side="left"))
+        if s <= scaled[probe]:
+            hi, lo = probe, max(lo, min(at, probe))
         else:
-            lo = mid + 1
-    candidates = [stages]
-    if len(taus):
-        candidates.append(_least_sum(cost, taus[lo])[1])
-    under = taus[lo - 1] if lo > 0 else (below.max() if len(below) else None)
-    if under is not None:
-        candidates.append(_least_sum(cost, under)[1])
+            lo, hi = probe + 1, min(hi, max(at, probe + 1))
+        probe = (lo + hi) // 2
+    candidates = [stages, least(lo)[1]]
+    if lo > 0 or low > bottleneck:  # below the least bottleneck no plan exists
+        candidates.append(least(lo - 1)[1])
     best = min((c for c in candidates if c), key=value)
     return value(best), best
 
@@ -198,18 +215,23 @@ def plan_layers(
             raise InvalidArgument("micro_batches", f"must divide batch {batch}, got {micro_batches!r}")
         counts = [micro_batches]
     # max(least sum, m * least bottleneck) bounds each m's round time from below: an m whose
-    # bound cannot beat the best round found so far is not searched.
-    tables = {m: stage_table(nodes, model, batch // m, batch) for m in counts}
-    sums = {m: _least_sum(tables[m]) for m in counts}
-    necks = {m: _least_bottleneck(tables[m]) if m > 1 else 0.0 for m in counts}
-    bound = {m: max(sums[m][0], m * necks[m]) for m in counts}
+    # bound cannot beat the best round found so far is not searched. The tables, sums and
+    # bottlenecks of every m come from one batched recurrence each.
+    tables = stage_tables(nodes, model, batch, counts)
+    necks = _least_bottlenecks(tables) if max(counts) > 1 else np.zeros(1)
+    totals, choices = _least_sums(tables)
+    bound = {k: max(totals[k], m * necks[k]) for k, m in enumerate(counts)}
     found: tuple[float, int, list, np.ndarray] | None = None
-    for m in sorted(counts, key=lambda m: (bound[m], m)):
-        if found is not None and bound[m] > found[0]:
+    for k in sorted(bound, key=lambda k: (bound[k], counts[k])):
+        m = counts[k]
+        if not np.isfinite(bound[k]) or (found is not None and bound[k] > found[0]):
+            break  # no plan fits (then for no m: memory does not depend on m), or m cannot win
+        stages = _stages(choices[k])
+        if not stages:
             break
-        value, stages = _best_for(tables[m], m, *sums[m], necks[m])
-        if stages and (found is None or value < found[0] or (value == found[0] and m < found[1])):
-            found = (value, m, stages, tables[m])
+        value, stages = _best_for(tables[k], m, float(totals[k]), stages, float(necks[k]))
+        if found is None or value < found[0] or (value == found[0] and m < found[1]):
+            found = (value, m, stages, tables[k])
     if found is None:
         raise _infeasible(nodes, model, batch)
     value, m, stages, table = found

@@ -11,7 +11,11 @@ from pipeshard.shard.manifest import verify_shard
 
 pytestmark = pytest.mark.slow
 
-EXPORTS = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "int4"), (2, "int4"), (3, "int4")]
+EXPORTS = [
+    pytest.param(stages, weights, marks=() if stages == 2 else pytest.mark.extended)
+    for weights in ("fp32", "int4")
+    for stages in (1, 2, 3)
+]
 
 
 @pytest.mark.parametrize(("stages", "weights"), EXPORTS)
@@ -62,7 +66,9 @@ def test_int4_layout(smollm2_export):
         assert entry["export"]["peak_rss_bytes"] > 100 * 2**20
 
 
-@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize(
+    "stages", [pytest.param(1, marks=pytest.mark.extended), 2, pytest.param(3, marks=pytest.mark.extended)]
+)
 def test_fp32_stages_match_hf_at_every_boundary(stages, smollm2_export, hf_model, chat_prompt_ids):
     """Each stage's output equals HF's hidden states at its layer boundary (logits for the last),
     prefill then 10 decode steps, f32 compile hints. Tolerance |ov - hf| <= 2e-3 + 1e-4 * |hf|:

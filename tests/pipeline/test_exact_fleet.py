@@ -23,7 +23,11 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 @pytest.mark.parametrize(
-    ("stages", "runs"), [(1, [("ngram", 4), ("self", 0)]), (2, [("ngram", 0), ("self", 3)])]
+    ("stages", "runs"),
+    [
+        pytest.param(1, [("ngram", 4), ("self", 0)], marks=pytest.mark.extended),
+        (2, [("ngram", 0), ("self", 3)]),
+    ],
 )
 def test_int4_exact_fleet_speculation_equals_plain_greedy(
     stages, runs, smollm2_export, smollm2_draft, fleet_factory

@@ -195,3 +195,54 @@ def test_memory_error_says_when_total_would_fit_but_no_split_does():
     nodes = [_node("a", 1.0, memory=150), _node("b", 1.0, memory=50), _node("c", 1.0, memory=60)]
     with pytest.raises(InvalidArgument, match="no contiguous split fits"):
         plan_layers(nodes, model)
+
+
+def _min_over_bounds(nodes, model, batch, m):
+    """Reference for one m, independent of the planner's search: the least round time is the least
+    over every stage time tau of max(S(tau), m * tau), S(tau) the least sum of plans whose stages
+    all take <= tau (a plain Python recurrence per tau)."""
+    layers, rows = model.num_layers, batch // m
+    times = {
+        (i, a, b): stage_ms(n, model, a, b, rows)
+        for i, n in enumerate(nodes)
+        for a in range(layers)
+        for b in range(a + 1, layers + 1)
+        if model.stage_bytes(a, b, batch) <= n.usable_bytes
+    }
+    best = math.inf
+    for tau in set(times.values()):
+        g = [math.inf] * layers + [0.0]  # g[a]: least sum from layer a with the nodes after i
+        for i in reversed(range(len(nodes))):
+            g = [
+                min(
+                    [g[a]]
+                    + [
+                        t + g[b]
+                        for b in range(a + 1, layers + 1)
+                        if (t := times.get((i, a, b), math.inf)) <= tau
+                    ]
+                )
+                for a in range(layers)
+            ] + [0.0]
+        best = min(best, max(g[0], m * tau))
+    return best
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    nodes=st.lists(st.one_of(node, tied_node), min_size=2, max_size=4),
+    layers=st.integers(8, 14),
+    m=st.sampled_from([2, 3, 4, 8]),
+)
+def test_throughput_search_equals_every_bound_on_longer_models(nodes, layers, m):
+    """More layers than brute force can enumerate: many candidate bounds for the search to skip."""
+    nodes = [
+        Node(**{**n.__dict__, "name": f"n{i}", "memory_bytes": n.memory_bytes * 4})
+        for i, n in enumerate(nodes)
+    ]
+    model = _model(layers)
+    want = _min_over_bounds(nodes, model, m, m)
+    if math.isinf(want):
+        return
+    plan = plan_layers(nodes, model, "throughput", batch=m, micro_batches=m)
+    assert plan.round_ms == pytest.approx(want, rel=1e-9, abs=1e-9)

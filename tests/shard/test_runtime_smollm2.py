@@ -38,7 +38,9 @@ def hf_greedy_check(hf_model):
     return check
 
 
-@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize(
+    "stages", [pytest.param(1, marks=pytest.mark.extended), 2, pytest.param(3, marks=pytest.mark.extended)]
+)
 def test_fp32_chain_matches_hf_greedy(stages, smollm2_export, chat_prompt_ids, hf_greedy_check):
     """fp32 shards, f32 inference and KV cache: token for token what HF transformers greedy decodes."""
     chain = LocalChain(smollm2_export(stages, "fp32"), precision="f32")
