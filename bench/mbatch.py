@@ -53,7 +53,8 @@ BENCH_QUICK=1 runs the series that give every #17 key (3 rounds, 64 tokens) in w
 Knobs: BENCH_SERIES (comma-separated series names, default all; a subset skips stacking, the plot
 and the ratios whose inputs it lacks), BENCH_DRAFT=<draft export> speculates with that draft
 (`self`, for example a distilled one) instead of prompt lookup, BENCH_SPEC_K (3) and
-BENCH_SPEC_K_WAN (8) set the fixed K of the speculative series.
+BENCH_SPEC_K_WAN (8) set the fixed K of the speculative series, BENCH_MAX_USERS caps the user
+counts of every series.
 """
 
 from __future__ import annotations
@@ -212,8 +213,18 @@ ALL_LOCAL = {
 _WANTED = os.environ.get(
     "BENCH_SERIES", ",".join(QUICK_SERIES if QUICK else [*ALL_SERIES, *ALL_LOCAL])
 ).split(",")
-SERIES = {n: s for n, s in ALL_SERIES.items() if n in _WANTED}
-LOCAL = {n: s for n, s in ALL_LOCAL.items() if n in _WANTED}
+# BENCH_MAX_USERS caps every series' user counts (0: no cap), so a run can stop at the 8 users #16 asks for.
+MAX_USERS = int(os.environ.get("BENCH_MAX_USERS", "0"))
+
+
+def _capped(levels: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(c for c in levels if not MAX_USERS or c <= MAX_USERS)
+
+
+SERIES = {n: s._replace(levels=_capped(s.levels)) for n, s in ALL_SERIES.items() if n in _WANTED}
+LOCAL = {n: s._replace(levels=_capped(s.levels)) for n, s in ALL_LOCAL.items() if n in _WANTED}
+SERIES = {n: s for n, s in SERIES.items() if s.levels}
+LOCAL = {n: s for n, s in LOCAL.items() if s.levels}
 COMPLETE = SERIES == ALL_SERIES and LOCAL == ALL_LOCAL
 
 
@@ -656,6 +667,7 @@ def main() -> int:
         "BENCH_QUICK",
         "BENCH_LATENCY",
         "BENCH_SERIES",
+        "BENCH_MAX_USERS",
         "BENCH_DRAFT",
         "BENCH_SPEC_K",
         "BENCH_SPEC_K_WAN",
