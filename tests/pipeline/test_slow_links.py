@@ -86,10 +86,13 @@ def test_final_stage_sampling_gives_the_seeds_tokens(fleet, shards, seed):
     assert len(on_stage) == 24
     shipped, results_bandwidth = _coordinator_side(fleet, shards, SamplingParams(ignore_eos=True, **sampled))
     assert on_stage == shipped
-    # The shipped logits crossed the results link: measured by the ring's probe, and on loopback
-    # the final stage's auto choice for that link leaves them uncompressed.
+    # The shipped logits crossed the results link: measured by the ring's probe, and where that
+    # measured loopback-fast the final stage's auto choice leaves them uncompressed (a loaded
+    # machine can make the probe train look slow, and then compressing may rightly pay).
     assert results_bandwidth is not None and results_bandwidth > 0
     choices = [
         c for c in _events(fleet.process("stage1").log, "link_codec") if c["link"].startswith("results-")
     ]
-    assert choices and {c["codec"] for c in choices} == {"CODEC_NONE"}
+    assert choices and {c["mode"] for c in choices} == {"auto"}
+    fast = [c for c in choices if (c["bandwidth_bytes_s"] or 0) >= 1e9]
+    assert {c["codec"] for c in fast} <= {"CODEC_NONE"}
