@@ -20,7 +20,7 @@ import openvino as ov
 
 from pipeshard.errors import PipeshardError
 from pipeshard.precision import DEFAULT_PRECISION
-from pipeshard.services.coordinator.local_ring import LOCAL_OWNER
+from pipeshard.services.coordinator.local_ring import LOCAL_OWNER, InProcessKv
 from pipeshard.services.coordinator.ring import StageFailed
 from pipeshard.services.coordinator.step_batcher import DEFAULT_STEP_TOKENS, PAGED_PREFILL_CHUNK, StepBatcher
 from pipeshard.services.stage.domain import StepInput, StepOutput
@@ -33,7 +33,7 @@ from pipeshard.shard.paged import DEFAULT_CACHE_BYTES, PagedShard
 from pipeshard.v1 import activation_pb2
 
 
-class BatchedRing:
+class BatchedRing(InProcessKv):
     """All stages in-process over paged KV caches; concurrent sessions share each inference."""
 
     # Rewinds shorten a session (no mask): the generation's cursor keeps physical == logical.
@@ -103,21 +103,6 @@ class BatchedRing:
 
     async def abort_session(self, session_id: str, reason: str) -> None:
         await self.release_session(session_id)
-
-    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> list[int]:
-        return [self._on(i, kv.keep, session_id, scope, token_ids)[1] for i, kv in enumerate(self.kv)]
-
-    async def restore_kv(
-        self, session_id: str, scope: str, token_ids: list[int], positions: int, timeout_s: float
-    ) -> None:
-        for i, kv in enumerate(self.kv):
-            self._on(i, kv.restore_cached, session_id, scope, token_ids, positions)
-
-    def _on(self, index: int, method, *args):
-        try:
-            return method(LOCAL_OWNER, *args)
-        except PipeshardError as exc:
-            raise StageFailed(stage_error(index, exc)) from None
 
     async def close(self) -> None:
         await self._batcher.close()

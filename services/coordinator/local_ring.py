@@ -27,7 +27,27 @@ from pipeshard.v1 import activation_pb2
 LOCAL_OWNER = "local"  # one process, one party: the operator running it
 
 
-class LocalRing:
+class InProcessKv:
+    """The prefix cache's keep and restore on every stage's ``StageKv`` (``self.kv``) in this
+    process, for the in-process rings; a stage's refusal fails the call as ``StageFailed``."""
+
+    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> list[int]:
+        return [self._on(i, kv.keep, session_id, scope, token_ids)[1] for i, kv in enumerate(self.kv)]
+
+    async def restore_kv(
+        self, session_id: str, scope: str, token_ids: list[int], positions: int, timeout_s: float
+    ) -> None:
+        for i, kv in enumerate(self.kv):
+            self._on(i, kv.restore_cached, session_id, scope, token_ids, positions)
+
+    def _on(self, index: int, method, *args):
+        try:
+            return method(LOCAL_OWNER, *args)
+        except PipeshardError as exc:
+            raise StageFailed(stage_error(index, exc)) from None
+
+
+class LocalRing(InProcessKv):
     def __init__(
         self,
         export_dir: Path | str,
@@ -82,21 +102,6 @@ class LocalRing:
 
     async def abort_session(self, session_id: str, reason: str) -> None:
         await self.release_session(session_id)  # in one process there is no other stage to tell
-
-    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> list[int]:
-        return [self._on(i, kv.keep, session_id, scope, token_ids)[1] for i, kv in enumerate(self.kv)]
-
-    async def restore_kv(
-        self, session_id: str, scope: str, token_ids: list[int], positions: int, timeout_s: float
-    ) -> None:
-        for i, kv in enumerate(self.kv):
-            self._on(i, kv.restore_cached, session_id, scope, token_ids, positions)
-
-    def _on(self, index: int, method, *args):
-        try:
-            return method(LOCAL_OWNER, *args)
-        except PipeshardError as exc:
-            raise StageFailed(stage_error(index, exc)) from None
 
     async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
         frame.owner = LOCAL_OWNER
