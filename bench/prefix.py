@@ -186,6 +186,15 @@ def shared_prompt_rounds(warm: str, cold: str, prompter: Prompter) -> tuple[dict
     return samples, identical
 
 
+KV_STEPS = ("capture", "restore", "keep", "restore_cached")
+
+
+def record(times: dict[str, list[float]], *stamps: float) -> None:
+    """Each step's ms from the perf_counter stamps taken before, between and after KV_STEPS."""
+    for key, a, b in zip(KV_STEPS, stamps[:-1], stamps[1:], strict=True):
+        times[key].append((b - a) * 1000.0)
+
+
 def kv_costs(export: Path) -> dict:
     """Per stage and length: capture/restore ms (blob with checksum; prefix-cache keep/restore) and bytes."""
     out: dict = {}
@@ -195,7 +204,7 @@ def kv_costs(export: Path) -> dict:
         sessions = SessionTable(runner.new_session, 4, float("inf"))
         kv = StageKv(sessions, runner.kv_source, PrefixStore(4 << 30))
         for n in LENGTHS:
-            times: dict[str, list[float]] = {k: [] for k in ("capture", "restore", "keep", "restore_cached")}
+            times: dict[str, list[float]] = {k: [] for k in KV_STEPS}
             for rep in range(KV_REPS):
                 src = sessions.open("bench", f"src{rep}")
                 x = (
@@ -217,13 +226,7 @@ def kv_costs(export: Path) -> dict:
                 t3 = time.perf_counter()
                 kv.restore_cached("bench", f"dst{rep}", f"s{n}", ids, n)
                 t4 = time.perf_counter()
-                for key, (a, b) in (
-                    ("capture", (t0, t1)),
-                    ("restore", (t1, t2)),
-                    ("keep", (t2, t3)),
-                    ("restore_cached", (t3, t4)),
-                ):
-                    times[key].append((b - a) * 1000.0)
+                record(times, t0, t1, t2, t3, t4)
                 sessions.release("bench", f"src{rep}")
                 sessions.release("bench", f"dst{rep}")
             out[f"stage{stage}@{n}"] = {
@@ -242,7 +245,7 @@ def paged_kv_costs(export: Path) -> dict:
         engine = PagedEngine(shard, 2 * KV_REPS + 2, float("inf"))
         kv = StageKv.paged(engine, PrefixStore(4 << 30))
         for n in LENGTHS:
-            times: dict[str, list[float]] = {k: [] for k in ("capture", "restore", "keep", "restore_cached")}
+            times: dict[str, list[float]] = {k: [] for k in KV_STEPS}
             for rep in range(KV_REPS):
                 engine.open("bench", f"src{rep}", n)
                 x = (
@@ -261,13 +264,7 @@ def paged_kv_costs(export: Path) -> dict:
                 t3 = time.perf_counter()
                 kv.restore_cached("bench", f"dst{rep}", f"s{n}", ids, n)
                 t4 = time.perf_counter()
-                for key, (a, b) in (
-                    ("capture", (t0, t1)),
-                    ("restore", (t1, t2)),
-                    ("keep", (t2, t3)),
-                    ("restore_cached", (t3, t4)),
-                ):
-                    times[key].append((b - a) * 1000.0)
+                record(times, t0, t1, t2, t3, t4)
                 engine.sessions.release("bench", f"src{rep}")
                 engine.sessions.release("bench", f"dst{rep}")
             out[f"stage{stage}@{n}"] = {
