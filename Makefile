@@ -103,9 +103,10 @@ bench-pipeline: model
 bench-commits: model
 	$(PY) -m bench.commits --before $(BEFORE) --after $(or $(AFTER),HEAD)
 
-## bench-mbatch: 1-16 concurrent streams on 2-/3-stage fleets, plain and speculative, batches in flight, TTFT under load, loopback and WAN 50 ms/hop; batch stacking (bench/results/mbatch.json; BENCH_QUICK=1: the #17 keys only)
+## bench-mbatch: 1-16 concurrent streams on 2-/3-stage fleets, plain and speculative, batches in flight, TTFT under load, loopback and WAN 50 ms/hop; batch stacking (bench/results/mbatch.json; BENCH_QUICK=1: the #17 keys only); then speculation inside the batch at 1/4/8 users (bench/results/spec_batch.json)
 bench-mbatch: model
 	$(PY) -m bench.mbatch
+	$(PY) -m bench.spec_batch
 
 ## soak: 200 requests from 16 clients with random cancels while stage 1 is killed and restarted (not in `make test`; SOAK_SHARDS=DIR uses an existing 2-stage export; bench/results/soak.json)
 soak: model
