@@ -48,7 +48,10 @@ def test_round_trip_costs_two_delays():
         return rtts
 
     rtts = asyncio.run(_through_forwarder(_echo, body))
-    assert all(2 * DELAY_S <= rtt <= 2 * DELAY_S + EPS_S for rtt in rtts), rtts
+    # Every ping pays both delays; the first may also wait for the forwarder's own connection
+    # upstream (a quiet CI machine saw 0.21 s there), so the bound above applies from the second.
+    assert all(rtt >= 2 * DELAY_S for rtt in rtts), rtts
+    assert all(rtt <= 2 * DELAY_S + EPS_S for rtt in rtts[1:]), rtts
 
 
 def test_spaced_chunks_keep_their_spacing_and_pay_the_delay_once():
