@@ -58,8 +58,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kv",
         choices=("stateful", "paged"),
-        default="stateful",
-        help="--local only: the KV backend, stateful (one cache per session) or paged (continuous batching)",
+        default="paged",
+        help="--local only: the KV backend, paged (continuous batching, the fleet's default) or stateful "
+        "(one cache per session)",
     )
     p.add_argument("--stream", action="store_true", help="print text as it arrives")
     p.add_argument("--json", action="store_true", help="print one JSON object with the result")

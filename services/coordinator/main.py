@@ -8,7 +8,7 @@ from pathlib import Path
 
 import structlog
 
-from pipeshard.errors import InvalidArgument
+from pipeshard.errors import FailedPrecondition, InvalidArgument
 from pipeshard.grpc_server import GrpcServer, run_server
 from pipeshard.metrics import COORDINATOR_QUEUED, COORDINATOR_RUNNING
 from pipeshard.offline import set_offline_defaults
@@ -99,10 +99,10 @@ class CoordinatorSettings(ServerSettings):
         5.0, "a prefix restore (or keep) not done on every stage by then is dropped: cold prefill"
     )
     kv: str = setting(
-        "stateful",
-        "the stages' KV backend: paged batches every running session into one plan frame per step "
-        "(start the stages with --kv paged)",
-        choices=("stateful", "paged"),
+        "auto",
+        "the stages' KV backend: paged batches every running session into one plan frame per step, "
+        "stateful runs each session's frames alone; auto follows what the stages report",
+        choices=("auto", "stateful", "paged"),
     )
     inflight: int = setting(
         1,
@@ -135,6 +135,19 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
     if settings.speculative not in (*MODES, *named):
         raise InvalidArgument("speculative", "must be none, ngram, self or a name given with --draft")
     return settings
+
+
+def stage_kv_backend(wanted: str, stages: list[stage_pb2.GetStageInfoResponse]) -> str:
+    """The KV backend every stage runs (``auto``: whichever that is). Plan frames need paged stages
+    and a stateful stage refuses them, so a mixed fleet or a mismatch is refused at start."""
+    backends = sorted({info.kv_backend or "stateful" for info in stages})
+    if len(backends) > 1:
+        mixed = ", ".join(backends)
+        raise FailedPrecondition(f"the stages run different KV backends ({mixed}): start them alike")
+    if wanted not in ("auto", backends[0]):
+        raise InvalidArgument("kv", f"is {wanted} but the stages run {backends[0]} (--kv auto follows them)")
+    log.info("kv_backend", backend=backends[0])
+    return backends[0]
 
 
 def use_prefix_cache(mode: str, stages: list[stage_pb2.GetStageInfoResponse]) -> bool:
@@ -182,8 +195,9 @@ class Coordinator:
         )
         await self.ring.start()
         await self.ring.wait_ready(self.settings.ready_timeout_s)
-        paged = self.settings.kv == "paged"
-        prefix = use_prefix_cache(self.settings.prefix_cache, await self.ring.stage_infos())
+        infos = await self.ring.stage_infos()
+        paged = stage_kv_backend(self.settings.kv, infos) == "paged"
+        prefix = use_prefix_cache(self.settings.prefix_cache, infos)
         chunk = self.settings.prefill_chunk
         if paged and chunk == DEFAULT_PREFILL_CHUNK:
             chunk = PlanRing.prefill_chunk  # the same chunks as `generate --local --kv paged`
@@ -256,7 +270,7 @@ class Coordinator:
             shards=self.settings.shards,
             next_hop=self.settings.stages[0],
             precision=self.settings.precision,
-            kv=self.settings.kv,
+            kv="stateful" if self.settings.kv == "stateful" else "paged",  # auto: the stages' default
             hop_delay_ms=self.settings.hop_delay_ms,
             tls_dir=self.settings.tls_dir,
             tls_name=self.settings.tls_name or "coordinator",

@@ -88,9 +88,9 @@ class StageSettings(ServerSettings):
         4 * 1024 * 1024 * 1024, "bytes of blocks the spill folder keeps (oldest out; --prefix-spill-dir)"
     )
     kv: str = setting(
-        "stateful",
-        "KV backend: stateful (one cache per session) or paged (a shared block pool; plan frames run "
-        "many sessions in one inference)",
+        "paged",
+        "KV backend: paged (a shared block pool; plan frames run many sessions in one inference) or "
+        "stateful (one cache per session, one session per inference; the raw-TCP baseline needs it)",
         choices=("stateful", "paged"),
     )
     kv_cache_bytes: int = setting(DEFAULT_CACHE_BYTES, "byte budget of the paged KV block pool (--kv paged)")
