@@ -381,10 +381,8 @@ def start(key: tuple[int, int, bool, str, str], shards: Path, run_dir: Path):
     """The stages of one fleet key and its default coordinator (on the WAN emulator or loopback)."""
     stages, threads, wan, kv, precision = key
     stage_args = ["--num-threads", str(threads)] if threads else []
-    extra = list(COORDINATOR_ARGS)
-    if kv == "paged":
-        stage_args += ["--kv", "paged"]
-        extra += ["--kv", "paged"]
+    stage_args += ["--kv", kv]
+    extra = [*COORDINATOR_ARGS, "--kv", kv]
     if wan and LATENCY == "hop":
         stage_args += ["--hop-delay-ms", str(WAN_DELAY_MS)]
         extra += ["--hop-delay-ms", str(WAN_DELAY_MS)]

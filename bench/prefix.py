@@ -62,7 +62,7 @@ BACKENDS = os.environ.get("BENCH_KV", "stateful,paged").split(",")
 USERS = int(os.environ.get("BENCH_USERS", "8"))
 SYSTEM_TOKENS = 512
 # Paged stages at one thread: two stage processes share this machine's two cores.
-STAGE_ARGS = {"stateful": [], "paged": ["--kv", "paged", "--num-threads", "1"]}
+STAGE_ARGS = {"stateful": ["--kv", "stateful"], "paged": ["--kv", "paged", "--num-threads", "1"]}
 NEW_MESSAGE = "Thanks. Now summarise all of that in one short sentence, and tell me which part matters most."
 REPLY_TOKENS = 16
 

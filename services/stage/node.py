@@ -120,7 +120,7 @@ class StageNode:
                     error,
                 )
             return error
-        good = []
+        good, first_error = [], None
         for step, out in zip(steps, outs, strict=True):
             if isinstance(out, Exception):
                 error = stage_error(self.stage_index, out)
@@ -128,6 +128,7 @@ class StageNode:
                     "frame_failed", session_id=step.session_id, code=error.code, message=error.message
                 )
                 await self._pass_on_error(step, error)
+                first_error = first_error or error
             else:
                 good.append(out)
         if self.next_hop is None:
@@ -144,7 +145,7 @@ class StageNode:
             self._codec.sent(tensor.raw_size, len(tensor.data), codec)
             await self.next_hop.send(sent)
         await asyncio.sleep(0)
-        return None
+        return first_error  # the sender hears of a failed row too, as of a failed plain frame
 
     def note_results_link(self, owner: str, bandwidth_bytes_s: float) -> None:
         """The owner's measurement of its return link (final stage -> coordinator), sent with each

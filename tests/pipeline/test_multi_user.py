@@ -1,4 +1,7 @@
-"""Many users at once: each session's output is its solo output; admission control at capacity."""
+"""Many users at once on the stateful backend (`--kv stateful`): every session has its own state,
+so each session's output is its solo output at the default precision too; admission control at
+capacity. The default paged backend batches sessions into one inference, exact at `exact` only:
+tests/pipeline/test_paged_fleet.py."""
 
 from __future__ import annotations
 
@@ -19,7 +22,10 @@ TOKENS = 128
 def fleet(smollm2_export, fleet_factory):
     # A small prefill chunk so every prompt is prefilled in several chunks while others decode.
     return fleet_factory(
-        smollm2_export(2, "int4"), 2, extra_coordinator_args=["--prefill-chunk", "16", "--max-running", "4"]
+        smollm2_export(2, "int4"),
+        2,
+        extra_stage_args=["--kv", "stateful"],
+        extra_coordinator_args=["--prefill-chunk", "16", "--max-running", "4"],
     )
 
 
