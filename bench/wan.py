@@ -198,6 +198,10 @@ def summarise(results: dict[str, dict]) -> dict:
             if name.startswith("20mbit") and (codec not in speedup_20 or ratio < speedup_20[codec][0]):
                 speedup_20[codec] = (ratio, ci)
     worst = min(auto_vs_best, key=lambda k: auto_vs_best[k][0]) if auto_vs_best else None
+    same_compute = {}
+    for name, point in results.items():
+        point["auto_vs_best_same_compute"] = _same_compute(point)
+        same_compute |= {f"{name}/{m}": r for m, r in point["auto_vs_best_same_compute"].items()}
     none_20, auto_20 = speedup_20.get("none"), speedup_20.get("auto")
     return {
         "runs": RUNS,
@@ -213,6 +217,9 @@ def summarise(results: dict[str, dict]) -> dict:
         "auto_vs_best_min": auto_vs_best[worst][0] if worst else None,
         "auto_vs_best_min_ci": auto_vs_best[worst][1] if worst else None,
         "auto_vs_best_min_at": worst,
+        # The codec's own effect: decode step time with the stages' compute set equal across the
+        # codecs (their common median), so only the rest (wire, encode/decode, delays) differs.
+        "auto_vs_best_same_compute_min": min(same_compute.values()) if same_compute else None,
         # Against logits shipped raw (the issue's baseline: session codec none), and against
         # logits the results link's auto codec compresses (session codec auto).
         "final_stage_sampling_speedup_20mbit": none_20[0] if none_20 else None,
@@ -227,6 +234,20 @@ def summarise(results: dict[str, dict]) -> dict:
         "emulation": "wan-emulator: netns + veth tbf + user-space delay forwarder; 2 stages, INT4; "
         "codecs interleaved per request in one fleet per point",
     }
+
+
+def _same_compute(point: dict) -> dict[str, float]:
+    """Per mode measured with every codec: best fixed codec's step time / auto's, each step being
+    the codecs' common compute (median of their median compute) plus the codec's own rest."""
+    out = {}
+    for mode in MODES:
+        if not all(mode in point.get(c, {}) and point[c][mode]["step"] for c in CODECS):
+            continue
+        steps = {c: point[c][mode]["step"] for c in CODECS}
+        compute = median([s["compute_ms"] for s in steps.values()])
+        best = min(compute + steps[c]["rest_ms"] for c in ("none", "lane_blocks_zstd"))
+        out[mode] = best / (compute + steps["auto"]["rest_ms"])
+    return out
 
 
 def plot(result: dict, out: Path = PLOT) -> Path:

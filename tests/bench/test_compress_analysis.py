@@ -31,13 +31,14 @@ def test_lane_dictionaries_are_lossless_and_compress():
 
 
 def test_wan_summary_takes_the_worst_point_and_the_20mbit_speedups():
-    def config(tok_s: float) -> dict:
-        return {"tok_s": tok_s, "samples": [tok_s] * 10, "step": {}}
+    def config(tok_s: float, rest_ms: float = 10.0) -> dict:
+        step = {"wall_ms": 50.0 + rest_ms, "compute_ms": 50.0, "rest_ms": rest_ms}
+        return {"tok_s": tok_s, "samples": [tok_s] * 10, "step": step}
 
     points = {}
     for name, auto_greedy in (("500mbit_0ms", 10.0), ("20mbit_25ms", 8.0), ("20mbit_0ms", 9.0)):
         points[name] = {c: {"greedy": config(10.0)} for c in CODECS}
-        points[name]["auto"]["greedy"] = config(auto_greedy)
+        points[name]["auto"]["greedy"] = config(auto_greedy, rest_ms=15.0 if name == "500mbit_0ms" else 10.0)
         if name.startswith("20"):
             for codec in SAMPLED_CODECS:
                 points[name][codec]["sampled_on_stage"] = config(20.0)
@@ -47,6 +48,8 @@ def test_wan_summary_takes_the_worst_point_and_the_20mbit_speedups():
     assert result["auto_vs_best_min"] == pytest.approx(0.8)
     assert result["auto_vs_best_min_ci"] == pytest.approx([0.8, 0.8])
     assert result["auto_vs_best_min_at"] == "20mbit_25ms/greedy"  # greedy alone is measured everywhere
+    # With the compute equal, only 500 Mbit/s's 5 ms more of auto's wire and codec time counts.
+    assert result["auto_vs_best_same_compute_min"] == pytest.approx(60.0 / 65.0)
     assert result["final_stage_sampling_speedup_20mbit"] == pytest.approx(3.0)  # the worse 20 Mbit/s point
     assert result["final_stage_sampling_speedup_20mbit_auto"] == pytest.approx(2.5)
     assert set(MODES) >= {m for v in points.values() for c in CODECS for m in v[c] if m in MODES}
