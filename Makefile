@@ -115,7 +115,7 @@ soak: model
 bench-compress: model
 	$(PY) -m bench.compress
 
-## bench-wan: greedy and sampled decoding over the WAN emulator (tbf 500/100/20 Mbit/s x 0/25 ms per hop), stage codec none / lane blocks / auto; final-stage sampling vs shipped logits (root; WAN_POINTS=20:25 for a reduced run; bench/results/wan.json)
+## bench-wan: greedy and sampled decoding over the WAN emulator (tbf 500/100/20 Mbit/s x 0/25 ms per hop), session codecs none / lane blocks / auto interleaved in one fleet per point; final-stage sampling vs shipped logits at 20 Mbit/s (root; WAN_POINTS=20:25 for a reduced run; bench/results/wan.json)
 bench-wan: model
 	$(PY) -m bench.wan
 

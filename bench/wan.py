@@ -1,23 +1,24 @@
 """`make bench-wan` (interactive part): decoding across the WAN emulator, per link setting.
 
-For each point (tbf rate in Mbit/s x one-way delay per hop in ms) a 2-stage INT4 fleet runs in
-network namespaces (services/wan) once per stage codec: ``none``, ``lane_blocks_zstd`` and
-``auto`` (the per-link choice, on the stage hop and on the results link). This process holds a
-ring over the fleet's doors, as a coordinator does, and decodes, interleaved in every fleet:
-greedy; temperature 0.8 with sampling on the final stage; temperature 0.8 with logits shipped to
-the coordinator (where the results link's codec matters). Each decode step is also timed here
-(ring step wall time, the stages' own compute time, bytes of the result) to break a token down.
+For each point (tbf rate in Mbit/s x one-way delay per hop in ms) ONE 2-stage INT4 fleet runs in
+network namespaces (services/wan), and this process holds a ring over its doors, as a coordinator
+does. The codec is chosen per session (OpenSession's ``codec``: ``none``, ``lane_blocks_zstd`` or
+``auto``, the per-link choice, on the stage hop and on the results link), so the three codecs are
+interleaved request by request in shuffled rounds and the machine's drift hits each alike. Greedy
+at every point; at the 20 Mbit/s points also temperature 0.8 with sampling on the final stage and
+with logits shipped to this process (codecs ``none`` and ``auto``: raw logits are the issue's
+baseline, auto may compress them). Each decode step is also timed here (ring step wall time, the
+stages' own compute time, bytes of the result) to break a token down.
 
-Keys: ``auto_vs_best_min`` = min over points and modes of tok/s(auto) / max(tok/s(none),
-tok/s(lane_blocks_zstd)); codec fleets cannot run side by side (one WAN emulator per machine), so
-those medians come from consecutive fleets, not interleaved rounds.
+Keys: ``auto_vs_best_min`` = min over points (and the modes measured with every codec) of the ratio
+of medians tok/s(auto) / tok/s(the faster of none and lane_blocks_zstd), with its 95% interval.
 ``final_stage_sampling_speedup_20mbit`` = tok/s with sampling on the final stage / tok/s with
-logits shipped raw, interleaved in the ``none`` fleet, at the worse of the 20 Mbit/s points run
-(``..._auto``: the same in the ``auto`` fleet, where the results link may compress the logits).
+logits shipped raw (session codec none), at the worse of the 20 Mbit/s points run
+(``..._auto``: both with session codec auto, where the results link may compress the logits).
 Plots: docs/img/bench-wan.png (``python -m bench.wan --plot-only [--partial]`` re-derives the keys
 and redraws it from the JSON).
 
-Env: WAN_POINTS (default the full grid "500:0,500:25,100:0,100:25,20:0,20:25"), BENCH_RUNS (10),
+Env: WAN_POINTS (default the grid "500:0,500:25,100:0,100:25,20:0,20:25"), BENCH_RUNS (10),
 WAN_TOKENS (32), BENCH_SHARDS (a 2-stage export; default the INT4 one). Needs root (namespaces, tbf).
 """
 
@@ -42,6 +43,7 @@ from pipeshard.shard.prompting import Prompter
 
 CODECS = ("none", "lane_blocks_zstd", "auto")
 MODES = ("greedy", "sampled_on_stage", "sampled_logits")
+SAMPLED_CODECS = ("none", "auto")  # sampled modes at 20 Mbit/s: raw logits and auto's choice
 PLOT = Path("docs/img/bench-wan.png")
 PROMPT = "Explain how a refrigerator keeps food cold."
 RUNS = int(os.environ.get("BENCH_RUNS", "10"))
@@ -87,17 +89,20 @@ class Driver:
         await self.ring.start()
         await self.ring.wait_ready(120)
 
-    def runner(self, mode: str, temperature: float, on_stage: bool = True) -> Callable[[], float]:
+    def runner(self, codec: str, mode: str) -> Callable[[], float]:
+        """One generation in ``mode`` whose session asks every stage for ``codec``."""
+        temperature = 0.0 if mode == "greedy" else 0.8
         params = SamplingParams(max_tokens=TOKENS, temperature=temperature, seed=1, ignore_eos=True)
-        gen = self.gens[on_stage]
+        gen = self.gens[mode != "sampled_logits"]
 
         async def go() -> Summary:
             events = [e async for e in gen.run(self.ids, params)]
             return events[-1]
 
         def run() -> float:
-            self._mode = mode
-            self.steps.setdefault(mode, []).append([])
+            self._mode = f"{codec}/{mode}"
+            self.ring.session_codec = codec
+            self.steps.setdefault(self._mode, []).append([])
             summary = self.loop.run_until_complete(go())
             if summary.completion_tokens != TOKENS:
                 raise RuntimeError(f"generation ended early: {summary.finish_reason} {summary.error}")
@@ -112,38 +117,37 @@ class Driver:
         # The loop stays open: grpc.aio's poller may still call into it after the ring closed.
 
 
+def point_configs(rate: float) -> list[tuple[str, str]]:
+    """(codec, mode) pairs measured at a point: greedy with every codec; at 20 Mbit/s also the
+    sampled modes with raw logits and with auto."""
+    configs = [(codec, "greedy") for codec in CODECS]
+    if rate <= 20:
+        configs += [(codec, mode) for codec in SAMPLED_CODECS for mode in MODES[1:]]
+    return configs
+
+
 def measure_point(shards: Path, rate: float, delay: float, run_dir: Path) -> dict:
-    out: dict[str, dict] = {}
-    for codec in CODECS:
-        t0 = time.perf_counter()
-        with WanFleet(
-            shards,
-            2,
-            delay,
-            rate,
-            run_dir / f"{rate:g}-{delay:g}-{codec}",
-            extra_stage_args=["--codec", codec],
-        ) as wan:
-            print(
-                f"fleet {rate:g} Mbit/s {delay:g} ms {codec} up in {time.perf_counter() - t0:.0f} s",
-                file=sys.stderr,
-            )
-            driver = Driver(wan, shards)
-            try:
-                configs = {
-                    "greedy": driver.runner("greedy", 0.0),
-                    "sampled_on_stage": driver.runner("sampled_on_stage", 0.8, on_stage=True),
-                    "sampled_logits": driver.runner("sampled_logits", 0.8, on_stage=False),
-                }
-                samples = interleaved(configs, RUNS, warmup=1)
-            finally:
-                driver.close()
-            out[codec] = {
-                name: {"tok_s": median(v), "samples": v, "step": _breakdown(driver.steps[name][1:])}
-                for name, v in samples.items()
+    t0 = time.perf_counter()
+    with WanFleet(
+        shards, 2, delay, rate, run_dir / f"{rate:g}-{delay:g}", extra_stage_args=["--codec", "auto"]
+    ) as wan:
+        print(f"fleet {rate:g} Mbit/s {delay:g} ms up in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        driver = Driver(wan, shards)
+        try:
+            configs = {f"{c}/{m}": driver.runner(c, m) for c, m in point_configs(rate)}
+            samples = interleaved(configs, RUNS, warmup=1)
+        finally:
+            driver.close()
+        out: dict[str, dict] = {}
+        for key, values in samples.items():
+            codec, mode = key.split("/")
+            out.setdefault(codec, {})[mode] = {
+                "tok_s": median(values),
+                "samples": values,
+                "step": _breakdown(driver.steps[key][1:]),
             }
-            out[codec]["stage0_link"] = _link_lines(wan.run_dir / "stage0.log")
-            out[codec]["results_link"] = _link_lines(wan.run_dir / "stage1.log")
+        out["stage0_link"] = _link_lines(wan.run_dir / "stage0.log")
+        out["results_link"] = _link_lines(wan.run_dir / "stage1.log")
     return out
 
 
@@ -168,98 +172,158 @@ def _link_lines(log: Path) -> list[str]:
         return []
     return [
         line for line in log.read_text().splitlines() if '"link_measured"' in line or '"link_codec"' in line
-    ][-6:]
+    ][-12:]
 
 
 def summarise(results: dict[str, dict]) -> dict:
-    """The result's keys from the points measured so far."""
-    auto_vs_best = {}
-    speedup_20: dict[str, tuple[float, list[float]]] = {}  # fleet codec -> worse 20 Mbit/s point
+    """The result's keys from the points measured so far (codecs interleaved in each fleet)."""
+    auto_vs_best: dict[str, tuple[float, list[float]]] = {}
+    speedup_20: dict[str, tuple[float, list[float]]] = {}  # session codec -> worse 20 Mbit/s point
     for name, point in results.items():
+        point["auto_vs_best"], point["auto_vs_best_ci"] = {}, {}
         for mode in MODES:
-            best = max(point[c][mode]["tok_s"] for c in ("none", "lane_blocks_zstd"))
-            auto_vs_best[f"{name}/{mode}"] = point["auto"][mode]["tok_s"] / best
-        point["auto_vs_best"] = {m: auto_vs_best[f"{name}/{m}"] for m in MODES}
-        for codec in CODECS:
-            ratio, ci = ratio_ci(
-                point[codec]["sampled_on_stage"]["samples"], point[codec]["sampled_logits"]["samples"]
-            )
-            point[codec]["final_stage_sampling_speedup"] = ratio
-            point[codec]["final_stage_sampling_speedup_ci"] = ci
+            if not all(mode in point.get(c, {}) for c in CODECS):
+                continue
+            best = max(("none", "lane_blocks_zstd"), key=lambda c: point[c][mode]["tok_s"])
+            ratio, ci = ratio_ci(point["auto"][mode]["samples"], point[best][mode]["samples"])
+            auto_vs_best[f"{name}/{mode}"] = (ratio, ci)
+            point["auto_vs_best"][mode], point["auto_vs_best_ci"][mode] = ratio, ci
+        for codec in SAMPLED_CODECS:
+            modes = point.get(codec, {})
+            if "sampled_on_stage" not in modes or "sampled_logits" not in modes:
+                continue
+            ratio, ci = ratio_ci(modes["sampled_on_stage"]["samples"], modes["sampled_logits"]["samples"])
+            modes["final_stage_sampling_speedup"] = ratio
+            modes["final_stage_sampling_speedup_ci"] = ci
             if name.startswith("20mbit") and (codec not in speedup_20 or ratio < speedup_20[codec][0]):
                 speedup_20[codec] = (ratio, ci)
-    worst = min(auto_vs_best, key=auto_vs_best.__getitem__) if auto_vs_best else None
+    worst = min(auto_vs_best, key=lambda k: auto_vs_best[k][0]) if auto_vs_best else None
+    same_compute = {}
+    for name, point in results.items():
+        point["auto_vs_best_same_compute"] = _same_compute(point)
+        same_compute |= {f"{name}/{m}": r for m, r in point["auto_vs_best_same_compute"].items()}
+    none_20, auto_20 = speedup_20.get("none"), speedup_20.get("auto")
     return {
         "runs": RUNS,
         "tokens": TOKENS,
         "points": results,
         "tok_s": {
-            f"{n}/{c}/{m}": v[c][m]["tok_s"] for n, v in results.items() for c in CODECS for m in MODES
+            f"{n}/{c}/{m}": v[c][m]["tok_s"]
+            for n, v in results.items()
+            for c in CODECS
+            for m in MODES
+            if m in v.get(c, {})
         },
-        "auto_vs_best_min": auto_vs_best[worst] if worst else None,
+        "auto_vs_best_min": auto_vs_best[worst][0] if worst else None,
+        "auto_vs_best_min_ci": auto_vs_best[worst][1] if worst else None,
         "auto_vs_best_min_at": worst,
-        # Against logits shipped raw (the issue's baseline: the --codec none fleet), and against
-        # logits the results link's auto codec compresses (the --codec auto fleet).
-        "final_stage_sampling_speedup_20mbit": speedup_20["none"][0] if speedup_20 else None,
-        "final_stage_sampling_speedup_20mbit_ci": speedup_20["none"][1] if speedup_20 else None,
-        "final_stage_sampling_speedup_20mbit_auto": speedup_20["auto"][0] if speedup_20 else None,
-        "final_stage_sampling_speedup_20mbit_auto_ci": speedup_20["auto"][1] if speedup_20 else None,
+        # The codec's own effect: decode step time with the stages' compute set equal across the
+        # codecs (their common median), so only the rest (wire, encode/decode, delays) differs.
+        "auto_vs_best_same_compute_min": min(same_compute.values()) if same_compute else None,
+        # Against logits shipped raw (the issue's baseline: session codec none), and against
+        # logits the results link's auto codec compresses (session codec auto).
+        "final_stage_sampling_speedup_20mbit": none_20[0] if none_20 else None,
+        "final_stage_sampling_speedup_20mbit_ci": none_20[1] if none_20 else None,
+        "final_stage_sampling_speedup_20mbit_auto": auto_20[0] if auto_20 else None,
+        "final_stage_sampling_speedup_20mbit_auto_ci": auto_20[1] if auto_20 else None,
         "baselines": {
-            "auto_vs_best_min": "the faster of --codec none and --codec lane_blocks_zstd, same mode",
+            "auto_vs_best_min": "the faster of session codec none and lane_blocks_zstd, same fleet and mode",
             "final_stage_sampling_speedup_20mbit": "logits shipped raw (no final-stage sampling), codec none",
-            "final_stage_sampling_speedup_20mbit_auto": "logits shipped, --codec auto on the results link",
+            "final_stage_sampling_speedup_20mbit_auto": "logits shipped, session codec auto",
         },
-        "emulation": "wan-emulator: netns + veth tbf + user-space delay forwarder; 2 stages, INT4",
+        "emulation": "wan-emulator: netns + veth tbf + user-space delay forwarder; 2 stages, INT4; "
+        "codecs interleaved per request in one fleet per point",
     }
 
 
+def _same_compute(point: dict) -> dict[str, float]:
+    """Per mode measured with every codec: best fixed codec's step time / auto's, each step being
+    the codecs' common compute (median of their median compute) plus the codec's own rest."""
+    out = {}
+    for mode in MODES:
+        if not all(mode in point.get(c, {}) and point[c][mode]["step"] for c in CODECS):
+            continue
+        steps = {c: point[c][mode]["step"] for c in CODECS}
+        compute = median([s["compute_ms"] for s in steps.values()])
+        best = min(compute + steps[c]["rest_ms"] for c in ("none", "lane_blocks_zstd"))
+        out[mode] = best / (compute + steps["auto"]["rest_ms"])
+    return out
+
+
 def plot(result: dict, out: Path = PLOT) -> Path:
-    """tok/s per point, codec and mode; and the median decode step split into the stages' compute
-    and the rest, with and without raw logits shipped (the codec-none fleet)."""
+    """Greedy tok/s per point and session codec; auto / best with its interval; final-stage sampling
+    against shipped logits at 20 Mbit/s; and the raw-logits decode step split into compute and rest."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = list(result["points"])
+    pts = result["points"]
+    names = list(pts)
+    labels = [p.replace("mbit_", " Mbit/s\n") for p in names]
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.8))
-    width = 0.27
-    for ax, mode in zip(axes[:3], MODES, strict=True):
-        for i, codec in enumerate(CODECS):
-            values = [result["points"][p][codec][mode]["tok_s"] for p in points]
-            lows = [
-                max(0.0, v - min(result["points"][p][codec][mode]["samples"]))
-                for p, v in zip(points, values, strict=True)
-            ]
-            highs = [
-                max(0.0, max(result["points"][p][codec][mode]["samples"]) - v)
-                for p, v in zip(points, values, strict=True)
-            ]
-            xs = [x + (i - 1) * width for x in range(len(points))]
-            ax.bar(xs, values, width, yerr=[lows, highs], capsize=2, label=f"--codec {codec}")
-        ax.set_xticks(range(len(points)), [p.replace("mbit_", " Mbit/s\n") for p in points], fontsize=8)
-        ax.set_title(
-            {
-                "greedy": "greedy",
-                "sampled_on_stage": "T=0.8, final-stage sampling",
-                "sampled_logits": "T=0.8, logits shipped",
-            }[mode]
-        )
-        ax.set_ylabel("tok/s (median, min-max)")
-        ax.legend(fontsize=7)
+    ax, width = axes[0], 0.27
+    for i, codec in enumerate(CODECS):
+        values = [pts[p][codec]["greedy"]["tok_s"] for p in names]
+        samples = [pts[p][codec]["greedy"]["samples"] for p in names]
+        err = [
+            [max(0.0, v - min(s)) for v, s in zip(values, samples, strict=True)],
+            [max(0.0, max(s) - v) for v, s in zip(values, samples, strict=True)],
+        ]
+        xs = [x + (i - 1) * width for x in range(len(names))]
+        ax.bar(xs, values, width, yerr=err, capsize=2, label=f"session codec {codec}")
+    ax.set_xticks(range(len(names)), labels, fontsize=8)
+    ax.set_ylabel("tok/s (median, min-max)")
+    ax.set_title("greedy, codecs interleaved in one fleet")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    ratios = [pts[p]["auto_vs_best"].get("greedy", float("nan")) for p in names]
+    cis = [pts[p]["auto_vs_best_ci"].get("greedy", [float("nan")] * 2) for p in names]
+    ax.errorbar(
+        range(len(names)),
+        ratios,
+        yerr=[
+            [r - c[0] for r, c in zip(ratios, cis, strict=True)],
+            [c[1] - r for r, c in zip(ratios, cis, strict=True)],
+        ],
+        fmt="o",
+        capsize=3,
+    )
+    ax.axhline(0.95, color="red", linestyle="--", label="goal 0.95")
+    ax.axhline(1.0, color="grey", linewidth=0.5)
+    ax.set_xticks(range(len(names)), labels, fontsize=8)
+    ax.set_ylabel("auto / best fixed (ratio of medians, 95% CI)")
+    ax.set_title("greedy: auto against the faster fixed codec")
+    ax.legend(fontsize=7)
+    sampled = [p for p in names if "sampled_logits" in pts[p].get("none", {})]
+    ax = axes[2]
+    for i, (codec, mode) in enumerate(
+        [
+            ("none", "sampled_on_stage"),
+            ("none", "sampled_logits"),
+            ("auto", "sampled_on_stage"),
+            ("auto", "sampled_logits"),
+        ]
+    ):
+        values = [pts[p][codec][mode]["tok_s"] for p in sampled]
+        ax.bar([x + (i - 1.5) * 0.2 for x in range(len(sampled))], values, 0.2, label=f"{codec}: {mode}")
+    ax.set_xticks(range(len(sampled)), [p.replace("mbit_", " Mbit/s\n") for p in sampled], fontsize=8)
+    ax.set_ylabel("tok/s (median)")
+    ax.set_title("T=0.8: final-stage sampling vs logits shipped")
+    ax.legend(fontsize=7)
     ax = axes[3]
-    labels, compute, rest = [], [], []
-    for p in points:
+    bars, compute, rest = [], [], []
+    for p in sampled:
         for mode, short in (("sampled_on_stage", "stage"), ("sampled_logits", "logits")):
-            step = result["points"][p]["none"][mode]["step"]
-            labels.append(f"{p.replace('mbit_', 'M ')}\n{short}")
+            step = pts[p]["none"][mode]["step"]
+            bars.append(f"{p.replace('mbit_', 'M ')}\n{short}")
             compute.append(step.get("compute_ms", 0.0))
             rest.append(step.get("rest_ms", 0.0))
-    ax.bar(range(len(labels)), compute, label="stages' compute")
-    ax.bar(range(len(labels)), rest, bottom=compute, label="rest: wire, delays, forwarder, Python")
-    ax.set_xticks(range(len(labels)), labels, fontsize=6)
+    ax.bar(range(len(bars)), compute, label="stages' compute")
+    ax.bar(range(len(bars)), rest, bottom=compute, label="rest: wire, delays, forwarder, Python")
+    ax.set_xticks(range(len(bars)), bars, fontsize=7)
     ax.set_ylabel("median decode step (ms)")
-    ax.set_title("a T=0.8 token, --codec none (raw logits)")
+    ax.set_title("a T=0.8 token, session codec none (raw logits)")
     ax.legend(fontsize=7)
     fig.suptitle(
         f"bench-wan ({result.get('date', '')[:10]}, 2-stage INT4, WAN emulator, {result['tokens']} tokens)"
@@ -290,7 +354,7 @@ def main() -> int:
         results[name] = measure_point(shards, rate, delay, run_dir)
         summary = summarise(results)
         summary["elapsed_s"] = time.perf_counter() - started
-        print(name, {c: {m: results[name][c][m]["tok_s"] for m in MODES} for c in CODECS}, file=sys.stderr)
+        print(name, {k: v for k, v in summary["tok_s"].items() if k.startswith(name)}, file=sys.stderr)
         # Written after every point: a run cut short keeps what it measured.
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
         (RESULTS_DIR / "wan.partial.json").write_text(json.dumps(summary, indent=2))

@@ -178,6 +178,10 @@ class CodecChooser:
         self.current: int | None = None
         self._link_name = link.link if link is not None else "unmeasured"
 
+    def with_mode(self, mode: str) -> CodecChooser:
+        """A chooser for the same link with another mode (a session's own codec choice)."""
+        return CodecChooser(mode, self.link, shadow_every=self.shadow_every, clock=self._clock)
+
     def for_link(self, link: LinkEstimate) -> CodecChooser:
         """A chooser for another link with this one's mode, shadow period and clock."""
         return CodecChooser(self.mode, link, shadow_every=self.shadow_every, clock=self._clock)

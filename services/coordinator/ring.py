@@ -107,6 +107,9 @@ class Ring:
         # The return link (final stage -> here), probed at each Results subscription; the final
         # stage hears of it with every OpenSession and picks its results codec from it.
         self.results_link = LinkEstimate("results")
+        # The codec every stage uses for the sessions this ring opens from now on (OpenSession's
+        # codec; empty: each stage's own --codec). A benchmark switches it request by request.
+        self.session_codec = ""
 
     @property
     def healthy(self) -> bool:
@@ -199,6 +202,7 @@ class Ring:
             session_id=session_id,
             capacity=capacity or 0,
             results_link_bandwidth_bytes_per_second=self.results_link.bandwidth_bytes_s or 0.0,
+            codec=self.session_codec,
         )
         try:
             responses = await self._on_all("OpenSession", request)

@@ -62,7 +62,8 @@ class StageSettings(ServerSettings):
     codec: str = setting(
         AUTO,
         "compression of hidden states sent on (and, on the final stage, of logits returned); auto: per "
-        "link from its measured bandwidth (off on loopback); quantum_zstd: fp32 hidden states only",
+        "link from its measured bandwidth (off on loopback); quantum_zstd: fp32 hidden states only; a "
+        "session may ask for another in OpenSession (codec)",
         choices=(AUTO, *CODEC_NAMES),
     )
     wire_dtype: str = setting(

@@ -15,7 +15,7 @@ import math
 import structlog
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.link_model import CodecChooser, LinkEstimate
+from pipeshard.link_model import CodecChooser, LinkEstimate, parse_codec
 from pipeshard.services.stage.engine import StageEngine
 from pipeshard.services.stage.kv import StageKv
 from pipeshard.services.stage.paged_engine import PagedEngine
@@ -58,7 +58,11 @@ class StageNode:
         self.next_hop = next_hop
         self.results = ResultBroker(results_delay_s)
         self._codec = codec or CodecChooser("none", None)
-        self._results_codecs: dict[str, CodecChooser] = {}  # owner -> its return link's choice
+        self._hop_codecs: dict[str, CodecChooser] = {self._codec.mode: self._codec}  # mode -> chooser
+        self._results_links: dict[str, LinkEstimate] = {}  # owner -> its return link
+        self._results_codecs: dict[tuple[str, str], CodecChooser] = {}  # (owner, mode) -> chooser
+        # (owner, session) -> the codec mode it asked for in OpenSession, where not the stage's own.
+        self._session_codecs: dict[tuple[str, str], str] = {}
         self._wire_dtype = wire_dtype
         self.kv = kv  # KV capture/restore and the prefix cache (None: a node without a shard runtime)
         self._port = input_port(engine.is_first)
@@ -91,12 +95,13 @@ class StageNode:
             await self._pass_on_error(frame, error)
             return error
         if self.next_hop is None:
-            self.results.publish(self._result(out, frame.owner), frame.owner)
+            self.results.publish(self._result(out, frame.owner, frame.session_id), frame.owner)
         else:
-            codec = self._codec.choose(out.hidden_states)
+            chooser = self._hop_chooser(frame.owner, frame.session_id)
+            codec = chooser.choose(out.hidden_states)
             frame = frame_from_output(out, codec, self._wire_dtype)
             sent = frame.tensors[0].tensor
-            self._codec.sent(sent.raw_size, len(sent.data), codec)
+            chooser.sent(sent.raw_size, len(sent.data), codec)
             await self.next_hop.send(frame)
         await asyncio.sleep(0)  # let the output leave before the next frame's compute starts
         return None
@@ -120,7 +125,7 @@ class StageNode:
                     error,
                 )
             return error
-        good, first_error = [], None
+        good, good_steps, first_error = [], [], None
         for step, out in zip(steps, outs, strict=True):
             if isinstance(out, Exception):
                 error = stage_error(self.stage_index, out)
@@ -131,18 +136,21 @@ class StageNode:
                 first_error = first_error or error
             else:
                 good.append(out)
+                good_steps.append(step)
         if self.next_hop is None:
-            for out in good:
-                self.results.publish(self._result(out, frame.owner), frame.owner)
+            for step, out in zip(good_steps, good, strict=True):
+                self.results.publish(self._result(out, frame.owner, step.session_id), frame.owner)
         elif good:
-            codec = self._codec.choose(good[0].hidden_states)
+            # One tensor for the whole plan: its first row's session names the codec.
+            chooser = self._hop_chooser(frame.owner, good_steps[0].session_id)
+            codec = chooser.choose(good[0].hidden_states)
             sent = (
                 plan_from_outputs(good, codec)
                 if plan
                 else frame_from_output(good[0], codec, self._wire_dtype)
             )
             tensor = sent.tensors[0].tensor
-            self._codec.sent(tensor.raw_size, len(tensor.data), codec)
+            chooser.sent(tensor.raw_size, len(tensor.data), codec)
             await self.next_hop.send(sent)
         await asyncio.sleep(0)
         return first_error  # the sender hears of a failed row too, as of a failed plain frame
@@ -155,22 +163,62 @@ class StageNode:
                 "results_link_bandwidth_bytes_per_second", f"must be finite and >= 0, got {bandwidth_bytes_s}"
             )
         if self.next_hop is None and bandwidth_bytes_s > 0:
-            self._results_chooser(owner).link.observe_rate(bandwidth_bytes_s)
+            self._results_link(owner).observe_rate(bandwidth_bytes_s)
 
-    def _results_chooser(self, owner: str) -> CodecChooser:
-        chooser = self._results_codecs.get(owner)
+    def set_session_codec(self, owner: str, session_id: str, mode: str) -> None:
+        """The codec a session asked for in OpenSession (empty: the stage's own ``--codec``); the
+        frames and results this stage sends for it use it, so one fleet can compare codecs request
+        by request."""
+        if not mode or mode == self._codec.mode:
+            self._session_codecs.pop((owner, session_id), None)
+            return
+        parse_codec(mode)
+        if mode == "quantum_zstd" and self._wire_dtype != "fp32":
+            raise InvalidArgument("codec", f"quantum_zstd takes fp32 hidden states, not {self._wire_dtype}")
+        self._session_codecs[(owner, session_id)] = mode
+
+    def forget_session(self, owner: str, session_id: str) -> None:
+        self._session_codecs.pop((owner, session_id), None)
+
+    def _session_mode(self, owner: str, session_id: str) -> str:
+        return self._session_codecs.get((owner, session_id), self._codec.mode)
+
+    def _hop_chooser(self, owner: str, session_id: str) -> CodecChooser:
+        """The next hop's chooser for this session's codec mode; every mode shares the hop's link."""
+        mode = self._session_mode(owner, session_id)
+        chooser = self._hop_codecs.get(mode)
         if chooser is None:
-            link = LinkEstimate(f"results-{owner[:8]}")
-            chooser = self._results_codecs[owner] = self._codec.for_link(link)
+            chooser = self._hop_codecs[mode] = self._codec.with_mode(mode)
         return chooser
 
-    def _result(self, out, owner: str) -> activation_pb2.StepResult:
+    def _results_link(self, owner: str) -> LinkEstimate:
+        link = self._results_links.get(owner)
+        if link is None:
+            link = self._results_links[owner] = LinkEstimate(f"results-{owner[:8]}")
+        return link
+
+    def _results_chooser(self, owner: str, session_id: str) -> CodecChooser:
+        mode = self._session_mode(owner, session_id)
+        chooser = self._results_codecs.get((owner, mode))
+        if chooser is None:
+            chooser = self._codec.with_mode(mode).for_link(self._results_link(owner))
+            self._results_codecs[(owner, mode)] = chooser
+        return chooser
+
+    def _forget_owner(self, owner: str) -> None:
+        self._results_links.pop(owner, None)
+        for key in [k for k in self._results_codecs if k[0] == owner]:
+            del self._results_codecs[key]
+        for key in [k for k in self._session_codecs if k[0] == owner]:
+            del self._session_codecs[key]
+
+    def _result(self, out, owner: str, session_id: str) -> activation_pb2.StepResult:
         """The final stage's result for ``owner``. Only logits are worth compressing on the return
         link (top-1 and sampled ids are a few bytes): chosen like the next hop's codec, from the
         owner's measured return link."""
         if out.logits is None:
             return result_from_output(out)
-        chooser = self._results_chooser(owner)
+        chooser = self._results_chooser(owner, session_id)
         codec = chooser.choose(out.logits)
         result = result_from_output(out, codec)
         chooser.sent(result.logits.raw_size, len(result.logits.data), codec)
@@ -203,10 +251,12 @@ class StageNode:
                     if now - detached.setdefault(owner, now) >= lease_grace_s:
                         released = self.engine.sessions.release_owner(owner)
                         del detached[owner]
-                        self._results_codecs.pop(owner, None)
+                        self._forget_owner(owner)
                         log.info("owner_sessions_released", sessions=len(released), reason="no lease")
                 for session_id in self.engine.sessions.reap_idle():
                     log.info("session_reaped", session_id=session_id, idle_timeout_s=idle_timeout_s)
+                for key in [k for k in self._session_codecs if k not in self.engine.sessions]:
+                    del self._session_codecs[key]  # sessions reaped, or whose open failed
 
         self._reaper = asyncio.create_task(reap(), name="session-reaper")
 

@@ -54,6 +54,10 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        """Whether (owner, session id) is open."""
+        return key in self._entries
+
     def owners(self) -> list[str]:
         return list(self._per_owner)
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pipeshard.clients.client import PipeshardClient
 from pipeshard.services.coordinator.generation import Generation, Summary
-from pipeshard.services.coordinator.ring import Ring
+from pipeshard.services.coordinator.ring import Ring, StageFailed
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.shard.prompting import Prompter
 
@@ -24,9 +27,18 @@ def shards(smollm2_export):
     return smollm2_export(2, "int4")
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def fleet(shards, fleet_factory):
-    return fleet_factory(shards, 2)
+    metrics = {name: _free_port() for name in ("stage0", "stage1")}
+    started = fleet_factory(shards, 2, metrics_ports=metrics)
+    started.metrics_ports = metrics
+    return started
 
 
 def _events(log_path, name: str) -> list[dict]:
@@ -96,3 +108,60 @@ def test_final_stage_sampling_gives_the_seeds_tokens(fleet, shards, seed):
     assert choices and {c["mode"] for c in choices} == {"auto"}
     fast = [c for c in choices if (c["bandwidth_bytes_s"] or 0) >= 1e9]
     assert {c["codec"] for c in fast} <= {"CODEC_NONE"}
+
+
+def _frames_by_codec(fleet, stage: str, link_prefix: str) -> dict[str, float]:
+    """Tensors ``stage`` has sent on its links named ``link_prefix``..., by codec (its metrics)."""
+    url = f"http://127.0.0.1:{fleet.metrics_ports[stage]}/metrics"
+    with urllib.request.urlopen(url, timeout=30) as response:
+        text = response.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "pipeshard_link_frames_total" and sample.labels["link"].startswith(link_prefix):
+                out[sample.labels["codec"]] = out.get(sample.labels["codec"], 0.0) + sample.value
+    return out
+
+
+def test_each_session_sends_with_the_codec_it_opened_with(fleet, shards):
+    """OpenSession's codec: a session asking none sends raw frames (and raw logits on the results
+    link), one asking lane blocks compresses them, in the same fleet, with the same tokens."""
+    prompter = Prompter.from_dir(shards)
+    ids = prompter.encode("", [("user", PROMPT)])
+    tokens: dict[tuple[str, str], list[int]] = {}
+    sent: dict[tuple[str, str], dict[str, float]] = {}
+
+    async def run() -> None:
+        ring = Ring(fleet.stages)
+        await ring.start()
+        try:
+            await ring.wait_ready(60)
+            gen = Generation(ring, prompter.tokenizer, prompter.eos_ids, final_stage_sampling=False)
+            for kind, params in (
+                ("greedy", SamplingParams(max_tokens=6, ignore_eos=True)),
+                ("logits", SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)),
+            ):
+                stage, link = ("stage0", "") if kind == "greedy" else ("stage1", "results-")
+                for codec in ("none", "lane_blocks_zstd"):
+                    ring.session_codec = codec
+                    before = _frames_by_codec(fleet, stage, link)
+                    events = [e async for e in gen.run(ids, params)]
+                    after = _frames_by_codec(fleet, stage, link)
+                    tokens[(kind, codec)] = events[-1].token_ids
+                    sent[(kind, codec)] = {c: n - before.get(c, 0.0) for c, n in after.items()}
+            ring.session_codec = "gzip"
+            with pytest.raises(StageFailed) as bad:
+                await ring.open_session("bad-codec")
+            assert bad.value.code == "INVALID_ARGUMENT" and "`codec`" in str(bad.value)
+            await gen.released()
+        finally:
+            await ring.close()
+
+    asyncio.run(run())
+    for kind in ("greedy", "logits"):
+        assert len(tokens[(kind, "none")]) == 6
+        assert tokens[(kind, "none")] == tokens[(kind, "lane_blocks_zstd")]
+        off, on = sent[(kind, "none")], sent[(kind, "lane_blocks_zstd")]
+        # Stage 0 sends a frame per step (prefill + decode steps); the results link a logits tensor.
+        assert off.get("CODEC_NONE", 0) >= 5 and off.get("CODEC_LANE_BLOCKS_ZSTD", 0) == 0, (kind, off)
+        assert on.get("CODEC_LANE_BLOCKS_ZSTD", 0) >= 5 and on.get("CODEC_NONE", 0) == 0, (kind, on)

@@ -89,3 +89,45 @@ def test_a_nonsense_return_link_measurement_names_its_field(bandwidth):
     node = StageNode(FinalEngine(np.zeros((1, 4), np.float32)), 1, next_hop=None)
     with pytest.raises(InvalidArgument, match="`results_link_bandwidth_bytes_per_second`"):
         node.note_results_link("owner-a", bandwidth)
+
+
+def _session_codecs(stage_mode: str, session_modes: dict[str, str]) -> dict[str, int]:
+    """Each session's logits codec on one final stage whose own ``--codec`` is ``stage_mode``."""
+    logits = (np.random.default_rng(0).standard_normal((1, VOCAB)) * 3).astype(np.float32)
+    node = StageNode(FinalEngine(logits), 1, next_hop=None, codec=CodecChooser(stage_mode, None))
+
+    async def run():
+        subscription = node.results.subscribe("owner-a", "sub")
+        out = {}
+        for session, mode in session_modes.items():
+            node.set_session_codec("owner-a", session, mode)
+            frame = _frame("owner-a")
+            frame.session_id = session
+            assert await node.handle(frame) is None
+            result = await subscription.get()
+            assert decode(result.logits, field="logits").tobytes() == logits.tobytes()
+            out[session] = result.logits.codec
+        return out
+
+    return asyncio.run(run())
+
+
+def test_each_session_sends_with_the_codec_it_asked_for():
+    codecs = _session_codecs("none", {"off": "none", "on": "lane_blocks_zstd", "default": ""})
+    assert codecs == {
+        "off": Codec.CODEC_NONE,
+        "on": Codec.CODEC_LANE_BLOCKS_ZSTD,
+        "default": Codec.CODEC_NONE,  # the stage's own --codec
+    }
+    # And the other way round: a session may turn off what the stage turns on.
+    assert _session_codecs("lane_blocks_zstd", {"off": "none", "default": ""}) == {
+        "off": Codec.CODEC_NONE,
+        "default": Codec.CODEC_LANE_BLOCKS_ZSTD,
+    }
+
+
+@pytest.mark.parametrize("mode", ["gzip", "AUTO", "on"])
+def test_an_unknown_session_codec_names_its_field(mode):
+    node = StageNode(FinalEngine(np.zeros((1, 4), np.float32)), 1, next_hop=None)
+    with pytest.raises(InvalidArgument, match="`codec`"):
+        node.set_session_codec("owner-a", "s", mode)
