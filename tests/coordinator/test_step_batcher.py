@@ -154,3 +154,29 @@ def test_inflight_defaults_to_one_batch_per_stage_and_a_negative_setting_is_refu
         resolve(CoordinatorSettings(stages=["127.0.0.1:1"], shards=Path("x"), inflight=-1))
     with pytest.raises(ValueError, match="inflight"):
         StepBatcher(lambda frames: None, sessions=lambda: 1, inflight=0)
+
+
+def test_the_batcher_times_decode_steps_by_their_positions_and_tells_each_session_its_load():
+    now = [0.0]
+
+    async def run(frames):  # a fake clock: 30 ms a step plus 4 ms a position
+        now[0] += 0.030 + 0.004 * sum(len(f.positions) for f in frames)
+        return [activation_pb2.StepResult(session_id=f.session_id) for f in frames]
+
+    async def main():
+        batcher = StepBatcher(run, sessions=lambda: 3, gather_s=0.05, clock=lambda: now[0])
+        await asyncio.gather(*(batcher.step(_frame(s, 40)) for s in "abc"))  # prefill: not timed
+        for step in range(1, 8):  # a verifies 1..7 positions beside b and c's decode rows
+            sizes = {"a": step, "b": 1, "c": 1}
+            await asyncio.gather(*(batcher.step(_frame(s, n, step)) for s, n in sizes.items()))
+        loads = batcher.load("a"), batcher.load("b")
+        batcher.forget("a")
+        await batcher.close()
+        return batcher, loads, batcher.load("a")
+
+    batcher, (load_a, load_b), forgotten = asyncio.run(main())
+    assert sorted(batcher.timing.seconds) == list(range(3, 10))  # 120-token prefill step left out
+    assert batcher.timing.estimate(20) == pytest.approx(0.030 + 0.004 * 20)
+    assert (load_a.rows, load_a.tokens) == (2, 2)  # b and c beside a's 7 positions
+    assert (load_b.rows, load_b.tokens) == (2, 8)
+    assert (forgotten.rows, forgotten.tokens) == (3, 9)  # a closed session: the latest step's
