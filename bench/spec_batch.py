@@ -163,7 +163,7 @@ def step_cost(ring: BatchedRing, rounds: int) -> dict:
 def batcher_line(ring: BatchedRing) -> dict:
     """The step cost line batch-aware K used at the end of the run: what the ring's step batcher
     fitted from its decode steps' wall times (ms at 0 positions, ms per position)."""
-    timing = ring.steps.timing
+    timing = ring.batch_steps.timing
     fixed = timing.estimate(0) or 0.0
     return {"fixed": fixed * 1e3, "per_position": ((timing.estimate(1) or 0.0) - fixed) * 1e3}
 

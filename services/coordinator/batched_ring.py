@@ -79,7 +79,7 @@ class BatchedRing(InProcessKv):
         return len(self._engines)
 
     @property
-    def steps(self) -> StepBatcher:
+    def batch_steps(self) -> StepBatcher:
         """Step cost and load for batch-aware K (speculation/policy.py, ``BatchSteps``)."""
         return self._batcher
 

@@ -375,7 +375,7 @@ class Generation:
         # A ring that batches every step (paged) times its steps and knows what shares a request's
         # next one, which batch-aware K weighs (speculation/policy.py); ``batch_aware_k`` False
         # chooses K as if alone, from the request's own wall time per step (A/B).
-        self._steps: BatchSteps | None = getattr(ring, "steps", None) if batch_aware_k else None
+        self._steps: BatchSteps | None = getattr(ring, "batch_steps", None) if batch_aware_k else None
 
     async def released(self) -> None:
         """Waits for the session releases still under way (before the ring closes)."""

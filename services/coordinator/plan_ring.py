@@ -42,7 +42,7 @@ class PlanRing:
         return self.ring.num_stages
 
     @property
-    def steps(self) -> StepBatcher:
+    def batch_steps(self) -> StepBatcher:
         """Step cost and load for batch-aware K (speculation/policy.py, ``BatchSteps``)."""
         return self.batcher
 
