@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 
 from pipeshard.errors import InvalidArgument, NotFound
+from pipeshard.services.coordinator.generation import Generation
 from pipeshard.services.coordinator.main import CoordinatorSettings, resolve
 from pipeshard.services.coordinator.plan_ring import PlanRing
+from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.speculation.policy import StepLoad
 from pipeshard.services.coordinator.step_batcher import StepBatcher
 from pipeshard.services.stage.domain import ReturnMode
 from pipeshard.services.stage.wire import plan_from_frames, steps_from_plan, token_frame
@@ -180,3 +183,22 @@ def test_the_batcher_times_decode_steps_by_their_positions_and_tells_each_sessio
     assert (load_a.rows, load_a.tokens) == (2, 2)  # b and c beside a's 7 positions
     assert (load_b.rows, load_b.tokens) == (2, 8)
     assert (forgotten.rows, forgotten.tokens) == (3, 9)  # a closed session: the latest step's
+
+
+def test_a_generation_on_a_batching_ring_takes_its_step_cost_and_load_from_the_batcher():
+    async def open_session(session_id, capacity):
+        return 1024
+
+    ring = PlanRing(SimpleNamespace(num_stages=2, step_plan=None, open_session=open_session))
+
+    def policy(generation):
+        request = asyncio.run(generation._open([1, 2, 3], SamplingParams(max_tokens=4), "", 0, True))
+        ring.batcher._loads[request.session_id] = StepLoad(7, 9)  # the rest of its last step
+        return request.policy
+
+    aware = policy(Generation(ring, None, set()))
+    assert aware.timing is ring.batcher.timing and not aware.times_steps
+    assert aware.load() == StepLoad(7, 9)
+    blind = policy(Generation(ring, None, set(), batch_aware_k=False))
+    assert blind.timing is not ring.batcher.timing and blind.times_steps
+    assert blind.load() == StepLoad()
