@@ -41,8 +41,9 @@ first token of probe requests on the paged 2-stage fleet idle and with 8 users d
 series run a 3-stage paged fleet on the WAN emulator at 50 ms per hop: 1/4/8/16 users plain
 (``sixteen_users_over_one_at_50ms``), 8 users with a batch in flight per stage
 (``inflight_gain_3stages_50ms``),
-and 1/4 users speculating per session (prompt lookup, K=BENCH_SPEC_K_WAN; its verify rows ride in
-the batch: ``full_stack_over_plain_at_50ms`` over one plain user). The emulator is one per machine,
+and 1/4 users speculating per session (prompt lookup, K=BENCH_SPEC_K_WAN, and with adaptive,
+batch-aware K in ``wan50_3s_paged_spec_auto``; its verify rows ride in the batch:
+``full_stack_over_plain_at_50ms`` over one plain user). The emulator is one per machine,
 so series on different WAN fleets run in separate phases, each interleaved on its own; every ratio
 is taken within one phase. ``isolation_ok`` covers the series that must be isolated (stateful, and
 paged exact at 1 thread); the others report their agreement with the solo runs, and at each
@@ -106,7 +107,7 @@ COORDINATOR_ARGS = ["--max-running", "16", "--step-timeout-s", "120"] + (
 class Series(NamedTuple):
     label: str
     stages: int
-    k: int  # fixed draft length of prompt-lookup speculation; 0: plain decoding
+    k: int  # fixed draft length of prompt-lookup speculation; 0: plain decoding; -1: adaptive K
     wan: bool
     levels: tuple[int, ...]
     threads: int = 0  # OpenVINO inference threads per stage; 0: the plugin's choice (2 here)
@@ -179,6 +180,14 @@ ALL_SERIES = {
         (1, 4),
         kv="paged",
     ),
+    "wan50_3s_paged_spec_auto": Series(
+        f"3 stages, paged, WAN 50 ms/hop, {SPEC_SOURCE} adaptive batch-aware K",
+        3,
+        -1,
+        True,
+        (1, 4),
+        kv="paged",
+    ),
 }
 # What BENCH_QUICK=1 runs: every #17 key (and the #16 paged keys) in one WAN phase.
 QUICK_SERIES = (
@@ -238,7 +247,7 @@ async def _stream(address: str, k: int, user: int, max_tokens: int = TOKENS, sta
             max_tokens=max_tokens,
             ignore_eos=True,
             speculative=SPEC_SOURCE if k else "",
-            k=k,
+            k=max(k, 0),
         )
         async for response in responses:
             if response.HasField("chunk"):
@@ -579,7 +588,7 @@ def main() -> int:
     }
     if "wan50_3s_paged_x1" in samples:  # #17: speculation riding in the batch, over one plain user
         ratios["full_stack_over_plain_at_50ms"] = (
-            [f"wan50_3s_paged{m}_x{c}" for m in ("", "_spec") for c in (1, 2, 3, 4)],
+            [f"wan50_3s_paged{m}_x{c}" for m in ("", "_spec", "_spec_auto") for c in (1, 2, 3, 4)],
             "wan50_3s_paged_x1",
         )
     # The ratios on the paged 2-stage fleet in exact mode, else on the in-process paged ring.

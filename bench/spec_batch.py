@@ -15,6 +15,9 @@ what prompt lookup predicts perfectly); the kept set's repetition rate (repeated
 4-grams) is reported with every speculative figure. Exactness: every speculative user's tokens
 must equal its plain greedy answer (``exact_ok``).
 
+Batch-aware K times T from the ring's own steps (the step batcher, send to result, once for all
+sessions); the JSON reports the line it ended with (``batcher_step_line_ms``).
+
 First, the cost model of batch-aware K (services/coordinator/speculation/policy.py): one step of
 the two paged stages against its rows and tokens (decode rows of 1 token, verify rows of 4-16),
 configurations interleaved, median process CPU time and wall time per step (CPU time, because the
@@ -155,6 +158,14 @@ def step_cost(ring: BatchedRing, rounds: int) -> dict:
     design = np.array([[1.0, t["tokens"], t["rows"]] for t in table.values()])
     a, b, c = np.linalg.lstsq(design, np.array([t["cpu_ms"] for t in table.values()]), rcond=None)[0]
     return {"shapes": table, "fit_cpu_ms": {"fixed": a, "per_token": b, "per_row": c}}
+
+
+def batcher_line(ring: BatchedRing) -> dict:
+    """The step cost line batch-aware K used at the end of the run: what the ring's step batcher
+    fitted from its decode steps' wall times (ms at 0 positions, ms per position)."""
+    timing = ring.batch_steps.timing
+    fixed = timing.estimate(0) or 0.0
+    return {"fixed": fixed * 1e3, "per_position": ((timing.estimate(1) or 0.0) - fixed) * 1e3}
 
 
 def most_repeated(tokens: list[int], n: int = 4) -> int:
@@ -300,6 +311,7 @@ def measure(users: Users) -> int:
         "baselines": "spec_N over plain_N; spec_N over spec_blind_N (K chosen as if alone)",
         "precision": "exact, 1 thread per stage, INT4 2 stages, in-process BatchedRing",
         "step_cost": cost,
+        "batcher_step_line_ms": batcher_line(users.ring),
     }
     for n in USERS:
         r, ci = ratio_ci(samples[f"spec_{n}"], samples[f"plain_{n}"])

@@ -78,6 +78,11 @@ class BatchedRing(InProcessKv):
     def num_stages(self) -> int:
         return len(self._engines)
 
+    @property
+    def batch_steps(self) -> StepBatcher:
+        """Step cost and load for batch-aware K (speculation/policy.py, ``BatchSteps``)."""
+        return self._batcher
+
     def warmup(self) -> None:
         for shard in self.shards:
             shard.warmup()
@@ -98,6 +103,7 @@ class BatchedRing(InProcessKv):
     async def release_session(self, session_id: str) -> None:
         """Frees the session's blocks on every stage at once; a queued frame of it fails."""
         self._open.discard(session_id)
+        self._batcher.forget(session_id)
         for engine in self._engines:
             engine.sessions.release(LOCAL_OWNER, session_id)
 

@@ -42,7 +42,7 @@ from pipeshard.services.coordinator.prefix_cache import PrefixIndex
 from pipeshard.services.coordinator.sampling import Sampler, SamplingParams, token_logprobs
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
-from pipeshard.services.coordinator.speculation.policy import KPolicy, SourceMemory, StepLoad, TimingModel
+from pipeshard.services.coordinator.speculation.policy import BatchSteps, KPolicy, SourceMemory, TimingModel
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.services.stage.wire import token_frame
 from pipeshard.tensor_codec import decode
@@ -372,11 +372,10 @@ class Generation:
         self.timing = TimingModel()  # traversal cost by positions, learned across requests
         self._sources: dict[str, SourceMemory] = {}  # acceptance by draft source, across requests
         self._releases: set[asyncio.Task] = set()
-        # Tokens of each running request's latest frame: on a ring that batches (paged), the rows
-        # that share a request's next step, which batch-aware K weighs (speculation/policy.py).
-        self._rows: dict[int, int] = {}
-        # The paged rings batch every step; ``batch_aware_k`` False chooses K as if alone (A/B).
-        self._batches = batch_aware_k and getattr(ring, "truncates_on_rewind", False)
+        # A ring that batches every step (paged) times its steps and knows what shares a request's
+        # next one, which batch-aware K weighs (speculation/policy.py); ``batch_aware_k`` False
+        # chooses K as if alone, from the request's own wall time per step (A/B).
+        self._steps: BatchSteps | None = getattr(ring, "batch_steps", None) if batch_aware_k else None
 
     async def released(self) -> None:
         """Waits for the session releases still under way (before the ring closes)."""
@@ -416,7 +415,6 @@ class Generation:
             if cache:
                 await self._warm(request, scope)
             for frame in request.prefill_frames(self._prefill_chunk):
-                self._rows[id(request)] = len(frame.positions)
                 await self._ring.step(frame)
             done = False
             while not done:
@@ -447,6 +445,14 @@ class Generation:
         max_context = await self._ring.open_session(session_id, self._capacity(prompt_ids, params))
         drafter = factory() if factory else None
         memory = None if mode == "none" else self._sources.setdefault(mode, SourceMemory())
+        steps = self._steps
+        policy = KPolicy(
+            self.timing if steps is None else steps.timing,
+            fixed_k=k or None,
+            max_k=self.max_k,
+            memory=memory,
+            times_steps=steps is None,
+        )
         request = _Request(
             session_id,
             prompt_ids,
@@ -455,21 +461,15 @@ class Generation:
             max_context=max_context,
             drafter=drafter,
             final_stage_sampling=self.final_stage_sampling,
-            policy=KPolicy(self.timing, fixed_k=k or None, max_k=self.max_k, memory=memory),
+            policy=policy,
             detok=IncrementalDetokenizer(self._tok, params.stop),
             stop_ids=set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos),
             metered=metered,
             truncates=getattr(self._ring, "truncates_on_rewind", False),
         )
-        if self._batches:
-            request.policy.load = lambda: self._step_load(request)
+        if steps is not None:
+            policy.load = lambda: steps.load(request.session_id)
         return request
-
-    def _step_load(self, request: _Request) -> StepLoad:
-        """The other running requests' rows and tokens as they last sent them: what the request's
-        next step will carry besides its own row (a batcher may also run some of them apart)."""
-        others = [n for key, n in self._rows.items() if key != id(request)]
-        return StepLoad(rows=len(others), tokens=sum(others))
 
     def _capacity(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """The cache room a request can use (what a paged stage reserves): its prompt, its tokens
@@ -538,7 +538,6 @@ class Generation:
         """One traversal: the last token plus any drafts through every stage, then acceptance."""
         draft = request.draft()
         frame = request.frame(draft)
-        self._rows[id(request)] = len(frame.positions)
         sent = time.perf_counter()
         result = await self._ring.step(frame)
         elapsed = time.perf_counter() - sent
@@ -552,7 +551,6 @@ class Generation:
     def _close(self, request: _Request, failure: str) -> None:
         """Frees the session on every stage in the background, even when the client went away
         mid-stream; a failed generation aborts (each stage logs why) instead of releasing."""
-        self._rows.pop(id(request), None)
         if request.drafter is not None:
             request.drafter.close()
         self._in_background(

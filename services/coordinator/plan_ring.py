@@ -41,6 +41,11 @@ class PlanRing:
     def num_stages(self) -> int:
         return self.ring.num_stages
 
+    @property
+    def batch_steps(self) -> StepBatcher:
+        """Step cost and load for batch-aware K (speculation/policy.py, ``BatchSteps``)."""
+        return self.batcher
+
     async def open_session(self, session_id: str, capacity: int | None = None) -> int:
         max_context = await self.ring.open_session(session_id, capacity)
         self._open.add(session_id)
@@ -48,10 +53,12 @@ class PlanRing:
 
     async def release_session(self, session_id: str) -> None:
         self._open.discard(session_id)
+        self.batcher.forget(session_id)
         await self.ring.release_session(session_id)
 
     async def abort_session(self, session_id: str, reason: str) -> None:
         self._open.discard(session_id)
+        self.batcher.forget(session_id)
         await self.ring.abort_session(session_id, reason)
 
     async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> list[int]:

@@ -19,6 +19,12 @@ groups: a step takes at most its share, ceil(open sessions / inflight), of the d
 
 After a step the scheduler waits up to ``gather_s`` for the sessions just answered to send their
 next frames, so they ride in the same next step instead of trickling into separate ones.
+
+Batch-aware K (speculation/policy.py, ``BatchSteps``): the batcher times each step of decode rows
+from send to result and fits its cost by total positions once for all sessions (``timing``), and
+tells a session what else rode in its last step (``load``): the step its next frame will join.
+Steps carrying prefill chunks are not timed: a chunk's positions cost less each than a verify
+row's (the multi-row attention kernel), and K is chosen for decode steps.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from pipeshard.services.coordinator.speculation.policy import StepLoad, TimingModel
 from pipeshard.v1 import activation_pb2
 
 # Tokens one step may carry beyond the decode rows; prefill chunks wait for a step with room.
@@ -61,6 +69,7 @@ class StepBatcher:
         step_tokens: int = DEFAULT_STEP_TOKENS,
         gather_s: float = 0.002,
         inflight: int = 1,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         if inflight < 1:
             raise ValueError(f"inflight must be at least 1, got {inflight}")
@@ -74,6 +83,9 @@ class StepBatcher:
         self.max_in_flight = 0  # the most steps that were in flight at once
         self.last_step_rows = 0  # rows and tokens of the latest step (how full steps run)
         self.last_step_tokens = 0
+        self.timing = TimingModel()  # decode steps' cost by total positions, send to result
+        self._clock = clock
+        self._loads: dict[str, StepLoad] = {}  # per session: the rest of its last step
         self._queue: list[_Waiting] = []
         self._rows_in_flight = 0
         self._steps: set[asyncio.Task] = set()
@@ -107,6 +119,15 @@ class StepBatcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
+    def load(self, session_id: str) -> StepLoad:
+        """The other rows and tokens of the session's last step (what its next frame will ride
+        with); the latest step's for a session that has not stepped yet."""
+        return self._loads.get(session_id) or StepLoad(self.last_step_rows, self.last_step_tokens)
+
+    def forget(self, session_id: str) -> None:
+        """The session has closed."""
+        self._loads.pop(session_id, None)
+
     def _share(self) -> int:
         """Decode rows one step may take: the open sessions split over the steps in flight."""
         return max(1, -(-self._sessions() // self.inflight))
@@ -138,14 +159,19 @@ class StepBatcher:
         self.rows_run += len(batch)
         self.last_step_rows = len(batch)
         self.last_step_tokens = sum(w.tokens for w in batch)
+        for w in batch:
+            self._loads[w.frame.session_id] = StepLoad(len(batch) - 1, self.last_step_tokens - w.tokens)
         self._rows_in_flight += len(batch)
         task = asyncio.create_task(self._run_step(batch), name="batch-step")
         self._steps.add(task)
         self.max_in_flight = max(self.max_in_flight, len(self._steps))
 
     async def _run_step(self, batch: list[_Waiting]) -> None:
+        sent = self._clock()
         try:
             answers = await self._run([w.frame for w in batch])
+            if all(w.tokens <= DECODE_ROW_TOKENS for w in batch):
+                self.timing.observe(sum(w.tokens for w in batch), self._clock() - sent)
         except Exception as exc:  # a runner that raises fails every row of its step
             answers = [exc] * len(batch)
         finally:

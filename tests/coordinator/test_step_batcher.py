@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 
 from pipeshard.errors import InvalidArgument, NotFound
+from pipeshard.services.coordinator.generation import Generation
 from pipeshard.services.coordinator.main import CoordinatorSettings, resolve
 from pipeshard.services.coordinator.plan_ring import PlanRing
+from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.speculation.policy import StepLoad
 from pipeshard.services.coordinator.step_batcher import StepBatcher
 from pipeshard.services.stage.domain import ReturnMode
 from pipeshard.services.stage.wire import plan_from_frames, steps_from_plan, token_frame
@@ -154,3 +157,48 @@ def test_inflight_defaults_to_one_batch_per_stage_and_a_negative_setting_is_refu
         resolve(CoordinatorSettings(stages=["127.0.0.1:1"], shards=Path("x"), inflight=-1))
     with pytest.raises(ValueError, match="inflight"):
         StepBatcher(lambda frames: None, sessions=lambda: 1, inflight=0)
+
+
+def test_the_batcher_times_decode_steps_by_their_positions_and_tells_each_session_its_load():
+    now = [0.0]
+
+    async def run(frames):  # a fake clock: 30 ms a step plus 4 ms a position
+        now[0] += 0.030 + 0.004 * sum(len(f.positions) for f in frames)
+        return [activation_pb2.StepResult(session_id=f.session_id) for f in frames]
+
+    async def main():
+        batcher = StepBatcher(run, sessions=lambda: 3, gather_s=0.05, clock=lambda: now[0])
+        await asyncio.gather(*(batcher.step(_frame(s, 40)) for s in "abc"))  # prefill: not timed
+        for step in range(1, 8):  # a verifies 1..7 positions beside b and c's decode rows
+            sizes = {"a": step, "b": 1, "c": 1}
+            await asyncio.gather(*(batcher.step(_frame(s, n, step)) for s, n in sizes.items()))
+        loads = batcher.load("a"), batcher.load("b")
+        batcher.forget("a")
+        await batcher.close()
+        return batcher, loads, batcher.load("a")
+
+    batcher, (load_a, load_b), forgotten = asyncio.run(main())
+    assert sorted(batcher.timing.seconds) == list(range(3, 10))  # 120-token prefill step left out
+    assert batcher.timing.estimate(20) == pytest.approx(0.030 + 0.004 * 20)
+    assert (load_a.rows, load_a.tokens) == (2, 2)  # b and c beside a's 7 positions
+    assert (load_b.rows, load_b.tokens) == (2, 8)
+    assert (forgotten.rows, forgotten.tokens) == (3, 9)  # a closed session: the latest step's
+
+
+def test_a_generation_on_a_batching_ring_takes_its_step_cost_and_load_from_the_batcher():
+    async def open_session(session_id, capacity):
+        return 1024
+
+    ring = PlanRing(SimpleNamespace(num_stages=2, step_plan=None, open_session=open_session))
+
+    def policy(generation):
+        request = asyncio.run(generation._open([1, 2, 3], SamplingParams(max_tokens=4), "", 0, True))
+        ring.batcher._loads[request.session_id] = StepLoad(7, 9)  # the rest of its last step
+        return request.policy
+
+    aware = policy(Generation(ring, None, set()))
+    assert aware.timing is ring.batcher.timing and not aware.times_steps
+    assert aware.load() == StepLoad(7, 9)
+    blind = policy(Generation(ring, None, set(), batch_aware_k=False))
+    assert blind.timing is not ring.batcher.timing and blind.times_steps
+    assert blind.load() == StepLoad()

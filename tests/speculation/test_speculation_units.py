@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from scipy import stats
@@ -12,12 +14,16 @@ from pipeshard.services.coordinator.sampling import Sampler, SamplingParams
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
 from pipeshard.services.coordinator.speculation.drafts import NgramDrafter
 from pipeshard.services.coordinator.speculation.policy import (
+    BatchSteps,
     KPolicy,
     SourceMemory,
     StepLoad,
     TimingModel,
     expected_tokens,
 )
+from pipeshard.services.coordinator.step_batcher import StepBatcher
+from pipeshard.services.stage.wire import token_frame
+from pipeshard.v1 import activation_pb2
 
 
 def test_greedy_keeps_the_matching_prefix_and_the_targets_next_token():
@@ -175,6 +181,54 @@ def test_batch_aware_k_times_the_whole_step():
     alone.choose(limit=100)
     alone.observe(3, 2, 0.02, 0.001)
     assert timing.seconds[4] == 0.02
+
+
+def _steps_of(users: int, fixed_s: float, per_position_s: float) -> BatchSteps:
+    """A step batcher after 12 steps of ``users`` sessions on a fake clock: each step costs
+    ``fixed_s`` plus ``per_position_s`` per position; session 0 verifies 0..5 drafts."""
+    now = [0.0]
+
+    async def run(frames):
+        now[0] += fixed_s + per_position_s * sum(len(f.positions) for f in frames)
+        return [activation_pb2.StepResult() for _ in frames]
+
+    async def main():
+        batcher = StepBatcher(run, sessions=lambda: users, gather_s=0.05, clock=lambda: now[0])
+        for step in range(12):
+            sizes = [1 + step % 6] + [1] * (users - 1)
+            await asyncio.gather(
+                *(batcher.step(token_frame(f"s{i}", step, [7] * n, 0, True)) for i, n in enumerate(sizes))
+            )
+        await batcher.close()
+        return batcher
+
+    return asyncio.run(main())
+
+
+def _batch_k(steps: BatchSteps, acceptance_quarter: bool = True) -> int:
+    """K that session 0 chooses from the batcher's timing and load, having kept one draft in
+    four (or every draft) while each of its steps took 10 s of wall time (waiting included)."""
+    policy = KPolicy(
+        steps.timing, fixed_k=None, explore_every=1000, load=lambda: steps.load("s0"), times_steps=False
+    )
+    fitted = dict(steps.timing.seconds)
+    for kept in (1, 0, 0) * 10 if acceptance_quarter else (4,) * 30:
+        policy.observe(4, kept, 10.0, 0.0)
+    assert steps.timing.seconds == fitted  # a request's wall time does not feed the batcher's
+    return policy.choose(limit=100)
+
+
+def test_batch_aware_k_falls_to_plain_in_a_full_compute_bound_step():
+    # The paged 2-stage step: 34 ms plus 3.5 ms a position; one draft in four kept.
+    assert _batch_k(_steps_of(8, 0.034, 0.0035)) == 0  # 7 rows wait for each draft
+    assert _batch_k(_steps_of(1, 0.034, 0.0035)) >= 1  # alone the same draft pays
+    assert _batch_k(_steps_of(8, 0.034, 0.0035), acceptance_quarter=False) >= 3
+
+
+def test_batch_aware_k_stays_on_when_the_step_is_latency_bound():
+    # Four 50 ms hops: the fixed cost dwarfs a position's, so drafts are nearly free.
+    assert _batch_k(_steps_of(8, 0.200, 0.0035)) >= 1
+    assert _batch_k(_steps_of(8, 0.200, 0.0035), acceptance_quarter=False) >= 6
 
 
 def test_fixed_k_is_kept_and_clipped():

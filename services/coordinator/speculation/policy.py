@@ -20,8 +20,11 @@ tokens per second, not the request's alone,
 
     rate(K) = (R + E[tokens | K]) / (T(n + K + 1) + K * t_draft)
 
-where R and n are the other sessions' rows and tokens in the step (``StepLoad``, what they sent
-last) and ``T`` is keyed by the step's total positions. Measured on the paged 2-stage INT4 stages
+where R and n are the other sessions' rows and tokens in the step (``StepLoad``) and ``T`` is
+keyed by the step's total positions. Both come from the ring's step batcher (``BatchSteps``): it
+times every step from send to result once for all sessions, so ``T`` is what a step costs, not a
+request's wall time per step (which in a batch includes waiting for the step under way: a flat
+line that made drafts look free). Measured on the paged 2-stage INT4 stages
 (docs/BENCHMARKS.md, bench.spec_batch, "step cost against rows and tokens"), a step's cost grows
 about linearly with its tokens whichever rows carry them (a row adds little), so ``T`` stays one
 line fitted over total positions. Alone (R = n = 0) this is the formula above; in a full step
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -45,6 +49,11 @@ _EMA = 0.2
 # for a source that never agrees, little enough that the request's own text soon takes over.
 _MEMORY_WEIGHT = 5.0
 _MEMORY_DECAY = 0.98
+# The line is fitted once the measured positions span this many (a narrower spread, e.g. a batch
+# whose sessions all decode plainly, measures noise, not a slope: the prior slope stands in).
+_MIN_SPAN = 4
+# A position count's weight in the fit grows with its samples up to this many.
+_MAX_WEIGHT = 20
 
 
 def ema(old: float | None, new: float) -> float:
@@ -71,6 +80,17 @@ class StepLoad:
 LoadProbe = Callable[[], StepLoad]
 
 
+class BatchSteps(Protocol):
+    """What a ring that batches every step (its ``StepBatcher``) tells adaptive K: the cost of its
+    steps by total positions, timed from send to result once for all sessions, and the rest of
+    the step a session's next frame joins."""
+
+    @property
+    def timing(self) -> TimingModel: ...
+
+    def load(self, session_id: str) -> StepLoad: ...
+
+
 def _alone() -> StepLoad:
     return StepLoad()
 
@@ -78,30 +98,37 @@ def _alone() -> StepLoad:
 @dataclass
 class TimingModel:
     """Wall time of a traversal by the step's positions (every session's rows in it), shared by
-    every request of a coordinator."""
+    every request of a coordinator (or, batched, timed by the step batcher for all of them)."""
 
     seconds: dict[int, float] = field(default_factory=dict)
+    samples: dict[int, int] = field(default_factory=dict)  # observations per position count
     _line: tuple[float, float] | None = field(default=None, repr=False)  # fitted (slope, intercept)
 
     def observe(self, positions: int, seconds: float) -> None:
         self.seconds[positions] = ema(self.seconds.get(positions), seconds)
+        self.samples[positions] = self.samples.get(positions, 0) + 1
         self._line = None
 
     def estimate(self, positions: int) -> float | None:
-        if positions in self.seconds:
-            return self.seconds[positions]
         if not self.seconds:
             return None
-        if len(self.seconds) >= 2:
-            if self._line is None:  # refit only after new observations (choose asks per K)
-                n = np.fromiter(self.seconds.keys(), dtype=np.float64)
-                t = np.fromiter(self.seconds.values(), dtype=np.float64)
-                slope, intercept = np.polyfit(n, t, 1)
-                self._line = (max(float(slope), 0.0), float(intercept))
-            slope, intercept = self._line
-            return max(intercept + slope * positions, 1e-6)
-        ((n0, t0),) = self.seconds.items()
-        return t0 * (1.0 + _PRIOR_SLOPE * (positions - 1)) / (1.0 + _PRIOR_SLOPE * (n0 - 1))
+        if self._line is None:  # refit only after new observations (choose asks per K)
+            self._line = self._fit()
+        slope, intercept = self._line
+        return max(intercept + slope * positions, 1e-6)
+
+    def _fit(self) -> tuple[float, float]:
+        """(slope, intercept) of the line through the measured points, weighted by how often each
+        was measured; over too narrow a spread, the prior slope through the best-measured point."""
+        n = np.fromiter(self.seconds.keys(), dtype=np.float64)
+        t = np.fromiter(self.seconds.values(), dtype=np.float64)
+        w = np.fromiter((min(self.samples.get(k, 1), _MAX_WEIGHT) for k in self.seconds), dtype=np.float64)
+        if n.max() - n.min() >= _MIN_SPAN:
+            slope, intercept = np.polyfit(n, t, 1, w=np.sqrt(w))
+            return max(float(slope), 0.0), float(intercept)
+        i = int(np.argmax(w))
+        base = t[i] / (1.0 + _PRIOR_SLOPE * (n[i] - 1))  # a one-position traversal
+        return _PRIOR_SLOPE * base, base * (1.0 - _PRIOR_SLOPE)
 
 
 @dataclass
@@ -136,9 +163,13 @@ class KPolicy:
         explore_every: int = 8,
         memory: SourceMemory | None = None,
         load: LoadProbe = _alone,
+        times_steps: bool = True,
     ):
+        """``times_steps`` False: ``timing`` is fed by whoever runs the steps (the step batcher),
+        not from this request's wall time per step."""
         self.timing = timing
         self.load = load
+        self.times_steps = times_steps
         self.fixed_k = fixed_k
         self.max_k = max_k
         self.initial_k = initial_k
@@ -194,7 +225,8 @@ class KPolicy:
     def observe(self, k: int, kept: int, seconds: float, draft_seconds: float) -> None:
         """One step's outcome: ``kept`` of ``k`` drafts accepted; wall times of the traversal
         and of drafting."""
-        self.timing.observe(self._load.tokens + k + 1, seconds)
+        if self.times_steps:
+            self.timing.observe(self._load.tokens + k + 1, seconds)
         if k == 0:
             return
         self._kept, self._tried = decayed_counts(self._kept, self._tried, 0.9, k, kept)
