@@ -14,6 +14,11 @@ prompts). For each:
   speed      aggregate tok/s at 1 and 8 users and the TTFT of a ~1024-token prompt, all candidates
              in shuffled interleaved rounds; ratios of medians with 95% bootstrap intervals
              against ``default``.
+``python -m bench.precision_modes kernels`` instead runs, per candidate, the stage-0 checks that
+say which kernel path moves a row (bench/results/precision_kernels.json; a minute in all): a
+decode row beside another sequence's chunk of M-1 tokens (M = 1..256) and after one of k tokens,
+against M = 2 / k = 0; a prompt token computed inside its 64-token chunk against the same token
+decoded alone after its prefix (what a restored prefix's suffix meets); a prompt split 5 + 59.
 Knobs: BENCH_CANDIDATES=a,b (default: DEFAULT_CANDIDATES), BENCH_ROUNDS (4) after one warm-up
 round, BENCH_TOKENS (128), BENCH_PREFIX_PROMPTS (3), PIPESHARD_SHARDS_DIR (an existing
 ``smollm2-135m-instruct-2s-int4`` export there is used, else exported). Writes
@@ -28,6 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import openvino as ov
 
 from bench.batched import PROMPTS, LocalUsers, top2_margins
@@ -38,6 +44,7 @@ from pipeshard.offline import set_offline_defaults
 from pipeshard.services.coordinator.generation import Chunk, Generation, Summary
 from pipeshard.services.coordinator.prefix_cache import PrefixIndex
 from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.shard.paged import PagedRow, PagedShard
 
 EXPORT_NAME = "smollm2-135m-instruct-2s-int4"
 USERS = 8
@@ -202,8 +209,105 @@ def ttft_ms(users: LocalUsers, ids: list[int]) -> float:
     return users.loop.run_until_complete(first())
 
 
+KERNEL_CANDIDATES = (
+    "exact",
+    "exact_2t",
+    "default",
+    "default_1t",
+    "f32_dq32_1t",
+    "bf16_dq0_u8kv_1t",
+    "bf16_dq0_bf16kv_1t",
+)
+
+
+def kernel_checks(export, candidate: Candidate) -> dict:
+    """Max |delta| of stage 0's hidden states between groupings that a row-independent kernel
+    would compute alike (random token ids; the bits, not the text, matter here)."""
+    shard = PagedShard(
+        export,
+        0,
+        candidate.precision,
+        candidate.threads,
+        cache_bytes=128 << 20,
+        core=core_for(candidate),
+        verify=False,
+    )
+    rng = np.random.default_rng(0)
+    prompt, filler = rng.integers(100, 5000, 37), rng.integers(100, 5000, 600)
+    names = iter(range(10**6))
+
+    def decode_row(before: int, after: int) -> np.ndarray:
+        """The prompt's next token as a decode row between other sequences' chunks of ``before``
+        and ``after`` tokens."""
+        seq = next(names)
+        shard.open(seq, 64)
+        shard.step([PagedRow(seq, prompt)])
+        rows = [PagedRow(seq, np.array([11]))]
+        others = [next(names) for n in (before, after) if n]
+        for other in others:
+            shard.open(other, 700)
+        if before:
+            rows.insert(0, PagedRow(others[0], filler[:before]))
+        if after:
+            rows.append(PagedRow(others[-1], filler[:after]))
+        out = shard.step(rows)[1 if before else 0]
+        for done in (seq, *others):
+            shard.free(done)
+        return out
+
+    def delta(a: np.ndarray, b: np.ndarray) -> float:
+        return float(np.abs(a - b).max())
+
+    ref = decode_row(0, 1)
+    beside = {m: delta(decode_row(0, m - 1), ref) for m in (1, 2, 4, 8, 16, 64, 256)}
+    after = {k: delta(decode_row(k, 0), decode_row(0, 0)) for k in (1, 7, 33, 255)}
+    seq = next(names)
+    shard.open(seq, 64)
+    whole = shard.step([PagedRow(seq, filler[:64])])[0]
+    own = {}
+    for k in (1, 8, 31, 32, 33, 63):
+        s = next(names)
+        shard.open(s, 64)
+        shard.step([PagedRow(s, filler[:k])])
+        own[k] = delta(shard.step([PagedRow(s, filler[k : k + 1])])[0][0], whole[k])
+    s = next(names)
+    shard.open(s, 64)
+    shard.step([PagedRow(s, filler[:5])])
+    split = delta(shard.step([PagedRow(s, filler[5:64])])[0], whole[5:])
+    return {
+        "decode_row_beside_m_tokens_vs_m2": beside,
+        "decode_row_after_k_tokens_vs_first": after,
+        "chunk_token_vs_decoded_alone": own,
+        "prompt_split_5_59_vs_whole": split,
+    }
+
+
+def kernels() -> None:
+    names = [n for n in os.environ.get("BENCH_CANDIDATES", ",".join(KERNEL_CANDIDATES)).split(",")]
+    export = export_dir()
+    out = {}
+    for name in names:
+        try:
+            out[name] = {
+                "properties": CANDIDATES[name].properties,
+                "threads": CANDIDATES[name].threads,
+                **kernel_checks(export, CANDIDATES[name]),
+            }
+        except RuntimeError as exc:
+            out[name] = {"compile_error": str(exc).strip().splitlines()[-1]}
+        print(name, out[name], file=sys.stderr, flush=True)
+    write_result(
+        "precision_kernels",
+        {"export": str(export), "candidates": out},
+        "python -m bench.precision_modes kernels",
+    )
+
+
 def main() -> None:
     set_offline_defaults()
+    if sys.argv[1:] == ["kernels"]:
+        kernels()
+        return
     unknown = [n for n in NAMES if n not in CANDIDATES]
     if unknown or "default" not in NAMES:
         sys.exit(f"BENCH_CANDIDATES must include default and name only {', '.join(CANDIDATES)}: {unknown}")
