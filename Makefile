@@ -23,7 +23,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup proto lint model export test test-fast test-exactness test-extended clean up down run-stage demo bench-parity bench-numerics bench-prefill bench-pipeline bench-commits bench-mbatch bench-spec bench-gateway serve-openai wan-up wan-down distil soak bench-planner bench-compress bench-wan bench-prefix
+.PHONY: setup proto lint model export test test-fast test-exactness test-extended clean up down run-stage demo bench-parity bench-numerics bench-prefill bench-pipeline bench-commits bench-mbatch bench-spec bench-gateway serve-openai wan-up wan-down distil soak bench-planner bench-compress bench-wan bench-prefix bench-precision-modes
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -90,6 +90,10 @@ bench-parity: model
 ## bench-numerics: max |delta logit| of verify rows, prefill chunks and batch rows against one-row decoding, per set of CPU properties (bench/results/numerics.json)
 bench-numerics: model
 	$(PY) -m bench.numerics
+
+## bench-precision-modes: compile-setting candidates on the paged in-process ring: isolation of 8 batched users, prefix warm vs cold, 1/8-user tok/s and 1024-token TTFT against default (bench/results/precision_modes.json)
+bench-precision-modes: model
+	$(PY) -m bench.precision_modes
 
 ## bench-prefill: TTFT at 128-4000 prompt tokens, ours (1-/2-stage in-process, 2-stage fleet) vs LLMPipeline; cold vs warm first request (bench/results/prefill.json, docs/img/prefill_ttft.png)
 bench-prefill: model

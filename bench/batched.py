@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
+import openvino as ov
 
 from pipeshard.services.coordinator.batched_ring import BatchedRing
 from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation, Summary
@@ -74,10 +75,20 @@ class Round:
 class LocalUsers:
     """One ring and its generation; ``run(c)`` serves users 0..c-1 at once."""
 
-    def __init__(self, export, *, paged: bool, precision: str, threads: int | None, tokens: int):
+    def __init__(
+        self,
+        export,
+        *,
+        paged: bool,
+        precision: str,
+        threads: int | None,
+        tokens: int,
+        core: ov.Core | None = None,
+    ):
+        """``core`` (paged only): a Core with extra CPU properties, for bench.precision_modes."""
         self.prompter = Prompter.from_dir(export)
         if paged:
-            self.ring = BatchedRing(export, precision, threads, cache_bytes=128 << 20)
+            self.ring = BatchedRing(export, precision, threads, cache_bytes=128 << 20, core=core)
             chunk = self.ring.prefill_chunk
         else:
             self.ring = LocalRing(export, precision, threads)
@@ -136,11 +147,19 @@ def latency(rounds: list[Round]) -> dict:
     }
 
 
-def top2_margins(export, precision: str, cases: list[tuple[list[int], list[int], int]]) -> list[dict]:
+def top2_margins(
+    export,
+    precision: str,
+    cases: list[tuple[list[int], list[int], int]],
+    *,
+    threads: int | None = None,
+    core: ov.Core | None = None,
+) -> list[dict]:
     """Teacher-forced top-2 logit margins on the paged backend in this process: for each (prompt ids,
     solo tokens, position), the prompt and the solo tokens before the position go in and the logits
-    there come out; also whether their argmax is the solo token (the same kernels as the fleet's)."""
-    ring = BatchedRing(export, precision, None, cache_bytes=64 << 20)
+    there come out; also whether their argmax is the solo token (the same kernels as the fleet's).
+    ``threads`` and ``core`` (extra CPU properties) as the measured ring had them."""
+    ring = BatchedRing(export, precision, threads, cache_bytes=64 << 20, core=core)
     chunk = ring.prefill_chunk
 
     async def one(ids: list[int], solo: list[int], at: int) -> dict:

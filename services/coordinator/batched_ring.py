@@ -52,10 +52,13 @@ class BatchedRing(InProcessKv):
         gather_s: float = 0.002,
         prefix_cache_bytes: int = 512 * 1024 * 1024,
         inflight: int = 1,
+        core: ov.Core | None = None,
     ):
+        """``core``: a Core carrying extra CPU properties (bench-precision-modes compares
+        compile settings through it); a fresh one by default."""
         self.export_dir = Path(export_dir)
         manifest = load_manifest(self.export_dir)
-        core = ov.Core()
+        core = core or ov.Core()
         self.shards = [
             PagedShard(self.export_dir, i, precision, num_threads, cache_bytes=cache_bytes, core=core)
             for i in range(manifest.num_stages)

@@ -1,0 +1,420 @@
+"""`make bench-precision-modes`: which CPU compile settings make paged batching and prefix caching
+exact, and what each costs against ``default`` (an investigation for #16 / #19).
+
+Every candidate is a set of CPU properties (and inference threads per stage) compiled into the
+in-process paged ``BatchedRing`` on the INT4 2-stage export (bench/batched.py's rings and
+prompts). For each:
+  isolation  8 users with different prompts, BENCH_TOKENS tokens each, in one batch, against each
+             user's solo run on the same ring: users identical, the share of positions agreeing,
+             and at every first divergence the teacher-forced top-2 margin of the solo logits;
+             every timed 8-user round is checked against the solo runs too;
+  prefix     a 2-turn chat per prompt: turn 2 on a warm Generation (restoring turn 1's kept
+             blocks) against turn 2 on a cold one (paged capture reads f32 pools only, so a
+             candidate with another KV precision cannot keep blocks: reported as not applicable);
+  speed      aggregate tok/s at 1 and 8 users and the TTFT of a ~1024-token prompt, all candidates
+             in shuffled interleaved rounds; ratios of medians with 95% bootstrap intervals
+             against ``default``.
+``python -m bench.precision_modes kernels`` instead runs, per candidate, the stage-0 checks that
+say which kernel path moves a row (bench/results/precision_kernels.json; a minute in all): a
+decode row beside another sequence's chunk of M-1 tokens (M = 1..256) and after one of k tokens,
+against M = 2 / k = 0; a prompt token computed inside its 64-token chunk against the same token
+decoded alone after its prefix (what a restored prefix's suffix meets); a prompt split 5 + 59.
+Knobs: BENCH_CANDIDATES=a,b (default: DEFAULT_CANDIDATES), BENCH_ROUNDS (4) after one warm-up
+round, BENCH_TOKENS (128), BENCH_PREFIX_PROMPTS (3), PIPESHARD_SHARDS_DIR (an existing
+``smollm2-135m-instruct-2s-int4`` export there is used, else exported). Writes
+bench/results/precision_modes.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import openvino as ov
+
+from bench.batched import PROMPTS, LocalUsers, top2_margins
+from bench.prefix import history
+from bench.stats import command_with_knobs, interleaved, ratio_ci, summary, write_result
+from pipeshard import paths
+from pipeshard.offline import set_offline_defaults
+from pipeshard.services.coordinator.generation import Chunk, Generation, Summary
+from pipeshard.services.coordinator.prefix_cache import PrefixIndex
+from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.shard.paged import PagedRow, PagedShard
+
+EXPORT_NAME = "smollm2-135m-instruct-2s-int4"
+USERS = 8
+TTFT_PROMPT_TOKENS = 1024
+PREFIX_TOKENS = 48  # tokens per chat turn in the warm/cold check
+SYSTEM = "You are a careful assistant who answers in plain words. " * 6
+FOLLOW_UP = "Thank you. Can you say that again more briefly?"
+REPORTED = (
+    "INFERENCE_PRECISION_HINT",
+    "KV_CACHE_PRECISION",
+    "KEY_CACHE_PRECISION",
+    "VALUE_CACHE_PRECISION",
+    "DYNAMIC_QUANTIZATION_GROUP_SIZE",
+    "INFERENCE_NUM_THREADS",
+)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A precision name as the entry points take it, extra CPU properties on the ring's Core, and
+    inference threads per stage (None: the LATENCY hint's choice, every core)."""
+
+    precision: str
+    properties: dict = field(default_factory=dict)
+    threads: int | None = None
+
+
+BF16_DQ0 = {"INFERENCE_PRECISION_HINT": "bf16", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
+# The paged kernel at bf16 inference takes a u8 or a bf16 cache only: an f32 cache fails to compile
+# ("expect kvcache type bf16, current: f32"; kept here so the result records it). A bf16 pool is
+# asked for with KEY_/VALUE_CACHE_PRECISION (KV_CACHE_PRECISION=bf16 alone compiles to f32 and
+# fails likewise); f16 asked for at bf16 inference compiles to a bf16 pool, so bf16 stands for both.
+F32_DQ32 = {
+    "INFERENCE_PRECISION_HINT": "f32",
+    "KV_CACHE_PRECISION": "f32",
+    "DYNAMIC_QUANTIZATION_GROUP_SIZE": 32,
+}
+BF16_KV = {"KEY_CACHE_PRECISION": "bf16", "VALUE_CACHE_PRECISION": "bf16"}
+CANDIDATES: dict[str, Candidate] = {
+    "exact": Candidate("exact", {}, 1),  # what --precision exact and the exactness tests run
+    "default": Candidate("default", {}, None),  # the fleet default today
+    "exact_2t": Candidate("exact", {}, 2),
+    "default_1t": Candidate("default", {}, 1),
+    # f32 inference and cache with the plugin's dynamic quantization left on (group 32): each
+    # token row's activations are quantized on their own, so at one thread rows do not see each
+    # other; but the int8 rounding amplifies the attention's own-chunk vs one-token differences.
+    "f32_dq32_1t": Candidate("default", F32_DQ32, 1),
+    "f32_dq32_2t": Candidate("default", F32_DQ32, 2),
+    "bf16_dq0_f32kv_1t": Candidate("default", {**BF16_DQ0, "KV_CACHE_PRECISION": "f32"}, 1),
+    "bf16_dq0_bf16kv_1t": Candidate("default", {**BF16_DQ0, **BF16_KV}, 1),
+    "bf16_dq0_bf16kv_2t": Candidate("default", {**BF16_DQ0, **BF16_KV}, 2),
+    "bf16_dq0_u8kv_1t": Candidate("default", BF16_DQ0, 1),
+    "bf16_dq0_u8kv_2t": Candidate("default", BF16_DQ0, 2),
+}
+DEFAULT_CANDIDATES = (
+    "exact",
+    "exact_2t",
+    "default",
+    "f32_dq32_1t",
+    "f32_dq32_2t",
+    "bf16_dq0_f32kv_1t",
+    "bf16_dq0_bf16kv_1t",
+)
+NAMES = os.environ.get("BENCH_CANDIDATES", ",".join(DEFAULT_CANDIDATES)).split(",")
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "4"))
+TOKENS = int(os.environ.get("BENCH_TOKENS", "128"))
+PREFIX_PROMPTS = int(os.environ.get("BENCH_PREFIX_PROMPTS", "3"))
+KNOBS = ("BENCH_CANDIDATES", "BENCH_ROUNDS", "BENCH_TOKENS", "BENCH_PREFIX_PROMPTS", "PIPESHARD_SHARDS_DIR")
+
+
+def export_dir():
+    out = paths.shards_dir() / EXPORT_NAME
+    if not (out / "manifest.json").exists():
+        from pipeshard.exporter.export import export_model
+
+        export_model(paths.default_model_dir(), out, stages=2, weights="int4")
+    return out
+
+
+def core_for(candidate: Candidate) -> ov.Core:
+    core = ov.Core()
+    if candidate.properties:
+        core.set_property("CPU", candidate.properties)
+    return core
+
+
+def compiled(users: LocalUsers) -> dict[str, str]:
+    """What the plugin chose on stage 0 (proof the candidate's properties took effect)."""
+    out = {}
+    for key in REPORTED:
+        with contextlib.suppress(RuntimeError):
+            out[key] = str(users.ring.shards[0].compiled.get_property(key))
+    return out
+
+
+def isolation(candidate: Candidate, users: LocalUsers, export) -> dict:
+    solo = users.solo_runs(USERS)
+    together = users.run(USERS).tokens
+    agree = sum(a == b for s, t in zip(solo, together, strict=True) for a, b in zip(s, t, strict=True))
+    diverged = []
+    for i, (s, t) in enumerate(zip(solo, together, strict=True)):
+        if s != t:
+            at = next(k for k, (a, b) in enumerate(zip(s, t, strict=True)) if a != b)
+            diverged.append((i, at))
+    margins = top2_margins(
+        export,
+        candidate.precision,
+        [(users.ids[i], solo[i], at) for i, at in diverged],
+        threads=candidate.threads,
+        core=core_for(candidate),
+    )
+    return {
+        "users_identical": (USERS - len(diverged)) / USERS,
+        "positions_agreeing": agree / sum(len(s) for s in solo),
+        "divergences": [{"user": i, **m} for (i, _), m in zip(diverged, margins, strict=True)],
+    }
+
+
+def prefix_check(users: LocalUsers) -> dict:
+    """Turn 2 of a chat warm (turn 1's blocks restored) against cold, per prompt."""
+    ring, prompter = users.ring, users.prompter
+    chunk = ring.prefill_chunk
+    warm = Generation(ring, prompter.tokenizer, prompter.eos_ids, prefill_chunk=chunk, prefix=PrefixIndex())
+    cold = Generation(ring, prompter.tokenizer, prompter.eos_ids, prefill_chunk=chunk)
+    params = SamplingParams(max_tokens=PREFIX_TOKENS, ignore_eos=True)
+
+    async def final(generation: Generation, ids: list[int]) -> Summary:
+        return [e async for e in generation.run(ids, params)][-1]
+
+    async def run() -> dict:
+        identical, cached = [], []
+        for prompt in PROMPTS[:PREFIX_PROMPTS]:
+            turns = [("system", SYSTEM), ("user", prompt)]
+            first = await final(warm, prompter.encode("", turns))
+            turns += [("assistant", first.text), ("user", FOLLOW_UP)]
+            ids = prompter.encode("", turns)
+            got, want = await final(warm, ids), await final(cold, ids)
+            cached.append(got.cached_tokens)
+            identical.append(got.token_ids == want.token_ids)
+        await warm.released()
+        await cold.released()
+        applicable = all(cached)
+        return {
+            "applicable": applicable,
+            "warm_equals_cold": all(identical) if applicable else None,
+            "turns_identical": identical,
+            "cached_tokens": cached,
+        }
+
+    return users.loop.run_until_complete(run())
+
+
+def ttft_ms(users: LocalUsers, ids: list[int]) -> float:
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    async def first() -> float:
+        t0 = time.perf_counter()
+        async for event in users.generation.run(ids, params):
+            if isinstance(event, Chunk):
+                return (time.perf_counter() - t0) * 1000.0
+        raise RuntimeError("no chunk")
+
+    return users.loop.run_until_complete(first())
+
+
+KERNEL_CANDIDATES = (
+    "exact",
+    "exact_2t",
+    "default",
+    "default_1t",
+    "f32_dq32_1t",
+    "bf16_dq0_u8kv_1t",
+    "bf16_dq0_bf16kv_1t",
+)
+
+
+def kernel_checks(export, candidate: Candidate) -> dict:
+    """Max |delta| of stage 0's hidden states between groupings that a row-independent kernel
+    would compute alike (random token ids; the bits, not the text, matter here)."""
+    shard = PagedShard(
+        export,
+        0,
+        candidate.precision,
+        candidate.threads,
+        cache_bytes=128 << 20,
+        core=core_for(candidate),
+        verify=False,
+    )
+    rng = np.random.default_rng(0)
+    prompt, filler = rng.integers(100, 5000, 37), rng.integers(100, 5000, 600)
+    names = iter(range(10**6))
+
+    def decode_row(before: int, after: int) -> np.ndarray:
+        """The prompt's next token as a decode row between other sequences' chunks of ``before``
+        and ``after`` tokens."""
+        seq = next(names)
+        shard.open(seq, 64)
+        shard.step([PagedRow(seq, prompt)])
+        rows = [PagedRow(seq, np.array([11]))]
+        others = [next(names) for n in (before, after) if n]
+        for other in others:
+            shard.open(other, 700)
+        if before:
+            rows.insert(0, PagedRow(others[0], filler[:before]))
+        if after:
+            rows.append(PagedRow(others[-1], filler[:after]))
+        out = shard.step(rows)[1 if before else 0]
+        for done in (seq, *others):
+            shard.free(done)
+        return out
+
+    def delta(a: np.ndarray, b: np.ndarray) -> float:
+        return float(np.abs(a - b).max())
+
+    ref = decode_row(0, 1)
+    beside = {m: delta(decode_row(0, m - 1), ref) for m in (1, 2, 4, 8, 16, 64, 256)}
+    after = {k: delta(decode_row(k, 0), decode_row(0, 0)) for k in (1, 7, 33, 255)}
+    seq = next(names)
+    shard.open(seq, 64)
+    whole = shard.step([PagedRow(seq, filler[:64])])[0]
+    own = {}
+    for k in (1, 8, 31, 32, 33, 63):
+        s = next(names)
+        shard.open(s, 64)
+        shard.step([PagedRow(s, filler[:k])])
+        own[k] = delta(shard.step([PagedRow(s, filler[k : k + 1])])[0][0], whole[k])
+    s = next(names)
+    shard.open(s, 64)
+    shard.step([PagedRow(s, filler[:5])])
+    split = delta(shard.step([PagedRow(s, filler[5:64])])[0], whole[5:])
+    return {
+        "decode_row_beside_m_tokens_vs_m2": beside,
+        "decode_row_after_k_tokens_vs_first": after,
+        "chunk_token_vs_decoded_alone": own,
+        "prompt_split_5_59_vs_whole": split,
+    }
+
+
+def kernels() -> None:
+    names = [n for n in os.environ.get("BENCH_CANDIDATES", ",".join(KERNEL_CANDIDATES)).split(",")]
+    export = export_dir()
+    out = {}
+    for name in names:
+        try:
+            out[name] = {
+                "properties": CANDIDATES[name].properties,
+                "threads": CANDIDATES[name].threads,
+                **kernel_checks(export, CANDIDATES[name]),
+            }
+        except RuntimeError as exc:
+            out[name] = {"compile_error": str(exc).strip().splitlines()[-1]}
+        print(name, out[name], file=sys.stderr, flush=True)
+    write_result(
+        "precision_kernels",
+        {"export": str(export), "candidates": out},
+        "python -m bench.precision_modes kernels",
+    )
+
+
+def main() -> None:
+    set_offline_defaults()
+    if sys.argv[1:] == ["kernels"]:
+        kernels()
+        return
+    unknown = [n for n in NAMES if n not in CANDIDATES]
+    if unknown or "default" not in NAMES:
+        sys.exit(f"BENCH_CANDIDATES must include default and name only {', '.join(CANDIDATES)}: {unknown}")
+    export = export_dir()
+    load_start = os.getloadavg()
+    rings: dict[str, LocalUsers] = {}
+    results: dict[str, dict] = {}
+    failed: dict[str, dict] = {}
+    long_ids: list[int] = []
+    for name in NAMES:
+        candidate = CANDIDATES[name]
+        try:
+            users = LocalUsers(
+                export,
+                paged=True,
+                precision=candidate.precision,
+                threads=candidate.threads,
+                tokens=TOKENS,
+                core=core_for(candidate),
+            )
+        except RuntimeError as exc:  # the plugin refuses the combination: recorded, not measured
+            failed[name] = {
+                "properties": candidate.properties,
+                "compile_error": str(exc).strip().splitlines()[-1],
+            }
+            print(name, failed[name], file=sys.stderr, flush=True)
+            continue
+        rings[name] = users
+        if not long_ids:
+            long_ids = users.prompter.encode(
+                "", [("user", history(users.prompter, TTFT_PROMPT_TOKENS, "ttft"))]
+            )
+        results[name] = {
+            "precision": candidate.precision,
+            "properties": candidate.properties,
+            "threads": candidate.threads,
+            "compiled": compiled(users),
+            "isolation": isolation(candidate, users, export),
+            "prefix": prefix_check(users),
+        }
+        print(name, results[name], file=sys.stderr, flush=True)
+
+    if "default" not in rings:
+        sys.exit("default did not compile")
+    batched_rounds_identical = {name: 0 for name in rings}
+
+    def eight(name: str):
+        def run() -> float:
+            out = rings[name].run(USERS)
+            batched_rounds_identical[name] += out.tokens == rings[name].solo_runs(USERS)
+            return out.tok_s
+
+        return run
+
+    configs = {}
+    for name in rings:
+        configs[f"{name}/1"] = lambda n=name: rings[n].run(1).tok_s
+        configs[f"{name}/8"] = eight(name)
+        configs[f"{name}/ttft"] = lambda n=name: ttft_ms(rings[n], long_ids)
+    samples = interleaved(configs, ROUNDS, warmup=1)
+    for name in rings:
+        r = results[name]
+        r["isolation"]["timed_8_user_runs_identical"] = f"{batched_rounds_identical[name]}/{ROUNDS + 1}"
+        for metric in ("1", "8", "ttft"):
+            key = {"1": "tok_s_1_user", "8": "tok_s_8_users", "ttft": f"ttft_ms_{TTFT_PROMPT_TOKENS}"}[metric]
+            r[key] = summary(samples[f"{name}/{metric}"])
+            ratio, ci = ratio_ci(samples[f"{name}/{metric}"], samples[f"default/{metric}"])
+            r[f"{key}_over_default"] = {"ratio": ratio, "ci95": ci}
+    result = {
+        "export": str(export),
+        "rounds": ROUNDS,
+        "warmup_rounds": 1,
+        "tokens": TOKENS,
+        "ttft_prompt_tokens": len(long_ids),
+        "load_average": {"start": list(load_start), "end": list(os.getloadavg())},
+        "candidates": results,
+        "not_compilable": failed,
+    }
+    write_result("precision_modes", result, command_with_knobs("bench-precision-modes", KNOBS))
+    print(table(results), file=sys.stderr)
+
+
+def table(results: dict[str, dict]) -> str:
+    """The docs/BENCHMARKS.md table."""
+    lines = [
+        "| candidate | users identical | positions agreeing | min top-2 margin at divergence | warm == cold "
+        "| 8-user tok/s (x default) | 1-user tok/s (x default) | TTFT 1024 ms (x default) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        iso, pre = r["isolation"], r["prefix"]
+        margins = [d["top2_margin"] for d in iso["divergences"]]
+        least = f"{min(margins):.3f}" if margins else "-"
+        warm = "n/a (no f32 pool)" if not pre["applicable"] else ("yes" if pre["warm_equals_cold"] else "no")
+
+        def cell(key: str, r: dict = r) -> str:
+            x = r[f"{key}_over_default"]
+            return f"{r[key]['median']:.1f} ({x['ratio']:.2f} [{x['ci95'][0]:.2f}, {x['ci95'][1]:.2f}])"
+
+        lines.append(
+            f"| {name} | {iso['users_identical']:.0%} ({iso['timed_8_user_runs_identical']} timed) "
+            f"| {iso['positions_agreeing']:.1%} | {least} | {warm} "
+            f"| {cell('tok_s_8_users')} | {cell('tok_s_1_user')} | {cell('ttft_ms_1024')} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
