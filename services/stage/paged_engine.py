@@ -70,6 +70,10 @@ class PagedEngine:
         self.shard = shard
         self.meters = meters or StageMeters(shard.stage_index)
         self.sessions = SessionTable(lambda: PagedSession(shard), max_sessions, idle_timeout_s, max_per_owner)
+        # An owner may reserve the share of the block pool it may hold of the sessions, so one
+        # caller's long reservations cannot take the whole pool from the others.
+        share = 1.0 if max_per_owner is None else min(1.0, max_per_owner / max_sessions)
+        self.owner_blocks = max(1, int(shard.blocks_total * share))
         self.is_first = shard.is_first
         self.is_last = shard.is_last
         self.hidden_size = shard.hidden_size
@@ -85,10 +89,19 @@ class PagedEngine:
     def open(self, owner: str, session_id: str, capacity: int | None = None) -> None:
         """Opens a session and reserves room for ``capacity`` tokens (the export's max_context
         when None); refuses with RESOURCE_EXHAUSTED naming the budget when it cannot fit."""
+        capacity = min(capacity or self.max_context, self.max_context)
+        owned = [s for s in self.sessions.owned(owner) if s.reserved]
+        held = sum(self.shard.capacity(s.key) // self.shard.block_tokens for s in owned)
+        if held + self.shard.blocks_for(capacity) > self.owner_blocks:
+            raise ResourceExhausted(
+                f"this caller holds {held} of the KV cache's {self.shard.blocks_total} blocks and may hold "
+                f"{self.owner_blocks} (max_sessions_per_owner / max_sessions of the budget); "
+                f"{capacity} more tokens need {self.shard.blocks_for(capacity)}"
+            )
         session = self.sessions.open(owner, session_id)
         try:
             # Drafts may ask beyond max_context on a full-length request; they never get it (check_step).
-            session.reserve(min(capacity or self.max_context, self.max_context))
+            session.reserve(capacity)
         except PipeshardError:
             self.sessions.release(owner, session_id)
             raise

@@ -1,0 +1,50 @@
+"""A paged stage's block pool is shared between callers: one caller may reserve at most its share
+(max_sessions_per_owner / max_sessions of the pool), so another still finds room."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeshard.errors import ResourceExhausted
+from pipeshard.services.stage.paged_engine import PagedEngine
+
+
+class FakePool:
+    """The block bookkeeping of a PagedShard, without a model."""
+
+    stage_index, is_first, is_last, hidden_size, max_context, vocab_size = 0, True, False, 8, 4096, 16
+    block_tokens, blocks_total = 32, 100
+
+    def __init__(self):
+        self.free_blocks, self.seqs = self.blocks_total, {}
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens)
+
+    def open(self, seq, capacity: int) -> None:
+        need = self.blocks_for(capacity)
+        if need > self.free_blocks:
+            raise ResourceExhausted("pool full")
+        self.free_blocks -= need
+        self.seqs[seq] = need * self.block_tokens
+
+    def free(self, seq) -> None:
+        self.free_blocks += self.seqs.pop(seq) // self.block_tokens
+
+    def capacity(self, seq) -> int:
+        return self.seqs[seq]
+
+
+def test_one_caller_is_held_to_its_share_and_another_still_opens():
+    pool = FakePool()
+    engine = PagedEngine(pool, max_sessions=8, idle_timeout_s=60, max_per_owner=4)  # half the pool each
+    for i in range(3):
+        engine.open("hog", f"h{i}", capacity=16 * 32)  # 16 blocks each: 48 of its 50
+    with pytest.raises(ResourceExhausted, match="max_sessions_per_owner") as refused:
+        engine.open("hog", "h3", capacity=3 * 32)
+    assert "holds 48 of the KV cache's 100 blocks and may hold 50" in str(refused.value)
+    engine.open("hog", "h3", capacity=2 * 32)  # what still fits its share
+    engine.open("other", "o0", capacity=50 * 32)  # the rest of the pool is the other caller's
+    engine.sessions.release("hog", "h0")
+    engine.open("hog", "h4", capacity=16 * 32)  # a release gives the share back
+    assert pool.free_blocks == 0
