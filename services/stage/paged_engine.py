@@ -92,11 +92,14 @@ class PagedEngine:
         capacity = min(capacity or self.max_context, self.max_context)
         owned = [s for s in self.sessions.owned(owner) if s.reserved]
         held = sum(self.shard.capacity(s.key) // self.shard.block_tokens for s in owned)
-        if held + self.shard.blocks_for(capacity) > self.owner_blocks:
+        need = self.shard.blocks_for(capacity)
+        # What the pool cannot hold at all gets the pool's own refusal (naming the budget) below.
+        fits_pool = need <= self.shard.usage().blocks_free
+        if fits_pool and held + need > self.owner_blocks:
             raise ResourceExhausted(
                 f"this caller holds {held} of the KV cache's {self.shard.blocks_total} blocks and may hold "
                 f"{self.owner_blocks} (max_sessions_per_owner / max_sessions of the budget); "
-                f"{capacity} more tokens need {self.shard.blocks_for(capacity)}"
+                f"{capacity} more tokens need {need}"
             )
         session = self.sessions.open(owner, session_id)
         try:

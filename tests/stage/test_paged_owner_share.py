@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from pipeshard.errors import ResourceExhausted
@@ -34,6 +36,9 @@ class FakePool:
     def capacity(self, seq) -> int:
         return self.seqs[seq]
 
+    def usage(self) -> SimpleNamespace:
+        return SimpleNamespace(blocks_free=self.free_blocks)
+
 
 def test_one_caller_is_held_to_its_share_and_another_still_opens():
     pool = FakePool()
@@ -48,3 +53,5 @@ def test_one_caller_is_held_to_its_share_and_another_still_opens():
     engine.sessions.release("hog", "h0")
     engine.open("hog", "h4", capacity=16 * 32)  # a release gives the share back
     assert pool.free_blocks == 0
+    with pytest.raises(ResourceExhausted, match="pool full"):  # beyond the pool: the pool's own refusal
+        engine.open("third", "t0", capacity=32)
