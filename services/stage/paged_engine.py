@@ -93,9 +93,10 @@ class PagedEngine:
         owned = [s for s in self.sessions.owned(owner) if s.reserved]
         held = sum(self.shard.capacity(s.key) // self.shard.block_tokens for s in owned)
         need = self.shard.blocks_for(capacity)
-        # What the pool cannot hold at all gets the pool's own refusal (naming the budget) below.
+        # What the pool cannot hold at all gets the pool's own refusal (naming the budget) below,
+        # and so does a caller's first session (a full-context request may exceed a small share).
         fits_pool = need <= self.shard.usage().blocks_free
-        if fits_pool and held + need > self.owner_blocks:
+        if fits_pool and held and held + need > self.owner_blocks:
             raise ResourceExhausted(
                 f"this caller holds {held} of the KV cache's {self.shard.blocks_total} blocks and may hold "
                 f"{self.owner_blocks} (max_sessions_per_owner / max_sessions of the budget); "

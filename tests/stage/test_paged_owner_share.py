@@ -55,3 +55,13 @@ def test_one_caller_is_held_to_its_share_and_another_still_opens():
     assert pool.free_blocks == 0
     with pytest.raises(ResourceExhausted, match="pool full"):  # beyond the pool: the pool's own refusal
         engine.open("third", "t0", capacity=32)
+
+
+def test_a_first_session_larger_than_the_share_is_bounded_by_the_pool_only():
+    pool = FakePool()
+    engine = PagedEngine(pool, max_sessions=8, idle_timeout_s=60, max_per_owner=4)
+    engine.open("long", "l0", capacity=70 * 32)  # a full-context request beyond a small pool's share
+    with pytest.raises(ResourceExhausted, match="max_sessions_per_owner"):
+        engine.open("long", "l1", capacity=32)
+    engine.open("other", "o0", capacity=30 * 32)
+    assert pool.free_blocks == 0
