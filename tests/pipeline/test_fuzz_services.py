@@ -42,7 +42,7 @@ _INTS = {
 def _scalar(field: FieldDescriptor) -> st.SearchStrategy:
     if field.type in _INTS:
         lo, hi = _INTS[field.type]
-        return st.one_of(st.integers(-3, 300), st.sampled_from([lo, hi]), st.integers(lo, hi))
+        return st.one_of(st.integers(max(lo, -3), 300), st.sampled_from([lo, hi]), st.integers(lo, hi))
     if field.type == _T.TYPE_BOOL:
         return st.booleans()
     if field.type in (_T.TYPE_FLOAT, _T.TYPE_DOUBLE):
