@@ -243,7 +243,7 @@ def paged_kv_costs(export: Path) -> dict:
     for stage in range(2):
         shard = PagedShard(export, stage, PRECISION, 1)
         engine = PagedEngine(shard, 2 * KV_REPS + 2, float("inf"))
-        kv = StageKv.paged(engine, PrefixStore(4 << 30))
+        kv = StageKv.paged(engine, PrefixStore(4 << 30, layout=engine.shard.kv_source.blocks))
         for n in LENGTHS:
             times: dict[str, list[float]] = {k: [] for k in KV_STEPS}
             for rep in range(KV_REPS):

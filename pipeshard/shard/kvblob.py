@@ -1,8 +1,11 @@
-"""A stage's KV cache for one sequence as a self-describing, backend-neutral blob.
+"""A stage's KV cache for one sequence as a self-describing blob.
 
 The blob holds, per state variable in layer order, the keys or values of the mask-valid positions
-only, as f32 ``[kv_heads, T, head_dim]``, so a stateful session (graph state) and a paged one
-(block pools) can both write and read it. It names what it was taken from (model fingerprint,
+only, as f32 ``[kv_heads, T, head_dim]``, so a stateful session (graph state) and a paged one with
+f32 pools can both write and read it. A paged stage whose pools are quantized (the default
+precision's u8 cache, with each block's scale and zero-point rows) captures its blocks verbatim
+instead (``BlockLayout``): re-quantizing f32 values would not give back the same bytes, and
+only a stage with the same layout can read them. It names what it was taken from (model fingerprint,
 export id, stage, layer range) so a restore into another model or another layer range is refused,
 and carries a sha256 over everything it holds so a damaged blob is refused too. Dropping the
 masked holes leaves the kept positions contiguous: their rotary positions were logical, so the
@@ -23,6 +26,25 @@ from pipeshard.v1 import kv_pb2, tensor_pb2
 
 
 @dataclass(frozen=True)
+class BlockLayout:
+    """A paged pool's own block format, captured and restored byte for byte."""
+
+    dtype: str  # numpy dtype name of the pools, e.g. "uint8"
+    tokens: int  # positions per block
+    shapes: tuple[tuple[int, ...], ...]  # one block of each state variable: [kv_heads, rows, cols]
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-positions // self.tokens)
+
+    def describe(self) -> str:
+        return f"{self.dtype} blocks of {self.tokens} positions"
+
+
+def describe_layout(layout: BlockLayout | None) -> str:
+    return layout.describe() if layout else "float32 positions"
+
+
+@dataclass(frozen=True)
 class KvSource:
     """What a blob must match to be restored: the model, the export and the stage's layers."""
 
@@ -34,16 +56,30 @@ class KvSource:
     names: tuple[str, ...]  # state variables, in layer order
     kv_heads: int
     head_dim: int
+    blocks: BlockLayout | None = None  # None: f32 [kv_heads, T, head_dim] per state
+
+    def shapes_for(self, positions: int) -> list[tuple[int, ...]]:
+        """The shape each state's array has in a blob of ``positions`` positions."""
+        if self.blocks is None:
+            return [(self.kv_heads, positions, self.head_dim)] * len(self.names)
+        n = self.blocks.blocks_for(positions)
+        return [(n, *shape) for shape in self.blocks.shapes]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.blocks.dtype if self.blocks else np.float32)
 
 
 @dataclass(frozen=True)
 class KvBlob:
-    """One stage's KV of one sequence: ``arrays[i]`` is state ``source.names[i]`` [kv_heads, T, head_dim]."""
+    """One stage's KV of one sequence: ``arrays[i]`` is state ``source.names[i]``, f32
+    [kv_heads, T, head_dim], or the T positions' pool blocks [blocks, ...] in a block layout."""
 
     source: KvSource
     token_ids: tuple[int, ...]  # the tokens of the T positions when the caller knows them, else ()
     arrays: tuple[np.ndarray, ...]
     checksum: str
+    positions: int  # T
 
     @classmethod
     def build(
@@ -52,16 +88,17 @@ class KvBlob:
         arrays: list[np.ndarray],
         token_ids: tuple[int, ...] = (),
         *,
+        positions: int | None = None,
         checksum: bool = True,
     ) -> KvBlob:
+        """``positions`` defaults to the arrays' second axis (f32 layout); a block layout names it."""
         # Own copies: the arrays may be views of an InferRequest's state, which later runs overwrite.
-        arrays = tuple(np.array(a, dtype=np.float32, order="C", copy=True) for a in arrays)
+        arrays = tuple(np.array(a, dtype=source.dtype, order="C", copy=True) for a in arrays)
         token_ids = tuple(token_ids)
-        return cls(source, token_ids, arrays, _checksum(source, token_ids, arrays) if checksum else "")
-
-    @property
-    def positions(self) -> int:
-        return int(self.arrays[0].shape[1]) if self.arrays else 0
+        if positions is None:
+            positions = int(arrays[0].shape[1]) if arrays and source.blocks is None else 0
+        digest = _checksum(source, token_ids, arrays, positions) if checksum else ""
+        return cls(source, token_ids, arrays, digest, positions)
 
     @property
     def nbytes(self) -> int:
@@ -80,29 +117,38 @@ class KvBlob:
                 f"KV snapshot holds layers [{src.layer_start}, {src.layer_end}), "
                 f"this stage runs layers [{target.layer_start}, {target.layer_end})"
             )
+        if src.blocks != target.blocks:
+            raise FailedPrecondition(
+                f"KV snapshot holds {describe_layout(src.blocks)}, this stage keeps "
+                f"{describe_layout(target.blocks)}: start both stages at the same --precision and --kv"
+            )
         if src.names != target.names or len(self.arrays) != len(target.names):
             raise InvalidArgument(
                 "snapshot.states",
                 f"must be the {len(target.names)} state variables {target.names[0]}... in order",
             )
         t = self.positions
-        want = (target.kv_heads, t, target.head_dim)
-        for name, a in zip(src.names, self.arrays, strict=True):
-            if a.shape != want or a.dtype != np.float32:
+        if t < 1:
+            raise InvalidArgument("snapshot.positions", f"must be at least 1, got {t}")
+        dtype = target.dtype
+        for name, a, want in zip(src.names, self.arrays, target.shapes_for(t), strict=True):
+            if a.shape != want or a.dtype != dtype:
                 raise InvalidArgument(
-                    "snapshot.states", f"{name} must be float32 {list(want)}, got {a.dtype} {list(a.shape)}"
+                    "snapshot.states", f"{name} must be {dtype} {list(want)}, got {a.dtype} {list(a.shape)}"
                 )
         if self.token_ids and len(self.token_ids) != t:
             raise InvalidArgument("snapshot.token_ids", f"has {len(self.token_ids)} ids for {t} positions")
-        if verify_checksum and _checksum(src, self.token_ids, self.arrays) != self.checksum:
+        if verify_checksum and _checksum(src, self.token_ids, self.arrays, t) != self.checksum:
             raise InvalidArgument("snapshot.checksum", "does not match the snapshot's contents: corrupt")
 
 
-def _checksum(source: KvSource, token_ids: tuple[int, ...], arrays: tuple[np.ndarray, ...]) -> str:
+def _checksum(
+    source: KvSource, token_ids: tuple[int, ...], arrays: tuple[np.ndarray, ...], positions: int
+) -> str:
     digest = hashlib.sha256()
     head = (
         f"{source.model_fingerprint}|{source.export_id}|{source.stage_index}|"
-        f"{source.layer_start}|{source.layer_end}\n"
+        f"{source.layer_start}|{source.layer_end}|{positions}|{describe_layout(source.blocks)}\n"
     )
     digest.update(head.encode())
     digest.update(np.asarray(token_ids, dtype="<i8").tobytes())
@@ -127,6 +173,8 @@ def to_proto(blob: KvBlob) -> kv_pb2.KvSnapshot:
         layer_end=src.layer_end,
         export_id=src.export_id,
         checksum=blob.checksum,
+        positions=blob.positions,
+        block_tokens=src.blocks.tokens if src.blocks else 0,
     )
 
 
@@ -134,13 +182,21 @@ def from_proto(snapshot: kv_pb2.KvSnapshot) -> KvBlob:
     """The blob a snapshot describes (shapes are checked against a stage by ``check_for``)."""
     if not snapshot.states:
         raise InvalidArgument("snapshot.states", "is empty")
+    if snapshot.block_tokens < 0:
+        raise InvalidArgument("snapshot.block_tokens", f"must be >= 0, got {snapshot.block_tokens}")
+    ndim = 4 if snapshot.block_tokens else 3
     arrays = []
     for named in snapshot.states:
         a = decode(named.tensor, field=f"snapshot.states[{named.name}]")
-        if a.ndim != 3:
-            raise InvalidArgument("snapshot.states", f"{named.name} must be 3-D, got shape {list(a.shape)}")
+        if a.ndim != ndim:
+            raise InvalidArgument(
+                "snapshot.states", f"{named.name} must be {ndim}-D, got shape {list(a.shape)}"
+            )
         arrays.append(a)
-    first = arrays[0]
+    first = arrays[0] if ndim == 3 else arrays[0][0]
+    blocks = None
+    if snapshot.block_tokens:
+        blocks = BlockLayout(first.dtype.name, snapshot.block_tokens, tuple(a.shape[1:] for a in arrays))
     source = KvSource(
         model_fingerprint=snapshot.model_fingerprint,
         export_id=snapshot.export_id,
@@ -150,8 +206,9 @@ def from_proto(snapshot: kv_pb2.KvSnapshot) -> KvBlob:
         names=tuple(n.name for n in snapshot.states),
         kv_heads=int(first.shape[0]),
         head_dim=int(first.shape[2]),
+        blocks=blocks,
     )
-    return KvBlob(source, tuple(snapshot.token_ids), tuple(arrays), snapshot.checksum)
+    return KvBlob(source, tuple(snapshot.token_ids), tuple(arrays), snapshot.checksum, snapshot.positions)
 
 
 # -- snapshots in chunks (CaptureKvStream / RestoreKvStream) -------------------------------------

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +37,7 @@ from openvino._offline_transformations import paged_attention_transformation
 
 from pipeshard.errors import InvalidArgument, NotFound, ResourceExhausted
 from pipeshard.precision import DEFAULT_PRECISION
+from pipeshard.shard.kvblob import BlockLayout
 from pipeshard.shard.runtime import StageShard, compile_properties
 
 # Default KV budget per stage: 256 MiB hold about 11,000 f32 tokens of a 15-layer SmolLM2 stage.
@@ -155,14 +156,27 @@ class PagedShard(StageShard):
         self.block_bytes = block_bytes
         self.cache_bytes = cache_bytes
         self.blocks_total = cache_bytes // block_bytes
-        self._cache_names = [p.get_any_name() for p in cache_ports]
         for port, shape in zip(cache_ports, shapes, strict=True):
             dims = [self.blocks_total] + [shape[i].get_length() for i in (1, 2, 3)]
             tensor = ov.Tensor(port.get_element_type(), dims)
             self._req.set_tensor(port.get_any_name(), tensor)
+        # The pools in the order of the KV blob's state variables: K, V of each layer.
+        self._state_pools = [
+            f"{kind}.{i}" for i in range(len(cache_ports) // 2) for kind in ("key_cache", "value_cache")
+        ]
+        self.kv_source = replace(self.kv_source, blocks=self._block_layout())
         self._free = list(range(self.blocks_total - 1, -1, -1))  # pop() hands out low ids first
         self._seqs: dict[Hashable, _Sequence] = {}
         self._lock = threading.Lock()
+
+    def _block_layout(self) -> BlockLayout | None:
+        """None for f32 pools (captured as f32 positions, like a stateful stage); a quantized
+        pool's blocks are captured verbatim, scale and zero-point rows included."""
+        tensors = [self._req.get_tensor(name) for name in self._state_pools]
+        if all(t.element_type == ov.Type.f32 for t in tensors):
+            return None
+        dtype = tensors[0].data.dtype.name
+        return BlockLayout(dtype, self.block_tokens, tuple(tuple(t.shape[1:]) for t in tensors))
 
     # -- sequences ---------------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
@@ -211,58 +225,56 @@ class PagedShard(StageShard):
             )
         state.length = length
 
-    def export_kv(self, seq: Hashable, positions: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
-        """The sequence's first ``positions`` cached tokens (default: all) per layer as (K, V),
-        each [kv_heads, positions, head_dim] f32: the backend-neutral shape of KV capture (issue
-        #19). Only the blocks those positions fill are read. f32 caches only (``f32``/``exact``)."""
+    def export_kv(self, seq: Hashable, positions: int | None = None) -> list[np.ndarray]:
+        """The sequence's first ``positions`` cached tokens (default: all), one array per state
+        variable in layer order (K, V of each layer): f32 [kv_heads, positions, head_dim] from f32
+        pools (``f32``/``exact``), else the blocks those positions fill, verbatim (``kv_source.blocks``).
+        Only those blocks are read."""
         with self._lock:  # a batched ring steps on a worker thread meanwhile
             state = self._get(seq)
             n = state.length if positions is None else positions
             if not 0 < n <= state.length:
                 raise InvalidArgument("positions", f"must be in [1, {state.length}], got {n}")
             blocks = state.blocks[: self.blocks_for(n)]
-            out = []
-            for layer in range(len(self._cache_names) // 2):
-                pair = []
-                for kind in ("key_cache", "value_cache"):
-                    pool = self._pool(f"{kind}.{layer}")
-                    pair.append(np.concatenate(list(pool[blocks]), axis=1)[:, :n].copy())
-                out.append((pair[0], pair[1]))
-            return out
+            if self.kv_source.blocks is not None:
+                return [self._pool(name)[blocks] for name in self._state_pools]  # fancy indexing copies
+            return [
+                np.concatenate(list(self._pool(name)[blocks]), axis=1)[:, :n] for name in self._state_pools
+            ]
 
-    def import_kv(self, seq: Hashable, layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
-        """Write ``export_kv``'s layers into an open sequence (its length becomes theirs)."""
+    def import_kv(self, seq: Hashable, arrays: Sequence[np.ndarray], positions: int) -> None:
+        """Write ``export_kv``'s arrays of ``positions`` tokens into an open sequence; its
+        length becomes ``positions``."""
         with self._lock:
-            self._import_kv(self._get(seq), layers)
-
-    def _import_kv(self, state: _Sequence, layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
-        if len(layers) != len(self._cache_names) // 2:
-            raise InvalidArgument(
-                "layers", f"must hold {len(self._cache_names) // 2} layers, got {len(layers)}"
-            )
-        length = layers[0][0].shape[1]
-        if length > state.capacity:
-            raise ResourceExhausted(
-                f"{length} tokens of KV exceed the sequence's reservation of {state.capacity}"
-            )
-        bt = self.block_tokens
-        for layer, pair in enumerate(layers):
-            for kind, array in zip(("key_cache", "value_cache"), pair, strict=True):
-                pool = self._pool(f"{kind}.{layer}")
-                if array.shape != (pool.shape[1], length, pool.shape[3]):
-                    raise InvalidArgument("layers", f"layer {layer} {kind} has shape {list(array.shape)}")
-                for i, block in enumerate(state.blocks[: self.blocks_for(length)]):
+            state = self._get(seq)
+            if len(arrays) != len(self._state_pools):
+                raise InvalidArgument(
+                    "arrays", f"must hold {len(self._state_pools)} states, got {len(arrays)}"
+                )
+            if positions > state.capacity:
+                raise ResourceExhausted(
+                    f"{positions} tokens of KV exceed the sequence's reservation of {state.capacity}"
+                )
+            blocks = state.blocks[: self.blocks_for(positions)]
+            want = self.kv_source.shapes_for(positions)
+            for name, array, shape in zip(self._state_pools, arrays, want, strict=True):
+                if array.shape != shape:
+                    raise InvalidArgument(
+                        "arrays", f"{name} has shape {list(array.shape)}, not {list(shape)}"
+                    )
+            for name, array in zip(self._state_pools, arrays, strict=True):
+                pool = self._pool(name)
+                if self.kv_source.blocks is not None:
+                    pool[blocks] = array
+                    continue
+                bt = self.block_tokens
+                for i, block in enumerate(blocks):
                     part = array[:, i * bt : (i + 1) * bt]
                     pool[block, :, : part.shape[1]] = part
-        state.length = length
+            state.length = positions
 
     def _pool(self, name: str) -> np.ndarray:
-        tensor = self._req.get_tensor(name)
-        if tensor.element_type != ov.Type.f32:
-            raise InvalidArgument(
-                "precision", f"KV export needs an f32 cache (f32 or exact), not {tensor.element_type}"
-            )
-        return tensor.data
+        return self._req.get_tensor(name).data
 
     def usage(self) -> CacheUsage:
         with self._lock:

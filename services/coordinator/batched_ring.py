@@ -64,7 +64,10 @@ class BatchedRing(InProcessKv):
             for i in range(manifest.num_stages)
         ]
         self._engines = [PagedEngine(s, max_sessions, idle_timeout_s=float("inf")) for s in self.shards]
-        self.kv = [StageKv.paged(e, PrefixStore(prefix_cache_bytes)) for e in self._engines]
+        self.kv = [
+            StageKv.paged(e, PrefixStore(prefix_cache_bytes, layout=e.shard.kv_source.blocks))
+            for e in self._engines
+        ]
         self.max_context = manifest.max_context
         self.vocab_size = manifest.model.vocab_size
         self._open: set[str] = set()

@@ -35,7 +35,7 @@ from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
 log = structlog.get_logger(__name__)
 
-PREFIX_CACHE_MODES = ("auto", "on", "off")
+PREFIX_CACHE_MODES = ("on", "off")
 
 
 @dataclass
@@ -88,9 +88,9 @@ class CoordinatorSettings(ServerSettings):
         0.0, "emulated one-way latency added to every frame sent into the ring (benchmarks)"
     )
     prefix_cache: str = setting(
-        "auto",
-        "reuse the KV of earlier requests' prompts that share a prefix (the stages keep it); auto: "
-        "on where a warm turn is tested to equal a cold one (stages at exact or f32 precision)",
+        "on",
+        "reuse the KV of earlier requests' prompts that share a prefix (the stages keep it); a warm "
+        "turn equals a cold one at exact precision, at the default precision up to near-ties",
         choices=PREFIX_CACHE_MODES,
     )
     prefix_cache_entries: int = setting(256, "token sequences the prefix index remembers (LRU)")
@@ -150,21 +150,6 @@ def stage_kv_backend(wanted: str, stages: list[stage_pb2.GetStageInfoResponse]) 
     return backends[0]
 
 
-def use_prefix_cache(mode: str, stages: list[stage_pb2.GetStageInfoResponse]) -> bool:
-    """Whether to keep and restore prompt prefixes. ``auto`` asks for exact or f32 precision on
-    every stage, stateful or paged: there a restored prefix plus the prefilled suffix gives the
-    tokens a cold prefill gives (tested on both backends); at the default precision the suffix
-    runs on a bf16 / u8 cache (and a paged stage cannot capture it), so it takes ``on``."""
-    if mode == "off":
-        return False
-    if mode == "on":
-        return True
-    precisions = sorted({info.precision or "default" for info in stages})
-    enabled = all(p in ("exact", "f32") for p in precisions)
-    log.info("prefix_cache", enabled=enabled, stage_precisions=precisions)
-    return enabled
-
-
 @dataclass
 class Coordinator:
     """Everything one coordinator process holds; built inside the running event loop."""
@@ -197,7 +182,8 @@ class Coordinator:
         await self.ring.wait_ready(self.settings.ready_timeout_s)
         infos = await self.ring.stage_infos()
         paged = stage_kv_backend(self.settings.kv, infos) == "paged"
-        prefix = use_prefix_cache(self.settings.prefix_cache, infos)
+        prefix = self.settings.prefix_cache == "on"
+        log.info("prefix_cache", enabled=prefix)
         chunk = self.settings.prefill_chunk
         if paged and chunk == DEFAULT_PREFILL_CHUNK:
             chunk = PlanRing.prefill_chunk  # the same chunks as `generate --local --kv paged`

@@ -3,7 +3,8 @@
 A restore is all or nothing on this stage: the blob (or the cached prefix) is checked in full
 before the session is touched, and a session that already held a sequence is replaced. Both KV
 backends capture the same backend-neutral arrays (pipeshard/shard/kvblob.py), so one prefix
-store and one blob format serve a stateful stage (graph state) and a paged one (block pools).
+store and one blob format serve a stateful stage (graph state) and a paged one (block pools); a
+paged stage with quantized pools captures its blocks verbatim (KvSource.blocks).
 """
 
 from __future__ import annotations
@@ -55,9 +56,8 @@ class PagedAccess:
         return session.past_length
 
     def blob(self, session, positions: int, token_ids: tuple[int, ...], checksum: bool) -> KvBlob:
-        layers = self.shard.export_kv(session.key, positions)
-        arrays = [a for pair in layers for a in pair]  # K, V per layer: the state variables' order
-        return KvBlob.build(self.shard.kv_source, arrays, token_ids, checksum=checksum)
+        arrays = self.shard.export_kv(session.key, positions)
+        return KvBlob.build(self.shard.kv_source, arrays, token_ids, positions=positions, checksum=checksum)
 
     def fresh(self, owner: str, session_id: str):
         try:
@@ -67,8 +67,7 @@ class PagedAccess:
         return self.sessions.get(owner, session_id)
 
     def load(self, session, blob: KvBlob) -> None:
-        arrays = blob.arrays
-        self.shard.import_kv(session.key, list(zip(arrays[0::2], arrays[1::2], strict=True)))
+        self.shard.import_kv(session.key, blob.arrays, blob.positions)
 
 
 class StageKv:
@@ -113,7 +112,7 @@ class StageKv:
     ) -> int:
         """Load the first ``positions`` positions of a sequence kept in the prefix cache."""
         arrays = self.store.get(owner, scope, token_ids, positions)
-        blob = KvBlob(self.source, (), tuple(arrays), "")
+        blob = KvBlob(self.source, (), tuple(arrays), "", positions)
         blob.check_for(self.source, verify_checksum=False)  # our own memory: nothing crossed a wire
         self.access.load(self.access.fresh(owner, session_id), blob)
         return positions

@@ -141,7 +141,7 @@ def prefix_store(settings: StageSettings, shard: StageShard) -> PrefixStore:
         folder = Path(settings.prefix_spill_dir) / f"stage{shard.stage_index}"
         spill = PrefixSpill(folder, shard.kv_source, settings.prefix_spill_bytes)
         log.info("prefix_spill", folder=str(folder), blocks=len(spill), bytes=spill.nbytes)
-    return PrefixStore(settings.prefix_cache_bytes, spill)
+    return PrefixStore(settings.prefix_cache_bytes, spill, layout=shard.kv_source.blocks)
 
 
 def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageInfoResponse]:

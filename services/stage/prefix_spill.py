@@ -51,12 +51,12 @@ class PrefixSpill:
         # Owner keys are secrets' hashes already; hashed again they make a safe file name.
         return f"{hashlib.sha256(owner.encode()).hexdigest()[:32]}-{key}{SUFFIX}"
 
-    def write(self, owner: str, key: str, block: Sequence[np.ndarray]) -> None:
+    def write(self, owner: str, key: str, block: Sequence[np.ndarray], positions: int) -> None:
         name = self._name(owner, key)
         if name in self._files:
             self._files.move_to_end(name)
             return
-        data = to_proto(KvBlob.build(self.source, list(block))).SerializeToString()
+        data = to_proto(KvBlob.build(self.source, list(block), positions=positions)).SerializeToString()
         if len(data) > self.budget_bytes:
             return
         tmp = self.folder / f".{name}.tmp"

@@ -7,7 +7,10 @@ position depends only on the tokens up to it, which is why the first ``n`` posit
 sequence can be restored for a prompt that shares ``n`` tokens with it. Blocks are evicted least
 recently used first beyond a byte budget. Owners (coordinators) never see each other's blocks;
 within one owner, scopes (client identities) never do. With a spill folder (prefix_spill.py) every
-block is also kept on disk, and a block missing from memory is looked for there.
+block is also kept on disk, and a block missing from memory is looked for there. A block holds
+f32 positions ``[kv_heads, n, head_dim]`` per state or, on a paged stage with quantized pools,
+one pool block verbatim ``[1, ...]`` (pipeshard/shard/kvblob.py BlockLayout, whose block size is
+this one).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 
 from pipeshard.errors import InvalidArgument, NotFound
 from pipeshard.services.stage.prefix_spill import PrefixSpill
+from pipeshard.shard.kvblob import BlockLayout
 
 BLOCK = 32  # positions per block: the paged backend's block size, so both can share this layout
 
@@ -37,13 +41,18 @@ def block_keys(scope: str, token_ids: Sequence[int]) -> list[tuple[int, int, str
 
 
 class PrefixStore:
-    """Byte-budgeted LRU of KV blocks; each block holds one [kv_heads, n, head_dim] array per state."""
+    """Byte-budgeted LRU of KV blocks, one array per state in each (f32 positions, or a pool block)."""
 
-    def __init__(self, budget_bytes: int, spill: PrefixSpill | None = None):
+    def __init__(
+        self, budget_bytes: int, spill: PrefixSpill | None = None, layout: BlockLayout | None = None
+    ):
         if budget_bytes < 0:
             raise InvalidArgument("prefix_cache_bytes", f"must be >= 0, got {budget_bytes}")
+        if layout is not None and layout.tokens != BLOCK:
+            raise InvalidArgument("layout", f"has {layout.tokens}-position blocks; the store keeps {BLOCK}")
         self.budget_bytes = budget_bytes
         self.spill = spill
+        self.layout = layout
         self._blocks: OrderedDict[tuple[str, str], tuple[np.ndarray, ...]] = OrderedDict()
         self.nbytes = 0
 
@@ -51,17 +60,20 @@ class PrefixStore:
         return len(self._blocks)
 
     def put(self, owner: str, scope: str, token_ids: Sequence[int], arrays: Sequence[np.ndarray]) -> int:
-        """Keep the KV of ``token_ids`` (``arrays`` [kv_heads, len(token_ids), head_dim] each);
-        returns the bytes newly stored (blocks already held are only marked recently used)."""
+        """Keep the KV of ``token_ids`` (a KV blob's arrays of len(token_ids) positions); returns
+        the bytes newly stored (blocks already held are only marked recently used)."""
         if not token_ids:
             raise InvalidArgument("token_ids", "must name the captured tokens to keep them in the cache")
         added = 0
-        for start, end, key in block_keys(scope, token_ids):
+        for index, (start, end, key) in enumerate(block_keys(scope, token_ids)):
             slot = (owner, key)
             if slot in self._blocks:
                 self._blocks.move_to_end(slot)
                 continue
-            block = tuple(np.array(a[:, start:end], dtype=np.float32, order="C") for a in arrays)
+            if self.layout is None:
+                block = tuple(np.array(a[:, start:end], dtype=np.float32, order="C") for a in arrays)
+            else:
+                block = tuple(np.array(a[index : index + 1], order="C") for a in arrays)
             size = sum(b.nbytes for b in block)
             if size > self.budget_bytes:
                 break  # the rest of the sequence would not fit either: its blocks chain on this one
@@ -69,12 +81,13 @@ class PrefixStore:
             self.nbytes += size
             added += size
             if self.spill is not None:
-                self.spill.write(owner, key, block)
+                self.spill.write(owner, key, block, end - start)
             self._evict()
         return added
 
     def get(self, owner: str, scope: str, token_ids: Sequence[int], positions: int) -> list[np.ndarray]:
-        """The KV of the first ``positions`` tokens of a kept sequence, one array per state."""
+        """The KV of the first ``positions`` tokens of a kept sequence, one array per state (as
+        a KV blob of ``positions`` positions holds it)."""
         if not 0 < positions <= len(token_ids):
             raise InvalidArgument("positions", f"must be in [1, {len(token_ids)}], got {positions}")
         slots = [(start, (owner, key)) for start, _, key in block_keys(scope, token_ids) if start < positions]
@@ -92,6 +105,8 @@ class PrefixStore:
         for _, slot in slots:
             self._blocks.move_to_end(slot)
         self._evict()
+        if self.layout is not None:
+            return [np.concatenate([b[i] for b in blocks]) for i in range(len(blocks[0]))]
         return [np.concatenate([b[i] for b in blocks], axis=1)[:, :positions] for i in range(len(blocks[0]))]
 
     def _evict(self) -> None:

@@ -140,21 +140,6 @@ def test_other_clients_and_opted_out_requests_neither_hit_nor_keep():
     assert not [c for c in ring.calls if c[0] == "restore"]
 
 
-def test_auto_turns_prefix_caching_on_where_warm_is_tested_to_equal_cold_on_either_backend():
-    from pipeshard.services.coordinator.main import use_prefix_cache
-    from pipeshard.v1 import stage_pb2
-
-    def stages(precision: str, backend: str):
-        return [stage_pb2.GetStageInfoResponse(precision=precision, kv_backend=backend)] * 2
-
-    assert use_prefix_cache("auto", stages("exact", "paged"))
-    assert use_prefix_cache("auto", stages("f32", "stateful"))
-    assert not use_prefix_cache("auto", stages("default", "paged"))
-    assert not use_prefix_cache("auto", [*stages("exact", "paged"), *stages("", "paged")])
-    assert use_prefix_cache("on", stages("default", "paged"))
-    assert not use_prefix_cache("off", stages("exact", "paged"))
-
-
 # -- real shards --------------------------------------------------------------------------------
 
 

@@ -4,6 +4,8 @@ joins or leaves; rewind, admission and bad rows."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -183,17 +185,18 @@ def test_exported_kv_restores_into_another_sequence(paged, chat_prompt_ids):
     try:
         token = int(_step(paged, {"src": ids})["src"].argmax())
         blobs = [p.export_kv("src") for p in paged]
-        assert len(blobs[0]) == 15 and blobs[0][0][0].shape == (3, len(ids), 64)
+        assert len(blobs[0]) == 30 and blobs[0][0].shape == (3, len(ids), 64)
+        assert paged[0].kv_source.blocks is None  # f32 pools: the backend-neutral f32 layout
         for p, blob in zip(paged, blobs, strict=True):
-            p.import_kv("dst", blob)
+            p.import_kv("dst", blob, len(ids))
         after = _step(paged, {"src": [token], "dst": [token]})
         np.testing.assert_array_equal(after["dst"], after["src"])
-        with pytest.raises(InvalidArgument, match="`layers`"):
-            paged[0].import_kv("dst", blobs[0][:3])
+        with pytest.raises(InvalidArgument, match="`arrays`"):
+            paged[0].import_kv("dst", blobs[0][:3], len(ids))
         # A prefix (the prefix cache's keep) reads only its blocks and equals the whole cut short.
         n = len(ids) - 5
         head = paged[1].export_kv("src", n)
-        np.testing.assert_array_equal(head[7][1], blobs[1][7][1][:, :n])
+        np.testing.assert_array_equal(head[15], blobs[1][15][:, :n])
         with pytest.raises(InvalidArgument) as err:
             paged[1].export_kv("src", len(ids) + 2)
         assert err.value.field == "positions"
@@ -201,3 +204,62 @@ def test_exported_kv_restores_into_another_sequence(paged, chat_prompt_ids):
         for p in paged:
             p.free("src")
             p.free("dst")
+
+
+def _teacher_forced(stages, seq: str, feed: list[int], forced: list[int]) -> np.ndarray:
+    """Last-row logits after ``feed`` and after each forced token, one sequence per step."""
+    out = [_step(stages, {seq: feed})[seq]]
+    out += [_step(stages, {seq: [t]})[seq] for t in forced]
+    return np.array(out)
+
+
+def test_default_precision_kv_is_captured_verbatim(export, chat_prompt_ids):
+    """The default precision's u8 pools are captured as their blocks, scale rows included, so a
+    restored sequence continues bit for bit as the one it was captured from (and through the
+    snapshot's proto). Restoring a prefix that ends inside a block stays within the default
+    precision's chunking noise of a fresh run; restoring another prompt's KV does not."""
+    from pipeshard.errors import FailedPrecondition
+    from pipeshard.shard.kvblob import KvBlob, from_proto, to_proto
+
+    stages = [PagedShard(export, s, "default", cache_bytes=32 << 20) for s in (0, 1)]
+    layout = stages[0].kv_source.blocks
+    assert layout is not None and layout.dtype == "uint8" and layout.shapes[:2] == ((3, 40, 64), (3, 32, 72))
+    prompt, other = chat_prompt_ids[0] * 3, chat_prompt_ids[1] * 3
+    assert len(prompt) % 32, "the prompt must end inside a block"
+    suffix = chat_prompt_ids[2][-12:]
+    for p in stages:
+        for seq in ("src", "dst", "fresh", "part", "wrong"):
+            p.open(seq, 320)
+    _step(stages, {"src": prompt})
+    _step(stages, {"wrong": other})
+    for p in stages:
+        blob = KvBlob.build(p.kv_source, p.export_kv("src"), positions=len(prompt))
+        assert blob.arrays[0].shape == (layout.blocks_for(len(prompt)), 3, 40, 64)
+        back = from_proto(to_proto(blob))
+        back.check_for(p.kv_source)
+        p.import_kv("dst", back.arrays, back.positions)
+        with pytest.raises(FailedPrecondition, match="float32 positions"):
+            back.check_for(dataclasses.replace(p.kv_source, blocks=None))
+        damaged = [a.copy() for a in back.arrays]
+        damaged[3][0, 0, 0, 0] ^= 1
+        with pytest.raises(InvalidArgument, match="corrupt"):
+            dataclasses.replace(back, arrays=tuple(damaged)).check_for(p.kv_source)
+    forced = [int(t) for t in _teacher_forced(stages, "fresh", prompt + suffix, []).argmax(-1)]
+    want = _teacher_forced(stages, "src", suffix, forced[:8])
+    np.testing.assert_array_equal(_teacher_forced(stages, "dst", suffix, forced[:8]), want)
+
+    # A prefix ending mid-block of a longer kept sequence: its last block's scales also cover the
+    # rows after it. Compared with a fresh sequence fed the same chunks (the same kernels).
+    cut = len(prompt) - 7
+    for p in stages:
+        p.import_kv("part", p.export_kv("src", cut), cut)
+        p.rewind("fresh", 0)
+        p.import_kv("wrong", p.export_kv("wrong", cut), cut)
+    _step(stages, {"fresh": prompt[:cut]})
+    tail = prompt[cut:] + suffix
+    fresh = _teacher_forced(stages, "fresh", tail, forced[:8])
+    part = _teacher_forced(stages, "part", tail, forced[:8])
+    wrong = _teacher_forced(stages, "wrong", tail, forced[:8])
+    noise, off = np.abs(part - fresh).max(), np.abs(wrong - fresh).max()
+    assert noise < 1.5 and noise < off / 4, (noise, off)
+    assert (part.argmax(-1) == fresh.argmax(-1)).mean() >= 0.75

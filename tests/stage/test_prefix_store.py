@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -120,3 +122,41 @@ def test_the_spill_folder_keeps_its_byte_budget_oldest_out(tmp_path):
     with pytest.raises(InvalidArgument) as err:
         PrefixSpill(tmp_path, _source(), -1)
     assert err.value.field == "prefix_spill_bytes"
+
+
+# -- a paged stage's quantized pool blocks ---------------------------------------------------------
+
+
+def _block_source():
+    from pipeshard.shard.kvblob import BlockLayout
+
+    return dataclasses.replace(_source(), blocks=BlockLayout("uint8", BLOCK, ((2, 40, 3), (2, BLOCK, 5))))
+
+
+def blocks(tokens: list[int]) -> list[np.ndarray]:
+    """Fake pool blocks [blocks, 2, rows, cols] whose every byte is its block's first token (mod 256)."""
+    firsts = np.asarray(tokens[::BLOCK], np.uint8)
+    return [
+        np.broadcast_to(firsts[:, None, None, None], (len(firsts), 2, *shape)).copy()
+        for shape in ((40, 3), (BLOCK, 5))
+    ]
+
+
+def test_pool_blocks_are_kept_and_spilled_verbatim_one_per_block(tmp_path):
+    from pipeshard.services.stage.prefix_spill import PrefixSpill
+
+    source = _block_source()
+    store = PrefixStore(1 << 20, PrefixSpill(tmp_path, source, 1 << 20), layout=source.blocks)
+    system = list(range(10, 10 + 2 * BLOCK))
+    one, two = [*system, 1, 2, 3], [*system, 7, 8]
+    store.put("o", "s", one, blocks(one))
+    assert store.put("o", "s", two, blocks(two)) == 2 * 40 * 3 + 2 * BLOCK * 5  # one new block
+    k, v = store.get("o", "s", two, 2 * BLOCK + 1)
+    assert k.shape == (3, 2, 40, 3) and v.shape == (3, 2, BLOCK, 5) and k.dtype == np.uint8
+    assert k[:, 0, 0, 0].tolist() == [10, 10 + BLOCK, 7]
+    # A restarted stage reads the blocks back from its spill folder, bytes unchanged.
+    again = PrefixStore(1 << 20, PrefixSpill(tmp_path, source, 1 << 20), layout=source.blocks)
+    np.testing.assert_array_equal(again.get("o", "s", two, len(two))[1], v)
+    with pytest.raises(InvalidArgument) as err:
+        PrefixStore(1 << 20, layout=dataclasses.replace(source.blocks, tokens=16))
+    assert err.value.field == "layout"
