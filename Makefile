@@ -83,6 +83,11 @@ demo: model
 	$(VENV)/bin/pipeshard generate --stream "What is the capital of France? Answer in one sentence." ; \
 	  status=$$?; $(MAKE) --no-print-directory down; exit $$status
 
+# Benchmarks repeat their prompts round after round; with the coordinator's prefix cache on (its
+# default) later rounds would restore the prompts instead of computing them. The fleets they start
+# run without it unless PIPESHARD_PREFIX_CACHE is set (bench-prefix turns it on where it measures it).
+bench-% soak: export PIPESHARD_PREFIX_CACHE ?= off
+
 ## bench-parity: our 1/2/3-stage shards against openvino_genai.LLMPipeline (bench/results/parity.json)
 bench-parity: model
 	$(PY) -m bench.parity

@@ -294,7 +294,7 @@ def main() -> int:
             runs_dir / f"warm-{backend}",
             precision=PRECISION,
             extra_stage_args=STAGE_ARGS[backend],
-            extra_coordinator_args=["--kv", backend],
+            extra_coordinator_args=["--kv", backend, "--prefix-cache", "on"],
         )
         try:
             cold = start_fleet(

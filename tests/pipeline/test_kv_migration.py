@@ -13,7 +13,7 @@ import pytest
 
 from pipeshard.ownership import owner_key, owner_metadata
 from pipeshard.services.stage.wire import token_frame
-from pipeshard.v1 import stage_pb2, stage_pb2_grpc
+from pipeshard.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
 pytestmark = pytest.mark.slow
 
@@ -151,6 +151,37 @@ def test_captured_session_continues_identically_on_another_process(two_stage_pro
     finally:
         src.close()
         dst.close()
+
+
+def test_default_precision_sessions_move_as_verbatim_blocks(
+    smollm2_export, fleet_factory, two_stage_processes, chat_prompt_ids
+):
+    """At the default precision paged stages keep a u8 cache: the snapshot carries its blocks byte
+    for byte (block_tokens = 32), the restored session decodes what the original decodes, and an
+    exact stage (f32 pools) refuses the snapshot by its layout."""
+    export = smollm2_export(1, "int4")
+    a, b = fleet_factory(export, 1), fleet_factory(export, 1)
+    src, dst = Driver(a.stages[0], "src"), Driver(b.stages[0], "dst")
+    exact = Driver(two_stage_processes[1], "exact")
+    try:
+        prompt = chat_prompt_ids[1]
+        src.call("OpenSession", stage_pb2.OpenSessionRequest(session_id="d"))
+        first = src.step("d", prompt, 0)
+        head = src.greedy("d", first, len(prompt), 8)
+        held = [*prompt, first, *head[:-1]]
+        snapshot = src.call("CaptureKv", stage_pb2.CaptureKvRequest(session_id="d", token_ids=held)).snapshot
+        assert snapshot.block_tokens == 32 and snapshot.positions == len(held)
+        assert list(snapshot.states[0].tensor.shape) == [-(-len(held) // 32), 3, 40, 64]
+        assert snapshot.states[0].tensor.dtype == tensor_pb2.DTYPE_UINT8
+        dst.call("RestoreKv", stage_pb2.RestoreKvRequest(session_id="d", snapshot=snapshot))
+        assert dst.greedy("d", head[-1], len(held), 24) == src.greedy("d", head[-1], len(held), 24)
+        with pytest.raises(grpc.RpcError) as err:
+            exact.call("RestoreKv", stage_pb2.RestoreKvRequest(session_id="d", snapshot=snapshot))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "uint8 blocks of 32 positions" in err.value.details()
+    finally:
+        for driver in (src, dst, exact):
+            driver.close()
 
 
 def test_snapshots_beyond_the_message_limit_travel_in_chunks(two_stage_processes, chat_prompt_ids):

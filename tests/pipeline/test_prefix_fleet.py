@@ -52,6 +52,23 @@ def test_warm_turns_equal_cold_turns_and_failed_restores_fall_back(fleets):
     assert "prefix cache has no block" in cold_log
 
 
+def test_the_default_fleet_restores_prefixes(smollm2_export, fleet_factory):
+    """What `make up` runs (paged stages at the default precision, no coordinator flag) keeps and
+    restores prefixes: the u8 pools' blocks travel verbatim (warm vs cold numerics: test_paged.py)."""
+    fleet = fleet_factory(smollm2_export(2, "int4"), 2)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name two planets."}]
+    with PipeshardClient(fleet.coordinator, timeout_s=300) as client:
+        first = client.generate(messages=messages, max_tokens=8, ignore_eos=True)
+        messages += [
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "Which is larger?"},
+        ]
+        second = client.generate(messages=messages, max_tokens=8, ignore_eos=True)
+    assert len(second.token_ids) == 8
+    log = fleet.process("coordinator").log.read_text()
+    assert '"prefix_cache_hit"' in log and '"prefix_cache_fallback"' not in log, log[-2000:]
+
+
 PAGED_STAGE = ["--kv", "paged", "--num-threads", "1", "--kv-cache-bytes", str(64 << 20)]
 
 
