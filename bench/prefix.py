@@ -7,7 +7,8 @@ own (a first user message of about H tokens, unique per round, so no round hits 
 runs its first turn on the warm fleet (untimed: it leaves the history in the stages' caches), then
 times the next turn (the history, the assistant's reply, a new message of about 30 tokens) on
 both fleets, in random order, back to back. TTFT is client wall time from the call to the first
-token. ``identical``: every timed turn answered the same tokens on both fleets.
+token. ``identical``: every turn answered the same tokens on both fleets (``identical_turns``: how
+many did; at the default precision a warm suffix may round differently at a near-tie).
 
 Shared system prompt (on the last backend listed, paged by default: it batches the users): 8
 users at once, each with the same system prompt of about 512 tokens and a message of its own,
@@ -117,10 +118,12 @@ def turn(address: str, messages: list[dict], max_tokens: int) -> tuple[float, li
     return ttft, tokens, "".join(text)
 
 
-def chat_rounds(warm: str, cold: str, prompter: Prompter) -> tuple[dict[str, list[float]], bool, dict]:
+def chat_rounds(warm: str, cold: str, prompter: Prompter) -> tuple[dict[str, list[float]], list[bool], dict]:
+    """TTFT samples per config and length, whether each turn (warm-up rounds too) answered alike
+    on both fleets, and the prompt length per history length."""
     rng = random.Random(0)
     samples: dict[str, list[float]] = {f"{c}@{n}": [] for n in LENGTHS for c in ("warm", "cold")}
-    identical = True
+    identical: list[bool] = []
     prompt_tokens: dict[int, int] = {}
     for r in range(WARMUP + RUNS):
         lengths = list(LENGTHS)
@@ -136,7 +139,7 @@ def chat_rounds(warm: str, cold: str, prompter: Prompter) -> tuple[dict[str, lis
                 got[config] = tokens
                 if r >= WARMUP:
                     samples[f"{config}@{n}"].append(ttft)
-            identical = identical and got["warm"] == got["cold"]
+            identical.append(got["warm"] == got["cold"])
         print(
             f"round {r + 1}/{WARMUP + RUNS}: "
             + ", ".join(f"{k}={v[-1]:.1f}" for k, v in sorted(samples.items()) if v),
@@ -318,7 +321,8 @@ def main() -> int:
             "prompt_tokens": {str(n): prompt_tokens[n] for n in LENGTHS},
             "ttft_ms": {k: median(v) for k, v in samples.items()},
             "ttft_ms_range": {k: summary(v) for k, v in samples.items()},
-            "identical": identical,
+            "identical": all(identical),
+            "identical_turns": f"{sum(identical)}/{len(identical)}",
         }
         for n in LENGTHS:
             ratio, ci = ratio_ci(samples[f"cold@{n}"], samples[f"warm@{n}"])
