@@ -15,7 +15,7 @@ import math
 import structlog
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.link_model import CodecChooser, LinkEstimate, parse_codec
+from pipeshard.link_model import CodecChooser, LinkEstimate, check_wire_dtype, parse_codec
 from pipeshard.services.stage.engine import StageEngine
 from pipeshard.services.stage.kv import StageKv
 from pipeshard.services.stage.paged_engine import PagedEngine
@@ -173,8 +173,7 @@ class StageNode:
             self._session_codecs.pop((owner, session_id), None)
             return
         parse_codec(mode)
-        if mode == "quantum_zstd" and self._wire_dtype != "fp32":
-            raise InvalidArgument("codec", f"quantum_zstd takes fp32 hidden states, not {self._wire_dtype}")
+        check_wire_dtype(mode, self._wire_dtype)
         self._session_codecs[(owner, session_id)] = mode
 
     def forget_session(self, owner: str, session_id: str) -> None:

@@ -131,3 +131,9 @@ def test_an_unknown_session_codec_names_its_field(mode):
     node = StageNode(FinalEngine(np.zeros((1, 4), np.float32)), 1, next_hop=None)
     with pytest.raises(InvalidArgument, match="`codec`"):
         node.set_session_codec("owner-a", "s", mode)
+
+
+def test_a_session_asking_quantum_over_a_narrow_wire_is_refused():
+    node = StageNode(FinalEngine(np.zeros((1, 4), np.float32)), 1, next_hop=None, wire_dtype="bf16")
+    with pytest.raises(InvalidArgument, match=r"`codec` quantum_zstd takes fp32 .* not --wire-dtype bf16"):
+        node.set_session_codec("owner-a", "s", "quantum_zstd")
