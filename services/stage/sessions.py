@@ -58,10 +58,6 @@ class SessionTable:
     def owners(self) -> list[str]:
         return list(self._per_owner)
 
-    def owned(self, owner: str) -> list[ShardSessionLike]:
-        """The owner's open sessions."""
-        return [entry.session for (o, _), entry in self._entries.items() if o == owner]
-
     def cached_positions(self) -> int:
         """Cache positions the open sessions hold (read by the metrics thread: list() of the
         values is one step under the GIL, so a concurrent open or release cannot break it)."""
