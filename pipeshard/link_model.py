@@ -158,6 +158,15 @@ def parse_codec(value: str) -> str:
     return value
 
 
+def check_wire_dtype(codec: str, wire_dtype: str) -> None:
+    """QUANTUM reads fp32 lanes, so it cannot follow a narrowed (fp16/bf16) wire: refused where the
+    stage starts with it and where a session asks for it."""
+    if codec == "quantum_zstd" and wire_dtype != "fp32":
+        raise InvalidArgument(
+            "codec", f"quantum_zstd takes fp32 hidden states, not --wire-dtype {wire_dtype}"
+        )
+
+
 class CodecChooser:
     """The codec one link sends tensors with: fixed, or ``auto`` from :class:`LinkEstimate`."""
 

@@ -10,7 +10,7 @@ import structlog
 
 from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound
 from pipeshard.grpc_server import run_server
-from pipeshard.link_model import AUTO, CODEC_NAMES, CodecChooser
+from pipeshard.link_model import AUTO, CODEC_NAMES, CodecChooser, check_wire_dtype
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.stage.engine import StageEngine
@@ -150,10 +150,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         raise InvalidArgument(
             "raw_tcp_port", "the raw-TCP baseline serves the stateful backend only (--kv stateful)"
         )
-    if settings.codec == "quantum_zstd" and settings.wire_dtype != "fp32":
-        raise InvalidArgument(
-            "codec", f"quantum_zstd takes fp32 hidden states, not --wire-dtype {settings.wire_dtype}"
-        )
+    check_wire_dtype(settings.codec, settings.wire_dtype)
     if settings.kv == "paged":
         runner = PagedShard(
             settings.shards, settings.stage, settings.precision, threads, cache_bytes=settings.kv_cache_bytes

@@ -15,7 +15,7 @@ import math
 import structlog
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.link_model import CodecChooser, LinkEstimate, parse_codec
+from pipeshard.link_model import CodecChooser, LinkEstimate, check_wire_dtype, parse_codec
 from pipeshard.services.stage.engine import StageEngine
 from pipeshard.services.stage.kv import StageKv
 from pipeshard.services.stage.paged_engine import PagedEngine
@@ -61,8 +61,6 @@ class StageNode:
         self._hop_codecs: dict[str, CodecChooser] = {self._codec.mode: self._codec}  # mode -> chooser
         self._results_links: dict[str, LinkEstimate] = {}  # owner -> its return link
         self._results_codecs: dict[tuple[str, str], CodecChooser] = {}  # (owner, mode) -> chooser
-        # (owner, session) -> the codec mode it asked for in OpenSession, where not the stage's own.
-        self._session_codecs: dict[tuple[str, str], str] = {}
         self._wire_dtype = wire_dtype
         self.kv = kv  # KV capture/restore and the prefix cache (None: a node without a shard runtime)
         self._port = input_port(engine.is_first)
@@ -165,23 +163,18 @@ class StageNode:
         if self.next_hop is None and bandwidth_bytes_s > 0:
             self._results_link(owner).observe_rate(bandwidth_bytes_s)
 
-    def set_session_codec(self, owner: str, session_id: str, mode: str) -> None:
-        """The codec a session asked for in OpenSession (empty: the stage's own ``--codec``); the
+    def open_session(self, owner: str, session_id: str, capacity: int | None, codec: str) -> None:
+        """Opens a session with the codec it asked for (empty: the stage's own ``--codec``); the
         frames and results this stage sends for it use it, so one fleet can compare codecs request
-        by request."""
-        if not mode or mode == self._codec.mode:
-            self._session_codecs.pop((owner, session_id), None)
-            return
-        parse_codec(mode)
-        if mode == "quantum_zstd" and self._wire_dtype != "fp32":
-            raise InvalidArgument("codec", f"quantum_zstd takes fp32 hidden states, not {self._wire_dtype}")
-        self._session_codecs[(owner, session_id)] = mode
-
-    def forget_session(self, owner: str, session_id: str) -> None:
-        self._session_codecs.pop((owner, session_id), None)
+        by request. The codec is checked before the session opens, so a bad one opens nothing."""
+        if codec:
+            parse_codec(codec)
+            check_wire_dtype(codec, self._wire_dtype)
+        self.engine.open(owner, session_id, capacity)
+        self.engine.sessions.set_codec(owner, session_id, codec)
 
     def _session_mode(self, owner: str, session_id: str) -> str:
-        return self._session_codecs.get((owner, session_id), self._codec.mode)
+        return self.engine.sessions.codec(owner, session_id) or self._codec.mode
 
     def _hop_chooser(self, owner: str, session_id: str) -> CodecChooser:
         """The next hop's chooser for this session's codec mode; every mode shares the hop's link."""
@@ -209,8 +202,6 @@ class StageNode:
         self._results_links.pop(owner, None)
         for key in [k for k in self._results_codecs if k[0] == owner]:
             del self._results_codecs[key]
-        for key in [k for k in self._session_codecs if k[0] == owner]:
-            del self._session_codecs[key]
 
     def _result(self, out, owner: str, session_id: str) -> activation_pb2.StepResult:
         """The final stage's result for ``owner``. Only logits are worth compressing on the return
@@ -255,8 +246,6 @@ class StageNode:
                         log.info("owner_sessions_released", sessions=len(released), reason="no lease")
                 for session_id in self.engine.sessions.reap_idle():
                     log.info("session_reaped", session_id=session_id, idle_timeout_s=idle_timeout_s)
-                for key in [k for k in self._session_codecs if k not in self.engine.sessions]:
-                    del self._session_codecs[key]  # sessions reaped, or whose open failed
 
         self._reaper = asyncio.create_task(reap(), name="session-reaper")
 

@@ -33,26 +33,38 @@ _keys = itertools.count()
 
 
 class PagedSession:
-    """A session's handle on the shared paged cache (what the session table holds)."""
+    """A session's handle on the shared paged cache (what the session table holds). It adds the
+    blocks it reserves to its owner's count in ``held`` and takes them off when it frees them, so
+    the owner share is checked without walking the owner's sessions."""
 
-    def __init__(self, shard: PagedShard):
+    def __init__(self, shard: PagedShard, held: dict[str, int]):
         self.shard = shard
         self.key = ("session", next(_keys))
         self.reserved = False
+        self._held = held
+        self._owner = ""
+        self._blocks = 0
 
     @property
     def past_length(self) -> int:
         return self.shard.length(self.key) if self.reserved else 0
 
-    def reserve(self, capacity: int) -> None:
+    def reserve(self, owner: str, capacity: int) -> None:
         self.shard.open(self.key, capacity)
         self.reserved = True
+        self._owner, self._blocks = owner, self.shard.capacity(self.key) // self.shard.block_tokens
+        self._held[owner] = self._held.get(owner, 0) + self._blocks
 
     def reset(self) -> None:
         """Gives the session's blocks back (the table calls it on release and reaping)."""
         if self.reserved:
             self.shard.free(self.key)
             self.reserved = False
+            left = self._held[self._owner] - self._blocks
+            if left:
+                self._held[self._owner] = left
+            else:
+                del self._held[self._owner]
 
 
 class PagedEngine:
@@ -69,7 +81,10 @@ class PagedEngine:
     ):
         self.shard = shard
         self.meters = meters or StageMeters(shard.stage_index)
-        self.sessions = SessionTable(lambda: PagedSession(shard), max_sessions, idle_timeout_s, max_per_owner)
+        self._held: dict[str, int] = {}  # owner -> the blocks its sessions hold
+        self.sessions = SessionTable(
+            lambda: PagedSession(shard, self._held), max_sessions, idle_timeout_s, max_per_owner
+        )
         # An owner may reserve the share of the block pool it may hold of the sessions, so one
         # caller's long reservations cannot take the whole pool from the others.
         share = 1.0 if max_per_owner is None else min(1.0, max_per_owner / max_sessions)
@@ -82,6 +97,10 @@ class PagedEngine:
 
     kv_backend = "paged"
 
+    def held_blocks(self, owner: str) -> int:
+        """The blocks ``owner``'s sessions hold."""
+        return self._held.get(owner, 0)
+
     def reset(self, owner: str, session_id: str) -> None:
         """Forgets the session's tokens; it keeps its reservation."""
         self.shard.rewind(self.sessions.get(owner, session_id).key, 0)
@@ -90,8 +109,7 @@ class PagedEngine:
         """Opens a session and reserves room for ``capacity`` tokens (the export's max_context
         when None); refuses with RESOURCE_EXHAUSTED naming the budget when it cannot fit."""
         capacity = min(capacity or self.max_context, self.max_context)
-        owned = [s for s in self.sessions.owned(owner) if s.reserved]
-        held = sum(self.shard.capacity(s.key) // self.shard.block_tokens for s in owned)
+        held = self.held_blocks(owner)
         need = self.shard.blocks_for(capacity)
         # What the pool cannot hold at all gets the pool's own refusal (naming the budget) below,
         # and so does a caller's first session (a full-context request may exceed a small share).
@@ -105,7 +123,7 @@ class PagedEngine:
         session = self.sessions.open(owner, session_id)
         try:
             # Drafts may ask beyond max_context on a full-length request; they never get it (check_step).
-            session.reserve(capacity)
+            session.reserve(owner, capacity)
         except PipeshardError:
             self.sessions.release(owner, session_id)
             raise

@@ -58,8 +58,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     async def OpenSession(self, request, context):
         owner = _owner(context)
         self._node.note_results_link(owner, request.results_link_bandwidth_bytes_per_second)
-        self._node.set_session_codec(owner, request.session_id, request.codec)  # validated before opening
-        self._node.engine.open(owner, request.session_id, request.capacity or None)
+        self._node.open_session(owner, request.session_id, request.capacity or None, request.codec)
         return stage_pb2.OpenSessionResponse(max_context=self._node.engine.max_context)
 
     async def ResetSession(self, request, context):
@@ -67,14 +66,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         return stage_pb2.ResetSessionResponse()
 
     async def ReleaseSession(self, request, context):
-        self._node.forget_session(_owner(context), request.session_id)
         return stage_pb2.ReleaseSessionResponse(
             released=self._node.engine.sessions.release(_owner(context), request.session_id)
         )
 
     async def AbortSession(self, request, context):
         owner = _owner(context)
-        self._node.forget_session(owner, request.session_id)
         log.info("session_aborted", session_id=request.session_id, reason=request.reason)
         return stage_pb2.AbortSessionResponse(
             aborted=self._node.engine.sessions.release(owner, request.session_id)

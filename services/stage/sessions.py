@@ -33,6 +33,7 @@ class ShardSessionLike(Protocol):
 class _Entry:
     session: ShardSessionLike
     last_used: float = field(default_factory=time.monotonic)
+    codec: str = ""  # the wire codec mode the session asked for at OpenSession ("": the stage's own)
 
 
 class SessionTable:
@@ -54,16 +55,8 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, key: tuple[str, str]) -> bool:
-        """Whether (owner, session id) is open."""
-        return key in self._entries
-
     def owners(self) -> list[str]:
         return list(self._per_owner)
-
-    def owned(self, owner: str) -> list[ShardSessionLike]:
-        """The owner's open sessions."""
-        return [entry.session for (o, _), entry in self._entries.items() if o == owner]
 
     def cached_positions(self) -> int:
         """Cache positions the open sessions hold (read by the metrics thread: list() of the
@@ -89,11 +82,24 @@ class SessionTable:
 
     def get(self, owner: str, session_id: str) -> ShardSessionLike:
         """The owner's session; another owner's session is as unknown as one never opened."""
+        entry = self._entry(owner, session_id)
+        entry.last_used = time.monotonic()
+        return entry.session
+
+    def set_codec(self, owner: str, session_id: str, mode: str) -> None:
+        """Keeps the session's codec mode on its entry, so it is forgotten with the session."""
+        self._entry(owner, session_id).codec = mode
+
+    def codec(self, owner: str, session_id: str) -> str:
+        """The session's codec mode; "" for the stage's own (or a session no longer open)."""
+        entry = self._entries.get((owner, session_id))
+        return "" if entry is None else entry.codec
+
+    def _entry(self, owner: str, session_id: str) -> _Entry:
         entry = self._entries.get((owner, session_id))
         if entry is None:
             raise NotFound(f"unknown session {session_id!r}")
-        entry.last_used = time.monotonic()
-        return entry.session
+        return entry
 
     def release(self, owner: str, session_id: str) -> bool:
         entry = self._entries.pop((owner, session_id), None)

@@ -15,7 +15,7 @@ import pytest
 
 from pipeshard.clients.client import PipeshardClient
 from pipeshard.services.coordinator.batched_ring import BatchedRing
-from pipeshard.services.coordinator.generation import Generation, Summary
+from pipeshard.services.coordinator.generation import Generation
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.shard.prompting import Prompter
@@ -62,7 +62,9 @@ def _used_after_release(addresses: list[str], timeout_s: float = 30) -> list[int
     return [_info(a).kv_cache_used_bytes for a in addresses]
 
 
-def test_concurrent_sessions_share_steps_and_keep_their_solo_tokens(fleet, export, prompts):
+def test_concurrent_sessions_share_steps_and_keep_their_solo_tokens(
+    fleet, export, greedy_in_process, prompts
+):
     chosen = list(prompts[:6])
     solo = [_generate(fleet.coordinator, p) for p in chosen]
     with ThreadPoolExecutor(len(chosen)) as pool:
@@ -70,19 +72,8 @@ def test_concurrent_sessions_share_steps_and_keep_their_solo_tokens(fleet, expor
     assert together == solo
     # `generate --local --kv paged` (the in-process batched ring) gives the fleet's tokens.
     prompter = Prompter.from_dir(export)
-    ring = BatchedRing(export, "exact", 1, cache_bytes=BUDGET)
-
-    async def local():
-        generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, prefill_chunk=ring.prefill_chunk)
-        out = []
-        for prompt in chosen[:2]:
-            ids = prompter.encode("", [("user", prompt)])
-            async for event in generation.run(ids, SamplingParams(max_tokens=TOKENS, ignore_eos=True)):
-                if isinstance(event, Summary):
-                    out.append(event.token_ids)
-        return out
-
-    assert asyncio.run(local()) == solo[:2]
+    ids = [prompter.encode("", [("user", prompt)]) for prompt in chosen[:2]]
+    assert greedy_in_process(export, ids, TOKENS, "exact", 1, cache_bytes=BUDGET) == solo[:2]
 
 
 def test_stage_info_reports_the_budget_and_a_cancel_frees_every_stage(fleet, prompts):

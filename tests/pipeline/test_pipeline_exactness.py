@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from pipeshard.clients.client import PipeshardClient
@@ -40,34 +38,12 @@ def test_fp32_fleet_matches_hf_greedy(
         assert have == want, f"prompt {i}: first difference at token {_first_diff(want, have)}"
 
 
-def _local_paged(shards, chat_prompt_ids) -> list[list[int]]:
-    """Greedy continuations from the in-process paged ring ``generate --local`` runs by default."""
-    from pipeshard.precision import DEFAULT_PRECISION
-    from pipeshard.services.coordinator.batched_ring import BatchedRing
-    from pipeshard.services.coordinator.generation import Generation, Summary
-    from pipeshard.services.coordinator.sampling import SamplingParams
-    from pipeshard.shard.prompting import Prompter
-
-    prompter = Prompter.from_dir(shards)
-    ring = BatchedRing(shards, DEFAULT_PRECISION)
-    generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, prefill_chunk=ring.prefill_chunk)
-
-    async def run() -> list[list[int]]:
-        out = []
-        for ids in chat_prompt_ids:
-            params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-            async for event in generation.run(list(ids), params):
-                if isinstance(event, Summary):
-                    out.append(event.token_ids)
-        return out
-
-    return asyncio.run(run())
-
-
-def test_int4_fleet_matches_in_process_ring(smollm2_export, fleet_factory, prompts, chat_prompt_ids):
+def test_int4_fleet_matches_in_process_ring(
+    smollm2_export, fleet_factory, greedy_in_process, prompts, chat_prompt_ids
+):
     """The default deployment (paged stages, default precision) gives what ``generate --local`` gives."""
     shards = smollm2_export(2, "int4")
-    local = _local_paged(shards, chat_prompt_ids)
+    local = greedy_in_process(shards, chat_prompt_ids, MAX_TOKENS)
     fleet = fleet_factory(shards, 2)
     got = _decode_all(fleet.coordinator, prompts, chat_prompt_ids)
     for i, (want, have) in enumerate(zip(local, got, strict=True)):

@@ -20,7 +20,10 @@ NEW_TOKENS = 40
 PROMPTS = ("Explain how a refrigerator keeps food cold.", "List five fruits that are red.")
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1s", "2s"])
+# One stage repeats the two-stage case without its stage boundary: extended.
+@pytest.fixture(
+    scope="module", params=[pytest.param(1, marks=pytest.mark.extended, id="1s"), pytest.param(2, id="2s")]
+)
 def exact_chain(request, smollm2_export):
     """(runners at ``exact``, [(prompt + greedy continuation, prompt length)] for each prompt)."""
     export = smollm2_export(request.param, "int4")

@@ -4,7 +4,8 @@
 The whole matrix (10 prompts x 1/2/3 stages x K 1/3/5/8 x every draft source, 256 tokens; INT4
 also with adaptive K) runs as ``make test-exactness``; ``make test`` runs a covering subset of
 FP32 (every stage count, draft source and K appears, over rotating prompts) and of INT4 (fixed and
-adaptive K of prompt lookup and the self-draft on 1 and 2 stages).
+adaptive K of prompt lookup and the self-draft on 1 stage; the 2-stage cases are extended, as the
+INT4 exact fleet test runs them through real stage processes).
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ SUBSET = [
         for i, (source, k) in enumerate(itertools.product(SOURCES, KS))
     )
 ]
-SUBSET_INT4 = [(1, "ngram", 4, 0), (1, "self", 0, 1), (2, "ngram", 0, 2), (2, "self", 3, 3)]
+# The 2-stage cases repeat what the INT4 exact fleet test runs in `make test` (prompt lookup with
+# adaptive K and the self-draft at K=3 on 2 stages, tests/pipeline/test_exact_fleet.py): extended.
+SUBSET_INT4 = [
+    (1, "ngram", 4, 0),
+    (1, "self", 0, 1),
+    pytest.param(2, "ngram", 0, 2, marks=pytest.mark.extended),
+    pytest.param(2, "self", 3, 3, marks=pytest.mark.extended),
+]
 
 
 def _check(spec_generation, greedy_reference, spec_prompt_ids, stages, source, k, prompts, weights="fp32"):

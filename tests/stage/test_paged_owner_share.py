@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -36,6 +37,9 @@ class FakePool:
     def capacity(self, seq) -> int:
         return self.seqs[seq]
 
+    def rewind(self, seq, length: int) -> None:
+        assert seq in self.seqs and length == 0  # a reset keeps the blocks
+
     def usage(self) -> SimpleNamespace:
         return SimpleNamespace(blocks_free=self.free_blocks)
 
@@ -65,3 +69,26 @@ def test_a_first_session_larger_than_the_share_is_bounded_by_the_pool_only():
         engine.open("long", "l1", capacity=32)
     engine.open("other", "o0", capacity=30 * 32)
     assert pool.free_blocks == 0
+
+
+def test_the_owner_block_count_returns_to_zero_after_open_free_reset_reap_cycles():
+    pool = FakePool()
+    engine = PagedEngine(pool, max_sessions=8, idle_timeout_s=60, max_per_owner=4)
+    for cycle in range(3):
+        engine.open("a", "a0", capacity=10 * 32)
+        engine.open("a", "a1", capacity=5 * 32 - 1)  # rounds up to whole blocks
+        engine.open("b", "b0", capacity=7 * 32)
+        with pytest.raises(ResourceExhausted, match="pool full"):  # refused by the pool: nothing counted
+            engine.open("b", "b1", capacity=200 * 32)
+        assert (engine.held_blocks("a"), engine.held_blocks("b")) == (15, 7)
+        engine.reset("a", "a0")  # forgets the tokens, keeps the reservation
+        assert engine.held_blocks("a") == 15
+        assert engine.sessions.release("a", "a0")
+        assert engine.held_blocks("a") == 5
+        if cycle == 0:
+            engine.sessions.reap_idle(now=time.monotonic() + 3600)
+        else:
+            engine.sessions.release_owner("a")
+            engine.sessions.release_owner("b")
+        assert (engine.held_blocks("a"), engine.held_blocks("b")) == (0, 0)
+        assert pool.free_blocks == pool.blocks_total

@@ -4,6 +4,7 @@ choice as every other hop, from the return link the coordinator measured, and ar
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -12,10 +13,18 @@ from pipeshard.errors import InvalidArgument
 from pipeshard.link_model import CodecChooser
 from pipeshard.services.stage.domain import ReturnMode, StepInput, StepOutput
 from pipeshard.services.stage.node import StageNode
+from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.services.stage.wire import frame_from_output
 from pipeshard.tensor_codec import Codec, decode
 
 VOCAB = 49152
+
+
+class _NoKv:
+    """A session without a cache (the fake engine computes nothing)."""
+
+    def reset(self) -> None:
+        pass
 
 
 class FinalEngine:
@@ -26,6 +35,10 @@ class FinalEngine:
 
     def __init__(self, logits: np.ndarray):
         self.logits = logits
+        self.sessions = SessionTable(_NoKv, max_sessions=4, idle_timeout_s=60.0)
+
+    def open(self, owner: str, session_id: str, capacity: int | None = None) -> None:
+        self.sessions.open(owner, session_id)
 
     def run(self, step):
         return StepOutput(step=step, logits=self.logits)
@@ -91,22 +104,32 @@ def test_a_nonsense_return_link_measurement_names_its_field(bandwidth):
         node.note_results_link("owner-a", bandwidth)
 
 
-def _session_codecs(stage_mode: str, session_modes: dict[str, str]) -> dict[str, int]:
-    """Each session's logits codec on one final stage whose own ``--codec`` is ``stage_mode``."""
+async def _logits_codec(node: StageNode, subscription, session: str) -> int:
+    """The codec of the logits ``node`` returns for one step of ``session`` (they arrive exact)."""
+    frame = _frame("owner-a")
+    frame.session_id = session
+    assert await node.handle(frame) is None
+    result = await subscription.get()
+    assert decode(result.logits, field="logits").tobytes() == node.engine.logits.tobytes()
+    return result.logits.codec
+
+
+def _final_node(stage_mode: str) -> tuple[StageNode, object]:
+    """A final stage whose own ``--codec`` is ``stage_mode``, and owner-a's results subscription."""
     logits = (np.random.default_rng(0).standard_normal((1, VOCAB)) * 3).astype(np.float32)
     node = StageNode(FinalEngine(logits), 1, next_hop=None, codec=CodecChooser(stage_mode, None))
+    return node, node.results.subscribe("owner-a", "sub")
+
+
+def _session_codecs(stage_mode: str, session_modes: dict[str, str]) -> dict[str, int]:
+    """Each session's logits codec on one final stage whose own ``--codec`` is ``stage_mode``."""
 
     async def run():
-        subscription = node.results.subscribe("owner-a", "sub")
+        node, subscription = _final_node(stage_mode)
         out = {}
         for session, mode in session_modes.items():
-            node.set_session_codec("owner-a", session, mode)
-            frame = _frame("owner-a")
-            frame.session_id = session
-            assert await node.handle(frame) is None
-            result = await subscription.get()
-            assert decode(result.logits, field="logits").tobytes() == logits.tobytes()
-            out[session] = result.logits.codec
+            node.open_session("owner-a", session, None, mode)
+            out[session] = await _logits_codec(node, subscription, session)
         return out
 
     return asyncio.run(run())
@@ -126,8 +149,31 @@ def test_each_session_sends_with_the_codec_it_asked_for():
     }
 
 
+def test_a_session_codec_lives_and_dies_with_its_session():
+    async def run():
+        node, subscription = _final_node("none")
+        node.open_session("owner-a", "s", None, "lane_blocks_zstd")
+        assert await _logits_codec(node, subscription, "s") == Codec.CODEC_LANE_BLOCKS_ZSTD
+        assert node.engine.sessions.release("owner-a", "s")
+        node.open_session("owner-a", "s", None, "")  # the same id again, asking nothing
+        assert await _logits_codec(node, subscription, "s") == Codec.CODEC_NONE
+        node.open_session("owner-a", "t", None, "lane_blocks_zstd")
+        assert node.engine.sessions.reap_idle(now=time.monotonic() + 3600) == ["s", "t"]
+        node.open_session("owner-a", "t", None, "")
+        assert await _logits_codec(node, subscription, "t") == Codec.CODEC_NONE
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize("mode", ["gzip", "AUTO", "on"])
-def test_an_unknown_session_codec_names_its_field(mode):
+def test_an_unknown_session_codec_names_its_field_and_opens_nothing(mode):
     node = StageNode(FinalEngine(np.zeros((1, 4), np.float32)), 1, next_hop=None)
     with pytest.raises(InvalidArgument, match="`codec`"):
-        node.set_session_codec("owner-a", "s", mode)
+        node.open_session("owner-a", "s", None, mode)
+    assert len(node.engine.sessions) == 0
+
+
+def test_a_session_asking_quantum_over_a_narrow_wire_is_refused():
+    node = StageNode(FinalEngine(np.zeros((1, 4), np.float32)), 1, next_hop=None, wire_dtype="bf16")
+    with pytest.raises(InvalidArgument, match=r"`codec` quantum_zstd takes fp32 .* not --wire-dtype bf16"):
+        node.open_session("owner-a", "s", None, "quantum_zstd")
