@@ -1,6 +1,6 @@
-"""Prefix caching through real fleets (2 stages, INT4, exact), no client change: a chat's next turn
-restores its history on every stage and answers exactly what a fleet whose stages keep nothing
-(every restore fails there and falls back to a cold prefill) answers."""
+"""Prefix caching through real fleets (2 stages, INT4), no client change: a chat's next turn
+restores its history on every stage; at exact it answers exactly what a fleet whose stages keep
+nothing (every restore fails there and falls back to a cold prefill) answers."""
 
 from __future__ import annotations
 
@@ -40,6 +40,17 @@ def _conversation(address: str) -> list[list[int]]:
     return replies
 
 
+def _next_turn(client: PipeshardClient, max_tokens: int) -> list[dict]:
+    """Runs a chat's first turn; returns the second turn's messages (the history and a question)."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name two planets."}]
+    first = client.generate(messages=messages, max_tokens=max_tokens, ignore_eos=True)
+    return [
+        *messages,
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "Which is larger?"},
+    ]
+
+
 def test_warm_turns_equal_cold_turns_and_failed_restores_fall_back(fleets):
     warm, cold = fleets
     assert _conversation(warm.coordinator) == _conversation(cold.coordinator)
@@ -56,14 +67,8 @@ def test_the_default_fleet_restores_prefixes(smollm2_export, fleet_factory):
     """What `make up` runs (paged stages at the default precision, no coordinator flag) keeps and
     restores prefixes: the u8 pools' blocks travel verbatim (warm vs cold numerics: test_paged.py)."""
     fleet = fleet_factory(smollm2_export(2, "int4"), 2)
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name two planets."}]
     with PipeshardClient(fleet.coordinator, timeout_s=300) as client:
-        first = client.generate(messages=messages, max_tokens=8, ignore_eos=True)
-        messages += [
-            {"role": "assistant", "content": first.text},
-            {"role": "user", "content": "Which is larger?"},
-        ]
-        second = client.generate(messages=messages, max_tokens=8, ignore_eos=True)
+        second = client.generate(messages=_next_turn(client, 8), max_tokens=8, ignore_eos=True)
     assert len(second.token_ids) == 8
     log = fleet.process("coordinator").log.read_text()
     assert '"prefix_cache_hit"' in log and '"prefix_cache_fallback"' not in log, log[-2000:]
@@ -114,13 +119,8 @@ def test_a_restarted_stage_restores_from_its_spill_folder(smollm2_export, fleet_
     ports = [_free_port(), _free_port()]
     spill = ["--prefix-spill-dir", str(tmp_path / "spill")]
     fleet = fleet_factory(export, 2, precision="exact", stage_ports=ports, extra_stage_args=spill)
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name two planets."}]
     with PipeshardClient(fleet.coordinator, timeout_s=300) as client:
-        first = client.generate(messages=messages, max_tokens=16, ignore_eos=True)
-        messages += [
-            {"role": "assistant", "content": first.text},
-            {"role": "user", "content": "Which is larger?"},
-        ]
+        messages = _next_turn(client, 16)
         before = client.generate(messages=messages, max_tokens=16, ignore_eos=True)
         assert list((tmp_path / "spill" / "stage1").glob("*.kvblock"))
         stage1 = fleet.process("stage1")
