@@ -163,11 +163,16 @@ def step_cost(ring: BatchedRing, rounds: int) -> dict:
 
 def batcher_line(ring: BatchedRing) -> dict:
     """The step cost batch-aware K used at the end of the run: what the ring's step batcher
-    fitted from its decode steps' wall times (ms fixed, per row and per position)."""
+    fitted from its decode steps' wall times (ms fixed, per row, per position, per verify step)."""
     cost = ring.batch_steps.timing.cost()
     if cost is None:
         return {}
-    return {"fixed": cost.fixed * 1e3, "per_row": cost.per_row * 1e3, "per_position": cost.per_position * 1e3}
+    return {
+        "fixed": cost.fixed * 1e3,
+        "per_row": cost.per_row * 1e3,
+        "per_position": cost.per_position * 1e3,
+        "verify": cost.verify * 1e3,
+    }
 
 
 def most_repeated(tokens: list[int], n: int = 4) -> int:

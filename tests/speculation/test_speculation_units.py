@@ -254,12 +254,15 @@ def _mixed_load(
     return out
 
 
-def test_step_cost_recovers_fixed_per_row_and_per_position_terms_from_noisy_steps():
-    truth = StepCost(fixed=0.030, per_row=0.020, per_position=0.003)  # a busy coordinator's rows
+def test_step_cost_recovers_fixed_per_row_per_position_and_verify_terms_from_noisy_steps():
+    # A busy coordinator's rows (20 ms each), and a step with a verify row leaving the decode kernel.
+    truth = StepCost(fixed=0.030, per_row=0.020, per_position=0.003, verify=0.014)
     cost = _timed(_mixed_load(), truth, noise=0.004).cost()
     assert cost.fixed == pytest.approx(truth.fixed, abs=0.003)
     assert cost.per_row == pytest.approx(truth.per_row, abs=0.0015)
     assert cost.per_position == pytest.approx(truth.per_position, abs=0.0015)
+    assert cost.verify == pytest.approx(truth.verify, abs=0.003)
+    assert _timed(_mixed_load(), StepCost(0.030, 0.020, 0.003), noise=0.004).cost().verify < 0.003
 
 
 def test_step_cost_takes_the_prior_per_position_when_every_row_is_one_position():
@@ -289,6 +292,16 @@ def test_k_stays_on_alone_when_rows_not_drafts_made_busy_steps_dear():
     # still pays alone (a line over positions charged the rows to them and gave K = 0 there).
     timing = _timed(_mixed_load(drafts=(0,) * 15 + (1,)), StepCost(0.030, 0.020, 0.003), noise=0.004)
     assert _k_from(timing, StepLoad()) >= 1
+
+
+def test_k_stays_plain_alone_when_a_verify_step_leaves_the_fast_decode_kernel():
+    # Measured alone on the paged CPU stages: 17 ms a plain step, 31 ms with a 2-token row. One
+    # draft in five never pays for that; behind four 50 ms hops the same verify cost does.
+    probes = _mixed_load(drafts=(0,) * 7 + (1, 2, 4, 6))
+    fast = _timed(probes, StepCost(0.012, 0.004, 0.001, verify=0.014), noise=0.001)
+    assert _k_from(fast, StepLoad()) == 0
+    far = _timed(probes, StepCost(0.212, 0.004, 0.001, verify=0.014), noise=0.001)
+    assert _k_from(far, StepLoad()) >= 1
 
 
 def test_k_falls_to_plain_in_a_full_compute_bound_step_and_stays_on_when_hops_dominate():

@@ -29,7 +29,9 @@ free). ``T`` is fitted over rows and positions apart (``TimingModel``): measured
 2-stage INT4 stages (docs/BENCHMARKS.md, bench.spec_batch, "step cost against rows and tokens")
 a position costs about 2.5 ms of CPU and a row about 1.2 ms more on a fixed cost of about 29 ms,
 and a busy step's wall time adds per-row work on the coordinator (Python per session), which a
-line over positions alone charged to drafts. Alone (R = n = 0) this is the formula above; in a
+line over positions alone charged to drafts; and a step with any row of more than one token
+pays a fixed ``verify`` cost once (the paged CPU stages leave their decode kernel), so the first
+draft in a step of plain rows costs more than the next. Alone (R = n = 0) this is the formula above; in a
 full compute-bound step a draft must be likely to be kept to pay for delaying everyone, so K
 shrinks, to 0 when it does not pay; when the fixed cost (round trips) dominates, drafts stay cheap.
 """
@@ -110,15 +112,28 @@ class StepTime:
 
 @dataclass(frozen=True)
 class StepCost:
-    """The fitted cost of a step, ``T(rows, positions) = fixed + per_row * rows + per_position *
-    positions`` (seconds): a draft adds positions to its session's row, never a row."""
+    """The fitted cost of a step (seconds),
+
+        T(rows, positions) = fixed + per_row * rows + per_position * positions
+                             + verify * (positions > rows),
+
+    a draft adds positions to its session's row, never a row; ``verify`` is what a step pays
+    once when any row carries more than one token (measured on the paged CPU stages: the step
+    leaves the decode kernel, about +14 ms on a 17 ms one-row step, bench.spec_batch)."""
 
     fixed: float
     per_row: float
     per_position: float
+    verify: float = 0.0
 
     def seconds(self, rows: int, positions: int) -> float:
-        return max(self.fixed + self.per_row * rows + self.per_position * positions, 1e-6)
+        t = (
+            self.fixed
+            + self.per_row * rows
+            + self.per_position * positions
+            + self.verify * (positions > rows)
+        )
+        return max(t, 1e-6)
 
 
 @dataclass
@@ -131,8 +146,9 @@ class TimingModel:
     charged to positions made drafts look as dear as rows (and a one-line fit's fixed cost
     vanish). Weighted least squares over the recent steps (newer weigh more); a term the steps
     do not identify takes its prior: no rows spread (a single session), a row costs only its
-    position (``per_row`` 0); too narrow a spread of positions beyond one per row (every session
-    decoding plainly), a position costs ``_PRIOR_SLOPE`` of a one-row, one-position step."""
+    position (``per_row`` 0); no plain steps or no verify steps, ``verify`` 0; too narrow a spread
+    of drafted positions (every session decoding plainly, or K = 1 probes only), a position costs
+    ``_PRIOR_SLOPE`` of a one-row, one-position step."""
 
     steps: deque[StepTime] = field(default_factory=lambda: deque(maxlen=_WINDOW))
     _cost: StepCost | None = field(default=None, repr=False)  # fitted after the latest step
@@ -159,40 +175,45 @@ class TimingModel:
         p = np.array([s.positions for s in steps], dtype=np.float64)
         t = np.array([s.seconds for s in steps], dtype=np.float64)
         w = 0.5 ** (np.arange(len(steps))[::-1] / _HALF_LIFE)  # the newest step weighs 1
-        fit_row = bool(r.max() > r.min())
-        fit_position = bool(np.ptp(p - r) >= _MIN_SPAN)
+        verifies = p > r
+        free = {
+            "per_row": bool(r.max() > r.min()),
+            "verify": bool(verifies.any() and not verifies.all()),
+            # with ``verify`` fitted, the drafted positions of verify steps must spread
+            "per_position": bool(np.ptp((p - r)[verifies] if verifies.any() else p - r) >= _MIN_SPAN),
+        }
+        columns = {"per_row": r, "verify": verifies.astype(np.float64), "per_position": p}
         # The prior per-position cost is a share of the one-row, one-position step it helps fit.
         base = np.average(t, weights=w) / (1.0 + _PRIOR_SLOPE * (np.average(p, weights=w) - 1.0))
         cost = StepCost(base * (1.0 - _PRIOR_SLOPE), 0.0, _PRIOR_SLOPE * base)
         for _ in range(10):  # a fixed point (a 5% share converges fast): the prior moves with the step
-            prior = _PRIOR_SLOPE * (cost.fixed + cost.per_row) / (1.0 - _PRIOR_SLOPE)
-            cost = _least_squares(r, p, t, w, fit_row, fit_position, prior)
-            if fit_position:  # no prior in the fit
+            prior = {"per_row": 0.0, "verify": 0.0}
+            prior["per_position"] = _PRIOR_SLOPE * (cost.fixed + cost.per_row) / (1.0 - _PRIOR_SLOPE)
+            cost = _least_squares(t, w, columns, dict(free), prior)
+            if free["per_position"]:  # no prior in the fit
                 break
         return cost
 
 
-def _least_squares(r, p, t, w, fit_row: bool, fit_position: bool, prior: float) -> StepCost:
-    """Weighted least squares of ``t`` on the terms to fit; the others at their priors (no
-    per-row cost, ``prior`` a position); a slope that comes out negative (noise) is pinned to 0."""
+def _least_squares(t, w, columns: dict, free: dict[str, bool], prior: dict[str, float]) -> StepCost:
+    """Weighted least squares of ``t`` on the intercept and the free terms, the others at their
+    priors; a term the steps cannot tell from the others (collinear) takes its prior, and one
+    that comes out negative (noise) is pinned to 0."""
+    sw = np.sqrt(w)
     while True:
-        columns = [np.ones_like(r)] + [r] * fit_row + [p] * fit_position
-        x = np.stack(columns, axis=1)
-        y = t - (0.0 if fit_position else prior) * p
-        sw = np.sqrt(w)[:, None]
-        if np.linalg.matrix_rank(x * sw) < len(columns):  # rows and positions move together
-            fit_position = False
+        names = [n for n in columns if free[n]]
+        x = np.stack([np.ones_like(t)] + [columns[n] for n in names], axis=1) * sw[:, None]
+        y = t - sum(prior[n] * columns[n] for n in columns if not free[n])
+        if np.linalg.matrix_rank(x) < len(names) + 1:  # e.g. every verify step drafts alike
+            free[names[-1]] = False
             continue
-        beta = np.linalg.lstsq(x * sw, y * sw[:, 0], rcond=None)[0]
-        per_row = float(beta[1]) if fit_row else 0.0
-        per_position = float(beta[-1]) if fit_position else prior
-        if per_row < 0.0:
-            fit_row = False
+        beta = np.linalg.lstsq(x, y * sw, rcond=None)[0]
+        terms = dict(prior) | dict(zip(names, (float(b) for b in beta[1:]), strict=True))
+        negative = [n for n in names if terms[n] < 0.0]
+        if negative:
+            free[negative[0]], prior[negative[0]] = False, 0.0
             continue
-        if per_position < 0.0:
-            fit_position, prior = False, 0.0
-            continue
-        return StepCost(float(beta[0]), per_row, per_position)
+        return StepCost(float(beta[0]), terms["per_row"], terms["per_position"], terms["verify"])
 
 
 @dataclass
