@@ -16,7 +16,8 @@ what prompt lookup predicts perfectly); the kept set's repetition rate (repeated
 must equal its plain greedy answer (``exact_ok``).
 
 Batch-aware K times T from the ring's own steps (the step batcher, send to result, once for all
-sessions); the JSON reports the line it ended with (``batcher_step_line_ms``).
+sessions, over rows and positions); the JSON reports the terms it ended with
+(``batcher_step_line_ms``).
 
 First, the cost model of batch-aware K (services/coordinator/speculation/policy.py): one step of
 the two paged stages against its rows and tokens (decode rows of 1 token, verify rows of 4-16),
@@ -161,11 +162,17 @@ def step_cost(ring: BatchedRing, rounds: int) -> dict:
 
 
 def batcher_line(ring: BatchedRing) -> dict:
-    """The step cost line batch-aware K used at the end of the run: what the ring's step batcher
-    fitted from its decode steps' wall times (ms at 0 positions, ms per position)."""
-    timing = ring.batch_steps.timing
-    fixed = timing.estimate(0) or 0.0
-    return {"fixed": fixed * 1e3, "per_position": ((timing.estimate(1) or 0.0) - fixed) * 1e3}
+    """The step cost batch-aware K used at the end of the run: what the ring's step batcher
+    fitted from its decode steps' wall times (ms fixed, per row, per position, per verify step)."""
+    cost = ring.batch_steps.timing.cost()
+    if cost is None:
+        return {}
+    return {
+        "fixed": cost.fixed * 1e3,
+        "per_row": cost.per_row * 1e3,
+        "per_position": cost.per_position * 1e3,
+        "verify": cost.verify * 1e3,
+    }
 
 
 def most_repeated(tokens: list[int], n: int = 4) -> int:

@@ -21,7 +21,7 @@ After a step the scheduler waits up to ``gather_s`` for the sessions just answer
 next frames, so they ride in the same next step instead of trickling into separate ones.
 
 Batch-aware K (speculation/policy.py, ``BatchSteps``): the batcher times each step of decode rows
-from send to result and fits its cost by total positions once for all sessions (``timing``), and
+from send to result and fits its cost by rows and positions once for all sessions (``timing``), and
 tells a session what else rode in its last step (``load``): the step its next frame will join.
 Steps carrying prefill chunks are not timed: a chunk's positions cost less each than a verify
 row's (the multi-row attention kernel), and K is chosen for decode steps.
@@ -83,7 +83,7 @@ class StepBatcher:
         self.max_in_flight = 0  # the most steps that were in flight at once
         self.last_step_rows = 0  # rows and tokens of the latest step (how full steps run)
         self.last_step_tokens = 0
-        self.timing = TimingModel()  # decode steps' cost by total positions, send to result
+        self.timing = TimingModel()  # decode steps' cost by rows and positions, send to result
         self._clock = clock
         self._loads: dict[str, StepLoad] = {}  # per session: the rest of its last step
         self._queue: list[_Waiting] = []
@@ -171,7 +171,7 @@ class StepBatcher:
         try:
             answers = await self._run([w.frame for w in batch])
             if all(w.tokens <= DECODE_ROW_TOKENS for w in batch):
-                self.timing.observe(sum(w.tokens for w in batch), self._clock() - sent)
+                self.timing.observe(sum(w.tokens for w in batch), self._clock() - sent, rows=len(batch))
         except Exception as exc:  # a runner that raises fails every row of its step
             answers = [exc] * len(batch)
         finally:

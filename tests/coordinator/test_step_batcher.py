@@ -178,8 +178,9 @@ def test_the_batcher_times_decode_steps_by_their_positions_and_tells_each_sessio
         return batcher, loads, batcher.load("a")
 
     batcher, (load_a, load_b), forgotten = asyncio.run(main())
-    assert sorted(batcher.timing.seconds) == list(range(3, 10))  # 120-token prefill step left out
-    assert batcher.timing.estimate(20) == pytest.approx(0.030 + 0.004 * 20)
+    timed = [(s.rows, s.positions) for s in batcher.timing.steps]
+    assert timed == [(3, p) for p in range(3, 10)]  # 120-token prefill step left out
+    assert batcher.timing.estimate(20, rows=3) == pytest.approx(0.030 + 0.004 * 20)
     assert (load_a.rows, load_a.tokens) == (2, 2)  # b and c beside a's 7 positions
     assert (load_b.rows, load_b.tokens) == (2, 8)
     assert (forgotten.rows, forgotten.tokens) == (3, 9)  # a closed session: the latest step's

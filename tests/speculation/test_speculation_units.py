@@ -17,7 +17,9 @@ from pipeshard.services.coordinator.speculation.policy import (
     BatchSteps,
     KPolicy,
     SourceMemory,
+    StepCost,
     StepLoad,
+    StepTime,
     TimingModel,
     expected_tokens,
 )
@@ -176,11 +178,11 @@ def test_batch_aware_k_times_the_whole_step():
     policy = KPolicy(timing, fixed_k=3, load=lambda: load)
     assert policy.choose(limit=100) == 3
     policy.observe(3, 2, 0.05, 0.001)
-    assert timing.seconds == {264: 0.05}  # keyed by all of the step's positions
+    assert list(timing.steps) == [StepTime(5, 264, 0.05)]  # all of the step's rows and positions
     alone = KPolicy(timing, fixed_k=3)
     alone.choose(limit=100)
     alone.observe(3, 2, 0.02, 0.001)
-    assert timing.seconds[4] == 0.02
+    assert timing.steps[-1] == StepTime(1, 4, 0.02)
 
 
 def _steps_of(users: int, fixed_s: float, per_position_s: float) -> BatchSteps:
@@ -211,10 +213,10 @@ def _batch_k(steps: BatchSteps, acceptance_quarter: bool = True) -> int:
     policy = KPolicy(
         steps.timing, fixed_k=None, explore_every=1000, load=lambda: steps.load("s0"), times_steps=False
     )
-    fitted = dict(steps.timing.seconds)
+    fitted = list(steps.timing.steps)
     for kept in (1, 0, 0) * 10 if acceptance_quarter else (4,) * 30:
         policy.observe(4, kept, 10.0, 0.0)
-    assert steps.timing.seconds == fitted  # a request's wall time does not feed the batcher's
+    assert list(steps.timing.steps) == fitted  # a request's wall time does not feed the batcher's
     return policy.choose(limit=100)
 
 
@@ -229,6 +231,86 @@ def test_batch_aware_k_stays_on_when_the_step_is_latency_bound():
     # Four 50 ms hops: the fixed cost dwarfs a position's, so drafts are nearly free.
     assert _batch_k(_steps_of(8, 0.200, 0.0035)) >= 1
     assert _batch_k(_steps_of(8, 0.200, 0.0035), acceptance_quarter=False) >= 6
+
+
+def _timed(steps: list[tuple[int, int]], cost: StepCost, noise: float = 0.0, seed: int = 0) -> TimingModel:
+    """A timing model fed ``(rows, positions)`` steps costing ``cost`` plus Gaussian noise (s)."""
+    rng = np.random.default_rng(seed)
+    timing = TimingModel()
+    for rows, positions in steps:
+        timing.observe(positions, cost.seconds(rows, positions) + rng.normal(0.0, noise), rows=rows)
+    return timing
+
+
+def _mixed_load(
+    steps: int = 400, seed: int = 1, drafts: tuple[int, ...] = (0, 0, 0, 1, 2, 4)
+) -> list[tuple[int, int]]:
+    """1, 4 or 8 sessions a step, each drafting one of ``drafts`` tokens (mostly none)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        rows = int(rng.choice([1, 4, 8]))
+        out.append((rows, rows + int(rng.choice(drafts, size=rows).sum())))
+    return out
+
+
+def test_step_cost_recovers_fixed_per_row_per_position_and_verify_terms_from_noisy_steps():
+    # A busy coordinator's rows (20 ms each), and a step with a verify row leaving the decode kernel.
+    truth = StepCost(fixed=0.030, per_row=0.020, per_position=0.003, verify=0.014)
+    cost = _timed(_mixed_load(), truth, noise=0.004).cost()
+    assert cost.fixed == pytest.approx(truth.fixed, abs=0.003)
+    assert cost.per_row == pytest.approx(truth.per_row, abs=0.0015)
+    assert cost.per_position == pytest.approx(truth.per_position, abs=0.0015)
+    assert cost.verify == pytest.approx(truth.verify, abs=0.003)
+    assert _timed(_mixed_load(), StepCost(0.030, 0.020, 0.003), noise=0.004).cost().verify < 0.003
+
+
+def test_step_cost_takes_the_prior_per_position_when_every_row_is_one_position():
+    # Every session decodes plainly: rows == positions, so a row and a position cannot be told
+    # apart; a position costs the prior share (5%) of a one-row, one-position step.
+    cost = _timed([(n, n) for n in (1, 2, 4, 8) * 10], StepCost(0.030, 0.005, 0.0)).cost()
+    assert cost.per_position == pytest.approx(0.05 * 0.035)
+    assert cost.per_row == pytest.approx(0.005 - 0.05 * 0.035)
+    assert cost.fixed == pytest.approx(0.030)
+    one = _timed([(1, 1)] * 5, StepCost(0.030, 0.0, 0.005)).cost()  # one session, plain steps
+    assert (one.per_row, one.per_position) == (0.0, pytest.approx(0.05 * 0.035))
+    assert one.seconds(1, 1) == pytest.approx(0.035)
+
+
+def _k_from(timing: TimingModel, load: StepLoad) -> int:
+    """K chosen under ``load`` having kept one draft in five (four verifies of which one kept 1)."""
+    policy = KPolicy(timing, fixed_k=None, explore_every=1000, load=lambda: load, times_steps=False)
+    for kept in (1, 0, 0, 0) * 10:
+        policy.observe(4, kept, 0.0, 0.0)
+    assert 0.15 < policy.acceptance < 0.25
+    return policy.choose(limit=100)
+
+
+def test_k_stays_on_alone_when_rows_not_drafts_made_busy_steps_dear():
+    # 1, 4 and 8 users on one ring, nearly all decoding plainly (a K = 1 probe now and then), each
+    # busy row costing 20 ms (Python per session), a position 3 ms: a draft kept one time in five
+    # still pays alone (a line over positions charged the rows to them and gave K = 0 there).
+    timing = _timed(_mixed_load(drafts=(0,) * 15 + (1,)), StepCost(0.030, 0.020, 0.003), noise=0.004)
+    assert _k_from(timing, StepLoad()) >= 1
+
+
+def test_k_stays_plain_alone_when_a_verify_step_leaves_the_fast_decode_kernel():
+    # Measured alone on the paged CPU stages: 17 ms a plain step, 31 ms with a 2-token row. One
+    # draft in five never pays for that; behind four 50 ms hops the same verify cost does.
+    probes = _mixed_load(drafts=(0,) * 7 + (1, 2, 4, 6))
+    fast = _timed(probes, StepCost(0.012, 0.004, 0.001, verify=0.014), noise=0.001)
+    assert _k_from(fast, StepLoad()) == 0
+    far = _timed(probes, StepCost(0.212, 0.004, 0.001, verify=0.014), noise=0.001)
+    assert _k_from(far, StepLoad()) >= 1
+
+
+def test_k_falls_to_plain_in_a_full_compute_bound_step_and_stays_on_when_hops_dominate():
+    compute = _timed(_mixed_load(), StepCost(0.029, 0.0012, 0.0025), noise=0.002)  # CPU cost model
+    assert _k_from(compute, StepLoad(rows=7, tokens=7)) == 0  # 7 rows wait
+    assert _k_from(compute, StepLoad()) >= 1  # alone the same draft pays
+    hops = _timed(_mixed_load(), StepCost(0.200, 0.0012, 0.0025), noise=0.002)  # four 50 ms hops
+    assert _k_from(hops, StepLoad(rows=7, tokens=7)) >= 1
+    assert _k_from(hops, StepLoad()) >= 1
 
 
 def test_fixed_k_is_kept_and_clipped():

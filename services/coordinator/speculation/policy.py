@@ -18,22 +18,27 @@ Batch-aware (continuous batching, issue #17): a verify row shares its step with 
 rows, and its K extra positions lengthen that step for all of them. So K maximises the step's
 tokens per second, not the request's alone,
 
-    rate(K) = (R + E[tokens | K]) / (T(n + K + 1) + K * t_draft)
+    rate(K) = (R + E[tokens | K]) / (T(R + 1, n + K + 1) + K * t_draft)
 
-where R and n are the other sessions' rows and tokens in the step (``StepLoad``) and ``T`` is
-keyed by the step's total positions. Both come from the ring's step batcher (``BatchSteps``): it
-times every step from send to result once for all sessions, so ``T`` is what a step costs, not a
-request's wall time per step (which in a batch includes waiting for the step under way: a flat
-line that made drafts look free). Measured on the paged 2-stage INT4 stages
-(docs/BENCHMARKS.md, bench.spec_batch, "step cost against rows and tokens"), a step's cost grows
-about linearly with its tokens whichever rows carry them (a row adds little), so ``T`` stays one
-line fitted over total positions. Alone (R = n = 0) this is the formula above; in a full step
-(large R) a draft must be likely to be kept to pay for delaying everyone, so K shrinks, to 0 when
-it does not pay.
+where R and n are the other sessions' rows and tokens in the step (``StepLoad``) and ``T(rows,
+positions)`` the step's cost: the step keeps its rows whatever K is, a draft adds positions
+only. Both come from the ring's step batcher (``BatchSteps``): it times every step from send to
+result once for all sessions, so ``T`` is what a step costs, not a request's wall time per step
+(which in a batch includes waiting for the step under way: a flat line that made drafts look
+free). ``T`` is fitted over rows and positions apart (``TimingModel``): measured on the paged
+2-stage INT4 stages (docs/BENCHMARKS.md, bench.spec_batch, "step cost against rows and tokens")
+a position costs about 2.5 ms of CPU and a row about 1.2 ms more on a fixed cost of about 29 ms,
+and a busy step's wall time adds per-row work on the coordinator (Python per session), which a
+line over positions alone charged to drafts; and a step with any row of more than one token
+pays a fixed ``verify`` cost once (the paged CPU stages leave their decode kernel), so the first
+draft in a step of plain rows costs more than the next. Alone (R = n = 0) this is the formula above; in a
+full compute-bound step a draft must be likely to be kept to pay for delaying everyone, so K
+shrinks, to 0 when it does not pay; when the fixed cost (round trips) dominates, drafts stay cheap.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -49,11 +54,12 @@ _EMA = 0.2
 # for a source that never agrees, little enough that the request's own text soon takes over.
 _MEMORY_WEIGHT = 5.0
 _MEMORY_DECAY = 0.98
-# The line is fitted once the measured positions span this many (a narrower spread, e.g. a batch
-# whose sessions all decode plainly, measures noise, not a slope: the prior slope stands in).
+# The per-position cost is fitted once the positions beyond one per row span this many (a
+# narrower spread, e.g. a batch whose sessions all decode plainly, measures noise: the prior).
 _MIN_SPAN = 4
-# A position count's weight in the fit grows with its samples up to this many.
-_MAX_WEIGHT = 20
+# The step cost is fitted over this many recent steps, a step's weight halving every _HALF_LIFE.
+_WINDOW = 512
+_HALF_LIFE = 128
 
 
 def ema(old: float | None, new: float) -> float:
@@ -82,7 +88,7 @@ LoadProbe = Callable[[], StepLoad]
 
 class BatchSteps(Protocol):
     """What a ring that batches every step (its ``StepBatcher``) tells adaptive K: the cost of its
-    steps by total positions, timed from send to result once for all sessions, and the rest of
+    steps by rows and positions, timed from send to result once for all sessions, and the rest of
     the step a session's next frame joins."""
 
     @property
@@ -95,40 +101,119 @@ def _alone() -> StepLoad:
     return StepLoad()
 
 
+@dataclass(frozen=True)
+class StepTime:
+    """One timed traversal: its rows (sessions), its positions (every row's tokens), its wall time."""
+
+    rows: int
+    positions: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The fitted cost of a step (seconds),
+
+        T(rows, positions) = fixed + per_row * rows + per_position * positions
+                             + verify * (positions > rows),
+
+    a draft adds positions to its session's row, never a row; ``verify`` is what a step pays
+    once when any row carries more than one token (measured on the paged CPU stages: the step
+    leaves the decode kernel, about +14 ms on a 17 ms one-row step, bench.spec_batch)."""
+
+    fixed: float
+    per_row: float
+    per_position: float
+    verify: float = 0.0
+
+    def seconds(self, rows: int, positions: int) -> float:
+        t = (
+            self.fixed
+            + self.per_row * rows
+            + self.per_position * positions
+            + self.verify * (positions > rows)
+        )
+        return max(t, 1e-6)
+
+
 @dataclass
 class TimingModel:
-    """Wall time of a traversal by the step's positions (every session's rows in it), shared by
-    every request of a coordinator (or, batched, timed by the step batcher for all of them)."""
+    """Wall time of a traversal by its rows and positions, shared by every request of a
+    coordinator (or, batched, timed by the step batcher for all of them).
 
-    seconds: dict[int, float] = field(default_factory=dict)
-    samples: dict[int, int] = field(default_factory=dict)  # observations per position count
-    _line: tuple[float, float] | None = field(default=None, repr=False)  # fitted (slope, intercept)
+    Rows and positions are fitted apart because they cost differently and K changes only the
+    positions: a busy step's per-row cost (per-session work on the coordinator and the stages)
+    charged to positions made drafts look as dear as rows (and a one-line fit's fixed cost
+    vanish). Weighted least squares over the recent steps (newer weigh more); a term the steps
+    do not identify takes its prior: no rows spread (a single session), a row costs only its
+    position (``per_row`` 0); no plain steps or no verify steps, ``verify`` 0; too narrow a spread
+    of drafted positions (every session decoding plainly, or K = 1 probes only), a position costs
+    ``_PRIOR_SLOPE`` of a one-row, one-position step."""
 
-    def observe(self, positions: int, seconds: float) -> None:
-        self.seconds[positions] = ema(self.seconds.get(positions), seconds)
-        self.samples[positions] = self.samples.get(positions, 0) + 1
-        self._line = None
+    steps: deque[StepTime] = field(default_factory=lambda: deque(maxlen=_WINDOW))
+    _cost: StepCost | None = field(default=None, repr=False)  # fitted after the latest step
 
-    def estimate(self, positions: int) -> float | None:
-        if not self.seconds:
+    def observe(self, positions: int, seconds: float, rows: int = 1) -> None:
+        self.steps.append(StepTime(rows, positions, seconds))
+        self._cost = None
+
+    def cost(self) -> StepCost | None:
+        """The fitted terms; None before any step was timed."""
+        if not self.steps:
             return None
-        if self._line is None:  # refit only after new observations (choose asks per K)
-            self._line = self._fit()
-        slope, intercept = self._line
-        return max(intercept + slope * positions, 1e-6)
+        if self._cost is None:  # refit only after new observations (choose asks per K)
+            self._cost = self._fit()
+        return self._cost
 
-    def _fit(self) -> tuple[float, float]:
-        """(slope, intercept) of the line through the measured points, weighted by how often each
-        was measured; over too narrow a spread, the prior slope through the best-measured point."""
-        n = np.fromiter(self.seconds.keys(), dtype=np.float64)
-        t = np.fromiter(self.seconds.values(), dtype=np.float64)
-        w = np.fromiter((min(self.samples.get(k, 1), _MAX_WEIGHT) for k in self.seconds), dtype=np.float64)
-        if n.max() - n.min() >= _MIN_SPAN:
-            slope, intercept = np.polyfit(n, t, 1, w=np.sqrt(w))
-            return max(float(slope), 0.0), float(intercept)
-        i = int(np.argmax(w))
-        base = t[i] / (1.0 + _PRIOR_SLOPE * (n[i] - 1))  # a one-position traversal
-        return _PRIOR_SLOPE * base, base * (1.0 - _PRIOR_SLOPE)
+    def estimate(self, positions: int, rows: int = 1) -> float | None:
+        cost = self.cost()
+        return None if cost is None else cost.seconds(rows, positions)
+
+    def _fit(self) -> StepCost:
+        steps = list(self.steps)
+        r = np.array([s.rows for s in steps], dtype=np.float64)
+        p = np.array([s.positions for s in steps], dtype=np.float64)
+        t = np.array([s.seconds for s in steps], dtype=np.float64)
+        w = 0.5 ** (np.arange(len(steps))[::-1] / _HALF_LIFE)  # the newest step weighs 1
+        verifies = p > r
+        free = {
+            "per_row": bool(r.max() > r.min()),
+            "verify": bool(verifies.any() and not verifies.all()),
+            # with ``verify`` fitted, the drafted positions of verify steps must spread
+            "per_position": bool(np.ptp((p - r)[verifies] if verifies.any() else p - r) >= _MIN_SPAN),
+        }
+        columns = {"per_row": r, "verify": verifies.astype(np.float64), "per_position": p}
+        # The prior per-position cost is a share of the one-row, one-position step it helps fit.
+        base = np.average(t, weights=w) / (1.0 + _PRIOR_SLOPE * (np.average(p, weights=w) - 1.0))
+        cost = StepCost(base * (1.0 - _PRIOR_SLOPE), 0.0, _PRIOR_SLOPE * base)
+        for _ in range(10):  # a fixed point (a 5% share converges fast): the prior moves with the step
+            prior = {"per_row": 0.0, "verify": 0.0}
+            prior["per_position"] = _PRIOR_SLOPE * (cost.fixed + cost.per_row) / (1.0 - _PRIOR_SLOPE)
+            cost = _least_squares(t, w, columns, dict(free), prior)
+            if free["per_position"]:  # no prior in the fit
+                break
+        return cost
+
+
+def _least_squares(t, w, columns: dict, free: dict[str, bool], prior: dict[str, float]) -> StepCost:
+    """Weighted least squares of ``t`` on the intercept and the free terms, the others at their
+    priors; a term the steps cannot tell from the others (collinear) takes its prior, and one
+    that comes out negative (noise) is pinned to 0."""
+    sw = np.sqrt(w)
+    while True:
+        names = [n for n in columns if free[n]]
+        x = np.stack([np.ones_like(t)] + [columns[n] for n in names], axis=1) * sw[:, None]
+        y = t - sum(prior[n] * columns[n] for n in columns if not free[n])
+        if np.linalg.matrix_rank(x) < len(names) + 1:  # e.g. every verify step drafts alike
+            free[names[-1]] = False
+            continue
+        beta = np.linalg.lstsq(x, y * sw, rcond=None)[0]
+        terms = dict(prior) | dict(zip(names, (float(b) for b in beta[1:]), strict=True))
+        negative = [n for n in names if terms[n] < 0.0]
+        if negative:
+            free[negative[0]], prior[negative[0]] = False, 0.0
+            continue
+        return StepCost(float(beta[0]), terms["per_row"], terms["per_position"], terms["verify"])
 
 
 @dataclass
@@ -200,13 +285,13 @@ class KPolicy:
         return k
 
     def _adaptive(self) -> int:
-        if not self.timing.seconds:
+        if not self.timing.steps:
             return self.initial_k
         a = self.acceptance
         others = self._load
         rates = []
         for k in range(self.max_k + 1):
-            t = self.timing.estimate(others.tokens + k + 1)
+            t = self.timing.estimate(others.tokens + k + 1, rows=others.rows + 1)  # drafts add no row
             rates.append((others.rows + expected_tokens(k, a)) / (t + k * self._draft_s) if t else 0.0)
         best = int(np.argmax(rates))
         if best == 0:
@@ -226,7 +311,7 @@ class KPolicy:
         """One step's outcome: ``kept`` of ``k`` drafts accepted; wall times of the traversal
         and of drafting."""
         if self.times_steps:
-            self.timing.observe(self._load.tokens + k + 1, seconds)
+            self.timing.observe(self._load.tokens + k + 1, seconds, rows=self._load.rows + 1)
         if k == 0:
             return
         self._kept, self._tried = decayed_counts(self._kept, self._tried, 0.9, k, kept)
