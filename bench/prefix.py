@@ -25,7 +25,8 @@ Knobs (environment): BENCH_RUNS (rounds, default 10), BENCH_WARMUP (default 1), 
 (default 256,1024,2048), BENCH_PRECISION (default exact), BENCH_KV_REPS (default 5), BENCH_SHARDS
 (a 2-stage INT4 export to use; default shards/<model>-2s-int4, exported when missing), BENCH_KV
 (default stateful,paged), BENCH_USERS (default 8; 0 skips the shared-prompt figure), BENCH_KV_REPS=0
-skips the capture/restore costs.
+skips the capture/restore costs, BENCH_PAGED_THREADS (a paged stage's --num-threads, default 1;
+0: all cores, what `make up` runs).
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ KV_REPS = int(os.environ.get("BENCH_KV_REPS", "5"))
 BACKENDS = os.environ.get("BENCH_KV", "stateful,paged").split(",")
 USERS = int(os.environ.get("BENCH_USERS", "8"))
 SYSTEM_TOKENS = 512
-# Paged stages at one thread: two stage processes share this machine's two cores.
-STAGE_ARGS = {"stateful": ["--kv", "stateful"], "paged": ["--kv", "paged", "--num-threads", "1"]}
+# Paged stages at one thread by default: two stage processes share this machine's two cores.
+PAGED_THREADS = os.environ.get("BENCH_PAGED_THREADS", "1")
+STAGE_ARGS = {"stateful": ["--kv", "stateful"], "paged": ["--kv", "paged", "--num-threads", PAGED_THREADS]}
 NEW_MESSAGE = "Thanks. Now summarise all of that in one short sentence, and tell me which part matters most."
 REPLY_TOKENS = 16
 
@@ -361,6 +363,7 @@ def main() -> int:
         "BENCH_WARMUP",
         "BENCH_LENGTHS",
         "BENCH_PRECISION",
+        "BENCH_PAGED_THREADS",
         "BENCH_KV_REPS",
         "BENCH_SHARDS",
         "BENCH_KV",
