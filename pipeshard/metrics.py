@@ -142,6 +142,12 @@ STAGE_CACHE_BYTES = gauge(
 COORDINATOR_RUNNING = gauge(
     "pipeshard_coordinator_running_requests", "Generations running on the coordinator (its users)."
 )
+COORDINATOR_RUNNING_BY_IDENTITY = gauge(
+    "pipeshard_coordinator_running_requests_by_identity",
+    "Generations running on the coordinator per identity (its name: a key's name or how a "
+    "plaintext caller is recognised, never a secret).",
+    ("identity",),
+)
 COORDINATOR_QUEUED = gauge(
     "pipeshard_coordinator_queued_requests", "Generations waiting in the coordinator's queue for a slot."
 )

@@ -442,7 +442,7 @@ class Generation:
         mode = self.check_speculative(speculative, k)
         factory = None if mode == "none" else await self._drafts.factory(mode)
         session_id = uuid.uuid4().hex
-        max_context = await self._ring.open_session(session_id, self._capacity(prompt_ids, params))
+        max_context = await self._ring.open_session(session_id, self.capacity(prompt_ids, params))
         drafter = factory() if factory else None
         memory = None if mode == "none" else self._sources.setdefault(mode, SourceMemory())
         steps = self._steps
@@ -471,7 +471,7 @@ class Generation:
             policy.load = lambda: steps.load(request.session_id)
         return request
 
-    def _capacity(self, prompt_ids: list[int], params: SamplingParams) -> int:
+    def capacity(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """The cache room a request can use (what a paged stage reserves): its prompt, its tokens
         and one verify step's drafts."""
         return len(prompt_ids) + params.max_tokens + self.max_k + 1
@@ -501,7 +501,7 @@ class Generation:
             )
             request.session_id = request.cursor.session_id = uuid.uuid4().hex
             await self._ring.open_session(
-                request.session_id, self._capacity(request.prompt_ids, request.params)
+                request.session_id, self.capacity(request.prompt_ids, request.params)
             )
             return
         except BaseException:  # cancelled (the client went away): the entry stays usable

@@ -13,13 +13,14 @@ from pipeshard.grpc_server import GrpcServer, run_server
 from pipeshard.metrics import COORDINATOR_QUEUED, COORDINATOR_RUNNING
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
-from pipeshard.services.coordinator.admission import Admission
 from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation
+from pipeshard.services.coordinator.kv_mirror import KvMirror
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
 from pipeshard.services.coordinator.plan_ring import PlanRing
 from pipeshard.services.coordinator.prefix_cache import PrefixIndex
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.scheduler import Scheduler
 from pipeshard.services.coordinator.servicer import CoordinatorServicer
 from pipeshard.services.coordinator.speculation.sources import MODES, DraftSources, parse_named
 from pipeshard.services.stage.main import StageSettings, build_node
@@ -52,11 +53,21 @@ class CoordinatorSettings(ServerSettings):
     )
     ready_timeout_s: float = setting(120.0, "how long to wait at start for every stage to answer")
     default_max_tokens: int = setting(256, "max_tokens of a request that does not set it")
-    max_running: int = setting(8, "generations running at once (each holds a session on every stage)")
-    max_queue: int = setting(32, "requests waiting for a slot; beyond it RESOURCE_EXHAUSTED")
-    max_per_client: int = setting(
-        24,
-        "running plus queued requests of one client (its token, else its host); beyond it RESOURCE_EXHAUSTED",
+    max_running: int = setting(
+        8,
+        "generations running at once (each holds a session on every stage; capped by the sessions a "
+        "stage lets this coordinator hold); on paged stages also only as many as their KV pools hold",
+    )
+    max_queue: int = setting(128, "requests waiting for a slot, all identities; beyond it RESOURCE_EXHAUSTED")
+    max_running_per_identity: int = setting(
+        6,
+        "generations one identity runs at once (below --max-running, so another identity is served "
+        "without waiting for a slot); an API key's own max_running overrides it",
+    )
+    max_queued_per_identity: int = setting(
+        32,
+        "requests of one identity waiting for a slot; beyond it RESOURCE_EXHAUSTED naming this limit; "
+        "an API key's own max_queued overrides it",
     )
     max_prompt_bytes: int = setting(
         256 * 1024, "largest prompt (or sum of message contents) in UTF-8 bytes, checked before tokenizing"
@@ -127,6 +138,14 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
         raise InvalidArgument("prefill_chunk", f"must be at least 1, got {settings.prefill_chunk}")
     if settings.inflight < 0:
         raise InvalidArgument("inflight", f"must be 0 (one per stage) or more, got {settings.inflight}")
+    if settings.max_running_per_identity < 1:
+        raise InvalidArgument(
+            "max_running_per_identity", f"must be at least 1, got {settings.max_running_per_identity}"
+        )
+    if settings.max_queued_per_identity < 0:
+        raise InvalidArgument(
+            "max_queued_per_identity", f"must be 0 or more, got {settings.max_queued_per_identity}"
+        )
     if not 1 <= settings.max_k <= 32:
         raise InvalidArgument("max_k", f"must be in 1..32, got {settings.max_k}")
     if settings.speculative == "self" and settings.self_draft is None:
@@ -187,8 +206,11 @@ class Coordinator:
         chunk = self.settings.prefill_chunk
         if paged and chunk == DEFAULT_PREFILL_CHUNK:
             chunk = PlanRing.prefill_chunk  # the same chunks as `generate --local --kv paged`
+        scheduler = self._scheduler(infos)
         generation = Generation(
-            PlanRing(self.ring, inflight=self.settings.inflight or None) if paged else self.ring,
+            scheduler.accounted(
+                PlanRing(self.ring, inflight=self.settings.inflight or None) if paged else self.ring
+            ),
             prompter.tokenizer,
             prompter.eos_ids,
             prefill_chunk=chunk,
@@ -209,19 +231,36 @@ class Coordinator:
             restore_timeout_s=self.settings.prefix_restore_timeout_s,
         )
         await self._warmup(generation, prompter, manifest.max_context)
-        admission = Admission(
-            self.settings.max_running, self.settings.max_queue, self.settings.max_per_client
-        )
-        COORDINATOR_RUNNING.set_function(lambda: admission.running)
-        COORDINATOR_QUEUED.set_function(lambda: admission.queued)
+        COORDINATOR_RUNNING.set_function(lambda: scheduler.running)
+        COORDINATOR_QUEUED.set_function(lambda: scheduler.queued)
         self.servicer = CoordinatorServicer(
             generation,
             prompter,
             max_context=manifest.max_context,
             vocab_size=manifest.model.vocab_size,
             default_max_tokens=self.settings.default_max_tokens,
-            admission=admission,
+            scheduler=scheduler,
             max_prompt_bytes=self.settings.max_prompt_bytes,
+        )
+
+    def _scheduler(self, infos: list[stage_pb2.GetStageInfoResponse]) -> Scheduler:
+        """The scheduler over the stages' budgets for this coordinator: their KV pools (paged) and
+        the sessions each lets it hold (both backends), which caps --max-running."""
+        sessions = min(info.max_sessions_per_owner or self.settings.max_running for info in infos)
+        capacity = min(self.settings.max_running, sessions)
+        kv = KvMirror.from_infos(infos)
+        log.info(
+            "scheduler",
+            max_running=capacity,
+            kv_share_blocks=[b.share_blocks for b in kv.budgets],
+            kv_held_blocks=kv.held,
+        )
+        return Scheduler(
+            capacity,
+            self.settings.max_queue,
+            max_running_per_identity=self.settings.max_running_per_identity,
+            max_queued_per_identity=self.settings.max_queued_per_identity,
+            kv=kv,
         )
 
     async def _warmup(self, generation: Generation, prompter: Prompter, max_context: int) -> None:

@@ -13,11 +13,12 @@ import structlog
 
 from pipeshard.auth import client_identity
 from pipeshard.errors import Unavailable
+from pipeshard.identity import Identity
 from pipeshard.interceptors import MAX_REQUEST_ID_CHARS
-from pipeshard.services.coordinator.admission import Admission
 from pipeshard.services.coordinator.generation import Chunk, Generation
 from pipeshard.services.coordinator.ring import ShuttingDown
 from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.scheduler import Scheduler
 from pipeshard.shard.prompting import Prompter
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -59,10 +60,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         max_context: int,
         vocab_size: int,
         default_max_tokens: int,
-        admission: Admission,
+        scheduler: Scheduler,
         max_prompt_bytes: int,
     ):
-        self._admission = admission
+        self._scheduler = scheduler
         self._max_prompt_bytes = max_prompt_bytes
         self._generation = generation
         self._prompter = prompter
@@ -115,10 +116,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             prompt_tokens=len(prompt_ids), max_context=self._max_context, vocab_size=self._vocab_size
         )
         self._generation.check_speculative(request.speculative, request.k)
-        client = client_identity(context) if context else ""
-        async with self._admission.slot(context.time_remaining() if context else None, client):
+        identity = Identity(name=client_identity(context) if context else "")
+        tokens = self._generation.capacity(prompt_ids, params)
+        deadline = context.time_remaining() if context else None
+        async with self._scheduler.admit(identity, tokens, deadline):
             self._refuse_if_draining()  # queued while the drain began
-            async for response in self._stream(prompt_ids, params, request.speculative, request.k, client):
+            async for response in self._stream(
+                prompt_ids, params, request.speculative, request.k, identity.name
+            ):
                 yield response
 
     async def _stream(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import structlog
 
-from pipeshard.errors import InvalidArgument
+from pipeshard.errors import InvalidArgument, PermissionDenied
 from pipeshard.ownership import owner_from_metadata
 from pipeshard.services.stage.node import StageNode
 from pipeshard.services.transport.hop import PROBE_BYTES, PROBE_TRAIN
@@ -20,6 +20,16 @@ log = structlog.get_logger(__name__)
 
 def _owner(context) -> str:
     return owner_from_metadata(context.invocation_metadata())
+
+
+def _caller_owner(context) -> str | None:
+    """The caller's owner key, or None for a caller without one (GetStageInfo is open to all)."""
+    if context is None:
+        return None
+    try:
+        return _owner(context)
+    except PermissionDenied:
+        return None
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
@@ -120,14 +130,22 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         return stage_pb2.RestoreKvStreamResponse(positions=positions)
 
     async def GetStageInfo(self, request, context):
+        """The stage's facts and use; for a caller presenting its owner secret also its own
+        share of the block pool and what it holds (what a coordinator's scheduler mirrors)."""
         info = stage_pb2.GetStageInfoResponse()
         info.CopyFrom(self._info)
         engine = self._node.engine
         info.live_sessions = len(engine.sessions)
         info.kv_backend = engine.kv_backend
+        info.max_sessions_per_owner = engine.sessions.max_per_owner
         if engine.kv_backend == "paged":
             usage = engine.shard.usage()
             info.kv_cache_budget_bytes = usage.budget_bytes
             info.kv_cache_used_bytes = usage.bytes_used
             info.kv_block_tokens = usage.block_tokens
+            info.kv_cache_blocks = usage.blocks_total
+            info.kv_owner_share_blocks = engine.owner_blocks
+            owner = _caller_owner(context)
+            if owner is not None:
+                info.kv_owner_held_blocks = engine.held_blocks(owner)
         return info

@@ -55,6 +55,11 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def max_per_owner(self) -> int:
+        """Sessions one owner may hold here (never more than the table's own maximum)."""
+        return min(self._max_per_owner, self._max)
+
     def owners(self) -> list[str]:
         return list(self._per_owner)
 

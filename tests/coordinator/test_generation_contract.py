@@ -9,9 +9,9 @@ import pytest
 import structlog
 
 from pipeshard.errors import Internal, PipeshardError, Unavailable
-from pipeshard.services.coordinator.admission import Admission
 from pipeshard.services.coordinator.generation import Chunk, Generation, Summary
 from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.scheduler import Scheduler
 from pipeshard.services.coordinator.servicer import CoordinatorServicer
 from pipeshard.shard.prompting import Prompter
 from pipeshard.v1 import activation_pb2, coordinator_pb2
@@ -98,6 +98,9 @@ class _Generation:
     def check_speculative(self, speculative, k):
         return "none"
 
+    def capacity(self, prompt_ids, params):
+        return len(prompt_ids) + params.max_tokens
+
     async def run(self, prompt_ids, params, *, speculative, k, scope=""):
         yield Chunk(text=structlog.contextvars.get_contextvars().get("request_id", ""), token_ids=[])
 
@@ -110,7 +113,7 @@ def test_request_id_names_the_generation_in_logs(sent, logged):
         max_context=64,
         vocab_size=10,
         default_max_tokens=4,
-        admission=Admission(1, 1),
+        scheduler=Scheduler(1, 1),
         max_prompt_bytes=1 << 16,
     )
     request = coordinator_pb2.GenerateRequest(prompt="hi", request_id=sent)
@@ -153,7 +156,7 @@ def test_the_summary_reaches_the_client_result_field_for_field():
         max_context=64,
         vocab_size=10,
         default_max_tokens=4,
-        admission=Admission(1, 1),
+        scheduler=Scheduler(1, 1),
         max_prompt_bytes=1 << 16,
     )
 

@@ -1,0 +1,299 @@
+"""The coordinator's scheduler: one queue, admission against the stages' KV budget, fair share.
+
+A request is admitted when a running slot is free (``max_running``, capped by the sessions each
+stage lets this coordinator hold), its identity runs fewer than its running limit, and every
+paged stage's block pool, as mirrored here (kv_mirror.py), has room for what that stage will
+reserve for it; so a stage never refuses an admitted request for space. Otherwise it waits.
+
+Fair share: waiting identities are served in turn, weighted by ``Identity.weight`` (stride
+scheduling: an admission advances its identity's pass by 1/weight, the identity whose pass after
+its next admission is smallest goes next, and an identity that starts waiting joins at the
+current pass), first come first served within an identity. The identity whose turn it is blocks
+the queue until its oldest request fits: nothing overtakes it, so a large request is never
+starved by small ones. No preemption: a running request keeps what it reserved (the stages
+reserve a session's whole capacity when it opens, as TGI does, so a step never fails for space).
+Another identity is served promptly because one identity runs at most
+``max_running_per_identity`` requests (below ``max_running`` by default), and when the KV pool
+is the limit it gets the next room that frees up, since its turn comes before the busy
+identity's next one.
+
+Limits answer RESOURCE_EXHAUSTED naming the limit: an identity's queued requests
+(``max_queued_per_identity``, or its own ``max_queued``), the whole queue (``max_queue``), and a
+request no stage's pool could ever hold. A queued request whose deadline passes leaves the queue
+with DEADLINE_EXCEEDED; one cancelled while queued leaves it holding nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import enum
+import itertools
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pipeshard.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+from pipeshard.identity import Identity
+from pipeshard.metrics import COORDINATOR_RUNNING_BY_IDENTITY
+from pipeshard.services.coordinator.kv_mirror import KvMirror, Need
+
+
+class RequestStatus(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+    REFUSED = "refused"  # a limit was reached while it would have queued
+    EXPIRED = "expired"  # its deadline passed in the queue
+    CANCELLED = "cancelled"  # its caller went away while it was queued
+
+
+@dataclass(eq=False)
+class ScheduledRequest:
+    identity: Identity
+    need: Need  # blocks it holds on each paged stage while it runs
+    seq: int  # arrival order
+    status: RequestStatus = RequestStatus.QUEUED
+    admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    # True while the mirror's charge for ``need`` is this request's; False once it moved to the
+    # session it opened (credited when the stages released that session) or was never made.
+    charged: bool = False
+
+
+@dataclass
+class _Lane:
+    """One identity's place in the fair-share order."""
+
+    identity: Identity
+    queue: deque[ScheduledRequest] = field(default_factory=deque)
+    running: int = 0
+    passed: float = 0.0  # stride scheduling's pass: admissions weighted by 1/weight
+
+
+def _stride(lane: _Lane) -> float:
+    """How far one admission moves an identity's pass: heavier identities move less, go more often."""
+    return 1.0 / max(lane.identity.weight, 1e-9)
+
+
+# The request whose generation is running in this task (read when its session opens).
+_CURRENT: contextvars.ContextVar[ScheduledRequest | None] = contextvars.ContextVar(
+    "scheduled_request", default=None
+)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        max_running: int,
+        max_queue: int,
+        *,
+        max_running_per_identity: int | None = None,
+        max_queued_per_identity: int | None = None,
+        kv: KvMirror | None = None,
+    ):
+        if max_running < 1:
+            raise InvalidArgument("max_running", f"must be at least 1, got {max_running}")
+        if max_queue < 0:
+            raise InvalidArgument("max_queue", f"must be 0 or more, got {max_queue}")
+        self.max_running = max_running
+        self.max_queue = max_queue
+        self.max_running_per_identity = max_running_per_identity or max_running
+        self.max_queued_per_identity = (
+            max_queue if max_queued_per_identity is None else max_queued_per_identity
+        )
+        self.kv = kv or KvMirror([])
+        self.kv.on_credit = self._admit_waiting
+        self._lanes: dict[str, _Lane] = {}
+        self._seq = itertools.count()
+        self._vtime = 0.0  # the pass of the last admission: where a newly waiting identity starts
+        self.running = 0
+        self.queued = 0
+
+    def running_of(self, name: str) -> int:
+        lane = self._lanes.get(name)
+        return 0 if lane is None else lane.running
+
+    @contextlib.asynccontextmanager
+    async def admit(
+        self, identity: Identity, tokens: int, timeout_s: float | None = None
+    ) -> AsyncIterator[ScheduledRequest]:
+        """Holds a running place for the body, for a request whose sessions hold ``tokens`` of
+        KV capacity; waits in the queue up to ``timeout_s``."""
+        self.kv.check_ever_fits(tokens)
+        request = ScheduledRequest(identity, self.kv.need(tokens), next(self._seq))
+        self._enqueue(request)
+        try:
+            await self._wait(request, timeout_s)
+            # Set, not reset by token: an abandoned stream is closed later from another context.
+            _CURRENT.set(request)
+            try:
+                yield request
+            finally:
+                _CURRENT.set(None)
+        finally:
+            self._finish(request)
+
+    def _enqueue(self, request: ScheduledRequest) -> None:
+        lane = self._lanes.get(request.identity.name)
+        if lane is None:
+            lane = self._lanes[request.identity.name] = _Lane(request.identity, passed=self._vtime)
+        lane.identity = request.identity  # its limits as this request's credentials state them
+        if not lane.queue and not lane.running:
+            lane.passed = max(lane.passed, self._vtime)
+        lane.queue.append(request)
+        self.queued += 1
+        self._admit_waiting()
+        if request.status is RequestStatus.QUEUED:
+            refusal = self._refusal(lane)
+            if refusal:
+                self._leave_queue(request, RequestStatus.REFUSED)
+                raise ResourceExhausted(refusal)
+
+    def _refusal(self, lane: _Lane) -> str:
+        """Which queue limit a request just queued passes ("" if none)."""
+        name = lane.identity.name
+        limit, flag = self._queued_limit(lane)
+        if len(lane.queue) > limit:
+            return (
+                f"`{flag}` {limit} reached for identity {name}: it has {lane.running} running and "
+                f"{len(lane.queue) - 1} queued; retry later"
+            )
+        if self.queued > self.max_queue:
+            return (
+                f"coordinator is full: {self.running} generations running (max_running "
+                f"{self.max_running}) and {self.queued - 1} queued (max_queue {self.max_queue}); retry later"
+            )
+        return ""
+
+    def _queued_limit(self, lane: _Lane) -> tuple[int, str]:
+        if lane.identity.max_queued is not None:
+            return lane.identity.max_queued, "max_queued"
+        return self.max_queued_per_identity, "max_queued_per_identity"
+
+    def _running_limit(self, lane: _Lane) -> int:
+        own = lane.identity.max_running
+        return self.max_running_per_identity if own is None else own
+
+    async def _wait(self, request: ScheduledRequest, timeout_s: float | None) -> None:
+        if request.status is RequestStatus.RUNNING:
+            return
+        try:
+            await asyncio.wait([request.admitted], timeout=timeout_s)
+        except asyncio.CancelledError:
+            self._leave_queue(request, RequestStatus.CANCELLED)
+            raise
+        if request.status is RequestStatus.QUEUED:
+            self._leave_queue(request, RequestStatus.EXPIRED)
+            raise DeadlineExceeded(f"deadline passed after waiting {timeout_s:.1f} s in the queue")
+
+    def _leave_queue(self, request: ScheduledRequest, status: RequestStatus) -> None:
+        if request.status is RequestStatus.QUEUED:
+            self._lanes[request.identity.name].queue.remove(request)
+            self.queued -= 1
+            request.status = status
+            self._forget_if_idle(request.identity.name)
+            self._admit_waiting()  # it may have been the head everyone waited behind
+
+    def _finish(self, request: ScheduledRequest) -> None:
+        """Frees the running place; the KV charge goes once the stages released the session."""
+        if request.status is not RequestStatus.RUNNING:
+            return
+        request.status = RequestStatus.FINISHED
+        lane = self._lanes[request.identity.name]
+        lane.running -= 1
+        self.running -= 1
+        COORDINATOR_RUNNING_BY_IDENTITY.labels(request.identity.name).set(lane.running)
+        self._forget_if_idle(request.identity.name)
+        if request.charged:
+            request.charged = False
+            self.kv.credit(request.need)  # looks at the queue
+        else:
+            self._admit_waiting()
+
+    def _forget_if_idle(self, name: str) -> None:
+        lane = self._lanes[name]
+        if not lane.queue and not lane.running:
+            del self._lanes[name]
+            with contextlib.suppress(KeyError):  # an identity that never ran has no series
+                COORDINATOR_RUNNING_BY_IDENTITY.remove(name)
+
+    def _admit_waiting(self) -> None:
+        """Admits queued requests in fair-share order while the head of the next one's turn fits."""
+        while self.running < self.max_running:
+            lane = self._next_lane()
+            if lane is None:
+                return
+            request = lane.queue[0]
+            if not self.kv.has_room(request.need):
+                return  # nothing overtakes it
+            lane.queue.popleft()
+            self.queued -= 1
+            self._vtime = lane.passed
+            lane.passed += _stride(lane)
+            lane.running += 1
+            self.running += 1
+            COORDINATOR_RUNNING_BY_IDENTITY.labels(lane.identity.name).set(lane.running)
+            self.kv.charge(request.need)
+            request.charged = True
+            request.status = RequestStatus.RUNNING
+            request.admitted.set_result(None)
+
+    def _next_lane(self) -> _Lane | None:
+        ready = [
+            lane for lane in self._lanes.values() if lane.queue and lane.running < self._running_limit(lane)
+        ]
+        return min(ready, key=lambda lane: (lane.passed + _stride(lane), lane.queue[0].seq), default=None)
+
+    def accounted(self, ring):
+        """``ring`` with its session reservations counted in the KV mirror (AccountedRing)."""
+        return AccountedRing(ring, self.kv)
+
+
+class AccountedRing:
+    """A ring whose opened sessions the KV mirror counts until every stage has released them.
+
+    The session a scheduled request opens takes over the request's charge; any other session
+    (the coordinator's warm-up, a prefix restore's cold retry) is charged when it opens. Steps,
+    KV capture and restore and the ring's optional capabilities pass through unchanged.
+    """
+
+    def __init__(self, ring, kv: KvMirror):
+        self._ring = ring
+        self._kv = kv
+        self._sessions: dict[str, Need] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._ring, name)
+
+    async def open_session(self, session_id: str, capacity: int | None = None) -> int:
+        request = _CURRENT.get()
+        if request is not None and request.charged:
+            request.charged = False
+            need = request.need
+        else:
+            need = self._kv.need(capacity)
+            self._kv.charge(need)
+        self._sessions[session_id] = need
+        try:
+            return await self._ring.open_session(session_id, capacity)
+        except BaseException:
+            self._credit(session_id)
+            raise
+
+    async def release_session(self, session_id: str) -> None:
+        try:
+            await self._ring.release_session(session_id)
+        finally:
+            self._credit(session_id)
+
+    async def abort_session(self, session_id: str, reason: str) -> None:
+        try:
+            await self._ring.abort_session(session_id, reason)
+        finally:
+            self._credit(session_id)
+
+    def _credit(self, session_id: str) -> None:
+        need = self._sessions.pop(session_id, None)
+        if need is not None:
+            self._kv.credit(need)
