@@ -73,7 +73,7 @@ class KvMirror:
         for budget, blocks in zip(self.budgets, self.need(tokens), strict=True):
             if blocks > budget.pool_blocks:
                 raise ResourceExhausted(
-                    f"stage {budget.stage}'s KV cache of {budget.pool_blocks} blocks of "
+                    f"stage {budget.stage}'s KV cache budget of {budget.pool_blocks} blocks of "
                     f"{budget.block_tokens} tokens (--kv-cache-bytes) cannot hold this request: "
                     f"{tokens} tokens (prompt + max_tokens + drafts) need {blocks} blocks"
                 )

@@ -136,7 +136,7 @@ def test_a_first_session_may_use_the_pool_and_what_no_pool_holds_is_refused_at_o
         users.start("big", tokens=800)  # 80 blocks: over the share, but alone it fits the pool
         await settle()
         assert users.order == ["big"]
-        with pytest.raises(ResourceExhausted, match=r"stage 0's KV cache of 100 blocks of 10 tokens"):
+        with pytest.raises(ResourceExhausted, match=r"stage 0's KV cache budget of 100 blocks of 10 tokens"):
             async with scheduler.admit(BOB, 1_001):
                 pass
         await users.finish("big")

@@ -91,6 +91,28 @@ def test_stage_info_reports_the_budget_and_a_cancel_frees_every_stage(fleet, pro
     assert _used_after_release(fleet.stages) == [0, 0]
 
 
+def test_a_burst_beyond_the_callers_kv_share_waits_in_the_queue_instead_of_being_refused(fleet):
+    """Each stage lets this coordinator hold 45 of its 91 blocks; eight ~530-token prompts need
+    ~18 blocks each, so only two fit at once although --max-running is 8. The scheduler keeps the
+    rest queued (a stage refused six of them before it mirrored the budget); all complete."""
+    for address in fleet.stages:
+        info = _info(address)
+        assert (info.kv_cache_blocks, info.kv_owner_share_blocks, info.max_sessions_per_owner) == (91, 45, 32)
+    prompts = [
+        f"Request {i}. Repeat these numbers: " + " ".join(str(n) for n in range(150)) for i in range(8)
+    ]
+
+    def run(prompt: str) -> tuple[int, int]:
+        with PipeshardClient(fleet.coordinator, timeout_s=300) as client:
+            result = client.generate(prompt, max_tokens=8, ignore_eos=True)
+            return result.prompt_tokens, result.completion_tokens
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(run, prompts))
+    assert all(500 < prompt_tokens < 560 and done == 8 for prompt_tokens, done in results), results
+    assert _used_after_release(fleet.stages) == [0, 0]
+
+
 def test_a_request_beyond_the_budget_is_refused_naming_it(fleet, prompts):
     with pytest.raises(grpc.RpcError) as err:
         _generate(fleet.coordinator, prompts[0], tokens=3500)
