@@ -495,10 +495,9 @@ class Generation:
             log.info(
                 "prefix_cache_fallback", session_id=request.session_id, positions=hit.positions, reason=reason
             )
-            # Nothing half-restored is used: the session goes, the request runs cold in a new one.
-            self._in_background(
-                self._ring.abort_session(request.session_id, f"prefix restore failed: {reason}")
-            )
+            # Nothing half-restored is used: the session goes, the request runs cold in a new one
+            # (opened once the old one is gone, so the two never hold the stages' KV together).
+            await self._ring.abort_session(request.session_id, f"prefix restore failed: {reason}")
             request.session_id = request.cursor.session_id = uuid.uuid4().hex
             await self._ring.open_session(
                 request.session_id, self.capacity(request.prompt_ids, request.params)

@@ -253,15 +253,17 @@ class Scheduler:
 class AccountedRing:
     """A ring whose opened sessions the KV mirror counts until every stage has released them.
 
-    The session a scheduled request opens takes over the request's charge; any other session
-    (the coordinator's warm-up, a prefix restore's cold retry) is charged when it opens. Steps,
-    KV capture and restore and the ring's optional capabilities pass through unchanged.
+    The session a scheduled request opens takes over the request's charge; when the stages have
+    released it the charge goes back to the request while it still runs (a prefix restore that
+    failed reopens a session under it) and is credited otherwise. A session opened outside a
+    request (the coordinator's warm-up) is charged on its own. Steps, KV capture and restore and
+    the ring's optional capabilities pass through unchanged.
     """
 
     def __init__(self, ring, kv: KvMirror):
         self._ring = ring
         self._kv = kv
-        self._sessions: dict[str, Need] = {}
+        self._sessions: dict[str, tuple[Need, ScheduledRequest | None]] = {}
 
     def __getattr__(self, name: str):
         return getattr(self._ring, name)
@@ -272,28 +274,30 @@ class AccountedRing:
             request.charged = False
             need = request.need
         else:
-            need = self._kv.need(capacity)
+            request, need = None, self._kv.need(capacity)
             self._kv.charge(need)
-        self._sessions[session_id] = need
+        self._sessions[session_id] = (need, request)
         try:
             return await self._ring.open_session(session_id, capacity)
         except BaseException:
-            self._credit(session_id)
+            self._released(session_id)
             raise
 
     async def release_session(self, session_id: str) -> None:
         try:
             await self._ring.release_session(session_id)
         finally:
-            self._credit(session_id)
+            self._released(session_id)
 
     async def abort_session(self, session_id: str, reason: str) -> None:
         try:
             await self._ring.abort_session(session_id, reason)
         finally:
-            self._credit(session_id)
+            self._released(session_id)
 
-    def _credit(self, session_id: str) -> None:
-        need = self._sessions.pop(session_id, None)
-        if need is not None:
+    def _released(self, session_id: str) -> None:
+        need, request = self._sessions.pop(session_id, ((), None))
+        if request is not None and request.status is RequestStatus.RUNNING:
+            request.charged = True  # its finish credits it, unless it opens another session first
+        elif need:
             self._kv.credit(need)

@@ -286,3 +286,36 @@ def test_a_request_cancelled_while_queued_leaves_the_queue_holding_nothing():
         assert users.tasks["cancelled"].cancelled()
 
     asyncio.run(scenario())
+
+
+def test_a_reopened_session_keeps_its_requests_charge_and_other_sessions_are_charged_alone():
+    async def scenario():
+        kv = KvMirror([budget()])
+        scheduler = Scheduler(max_running=8, max_queue=8, kv=kv)
+
+        class Ring:
+            async def open_session(self, session_id, capacity=None):
+                return 10_000
+
+            async def release_session(self, session_id):
+                pass
+
+            async def abort_session(self, session_id, reason):
+                pass
+
+        ring = scheduler.accounted(Ring())
+        await ring.open_session("warm-up", 100)  # no request: charged on its own
+        assert kv.held == [10]
+        await ring.release_session("warm-up")
+        assert kv.held == [0]
+        async with scheduler.admit(ALICE, 300):
+            await ring.open_session("first", 300)
+            await ring.abort_session("first", "prefix restore failed")  # the cold retry follows
+            assert kv.held == [30]  # still the request's
+            await ring.open_session("retry", 300)
+            assert kv.held == [30]
+        assert kv.held == [30]  # the retry's session is not released yet
+        await ring.release_session("retry")
+        assert kv.held == [0]
+
+    asyncio.run(scenario())
