@@ -57,11 +57,16 @@ def test_a_generation_moves_the_token_step_and_cache_metrics(fleet, prompts):
         stream = client.responses(prompts[1], max_tokens=TOKENS, ignore_eos=True)
         fold(result, next(stream))  # the first chunk: the session is open on every stage
         during = [metrics(fleet, f"stage{k}") for k in range(2)]
-        users = metrics(fleet, "coordinator").value("pipeshard_coordinator_running_requests")
+        page = metrics(fleet, "coordinator")
+        users = page.value("pipeshard_coordinator_running_requests")
+        # a plaintext loopback caller without a token is recognised by its host
+        identity_users = page.value(
+            "pipeshard_coordinator_running_requests_by_identity", identity="peer:127.0.0.1"
+        )
         for response in stream:
             fold(result, response)
     assert result.completion_tokens == len(result.token_ids) == TOKENS
-    assert users == 1
+    assert users == identity_users == 1
     for k, page in enumerate(during):
         label = {"stage": str(k)}
         assert page.value("pipeshard_stage_sessions", **label) == 1
