@@ -56,8 +56,9 @@ class ScheduledRequest:
     seq: int  # arrival order
     status: RequestStatus = RequestStatus.QUEUED
     admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    # True while the mirror's charge for ``need`` is this request's; False once it moved to the
-    # session it opened (credited when the stages released that session) or was never made.
+    # True while the mirror's charge for ``need`` is this request's (from its admission, and again
+    # once the stages released its session while it runs); False while a session it opened
+    # carries the charge (AccountedRing), or once it was credited.
     charged: bool = False
 
 

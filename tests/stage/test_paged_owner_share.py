@@ -92,3 +92,58 @@ def test_the_owner_block_count_returns_to_zero_after_open_free_reset_reap_cycles
             engine.sessions.release_owner("b")
         assert (engine.held_blocks("a"), engine.held_blocks("b")) == (0, 0)
         assert pool.free_blocks == pool.blocks_total
+
+
+class _Context:
+    def __init__(self, metadata=()):
+        self._metadata = tuple(metadata)
+
+    def invocation_metadata(self):
+        return self._metadata
+
+
+def test_stage_info_gives_the_caller_its_share_and_the_coordinators_mirror_follows_the_stages_rule():
+    """GetStageInfo reports the caller's share and holdings; a KvMirror built from it admits
+    exactly what the stage then reserves (a first session beyond the share, then up to the share)."""
+    import asyncio
+
+    from pipeshard.ownership import owner_key, owner_metadata
+    from pipeshard.services.coordinator.kv_mirror import KvMirror
+    from pipeshard.services.stage.servicer import StageServicer
+    from pipeshard.v1 import stage_pb2
+
+    pool = FakePool()
+    pool.usage = lambda: SimpleNamespace(
+        budget_bytes=100 << 10,
+        bytes_used=(100 - pool.free_blocks) << 10,
+        block_tokens=32,
+        blocks_total=100,
+        blocks_free=pool.free_blocks,
+    )
+    engine = PagedEngine(pool, max_sessions=8, idle_timeout_s=60, max_per_owner=4)
+    servicer = StageServicer(
+        SimpleNamespace(engine=engine), stage_pb2.GetStageInfoResponse(stage_index=0, max_context=4096)
+    )
+    secret = "s" * 32
+    mine = owner_metadata(secret)
+
+    def info(metadata=mine):
+        return asyncio.run(servicer.GetStageInfo(stage_pb2.GetStageInfoRequest(), _Context(metadata)))
+
+    engine.open("someone else", "x", capacity=5 * 32)
+    mirror = KvMirror.from_infos([info()])
+    assert mirror.budgets[0].share_blocks == 50 and mirror.held == [0]
+    assert info(()).max_sessions_per_owner == 4 and info(()).kv_owner_held_blocks == 0  # no owner: none
+    for i, blocks in enumerate([60, 10, 30, 20, 4]):  # beyond the share alone, then 30 + 20 > 50
+        need = mirror.need(blocks * 32)
+        try:
+            engine.open(owner_key(secret), f"s{i}", capacity=blocks * 32)
+            opened = True
+        except ResourceExhausted:
+            opened = False
+        assert mirror.has_room(need) == opened, (i, blocks)
+        if i == 0:  # the first session goes before the others are asked for
+            engine.sessions.release(owner_key(secret), "s0")
+        elif opened:
+            mirror.charge(need)
+    assert info().kv_owner_held_blocks == mirror.held[0] == 44
