@@ -168,11 +168,28 @@ class Gateway:
         except BaseException:
             call.cancel()
             raise
-        return StreamingResponse(
+        return _EventStream(
+            call,
             _events(call, first, shaper, body.include_usage),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+
+
+class _EventStream(StreamingResponse):
+    """Cancels its Generate call however the response ends. When the client goes away (or is
+    aborted for not reading) Starlette cancels the streaming task, which leaves the event generator
+    suspended at a ``yield`` until garbage collection, its call (and coordinator slot) still live."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, events: AsyncIterator[str], **kwargs):
+        super().__init__(events, **kwargs)
+        self._call = call
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            self._call.cancel()  # a no-op once the call has finished
 
 
 async def _collect(
