@@ -8,6 +8,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from pipeshard.keys import add_key
 from pipeshard.services.gateway.app import create_app
 from pipeshard.services.gateway.errors import GatewayError
 from pipeshard.services.gateway.settings import GatewaySettings
@@ -141,6 +142,9 @@ def test_completion_logprobs_zero_gives_token_logprobs(http):
         ({"temperature": 2.5}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"max_completion_tokens": 2**31}, "max_completion_tokens"),
+        ({"top_k": 2**31}, "top_k"),
         ({"seed": -1}, "seed"),
         ({"messages": []}, "messages"),
     ],
@@ -209,3 +213,40 @@ def test_error_body_has_openai_shape():
             "code": "resource_exhausted",
         }
     }
+
+
+def test_a_keyed_gateway_refuses_unlisted_keys_before_the_body_and_forwards_listed_ones(
+    coordinator, tmp_path
+):
+    keys = tmp_path / "api-keys"
+    key = add_key(keys, "alice")
+    settings = GatewaySettings(coordinator=coordinator[1], api_keys=keys, max_body_bytes=4096)
+    with TestClient(create_app(settings)) as client:
+        body = {"messages": [{"role": "user", "content": "Hi"}]}
+        for headers in ({}, {"Authorization": "Bearer invented"}, {"Authorization": f"Basic {key}"}):
+            refused = client.post("/v1/chat/completions", json=body, headers=headers)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        served = client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert served.status_code == 200
+        assert coordinator[0].metadata[-1]["authorization"] == f"Bearer {key}"
+        large = {"messages": [{"role": "user", "content": "x" * 5000}]}
+        too_large = client.post(
+            "/v1/chat/completions", json=large, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "request_too_large"
+
+
+def test_invalid_json_and_unknown_routes_answer_in_openai_shape(http):
+    broken = http.post(
+        "/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"}
+    )
+    assert broken.status_code == 400
+    assert broken.json()["error"]["code"] == "invalid_json" and broken.json()["error"]["param"] is None
+    for path, method, status in (("/v1/nowhere", "GET", 404), ("/v1/completions", "GET", 405)):
+        reply = http.request(method, path)
+        assert reply.status_code == status and set(reply.json()["error"]) == {
+            "message",
+            "type",
+            "param",
+            "code",
+        }
