@@ -9,6 +9,7 @@ is how ``pipeshard keys revoke`` takes effect on a running fleet.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import hmac
 import json
@@ -17,6 +18,8 @@ import re
 import secrets
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -102,6 +105,18 @@ def _write_entries(path: Path, entries: list[KeyEntry]) -> None:
         raise
 
 
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Serialises changes to the key file (two `keys add` at once must not lose one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.parent / f".{path.name}.lock", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def add_key(
     path: Path,
     name: str,
@@ -112,22 +127,24 @@ def add_key(
 ) -> str:
     """Stores a new key's hash under ``name`` and returns the key (shown once, never stored)."""
     check_settings(name, weight, max_running, max_queued)
-    entries = read_entries(path)
-    if any(e.name == name for e in entries):
-        raise InvalidArgument("name", f"{name!r} already exists in {path} (revoke it first)")
-    key = KEY_PREFIX + secrets.token_urlsafe(32)
-    entry = KeyEntry(name, digest(key), float(weight), max_running, max_queued, round(time.time(), 3))
-    _write_entries(path, [*entries, entry])
+    with _locked(path):
+        entries = read_entries(path)
+        if any(e.name == name for e in entries):
+            raise InvalidArgument("name", f"{name!r} already exists in {path} (revoke it first)")
+        key = KEY_PREFIX + secrets.token_urlsafe(32)
+        entry = KeyEntry(name, digest(key), float(weight), max_running, max_queued, round(time.time(), 3))
+        _write_entries(path, [*entries, entry])
     return key
 
 
 def revoke_key(path: Path, name: str) -> None:
-    entries = read_entries(path)
-    kept = [e for e in entries if e.name != name]
-    if len(kept) == len(entries):
-        known = ", ".join(e.name for e in entries) or "none"
-        raise NotFound(f"`name`: no key named {name!r} in {path} (keys: {known})")
-    _write_entries(path, kept)
+    with _locked(path):
+        entries = read_entries(path)
+        kept = [e for e in entries if e.name != name]
+        if len(kept) == len(entries):
+            known = ", ".join(e.name for e in entries) or "none"
+            raise NotFound(f"`name`: no key named {name!r} in {path} (keys: {known})")
+        _write_entries(path, kept)
 
 
 class KeyRing:

@@ -84,7 +84,17 @@ def test_revoke_removes_one_key_and_a_ring_sees_changes_on_disk(tmp_path):
         revoke_key(path, "alice")
     carol = add_key(path, "carol")
     assert ring.lookup(carol).name == "carol"
-    assert not [p for p in os.listdir(tmp_path) if p != "api-keys"]  # no temporary files left
+    assert set(os.listdir(tmp_path)) == {"api-keys", ".api-keys.lock"}  # no temporary files left
+
+
+def test_concurrent_additions_all_land(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = tmp_path / "api-keys"
+    with ThreadPoolExecutor(8) as pool:
+        keys = list(pool.map(lambda i: add_key(path, f"user{i}"), range(16)))
+    ring = KeyRing(path, recheck_s=0.0)
+    assert sorted(ring.lookup(key).name for key in keys) == sorted(f"user{i}" for i in range(16))
 
 
 def test_a_broken_key_file_keeps_the_last_good_keys(tmp_path):
