@@ -1,7 +1,9 @@
 """uvicorn's HTTP/1.1 protocol with the timeouts a public server needs.
 
-uvicorn closes a keep-alive connection that stays idle, but a connection that sends its headers
-a byte at a time, or a reader that stops reading a response, is kept forever. Here:
+uvicorn offers ``timeout_keep_alive`` (an idle keep-alive connection is closed; the gateway's
+``--idle-timeout-s``) and h11's ``max_incomplete_event_size`` (headers over 16 KiB are a 400), but
+its keep-alive timer stops at the first byte of a request, so a connection that sends its headers
+a byte at a time is kept forever, and so is a reader that stops reading a response. Here:
 
 - headers: a request's headers must be complete ``header_timeout_s`` after the connection opened
   or its previous response ended; else the connection is closed.
