@@ -36,6 +36,7 @@ class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 finish_reason=coordinator_pb2.FINISH_REASON_LENGTH,
                 prompt_tokens=5,
                 completion_tokens=2,
+                cached_tokens=3,
                 text="Hello world",
             )
         )

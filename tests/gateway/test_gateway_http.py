@@ -33,7 +33,12 @@ def test_chat_completion_translates_parameters(http, coordinator):
     assert body["object"] == "chat.completion" and body["model"] == "whatever"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello world", "refusal": None}
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 2,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
     sent = coordinator[0].requests[-1]
     assert [(m.role, m.content) for m in sent.messages] == [("user", "Hi")]
     p = sent.params
