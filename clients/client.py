@@ -98,6 +98,7 @@ class GenerateResult:
     verify_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache restored instead of prefilling
     logprobs: list[float] = field(default_factory=list)  # per generated token, with logprobs=True
 
 

@@ -1,14 +1,14 @@
-"""Bearer-token authentication of clients (coordinator and exporter), and who a client is.
+"""Bearer-token authentication of clients (coordinator, exporter, gateway), and who a client is.
 
-Clients send ``authorization: Bearer <token>``; :class:`TokenInterceptor` compares it in
-constant time and refuses anything else with UNAUTHENTICATED before the handler runs (health
-checks stay open, so probes need no secret). Without TLS the token crosses the network in the
-clear, so a token is only meaningful together with TLS (pipeshard.tls).
+Clients send ``authorization: Bearer <token>``: the fleet token or an API key (pipeshard.keys).
+:class:`AuthInterceptor` checks it in constant time and refuses anything else with
+UNAUTHENTICATED before the handler runs; :meth:`Authenticator.identify` names the caller for
+quotas, fair share, metrics and the prefix-cache scope. Without TLS a token or key crosses the
+network in the clear, so either is only meaningful together with TLS (pipeshard.tls).
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
 import secrets
@@ -18,6 +18,8 @@ from pathlib import Path
 import grpc
 
 from pipeshard.errors import Unauthenticated
+from pipeshard.identity import Identity
+from pipeshard.keys import KeyRing
 
 AUTHORIZATION = "authorization"
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
@@ -36,15 +38,65 @@ def bearer_of(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
     return None
 
 
-def client_identity(context) -> str:
-    """Who a caller is for per-client limits: its token (hashed), else its peer's host."""
-    token = bearer_of(context.invocation_metadata())
-    if token:
-        return "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
-    peer = context.peer() or "unknown"  # "ipv4:127.0.0.1:5432", "ipv6:[::1]:5432", "unix:..."
+def peer_host(peer: str | None) -> str:
+    """The host of a gRPC peer string: "ipv4:127.0.0.1:5432", "ipv6:[::1]:5432", "unix:..."."""
+    peer = peer or "unknown"
     family, _, rest = peer.partition(":")
     host = rest.rsplit(":", 1)[0] if family in ("ipv4", "ipv6") else rest
-    return f"peer:{host or peer}"
+    return host or peer
+
+
+FLEET_TOKEN_IDENTITY = Identity(name="token:fleet")
+
+
+class Authenticator:
+    """Who a caller is, from what it presents: the one resolver of identities.
+
+    - A listed API key (pipeshard.keys) is ``key:NAME`` with that key's weight and limits.
+    - The fleet token (``--token`` / PIPESHARD_TOKEN) is one identity, ``token:fleet``.
+    - Without a token or key file the service is open: a bearer token proves nothing there, so it
+      is ignored (a caller inventing tokens must not become many clients) and a caller is its
+      peer's host, ``peer:HOST``: every caller on one machine (a gateway's users included) is one
+      identity. On such a fleet nothing tells two users on one host apart.
+    - With a token or key file, TLS or not, every call must present one of them
+      (:class:`AuthInterceptor`); anything else is refused before it is identified.
+    """
+
+    def __init__(self, token: str | None = None, keys: KeyRing | None = None):
+        self._token = token.encode() if token else None
+        self._keys = keys
+
+    @classmethod
+    def from_settings(cls, token: str | None, api_keys: Path | None) -> Authenticator:
+        return cls(token, KeyRing(api_keys) if api_keys is not None else None)
+
+    @property
+    def required(self) -> bool:
+        """Whether callers must present a token or key (else the service is open)."""
+        return self._token is not None or self._keys is not None
+
+    def verify(self, presented: str | None) -> Identity | None:
+        """The identity a presented token or key proves, or None."""
+        if not presented:
+            return None
+        identity = None
+        if self._token is not None and hmac.compare_digest(presented.encode(), self._token):
+            identity = FLEET_TOKEN_IDENTITY
+        if self._keys is not None and (entry := self._keys.lookup(presented)) is not None:
+            identity = entry.identity()
+        return identity
+
+    def identify(self, context) -> Identity:
+        """The caller of a gRPC call (its ``invocation_metadata`` and ``peer``)."""
+        if self.required:
+            identity = self.verify(bearer_of(context.invocation_metadata()))
+            if identity is None:  # the interceptor admits none of these; a direct call may
+                raise Unauthenticated(_REFUSED)
+            return identity
+        return Identity(name=f"peer:{peer_host(context.peer())}")
+
+
+_REFUSED = "a valid API key or fleet token is required as the bearer token (pipeshard keys, PIPESHARD_TOKEN)"
 
 
 def new_token() -> str:
@@ -63,13 +115,14 @@ def load_or_create_token(path: Path) -> str:
     return token
 
 
-class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Admits a call only with the configured bearer token. Put it after the ErrorInterceptor."""
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Admits a call only with a token or key the authenticator verifies (health checks stay open,
+    so probes need no secret). Put it after the ErrorInterceptor."""
 
-    def __init__(self, token: str):
-        if not token:
-            raise ValueError("token must not be empty")
-        self._token = token.encode()
+    def __init__(self, authenticator: Authenticator):
+        if not authenticator.required:
+            raise ValueError("an authenticator with neither a token nor a key file admits everyone")
+        self._auth = authenticator
 
     async def intercept_service(
         self,
@@ -77,8 +130,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         method = handler_call_details.method or ""
-        if not method.startswith(_OPEN_PREFIXES):
-            presented = bearer_of(handler_call_details.invocation_metadata)
-            if presented is None or not hmac.compare_digest(presented.encode(), self._token):
-                raise Unauthenticated("a valid bearer token is required (--token / PIPESHARD_TOKEN)")
+        presented = bearer_of(handler_call_details.invocation_metadata)
+        if not method.startswith(_OPEN_PREFIXES) and self._auth.verify(presented) is None:
+            raise Unauthenticated(_REFUSED)
         return await continuation(handler_call_details)

@@ -18,6 +18,7 @@ _COMMAND_MODULES = (
     "pipeshard.services.top",
     "pipeshard.services.wan.cli",
     "pipeshard.certs_cli",
+    "pipeshard.keys_cli",
     "pipeshard.planning.cli",
 )
 

@@ -25,7 +25,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pipeshard.auth import TokenInterceptor
+from pipeshard.auth import Authenticator, AuthInterceptor
 from pipeshard.errors import PipeshardError
 from pipeshard.interceptors import ErrorInterceptor
 from pipeshard.logs import configure_logging
@@ -323,8 +323,9 @@ def server_security(
     """The credentials and auth interceptors a service runs with, from its settings.
 
     ``peers="fleet"`` (stages): with ``tls_dir`` only holders of a fleet certificate connect.
-    ``peers="clients"`` (coordinator, exporter): TLS with ``tls_dir``, and with ``token`` every
-    call but health checks needs it. Plaintext on a non-loopback address needs ``allow_plaintext``.
+    ``peers="clients"`` (coordinator, exporter): TLS with ``tls_dir``, and with ``token`` or
+    ``api_keys`` every call but health checks needs the token or a listed key.
+    Plaintext on a non-loopback address needs ``allow_plaintext``.
     """
     if peers not in ("fleet", "clients"):
         raise ValueError(f"peers must be fleet or clients, got {peers!r}")
@@ -338,8 +339,10 @@ def server_security(
             "or ask for plaintext with --allow-plaintext"
         )
     interceptors: list[grpc.aio.ServerInterceptor] = []
-    if peers == "clients" and settings.token:
-        interceptors.append(TokenInterceptor(settings.token))
+    if peers == "clients":
+        authenticator = Authenticator.from_settings(settings.token, settings.api_keys)
+        if authenticator.required:
+            interceptors.append(AuthInterceptor(authenticator))
     return credentials, interceptors
 
 

@@ -151,6 +151,16 @@ COORDINATOR_RUNNING_BY_IDENTITY = gauge(
 COORDINATOR_QUEUED = gauge(
     "pipeshard_coordinator_queued_requests", "Generations waiting in the coordinator's queue for a slot."
 )
+IDENTITY_REQUESTS = counter(
+    "pipeshard_coordinator_identity_requests_total",
+    "Generations finished, by identity (key:NAME, token:fleet or peer:HOST; never a key) and finish reason.",
+    ("identity", "finish_reason"),
+)
+IDENTITY_CACHED_TOKENS = counter(
+    "pipeshard_coordinator_identity_cached_tokens_total",
+    "Prompt tokens restored from the prefix cache instead of prefilled, by identity.",
+    ("identity",),
+)
 GENERATED_TOKENS = counter(
     "pipeshard_generated_tokens_total", "Tokens generated and streamed to clients by the coordinator."
 )

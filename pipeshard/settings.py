@@ -268,4 +268,9 @@ class ServerSettings:
         None,
         "token clients of the coordinator and exporter must present (a stage shows it to the exporter)",
     )
+    api_keys: Path | None = setting(
+        None,
+        "key file of `pipeshard keys` (re-read when it changes): clients of the coordinator and "
+        "exporter may present any listed key instead of the token, each key its own identity",
+    )
     allow_plaintext: bool = setting(False, "listen without TLS on an address other than loopback")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pipeshard.auth import load_or_create_token
 from pipeshard.certs_cli import node_names
+from pipeshard.keys import default_key_file
 from pipeshard.paths import DEFAULT_MODEL, certs_dir, export_name, shards_dir
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.gateway.settings import GATEWAY_METRICS_PORT, GATEWAY_PORT
@@ -97,10 +98,12 @@ def run_up(args: argparse.Namespace) -> int:
         precision=args.precision,
         tls_dir=tls_dir,
         token=token,
+        api_keys=default_key_file() if args.secure else None,
     )
     if tls_dir is not None:
         shutil.copyfile(tls_dir / CA_CERT, RUN_CA_CERT)  # where clients look by default
         print(f"secured: mutual TLS with the CA in {tls_dir}; clients use {RUN_DIR / 'ca.pem'} and the token")
+        print(f"API keys: {default_key_file()} (re-read on change; `pipeshard keys add NAME` makes one)")
     else:
         print("plaintext on loopback (`make up SECURE=1` for TLS and a token)")
     print(f"topology written to {TOPOLOGY}; logs in {RUN_DIR}/")

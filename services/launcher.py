@@ -192,6 +192,7 @@ def start_fleet(
     precision: str = DEFAULT_PRECISION,
     extra_stage_args: list[str] = (),
     extra_coordinator_args: list[str] = (),
+    extra_gateway_args: list[str] = (),
     exporter_port: int | None = None,
     gateway_port: int | None = None,
     metrics_ports: dict[str, int] | None = None,
@@ -200,13 +201,16 @@ def start_fleet(
     log_format: str = "json",
     tls_dir: Path | None = None,
     token: str | None = None,
+    api_keys: Path | None = None,
 ) -> Fleet:
     """Start ``num_stages`` stage processes and a coordinator on loopback; ports 0 = ephemeral.
 
     With ``exporter_port`` set, an exporter service over the shards' parent folder starts first and
     every stage may pull its shard from it. With ``tls_dir`` (certificates of ``pipeshard certs``
     for exporter, coordinator and stage0..) every link is TLS; ``token`` (passed in the
-    environment, not on command lines) is then what clients of the coordinator and exporter need.
+    environment, not on command lines) is then what clients of the coordinator and exporter need;
+    with ``api_keys`` (a `pipeshard keys` file) the coordinator, exporter and gateway also accept
+    any key listed there, each its own identity.
     With ``gateway_port`` set, the OpenAI gateway starts last. ``metrics_ports`` maps process
     names (exporter, stage0, ..., coordinator, gateway) to the port each serves Prometheus /metrics on."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -218,6 +222,8 @@ def start_fleet(
     env = fleet_env()
     if token:
         env["PIPESHARD_TOKEN"] = token
+    if api_keys is not None:
+        env["PIPESHARD_API_KEYS"] = str(api_keys)
     if tls_dir is not None:
         env["PIPESHARD_TLS_DIR"] = str(tls_dir)
         env["PIPESHARD_CA_CERT"] = str(tls_dir / CA_CERT)  # the gateway's view of the coordinator
@@ -267,7 +273,13 @@ def start_fleet(
         if gateway_port is not None:
             gateway = spawn(
                 "gateway",
-                metered("gateway", gateway_args(coordinator.address, shards, gateway_port, log_format)),
+                metered(
+                    "gateway",
+                    [
+                        *gateway_args(coordinator.address, shards, gateway_port, log_format),
+                        *extra_gateway_args,
+                    ],
+                ),
                 run_dir,
                 env,
                 timeout_s,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import structlog
 
+from pipeshard.auth import Authenticator
 from pipeshard.errors import FailedPrecondition, InvalidArgument
 from pipeshard.grpc_server import GrpcServer, run_server
 from pipeshard.metrics import COORDINATOR_QUEUED, COORDINATOR_RUNNING
@@ -103,6 +104,13 @@ class CoordinatorSettings(ServerSettings):
         "reuse the KV of earlier requests' prompts that share a prefix (the stages keep it); a warm "
         "turn equals a cold one at exact precision, at the default precision up to near-ties",
         choices=PREFIX_CACHE_MODES,
+    )
+    prefix_cache_scope: str = setting(
+        "identity",
+        "whose cached prefixes a request may reuse: its identity's own, or every identity's "
+        "(shared: a common system prompt is cached once, but a hit's shorter TTFT tells one user "
+        "what another has sent; docs/SECURITY.md)",
+        choices=("identity", "shared"),
     )
     prefix_cache_entries: int = setting(256, "token sequences the prefix index remembers (LRU)")
     prefix_min_tokens: int = setting(64, "shortest shared prefix worth restoring instead of prefilling")
@@ -241,6 +249,8 @@ class Coordinator:
             default_max_tokens=self.settings.default_max_tokens,
             scheduler=scheduler,
             max_prompt_bytes=self.settings.max_prompt_bytes,
+            authenticator=Authenticator.from_settings(self.settings.token, self.settings.api_keys),
+            prefix_cache_scope=self.settings.prefix_cache_scope,
         )
 
     def _scheduler(self, infos: list[stage_pb2.GetStageInfoResponse]) -> Scheduler:

@@ -11,10 +11,11 @@ import asyncio
 
 import structlog
 
-from pipeshard.auth import client_identity
+from pipeshard.auth import Authenticator
 from pipeshard.errors import Unavailable
 from pipeshard.identity import Identity
 from pipeshard.interceptors import MAX_REQUEST_ID_CHARS
+from pipeshard.metrics import IDENTITY_CACHED_TOKENS, IDENTITY_REQUESTS
 from pipeshard.services.coordinator.generation import Chunk, Generation
 from pipeshard.services.coordinator.ring import ShuttingDown
 from pipeshard.services.coordinator.sampling import SamplingParams
@@ -23,6 +24,9 @@ from pipeshard.shard.prompting import Prompter
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = structlog.get_logger(__name__)
+
+# Identities are named "key:NAME", "token:fleet" or "peer:HOST"; this scope is none of them.
+SHARED_PREFIX_SCOPE = "shared"
 
 _FINISH = {
     "stop": coordinator_pb2.FINISH_REASON_STOP,
@@ -62,8 +66,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         default_max_tokens: int,
         scheduler: Scheduler,
         max_prompt_bytes: int,
+        authenticator: Authenticator | None = None,
+        prefix_cache_scope: str = "identity",
     ):
         self._scheduler = scheduler
+        self._authenticator = authenticator or Authenticator()
+        self._shared_prefixes = prefix_cache_scope == "shared"
         self._max_prompt_bytes = max_prompt_bytes
         self._generation = generation
         self._prompter = prompter
@@ -116,7 +124,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             prompt_tokens=len(prompt_ids), max_context=self._max_context, vocab_size=self._vocab_size
         )
         self._generation.check_speculative(request.speculative, request.k)
-        identity = Identity(name=client_identity(context) if context else "")
+        identity = self._authenticator.identify(context) if context else Identity("")
         tokens = self._generation.capacity(prompt_ids, params)
         deadline = context.time_remaining() if context else None
         async with self._scheduler.admit(identity, tokens, deadline):
@@ -151,8 +159,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def _responses(
         self, prompt_ids: list[int], params: SamplingParams, speculative: str, k: int, client: str
     ):
-        # The client's identity scopes its prefix cache entries: a hit's timing reveals a prompt.
-        events = self._generation.run(prompt_ids, params, speculative=speculative, k=k, scope=client)
+        # The identity scopes its prefix cache entries (a hit's timing reveals a prompt) unless the
+        # operator shares them (--prefix-cache-scope shared).
+        scope = SHARED_PREFIX_SCOPE if self._shared_prefixes else client
+        events = self._generation.run(prompt_ids, params, speculative=speculative, k=k, scope=scope)
         async for event in events:
             if isinstance(event, Chunk):
                 yield coordinator_pb2.GenerateResponse(
@@ -164,6 +174,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     )
                 )
             else:
+                IDENTITY_REQUESTS.labels(identity=client, finish_reason=event.finish_reason).inc()
+                IDENTITY_CACHED_TOKENS.labels(identity=client).inc(event.cached_tokens)
                 copied = {name: getattr(event, name) for name in _SUMMARY_FIELDS}
                 yield coordinator_pb2.GenerateResponse(
                     summary=coordinator_pb2.GenerateSummary(

@@ -21,10 +21,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pipeshard.auth import Authenticator
 from pipeshard.clients.client import Connection, build_request
 from pipeshard.metrics import counter
 from pipeshard.services.gateway.errors import GatewayError
+from pipeshard.services.gateway.guards import AuthGuard, BodyLimit
 from pipeshard.services.gateway.responses import Shaper
 from pipeshard.services.gateway.schema import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from pipeshard.services.gateway.settings import GatewaySettings
@@ -165,11 +168,28 @@ class Gateway:
         except BaseException:
             call.cancel()
             raise
-        return StreamingResponse(
+        return _EventStream(
+            call,
             _events(call, first, shaper, body.include_usage),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+
+
+class _EventStream(StreamingResponse):
+    """Cancels its Generate call however the response ends. When the client goes away (or is
+    aborted for not reading) Starlette cancels the streaming task, which leaves the event generator
+    suspended at a ``yield`` until garbage collection, its call (and coordinator slot) still live."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, events: AsyncIterator[str], **kwargs):
+        super().__init__(events, **kwargs)
+        self._call = call
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            self._call.cancel()  # a no-op once the call has finished
 
 
 async def _collect(
@@ -234,6 +254,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     app = FastAPI(title="pipeshard OpenAI-compatible gateway", lifespan=lifespan)
     app.state.gateway = gateway
+    # Added last runs first: the key check, then the body limit, then the routes.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
+    authenticator = Authenticator.from_settings(settings.token, settings.api_keys)
+    app.add_middleware(AuthGuard, authenticator=authenticator)
 
     @app.middleware("http")
     async def count(request: Request, call_next):
@@ -248,9 +272,20 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             log.warning("request failed", status=exc.status, error=exc.message)
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """404, 405 and the like in OpenAI's shape instead of FastAPI's ``{"detail": ...}``."""
+        what = {404: "no such route", 405: "method not allowed on"}.get(exc.status_code, exc.detail)
+        error = GatewayError(exc.status_code, f"{what}: {request.method} {request.url.path}")
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
+        if first["type"] == "json_invalid":  # its location is a character offset, not a parameter
+            error = first.get("ctx", {}).get("error", first["msg"])
+            message = f"the request body is not valid JSON: {error} (at character {first['loc'][-1]})"
+            return JSONResponse(GatewayError(400, message, code="invalid_json").body(), status_code=400)
         loc = [str(part) for part in first["loc"] if part != "body"]
         # The union types of `stop`/`content` add the tried type to the location; keep the field.
         param = ".".join(p for p in loc if not p.startswith(("str", "list[", "dict[", "int", "function")))

@@ -10,6 +10,7 @@ import uvicorn
 from pipeshard.logs import configure_logging
 from pipeshard.metrics import start_metrics_server
 from pipeshard.services.gateway.app import create_app
+from pipeshard.services.gateway.protocol import guarded_protocol
 from pipeshard.services.gateway.settings import GatewaySettings
 from pipeshard.settings import load_settings
 
@@ -30,7 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     sock = _listen(settings.host, settings.port)
     metrics = start_metrics_server(settings.metrics_port, settings.host)
     config = uvicorn.Config(
-        create_app(settings), log_config=None, access_log=False, timeout_graceful_shutdown=10
+        create_app(settings),
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=10,
+        timeout_keep_alive=settings.idle_timeout_s,
+        http=guarded_protocol(
+            settings.header_timeout_s, settings.drain_timeout_s, settings.write_buffer_bytes
+        ),
     )
     server = uvicorn.Server(config)
     host, port = sock.getsockname()[:2]

@@ -19,6 +19,8 @@ def usage(summary: coordinator_pb2.GenerateSummary) -> dict:
         "prompt_tokens": summary.prompt_tokens,
         "completion_tokens": summary.completion_tokens,
         "total_tokens": summary.prompt_tokens + summary.completion_tokens,
+        # prompt tokens this caller's prefix cache restored (OpenAI's field of the same name)
+        "prompt_tokens_details": {"cached_tokens": summary.cached_tokens},
     }
 
 

@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipeshard.services.gateway.errors import GatewayError
 
+# The coordinator's int32 fields (max_tokens, top_k): larger values are a 400 naming the field.
+INT32_MAX = 2**31 - 1
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -27,14 +30,15 @@ class OpenAIRequest(BaseModel):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)  # top_k and ignore_eos: vLLM extensions the coordinator supports
+    # top_k and ignore_eos: vLLM extensions the coordinator supports
+    top_k: int | None = Field(None, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=INT32_MAX)
     user: str | None = None  # an end-user id for abuse tracking; nothing to do with generation
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -86,7 +90,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
 

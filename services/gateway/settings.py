@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipeshard.settings import setting
 
@@ -21,6 +22,30 @@ class GatewaySettings:
     model_name: str = setting("pipeshard", "model id /v1/models names (requests may send any `model`)")
     request_timeout_s: float | None = setting(
         None, "deadline of each Generate call in seconds (none = no limit)"
+    )
+    token: str | None = setting(
+        None, "the fleet token; with it or --api-keys, every route but /health needs a bearer key (else 401)"
+    )
+    api_keys: Path | None = setting(
+        None, "key file of `pipeshard keys` (re-read when it changes): any listed key is accepted"
+    )
+    max_body_bytes: int = setting(8 * 1024 * 1024, "largest request body; a larger one is 413, unread")
+    body_timeout_s: float = setting(30.0, "time a request body may take to arrive; then 408")
+    header_timeout_s: float = setting(
+        10.0, "time a connection may take to send a request's headers (from its start or its last response)"
+    )
+    idle_timeout_s: float = setting(
+        5.0, "a keep-alive connection with no new request for this long is closed"
+    )
+    drain_timeout_s: float = setting(
+        10.0,
+        "a connection whose unsent response bytes have not drained for this long (its reader stopped "
+        "reading) is aborted, and its generation cancelled",
+    )
+    write_buffer_bytes: int = setting(
+        0,
+        "unsent bytes a connection may hold (gateway buffer and socket send buffer each) before its "
+        "writes count as not drained (0 = 64 KiB and the kernel's default)",
     )
     metrics_port: int = setting(0, "Prometheus /metrics port (0 = disabled)")
     log_format: str = setting("json", "log line format", choices=("json", "console"))

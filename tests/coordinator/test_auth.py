@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeshard.auth import bearer_of, client_identity, load_or_create_token, token_metadata
+from pipeshard.auth import Authenticator, bearer_of, load_or_create_token, token_metadata
+from pipeshard.errors import Unauthenticated
+from pipeshard.keys import KeyRing, add_key
 from pipeshard.tls import make_certs
 
 
@@ -20,16 +22,32 @@ class Context:
         return self._peer
 
 
-def test_bearer_token_parsing_and_client_identity():
+def test_bearer_token_parsing():
     assert bearer_of(token_metadata("abc")) == "abc"
     assert bearer_of((("authorization", "Basic abc"),)) is None and bearer_of(()) is None
-    a, b = client_identity(Context(token_metadata("abc"))), client_identity(Context(token_metadata("xyz")))
-    assert a.startswith("token:") and a != b and "abc" not in a
-    # Without a token a client is its host: every connection from one machine counts together.
-    assert client_identity(Context(peer="ipv4:127.0.0.1:1")) == client_identity(
-        Context(peer="ipv4:127.0.0.1:2")
-    )
-    assert client_identity(Context(peer="ipv6:[::1]:5")) == "peer:[::1]"
+
+
+def test_an_open_service_names_callers_by_host_whatever_token_they_invent():
+    identify = Authenticator().identify
+    invented = {identify(Context(token_metadata(f"made-up-{i}"), f"ipv4:127.0.0.1:{i}")) for i in range(40)}
+    assert [i.name for i in invented] == ["peer:127.0.0.1"]  # the forged-token flood is one identity
+    assert identify(Context(peer="ipv6:[::1]:5")).name == "peer:[::1]"
+
+
+def test_keys_and_the_fleet_token_are_identities_and_nothing_else_is(tmp_path):
+    path = tmp_path / "api-keys"
+    alice = add_key(path, "alice", weight=2.0, max_running=3, max_queued=5)
+    bob = add_key(path, "bob")
+    auth = Authenticator("fleet-token", KeyRing(path))
+    a = auth.identify(Context(token_metadata(alice)))
+    assert (a.name, a.weight, a.max_running, a.max_queued) == ("key:alice", 2.0, 3, 5)
+    assert auth.identify(Context(token_metadata(bob))).name == "key:bob"
+    assert auth.identify(Context(token_metadata("fleet-token"))).name == "token:fleet"
+    for presented in ((), token_metadata("invented"), token_metadata(alice[:-1])):
+        assert auth.verify(bearer_of(presented)) is None
+        with pytest.raises(Unauthenticated, match="API key"):
+            auth.identify(Context(presented))
+    assert auth.required and not Authenticator().required
 
 
 def test_token_file_is_private_and_stable(tmp_path):

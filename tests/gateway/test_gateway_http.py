@@ -4,59 +4,14 @@ error mapping and token forwarding (the real fleet: tests/pipeline/test_gateway.
 from __future__ import annotations
 
 import json
-from concurrent import futures
 
-import grpc
 import pytest
 from fastapi.testclient import TestClient
-from grpc_health.v1 import health, health_pb2_grpc
 
+from pipeshard.keys import add_key
 from pipeshard.services.gateway.app import create_app
 from pipeshard.services.gateway.errors import GatewayError
 from pipeshard.services.gateway.settings import GatewaySettings
-from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
-
-
-class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
-    """Answers "Hello world" in two chunks (with logprobs when asked); a prompt naming a status
-    code aborts with it."""
-
-    def __init__(self):
-        self.requests: list[coordinator_pb2.GenerateRequest] = []
-        self.metadata: list[dict[str, str]] = []
-
-    def Generate(self, request, context):
-        self.requests.append(request)
-        self.metadata.append(dict(context.invocation_metadata()))
-        text = request.prompt or request.messages[-1].content
-        if text in grpc.StatusCode.__members__:
-            context.abort(grpc.StatusCode[text], f"`max_tokens` scripted {text}")
-        for text, token, logprob in (("Hello", 1, -0.5), (" world", 2, -0.25)):
-            chunk = coordinator_pb2.TokenChunk(text=text, token_ids=[token])
-            if request.params.logprobs:
-                chunk.logprobs.append(logprob)
-                chunk.tokens.append(text)
-            yield coordinator_pb2.GenerateResponse(chunk=chunk)
-        yield coordinator_pb2.GenerateResponse(
-            summary=coordinator_pb2.GenerateSummary(
-                finish_reason=coordinator_pb2.FINISH_REASON_LENGTH,
-                prompt_tokens=5,
-                completion_tokens=2,
-                text="Hello world",
-            )
-        )
-
-
-@pytest.fixture(scope="module")
-def coordinator():
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    servicer = ScriptedCoordinator()
-    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield servicer, f"127.0.0.1:{port}"
-    server.stop(None)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +33,12 @@ def test_chat_completion_translates_parameters(http, coordinator):
     assert body["object"] == "chat.completion" and body["model"] == "whatever"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello world", "refusal": None}
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 2,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
     sent = coordinator[0].requests[-1]
     assert [(m.role, m.content) for m in sent.messages] == [("user", "Hi")]
     p = sent.params
@@ -187,6 +147,9 @@ def test_completion_logprobs_zero_gives_token_logprobs(http):
         ({"temperature": 2.5}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"max_completion_tokens": 2**31}, "max_completion_tokens"),
+        ({"top_k": 2**31}, "top_k"),
         ({"seed": -1}, "seed"),
         ({"messages": []}, "messages"),
     ],
@@ -255,3 +218,40 @@ def test_error_body_has_openai_shape():
             "code": "resource_exhausted",
         }
     }
+
+
+def test_a_keyed_gateway_refuses_unlisted_keys_before_the_body_and_forwards_listed_ones(
+    coordinator, tmp_path
+):
+    keys = tmp_path / "api-keys"
+    key = add_key(keys, "alice")
+    settings = GatewaySettings(coordinator=coordinator[1], api_keys=keys, max_body_bytes=4096)
+    with TestClient(create_app(settings)) as client:
+        body = {"messages": [{"role": "user", "content": "Hi"}]}
+        for headers in ({}, {"Authorization": "Bearer invented"}, {"Authorization": f"Basic {key}"}):
+            refused = client.post("/v1/chat/completions", json=body, headers=headers)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        served = client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert served.status_code == 200
+        assert coordinator[0].metadata[-1]["authorization"] == f"Bearer {key}"
+        large = {"messages": [{"role": "user", "content": "x" * 5000}]}
+        too_large = client.post(
+            "/v1/chat/completions", json=large, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "request_too_large"
+
+
+def test_invalid_json_and_unknown_routes_answer_in_openai_shape(http):
+    broken = http.post(
+        "/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"}
+    )
+    assert broken.status_code == 400
+    assert broken.json()["error"]["code"] == "invalid_json" and broken.json()["error"]["param"] is None
+    for path, method, status in (("/v1/nowhere", "GET", 404), ("/v1/completions", "GET", 405)):
+        reply = http.request(method, path)
+        assert reply.status_code == status and set(reply.json()["error"]) == {
+            "message",
+            "type",
+            "param",
+            "code",
+        }

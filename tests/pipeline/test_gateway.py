@@ -1,5 +1,6 @@
 """The OpenAI gateway in front of a real fleet, driven by the official `openai` client and curl:
-outputs identical to the gRPC path, errors in OpenAI's shape, queue-full 429, disconnect cancels."""
+outputs identical to the gRPC path, errors in OpenAI's shape, queue-full 429, disconnect cancels;
+in plaintext invented tokens are one identity, and streams whose reader never reads are cancelled."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import shutil
 import socket
 import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx
 import openai
@@ -33,7 +36,11 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def fleet(smollm2_export, fleet_factory):
     metrics = {name: _free_port() for name in ("stage0", "stage1", "coordinator", "gateway")}
-    started = fleet_factory(smollm2_export(2, "int4"), 2, gateway_port=0, metrics_ports=metrics)
+    # A stalled reader's writes count as not draining after 4 KiB unsent, for 2 s (issue #37).
+    drain = ["--drain-timeout-s", "2", "--write-buffer-bytes", "4096"]
+    started = fleet_factory(
+        smollm2_export(2, "int4"), 2, gateway_port=0, metrics_ports=metrics, extra_gateway_args=drain
+    )
     started.metrics_ports = metrics
     return started
 
@@ -255,3 +262,94 @@ def test_every_service_serves_metrics_and_top_shows_the_fleet(fleet, api, tmp_pa
         assert address in out
     assert out.count("serving") == 4 and "0-14" in out and "15-29" in out
     assert "OK " in out  # the coordinator's finished Generate calls, from its /metrics
+
+
+def metric(port: int, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples with these labels on the /metrics at ``port``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def identities(port: int) -> set[str]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    return {
+        sample.labels["identity"]
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "pipeshard_coordinator_identity_requests_total"
+    }
+
+
+def test_invented_tokens_are_one_identity_in_plaintext(fleet):
+    """The forged-token flood: on an open fleet a bearer token proves nothing, so 40 made-up
+    tokens are the caller's host, one identity, and cannot multiply its share."""
+    import grpc
+
+    port = fleet.metrics_ports["coordinator"]
+    served_before = metric(port, "pipeshard_coordinator_identity_requests_total", identity="peer:127.0.0.1")
+
+    def one(i: int) -> str:
+        with PipeshardClient(fleet.coordinator, timeout_s=300, token=f"made-up-{i}") as client:
+            try:
+                client.generate("Hi", max_tokens=1)
+            except grpc.RpcError as exc:
+                return exc.code().name
+            return "served"
+
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(one, range(40)))
+    assert set(outcomes) <= {"served", "RESOURCE_EXHAUSTED"}
+    assert identities(port) == {"peer:127.0.0.1"}
+    served = metric(port, "pipeshard_coordinator_identity_requests_total", identity="peer:127.0.0.1")
+    assert served - served_before == outcomes.count("served") > 0
+
+
+def _stalled_stream(address: str) -> socket.socket:
+    """A streaming completion whose reader never reads (and keeps its receive buffer small)."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    sock.connect((host, int(port)))
+    body = json.dumps(
+        {"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    ).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return sock
+
+
+def test_streams_whose_reader_never_reads_are_cancelled_and_free_their_slots(fleet, api):
+    """The idle-stream flood: 30 SSE streams nobody reads. Each is aborted once its writes have not
+    drained for 2 s, which cancels its generation; the fleet empties and serves a normal request
+    (without the rule the 2000-token streams would hold every slot for minutes)."""
+    coordinator, gateway = fleet.metrics_ports["coordinator"], fleet.metrics_ports["gateway"]
+    stalled = "pipeshard_gateway_connections_closed_total"
+    before = metric(gateway, stalled, reason="stalled_write")
+    streams = [_stalled_stream(fleet.gateway) for _ in range(30)]
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            time.sleep(1)
+            busy = metric(coordinator, "pipeshard_coordinator_running_requests") + metric(
+                coordinator, "pipeshard_coordinator_queued_requests"
+            )
+            if busy == 0 and metric(gateway, stalled, reason="stalled_write") > before:
+                break
+        assert metric(gateway, stalled, reason="stalled_write") - before >= 8  # at least every slot's
+        assert busy == 0
+        reply = api.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        )
+        assert reply.choices[0].message.content
+    finally:
+        for sock in streams:
+            sock.close()

@@ -1,18 +1,22 @@
 """Issue #14 on a secured fleet (mutual TLS between all processes, a client token): it generates
 exactly like the in-process ring, and every outsider is refused: a client without the token, a
 plaintext connection to a stage, a node whose certificate another CA signed, and a fleet member
-asking for another coordinator's sessions."""
+asking for another coordinator's sessions. Issue #37: API keys beside the token, each its own
+identity and prefix-cache scope, checked by the coordinator and the gateway, revocable live."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import grpc
+import httpx2 as httpx
 import pytest
 
 from pipeshard.certs_cli import node_names
 from pipeshard.clients.client import PipeshardClient
+from pipeshard.keys import add_key, revoke_key
 from pipeshard.ownership import owner_metadata
 from pipeshard.tls import TlsConfig, make_certs
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
@@ -43,8 +47,15 @@ def shards(smollm2_export):
 
 
 @pytest.fixture(scope="module")
-def fleet(shards, fleet_factory, certs):
-    return fleet_factory(shards, 2, tls_dir=certs, token=TOKEN)
+def keys(tmp_path_factory) -> dict:
+    """A key file with three users' keys (issue #37); the fleet accepts them beside the token."""
+    path = tmp_path_factory.mktemp("keys") / "api-keys"
+    return {"path": path, **{name: add_key(path, name) for name in ("alice", "bob", "carol")}}
+
+
+@pytest.fixture(scope="module")
+def fleet(shards, fleet_factory, certs, keys):
+    return fleet_factory(shards, 2, tls_dir=certs, token=TOKEN, api_keys=keys["path"], gateway_port=0)
 
 
 def member_channel(address: str, folder, name: str) -> grpc.Channel:
@@ -146,3 +157,47 @@ def test_a_fleet_member_cannot_read_another_coordinators_results(fleet, certs):
             spy.cancel()
             reader.join(10)
     assert seen == []
+
+
+def _client(fleet, certs, key: str) -> PipeshardClient:
+    return PipeshardClient(fleet.coordinator, timeout_s=120, token=key, ca_cert=certs / "ca.pem")
+
+
+# Long enough for the prefix cache (over --prefix-min-tokens, 64) to keep and restore it.
+PRIVATE = "Summarise my private notes. " + " ".join(
+    f"Note {i}: the meeting moved to room {i}." for i in range(14)
+)
+
+
+def test_listed_keys_are_served_unlisted_refused_and_revocation_is_live(fleet, certs, keys):
+    for key in (keys["alice"], keys["carol"]):
+        with _client(fleet, certs, key) as client:
+            assert client.generate("Say hi.", max_tokens=3, ignore_eos=True).completion_tokens == 3
+    for key in ("psk-invented", keys["alice"][:-2]):
+        with _client(fleet, certs, key) as client, pytest.raises(grpc.RpcError) as info:
+            client.generate("hi", max_tokens=2)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    revoke_key(keys["path"], "carol")
+    time.sleep(0.6)  # each service checks the key file for changes at most every 0.5 s
+    with _client(fleet, certs, keys["carol"]) as client, pytest.raises(grpc.RpcError) as info:
+        client.generate("hi", max_tokens=2)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    chat = {"model": "m", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 3}
+    url = f"http://{fleet.gateway}/v1/chat/completions"
+    served = httpx.post(url, json=chat, headers={"authorization": f"Bearer {keys['bob']}"}, timeout=120)
+    assert served.status_code == 200, served.text
+    for key in (keys["carol"], "invented"):
+        refused = httpx.post(url, json=chat, headers={"authorization": f"Bearer {key}"}, timeout=120)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_two_keys_have_separate_prefix_scopes(fleet, certs, keys):
+    def cached(key: str) -> int:
+        with _client(fleet, certs, key) as client:
+            return client.generate(PRIVATE, max_tokens=2, ignore_eos=True).cached_tokens
+
+    alice_first, alice_again = cached(keys["alice"]), cached(keys["alice"])
+    bob_first, bob_again = cached(keys["bob"]), cached(keys["bob"])
+    assert alice_first == 0 and alice_again > 64  # alice's own prefix is reused...
+    assert bob_first == 0  # ...but never bob's first request of the same prompt
+    assert bob_again > 64

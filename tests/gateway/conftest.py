@@ -1,0 +1,54 @@
+"""The scripted coordinator the gateway tests run against (no model, no stages)."""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2_grpc
+
+from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+
+class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
+    """Answers "Hello world" in two chunks (with logprobs when asked); a prompt naming a status
+    code aborts with it."""
+
+    def __init__(self):
+        self.requests: list[coordinator_pb2.GenerateRequest] = []
+        self.metadata: list[dict[str, str]] = []
+
+    def Generate(self, request, context):
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+        text = request.prompt or request.messages[-1].content
+        if text in grpc.StatusCode.__members__:
+            context.abort(grpc.StatusCode[text], f"`max_tokens` scripted {text}")
+        for text, token, logprob in (("Hello", 1, -0.5), (" world", 2, -0.25)):
+            chunk = coordinator_pb2.TokenChunk(text=text, token_ids=[token])
+            if request.params.logprobs:
+                chunk.logprobs.append(logprob)
+                chunk.tokens.append(text)
+            yield coordinator_pb2.GenerateResponse(chunk=chunk)
+        yield coordinator_pb2.GenerateResponse(
+            summary=coordinator_pb2.GenerateSummary(
+                finish_reason=coordinator_pb2.FINISH_REASON_LENGTH,
+                prompt_tokens=5,
+                completion_tokens=2,
+                cached_tokens=3,
+                text="Hello world",
+            )
+        )
+
+
+@pytest.fixture(scope="module")
+def coordinator():
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    servicer = ScriptedCoordinator()
+    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(None)
