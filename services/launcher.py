@@ -191,6 +191,7 @@ def start_fleet(
     coordinator_port: int = 0,
     precision: str = DEFAULT_PRECISION,
     extra_stage_args: list[str] = (),
+    devices: Sequence[str] = (),
     extra_coordinator_args: list[str] = (),
     exporter_port: int | None = None,
     gateway_port: int | None = None,
@@ -208,7 +209,8 @@ def start_fleet(
     for exporter, coordinator and stage0..) every link is TLS; ``token`` (passed in the
     environment, not on command lines) is then what clients of the coordinator and exporter need.
     With ``gateway_port`` set, the OpenAI gateway starts last. ``metrics_ports`` maps process
-    names (exporter, stage0, ..., coordinator, gateway) to the port each serves Prometheus /metrics on."""
+    names (exporter, stage0, ..., coordinator, gateway) to the port each serves Prometheus /metrics on.
+    ``devices`` gives each stage its OpenVINO device (``--device``; empty: the stage's default)."""
     run_dir.mkdir(parents=True, exist_ok=True)
 
     def metered(name: str, args: list[str]) -> list[str]:
@@ -249,6 +251,7 @@ def start_fleet(
             extra_stage_args = [*extra_stage_args, "--exporter", exporter.address]
         for k in reversed(range(num_stages)):
             args = stage_args(k, shards, ports[k], precision, log_format, next_hop, extra_stage_args)
+            args += ["--device", devices[k]] if devices else []
             proc = spawn(f"stage{k}", metered(f"stage{k}", args), run_dir, env, timeout_s, detach=detach)
             fleet.processes.insert(1 if exporter_port is not None else 0, proc)
             next_hop = proc.address

@@ -123,6 +123,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     q.add_argument("--precision", default=envq("precision", DEFAULT_PRECISION), choices=PRECISIONS)
     q.add_argument(
+        "--device",
+        default=envq("device", "CPU"),
+        help="OpenVINO device to time the probes on, as the stage's --device (default %(default)s)",
+    )
+    q.add_argument(
         "--name", default=envq("name", socket.gethostname()), help="node name (default the hostname)"
     )
     q.add_argument("--address", default=envq("address", ""), help="HOST:PORT its stage will listen on")
@@ -275,6 +280,7 @@ def run_profile(args: argparse.Namespace) -> int:
             threads=args.threads,
             precision=args.precision,
             weights=args.weights,
+            device=args.device,
         )
         if args.threads is not None and args.threads < 1:
             raise InvalidArgument("threads", f"must be positive, got {args.threads}")
