@@ -72,7 +72,7 @@ def test_int4_layout(smollm2_export):
 def test_fp32_stages_match_hf_at_every_boundary(stages, smollm2_export, hf_model, chat_prompt_ids):
     """Each stage's output equals HF's hidden states at its layer boundary (logits for the last),
     prefill then 10 decode steps, f32 compile hints. Tolerance |ov - hf| <= 2e-3 + 1e-4 * |hf|:
-    SmolLM2's residual stream reaches about 2.5e4 in the middle layers (FACTS.md)."""
+    SmolLM2's residual stream reaches about 2.5e4 in the middle layers (HF fp32)."""
     import torch
 
     from pipeshard.shard.manifest import load_manifest
