@@ -198,7 +198,7 @@ def _model_dir(spec: str) -> Path:
 def plan_topology(plan: Plan, shards: str, precision: str):
     """The loopback topology with each stage at its node's address (nodes without one keep the
     default port 50061+k on 127.0.0.1)."""
-    from pipeshard.topology import METRICS_OFFSET, Endpoint, Topology
+    from pipeshard.topology import METRICS_OFFSET, StageEndpoint, Topology
 
     topo = Topology.loopback(shards, len(plan.stages), precision)
     for k, stage in enumerate(plan.stages):
@@ -207,7 +207,7 @@ def plan_topology(plan: Plan, shards: str, precision: str):
         host, _, port = stage.address.rpartition(":")
         if not host or not port.isdigit():
             raise InvalidArgument("address", f"of node {stage.node} must be HOST:PORT, got {stage.address!r}")
-        topo.stages[k] = Endpoint(host=host, port=int(port), metrics_port=int(port) + METRICS_OFFSET)
+        topo.stages[k] = StageEndpoint(host=host, port=int(port), metrics_port=int(port) + METRICS_OFFSET)
     return topo
 
 
