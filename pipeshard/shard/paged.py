@@ -134,10 +134,10 @@ class PagedShard(StageShard):
         model = _prepare_model(
             self.core.read_model(str(self.export_dir / self.entry.model)), self.is_first, self.is_last
         )
-        # No compiled-model cache here: for a model transformed in memory OpenVINO hashes the whole
-        # graph with its weights, which measured as slow as compiling it (2.8 s against 3.0 s on
-        # a SmolLM2 stage), and the transformed graph cannot be saved as IR to cache by path (its
-        # PagedAttention nodes lose the runtime info the CPU plugin needs).
+        # No compiled-model cache here: OpenVINO 2026.4 writes a blob for this model transformed in
+        # memory but never loads it (LOADED_FROM_CACHE stays false; each try cost 1-4 s more than
+        # compiling on a SmolLM2 stage), and the transformed graph cannot be saved as IR to cache
+        # by path (its PagedAttention nodes lose the runtime info the CPU plugin needs).
         self.compiled = self.compile(model, device, compile_properties(precision, num_threads), OFF)
         self._req = self.compiled.create_infer_request()
         self._input = "input_ids" if self.is_first else "inputs_embeds"
