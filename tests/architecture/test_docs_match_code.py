@@ -4,6 +4,7 @@ and names every module, and nothing in the project points to a file outside it."
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 from pathlib import Path
@@ -69,10 +70,39 @@ def test_flag_table_equals_the_parser(heading):
     assert got == want, f"{heading} in docs/SERVICES.md differs from {cls.__name__}"
 
 
+def cli_parsers() -> dict[str, argparse.ArgumentParser]:
+    """The argparse subcommands SERVICES.md tabulates (plain argparse, not settings classes)."""
+    from pipeshard.services import fleet_cli
+    from pipeshard.services.wan import cli as wan_cli
+
+    root = argparse.ArgumentParser()
+    sub = root.add_subparsers()
+    fleet_cli.register(sub)
+    wan_cli.register(sub)
+    wan = next(a for a in sub.choices["wan"]._actions if isinstance(a, argparse._SubParsersAction))
+    return {
+        "### Flags: `pipeshard up`": sub.choices["up"],
+        "### Flags: `pipeshard wan up`": wan.choices["up"],
+    }
+
+
+@pytest.mark.parametrize("heading", ["### Flags: `pipeshard up`", "### Flags: `pipeshard wan up`"])
+def test_flag_table_equals_the_cli_parser(heading, monkeypatch):
+    monkeypatch.delenv("PIPESHARD_DEVICE", raising=False)  # `pipeshard up --device` defaults to it
+    parser = cli_parsers()[heading]
+    flags = [a for a in parser._actions if a.option_strings[-1] != "--help"]
+    want = {a.option_strings[-1]: shown(a.default) for a in flags}
+    rows = table_after(SERVICES.read_text(), heading)
+    got = {flag.strip("`"): default.strip("`") for flag, default, _ in rows}
+    assert len(got) == len(rows), f"{heading}: a flag is listed twice"
+    assert got == want, f"{heading} in docs/SERVICES.md differs from its parser"
+
+
 def test_every_flag_table_is_checked():
     headings = re.findall(r"^### Flags: .*$", SERVICES.read_text(), re.M)
-    assert [h for h in headings if not h.startswith(tuple(settings_classes()))] == []
-    assert len(headings) == len(settings_classes())
+    known = (*settings_classes(), "### Flags: `pipeshard up`", "### Flags: `pipeshard wan up`")
+    assert [h for h in headings if not h.startswith(known)] == []
+    assert len(headings) == len(known)
 
 
 def test_map_has_one_row_per_layer_in_the_enforced_order():
