@@ -43,3 +43,19 @@ def test_stage_reports_its_device_and_refuses_an_absent_one(tiny_export, kv):  #
     assert err.value.field == "device"
     present = ", ".join(ov.Core().available_devices)
     assert f"NPU.7 is not present on this machine; available: {present}" in str(err.value)
+
+
+@pytest.mark.slow
+def test_stage_process_exits_naming_the_absent_device(tiny_export):  # noqa: F811
+    import subprocess
+    import sys
+
+    import openvino as ov
+
+    argv = [sys.executable, "-m", "pipeshard.cli", "stage", "--shards", str(tiny_export("llama", 1))]
+    argv += ["--port", "0", "--device", "NPU.7"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    present = ", ".join(ov.Core().available_devices)
+    assert done.returncode == 1
+    assert f"stage 0: `device` NPU.7 is not present on this machine; available: {present}" in done.stderr
+    assert "Traceback" not in done.stderr
