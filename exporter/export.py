@@ -441,6 +441,7 @@ class ExportPlan:
     beam_idx: bool
     model_name: str
     draft: DraftPlan | None
+    weight_files: list[Path]  # the safetensors files the fingerprint covers
 
     def jobs(self, tmp: Path) -> list[StageJob]:
         starts = [sum(self.layers[:i]) for i in range(len(self.layers))]
@@ -489,6 +490,7 @@ def plan_export(
     context = resolve_max_context(spec, max_context)
     if out_dir.exists() and not force:
         raise FailedPrecondition(f"{out_dir} already exists; pass --force (force=True) to replace it")
+    wfiles = weight_files(model_dir)
     return ExportPlan(
         model_dir,
         out_dir,
@@ -500,6 +502,7 @@ def plan_export(
         beam_idx,
         model_name or model_dir.name,
         draft,
+        wfiles,
     )
 
 
@@ -532,7 +535,7 @@ def write_export(
         model=ModelInfo(
             name=plan.model_name,
             source=str(plan.model_dir.resolve()),
-            fingerprint=model_fingerprint(plan.model_dir / "config.json", weight_files(plan.model_dir)),
+            fingerprint=model_fingerprint(plan.model_dir / "config.json", plan.weight_files),
             spec=plan.spec.to_json(),
             eos_token_ids=tuple(_eos_ids(plan.model_dir, plan.config)),
         ),
