@@ -12,6 +12,8 @@ STAGES ?= 2
 WEIGHTS ?= int4
 # PRECISION: default | f32 | exact; unset, every entry point uses DEFAULT_PRECISION (pipeshard/precision.py)
 PRECISION ?=
+# DEVICE: the OpenVINO device of every stage of `make up` (CPU, GPU, GPU.1, NPU, AUTO:GPU,CPU, ...); unset: CPU
+DEVICE ?=
 STAGE ?= 0
 MODEL ?= smollm2-135m-instruct
 DELAY_MS ?= 50
@@ -23,7 +25,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup proto lint model export test test-fast test-exactness test-extended clean up down run-stage demo bench-parity bench-numerics bench-prefill bench-pipeline bench-commits bench-mbatch bench-spec bench-gateway serve-openai wan-up wan-down distil soak bench-planner bench-compress bench-wan bench-prefix bench-precision-modes
+.PHONY: setup proto lint model export test test-fast test-exactness test-extended clean up down run-stage demo bench-parity bench-numerics bench-prefill bench-pipeline bench-commits bench-mbatch bench-spec bench-gateway serve-openai wan-up wan-down distil soak bench-planner bench-compress bench-wan bench-prefix bench-precision-modes bench-compile-cache
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -58,7 +60,7 @@ export: model
 
 ## up: start a loopback fleet (exporter, STAGES stage processes, coordinator, OpenAI gateway on 8080); prints `coordinator listening on HOST:PORT` and `openai gateway listening on HOST:PORT`; SECURE=1: mutual TLS + client token (docs/SECURITY.md)
 up: model
-	$(VENV)/bin/pipeshard up --stages $(STAGES) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(filter 1 yes true,$(SECURE)),--secure)
+	$(VENV)/bin/pipeshard up --stages $(STAGES) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(DEVICE),--device $(DEVICE)) $(if $(filter 1 yes true,$(SECURE)),--secure)
 
 ## down: stop exactly the processes `make up` started
 down:
@@ -87,6 +89,10 @@ demo: model
 # default) later rounds would restore the prompts instead of computing them. The fleets they start
 # run without it unless PIPESHARD_PREFIX_CACHE is set (bench-prefix turns it on where it measures it).
 bench-% soak: export PIPESHARD_PREFIX_CACHE ?= off
+
+## bench-compile-cache: a stage's start to SERVING with the compiled-model cache over without, paired rounds (bench/results/compile_cache.json)
+bench-compile-cache: model
+	$(PY) -m bench.compile_cache
 
 ## bench-parity: our 1/2/3-stage shards against openvino_genai.LLMPipeline (bench/results/parity.json)
 bench-parity: model

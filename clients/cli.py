@@ -1,7 +1,7 @@
 """``pipeshard generate``: ask a running coordinator, or run an export's shards in this process.
 
-Both modes print the same JSON keys with ``--json`` (DESIGN.md Interfaces), so a user can try
-shards locally before building a fleet and compare the two.
+Both modes print the same JSON keys with ``--json`` (docs/ARCHITECTURE.md, "Interfaces others rely
+on"), so a user can try shards locally before building a fleet and compare the two.
 """
 
 from __future__ import annotations

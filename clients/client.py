@@ -85,7 +85,7 @@ _FINISH = {
 
 @dataclass
 class GenerateResult:
-    """The CLI's JSON keys (DESIGN.md Interfaces), the same as ``--local`` prints."""
+    """The CLI's JSON keys (docs/ARCHITECTURE.md, Interfaces), the same as ``--local`` prints."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)

@@ -27,7 +27,7 @@ from pipeshard.exporter.export import ExportResult, ProgressFn, _eos_ids, export
 from pipeshard.exporter.families import load_config, resolve_spec
 from pipeshard.exporter.weights import weight_files
 from pipeshard.shard.drafts import existing_draft_export
-from pipeshard.shard.manifest import model_fingerprint
+from pipeshard.shard.manifest import DraftInfo, model_fingerprint
 
 VOCAB_FILE = "draft_vocab_ids.npy"
 
@@ -40,13 +40,13 @@ class DraftPlan:
     source_layers: int
     vocab_ids: tuple[int, ...] | None = None
 
-    def write(self, export_dir: Path, stage_folder: str) -> dict[str, Any]:
+    def write(self, export_dir: Path, stage_folder: str) -> DraftInfo:
         """Save the vocabulary ids into the stage folder; returns the manifest's ``draft`` entry."""
         rel = None
         if self.vocab_ids is not None:
             rel = f"{stage_folder}/{VOCAB_FILE}"
             np.save(Path(export_dir) / rel, np.asarray(self.vocab_ids, dtype=np.int64))
-        return {"layers": self.layers, "vocab_ids": rel, "source_layers": self.source_layers}
+        return DraftInfo(self.layers, rel, self.source_layers)
 
 
 def merge_rank(model_dir: Path, vocab_size: int) -> np.ndarray:

@@ -21,7 +21,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,9 +33,14 @@ from pipeshard.exporter.compress import CompressionPlan, make_plan
 from pipeshard.exporter.families import ModelSpec, cut_config, load_config, resolve_spec
 from pipeshard.exporter.weights import weight_files
 from pipeshard.shard.manifest import (
-    FORMAT,
-    FORMAT_VERSION,
+    ExportStats,
+    KvReorder,
     Manifest,
+    ModelInfo,
+    PortInfo,
+    StageEntry,
+    TokenizerInfo,
+    WeightsInfo,
     export_id,
     file_records,
     model_fingerprint,
@@ -181,17 +186,18 @@ def resolve_max_context(spec: ModelSpec, max_context: int | None) -> int:
 # ----------------------------------------------------------------------------- one stage
 
 
-def _port_records(ports) -> list[dict[str, Any]]:
-    out = []
-    for port in ports:
-        shape = [d.get_length() if d.is_static else -1 for d in port.get_partial_shape()]
-        out.append(
-            {"name": port.get_any_name(), "shape": shape, "dtype": port.get_element_type().get_type_name()}
+def _port_records(ports) -> tuple[PortInfo, ...]:
+    return tuple(
+        PortInfo(
+            port.get_any_name(),
+            tuple(d.get_length() if d.is_static else -1 for d in port.get_partial_shape()),
+            port.get_element_type().get_type_name(),
         )
-    return out
+        for port in ports
+    )
 
 
-def export_stage(job: StageJob, progress: ProgressFn) -> dict[str, Any]:
+def export_stage(job: StageJob, progress: ProgressFn) -> StageEntry:
     """load -> trace -> convert -> compress -> save for one stage; returns its manifest entry."""
     import openvino as ov
 
@@ -245,19 +251,19 @@ def export_stage(job: StageJob, progress: ProgressFn) -> dict[str, Any]:
     folder.mkdir(parents=True, exist_ok=True)
     ov.save_model(model, folder / MODEL_XML, compress_to_fp16=job.plan.save_fp16)
     phase("save", 1.0, str(folder))
-    variables = state_variable_ids(model)
-    return {
-        "index": i,
-        "layer_start": job.layer_start,
-        "layer_end": job.layer_end,
-        "folder": f"stage_{i}",
-        "model": f"stage_{i}/{MODEL_XML}",
-        "inputs": _port_records(model.inputs),
-        "outputs": _port_records(model.outputs),
-        "state_variables": variables,
-        "kv_reorder": kv_reorder_report(model),
-        "export": {"seconds": round(time.perf_counter() - t0, 3)},
-    }
+    reorder = kv_reorder_report(model)
+    return StageEntry(
+        index=i,
+        layer_start=job.layer_start,
+        layer_end=job.layer_end,
+        folder=f"stage_{i}",
+        model=f"stage_{i}/{MODEL_XML}",
+        inputs=_port_records(model.inputs),
+        outputs=_port_records(model.outputs),
+        state_variables=tuple(state_variable_ids(model)),
+        kv_reorder=KvReorder(reorder["read_values"], reorder["beam_idx_gathers"]),
+        export=ExportStats(round(time.perf_counter() - t0, 3), _peak_rss_bytes(), "process"),
+    )
 
 
 def _peak_rss_bytes() -> int:
@@ -271,8 +277,7 @@ def _stage_worker(job: StageJob, events: Any) -> None:
 
         set_offline_defaults()
         entry = export_stage(job, lambda ev: events.put(("progress", asdict(ev))))
-        entry["export"].update(peak_rss_bytes=_peak_rss_bytes(), rss_scope="subprocess")
-        events.put(("result", entry))
+        events.put(("result", replace(entry, export=replace(entry.export, rss_scope="subprocess"))))
     except BaseException as exc:  # report everything; the parent re-raises it
         events.put(
             (
@@ -310,7 +315,7 @@ def run_stage_isolated(
     progress: ProgressFn,
     timeout: float | None = None,
     cancel: threading.Event | None = None,
-) -> dict[str, Any]:
+) -> StageEntry:
     """Export one stage in a spawned process; returns its manifest entry with its peak RSS.
     Setting ``cancel`` stops the process within about half a second."""
     ctx = mp.get_context("spawn")
@@ -369,7 +374,7 @@ def _eos_ids(model_dir: Path, config: dict[str, Any]) -> list[int]:
 
 def copy_tokenizer(
     model_dir: Path, out: Path, progress: ProgressFn, convert_ov: bool = True
-) -> dict[str, Any]:
+) -> TokenizerInfo:
     """Copy tokenizer files and chat template; convert an openvino-tokenizers pair when possible."""
     copied = []
     for name in TOKENIZER_FILES:
@@ -377,21 +382,14 @@ def copy_tokenizer(
         if src.is_file():
             shutil.copy2(src, out / name)
             copied.append(name)
-    info: dict[str, Any] = {
-        "files": copied,
-        "chat_template": False,
-        "openvino_tokenizer": None,
-        "openvino_detokenizer": None,
-    }
     cfg = out / "tokenizer_config.json"
-    if (out / "chat_template.jinja").is_file() or (
+    chat_template = (out / "chat_template.jinja").is_file() or bool(
         cfg.is_file() and json.loads(cfg.read_text()).get("chat_template")
-    ):
-        info["chat_template"] = True
+    )
+    info = TokenizerInfo(tuple(copied), chat_template)
     has_tokenizer = any(n in copied for n in ("tokenizer.json", "tokenizer.model", "vocab.json"))
     if not has_tokenizer:
-        info["error"] = "the model folder has no tokenizer files"
-        return info
+        return replace(info, error="the model folder has no tokenizer files")
     if not convert_ov:
         return info
     progress(ProgressEvent(None, "tokenizer", 0.0, "openvino-tokenizers"))
@@ -406,16 +404,17 @@ def copy_tokenizer(
             tok, detok = convert_tokenizer(hf_tok, with_detokenizer=True)
         ov.save_model(tok, out / "openvino_tokenizer.xml")
         ov.save_model(detok, out / "openvino_detokenizer.xml")
-        info["openvino_tokenizer"] = "openvino_tokenizer.xml"
-        info["openvino_detokenizer"] = "openvino_detokenizer.xml"
         progress(ProgressEvent(None, "tokenizer", 1.0, "converted"))
+        return replace(
+            info, openvino_tokenizer="openvino_tokenizer.xml", openvino_detokenizer="openvino_detokenizer.xml"
+        )
     except Exception as exc:  # a tokenizer openvino-tokenizers cannot convert is not fatal
         for name in ("openvino_tokenizer", "openvino_detokenizer"):
             for ext in (".xml", ".bin"):
                 (out / f"{name}{ext}").unlink(missing_ok=True)
-        info["error"] = f"openvino-tokenizers conversion failed: {type(exc).__name__}: {exc}"
-        progress(ProgressEvent(None, "tokenizer", 1.0, info["error"]))
-    return info
+        error = f"openvino-tokenizers conversion failed: {type(exc).__name__}: {exc}"
+        progress(ProgressEvent(None, "tokenizer", 1.0, error))
+        return replace(info, error=error)
 
 
 # ----------------------------------------------------------------------------- the export
@@ -426,6 +425,132 @@ def _default_progress(event: ProgressEvent) -> None:
     print(
         f"[{where}] {event.phase} {event.fraction:.0%} {event.message}".rstrip(), file=sys.stderr, flush=True
     )
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """An export settled before any stage runs: every argument checked, the layers placed."""
+
+    model_dir: Path
+    out_dir: Path
+    config: dict[str, Any]
+    spec: ModelSpec
+    layers: list[int]  # per stage
+    compression: CompressionPlan
+    max_context: int
+    beam_idx: bool
+    model_name: str
+    draft: DraftPlan | None
+    weight_files: list[Path]  # the safetensors files the fingerprint covers
+
+    def jobs(self, tmp: Path) -> list[StageJob]:
+        starts = [sum(self.layers[:i]) for i in range(len(self.layers))]
+        head_ids = None if self.draft is None else self.draft.vocab_ids
+        return [
+            StageJob(
+                str(self.model_dir),
+                self.config,
+                index,
+                start,
+                start + count,
+                str(tmp),
+                self.compression,
+                self.beam_idx,
+                head_ids,
+            )
+            for index, (start, count) in enumerate(zip(starts, self.layers, strict=True))
+        ]
+
+
+def plan_export(
+    model_dir: Path,
+    out_dir: Path,
+    *,
+    stages: int | None,
+    split: Sequence[int] | str | None,
+    weights: str,
+    group_size: int | str | None,
+    head_precision: str,
+    int8_sym: bool,
+    max_context: int | None,
+    beam_idx: bool,
+    force: bool,
+    model_name: str | None,
+    draft: DraftPlan | None,
+) -> ExportPlan:
+    """Check every argument against the model before anything is written."""
+    config = load_config(model_dir)
+    if draft is not None:
+        if stages != 1 or split is not None:
+            raise InvalidArgument("stages", "must be 1 for a draft (a draft is one stage)")
+        config = cut_config(config, draft.layers)  # a k-layer model: its one stage is the last
+    spec = resolve_spec(config)
+    layers = resolve_split(spec.num_layers, stages, split)
+    compression = make_plan(spec, weights, group_size, head_precision, int8_sym)
+    context = resolve_max_context(spec, max_context)
+    if out_dir.exists() and not force:
+        raise FailedPrecondition(f"{out_dir} already exists; pass --force (force=True) to replace it")
+    wfiles = weight_files(model_dir)
+    return ExportPlan(
+        model_dir,
+        out_dir,
+        config,
+        spec,
+        layers,
+        compression,
+        context,
+        beam_idx,
+        model_name or model_dir.name,
+        draft,
+        wfiles,
+    )
+
+
+def export_stages(
+    plan: ExportPlan, tmp: Path, progress: ProgressFn, isolate: bool, cancel: threading.Event | None
+) -> list[StageEntry]:
+    """Every stage in turn, each in its own process when ``isolate``."""
+    entries = []
+    for job in plan.jobs(tmp):
+        _check_cancel(cancel)
+        entries.append(
+            run_stage_isolated(job, progress, cancel=cancel) if isolate else export_stage(job, progress)
+        )
+    return entries
+
+
+def write_export(
+    plan: ExportPlan, tmp: Path, entries: list[StageEntry], progress: ProgressFn, convert_tokenizer: bool
+) -> Manifest:
+    """Tokenizer, draft vocabulary and manifest into ``tmp``, once the stages are there."""
+    tokenizer = copy_tokenizer(plan.model_dir, tmp, progress, convert_ov=convert_tokenizer)
+    draft = None if plan.draft is None else plan.draft.write(tmp, entries[0].folder)
+    progress(ProgressEvent(None, "manifest", 0.0, "hashing files"))
+    files = file_records(tmp)
+    manifest = Manifest(
+        export_dir=plan.out_dir,
+        name=plan.out_dir.name,
+        exporter_version=EXPORTER_VERSION,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        model=ModelInfo(
+            name=plan.model_name,
+            source=str(plan.model_dir.resolve()),
+            fingerprint=model_fingerprint(plan.model_dir / "config.json", plan.weight_files),
+            spec=plan.spec.to_json(),
+            eos_token_ids=tuple(_eos_ids(plan.model_dir, plan.config)),
+        ),
+        export_id=export_id(files),
+        split=tuple(plan.layers),
+        max_context=plan.max_context,
+        beam_idx=plan.beam_idx,
+        weights=WeightsInfo.from_dict(plan.compression.to_json()),
+        stages=tuple(entries),
+        tokenizer=tokenizer,
+        files=files,
+        draft=draft,
+    )
+    write_manifest(tmp, manifest)
+    return manifest
 
 
 def export_model(
@@ -460,80 +585,29 @@ def export_model(
     progress = progress or _default_progress
     model_dir = Path(model_dir)
     out_dir = Path(out_dir)
-    config = load_config(model_dir)
-    spec = resolve_spec(config)
-    if draft is not None:
-        if stages != 1 or split is not None:
-            raise InvalidArgument("stages", "must be 1 for a draft (a draft is one stage)")
-        config = cut_config(config, draft.layers)  # a k-layer model: its one stage is the last
-        spec = resolve_spec(config)
-    layers = resolve_split(spec.num_layers, stages, split)
-    plan = make_plan(spec, weights, group_size, head_precision, int8_sym)
-    context = resolve_max_context(spec, max_context)
-    if out_dir.exists() and not force:
-        raise FailedPrecondition(f"{out_dir} already exists; pass --force (force=True) to replace it")
-    wfiles = weight_files(model_dir)
-
+    plan = plan_export(
+        model_dir,
+        out_dir,
+        stages=stages,
+        split=split,
+        weights=weights,
+        group_size=group_size,
+        head_precision=head_precision,
+        int8_sym=int8_sym,
+        max_context=max_context,
+        beam_idx=beam_idx,
+        force=force,
+        model_name=model_name,
+        draft=draft,
+    )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        stage_entries = []
-        start = 0
-        for index, count in enumerate(layers):
-            job = StageJob(
-                str(model_dir),
-                config,
-                index,
-                start,
-                start + count,
-                str(tmp),
-                plan,
-                beam_idx,
-                None if draft is None else draft.vocab_ids,
-            )
-            _check_cancel(cancel)
-            if isolate:
-                entry = run_stage_isolated(job, progress, cancel=cancel)
-            else:
-                entry = export_stage(job, progress)
-                entry["export"].update(peak_rss_bytes=_peak_rss_bytes(), rss_scope="process")
-            stage_entries.append(entry)
-            start += count
-
+        entries = export_stages(plan, tmp, progress, isolate, cancel)
         _check_cancel(cancel)
-        tok_info = copy_tokenizer(model_dir, tmp, progress, convert_ov=convert_tokenizer)
-        draft_entry = None if draft is None else draft.write(tmp, stage_entries[0]["folder"])
-        progress(ProgressEvent(None, "manifest", 0.0, "hashing files"))
-        fingerprint = model_fingerprint(model_dir / "config.json", wfiles)
-        files = file_records(tmp)
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "exporter_version": EXPORTER_VERSION,
-            "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-            "name": out_dir.name,
-            "model": {
-                "name": model_name or model_dir.name,
-                "source": str(model_dir.resolve()),
-                "fingerprint": fingerprint,
-                **spec.to_json(),
-                "eos_token_ids": _eos_ids(model_dir, config),
-            },
-            "export_id": export_id(files),
-            "num_stages": len(layers),
-            "split": layers,
-            "max_context": context,
-            "beam_idx": beam_idx,
-            "weights": plan.to_json(),
-            "stages": stage_entries,
-            "tokenizer": tok_info,
-            "files": files,
-        }
-        if draft_entry is not None:
-            manifest["draft"] = draft_entry
-        write_manifest(tmp, manifest)
+        manifest = write_export(plan, tmp, entries, progress, convert_tokenizer)
         _check_cancel(cancel)
         _replace_folder(tmp, out_dir)
     except BaseException:
@@ -541,12 +615,7 @@ def export_model(
         raise
     seconds = time.perf_counter() - t0
     progress(ProgressEvent(None, "done", 1.0, f"{out_dir} in {seconds:.1f} s"))
-    return ExportResult(
-        out_dir,
-        Manifest.from_dict(out_dir, manifest),
-        seconds,
-        [e["export"]["seconds"] for e in stage_entries],
-    )
+    return ExportResult(out_dir, manifest, seconds, [e.export.seconds for e in entries])
 
 
 def _replace_folder(new: Path, target: Path) -> None:

@@ -115,7 +115,7 @@ class ExporterServicer(exporter_pb2_grpc.ExporterServiceServicer):
                         await asyncio.shield(job)
         yield exporter_pb2.ExportResponse(
             done=exporter_pb2.ExportDone(
-                out_dir=str(result.path), manifest_json=json.dumps(result.manifest.raw)
+                out_dir=str(result.path), manifest_json=json.dumps(result.manifest.to_dict())
             )
         )
 

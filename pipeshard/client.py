@@ -1,4 +1,4 @@
-"""The public Python client (DESIGN.md): ``from pipeshard.client import PipeshardClient``.
+"""The public Python client (docs/CLIENTS.md): ``from pipeshard.client import PipeshardClient``.
 
 The code lives in clients/client.py (installed as ``pipeshard.clients.client``); this name is the
 stable one users import.

@@ -421,7 +421,7 @@ def run_server(
                 on_started=on_started,
             )
         )
-    except OSError as exc:
+    except (OSError, PipeshardError) as exc:  # a port in use, a bad setting, an absent device
         log.error("cannot start", error=str(exc))
         print(f"{name}: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -1,4 +1,4 @@
-"""Default locations, each overridable by an environment variable (see DESIGN.md Interfaces)."""
+"""Default locations, each overridable by an environment variable (docs/SERVICES.md, Default ports)."""
 
 from __future__ import annotations
 

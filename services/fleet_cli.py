@@ -22,6 +22,7 @@ from pipeshard.paths import DEFAULT_MODEL, certs_dir, export_name, shards_dir
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.gateway.settings import GATEWAY_METRICS_PORT, GATEWAY_PORT
 from pipeshard.services.launcher import start_fleet, stop_recorded
+from pipeshard.shard.device import DEFAULT_DEVICE
 from pipeshard.shard.manifest import WEIGHT_FORMATS
 from pipeshard.tls import CA_CERT, make_certs
 from pipeshard.topology import Topology
@@ -37,6 +38,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--weights", choices=WEIGHT_FORMATS, default="int4")
     up.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION)
     up.add_argument("--model", default=DEFAULT_MODEL)
+    up.add_argument(
+        "--device",
+        default=os.environ.get("PIPESHARD_DEVICE", DEFAULT_DEVICE),
+        help="OpenVINO device of every stage (CPU, GPU.1, AUTO:GPU,CPU, ...; per stage: edit "
+        "config/topology.yaml and start stages with --topology)",
+    )
     up.add_argument(
         "--secure",
         action="store_true",
@@ -77,7 +84,7 @@ def run_up(args: argparse.Namespace) -> int:
         print("a fleet is already up (run `make down` first)", file=sys.stderr)
         return 1
     shards = ensure_shards(args.model, args.stages, args.weights)
-    topo = Topology.loopback(str(shards), args.stages, args.precision)
+    topo = Topology.loopback(str(shards), args.stages, args.precision, device=args.device)
     topo.save(TOPOLOGY)
     tls_dir, token = secure_setup(args.stages) if args.secure else (None, None)
     fleet = start_fleet(
@@ -96,6 +103,7 @@ def run_up(args: argparse.Namespace) -> int:
         },
         detach=True,
         precision=args.precision,
+        devices=[s.device for s in topo.stages],
         tls_dir=tls_dir,
         token=token,
         api_keys=default_key_file() if args.secure else None,

@@ -191,6 +191,7 @@ def start_fleet(
     coordinator_port: int = 0,
     precision: str = DEFAULT_PRECISION,
     extra_stage_args: list[str] = (),
+    devices: Sequence[str] = (),
     extra_coordinator_args: list[str] = (),
     extra_gateway_args: list[str] = (),
     exporter_port: int | None = None,
@@ -212,7 +213,8 @@ def start_fleet(
     with ``api_keys`` (a `pipeshard keys` file) the coordinator, exporter and gateway also accept
     any key listed there, each its own identity.
     With ``gateway_port`` set, the OpenAI gateway starts last. ``metrics_ports`` maps process
-    names (exporter, stage0, ..., coordinator, gateway) to the port each serves Prometheus /metrics on."""
+    names (exporter, stage0, ..., coordinator, gateway) to the port each serves Prometheus /metrics on.
+    ``devices`` gives each stage its OpenVINO device (``--device``; empty: the stage's default)."""
     run_dir.mkdir(parents=True, exist_ok=True)
 
     def metered(name: str, args: list[str]) -> list[str]:
@@ -255,6 +257,7 @@ def start_fleet(
             extra_stage_args = [*extra_stage_args, "--exporter", exporter.address]
         for k in reversed(range(num_stages)):
             args = stage_args(k, shards, ports[k], precision, log_format, next_hop, extra_stage_args)
+            args += ["--device", devices[k]] if devices else []
             proc = spawn(f"stage{k}", metered(f"stage{k}", args), run_dir, env, timeout_s, detach=detach)
             fleet.processes.insert(1 if exporter_port is not None else 0, proc)
             next_hop = proc.address

@@ -12,6 +12,9 @@ from pipeshard.offline import set_offline_defaults
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 set_offline_defaults()
+# Stage processes keep compiled models here, not inside the exports: the shared test-shard cache
+# (PIPESHARD_TEST_SHARDS) is not ours to write, and one folder lets every fleet reuse the blobs.
+os.environ.setdefault("PIPESHARD_COMPILE_CACHE_DIR", str(REPO_ROOT / "shards" / ".compile-cache"))
 
 
 @pytest.fixture(scope="session")

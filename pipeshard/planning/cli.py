@@ -123,6 +123,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     q.add_argument("--precision", default=envq("precision", DEFAULT_PRECISION), choices=PRECISIONS)
     q.add_argument(
+        "--device",
+        default=envq("device", "CPU"),
+        help="OpenVINO device to time the probes on, as the stage's --device (default %(default)s)",
+    )
+    q.add_argument(
         "--name", default=envq("name", socket.gethostname()), help="node name (default the hostname)"
     )
     q.add_argument("--address", default=envq("address", ""), help="HOST:PORT its stage will listen on")
@@ -193,7 +198,7 @@ def _model_dir(spec: str) -> Path:
 def plan_topology(plan: Plan, shards: str, precision: str):
     """The loopback topology with each stage at its node's address (nodes without one keep the
     default port 50061+k on 127.0.0.1)."""
-    from pipeshard.topology import METRICS_OFFSET, Endpoint, Topology
+    from pipeshard.topology import METRICS_OFFSET, StageEndpoint, Topology
 
     topo = Topology.loopback(shards, len(plan.stages), precision)
     for k, stage in enumerate(plan.stages):
@@ -202,7 +207,7 @@ def plan_topology(plan: Plan, shards: str, precision: str):
         host, _, port = stage.address.rpartition(":")
         if not host or not port.isdigit():
             raise InvalidArgument("address", f"of node {stage.node} must be HOST:PORT, got {stage.address!r}")
-        topo.stages[k] = Endpoint(host=host, port=int(port), metrics_port=int(port) + METRICS_OFFSET)
+        topo.stages[k] = StageEndpoint(host=host, port=int(port), metrics_port=int(port) + METRICS_OFFSET)
     return topo
 
 
@@ -275,6 +280,7 @@ def run_profile(args: argparse.Namespace) -> int:
             threads=args.threads,
             precision=args.precision,
             weights=args.weights,
+            device=args.device,
         )
         if args.threads is not None and args.threads < 1:
             raise InvalidArgument("threads", f"must be positive, got {args.threads}")

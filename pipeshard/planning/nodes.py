@@ -41,10 +41,20 @@ _FIELDS = {
     "memory_bytes",
     "reserve_bytes",
     "link_to_next",
+    "device",
     "measured",  # a profile's measurement detail: kept for people, ignored by the planner
 }
 # What a profile file contributes; everything else in it (measurement detail) is ignored.
-_FROM_PROFILE = ("name", "address", "per_layer_ms", "overhead_ms", "embed_ms", "head_ms", "memory_bytes")
+_FROM_PROFILE = (
+    "name",
+    "address",
+    "device",
+    "per_layer_ms",
+    "overhead_ms",
+    "embed_ms",
+    "head_ms",
+    "memory_bytes",
+)
 
 
 IDEAL_LINK = Link()
@@ -62,6 +72,7 @@ class Node:
     embed_ms: Curve = NO_TIME
     head_ms: Curve = NO_TIME
     reserve_bytes: int = 0
+    device: str = "CPU"  # the OpenVINO device it was profiled on and its stage compiles for
 
     @property
     def usable_bytes(self) -> int:
@@ -123,6 +134,11 @@ def parse_node(raw: Any, where: str, base: Path | None = None) -> Node:
     address = raw.get("address", "")
     if not isinstance(address, str):
         raise InvalidArgument(f"{where}.address", f"must be a HOST:PORT string, got {address!r}")
+    device = raw.get("device", "CPU")
+    if not isinstance(device, str) or not device:
+        raise InvalidArgument(
+            f"{where}.device", f"must be an OpenVINO device such as CPU or GPU.1, got {device!r}"
+        )
     curves = {
         key: Curve.parse(raw[key], f"{where}.{key}")
         for key in ("per_layer_ms", "overhead_ms", "embed_ms", "head_ms")
@@ -134,6 +150,7 @@ def parse_node(raw: Any, where: str, base: Path | None = None) -> Node:
         memory_bytes=_number(raw, "memory_bytes", where, integer=True, positive=True),
         link_to_next=_link(raw.get("link_to_next"), f"{where}.link_to_next"),
         reserve_bytes=_number(raw, "reserve_bytes", where, integer=True) if "reserve_bytes" in raw else 0,
+        device=device,
         **curves,
     )
     if node.usable_bytes <= 0:

@@ -43,6 +43,7 @@ class ProfileOptions:
     threads: int | None = None
     precision: str = DEFAULT_PRECISION
     weights: str = "int4"
+    device: str = "CPU"  # OpenVINO device to time the probes on (as the stage's --device)
 
 
 @dataclass
@@ -110,7 +111,7 @@ def export_probes(model_dir: Path, weights: str, out: Path) -> dict[str, Path]:
         folder = out / name
         job = StageJob(str(model_dir), cut, index, a, b, str(folder), plan, True)
         entry = export_stage(job, lambda event: None)
-        paths[name] = folder / entry["model"]
+        paths[name] = folder / entry.model
     return paths
 
 
@@ -173,6 +174,7 @@ def profile_node(
     keeps the probe stages for another run (benchmarks profile several thread counts)."""
     import openvino as ov
 
+    from pipeshard.shard.device import device_properties
     from pipeshard.shard.runtime import compile_properties
 
     started = time.perf_counter()
@@ -182,12 +184,14 @@ def profile_node(
         if not all(x.is_file() for x in xmls.values()):
             xmls = export_probes(model_dir, options.weights, work)
         core = ov.Core()
-        props = compile_properties(options.precision, options.threads)
+        props = device_properties(
+            options.device, compile_properties(options.precision, options.threads), core, options.precision
+        )
         probes = {}
         for key, xml in xmls.items():
             model = core.read_model(str(xml))
             hidden = int(model.output(0).get_partial_shape()[-1].get_length()) if key != "last" else 0
-            compiled = core.compile_model(model, "CPU", props)
+            compiled = core.compile_model(model, options.device, props)
             probes[key] = Probe(xml, key == "first", key == "last", hidden, compiled.create_infer_request())
         hidden = probes["first"].hidden
         for probe in probes.values():
@@ -212,6 +216,7 @@ def profile_node(
     node: dict[str, Any] = {
         "name": name,
         "address": address,
+        "device": options.device,
         # what `pipeshard plan` reads: decode at the shortest context, by rows per step
         "per_layer_ms": {d["rows"]: d["per_layer_ms"] for d in at_short},
         "overhead_ms": {d["rows"]: d["overhead_ms"] for d in at_short},

@@ -61,7 +61,7 @@ def model_fingerprint(config_path: Path, weight_paths: list[Path]) -> str:
     return "sha256:" + digest.hexdigest()
 
 
-def file_records(root: Path) -> dict[str, dict[str, Any]]:
+def file_records(root: Path) -> dict[str, FileRecord]:
     """sha256 and size of every file under ``root`` except the manifest, keyed by relative path."""
     root = Path(root)
     records = {}
@@ -69,20 +69,20 @@ def file_records(root: Path) -> dict[str, dict[str, Any]]:
         rel = path.relative_to(root).as_posix()
         if rel == MANIFEST:
             continue
-        records[rel] = {"sha256": file_sha256(path), "size": path.stat().st_size}
+        records[rel] = FileRecord(file_sha256(path), path.stat().st_size)
     return records
 
 
-def export_id(files: dict[str, dict[str, Any]]) -> str:
+def export_id(files: Mapping[str, FileRecord]) -> str:
     digest = hashlib.sha256()
     for rel in sorted(files):
-        digest.update(f"{rel}:{files[rel]['sha256']}\n".encode())
+        digest.update(f"{rel}:{files[rel].sha256}\n".encode())
     return "sha256:" + digest.hexdigest()
 
 
-def write_manifest(root: Path, manifest: dict[str, Any]) -> Path:
+def write_manifest(root: Path, manifest: Manifest) -> Path:
     path = Path(root) / MANIFEST
-    path.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    path.write_text(json.dumps(manifest.to_dict(), indent=2, sort_keys=False) + "\n")
     return path
 
 
@@ -90,6 +90,9 @@ def write_manifest(root: Path, manifest: dict[str, Any]) -> Path:
 class FileRecord:
     sha256: str
     size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sha256": self.sha256, "size": self.size}
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,36 @@ class ExportStats:
     seconds: float
     peak_rss_bytes: int
     rss_scope: str  # "subprocess" or "process"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"seconds": self.seconds, "peak_rss_bytes": self.peak_rss_bytes, "rss_scope": self.rss_scope}
+
+
+@dataclass(frozen=True)
+class PortInfo:
+    """One input or output of a stage model: -1 marks a dynamic dimension."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> PortInfo:
+        return cls(str(raw["name"]), tuple(int(d) for d in raw["shape"]), str(raw["dtype"]))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+
+@dataclass(frozen=True)
+class KvReorder:
+    """The exporter's check that every cache variable is reordered by beam_idx."""
+
+    read_values: int
+    beam_idx_gathers: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"read_values": self.read_values, "beam_idx_gathers": self.beam_idx_gathers}
 
 
 @dataclass(frozen=True)
@@ -112,94 +145,258 @@ class StageEntry:
     model: str  # the .xml path, relative to the export folder
     state_variables: tuple[str, ...]
     export: ExportStats
+    inputs: tuple[PortInfo, ...] = ()
+    outputs: tuple[PortInfo, ...] = ()
+    kv_reorder: KvReorder | None = None
 
     @property
     def input_name(self) -> str:
         return input_port(self.index == 0)
 
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> StageEntry:
+        reorder = raw.get("kv_reorder")
+        return cls(
+            index=int(raw["index"]),
+            layer_start=int(raw["layer_start"]),
+            layer_end=int(raw["layer_end"]),
+            folder=str(raw["folder"]),
+            model=str(raw["model"]),
+            state_variables=tuple(raw["state_variables"]),
+            export=ExportStats(
+                float(raw["export"]["seconds"]),
+                int(raw["export"]["peak_rss_bytes"]),
+                str(raw["export"]["rss_scope"]),
+            ),
+            inputs=tuple(PortInfo.from_dict(p) for p in raw.get("inputs", ())),
+            outputs=tuple(PortInfo.from_dict(p) for p in raw.get("outputs", ())),
+            kv_reorder=None
+            if reorder is None
+            else KvReorder(int(reorder["read_values"]), int(reorder["beam_idx_gathers"])),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "index": self.index,
+            "layer_start": self.layer_start,
+            "layer_end": self.layer_end,
+            "folder": self.folder,
+            "model": self.model,
+            "inputs": [p.to_dict() for p in self.inputs],
+            "outputs": [p.to_dict() for p in self.outputs],
+            "state_variables": list(self.state_variables),
+        }
+        if self.kv_reorder is not None:
+            out["kv_reorder"] = self.kv_reorder.to_dict()
+        out["export"] = self.export.to_dict()
+        return out
+
 
 @dataclass(frozen=True)
 class ModelInfo:
+    """The exported model: where it came from and its architecture as the exporter resolved it.
+
+    ``spec`` is the architecture record the exporter's model family wrote (``family``,
+    ``num_layers``, ``hidden_size``, ...); the serving side reads it through the properties."""
+
     name: str
+    source: str  # the folder exported from
     fingerprint: str
-    hidden_size: int
-    vocab_size: int
+    spec: Mapping[str, Any]
     eos_token_ids: tuple[int, ...]
-    num_kv_heads: int  # with head_dim, what one cached position of one layer holds
-    head_dim: int
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.spec["num_layers"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.spec["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.spec["vocab_size"])
+
+    @property
+    def num_kv_heads(self) -> int:  # with head_dim, what one cached position of one layer holds
+        return int(self.spec["num_kv_heads"])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.spec["head_dim"])
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> ModelInfo:
+        own = ("name", "source", "fingerprint", "eos_token_ids")
+        info = cls(
+            name=str(raw.get("name", "")),
+            source=str(raw.get("source", "")),
+            fingerprint=str(raw["fingerprint"]),
+            spec={k: v for k, v in raw.items() if k not in own},
+            eos_token_ids=tuple(int(i) for i in raw.get("eos_token_ids", ())),
+        )
+        for key in ("num_layers", "hidden_size", "vocab_size", "num_kv_heads", "head_dim"):
+            int(info.spec[key])  # what the serving side reads must be there and be a number
+        return info
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "source": self.source,
+            "fingerprint": self.fingerprint,
+            **self.spec,
+            "eos_token_ids": list(self.eos_token_ids),
+        }
 
 
 @dataclass(frozen=True)
 class WeightsInfo:
     format: str  # int4|int8|fp16|fp32
     group_size: int | None
+    mode: str = ""  # int4_sym, int8_asym, ... ("" in manifests written before it existed)
+    embedding_and_lm_head: str = ""  # the precision of the embedding and LM head
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> WeightsInfo:
+        group = raw.get("group_size")
+        return cls(
+            str(raw["format"]),
+            None if group is None else int(group),
+            str(raw.get("mode", "")),
+            str(raw.get("embedding_and_lm_head", "")),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"format": self.format, "group_size": self.group_size}
+        if self.mode:
+            out["mode"] = self.mode
+        if self.embedding_and_lm_head:
+            out["embedding_and_lm_head"] = self.embedding_and_lm_head
+        return out
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What the export holds to tokenize: copied files, chat template, an OpenVINO tokenizer pair."""
+
+    files: tuple[str, ...]
+    chat_template: bool
+    openvino_tokenizer: str | None = None
+    openvino_detokenizer: str | None = None
+    error: str | None = None  # why there is no tokenizer pair
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> TokenizerInfo:
+        return cls(
+            files=tuple(str(f) for f in raw.get("files", ())),
+            chat_template=bool(raw.get("chat_template", False)),
+            openvino_tokenizer=raw.get("openvino_tokenizer"),
+            openvino_detokenizer=raw.get("openvino_detokenizer"),
+            error=raw.get("error"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "files": list(self.files),
+            "chat_template": self.chat_template,
+            "openvino_tokenizer": self.openvino_tokenizer,
+            "openvino_detokenizer": self.openvino_detokenizer,
+        }
+        if self.error is not None:
+            out["error"] = self.error
+        return out
 
 
 @dataclass(frozen=True)
 class DraftInfo:
     layers: int
     vocab_ids: str | None  # the .npy of the LM head's token ids; None = the full vocabulary
+    source_layers: int | None = None  # the layers of the model it was cut from
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> DraftInfo:
+        source = raw.get("source_layers")
+        return cls(int(raw["layers"]), raw.get("vocab_ids"), None if source is None else int(source))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layers": self.layers, "vocab_ids": self.vocab_ids, "source_layers": self.source_layers}
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """A validated manifest.json; ``raw`` is the JSON as written (for printing and forwarding)."""
+    """manifest.json as one typed object: the exporter builds and writes it (``to_dict``), every
+    reader loads it (``from_dict``); the two are inverse on every export."""
 
     export_dir: Path
-    num_stages: int
-    max_context: int
+    name: str
+    exporter_version: str
+    created_at: str  # ISO 8601, UTC
     model: ModelInfo
+    split: tuple[int, ...]  # layers per stage
+    max_context: int
+    beam_idx: bool
     weights: WeightsInfo
     stages: tuple[StageEntry, ...]
+    tokenizer: TokenizerInfo
     files: Mapping[str, FileRecord]
-    draft: DraftInfo | None
-    export_id: str  # "" in exports written before it existed
-    raw: Mapping[str, Any]
+    draft: DraftInfo | None = None
+    export_id: str = ""  # "" in exports written before it existed
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
 
     @classmethod
     def from_dict(cls, export_dir: Path, raw: Mapping[str, Any]) -> Manifest:
         """Typed view of a manifest dict; a missing or mistyped key is a FailedPrecondition."""
         where = Path(export_dir) / MANIFEST
         try:
-            model = raw["model"]
             draft = raw.get("draft")
+            stages = tuple(StageEntry.from_dict(s) for s in raw["stages"])
             return cls(
                 export_dir=Path(export_dir),
-                num_stages=int(raw["num_stages"]),
+                name=str(raw.get("name", Path(export_dir).name)),
+                exporter_version=str(raw.get("exporter_version", "")),
+                created_at=str(raw.get("created_at", "")),
+                model=ModelInfo.from_dict(raw["model"]),
+                split=tuple(int(n) for n in raw.get("split", [s.layer_end - s.layer_start for s in stages])),
                 max_context=int(raw["max_context"]),
-                model=ModelInfo(
-                    name=str(model.get("name", "")),
-                    fingerprint=str(model["fingerprint"]),
-                    hidden_size=int(model["hidden_size"]),
-                    vocab_size=int(model["vocab_size"]),
-                    eos_token_ids=tuple(int(i) for i in model.get("eos_token_ids", ())),
-                    num_kv_heads=int(model["num_kv_heads"]),
-                    head_dim=int(model["head_dim"]),
-                ),
-                weights=WeightsInfo(str(raw["weights"]["format"]), raw["weights"].get("group_size")),
-                stages=tuple(
-                    StageEntry(
-                        index=int(s["index"]),
-                        layer_start=int(s["layer_start"]),
-                        layer_end=int(s["layer_end"]),
-                        folder=str(s["folder"]),
-                        model=str(s["model"]),
-                        state_variables=tuple(s["state_variables"]),
-                        export=ExportStats(
-                            float(s["export"]["seconds"]),
-                            int(s["export"]["peak_rss_bytes"]),
-                            str(s["export"]["rss_scope"]),
-                        ),
-                    )
-                    for s in raw["stages"]
-                ),
+                beam_idx=bool(raw.get("beam_idx", True)),
+                weights=WeightsInfo.from_dict(raw["weights"]),
+                stages=stages,
+                tokenizer=TokenizerInfo.from_dict(raw.get("tokenizer", {})),
                 files={rel: FileRecord(str(r["sha256"]), int(r["size"])) for rel, r in raw["files"].items()},
-                draft=DraftInfo(int(draft["layers"]), draft.get("vocab_ids")) if draft else None,
+                draft=DraftInfo.from_dict(draft) if draft else None,
                 export_id=str(raw.get("export_id", "")),
-                raw=raw,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise FailedPrecondition(f"{where} is malformed: {type(exc).__name__} {exc}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest.json this object is (the exporter writes it; ExportService forwards it)."""
+        out: dict[str, Any] = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "exporter_version": self.exporter_version,
+            "created_at": self.created_at,
+            "name": self.name,
+            "model": self.model.to_dict(),
+        }
+        if self.export_id:
+            out["export_id"] = self.export_id
+        out.update(
+            num_stages=self.num_stages,
+            split=list(self.split),
+            max_context=self.max_context,
+            beam_idx=self.beam_idx,
+            weights=self.weights.to_dict(),
+            stages=[s.to_dict() for s in self.stages],
+            tokenizer=self.tokenizer.to_dict(),
+            files={rel: r.to_dict() for rel, r in self.files.items()},
+        )
+        if self.draft is not None:
+            out["draft"] = self.draft.to_dict()
+        return out
 
     def stage(self, stage: int) -> StageEntry:
         n = self.num_stages

@@ -37,6 +37,8 @@ from openvino._offline_transformations import paged_attention_transformation
 
 from pipeshard.errors import InvalidArgument, NotFound, ResourceExhausted
 from pipeshard.precision import DEFAULT_PRECISION
+from pipeshard.shard.compile_cache import OFF
+from pipeshard.shard.device import DEFAULT_DEVICE
 from pipeshard.shard.kvblob import BlockLayout
 from pipeshard.shard.runtime import StageShard, compile_properties
 
@@ -126,13 +128,17 @@ class PagedShard(StageShard):
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         verify: bool = True,
         core: ov.Core | None = None,
-        device: str = "CPU",
+        device: str = DEFAULT_DEVICE,
     ):
         super().__init__(export_dir, stage_index, precision, verify=verify, core=core)
         model = _prepare_model(
             self.core.read_model(str(self.export_dir / self.entry.model)), self.is_first, self.is_last
         )
-        self.compiled = self.core.compile_model(model, device, compile_properties(precision, num_threads))
+        # No compiled-model cache here: OpenVINO 2026.4 writes a blob for this model transformed in
+        # memory but never loads it (LOADED_FROM_CACHE stays false; each try cost 1-4 s more than
+        # compiling on a SmolLM2 stage), and the transformed graph cannot be saved as IR to cache
+        # by path (its PagedAttention nodes lose the runtime info the CPU plugin needs).
+        self.compiled = self.compile(model, device, compile_properties(precision, num_threads), OFF)
         self._req = self.compiled.create_infer_request()
         self._input = "input_ids" if self.is_first else "inputs_embeds"
         cache_ports = [

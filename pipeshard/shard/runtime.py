@@ -23,11 +23,16 @@ from typing import Any
 
 import numpy as np
 import openvino as ov
+import structlog
 
 from pipeshard.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
+from pipeshard.shard.compile_cache import cache_config
+from pipeshard.shard.device import DEFAULT_DEVICE, device_properties
 from pipeshard.shard.kvblob import KvBlob, KvSource
 from pipeshard.shard.manifest import load_manifest, verify_shard
+
+log = structlog.get_logger(__name__)
 
 # Tokens of the warm-up prefill. The plugin allocates its buffers for the largest shape seen so
 # far: a first request longer than the warm-up paid about 1.2x its second's TTFT (bench-prefill).
@@ -142,6 +147,23 @@ class StageShard:
             kv_heads=manifest.model.num_kv_heads,
             head_dim=manifest.model.head_dim,
         )
+        self.device = DEFAULT_DEVICE
+
+    def compile(
+        self, model: ov.Model | str, device: str, props: dict[str, Any], compile_cache: str | Path | None
+    ) -> ov.CompiledModel:
+        """Compile for ``device`` (checked, its properties adapted: device.py) through the
+        compiled-model cache (compile_cache.py: "off" compiles every time, None or "" caches in the
+        export folder)."""
+        config = device_properties(device, props, self.core, self.precision)
+        config |= cache_config(compile_cache, self.manifest, device)
+        self.device = device
+        started = time.perf_counter()
+        compiled = self.core.compile_model(model, device, config)
+        seconds = round(time.perf_counter() - started, 3)
+        cache = config.get("CACHE_DIR")
+        log.info("compiled", stage=self.stage_index, device=device, cache=cache, seconds=seconds)
+        return compiled
 
 
 class ShardRunner(StageShard):
@@ -157,11 +179,12 @@ class ShardRunner(StageShard):
         num_streams: int | None = None,
         verify: bool = True,
         core: ov.Core | None = None,
-        device: str = "CPU",
+        device: str = DEFAULT_DEVICE,
+        compile_cache: str | Path | None = "off",
     ):
         props = compile_properties(precision, num_threads, num_streams)
         super().__init__(export_dir, stage_index, precision, verify=verify, core=core)
-        self.compiled = self.core.compile_model(str(self.export_dir / self.entry.model), device, props)
+        self.compiled = self.compile(str(self.export_dir / self.entry.model), device, props, compile_cache)
         names = [p.get_any_name() for p in self.compiled.inputs]
         self.input_name = self.entry.input_name
         self._index = {n: i for i, n in enumerate(names)}

@@ -75,7 +75,8 @@ class CoordinatorSettings(ServerSettings):
     )
     prefill_chunk: int = setting(
         DEFAULT_PREFILL_CHUNK,
-        "prompt tokens per prefill step (fixed: outputs never depend on load; default: one pass)",
+        "prompt tokens per prefill step, fixed so outputs never depend on load; the default is one "
+        "pass per prompt on stateful stages and becomes 256-token chunks on paged stages",
     )
     host_stage0: bool = setting(False, "run stage 0 in this process; --stages then lists stages 1..N-1")
     precision: str = setting(DEFAULT_PRECISION, "inference precision of a hosted stage 0", choices=PRECISIONS)

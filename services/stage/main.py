@@ -26,6 +26,7 @@ from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.services.stage.wire import WIRE_DTYPES
 from pipeshard.services.transport.hop import HopStream
 from pipeshard.settings import ServerSettings, load_settings, setting
+from pipeshard.shard.device import DEFAULT_DEVICE
 from pipeshard.shard.manifest import verify_shard
 from pipeshard.shard.paged import DEFAULT_CACHE_BYTES, PagedShard
 from pipeshard.shard.pull import pull_shard
@@ -95,6 +96,16 @@ class StageSettings(ServerSettings):
         choices=("stateful", "paged"),
     )
     kv_cache_bytes: int = setting(DEFAULT_CACHE_BYTES, "byte budget of the paged KV block pool (--kv paged)")
+    device: str = setting(
+        DEFAULT_DEVICE,
+        "OpenVINO device to compile for: CPU, GPU, GPU.1, NPU, AUTO:GPU,CPU, HETERO:GPU,CPU, ...; "
+        "a device this machine lacks is refused at start",
+    )
+    compile_cache_dir: str = setting(
+        "",
+        "folder for compiled models, so a restart skips compiling (one subfolder per export and "
+        "device; empty: .compile_cache inside the export; off: no cache); --kv stateful only",
+    )
 
 
 def resolve(settings: StageSettings) -> StageSettings:
@@ -111,6 +122,7 @@ def resolve(settings: StageSettings) -> StageSettings:
     settings.port = settings.port or me.port
     settings.metrics_port = settings.metrics_port or me.metrics_port
     settings.precision = topo.precision if settings.precision == DEFAULT_PRECISION else settings.precision
+    settings.device = me.device if settings.device == DEFAULT_DEVICE else settings.device
     return settings
 
 
@@ -153,7 +165,12 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
     check_wire_dtype(settings.codec, settings.wire_dtype)
     if settings.kv == "paged":
         runner = PagedShard(
-            settings.shards, settings.stage, settings.precision, threads, cache_bytes=settings.kv_cache_bytes
+            settings.shards,
+            settings.stage,
+            settings.precision,
+            threads,
+            cache_bytes=settings.kv_cache_bytes,
+            device=settings.device,
         )
     else:
         runner = ShardRunner(
@@ -162,6 +179,8 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
             settings.precision,
             threads,
             num_streams=settings.num_streams or None,
+            device=settings.device,
+            compile_cache=settings.compile_cache_dir,
         )
     if runner.is_last == bool(settings.next_hop):
         raise InvalidArgument(
@@ -228,6 +247,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         max_context=runner.max_context,
         next_hop=settings.next_hop or "",
         precision=settings.precision,
+        device=runner.device,
     )
     return node, info
 

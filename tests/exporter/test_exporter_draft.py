@@ -61,7 +61,7 @@ def test_draft_matches_truncated_hf(family, tiny_model, tiny_draft, tmp_path):
 
     folder, _ = tiny_model(family)
     export = tiny_draft(family, 2)
-    m = verify_export(export).raw
+    m = verify_export(export).to_dict()
     assert m["draft"] == {"layers": 2, "vocab_ids": None, "source_layers": 4}
     assert m["num_stages"] == 1 and m["split"] == [2] and m["model"]["num_layers"] == 2
     assert m["stages"][0]["state_variables"][-1] == "past_key_values.1.value"
@@ -80,7 +80,7 @@ def test_vocab_slice_equals_full_draft_at_ids(weights, tiny_draft):
     """The sliced head's logits are the full draft's logits at the kept ids (the same head rows,
     quantized per row alike); the ids file is checksummed and read by the runner."""
     full, sliced = tiny_draft("llama", 2, None, weights), tiny_draft("llama", 2, 40, weights)
-    m = verify_shard(sliced, 0).raw
+    m = verify_shard(sliced, 0).to_dict()
     rel = f"stage_0/{VOCAB_FILE}"
     assert m["draft"] == {"layers": 2, "vocab_ids": rel, "source_layers": 4} and rel in m["files"]
     vocab_ids = ShardRunner(sliced, 0).vocab_ids
@@ -161,7 +161,7 @@ def test_cli_draft_flags(tiny_model, tmp_path, capsys, monkeypatch):
     args = parser.parse_args([*base, "--draft-layers", "1", "--draft-vocab", "64"])
     assert args.func(args) == 0 and "draft of 1 layers" in capsys.readouterr().out
     out = tmp_path / f"{folder.name}-draft1-v64-fp32"
-    assert verify_export(out).raw["draft"]["layers"] == 1 and len(ShardRunner(out, 0).vocab_ids) == 64
+    assert verify_export(out).to_dict()["draft"]["layers"] == 1 and len(ShardRunner(out, 0).vocab_ids) == 64
 
 
 def test_ensure_draft_export(tiny_model, tiny_export, tmp_path, monkeypatch):
@@ -173,7 +173,7 @@ def test_ensure_draft_export(tiny_model, tiny_export, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     out = ensure_draft_export(hf2, cache, "fp32", progress=lambda event: None, isolate=False)
     assert out.parent == cache and out.name.startswith("tiny-2l-") and out.name.endswith("-fp32")
-    m = verify_export(out).raw
+    m = verify_export(out).to_dict()
     assert m["num_stages"] == 1 and m["model"]["num_layers"] == 2 and "draft" not in m
 
     def no_export(*args, **kwargs):
@@ -228,7 +228,7 @@ def test_check_same_tokenizer(tiny_export, tmp_path):
         check_same_tokenizer(target, draft)
     assert err.value.field == "speculative"
 
-    manifest = load_manifest(draft).raw
+    manifest = load_manifest(draft).to_dict()
     manifest["model"]["vocab_size"] = 300
     (draft / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(InvalidArgument, match="vocab size 300"):

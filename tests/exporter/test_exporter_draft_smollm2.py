@@ -22,7 +22,7 @@ def test_smollm2_draft_matches_truncated_hf(
     from pipeshard.exporter.truncate import truncate_model
 
     export = smollm2_draft(2, 4096, "fp32")
-    m = verify_export(export).raw
+    m = verify_export(export).to_dict()
     assert m["draft"] == {"layers": 2, "vocab_ids": "stage_0/draft_vocab_ids.npy", "source_layers": 30}
     runner = ShardRunner(export, 0, precision="f32")
     # Token ids are in BPE merge order in this tokenizer, and the 17 specials (eos 2) are ids 0..16.

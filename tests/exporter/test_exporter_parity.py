@@ -18,7 +18,7 @@ PREFILL, DECODE = 7, 10
 
 
 def _sessions(export_dir):
-    manifest = load_manifest(export_dir).raw
+    manifest = load_manifest(export_dir).to_dict()
     runners = [ShardRunner(export_dir, i, precision="f32") for i in range(manifest["num_stages"])]
     return manifest, [r.new_session() for r in runners]
 

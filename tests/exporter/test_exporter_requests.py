@@ -145,7 +145,7 @@ def test_tied_head_reuses_embedding(tiny_model):
 
 def test_manifest_contents(tiny_export):
     export = tiny_export("llama", 2)
-    m = verify_export(export).raw
+    m = verify_export(export).to_dict()
     assert m["num_stages"] == 2 and m["split"] == [2, 2]
     assert m["model"]["family"] == "llama" and m["model"]["fingerprint"].startswith("sha256:")
     assert m["export_id"].startswith("sha256:")
@@ -262,6 +262,6 @@ def test_cli_export_in_subprocess(tiny_model, tmp_path, capsys):
     )
     assert args.func(args) == 0
     assert "peak RSS" in capsys.readouterr().out
-    m = verify_export(out).raw
+    m = verify_export(out).to_dict()
     assert m["split"] == [3, 1] and m["max_context"] == 64 and m["weights"]["format"] == "fp16"
     assert all(s["export"]["rss_scope"] == "subprocess" for s in m["stages"])

@@ -24,7 +24,7 @@ def test_every_shard_has_a_beam_gather_per_state(stages, weights, smollm2_export
     core = ov.Core()
     total = 0
     for stage in range(stages):
-        manifest = verify_shard(export, stage, hashes=False).raw
+        manifest = verify_shard(export, stage, hashes=False).to_dict()
         entry = manifest["stages"][stage]
         model = core.read_model(export / entry["model"])
         report = kv_reorder_report(model)
@@ -38,7 +38,7 @@ def test_every_shard_has_a_beam_gather_per_state(stages, weights, smollm2_export
 def test_int4_layout(smollm2_export):
     """Decoder matrices INT4 symmetric in groups of 64; embedding and LM head INT8 per channel."""
     export = smollm2_export(1, "int4")
-    manifest = verify_shard(export, 0, hashes=False).raw
+    manifest = verify_shard(export, 0, hashes=False).to_dict()
     assert manifest["weights"] == {
         "format": "int4",
         "group_size": 64,
@@ -72,14 +72,14 @@ def test_int4_layout(smollm2_export):
 def test_fp32_stages_match_hf_at_every_boundary(stages, smollm2_export, hf_model, chat_prompt_ids):
     """Each stage's output equals HF's hidden states at its layer boundary (logits for the last),
     prefill then 10 decode steps, f32 compile hints. Tolerance |ov - hf| <= 2e-3 + 1e-4 * |hf|:
-    SmolLM2's residual stream reaches about 2.5e4 in the middle layers (FACTS.md)."""
+    SmolLM2's residual stream reaches about 2.5e4 in the middle layers (HF fp32)."""
     import torch
 
     from pipeshard.shard.manifest import load_manifest
     from pipeshard.shard.runtime import ShardRunner
 
     export = smollm2_export(stages, "fp32")
-    manifest = load_manifest(export).raw
+    manifest = load_manifest(export).to_dict()
     sessions = [ShardRunner(export, i, precision="f32").new_session() for i in range(stages)]
     prompt = chat_prompt_ids[1]
     ids = np.asarray([[*prompt, 504, 3575, 282, 4649, 314, 7042, 30, 216, 198, 2]], dtype=np.int64)

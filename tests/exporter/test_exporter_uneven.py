@@ -35,7 +35,7 @@ def test_uneven_split_matches_hf_at_every_boundary(family, split, tiny_model, tm
         convert_tokenizer=False,
         progress=lambda e: None,
     )
-    manifest = load_manifest(out).raw
+    manifest = load_manifest(out).to_dict()
     assert ",".join(f"{s['layer_start']}:{s['layer_end']}" for s in manifest["stages"]) == split
     sessions = [ShardRunner(out, i, precision="f32").new_session() for i in range(manifest["num_stages"])]
     ids = np.random.default_rng(3).integers(0, 256, size=(1, PREFILL + DECODE), dtype=np.int64)

@@ -80,6 +80,7 @@ def test_stage_info_reports_the_budget_and_a_cancel_frees_every_stage(fleet, pro
     for i, address in enumerate(fleet.stages):
         info = _info(address)
         assert (info.kv_backend, info.kv_cache_budget_bytes, info.kv_block_tokens) == ("paged", BUDGET, 32), i
+        assert info.device == "CPU", i
     with PipeshardClient(fleet.coordinator, timeout_s=300) as client:
         call = client.responses(prompts[2], max_tokens=200, ignore_eos=True)
         for n, _ in enumerate(call):

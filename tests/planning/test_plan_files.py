@@ -37,6 +37,7 @@ GOOD = {"name": "a", "per_layer_ms": 1.0, "memory_bytes": 10**9}
         ([GOOD, GOOD], "nodes[1].name", "earlier node"),
         ([{**GOOD, "reserve_bytes": 10**9}], "nodes[0].reserve_bytes", "leaves no memory"),
         ([{**GOOD, "profile": "missing.yaml"}], "nodes[0].profile", "no such file"),
+        ([{**GOOD, "device": ""}], "nodes[0].device", "OpenVINO device"),
     ],
 )
 def test_bad_nodes_name_the_field(nodes, field, text, tmp_path):
@@ -52,6 +53,7 @@ def test_profile_file_fills_a_node_and_fields_given_win(tmp_path):
         "per_layer_ms": {1: 0.5, 4: 1.1},
         "head_ms": {1: 2.0, 4: 3.0},
         "memory_bytes": 5 * 10**9,
+        "device": "GPU.1",
         "measured": {"decode": []},
     }
     (tmp_path / "box.yaml").write_text(yaml.safe_dump(profile))
@@ -59,12 +61,13 @@ def test_profile_file_fills_a_node_and_fields_given_win(tmp_path):
         yaml.safe_dump([{"profile": "box.yaml", "memory_bytes": 10**9, "link_to_next": {"mbit": 100}}])
     )
     [node] = load_nodes(tmp_path / "nodes.yaml")
-    assert node.name == "box" and node.address == "10.0.0.2:50061"
+    assert node.name == "box" and node.address == "10.0.0.2:50061" and node.device == "GPU.1"
     assert node.memory_bytes == 10**9  # the nodes.yaml entry wins over the profile
     assert node.per_layer_ms == Curve(((1, 0.5), (4, 1.1)))
     assert node.per_layer_ms.at(2) == pytest.approx(0.7) and node.per_layer_ms.at(8) == pytest.approx(1.9)
     assert node.link_to_next.mbit == 100 and node.link_to_next.rtt_ms == 0
     assert math.isinf(parse_nodes([GOOD])[0].link_to_next.mbit)
+    assert parse_nodes([GOOD])[0].device == "CPU"
 
 
 def _tiny_config(folder, layers=6):

@@ -67,7 +67,7 @@ def test_profile_writes_a_node_description(tiny6, tmp_path, health_server):
     assert main(argv) == 0
     raw = yaml.safe_load(out.read_text())
     node = parse_node(raw, "node")  # a profile is a valid node entry as it stands
-    assert node.name == "box" and node.memory_bytes > 0
+    assert node.name == "box" and node.memory_bytes > 0 and node.device == raw["device"] == "CPU"
     assert sorted(raw["per_layer_ms"]) == [1, 2] and all(v >= 0 for v in raw["per_layer_ms"].values())
     measured = raw["measured"]
     assert measured["threads"] == 2 and measured["weights"] == "fp32"
