@@ -55,13 +55,13 @@ class CoordinatorSettings(ServerSettings):
     ready_timeout_s: float = setting(120.0, "how long to wait at start for every stage to answer")
     default_max_tokens: int = setting(256, "max_tokens of a request that does not set it")
     max_running: int = setting(
-        8,
+        16,
         "generations running at once (each holds a session on every stage; capped by the sessions a "
         "stage lets this coordinator hold); on paged stages also only as many as their KV pools hold",
     )
     max_queue: int = setting(128, "requests waiting for a slot, all identities; beyond it RESOURCE_EXHAUSTED")
     max_running_per_identity: int = setting(
-        6,
+        12,
         "generations one identity runs at once (below --max-running, so another identity is served "
         "without waiting for a slot); an API key's own max_running overrides it",
     )
