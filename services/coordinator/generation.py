@@ -28,6 +28,7 @@ from typing import Protocol
 
 import structlog
 
+from pipeshard import trace
 from pipeshard.errors import InvalidArgument, PipeshardError, Unavailable
 from pipeshard.metrics import (
     GENERATED_TOKENS,
@@ -420,6 +421,7 @@ class Generation:
             while not done:
                 chunk, done = await self._step(request)
                 yield chunk
+                trace.mark("streamed", request.session_id, request.cursor.step - 1)
             if cache:
                 await self._keep(request, scope)
         except PipeshardError as exc:
@@ -539,11 +541,14 @@ class Generation:
         draft = request.draft()
         frame = request.frame(draft)
         sent = time.perf_counter()
+        trace.mark("gen_send", frame.session_id, frame.step_id)
         result = await self._ring.step(frame)
         elapsed = time.perf_counter() - sent
+        trace.mark("gen_result", frame.session_id, frame.step_id)
         new = request.accept(draft, result)
         request.record(draft, new, elapsed)
         chunk, done = await request.emit(new)
+        trace.mark("emitted", frame.session_id, frame.step_id)
         if request.params.logprobs:  # each token's own text, for OpenAI's logprobs objects
             chunk.tokens = await asyncio.to_thread(lambda: [self._tok.decode([t]) for t in chunk.token_ids])
         return chunk, done
