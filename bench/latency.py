@@ -219,19 +219,22 @@ def timeline(trace_dir: Path) -> dict:
     hop times, and the step's period (to the next ``gen_send`` of its session) against the stages'
     compute. Decode steps only (a step whose session sent a next one)."""
     events: dict[tuple[str, int], dict[tuple[str, str], int]] = defaultdict(dict)
+    rows: Counter = Counter()  # rows of each plan frame, by its key
     for path in trace_dir.glob("*.tsv"):
         for line in path.read_text().splitlines():
             t, process, event, session, step = line.split("\t")
             events[(session, int(step))].setdefault((process, event), int(t))
+            rows[(session, int(step))] += event == "plan_row"
     full = {k: e for k, e in events.items() if all(x in e for x in TIMELINE)}
     segments: dict[str, list[float]] = defaultdict(list)
     offsets: dict[str, list[float]] = defaultdict(list)
     hops: dict[str, list[float]] = defaultdict(list)
-    periods, compute = [], []
+    periods, compute, step_rows = [], [], []
     for (session, step), e in full.items():
         nxt = full.get((session, step + 1))
         if step == 0 or nxt is None:
             continue
+        step_rows.append(rows[(session, step)])
         ms = lambda a, b: (b - a) / 1e6  # noqa: E731
         periods.append(ms(e[TIMELINE[0]], nxt[TIMELINE[0]]))
         compute.append(sum(ms(e[(s, "decoded")], e[(s, "inferred")]) for s in ("stage0", "stage1")))
@@ -249,12 +252,40 @@ def timeline(trace_dir: Path) -> dict:
         "steps": len(periods),
         "step_ms": spread(periods),
         "compute_ms": spread(compute),
+        "rows_per_step": spread(step_rows),
         "overhead_ms_p50": median(periods) - median(compute),
         "offsets_ms_p50": {k: median(v) for k, v in offsets.items()},
         "segments_ms": {k: spread(v) for k, v in segments.items()},
         "hops_ms_p50": {k: median(v) for k, v in hops.items()},
         "hop_overhead_ms_p50": median([x for v in hops.values() for x in v]),
     }
+
+
+def plot(line: dict, path: Path) -> None:
+    """One typical decode step: each segment's median laid end to end on a lane per process (median
+    offsets of separate events need not be in order; the segments' medians are)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    segments = line["segments_ms"]
+    lanes = ["coordinator", "stage0", "stage1"]
+    fig, ax = plt.subplots(figsize=(10, 3))
+    start = 0.0
+    for a, b in itertools.pairwise(TIMELINE):
+        width = max(segments[f"{'.'.join(a)} -> {'.'.join(b)}"]["p50"], 0.0)
+        lane = lanes.index(a[0] if a[0] == b[0] else b[0])
+        compute = a[1] == "decoded" and b[1] == "inferred"
+        ax.barh(lane, max(width, 0.05), left=start, color="tab:blue" if compute else "tab:orange")
+        start += width
+    ax.axvline(line["step_ms"]["p50"], color="k", linestyle="--", label="next step sent (p50)")
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_xlabel("ms (median of each segment, end to end); blue: inference, orange: the rest")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
 
 
 def traced(shards: Path, work: Path, users: int) -> dict:
@@ -341,14 +372,16 @@ def main() -> int:
             "local": lambda: local.run(prompt())["tok_s"],
             "local3": lambda: local3.run(prompt())["tok_s"],
             "mono": lambda: mono.run(local.ids(prompt()), NEW_TOKENS)["tok_s"],
+            # CB is timed like an aggregate (tokens over the call, prefill included): the fleet too.
             "cb": lambda: cb.aggregate([local.ids(prompt())]),
+            "fleet_aggregate": lambda: clients["fleet"].aggregate(1),
         }
         tok_s = interleaved(one, RUNS, warmup=WARMUP)
         result["tok_s_1user"] = {n: summary(v) for n, v in tok_s.items()}
         for key, (num, den) in {
             "fleet_over_local_1user": ("fleet", "local"),
             "fleet_over_mono_1user": ("fleet", "mono"),
-            "fleet_over_cb_1user": ("fleet", "cb"),
+            "fleet_over_cb_1user": ("fleet_aggregate", "cb"),
             "exact_over_default_1user": ("fleet_exact", "fleet"),
             "fleet3_over_local3_1user": ("fleet3", "local3"),
         }.items():
@@ -385,6 +418,9 @@ def main() -> int:
         for name in ("fleet_exact", "fleet3"):
             fleets.pop(name).stop()
         before = checkout(BEFORE, work)
+        # As its own `make setup` installs it: uvloop was not a dependency before this work, and an
+        # installed uvloop would be picked up by that commit's run_server too.
+        (before.overlay / "uvloop.py").write_text("raise ImportError('not installed at this commit')\n")
         try:
             start_commit(before, shards, work)
             before_client = FleetClient(before.address)
@@ -409,6 +445,8 @@ def main() -> int:
     finally:
         for fleet in fleets.values():
             fleet.stop()
+    if result["timeline_1user"].get("steps"):
+        plot(result["timeline_1user"], Path("docs/img/latency_timeline.png"))
     write_result("latency", result, command=("BENCH_QUICK=1 " if QUICK else "") + "make bench-latency")
     return 0
 

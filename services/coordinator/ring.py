@@ -182,6 +182,9 @@ class Ring:
             trace.mark("plan_build", frames[0].session_id, frames[0].step_id)
             plan = plan_from_frames(frames)
             trace.mark("plan_send", plan.session_id, plan.step_id)
+            if trace.enabled():  # one per row, under the plan's key: the timeline counts rows per step
+                for _ in frames:
+                    trace.mark("plan_row", plan.session_id, plan.step_id)
             await self._entry.send(plan)
             rows = sum(len(f.positions) for f in frames)
             done, _ = await asyncio.wait(futures, timeout=self.timeout_for(rows))

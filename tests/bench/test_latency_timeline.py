@@ -14,6 +14,8 @@ def _write(tmp_path, steps: int, gap_ns: int, period_ns: int) -> None:
         for i, (process, event) in enumerate(TIMELINE):
             t = step * period_ns + i * gap_ns
             lines.setdefault(process, []).append(f"{t}\t{process}\t{event}\tsess\t{step}\n")
+            if event == "plan_send":  # a plan of two rows
+                lines[process] += [f"{t}\t{process}\tplan_row\tsess\t{step}\n"] * 2
     for process, rows in lines.items():
         (tmp_path / f"{process}-1.tsv").write_text("".join(rows))
 
@@ -23,6 +25,7 @@ def test_segments_hops_and_overhead_come_from_the_joined_events(tmp_path):
     _write(tmp_path, steps=5, gap_ns=gap, period_ns=period)
     out = timeline(tmp_path)
     assert out["steps"] == 3  # step 0 (prefill) and the last (no next step) are left out
+    assert out["rows_per_step"]["p50"] == 2
     assert out["step_ms"]["p50"] == 20.0
     assert out["compute_ms"]["p50"] == pytest.approx(0.2)  # decoded -> inferred on each of the two stages
     assert out["overhead_ms_p50"] == pytest.approx(19.8)
