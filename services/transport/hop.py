@@ -122,7 +122,6 @@ class HopStream:
                 await self._timed_write(call, request, probe=False)
             else:
                 await call.write(request)
-            trace.mark("hop_written", frame.session_id, frame.step_id)
 
     async def _probe(self, call) -> None:
         """An empty probe (RTT) then a train of ``PROBE_TRAIN`` x ``PROBE_BYTES`` (bandwidth from
