@@ -25,7 +25,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup proto lint model export test test-fast test-exactness test-extended clean up down run-stage demo bench-parity bench-numerics bench-prefill bench-pipeline bench-commits bench-mbatch bench-spec bench-gateway serve-openai wan-up wan-down distil soak bench-planner bench-compress bench-wan bench-prefix bench-precision-modes bench-compile-cache
+.PHONY: bench-commits bench-compile-cache bench-compress bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-spec bench-wan clean demo distil down export lint model proto run-stage serve-openai setup soak test test-exactness test-extended test-fast up wan-down wan-up
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -113,6 +113,10 @@ bench-prefill: model
 ## bench-pipeline: distributed pipeline vs in-process chain, raw TCP and the monolith (bench/results/pipeline.json)
 bench-pipeline: model
 	$(PY) -m bench.pipeline
+
+## bench-latency: the fleet's own cost per step and per row: a per-token timeline across the processes (PIPESHARD_TRACE_DIR), 1-user fleet vs in-process, LLMPipeline and ContinuousBatchingPipeline, 16 users vs CB, 8 users vs BENCH_BEFORE (default c695982); BENCH_PROFILE=1 adds py-spy profiles; BENCH_QUICK=1 3 rounds (bench/results/latency.json)
+bench-latency: model
+	$(PY) -m bench.latency
 
 ## bench-commits: two commits' 2-stage fleets side by side, paired (BEFORE=REV [AFTER=REV]; bench/results/commits.json)
 bench-commits: model

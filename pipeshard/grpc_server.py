@@ -25,6 +25,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pipeshard import trace
 from pipeshard.auth import Authenticator, AuthInterceptor
 from pipeshard.errors import PipeshardError
 from pipeshard.interceptors import ErrorInterceptor
@@ -395,6 +396,7 @@ def run_server(
     drained the server, returns the exit status (0). With ``peers`` the TLS credentials and token
     check come from the settings (:func:`server_security`; ``node_name`` names its certificate)."""
     configure_logging(settings.log_format, settings.log_level, service=name)
+    trace.name_process(name)
     if peers is not None:
         try:
             credentials, extra = server_security(settings, peers=peers, node_name=node_name)
@@ -404,7 +406,7 @@ def run_server(
             return 1
         interceptors = [*interceptors, *extra]
     try:
-        import uvloop  # type: ignore[import-not-found]  # optional, not a dependency
+        import uvloop  # a dependency; an install without it falls back to asyncio
     except ImportError:
         runner = asyncio.run
     else:

@@ -28,6 +28,7 @@ from typing import Protocol
 
 import structlog
 
+from pipeshard import trace
 from pipeshard.errors import InvalidArgument, PipeshardError, Unavailable
 from pipeshard.metrics import (
     GENERATED_TOKENS,
@@ -75,6 +76,11 @@ class RingLike(Protocol):
 # ``use_one_token = L1 == 1 || (fuse_concat && L0 > 0)``), so a 1024-token prompt in 256-token
 # chunks cost 5x the CPU time of one pass; only the first chunk takes the multi-row kernel.
 DEFAULT_PREFILL_CHUNK = 4096
+# Steps that accepted at most this many tokens are detokenized on the event loop (two decodes of
+# a few ids each, tens of microseconds); longer ones on a worker thread, so a slow decode does not
+# stall other streams. A thread hop per token cost 0.3 ms at the median and 2.8 ms at p90 of a
+# 1-user step (bench-latency's timeline, docs/BENCHMARKS.md).
+INLINE_DETOKENIZE_TOKENS = 4
 
 
 @dataclass
@@ -216,6 +222,8 @@ class _Request:
         self.pending: list[int] = []  # tokens the stages have not seen yet
         self.emitted_at = self.started  # when the last tokens were handed out
         self.new_logprobs: list[float] = []  # of the tokens the last step accepted, when asked
+        self.ahead: asyncio.Task | None = None  # the next step, sent before this one's token streams
+        self.streaming_step = 0  # the step whose tokens are streaming (the trace's key)
 
     def prefill_frames(self, chunk: int) -> Iterator[activation_pb2.ActivationFrame]:
         """Fill-only frames for all of the prompt but its last chunk, so other sessions' decode
@@ -300,10 +308,11 @@ class _Request:
 
     async def emit(self, new: list[int]) -> tuple[Chunk, bool]:
         """The chunk for the accepted tokens and whether the request is done (stop or length)."""
-        # Detokenization runs on a worker thread: a slow decode must not stall other streams.
-        emitted, self.finish, text = await asyncio.to_thread(
-            _take, new, self.generated, self.detok, self.stop_ids, self.params.max_tokens
-        )
+        args = (new, self.generated, self.detok, self.stop_ids, self.params.max_tokens)
+        if len(new) <= INLINE_DETOKENIZE_TOKENS:
+            emitted, self.finish, text = _take(*args)
+        else:
+            emitted, self.finish, text = await asyncio.to_thread(_take, *args)
         done = self.finish == "stop" or len(self.generated) >= self.params.max_tokens
         if self.metered:
             self._meter(len(emitted))
@@ -327,6 +336,23 @@ class _Request:
             for _ in range(tokens):
                 INTER_TOKEN.observe(per_token)
         self.emitted_at = now
+
+    def sends_ahead(self, new: list[int]) -> bool:
+        """Whether the next step may go before this one's tokens are detokenized and streamed: a
+        plain decode (no drafter, whose drafts need the context) that neither a stop token nor the
+        length limit ends. Only a stop string can still end it; that step is then dropped."""
+        return (
+            self.drafter is None
+            and len(self.generated) + len(new) < self.params.max_tokens
+            and not self.stop_ids.intersection(new)
+        )
+
+    async def settle_ahead(self) -> None:
+        """Waits out a step sent ahead of a stop string's end (its result is not used), so the
+        stages hold nothing of this session in flight when it is kept or released."""
+        if self.ahead is not None:
+            await asyncio.gather(self.ahead, return_exceptions=True)
+            self.ahead = None
 
     def summary(self) -> Summary:
         """The final Summary: finish reason, counts and timings."""
@@ -420,6 +446,8 @@ class Generation:
             while not done:
                 chunk, done = await self._step(request)
                 yield chunk
+                trace.mark("streamed", request.session_id, request.streaming_step)
+            await request.settle_ahead()
             if cache:
                 await self._keep(request, scope)
         except PipeshardError as exc:
@@ -432,6 +460,8 @@ class Generation:
             log.warning("generation_failed", session_id=request.session_id, code=exc.code, error=failure)
             request.finish, request.stats.error = "error", failure
         finally:
+            if request.ahead is not None:  # the client went away or the generation failed
+                request.ahead.cancel()
             self._close(request, failure)
         yield request.summary()
 
@@ -534,15 +564,33 @@ class Generation:
         task.add_done_callback(self._releases.discard)
 
     async def _step(self, request: _Request) -> tuple[Chunk, bool]:
-        """One traversal: the last token plus any drafts through every stage, then acceptance."""
-        draft = request.draft()
-        frame = request.frame(draft)
+        """One traversal: the last token plus any drafts through every stage, then acceptance.
+        A plain decode sends its next step before detokenizing and streaming this one's token, so
+        the stages compute while this process streams (``_Request.sends_ahead``)."""
         sent = time.perf_counter()
-        result = await self._ring.step(frame)
+        if request.ahead is not None:
+            draft, ahead, request.ahead = Draft([], None, 0.0), request.ahead, None
+            step_id = request.cursor.step - 1
+            result = await ahead
+        else:
+            draft = request.draft()
+            frame = request.frame(draft)
+            step_id = frame.step_id
+            trace.mark("gen_send", frame.session_id, step_id)
+            result = await self._ring.step(frame)
         elapsed = time.perf_counter() - sent
+        request.streaming_step = step_id
+        trace.mark("gen_result", request.session_id, step_id)
         new = request.accept(draft, result)
         request.record(draft, new, elapsed)
+        if request.sends_ahead(new):
+            request.pending = [new[-1]]
+            frame = request.frame(Draft([], None, 0.0))
+            trace.mark("gen_send", frame.session_id, frame.step_id)
+            request.ahead = asyncio.ensure_future(self._ring.step(frame))
+            await asyncio.sleep(0)  # the step starts on its way before this token is streamed
         chunk, done = await request.emit(new)
+        trace.mark("emitted", request.session_id, step_id)
         if request.params.logprobs:  # each token's own text, for OpenAI's logprobs objects
             chunk.tokens = await asyncio.to_thread(lambda: [self._tok.decode([t]) for t in chunk.token_ids])
         return chunk, done

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import grpc
 import structlog
 
+from pipeshard import trace
 from pipeshard.errors import DeadlineExceeded, PipeshardError, Unavailable
 from pipeshard.link_model import LinkEstimate, train_rate
 from pipeshard.ownership import new_secret, owner_key, owner_metadata
@@ -178,7 +179,13 @@ class Ring:
         futures = [loop.create_future() for _ in frames]
         self._pending.update(zip(keys, futures, strict=True))
         try:
-            await self._entry.send(plan_from_frames(frames))
+            trace.mark("plan_build", frames[0].session_id, frames[0].step_id)
+            plan = plan_from_frames(frames)
+            trace.mark("plan_send", plan.session_id, plan.step_id)
+            if trace.enabled():  # one per row, under the plan's key: the timeline counts rows per step
+                for _ in frames:
+                    trace.mark("plan_row", plan.session_id, plan.step_id)
+            await self._entry.send(plan)
             rows = sum(len(f.positions) for f in frames)
             done, _ = await asyncio.wait(futures, timeout=self.timeout_for(rows))
             if len(done) < len(futures):
@@ -353,6 +360,7 @@ class Ring:
         results; the others carry none and hold this ring's lease on its sessions there."""
 
         def on_response(response: stage_pb2.ResultsResponse) -> None:
+            trace.mark("result_recv", response.result.session_id, response.result.step_id)
             future = self._pending.get((response.result.session_id, response.result.step_id))
             if future is not None and not future.done():
                 future.set_result(response.result)

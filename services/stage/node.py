@@ -14,6 +14,7 @@ import math
 
 import structlog
 
+from pipeshard import trace
 from pipeshard.errors import InvalidArgument
 from pipeshard.link_model import CodecChooser, LinkEstimate, check_wire_dtype, parse_codec
 from pipeshard.services.stage.engine import StageEngine
@@ -110,7 +111,9 @@ class StageNode:
         try:
             plan = bool(frame.plan.rows)
             steps = steps_from_plan(frame, self._port) if plan else [step_from_frame(frame, self._port)]
+            trace.mark("decoded", frame.session_id, frame.step_id)
             outs = self.engine.run(steps)  # inline, as in handle()
+            trace.mark("inferred", frame.session_id, frame.step_id)
         except Exception as exc:
             error = stage_error(self.stage_index, exc)
             log.error("frame_failed", session_id=frame.session_id, code=error.code, message=error.message)
@@ -138,6 +141,7 @@ class StageNode:
         if self.next_hop is None:
             for step, out in zip(good_steps, good, strict=True):
                 self.results.publish(self._result(out, frame.owner, step.session_id), frame.owner)
+            trace.mark("published", frame.session_id, frame.step_id)
         elif good:
             # One tensor for the whole plan: its first row's session names the codec.
             chooser = self._hop_chooser(frame.owner, good_steps[0].session_id)
@@ -149,6 +153,7 @@ class StageNode:
             )
             tensor = sent.tensors[0].tensor
             chooser.sent(tensor.raw_size, len(tensor.data), codec)
+            trace.mark("encoded", frame.session_id, frame.step_id)
             await self.next_hop.send(sent)
         await asyncio.sleep(0)
         return first_error  # the sender hears of a failed row too, as of a failed plain frame

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import structlog
 
+from pipeshard import trace
 from pipeshard.errors import InvalidArgument, PermissionDenied
 from pipeshard.ownership import owner_from_metadata
 from pipeshard.services.stage.node import StageNode
@@ -46,6 +47,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 yield stage_pb2.ForwardResponse(ack_id=request.ack_id)
             if not request.HasField("frame"):
                 continue  # a link probe
+            trace.mark("recv", request.frame.session_id, request.frame.step_id)
             error = await self._node.handle(request.frame)
             if error is not None:
                 yield stage_pb2.ForwardResponse(
@@ -62,6 +64,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     yield stage_pb2.ResultsResponse(padding=bytes(PROBE_BYTES))
             while (result := await subscription.get()) is not None:
                 yield stage_pb2.ResultsResponse(result=result)
+                trace.mark("results_written", result.session_id, result.step_id)
         finally:
             self._node.results.unsubscribe(owner, request.subscriber_id, subscription)
 

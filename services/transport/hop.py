@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 import structlog
 
+from pipeshard import trace
 from pipeshard.link_model import MIN_TIMED_BYTES, LinkEstimate, train_rate
 from pipeshard.services.transport.channels import open_channel
 from pipeshard.services.transport.delay import DelayQueue
@@ -73,6 +74,7 @@ class HopStream:
             self._task = asyncio.create_task(self._run(), name=f"hop->{self.address}")
 
     async def send(self, frame: activation_pb2.ActivationFrame) -> None:
+        trace.mark("hop_send", frame.session_id, frame.step_id)
         self.start()
         await self._queue.put(frame)
 
