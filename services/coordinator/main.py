@@ -14,6 +14,7 @@ from pipeshard.metrics import COORDINATOR_QUEUED, COORDINATOR_RUNNING
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.coordinator.admission import Admission
+from pipeshard.services.coordinator.fleet_promise import fleet_promise
 from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
 from pipeshard.services.coordinator.plan_ring import PlanRing
@@ -182,6 +183,8 @@ class Coordinator:
         await self.ring.wait_ready(self.settings.ready_timeout_s)
         infos = await self.ring.stage_infos()
         paged = stage_kv_backend(self.settings.kv, infos) == "paged"
+        promise = fleet_promise(infos)
+        log.info("fleet_promise", precision=promise.precision, invariant=promise.invariant)
         prefix = self.settings.prefix_cache == "on"
         log.info("prefix_cache", enabled=prefix)
         chunk = self.settings.prefill_chunk
@@ -222,6 +225,7 @@ class Coordinator:
             default_max_tokens=self.settings.default_max_tokens,
             admission=admission,
             max_prompt_bytes=self.settings.max_prompt_bytes,
+            system_fingerprint=promise.system_fingerprint,
         )
 
     async def _warmup(self, generation: Generation, prompter: Prompter, max_context: int) -> None:
