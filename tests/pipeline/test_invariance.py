@@ -88,8 +88,9 @@ def test_batched_rows_equal_solo(users, matrix, solo):
     async def run():
         return await asyncio.gather(*(_answer(generation, matrix[2][p]) for p in picks))
 
+    steps = matrix[0].steps_run
     got = [s.token_ids for s in asyncio.run(run())]
-    assert matrix[0].steps_run > 0
+    assert matrix[0].steps_run - steps < users * TOKENS  # the rows shared steps
     _check(f"{users} users", got, [solo[p] for p in picks])
 
 
@@ -130,5 +131,6 @@ def test_speculation_equals_plain(k, matrix, solo):
         return [await _answer(generation, ids, "ngram", k) for ids in matrix[2]]
 
     summaries = asyncio.run(run())
-    assert sum(s.verify_steps for s in summaries) > 0
+    # Adaptive K may find drafting not worth it on this machine (K = 0 after its probes).
+    assert k == 0 or sum(s.verify_steps for s in summaries) > 0
     _check(f"ngram k={k}", [s.token_ids for s in summaries], solo)
