@@ -91,7 +91,7 @@ class CoordinatorSettings(ServerSettings):
     prefix_cache: str = setting(
         "on",
         "reuse the KV of earlier requests' prompts that share a prefix (the stages keep it); a warm "
-        "turn equals a cold one at exact precision, at the default precision up to near-ties",
+        "turn equals a cold one at exact precision (the default), at fast up to near-ties",
         choices=PREFIX_CACHE_MODES,
     )
     prefix_cache_entries: int = setting(256, "token sequences the prefix index remembers (LRU)")
