@@ -10,7 +10,7 @@ PROTO_OUT := pipeshard/v1
 
 STAGES ?= 2
 WEIGHTS ?= int4
-# PRECISION: default | f32 | exact; unset, every entry point uses DEFAULT_PRECISION (pipeshard/precision.py)
+# PRECISION: exact | fast | f32 (default: DEFAULT_PRECISION in pipeshard/precision.py, exact: the same answer under any load)
 PRECISION ?=
 # DEVICE: the OpenVINO device of every stage of `make up` (CPU, GPU, GPU.1, NPU, AUTO:GPU,CPU, ...); unset: CPU
 DEVICE ?=
@@ -25,7 +25,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: bench-commits bench-compile-cache bench-compress bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-spec bench-wan clean demo distil down export lint model proto run-stage serve-openai setup soak test test-exactness test-extended test-fast up wan-down wan-up
+.PHONY: bench-commits bench-compile-cache bench-compress bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-spec bench-wan clean demo distil down export lint model proto run-stage serve-openai setup soak test test-exactness test-extended test-fast test-invariance up wan-down wan-up
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -102,7 +102,7 @@ bench-parity: model
 bench-numerics: model
 	$(PY) -m bench.numerics
 
-## bench-precision-modes: compile-setting candidates on the paged in-process ring: isolation of 8 batched users, prefix warm vs cold, 1/8-user tok/s and 1024-token TTFT against default (bench/results/precision_modes.json)
+## bench-precision-modes: compile-setting candidates on the paged in-process ring: isolation of 8 batched users, prefix warm vs cold, 1/8-user tok/s and 1024-token TTFT against fast; invariant_default and the default's cost over fast (bench/results/precision_modes.json)
 bench-precision-modes: model
 	$(PY) -m bench.precision_modes
 
@@ -176,6 +176,10 @@ test: proto
 ## test-exactness: the full speculative exactness matrix (10 prompts x 1/2/3 stages x K x draft source; FP32 at f32, INT4 at exact)
 test-exactness: model
 	$(VENV)/bin/pytest -q -m exactness tests/speculation
+
+## test-invariance: the full invariance matrix at the default precision (INT4 paged, 10 prompts x 128 tokens: solo vs 4/8 users, chunked, warm prefix, prompt lookup); `make test` runs a subset
+test-invariance: model
+	PIPESHARD_INVARIANCE_FULL=1 $(VENV)/bin/pytest -q tests/pipeline/test_invariance.py
 
 ## test-extended: repeated variants of cases `make test` already covers (more stage counts and modes), kept out of its 30-minute budget
 test-extended: model

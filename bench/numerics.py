@@ -29,16 +29,16 @@ from pipeshard.shard.runtime import ShardRunner
 F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
 # name -> (precision given to ShardRunner, extra CPU properties set on the Core)
 CANDIDATES: dict[str, tuple[str, dict]] = {
-    "default": ("default", {}),
-    "f32_hint_kv": ("default", F32),
-    "f32_dq0": ("default", {**F32, "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}),
-    "f32_dq0_1thread": ("default", {**F32, "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0, "INFERENCE_NUM_THREADS": 1}),
+    "fast": ("fast", {}),  # the CPU plugin's own choice (the default before issue 34)
+    "f32_hint_kv": ("fast", F32),
+    "f32_dq0": ("fast", {**F32, "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}),
+    "f32_dq0_1thread": ("fast", {**F32, "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0, "INFERENCE_NUM_THREADS": 1}),
     "f32_dq0_default_kv": (
-        "default",
+        "fast",
         {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0},
     ),
-    "f32kv_dq0": ("default", {"KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}),
-    "accuracy_mode": ("default", {"EXECUTION_MODE_HINT": "ACCURACY"}),
+    "f32kv_dq0": ("fast", {"KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}),
+    "accuracy_mode": ("fast", {"EXECUTION_MODE_HINT": "ACCURACY"}),
     "exact": ("exact", {}),  # what --precision exact compiles (pipeshard/shard/runtime.py)
 }
 KS = (1, 3, 7)

@@ -1,5 +1,6 @@
-"""`make bench-precision-modes`: which CPU compile settings make paged batching and prefix caching
-exact, and what each costs against ``default`` (an investigation for #16 / #19).
+"""`make bench-precision-modes`: which CPU compile settings make paged batching, prefix caching,
+chunking and speculation exact, and what each costs against ``fast`` (investigations for #16 /
+#19; for #34 the new default against ``fast``, paired in one run).
 
 Every candidate is a set of CPU properties (and inference threads per stage) compiled into the
 in-process paged ``BatchedRing`` on the INT4 2-stage export (bench/batched.py's rings and
@@ -11,14 +12,20 @@ prompts). For each:
   prefix     a 2-turn chat per prompt: turn 2 on a warm Generation (restoring turn 1's kept
              blocks) against turn 2 on a cold one (paged capture reads f32 pools only, so a
              candidate with another KV precision cannot keep blocks: reported as not applicable);
+  paths      the first BENCH_PREFIX_PROMPTS users' prompts prefilled 7 tokens at a time, and with
+             prompt lookup at K = 3 and at adaptive K, against their solo runs;
   speed      aggregate tok/s at 1 and 8 users and the TTFT of a ~1024-token prompt, all candidates
              in shuffled interleaved rounds; ratios of medians with 95% bootstrap intervals
-             against ``default``.
+             against ``fast``.
+Top-level keys for #34: ``invariant_default`` (every cell of ``default`` identical: the 8 users
+and every timed 8-user round against solo, warm == cold, chunked and speculative == solo),
+``default_over_fast_1user``, ``default_over_fast_8users``, ``ttft_default_over_fast_1024``.
 ``python -m bench.precision_modes kernels`` instead runs, per candidate, the stage-0 checks that
 say which kernel path moves a row (bench/results/precision_kernels.json; a minute in all): a
 decode row beside another sequence's chunk of M-1 tokens (M = 1..256) and after one of k tokens,
 against M = 2 / k = 0; a prompt token computed inside its 64-token chunk against the same token
-decoded alone after its prefix (what a restored prefix's suffix meets); a prompt split 5 + 59.
+decoded alone after its prefix (what a restored prefix's suffix meets), alone and in a step padded
+to 8 tokens with another sequence's; a 3-token verify chunk likewise; a prompt split 5 + 59.
 Knobs: BENCH_CANDIDATES=a,b (default: DEFAULT_CANDIDATES), BENCH_ROUNDS (4) after one warm-up
 round, BENCH_TOKENS (128), BENCH_PREFIX_PROMPTS (3), PIPESHARD_SHARDS_DIR (an existing
 ``smollm2-135m-instruct-2s-int4`` export there is used, else exported). Writes
@@ -44,6 +51,7 @@ from pipeshard.offline import set_offline_defaults
 from pipeshard.services.coordinator.generation import Chunk, Generation, Summary
 from pipeshard.services.coordinator.prefix_cache import PrefixIndex
 from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.shard.paged import PagedRow, PagedShard
 
 EXPORT_NAME = "smollm2-135m-instruct-2s-int4"
@@ -84,28 +92,29 @@ F32_DQ32 = {
 }
 BF16_KV = {"KEY_CACHE_PRECISION": "bf16", "VALUE_CACHE_PRECISION": "bf16"}
 CANDIDATES: dict[str, Candidate] = {
-    "exact": Candidate("exact", {}, 1),  # what --precision exact and the exactness tests run
-    "default": Candidate("default", {}, None),  # the fleet default today
+    # The default as `make up` runs it (DEFAULT_PRECISION, the plugin's threads) and `fast` (the
+    # default before issue 34, the CPU plugin's own choice), the pair every ratio compares.
+    "default": Candidate("default", {}, None),
+    "fast": Candidate("fast", {}, None),
+    "exact": Candidate("exact", {}, 1),  # what the exactness tests run
     "exact_2t": Candidate("exact", {}, 2),
-    "default_1t": Candidate("default", {}, 1),
+    "fast_1t": Candidate("fast", {}, 1),
     # f32 inference and cache with the plugin's dynamic quantization left on (group 32): each
     # token row's activations are quantized on their own, so at one thread rows do not see each
     # other; but the int8 rounding amplifies the attention's own-chunk vs one-token differences.
-    "f32_dq32_1t": Candidate("default", F32_DQ32, 1),
-    "f32_dq32_2t": Candidate("default", F32_DQ32, 2),
-    "bf16_dq0_f32kv_1t": Candidate("default", {**BF16_DQ0, "KV_CACHE_PRECISION": "f32"}, 1),
-    "bf16_dq0_bf16kv_1t": Candidate("default", {**BF16_DQ0, **BF16_KV}, 1),
-    "bf16_dq0_bf16kv_2t": Candidate("default", {**BF16_DQ0, **BF16_KV}, 2),
-    "bf16_dq0_u8kv_1t": Candidate("default", BF16_DQ0, 1),
-    "bf16_dq0_u8kv_2t": Candidate("default", BF16_DQ0, 2),
+    "f32_dq32_1t": Candidate("fast", F32_DQ32, 1),
+    "f32_dq32_2t": Candidate("fast", F32_DQ32, 2),
+    "bf16_dq0_f32kv_1t": Candidate("fast", {**BF16_DQ0, "KV_CACHE_PRECISION": "f32"}, 1),
+    "bf16_dq0_bf16kv_1t": Candidate("fast", {**BF16_DQ0, **BF16_KV}, 1),
+    "bf16_dq0_bf16kv_2t": Candidate("fast", {**BF16_DQ0, **BF16_KV}, 2),
+    "bf16_dq0_u8kv_1t": Candidate("fast", BF16_DQ0, 1),
+    "bf16_dq0_u8kv_2t": Candidate("fast", BF16_DQ0, 2),
 }
 DEFAULT_CANDIDATES = (
-    "exact",
-    "exact_2t",
     "default",
+    "fast",
+    "exact",
     "f32_dq32_1t",
-    "f32_dq32_2t",
-    "bf16_dq0_f32kv_1t",
     "bf16_dq0_bf16kv_1t",
 )
 NAMES = os.environ.get("BENCH_CANDIDATES", ",".join(DEFAULT_CANDIDATES)).split(",")
@@ -197,6 +206,45 @@ def prefix_check(users: LocalUsers) -> dict:
     return users.loop.run_until_complete(run())
 
 
+def other_paths(users: LocalUsers, export) -> dict[str, list[bool]]:
+    """Per cell, whether each of the first PREFIX_PROMPTS users equals its solo run with its prompt
+    prefilled 7 tokens at a time, and with prompt lookup at K = 3 and at adaptive K."""
+    ring, prompter = users.ring, users.prompter
+    solo = users.solo_runs(PREFIX_PROMPTS)
+    chunked = Generation(ring, prompter.tokenizer, prompter.eos_ids, prefill_chunk=7)
+    drafts = DraftSources(export)
+    speculative = Generation(
+        ring, prompter.tokenizer, prompter.eos_ids, prefill_chunk=ring.prefill_chunk, drafts=drafts
+    )
+    params = SamplingParams(max_tokens=users.tokens, ignore_eos=True)
+
+    async def tokens(generation: Generation, ids: list[int], mode: str = "none", k: int = 0) -> list[int]:
+        return [e async for e in generation.run(ids, params, speculative=mode, k=k)][-1].token_ids
+
+    async def run() -> dict[str, list[bool]]:
+        cells: dict[str, list[bool]] = {"chunked_7": [], "ngram_k3": [], "ngram_adaptive": []}
+        for i, want in enumerate(solo):
+            ids = users.ids[i]
+            cells["chunked_7"].append(await tokens(chunked, ids) == want)
+            cells["ngram_k3"].append(await tokens(speculative, ids, "ngram", 3) == want)
+            cells["ngram_adaptive"].append(await tokens(speculative, ids, "ngram", 0) == want)
+        return cells
+
+    return users.loop.run_until_complete(run())
+
+
+def invariant(r: dict) -> bool:
+    """Every cell identical: batched users and timed rounds, warm == cold, chunks, speculation."""
+    iso = r["isolation"]
+    rounds_done, rounds = iso["timed_8_user_runs_identical"].split("/")
+    return (
+        iso["users_identical"] == 1.0
+        and rounds_done == rounds
+        and r["prefix"]["warm_equals_cold"] is True
+        and all(all(cell) for cell in r["paths"].values())
+    )
+
+
 def ttft_ms(users: LocalUsers, ids: list[int]) -> float:
     params = SamplingParams(max_tokens=1, ignore_eos=True)
 
@@ -213,11 +261,12 @@ def ttft_ms(users: LocalUsers, ids: list[int]) -> float:
 KERNEL_CANDIDATES = (
     "exact",
     "exact_2t",
-    "default",
-    "default_1t",
+    "fast",
+    "fast_1t",
     "f32_dq32_1t",
     "bf16_dq0_u8kv_1t",
     "bf16_dq0_bf16kv_1t",
+    "bf16_dq0_bf16kv_2t",
 )
 
 
@@ -265,12 +314,26 @@ def kernel_checks(export, candidate: Candidate) -> dict:
     seq = next(names)
     shard.open(seq, 64)
     whole = shard.step([PagedRow(seq, filler[:64])])[0]
-    own = {}
-    for k in (1, 8, 31, 32, 33, 63):
+
+    def after_prefix(k: int, n: int, pad_to: int) -> np.ndarray:
+        """Tokens k..k+n of ``filler`` after its first k, in a step padded with another sequence's
+        tokens to ``pad_to`` tokens (the 8+-row kernel class when pad_to >= 8)."""
         s = next(names)
         shard.open(s, 64)
         shard.step([PagedRow(s, filler[:k])])
-        own[k] = delta(shard.step([PagedRow(s, filler[k : k + 1])])[0][0], whole[k])
+        rows = [PagedRow(s, filler[k : k + n])]
+        pad = next(names) if n < pad_to else None
+        if pad is not None:
+            shard.open(pad, 64)
+            rows.append(PagedRow(pad, prompt[: pad_to - n]))
+        out = shard.step(rows)[0]
+        for done in (s, pad) if pad is not None else (s,):
+            shard.free(done)
+        return out
+
+    own = {k: delta(after_prefix(k, 1, 1)[0], whole[k]) for k in (1, 8, 31, 32, 33, 63)}
+    own_padded = {k: delta(after_prefix(k, 1, 8)[0], whole[k]) for k in (1, 8, 31, 32, 33, 63)}
+    verify = {pad: delta(after_prefix(20, 3, pad), whole[20:23]) for pad in (1, 8)}
     s = next(names)
     shard.open(s, 64)
     shard.step([PagedRow(s, filler[:5])])
@@ -279,6 +342,8 @@ def kernel_checks(export, candidate: Candidate) -> dict:
         "decode_row_beside_m_tokens_vs_m2": beside,
         "decode_row_after_k_tokens_vs_first": after,
         "chunk_token_vs_decoded_alone": own,
+        "chunk_token_vs_decoded_in_8_token_step": own_padded,
+        "3_token_verify_vs_chunk_alone_and_in_8_token_step": verify,
         "prompt_split_5_59_vs_whole": split,
     }
 
@@ -310,8 +375,9 @@ def main() -> None:
         kernels()
         return
     unknown = [n for n in NAMES if n not in CANDIDATES]
-    if unknown or "default" not in NAMES:
-        sys.exit(f"BENCH_CANDIDATES must include default and name only {', '.join(CANDIDATES)}: {unknown}")
+    if unknown or not {"default", "fast"} <= set(NAMES):
+        names = ", ".join(CANDIDATES)
+        sys.exit(f"BENCH_CANDIDATES must include default and fast and name only {names}: {unknown}")
     export = export_dir()
     load_start = os.getloadavg()
     rings: dict[str, LocalUsers] = {}
@@ -348,11 +414,12 @@ def main() -> None:
             "compiled": compiled(users),
             "isolation": isolation(candidate, users, export),
             "prefix": prefix_check(users),
+            "paths": other_paths(users, export),
         }
         print(name, results[name], file=sys.stderr, flush=True)
 
-    if "default" not in rings:
-        sys.exit("default did not compile")
+    if not {"default", "fast"} <= set(rings):
+        sys.exit("default or fast did not compile")
     batched_rounds_identical = {name: 0 for name in rings}
 
     def eight(name: str):
@@ -375,9 +442,15 @@ def main() -> None:
         for metric in ("1", "8", "ttft"):
             key = {"1": "tok_s_1_user", "8": "tok_s_8_users", "ttft": f"ttft_ms_{TTFT_PROMPT_TOKENS}"}[metric]
             r[key] = summary(samples[f"{name}/{metric}"])
-            ratio, ci = ratio_ci(samples[f"{name}/{metric}"], samples[f"default/{metric}"])
-            r[f"{key}_over_default"] = {"ratio": ratio, "ci95": ci}
+            ratio, ci = ratio_ci(samples[f"{name}/{metric}"], samples[f"fast/{metric}"])
+            r[f"{key}_over_fast"] = {"ratio": ratio, "ci95": ci}
+    default = results["default"]
+    ttft = f"ttft_ms_{TTFT_PROMPT_TOKENS}_over_fast"
     result = {
+        "invariant_default": invariant(default),
+        "default_over_fast_1user": default["tok_s_1_user_over_fast"]["ratio"],
+        "default_over_fast_8users": default["tok_s_8_users_over_fast"]["ratio"],
+        f"ttft_default_over_fast_{TTFT_PROMPT_TOKENS}": default[ttft]["ratio"],
         "export": str(export),
         "rounds": ROUNDS,
         "warmup_rounds": 1,
@@ -395,8 +468,9 @@ def table(results: dict[str, dict]) -> str:
     """The docs/BENCHMARKS.md table."""
     lines = [
         "| candidate | users identical | positions agreeing | min top-2 margin at divergence | warm == cold "
-        "| 8-user tok/s (x default) | 1-user tok/s (x default) | TTFT 1024 ms (x default) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| chunked / ngram K=3 / adaptive == solo "
+        "| 8-user tok/s (x fast) | 1-user tok/s (x fast) | TTFT 1024 ms (x fast) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         iso, pre = r["isolation"], r["prefix"]
@@ -405,12 +479,13 @@ def table(results: dict[str, dict]) -> str:
         warm = "n/a (no f32 pool)" if not pre["applicable"] else ("yes" if pre["warm_equals_cold"] else "no")
 
         def cell(key: str, r: dict = r) -> str:
-            x = r[f"{key}_over_default"]
+            x = r[f"{key}_over_fast"]
             return f"{r[key]['median']:.1f} ({x['ratio']:.2f} [{x['ci95'][0]:.2f}, {x['ci95'][1]:.2f}])"
 
         lines.append(
             f"| {name} | {iso['users_identical']:.0%} ({iso['timed_8_user_runs_identical']} timed) "
             f"| {iso['positions_agreeing']:.1%} | {least} | {warm} "
+            f"| {' / '.join(f'{sum(c)}/{len(c)}' for c in r['paths'].values())} "
             f"| {cell('tok_s_8_users')} | {cell('tok_s_1_user')} | {cell('ttft_ms_1024')} |"
         )
     return "\n".join(lines)

@@ -39,9 +39,7 @@ from pipeshard.shard.runtime import PRECISIONS, compile_properties
 RUNS = int(os.environ.get("BENCH_RUNS", "10"))
 WARMUP = int(os.environ.get("BENCH_WARMUP", "1"))
 LENGTHS = [int(n) for n in os.environ.get("BENCH_LENGTHS", "128,512,1024,2048,4000").split(",")]
-PRECISION_LIST = os.environ.get(
-    "BENCH_PRECISIONS", ",".join(p for p in ("default", "exact") if p in PRECISIONS)
-)
+PRECISION_LIST = os.environ.get("BENCH_PRECISIONS", ",".join(p for p in ("fast", "exact") if p in PRECISIONS))
 COLD_RUNS = int(os.environ.get("BENCH_COLD_RUNS", "3"))
 COLD_LENGTH = int(os.environ.get("BENCH_COLD_LENGTH", "1024"))
 PLOT = Path("docs/img/prefill_ttft.png")
@@ -128,7 +126,7 @@ def plot(ttft: dict[str, dict[str, dict[int, float]]]) -> None:
     for precision, configs in ttft.items():
         for name, by_length in configs.items():
             lengths = sorted(by_length)
-            style = "-" if precision == "default" else "--"
+            style = "-" if precision == "fast" else "--"
             ax.plot(
                 lengths,
                 [by_length[n] / 1000 for n in lengths],
@@ -184,7 +182,7 @@ def main() -> int:
             ttft[precision][name] = {n: median(samples[f"{name}@{n}"]) for n in LENGTHS}
         result["ttft_ms"][precision] = {k: median(v) for k, v in samples.items()}
         result["ttft_ms_range"][precision] = {k: summary(v) for k, v in samples.items()}
-        suffix = "" if precision == "default" else f"_{precision}"
+        suffix = "" if precision == "fast" else f"_{precision}"  # unsuffixed: the CPU plugin's choice
         for key, name in (("ttft_ratio_1s", "1s"), ("ttft_ratio_2s", "2s"), ("ttft_ratio_fleet", "fleet")):
             per_length = {}
             for n in LENGTHS:

@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--k", type=_k, default=0, metavar="N|auto", help="drafts per verify step (default auto)")
     p.add_argument("--self-draft", type=Path, default=None, help="--local only: the self-draft export")
     p.add_argument(
-        "--precision", default=None, help="--local only: default, f32 or exact (unset: the services' default)"
+        "--precision", default=None, help="--local only: exact, fast or f32 (unset: the default, exact)"
     )
     p.add_argument(
         "--kv",

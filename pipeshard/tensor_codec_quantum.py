@@ -1,6 +1,6 @@
 """CODEC_QUANTUM_ZSTD: fp32 activations with the mantissa bits below a common quantum left out.
 
-SmolLM2's hidden states at the default precision are fp32 sums of terms computed in bf16, so
+SmolLM2's hidden states at `fast` precision are fp32 sums of terms computed in bf16, so
 nearly every value is a multiple of about 2**-19 (make bench-compress): a value with exponent e
 then has its lowest 150 + Q - e mantissa bits zero by construction. Byte lanes only partly see
 that (the zero bits straddle lanes and depend on the exponent); here each mantissa keeps just the

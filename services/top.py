@@ -84,6 +84,7 @@ class StageRow:
     health: str
     layers: str = "?"
     sessions: str = "?"
+    precision: str = "?"
     step_ms: str = "-"
     rows_per_step: str = "-"
     cache: str = "-"
@@ -120,6 +121,7 @@ def stage_row(address: str) -> StageRow:
             return row
         row.layers = f"{info.layer_start}-{info.layer_end - 1}"
         row.sessions = str(info.live_sessions)
+        row.precision = f"{info.precision or '?'} ({'invariant' if info.invariant else 'load-dependent'})"
         return row
 
 
@@ -185,7 +187,17 @@ class View:
 
     def render(self) -> Group:
         stages = Table(title="stages", title_justify="left")
-        for column in ("stage", "address", "layers", "health", "step ms", "rows/step", "sessions", "cache"):
+        for column in (
+            "stage",
+            "address",
+            "layers",
+            "health",
+            "precision",
+            "step ms",
+            "rows/step",
+            "sessions",
+            "cache",
+        ):
             stages.add_column(column)
         for k, endpoint in enumerate(self.topo.stages):
             row = stage_row(endpoint.address)
@@ -195,6 +207,7 @@ class View:
                 row.address,
                 row.layers,
                 row.health,
+                row.precision,
                 row.step_ms,
                 row.rows_per_step,
                 row.sessions,

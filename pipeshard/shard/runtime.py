@@ -26,7 +26,7 @@ import openvino as ov
 import structlog
 
 from pipeshard.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
+from pipeshard.precision import DEFAULT_PRECISION, canonical
 from pipeshard.shard.compile_cache import cache_config
 from pipeshard.shard.device import DEFAULT_DEVICE, device_properties
 from pipeshard.shard.kvblob import KvBlob, KvSource
@@ -42,20 +42,21 @@ WARMUP_PREFILL = 1024
 def compile_properties(
     precision: str = DEFAULT_PRECISION, num_threads: int | None = None, num_streams: int | None = None
 ) -> dict[str, Any]:
-    """CPU compile properties: the LATENCY hint, and by precision (pipeshard/precision.py)
-      ``f32``    f32 inference and an f32 KV cache (the CPU plugin otherwise runs bf16 with a u8
-                 KV cache on this hardware), and no dynamic quantization: with INT4/INT8 weights
-                 the plugin otherwise quantizes activations on the fly per group of a row's
-                 inputs, which makes a row's logits depend on the rows computed with it;
-      ``exact``  the precision that promises speculation, chunking and batching never change a
-                 token: the smallest set bench-numerics found to keep every row's logits within
-                 1e-3 of one-row decoding (1.4e-4 measured) is today the same as ``f32``; bf16
-                 with an f32 KV cache and no dynamic quantization was not enough.
+    """CPU compile properties: the LATENCY hint, and by precision (pipeshard/precision.py;
+    ``default`` is DEFAULT_PRECISION)
+      ``fast``   the plugin's own choice: on this hardware bf16 inference, a u8 KV cache and
+                 activations quantized on the fly per group inside INT4/INT8 matmuls, which makes
+                 a row's logits depend on the rows computed with it and on its prompt's chunking;
+      ``f32``    f32 inference, an f32 KV cache and no dynamic quantization;
+      ``exact``  the precision that promises speculation, chunking, prefix reuse and batching
+                 never change a token: the smallest set bench-numerics found to keep every row's
+                 logits within 1e-3 of one-row decoding (1.4e-4 measured) is today the same as
+                 ``f32``; bf16 with a bf16 KV cache and every step padded to the 8+-row kernel was
+                 not enough (a one-token row's attention rounds differently from a chunk's;
+                 bench-precision-modes).
     Threads and streams left unset follow the hint (all cores, one stream)."""
-    if precision not in PRECISIONS:
-        raise InvalidArgument("precision", f"must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     props: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY"}
-    if precision in ("f32", "exact"):
+    if canonical(precision) in ("f32", "exact"):
         props["INFERENCE_PRECISION_HINT"] = "f32"
         props["KV_CACHE_PRECISION"] = "f32"
         props["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0

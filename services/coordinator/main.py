@@ -14,6 +14,7 @@ from pipeshard.grpc_server import GrpcServer, run_server
 from pipeshard.metrics import COORDINATOR_QUEUED, COORDINATOR_RUNNING
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
+from pipeshard.services.coordinator.fleet_promise import fleet_promise
 from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation
 from pipeshard.services.coordinator.kv_mirror import KvMirror
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
@@ -103,7 +104,7 @@ class CoordinatorSettings(ServerSettings):
     prefix_cache: str = setting(
         "on",
         "reuse the KV of earlier requests' prompts that share a prefix (the stages keep it); a warm "
-        "turn equals a cold one at exact precision, at the default precision up to near-ties",
+        "turn equals a cold one at exact precision (the default), at fast up to near-ties",
         choices=PREFIX_CACHE_MODES,
     )
     prefix_cache_scope: str = setting(
@@ -210,6 +211,8 @@ class Coordinator:
         await self.ring.wait_ready(self.settings.ready_timeout_s)
         infos = await self.ring.stage_infos()
         paged = stage_kv_backend(self.settings.kv, infos) == "paged"
+        promise = fleet_promise(infos)
+        log.info("fleet_promise", precision=promise.precision, invariant=promise.invariant)
         prefix = self.settings.prefix_cache == "on"
         log.info("prefix_cache", enabled=prefix)
         chunk = self.settings.prefill_chunk
@@ -252,6 +255,7 @@ class Coordinator:
             max_prompt_bytes=self.settings.max_prompt_bytes,
             authenticator=Authenticator.from_settings(self.settings.token, self.settings.api_keys),
             prefix_cache_scope=self.settings.prefix_cache_scope,
+            system_fingerprint=promise.system_fingerprint,
         )
 
     def _scheduler(self, infos: list[stage_pb2.GetStageInfoResponse]) -> Scheduler:

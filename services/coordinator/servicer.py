@@ -35,9 +35,12 @@ _FINISH = {
     "error": coordinator_pb2.FINISH_REASON_ERROR,
 }
 
-# GenerateSummary's fields that Summary holds under the same name (all but the enum).
+# GenerateSummary's fields that Summary holds under the same name (all but the enum and the
+# fleet's system_fingerprint, which the servicer adds).
 _SUMMARY_FIELDS = tuple(
-    f.name for f in coordinator_pb2.GenerateSummary.DESCRIPTOR.fields if f.name != "finish_reason"
+    f.name
+    for f in coordinator_pb2.GenerateSummary.DESCRIPTOR.fields
+    if f.name not in ("finish_reason", "system_fingerprint")
 )
 
 
@@ -68,10 +71,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         max_prompt_bytes: int,
         authenticator: Authenticator | None = None,
         prefix_cache_scope: str = "identity",
+        system_fingerprint: str = "",
     ):
+        """``system_fingerprint``: the fleet's promise (services/coordinator/fleet_promise.py),
+        set on every final summary."""
         self._scheduler = scheduler
         self._authenticator = authenticator or Authenticator()
         self._shared_prefixes = prefix_cache_scope == "shared"
+        self._system_fingerprint = system_fingerprint
         self._max_prompt_bytes = max_prompt_bytes
         self._generation = generation
         self._prompter = prompter
@@ -153,6 +160,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     completion_tokens=len(token_ids),
                     text="".join(text),
                     error=str(exc),
+                    system_fingerprint=self._system_fingerprint,
                 )
             )
 
@@ -179,6 +187,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 copied = {name: getattr(event, name) for name in _SUMMARY_FIELDS}
                 yield coordinator_pb2.GenerateResponse(
                     summary=coordinator_pb2.GenerateSummary(
-                        finish_reason=_FINISH[event.finish_reason], **copied
+                        finish_reason=_FINISH[event.finish_reason],
+                        system_fingerprint=self._system_fingerprint,
+                        **copied,
                     )
                 )

@@ -233,6 +233,7 @@ async def _events(
             yield _sse(error.body())
             return
         finish = "length" if summary.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH else "stop"
+        shaper.summarized(summary)
         yield _sse(shaper.chunk(None, finish, with_usage=include_usage))
         if include_usage:
             yield _sse(shaper.usage_chunk(summary))

@@ -27,13 +27,16 @@ def usage(summary: coordinator_pb2.GenerateSummary) -> dict:
 @dataclass
 class Shaper:
     """Builds the objects of one response; ``chat`` picks chat.completion vs text_completion;
-    ``logprobs`` adds each token's logprob object to the choices."""
+    ``logprobs`` adds each token's logprob object to the choices. ``system_fingerprint`` is the
+    fleet's (GenerateSummary): objects built before the summary arrives carry null, as OpenAI's
+    may."""
 
     id: str
     model: str
     chat: bool
     created: int = 0
     logprobs: bool = False
+    system_fingerprint: str | None = None
     _offset: int = 0  # characters of generated text before the next token (completions' text_offset)
 
     def __post_init__(self) -> None:
@@ -41,7 +44,17 @@ class Shaper:
 
     def _envelope(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.system_fingerprint,
+        }
+
+    def summarized(self, summary: coordinator_pb2.GenerateSummary) -> None:
+        """Takes the fleet's system_fingerprint from the final summary for the objects after it."""
+        self.system_fingerprint = summary.system_fingerprint or None
 
     def token_logprobs(self, tokens: Sequence[str], logprobs: Sequence[float]) -> dict | None:
         """OpenAI's logprobs object for these tokens (chat: ``content``; completions: parallel
@@ -94,6 +107,7 @@ class Shaper:
         tokens: Sequence[str] = (),
         logprobs: Sequence[float] = (),
     ) -> dict:
+        self.summarized(summary)
         finish = FINISH.get(summary.finish_reason, "stop")
         choice = self._choice(
             summary.text, finish, delta=False, logprobs=self.token_logprobs(tokens, logprobs)
@@ -118,4 +132,5 @@ class Shaper:
 
     def usage_chunk(self, summary: coordinator_pb2.GenerateSummary) -> dict:
         """The extra last chunk ``stream_options.include_usage`` asks for: no choices, the usage."""
+        self.summarized(summary)
         return {**self._envelope(chunk=True), "choices": [], "usage": usage(summary)}

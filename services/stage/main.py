@@ -12,7 +12,7 @@ from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound
 from pipeshard.grpc_server import run_server
 from pipeshard.link_model import AUTO, CODEC_NAMES, CodecChooser, check_wire_dtype
 from pipeshard.offline import set_offline_defaults
-from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
+from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS, canonical, is_invariant
 from pipeshard.services.stage.engine import StageEngine
 from pipeshard.services.stage.kv import StageKv
 from pipeshard.services.stage.meters import StageMeters, kv_bytes_per_position
@@ -246,7 +246,8 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         model_fingerprint=runner.manifest.model.fingerprint,
         max_context=runner.max_context,
         next_hop=settings.next_hop or "",
-        precision=settings.precision,
+        precision=canonical(settings.precision),
+        invariant=is_invariant(settings.precision),
         device=runner.device,
     )
     return node, info

@@ -1,7 +1,7 @@
 """INT4 fleets at ``--precision exact``: speculative greedy through real stage processes is plain
 greedy, token for token, on 1 and 2 stages, and adaptive K gives one answer on every run.
 
-At the default precision these fail on INT4 shards (issue 12: prompt lookup K=4 and adaptive K
+At `fast` these fail on INT4 shards (issue 12: prompt lookup K=4 and adaptive K
 changed 128-token answers), so they check what ``exact`` promises where users deploy."""
 
 from __future__ import annotations

@@ -153,14 +153,14 @@ def test_captured_session_continues_identically_on_another_process(two_stage_pro
         dst.close()
 
 
-def test_default_precision_sessions_move_as_verbatim_blocks(
+def test_fast_precision_sessions_move_as_verbatim_blocks(
     smollm2_export, fleet_factory, two_stage_processes, chat_prompt_ids
 ):
-    """At the default precision paged stages keep a u8 cache: the snapshot carries its blocks byte
+    """At `fast` precision paged stages keep a u8 cache: the snapshot carries its blocks byte
     for byte (block_tokens = 32), the restored session decodes what the original decodes, and an
     exact stage (f32 pools) refuses the snapshot by its layout."""
     export = smollm2_export(1, "int4")
-    a, b = fleet_factory(export, 1), fleet_factory(export, 1)
+    a, b = fleet_factory(export, 1, precision="fast"), fleet_factory(export, 1, precision="fast")
     src, dst = Driver(a.stages[0], "src"), Driver(b.stages[0], "dst")
     exact = Driver(two_stage_processes[1], "exact")
     try:

@@ -143,7 +143,36 @@ def test_top_shows_step_time_cache_users_and_tokens(fleet, tmp_path, capsys):
     ]
     assert pipeshard(args) == 0
     out = capsys.readouterr().out
-    for column in ("step ms", "rows/step", "cache", "users", "queue", "tok/s"):
+    for column in ("step ms", "rows/step", "cache", "users", "queue", "tok/s", "precision"):
         assert column in out
+    assert out.count("exact (invariant)") == 2  # the default precision, on both stages
     assert out.count(" pos, ") == 2 and "MiB" in out  # cache use of both stages
     assert "OK " in out
+
+
+def test_gateway_answers_carry_the_fleets_system_fingerprint(fleet, smollm2_export):
+    """The fingerprint comes from the stages' promise and the export (fleet_promise.py): the same
+    on every answer, whole or streamed (from the finish chunk on), and what the coordinator says."""
+    import json
+    import urllib.request
+
+    from pipeshard.services.coordinator.fleet_promise import FleetPromise
+    from pipeshard.shard.manifest import load_manifest
+
+    model = load_manifest(smollm2_export(2, "int4")).model.fingerprint
+    want = FleetPromise(model, "exact", True).system_fingerprint
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+    def post(extra: dict) -> bytes:
+        request = urllib.request.Request(
+            f"http://{fleet.gateway}/v1/chat/completions",
+            data=json.dumps({**body, **extra}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            return reply.read()
+
+    assert json.loads(post({}))["system_fingerprint"] == want
+    lines = post({"stream": True}).decode().splitlines()
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+    assert chunks[0]["system_fingerprint"] is None and chunks[-1]["system_fingerprint"] == want

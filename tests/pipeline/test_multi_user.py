@@ -1,5 +1,5 @@
 """Many users at once on the stateful backend (`--kv stateful`): every session has its own state,
-so each session's output is its solo output at the default precision too; admission control at
+so each session's output is its solo output even at `fast` (pinned here); admission control at
 capacity. The default paged backend batches sessions into one inference, exact at `exact` only:
 tests/pipeline/test_paged_fleet.py."""
 
@@ -24,6 +24,7 @@ def fleet(smollm2_export, fleet_factory):
     return fleet_factory(
         smollm2_export(2, "int4"),
         2,
+        precision="fast",
         extra_stage_args=["--kv", "stateful"],
         extra_coordinator_args=["--prefill-chunk", "16", "--max-running", "4"],
     )
@@ -47,7 +48,7 @@ def test_concurrent_sessions_match_their_solo_runs(fleet, prompts):
 
 def test_concurrent_speculative_sessions_match_their_solo_runs(fleet, prompts):
     """Each session runs its own speculative loop at a fixed K: neighbours, speculative or not,
-    cannot change its output (at the default precision too: every session has its own state)."""
+    cannot change its output (at `fast` too: every session has its own state)."""
     jobs = [
         (prompts[2], "ngram", 3),
         (prompts[2], "ngram", 3),

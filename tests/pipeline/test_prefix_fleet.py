@@ -63,10 +63,11 @@ def test_warm_turns_equal_cold_turns_and_failed_restores_fall_back(fleets):
     assert "prefix cache has no block" in cold_log
 
 
-def test_the_default_fleet_restores_prefixes(smollm2_export, fleet_factory):
-    """What `make up` runs (paged stages at the default precision, no coordinator flag) keeps and
-    restores prefixes: the u8 pools' blocks travel verbatim (warm vs cold numerics: test_paged.py)."""
-    fleet = fleet_factory(smollm2_export(2, "int4"), 2)
+def test_a_fast_fleet_restores_prefixes(smollm2_export, fleet_factory):
+    """`make up PRECISION=fast` (paged stages at bf16 with u8 pools, no coordinator flag) keeps and
+    restores prefixes too: the u8 pools' blocks travel verbatim (warm vs cold numerics:
+    test_paged.py)."""
+    fleet = fleet_factory(smollm2_export(2, "int4"), 2, precision="fast")
     with PipeshardClient(fleet.coordinator, timeout_s=300) as client:
         second = client.generate(messages=_next_turn(client, 8), max_tokens=8, ignore_eos=True)
     assert len(second.token_ids) == 8

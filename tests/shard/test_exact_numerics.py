@@ -1,7 +1,7 @@
 """``exact`` precision on INT4 shards: regrouping rows keeps every logit within 1e-3 of one-row
 decoding and never changes a greedy token (teacher-forced, so every grouping sees one sequence).
 
-At the CPU's default precision the same comparisons differ by up to about 1.6 (argmax changes):
+At `fast` (the CPU plugin's own choice) the same comparisons differ by up to about 1.6 (argmax changes):
 these tests fail if ``exact`` loses a property it needs (docs/BENCHMARKS.md, bench-numerics)."""
 
 from __future__ import annotations

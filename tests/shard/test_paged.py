@@ -163,10 +163,10 @@ def test_bad_rows_fail_the_step_and_change_nothing(paged):
         first.free("y")
 
 
-def test_default_precision_blocks_hold_32_tokens_with_a_u8_cache(export):
+def test_fast_precision_blocks_hold_32_tokens_with_a_u8_cache(export):
     # The u8 key cache keeps its scales as extra rows ([blocks, 3, 40, 64]); blocks still hold 32
     # tokens, and a sequence longer than one block decodes like its prefill predicted.
-    stage = PagedShard(export, 0, "default", cache_bytes=8 << 20)
+    stage = PagedShard(export, 0, "fast", cache_bytes=8 << 20)
     assert stage.block_tokens == 32
     assert stage.block_bytes == 15 * (3 * 40 * 64 + 3 * 32 * 72)
     stage.open("a", 100)
@@ -213,15 +213,15 @@ def _teacher_forced(stages, seq: str, feed: list[int], forced: list[int]) -> np.
     return np.array(out)
 
 
-def test_default_precision_kv_is_captured_verbatim(export, chat_prompt_ids):
-    """The default precision's u8 pools are captured as their blocks, scale rows included, so a
+def test_fast_precision_kv_is_captured_verbatim(export, chat_prompt_ids):
+    """`fast` precision's u8 pools are captured as their blocks, scale rows included, so a
     restored sequence continues bit for bit as the one it was captured from (and through the
-    snapshot's proto). Restoring a prefix that ends inside a block stays within the default
-    precision's chunking noise of a fresh run; restoring another prompt's KV does not."""
+    snapshot's proto). Restoring a prefix that ends inside a block stays within `fast`'s
+    chunking noise of a fresh run; restoring another prompt's KV does not."""
     from pipeshard.errors import FailedPrecondition
     from pipeshard.shard.kvblob import KvBlob, from_proto, to_proto
 
-    stages = [PagedShard(export, s, "default", cache_bytes=32 << 20) for s in (0, 1)]
+    stages = [PagedShard(export, s, "fast", cache_bytes=32 << 20) for s in (0, 1)]
     layout = stages[0].kv_source.blocks
     assert layout is not None and layout.dtype == "uint8" and layout.shapes[:2] == ((3, 40, 64), (3, 32, 72))
     prompt, other = chat_prompt_ids[0] * 3, chat_prompt_ids[1] * 3

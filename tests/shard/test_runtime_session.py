@@ -12,7 +12,8 @@ from pipeshard.shard.runtime import ShardRunner, compile_properties
 
 
 def test_compile_properties():
-    assert compile_properties() == {"PERFORMANCE_HINT": "LATENCY"}
+    assert compile_properties("fast") == {"PERFORMANCE_HINT": "LATENCY"}
+    assert compile_properties() == compile_properties("default") == compile_properties("exact")
     assert compile_properties("f32", 2) == {
         "PERFORMANCE_HINT": "LATENCY",
         "INFERENCE_PRECISION_HINT": "f32",
@@ -26,7 +27,7 @@ def test_compile_properties():
         "KV_CACHE_PRECISION": "f32",
         "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0,
     }
-    assert compile_properties(num_streams=2) == {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 2}
+    assert compile_properties("fast", num_streams=2) == {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 2}
     with pytest.raises(InvalidArgument) as err:
         compile_properties("bf8")
     assert err.value.field == "precision" and "exact" in str(err.value)
