@@ -20,8 +20,10 @@ prompt. Blocks a request is restoring from are pinned: the index's LRU skips the
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from pipeshard.shard.prefix_chain import BLOCK, block_chain
 
@@ -29,7 +31,7 @@ from pipeshard.shard.prefix_chain import BLOCK, block_chain
 @dataclass
 class _Block:
     scope: str
-    tokens: tuple[int, ...]  # this block's own tokens (BLOCK of them, fewer when partial)
+    tokens: np.ndarray  # this block's own tokens, int64 (BLOCK of them, fewer when partial)
     parent: str | None  # the key of the block it chains on (None: a sequence's first)
     children: set[str] = field(default_factory=set)
     pins: int = 0
@@ -72,7 +74,7 @@ class PrefixIndex:
         # Extend into a successor block: a partial one (a shorter kept sequence) or a block the
         # prompt leaves early, reused up to the first token that differs.
         successors = self._blocks[keys[-1]].children if keys else self._roots.get(scope, set())
-        rest = usable[positions : positions + BLOCK]
+        rest = np.asarray(usable[positions : positions + BLOCK], dtype=np.int64)
         best, best_key = 0, None
         for key in successors:
             shared = _shared(self._blocks[key].tokens, rest)
@@ -83,7 +85,7 @@ class PrefixIndex:
             positions += best
         if positions < self.min_tokens:
             return None
-        tokens = [t for key in keys for t in self._blocks[key].tokens]
+        tokens = np.concatenate([self._blocks[key].tokens for key in keys]).tolist()
         for key in keys:
             self._blocks[key].pins += 1
         self._touch(keys)
@@ -109,7 +111,7 @@ class PrefixIndex:
         keys = []
         for start, end, key in block_chain(scope, tokens):
             if key not in self._blocks:
-                self._blocks[key] = _Block(scope, tuple(tokens[start:end]), parent)
+                self._blocks[key] = _Block(scope, np.asarray(tokens[start:end], dtype=np.int64), parent)
                 self._successors(self._blocks[key]).add(key)
             keys.append(key)
             parent = key
@@ -149,7 +151,8 @@ class PrefixIndex:
         self.forget(leaves)
 
 
-def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+def _shared(a: np.ndarray, b: np.ndarray) -> int:
     """How many leading tokens ``a`` and ``b`` share."""
     n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
