@@ -38,11 +38,18 @@ def test_index_finds_the_longest_shared_prefix_within_a_scope_only():
     assert index.lookup("alice", [0, 1, 2, 3, 4, 9]).tokens == list(range(32))  # within the first block
 
 
-def test_shared_scope_is_one_scope_for_everyone():
+def test_shared_scope_is_one_scope_for_everyone_and_identities_stay_apart():
+    """With --prefix-cache-scope shared every request carries SHARED_PREFIX_SCOPE (servicer.py):
+    what one identity kept there another finds; identity scopes never see it or each other."""
+    from pipeshard.services.coordinator.servicer import SHARED_PREFIX_SCOPE
+
     index = PrefixIndex(min_tokens=4)
-    index.add("*", list(range(40)))
-    assert index.lookup("*", list(range(41))).positions == 40
+    index.add(SHARED_PREFIX_SCOPE, list(range(40)))
+    index.add("alice", list(range(100, 140)))
+    assert index.lookup(SHARED_PREFIX_SCOPE, list(range(41))).positions == 40
     assert index.lookup("alice", list(range(41))) is None
+    assert index.lookup("bob", list(range(100, 141))) is None
+    assert index.lookup("alice", list(range(100, 141))).positions == 40
 
 
 def test_an_eviction_report_drops_the_block_and_everything_chained_on_it():
