@@ -161,6 +161,11 @@ IDENTITY_CACHED_TOKENS = counter(
     "Prompt tokens restored from the prefix cache instead of prefilled, by identity.",
     ("identity",),
 )
+PREFIX_STAGE_MISSES = counter(
+    "pipeshard_coordinator_prefix_stage_misses_total",
+    "Prefix index hits a stage could not restore (it no longer held a block): each costs an "
+    "aborted session and a cold prefill; 0 while the stages' eviction reports keep the index exact.",
+)
 GENERATED_TOKENS = counter(
     "pipeshard_generated_tokens_total", "Tokens generated and streamed to clients by the coordinator."
 )

@@ -13,7 +13,10 @@ With a prefix index (prefix caching), a request first restores on every stage th
 prefix of its prompt that a finished request of the same client left in the stages' caches, and
 prefills only the rest; a finished request leaves its own sequence there. A restore that fails
 anywhere (a stage evicted the entry, refused it, or missed the deadline) is thrown away whole:
-the session goes and the request prefills cold in a new one.
+the session goes and the request prefills cold in a new one. The index (prefix_cache.py) holds
+the stages' block keys and forgets what their keep and restore replies report dropped, so a
+restore that fails because a stage no longer holds the prefix is an exception, counted by
+``pipeshard_coordinator_prefix_stage_misses_total``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pipeshard.errors import InvalidArgument, PipeshardError, Unavailable
 from pipeshard.metrics import (
     GENERATED_TOKENS,
     INTER_TOKEN,
+    PREFIX_STAGE_MISSES,
     SPECULATIVE_ACCEPTED,
     SPECULATIVE_DRAFTED,
     TIME_TO_FIRST_TOKEN,
@@ -40,6 +44,7 @@ from pipeshard.metrics import (
 from pipeshard.sampling import accept_sampled, restore_rng, rng_state
 from pipeshard.services.coordinator.detokenizer import IncrementalDetokenizer
 from pipeshard.services.coordinator.prefix_cache import PrefixIndex
+from pipeshard.services.coordinator.ring import StageFailed
 from pipeshard.services.coordinator.sampling import Sampler, SamplingParams, token_logprobs
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
@@ -63,11 +68,11 @@ class RingLike(Protocol):
 
     async def abort_session(self, session_id: str, reason: str) -> None: ...
 
-    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> list[int]: ...
+    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> set[str]: ...
 
     async def restore_kv(
         self, session_id: str, scope: str, token_ids: list[int], positions: int, timeout_s: float
-    ) -> None: ...
+    ) -> set[str]: ...
 
 
 # Prompt tokens per prefill step: the whole context, so a prompt is prefilled in one pass. Measured
@@ -512,7 +517,7 @@ class Generation:
         if hit is None:
             return
         try:
-            await asyncio.wait_for(
+            dropped = await asyncio.wait_for(
                 self._ring.restore_kv(
                     request.session_id, scope, hit.tokens, hit.positions, self.restore_timeout_s
                 ),
@@ -521,6 +526,8 @@ class Generation:
         except (PipeshardError, TimeoutError) as exc:
             self.prefix.unpin(hit)
             self.prefix.drop(hit)
+            if isinstance(exc, StageFailed) and exc.code == "NOT_FOUND":
+                PREFIX_STAGE_MISSES.inc()  # the index held what a stage did not
             reason = str(exc) or type(exc).__name__
             log.info(
                 "prefix_cache_fallback", session_id=request.session_id, positions=hit.positions, reason=reason
@@ -537,26 +544,31 @@ class Generation:
             self.prefix.unpin(hit)
             raise
         self.prefix.unpin(hit)
+        self.prefix.forget(dropped)
         request.cursor.restored(hit.positions)
         request.stats.cached_tokens = hit.positions
         log.info("prefix_cache_hit", session_id=request.session_id, positions=hit.positions)
 
     async def _keep(self, request: _Request, scope: str) -> None:
         """Leaves the finished sequence in every stage's prefix cache (all but the last token,
-        which no stage has seen) and indexes it; a failure only costs the next request its hit."""
+        which no stage has seen) and indexes it, less the blocks the stages report dropped; a
+        failure only costs the next request its hit."""
         sequence = request.prompt_ids + request.generated
         tokens = sequence[: min(request.cursor.logical, len(sequence) - 1)]
         if len(tokens) < self.prefix.min_tokens:
             return
         try:
-            stored = await asyncio.wait_for(
+            dropped = await asyncio.wait_for(
                 self._ring.keep_kv(request.session_id, scope, tokens), self.restore_timeout_s
             )
         except (PipeshardError, TimeoutError) as exc:
             log.info("prefix_cache_keep_failed", session_id=request.session_id, reason=str(exc) or "timeout")
             return
         self.prefix.add(scope, tokens)
-        log.debug("prefix_cache_kept", session_id=request.session_id, positions=len(tokens), bytes=stored)
+        self.prefix.forget(dropped)
+        log.debug(
+            "prefix_cache_kept", session_id=request.session_id, positions=len(tokens), dropped=len(dropped)
+        )
 
     def _in_background(self, coro) -> None:
         task = asyncio.ensure_future(coro)

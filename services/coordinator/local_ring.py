@@ -31,14 +31,20 @@ class InProcessKv:
     """The prefix cache's keep and restore on every stage's ``StageKv`` (``self.kv``) in this
     process, for the in-process rings; a stage's refusal fails the call as ``StageFailed``."""
 
-    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> list[int]:
-        return [self._on(i, kv.keep, session_id, scope, token_ids)[1] for i, kv in enumerate(self.kv)]
+    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> set[str]:
+        for i, kv in enumerate(self.kv):
+            self._on(i, kv.keep, session_id, scope, token_ids)
+        return self._dropped()
 
     async def restore_kv(
         self, session_id: str, scope: str, token_ids: list[int], positions: int, timeout_s: float
-    ) -> None:
+    ) -> set[str]:
         for i, kv in enumerate(self.kv):
             self._on(i, kv.restore_cached, session_id, scope, token_ids, positions)
+        return self._dropped()
+
+    def _dropped(self) -> set[str]:
+        return {key for kv in self.kv for key in kv.dropped(LOCAL_OWNER)}
 
     def _on(self, index: int, method, *args):
         try:

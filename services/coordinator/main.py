@@ -114,7 +114,11 @@ class CoordinatorSettings(ServerSettings):
         "what another has sent; docs/SECURITY.md)",
         choices=("identity", "shared"),
     )
-    prefix_cache_entries: int = setting(256, "token sequences the prefix index remembers (LRU)")
+    prefix_cache_entries: int = setting(
+        16384,
+        "blocks (32 tokens each) the prefix index remembers (LRU); the stages' eviction reports "
+        "usually drop them sooner",
+    )
     prefix_min_tokens: int = setting(64, "shortest shared prefix worth restoring instead of prefilling")
     prefix_restore_timeout_s: float = setting(
         5.0, "a prefix restore (or keep) not done on every stage by then is dropped: cold prefill"

@@ -61,13 +61,13 @@ class PlanRing:
         self.batcher.forget(session_id)
         await self.ring.abort_session(session_id, reason)
 
-    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> list[int]:
+    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> set[str]:
         return await self.ring.keep_kv(session_id, scope, token_ids)
 
     async def restore_kv(
         self, session_id: str, scope: str, token_ids: list[int], positions: int, timeout_s: float
-    ) -> None:
-        await self.ring.restore_kv(session_id, scope, token_ids, positions, timeout_s)
+    ) -> set[str]:
+        return await self.ring.restore_kv(session_id, scope, token_ids, positions, timeout_s)
 
     async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
         return await self.batcher.step(frame)

@@ -237,23 +237,25 @@ class Ring:
             "AbortSession", stage_pb2.AbortSessionRequest(session_id=session_id, reason=reason), tolerate=True
         )
 
-    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> list[int]:
+    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> set[str]:
         """Every stage keeps the session's KV of ``token_ids`` in its prefix cache; returns the
-        bytes each newly stored."""
+        block keys any stage reports dropped (the prefix index forgets them)."""
         request = stage_pb2.CaptureKvRequest(
             session_id=session_id, token_ids=token_ids, keep_in_cache=True, cache_scope=scope
         )
-        return [r.cached_bytes for r in await self._on_all("CaptureKv", request)]
+        return {key for r in await self._on_all("CaptureKv", request) for key in r.evicted_blocks}
 
     async def restore_kv(
         self, session_id: str, scope: str, token_ids: list[int], positions: int, timeout_s: float
-    ) -> None:
+    ) -> set[str]:
         """Restore the first ``positions`` positions of a cached sequence on every stage within
-        ``timeout_s``; raises if any stage fails (the caller then discards the session)."""
+        ``timeout_s``; raises if any stage fails (the caller then discards the session). Returns
+        the block keys any stage reports dropped."""
         request = stage_pb2.RestoreKvRequest(
             session_id=session_id, cache_scope=scope, cached_token_ids=token_ids, positions=positions
         )
-        await self._on_all("RestoreKv", request, timeout=timeout_s)  # a late stage: UNAVAILABLE
+        responses = await self._on_all("RestoreKv", request, timeout=timeout_s)  # a late stage: UNAVAILABLE
+        return {key for r in responses for key in r.evicted_blocks}
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Wait until every stage answers and the result subscription is live."""

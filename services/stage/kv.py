@@ -117,6 +117,11 @@ class StageKv:
         self.access.load(self.access.fresh(owner, session_id), blob)
         return positions
 
+    def dropped(self, owner: str) -> list[str]:
+        """The keys of the owner's prefix cache blocks dropped since its last keep or restore
+        reply, which this one carries (``evicted_blocks``)."""
+        return self.store.take_dropped(owner)
+
     def _holding(self, owner: str, session_id: str, token_ids: Sequence[int]):
         session = self.sessions.get(owner, session_id)
         held = self.access.held(session)

@@ -5,7 +5,8 @@ keeps what it had), one file per block: a KvSnapshot (pipeshard/shard/kvblob.py)
 export and layer range, with its sha256. A block evicted from memory is read back from its file
 on a later hit. A file that fails its checks (another export, a torn or flipped byte) is deleted
 and counts as missing, so the restore falls back to a cold prefill. The folder has its own byte
-budget; the oldest files go first beyond it.
+budget; the oldest files go first beyond it, each reported to ``on_remove`` (the store's
+eviction report) with its owner's digest and block key, which its name carries.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,12 @@ log = structlog.get_logger(__name__)
 SUFFIX = ".kvblock"
 
 
+def owner_digest(owner: str) -> str:
+    """The owner as spill file names carry it (owner keys are secrets' hashes already; hashed
+    again they make a safe file name)."""
+    return hashlib.sha256(owner.encode()).hexdigest()[:32]
+
+
 class PrefixSpill:
     """Blocks as files named by owner and block key, least recently written out beyond ``budget_bytes``."""
 
@@ -39,6 +46,7 @@ class PrefixSpill:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.source = source
         self.budget_bytes = budget_bytes
+        self.on_remove: Callable[[str, str], None] | None = None  # (owner digest, block key)
         files = sorted(self.folder.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
         self._files: OrderedDict[str, int] = OrderedDict((p.name, p.stat().st_size) for p in files)
         self.nbytes = sum(self._files.values())
@@ -48,8 +56,10 @@ class PrefixSpill:
         return len(self._files)
 
     def _name(self, owner: str, key: str) -> str:
-        # Owner keys are secrets' hashes already; hashed again they make a safe file name.
-        return f"{hashlib.sha256(owner.encode()).hexdigest()[:32]}-{key}{SUFFIX}"
+        return f"{owner_digest(owner)}-{key}{SUFFIX}"
+
+    def holds(self, owner: str, key: str) -> bool:
+        return self._name(owner, key) in self._files
 
     def write(self, owner: str, key: str, block: Sequence[np.ndarray], positions: int) -> None:
         name = self._name(owner, key)
@@ -86,6 +96,9 @@ class PrefixSpill:
     def _remove(self, name: str) -> None:
         self.nbytes -= self._files.pop(name, 0)
         (self.folder / name).unlink(missing_ok=True)
+        if self.on_remove is not None:
+            digest, _, key = name.removesuffix(SUFFIX).partition("-")
+            self.on_remove(digest, key)
 
     def _evict(self) -> None:
         while self.nbytes > self.budget_bytes and self._files:

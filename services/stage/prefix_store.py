@@ -5,7 +5,10 @@ scope and *every* token up to its end (a hash chain), so two sequences that shar
 its full blocks: a system prompt many conversations start with is stored once. The KV of a
 position depends only on the tokens up to it, which is why the first ``n`` positions of any stored
 sequence can be restored for a prompt that shares ``n`` tokens with it. Blocks are evicted least
-recently used first beyond a byte budget. Owners (coordinators) never see each other's blocks;
+recently used first beyond a byte budget; the keys of an owner's blocks that go (evicted, or not
+kept for want of room) are collected until that owner's next keep or restore reply carries them
+(:meth:`PrefixStore.take_dropped`), so the coordinator's index forgets what this stage no longer
+holds. Owners (coordinators) never see each other's blocks;
 within one owner, scopes (client identities) never do. With a spill folder (prefix_spill.py) every
 block is also kept on disk, and a block missing from memory is looked for there. A block holds
 f32 positions ``[kv_heads, n, head_dim]`` per state or, on a paged stage with quantized pools,
@@ -15,29 +18,15 @@ this one).
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
 
 from pipeshard.errors import InvalidArgument, NotFound
-from pipeshard.services.stage.prefix_spill import PrefixSpill
+from pipeshard.services.stage.prefix_spill import PrefixSpill, owner_digest
 from pipeshard.shard.kvblob import BlockLayout
-
-BLOCK = 32  # positions per block: the paged backend's block size, so both can share this layout
-
-
-def block_keys(scope: str, token_ids: Sequence[int]) -> list[tuple[int, int, str]]:
-    """(start, end, key) of each block of ``token_ids``; the last block may be partial."""
-    digest = hashlib.sha256(scope.encode() + b"\0")
-    ids = np.asarray(token_ids, dtype="<i8")
-    out = []
-    for start in range(0, len(ids), BLOCK):
-        end = min(start + BLOCK, len(ids))
-        digest.update(ids[start:end].tobytes())
-        out.append((start, end, digest.copy().hexdigest()))
-    return out
+from pipeshard.shard.prefix_chain import BLOCK, block_chain
 
 
 class PrefixStore:
@@ -54,7 +43,11 @@ class PrefixStore:
         self.spill = spill
         self.layout = layout
         self._blocks: OrderedDict[tuple[str, str], tuple[np.ndarray, ...]] = OrderedDict()
+        # Keys gone since the owner's last report, by owner digest (as the spill names owners).
+        self._dropped: dict[str, set[str]] = {}
         self.nbytes = 0
+        if spill is not None:
+            spill.on_remove = self._spill_removed
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -65,7 +58,8 @@ class PrefixStore:
         if not token_ids:
             raise InvalidArgument("token_ids", "must name the captured tokens to keep them in the cache")
         added = 0
-        for index, (start, end, key) in enumerate(block_keys(scope, token_ids)):
+        chain = block_chain(scope, token_ids)
+        for index, (start, end, key) in enumerate(chain):
             slot = (owner, key)
             if slot in self._blocks:
                 self._blocks.move_to_end(slot)
@@ -76,7 +70,9 @@ class PrefixStore:
                 block = tuple(np.array(a[index : index + 1], order="C") for a in arrays)
             size = sum(b.nbytes for b in block)
             if size > self.budget_bytes:
-                break  # the rest of the sequence would not fit either: its blocks chain on this one
+                # The rest of the sequence would not fit either: its blocks chain on this one.
+                self._dropped.setdefault(owner_digest(owner), set()).update(b.key for b in chain[index:])
+                break
             self._blocks[slot] = block
             self.nbytes += size
             added += size
@@ -90,7 +86,9 @@ class PrefixStore:
         a KV blob of ``positions`` positions holds it)."""
         if not 0 < positions <= len(token_ids):
             raise InvalidArgument("positions", f"must be in [1, {len(token_ids)}], got {positions}")
-        slots = [(start, (owner, key)) for start, _, key in block_keys(scope, token_ids) if start < positions]
+        slots = [
+            (start, (owner, key)) for start, _, key in block_chain(scope, token_ids) if start < positions
+        ]
         blocks = []
         for start, slot in slots:
             block = self._blocks.get(slot)
@@ -109,7 +107,20 @@ class PrefixStore:
             return [np.concatenate([b[i] for b in blocks]) for i in range(len(blocks[0]))]
         return [np.concatenate([b[i] for b in blocks], axis=1)[:, :positions] for i in range(len(blocks[0]))]
 
+    def take_dropped(self, owner: str) -> list[str]:
+        """The keys of ``owner``'s blocks dropped since the last call and not held again (for
+        its next reply)."""
+        gone = self._dropped.pop(owner_digest(owner), set())
+        return sorted(key for key in gone if not self._holds(owner, key))
+
+    def _holds(self, owner: str, key: str) -> bool:
+        return (owner, key) in self._blocks or (self.spill is not None and self.spill.holds(owner, key))
+
     def _evict(self) -> None:
         while self.nbytes > self.budget_bytes and self._blocks:
-            _, block = self._blocks.popitem(last=False)
+            (owner, key), block = self._blocks.popitem(last=False)
             self.nbytes -= sum(b.nbytes for b in block)
+            self._dropped.setdefault(owner_digest(owner), set()).add(key)  # take_dropped skips spilled ones
+
+    def _spill_removed(self, digest: str, key: str) -> None:
+        self._dropped.setdefault(digest, set()).add(key)

@@ -94,7 +94,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         owner, kv = _owner(context), self._node.kv
         if request.keep_in_cache:
             positions, added = kv.keep(owner, request.session_id, request.cache_scope, request.token_ids)
-            return stage_pb2.CaptureKvResponse(positions=positions, cached_bytes=added)
+            return stage_pb2.CaptureKvResponse(
+                positions=positions, cached_bytes=added, evicted_blocks=kv.dropped(owner)
+            )
         blob = kv.capture(owner, request.session_id, request.token_ids)
         return stage_pb2.CaptureKvResponse(snapshot=to_proto(blob), positions=blob.positions)
 
@@ -106,7 +108,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             positions = kv.restore_cached(
                 owner, request.session_id, request.cache_scope, request.cached_token_ids, request.positions
             )
-        return stage_pb2.RestoreKvResponse(positions=positions)
+        return stage_pb2.RestoreKvResponse(positions=positions, evicted_blocks=kv.dropped(owner))
 
     async def CaptureKvStream(self, request, context):
         if request.capture.keep_in_cache:

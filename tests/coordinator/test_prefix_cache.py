@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from prometheus_client import REGISTRY
 
 from pipeshard.errors import NotFound
 from pipeshard.services.coordinator.generation import Chunk, Generation, Summary
@@ -14,13 +15,14 @@ from pipeshard.services.coordinator.prefix_cache import PrefixIndex
 from pipeshard.services.coordinator.ring import StageFailed
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.stage.wire import stage_error
+from pipeshard.shard.prefix_chain import BLOCK, block_chain
 from pipeshard.v1 import activation_pb2
 
 # -- the index ----------------------------------------------------------------------------------
 
 
 def test_index_finds_the_longest_shared_prefix_within_a_scope_only():
-    index = PrefixIndex(max_entries=8, min_tokens=4)
+    index = PrefixIndex(max_blocks=64, min_tokens=4)
     index.add("alice", list(range(100)))
     index.add("alice", [*range(50), 7, 7, 7, 7, 7, 7])
     hit = index.lookup("alice", [*range(60), 1, 2])
@@ -29,21 +31,56 @@ def test_index_finds_the_longest_shared_prefix_within_a_scope_only():
     assert index.lookup("bob", list(range(100))) is None  # another client's entries stay invisible
     # The whole prompt matches: its last token is still prefilled (its logits give the first token).
     assert index.lookup("alice", list(range(100))).positions == 99
+    # A longer prompt reuses the whole kept sequence, its partial last block included.
+    longer = index.lookup("alice", [*range(100), 5, 5])
+    assert longer.positions == 100 and longer.tokens == list(range(100))
     assert index.lookup("alice", [0, 1, 2, 9]) is None  # 3 shared tokens < min_tokens
+    assert index.lookup("alice", [0, 1, 2, 3, 4, 9]).tokens == list(range(32))  # within the first block
 
 
-def test_index_drops_covered_entries_and_evicts_unpinned_ones_first():
-    index = PrefixIndex(max_entries=2, min_tokens=1)
-    index.add("s", [1, 2, 3])
-    index.add("s", [1, 2, 3, 4, 5])  # covers the first: stored once
+def test_shared_scope_is_one_scope_for_everyone_and_identities_stay_apart():
+    """With --prefix-cache-scope shared every request carries SHARED_PREFIX_SCOPE (servicer.py):
+    what one identity kept there another finds; identity scopes never see it or each other."""
+    from pipeshard.services.coordinator.servicer import SHARED_PREFIX_SCOPE
+
+    index = PrefixIndex(min_tokens=4)
+    index.add(SHARED_PREFIX_SCOPE, list(range(40)))
+    index.add("alice", list(range(100, 140)))
+    assert index.lookup(SHARED_PREFIX_SCOPE, list(range(41))).positions == 40
+    assert index.lookup("alice", list(range(41))) is None
+    assert index.lookup("bob", list(range(100, 141))) is None
+    assert index.lookup("alice", list(range(100, 141))).positions == 40
+
+
+def test_an_eviction_report_drops_the_block_and_everything_chained_on_it():
+    index = PrefixIndex(min_tokens=4)
+    system = list(range(1000, 1000 + 2 * BLOCK))
+    one, two = [*system, *range(40)], [*system, *range(500, 540)]
+    index.add("s", one)
+    index.add("s", two)
+    assert len(index) == 2 + 2 * 2  # the system prompt's blocks are indexed once
+    index.forget([block_chain("s", one)[2].key])  # one's third block: its fourth goes with it
+    assert index.lookup("s", [*one, 1]).positions == 2 * BLOCK
+    assert index.lookup("s", [*two, 1]).positions == len(two)
+    index.forget([block_chain("s", system)[1].key])  # the system prompt's second block
+    assert index.lookup("s", [*two, 1]).positions == BLOCK
     assert len(index) == 1
-    pinned = index.lookup("s", [1, 2, 3, 4, 5, 6])
-    index.add("s", [9, 9, 9])
-    index.add("s", [8, 8, 8])  # over the limit: the pinned entry stays, [9, 9, 9] goes
-    assert index.lookup("s", [9, 9, 9, 1]) is None
+    index.forget(["not-a-key"])  # a block this index never had
+    assert len(index) == 1
+
+
+def test_lru_evicts_unpinned_leaves_and_a_failed_restore_drops_its_chain():
+    index = PrefixIndex(max_blocks=4, min_tokens=1)
+    a, b = list(range(2 * BLOCK)), list(range(100, 100 + 2 * BLOCK))
+    index.add("s", a)
+    pinned = index.lookup("s", [*a, 1])
+    index.add("s", b)  # 4 blocks: at the limit
+    index.add("s", [7, 7, 7])  # over it: b's last block goes (a is pinned, b's first is newer)
+    assert len(index) == 4
+    assert index.lookup("s", [*b, 1]).positions == BLOCK
     index.unpin(pinned)
-    index.drop(pinned)  # a failed restore forgets the entry
-    assert index.lookup("s", [1, 2, 3, 4, 5, 6]) is None and len(index) == 1
+    index.drop(pinned)  # a failed restore forgets the chain it used
+    assert index.lookup("s", [*a, 1]) is None
 
 
 # -- restore and fallback, on a fake ring -------------------------------------------------------
@@ -76,7 +113,7 @@ class Ring:
 
     async def keep_kv(self, session_id, scope, token_ids):
         self.calls.append(("keep", session_id, scope, len(token_ids)))
-        return [0]
+        return set()
 
     async def restore_kv(self, session_id, scope, token_ids, positions, timeout_s):
         self.calls.append(("restore", session_id, positions))
@@ -84,6 +121,11 @@ class Ring:
             raise StageFailed(stage_error(1, NotFound("prefix cache has no block for positions from 32")))
         if self.restore == "hang":
             await asyncio.sleep(60)
+        return set()
+
+
+def _misses() -> float:
+    return REGISTRY.get_sample_value("pipeshard_coordinator_prefix_stage_misses_total") or 0.0
 
 
 async def _generate(generation: Generation, prompt: list[int], scope: str = "c") -> Summary:
@@ -104,7 +146,10 @@ def test_second_turn_restores_or_falls_back_whole(failure):
         warm = await _generate(generation, [*first, 7, 7, 7, 5, 6, 7])
         return cold, warm
 
+    misses = _misses()
     cold, warm = asyncio.run(two_turns())
+    # Only a stage's NOT_FOUND is a stage miss (a late stage is a timeout, not a miss).
+    assert _misses() - misses == (1 if failure == "missing" else 0)
     assert cold.cached_tokens == 0
     kept = [c for c in ring.calls if c[0] == "keep"]
     assert kept[0][2:] == ("c", 40 + 3)  # prompt and generated tokens but the last
@@ -120,7 +165,9 @@ def test_second_turn_restores_or_falls_back_whole(failure):
         assert abort[1] == second and "prefix restore failed" in abort[2]
         third = [c for c in ring.calls if c[0] == "open"][2][1]
         assert ring.frames[-4] == (third, list(range(46)))
-        assert len(generation.prefix) == 1  # the failed entry is forgotten, the new one kept
+        # The failed chain is forgotten; the new sequence's blocks are kept (49 tokens: 2 blocks).
+        assert len(generation.prefix) == 2
+        assert generation.prefix.lookup("c", list(range(100, 200))).positions == 40
     assert warm.token_ids == cold.token_ids == [7, 7, 7, 7]
 
 
@@ -237,13 +284,13 @@ def test_paged_warm_equals_cold_int4_exact_other_stage_counts(stages, smollm2_ex
 
 @pytest.mark.slow
 def test_a_restore_failing_on_one_stage_is_undone_on_every_stage(smollm2_export, prompter):
-    """2 stages: stage 0 restores, stage 1 keeps nothing and refuses; the request runs cold in a
-    new session, equal to a cold run, and no session is left on either stage."""
+    """2 stages: stage 0 restores, stage 1 lost what it kept without reporting it (restarted
+    without a spill folder) and refuses; the request runs cold in a new session, equal to a cold
+    run, no session is left on either stage, and the miss is counted."""
     from pipeshard.services.coordinator.local_ring import LocalRing
     from pipeshard.services.stage.prefix_store import PrefixStore
 
     ring = LocalRing(smollm2_export(2, "int4"), precision="exact")
-    ring.kv[1].store = PrefixStore(0)
     warm = Generation(ring, prompter.tokenizer, prompter.eos_ids, prefix=PrefixIndex())
     cold = Generation(ring, prompter.tokenizer, prompter.eos_ids)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -256,10 +303,14 @@ def test_a_restore_failing_on_one_stage_is_undone_on_every_stage(smollm2_export,
 
     async def both():
         first = await run(warm, _chat(prompter, turns))
+        ring.kv[1].store = PrefixStore(0)  # stage 1 restarted: its cache is gone, unreported
         ids = _chat(prompter, [*turns, ("assistant", first.text), ("user", "And in Africa?")])
         return await run(warm, ids), await run(cold, ids)
 
+    misses = _misses()
     got, want = asyncio.run(both())
     assert got.cached_tokens == 0 and got.token_ids == want.token_ids
     assert [len(kv.sessions) for kv in ring.kv] == [0, 0]
-    assert len(warm.prefix) == 1  # the failed entry went; the second turn's own sequence is kept
+    assert _misses() - misses == 1
+    # The failed chain went; stage 1 (budget 0) reported the second turn's blocks not kept.
+    assert len(warm.prefix) == 0

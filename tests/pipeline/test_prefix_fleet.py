@@ -1,6 +1,7 @@
 """Prefix caching through real fleets (2 stages, INT4), no client change: a chat's next turn
 restores its history on every stage; at exact it answers exactly what a fleet whose stages keep
-nothing (every restore fails there and falls back to a cold prefill) answers."""
+nothing (they report every block not kept, so its coordinator never tries a restore) answers; a
+prefix a stage evicted is prefilled cold without a failed restore."""
 
 from __future__ import annotations
 
@@ -51,16 +52,15 @@ def _next_turn(client: PipeshardClient, max_tokens: int) -> list[dict]:
     ]
 
 
-def test_warm_turns_equal_cold_turns_and_failed_restores_fall_back(fleets):
+def test_warm_turns_equal_cold_turns_and_stages_keeping_nothing_are_not_asked(fleets):
     warm, cold = fleets
     assert _conversation(warm.coordinator) == _conversation(cold.coordinator)
     warm_log = warm.process("coordinator").log.read_text()
     cold_log = cold.process("coordinator").log.read_text()
     assert warm_log.count('"prefix_cache_hit"') >= 2 and '"prefix_cache_fallback"' not in warm_log
-    # The cold fleet's stages keep nothing: the index still tries, every stage refuses, all of it
-    # is dropped and the turn prefills cold, with the reason logged.
-    assert cold_log.count('"prefix_cache_fallback"') >= 2 and '"prefix_cache_hit"' not in cold_log
-    assert "prefix cache has no block" in cold_log
+    # The cold fleet's stages keep nothing and say so in each keep's reply: the index holds
+    # nothing, so no turn tries a restore (a failed one falls back: test_prefix_cache.py).
+    assert '"prefix_cache_hit"' not in cold_log and '"prefix_cache_fallback"' not in cold_log
 
 
 def test_a_fast_fleet_restores_prefixes(smollm2_export, fleet_factory):
@@ -137,3 +137,52 @@ def test_a_restarted_stage_restores_from_its_spill_folder(smollm2_export, fleet_
     log = fleet.process("coordinator").log.read_text()
     assert log.count('"prefix_cache_hit"') == 2 and '"prefix_cache_fallback"' not in log
     assert '"prefix_spill"' in fleet.process("stage1").log.read_text()
+
+
+# One full 32-position block of f32 KV on a stage of the 2-stage export at exact: 15 layers x K and
+# V x 3 KV heads x head size 64 x 4 bytes per position. The cache below holds 14 of them: one of
+# the chats (about 10 blocks each), not two.
+BLOCK_BYTES = 15 * 2 * 3 * 64 * 4 * 32
+MISSES = "pipeshard_coordinator_prefix_stage_misses_total"
+
+
+def test_a_prefix_a_stage_evicted_is_prefilled_cold_and_one_it_holds_is_restored(
+    smollm2_export, fleet_factory
+):
+    """Stages whose prefix cache holds one chat: chat B's first turn evicts chat A's blocks and the
+    stages report it, so A's next turn prefills cold without trying a restore (no failed restore,
+    no stage miss) while B's next turn restores what the stages still hold."""
+    from pipeshard.services.top import scrape
+
+    port = _free_port()
+    fleet = fleet_factory(
+        smollm2_export(2, "int4"),
+        2,
+        precision="exact",
+        extra_stage_args=["--prefix-cache-bytes", str(14 * BLOCK_BYTES)],
+        metrics_ports={"coordinator": port},
+    )
+    chats = {
+        name: [{"role": "system", "content": system}, {"role": "user", "content": "Name two planets."}]
+        for name, system in (
+            ("a", "You answer in short, precise sentences. " * 36),
+            ("b", "Be brief and kind. " * 56),
+        )
+    }
+    with PipeshardClient(fleet.coordinator, timeout_s=300) as client:
+        first = {}
+        for name in ("a", "b"):  # B's keep evicts A's blocks (the least recently used)
+            first[name] = client.generate(messages=chats[name], max_tokens=4, ignore_eos=True)
+            chats[name] += [
+                {"role": "assistant", "content": first[name].text},
+                {"role": "user", "content": "Which is larger?"},
+            ]
+        b = client.generate(messages=chats["b"], max_tokens=4, ignore_eos=True)
+        a = client.generate(messages=chats["a"], max_tokens=4, ignore_eos=True)
+    assert first["a"].prompt_tokens > 9 * 32 and first["b"].prompt_tokens > 9 * 32  # each ~10 blocks
+    assert b.cached_tokens > first["b"].prompt_tokens // 2  # still held: restored
+    assert a.cached_tokens == 0  # evicted and reported: a clean cold prefill
+    log = fleet.process("coordinator").log.read_text()
+    assert log.count('"prefix_cache_hit"') == 1 and '"prefix_cache_fallback"' not in log, log[-2000:]
+    assert scrape("127.0.0.1", port).value(MISSES) == 0
+    assert any(n == MISSES for n, _ in scrape("127.0.0.1", port).samples)  # the counter is served

@@ -8,21 +8,14 @@ import numpy as np
 import pytest
 
 from pipeshard.errors import InvalidArgument, NotFound
-from pipeshard.services.stage.prefix_store import BLOCK, PrefixStore, block_keys
+from pipeshard.services.stage.prefix_store import PrefixStore
+from pipeshard.shard.prefix_chain import BLOCK, block_chain
 
 
 def kv(tokens: list[int]) -> list[np.ndarray]:
     """Fake KV whose every position holds its token id: [kv_heads 2, T, head_dim 3], K and V."""
     a = np.broadcast_to(np.asarray(tokens, np.float32)[None, :, None], (2, len(tokens), 3))
     return [a, -a]
-
-
-def test_keys_chain_over_every_token_before_them():
-    a = block_keys("s", list(range(70)))
-    b = block_keys("s", [*range(64), 99, 98])
-    assert [(s, e) for s, e, _ in a] == [(0, 32), (32, 64), (64, 70)]
-    assert [k for *_, k in a[:2]] == [k for *_, k in b[:2]] and a[2][2] != b[2][2]
-    assert block_keys("other", list(range(32)))[0][2] != a[0][2]  # scopes never share a block
 
 
 def test_prefix_of_a_kept_sequence_comes_back_and_shared_blocks_are_stored_once():
@@ -59,6 +52,42 @@ def test_least_recently_used_blocks_go_beyond_the_budget():
     with pytest.raises(NotFound):
         store.get("o", "s", b, 1)
     assert PrefixStore(0).put("o", "s", a, kv(a)) == 0  # a zero budget keeps nothing
+
+
+def test_dropped_blocks_are_reported_to_their_owner_once():
+    per_block = BLOCK * 2 * (2 * 3 * 4)
+    store = PrefixStore(2 * per_block)
+    a, b = list(range(BLOCK)), list(range(100, 100 + BLOCK))
+    store.put("o", "s", a, kv(a))
+    store.put("other", "s", b, kv(b))
+    assert store.take_dropped("o") == []
+    c = list(range(200, 200 + 2 * BLOCK))  # two blocks: a and b go
+    store.put("o", "s", c, kv(c))
+    assert store.take_dropped("o") == [block_chain("s", a)[0].key]
+    assert store.take_dropped("o") == []  # reported once
+    assert store.take_dropped("other") == [block_chain("s", b)[0].key]  # on its own next reply
+    store.put("o", "s", a, kv(a))  # kept again (c's first block goes): a is not reported
+    assert store.take_dropped("o") == [block_chain("s", c)[0].key]
+    # Blocks too large for the budget are never kept: they are reported at once.
+    keys = sorted(b.key for b in block_chain("s", c))
+    tiny = PrefixStore(per_block - 1)
+    assert tiny.put("o", "s", c, kv(c)) == 0 and tiny.take_dropped("o") == keys
+
+
+def test_a_block_evicted_from_memory_is_reported_only_when_its_spill_file_goes_too(tmp_path):
+    from pipeshard.services.stage.prefix_spill import PrefixSpill
+
+    a, b = list(range(BLOCK)), list(range(100, 100 + BLOCK))
+    per_block = BLOCK * 2 * (2 * 3 * 4)
+    spill = PrefixSpill(tmp_path, _source(), 1 << 20)
+    store = PrefixStore(per_block, spill)
+    store.put("o", "s", a, kv(a))
+    one_file = spill.nbytes
+    store.put("o", "s", b, kv(b))  # a leaves memory but stays on disk: still held
+    assert len(store) == 1 and store.take_dropped("o") == []
+    spill.budget_bytes = one_file  # the disk too has room for one block now: a's file goes
+    spill._evict()
+    assert store.take_dropped("o") == [block_chain("s", a)[0].key]
 
 
 # -- spilled to disk ------------------------------------------------------------------------------
@@ -118,7 +147,7 @@ def test_the_spill_folder_keeps_its_byte_budget_oldest_out(tmp_path):
     store.put("o", "s", b, kv(b))
     small = PrefixSpill(tmp_path, _source(), one + one // 2)  # reopened with room for one block
     assert len(small) == 1 and small.nbytes <= small.budget_bytes
-    assert small.read("o", block_keys("s", b)[0][2]) is not None  # the newer file stayed
+    assert small.read("o", block_chain("s", b)[0].key) is not None  # the newer file stayed
     with pytest.raises(InvalidArgument) as err:
         PrefixSpill(tmp_path, _source(), -1)
     assert err.value.field == "prefix_spill_bytes"
