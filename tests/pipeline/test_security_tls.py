@@ -2,13 +2,16 @@
 exactly like the in-process ring, and every outsider is refused: a client without the token, a
 plaintext connection to a stage, a node whose certificate another CA signed, and a fleet member
 asking for another coordinator's sessions. Issue #37: API keys beside the token, each its own
-identity and prefix-cache scope, checked by the coordinator and the gateway, revocable live."""
+identity and prefix-cache scope, checked by the coordinator and the gateway, revocable live;
+fair share: one key's queued burst never delays another key's one request behind it."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx2 as httpx
@@ -50,12 +53,31 @@ def shards(smollm2_export):
 def keys(tmp_path_factory) -> dict:
     """A key file with three users' keys (issue #37); the fleet accepts them beside the token."""
     path = tmp_path_factory.mktemp("keys") / "api-keys"
-    return {"path": path, **{name: add_key(path, name) for name in ("alice", "bob", "carol")}}
+    return {"path": path, **{name: add_key(path, name) for name in ("alice", "bob", "carol", "hog")}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def fleet(shards, fleet_factory, certs, keys):
-    return fleet_factory(shards, 2, tls_dir=certs, token=TOKEN, api_keys=keys["path"], gateway_port=0)
+    # Two running slots, so a burst of one key fills the fleet and fair share decides who goes next.
+    metrics = {"coordinator": _free_port()}
+    started = fleet_factory(
+        shards,
+        2,
+        tls_dir=certs,
+        token=TOKEN,
+        api_keys=keys["path"],
+        gateway_port=0,
+        metrics_ports=metrics,
+        extra_coordinator_args=["--max-running", "2"],
+    )
+    started.metrics_ports = metrics
+    return started
 
 
 def member_channel(address: str, folder, name: str) -> grpc.Channel:
@@ -201,3 +223,47 @@ def test_two_keys_have_separate_prefix_scopes(fleet, certs, keys):
     assert alice_first == 0 and alice_again > 64  # alice's own prefix is reused...
     assert bob_first == 0  # ...but never bob's first request of the same prompt
     assert bob_again > 64
+
+
+def _queued(fleet) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = fleet.metrics_ports["coordinator"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "pipeshard_coordinator_queued_requests"
+    )
+
+
+def test_another_keys_request_goes_ahead_of_a_queued_burst(fleet, certs, keys):
+    """Fair share (issue #37): key hog fills both running slots and queues 6 more; bob's one
+    request, sent after all of them, is admitted at the next free slot, so its first token comes
+    before those of hog's later requests (first come first served it would come after all 8)."""
+    first_tokens: list[str] = []  # who got a first token, in arrival order
+    lock = threading.Lock()
+
+    def run(who: str, key: str, tokens: int) -> int:
+        with _client(fleet, certs, key) as client:
+            count = 0
+            for chunk in client.stream("Count to a hundred.", max_tokens=tokens, ignore_eos=True):
+                if chunk.token_ids and count == 0:
+                    with lock:
+                        first_tokens.append(who)
+                count += len(chunk.token_ids)
+            return count
+
+    with ThreadPoolExecutor(9) as pool:
+        burst = [pool.submit(run, f"hog{i}", keys["hog"], 40) for i in range(8)]
+        deadline = time.monotonic() + 60
+        while _queued(fleet) < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _queued(fleet) == 6  # two running, six queued behind them
+        bob = pool.submit(run, "bob", keys["bob"], 8)
+        assert bob.result(timeout=120) == 8
+        assert [f.result(timeout=120) for f in burst] == [40] * 8
+    # bob took the first slot that freed; at most hog's 2 running and the one admitted beside bob
+    # started before him (FIFO across identities: all 8).
+    assert first_tokens.index("bob") <= 3, first_tokens
