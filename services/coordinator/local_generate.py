@@ -11,6 +11,7 @@ import asyncio
 import sys
 
 from pipeshard.errors import PipeshardError
+from pipeshard.logs import configure_logging
 from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.coordinator.batched_ring import BatchedRing
 from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Generation, Summary
@@ -22,6 +23,8 @@ from pipeshard.shard.prompting import Prompter
 
 def generate_local(args: argparse.Namespace, stream: bool) -> Summary:
     """Run ``pipeshard generate``'s arguments against the export ``args.local``, no services."""
+    # stdout carries the answer (or its JSON); the shards' own log lines go to stderr, warnings only
+    configure_logging(fmt="console", level="warning", stream=sys.stderr)
     prompter = Prompter.from_dir(args.local)
     precision = args.precision or DEFAULT_PRECISION
     paged = args.kv == "paged"

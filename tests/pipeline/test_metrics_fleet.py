@@ -14,7 +14,7 @@ from tests.pipeline.stage_probe import sessions_after_release
 
 pytestmark = pytest.mark.slow
 
-TOKENS = 16
+TOKENS = 48  # long enough that the mid-stream scrapes below land while it runs, even under load
 NAMES = ("exporter", "stage0", "stage1", "coordinator", "gateway")
 
 
@@ -56,8 +56,8 @@ def test_a_generation_moves_the_token_step_and_cache_metrics(fleet, prompts):
     with PipeshardClient(fleet.coordinator, timeout_s=300) as client:
         stream = client.responses(prompts[1], max_tokens=TOKENS, ignore_eos=True)
         fold(result, next(stream))  # the first chunk: the session is open on every stage
+        page = metrics(fleet, "coordinator")  # first: the coordinator counts it running until its last step
         during = [metrics(fleet, f"stage{k}") for k in range(2)]
-        page = metrics(fleet, "coordinator")
         users = page.value("pipeshard_coordinator_running_requests")
         # a plaintext loopback caller without a token is recognised by its host
         identity_users = page.value(
