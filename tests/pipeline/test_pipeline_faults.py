@@ -77,7 +77,9 @@ def test_killed_stage_ends_every_stream_at_once(smollm2_export, fleet_factory):
 
     def stream() -> None:
         with PipeshardClient(fleet.coordinator, timeout_s=120) as client:
-            chunks = client.stream("Tell me a long story.", max_tokens=2000, ignore_eos=True)
+            # three such requests fit this coordinator's share of the f32 KV pool at once (3 x 33 of
+            # 182 blocks); at 2000 tokens the scheduler would queue the third until the others finish
+            chunks = client.stream("Tell me a long story.", max_tokens=1000, ignore_eos=True)
             try:
                 next(chunks)
                 started.wait()
