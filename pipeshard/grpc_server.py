@@ -319,14 +319,15 @@ def _is_loopback(host: str) -> bool:
 
 
 def server_security(
-    settings: ServerSettings, *, peers: str, node_name: str
+    settings: ServerSettings, *, peers: str, node_name: str, authenticator: Authenticator | None = None
 ) -> tuple[grpc.ServerCredentials | None, list[grpc.aio.ServerInterceptor]]:
     """The credentials and auth interceptors a service runs with, from its settings.
 
     ``peers="fleet"`` (stages): with ``tls_dir`` only holders of a fleet certificate connect.
     ``peers="clients"`` (coordinator, exporter): TLS with ``tls_dir``, and with ``token`` or
     ``api_keys`` every call but health checks needs the token or a listed key.
-    Plaintext on a non-loopback address needs ``allow_plaintext``.
+    Plaintext on a non-loopback address needs ``allow_plaintext``. A service that also identifies
+    callers itself passes its ``authenticator``, so the key file is loaded once.
     """
     if peers not in ("fleet", "clients"):
         raise ValueError(f"peers must be fleet or clients, got {peers!r}")
@@ -341,7 +342,7 @@ def server_security(
         )
     interceptors: list[grpc.aio.ServerInterceptor] = []
     if peers == "clients":
-        authenticator = Authenticator.from_settings(settings.token, settings.api_keys)
+        authenticator = authenticator or Authenticator.from_settings(settings.token, settings.api_keys)
         if authenticator.required:
             interceptors.append(AuthInterceptor(authenticator))
     return credentials, interceptors
@@ -390,6 +391,7 @@ def run_server(
     shutdown_hooks: Sequence[ShutdownHook] = (),
     peers: str | None = None,
     node_name: str = "",
+    authenticator: Authenticator | None = None,
     on_started: Callable[[GrpcServer], None] | None = None,
 ) -> int:
     """Entry-point helper: configures logging from ``settings``, serves until SIGTERM/SIGINT has
@@ -399,7 +401,9 @@ def run_server(
     trace.name_process(name)
     if peers is not None:
         try:
-            credentials, extra = server_security(settings, peers=peers, node_name=node_name)
+            credentials, extra = server_security(
+                settings, peers=peers, node_name=node_name, authenticator=authenticator
+            )
         except (OSError, PipeshardError) as exc:
             log.error("cannot start", error=str(exc))
             print(f"{name}: {exc}", file=sys.stderr, flush=True)

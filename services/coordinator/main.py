@@ -188,6 +188,8 @@ class Coordinator:
     """Everything one coordinator process holds; built inside the running event loop."""
 
     settings: CoordinatorSettings
+    # who callers are: the server's auth interceptor and the servicer share this one
+    authenticator: Authenticator
     ring: Ring = field(init=False)
     servicer: CoordinatorServicer = field(init=False)
 
@@ -257,7 +259,7 @@ class Coordinator:
             default_max_tokens=self.settings.default_max_tokens,
             scheduler=scheduler,
             max_prompt_bytes=self.settings.max_prompt_bytes,
-            authenticator=Authenticator.from_settings(self.settings.token, self.settings.api_keys),
+            authenticator=self.authenticator,
             prefix_cache_scope=self.settings.prefix_cache_scope,
             system_fingerprint=promise.system_fingerprint,
         )
@@ -348,7 +350,8 @@ class Coordinator:
 def main(argv: list[str] | None = None) -> int:
     set_offline_defaults()
     settings = resolve(load_settings(CoordinatorSettings, argv, prog="pipeshard coordinator"))
-    coordinator = Coordinator(settings)
+    authenticator = Authenticator.from_settings(settings.token, settings.api_keys)
+    coordinator = Coordinator(settings, authenticator)
 
     async def services():
         await coordinator.start()
@@ -361,5 +364,6 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_hooks=[coordinator.close],
         peers="clients",
         node_name="coordinator",
+        authenticator=authenticator,
         on_started=coordinator.report_health,
     )
