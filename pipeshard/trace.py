@@ -4,7 +4,8 @@ With ``PIPESHARD_TRACE_DIR`` set, every process appends one line per event to
 ``DIR/<process>-<pid>.tsv``: the clock, the process, the event and the (session id, step id) of the
 frame it concerns (a plan frame's first row). The clock is ``CLOCK_MONOTONIC``, one clock for every
 process of a machine, so lines from different processes join by step into one timeline
-(bench/latency.py). Lines are buffered and written when the process exits; unset, ``mark`` costs a
+(bench/latency.py). Lines are buffered and written when the process exits or the buffer holds
+``FLUSH_EVERY`` events (so a long traced run does not grow without bound); unset, ``mark`` costs a
 global lookup and a branch.
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 _DIR = os.environ.get("PIPESHARD_TRACE_DIR", "")
 _process = f"pid{os.getpid()}"
 _events: list[tuple[int, str, str, int]] = []
+FLUSH_EVERY = 65536
 
 
 def enabled() -> bool:
@@ -34,6 +36,8 @@ def mark(event: str, session_id: str, step_id: int) -> None:
     """Records ``event`` of step (session_id, step_id) now, when tracing is on."""
     if _DIR:
         _events.append((time.monotonic_ns(), event, session_id, step_id))
+        if len(_events) >= FLUSH_EVERY:
+            flush()
 
 
 def flush() -> None:

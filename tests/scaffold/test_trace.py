@@ -28,3 +28,14 @@ def test_flush_writes_one_line_per_mark_in_order(monkeypatch, tmp_path):
     ]
     assert int(rows[0][0]) <= int(rows[1][0])
     assert trace._events == []
+
+
+def test_a_full_buffer_is_written_out_before_it_grows_further(monkeypatch, tmp_path):
+    monkeypatch.setattr(trace, "_DIR", str(tmp_path))
+    monkeypatch.setattr(trace, "_events", [])
+    monkeypatch.setattr(trace, "FLUSH_EVERY", 3)
+    for step in range(7):
+        trace.mark("recv", "s", step)
+    written = [line for path in tmp_path.glob("*.tsv") for line in path.read_text().splitlines()]
+    assert [line.split("\t")[4] for line in written] == ["0", "1", "2", "3", "4", "5"]
+    assert len(trace._events) == 1
