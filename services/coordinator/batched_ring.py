@@ -23,7 +23,7 @@ from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.coordinator.local_ring import LOCAL_OWNER, InProcessKv
 from pipeshard.services.coordinator.ring import StageFailed
 from pipeshard.services.coordinator.step_batcher import DEFAULT_STEP_TOKENS, PAGED_PREFILL_CHUNK, StepBatcher
-from pipeshard.services.stage.domain import StepInput, StepOutput
+from pipeshard.services.stage.domain import Step
 from pipeshard.services.stage.kv import StageKv
 from pipeshard.services.stage.paged_engine import PagedEngine
 from pipeshard.services.stage.prefix_store import PrefixStore
@@ -120,33 +120,37 @@ class BatchedRing(InProcessKv):
         await self._batcher.close()
 
     async def _run_step(self, frames: list[activation_pb2.ActivationFrame]) -> list:
-        """Every stage over the step's frames, each on a worker thread (the event loop meanwhile
-        takes the next frames); a frame failing on a stage answers with its error."""
+        """Every stage over the step's rows, each on a worker thread (the event loop meanwhile
+        takes the next frames); a row failing on a stage answers with its error."""
         answers: list = [None] * len(frames)
-        live: list[tuple[int, StepInput]] = []
+        live: list[int] = []
+        rows = []
         for i, frame in enumerate(frames):
             try:
-                live.append((i, step_from_frame(frame, input_port(True))))
+                rows.extend(step_from_frame(frame, input_port(True)).rows)
+                live.append(i)
             except PipeshardError as exc:
                 answers[i] = StageFailed(stage_error(0, exc))
+        step = Step(rows, LOCAL_OWNER)
         for index, engine in enumerate(self._engines):
             if not live:
                 break
             try:
                 async with self._stage_lock(index):
-                    outs = await asyncio.to_thread(engine.run, [s for _, s in live])
+                    outs = await asyncio.to_thread(engine.run_step, step)
             except Exception as exc:  # an inference failure fails every row of the step
-                for i, _ in live:
+                for i in live:
                     answers[i] = StageFailed(stage_error(index, exc))
                 break
-            nxt = []
-            for (i, step), out in zip(live, outs, strict=True):
-                if isinstance(out, PipeshardError):
+            nxt, step.rows = [], []
+            for i, out in zip(live, outs, strict=True):
+                if isinstance(out, Exception):
                     answers[i] = StageFailed(stage_error(index, out))
                 elif engine.is_last:
-                    answers[i] = result_from_output(out)
+                    answers[i] = result_from_output(out, step.compute_micros)
                 else:
-                    nxt.append((i, _next_input(step, out)))
+                    nxt.append(i)
+                    step.rows.append(out.row.carrying(out.hidden_states))
             live = nxt
         return answers
 
@@ -160,9 +164,3 @@ class BatchedRing(InProcessKv):
     async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
         frame.owner = LOCAL_OWNER
         return await self._batcher.step(frame)
-
-
-def _next_input(step: StepInput, out: StepOutput) -> StepInput:
-    """The next stage's input in-process: the same step carrying this stage's hidden states."""
-    step.activations = out.hidden_states
-    return step

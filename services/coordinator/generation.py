@@ -50,6 +50,7 @@ from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
 from pipeshard.services.coordinator.speculation.policy import BatchSteps, KPolicy, SourceMemory, TimingModel
 from pipeshard.services.coordinator.speculation.sources import DraftSources
+from pipeshard.services.stage.domain import RowKind, SamplingStep
 from pipeshard.services.stage.wire import token_frame
 from pipeshard.tensor_codec import decode
 from pipeshard.v1 import activation_pb2
@@ -133,7 +134,8 @@ class _Cursor:
         *,
         fill_only: bool = False,
         return_last: int = 1,
-        sampling: activation_pb2.SamplingRequest | None = None,
+        sampling: SamplingStep | None = None,
+        kind: RowKind | None = None,
     ) -> activation_pb2.ActivationFrame:
         frame = token_frame(
             self.session_id,
@@ -145,6 +147,7 @@ class _Cursor:
             return_last=return_last,
             invalidate=self._rejected,
             sampling=sampling,
+            kind=kind,
         )
         self._rejected = []
         self.step += 1
@@ -253,12 +256,17 @@ class _Request:
         return self.drafter.propose(self.context, k_step, self.sample)
 
     def frame(self, draft: Draft) -> activation_pb2.ActivationFrame:
-        """The step's frame: the pending tokens plus the draft, returning a row per draft token + 1."""
+        """The step's frame: the pending tokens plus the draft, returning a row per draft token + 1.
+        The first is the prompt's last chunk; then a decode row, or a verify row with drafts."""
+        kind = RowKind.VERIFY if draft.tokens else RowKind.DECODE if self.generated else RowKind.PREFILL
         return self.cursor.frame(
-            self.pending + draft.tokens, return_last=len(draft.tokens) + 1, sampling=self._sampling(draft)
+            self.pending + draft.tokens,
+            return_last=len(draft.tokens) + 1,
+            sampling=self._sampling(draft),
+            kind=kind,
         )
 
-    def _sampling(self, draft: Draft) -> activation_pb2.SamplingRequest | None:
+    def _sampling(self, draft: Draft) -> SamplingStep | None:
         """The final stage draws (with this request's generator) unless the drafts carry their
         own distributions, which would cost more to ship than the logits they save, or the
         client asked for logprobs, which are computed here from the logits."""
@@ -269,14 +277,7 @@ class _Request:
             or self.params.logprobs
         ):
             return None
-        dist = self.sampler.distribution
-        return activation_pb2.SamplingRequest(
-            temperature=dist.temperature,
-            top_k=dist.top_k,
-            top_p=dist.top_p,
-            rng_state=rng_state(self.sampler.rng),
-            draft_tokens=draft.tokens,
-        )
+        return SamplingStep(self.sampler.distribution, rng_state(self.sampler.rng), list(draft.tokens))
 
     def accept(self, draft: Draft, result: activation_pb2.StepResult) -> list[int]:
         """The tokens this step keeps: the agreed draft prefix plus the target's next token."""

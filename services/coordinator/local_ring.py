@@ -19,7 +19,7 @@ from pipeshard.services.stage.kv import StageKv
 from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.prefix_store import PrefixStore
 from pipeshard.services.stage.sessions import SessionTable
-from pipeshard.services.stage.wire import frame_from_output, result_from_output, stage_error, step_from_frame
+from pipeshard.services.stage.wire import result_from_output, stage_error, step_from_frame
 from pipeshard.shard.manifest import input_port, load_manifest
 from pipeshard.shard.runtime import ShardRunner
 from pipeshard.v1 import activation_pb2
@@ -111,11 +111,13 @@ class LocalRing(InProcessKv):
 
     async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
         frame.owner = LOCAL_OWNER
+        try:
+            step = step_from_frame(frame, input_port(True))
+        except PipeshardError as exc:
+            raise StageFailed(stage_error(0, exc)) from None
         for index, engine in enumerate(self._engines):
-            try:
-                out = engine.run(step_from_frame(frame, input_port(engine.is_first)))
-            except PipeshardError as exc:
-                raise StageFailed(stage_error(index, exc)) from None
-            if not engine.is_last:
-                frame = frame_from_output(out)
-        return result_from_output(out)
+            (out,) = engine.run_step(step)
+            if isinstance(out, Exception):
+                raise StageFailed(stage_error(index, out)) from None
+            step.rows = [out.row.carrying(out.hidden_states)]
+        return result_from_output(out, step.compute_micros)

@@ -17,8 +17,8 @@ from pipeshard.services.coordinator.plan_ring import PlanRing
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.policy import StepLoad
 from pipeshard.services.coordinator.step_batcher import StepBatcher
-from pipeshard.services.stage.domain import ReturnMode
-from pipeshard.services.stage.wire import plan_from_frames, steps_from_plan, token_frame
+from pipeshard.services.stage.domain import ReturnMode, RowKind
+from pipeshard.services.stage.wire import plan_from_frames, step_from_frame, token_frame
 from pipeshard.v1 import activation_pb2
 
 
@@ -66,16 +66,16 @@ def test_plan_frames_carry_each_rows_tokens_and_return_mode():
     a, b = _frame("a", 3, step=7), token_frame("b", 2, [9], 5, False, return_last=1)
     plan = plan_from_frames([a, b])
     assert [r.tokens for r in plan.plan.rows] == [3, 1] and list(plan.positions) == [0, 1, 2, 5]
-    steps = steps_from_plan(plan, "input_ids")
-    assert [(s.session_id, s.step_id, s.return_mode) for s in steps] == [
-        ("a", 7, ReturnMode.TOP1),
-        ("b", 2, ReturnMode.LOGITS),
+    steps = step_from_frame(plan, "input_ids").rows
+    assert [(s.session_id, s.step_id, s.return_mode, s.kind) for s in steps] == [
+        ("a", 7, ReturnMode.TOP1, RowKind.PREFILL),
+        ("b", 2, ReturnMode.LOGITS, RowKind.DECODE),
     ]
     np.testing.assert_array_equal(steps[1].activations, [[9]])
     np.testing.assert_array_equal(steps[1].positions, [5])
     plan.plan.rows[0].tokens = 2
     with pytest.raises(InvalidArgument, match="`plan`"):
-        steps_from_plan(plan, "input_ids")
+        step_from_frame(plan, "input_ids")
 
 
 def test_up_to_inflight_steps_travel_at_once_each_session_in_one_of_them():

@@ -324,10 +324,10 @@ def test_cursor_masks_rejected_positions_in_the_next_frame():
     cursor.frame([9, 10, 11, 12], return_last=4)  # last token + 3 drafts at 4..7
     cursor.reject(2)  # drafts at 6, 7 rejected
     frame = cursor.frame([13], return_last=1)
-    assert [(r.start, r.end) for r in frame.mask_update.invalidate] == [(6, 8)]
+    assert [(r.start, r.end) for r in frame.plan.rows[0].mask_update.invalidate] == [(6, 8)]
     assert list(frame.positions) == [6]  # logical position continues after the kept tokens
     assert cursor.physical == 9 and cursor.logical == 7
-    assert not cursor.frame([14]).mask_update.invalidate
+    assert not cursor.frame([14]).plan.rows[0].mask_update.invalidate
 
 
 def test_sampler_probabilities_are_what_acceptance_uses():
