@@ -115,6 +115,19 @@ class Summary:
     cached_tokens: int = 0  # prompt positions restored from the prefix cache instead of prefilled
 
 
+@dataclass
+class Progress:
+    """What a running request has accumulated so far; its Summary is formed once it ends."""
+
+    speculative: str = "none"
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    logprobs: list[float] = field(default_factory=list)  # per generated token, when asked
+    cached_tokens: int = 0  # prompt positions restored from the prefix cache
+    error: str = ""
+
+
 class _Cursor:
     """Where one session's cache stands on every stage: physical length written, logical
     length kept, and the rejected ranges the next frame must mask out."""
@@ -170,10 +183,11 @@ class _Cursor:
 
 def _take(
     new: list[int], generated: list[int], detok: IncrementalDetokenizer, stop_ids: set[int], max_tokens: int
-) -> tuple[list[int], str, str]:
-    """Appends accepted tokens up to a stop or the limit: (tokens emitted, finish, text delta)."""
+) -> tuple[list[int], str | None, str]:
+    """Appends accepted tokens up to a stop or the limit: (tokens emitted, finish reason once the
+    request is done else None, text delta)."""
     emitted: list[int] = []
-    finish = "length"
+    finish = None
     for token in new:
         generated.append(token)
         emitted.append(token)
@@ -183,10 +197,11 @@ def _take(
             detok.add(token)
             if detok.stopped:
                 finish = "stop"
-        if finish == "stop" or len(generated) >= max_tokens:
+        if finish is None and len(generated) >= max_tokens:
+            finish = "length"
+        if finish is not None:
             break
-    done = finish == "stop" or len(generated) >= max_tokens
-    return emitted, finish, detok.delta(final=done)
+    return emitted, finish, detok.delta(final=finish is not None)
 
 
 class _Request:
@@ -223,10 +238,10 @@ class _Request:
         self.stop_ids = stop_ids
         self.context = list(prompt_ids)
         self.generated: list[int] = []
-        self.stats = Summary("length", len(prompt_ids), 0, 0.0, 0.0, "", self.generated, speculative=mode)
+        self.progress = Progress(speculative=mode)
         self.started = time.perf_counter()
         self.first_at = self.started
-        self.finish = "length"
+        self.finish: str | None = None  # "stop", "length" or "error" once it has ended
         self.pending: list[int] = []  # tokens the stages have not seen yet
         self.emitted_at = self.started  # when the last tokens were handed out
         self.new_logprobs: list[float] = []  # of the tokens the last step accepted, when asked
@@ -303,12 +318,12 @@ class _Request:
             self.drafter.commit(kept)
             self.policy.observe(len(draft.tokens), kept, elapsed, draft.seconds)
             if draft.tokens:
-                self.stats.verify_steps += 1
-                self.stats.draft_tokens += len(draft.tokens)
-                self.stats.accepted_tokens += kept
+                self.progress.verify_steps += 1
+                self.progress.draft_tokens += len(draft.tokens)
+                self.progress.accepted_tokens += kept
                 if self.metered:
-                    SPECULATIVE_DRAFTED.labels(source=self.stats.speculative).inc(len(draft.tokens))
-                    SPECULATIVE_ACCEPTED.labels(source=self.stats.speculative).inc(kept)
+                    SPECULATIVE_DRAFTED.labels(source=self.progress.speculative).inc(len(draft.tokens))
+                    SPECULATIVE_ACCEPTED.labels(source=self.progress.speculative).inc(kept)
         if not self.generated:
             self.first_at = time.perf_counter()
 
@@ -319,7 +334,7 @@ class _Request:
             emitted, self.finish, text = _take(*args)
         else:
             emitted, self.finish, text = await asyncio.to_thread(_take, *args)
-        done = self.finish == "stop" or len(self.generated) >= self.params.max_tokens
+        done = self.finish is not None
         if self.metered:
             self._meter(len(emitted))
         if not done:
@@ -328,7 +343,7 @@ class _Request:
         chunk = Chunk(text=text, token_ids=emitted)
         if self.params.logprobs:
             chunk.logprobs = self.new_logprobs[: len(emitted)]
-            self.stats.logprobs.extend(chunk.logprobs)
+            self.progress.logprobs.extend(chunk.logprobs)
         return chunk, done
 
     def _meter(self, tokens: int) -> None:
@@ -361,16 +376,26 @@ class _Request:
             self.ahead = None
 
     def summary(self) -> Summary:
-        """The final Summary: finish reason, counts and timings."""
-        stats = self.stats
+        """The final Summary of an ended request: finish reason, counts and timings."""
         elapsed = time.perf_counter() - self.first_at
-        stats.finish_reason = self.finish
-        stats.completion_tokens = len(self.generated)
-        stats.ttft_ms = (self.first_at - self.started) * 1000.0
         n = len(self.generated)
-        stats.tok_s = (n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0
-        stats.text = self.detok.text
-        return stats
+        p = self.progress
+        return Summary(
+            finish_reason=self.finish,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=n,
+            ttft_ms=(self.first_at - self.started) * 1000.0,
+            tok_s=(n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
+            text=self.detok.text,
+            token_ids=self.generated,
+            error=p.error,
+            speculative=p.speculative,
+            verify_steps=p.verify_steps,
+            draft_tokens=p.draft_tokens,
+            accepted_tokens=p.accepted_tokens,
+            logprobs=p.logprobs,
+            cached_tokens=p.cached_tokens,
+        )
 
 
 class Generation:
@@ -464,7 +489,7 @@ class Generation:
                 raise
             # Output already streamed: end it with a summary that says what failed.
             log.warning("generation_failed", session_id=request.session_id, code=exc.code, error=failure)
-            request.finish, request.stats.error = "error", failure
+            request.finish, request.progress.error = "error", failure
         finally:
             if request.ahead is not None:  # the client went away or the generation failed
                 request.ahead.cancel()
@@ -547,7 +572,7 @@ class Generation:
         self.prefix.unpin(hit)
         self.prefix.forget(dropped)
         request.cursor.restored(hit.positions)
-        request.stats.cached_tokens = hit.positions
+        request.progress.cached_tokens = hit.positions
         log.info("prefix_cache_hit", session_id=request.session_id, positions=hit.positions)
 
     async def _keep(self, request: _Request, scope: str) -> None:

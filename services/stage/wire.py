@@ -43,13 +43,13 @@ WIRE_DTYPES = ("fp32", "fp16", "bf16")  # fp16 and bf16 are LOSSY opt-ins (docs/
 def step_from_frame(frame: activation_pb2.ActivationFrame, port: str) -> Step:
     """Decode a step frame for a stage whose input port is ``port`` (input_ids or hidden_states):
     one row per plan row, each taking its ``tokens`` of the positions and tensor rows in order."""
-    rows = frame.plan.rows
-    if not rows:
-        raise InvalidArgument("plan", "must hold at least one row")
     tensors = {t.name: t.tensor for t in frame.tensors}
     if port not in tensors:
         raise InvalidArgument("tensors", f"must carry {port!r}, got {sorted(tensors) or 'none'}")
     x = _widen(decode(tensors[port], field=port))
+    rows = frame.plan.rows
+    if not rows:
+        raise InvalidArgument("plan", "must hold at least one row")
     counts = [row.tokens for row in rows]
     total = len(frame.positions)
     if min(counts) < 1 or sum(counts) != total or x.ndim < 2 or x.shape[0] != 1 or x.shape[1] != total:

@@ -23,7 +23,11 @@ from pipeshard.v1 import activation_pb2
 
 
 def _frame(session: str, tokens: int, step: int = 0) -> activation_pb2.ActivationFrame:
-    return token_frame(session, step, list(range(1, tokens + 1)), 0, True)
+    """A decode or verify row of up to 33 tokens (the last token and its drafts), else a prefill chunk."""
+    ids = list(range(1, tokens + 1))
+    if tokens <= 33:
+        return token_frame(session, step, ids, 0, True, return_last=tokens)
+    return token_frame(session, step, ids, 0, True, fill_only=True)
 
 
 def test_a_step_takes_every_decode_row_and_prefill_chunks_within_the_budget():
@@ -63,7 +67,7 @@ def test_a_chunk_larger_than_the_budget_runs_alone_and_errors_reach_their_caller
 
 
 def test_plan_frames_carry_each_rows_tokens_and_return_mode():
-    a, b = _frame("a", 3, step=7), token_frame("b", 2, [9], 5, False, return_last=1)
+    a, b = token_frame("a", 7, [1, 2, 3], 0, True), token_frame("b", 2, [9], 5, False, return_last=1)
     plan = plan_from_frames([a, b])
     assert [r.tokens for r in plan.plan.rows] == [3, 1] and list(plan.positions) == [0, 1, 2, 5]
     steps = step_from_frame(plan, "input_ids").rows

@@ -199,7 +199,10 @@ def _steps_of(users: int, fixed_s: float, per_position_s: float) -> BatchSteps:
         for step in range(12):
             sizes = [1 + step % 6] + [1] * (users - 1)
             await asyncio.gather(
-                *(batcher.step(token_frame(f"s{i}", step, [7] * n, 0, True)) for i, n in enumerate(sizes))
+                *(
+                    batcher.step(token_frame(f"s{i}", step, [7] * n, 0, True, return_last=n))
+                    for i, n in enumerate(sizes)
+                )
             )
         await batcher.close()
         return batcher
