@@ -50,6 +50,7 @@ from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
 from pipeshard.services.coordinator.speculation.policy import BatchSteps, KPolicy, SourceMemory, TimingModel
 from pipeshard.services.coordinator.speculation.sources import DraftSources
+from pipeshard.services.coordinator.step_batcher import DEFAULT_PREFILL_CHUNK
 from pipeshard.services.stage.domain import RowKind, SamplingStep
 from pipeshard.services.stage.wire import token_frame
 from pipeshard.tensor_codec import decode
@@ -59,7 +60,12 @@ log = structlog.get_logger(__name__)
 
 
 class RingLike(Protocol):
-    """What a generation needs of the stages: the gRPC ``Ring`` or the in-process ``LocalRing``."""
+    """What a generation needs of the stages (ring.py's ``Ring`` over any transport)."""
+
+    # The ring rewinds by shortening a session's cache (paged): the cursor keeps no holes.
+    truncates_on_rewind: bool
+    # A ring that batches every step: its step cost and load, for batch-aware K (None: alone).
+    batch_steps: BatchSteps | None
 
     async def open_session(self, session_id: str, capacity: int | None = None) -> int: ...
 
@@ -76,12 +82,6 @@ class RingLike(Protocol):
     ) -> set[str]: ...
 
 
-# Prompt tokens per prefill step: the whole context, so a prompt is prefilled in one pass. Measured
-# (docs/BENCHMARKS.md, bench-prefill): with the KV cache as graph state, the CPU plugin runs every
-# multi-row step on a non-empty cache through its one-token attention kernel (scaled_attn.cpp:
-# ``use_one_token = L1 == 1 || (fuse_concat && L0 > 0)``), so a 1024-token prompt in 256-token
-# chunks cost 5x the CPU time of one pass; only the first chunk takes the multi-row kernel.
-DEFAULT_PREFILL_CHUNK = 4096
 # Steps that accepted at most this many tokens are detokenized on the event loop (two decodes of
 # a few ids each, tens of microseconds); longer ones on a worker thread, so a slow decode does not
 # stall other streams. A thread hop per token cost 0.3 ms at the median and 2.8 ms at p90 of a
@@ -432,7 +432,7 @@ class Generation:
         # A ring that batches every step (paged) times its steps and knows what shares a request's
         # next one, which batch-aware K weighs (speculation/policy.py); ``batch_aware_k`` False
         # chooses K as if alone, from the request's own wall time per step (A/B).
-        self._steps: BatchSteps | None = getattr(ring, "batch_steps", None) if batch_aware_k else None
+        self._steps: BatchSteps | None = ring.batch_steps if batch_aware_k else None
 
     async def released(self) -> None:
         """Waits for the session releases still under way (before the ring closes)."""
@@ -526,7 +526,7 @@ class Generation:
             detok=IncrementalDetokenizer(self._tok, params.stop),
             stop_ids=set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos),
             metered=metered,
-            truncates=getattr(self._ring, "truncates_on_rewind", False),
+            truncates=self._ring.truncates_on_rewind,
         )
         if steps is not None:
             policy.load = lambda: steps.load(request.session_id)

@@ -42,8 +42,14 @@ from pipeshard.v1 import activation_pb2
 
 # Tokens one step may carry beyond the decode rows; prefill chunks wait for a step with room.
 DEFAULT_STEP_TOKENS = 512
+# Prompt tokens per prefill step: the whole context, so a prompt is prefilled in one pass. Measured
+# (docs/BENCHMARKS.md, bench-prefill): with the KV cache as graph state, the CPU plugin runs every
+# multi-row step on a non-empty cache through its one-token attention kernel (scaled_attn.cpp:
+# ``use_one_token = L1 == 1 || (fuse_concat && L0 > 0)``), so a 1024-token prompt in 256-token
+# chunks cost 5x the CPU time of one pass; only the first chunk takes the multi-row kernel.
+DEFAULT_PREFILL_CHUNK = 4096
 # Prompt tokens per prefill frame on the paged backend: its attention kernel takes chunks of a
-# prompt on a filled cache at full speed (unlike the stateful one, generation.py), so a long
+# prompt on a filled cache at full speed (unlike the stateful one, above), so a long
 # prompt shares steps with the others' decode rows instead of stalling them.
 PAGED_PREFILL_CHUNK = 256
 

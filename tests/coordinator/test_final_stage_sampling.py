@@ -11,7 +11,7 @@ import pytest
 from pipeshard.errors import InvalidArgument
 from pipeshard.sampling import Distribution, accept_sampled, restore_rng, rng_state, sample_step
 from pipeshard.services.coordinator.generation import Generation, Summary
-from pipeshard.services.coordinator.local_ring import LocalRing
+from pipeshard.services.coordinator.in_process import InProcessStages
 from pipeshard.services.coordinator.sampling import Sampler, SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.services.stage.domain import SamplingStep
@@ -79,26 +79,29 @@ def test_sampled_mode_without_a_request_is_refused():
         step_from_frame(frame, "input_ids")
 
 
-class _Spy(LocalRing):
+class _Spy(InProcessStages):
     """Counts the results that came back as drawn tokens and as logits."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.kinds: list[str] = []
 
-    async def step(self, frame):
-        result = await super().step(frame)
-        if result.HasField("sampled"):
-            self.kinds.append("sampled")
-        elif result.HasField("logits"):
-            self.kinds.append("logits")
-        return result
+    async def run(self, frames):
+        results = await super().run(frames)
+        for result in results:
+            if isinstance(result, Exception):
+                continue
+            if result.HasField("sampled"):
+                self.kinds.append("sampled")
+            elif result.HasField("logits"):
+                self.kinds.append("logits")
+        return results
 
 
 @pytest.fixture(scope="module")
 def spy_ring(smollm2_export):
     export = smollm2_export(2, "int4")
-    return export, _Spy(export)
+    return export, _Spy.stateful(export).ring()
 
 
 @pytest.mark.slow
@@ -127,11 +130,11 @@ def test_same_seed_same_tokens_with_and_without_final_stage_sampling(spy_ring, s
         return asyncio.run(go()).token_ids
 
     for seed in (1, 2):
-        ring.kinds.clear()
+        ring.stages.kinds.clear()
         on_stage = run(True, seed)
-        assert set(ring.kinds) == {"sampled"}
-        ring.kinds.clear()
+        assert set(ring.stages.kinds) == {"sampled"}
+        ring.stages.kinds.clear()
         at_coordinator = run(False, seed)
-        assert set(ring.kinds) == {"logits"}
+        assert set(ring.stages.kinds) == {"logits"}
         assert on_stage == at_coordinator, seed
         assert len(on_stage) == 24

@@ -18,6 +18,8 @@ class Tokenizer:
 class Ring:
     """Answers token 7 to every step after a short compute; counts steps sent and in flight."""
 
+    truncates_on_rewind, batch_steps = False, None  # a stateful ring's, stepping alone
+
     def __init__(self):
         self.sent, self.in_flight, self.in_flight_at_release = 0, 0, None
 
@@ -39,6 +41,7 @@ class Ring:
 
 async def _run(ring: Ring, params: SamplingParams, eos: set[int] = frozenset()) -> tuple[list, list[int]]:
     """The events, and the steps the ring had been sent when each chunk reached the caller."""
+
     generation = Generation(ring, Tokenizer(), set(eos))
     events, sent_at_chunk = [], []
     async for event in generation.run([1, 2, 3], params):

@@ -13,7 +13,7 @@ import pytest
 from pipeshard.errors import InvalidArgument, NotFound
 from pipeshard.services.coordinator.generation import Generation
 from pipeshard.services.coordinator.main import CoordinatorSettings, resolve
-from pipeshard.services.coordinator.plan_ring import PlanRing
+from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.policy import StepLoad
 from pipeshard.services.coordinator.step_batcher import StepBatcher
@@ -154,9 +154,9 @@ def test_a_runner_that_raises_fails_the_rows_of_its_step():
 
 
 def test_inflight_defaults_to_one_batch_per_stage_and_a_negative_setting_is_refused_by_name():
-    ring = SimpleNamespace(num_stages=3, step_plan=None)
-    assert PlanRing(ring).batcher.inflight == 3
-    assert PlanRing(ring, inflight=1).batcher.inflight == 1
+    stages = SimpleNamespace(num_stages=3, run=None)
+    assert Ring(stages, paged=True, sessions=lambda: 1).batch_steps.inflight == 3
+    assert Ring(stages, paged=True, sessions=lambda: 1, inflight=1).batch_steps.inflight == 1
     with pytest.raises(InvalidArgument, match="`inflight`"):
         resolve(CoordinatorSettings(stages=["127.0.0.1:1"], shards=Path("x"), inflight=-1))
     with pytest.raises(ValueError, match="inflight"):
@@ -194,16 +194,18 @@ def test_a_generation_on_a_batching_ring_takes_its_step_cost_and_load_from_the_b
     async def open_session(session_id, capacity):
         return 1024
 
-    ring = PlanRing(SimpleNamespace(num_stages=2, step_plan=None, open_session=open_session))
+    ring = Ring(
+        SimpleNamespace(num_stages=2, run=None, open_session=open_session), paged=True, sessions=lambda: 1
+    )
 
     def policy(generation):
         request = asyncio.run(generation._open([1, 2, 3], SamplingParams(max_tokens=4), "", 0, True))
-        ring.batcher._loads[request.session_id] = StepLoad(7, 9)  # the rest of its last step
+        ring.batch_steps._loads[request.session_id] = StepLoad(7, 9)  # the rest of its last step
         return request.policy
 
     aware = policy(Generation(ring, None, set()))
-    assert aware.timing is ring.batcher.timing and not aware.times_steps
+    assert aware.timing is ring.batch_steps.timing and not aware.times_steps
     assert aware.load() == StepLoad(7, 9)
     blind = policy(Generation(ring, None, set(), batch_aware_k=False))
-    assert blind.timing is not ring.batcher.timing and blind.times_steps
+    assert blind.timing is not ring.batch_steps.timing and blind.times_steps
     assert blind.load() == StepLoad()

@@ -11,8 +11,8 @@ import pytest
 
 from pipeshard.errors import InvalidArgument
 from pipeshard.sampling import Distribution, rng_state
-from pipeshard.services.coordinator.batched_ring import BatchedRing
 from pipeshard.services.coordinator.generation import Generation, Summary
+from pipeshard.services.coordinator.in_process import InProcessStages
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.services.stage.domain import ReturnMode, SamplingStep, Step, StepOutput
@@ -54,17 +54,17 @@ def test_a_bad_row_sampling_request_names_the_row_field():
         step_from_frame(plan, "input_ids")
 
 
-class _Spy(BatchedRing):
+class _Spy(InProcessStages):
     """Counts the results that came back as drawn tokens, logits and Top1."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.kinds: list[str] = []
 
-    async def step(self, frame):
-        result = await super().step(frame)
-        self.kinds.append(_kind(result))
-        return result
+    async def run(self, frames):
+        results = await super().run(frames)
+        self.kinds.extend(_kind(r) for r in results if not isinstance(r, Exception))
+        return results
 
 
 def _kind(result: activation_pb2.StepResult) -> str:
@@ -78,8 +78,8 @@ def _kind(result: activation_pb2.StepResult) -> str:
 def test_same_seed_same_tokens_drawn_on_the_paged_stage_or_the_coordinator(smollm2_export):
     export = smollm2_export(2, "int4")
     prompter = Prompter.from_dir(export)
-    ring = _Spy(export, "exact", 1, cache_bytes=64 << 20)
-    ring.warmup()
+    ring = _Spy.paged(export, "exact", 1, cache_bytes=64 << 20).ring()
+    ring.stages.warmup()
     prompts = ["Tell me a story about a cat and a cat and a cat.", "Name three rivers.", "Hi!"]
     ids = [prompter.encode("", [("user", p)]) for p in prompts]
     # (temperature, seed, draft source): two sampled sessions (one speculating) beside a greedy one.
@@ -111,11 +111,11 @@ def test_same_seed_same_tokens_drawn_on_the_paged_stage_or_the_coordinator(smoll
 
         return asyncio.run(main())
 
-    ring.kinds.clear()
+    ring.stages.kinds.clear()
     on_stage = run(True)
-    assert set(ring.kinds) == {"sampled", "top1"}
-    ring.kinds.clear()
+    assert set(ring.stages.kinds) == {"sampled", "top1"}
+    ring.stages.kinds.clear()
     at_coordinator = run(False)
-    assert set(ring.kinds) == {"logits", "top1"}
+    assert set(ring.stages.kinds) == {"logits", "top1"}
     assert on_stage == at_coordinator
     assert all(len(t) == 24 for t in on_stage)
