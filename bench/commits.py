@@ -90,7 +90,10 @@ def start(side: Side, shards: Path, work: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(side.overlay)}
     side.process = subprocess.Popen(
         [sys.executable, "-c", _HOLDER, str(shards), str(work / f"run-{side.rev}")],
-        cwd=side.tree,
+        # The overlay, not the tree: the working directory comes first on sys.path, and the tree's
+        # own pipeshard/ (without services/) would hand pipeshard.services to this venv's editable
+        # install, which is the checkout running the benchmark.
+        cwd=side.overlay,
         env=env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
