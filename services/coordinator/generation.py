@@ -272,8 +272,12 @@ class _Request:
 
     def frame(self, draft: Draft) -> activation_pb2.ActivationFrame:
         """The step's frame: the pending tokens plus the draft, returning a row per draft token + 1.
-        The first is the prompt's last chunk; then a decode row, or a verify row with drafts."""
-        kind = RowKind.VERIFY if draft.tokens else RowKind.DECODE if self.generated else RowKind.PREFILL
+        A row that still carries prompt tokens is the prompt's last chunk; then a decode row, or a
+        verify row with drafts."""
+        if self.cursor.logical < len(self.prompt_ids):
+            kind = RowKind.PREFILL
+        else:
+            kind = RowKind.VERIFY if draft.tokens else RowKind.DECODE
         return self.cursor.frame(
             self.pending + draft.tokens,
             return_last=len(draft.tokens) + 1,
