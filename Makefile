@@ -118,9 +118,9 @@ bench-pipeline: model
 bench-latency: model
 	$(PY) -m bench.latency
 
-## bench-commits: two commits' 2-stage fleets side by side, paired (BEFORE=REV [AFTER=REV]; bench/results/commits.json)
+## bench-commits: two commits' 2-stage fleets side by side, paired (BEFORE=REV [AFTER=REV] [USERS=1,8]; bench/results/commits.json)
 bench-commits: model
-	$(PY) -m bench.commits --before $(BEFORE) --after $(or $(AFTER),HEAD)
+	$(PY) -m bench.commits --before $(BEFORE) --after $(or $(AFTER),HEAD) --users $(or $(USERS),1)
 
 ## bench-mbatch: 1-16 concurrent streams on 2-/3-stage fleets, plain and speculative, batches in flight, TTFT under load, loopback and WAN 50 ms/hop; batch stacking (bench/results/mbatch.json; BENCH_QUICK=1: the #17 keys only); then speculation inside the batch at 1/4/8 users (bench/results/spec_batch.json)
 bench-mbatch: model

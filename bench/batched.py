@@ -1,8 +1,8 @@
 """Concurrent users on the in-process rings, for bench-mbatch's ``local`` series.
 
 Each user generates BENCH_TOKENS tokens (eos ignored) from its own chat prompt through one
-``Generation`` over a ring that holds every stage in this process: the paged ``BatchedRing``
-(sessions share each inference) or the stateful ``LocalRing`` (sessions take turns). A round of
+``Generation`` over a ring that holds every stage in this process: the paged ``batched_ring``
+(sessions share each inference) or the stateful ``local_ring`` (sessions take turns). A round of
 c users gives aggregate tok/s (all tokens / wall time), and keeps each user's TTFT and gaps
 between chunks; isolation compares every user's tokens with its solo run on the same ring.
 """
@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import openvino as ov
 
-from pipeshard.services.coordinator.batched_ring import BatchedRing
 from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation, Summary
-from pipeshard.services.coordinator.local_ring import LocalRing
+from pipeshard.services.coordinator.in_process import batched_ring, local_ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.stage.wire import token_frame
 from pipeshard.shard.prompting import Prompter
@@ -88,12 +87,12 @@ class LocalUsers:
         """``core`` (paged only): a Core with extra CPU properties, for bench.precision_modes."""
         self.prompter = Prompter.from_dir(export)
         if paged:
-            self.ring = BatchedRing(export, precision, threads, cache_bytes=128 << 20, core=core)
+            self.ring = batched_ring(export, precision, threads, cache_bytes=128 << 20, core=core)
             chunk = self.ring.prefill_chunk
         else:
-            self.ring = LocalRing(export, precision, threads)
+            self.ring = local_ring(export, precision, threads)
             chunk = DEFAULT_PREFILL_CHUNK
-        self.ring.warmup()
+        self.ring.stages.warmup()
         self.generation = Generation(
             self.ring, self.prompter.tokenizer, self.prompter.eos_ids, prefill_chunk=chunk
         )
@@ -159,7 +158,7 @@ def top2_margins(
     solo tokens, position), the prompt and the solo tokens before the position go in and the logits
     there come out; also whether their argmax is the solo token (the same kernels as the fleet's).
     ``threads`` and ``core`` (extra CPU properties) as the measured ring had them."""
-    ring = BatchedRing(export, precision, threads, cache_bytes=64 << 20, core=core)
+    ring = batched_ring(export, precision, threads, cache_bytes=64 << 20, core=core)
     chunk = ring.prefill_chunk
 
     async def one(ids: list[int], solo: list[int], at: int) -> dict:
@@ -175,7 +174,7 @@ def top2_margins(
             result = await ring.step(token_frame(session, step, seq[start:], start, False))
         finally:
             await ring.release_session(session)
-        logits = decode(result.logits, field="logits").reshape(-1, ring.vocab_size)[-1]
+        logits = decode(result.logits, field="logits").reshape(-1, ring.stages.vocab_size)[-1]
         second, first = np.sort(logits)[-2:]
         return {
             "position": at,

@@ -1,11 +1,13 @@
-"""`make bench-commits BEFORE=REV [AFTER=REV]`: two commits' fleets served side by side, paired.
+"""`make bench-commits BEFORE=REV [AFTER=REV] [USERS=1,8]`: two commits' fleets served side by side, paired.
 
 Each commit is checked out into a temporary worktree and imported from an overlay folder of
 symlinks (so no second venv is needed: the commits share this one's dependencies), its protobuf
 stubs generated there. Each serves a 2-stage INT4 fleet on loopback (client -> coordinator ->
 2 stages) from the same shards; greedy generations of 128 tokens alternate between the two,
-round by round, after warm-up. Reports tok/s and TTFT medians with the ratio's 95% interval and
-whether both produced the same tokens. A refactor's "no slowdown beyond noise" is shown this way.
+round by round, after warm-up, at each concurrency of ``--users`` (N clients at once: tok/s is
+their tokens over the round's wall time, TTFT the median of theirs). Reports tok/s and TTFT
+medians with the ratio's 95% interval and whether both produced the same tokens. A refactor's
+"no slowdown beyond noise" is shown this way.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,8 +58,8 @@ class Side:
     overlay: Path
     process: subprocess.Popen | None = None
     address: str = ""
-    tps: list[float] = field(default_factory=list)
-    ttft: list[float] = field(default_factory=list)
+    tps: dict[int, list[float]] = field(default_factory=dict)  # per concurrency
+    ttft: dict[int, list[float]] = field(default_factory=dict)
     tokens: list[int] = field(default_factory=list)
 
 
@@ -87,7 +90,10 @@ def start(side: Side, shards: Path, work: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(side.overlay)}
     side.process = subprocess.Popen(
         [sys.executable, "-c", _HOLDER, str(shards), str(work / f"run-{side.rev}")],
-        cwd=side.tree,
+        # The overlay, not the tree: the working directory comes first on sys.path, and the tree's
+        # own pipeshard/ (without services/) would hand pipeshard.services to this venv's editable
+        # install, which is the checkout running the benchmark.
+        cwd=side.overlay,
         env=env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -116,12 +122,23 @@ def generate(address: str) -> tuple[float, float, list[int]]:
         return len(tokens) / (time.perf_counter() - t0), first or 0.0, tokens
 
 
+def round_of(address: str, users: int) -> tuple[float, float, list[int]]:
+    """``users`` generations at once: their tokens over the wall time, the median TTFT, the first's tokens."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(users) as pool:
+        runs = list(pool.map(lambda _: generate(address), range(users)))
+    wall = time.perf_counter() - t0
+    return sum(len(r[2]) for r in runs) / wall, median([r[1] for r in runs]), runs[0][2]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", required=True, help="git revision of the baseline")
     p.add_argument("--after", default="HEAD", help="git revision compared with it (default HEAD)")
     p.add_argument("--runs", type=int, default=int(os.environ.get("BENCH_RUNS", "10")))
+    p.add_argument("--users", default=os.environ.get("BENCH_USERS", "1"), help="concurrencies, e.g. 1,8")
     args = p.parse_args(argv)
+    concurrencies = [int(u) for u in args.users.split(",")]
     shards = paths.shards_dir() / paths.export_name(paths.DEFAULT_MODEL, 2, "int4")
     if not (shards / "manifest.json").exists():
         from pipeshard.exporter.export import export_model
@@ -133,14 +150,20 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for side in sides:
                 start(side, shards, work)
-            for i in range(WARMUP + args.runs):
-                for side in sides if i % 2 == 0 else sides[::-1]:
-                    tps, ttft, tokens = generate(side.address)
-                    side.tokens = side.tokens or tokens
-                    if i >= WARMUP:
-                        side.tps.append(tps)
-                        side.ttft.append(ttft)
-                print(f"round {i}: " + ", ".join(f"{s.rev} {s.tps[-1]:.1f} tok/s" for s in sides if s.tps))
+            for users in concurrencies:
+                for i in range(WARMUP + args.runs):
+                    for side in sides if i % 2 == 0 else sides[::-1]:
+                        tps, ttft, tokens = round_of(side.address, users)
+                        side.tokens = side.tokens or tokens
+                        if i >= WARMUP:
+                            side.tps.setdefault(users, []).append(tps)
+                            side.ttft.setdefault(users, []).append(ttft)
+                    print(
+                        f"{users} users, round {i}: "
+                        + ", ".join(
+                            f"{s.rev} {s.tps[users][-1]:.1f} tok/s" for s in sides if s.tps.get(users)
+                        )
+                    )
         finally:
             for side in sides:
                 if side.process is not None:
@@ -149,25 +172,30 @@ def main(argv: list[str] | None = None) -> int:
                 remove = ["git", "-C", str(REPO), "worktree", "remove", "--force", str(side.tree)]
                 subprocess.run(remove, check=False)
     before, after = sides
-    ratio, interval = ratio_ci(after.tps, before.tps)
-    ttft_ratio, ttft_interval = ratio_ci(after.ttft, before.ttft)
+    result = {
+        "before": before.rev,
+        "after": after.rev,
+        "runs": args.runs,
+        "same_tokens": before.tokens == after.tokens,
+    }
+    for users in concurrencies:
+        key = "" if users == 1 else f"_{users}users"  # 1 user keeps the keys earlier results have
+        ratio, interval = ratio_ci(after.tps[users], before.tps[users])
+        ttft_ratio, ttft_interval = ratio_ci(after.ttft[users], before.ttft[users])
+        result |= {
+            f"before_tok_s_median{key}": median(before.tps[users]),
+            f"after_tok_s_median{key}": median(after.tps[users]),
+            f"after_over_before_tok_s{key}": ratio,
+            f"after_over_before_tok_s_ci95{key}": interval,
+            f"before_ttft_s_median{key}": median(before.ttft[users]),
+            f"after_ttft_s_median{key}": median(after.ttft[users]),
+            f"after_over_before_ttft{key}": ttft_ratio,
+            f"after_over_before_ttft_ci95{key}": ttft_interval,
+        }
     write_result(
         "commits",
-        {
-            "before": before.rev,
-            "after": after.rev,
-            "runs": args.runs,
-            "before_tok_s_median": median(before.tps),
-            "after_tok_s_median": median(after.tps),
-            "after_over_before_tok_s": ratio,
-            "after_over_before_tok_s_ci95": interval,
-            "before_ttft_s_median": median(before.ttft),
-            "after_ttft_s_median": median(after.ttft),
-            "after_over_before_ttft": ttft_ratio,
-            "after_over_before_ttft_ci95": ttft_interval,
-            "same_tokens": before.tokens == after.tokens,
-        },
-        command=f"make bench-commits BEFORE={args.before} AFTER={args.after}",
+        result,
+        command=f"make bench-commits BEFORE={args.before} AFTER={args.after} USERS={args.users}",
     )
     return 0
 

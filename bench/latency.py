@@ -6,7 +6,7 @@
    ``hop_overhead_ms_p50`` (sender's send call -> receiver's handler, per hop, median).
 2. Paired, interleaved rounds (bench/stats.py; ratio of medians with a 95% bootstrap interval), 128
    greedy tokens, eos ignored, several natural prompts: one user on the 2-stage fleet against the
-   same export in this process (``generate --local``'s BatchedRing + Generation), against
+   same export in this process (``generate --local``'s batched_ring + Generation), against
    openvino_genai.LLMPipeline and ContinuousBatchingPipeline on the unsplit INT4 optimum export
    (bench/reference.py), the default (exact) fleet against a `fast` one, a 3-stage fleet
    against its in-process ring; TTFT of a ~30-token prompt, fleet against in-process; 16 users
@@ -137,13 +137,13 @@ class Local:
 
     def __init__(self, export_dir: Path, precision: str | None = None):
         from pipeshard.precision import DEFAULT_PRECISION
-        from pipeshard.services.coordinator.batched_ring import BatchedRing
         from pipeshard.services.coordinator.generation import Generation
+        from pipeshard.services.coordinator.in_process import batched_ring
         from pipeshard.shard.prompting import Prompter
 
         self.prompter = Prompter.from_dir(export_dir)
-        self.ring = BatchedRing(export_dir, precision or DEFAULT_PRECISION)
-        self.ring.warmup()
+        self.ring = batched_ring(export_dir, precision or DEFAULT_PRECISION)
+        self.ring.stages.warmup()
         self.generation = Generation(
             self.ring, self.prompter.tokenizer, self.prompter.eos_ids, prefill_chunk=self.ring.prefill_chunk
         )

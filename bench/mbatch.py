@@ -18,9 +18,9 @@ two is faster with one stream.
 Then, in this process: batch-dimension stacking against interleaving (bench/stacking.py).
 
 The ``local_*`` series (continuous batching, issue #16) serve 1-8 users with different prompts
-(bench/batched.py) through every stage in this process: the paged ``BatchedRing`` (all users'
+(bench/batched.py) through every stage in this process: the paged ``batched_ring`` (all users'
 rows in each inference) in exact mode at 1 thread and at the default precision with the plugin's
-threads, and the stateful ``LocalRing`` with one user as the single-user baselines. Their keys:
+threads, and the stateful ``local_ring`` with one user as the single-user baselines. Their keys:
 ``four_users_over_one`` / ``eight_users_over_one`` (paged exact, over its own single user),
 ``four_users_over_best_single`` (the best 4-user configuration over the best single-user one of
 any backend, precision and thread setting), ``full_stack_over_mono`` (the best up to 8 users

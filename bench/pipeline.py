@@ -28,6 +28,7 @@ from pipeshard import paths
 from pipeshard.clients.client import PipeshardClient
 from pipeshard.offline import set_offline_defaults
 from pipeshard.ownership import owner_metadata
+from pipeshard.services.coordinator.remote_stages import RemoteStages
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.launcher import Fleet, spawn, start_fleet
 from pipeshard.services.stage.rawtcp import RAW_TCP_SECRET, RawTcpRing
@@ -125,9 +126,11 @@ class RingDriver:
 
     @staticmethod
     async def _start(addresses: list[str]) -> Ring:
-        ring = Ring(addresses, step_timeout_s=60)  # grpc.aio objects bind to the running loop
+        ring = Ring(
+            RemoteStages(addresses, step_timeout_s=60), paged=False
+        )  # grpc.aio objects bind to the running loop
         await ring.start()
-        await ring.wait_ready(60)
+        await ring.stages.wait_ready(60)
         return ring
 
     def decode(self, ids: list[int], record: bool = False) -> dict:

@@ -3,7 +3,7 @@ chunking and speculation exact, and what each costs against ``fast`` (investigat
 #19; for #34 the new default against ``fast``, paired in one run).
 
 Every candidate is a set of CPU properties (and inference threads per stage) compiled into the
-in-process paged ``BatchedRing`` on the INT4 2-stage export (bench/batched.py's rings and
+in-process paged ``batched_ring`` on the INT4 2-stage export (bench/batched.py's rings and
 prompts). For each:
   isolation  8 users with different prompts, BENCH_TOKENS tokens each, in one batch, against each
              user's solo run on the same ring: users identical, the share of positions agreeing,
@@ -145,7 +145,7 @@ def compiled(users: LocalUsers) -> dict[str, str]:
     out = {}
     for key in REPORTED:
         with contextlib.suppress(RuntimeError):
-            out[key] = str(users.ring.shards[0].compiled.get_property(key))
+            out[key] = str(users.ring.stages.shards[0].compiled.get_property(key))
     return out
 
 

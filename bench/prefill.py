@@ -2,7 +2,7 @@
 
 Configurations, all on INT4 weights, one new token, the same prompt ids for every one:
   genai   openvino_genai.LLMPipeline (SDPA backend) on the optimum-intel export: the baseline
-  1s      our 1-stage shard in-process (the coordinator's loop over a LocalRing, as
+  1s      our 1-stage shard in-process (the coordinator's loop over a local_ring, as
           ``pipeshard generate --local`` runs it, with the coordinator's default prefill chunk)
   2s      our 2-stage shards in-process, the same way
   fleet   a 2-stage loopback fleet (stage processes + coordinator), through the Python client
@@ -30,7 +30,7 @@ from pipeshard import paths
 from pipeshard.clients.client import PipeshardClient
 from pipeshard.offline import set_offline_defaults
 from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation
-from pipeshard.services.coordinator.local_ring import LocalRing
+from pipeshard.services.coordinator.in_process import local_ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.launcher import Fleet, start_fleet
 from pipeshard.shard.prompting import Prompter
@@ -67,8 +67,8 @@ class InProcess:
     """The coordinator's decode loop over every stage of an export in this process."""
 
     def __init__(self, export: Path, precision: str, loop: asyncio.AbstractEventLoop):
-        self.ring = LocalRing(export, precision=precision)
-        self.ring.warmup()
+        self.ring = local_ring(export, precision=precision)
+        self.ring.stages.warmup()
         prompter = Prompter.from_dir(export)
         self.generation = Generation(self.ring, prompter.tokenizer, prompter.eos_ids)
         self.loop = loop

@@ -37,7 +37,7 @@ from pipeshard import paths
 from pipeshard.clients.client import PipeshardClient
 from pipeshard.offline import set_offline_defaults
 from pipeshard.services.coordinator.generation import Generation, Summary
-from pipeshard.services.coordinator.local_ring import LocalRing
+from pipeshard.services.coordinator.in_process import local_ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.shard.chain import LocalChain
@@ -143,8 +143,8 @@ def spec_stats(last: dict) -> dict:
 
 def single_node(loop, target: Path, self_draft: Path, hf_draft: Path, prompts: list[list[int]]) -> dict:
     prompter = Prompter.from_dir(target)
-    ring = LocalRing(target)
-    ring.warmup()
+    ring = local_ring(target)
+    ring.stages.warmup()
     drafts = DraftSources(target, self_draft=self_draft, named={"hf": hf_draft})
     generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, drafts=drafts)
     sources = {"ngram": "ngram", "self": "self", "hf": "hf"}
@@ -279,7 +279,7 @@ def exactness(loop, self_draft: Path, hf_draft: Path, prompts: list[list[int]]) 
             export_model(paths.default_model_dir(), target, stages=stages, weights="fp32")
         prompter = Prompter.from_dir(target)
         generation = Generation(
-            LocalRing(target, "f32"),
+            local_ring(target, "f32"),
             prompter.tokenizer,
             prompter.eos_ids,
             drafts=DraftSources(target, self_draft=self_draft, named={"hf": hf_draft}),

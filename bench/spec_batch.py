@@ -1,5 +1,5 @@
 """`python -m bench.spec_batch`: speculation inside the batch (issue #17 item 1) on the in-process
-paged ``BatchedRing``, INT4 2-stage shards in exact mode at one thread per stage.
+paged ``batched_ring``, INT4 2-stage shards in exact mode at one thread per stage.
 
 At 1, 4 and 8 concurrent users (each its own prompt, BENCH_TOKENS tokens, eos ignored), plain
 decoding against every user speculating with the best draft source (adaptive, batch-aware K), and
@@ -45,8 +45,9 @@ from bench.spec import SELF_DRAFT
 from bench.stats import command_with_knobs, interleaved, median, ratio_ci, write_result
 from pipeshard import paths
 from pipeshard.offline import set_offline_defaults
-from pipeshard.services.coordinator.batched_ring import BatchedRing
 from pipeshard.services.coordinator.generation import Generation, Summary
+from pipeshard.services.coordinator.in_process import batched_ring
+from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.shard.paged import PagedRow
@@ -105,10 +106,10 @@ STEP_SHAPES = {
 STEP_CONTEXT = 160  # cached tokens of every row's sequence
 
 
-def step_cost(ring: BatchedRing, rounds: int) -> dict:
+def step_cost(ring: Ring, rounds: int) -> dict:
     """Median CPU and wall milliseconds of one step through every stage, per STEP_SHAPES entry,
     and the fitted line cpu_ms = a + b * tokens + c * rows."""
-    shards = ring.shards
+    shards = ring.stages.shards
     keys = [("cost", i) for i in range(16)]
     for shard in shards:
         for key in keys:
@@ -161,7 +162,7 @@ def step_cost(ring: BatchedRing, rounds: int) -> dict:
     return {"shapes": table, "fit_cpu_ms": {"fixed": a, "per_token": b, "per_row": c}}
 
 
-def batcher_line(ring: BatchedRing) -> dict:
+def batcher_line(ring: Ring) -> dict:
     """The step cost batch-aware K used at the end of the run: what the ring's step batcher
     fitted from its decode steps' wall times (ms fixed, per row, per position, per verify step)."""
     cost = ring.batch_steps.timing.cost()
@@ -196,8 +197,8 @@ class Users:
 
     def __init__(self, export, self_draft):
         self.prompter = Prompter.from_dir(export)
-        self.ring = BatchedRing(export, "exact", 1, cache_bytes=256 << 20)
-        self.ring.warmup()
+        self.ring = batched_ring(export, "exact", 1, cache_bytes=256 << 20)
+        self.ring.stages.warmup()
         drafts = DraftSources(export, self_draft=self_draft)
         self.generations = {
             aware: Generation(
@@ -316,7 +317,7 @@ def measure(users: Users) -> int:
         "exact_ok": exact_ok,
         "spec": spec_stats,
         "baselines": "spec_N over plain_N; spec_N over spec_blind_N (K chosen as if alone)",
-        "precision": "exact, 1 thread per stage, INT4 2 stages, in-process BatchedRing",
+        "precision": "exact, 1 thread per stage, INT4 2 stages, in-process batched_ring",
         "step_cost": cost,
         "batcher_step_line_ms": batcher_line(users.ring),
     }

@@ -36,6 +36,7 @@ from pathlib import Path
 from bench.stats import RESULTS_DIR, interleaved, median, ratio_ci, write_result
 from pipeshard.offline import set_offline_defaults
 from pipeshard.services.coordinator.generation import Generation, Summary
+from pipeshard.services.coordinator.remote_stages import RemoteStages
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.wan.emulator import CONTROL_PORT, WanFleet
@@ -61,7 +62,10 @@ class Driver:
     def __init__(self, wan: WanFleet, shards: Path):
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)  # grpc.aio binds channels to the current loop
-        self.ring = Ring([f"{link.root_ip}:{CONTROL_PORT}" for link in wan.links], step_timeout_s=120)
+        self.ring = Ring(
+            RemoteStages([f"{link.root_ip}:{CONTROL_PORT}" for link in wan.links], step_timeout_s=120),
+            paged=False,
+        )
         prompter = Prompter.from_dir(shards)
         self.ids = prompter.encode("", [("user", PROMPT)])
         self.loop.run_until_complete(self._start())
@@ -87,7 +91,7 @@ class Driver:
 
     async def _start(self) -> None:
         await self.ring.start()
-        await self.ring.wait_ready(120)
+        await self.ring.stages.wait_ready(120)
 
     def runner(self, codec: str, mode: str) -> Callable[[], float]:
         """One generation in ``mode`` whose session asks every stage for ``codec``."""
@@ -101,7 +105,7 @@ class Driver:
 
         def run() -> float:
             self._mode = f"{codec}/{mode}"
-            self.ring.session_codec = codec
+            self.ring.stages.session_codec = codec
             self.steps.setdefault(self._mode, []).append([])
             summary = self.loop.run_until_complete(go())
             if summary.completion_tokens != TOKENS:

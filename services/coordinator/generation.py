@@ -50,6 +50,8 @@ from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
 from pipeshard.services.coordinator.speculation.policy import BatchSteps, KPolicy, SourceMemory, TimingModel
 from pipeshard.services.coordinator.speculation.sources import DraftSources
+from pipeshard.services.coordinator.step_batcher import DEFAULT_PREFILL_CHUNK
+from pipeshard.services.stage.domain import RowKind, SamplingStep
 from pipeshard.services.stage.wire import token_frame
 from pipeshard.tensor_codec import decode
 from pipeshard.v1 import activation_pb2
@@ -58,7 +60,12 @@ log = structlog.get_logger(__name__)
 
 
 class RingLike(Protocol):
-    """What a generation needs of the stages: the gRPC ``Ring`` or the in-process ``LocalRing``."""
+    """What a generation needs of the stages (ring.py's ``Ring`` over any transport)."""
+
+    # The ring rewinds by shortening a session's cache (paged): the cursor keeps no holes.
+    truncates_on_rewind: bool
+    # A ring that batches every step: its step cost and load, for batch-aware K (None: alone).
+    batch_steps: BatchSteps | None
 
     async def open_session(self, session_id: str, capacity: int | None = None) -> int: ...
 
@@ -75,12 +82,6 @@ class RingLike(Protocol):
     ) -> set[str]: ...
 
 
-# Prompt tokens per prefill step: the whole context, so a prompt is prefilled in one pass. Measured
-# (docs/BENCHMARKS.md, bench-prefill): with the KV cache as graph state, the CPU plugin runs every
-# multi-row step on a non-empty cache through its one-token attention kernel (scaled_attn.cpp:
-# ``use_one_token = L1 == 1 || (fuse_concat && L0 > 0)``), so a 1024-token prompt in 256-token
-# chunks cost 5x the CPU time of one pass; only the first chunk takes the multi-row kernel.
-DEFAULT_PREFILL_CHUNK = 4096
 # Steps that accepted at most this many tokens are detokenized on the event loop (two decodes of
 # a few ids each, tens of microseconds); longer ones on a worker thread, so a slow decode does not
 # stall other streams. A thread hop per token cost 0.3 ms at the median and 2.8 ms at p90 of a
@@ -114,6 +115,19 @@ class Summary:
     cached_tokens: int = 0  # prompt positions restored from the prefix cache instead of prefilled
 
 
+@dataclass
+class Progress:
+    """What a running request has accumulated so far; its Summary is formed once it ends."""
+
+    speculative: str = "none"
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    logprobs: list[float] = field(default_factory=list)  # per generated token, when asked
+    cached_tokens: int = 0  # prompt positions restored from the prefix cache
+    error: str = ""
+
+
 class _Cursor:
     """Where one session's cache stands on every stage: physical length written, logical
     length kept, and the rejected ranges the next frame must mask out."""
@@ -133,7 +147,8 @@ class _Cursor:
         *,
         fill_only: bool = False,
         return_last: int = 1,
-        sampling: activation_pb2.SamplingRequest | None = None,
+        sampling: SamplingStep | None = None,
+        kind: RowKind | None = None,
     ) -> activation_pb2.ActivationFrame:
         frame = token_frame(
             self.session_id,
@@ -145,6 +160,7 @@ class _Cursor:
             return_last=return_last,
             invalidate=self._rejected,
             sampling=sampling,
+            kind=kind,
         )
         self._rejected = []
         self.step += 1
@@ -167,10 +183,11 @@ class _Cursor:
 
 def _take(
     new: list[int], generated: list[int], detok: IncrementalDetokenizer, stop_ids: set[int], max_tokens: int
-) -> tuple[list[int], str, str]:
-    """Appends accepted tokens up to a stop or the limit: (tokens emitted, finish, text delta)."""
+) -> tuple[list[int], str | None, str]:
+    """Appends accepted tokens up to a stop or the limit: (tokens emitted, finish reason once the
+    request is done else None, text delta)."""
     emitted: list[int] = []
-    finish = "length"
+    finish = None
     for token in new:
         generated.append(token)
         emitted.append(token)
@@ -180,10 +197,11 @@ def _take(
             detok.add(token)
             if detok.stopped:
                 finish = "stop"
-        if finish == "stop" or len(generated) >= max_tokens:
+        if finish is None and len(generated) >= max_tokens:
+            finish = "length"
+        if finish is not None:
             break
-    done = finish == "stop" or len(generated) >= max_tokens
-    return emitted, finish, detok.delta(final=done)
+    return emitted, finish, detok.delta(final=finish is not None)
 
 
 class _Request:
@@ -220,10 +238,10 @@ class _Request:
         self.stop_ids = stop_ids
         self.context = list(prompt_ids)
         self.generated: list[int] = []
-        self.stats = Summary("length", len(prompt_ids), 0, 0.0, 0.0, "", self.generated, speculative=mode)
+        self.progress = Progress(speculative=mode)
         self.started = time.perf_counter()
         self.first_at = self.started
-        self.finish = "length"
+        self.finish: str | None = None  # "stop", "length" or "error" once it has ended
         self.pending: list[int] = []  # tokens the stages have not seen yet
         self.emitted_at = self.started  # when the last tokens were handed out
         self.new_logprobs: list[float] = []  # of the tokens the last step accepted, when asked
@@ -253,12 +271,21 @@ class _Request:
         return self.drafter.propose(self.context, k_step, self.sample)
 
     def frame(self, draft: Draft) -> activation_pb2.ActivationFrame:
-        """The step's frame: the pending tokens plus the draft, returning a row per draft token + 1."""
+        """The step's frame: the pending tokens plus the draft, returning a row per draft token + 1.
+        A row that still carries prompt tokens is the prompt's last chunk; then a decode row, or a
+        verify row with drafts."""
+        if self.cursor.logical < len(self.prompt_ids):
+            kind = RowKind.PREFILL
+        else:
+            kind = RowKind.VERIFY if draft.tokens else RowKind.DECODE
         return self.cursor.frame(
-            self.pending + draft.tokens, return_last=len(draft.tokens) + 1, sampling=self._sampling(draft)
+            self.pending + draft.tokens,
+            return_last=len(draft.tokens) + 1,
+            sampling=self._sampling(draft),
+            kind=kind,
         )
 
-    def _sampling(self, draft: Draft) -> activation_pb2.SamplingRequest | None:
+    def _sampling(self, draft: Draft) -> SamplingStep | None:
         """The final stage draws (with this request's generator) unless the drafts carry their
         own distributions, which would cost more to ship than the logits they save, or the
         client asked for logprobs, which are computed here from the logits."""
@@ -269,14 +296,7 @@ class _Request:
             or self.params.logprobs
         ):
             return None
-        dist = self.sampler.distribution
-        return activation_pb2.SamplingRequest(
-            temperature=dist.temperature,
-            top_k=dist.top_k,
-            top_p=dist.top_p,
-            rng_state=rng_state(self.sampler.rng),
-            draft_tokens=draft.tokens,
-        )
+        return SamplingStep(self.sampler.distribution, rng_state(self.sampler.rng), list(draft.tokens))
 
     def accept(self, draft: Draft, result: activation_pb2.StepResult) -> list[int]:
         """The tokens this step keeps: the agreed draft prefix plus the target's next token."""
@@ -302,12 +322,12 @@ class _Request:
             self.drafter.commit(kept)
             self.policy.observe(len(draft.tokens), kept, elapsed, draft.seconds)
             if draft.tokens:
-                self.stats.verify_steps += 1
-                self.stats.draft_tokens += len(draft.tokens)
-                self.stats.accepted_tokens += kept
+                self.progress.verify_steps += 1
+                self.progress.draft_tokens += len(draft.tokens)
+                self.progress.accepted_tokens += kept
                 if self.metered:
-                    SPECULATIVE_DRAFTED.labels(source=self.stats.speculative).inc(len(draft.tokens))
-                    SPECULATIVE_ACCEPTED.labels(source=self.stats.speculative).inc(kept)
+                    SPECULATIVE_DRAFTED.labels(source=self.progress.speculative).inc(len(draft.tokens))
+                    SPECULATIVE_ACCEPTED.labels(source=self.progress.speculative).inc(kept)
         if not self.generated:
             self.first_at = time.perf_counter()
 
@@ -318,7 +338,7 @@ class _Request:
             emitted, self.finish, text = _take(*args)
         else:
             emitted, self.finish, text = await asyncio.to_thread(_take, *args)
-        done = self.finish == "stop" or len(self.generated) >= self.params.max_tokens
+        done = self.finish is not None
         if self.metered:
             self._meter(len(emitted))
         if not done:
@@ -327,7 +347,7 @@ class _Request:
         chunk = Chunk(text=text, token_ids=emitted)
         if self.params.logprobs:
             chunk.logprobs = self.new_logprobs[: len(emitted)]
-            self.stats.logprobs.extend(chunk.logprobs)
+            self.progress.logprobs.extend(chunk.logprobs)
         return chunk, done
 
     def _meter(self, tokens: int) -> None:
@@ -360,16 +380,26 @@ class _Request:
             self.ahead = None
 
     def summary(self) -> Summary:
-        """The final Summary: finish reason, counts and timings."""
-        stats = self.stats
+        """The final Summary of an ended request: finish reason, counts and timings."""
         elapsed = time.perf_counter() - self.first_at
-        stats.finish_reason = self.finish
-        stats.completion_tokens = len(self.generated)
-        stats.ttft_ms = (self.first_at - self.started) * 1000.0
         n = len(self.generated)
-        stats.tok_s = (n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0
-        stats.text = self.detok.text
-        return stats
+        p = self.progress
+        return Summary(
+            finish_reason=self.finish,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=n,
+            ttft_ms=(self.first_at - self.started) * 1000.0,
+            tok_s=(n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
+            text=self.detok.text,
+            token_ids=self.generated,
+            error=p.error,
+            speculative=p.speculative,
+            verify_steps=p.verify_steps,
+            draft_tokens=p.draft_tokens,
+            accepted_tokens=p.accepted_tokens,
+            logprobs=p.logprobs,
+            cached_tokens=p.cached_tokens,
+        )
 
 
 class Generation:
@@ -406,7 +436,7 @@ class Generation:
         # A ring that batches every step (paged) times its steps and knows what shares a request's
         # next one, which batch-aware K weighs (speculation/policy.py); ``batch_aware_k`` False
         # chooses K as if alone, from the request's own wall time per step (A/B).
-        self._steps: BatchSteps | None = getattr(ring, "batch_steps", None) if batch_aware_k else None
+        self._steps: BatchSteps | None = ring.batch_steps if batch_aware_k else None
 
     async def released(self) -> None:
         """Waits for the session releases still under way (before the ring closes)."""
@@ -463,7 +493,7 @@ class Generation:
                 raise
             # Output already streamed: end it with a summary that says what failed.
             log.warning("generation_failed", session_id=request.session_id, code=exc.code, error=failure)
-            request.finish, request.stats.error = "error", failure
+            request.finish, request.progress.error = "error", failure
         finally:
             if request.ahead is not None:  # the client went away or the generation failed
                 request.ahead.cancel()
@@ -500,7 +530,7 @@ class Generation:
             detok=IncrementalDetokenizer(self._tok, params.stop),
             stop_ids=set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos),
             metered=metered,
-            truncates=getattr(self._ring, "truncates_on_rewind", False),
+            truncates=self._ring.truncates_on_rewind,
         )
         if steps is not None:
             policy.load = lambda: steps.load(request.session_id)
@@ -546,7 +576,7 @@ class Generation:
         self.prefix.unpin(hit)
         self.prefix.forget(dropped)
         request.cursor.restored(hit.positions)
-        request.stats.cached_tokens = hit.positions
+        request.progress.cached_tokens = hit.positions
         log.info("prefix_cache_hit", session_id=request.session_id, positions=hit.positions)
 
     async def _keep(self, request: _Request, scope: str) -> None:

@@ -13,9 +13,8 @@ import sys
 from pipeshard.errors import PipeshardError
 from pipeshard.logs import configure_logging
 from pipeshard.precision import DEFAULT_PRECISION
-from pipeshard.services.coordinator.batched_ring import BatchedRing
-from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Generation, Summary
-from pipeshard.services.coordinator.local_ring import LocalRing
+from pipeshard.services.coordinator.generation import Generation, Summary
+from pipeshard.services.coordinator.in_process import batched_ring, local_ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.shard.prompting import Prompter
@@ -28,13 +27,13 @@ def generate_local(args: argparse.Namespace, stream: bool) -> Summary:
     prompter = Prompter.from_dir(args.local)
     precision = args.precision or DEFAULT_PRECISION
     paged = args.kv == "paged"
-    ring = BatchedRing(args.local, precision) if paged else LocalRing(args.local, precision=precision)
-    ring.warmup()  # the first inference prepares kernels (0.5-2 s); keep it out of ttft
+    ring = batched_ring(args.local, precision) if paged else local_ring(args.local, precision=precision)
+    ring.stages.warmup()  # the first inference prepares kernels (0.5-2 s); keep it out of ttft
     generation = Generation(
         ring,
         prompter.tokenizer,
         prompter.eos_ids,
-        prefill_chunk=ring.prefill_chunk if paged else DEFAULT_PREFILL_CHUNK,
+        prefill_chunk=ring.prefill_chunk,
         drafts=DraftSources(args.local, self_draft=args.self_draft, allow_paths=True),
     )
     ids = prompter.encode("", [("user", args.prompt)])
@@ -49,7 +48,9 @@ def generate_local(args: argparse.Namespace, stream: bool) -> Summary:
     )
 
     async def generate() -> Summary:
-        params.validate(prompt_tokens=len(ids), max_context=ring.max_context, vocab_size=ring.vocab_size)
+        params.validate(
+            prompt_tokens=len(ids), max_context=ring.stages.max_context, vocab_size=ring.stages.vocab_size
+        )
         summary = None
         async for event in generation.run(ids, params, speculative=args.speculative, k=args.k):
             if isinstance(event, Summary):

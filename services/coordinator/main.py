@@ -18,8 +18,8 @@ from pipeshard.services.coordinator.fleet_promise import fleet_promise
 from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation
 from pipeshard.services.coordinator.kv_mirror import KvMirror
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
-from pipeshard.services.coordinator.plan_ring import PlanRing
 from pipeshard.services.coordinator.prefix_cache import PrefixIndex
+from pipeshard.services.coordinator.remote_stages import RemoteStages
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.scheduler import Scheduler
@@ -190,6 +190,7 @@ class Coordinator:
     settings: CoordinatorSettings
     # who callers are: the server's auth interceptor and the servicer share this one
     authenticator: Authenticator
+    stages: RemoteStages = field(init=False)
     ring: Ring = field(init=False)
     servicer: CoordinatorServicer = field(init=False)
 
@@ -206,29 +207,34 @@ class Coordinator:
             )
         prompter = Prompter.from_dir(Path(self.settings.shards))
         local = self._local_stage0() if self.settings.host_stage0 else None
-        self.ring = Ring(
+        self.stages = RemoteStages(
             self.settings.stages,
             step_timeout_s=self.settings.step_timeout_s,
             local_stage0=local,
             hop_delay_s=self.settings.hop_delay_ms / 1000.0,
             tls=self._tls(),
         )
-        await self.ring.start()
-        await self.ring.wait_ready(self.settings.ready_timeout_s)
-        infos = await self.ring.stage_infos()
+        await self.stages.start()
+        await self.stages.wait_ready(self.settings.ready_timeout_s)
+        infos = await self.stages.stage_infos()
         paged = stage_kv_backend(self.settings.kv, infos) == "paged"
         promise = fleet_promise(infos)
         log.info("fleet_promise", precision=promise.precision, invariant=promise.invariant)
         prefix = self.settings.prefix_cache == "on"
         log.info("prefix_cache", enabled=prefix)
+        scheduler = self._scheduler(infos)
+        self.ring = Ring(
+            self.stages,
+            paged=paged,
+            sessions=lambda: scheduler.running,
+            accounts=scheduler.accounts(),
+            inflight=self.settings.inflight or None,
+        )
         chunk = self.settings.prefill_chunk
         if paged and chunk == DEFAULT_PREFILL_CHUNK:
-            chunk = PlanRing.prefill_chunk  # the same chunks as `generate --local --kv paged`
-        scheduler = self._scheduler(infos)
+            chunk = self.ring.prefill_chunk  # the same chunks as `generate --local --kv paged`
         generation = Generation(
-            scheduler.accounted(
-                PlanRing(self.ring, inflight=self.settings.inflight or None) if paged else self.ring
-            ),
+            self.ring,
             prompter.tokenizer,
             prompter.eos_ids,
             prefill_chunk=chunk,
@@ -332,8 +338,8 @@ class Coordinator:
             for name in names:
                 server.set_serving(name, serving)
 
-        self.ring.on_health = report
-        report(self.ring.healthy)
+        self.stages.on_health = report
+        report(self.stages.healthy)
 
     async def close(self) -> None:
         """Graceful stop: no new requests, running ones get the grace period, the rest are ended
@@ -341,10 +347,15 @@ class Coordinator:
         if hasattr(self, "servicer"):  # started
             grace = self.settings.grace_seconds
             if not await self.servicer.drain(grace):
-                self.ring.stop_steps(f"coordinator shut down; generation stopped after its {grace:g} s grace")
+                self.stages.stop_steps(
+                    f"coordinator shut down; generation stopped after its {grace:g} s grace"
+                )
                 await self.servicer.drain(5.0)  # their final messages go out
             await self.servicer.released()
-        await self.ring.close()
+        if hasattr(self, "ring"):
+            await self.ring.close()  # its batcher, then the stages
+        elif hasattr(self, "stages"):
+            await self.stages.close()
 
 
 def main(argv: list[str] | None = None) -> int:

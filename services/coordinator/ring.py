@@ -1,47 +1,35 @@
-"""The coordinator's view of the fleet: frames into stage 0, results back from the final stage.
+"""The ring: how a generation's steps and sessions reach the stages, whatever carries them.
 
-One persistent Forward stream to stage 0 and one Results subscription to the final stage
-carry every session's steps; a step is a future keyed by (session id, step id). Control
-calls (open, release) go to every stage directly. Every call carries this ring's owner secret
-(pipeshard.ownership) and every frame its owner key, so stages keep its sessions to itself; a
-Results subscription on every remote stage is its lease there (sessions are released a few
-seconds after it closes). A :class:`StageWatch` holds a health stream to every remote stage:
-when one breaks, every pending step fails at once with UNAVAILABLE naming the stage (the step
-deadline remains for a stage that freezes: then the ring asks each stage for its info and names
-the first that does not answer). Releases a stage missed while unreachable are sent again as
-aborts when it answers again.
+One class for stage services (``RemoteStages``, remote_stages.py: gRPC streams) and for stages
+in this process (``InProcessStages``, in_process.py); they differ only in that transport (its
+``StageLink``). On paged stages the ring batches: a ``StepBatcher`` forms each step from every
+running session's row (step_batcher.py) and the transport carries it as one plan frame, so
+each ``Generation`` sends its frame and awaits its result as if it were alone. On stateful
+stages each session's step travels alone (a plan of one row).
+
+Paged stages rewind by shortening a session, so a generation's cursor keeps physical ==
+logical positions there (``truncates_on_rewind``). Sessions open with the capacity they may use,
+which every paged stage reserves (or refuses) at once; ``accounts`` (the scheduler's
+``SessionAccounts``) counts each reservation in the coordinator's mirror of the stages' KV
+budget until every stage has released it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
-import grpc
-import structlog
+from pipeshard.errors import PipeshardError, Unavailable
+from pipeshard.services.coordinator.step_batcher import (
+    DEFAULT_PREFILL_CHUNK,
+    DEFAULT_STEP_TOKENS,
+    PAGED_PREFILL_CHUNK,
+    StepBatcher,
+)
+from pipeshard.v1 import activation_pb2
 
-from pipeshard import trace
-from pipeshard.errors import DeadlineExceeded, PipeshardError, Unavailable
-from pipeshard.link_model import LinkEstimate, train_rate
-from pipeshard.ownership import new_secret, owner_key, owner_metadata
-from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
-from pipeshard.services.coordinator.stage_watch import StageWatch
-from pipeshard.services.stage.wire import plan_from_frames
-from pipeshard.services.transport.channels import open_channel
-from pipeshard.services.transport.hop import PROBE_TRAIN, HopStream, keep_open
-from pipeshard.tls import TlsConfig
-from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc
-
-log = structlog.get_logger(__name__)
-
-# Rows of a step that ``step_timeout_s`` covers; a longer step (a one-pass prefill) gets that much
-# time per started block of this many rows.
-TIMEOUT_ROWS = 256
-
-
-_MAX_UNRELEASED = 4096  # sessions remembered per unreachable stage, to abort when it returns
+if TYPE_CHECKING:
+    from pipeshard.services.coordinator.scheduler import SessionAccounts
 
 
 class StageFailed(PipeshardError):
@@ -57,344 +45,118 @@ class ShuttingDown(Unavailable):
     """The coordinator stopped the generations still running at the end of its shutdown grace."""
 
 
+class StageLink(Protocol):
+    """A ring's transport: what differs between stage services and stages in this process."""
+
+    @property
+    def num_stages(self) -> int: ...
+
+    async def start(self) -> None: ...
+
+    async def run(self, frames: list[activation_pb2.ActivationFrame]) -> list:
+        """One step of these sessions' frames through every stage: each frame's StepResult or
+        the exception to raise for it (raising fails every frame)."""
+        ...
+
+    async def open_session(self, session_id: str, capacity: int | None = None) -> int: ...
+
+    async def release_session(self, session_id: str) -> None: ...
+
+    async def abort_session(self, session_id: str, reason: str) -> None: ...
+
+    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> set[str]: ...
+
+    async def restore_kv(
+        self, session_id: str, scope: str, token_ids: list[int], positions: int, timeout_s: float
+    ) -> set[str]: ...
+
+    async def close(self) -> None: ...
+
+
 class Ring:
     def __init__(
         self,
-        stage_addresses: list[str],
+        stages: StageLink,
         *,
-        step_timeout_s: float = 30.0,
-        control_timeout_s: float = 5.0,
-        local_stage0: tuple[LocalEntry, LocalStageStub] | None = None,
-        hop_delay_s: float = 0.0,
-        tls: TlsConfig | None = None,
+        paged: bool,
+        sessions: Callable[[], int] | None = None,
+        accounts: SessionAccounts | None = None,
+        step_tokens: int = DEFAULT_STEP_TOKENS,
+        gather_s: float = 0.002,
+        inflight: int | None = None,
     ):
-        """``stage_addresses`` lists every remote stage in order; with ``local_stage0`` they are
-        stages 1..N-1 and stage 0 runs in this process. ``hop_delay_s`` delays the frames sent to
-        stage 0 (emulated latency; a hosted stage 0 gets it on its own next hop instead)."""
-        if not stage_addresses:
-            raise ValueError("a ring needs at least one remote stage")
-        self.step_timeout_s = step_timeout_s
-        self.control_timeout_s = control_timeout_s
-        secret = new_secret()
-        self._owner = owner_key(secret)
-        self._metadata = owner_metadata(secret)
-        self._channels = [open_channel(a, tls) for a in stage_addresses]
-        self._stubs = [stage_pb2_grpc.StageServiceStub(c) for c in self._channels]
-        if local_stage0 is None:
-            self.addresses = list(stage_addresses)
-            self._entry = HopStream(
-                stage_addresses[0],
-                on_error=self._on_entry_error,
-                delay_s=hop_delay_s,
-                channel=self._channels[0],
+        """``paged``: the stages' KV backend is paged (steps are batched). ``sessions``: how many
+        sessions may send steps (the scheduler's count; a batching ring needs it). ``inflight``:
+        the most batched steps travelling at once (None: one per stage)."""
+        self.stages = stages
+        self.truncates_on_rewind = paged
+        self.prefill_chunk = PAGED_PREFILL_CHUNK if paged else DEFAULT_PREFILL_CHUNK
+        self._accounts = accounts
+        # Step cost and load for batch-aware K (speculation/policy.py, ``BatchSteps``); None when
+        # each session's step travels alone.
+        self.batch_steps: StepBatcher | None = None
+        if paged:
+            if sessions is None:
+                raise ValueError("a batching ring needs the count of sessions that may send steps")
+            self.batch_steps = StepBatcher(
+                stages.run, sessions, step_tokens, gather_s, inflight or stages.num_stages
             )
-        else:
-            self.addresses = ["in-process", *stage_addresses]
-            self._entry, stub0 = local_stage0
-            self._stubs.insert(0, stub0)
-        self._pending: dict[tuple[str, int], asyncio.Future] = {}
-        self._subscriber_id = f"coordinator-{uuid.uuid4().hex[:8]}"
-        self._remote = self._stubs[self.num_stages - len(stage_addresses) :]
-        self._subscriptions: list[asyncio.Task] = []
-        self._subscribed = [asyncio.Event() for _ in self._remote]
-        first_remote = self.num_stages - len(self._channels)
-        self.watch = StageWatch(
-            {first_remote + j: c for j, c in enumerate(self._channels)}, self.addresses, self._on_reachability
-        )
-        self.on_health: Callable[[bool], None] = lambda serving: None  # the coordinator's health
-        self._unreleased: dict[int, set[str]] = {}  # stage -> sessions it missed the release of
-        self._background: set[asyncio.Task] = set()
-        self._stopped: ShuttingDown | None = None
-        # The return link (final stage -> here), probed at each Results subscription; the final
-        # stage hears of it with every OpenSession and picks its results codec from it.
-        self.results_link = LinkEstimate("results")
-        # The codec every stage uses for the sessions this ring opens from now on (OpenSession's
-        # codec; empty: each stage's own --codec). A benchmark switches it request by request.
-        self.session_codec = ""
-
-    @property
-    def healthy(self) -> bool:
-        """True while every stage is reachable."""
-        return not self.watch.down
-
-    async def start(self) -> None:
-        self._entry.start()
-        self._subscriptions = [
-            asyncio.create_task(self._subscribe(i), name=f"ring-results-{i}")
-            for i in range(len(self._remote))
-        ]
-        self.watch.start()
-
-    def stop_steps(self, reason: str) -> None:
-        """Fails every pending and future step with :class:`ShuttingDown` (end of a drain)."""
-        self._stopped = ShuttingDown(reason)
-        self._fail_pending(self._stopped)
-
-    async def close(self) -> None:
-        await self.watch.close()
-        tasks = [*self._subscriptions, *self._background]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await self._entry.close()
-        for channel in self._channels:
-            await channel.close()
 
     @property
     def num_stages(self) -> int:
-        return len(self.addresses)
+        return self.stages.num_stages
+
+    async def start(self) -> None:
+        await self.stages.start()
 
     async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
-        """Send one frame around the ring and wait for the final stage's result."""
-        if self._stopped is not None:
-            raise self._stopped
-        if self.watch.down:
-            raise Unavailable(self.watch.describe(min(self.watch.down)))
-        frame.owner = self._owner
-        key = (frame.session_id, frame.step_id)
-        future = asyncio.get_running_loop().create_future()
-        self._pending[key] = future
-        try:
-            await self._entry.send(frame)
-            result = await asyncio.wait_for(future, self.timeout_for(len(frame.positions)))
-        except TimeoutError:
-            raise await self._diagnose() from None  # a stage named here fails the other steps too
-        finally:
-            self._pending.pop(key, None)
-        if result.HasField("error"):
-            raise StageFailed(result.error)
-        return result
-
-    async def step_plan(self, frames: list[activation_pb2.ActivationFrame]) -> list:
-        """Send many sessions' frames around the ring as one plan frame (paged stages run them in
-        one inference); answers each with its StepResult or the error to raise for it."""
-        if self._stopped is not None:
-            return [self._stopped] * len(frames)
-        if self.watch.down:
-            return [Unavailable(self.watch.describe(min(self.watch.down)))] * len(frames)
-        for frame in frames:
-            frame.owner = self._owner
-        loop = asyncio.get_running_loop()
-        keys = [(f.session_id, f.step_id) for f in frames]
-        futures = [loop.create_future() for _ in frames]
-        self._pending.update(zip(keys, futures, strict=True))
-        try:
-            trace.mark("plan_build", frames[0].session_id, frames[0].step_id)
-            plan = plan_from_frames(frames)
-            trace.mark("plan_send", plan.session_id, plan.step_id)
-            if trace.enabled():  # one per row, under the plan's key: the timeline counts rows per step
-                for _ in frames:
-                    trace.mark("plan_row", plan.session_id, plan.step_id)
-            await self._entry.send(plan)
-            rows = sum(len(f.positions) for f in frames)
-            done, _ = await asyncio.wait(futures, timeout=self.timeout_for(rows))
-            if len(done) < len(futures):
-                error = await self._diagnose()
-                return [f.result() if f in done else error for f in futures]
-        finally:
-            for key in keys:
-                self._pending.pop(key, None)
-        results = [f.result() for f in futures]
-        return [StageFailed(r.error) if r.HasField("error") else r for r in results]
-
-    def timeout_for(self, rows: int) -> float:
-        """``step_timeout_s`` per started block of TIMEOUT_ROWS rows: a prompt prefilled in one pass
-        is one long step, which must not read as a dead stage."""
-        return self.step_timeout_s * max(1, -(-rows // TIMEOUT_ROWS))
+        """One step of one session: its frame's result, or the error for it raised."""
+        if self.batch_steps is not None:
+            return await self.batch_steps.step(frame)
+        (answer,) = await self.stages.run([frame])
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
 
     async def open_session(self, session_id: str, capacity: int | None = None) -> int:
-        """Open the session on every stage; returns the smallest max_context among them.
+        """Opens the session on every stage; returns the smallest max_context among them.
         ``capacity``: the tokens the session may use (a paged stage reserves them or refuses)."""
-        request = stage_pb2.OpenSessionRequest(
-            session_id=session_id,
-            capacity=capacity or 0,
-            results_link_bandwidth_bytes_per_second=self.results_link.bandwidth_bytes_s or 0.0,
-            codec=self.session_codec,
-        )
+        if self._accounts is not None:
+            self._accounts.opening(session_id, capacity)
         try:
-            responses = await self._on_all("OpenSession", request)
+            return await self.stages.open_session(session_id, capacity)
         except BaseException:
-            # All or nothing, also when the caller is cancelled meanwhile: no half-open session lingers.
-            self._in_background(self.release_session(session_id), f"release-{session_id}")
+            self._closed(session_id)
             raise
-        return min(r.max_context for r in responses)
 
     async def release_session(self, session_id: str) -> None:
-        """Release on every stage, tolerating stages that are down: each is sent an abort for it
-        again when it answers again (a frozen stage still holds the session then)."""
-        responses = await self._on_all(
-            "ReleaseSession", stage_pb2.ReleaseSessionRequest(session_id=session_id), tolerate=True
-        )
-        for i, response in enumerate(responses):
-            missed = self._unreleased.setdefault(i, set())
-            if response is None and len(missed) < _MAX_UNRELEASED:
-                missed.add(session_id)  # beyond the cap (a long outage) the stage's reaper frees them
+        try:
+            await self.stages.release_session(session_id)
+        finally:
+            self._closed(session_id)
 
     async def abort_session(self, session_id: str, reason: str) -> None:
-        """Abort on every stage after a failed generation (logged there with the reason); frees
-        the state like a release, tolerating stages that are down."""
-        await self._on_all(
-            "AbortSession", stage_pb2.AbortSessionRequest(session_id=session_id, reason=reason), tolerate=True
-        )
+        """Aborts on every stage after a failed generation (logged there with the reason)."""
+        try:
+            await self.stages.abort_session(session_id, reason)
+        finally:
+            self._closed(session_id)
 
     async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> set[str]:
-        """Every stage keeps the session's KV of ``token_ids`` in its prefix cache; returns the
-        block keys any stage reports dropped (the prefix index forgets them)."""
-        request = stage_pb2.CaptureKvRequest(
-            session_id=session_id, token_ids=token_ids, keep_in_cache=True, cache_scope=scope
-        )
-        return {key for r in await self._on_all("CaptureKv", request) for key in r.evicted_blocks}
+        return await self.stages.keep_kv(session_id, scope, token_ids)
 
     async def restore_kv(
         self, session_id: str, scope: str, token_ids: list[int], positions: int, timeout_s: float
     ) -> set[str]:
-        """Restore the first ``positions`` positions of a cached sequence on every stage within
-        ``timeout_s``; raises if any stage fails (the caller then discards the session). Returns
-        the block keys any stage reports dropped."""
-        request = stage_pb2.RestoreKvRequest(
-            session_id=session_id, cache_scope=scope, cached_token_ids=token_ids, positions=positions
-        )
-        responses = await self._on_all("RestoreKv", request, timeout=timeout_s)  # a late stage: UNAVAILABLE
-        return {key for r in responses for key in r.evicted_blocks}
+        return await self.stages.restore_kv(session_id, scope, token_ids, positions, timeout_s)
 
-    async def wait_ready(self, timeout_s: float) -> None:
-        """Wait until every stage answers and the result subscription is live."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        for i, stub in enumerate(self._stubs):
-            remaining = max(0.1, deadline - asyncio.get_running_loop().time())
-            try:
-                await stub.GetStageInfo(
-                    stage_pb2.GetStageInfoRequest(),
-                    timeout=remaining,
-                    wait_for_ready=True,
-                    metadata=self._metadata,
-                )
-            except grpc.aio.AioRpcError as exc:
-                raise Unavailable(
-                    f"stage {i} at {self.addresses[i]} is not ready: {exc.code().name}"
-                ) from None
-        for subscribed in self._subscribed:
-            await asyncio.wait_for(subscribed.wait(), max(0.1, deadline - asyncio.get_running_loop().time()))
+    async def close(self) -> None:
+        if self.batch_steps is not None:
+            await self.batch_steps.close()
+        await self.stages.close()
 
-    async def stage_infos(self) -> list[stage_pb2.GetStageInfoResponse]:
-        """Every stage's GetStageInfo answer, in pipeline order."""
-        return await self._on_all("GetStageInfo", stage_pb2.GetStageInfoRequest())
-
-    async def _on_all(
-        self, method: str, request, *, tolerate: bool = False, timeout: float | None = None
-    ) -> list:
-        async def call(i: int):
-            try:
-                return await getattr(self._stubs[i], method)(
-                    request, timeout=timeout or self.control_timeout_s, metadata=self._metadata
-                )
-            except grpc.aio.AioRpcError as exc:
-                if tolerate:
-                    log.warning("stage_control_failed", stage=i, method=method, code=exc.code().name)
-                    return None
-                raise _stage_rpc_error(i, self.addresses[i], exc) from None
-
-        # Every call is waited for before an error is raised: a release that overtook a still
-        # running open would leave that stage's session behind.
-        results = await asyncio.gather(*(call(i) for i in range(self.num_stages)), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return results
-
-    async def _diagnose(self) -> PipeshardError:
-        async def probe(i: int) -> str | None:
-            try:
-                await self._stubs[i].GetStageInfo(
-                    stage_pb2.GetStageInfoRequest(), timeout=self.control_timeout_s, metadata=self._metadata
-                )
-            except grpc.aio.AioRpcError as exc:
-                return exc.code().name
-            return None
-
-        answers = await asyncio.gather(*(probe(i) for i in range(self.num_stages)))
-        for i, code in enumerate(answers):
-            if code is not None:
-                self.watch.mark_down(i, f"not answering: {code}")
-                return Unavailable(f"stage {i} at {self.addresses[i]} is not answering ({code})")
-        return DeadlineExceeded(f"no result from the pipeline within {self.step_timeout_s:g} s")
-
-    def _fail_pending(self, error: PipeshardError) -> None:
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(error)
-
-    def _on_reachability(self, index: int, up: bool, reason: str) -> None:
-        if up:
-            sessions = self._unreleased.pop(index, set())
-            if sessions:
-                self._in_background(self._abort_on(index, sessions), f"abort-on-stage{index}")
-        else:
-            self._fail_pending(Unavailable(self.watch.describe(index)))
-        self.on_health(self.healthy)
-
-    def _in_background(self, coro, name: str) -> None:
-        task = asyncio.ensure_future(coro)
-        task.set_name(name)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _abort_on(self, index: int, sessions: set[str]) -> None:
-        """Frees on a stage that is back the sessions whose release it missed."""
-        for session_id in sessions:
-            request = stage_pb2.AbortSessionRequest(
-                session_id=session_id, reason="released while this stage was unreachable"
-            )
-            try:
-                await self._stubs[index].AbortSession(
-                    request, timeout=self.control_timeout_s, metadata=self._metadata
-                )
-            except grpc.aio.AioRpcError as exc:
-                log.warning("stage_abort_failed", stage=index, session_id=session_id, code=exc.code().name)
-                self._unreleased.setdefault(index, set()).add(session_id)
-
-    def _on_entry_error(self, response: stage_pb2.ForwardResponse) -> None:
-        # Stage 0's own errors also travel the ring; this only logs them early.
-        log.debug("stage0_rejected", session_id=response.session_id, code=response.error.code)
-
-    async def _subscribe(self, index: int) -> None:
-        """Keep a Results subscription on remote stage ``index``: the final stage's delivers the
-        results; the others carry none and hold this ring's lease on its sessions there."""
-
-        def on_response(response: stage_pb2.ResultsResponse) -> None:
-            trace.mark("result_recv", response.result.session_id, response.result.step_id)
-            future = self._pending.get((response.result.session_id, response.result.step_id))
-            if future is not None and not future.done():
-                future.set_result(response.result)
-
-        final = index == len(self._remote) - 1
-        train: list[tuple[int, float]] = []
-
-        def on_message(response: stage_pb2.ResultsResponse) -> None:
-            if not response.padding:
-                on_response(response)
-                return
-            train.append((response.ByteSize(), time.perf_counter()))
-            if len(train) == PROBE_TRAIN:
-                self.results_link.observe_rate(train_rate(train))
-                log.info("results_link_measured", bandwidth_bytes_s=self.results_link.bandwidth_bytes_s)
-
-        def open_call():
-            train.clear()  # each (re)subscription probes the return link again
-            return self._remote[index].Results(request, wait_for_ready=True, metadata=self._metadata)
-
-        request = stage_pb2.ResultsRequest(subscriber_id=self._subscriber_id, link_probe=final)
-        await keep_open(
-            open_call,
-            on_message,
-            self._subscribed[index],
-            "results",
-            stage=index,
-        )
-
-
-def _stage_rpc_error(index: int, address: str, exc: grpc.aio.AioRpcError) -> PipeshardError:
-    code = exc.code().name
-    if code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
-        return Unavailable(f"stage {index} at {address} is unavailable ({exc.details()})")
-    return StageFailed(activation_pb2.StageError(stage_index=index, code=code, message=exc.details() or code))
+    def _closed(self, session_id: str) -> None:
+        if self.batch_steps is not None:
+            self.batch_steps.forget(session_id)
+        if self._accounts is not None:
+            self._accounts.released(session_id)

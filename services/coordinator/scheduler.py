@@ -58,7 +58,7 @@ class ScheduledRequest:
     admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     # True while the mirror's charge for ``need`` is this request's (from its admission, and again
     # once the stages released its session while it runs); False while a session it opened
-    # carries the charge (AccountedRing), or once it was credited.
+    # carries the charge (SessionAccounts), or once it was credited.
     charged: bool = False
 
 
@@ -246,30 +246,25 @@ class Scheduler:
         ]
         return min(ready, key=lambda lane: (lane.passed + _stride(lane), lane.queue[0].seq), default=None)
 
-    def accounted(self, ring):
-        """``ring`` with its session reservations counted in the KV mirror (AccountedRing)."""
-        return AccountedRing(ring, self.kv)
+    def accounts(self) -> SessionAccounts:
+        """What a ring counts its sessions' reservations in (the scheduler's KV mirror)."""
+        return SessionAccounts(self.kv)
 
 
-class AccountedRing:
-    """A ring whose opened sessions the KV mirror counts until every stage has released them.
+class SessionAccounts:
+    """The sessions a ring opened, counted in the KV mirror until every stage has released them.
 
     The session a scheduled request opens takes over the request's charge; when the stages have
     released it the charge goes back to the request while it still runs (a prefix restore that
     failed reopens a session under it) and is credited otherwise. A session opened outside a
-    request (the coordinator's warm-up) is charged on its own. Steps, KV capture and restore and
-    the ring's optional capabilities pass through unchanged.
+    request (the coordinator's warm-up) is charged on its own.
     """
 
-    def __init__(self, ring, kv: KvMirror):
-        self._ring = ring
+    def __init__(self, kv: KvMirror):
         self._kv = kv
         self._sessions: dict[str, tuple[Need, ScheduledRequest | None]] = {}
 
-    def __getattr__(self, name: str):
-        return getattr(self._ring, name)
-
-    async def open_session(self, session_id: str, capacity: int | None = None) -> int:
+    def opening(self, session_id: str, capacity: int | None) -> None:
         request = _CURRENT.get()
         if request is not None and request.charged:
             request.charged = False
@@ -278,25 +273,8 @@ class AccountedRing:
             request, need = None, self._kv.need(capacity)
             self._kv.charge(need)
         self._sessions[session_id] = (need, request)
-        try:
-            return await self._ring.open_session(session_id, capacity)
-        except BaseException:
-            self._released(session_id)
-            raise
 
-    async def release_session(self, session_id: str) -> None:
-        try:
-            await self._ring.release_session(session_id)
-        finally:
-            self._released(session_id)
-
-    async def abort_session(self, session_id: str, reason: str) -> None:
-        try:
-            await self._ring.abort_session(session_id, reason)
-        finally:
-            self._released(session_id)
-
-    def _released(self, session_id: str) -> None:
+    def released(self, session_id: str) -> None:
         need, request = self._sessions.pop(session_id, ((), None))
         if request is not None and request.status is RequestStatus.RUNNING:
             request.charged = True  # its finish credits it, unless it opens another session first

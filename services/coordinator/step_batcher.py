@@ -1,8 +1,9 @@
 """Forms each step of continuous batching from the frames of every running session.
 
-Each ``Generation`` sends its frame and awaits its result as if it were alone; the batcher
-queues the frames and one scheduler task forms each step from them: decode rows (the last
-token, plus drafts when the session speculates), then prefill chunks while the step's token
+Each ``Generation`` sends its frame (a plan of one row) and awaits its result as if it were
+alone; the batcher queues the frames and one scheduler task forms each step from them by what
+each row is (its ``RowKind``): decode and verify rows (the last token, plus drafts when the
+session speculates), then prefill chunks (a prompt's first rows) while the step's token
 budget lasts (a step never runs empty: its first frame always goes). The budget only picks
 which chunks run; their size is the generation's fixed prefill chunk, so a session's chunks
 never depend on its neighbours.
@@ -41,12 +42,16 @@ from pipeshard.v1 import activation_pb2
 
 # Tokens one step may carry beyond the decode rows; prefill chunks wait for a step with room.
 DEFAULT_STEP_TOKENS = 512
+# Prompt tokens per prefill step: the whole context, so a prompt is prefilled in one pass. Measured
+# (docs/BENCHMARKS.md, bench-prefill): with the KV cache as graph state, the CPU plugin runs every
+# multi-row step on a non-empty cache through its one-token attention kernel (scaled_attn.cpp:
+# ``use_one_token = L1 == 1 || (fuse_concat && L0 > 0)``), so a 1024-token prompt in 256-token
+# chunks cost 5x the CPU time of one pass; only the first chunk takes the multi-row kernel.
+DEFAULT_PREFILL_CHUNK = 4096
 # Prompt tokens per prefill frame on the paged backend: its attention kernel takes chunks of a
-# prompt on a filled cache at full speed (unlike the stateful one, generation.py), so a long
+# prompt on a filled cache at full speed (unlike the stateful one, above), so a long
 # prompt shares steps with the others' decode rows instead of stalling them.
 PAGED_PREFILL_CHUNK = 256
-# A frame of at most this many tokens is a decode row (the last token plus up to 32 drafts).
-DECODE_ROW_TOKENS = 33
 
 # Runs one step's frames; answers each with its StepResult or the exception to raise.
 StepRunner = Callable[[list[activation_pb2.ActivationFrame]], Awaitable[list]]
@@ -56,6 +61,7 @@ StepRunner = Callable[[list[activation_pb2.ActivationFrame]], Awaitable[list]]
 class _Waiting:
     frame: activation_pb2.ActivationFrame
     tokens: int
+    decoding: bool  # a decode or verify row (a session's next token); else a prefill chunk
     answer: asyncio.Future
     arrival: int  # order of arrival (ties between equally urgent frames go to the earlier)
     urgent: bool  # a session's first frame, or a chunk passed over once: goes before other chunks
@@ -103,6 +109,7 @@ class StepBatcher:
         waiting = _Waiting(
             frame,
             len(frame.positions),
+            frame.plan.rows[0].kind != activation_pb2.ROW_KIND_PREFILL,
             asyncio.get_running_loop().create_future(),
             next(self._arrivals),
             urgent=frame.step_id == 0,
@@ -170,7 +177,7 @@ class StepBatcher:
         sent = self._clock()
         try:
             answers = await self._run([w.frame for w in batch])
-            if all(w.tokens <= DECODE_ROW_TOKENS for w in batch):
+            if all(w.decoding for w in batch):
                 self.timing.observe(sum(w.tokens for w in batch), self._clock() - sent, rows=len(batch))
         except Exception as exc:  # a runner that raises fails every row of its step
             answers = [exc] * len(batch)
@@ -191,16 +198,16 @@ class StepBatcher:
         urgent ones (first frames, chunks passed over before) first, each group in arrival order."""
         queue = [w for w in self._queue if not w.answer.done()]  # a cancelled caller's frame drops
         queue.sort(key=lambda w: (not w.urgent, w.arrival))
-        step = [w for w in queue if w.tokens <= DECODE_ROW_TOKENS][: self._share()]
+        step = [w for w in queue if w.decoding][: self._share()]
         budget = self.step_tokens
         for w in queue:
-            if w.tokens > DECODE_ROW_TOKENS and (w.tokens <= budget or not step):
+            if not w.decoding and (w.tokens <= budget or not step):
                 step.append(w)
                 budget -= w.tokens
         taken = {id(w) for w in step}
         self._queue = [w for w in queue if id(w) not in taken]
         for w in self._queue:
-            if w.tokens > DECODE_ROW_TOKENS:
+            if not w.decoding:
                 w.urgent = True  # passed over once: ahead of everything that arrives later
         self._queue.sort(key=lambda w: w.arrival)
         return step

@@ -1,8 +1,8 @@
-"""Plain data the stage works on: what one step of one session brings and what it produces."""
+"""Plain data the stage works on: the rows of a step and what each produces."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import numpy as np
@@ -11,7 +11,7 @@ from pipeshard.sampling import Distribution
 
 
 class ReturnMode(Enum):
-    """What the final stage returns for a step."""
+    """What the final stage returns for a row."""
 
     TOP1 = "top1"
     LOGITS = "logits"
@@ -19,31 +19,61 @@ class ReturnMode(Enum):
     SAMPLED = "sampled"  # the final stage draws the tokens (pipeshard/sampling.py)
 
 
-@dataclass
-class StepInput:
-    """One step of one session as it enters a stage."""
+class RowKind(Enum):
+    """What a row is: the stages check it, the coordinator forms steps by it."""
 
-    session_id: str
-    step_id: int
-    positions: np.ndarray  # int64 [T], logical positions of the new tokens
-    activations: np.ndarray  # input_ids int64 [1, T] (first stage) or hidden_states f32 [1, T, H]
-    invalidate: list[tuple[int, int]] = field(default_factory=list)  # physical [start, end) ranges
-    return_mode: ReturnMode = ReturnMode.TOP1
-    return_last: int = 1
-    compute_micros: list[int] = field(default_factory=list)  # per stage already passed
-    sent_unix_nanos: int = 0
-    owner: str = ""  # owner key of the session (pipeshard.ownership)
-    sampling: SamplingStep | None = None  # with ReturnMode.SAMPLED
+    PREFILL = "prefill"  # a chunk of a prompt; only the last chunk returns (its last position)
+    DECODE = "decode"  # the last token: one position returned
+    VERIFY = "verify"  # the last token and drafts after it: a position returned for each
 
 
 @dataclass
 class SamplingStep:
-    """How the final stage draws a step: the distribution, the request's generator state and
-    the step's point-mass drafts (return_last - 1 of them)."""
+    """How the final stage draws a row: the distribution, the request's generator state and
+    the row's point-mass drafts (return_last - 1 of them)."""
 
     distribution: Distribution
     rng_state: bytes
     draft_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One session's part of a step as it enters a stage (a step of one session is one row).
+
+    ``attention_mask`` is the extension point for rows that attend other than causally (tree
+    verification): a row carrying one is refused by every engine until a backend runs them.
+    """
+
+    session_id: str
+    step_id: int
+    kind: RowKind
+    positions: np.ndarray  # int64 [T], logical positions of the new tokens
+    activations: np.ndarray  # input_ids int64 [1, T] (first stage) or hidden_states f32 [1, T, H]
+    owner: str = ""  # owner key of the session (pipeshard.ownership)
+    invalidate: tuple[tuple[int, int], ...] = ()  # physical [start, end) ranges: the rewind
+    return_mode: ReturnMode = ReturnMode.TOP1
+    return_last: int = 1
+    sampling: SamplingStep | None = None  # with ReturnMode.SAMPLED
+    attention_mask: np.ndarray | None = None  # bool [T, past + T]; none: causal
+
+    @property
+    def tokens(self) -> int:
+        return len(self.positions)
+
+    def carrying(self, activations: np.ndarray) -> StepRow:
+        """The same row with the next stage's input (in-process rings pass rows on)."""
+        return replace(self, activations=activations)
+
+
+@dataclass
+class Step:
+    """One step as it travels the ring: its rows and the bookkeeping they share."""
+
+    rows: list[StepRow]
+    owner: str = ""
+    compute_micros: list[int] = field(default_factory=list)  # per stage already passed
+    sent_unix_nanos: int = 0
 
 
 @dataclass
@@ -60,10 +90,10 @@ class Top1:
 
 @dataclass
 class StepOutput:
-    """What a stage produces: hidden states for the next hop, or the final result."""
+    """What a stage produces for a row: hidden states for the next hop, or the final result."""
 
-    step: StepInput  # the input, with this stage's compute time appended
-    hidden_states: np.ndarray | None = None
+    row: StepRow
+    hidden_states: np.ndarray | None = None  # f32 [1, T, H]
     top1: Top1 | None = None
     logits: np.ndarray | None = None  # float32 [n, vocab]
     sampled: Sampled | None = None

@@ -1,4 +1,9 @@
-"""Runs one step of one session on this stage's shard (blocking; the node calls it inline on its loop)."""
+"""The stateful backend's engine: each session holds its own cache (pipeshard/shard/runtime.py).
+
+A batch of one behind the step interface (step_engine.py): the rows of a step run one after
+another, each on its own session, so a row's failure stays that row's. Rewind: the cache keeps
+rejected drafts and masks them out (any range of the cache may be invalidated).
+"""
 
 from __future__ import annotations
 
@@ -7,15 +12,18 @@ import time
 import numpy as np
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.sampling import sample_step
-from pipeshard.services.stage.domain import ReturnMode, Sampled, StepInput, StepOutput, top1_of
+from pipeshard.services.stage.domain import ReturnMode, StepRow
 from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.sessions import SessionTable
-from pipeshard.shard.runtime import check_activations, check_step
+from pipeshard.services.stage.step_engine import Ready, RowEngine
+
+__all__ = ["StageEngine"]
 
 
-class StageEngine:
-    """The stage's compute: validates a step against the shard's ports and runs it."""
+class StageEngine(RowEngine):
+    """The stage's compute over per-session caches (one InferRequest per session)."""
+
+    kv_backend = "stateful"
 
     def __init__(
         self,
@@ -36,8 +44,6 @@ class StageEngine:
         self.max_context = max_context
         self.vocab_size = vocab_size
 
-    kv_backend = "stateful"
-
     def open(self, owner: str, session_id: str, capacity: int | None = None) -> None:
         """Opens a session (each holds its own cache: ``capacity`` needs no reservation)."""
         self.sessions.open(owner, session_id)
@@ -45,73 +51,34 @@ class StageEngine:
     def reset(self, owner: str, session_id: str) -> None:
         self.sessions.get(owner, session_id).reset()
 
-    def run(self, step: StepInput) -> StepOutput:
-        session = self.sessions.get(step.owner, step.session_id)
-        check_activations(step.activations, is_first=self.is_first, hidden_size=self.hidden_size)
-        # Wire buffers are read-only; OpenVINO shares memory only with writeable arrays.
-        x = np.require(step.activations, requirements=["C", "W"])
-        # Out-of-range ids or positions would index the embedding or rotary tables out of bounds.
-        check_range("positions", step.positions, self.max_context)
-        if self.is_first:
-            check_range("input_ids", x, self.vocab_size)
-        check_step(
-            session.past_length,
-            x.shape[1],
-            len(step.positions),
-            step.return_last,
-            max_context=self.max_context,
-            is_last=self.is_last,
-            positions_field="positions",
-        )
-        if self.is_last and step.return_mode is ReturnMode.SAMPLED:
-            check_sampling(step, self.vocab_size)
-        for start, end in step.invalidate:
+    def _rewound(self, row: StepRow, session) -> int:
+        """Masked ranges stay in the cache: the row starts from the full length."""
+        for start, end in row.invalidate:
             if not 0 <= start <= end <= session.past_length:
                 raise InvalidArgument(
                     "mask_update", f"range [{start}, {end}) is outside the cache of {session.past_length}"
                 )
-        for start, end in step.invalidate:
+        return session.past_length
+
+    def _compute(self, ready: list[Ready]) -> list[np.ndarray | Exception]:
+        return [self._one(r) for r in ready]
+
+    def _one(self, ready: Ready) -> np.ndarray | Exception:
+        row, session = ready.row, ready.session
+        for start, end in row.invalidate:
             session.invalidate(start, end)
+        # Wire buffers are read-only; OpenVINO shares memory only with writeable arrays.
+        x = np.require(row.activations, requirements=["C", "W"])
         started = time.perf_counter_ns()
-        out = session.run(
-            x, step.positions.reshape(1, -1), return_last=step.return_last if self.is_last else 1
-        )
-        elapsed_ns = time.perf_counter_ns() - started
-        step.compute_micros.append(elapsed_ns // 1000)
-        self.meters.step(elapsed_ns / 1e9, x.shape[1])  # rows: every token the step computed
+        try:
+            out = session.run(
+                x, row.positions.reshape(1, -1), return_last=row.return_last if self.is_last else 1
+            )
+        except Exception as exc:  # this row's failure; the step's other rows still run
+            return exc
+        self.meters.step((time.perf_counter_ns() - started) / 1e9, x.shape[1])  # every token computed
         if not self.is_last:
-            return StepOutput(step=step, hidden_states=out)
-        logits = out.reshape(-1, out.shape[-1])
-        if step.return_mode is ReturnMode.TOP1:
-            return StepOutput(step=step, top1=top1_of(logits))
-        if step.return_mode is ReturnMode.LOGITS:
-            return StepOutput(step=step, logits=np.ascontiguousarray(logits, dtype=np.float32))
-        if step.return_mode is ReturnMode.SAMPLED:
-            return StepOutput(step=step, sampled=sample(np.asarray(logits, dtype=np.float32), step))
-        return StepOutput(step=step)
-
-
-def sample(logits: np.ndarray, step: StepInput) -> Sampled:
-    """The draw the coordinator would make from these logits (same rows, same generator)."""
-    spec = step.sampling
-    tokens, state = sample_step(logits, spec.distribution, spec.draft_tokens, spec.rng_state)
-    return Sampled(tokens, state)
-
-
-def check_sampling(step: StepInput, vocab_size: int) -> None:
-    """Checked before the step runs, so a bad request leaves the cache as it was."""
-    spec = step.sampling
-    if spec is None:
-        raise InvalidArgument("sampling", "is required with RETURN_MODE_SAMPLED")
-    if len(spec.draft_tokens) != step.return_last - 1:
-        raise InvalidArgument(
-            "sampling.draft_tokens",
-            f"must hold return_last - 1 = {step.return_last - 1} tokens, got {len(spec.draft_tokens)}",
-        )
-    check_range("sampling.draft_tokens", np.asarray(spec.draft_tokens, dtype=np.int64), vocab_size)
-
-
-def check_range(field: str, values: np.ndarray, limit: int) -> None:
-    if values.size and (values.min() < 0 or values.max() >= limit):
-        bad = values[(values < 0) | (values >= limit)].flat[0]
-        raise InvalidArgument(field, f"must lie in [0, {limit}), got {int(bad)}")
+            return out
+        if row.return_mode is ReturnMode.NONE:
+            return out[:0]
+        return out.reshape(-1, out.shape[-1])

@@ -1,5 +1,6 @@
-"""A stage in the ring: runs frames on its shard in arrival order, then passes them on.
+"""A stage in the ring: runs step frames on its shard in arrival order, then passes them on.
 
+Every frame is a step of one or more rows, run by one engine call whatever the KV backend.
 Inference runs on the event-loop thread itself (the CPU is the bottleneck, so one frame at a
 time; frames arriving meanwhile wait in gRPC's buffers). A non-final stage forwards hidden
 states to its next hop; the final stage publishes results to the coordinator's subscription.
@@ -17,19 +18,17 @@ import structlog
 from pipeshard import trace
 from pipeshard.errors import InvalidArgument
 from pipeshard.link_model import CodecChooser, LinkEstimate, check_wire_dtype, parse_codec
-from pipeshard.services.stage.engine import StageEngine
+from pipeshard.services.stage.domain import Step, StepOutput
 from pipeshard.services.stage.kv import StageKv
-from pipeshard.services.stage.paged_engine import PagedEngine
 from pipeshard.services.stage.results import ResultBroker
+from pipeshard.services.stage.step_engine import RowEngine
 from pipeshard.services.stage.wire import (
     error_frame,
     error_result,
-    frame_from_output,
-    plan_from_outputs,
+    frame_from_outputs,
     result_from_output,
     stage_error,
     step_from_frame,
-    steps_from_plan,
 )
 from pipeshard.services.transport.hop import HopStream
 from pipeshard.shard.manifest import input_port
@@ -41,7 +40,7 @@ log = structlog.get_logger(__name__)
 class StageNode:
     def __init__(
         self,
-        engine: StageEngine | PagedEngine,
+        engine: RowEngine,
         stage_index: int,
         *,
         next_hop: HopStream | None,
@@ -68,95 +67,63 @@ class StageNode:
         self._reaper: asyncio.Task | None = None
 
     async def handle(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StageError | None:
-        """Run one frame and pass its output on; returns this stage's error, if any."""
+        """Run a step frame's rows in one engine call and pass their outputs on; a failed row
+        travels the ring as its own error, the others go on together. Returns this stage's
+        first error, if any (the sender hears of a failed row)."""
         if frame.HasField("error"):
-            await self._pass_on_error(frame, frame.error)
+            await self._pass_on_error(frame, frame.error, frame.owner)
             return None
-        if isinstance(self.engine, PagedEngine):
-            return await self._handle_batch(frame)
         try:
             step = step_from_frame(frame, self._port)
+            trace.mark("decoded", frame.session_id, frame.step_id)
             # Inline on the event-loop thread: measured 0.3 ms per transfer and about 1.4 ms of
             # inference per token cheaper than a worker thread (docs/BENCHMARKS.md); frames that
             # arrive meanwhile wait in gRPC's buffers, in order.
-            out = self.engine.run(step)
-        except Exception as exc:
-            error = stage_error(self.stage_index, exc)
-            log_fn = log.error if error.code == "INTERNAL" else log.warning
-            log_fn(
-                "frame_failed",
-                session_id=frame.session_id,
-                step_id=frame.step_id,
-                code=error.code,
-                message=error.message,
-                exc_info=error.code == "INTERNAL",
-            )
-            await self._pass_on_error(frame, error)
-            return error
-        if self.next_hop is None:
-            self.results.publish(self._result(out, frame.owner, frame.session_id), frame.owner)
-        else:
-            chooser = self._hop_chooser(frame.owner, frame.session_id)
-            codec = chooser.choose(out.hidden_states)
-            frame = frame_from_output(out, codec, self._wire_dtype)
-            sent = frame.tensors[0].tensor
-            chooser.sent(sent.raw_size, len(sent.data), codec)
-            await self.next_hop.send(frame)
-        await asyncio.sleep(0)  # let the output leave before the next frame's compute starts
-        return None
-
-    async def _handle_batch(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StageError | None:
-        """A paged stage: every row of a plan frame (or the one step of a plain frame) in one
-        inference; a failed row travels the ring as its own error, the others go on together."""
-        try:
-            plan = bool(frame.plan.rows)
-            steps = steps_from_plan(frame, self._port) if plan else [step_from_frame(frame, self._port)]
-            trace.mark("decoded", frame.session_id, frame.step_id)
-            outs = self.engine.run(steps)  # inline, as in handle()
+            outs = self.engine.run_step(step)
             trace.mark("inferred", frame.session_id, frame.step_id)
-        except Exception as exc:
+        except Exception as exc:  # an undecodable frame or a failed inference fails every row
             error = stage_error(self.stage_index, exc)
-            log.error("frame_failed", session_id=frame.session_id, code=error.code, message=error.message)
+            self._log_failure(frame, error)
             # Every row's session hears of it, not only the first: the others would wait for a timeout.
             for row in frame.plan.rows or [frame]:
-                await self._pass_on_error(
-                    activation_pb2.ActivationFrame(
-                        session_id=row.session_id, step_id=row.step_id, owner=frame.owner
-                    ),
-                    error,
-                )
+                await self._pass_on_error(row, error, frame.owner)
             return error
-        good, good_steps, first_error = [], [], None
-        for step, out in zip(steps, outs, strict=True):
+        good, first_error = [], None
+        for row, out in zip(step.rows, outs, strict=True):
             if isinstance(out, Exception):
                 error = stage_error(self.stage_index, out)
-                log.warning(
-                    "frame_failed", session_id=step.session_id, code=error.code, message=error.message
-                )
-                await self._pass_on_error(step, error)
+                self._log_failure(row, error)
+                await self._pass_on_error(row, error, frame.owner)
                 first_error = first_error or error
             else:
                 good.append(out)
-                good_steps.append(step)
         if self.next_hop is None:
-            for step, out in zip(good_steps, good, strict=True):
-                self.results.publish(self._result(out, frame.owner, step.session_id), frame.owner)
+            for out in good:
+                self.results.publish(self._result(out, step, frame.owner), frame.owner)
             trace.mark("published", frame.session_id, frame.step_id)
         elif good:
-            # One tensor for the whole plan: its first row's session names the codec.
-            chooser = self._hop_chooser(frame.owner, good_steps[0].session_id)
+            # One tensor for the whole step: its first row's session names the codec.
+            chooser = self._hop_chooser(frame.owner, good[0].row.session_id)
             codec = chooser.choose(good[0].hidden_states)
-            sent = (
-                plan_from_outputs(good, codec)
-                if plan
-                else frame_from_output(good[0], codec, self._wire_dtype)
-            )
+            sent = frame_from_outputs(step, good, codec, self._wire_dtype)
             tensor = sent.tensors[0].tensor
             chooser.sent(tensor.raw_size, len(tensor.data), codec)
             trace.mark("encoded", frame.session_id, frame.step_id)
             await self.next_hop.send(sent)
-        await asyncio.sleep(0)
-        return first_error  # the sender hears of a failed row too, as of a failed plain frame
+        await asyncio.sleep(0)  # let the output leave before the next frame's compute starts
+        return first_error
+
+    @staticmethod
+    def _log_failure(row, error: activation_pb2.StageError) -> None:
+        log_fn = log.error if error.code == "INTERNAL" else log.warning
+        log_fn(
+            "frame_failed",
+            session_id=row.session_id,
+            step_id=row.step_id,
+            code=error.code,
+            message=error.message,
+            exc_info=error.code == "INTERNAL",
+        )
 
     def note_results_link(self, owner: str, bandwidth_bytes_s: float) -> None:
         """The owner's measurement of its return link (final stage -> coordinator), sent with each
@@ -208,23 +175,23 @@ class StageNode:
         for key in [k for k in self._results_codecs if k[0] == owner]:
             del self._results_codecs[key]
 
-    def _result(self, out, owner: str, session_id: str) -> activation_pb2.StepResult:
-        """The final stage's result for ``owner``. Only logits are worth compressing on the return
-        link (top-1 and sampled ids are a few bytes): chosen like the next hop's codec, from the
-        owner's measured return link."""
+    def _result(self, out: StepOutput, step: Step, owner: str) -> activation_pb2.StepResult:
+        """The final stage's result of a row for ``owner``. Only logits are worth compressing on the
+        return link (top-1 and sampled ids are a few bytes): chosen like the next hop's codec, from
+        the owner's measured return link."""
         if out.logits is None:
-            return result_from_output(out)
-        chooser = self._results_chooser(owner, session_id)
+            return result_from_output(out, step.compute_micros)
+        chooser = self._results_chooser(owner, out.row.session_id)
         codec = chooser.choose(out.logits)
-        result = result_from_output(out, codec)
+        result = result_from_output(out, step.compute_micros, codec)
         chooser.sent(result.logits.raw_size, len(result.logits.data), codec)
         return result
 
-    async def _pass_on_error(self, frame, error) -> None:
+    async def _pass_on_error(self, row, error: activation_pb2.StageError, owner: str) -> None:
         if self.next_hop is None:
-            self.results.publish(error_result(frame, error), frame.owner)
+            self.results.publish(error_result(row, error), owner)
         else:
-            await self.next_hop.send(error_frame(frame, error))
+            await self.next_hop.send(error_frame(row, error, owner))
 
     def start_reaper(self, idle_timeout_s: float, lease_grace_s: float = 5.0) -> None:
         """Release sessions whose coordinator vanished without releasing them: all of an owner's

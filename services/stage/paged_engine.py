@@ -1,11 +1,11 @@
-"""Runs the steps of many sessions in one inference on a paged shard (pipeshard/shard/paged.py).
+"""Runs the rows of many sessions in one inference on a paged shard (pipeshard/shard/paged.py).
 
-The paged counterpart of ``StageEngine``: each step is checked on its own, so a bad step fails
-only its own session; the good ones then share one inference. Sessions live in the same
+The paged backend behind the step interface (step_engine.py): each row is checked on its own,
+so a bad row fails only its own session; the good ones then share one inference. Sessions live in the same
 ``SessionTable`` (keyed by owner, so a session is only usable by its owner); a session's handle
 reserves its blocks when it opens and gives them back when the table releases or reaps it.
 
-Rewind: the paged cache has no validity mask. A step's ``invalidate`` ranges must be the tail
+Rewind: the paged cache has no validity mask. A row's ``invalidate`` ranges must be the tail
 of the session's cache (what the coordinator's rejected drafts are); the session is shortened
 to the range's start and the next tokens overwrite those slots.
 
@@ -22,12 +22,11 @@ import time
 import numpy as np
 
 from pipeshard.errors import InvalidArgument, PipeshardError, ResourceExhausted
-from pipeshard.services.stage.domain import ReturnMode, StepInput, StepOutput, top1_of
-from pipeshard.services.stage.engine import check_range, check_sampling, sample
+from pipeshard.services.stage.domain import ReturnMode, StepRow
 from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.sessions import SessionTable
+from pipeshard.services.stage.step_engine import Ready, RowEngine
 from pipeshard.shard.paged import PagedRow, PagedShard
-from pipeshard.shard.runtime import check_activations, check_step
 
 _keys = itertools.count()
 
@@ -67,8 +66,8 @@ class PagedSession:
                 del self._held[self._owner]
 
 
-class PagedEngine:
-    """The stage's compute over a paged shard: open sessions with a capacity, run steps in batches."""
+class PagedEngine(RowEngine):
+    """The stage's compute over a paged shard: open sessions with a capacity, run rows in batches."""
 
     def __init__(
         self,
@@ -128,20 +127,10 @@ class PagedEngine:
             self.sessions.release(owner, session_id)
             raise
 
-    def _prepare(self, step: StepInput, seen: set) -> tuple[PagedSession, int, np.ndarray]:
-        """Checks one step against its session; returns (session, rewound length, activations)."""
-        session = self.sessions.get(step.owner, step.session_id)
-        if session.key in seen:
-            raise InvalidArgument("session_id", f"{step.session_id!r} has two steps in one batch")
-        check_activations(step.activations, is_first=self.is_first, hidden_size=self.hidden_size)
-        if self.is_last and step.return_mode is ReturnMode.SAMPLED:
-            check_sampling(step, self.vocab_size)
-        x = step.activations[0]
-        check_range("positions", step.positions, self.max_context)
-        if self.is_first:
-            check_range("input_ids", x, self.vocab_size)
+    def _rewound(self, row: StepRow, session: PagedSession) -> int:
+        """The paged cache has no mask: a rewind shortens the session to its range's start."""
         length = session.past_length
-        for start, end in sorted(step.invalidate, reverse=True):
+        for start, end in sorted(row.invalidate, reverse=True):
             if not 0 <= start <= end == length:
                 raise InvalidArgument(
                     "mask_update",
@@ -149,57 +138,26 @@ class PagedEngine:
                     "(the paged cache rewinds only its tail)",
                 )
             length = start
-        check_step(
-            length,
-            x.shape[0],
-            len(step.positions),
-            step.return_last,
-            max_context=self.max_context,
-            is_last=self.is_last,
-            positions_field="positions",
-        )
+        return length
+
+    def _check_room(self, row: StepRow, session: PagedSession, start: int) -> None:
         room = self.shard.capacity(session.key)
-        if length + x.shape[0] > room:
+        if start + row.tokens > room:
             raise ResourceExhausted(
-                f"session {step.session_id!r} would grow to {length + x.shape[0]} tokens, "
+                f"session {row.session_id!r} would grow to {start + row.tokens} tokens, "
                 f"beyond the {room} it reserved"
             )
-        seen.add(session.key)
-        return session, length, x
 
-    def run(self, steps: list[StepInput]) -> list[StepOutput | PipeshardError]:
-        """One inference for every valid step; a failed check answers with its error in place."""
-        answers: list[StepOutput | PipeshardError | None] = [None] * len(steps)
-        batch: list[tuple[int, PagedSession, int, np.ndarray]] = []
-        seen: set = set()
-        for i, step in enumerate(steps):
-            try:
-                batch.append((i, *self._prepare(step, seen)))
-            except PipeshardError as exc:
-                answers[i] = exc
-        if not batch:
-            return answers
+    def _compute(self, ready: list[Ready]) -> list[np.ndarray]:
+        """One inference for every ready row (a failure raises: it fails them all)."""
+        if not ready:
+            return []
         rows = []
-        for i, session, length, x in batch:
-            self.shard.rewind(session.key, length)
-            step = steps[i]
-            want = step.return_last if self.is_last and step.return_mode is not ReturnMode.NONE else 0
-            rows.append(PagedRow(session.key, x, step.positions, logits=want))
+        for r in ready:
+            self.shard.rewind(r.session.key, r.start)
+            want = r.row.return_last if self.is_last and r.row.return_mode is not ReturnMode.NONE else 0
+            rows.append(PagedRow(r.session.key, r.row.activations[0], r.row.positions, logits=want))
         started = time.perf_counter_ns()
         outs = self.shard.step(rows)
-        micros = (time.perf_counter_ns() - started) // 1000
-        self.meters.step(micros / 1e6, sum(len(row.inputs) for row in rows))
-        for (i, _, _, _), out in zip(batch, outs, strict=True):
-            step = steps[i]
-            step.compute_micros.append(micros)
-            if not self.is_last:
-                answers[i] = StepOutput(step=step, hidden_states=out[None])
-            elif step.return_mode is ReturnMode.TOP1:
-                answers[i] = StepOutput(step=step, top1=top1_of(out))
-            elif step.return_mode is ReturnMode.LOGITS:
-                answers[i] = StepOutput(step=step, logits=np.ascontiguousarray(out, dtype=np.float32))
-            elif step.return_mode is ReturnMode.SAMPLED:  # each row draws with its own generator
-                answers[i] = StepOutput(step=step, sampled=sample(np.asarray(out, dtype=np.float32), step))
-            else:
-                answers[i] = StepOutput(step=step)
-        return answers
+        self.meters.step((time.perf_counter_ns() - started) / 1e9, sum(len(row.inputs) for row in rows))
+        return [out if self.is_last else out[None] for out in outs]

@@ -22,7 +22,7 @@ import struct
 import numpy as np
 
 from pipeshard.ownership import owner_key
-from pipeshard.services.stage.domain import ReturnMode, StepInput
+from pipeshard.services.stage.domain import RowKind, StepRow
 from pipeshard.services.stage.engine import StageEngine
 
 HEADER = struct.Struct("<IIIII")
@@ -71,17 +71,17 @@ class RawTcpStage:
                 x = np.frombuffer(payload, dtype=np.int64).reshape(1, n).copy()
             else:
                 x = np.frombuffer(payload, dtype=np.float32).reshape(1, n, -1).copy()
-            out = self._engine.run(
-                StepInput(
-                    session_id=str(session),
-                    owner=owner_key(RAW_TCP_SECRET),
-                    step_id=step,
-                    positions=np.arange(position, position + n, dtype=np.int64),
-                    activations=x,
-                    return_mode=ReturnMode.TOP1,
-                    return_last=1,
-                ),
+            row = StepRow(
+                session_id=str(session),
+                owner=owner_key(RAW_TCP_SECRET),
+                step_id=step,
+                kind=RowKind.DECODE if n == 1 else RowKind.PREFILL,
+                positions=np.arange(position, position + n, dtype=np.int64),
+                activations=x,
             )
+            (out,) = self._engine.run([row])
+            if isinstance(out, Exception):
+                raise out
             if self._engine.is_last:
                 self._results.write(
                     RESULT.pack(session, step, int(out.top1.token_ids[-1]), float(out.top1.probabilities[-1]))

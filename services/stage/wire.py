@@ -1,5 +1,9 @@
 """Protobuf <-> stage domain objects: every activation frame is built and read here, by the
-stage (servicer, next hop) and by the coordinator (the token frames it sends into stage 0)."""
+stage (servicer, next hop) and by the coordinator (the token frames it sends into stage 0).
+
+Every step travels as a plan frame, one row per session (one session's step is a plan of one
+row): :func:`step_from_frame` reads one, :func:`frame_from_step` writes one.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import numpy as np
 
 from pipeshard.errors import InvalidArgument, PipeshardError
 from pipeshard.sampling import Distribution, check_rng_state
-from pipeshard.services.stage.domain import ReturnMode, SamplingStep, StepInput, StepOutput
+from pipeshard.services.stage.domain import ReturnMode, RowKind, SamplingStep, Step, StepOutput, StepRow
 from pipeshard.tensor_codec import Codec, decode, encode
 from pipeshard.v1 import activation_pb2, tensor_pb2
 
@@ -26,29 +30,60 @@ _PB_MODES = {
     ReturnMode.NONE: activation_pb2.RETURN_MODE_NONE,
     ReturnMode.SAMPLED: activation_pb2.RETURN_MODE_SAMPLED,
 }
+_KINDS = {
+    activation_pb2.ROW_KIND_PREFILL: RowKind.PREFILL,
+    activation_pb2.ROW_KIND_DECODE: RowKind.DECODE,
+    activation_pb2.ROW_KIND_VERIFY: RowKind.VERIFY,
+}
+_PB_KINDS = {kind: pb for pb, kind in _KINDS.items()}
+
+WIRE_DTYPES = ("fp32", "fp16", "bf16")  # fp16 and bf16 are LOSSY opt-ins (docs/BENCHMARKS.md)
 
 
-def step_from_frame(frame: activation_pb2.ActivationFrame, port: str) -> StepInput:
-    """Decode a frame for a stage whose input port is ``port`` (input_ids or hidden_states)."""
-    if not frame.session_id:
-        raise InvalidArgument("session_id", "must not be empty")
+def step_from_frame(frame: activation_pb2.ActivationFrame, port: str) -> Step:
+    """Decode a step frame for a stage whose input port is ``port`` (input_ids or hidden_states):
+    one row per plan row, each taking its ``tokens`` of the positions and tensor rows in order."""
     tensors = {t.name: t.tensor for t in frame.tensors}
     if port not in tensors:
         raise InvalidArgument("tensors", f"must carry {port!r}, got {sorted(tensors) or 'none'}")
-    if frame.return_mode not in _MODES:
-        raise InvalidArgument("return_mode", f"unknown value {frame.return_mode}")
-    return StepInput(
-        session_id=frame.session_id,
-        step_id=frame.step_id,
-        positions=np.asarray(frame.positions, dtype=np.int64),
-        activations=_widen(decode(tensors[port], field=port)),
-        invalidate=[(r.start, r.end) for r in frame.mask_update.invalidate],
-        return_mode=_MODES[frame.return_mode],
-        return_last=frame.return_last or 1,
-        compute_micros=list(frame.stage_compute_micros),
-        sent_unix_nanos=frame.sent_unix_nanos,
-        owner=frame.owner,
-        sampling=_sampling_step(frame) if frame.return_mode == activation_pb2.RETURN_MODE_SAMPLED else None,
+    x = _widen(decode(tensors[port], field=port))
+    rows = frame.plan.rows
+    if not rows:
+        raise InvalidArgument("plan", "must hold at least one row")
+    counts = [row.tokens for row in rows]
+    total = len(frame.positions)
+    if min(counts) < 1 or sum(counts) != total or x.ndim < 2 or x.shape[0] != 1 or x.shape[1] != total:
+        raise InvalidArgument(
+            "plan", f"rows of {counts} tokens must cover the frame's {total} positions and {port} rows"
+        )
+    positions = np.asarray(frame.positions, dtype=np.int64)
+    out, start = [], 0
+    for row in rows:
+        end = start + row.tokens
+        out.append(_row(row, positions[start:end], x[:, start:end], frame.owner))
+        start = end
+    return Step(out, frame.owner, list(frame.stage_compute_micros), frame.sent_unix_nanos)
+
+
+def _row(row: activation_pb2.PlanRow, positions: np.ndarray, x: np.ndarray, owner: str) -> StepRow:
+    if not row.session_id:
+        raise InvalidArgument("plan.rows.session_id", "must not be empty")
+    if row.return_mode not in _MODES:
+        raise InvalidArgument("plan.rows.return_mode", f"unknown value {row.return_mode}")
+    if row.kind not in _KINDS:
+        raise InvalidArgument("plan.rows.kind", f"must be PREFILL, DECODE or VERIFY, got {row.kind}")
+    sampled = row.return_mode == activation_pb2.RETURN_MODE_SAMPLED
+    return StepRow(
+        session_id=row.session_id,
+        step_id=row.step_id,
+        kind=_KINDS[row.kind],
+        positions=positions,
+        activations=x,
+        owner=owner,
+        invalidate=tuple((r.start, r.end) for r in row.mask_update.invalidate),
+        return_mode=_MODES[row.return_mode],
+        return_last=row.return_last or 1,
+        sampling=_sampling_step(row) if sampled else None,
     )
 
 
@@ -57,18 +92,17 @@ def _widen(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float32) if x.dtype == np.float16 else x
 
 
-def _sampling_step(frame, prefix: str = "") -> SamplingStep:
-    """The sampling request of a frame or of a plan frame's row (``prefix`` names the field)."""
-    if not frame.HasField("sampling"):
-        raise InvalidArgument(f"{prefix}sampling", "is required with RETURN_MODE_SAMPLED")
-    s = frame.sampling
+def _sampling_step(row: activation_pb2.PlanRow) -> SamplingStep:
+    if not row.HasField("sampling"):
+        raise InvalidArgument("plan.rows.sampling", "is required with RETURN_MODE_SAMPLED")
+    s = row.sampling
     dist = Distribution(s.temperature, s.top_k, s.top_p)
-    dist.check(f"{prefix}sampling.")
-    check_rng_state(s.rng_state, f"{prefix}sampling.rng_state")
+    dist.check("plan.rows.sampling.")
+    check_rng_state(s.rng_state, "plan.rows.sampling.rng_state")
     return SamplingStep(dist, s.rng_state, list(s.draft_tokens))
 
 
-def sampling_request(step: SamplingStep) -> activation_pb2.SamplingRequest:
+def _sampling_request(step: SamplingStep) -> activation_pb2.SamplingRequest:
     d = step.distribution
     return activation_pb2.SamplingRequest(
         temperature=d.temperature,
@@ -79,143 +113,75 @@ def sampling_request(step: SamplingStep) -> activation_pb2.SamplingRequest:
     )
 
 
-WIRE_DTYPES = ("fp32", "fp16", "bf16")  # fp16 and bf16 are LOSSY opt-ins (docs/BENCHMARKS.md)
-
-
-def steps_from_plan(frame: activation_pb2.ActivationFrame, port: str) -> list[StepInput]:
-    """Decode a plan frame (continuous batching): one StepInput per row, each taking its
-    ``tokens`` of the frame's positions and tensor rows in row order."""
-    tensors = {t.name: t.tensor for t in frame.tensors}
-    if port not in tensors:
-        raise InvalidArgument("tensors", f"must carry {port!r}, got {sorted(tensors) or 'none'}")
-    x = decode(tensors[port], field=port)
-    counts = [row.tokens for row in frame.plan.rows]
-    total = len(frame.positions)
-    if min(counts) < 1 or sum(counts) != total or x.ndim < 2 or x.shape[0] != 1 or x.shape[1] != total:
-        raise InvalidArgument(
-            "plan", f"rows of {counts} tokens must cover the frame's {total} positions and {port} rows"
-        )
-    positions = np.asarray(frame.positions, dtype=np.int64)
-    steps, start = [], 0
-    for row in frame.plan.rows:
-        if not row.session_id:
-            raise InvalidArgument("plan.rows.session_id", "must not be empty")
-        if row.return_mode not in _MODES:
-            raise InvalidArgument("plan.rows.return_mode", f"unknown value {row.return_mode}")
-        end = start + row.tokens
-        steps.append(
-            StepInput(
-                session_id=row.session_id,
-                step_id=row.step_id,
-                positions=positions[start:end],
-                activations=x[:, start:end],
-                invalidate=[(r.start, r.end) for r in row.mask_update.invalidate],
-                return_mode=_MODES[row.return_mode],
-                return_last=row.return_last or 1,
-                compute_micros=list(frame.stage_compute_micros),
-                sent_unix_nanos=frame.sent_unix_nanos,
-                owner=frame.owner,
-                sampling=(
-                    _sampling_step(row, "plan.rows.")
-                    if row.return_mode == activation_pb2.RETURN_MODE_SAMPLED
-                    else None
-                ),
-            )
-        )
-        start = end
-    return steps
-
-
-def _plan_row(step: StepInput, tokens: int) -> activation_pb2.PlanRow:
+def _plan_row(row: StepRow) -> activation_pb2.PlanRow:
     return activation_pb2.PlanRow(
         slot_id=-1,
-        position=int(step.positions[0]) if len(step.positions) else 0,
-        session_id=step.session_id,
-        step_id=step.step_id,
-        tokens=tokens,
-        return_mode=_PB_MODES[step.return_mode],
-        return_last=step.return_last,
+        position=int(row.positions[0]) if len(row.positions) else 0,
+        session_id=row.session_id,
+        step_id=row.step_id,
+        tokens=row.tokens,
+        return_mode=_PB_MODES[row.return_mode],
+        return_last=row.return_last,
         mask_update=activation_pb2.MaskUpdate(
-            invalidate=[activation_pb2.CacheRange(start=s, end=e) for s, e in step.invalidate]
+            invalidate=[activation_pb2.CacheRange(start=s, end=e) for s, e in row.invalidate]
         ),
-        sampling=sampling_request(step.sampling) if step.sampling is not None else None,
+        sampling=_sampling_request(row.sampling) if row.sampling is not None else None,
+        kind=_PB_KINDS[row.kind],
     )
 
 
-def plan_from_outputs(
-    outs: list[StepOutput], codec: int = Codec.CODEC_NONE
+def frame_from_step(
+    step: Step, codec: int = Codec.CODEC_NONE, wire_dtype: str = "fp32"
 ) -> activation_pb2.ActivationFrame:
-    """The plan frame a non-final stage sends on: every row's hidden states concatenated."""
-    hidden = np.concatenate([o.hidden_states for o in outs], axis=1)
-    first = outs[0].step
+    """The frame of a step: every row's activations concatenated (token ids into stage 0, hidden
+    states onwards, narrowed to ``wire_dtype``) and one plan row each."""
+    first = step.rows[0]
+    x = np.concatenate([row.activations for row in step.rows], axis=1)
+    name = "input_ids" if x.dtype == np.int64 else "hidden_states"
+    tensor = encode(x, codec, as_fp16=wire_dtype == "fp16", as_bf16=wire_dtype == "bf16")
     return activation_pb2.ActivationFrame(
         session_id=first.session_id,
         step_id=first.step_id,
-        positions=np.concatenate([o.step.positions for o in outs]).tolist(),
-        tensors=[tensor_pb2.NamedTensor(name="hidden_states", tensor=encode(hidden, codec))],
-        plan=activation_pb2.PlanFrame(rows=[_plan_row(o.step, o.hidden_states.shape[1]) for o in outs]),
-        stage_compute_micros=first.compute_micros,
-        sent_unix_nanos=first.sent_unix_nanos,
-        owner=first.owner,
+        positions=np.concatenate([row.positions for row in step.rows]).tolist(),
+        tensors=[tensor_pb2.NamedTensor(name=name, tensor=tensor)],
+        plan=activation_pb2.PlanFrame(rows=[_plan_row(row) for row in step.rows]),
+        stage_compute_micros=step.compute_micros,
+        sent_unix_nanos=step.sent_unix_nanos,
+        owner=step.owner,
+    )
+
+
+def frame_from_outputs(
+    step: Step, outs: list[StepOutput], codec: int = Codec.CODEC_NONE, wire_dtype: str = "fp32"
+) -> activation_pb2.ActivationFrame:
+    """The frame a non-final stage sends on: the rows that ran, carrying their hidden states."""
+    rows = [out.row.carrying(out.hidden_states) for out in outs]
+    return frame_from_step(
+        Step(rows, step.owner, step.compute_micros, step.sent_unix_nanos), codec, wire_dtype
     )
 
 
 def plan_from_frames(frames: list[activation_pb2.ActivationFrame]) -> activation_pb2.ActivationFrame:
-    """The coordinator's plan frame for a step of many sessions' token frames (one row each)."""
+    """The coordinator's frame for a step of many sessions: their token frames' rows in one."""
     ids = [decode(f.tensors[0].tensor, field="input_ids") for f in frames]
-    rows = [
-        activation_pb2.PlanRow(
-            slot_id=-1,
-            position=f.positions[0],
-            session_id=f.session_id,
-            step_id=f.step_id,
-            tokens=len(f.positions),
-            return_mode=f.return_mode,
-            return_last=f.return_last,
-            mask_update=f.mask_update,
-            sampling=f.sampling if f.HasField("sampling") else None,
-        )
-        for f in frames
-    ]
     return activation_pb2.ActivationFrame(
         session_id=frames[0].session_id,
         step_id=frames[0].step_id,
         positions=[p for f in frames for p in f.positions],
         tensors=[tensor_pb2.NamedTensor(name="input_ids", tensor=encode(np.concatenate(ids, axis=1)))],
-        plan=activation_pb2.PlanFrame(rows=rows),
+        plan=activation_pb2.PlanFrame(rows=[row for f in frames for row in f.plan.rows]),
         sent_unix_nanos=time.time_ns(),
         owner=frames[0].owner,
     )
 
 
-def frame_from_output(
-    out: StepOutput, codec: int = Codec.CODEC_NONE, wire_dtype: str = "fp32"
-) -> activation_pb2.ActivationFrame:
-    """The frame a non-final stage sends on: its hidden states plus the step's bookkeeping."""
-    step = out.step
-    hidden = encode(out.hidden_states, codec, as_fp16=wire_dtype == "fp16", as_bf16=wire_dtype == "bf16")
-    return activation_pb2.ActivationFrame(
-        session_id=step.session_id,
-        step_id=step.step_id,
-        positions=step.positions.tolist(),
-        mask_update=activation_pb2.MaskUpdate(
-            invalidate=[activation_pb2.CacheRange(start=s, end=e) for s, e in step.invalidate]
-        ),
-        tensors=[tensor_pb2.NamedTensor(name="hidden_states", tensor=hidden)],
-        return_mode=_PB_MODES[step.return_mode],
-        return_last=step.return_last,
-        stage_compute_micros=step.compute_micros,
-        sent_unix_nanos=step.sent_unix_nanos,
-        owner=step.owner,
-        sampling=sampling_request(step.sampling) if step.sampling is not None else None,
-    )
-
-
-def result_from_output(out: StepOutput, codec: int = Codec.CODEC_NONE) -> activation_pb2.StepResult:
-    """The final stage's result; ``codec`` compresses its logits (the return link's choice)."""
-    step = out.step
+def result_from_output(
+    out: StepOutput, compute_micros: list[int], codec: int = Codec.CODEC_NONE
+) -> activation_pb2.StepResult:
+    """The final stage's result for a row; ``codec`` compresses its logits (the return link's choice)."""
+    row = out.row
     result = activation_pb2.StepResult(
-        session_id=step.session_id, step_id=step.step_id, stage_compute_micros=step.compute_micros
+        session_id=row.session_id, step_id=row.step_id, stage_compute_micros=compute_micros
     )
     if out.top1 is not None:
         result.top1.token_ids.extend(out.top1.token_ids.tolist())
@@ -234,16 +200,16 @@ def stage_error(stage_index: int, exc: BaseException) -> activation_pb2.StageErr
     return activation_pb2.StageError(stage_index=stage_index, code=code, message=message)
 
 
-def error_frame(frame, error: activation_pb2.StageError):
-    """A frame that carries an earlier stage's failure down the ring (no tensors); ``frame`` is
-    the failed frame or step (a plan frame's row fails alone)."""
+def error_frame(row, error: activation_pb2.StageError, owner: str) -> activation_pb2.ActivationFrame:
+    """A frame that carries an earlier stage's failure of one row down the ring (no tensors);
+    ``row`` is the failed row or error frame (anything with a session id and a step id)."""
     return activation_pb2.ActivationFrame(
-        session_id=frame.session_id, step_id=frame.step_id, error=error, owner=frame.owner
+        session_id=row.session_id, step_id=row.step_id, error=error, owner=owner
     )
 
 
-def error_result(frame, error: activation_pb2.StageError):
-    return activation_pb2.StepResult(session_id=frame.session_id, step_id=frame.step_id, error=error)
+def error_result(row, error: activation_pb2.StageError) -> activation_pb2.StepResult:
+    return activation_pb2.StepResult(session_id=row.session_id, step_id=row.step_id, error=error)
 
 
 def token_frame(
@@ -256,31 +222,38 @@ def token_frame(
     fill_only: bool = False,
     return_last: int = 1,
     invalidate: list[tuple[int, int]] | None = None,
-    sampling: activation_pb2.SamplingRequest | None = None,
+    sampling: SamplingStep | None = None,
+    kind: RowKind | None = None,
 ) -> activation_pb2.ActivationFrame:
-    """The frame that carries token ids into stage 0 at logical positions ``start...``.
+    """The frame (a plan of one row) that carries one session's token ids into stage 0 at
+    logical positions ``start...``.
 
     ``fill_only``: a prefill chunk, no result; otherwise the final stage answers for the last
     ``return_last`` ids (the last token and the drafts after it): Top1 when ``greedy``, drawn
-    tokens when ``sampling`` is given, else logits. ``invalidate``: physical cache
-    ranges every stage masks out before running (rejected drafts of the previous step).
+    tokens when ``sampling`` is given, else logits. ``invalidate``: physical cache ranges every
+    stage drops before running (rejected drafts of the previous step). ``kind``: what the row
+    is; by default a prefill chunk when it fills only or carries several tokens without drafts.
     """
     if fill_only:
-        mode, sampling = activation_pb2.RETURN_MODE_NONE, None
+        mode, sampling = ReturnMode.NONE, None
     elif sampling is not None:
-        mode = activation_pb2.RETURN_MODE_SAMPLED
+        mode = ReturnMode.SAMPLED
     else:
-        mode = activation_pb2.RETURN_MODE_TOP1 if greedy else activation_pb2.RETURN_MODE_LOGITS
-    return activation_pb2.ActivationFrame(
+        mode = ReturnMode.TOP1 if greedy else ReturnMode.LOGITS
+    if kind is None:
+        if return_last > 1:
+            kind = RowKind.VERIFY
+        else:
+            kind = RowKind.PREFILL if fill_only or len(ids) > 1 else RowKind.DECODE
+    row = StepRow(
         session_id=session_id,
         step_id=step,
-        positions=range(start, start + len(ids)),
-        mask_update=activation_pb2.MaskUpdate(
-            invalidate=[activation_pb2.CacheRange(start=s, end=e) for s, e in invalidate or ()]
-        ),
-        tensors=[tensor_pb2.NamedTensor(name="input_ids", tensor=encode(np.asarray([ids], dtype=np.int64)))],
+        kind=kind,
+        positions=np.arange(start, start + len(ids), dtype=np.int64),
+        activations=np.asarray([ids], dtype=np.int64),
+        invalidate=tuple(invalidate or ()),
         return_mode=mode,
         return_last=return_last,
-        sent_unix_nanos=time.time_ns(),
         sampling=sampling,
     )
+    return frame_from_step(Step([row], sent_unix_nanos=time.time_ns()))

@@ -19,15 +19,26 @@ def test_activation_frame_round_trip():
         session_id="s-1",
         step_id=7,
         positions=[12, 13],
-        mask_update=activation_pb2.MaskUpdate(invalidate=[activation_pb2.CacheRange(start=9, end=11)]),
         tensors=[tensor_pb2.NamedTensor(name="hidden_states", tensor=encode(hidden, Codec.CODEC_ZSTD))],
-        plan=activation_pb2.PlanFrame(rows=[activation_pb2.PlanRow(slot_id=-1, position=0)]),
-        return_mode=activation_pb2.RETURN_MODE_TOP1,
-        return_last=2,
+        plan=activation_pb2.PlanFrame(
+            rows=[
+                activation_pb2.PlanRow(
+                    slot_id=-1,
+                    position=12,
+                    tokens=2,
+                    kind=activation_pb2.ROW_KIND_VERIFY,
+                    mask_update=activation_pb2.MaskUpdate(
+                        invalidate=[activation_pb2.CacheRange(start=9, end=11)]
+                    ),
+                    return_mode=activation_pb2.RETURN_MODE_TOP1,
+                    return_last=2,
+                )
+            ]
+        ),
     )
     back = activation_pb2.ActivationFrame.FromString(frame.SerializeToString())
     assert back == frame
-    assert back.plan.rows[0].slot_id == -1
+    assert back.plan.rows[0].slot_id == -1 and back.plan.rows[0].kind == activation_pb2.ROW_KIND_VERIFY
     np.testing.assert_array_equal(decode(back.tensors[0].tensor), hidden)
 
 

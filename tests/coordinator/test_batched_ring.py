@@ -1,7 +1,7 @@
-"""The batched in-process ring (services/coordinator/batched_ring.py): twelve concurrent generations
-with different prompts and lengths, staggered arrivals and a cancellation, on INT4 2-stage shards in
-exact mode, each token for token equal to its solo run, with two steps in flight (the stages
-pipelined on their own threads); the steps really were shared."""
+"""The batched in-process ring (`batched_ring`, services/coordinator/in_process.py): twelve
+concurrent generations with different prompts and lengths, staggered arrivals and a cancellation,
+on INT4 2-stage shards in exact mode, each token for token equal to its solo run, with two steps
+in flight (the stages pipelined on their own threads); the steps really were shared."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import asyncio
 import pytest
 
 from pipeshard.errors import ResourceExhausted
-from pipeshard.services.coordinator.batched_ring import BatchedRing
 from pipeshard.services.coordinator.generation import Generation, Summary
-from pipeshard.services.coordinator.local_ring import LocalRing
+from pipeshard.services.coordinator.in_process import batched_ring, local_ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.shard.prompting import Prompter
@@ -30,8 +29,8 @@ EXTRA = ("Name three planets.", "What is 12 times 12?", LONG, "Tell me a joke ab
 def setup(smollm2_export, prompts):
     export = smollm2_export(2, "int4")
     prompter = Prompter.from_dir(export)
-    ring = BatchedRing(export, "exact", 1, cache_bytes=96 << 20, inflight=2)  # stages pipelined
-    ring.warmup()
+    ring = batched_ring(export, "exact", 1, cache_bytes=96 << 20, inflight=2)  # stages pipelined
+    ring.stages.warmup()
     ids = [prompter.encode("", [("user", p)]) for p in (*prompts, *EXTRA)]
     return export, prompter, ring, ids
 
@@ -54,7 +53,7 @@ def test_twelve_staggered_sessions_equal_their_solo_runs(setup):
     async def main():
         generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, prefill_chunk=ring.prefill_chunk)
         solo = [await _generate(generation, i, n) for i, n in zip(ids, lengths, strict=True)]
-        solo_steps = ring.steps_run
+        solo_steps = ring.batch_steps.steps_run
         tasks = [
             asyncio.create_task(_generate(generation, i, n, delay=0.03 * k))
             for k, (i, n) in enumerate(zip(ids, lengths, strict=True))
@@ -71,10 +70,10 @@ def test_twelve_staggered_sessions_equal_their_solo_runs(setup):
         if k != cancelled:
             assert together[k] == solo[k], k
     # Shared steps: far fewer inferences than the rows they carried.
-    batched_steps = ring.steps_run - solo_steps
+    batched_steps = ring.batch_steps.steps_run - solo_steps
     assert batched_steps < 0.6 * solo_steps
     # The cancelled session's blocks (and everyone's) are back on every stage.
-    assert all(s.usage().blocks_used == 0 for s in ring.shards)
+    assert all(s.usage().blocks_used == 0 for s in ring.stages.shards)
 
 
 def test_paged_solo_runs_equal_the_stateful_backend(setup):
@@ -85,13 +84,13 @@ def test_paged_solo_runs_equal_the_stateful_backend(setup):
         return [await _generate(generation, i, 16) for i in ids[:4]]
 
     paged = asyncio.run(run(ring, ring.prefill_chunk))
-    stateful = asyncio.run(run(LocalRing(export, "exact", 1), 4096))
+    stateful = asyncio.run(run(local_ring(export, "exact", 1), 4096))
     assert paged == stateful
 
 
 def test_admission_names_the_budget(setup):
     export, prompter, _, ids = setup
-    small = BatchedRing(export, "exact", 1, cache_bytes=8 * 737280)  # 8 blocks: 256 tokens a stage
+    small = batched_ring(export, "exact", 1, cache_bytes=8 * 737280)  # 8 blocks: 256 tokens a stage
 
     async def main():
         generation = Generation(
@@ -104,7 +103,7 @@ def test_admission_names_the_budget(setup):
         return first
 
     assert len(asyncio.run(main())) == 8
-    assert all(s.usage().blocks_used == 0 for s in small.shards)
+    assert all(s.usage().blocks_used == 0 for s in small.stages.shards)
 
 
 def test_speculation_rewinds_by_truncation_and_keeps_the_plain_tokens(setup):
@@ -132,4 +131,4 @@ def test_speculation_rewinds_by_truncation_and_keeps_the_plain_tokens(setup):
     spec = runs["ngram"]
     assert spec.token_ids == runs["none"].token_ids
     assert spec.verify_steps and spec.accepted_tokens < spec.draft_tokens  # some drafts were rewound
-    assert all(s.usage().blocks_used == 0 for s in ring.shards)
+    assert all(s.usage().blocks_used == 0 for s in ring.stages.shards)

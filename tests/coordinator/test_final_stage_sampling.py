@@ -11,9 +11,10 @@ import pytest
 from pipeshard.errors import InvalidArgument
 from pipeshard.sampling import Distribution, accept_sampled, restore_rng, rng_state, sample_step
 from pipeshard.services.coordinator.generation import Generation, Summary
-from pipeshard.services.coordinator.local_ring import LocalRing
+from pipeshard.services.coordinator.in_process import InProcessStages
 from pipeshard.services.coordinator.sampling import Sampler, SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
+from pipeshard.services.stage.domain import SamplingStep
 from pipeshard.services.stage.wire import step_from_frame, token_frame
 from pipeshard.shard.prompting import Prompter
 from pipeshard.v1 import activation_pb2
@@ -50,54 +51,57 @@ def test_stage_draw_equals_the_coordinators(drafts):
 
 
 def _frame(**sampling) -> activation_pb2.ActivationFrame:
-    request = activation_pb2.SamplingRequest(**{"temperature": 1.0, "top_p": 1.0, **sampling})
-    request.rng_state = sampling.get("rng_state", rng_state(np.random.default_rng(0)))
-    return token_frame("s", 0, [1], 0, False, sampling=request)
+    state = sampling.pop("rng_state", rng_state(np.random.default_rng(0)))
+    dist = Distribution(**{"temperature": 1.0, "top_p": 1.0, **sampling})
+    return token_frame("s", 0, [1], 0, False, sampling=SamplingStep(dist, state))
 
 
 @pytest.mark.parametrize(
     ("sampling", "field"),
     [
-        ({"temperature": 0.0}, "sampling.temperature"),
-        ({"top_p": 1.5}, "sampling.top_p"),
-        ({"top_k": -2}, "sampling.top_k"),
-        ({"rng_state": b"\x00" * 3}, "sampling.rng_state"),
+        ({"temperature": 0.0}, "plan.rows.sampling.temperature"),
+        ({"top_p": 1.5}, "plan.rows.sampling.top_p"),
+        ({"top_k": -2}, "plan.rows.sampling.top_k"),
+        ({"rng_state": b"\x00" * 3}, "plan.rows.sampling.rng_state"),
     ],
 )
 def test_bad_sampling_request_names_the_field(sampling, field):
     frame = _frame(**sampling)
-    assert frame.return_mode == activation_pb2.RETURN_MODE_SAMPLED
+    assert frame.plan.rows[0].return_mode == activation_pb2.RETURN_MODE_SAMPLED
     with pytest.raises(InvalidArgument, match=f"`{field}`"):
         step_from_frame(frame, "input_ids")
 
 
 def test_sampled_mode_without_a_request_is_refused():
     frame = token_frame("s", 0, [1], 0, False)
-    frame.return_mode = activation_pb2.RETURN_MODE_SAMPLED
-    with pytest.raises(InvalidArgument, match="`sampling`"):
+    frame.plan.rows[0].return_mode = activation_pb2.RETURN_MODE_SAMPLED
+    with pytest.raises(InvalidArgument, match=r"`plan\.rows\.sampling`"):
         step_from_frame(frame, "input_ids")
 
 
-class _Spy(LocalRing):
+class _Spy(InProcessStages):
     """Counts the results that came back as drawn tokens and as logits."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.kinds: list[str] = []
 
-    async def step(self, frame):
-        result = await super().step(frame)
-        if result.HasField("sampled"):
-            self.kinds.append("sampled")
-        elif result.HasField("logits"):
-            self.kinds.append("logits")
-        return result
+    async def run(self, frames):
+        results = await super().run(frames)
+        for result in results:
+            if isinstance(result, Exception):
+                continue
+            if result.HasField("sampled"):
+                self.kinds.append("sampled")
+            elif result.HasField("logits"):
+                self.kinds.append("logits")
+        return results
 
 
 @pytest.fixture(scope="module")
 def spy_ring(smollm2_export):
     export = smollm2_export(2, "int4")
-    return export, _Spy(export)
+    return export, _Spy.stateful(export).ring()
 
 
 @pytest.mark.slow
@@ -126,11 +130,11 @@ def test_same_seed_same_tokens_with_and_without_final_stage_sampling(spy_ring, s
         return asyncio.run(go()).token_ids
 
     for seed in (1, 2):
-        ring.kinds.clear()
+        ring.stages.kinds.clear()
         on_stage = run(True, seed)
-        assert set(ring.kinds) == {"sampled"}
-        ring.kinds.clear()
+        assert set(ring.stages.kinds) == {"sampled"}
+        ring.stages.kinds.clear()
         at_coordinator = run(False, seed)
-        assert set(ring.kinds) == {"logits"}
+        assert set(ring.stages.kinds) == {"logits"}
         assert on_stage == at_coordinator, seed
         assert len(on_stage) == 24

@@ -25,6 +25,8 @@ class Tokenizer:
 class Ring:
     """Answers token 7 to every step until step ``fail_at`` (counted from 0), which raises ``error``."""
 
+    truncates_on_rewind, batch_steps = False, None  # a stateful ring's, stepping alone
+
     def __init__(self, fail_at: int, error: PipeshardError | None = None):
         self.fail_at, self.steps, self.calls = fail_at, 0, []
         self.error = error or Unavailable("stage 1 at 127.0.0.1:1 is not answering")
@@ -65,6 +67,7 @@ def test_a_failure_after_output_ends_with_an_error_summary_and_aborts():
 
 def test_an_unreachable_stage_after_output_ends_the_call_unavailable_and_aborts():
     """A stage that is down is a transport fault (issue #15): the status names it, even mid-stream."""
+
     ring = Ring(fail_at=2)
     with pytest.raises(Unavailable, match="stage 1"):
         asyncio.run(_run(ring))

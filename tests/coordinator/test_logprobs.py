@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pipeshard.services.coordinator.generation import Generation, Summary
-from pipeshard.services.coordinator.local_ring import LocalRing
+from pipeshard.services.coordinator.in_process import local_ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.shard.chain import LocalChain
@@ -23,7 +23,7 @@ TOKENS = 24
 
 def generate(shards, precision: str, prompt_ids: list[int], **kwargs) -> Summary:
     prompter = Prompter.from_dir(shards)
-    ring = LocalRing(shards, precision=precision)
+    ring = local_ring(shards, precision=precision)
     generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, drafts=DraftSources(shards))
     speculative = kwargs.pop("speculative", "")
     k = kwargs.pop("k", 0)

@@ -94,6 +94,8 @@ class Tokenizer:
 class Ring:
     """Answers token 7 to every step; records what happens to sessions; restores as told."""
 
+    truncates_on_rewind, batch_steps = False, None  # a stateful ring's, stepping alone
+
     def __init__(self, restore: str = "ok"):
         self.restore, self.calls, self.frames = restore, [], []
 
@@ -204,6 +206,7 @@ def prompter(smollm2_export):
 def _warm_against_cold(ring, export, prompter, modes, **generation_args) -> list[int]:
     """Three chat turns on one warm Generation against each turn's prompt on a cold one, token for
     token, in each speculative mode; returns every turn's restored positions."""
+
     from pipeshard.services.coordinator.speculation.sources import DraftSources
 
     drafts = DraftSources(export)
@@ -249,23 +252,23 @@ def _warm_against_cold(ring, export, prompter, modes, **generation_args) -> list
 def test_warm_equals_cold_int4_exact(stages, smollm2_export, prompter):
     """Stateful stages: plain greedy and speculative (prompt lookup at K=3, and adaptive K on 2
     stages)."""
-    from pipeshard.services.coordinator.local_ring import LocalRing
+    from pipeshard.services.coordinator.in_process import local_ring
 
     export = smollm2_export(stages, "int4")
     modes = (("none", 0), ("ngram", 3), ("ngram", 0)) if stages == 2 else (("none", 0), ("ngram", 3))
-    _warm_against_cold(LocalRing(export, precision="exact"), export, prompter, modes)
+    _warm_against_cold(local_ring(export, precision="exact"), export, prompter, modes)
 
 
 def _paged_warm_against_cold(stages, smollm2_export, prompter, modes):
-    from pipeshard.services.coordinator.batched_ring import BatchedRing
+    from pipeshard.services.coordinator.in_process import batched_ring
 
     export = smollm2_export(stages, "int4")
-    ring = BatchedRing(export, "exact", 1, cache_bytes=96 << 20)
+    ring = batched_ring(export, "exact", 1, cache_bytes=96 << 20)
     _warm_against_cold(ring, export, prompter, modes, prefill_chunk=ring.prefill_chunk)
-    stored = [kv.store for kv in ring.kv]
+    stored = [kv.store for kv in ring.stages.kv]
     # Blocks the paged stages captured, stored once however many turns shared them.
     assert all(len(store) and store.nbytes <= store.budget_bytes for store in stored)
-    assert [len(kv.sessions) for kv in ring.kv] == [0] * stages  # every session released
+    assert [len(kv.sessions) for kv in ring.stages.kv] == [0] * stages  # every session released
 
 
 @pytest.mark.slow
@@ -287,10 +290,10 @@ def test_a_restore_failing_on_one_stage_is_undone_on_every_stage(smollm2_export,
     """2 stages: stage 0 restores, stage 1 lost what it kept without reporting it (restarted
     without a spill folder) and refuses; the request runs cold in a new session, equal to a cold
     run, no session is left on either stage, and the miss is counted."""
-    from pipeshard.services.coordinator.local_ring import LocalRing
+    from pipeshard.services.coordinator.in_process import local_ring
     from pipeshard.services.stage.prefix_store import PrefixStore
 
-    ring = LocalRing(smollm2_export(2, "int4"), precision="exact")
+    ring = local_ring(smollm2_export(2, "int4"), precision="exact")
     warm = Generation(ring, prompter.tokenizer, prompter.eos_ids, prefix=PrefixIndex())
     cold = Generation(ring, prompter.tokenizer, prompter.eos_ids)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -303,14 +306,14 @@ def test_a_restore_failing_on_one_stage_is_undone_on_every_stage(smollm2_export,
 
     async def both():
         first = await run(warm, _chat(prompter, turns))
-        ring.kv[1].store = PrefixStore(0)  # stage 1 restarted: its cache is gone, unreported
+        ring.stages.kv[1].store = PrefixStore(0)  # stage 1 restarted: its cache is gone, unreported
         ids = _chat(prompter, [*turns, ("assistant", first.text), ("user", "And in Africa?")])
         return await run(warm, ids), await run(cold, ids)
 
     misses = _misses()
     got, want = asyncio.run(both())
     assert got.cached_tokens == 0 and got.token_ids == want.token_ids
-    assert [len(kv.sessions) for kv in ring.kv] == [0, 0]
+    assert [len(kv.sessions) for kv in ring.stages.kv] == [0, 0]
     assert _misses() - misses == 1
     # The failed chain went; stage 1 (budget 0) reported the second turn's blocks not kept.
     assert len(warm.prefix) == 0

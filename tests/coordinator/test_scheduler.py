@@ -10,6 +10,7 @@ import pytest
 from pipeshard.errors import DeadlineExceeded, ResourceExhausted
 from pipeshard.identity import Identity
 from pipeshard.services.coordinator.kv_mirror import KvMirror, StageBudget
+from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.scheduler import RequestStatus, Scheduler
 
 ALICE, BOB = Identity("key:alice"), Identity("key:bob")
@@ -96,14 +97,14 @@ def test_a_waiting_request_is_admitted_when_a_running_one_releases_its_session()
         scheduler = Scheduler(max_running=8, max_queue=8, kv=kv)
         session_released = asyncio.Event()
 
-        class Ring:
+        class Stages:
             async def open_session(self, session_id, capacity=None):
                 return 10_000
 
             async def release_session(self, session_id):
                 await session_released.wait()  # the stages still hold it meanwhile
 
-        ring = scheduler.accounted(Ring())
+        ring = Ring(Stages(), paged=False, accounts=scheduler.accounts())
         second = asyncio.Event()
 
         async def first():
@@ -293,7 +294,7 @@ def test_a_reopened_session_keeps_its_requests_charge_and_other_sessions_are_cha
         kv = KvMirror([budget()])
         scheduler = Scheduler(max_running=8, max_queue=8, kv=kv)
 
-        class Ring:
+        class Stages:
             async def open_session(self, session_id, capacity=None):
                 return 10_000
 
@@ -303,7 +304,7 @@ def test_a_reopened_session_keeps_its_requests_charge_and_other_sessions_are_cha
             async def abort_session(self, session_id, reason):
                 pass
 
-        ring = scheduler.accounted(Ring())
+        ring = Ring(Stages(), paged=False, accounts=scheduler.accounts())
         await ring.open_session("warm-up", 100)  # no request: charged on its own
         assert kv.held == [10]
         await ring.release_session("warm-up")

@@ -18,14 +18,18 @@ class Tokenizer:
 class Ring:
     """Answers token 7 to every step after a short compute; counts steps sent and in flight."""
 
+    truncates_on_rewind, batch_steps = False, None  # a stateful ring's, stepping alone
+
     def __init__(self):
         self.sent, self.in_flight, self.in_flight_at_release = 0, 0, None
+        self.kinds: list[int] = []  # each step's row kind, in order
 
     async def open_session(self, session_id, capacity=None):
         return 64
 
     async def step(self, frame):
         self.sent += 1
+        self.kinds.append(frame.plan.rows[0].kind)
         self.in_flight += 1
         try:
             await asyncio.sleep(0.001)
@@ -39,6 +43,7 @@ class Ring:
 
 async def _run(ring: Ring, params: SamplingParams, eos: set[int] = frozenset()) -> tuple[list, list[int]]:
     """The events, and the steps the ring had been sent when each chunk reached the caller."""
+
     generation = Generation(ring, Tokenizer(), set(eos))
     events, sent_at_chunk = [], []
     async for event in generation.run([1, 2, 3], params):
@@ -71,3 +76,9 @@ def test_a_stop_string_waits_out_the_step_sent_ahead_before_releasing():
     assert summary.finish_reason == "stop" and summary.text == ""
     assert ring.sent == 3  # the third went ahead of the second token's detokenizing
     assert ring.in_flight_at_release == 0
+
+
+def test_the_prompt_row_is_a_prefill_row_and_every_step_sent_ahead_a_decode_row():
+    ring = Ring()
+    asyncio.run(_run(ring, SamplingParams(max_tokens=4)))
+    assert ring.kinds == [activation_pb2.ROW_KIND_PREFILL] + [activation_pb2.ROW_KIND_DECODE] * 3

@@ -13,17 +13,21 @@ import pytest
 from pipeshard.errors import InvalidArgument, NotFound
 from pipeshard.services.coordinator.generation import Generation
 from pipeshard.services.coordinator.main import CoordinatorSettings, resolve
-from pipeshard.services.coordinator.plan_ring import PlanRing
+from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.policy import StepLoad
 from pipeshard.services.coordinator.step_batcher import StepBatcher
-from pipeshard.services.stage.domain import ReturnMode
-from pipeshard.services.stage.wire import plan_from_frames, steps_from_plan, token_frame
+from pipeshard.services.stage.domain import ReturnMode, RowKind
+from pipeshard.services.stage.wire import plan_from_frames, step_from_frame, token_frame
 from pipeshard.v1 import activation_pb2
 
 
 def _frame(session: str, tokens: int, step: int = 0) -> activation_pb2.ActivationFrame:
-    return token_frame(session, step, list(range(1, tokens + 1)), 0, True)
+    """A decode or verify row of up to 33 tokens (the last token and its drafts), else a prefill chunk."""
+    ids = list(range(1, tokens + 1))
+    if tokens <= 33:
+        return token_frame(session, step, ids, 0, True, return_last=tokens)
+    return token_frame(session, step, ids, 0, True, fill_only=True)
 
 
 def test_a_step_takes_every_decode_row_and_prefill_chunks_within_the_budget():
@@ -63,19 +67,19 @@ def test_a_chunk_larger_than_the_budget_runs_alone_and_errors_reach_their_caller
 
 
 def test_plan_frames_carry_each_rows_tokens_and_return_mode():
-    a, b = _frame("a", 3, step=7), token_frame("b", 2, [9], 5, False, return_last=1)
+    a, b = token_frame("a", 7, [1, 2, 3], 0, True), token_frame("b", 2, [9], 5, False, return_last=1)
     plan = plan_from_frames([a, b])
     assert [r.tokens for r in plan.plan.rows] == [3, 1] and list(plan.positions) == [0, 1, 2, 5]
-    steps = steps_from_plan(plan, "input_ids")
-    assert [(s.session_id, s.step_id, s.return_mode) for s in steps] == [
-        ("a", 7, ReturnMode.TOP1),
-        ("b", 2, ReturnMode.LOGITS),
+    steps = step_from_frame(plan, "input_ids").rows
+    assert [(s.session_id, s.step_id, s.return_mode, s.kind) for s in steps] == [
+        ("a", 7, ReturnMode.TOP1, RowKind.PREFILL),
+        ("b", 2, ReturnMode.LOGITS, RowKind.DECODE),
     ]
     np.testing.assert_array_equal(steps[1].activations, [[9]])
     np.testing.assert_array_equal(steps[1].positions, [5])
     plan.plan.rows[0].tokens = 2
     with pytest.raises(InvalidArgument, match="`plan`"):
-        steps_from_plan(plan, "input_ids")
+        step_from_frame(plan, "input_ids")
 
 
 def test_up_to_inflight_steps_travel_at_once_each_session_in_one_of_them():
@@ -150,9 +154,9 @@ def test_a_runner_that_raises_fails_the_rows_of_its_step():
 
 
 def test_inflight_defaults_to_one_batch_per_stage_and_a_negative_setting_is_refused_by_name():
-    ring = SimpleNamespace(num_stages=3, step_plan=None)
-    assert PlanRing(ring).batcher.inflight == 3
-    assert PlanRing(ring, inflight=1).batcher.inflight == 1
+    stages = SimpleNamespace(num_stages=3, run=None)
+    assert Ring(stages, paged=True, sessions=lambda: 1).batch_steps.inflight == 3
+    assert Ring(stages, paged=True, sessions=lambda: 1, inflight=1).batch_steps.inflight == 1
     with pytest.raises(InvalidArgument, match="`inflight`"):
         resolve(CoordinatorSettings(stages=["127.0.0.1:1"], shards=Path("x"), inflight=-1))
     with pytest.raises(ValueError, match="inflight"):
@@ -190,16 +194,18 @@ def test_a_generation_on_a_batching_ring_takes_its_step_cost_and_load_from_the_b
     async def open_session(session_id, capacity):
         return 1024
 
-    ring = PlanRing(SimpleNamespace(num_stages=2, step_plan=None, open_session=open_session))
+    ring = Ring(
+        SimpleNamespace(num_stages=2, run=None, open_session=open_session), paged=True, sessions=lambda: 1
+    )
 
     def policy(generation):
         request = asyncio.run(generation._open([1, 2, 3], SamplingParams(max_tokens=4), "", 0, True))
-        ring.batcher._loads[request.session_id] = StepLoad(7, 9)  # the rest of its last step
+        ring.batch_steps._loads[request.session_id] = StepLoad(7, 9)  # the rest of its last step
         return request.policy
 
     aware = policy(Generation(ring, None, set()))
-    assert aware.timing is ring.batcher.timing and not aware.times_steps
+    assert aware.timing is ring.batch_steps.timing and not aware.times_steps
     assert aware.load() == StepLoad(7, 9)
     blind = policy(Generation(ring, None, set(), batch_aware_k=False))
-    assert blind.timing is not ring.batcher.timing and blind.times_steps
+    assert blind.timing is not ring.batch_steps.timing and blind.times_steps
     assert blind.load() == StepLoad()

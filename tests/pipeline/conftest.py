@@ -36,13 +36,13 @@ def _greedy_in_process(
     num_threads: int | None = None,
     **ring_options,
 ) -> list[list[int]]:
-    from pipeshard.services.coordinator.batched_ring import BatchedRing
     from pipeshard.services.coordinator.generation import Generation, Summary
+    from pipeshard.services.coordinator.in_process import batched_ring
     from pipeshard.services.coordinator.sampling import SamplingParams
     from pipeshard.shard.prompting import Prompter
 
     prompter = Prompter.from_dir(shards)
-    ring = BatchedRing(shards, precision, num_threads, **ring_options)
+    ring = batched_ring(shards, precision, num_threads, **ring_options)
     generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, prefill_chunk=ring.prefill_chunk)
 
     async def run() -> list[list[int]]:
@@ -60,6 +60,6 @@ def _greedy_in_process(
 @pytest.fixture(scope="session")
 def greedy_in_process() -> Callable[..., list[list[int]]]:
     """Function: greedy continuations (EOS ignored) of each prompt's ids, one prompt after another,
-    from the in-process paged ring ``generate --local`` runs (BatchedRing; ``precision``,
+    from the in-process paged ring ``generate --local`` runs (batched_ring; ``precision``,
     ``num_threads`` and the ring's keyword options as given): what a fleet's tokens are checked against."""
     return _greedy_in_process

@@ -26,13 +26,13 @@ COUNT, TOKENS = (10, 128) if FULL else (4, 24)
 def matrix(smollm2_export, prompts):
     """The ring (what `make up` runs at the default precision, the plugin's threads), the prompts
     (a shared system prompt, so later prompts find it cached) and each prompt's reference run."""
-    from pipeshard.services.coordinator.batched_ring import BatchedRing
+    from pipeshard.services.coordinator.in_process import batched_ring
     from pipeshard.services.coordinator.speculation.sources import DraftSources
     from pipeshard.shard.prompting import Prompter
 
     export = smollm2_export(2, "int4")
     prompter = Prompter.from_dir(export)
-    ring = BatchedRing(export, DEFAULT_PRECISION, cache_bytes=96 << 20)
+    ring = batched_ring(export, DEFAULT_PRECISION, cache_bytes=96 << 20)
     prompts = [prompter.encode("", [("system", SYSTEM), ("user", q)]) for q in (*prompts, *MORE)[:COUNT]]
     drafts = DraftSources(export)
     return ring, prompter, prompts, drafts
@@ -88,9 +88,9 @@ def test_batched_rows_equal_solo(users, matrix, solo):
     async def run():
         return await asyncio.gather(*(_answer(generation, matrix[2][p]) for p in picks))
 
-    steps = matrix[0].steps_run
+    steps = matrix[0].batch_steps.steps_run
     got = [s.token_ids for s in asyncio.run(run())]
-    assert matrix[0].steps_run - steps < users * TOKENS  # the rows shared steps
+    assert matrix[0].batch_steps.steps_run - steps < users * TOKENS  # the rows shared steps
     _check(f"{users} users", got, [solo[p] for p in picks])
 
 

@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from pipeshard.clients.client import PipeshardClient
-from pipeshard.services.coordinator.batched_ring import BatchedRing
 from pipeshard.services.coordinator.generation import Generation
+from pipeshard.services.coordinator.in_process import batched_ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.shard.prompting import Prompter
@@ -153,7 +153,7 @@ def test_speculating_and_sampled_sessions_share_steps_and_keep_their_solo_tokens
     assert together == solo
     # The sampled sessions drawn at the coordinator from logits (in-process, same backend).
     prompter = Prompter.from_dir(export)
-    ring = BatchedRing(export, "exact", 1, cache_bytes=BUDGET)
+    ring = batched_ring(export, "exact", 1, cache_bytes=BUDGET)
 
     async def local(i: int) -> list[int]:
         prompt, temperature, seed, mode, k = plans[i]

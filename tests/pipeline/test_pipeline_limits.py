@@ -74,6 +74,13 @@ def test_out_of_range_ids_and_positions_are_invalid_argument(fleet, ids, positio
                 session_id="range",
                 owner=owner_key(secret),
                 positions=positions,
+                plan=activation_pb2.PlanFrame(
+                    rows=[
+                        activation_pb2.PlanRow(
+                            session_id="range", step_id=0, tokens=1, kind=activation_pb2.ROW_KIND_PREFILL
+                        )
+                    ]
+                ),
                 tensors=[
                     tensor_pb2.NamedTensor(name="input_ids", tensor=encode(np.asarray([ids], dtype=np.int64)))
                 ],

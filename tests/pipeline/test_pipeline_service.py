@@ -112,7 +112,18 @@ def test_malformed_frame_gets_invalid_argument_and_stage_keeps_serving(fleet, cl
             )
             bad.tensor.data = bad.tensor.data[:-4]
             frame = activation_pb2.ActivationFrame(
-                session_id="raw", step_id=1, positions=[0], tensors=[bad], owner=PROBE_OWNER
+                session_id="raw",
+                step_id=1,
+                positions=[0],
+                tensors=[bad],
+                owner=PROBE_OWNER,
+                plan=activation_pb2.PlanFrame(
+                    rows=[
+                        activation_pb2.PlanRow(
+                            session_id="raw", step_id=1, tokens=1, kind=activation_pb2.ROW_KIND_PREFILL
+                        )
+                    ]
+                ),
             )
             error = _forward_one(fleet.stages[1], frame).error
             assert error.code == "INVALID_ARGUMENT" and "`hidden_states`" in error.message
@@ -121,6 +132,13 @@ def test_malformed_frame_gets_invalid_argument_and_stage_keeps_serving(fleet, cl
                 owner=PROBE_OWNER,
                 step_id=2,
                 positions=[0],
+                plan=activation_pb2.PlanFrame(
+                    rows=[
+                        activation_pb2.PlanRow(
+                            session_id="raw", step_id=2, tokens=1, kind=activation_pb2.ROW_KIND_PREFILL
+                        )
+                    ]
+                ),
                 tensors=[
                     tensor_pb2.NamedTensor(
                         name="hidden_states", tensor=encode(np.ones((1, 1, 8), np.float32))
@@ -135,6 +153,13 @@ def test_malformed_frame_gets_invalid_argument_and_stage_keeps_serving(fleet, cl
         session_id="nobody",
         step_id=1,
         positions=[0],
+        plan=activation_pb2.PlanFrame(
+            rows=[
+                activation_pb2.PlanRow(
+                    session_id="nobody", step_id=1, tokens=1, kind=activation_pb2.ROW_KIND_PREFILL
+                )
+            ]
+        ),
         tensors=[tensor_pb2.NamedTensor(name="input_ids", tensor=encode(np.ones((1, 1), np.int64)))],
     )
     assert _forward_one(fleet.stages[0], frame).error.code == "NOT_FOUND"

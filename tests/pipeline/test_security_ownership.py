@@ -72,6 +72,13 @@ def first_frame(session_id: str, owner: str, step_id: int = 0) -> activation_pb2
         positions=[0, 1, 2],
         tensors=[tensor_pb2.NamedTensor(name="input_ids", tensor=encode(ids))],
         owner=owner,
+        plan=activation_pb2.PlanFrame(
+            rows=[
+                activation_pb2.PlanRow(
+                    session_id=session_id, step_id=step_id, tokens=3, kind=activation_pb2.ROW_KIND_PREFILL
+                )
+            ]
+        ),
     )
 
 
@@ -159,6 +166,13 @@ def test_another_partys_session_cannot_be_released_reset_aborted_or_fed(fleet):
                 step_id=5,
                 positions=[0],
                 tensors=[tensor_pb2.NamedTensor(name="hidden_states", tensor=hidden)],
+                plan=activation_pb2.PlanFrame(
+                    rows=[
+                        activation_pb2.PlanRow(
+                            session_id="s", step_id=5, tokens=1, kind=activation_pb2.ROW_KIND_PREFILL
+                        )
+                    ]
+                ),
                 owner=attacker.owner,
             )
             errors = [

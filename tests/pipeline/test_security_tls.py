@@ -90,14 +90,14 @@ def stage_info(channel: grpc.Channel) -> stage_pb2.GetStageInfoResponse:
 
 def test_secured_fleet_generates_exactly_like_the_in_process_ring(fleet, certs, shards):
     from pipeshard.services.coordinator.generation import Generation, Summary
-    from pipeshard.services.coordinator.local_ring import LocalRing
+    from pipeshard.services.coordinator.in_process import local_ring
     from pipeshard.services.coordinator.sampling import SamplingParams
     from pipeshard.shard.prompting import Prompter
 
     with PipeshardClient(fleet.coordinator, timeout_s=120, token=TOKEN, ca_cert=certs / "ca.pem") as client:
         remote = client.generate(PROMPT, max_tokens=24, ignore_eos=True)
     prompter = Prompter.from_dir(shards)
-    generation = Generation(LocalRing(shards), prompter.tokenizer, prompter.eos_ids)
+    generation = Generation(local_ring(shards), prompter.tokenizer, prompter.eos_ids)
     ids = prompter.encode("", [("user", PROMPT)])
 
     async def local() -> Summary:

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeshard.clients.client import PipeshardClient
 from pipeshard.services.coordinator.generation import Generation, Summary
+from pipeshard.services.coordinator.remote_stages import RemoteStages
 from pipeshard.services.coordinator.ring import Ring, StageFailed
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.shard.prompting import Prompter
@@ -74,10 +75,10 @@ def _coordinator_side(fleet, shards, params: SamplingParams) -> tuple[list[int],
     ids = prompter.encode("", [("user", PROMPT)])
 
     async def run() -> tuple[list[int], float | None]:
-        ring = Ring(fleet.stages)
+        ring = Ring(RemoteStages(fleet.stages), paged=False)
         await ring.start()
         try:
-            await ring.wait_ready(60)
+            await ring.stages.wait_ready(60)
             gen = Generation(ring, prompter.tokenizer, prompter.eos_ids, final_stage_sampling=False)
             events = [e async for e in gen.run(ids, params)]
             await gen.released()
@@ -85,7 +86,7 @@ def _coordinator_side(fleet, shards, params: SamplingParams) -> tuple[list[int],
             await ring.close()
         summary = events[-1]
         assert isinstance(summary, Summary)
-        return summary.token_ids, ring.results_link.bandwidth_bytes_s
+        return summary.token_ids, ring.stages.results_link.bandwidth_bytes_s
 
     return asyncio.run(run())
 
@@ -132,10 +133,10 @@ def test_each_session_sends_with_the_codec_it_opened_with(fleet, shards):
     sent: dict[tuple[str, str], dict[str, float]] = {}
 
     async def run() -> None:
-        ring = Ring(fleet.stages)
+        ring = Ring(RemoteStages(fleet.stages), paged=False)
         await ring.start()
         try:
-            await ring.wait_ready(60)
+            await ring.stages.wait_ready(60)
             gen = Generation(ring, prompter.tokenizer, prompter.eos_ids, final_stage_sampling=False)
             for kind, params in (
                 ("greedy", SamplingParams(max_tokens=6, ignore_eos=True)),
@@ -143,13 +144,13 @@ def test_each_session_sends_with_the_codec_it_opened_with(fleet, shards):
             ):
                 stage, link = ("stage0", "") if kind == "greedy" else ("stage1", "results-")
                 for codec in ("none", "lane_blocks_zstd"):
-                    ring.session_codec = codec
+                    ring.stages.session_codec = codec
                     before = _frames_by_codec(fleet, stage, link)
                     events = [e async for e in gen.run(ids, params)]
                     after = _frames_by_codec(fleet, stage, link)
                     tokens[(kind, codec)] = events[-1].token_ids
                     sent[(kind, codec)] = {c: n - before.get(c, 0.0) for c, n in after.items()}
-            ring.session_codec = "gzip"
+            ring.stages.session_codec = "gzip"
             with pytest.raises(StageFailed) as bad:
                 await ring.open_session("bad-codec")
             assert bad.value.code == "INVALID_ARGUMENT" and "`codec`" in str(bad.value)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeshard.services.coordinator.generation import Generation, Summary
-from pipeshard.services.coordinator.local_ring import LocalRing
+from pipeshard.services.coordinator.in_process import local_ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.shard.chain import LocalChain
@@ -64,7 +64,7 @@ def spec_prompt_ids(smollm2_export) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def spec_generation(smollm2_export, smollm2_draft, hf_draft_dir):
-    """Factory: (Generation over a LocalRing of that many stages and weights at their PRECISION,
+    """Factory: (Generation over a local_ring of that many stages and weights at their PRECISION,
     draft mode of a source)."""
     built: dict[tuple[int, str], Generation] = {}
     self_draft = smollm2_draft(2, 4096, "int4")
@@ -80,7 +80,7 @@ def spec_generation(smollm2_export, smollm2_draft, hf_draft_dir):
                 draft_cache=shards_root() / ".drafts",
             )
             built[(stages, weights)] = Generation(
-                LocalRing(export, PRECISION[weights]), prompter.tokenizer, prompter.eos_ids, drafts=drafts
+                local_ring(export, PRECISION[weights]), prompter.tokenizer, prompter.eos_ids, drafts=drafts
             )
         return built[(stages, weights)], source
 

@@ -14,7 +14,7 @@ from pipeshard.exporter.distil import TrainableDraft, distil, label, read_texts,
 from pipeshard.exporter.draft import plan_draft
 from pipeshard.exporter.truncate import truncate_model
 from pipeshard.services.coordinator.generation import Generation
-from pipeshard.services.coordinator.local_ring import LocalRing
+from pipeshard.services.coordinator.in_process import local_ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.shard.prompting import Prompter
@@ -82,7 +82,7 @@ def test_speculation_with_the_distilled_draft_is_exact(
     target = smollm2_export(1, "fp32")
     prompter = Prompter.from_dir(target)
     drafts = DraftSources(target, self_draft=distilled.export.path)
-    generation = Generation(LocalRing(target, "f32"), prompter.tokenizer, prompter.eos_ids, drafts=drafts)
+    generation = Generation(local_ring(target, "f32"), prompter.tokenizer, prompter.eos_ids, drafts=drafts)
     for p in (0, 4):
         out = generate(
             generation, spec_prompt_ids[p], SamplingParams(max_tokens=TOKENS, ignore_eos=True), "self", 3

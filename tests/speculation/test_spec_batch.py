@@ -2,7 +2,7 @@
 and K share the paged backend's steps with plain sessions' decode rows and a long prompt's prefill
 chunks, rewind their rejected drafts by truncation, and still give, token for token, their solo
 run with the same speculation settings, which in exact mode is plain greedy (INT4, 2 stages, one
-thread per stage, in-process BatchedRing)."""
+thread per stage, in-process batched_ring)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import asyncio
 
 import pytest
 
-from pipeshard.services.coordinator.batched_ring import BatchedRing
 from pipeshard.services.coordinator.generation import Generation, Summary
+from pipeshard.services.coordinator.in_process import batched_ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.shard.prompting import Prompter
@@ -38,8 +38,8 @@ SESSIONS = (
 def setup(smollm2_export, smollm2_draft, hf_draft_dir):
     export = smollm2_export(2, "int4")
     prompter = Prompter.from_dir(export)
-    ring = BatchedRing(export, "exact", 1, cache_bytes=96 << 20)
-    ring.warmup()
+    ring = batched_ring(export, "exact", 1, cache_bytes=96 << 20)
+    ring.stages.warmup()
     drafts = DraftSources(
         export,
         self_draft=smollm2_draft(2, 4096, "int4"),
@@ -70,7 +70,7 @@ def test_speculating_sessions_in_one_batch_equal_their_solo_runs(setup):
     async def main():
         plain = [await _run(generation, i, "none", 0) for i in ids]
         solo = [await _run(generation, i, mode, k) for i, (_, mode, k) in zip(ids, SESSIONS, strict=True)]
-        before = ring.steps_run
+        before = ring.batch_steps.steps_run
         together = await asyncio.gather(
             *(
                 _run(generation, i, mode, k, delay=0.04 * n)
@@ -78,7 +78,7 @@ def test_speculating_sessions_in_one_batch_equal_their_solo_runs(setup):
             )
         )
         await generation.released()
-        return plain, solo, together, ring.steps_run - before
+        return plain, solo, together, ring.batch_steps.steps_run - before
 
     plain, solo, together, steps = asyncio.run(main())
     for n, (_, mode, k) in enumerate(SESSIONS):
@@ -93,4 +93,4 @@ def test_speculating_sessions_in_one_batch_equal_their_solo_runs(setup):
     # gives a session its accepted drafts plus one token).
     own_steps = sum(TOKENS - s.accepted_tokens for s in together)
     assert steps < 0.6 * own_steps
-    assert all(s.usage().blocks_used == 0 for s in ring.shards)
+    assert all(s.usage().blocks_used == 0 for s in ring.stages.shards)

@@ -199,7 +199,10 @@ def _steps_of(users: int, fixed_s: float, per_position_s: float) -> BatchSteps:
         for step in range(12):
             sizes = [1 + step % 6] + [1] * (users - 1)
             await asyncio.gather(
-                *(batcher.step(token_frame(f"s{i}", step, [7] * n, 0, True)) for i, n in enumerate(sizes))
+                *(
+                    batcher.step(token_frame(f"s{i}", step, [7] * n, 0, True, return_last=n))
+                    for i, n in enumerate(sizes)
+                )
             )
         await batcher.close()
         return batcher
@@ -324,10 +327,10 @@ def test_cursor_masks_rejected_positions_in_the_next_frame():
     cursor.frame([9, 10, 11, 12], return_last=4)  # last token + 3 drafts at 4..7
     cursor.reject(2)  # drafts at 6, 7 rejected
     frame = cursor.frame([13], return_last=1)
-    assert [(r.start, r.end) for r in frame.mask_update.invalidate] == [(6, 8)]
+    assert [(r.start, r.end) for r in frame.plan.rows[0].mask_update.invalidate] == [(6, 8)]
     assert list(frame.positions) == [6]  # logical position continues after the kept tokens
     assert cursor.physical == 9 and cursor.logical == 7
-    assert not cursor.frame([14]).mask_update.invalidate
+    assert not cursor.frame([14]).plan.rows[0].mask_update.invalidate
 
 
 def test_sampler_probabilities_are_what_acceptance_uses():

@@ -10,22 +10,22 @@ import numpy as np
 import pytest
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.sampling import rng_state
-from pipeshard.services.coordinator.batched_ring import BatchedRing
+from pipeshard.sampling import Distribution, rng_state
 from pipeshard.services.coordinator.generation import Generation, Summary
+from pipeshard.services.coordinator.in_process import InProcessStages
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
-from pipeshard.services.stage.domain import ReturnMode, StepOutput
-from pipeshard.services.stage.wire import plan_from_frames, plan_from_outputs, steps_from_plan, token_frame
+from pipeshard.services.stage.domain import ReturnMode, SamplingStep, Step, StepOutput
+from pipeshard.services.stage.wire import frame_from_outputs, plan_from_frames, step_from_frame, token_frame
 from pipeshard.shard.prompting import Prompter
 from pipeshard.v1 import activation_pb2
 
 
 def _sampled(session: str, seed: int, drafts: list[int], **dist) -> activation_pb2.ActivationFrame:
-    request = activation_pb2.SamplingRequest(
-        **{"temperature": 0.8, "top_p": 0.9, **dist},
-        rng_state=rng_state(np.random.default_rng(seed)),
-        draft_tokens=drafts,
+    request = SamplingStep(
+        Distribution(**{"temperature": 0.8, "top_p": 0.9, **dist}),
+        rng_state(np.random.default_rng(seed)),
+        drafts,
     )
     return token_frame(session, 3, [5, *drafts], 10, False, return_last=len(drafts) + 1, sampling=request)
 
@@ -33,40 +33,38 @@ def _sampled(session: str, seed: int, drafts: list[int], **dist) -> activation_p
 def test_plan_rows_carry_their_own_sampling_request_to_every_stage():
     greedy = token_frame("g", 0, [7], 4, True)
     plan = plan_from_frames([_sampled("a", 1, [11, 12]), greedy, _sampled("b", 2, [], top_k=5)])
-    steps = steps_from_plan(plan, "input_ids")
+    steps = step_from_frame(plan, "input_ids").rows
     assert [s.return_mode for s in steps] == [ReturnMode.SAMPLED, ReturnMode.TOP1, ReturnMode.SAMPLED]
     a, g, b = (s.sampling for s in steps)
     assert g is None
     assert (a.draft_tokens, a.distribution.top_p, b.distribution.top_k) == ([11, 12], 0.9, 5)
     assert a.rng_state == rng_state(np.random.default_rng(1)) != b.rng_state
     # A middle stage forwards each row's request with its hidden states.
-    for step in steps:
-        step.activations = np.zeros((1, len(step.positions), 4), dtype=np.float32)
-    outs = [StepOutput(step=s, hidden_states=s.activations) for s in steps]
-    onward = steps_from_plan(plan_from_outputs(outs), "hidden_states")
+    outs = [StepOutput(row=s, hidden_states=np.zeros((1, s.tokens, 4), dtype=np.float32)) for s in steps]
+    onward = step_from_frame(frame_from_outputs(Step(steps), outs), "hidden_states").rows
     assert [s.sampling for s in onward] == [a, None, b]
 
 
 def test_a_bad_row_sampling_request_names_the_row_field():
     plan = plan_from_frames([_sampled("a", 1, [], top_p=1.5)])
     with pytest.raises(InvalidArgument, match=r"`plan\.rows\.sampling\.top_p`"):
-        steps_from_plan(plan, "input_ids")
+        step_from_frame(plan, "input_ids")
     plan.plan.rows[0].ClearField("sampling")
     with pytest.raises(InvalidArgument, match=r"`plan\.rows\.sampling`"):
-        steps_from_plan(plan, "input_ids")
+        step_from_frame(plan, "input_ids")
 
 
-class _Spy(BatchedRing):
+class _Spy(InProcessStages):
     """Counts the results that came back as drawn tokens, logits and Top1."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.kinds: list[str] = []
 
-    async def step(self, frame):
-        result = await super().step(frame)
-        self.kinds.append(_kind(result))
-        return result
+    async def run(self, frames):
+        results = await super().run(frames)
+        self.kinds.extend(_kind(r) for r in results if not isinstance(r, Exception))
+        return results
 
 
 def _kind(result: activation_pb2.StepResult) -> str:
@@ -80,8 +78,8 @@ def _kind(result: activation_pb2.StepResult) -> str:
 def test_same_seed_same_tokens_drawn_on_the_paged_stage_or_the_coordinator(smollm2_export):
     export = smollm2_export(2, "int4")
     prompter = Prompter.from_dir(export)
-    ring = _Spy(export, "exact", 1, cache_bytes=64 << 20)
-    ring.warmup()
+    ring = _Spy.paged(export, "exact", 1, cache_bytes=64 << 20).ring()
+    ring.stages.warmup()
     prompts = ["Tell me a story about a cat and a cat and a cat.", "Name three rivers.", "Hi!"]
     ids = [prompter.encode("", [("user", p)]) for p in prompts]
     # (temperature, seed, draft source): two sampled sessions (one speculating) beside a greedy one.
@@ -113,11 +111,11 @@ def test_same_seed_same_tokens_drawn_on_the_paged_stage_or_the_coordinator(smoll
 
         return asyncio.run(main())
 
-    ring.kinds.clear()
+    ring.stages.kinds.clear()
     on_stage = run(True)
-    assert set(ring.kinds) == {"sampled", "top1"}
-    ring.kinds.clear()
+    assert set(ring.stages.kinds) == {"sampled", "top1"}
+    ring.stages.kinds.clear()
     at_coordinator = run(False)
-    assert set(ring.kinds) == {"logits", "top1"}
+    assert set(ring.stages.kinds) == {"logits", "top1"}
     assert on_stage == at_coordinator
     assert all(len(t) == 24 for t in on_stage)

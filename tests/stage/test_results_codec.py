@@ -11,10 +11,10 @@ import pytest
 
 from pipeshard.errors import InvalidArgument
 from pipeshard.link_model import CodecChooser
-from pipeshard.services.stage.domain import ReturnMode, StepInput, StepOutput
+from pipeshard.services.stage.domain import ReturnMode, RowKind, Step, StepOutput, StepRow
 from pipeshard.services.stage.node import StageNode
 from pipeshard.services.stage.sessions import SessionTable
-from pipeshard.services.stage.wire import frame_from_output
+from pipeshard.services.stage.wire import frame_from_step
 from pipeshard.tensor_codec import Codec, decode
 
 VOCAB = 49152
@@ -28,7 +28,7 @@ class _NoKv:
 
 
 class FinalEngine:
-    """The final stage's engine, reduced to what StageNode asks of it: logits for every step."""
+    """The final stage's engine, reduced to what StageNode asks of it: logits for every row."""
 
     is_first = False
     is_last = True
@@ -40,22 +40,22 @@ class FinalEngine:
     def open(self, owner: str, session_id: str, capacity: int | None = None) -> None:
         self.sessions.open(owner, session_id)
 
-    def run(self, step):
-        return StepOutput(step=step, logits=self.logits)
+    def run_step(self, step):
+        return [StepOutput(row=row, logits=self.logits) for row in step.rows]
 
 
-def _frame(owner: str):
+def _frame(owner: str, session: str = "s"):
     """The frame the previous stage sends: one position's hidden state, logits asked for."""
     hidden = np.zeros((1, 1, 576), dtype=np.float32)
-    step = StepInput(
-        session_id="s",
+    row = StepRow(
+        session_id=session,
         step_id=1,
+        kind=RowKind.DECODE,
         positions=np.arange(1),
         activations=hidden,
         return_mode=ReturnMode.LOGITS,
-        owner=owner,
     )
-    return frame_from_output(StepOutput(step=step, hidden_states=hidden))
+    return frame_from_step(Step([row], owner))
 
 
 def _result_codec(mode: str, bandwidth_bytes_s: float | None) -> tuple[int, np.ndarray, np.ndarray]:
@@ -106,8 +106,7 @@ def test_a_nonsense_return_link_measurement_names_its_field(bandwidth):
 
 async def _logits_codec(node: StageNode, subscription, session: str) -> int:
     """The codec of the logits ``node`` returns for one step of ``session`` (they arrive exact)."""
-    frame = _frame("owner-a")
-    frame.session_id = session
+    frame = _frame("owner-a", session)
     assert await node.handle(frame) is None
     result = await subscription.get()
     assert decode(result.logits, field="logits").tobytes() == node.engine.logits.tobytes()

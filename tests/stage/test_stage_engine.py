@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from pipeshard.errors import InvalidArgument, NotFound, ResourceExhausted
-from pipeshard.services.stage.domain import ReturnMode, StepInput, top1_of
+from pipeshard.services.stage.domain import ReturnMode, RowKind, StepRow, top1_of
 from pipeshard.services.stage.engine import StageEngine
 from pipeshard.services.stage.sessions import SessionTable
 
@@ -51,14 +53,24 @@ def engine(last=True, first=True, max_context=16):
 
 
 def step(ids, positions, **kw):
-    return StepInput(
+    kind = RowKind.VERIFY if kw.get("return_last", 1) > 1 else RowKind.PREFILL
+    return StepRow(
         session_id="s",
         owner=OWNER,
         step_id=0,
+        kind=kind,
         positions=np.asarray(positions, np.int64),
         activations=np.asarray([ids], np.int64),
         **kw,
     )
+
+
+def run(e, row):
+    """One row through the step interface; its error raised."""
+    (out,) = e.run([row])
+    if isinstance(out, Exception):
+        raise out
+    return out
 
 
 def test_top1_returns_argmax_and_probability():
@@ -70,13 +82,12 @@ def test_top1_returns_argmax_and_probability():
 def test_step_applies_mask_update_before_running_and_returns_last_positions():
     e = engine()
     e.sessions.open(OWNER, "s")
-    e.run(step([1, 2, 3, 4], [0, 1, 2, 3]))
-    out = e.run(step([5, 6, 7], [2, 3, 4], invalidate=[(2, 4)], return_last=3))
+    run(e, step([1, 2, 3, 4], [0, 1, 2, 3]))
+    out = run(e, step([5, 6, 7], [2, 3, 4], invalidate=((2, 4),), return_last=3))
     session = e.sessions.get(OWNER, "s")
     assert session.invalidated == [(2, 4)]
     assert out.top1.token_ids.tolist() == [5, 6, 7]
-    assert out.step.compute_micros and len(out.step.compute_micros) == 1
-    logits = e.run(step([8], [5], return_mode=ReturnMode.LOGITS)).logits
+    logits = run(e, step([8], [5], return_mode=ReturnMode.LOGITS)).logits
     assert logits.shape == (1, VOCAB) and logits.argmax() == 8
 
 
@@ -84,8 +95,9 @@ def test_step_applies_mask_update_before_running_and_returns_last_positions():
     ("kwargs", "field"),
     [
         ({"ids": [1, 2], "positions": [0]}, "`positions`"),
-        ({"ids": [1], "positions": [0], "invalidate": [(0, 5)]}, "`mask_update`"),
+        ({"ids": [1], "positions": [0], "invalidate": ((0, 5),)}, "`mask_update`"),
         ({"ids": [1], "positions": [0], "return_last": 2}, "`return_last`"),
+        ({"ids": [1, 2], "positions": [0, 1], "return_mode": ReturnMode.NONE, "return_last": 2}, "`kind`"),
         ({"ids": [VOCAB], "positions": [0]}, r"`input_ids` must lie in \[0, 11\), got 11"),
         ({"ids": [-5], "positions": [0]}, "`input_ids`.*got -5"),
         ({"ids": [1], "positions": [16]}, r"`positions` must lie in \[0, 16\), got 16"),
@@ -97,7 +109,7 @@ def test_bad_steps_name_the_field(kwargs, field):
     e.sessions.open(OWNER, "s")
     ids, positions = kwargs.pop("ids"), kwargs.pop("positions")
     with pytest.raises(InvalidArgument, match=field):
-        e.run(step(ids, positions, **kwargs))
+        run(e, step(ids, positions, **kwargs))
     assert e.sessions.get(OWNER, "s").calls == []
 
 
@@ -106,25 +118,25 @@ def test_a_step_beyond_max_context_is_resource_exhausted_like_in_the_runtime():
     e = engine()
     e.sessions.open(OWNER, "s")
     with pytest.raises(ResourceExhausted, match="max_context 16"):
-        e.run(step([1] * 17, [0] * 17))  # positions in range, but 17 rows do not fit the cache
+        run(e, step([1] * 17, [0] * 17))  # positions in range, but 17 rows do not fit the cache
     assert e.sessions.get(OWNER, "s").calls == []
 
 
 def test_wrong_activation_dtype_and_shape_are_rejected():
     e = engine(first=False)
     e.sessions.open(OWNER, "s")
-    bad = StepInput(
+    bad = StepRow(
         session_id="s",
         owner=OWNER,
         step_id=0,
+        kind=RowKind.DECODE,
         positions=np.zeros(1, np.int64),
         activations=np.zeros((1, 1, HIDDEN + 1), np.float32),
     )
     with pytest.raises(InvalidArgument, match=r"`hidden_states` must be float32 \[1, T>0, 4\]"):
-        e.run(bad)
-    bad.activations = np.zeros((1, 1, HIDDEN), np.float16)
+        run(e, bad)
     with pytest.raises(InvalidArgument, match="float16"):
-        e.run(bad)
+        run(e, bad.carrying(np.zeros((1, 1, HIDDEN), np.float16)))
 
 
 def test_sessions_are_bounded_unique_and_reaped_when_idle():
@@ -178,8 +190,7 @@ def test_sessions_belong_to_their_owner_and_ids_do_not_collide_across_owners():
 def test_a_frame_for_another_owners_session_fails_like_an_unknown_session():
     e = engine()
     e.sessions.open(OWNER, "s")
-    intruder = step([1], [0])
-    intruder.owner = "someone-else"
+    intruder = replace(step([1], [0]), owner="someone-else")
     with pytest.raises(NotFound, match="unknown session 's'"):
-        e.run(intruder)
+        run(e, intruder)
     assert e.sessions.get(OWNER, "s").calls == []

@@ -8,31 +8,31 @@ import numpy as np
 import pytest
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.services.stage.domain import StepInput, StepOutput
+from pipeshard.services.stage.domain import RowKind, Step, StepOutput, StepRow
 from pipeshard.services.stage.main import StageSettings, build_node
-from pipeshard.services.stage.wire import frame_from_output, step_from_frame
+from pipeshard.services.stage.wire import frame_from_outputs, step_from_frame
 from pipeshard.tensor_codec import Codec
 
 
-def _out(hidden: np.ndarray) -> StepOutput:
-    step = StepInput(session_id="s", step_id=3, positions=np.arange(2), activations=hidden)
-    return StepOutput(step=step, hidden_states=hidden)
+def _frame(hidden: np.ndarray, *args):
+    row = StepRow(session_id="s", step_id=3, kind=RowKind.PREFILL, positions=np.arange(2), activations=hidden)
+    return frame_from_outputs(Step([row]), [StepOutput(row=row, hidden_states=hidden)], *args)
 
 
 @pytest.mark.parametrize("codec", [Codec.CODEC_NONE, Codec.CODEC_LANE_BLOCKS_ZSTD])
 def test_fp32_wire_is_exact(codec):
     hidden = (np.random.default_rng(0).standard_normal((1, 2, 576)) * 4).astype(np.float32)
-    frame = frame_from_output(_out(hidden), codec)
+    frame = _frame(hidden, codec)
     assert frame.tensors[0].tensor.codec == codec
-    assert step_from_frame(frame, "hidden_states").activations.tobytes() == hidden.tobytes()
+    assert step_from_frame(frame, "hidden_states").rows[0].activations.tobytes() == hidden.tobytes()
 
 
 @pytest.mark.parametrize(("wire_dtype", "rtol"), [("fp16", 2**-11), ("bf16", 2**-8)])
 def test_narrow_wire_halves_the_bytes_and_arrives_as_float32(wire_dtype, rtol):
     hidden = (np.random.default_rng(1).standard_normal((1, 2, 576)) * 4).astype(np.float32)
-    frame = frame_from_output(_out(hidden), Codec.CODEC_NONE, wire_dtype)
+    frame = _frame(hidden, Codec.CODEC_NONE, wire_dtype)
     assert len(frame.tensors[0].tensor.data) == hidden.nbytes // 2
-    back = step_from_frame(frame, "hidden_states").activations
+    back = step_from_frame(frame, "hidden_states").rows[0].activations
     assert back.dtype == np.float32 and back.shape == hidden.shape
     np.testing.assert_allclose(back, hidden, rtol=rtol, atol=1e-6)
     assert back.tobytes() != hidden.tobytes()  # lossy

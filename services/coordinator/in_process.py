@@ -1,0 +1,281 @@
+"""Every stage of an export in this process: the ring's transport without a network.
+
+Frames go through the same wire decoding and the same engines as in a stage service, so a
+``Generation`` over such a ring runs exactly the distributed decode loop, speculation included.
+``pipeshard generate --local``, the exactness matrix and single-node benchmarks use it.
+
+Stateful stages run a step inline on the event loop. Paged stages run each step of every
+session at once (the ring's ``StepBatcher`` forms it), each stage on a worker thread taking one
+step at a time (a stage's lock), so with ``inflight`` > 1 stage 0 starts the next step while
+stage 1 runs the last one; the default is 1: here the stages share the machine's cores
+(docs/BENCHMARKS.md, bench-mbatch). In exact mode at one thread a row's result does not depend
+on the rows beside it (tests/coordinator/test_batched_ring.py), so every session gets its solo
+run's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import openvino as ov
+
+from pipeshard.errors import PipeshardError
+from pipeshard.precision import DEFAULT_PRECISION
+from pipeshard.services.coordinator.ring import Ring, StageFailed
+from pipeshard.services.coordinator.step_batcher import DEFAULT_STEP_TOKENS
+from pipeshard.services.stage.domain import Step
+from pipeshard.services.stage.engine import StageEngine
+from pipeshard.services.stage.kv import StageKv
+from pipeshard.services.stage.meters import StageMeters
+from pipeshard.services.stage.paged_engine import PagedEngine
+from pipeshard.services.stage.prefix_store import PrefixStore
+from pipeshard.services.stage.sessions import SessionTable
+from pipeshard.services.stage.step_engine import RowEngine
+from pipeshard.services.stage.wire import result_from_output, stage_error, step_from_frame
+from pipeshard.shard.manifest import input_port, load_manifest
+from pipeshard.shard.paged import DEFAULT_CACHE_BYTES, PagedShard
+from pipeshard.shard.runtime import ShardRunner
+from pipeshard.v1 import activation_pb2
+
+LOCAL_OWNER = "local"  # one process, one party: the operator running it
+PREFIX_CACHE_BYTES = 512 * 1024 * 1024
+
+
+class InProcessStages:
+    """Every stage's engine and KV service in this process, behind the ring's ``StageLink``."""
+
+    def __init__(self, export_dir: Path, shards: list, engines: list[RowEngine], kv: list[StageKv]):
+        manifest = load_manifest(export_dir)
+        self.export_dir = export_dir
+        self.shards = shards  # ShardRunner (stateful) or PagedShard (paged), one per stage
+        self.engines = engines
+        self.kv = kv
+        self.kv_backend = engines[0].kv_backend
+        self.max_context = manifest.max_context
+        self.vocab_size = manifest.model.vocab_size
+        self._threaded = self.kv_backend == "paged"
+        self._locks: list[asyncio.Lock] = []  # one step at a time per stage (made per event loop)
+        self._locks_loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def stateful(
+        cls,
+        export_dir: Path | str,
+        precision: str = DEFAULT_PRECISION,
+        num_threads: int | None = None,
+        *,
+        max_sessions: int = 64,
+        prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
+    ) -> InProcessStages:
+        export_dir = Path(export_dir)
+        core = ov.Core()
+        runners = [
+            ShardRunner(export_dir, i, precision, num_threads, core=core)
+            for i in range(load_manifest(export_dir).num_stages)
+        ]
+        engines = [
+            StageEngine(
+                SessionTable(r.new_session, max_sessions, idle_timeout_s=float("inf")),
+                is_first=r.is_first,
+                is_last=r.is_last,
+                hidden_size=r.hidden_size,
+                max_context=r.max_context,
+                vocab_size=r.vocab_size,
+                meters=StageMeters(r.stage_index),
+            )
+            for r in runners
+        ]
+        kv = [
+            StageKv(e.sessions, r.kv_source, PrefixStore(prefix_cache_bytes))
+            for e, r in zip(engines, runners, strict=True)
+        ]
+        return cls(export_dir, runners, engines, kv)
+
+    @classmethod
+    def paged(
+        cls,
+        export_dir: Path | str,
+        precision: str = DEFAULT_PRECISION,
+        num_threads: int | None = None,
+        *,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        max_sessions: int = 64,
+        prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
+        core: ov.Core | None = None,
+    ) -> InProcessStages:
+        """``core``: a Core carrying extra CPU properties (bench-precision-modes compares
+        compile settings through it); a fresh one by default."""
+        export_dir = Path(export_dir)
+        core = core or ov.Core()
+        shards = [
+            PagedShard(export_dir, i, precision, num_threads, cache_bytes=cache_bytes, core=core)
+            for i in range(load_manifest(export_dir).num_stages)
+        ]
+        engines = [PagedEngine(s, max_sessions, idle_timeout_s=float("inf")) for s in shards]
+        kv = [
+            StageKv.paged(e, PrefixStore(prefix_cache_bytes, layout=e.shard.kv_source.blocks))
+            for e in engines
+        ]
+        return cls(export_dir, shards, engines, kv)
+
+    def ring(
+        self, *, step_tokens: int = DEFAULT_STEP_TOKENS, gather_s: float = 0.002, inflight: int = 1
+    ) -> Ring:
+        """The ring over these stages (paged: batching every session's steps, counted by stage 0's
+        session table)."""
+        return Ring(
+            self,
+            paged=self.kv_backend == "paged",
+            sessions=lambda: len(self.engines[0].sessions),
+            step_tokens=step_tokens,
+            gather_s=gather_s,
+            inflight=inflight,
+        )
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.engines)
+
+    def warmup(self) -> None:
+        for shard in self.shards:
+            shard.warmup()
+
+    async def start(self) -> None:
+        """Nothing to connect in one process."""
+
+    async def close(self) -> None:
+        """Nothing to disconnect in one process."""
+
+    async def open_session(self, session_id: str, capacity: int | None = None) -> int:
+        """Opens on every stage, all or nothing (a paged stage may refuse the capacity)."""
+        opened = []
+        try:
+            for engine in self.engines:
+                engine.open(LOCAL_OWNER, session_id, capacity)
+                opened.append(engine)
+        except PipeshardError:
+            for engine in opened:
+                engine.sessions.release(LOCAL_OWNER, session_id)
+            raise
+        return self.max_context
+
+    async def release_session(self, session_id: str) -> None:
+        for engine in self.engines:
+            engine.sessions.release(LOCAL_OWNER, session_id)
+
+    async def abort_session(self, session_id: str, reason: str) -> None:
+        await self.release_session(session_id)  # in one process there is no other stage to tell
+
+    async def run(self, frames: list[activation_pb2.ActivationFrame]) -> list:
+        """Every stage over the step's rows; a row failing on a stage answers with its error."""
+        answers: list = [None] * len(frames)
+        live: list[int] = []
+        rows = []
+        for i, frame in enumerate(frames):
+            frame.owner = LOCAL_OWNER
+            try:
+                rows.extend(step_from_frame(frame, input_port(True)).rows)
+                live.append(i)
+            except PipeshardError as exc:
+                answers[i] = StageFailed(stage_error(0, exc))
+        step = Step(rows, LOCAL_OWNER)
+        for index, engine in enumerate(self.engines):
+            if not live:
+                break
+            try:
+                outs = await self._run_on(index, engine, step)
+            except Exception as exc:  # an inference failure fails every row of the step
+                for i in live:
+                    answers[i] = StageFailed(stage_error(index, exc))
+                break
+            nxt, step.rows = [], []
+            for i, out in zip(live, outs, strict=True):
+                if isinstance(out, Exception):
+                    answers[i] = StageFailed(stage_error(index, out))
+                elif engine.is_last:
+                    answers[i] = result_from_output(out, step.compute_micros)
+                else:
+                    nxt.append(i)
+                    step.rows.append(out.row.carrying(out.hidden_states))
+            live = nxt
+        return answers
+
+    async def _run_on(self, index: int, engine: RowEngine, step: Step) -> list:
+        """Stateful stages inline; paged ones on a worker thread, one step at a time each (the
+        event loop meanwhile takes the next frames)."""
+        if not self._threaded:
+            return engine.run_step(step)
+        async with self._stage_lock(index):
+            return await asyncio.to_thread(engine.run_step, step)
+
+    def _stage_lock(self, index: int) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()
+        if self._locks_loop is not loop:  # a lock belongs to one event loop; a ring may see several
+            self._locks = [asyncio.Lock() for _ in self.engines]
+            self._locks_loop = loop
+        return self._locks[index]
+
+    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> set[str]:
+        for i, kv in enumerate(self.kv):
+            self._on(i, kv.keep, session_id, scope, token_ids)
+        return self._dropped()
+
+    async def restore_kv(
+        self, session_id: str, scope: str, token_ids: list[int], positions: int, timeout_s: float
+    ) -> set[str]:
+        for i, kv in enumerate(self.kv):
+            self._on(i, kv.restore_cached, session_id, scope, token_ids, positions)
+        return self._dropped()
+
+    def _dropped(self) -> set[str]:
+        return {key for kv in self.kv for key in kv.dropped(LOCAL_OWNER)}
+
+    def _on(self, index: int, method, *args):
+        """A KV call on one stage; its refusal fails the call as ``StageFailed``."""
+        try:
+            return method(LOCAL_OWNER, *args)
+        except PipeshardError as exc:
+            raise StageFailed(stage_error(index, exc)) from None
+
+
+def local_ring(
+    export_dir: Path | str,
+    precision: str = DEFAULT_PRECISION,
+    num_threads: int | None = None,
+    *,
+    max_sessions: int = 64,
+    prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
+) -> Ring:
+    """A ring over every stage of the export in this process on the stateful backend."""
+    stages = InProcessStages.stateful(
+        export_dir, precision, num_threads, max_sessions=max_sessions, prefix_cache_bytes=prefix_cache_bytes
+    )
+    return stages.ring()
+
+
+def batched_ring(
+    export_dir: Path | str,
+    precision: str = DEFAULT_PRECISION,
+    num_threads: int | None = None,
+    *,
+    cache_bytes: int = DEFAULT_CACHE_BYTES,
+    max_sessions: int = 64,
+    step_tokens: int = DEFAULT_STEP_TOKENS,
+    gather_s: float = 0.002,
+    prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
+    inflight: int = 1,
+    core: ov.Core | None = None,
+) -> Ring:
+    """A ring over every stage of the export in this process on the paged backend, batching
+    every running session's steps."""
+    stages = InProcessStages.paged(
+        export_dir,
+        precision,
+        num_threads,
+        cache_bytes=cache_bytes,
+        max_sessions=max_sessions,
+        prefix_cache_bytes=prefix_cache_bytes,
+        core=core,
+    )
+    return stages.ring(step_tokens=step_tokens, gather_s=gather_s, inflight=inflight)

@@ -1,0 +1,170 @@
+"""The one step interface of every KV backend: ``run(rows) -> results``.
+
+Each row is checked on its own against its session (one set of checks for every backend), so
+a bad row is answered with its error in place while the others run. A backend supplies where
+a row's cache starts after its rewind, any room check of its own and the compute over the
+checked rows (the stateful engine one row after another, the paged one in one inference); the
+final stage's answer for each row (top-1, logits, drawn tokens or nothing) is formed here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeshard.errors import InvalidArgument, PipeshardError
+from pipeshard.sampling import sample_step
+from pipeshard.services.stage.domain import ReturnMode, RowKind, Sampled, Step, StepOutput, StepRow, top1_of
+from pipeshard.services.stage.meters import StageMeters
+from pipeshard.services.stage.sessions import SessionTable
+from pipeshard.shard.runtime import check_activations, check_step
+
+Answer = StepOutput | Exception  # a row's error: a PipeshardError, or an internal failure
+
+
+@dataclass
+class Ready:
+    """A row that passed its checks: its session and the cache length it starts from."""
+
+    index: int
+    row: StepRow
+    session: object
+    start: int
+
+
+class RowEngine:
+    """What both backends share: the row checks, the run loop and the final stage's answers."""
+
+    kv_backend = ""
+    sessions: SessionTable
+    meters: StageMeters
+    is_first: bool
+    is_last: bool
+    hidden_size: int
+    max_context: int
+    vocab_size: int
+
+    def run(self, rows: Sequence[StepRow]) -> list[Answer]:
+        """Every row that passes its checks runs; a failed check or a failed row answers with
+        its error in place. An exception raised here failed the whole inference."""
+        answers: list[Answer | None] = [None] * len(rows)
+        ready: list[Ready] = []
+        seen: set[int] = set()
+        for i, row in enumerate(rows):
+            try:
+                session = self.sessions.get(row.owner, row.session_id)
+                if id(session) in seen:
+                    raise InvalidArgument("session_id", f"{row.session_id!r} has two rows in one step")
+                ready.append(Ready(i, row, session, self._check(row, session)))
+                seen.add(id(session))
+            except PipeshardError as exc:
+                answers[i] = exc
+        for r, out in zip(ready, self._compute(ready), strict=True):
+            answers[r.index] = out if isinstance(out, Exception) else self._answer(r.row, out)
+        return answers
+
+    def run_step(self, step: Step) -> list[Answer]:
+        """``run`` over a step's rows, adding this stage's compute time to the step."""
+        started = time.perf_counter_ns()
+        answers = self.run(step.rows)
+        step.compute_micros.append((time.perf_counter_ns() - started) // 1000)
+        return answers
+
+    def _check(self, row: StepRow, session) -> int:
+        """The one set of row checks, before anything touches the cache; returns the length the
+        row's cache starts from after its rewind."""
+        if row.attention_mask is not None:
+            raise InvalidArgument(
+                "attention_mask", f"rows with their own mask are not run by the {self.kv_backend} backend"
+            )
+        check_activations(row.activations, is_first=self.is_first, hidden_size=self.hidden_size)
+        # Out-of-range ids or positions would index the embedding or rotary tables out of bounds.
+        check_range("positions", row.positions, self.max_context)
+        if self.is_first:
+            check_range("input_ids", row.activations, self.vocab_size)
+        check_kind(row)
+        if self.is_last and row.return_mode is ReturnMode.SAMPLED:
+            check_sampling(row, self.vocab_size)
+        start = self._rewound(row, session)
+        check_step(
+            start,
+            row.activations.shape[1],
+            len(row.positions),
+            row.return_last,
+            max_context=self.max_context,
+            is_last=self.is_last,
+            positions_field="positions",
+        )
+        self._check_room(row, session, start)
+        return start
+
+    def _rewound(self, row: StepRow, session) -> int:
+        """The cache length the row starts from once its ``invalidate`` ranges apply (raises on a
+        range the backend cannot drop)."""
+        raise NotImplementedError
+
+    def _check_room(self, row: StepRow, session, start: int) -> None:
+        """A backend's own room check beyond max_context (none by default)."""
+
+    def _compute(self, ready: list[Ready]) -> list[np.ndarray | Exception]:
+        """Per ready row: hidden states [1, T, H] (non-final stage), logits [return_last, vocab]
+        (final stage) or the row's own error."""
+        raise NotImplementedError
+
+    def _answer(self, row: StepRow, out: np.ndarray) -> StepOutput:
+        if not self.is_last:
+            return StepOutput(row=row, hidden_states=out)
+        if row.return_mode is ReturnMode.TOP1:
+            return StepOutput(row=row, top1=top1_of(out))
+        if row.return_mode is ReturnMode.LOGITS:
+            return StepOutput(row=row, logits=np.ascontiguousarray(out, dtype=np.float32))
+        if row.return_mode is ReturnMode.SAMPLED:  # each row draws with its own generator
+            return StepOutput(row=row, sampled=sample(np.asarray(out, dtype=np.float32), row))
+        return StepOutput(row=row)
+
+
+def check_kind(row: StepRow) -> None:
+    """A row's kind agrees with what it asks back: a decode row returns one position, a verify
+    row one per drafted token and the last token, a prefill chunk nothing or its last."""
+    answers = row.return_mode is not ReturnMode.NONE
+    if row.kind is RowKind.PREFILL:
+        ok = not answers or row.return_last == 1
+    elif row.kind is RowKind.DECODE:
+        ok = answers and row.return_last == 1
+    else:
+        ok = answers and row.return_last >= 2
+    if not ok:
+        raise InvalidArgument(
+            "kind",
+            f"a {row.kind.value} row cannot return {row.return_last} position(s) "
+            f"with return mode {row.return_mode.value}",
+        )
+
+
+def sample(logits: np.ndarray, row: StepRow) -> Sampled:
+    """The draw the coordinator would make from these logits (same rows, same generator)."""
+    spec = row.sampling
+    tokens, state = sample_step(logits, spec.distribution, spec.draft_tokens, spec.rng_state)
+    return Sampled(tokens, state)
+
+
+def check_sampling(row: StepRow, vocab_size: int) -> None:
+    """Checked before the row runs, so a bad request leaves the cache as it was."""
+    spec = row.sampling
+    if spec is None:
+        raise InvalidArgument("sampling", "is required with RETURN_MODE_SAMPLED")
+    if len(spec.draft_tokens) != row.return_last - 1:
+        raise InvalidArgument(
+            "sampling.draft_tokens",
+            f"must hold return_last - 1 = {row.return_last - 1} tokens, got {len(spec.draft_tokens)}",
+        )
+    check_range("sampling.draft_tokens", np.asarray(spec.draft_tokens, dtype=np.int64), vocab_size)
+
+
+def check_range(field: str, values: np.ndarray, limit: int) -> None:
+    if values.size and (values.min() < 0 or values.max() >= limit):
+        bad = values[(values < 0) | (values >= limit)].flat[0]
+        raise InvalidArgument(field, f"must lie in [0, {limit}), got {int(bad)}")
