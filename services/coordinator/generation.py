@@ -408,6 +408,15 @@ class Generation:
         # chooses K as if alone, from the request's own wall time per step (A/B).
         self._steps: BatchSteps | None = getattr(ring, "batch_steps", None) if batch_aware_k else None
 
+    @property
+    def step_batcher(self):
+        """The ring's step batcher (paged backend), whose group count a batch job sets; else None."""
+        return getattr(self._ring, "batch_steps", None)
+
+    @property
+    def num_stages(self) -> int:
+        return self._ring.num_stages
+
     async def released(self) -> None:
         """Waits for the session releases still under way (before the ring closes)."""
         await asyncio.gather(*self._releases, return_exceptions=True)
