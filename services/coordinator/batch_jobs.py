@@ -10,7 +10,9 @@ Micro-batches: on a paged fleet every running session's rows go through the step
 ``inflight`` of them travelling the stages at once: stage k computes group i+1 while group i is
 on the wire. While a job runs it sets that number: ``off`` is one group (the whole batch in one
 step), M is M groups, and ``auto`` measures the rows per second the fleet delivers at each M
-from 1 to one more than the stages for ``PROBE_STEPS`` steps each, then keeps the best. The
+from 1 to the number of stages for ``PROBE_ROUNDS`` rounds (M steps each: every session once),
+then keeps the best, for this job and the later auto jobs of the coordinator (the first pays
+for the measurement; a short job may end before it does). The
 grouping changes only which rows share a step, so in ``exact`` precision every answer is the
 same whatever M is. When the last running job ends the batcher gets back the number it had
 before the first (while two jobs run, the later one's count holds).
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,15 +34,17 @@ from pipeshard.v1 import coordinator_pb2
 
 log = structlog.get_logger(__name__)
 
-# Steps each candidate M runs for while ``auto`` measures it (after the job's first steps).
-PROBE_STEPS = 8
+# Rounds (M steps each) every candidate M runs for while ``auto`` measures it.
+PROBE_ROUNDS = 2
 # Steps before ``auto`` starts measuring: the prompts' prefill chunks ride in the first ones.
-PROBE_WARMUP_STEPS = 4
+PROBE_WARMUP_STEPS = 1
 # How often the auto probe looks at the step counters.
 PROBE_POLL_S = 0.01
 
-# Per step batcher (by id) while jobs run: the inflight it had before them, and how many run.
-_RUNNING_JOBS: dict[int, tuple[int, int]] = {}
+# Per step batcher: the M an auto job measured best, which later auto jobs use.
+_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per step batcher while jobs run: the inflight it had before them, and how many jobs run.
+_RUNNING_JOBS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # Runs one item's request as a batch request: Generate's response stream.
 ItemRunner = Callable[[coordinator_pb2.GenerateRequest], AsyncIterator[coordinator_pb2.GenerateResponse]]
@@ -91,11 +96,15 @@ class MicroBatchControl:
         if self._steps is None:
             yield self
             return
-        key = id(self._steps)
+        key = self._steps
         saved, jobs = _RUNNING_JOBS.get(key, (self._steps.inflight, 0))
         _RUNNING_JOBS[key] = (saved, jobs + 1)
+        probe = None
+        if self._setting.auto and key in _CHOSEN:
+            self.current = _CHOSEN[key]
+        elif self._setting.auto:
+            probe = asyncio.create_task(self._probe(), name="micro-batch-probe")
         self._set(self.current)
-        probe = asyncio.create_task(self._probe(), name="micro-batch-probe") if self._setting.auto else None
         try:
             yield self
         finally:
@@ -114,17 +123,18 @@ class MicroBatchControl:
         self._steps.inflight = count
 
     async def _probe(self) -> None:
-        """Runs each candidate M for PROBE_STEPS steps, then keeps the one with the most rows/s."""
+        """Runs each candidate M for PROBE_ROUNDS rounds, then keeps the one with the most rows/s."""
         await self._wait_steps(PROBE_WARMUP_STEPS)
-        for count in range(1, self._stages + 2):
+        for count in range(1, self._stages + 1):
             self._set(count)
             await self._wait_steps(1)  # steps formed under the previous M are still travelling
             rows, start = self._steps.rows_run, self._clock()
-            await self._wait_steps(PROBE_STEPS)
+            await self._wait_steps(PROBE_ROUNDS * count)
             elapsed = self._clock() - start
             self.measured[count] = (self._steps.rows_run - rows) / elapsed if elapsed > 0 else 0.0
         best = max(self.measured, key=lambda count: (self.measured[count], -count))
         self._set(best)
+        _CHOSEN[self._steps] = best
         log.info(
             "micro_batches_chosen",
             micro_batches=best,

@@ -119,24 +119,30 @@ def test_fixed_micro_batches_set_for_the_job_and_restored_after():
     assert after == 3
 
 
-def test_auto_tries_each_count_up_to_one_past_the_stages_and_keeps_the_fastest(monkeypatch):
+def test_auto_tries_each_count_up_to_the_stages_and_keeps_the_fastest(monkeypatch):
     monkeypatch.setattr(batch_jobs, "PROBE_POLL_S", 0.0002)
-    steps = FakeSteps({1: 4, 2: 9, 3: 7, 4: 5})  # rows per step at each M: M=2 is best
+    steps = FakeSteps({1: 4, 2: 9, 3: 7, 4: 50})  # rows per step at each M: M=2 is best of 1..3
 
     async def scenario():
         control = MicroBatchControl(steps, 3, MicroBatches(auto=True), clock=steps.clock)
         ticker = asyncio.create_task(steps.run())
         async with control.applied():
-            while len(control.measured) < 4 or control.current != 2:
+            while len(control.measured) < 3 or control.current != 2:
                 await asyncio.sleep(0.001)
         ticker.cancel()
         return control
 
-    control = asyncio.wait_for(scenario(), 10)
-    control = asyncio.run(control)
-    assert sorted(control.measured) == [1, 2, 3, 4]
+    async def later_job():
+        control = MicroBatchControl(steps, 3, MicroBatches(auto=True))
+        async with control.applied():
+            return control, steps.inflight
+
+    control = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert sorted(control.measured) == [1, 2, 3]
     assert max(control.measured, key=control.measured.get) == 2
     assert steps.inflight == 3  # restored
+    later, during = asyncio.run(later_job())
+    assert (later.current, during, later.measured) == (2, 2, {})  # the measured choice, no new probe
 
 
 def test_overlapping_jobs_restore_the_batchers_own_count_when_the_last_ends():
