@@ -11,7 +11,8 @@ Keys: ``compress_microbatch_speedup_20mbit`` = tok/s(compression on, the best fi
 tok/s(compression off, micro-batches off) at the lowest rate, with the interval of the ratio of
 medians (the two come from different fleets run one after the other: not interleaved);
 ``auto_microbatch_vs_best`` = min over fleets of tok/s(auto) / tok/s(the best fixed setting,
-off included), interleaved in one fleet. Needs root (namespaces, tbf).
+off included), interleaved in one fleet. Plot: docs/img/bench-wan-batch.png (``python -m
+bench.wan_batch --plot-only`` redraws it from bench/results/wan_batch.json). Needs root.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ DELAY_MS = float(os.environ.get("WAN_BATCH_DELAY_MS", "25"))
 CODECS = {"off": "none", "on": "lane_blocks_zstd"}
 MICRO = ("off", "2", "3", "auto")
 FIXED = ("off", "2", "3")
+PLOT = Path("docs/img/bench-wan-batch.png")
 TOPICS = ("the sea", "a city at night", "autumn", "a robot", "mountains", "a library", "rain", "coffee")
 
 
@@ -130,7 +132,44 @@ def summarise(results: dict[str, dict]) -> dict:
     }
 
 
+def plot(result: dict, out: Path = PLOT) -> Path:
+    """Job tok/s per fleet and micro-batch setting (median, min-max)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fleets = result["fleets"]
+    names = list(fleets)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(MICRO)
+    for i, micro in enumerate(MICRO):
+        values = [fleets[n][micro]["tok_s"] for n in names]
+        samples = [fleets[n][micro]["samples"] for n in names]
+        err = [
+            [max(0.0, v - min(x)) for v, x in zip(values, samples, strict=True)],
+            [max(0.0, max(x) - v) for v, x in zip(values, samples, strict=True)],
+        ]
+        xs = [x + (i - (len(MICRO) - 1) / 2) * width for x in range(len(names))]
+        ax.bar(xs, values, width, yerr=err, capsize=2, label=f"micro-batches {micro}")
+    labels = [n.replace("mbit/", " Mbit/s\ncompression ") for n in names]
+    ax.set_xticks(range(len(names)), labels, fontsize=8)
+    ax.set_ylabel("job tok/s (median, min-max)")
+    ax.legend(fontsize=7)
+    ax.set_title(
+        f"offline batch job, {result['requests']} requests x {result['tokens']} tokens, "
+        f"{result['stages']} stages, {result['delay_ms']:g} ms/hop ({result.get('date', '')[:10]})"
+    )
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main() -> int:
+    if "--plot-only" in sys.argv:
+        print(plot(json.loads((RESULTS_DIR / "wan_batch.json").read_text())))
+        return 0
     from bench.parity import ensure_export
 
     shards = Path(os.environ["BENCH_SHARDS"]) if os.environ.get("BENCH_SHARDS") else ensure_export(STAGES)
@@ -146,7 +185,8 @@ def main() -> int:
             print(name, {m: round(results[name][m]["tok_s"], 2) for m in MICRO}, file=sys.stderr)
             RESULTS_DIR.mkdir(parents=True, exist_ok=True)
             (RESULTS_DIR / "wan_batch.partial.json").write_text(json.dumps(summary, indent=2))
-    write_result("wan_batch", summary, command="BENCH_PART=batch make bench-wan")
+    path = write_result("wan_batch", summary, command="BENCH_PART=batch make bench-wan")
+    plot(json.loads(path.read_text()))
     return 0
 
 

@@ -165,3 +165,32 @@ def test_result_records_are_the_gateways_answer_or_its_error():
     )
     record = result_record(chat, broken)
     assert record["response"]["status_code"] == 503 and record["error"]["message"] == "line 1: stage 1 died"
+
+
+def test_cli_stops_at_once_naming_an_empty_input_or_an_unusable_output(tmp_path, capsys):
+    from pipeshard.cli import main
+
+    empty = tmp_path / "in.jsonl"
+    empty.write_text("")
+    assert main(["batch", str(empty), "--out", str(tmp_path / "out.jsonl"), "--no-progress"]) == 2
+    assert f"input {empty} is empty" in capsys.readouterr().err
+    assert main(["batch", str(empty), "--out", str(tmp_path), "--no-progress"]) == 2
+    assert f"cannot use output {tmp_path}" in capsys.readouterr().err
+
+
+def test_cli_records_bad_lines_without_a_coordinator_when_nothing_else_runs(tmp_path, capsys):
+    from pipeshard.cli import main
+
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("{oops\n" + line(url="/v1/embeddings") + "\n")
+    assert (
+        main(["batch", str(source), "--out", str(out), "--no-progress", "--coordinator", "127.0.0.1:1"]) == 1
+    )
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(r["custom_id"], r["error"]["code"]) for r in records] == [
+        (None, "invalid_json"),
+        ("a", "invalid_url"),
+    ]
+    assert "nothing to run (2 invalid line(s) recorded)" in capsys.readouterr().err
+    assert main(["batch", str(source), "--out", str(out), "--no-progress"]) == 1  # a rerun adds nothing
+    assert len(out.read_text().splitlines()) == 2
