@@ -194,3 +194,14 @@ def test_cli_records_bad_lines_without_a_coordinator_when_nothing_else_runs(tmp_
     assert "nothing to run (2 invalid line(s) recorded)" in capsys.readouterr().err
     assert main(["batch", str(source), "--out", str(out), "--no-progress"]) == 1  # a rerun adds nothing
     assert len(out.read_text().splitlines()) == 2
+
+
+def test_cli_names_an_unreachable_coordinator_and_keeps_what_was_recorded(tmp_path, capsys):
+    from pipeshard.cli import main
+
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(line("a") + "\n{bad\n")
+    assert main(["batch", str(source), "--out", str(out), "--coordinator", "127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "coordinator 127.0.0.1:1: UNAVAILABLE" in err and "run again to resume" in err
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == [None]
