@@ -12,10 +12,10 @@ on the wire. While a job runs it sets that number: ``off`` is one group (the who
 step), M is M groups, and ``auto`` measures the rows per second the fleet delivers at each M
 from 1 to the number of stages for ``PROBE_ROUNDS`` rounds (M steps each: every session once),
 then keeps the best, for this job and the later auto jobs of the coordinator (the first pays
-for the measurement; a short job may end before it does). The
-grouping changes only which rows share a step, so in ``exact`` precision every answer is the
-same whatever M is. When the last running job ends the batcher gets back the number it had
-before the first (while two jobs run, the later one's count holds).
+for the measurement; a short job may end before it does). The grouping changes only which rows
+share a step, so in ``exact`` precision every answer is the same whatever M is. When the last
+running job ends the batcher gets back the number it had before the first (while two jobs run,
+the later one's count holds).
 """
 
 from __future__ import annotations
@@ -148,11 +148,13 @@ class MicroBatchControl:
 
 
 def check_items(items: Sequence[coordinator_pb2.BatchJobItem]) -> None:
-    """InvalidArgument for an empty job or a repeated custom_id (naming it and both items)."""
+    """InvalidArgument for an empty job, an empty custom_id or a repeated one (naming both items)."""
     if not items:
         raise InvalidArgument("items", "must hold at least one request, got none")
     seen: dict[str, int] = {}
     for i, item in enumerate(items):
+        if not item.custom_id:
+            raise InvalidArgument(f"items[{i}].custom_id", "must not be empty")
         if item.custom_id in seen:
             raise InvalidArgument(
                 f"items[{i}].custom_id", f"{item.custom_id!r} repeats items[{seen[item.custom_id]}].custom_id"

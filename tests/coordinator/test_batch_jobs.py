@@ -60,7 +60,7 @@ def test_micro_batches_refused_naming_the_value(text):
         MicroBatches.parse(text)
 
 
-def test_empty_job_and_repeated_custom_id_refused_naming_the_items():
+def test_empty_job_and_empty_or_repeated_custom_id_refused_naming_the_items():
     async def run(request):
         yield coordinator_pb2.GenerateResponse()
 
@@ -69,6 +69,8 @@ def test_empty_job_and_repeated_custom_id_refused_naming_the_items():
         BatchJob([], run, 4, control)
     with pytest.raises(InvalidArgument, match=r"`items\[2\].custom_id` 'a' repeats items\[0\]"):
         BatchJob(items("a", "b", "a"), run, 4, control)
+    with pytest.raises(InvalidArgument, match=r"`items\[1\].custom_id` must not be empty"):
+        BatchJob(items("a", ""), run, 4, control)
 
 
 def test_every_item_answered_once_errors_per_item_and_at_most_the_running_limit_at_once():
