@@ -25,7 +25,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: bench-commits bench-compile-cache bench-compress bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-spec bench-wan clean demo distil down export lint model proto run-stage serve-openai setup soak test test-exactness test-extended test-fast test-invariance up wan-down wan-up
+.PHONY: batch bench-commits bench-compile-cache bench-compress bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-spec bench-wan clean demo distil down export lint model proto run-stage serve-openai setup soak test test-exactness test-extended test-fast test-invariance up wan-down wan-up
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -134,7 +134,7 @@ soak: model
 bench-compress: model
 	$(PY) -m bench.compress
 
-## bench-wan: greedy and sampled decoding over the WAN emulator (tbf 500/100/20 Mbit/s x 0/25 ms per hop), session codecs none / lane blocks / auto interleaved in one fleet per point; final-stage sampling vs shipped logits at 20 Mbit/s (root; WAN_POINTS=20:25 for a reduced run; bench/results/wan.json)
+## bench-wan: greedy and sampled decoding over the WAN emulator (tbf 500/100/20 Mbit/s x 0/25 ms per hop), session codecs none / lane blocks / auto interleaved in one fleet per point; final-stage sampling vs shipped logits at 20 Mbit/s (root; WAN_POINTS=20:25 for a reduced run; bench/results/wan.json); BENCH_PART=batch: offline batch jobs on 3 stages at 20 and 100 Mbit/s x 25 ms, compression off/on x micro-batches off/2/3/auto (BATCH_REQUESTS, BATCH_TOKENS, BENCH_RUNS; bench/results/wan_batch.json)
 bench-wan: model
 	$(PY) -m bench.wan
 
@@ -155,6 +155,12 @@ bench-planner: model
 COORDINATOR ?= 127.0.0.1:50051
 serve-openai: proto
 	$(VENV)/bin/pipeshard serve-openai --coordinator $(COORDINATOR) --log-format console
+
+## batch: run an OpenAI batch file through a running coordinator (IN=input.jsonl OUT=output.jsonl [MICRO_BATCHES=auto|off|M]; a rerun skips finished custom_ids)
+MICRO_BATCHES ?= auto
+batch: proto
+	@test -n "$(IN)" -a -n "$(OUT)" || { echo "usage: make batch IN=input.jsonl OUT=output.jsonl [COORDINATOR=$(COORDINATOR)] [MICRO_BATCHES=auto]"; exit 2; }
+	$(VENV)/bin/pipeshard batch $(IN) --out $(OUT) --coordinator $(COORDINATOR) --micro-batches $(MICRO_BATCHES)
 
 ## distil: train a DRAFT_LAYERS-layer draft on the 1-stage target's answers to synthetic prompts and export it (shards/<model>-distil<K>-v<N>; generating the answers at ~45 tokens/s dominates)
 distil: model

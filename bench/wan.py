@@ -1,4 +1,5 @@
 """`make bench-wan` (interactive part): decoding across the WAN emulator, per link setting.
+``BENCH_PART=batch`` runs the offline batch part instead (bench/wan_batch.py).
 
 For each point (tbf rate in Mbit/s x one-way delay per hop in ms) ONE 2-stage INT4 fleet runs in
 network namespaces (services/wan), and this process holds a ring over its doors, as a coordinator
@@ -339,6 +340,11 @@ def plot(result: dict, out: Path = PLOT) -> Path:
 
 
 def main() -> int:
+    if os.environ.get("BENCH_PART") == "batch":  # the offline batch part (bench/wan_batch.py)
+        from bench.wan_batch import main as batch_main
+
+        set_offline_defaults()
+        return batch_main()
     if "--plot-only" in sys.argv:  # re-derive the keys and redraw from the points a run wrote
         name = "wan.partial.json" if "--partial" in sys.argv else "wan.json"
         old = json.loads((RESULTS_DIR / name).read_text())

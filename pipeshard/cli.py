@@ -14,6 +14,7 @@ _COMMAND_MODULES = (
     "pipeshard.exporter.cli",
     "pipeshard.exporter.distil_cli",
     "pipeshard.clients.cli",
+    "pipeshard.services.gateway.batch_cli",
     "pipeshard.services.fleet_cli",
     "pipeshard.services.top",
     "pipeshard.services.wan.cli",

@@ -50,7 +50,7 @@ from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
 from pipeshard.services.coordinator.speculation.policy import BatchSteps, KPolicy, SourceMemory, TimingModel
 from pipeshard.services.coordinator.speculation.sources import DraftSources
-from pipeshard.services.coordinator.step_batcher import DEFAULT_PREFILL_CHUNK
+from pipeshard.services.coordinator.step_batcher import DEFAULT_PREFILL_CHUNK, StepBatcher
 from pipeshard.services.stage.domain import RowKind, SamplingStep
 from pipeshard.services.stage.wire import token_frame
 from pipeshard.tensor_codec import decode
@@ -437,6 +437,15 @@ class Generation:
         # next one, which batch-aware K weighs (speculation/policy.py); ``batch_aware_k`` False
         # chooses K as if alone, from the request's own wall time per step (A/B).
         self._steps: BatchSteps | None = ring.batch_steps if batch_aware_k else None
+
+    @property
+    def step_batcher(self) -> StepBatcher | None:
+        """The ring's step batcher (paged backend), whose group count a batch job sets; else None."""
+        return self._ring.batch_steps
+
+    @property
+    def num_stages(self) -> int:
+        return self._ring.num_stages
 
     async def released(self) -> None:
         """Waits for the session releases still under way (before the ring closes)."""

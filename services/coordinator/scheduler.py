@@ -17,6 +17,11 @@ Another identity is served promptly because one identity runs at most
 is the limit it gets the next room that frees up, since its turn comes before the busy
 identity's next one.
 
+Batch requests (RunBatch, batch_jobs.py) are a lower class: they fill idle capacity. An
+identity's interactive requests queue ahead of its batch ones, and a lane whose next request is a
+batch one gets its turn only when no lane's next request is interactive; once admitted a batch
+request runs like any other (no preemption) and counts against the same limits.
+
 Limits answer RESOURCE_EXHAUSTED naming the limit: an identity's queued requests
 (``max_queued_per_identity``, or its own ``max_queued``), the whole queue (``max_queue``), and a
 request no stage's pool could ever hold. A queued request whose deadline passes leaves the queue
@@ -54,6 +59,7 @@ class ScheduledRequest:
     identity: Identity
     need: Need  # blocks it holds on each paged stage while it runs
     seq: int  # arrival order
+    batch: bool = False  # an offline batch job's request: admitted only when no interactive one waits
     status: RequestStatus = RequestStatus.QUEUED
     admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     # True while the mirror's charge for ``need`` is this request's (from its admission, and again
@@ -75,6 +81,15 @@ class _Lane:
 def _stride(lane: _Lane) -> float:
     """How far one admission moves an identity's pass: heavier identities move less, go more often."""
     return 1.0 / max(lane.identity.weight, 1e-9)
+
+
+def _queue_in_class(queue: deque[ScheduledRequest], request: ScheduledRequest) -> None:
+    """Appends ``request`` after its class: an interactive one goes before the batch ones."""
+    if request.batch:
+        queue.append(request)
+        return
+    first_batch = next((i for i, r in enumerate(queue) if r.batch), len(queue))
+    queue.insert(first_batch, request)
 
 
 # The request whose generation is running in this task (read when its session opens).
@@ -111,18 +126,23 @@ class Scheduler:
         self.running = 0
         self.queued = 0
 
+    def running_limit(self, identity: Identity) -> int:
+        """The most requests ``identity`` may run at once (a batch job keeps no more in the queue)."""
+        own = identity.max_running
+        return min(self.max_running, self.max_running_per_identity if own is None else own)
+
     def running_of(self, name: str) -> int:
         lane = self._lanes.get(name)
         return 0 if lane is None else lane.running
 
     @contextlib.asynccontextmanager
     async def admit(
-        self, identity: Identity, tokens: int, timeout_s: float | None = None
+        self, identity: Identity, tokens: int, timeout_s: float | None = None, *, batch: bool = False
     ) -> AsyncIterator[ScheduledRequest]:
         """Holds a running place for the body, for a request whose sessions hold ``tokens`` of
-        KV capacity; waits in the queue up to ``timeout_s``."""
+        KV capacity; waits in the queue up to ``timeout_s``; ``batch``: the lower class."""
         self.kv.check_ever_fits(tokens)
-        request = ScheduledRequest(identity, self.kv.need(tokens), next(self._seq))
+        request = ScheduledRequest(identity, self.kv.need(tokens), next(self._seq), batch=batch)
         self._enqueue(request)
         try:
             await self._wait(request, timeout_s)
@@ -142,7 +162,7 @@ class Scheduler:
         lane.identity = request.identity  # its limits as this request's credentials state them
         if not lane.queue and not lane.running:
             lane.passed = max(lane.passed, self._vtime)
-        lane.queue.append(request)
+        _queue_in_class(lane.queue, request)
         self.queued += 1
         self._admit_waiting()
         if request.status is RequestStatus.QUEUED:
@@ -244,7 +264,11 @@ class Scheduler:
         ready = [
             lane for lane in self._lanes.values() if lane.queue and lane.running < self._running_limit(lane)
         ]
-        return min(ready, key=lambda lane: (lane.passed + _stride(lane), lane.queue[0].seq), default=None)
+        return min(
+            ready,
+            key=lambda lane: (lane.queue[0].batch, lane.passed + _stride(lane), lane.queue[0].seq),
+            default=None,
+        )
 
     def accounts(self) -> SessionAccounts:
         """What a ring counts its sessions' reservations in (the scheduler's KV mirror)."""

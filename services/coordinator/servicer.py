@@ -1,4 +1,5 @@
-"""CoordinatorService over gRPC: GenerateRequest in, Generation run, GenerateResponse stream out.
+"""CoordinatorService over gRPC: GenerateRequest in, Generation run, GenerateResponse stream out;
+RunBatch runs a job's requests the same way as batch requests (batch_jobs.py).
 
 On shutdown :meth:`CoordinatorServicer.drain` refuses new requests with UNAVAILABLE and waits for
 the running ones; a generation the ring then stops (:class:`ShuttingDown`) still ends its stream
@@ -8,6 +9,7 @@ with a summary, FINISH_REASON_CANCELLED, instead of a bare transport error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import structlog
 
@@ -16,6 +18,7 @@ from pipeshard.errors import Unavailable
 from pipeshard.identity import Identity
 from pipeshard.interceptors import MAX_REQUEST_ID_CHARS
 from pipeshard.metrics import IDENTITY_CACHED_TOKENS, IDENTITY_REQUESTS
+from pipeshard.services.coordinator.batch_jobs import BatchJob, MicroBatchControl, MicroBatches
 from pipeshard.services.coordinator.generation import Chunk, Generation
 from pipeshard.services.coordinator.ring import ShuttingDown
 from pipeshard.services.coordinator.sampling import SamplingParams
@@ -106,22 +109,50 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if self._draining:
             raise Unavailable("coordinator is shutting down and takes no new requests; retry elsewhere")
 
-    async def Generate(self, request, context):
+    @contextlib.contextmanager
+    def _counted(self):
+        """Counts a call as running until it ends (what drain waits for)."""
         self._refuse_if_draining()
         self._active += 1
         self._idle.clear()
-        # The request's own id names this generation in the logs (else the interceptor's).
-        ids = {"request_id": request.request_id[:MAX_REQUEST_ID_CHARS]} if request.request_id else {}
         try:
-            with structlog.contextvars.bound_contextvars(**ids):
-                async for response in self._generate(request, context):
-                    yield response
+            yield
         finally:
             self._active -= 1
             if not self._active:
                 self._idle.set()
 
-    async def _generate(self, request, context):
+    async def Generate(self, request, context):
+        with self._counted():
+            async for response in self._generate(request, context):
+                yield response
+
+    async def RunBatch(self, request, context):
+        with self._counted():
+            identity = self._authenticator.identify(context) if context else Identity("")
+            micro = MicroBatchControl(
+                self._generation.step_batcher,
+                self._generation.num_stages,
+                MicroBatches.parse(request.micro_batches),
+            )
+            job = BatchJob(
+                request.items,
+                lambda item: self._generate(item, context, identity=identity, batch=True),
+                self._scheduler.running_limit(identity),
+                micro,
+            )
+            log.info("batch_job", items=len(request.items), identity=identity.name)
+            async for response in job.results():
+                yield response
+
+    async def _generate(self, request, context, *, identity: Identity | None = None, batch: bool = False):
+        # The request's own id names this generation in the logs (else the interceptor's).
+        ids = {"request_id": request.request_id[:MAX_REQUEST_ID_CHARS]} if request.request_id else {}
+        with structlog.contextvars.bound_contextvars(**ids):
+            async for response in self._admitted(request, context, identity, batch):
+                yield response
+
+    async def _admitted(self, request, context, identity: Identity | None, batch: bool):
         messages = [(m.role, m.content) for m in request.messages]
         self._prompter.check_size(request.prompt, messages, self._max_prompt_bytes)
         # Tokenizing runs on a worker thread: a long prompt must not stall the other streams.
@@ -131,10 +162,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             prompt_tokens=len(prompt_ids), max_context=self._max_context, vocab_size=self._vocab_size
         )
         self._generation.check_speculative(request.speculative, request.k)
-        identity = self._authenticator.identify(context) if context else Identity("")
+        if identity is None:
+            identity = self._authenticator.identify(context) if context else Identity("")
         tokens = self._generation.capacity(prompt_ids, params)
         deadline = context.time_remaining() if context else None
-        async with self._scheduler.admit(identity, tokens, deadline):
+        async with self._scheduler.admit(identity, tokens, deadline, batch=batch):
             self._refuse_if_draining()  # queued while the drain began
             async for response in self._stream(
                 prompt_ids, params, request.speculative, request.k, identity.name

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import TypeVar
@@ -24,12 +23,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeshard.auth import Authenticator
-from pipeshard.clients.client import Connection, build_request
+from pipeshard.clients.client import Connection
 from pipeshard.metrics import counter
+from pipeshard.services.gateway.calls import failed, generate_call
 from pipeshard.services.gateway.errors import GatewayError
 from pipeshard.services.gateway.guards import AuthGuard, BodyLimit
 from pipeshard.services.gateway.responses import Shaper
-from pipeshard.services.gateway.schema import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from pipeshard.services.gateway.schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIRequest,
+    invalid_body,
+)
 from pipeshard.services.gateway.settings import GatewaySettings
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -74,14 +79,6 @@ async def _unless_gone(request: Request, work: Awaitable[T], call: grpc.aio.Unar
         raise GatewayError.from_rpc(exc) from None
 
 
-def _failed(summary: coordinator_pb2.GenerateSummary) -> GatewayError | None:
-    if summary.finish_reason == coordinator_pb2.FINISH_REASON_ERROR:
-        return GatewayError(503, summary.error or "the generation failed", code="generation_failed")
-    if summary.finish_reason == coordinator_pb2.FINISH_REASON_CANCELLED:
-        return GatewayError(499, "the generation was cancelled", code="cancelled")
-    return None
-
-
 class Gateway:
     """Holds the channel (opened inside the server's event loop) and serves the routes."""
 
@@ -122,37 +119,10 @@ class Gateway:
         return self._model()
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        body.check()
-        rpc = self._request(body, body.limit(), messages=body.chat())
-        shaper = Shaper(
-            f"chatcmpl-{rpc.request_id}", self._name(body), chat=True, logprobs=body.wants_logprobs
-        )
-        return await self._answer(request, body, rpc, shaper)
+        return await self._answer(request, body, *generate_call(body, self.settings.model_name))
 
     async def completions(self, body: CompletionRequest, request: Request):
-        body.check()
-        rpc = self._request(body, body.limit(), messages=[])
-        rpc.prompt = body.text()  # raw text, no chat template (build_request wraps a prompt as a message)
-        shaper = Shaper(f"cmpl-{rpc.request_id}", self._name(body), chat=False, logprobs=body.wants_logprobs)
-        return await self._answer(request, body, rpc, shaper)
-
-    def _name(self, body: OpenAIRequest) -> str:
-        return body.model or self.settings.model_name
-
-    @staticmethod
-    def _request(body: OpenAIRequest, max_tokens: int | None, messages: list[dict[str, str]]):
-        return build_request(
-            messages=messages,
-            max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            seed=body.seed,
-            stop=body.stop_list(),
-            ignore_eos=body.ignore_eos,
-            request_id=uuid.uuid4().hex[:24],
-            logprobs=body.wants_logprobs,
-        )
+        return await self._answer(request, body, *generate_call(body, self.settings.model_name))
 
     async def _answer(
         self, request: Request, body: OpenAIRequest, rpc: coordinator_pb2.GenerateRequest, shaper: Shaper
@@ -161,7 +131,7 @@ class Gateway:
         try:
             if not body.stream:
                 summary, tokens, logprobs = await _unless_gone(request, _collect(call), call)
-                if (error := _failed(summary)) is not None:
+                if (error := failed(summary)) is not None:
                     raise error
                 return JSONResponse(shaper.completion(summary, tokens, logprobs))
             first = await _unless_gone(request, call.read(), call)
@@ -228,7 +198,7 @@ async def _events(
             else:
                 summary = response.summary
             response = await call.read()
-        error = _failed(summary) if summary is not None else GatewayError(502, "no summary from coordinator")
+        error = failed(summary) if summary is not None else GatewayError(502, "no summary from coordinator")
         if error is not None:
             yield _sse(error.body())
             return
@@ -287,11 +257,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             error = first.get("ctx", {}).get("error", first["msg"])
             message = f"the request body is not valid JSON: {error} (at character {first['loc'][-1]})"
             return JSONResponse(GatewayError(400, message, code="invalid_json").body(), status_code=400)
-        loc = [str(part) for part in first["loc"] if part != "body"]
-        # The union types of `stop`/`content` add the tried type to the location; keep the field.
-        param = ".".join(p for p in loc if not p.startswith(("str", "list[", "dict[", "int", "function")))
-        message = f"`{param or 'body'}`: {first['msg']}"
-        return JSONResponse(GatewayError(400, message, param=param or None).body(), status_code=400)
+        return JSONResponse(invalid_body(first).body(), status_code=400)
 
     app.get("/health")(gateway.health)
     app.get("/v1/models")(gateway.models)

@@ -178,3 +178,11 @@ class CompletionRequest(OpenAIRequest):
 
     def limit(self) -> int | None:
         return self.max_tokens
+
+
+def invalid_body(error: dict) -> GatewayError:
+    """The 400 for a body's first validation error (pydantic's error dict), naming the field."""
+    loc = [str(part) for part in error["loc"] if part != "body"]
+    # The union types of `stop`/`content` add the tried type to the location; keep the field.
+    param = ".".join(p for p in loc if not p.startswith(("str", "list[", "dict[", "int", "function")))
+    return GatewayError(400, f"`{param or 'body'}`: {error['msg']}", param=param or None)

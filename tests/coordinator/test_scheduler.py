@@ -31,11 +31,18 @@ class Users:
         self._gates: dict[str, asyncio.Event] = {}
         self.tasks: dict[str, asyncio.Task] = {}
 
-    def start(self, name: str, identity: Identity = ALICE, tokens: int = 10, timeout_s: float | None = None):
+    def start(
+        self,
+        name: str,
+        identity: Identity = ALICE,
+        tokens: int = 10,
+        timeout_s: float | None = None,
+        batch: bool = False,
+    ):
         self._gates[name] = gate = asyncio.Event()
 
         async def run():
-            async with self.scheduler.admit(identity, tokens, timeout_s) as request:
+            async with self.scheduler.admit(identity, tokens, timeout_s, batch=batch) as request:
                 assert request.status is RequestStatus.RUNNING
                 self.order.append(name)
                 await gate.wait()
@@ -320,3 +327,33 @@ def test_a_reopened_session_keeps_its_requests_charge_and_other_sessions_are_cha
         assert kv.held == [0]
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("same_identity", [True, False])
+def test_batch_requests_wait_for_every_interactive_one(same_identity):
+    """A batch job's requests fill idle capacity: interactive requests that arrive later, of the
+    same identity or another, are admitted before them."""
+
+    async def scenario():
+        scheduler = Scheduler(max_running=1, max_queue=8)
+        users = Users(scheduler)
+        users.start("running")
+        await settle()
+        users.start("batch-1", batch=True)
+        users.start("batch-2", batch=True)
+        await settle()
+        users.start("chat", identity=ALICE if same_identity else BOB)
+        await settle()
+        for name in ("running", "chat", "batch-1"):
+            await users.finish(name)
+        await users.finish("batch-2")
+        return users.order
+
+    assert asyncio.run(scenario()) == ["running", "chat", "batch-1", "batch-2"]
+
+
+def test_running_limit_is_the_identitys_own_else_the_default_capped_by_max_running():
+    scheduler = Scheduler(max_running=4, max_queue=8, max_running_per_identity=3)
+    assert scheduler.running_limit(ALICE) == 3
+    assert scheduler.running_limit(Identity("key:big", max_running=10)) == 4
+    assert scheduler.running_limit(Identity("key:small", max_running=1)) == 1

@@ -182,13 +182,17 @@ def test_fuzz_exporter(fuzz_fleet, method, kind, cls):
     _still_serves(fuzz_fleet)
 
 
-def test_fuzz_coordinator(fuzz_fleet):
+@pytest.mark.parametrize(
+    ("method", "cls"),
+    [("Generate", coordinator_pb2.GenerateRequest), ("RunBatch", coordinator_pb2.RunBatchRequest)],
+)
+def test_fuzz_coordinator(fuzz_fleet, method, cls):
     with grpc.insecure_channel(fuzz_fleet.coordinator) as channel:
 
         @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
-        @given(payload=wire_bytes(coordinator_pb2.GenerateRequest))
+        @given(payload=wire_bytes(cls))
         def run(payload: bytes) -> None:
-            _call(channel, "/pipeshard.v1.CoordinatorService/Generate", "server_stream", payload, 0.5)
+            _call(channel, f"/pipeshard.v1.CoordinatorService/{method}", "server_stream", payload, 0.5)
 
         run()
     _still_serves(fuzz_fleet)

@@ -1,0 +1,194 @@
+"""`BENCH_PART=batch make bench-wan`: offline batch jobs across the WAN emulator.
+
+A job of BATCH_REQUESTS greedy chat requests (BATCH_TOKENS tokens each, ignore_eos) goes through
+the coordinator's RunBatch on a 3-stage INT4 fleet in network namespaces (services/wan), at each
+rate in WAN_BATCH_RATES Mbit/s with WAN_BATCH_DELAY_MS per hop. Compression is a stage flag
+(``--codec none`` / ``lane_blocks_zstd``), so each (rate, compression) pair is its own fleet, run
+one after the other; inside a fleet the micro-batch settings (``off``, fixed M = 2 and 3,
+``auto``) are interleaved job by job in shuffled rounds (BENCH_RUNS, after one warm-up round).
+
+Keys: ``compress_microbatch_speedup_20mbit`` = tok/s(compression on, the best fixed M) /
+tok/s(compression off, micro-batches off) at the lowest rate, with the interval of the ratio of
+medians (the two come from different fleets run one after the other: not interleaved);
+``auto_microbatch_vs_best`` = min over fleets of tok/s(auto) / tok/s(the best fixed setting,
+off included), interleaved in one fleet. Plot: docs/img/bench-wan-batch.png (``python -m
+bench.wan_batch --plot-only`` redraws it from bench/results/wan_batch.json). Needs root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from bench.stats import RESULTS_DIR, interleaved, median, ratio_ci, write_result
+from pipeshard.services.wan.emulator import WanFleet
+from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+STAGES = 3
+REQUESTS = int(os.environ.get("BATCH_REQUESTS", "64"))
+TOKENS = int(os.environ.get("BATCH_TOKENS", "32"))
+RUNS = int(os.environ.get("BENCH_RUNS", "5"))
+RATES = [float(r) for r in os.environ.get("WAN_BATCH_RATES", "20,100").split(",")]
+DELAY_MS = float(os.environ.get("WAN_BATCH_DELAY_MS", "25"))
+CODECS = {"off": "none", "on": "lane_blocks_zstd"}
+MICRO = ("off", "2", "3", "auto")
+FIXED = ("off", "2", "3")
+PLOT = Path("docs/img/bench-wan-batch.png")
+TOPICS = ("the sea", "a city at night", "autumn", "a robot", "mountains", "a library", "rain", "coffee")
+
+
+def job() -> coordinator_pb2.RunBatchRequest:
+    items = []
+    for i in range(REQUESTS):
+        prompt = f"Write two sentences about {TOPICS[i % len(TOPICS)]} (note {i})."
+        request = coordinator_pb2.GenerateRequest(
+            messages=[coordinator_pb2.ChatMessage(role="user", content=prompt)],
+            params=coordinator_pb2.SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True),
+        )
+        items.append(coordinator_pb2.BatchJobItem(custom_id=f"r{i}", request=request))
+    return coordinator_pb2.RunBatchRequest(items=items)
+
+
+def measure_fleet(shards: Path, rate: float, codec: str, run_dir: Path) -> dict:
+    """One fleet: every micro-batch setting interleaved, job tok/s per setting."""
+    t0 = time.perf_counter()
+    args = ["--max-running", str(REQUESTS), "--max-running-per-identity", str(REQUESTS)]
+    with WanFleet(
+        shards,
+        STAGES,
+        DELAY_MS,
+        rate,
+        run_dir / f"{rate:g}-{codec}",
+        extra_stage_args=["--codec", codec],
+        extra_coordinator_args=args,
+    ) as wan:
+        print(f"fleet {rate:g} Mbit/s codec {codec} up in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        chosen: dict[str, list[int]] = {m: [] for m in MICRO}
+        with grpc.insecure_channel(wan.coordinator) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            base = job()
+
+            def runner(micro: str):
+                def run() -> float:
+                    request = coordinator_pb2.RunBatchRequest(items=base.items, micro_batches=micro)
+                    start = time.perf_counter()
+                    results = list(stub.RunBatch(request, timeout=1800))
+                    elapsed = time.perf_counter() - start
+                    failed = [r.error.message for r in results if r.HasField("error")]
+                    if failed:
+                        raise RuntimeError(f"{len(failed)} items failed: {failed[0]}")
+                    chosen[micro].append(results[-1].micro_batches)
+                    return sum(r.summary.completion_tokens for r in results) / elapsed
+
+                return run
+
+            samples = interleaved({m: runner(m) for m in MICRO}, RUNS, warmup=1)
+    return {
+        m: {"tok_s": median(v), "samples": v, "micro_batches_at_end": chosen[m][1:]}
+        for m, v in samples.items()
+    }
+
+
+def summarise(results: dict[str, dict]) -> dict:
+    auto_vs_best = {}
+    for name, fleet in results.items():
+        best = max(FIXED, key=lambda m: fleet[m]["tok_s"])
+        ratio, ci = ratio_ci(fleet["auto"]["samples"], fleet[best]["samples"])
+        fleet["auto_vs_best"], fleet["auto_vs_best_ci"], fleet["best_fixed"] = ratio, ci, best
+        auto_vs_best[name] = (ratio, ci)
+    worst = min(auto_vs_best, key=lambda k: auto_vs_best[k][0]) if auto_vs_best else None
+    low = f"{min(RATES):g}mbit"
+    speedup = None
+    if f"{low}/on" in results and f"{low}/off" in results:
+        on, off = results[f"{low}/on"], results[f"{low}/off"]
+        best = max(("2", "3"), key=lambda m: on[m]["tok_s"])
+        speedup = (*ratio_ci(on[best]["samples"], off["off"]["samples"]), best)
+    return {
+        "requests": REQUESTS,
+        "tokens": TOKENS,
+        "runs": RUNS,
+        "delay_ms": DELAY_MS,
+        "stages": STAGES,
+        "fleets": results,
+        "compress_microbatch_speedup_20mbit": speedup[0] if speedup else None,
+        "compress_microbatch_speedup_20mbit_ci": speedup[1] if speedup else None,
+        "compress_microbatch_speedup_20mbit_m": speedup[2] if speedup else None,
+        "auto_microbatch_vs_best": auto_vs_best[worst][0] if worst else None,
+        "auto_microbatch_vs_best_ci": auto_vs_best[worst][1] if worst else None,
+        "auto_microbatch_vs_best_at": worst,
+        "baselines": {
+            "compress_microbatch_speedup_20mbit": "compression off and micro-batches off, a separate fleet "
+            "run before it (not interleaved)",
+            "auto_microbatch_vs_best": "the fastest of off, M=2 and M=3 in the same fleet, interleaved",
+        },
+        "emulation": f"wan-emulator: netns + veth tbf + delay forwarder; {STAGES} stages INT4, "
+        f"{DELAY_MS:g} ms per hop; stages not pinned (2-core machine shared with other work)",
+    }
+
+
+def plot(result: dict, out: Path = PLOT) -> Path:
+    """Job tok/s per fleet and micro-batch setting (median, min-max)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fleets = result["fleets"]
+    names = list(fleets)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(MICRO)
+    for i, micro in enumerate(MICRO):
+        values = [fleets[n][micro]["tok_s"] for n in names]
+        samples = [fleets[n][micro]["samples"] for n in names]
+        err = [
+            [max(0.0, v - min(x)) for v, x in zip(values, samples, strict=True)],
+            [max(0.0, max(x) - v) for v, x in zip(values, samples, strict=True)],
+        ]
+        xs = [x + (i - (len(MICRO) - 1) / 2) * width for x in range(len(names))]
+        ax.bar(xs, values, width, yerr=err, capsize=2, label=f"micro-batches {micro}")
+    labels = [n.replace("mbit/", " Mbit/s\ncompression ") for n in names]
+    ax.set_xticks(range(len(names)), labels, fontsize=8)
+    ax.set_ylabel("job tok/s (median, min-max)")
+    ax.legend(fontsize=7)
+    ax.set_title(
+        f"offline batch job, {result['requests']} requests x {result['tokens']} tokens, "
+        f"{result['stages']} stages, {result['delay_ms']:g} ms/hop ({result.get('date', '')[:10]})"
+    )
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def main() -> int:
+    if "--plot-only" in sys.argv:
+        print(plot(json.loads((RESULTS_DIR / "wan_batch.json").read_text())))
+        return 0
+    from bench.parity import ensure_export
+
+    shards = Path(os.environ["BENCH_SHARDS"]) if os.environ.get("BENCH_SHARDS") else ensure_export(STAGES)
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-wan-batch-"))
+    results: dict[str, dict] = {}
+    started = time.perf_counter()
+    for rate in RATES:
+        for compression, codec in CODECS.items():
+            name = f"{rate:g}mbit/{compression}"
+            results[name] = measure_fleet(shards, rate, codec, run_dir)
+            summary = summarise(results)
+            summary["elapsed_s"] = time.perf_counter() - started
+            print(name, {m: round(results[name][m]["tok_s"], 2) for m in MICRO}, file=sys.stderr)
+            RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+            (RESULTS_DIR / "wan_batch.partial.json").write_text(json.dumps(summary, indent=2))
+    path = write_result("wan_batch", summary, command="BENCH_PART=batch make bench-wan")
+    plot(json.loads(path.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Offline batch jobs (RunBatch): every item generated as a batch request, results as they finish.
+
+A job keeps at most its identity's running limit of items in the scheduler at once (so its
+queue limits never refuse it) and streams each item's result the moment it finishes; an item
+that fails answers its error and the job goes on. Items are batch requests: the scheduler admits
+them only when no interactive request waits (scheduler.py).
+
+Micro-batches: on a paged fleet every running session's rows go through the step batcher
+(step_batcher.py), which splits the sessions into ``inflight`` groups, each a plan step, up to
+``inflight`` of them travelling the stages at once: stage k computes group i+1 while group i is
+on the wire. While a job runs it sets that number: ``off`` is one group (the whole batch in one
+step), M is M groups, and ``auto`` measures the rows per second the fleet delivers at each M
+from 1 to the number of stages for ``PROBE_ROUNDS`` rounds (M steps each: every session once),
+then keeps the best, for this job and the later auto jobs of the coordinator (the first pays
+for the measurement; a short job may end before it does). The grouping changes only which rows
+share a step, so in ``exact`` precision every answer is the same whatever M is. When the last
+running job ends the batcher gets back the number it had before the first (while two jobs run,
+the later one's count holds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from pipeshard.errors import InvalidArgument, PipeshardError
+from pipeshard.v1 import coordinator_pb2
+
+log = structlog.get_logger(__name__)
+
+# Rounds (M steps each) every candidate M runs for while ``auto`` measures it.
+PROBE_ROUNDS = 2
+# Steps before ``auto`` starts measuring: the prompts' prefill chunks ride in the first ones.
+PROBE_WARMUP_STEPS = 1
+# How often the auto probe looks at the step counters.
+PROBE_POLL_S = 0.01
+
+# Per step batcher: the M an auto job measured best, which later auto jobs use.
+_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per step batcher while jobs run: the inflight it had before them, and how many jobs run.
+_RUNNING_JOBS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# Runs one item's request as a batch request: Generate's response stream.
+ItemRunner = Callable[[coordinator_pb2.GenerateRequest], AsyncIterator[coordinator_pb2.GenerateResponse]]
+
+
+@dataclass(frozen=True)
+class MicroBatches:
+    """How many groups a job's sessions are stepped in: ``count`` fixed (1 = off), or ``auto``."""
+
+    count: int = 1
+    auto: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> MicroBatches:
+        """``off``, ``auto`` (also empty) or a number >= 1."""
+        if text in ("", "auto"):
+            return cls(auto=True)
+        if text == "off":
+            return cls(1)
+        try:
+            count = int(text)
+        except ValueError:
+            raise InvalidArgument(
+                "micro_batches", f"must be off, auto or a number >= 1, got {text!r}"
+            ) from None
+        if count < 1:
+            raise InvalidArgument("micro_batches", f"must be off, auto or a number >= 1, got {count}")
+        return cls(count)
+
+
+class MicroBatchControl:
+    """Sets the step batcher's group count for a job, measures it under ``auto``, restores it.
+
+    ``steps`` is the ring's step batcher (None on the stateful backend, where every session steps
+    alone and there is nothing to group)."""
+
+    def __init__(
+        self, steps, stages: int, setting: MicroBatches, clock: Callable[[], float] = time.perf_counter
+    ):
+        self._steps = steps
+        self._stages = max(stages, 1)
+        self._setting = setting
+        self._clock = clock
+        self.current = setting.count
+        self.measured: dict[int, float] = {}  # auto: rows per second at each M tried
+
+    @contextlib.asynccontextmanager
+    async def applied(self) -> AsyncIterator[MicroBatchControl]:
+        if self._steps is None:
+            yield self
+            return
+        key = self._steps
+        saved, jobs = _RUNNING_JOBS.get(key, (self._steps.inflight, 0))
+        _RUNNING_JOBS[key] = (saved, jobs + 1)
+        probe = None
+        if self._setting.auto and key in _CHOSEN:
+            self.current = _CHOSEN[key]
+        elif self._setting.auto:
+            probe = asyncio.create_task(self._probe(), name="micro-batch-probe")
+        self._set(self.current)
+        try:
+            yield self
+        finally:
+            if probe is not None:
+                probe.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await probe
+            saved, jobs = _RUNNING_JOBS.pop(key)
+            if jobs > 1:
+                _RUNNING_JOBS[key] = (saved, jobs - 1)
+            else:
+                self._steps.inflight = saved
+
+    def _set(self, count: int) -> None:
+        self.current = count
+        self._steps.inflight = count
+
+    async def _probe(self) -> None:
+        """Runs each candidate M for PROBE_ROUNDS rounds, then keeps the one with the most rows/s."""
+        await self._wait_steps(PROBE_WARMUP_STEPS)
+        for count in range(1, self._stages + 1):
+            self._set(count)
+            await self._wait_steps(1)  # steps formed under the previous M are still travelling
+            rows, start = self._steps.rows_run, self._clock()
+            await self._wait_steps(PROBE_ROUNDS * count)
+            elapsed = self._clock() - start
+            self.measured[count] = (self._steps.rows_run - rows) / elapsed if elapsed > 0 else 0.0
+        best = max(self.measured, key=lambda count: (self.measured[count], -count))
+        self._set(best)
+        _CHOSEN[self._steps] = best
+        log.info(
+            "micro_batches_chosen",
+            micro_batches=best,
+            rows_per_s={k: round(v, 1) for k, v in self.measured.items()},
+        )
+
+    async def _wait_steps(self, steps: int) -> None:
+        target = self._steps.steps_run + steps
+        while self._steps.steps_run < target:
+            await asyncio.sleep(PROBE_POLL_S)
+
+
+def check_items(items: Sequence[coordinator_pb2.BatchJobItem]) -> None:
+    """InvalidArgument for an empty job, an empty custom_id or a repeated one (naming both items)."""
+    if not items:
+        raise InvalidArgument("items", "must hold at least one request, got none")
+    seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        if not item.custom_id:
+            raise InvalidArgument(f"items[{i}].custom_id", "must not be empty")
+        if item.custom_id in seen:
+            raise InvalidArgument(
+                f"items[{i}].custom_id", f"{item.custom_id!r} repeats items[{seen[item.custom_id]}].custom_id"
+            )
+        seen[item.custom_id] = i
+
+
+class BatchJob:
+    """Runs ``items`` through ``run`` with at most ``concurrency`` at once; yields each result."""
+
+    def __init__(
+        self,
+        items: Sequence[coordinator_pb2.BatchJobItem],
+        run: ItemRunner,
+        concurrency: int,
+        micro: MicroBatchControl,
+    ):
+        check_items(items)
+        self._items = list(items)
+        self._run = run
+        self._concurrency = max(1, min(concurrency, len(self._items)))
+        self._micro = micro
+
+    async def results(self) -> AsyncIterator[coordinator_pb2.RunBatchResponse]:
+        pending: asyncio.Queue[coordinator_pb2.BatchJobItem] = asyncio.Queue()
+        for item in self._items:
+            pending.put_nowait(item)
+        done: asyncio.Queue[coordinator_pb2.RunBatchResponse] = asyncio.Queue()
+        async with self._micro.applied():
+            workers = [
+                asyncio.create_task(self._worker(pending, done), name=f"batch-worker-{i}")
+                for i in range(self._concurrency)
+            ]
+            try:
+                for _ in self._items:
+                    yield await done.get()
+            finally:
+                for task in workers:
+                    task.cancel()
+                await asyncio.gather(*workers, return_exceptions=True)
+
+    async def _worker(self, pending: asyncio.Queue, done: asyncio.Queue) -> None:
+        while not pending.empty():
+            item = pending.get_nowait()
+            response = await self._one(item)
+            response.micro_batches = self._micro.current
+            done.put_nowait(response)
+
+    async def _one(self, item: coordinator_pb2.BatchJobItem) -> coordinator_pb2.RunBatchResponse:
+        out = coordinator_pb2.RunBatchResponse(custom_id=item.custom_id)
+        try:
+            async for response in self._run(item.request):
+                if response.HasField("summary"):
+                    out.summary.CopyFrom(response.summary)
+                else:
+                    out.tokens.extend(response.chunk.tokens)
+                    out.logprobs.extend(response.chunk.logprobs)
+        except PipeshardError as exc:
+            out.error.CopyFrom(coordinator_pb2.BatchJobError(code=exc.code, message=str(exc)))
+        except Exception as exc:  # one item's bug must not end the others'
+            log.exception("batch item failed", custom_id=item.custom_id)
+            out.error.CopyFrom(
+                coordinator_pb2.BatchJobError(code="INTERNAL", message=f"{type(exc).__name__}: {exc}")
+            )
+        if not out.HasField("summary") and not out.HasField("error"):
+            out.error.CopyFrom(
+                coordinator_pb2.BatchJobError(
+                    code="INTERNAL", message="the generation ended without a summary"
+                )
+            )
+        return out

@@ -1,0 +1,164 @@
+"""Batch jobs (RunBatch's domain code) with a fake item runner and a fake step batcher: every item
+answered once, errors per item, the identity's running limit, and the micro-batch setting."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pipeshard.errors import InvalidArgument, ResourceExhausted
+from pipeshard.services.coordinator import batch_jobs
+from pipeshard.services.coordinator.batch_jobs import BatchJob, MicroBatchControl, MicroBatches
+from pipeshard.v1 import coordinator_pb2
+
+
+def items(*ids: str) -> list[coordinator_pb2.BatchJobItem]:
+    return [
+        coordinator_pb2.BatchJobItem(custom_id=i, request=coordinator_pb2.GenerateRequest(prompt=f"p-{i}"))
+        for i in ids
+    ]
+
+
+class FakeSteps:
+    """A step batcher stand-in: steps advance on their own; rows per step depend on ``inflight``."""
+
+    def __init__(self, rows_per_step: dict[int, int], inflight: int = 3):
+        self.inflight = inflight
+        self.steps_run = 0
+        self.rows_run = 0
+        self._rows = rows_per_step
+        self.seen: set[int] = set()
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(0.0005)
+            self.seen.add(self.inflight)
+            self.steps_run += 1
+            self.rows_run += self._rows.get(self.inflight, 1)
+
+    def clock(self) -> float:
+        return float(self.steps_run)  # one second a step: rows/s is rows per step
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("off", MicroBatches(1)),
+        ("auto", MicroBatches(auto=True)),
+        ("", MicroBatches(auto=True)),
+        ("3", MicroBatches(3)),
+    ],
+)
+def test_micro_batches_parse(text, expected):
+    assert MicroBatches.parse(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0", "-2", "many", "1.5"])
+def test_micro_batches_refused_naming_the_value(text):
+    with pytest.raises(InvalidArgument, match=r"`micro_batches`.*" + text.replace(".", r"\.")):
+        MicroBatches.parse(text)
+
+
+def test_empty_job_and_empty_or_repeated_custom_id_refused_naming_the_items():
+    async def run(request):
+        yield coordinator_pb2.GenerateResponse()
+
+    control = MicroBatchControl(None, 2, MicroBatches(1))
+    with pytest.raises(InvalidArgument, match="`items` must hold at least one"):
+        BatchJob([], run, 4, control)
+    with pytest.raises(InvalidArgument, match=r"`items\[2\].custom_id` 'a' repeats items\[0\]"):
+        BatchJob(items("a", "b", "a"), run, 4, control)
+    with pytest.raises(InvalidArgument, match=r"`items\[1\].custom_id` must not be empty"):
+        BatchJob(items("a", ""), run, 4, control)
+
+
+def test_every_item_answered_once_errors_per_item_and_at_most_the_running_limit_at_once():
+    running = {"now": 0, "most": 0}
+
+    async def run(request):
+        running["now"] += 1
+        running["most"] = max(running["most"], running["now"])
+        try:
+            await asyncio.sleep(0.001)
+            if request.prompt == "p-bad":
+                raise ResourceExhausted("`max_queued` 1 reached for identity key:x")
+            yield coordinator_pb2.GenerateResponse(
+                chunk=coordinator_pb2.TokenChunk(tokens=["x"], logprobs=[-0.5])
+            )
+            yield coordinator_pb2.GenerateResponse(
+                summary=coordinator_pb2.GenerateSummary(text=request.prompt, completion_tokens=1)
+            )
+        finally:
+            running["now"] -= 1
+
+    async def scenario():
+        job = BatchJob(items("a", "bad", "c", "d", "e"), run, 2, MicroBatchControl(None, 2, MicroBatches(2)))
+        return [r async for r in job.results()]
+
+    results = asyncio.run(scenario())
+    assert sorted(r.custom_id for r in results) == ["a", "bad", "c", "d", "e"]
+    by_id = {r.custom_id: r for r in results}
+    assert by_id["bad"].error.code == "RESOURCE_EXHAUSTED" and "max_queued" in by_id["bad"].error.message
+    assert by_id["c"].summary.text == "p-c" and list(by_id["c"].tokens) == ["x"]
+    assert running["most"] == 2
+
+
+def test_fixed_micro_batches_set_for_the_job_and_restored_after():
+    steps = FakeSteps({})
+
+    async def run(request):
+        assert steps.inflight == 2
+        yield coordinator_pb2.GenerateResponse(summary=coordinator_pb2.GenerateSummary())
+
+    async def scenario():
+        job = BatchJob(items("a", "b"), run, 2, MicroBatchControl(steps, 3, MicroBatches(2)))
+        results = [r async for r in job.results()]
+        return results, steps.inflight
+
+    results, after = asyncio.run(scenario())
+    assert [r.micro_batches for r in results] == [2, 2]
+    assert after == 3
+
+
+def test_auto_tries_each_count_up_to_the_stages_and_keeps_the_fastest(monkeypatch):
+    monkeypatch.setattr(batch_jobs, "PROBE_POLL_S", 0.0002)
+    steps = FakeSteps({1: 4, 2: 9, 3: 7, 4: 50})  # rows per step at each M: M=2 is best of 1..3
+
+    async def scenario():
+        control = MicroBatchControl(steps, 3, MicroBatches(auto=True), clock=steps.clock)
+        ticker = asyncio.create_task(steps.run())
+        async with control.applied():
+            while len(control.measured) < 3 or control.current != 2:
+                await asyncio.sleep(0.001)
+        ticker.cancel()
+        return control
+
+    async def later_job():
+        control = MicroBatchControl(steps, 3, MicroBatches(auto=True))
+        async with control.applied():
+            return control, steps.inflight
+
+    control = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert sorted(control.measured) == [1, 2, 3]
+    assert max(control.measured, key=control.measured.get) == 2
+    assert steps.inflight == 3  # restored
+    later, during = asyncio.run(later_job())
+    assert (later.current, during, later.measured) == (2, 2, {})  # the measured choice, no new probe
+
+
+def test_overlapping_jobs_restore_the_batchers_own_count_when_the_last_ends():
+    steps = FakeSteps({}, inflight=1)
+
+    async def scenario():
+        first = MicroBatchControl(steps, 3, MicroBatches(2))
+        second = MicroBatchControl(steps, 3, MicroBatches(3))
+        seen = []
+        async with first.applied():
+            async with second.applied():
+                seen.append(steps.inflight)
+            seen.append(steps.inflight)
+        seen.append(steps.inflight)
+        return seen
+
+    assert asyncio.run(scenario()) == [3, 3, 1]
