@@ -58,9 +58,9 @@ model: proto
 export: model
 	$(VENV)/bin/pipeshard export --model $(MODEL) --stages $(STAGES) --weights $(WEIGHTS)
 
-## up: start a loopback fleet (exporter, STAGES stage processes, coordinator, OpenAI gateway on 8080); prints `coordinator listening on HOST:PORT` and `openai gateway listening on HOST:PORT`; SECURE=1: mutual TLS + client token (docs/SECURITY.md)
+## up: start a loopback fleet (exporter, STAGES stage processes (REPLICAS of each, default 1), coordinator, OpenAI gateway on 8080); prints `coordinator listening on HOST:PORT` and `openai gateway listening on HOST:PORT`; SECURE=1: mutual TLS + client token (docs/SECURITY.md)
 up: model
-	$(VENV)/bin/pipeshard up --stages $(STAGES) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(DEVICE),--device $(DEVICE)) $(if $(filter 1 yes true,$(SECURE)),--secure)
+	$(VENV)/bin/pipeshard up --stages $(STAGES) $(if $(REPLICAS),--replicas $(REPLICAS)) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(DEVICE),--device $(DEVICE)) $(if $(filter 1 yes true,$(SECURE)),--secure)
 
 ## down: stop exactly the processes `make up` started
 down:

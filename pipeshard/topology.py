@@ -3,6 +3,10 @@
 ``make up`` writes it; ``make run-stage STAGE=k`` and the coordinator read it. Default ports
 (docs/SERVICES.md): coordinator 50051, stage k 50061+k, exporter 50071; metrics 9100 + the same
 offset. Each stage may name its OpenVINO device (``device``, default CPU).
+
+Replicas: ``replicas`` lists further lanes, each one process per stage (replica r of stage k on
+50061 + k + 20r by default). Replica r of a stage forwards to replica r of the next (fixed lanes,
+docs/ARCHITECTURE.md), so a lane is a whole ring and ``stages`` is lane 0.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ COORDINATOR_PORT = 50051
 STAGE_PORT_BASE = 50061
 EXPORTER_PORT = 50071
 METRICS_OFFSET = 9100 - 50000
+REPLICA_PORT_STRIDE = 20  # replica r of stage k listens on STAGE_PORT_BASE + k + 20r
+LANE_SEPARATOR = "|"  # `--stages A0|A1,B0|B1`: stage k's replicas, one per lane
 
 
 @dataclass
@@ -49,6 +55,7 @@ class Topology:
     exporter: Endpoint
     stages: list[StageEndpoint] = field(default_factory=list)
     precision: str = DEFAULT_PRECISION
+    replicas: list[list[StageEndpoint]] = field(default_factory=list)  # lanes 1.., each one per stage
 
     @classmethod
     def loopback(
@@ -58,18 +65,33 @@ class Topology:
         precision: str = DEFAULT_PRECISION,
         host: str = "127.0.0.1",
         device: str = DEFAULT_DEVICE,
+        replicas: int = 1,
+        stage_port_base: int = STAGE_PORT_BASE,
     ):
-        ports = [STAGE_PORT_BASE + k for k in range(num_stages)]
+        if replicas < 1:
+            raise InvalidArgument("replicas", f"must be at least 1, got {replicas}")
+
+        def lane(r: int) -> list[StageEndpoint]:
+            ports = [stage_port_base + k + REPLICA_PORT_STRIDE * r for k in range(num_stages)]
+            return [StageEndpoint(host, port, port + METRICS_OFFSET, device) for port in ports]
+
         return cls(
             shards=shards,
             coordinator=_endpoint(host, COORDINATOR_PORT),
             exporter=_endpoint(host, EXPORTER_PORT),
-            stages=[StageEndpoint(host, port, port + METRICS_OFFSET, device) for port in ports],
+            stages=lane(0),
             precision=precision,
+            replicas=[lane(r) for r in range(1, replicas)],
         )
 
+    @property
+    def lanes(self) -> list[list[StageEndpoint]]:
+        """Every lane (one replica of each stage, in pipeline order); lane 0 is ``stages``."""
+        return [self.stages, *self.replicas]
+
     def stage_addresses(self) -> list[str]:
-        return [s.address for s in self.stages]
+        """Each stage's addresses for ``--stages``: its replicas joined by ``|``, one per lane."""
+        return [LANE_SEPARATOR.join(lane[k].address for lane in self.lanes) for k in range(len(self.stages))]
 
     def next_hop(self, stage: int) -> str | None:
         return self.stages[stage + 1].address if stage + 1 < len(self.stages) else None
@@ -84,15 +106,22 @@ class Topology:
             raise InvalidArgument("topology", f"no topology file at {path} (run `make up` to write one)")
         raw = yaml.safe_load(path.read_text())
         try:
-            return cls(
+            topo = cls(
                 shards=raw["shards"],
                 coordinator=Endpoint(**raw["coordinator"]),
                 exporter=Endpoint(**raw["exporter"]),
                 stages=[StageEndpoint(**s) for s in raw["stages"]],
                 precision=raw.get("precision", DEFAULT_PRECISION),
+                replicas=[[StageEndpoint(**s) for s in lane] for lane in raw.get("replicas", [])],
             )
         except (KeyError, TypeError) as exc:
             raise InvalidArgument("topology", f"{path} is malformed ({exc})") from None
+        for r, lane in enumerate(topo.replicas, start=1):
+            if len(lane) != len(topo.stages):
+                raise InvalidArgument(
+                    "replicas", f"lane {r} of {path} lists {len(lane)} stages, not {len(topo.stages)}"
+                )
+        return topo
 
     def stage(self, index: int) -> StageEndpoint:
         if not 0 <= index < len(self.stages):

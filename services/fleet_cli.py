@@ -21,7 +21,7 @@ from pipeshard.keys import default_key_file
 from pipeshard.paths import DEFAULT_MODEL, certs_dir, export_name, shards_dir
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.gateway.settings import GATEWAY_METRICS_PORT, GATEWAY_PORT
-from pipeshard.services.launcher import start_fleet, stop_recorded
+from pipeshard.services.launcher import stage_name, start_fleet, stop_recorded
 from pipeshard.shard.device import DEFAULT_DEVICE
 from pipeshard.shard.manifest import WEIGHT_FORMATS
 from pipeshard.tls import CA_CERT, make_certs
@@ -35,6 +35,13 @@ TOPOLOGY = Path("config/topology.yaml")
 def register(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="start a loopback fleet (exports shards first if missing)")
     up.add_argument("--stages", type=int, default=2)
+    up.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="processes per stage, one lane each (replica r of stage k on port 50061+k+20r); the "
+        "coordinator spreads sessions over the lanes and moves them off a failed one",
+    )
     up.add_argument("--weights", choices=WEIGHT_FORMATS, default="int4")
     up.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION)
     up.add_argument("--model", default=DEFAULT_MODEL)
@@ -84,7 +91,9 @@ def run_up(args: argparse.Namespace) -> int:
         print("a fleet is already up (run `make down` first)", file=sys.stderr)
         return 1
     shards = ensure_shards(args.model, args.stages, args.weights)
-    topo = Topology.loopback(str(shards), args.stages, args.precision, device=args.device)
+    topo = Topology.loopback(
+        str(shards), args.stages, args.precision, device=args.device, replicas=args.replicas
+    )
     topo.save(TOPOLOGY)
     tls_dir, token = secure_setup(args.stages) if args.secure else (None, None)
     fleet = start_fleet(
@@ -97,7 +106,11 @@ def run_up(args: argparse.Namespace) -> int:
         gateway_port=args.gateway_port,
         metrics_ports={
             "exporter": topo.exporter.metrics_port,
-            **{f"stage{k}": s.metrics_port for k, s in enumerate(topo.stages)},
+            **{
+                stage_name(k, r): s.metrics_port
+                for r, lane in enumerate(topo.lanes)
+                for k, s in enumerate(lane)
+            },
             "coordinator": topo.coordinator.metrics_port,
             "gateway": GATEWAY_METRICS_PORT,
         },
@@ -107,6 +120,7 @@ def run_up(args: argparse.Namespace) -> int:
         tls_dir=tls_dir,
         token=token,
         api_keys=default_key_file() if args.secure else None,
+        replicas=args.replicas,
     )
     if tls_dir is not None:
         shutil.copyfile(tls_dir / CA_CERT, RUN_CA_CERT)  # where clients look by default
@@ -116,10 +130,11 @@ def run_up(args: argparse.Namespace) -> int:
         print("plaintext on loopback (`make up SECURE=1` for TLS and a token)")
     print(f"topology written to {TOPOLOGY}; logs in {RUN_DIR}/")
     print(f"exporter listening on {topo.exporter.address}")
-    for k, address in enumerate(fleet.stages):
-        print(f"stage {k} listening on {address}")
+    for r, lane in enumerate(fleet.lanes):
+        for k, address in enumerate(lane):
+            print(f"stage {k} listening on {address}" + (f" (replica {r})" if r else ""))
     print(f"coordinator listening on {fleet.coordinator}")
-    metrics = [topo.exporter.metrics_port, *(s.metrics_port for s in topo.stages)]
+    metrics = [topo.exporter.metrics_port, *(s.metrics_port for lane in topo.lanes for s in lane)]
     metrics += [topo.coordinator.metrics_port, GATEWAY_METRICS_PORT]
     print(f"/metrics on ports {', '.join(map(str, metrics))}; watch the fleet with `pipeshard top`")
     print(f"openai gateway listening on {fleet.gateway}", flush=True)

@@ -14,12 +14,14 @@ from pipeshard.grpc_server import GrpcServer, run_server
 from pipeshard.metrics import COORDINATOR_QUEUED, COORDINATOR_RUNNING
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
+from pipeshard.services.coordinator.failover import Failover
 from pipeshard.services.coordinator.fleet_promise import fleet_promise
 from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation
 from pipeshard.services.coordinator.kv_mirror import KvMirror
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
 from pipeshard.services.coordinator.plan_ring import PlanRing
 from pipeshard.services.coordinator.prefix_cache import PrefixIndex
+from pipeshard.services.coordinator.replicas import LaneRing
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.scheduler import Scheduler
@@ -33,7 +35,7 @@ from pipeshard.shard.prompting import Prompter
 from pipeshard.shard.runtime import WARMUP_PREFILL
 from pipeshard.shard.serving import hold_serving_lock
 from pipeshard.tls import TlsConfig
-from pipeshard.topology import Topology
+from pipeshard.topology import LANE_SEPARATOR, Topology
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
 log = structlog.get_logger(__name__)
@@ -47,7 +49,9 @@ class CoordinatorSettings(ServerSettings):
         None, "topology file (config/topology.yaml) giving ports, stages and shards"
     )
     stages: list[str] = setting(
-        default_factory=list, help="stage addresses in pipeline order (host:port,...)"
+        default_factory=list,
+        help="stage addresses in pipeline order (host:port,...); replicas of a stage joined by | "
+        "(A0|A1,B0|B1: replica r of every stage is lane r, docs/RELIABILITY.md)",
     )
     shards: Path | None = setting(None, "export folder: its manifest and tokenizer files are read")
     step_timeout_s: float = setting(
@@ -148,6 +152,9 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
         raise InvalidArgument("stages", "must list at least one stage address (or give --topology)")
     if settings.shards is None:
         raise InvalidArgument("shards", "is required (or give --topology)")
+    lanes = stage_lanes(settings.stages)
+    if len(lanes) > 1 and settings.host_stage0:
+        raise InvalidArgument("host_stage0", "cannot be combined with replica stages (--stages A0|A1,...)")
     if settings.prefill_chunk < 1:
         raise InvalidArgument("prefill_chunk", f"must be at least 1, got {settings.prefill_chunk}")
     if settings.inflight < 0:
@@ -170,6 +177,18 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
     return settings
 
 
+def stage_lanes(stages: list[str]) -> list[list[str]]:
+    """The lanes of ``--stages`` (each entry a stage's replicas joined by ``|``): lane r is replica
+    r of every stage; every stage must list as many replicas."""
+    replicas = [entry.split(LANE_SEPARATOR) for entry in stages]
+    counts = {len(r) for r in replicas}
+    if len(counts) > 1:
+        raise InvalidArgument(
+            "stages", f"every stage must list as many replicas; got {[len(r) for r in replicas]} ({stages})"
+        )
+    return [list(lane) for lane in zip(*replicas, strict=True)]
+
+
 def stage_kv_backend(wanted: str, stages: list[stage_pb2.GetStageInfoResponse]) -> str:
     """The KV backend every stage runs (``auto``: whichever that is). Plan frames need paged stages
     and a stateful stage refuses them, so a mixed fleet or a mismatch is refused at start."""
@@ -190,7 +209,7 @@ class Coordinator:
     settings: CoordinatorSettings
     # who callers are: the server's auth interceptor and the servicer share this one
     authenticator: Authenticator
-    ring: Ring = field(init=False)
+    ring: Ring | LaneRing = field(init=False)
     servicer: CoordinatorServicer = field(init=False)
 
     async def start(self) -> None:
@@ -206,13 +225,17 @@ class Coordinator:
             )
         prompter = Prompter.from_dir(Path(self.settings.shards))
         local = self._local_stage0() if self.settings.host_stage0 else None
-        self.ring = Ring(
-            self.settings.stages,
-            step_timeout_s=self.settings.step_timeout_s,
-            local_stage0=local,
-            hop_delay_s=self.settings.hop_delay_ms / 1000.0,
-            tls=self._tls(),
-        )
+        lanes = [
+            Ring(
+                addresses,
+                step_timeout_s=self.settings.step_timeout_s,
+                local_stage0=local,
+                hop_delay_s=self.settings.hop_delay_ms / 1000.0,
+                tls=self._tls(),
+            )
+            for addresses in stage_lanes(self.settings.stages)
+        ]
+        self.ring = lanes[0] if len(lanes) == 1 else LaneRing(lanes)
         await self.ring.start()
         await self.ring.wait_ready(self.settings.ready_timeout_s)
         infos = await self.ring.stage_infos()
@@ -247,6 +270,7 @@ class Coordinator:
                 else None
             ),
             restore_timeout_s=self.settings.prefix_restore_timeout_s,
+            failover=Failover(self.ring) if isinstance(self.ring, LaneRing) else None,
         )
         await self._warmup(generation, prompter, manifest.max_context)
         COORDINATOR_RUNNING.set_function(lambda: scheduler.running)
