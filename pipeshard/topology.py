@@ -11,7 +11,7 @@ docs/ARCHITECTURE.md), so a lane is a whole ring and ``stages`` is lane 0.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -93,8 +93,11 @@ class Topology:
         """Each stage's addresses for ``--stages``: its replicas joined by ``|``, one per lane."""
         return [LANE_SEPARATOR.join(lane[k].address for lane in self.lanes) for k in range(len(self.stages))]
 
-    def next_hop(self, stage: int) -> str | None:
-        return self.stages[stage + 1].address if stage + 1 < len(self.stages) else None
+    def next_hop(self, stage: int, replica: int = 0) -> str | None:
+        """Where replica ``replica`` of ``stage`` forwards: the same lane's next stage."""
+        self.stage(stage, replica)  # both in range
+        lane = self.lanes[replica]
+        return lane[stage + 1].address if stage + 1 < len(lane) else None
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,7 +126,32 @@ class Topology:
                 )
         return topo
 
-    def stage(self, index: int) -> StageEndpoint:
+    def without_lane(self, address: str) -> Topology:
+        """This topology less the lane holding the stage at ``address`` (``pipeshard fleet drain``)."""
+        lanes = [lane for lane in self.lanes if address not in (s.address for s in lane)]
+        if len(lanes) == len(self.lanes):
+            raise InvalidArgument("stage_addr", f"no lane of the topology has a stage at {address}")
+        if not lanes:
+            raise InvalidArgument("stage_addr", f"{address} is in the only lane left; stop the fleet instead")
+        return replace(self, stages=lanes[0], replicas=lanes[1:])
+
+    def with_lane(self, addresses: list[str]) -> Topology:
+        """This topology plus a lane: one replica of every stage, ``host:port`` in pipeline order."""
+        if len(addresses) != len(self.stages):
+            raise InvalidArgument("stages", f"must list {len(self.stages)} addresses, got {len(addresses)}")
+        lane = []
+        for k, address in enumerate(addresses):
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise InvalidArgument("stages", f"must be host:port, got {address!r}")
+            if any(address in (s.address for s in known) for known in self.lanes):
+                raise InvalidArgument("stages", f"{address} is already in the topology")
+            lane.append(StageEndpoint(host, int(port), int(port) + METRICS_OFFSET, self.stages[k].device))
+        return replace(self, replicas=[*self.replicas, lane])
+
+    def stage(self, index: int, replica: int = 0) -> StageEndpoint:
         if not 0 <= index < len(self.stages):
             raise InvalidArgument("stage", f"must be in [0, {len(self.stages) - 1}], got {index}")
-        return self.stages[index]
+        if not 0 <= replica < len(self.lanes):
+            raise InvalidArgument("replica", f"must be in [0, {len(self.lanes) - 1}], got {replica}")
+        return self.lanes[replica][index]

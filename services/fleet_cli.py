@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from pipeshard.keys import default_key_file
 from pipeshard.paths import DEFAULT_MODEL, certs_dir, export_name, shards_dir
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.gateway.settings import GATEWAY_METRICS_PORT, GATEWAY_PORT
-from pipeshard.services.launcher import stage_name, start_fleet, stop_recorded
+from pipeshard.services.launcher import process_start_time, recorded, stage_name, start_fleet, stop_recorded
 from pipeshard.shard.device import DEFAULT_DEVICE
 from pipeshard.shard.manifest import WEIGHT_FORMATS
 from pipeshard.tls import CA_CERT, make_certs
@@ -60,6 +61,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.set_defaults(func=run_up)
     down = sub.add_parser("down", help="stop the fleet that `pipeshard up` started")
     down.set_defaults(func=run_down)
+    fleet = sub.add_parser(
+        "fleet", help="change the replica lanes of a running fleet (topology file, then SIGHUP)"
+    )
+    lanes = fleet.add_subparsers(dest="fleet_command", required=True)
+    drain = lanes.add_parser(
+        "drain", help="take out the lane holding STAGE_ADDR: no new sessions, closed once its requests end"
+    )
+    drain.add_argument("stage_addr", help="host:port of any stage of the lane")
+    add = lanes.add_parser("add", help="add a lane: one replica of every stage, started beforehand")
+    add.add_argument(
+        "stages", help="host:port of each stage's new replica, in pipeline order, comma-separated"
+    )
+    for command in (drain, add):
+        command.add_argument("--topology", type=Path, default=TOPOLOGY, help="the coordinator's --topology")
+        command.add_argument(
+            "--run-dir",
+            type=Path,
+            default=RUN_DIR,
+            help="where `pipeshard up` recorded the coordinator's pid",
+        )
+    drain.set_defaults(func=run_fleet_drain)
+    add.set_defaults(func=run_fleet_add)
 
 
 def ensure_shards(model: str, stages: int, weights: str) -> Path:
@@ -96,10 +119,14 @@ def run_up(args: argparse.Namespace) -> int:
     )
     topo.save(TOPOLOGY)
     tls_dir, token = secure_setup(args.stages) if args.secure else (None, None)
+    # With replicas the coordinator reads the topology too, so `pipeshard fleet drain|add` and a
+    # SIGHUP change its lanes at run time.
+    lanes_file = ["--topology", str(TOPOLOGY)] if args.replicas > 1 else []
     fleet = start_fleet(
         shards,
         args.stages,
         RUN_DIR,
+        extra_coordinator_args=lanes_file,
         stage_ports=[s.port for s in topo.stages],
         coordinator_port=topo.coordinator.port,
         exporter_port=topo.exporter.port,
@@ -161,3 +188,26 @@ def run_down(args: argparse.Namespace) -> int:
     stopped = stop_recorded(RUN_DIR)
     print(f"stopped {', '.join(stopped)}" if stopped else "no fleet was running")
     return 0
+
+
+def run_fleet_drain(args: argparse.Namespace) -> int:
+    topo = Topology.load(args.topology).without_lane(args.stage_addr)
+    topo.save(args.topology)
+    return _reload_coordinator(args.run_dir, f"the lane holding {args.stage_addr} drains")
+
+
+def run_fleet_add(args: argparse.Namespace) -> int:
+    topo = Topology.load(args.topology).with_lane(args.stages.split(","))
+    topo.save(args.topology)
+    return _reload_coordinator(args.run_dir, f"lane {args.stages} joins once it answers")
+
+
+def _reload_coordinator(run_dir: Path, what: str) -> int:
+    """SIGHUP to the coordinator `pipeshard up` recorded (a recycled pid is left alone)."""
+    for pid, started, name in recorded(run_dir):
+        if name == "coordinator" and process_start_time(pid) == started:
+            os.kill(pid, signal.SIGHUP)
+            print(f"topology written; coordinator {pid} re-reads it: {what} (see its log)")
+            return 0
+    print(f"topology written; no running coordinator recorded in {run_dir}: send it SIGHUP", file=sys.stderr)
+    return 1

@@ -320,6 +320,19 @@ def start_fleet(
     return fleet
 
 
+def recorded(run_dir: Path) -> list[tuple[int, str, str]]:
+    """The (pid, start time, name) of each process ``start_fleet`` recorded in ``run_dir``."""
+    pids_file = run_dir / "pids"
+    if not pids_file.exists():
+        return []
+    rows = []
+    for line in pids_file.read_text().splitlines():
+        if line.strip():
+            pid, started, name = line.split(" ", 2)
+            rows.append((int(pid), started, name))
+    return rows
+
+
 def stop_recorded(run_dir: Path, timeout_s: float = 15.0) -> list[str]:
     """Stop the processes whose pids ``start_fleet`` recorded in ``run_dir``; returns their names.
     A pid whose process is gone, or is another process now (a different start time), is skipped."""
@@ -327,11 +340,8 @@ def stop_recorded(run_dir: Path, timeout_s: float = 15.0) -> list[str]:
     if not pids_file.exists():
         return []
     ours: list[tuple[int, str, str]] = []
-    for line in pids_file.read_text().splitlines():
-        if not line.strip():
-            continue
-        pid, started, name = line.split(" ", 2)
-        if process_start_time(int(pid)) != started:
+    for pid, started, name in recorded(run_dir):
+        if process_start_time(pid) != started:
             print(f"not stopping pid {pid} ({name}): it is no longer the process started", file=sys.stderr)
             continue
         with contextlib.suppress(ProcessLookupError):

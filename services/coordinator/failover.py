@@ -45,7 +45,7 @@ class Failover:
         """Rebuilds ``request``'s session on a healthy lane through ``ring`` (the generation's, with
         its accounting and batching); tries each lane once, then raises the last error."""
         started = time.perf_counter()
-        for _ in range(len(self._lanes.lanes)):
+        for _ in range(len(self._lanes.lanes) + 1):
             if not self.applies(error):
                 raise error
             old, old_lane = request.session_id, self._lanes.lane_of(request.session_id)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,7 +11,7 @@ from pathlib import Path
 import structlog
 
 from pipeshard.auth import Authenticator
-from pipeshard.errors import FailedPrecondition, InvalidArgument
+from pipeshard.errors import FailedPrecondition, InvalidArgument, PipeshardError
 from pipeshard.grpc_server import GrpcServer, run_server
 from pipeshard.metrics import COORDINATOR_QUEUED, COORDINATOR_RUNNING
 from pipeshard.offline import set_offline_defaults
@@ -46,7 +48,9 @@ PREFIX_CACHE_MODES = ("on", "off")
 @dataclass
 class CoordinatorSettings(ServerSettings):
     topology: Path | None = setting(
-        None, "topology file (config/topology.yaml) giving ports, stages and shards"
+        None,
+        "topology file (config/topology.yaml) giving ports, stages and shards; re-read on SIGHUP for "
+        "its replica lanes (removed ones drain, new ones join)",
     )
     stages: list[str] = setting(
         default_factory=list,
@@ -210,6 +214,7 @@ class Coordinator:
     # who callers are: the server's auth interceptor and the servicer share this one
     authenticator: Authenticator
     ring: Ring | LaneRing = field(init=False)
+    _reloads: set[asyncio.Task] = field(init=False, default_factory=set)  # SIGHUP topology reloads
     servicer: CoordinatorServicer = field(init=False)
 
     async def start(self) -> None:
@@ -225,17 +230,10 @@ class Coordinator:
             )
         prompter = Prompter.from_dir(Path(self.settings.shards))
         local = self._local_stage0() if self.settings.host_stage0 else None
-        lanes = [
-            Ring(
-                addresses,
-                step_timeout_s=self.settings.step_timeout_s,
-                local_stage0=local,
-                hop_delay_s=self.settings.hop_delay_ms / 1000.0,
-                tls=self._tls(),
-            )
-            for addresses in stage_lanes(self.settings.stages)
-        ]
-        self.ring = lanes[0] if len(lanes) == 1 else LaneRing(lanes)
+        lanes = [self._lane(addresses, local) for addresses in stage_lanes(self.settings.stages)]
+        # Replicas, or a topology whose lanes SIGHUP may change: a ring per lane behind LaneRing.
+        replicated = len(lanes) > 1 or self.settings.topology is not None
+        self.ring = LaneRing(lanes) if replicated else lanes[0]
         await self.ring.start()
         await self.ring.wait_ready(self.settings.ready_timeout_s)
         infos = await self.ring.stage_infos()
@@ -287,6 +285,46 @@ class Coordinator:
             prefix_cache_scope=self.settings.prefix_cache_scope,
             system_fingerprint=promise.system_fingerprint,
         )
+
+    def _lane(self, addresses: list[str], local: tuple[LocalEntry, LocalStageStub] | None = None) -> Ring:
+        return Ring(
+            addresses,
+            step_timeout_s=self.settings.step_timeout_s,
+            local_stage0=local,
+            hop_delay_s=self.settings.hop_delay_ms / 1000.0,
+            tls=self._tls(),
+        )
+
+    def watch_topology(self) -> None:
+        """SIGHUP re-reads --topology: lanes it no longer lists drain (no new sessions; closed
+        once their running ones end), lanes it newly lists join once they answer and agree."""
+        if not isinstance(self.ring, LaneRing):
+            return
+        loop = asyncio.get_running_loop()
+
+        def reload() -> None:
+            task = loop.create_task(self.reload())
+            self._reloads.add(task)
+            task.add_done_callback(self._reloads.discard)
+
+        loop.add_signal_handler(signal.SIGHUP, reload)
+
+    async def reload(self) -> None:
+        try:
+            wanted = stage_lanes(Topology.load(self.settings.topology).stage_addresses())
+        except PipeshardError as exc:
+            log.error("topology_reload_failed", error=str(exc))
+            return
+        current = {tuple(lane.addresses): lane for lane in self.ring.lanes if lane not in self.ring.draining}
+        for addresses, lane in current.items():
+            if list(addresses) not in wanted:
+                self.ring.drain_lane(lane)
+        for addresses in wanted:
+            if tuple(addresses) not in current:
+                try:
+                    await self.ring.add_lane(self._lane(addresses), self.settings.ready_timeout_s)
+                except PipeshardError as exc:
+                    log.error("lane_refused", stages=addresses, error=str(exc))
 
     def _scheduler(self, infos: list[stage_pb2.GetStageInfoResponse]) -> Scheduler:
         """The scheduler over the stages' budgets for this coordinator: their KV pools (paged) and
@@ -379,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def services():
         await coordinator.start()
+        coordinator.watch_topology()
         return [(coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server, coordinator.servicer)]
 
     return run_server(

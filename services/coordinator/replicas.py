@@ -7,7 +7,9 @@ stands (``Generation``, ``PlanRing`` and the scheduler see one ring): it opens e
 on the least loaded healthy lane and sends every later call of that session to that lane. A
 lane with any stage down (dead, failing its health Watch, draining) takes no new sessions until
 its watch sees every stage serve again, so a restarted replica rejoins without a coordinator
-restart. Running sessions of a failed lane are moved by ``failover.Failover``.
+restart. Running sessions of a failed lane are moved by ``failover.Failover``. Lanes may be
+added and drained at run time (the coordinator re-reads its topology on SIGHUP): a draining lane
+takes no new sessions and closes once its running ones have ended.
 
 The limit of lanes (docs/ARCHITECTURE.md): one dead replica takes its whole lane out, so a
 fleet of R replicas of each stage survives R - 1 failures only when they fall in the same lane.
@@ -52,11 +54,17 @@ class LaneRing:
     def __init__(self, lanes: list[Ring]):
         if not lanes:
             raise ValueError("a lane ring needs at least one lane")
-        self.lanes = lanes
-        self._lane_of: dict[str, int] = {}  # session id -> its lane
+        self.lanes: list[Ring] = []
+        self._lane_of: dict[str, Ring] = {}  # session id -> its lane
+        self.draining: set[Ring] = set()  # out of rotation, closed once their sessions end
+        self._background: set[asyncio.Task] = set()
         self.on_health: Callable[[bool], None] = lambda serving: None  # the coordinator's health
         for lane in lanes:
-            lane.on_health = lambda _serving: self.on_health(self.healthy)
+            self._join(lane)
+
+    def _join(self, lane: Ring) -> None:
+        lane.on_health = lambda _serving: self.on_health(self.healthy)
+        self.lanes.append(lane)
 
     @property
     def num_stages(self) -> int:
@@ -68,18 +76,21 @@ class LaneRing:
 
     @property
     def healthy(self) -> bool:
-        """True while some lane has every stage reachable."""
-        return any(lane.healthy for lane in self.lanes)
+        """True while some lane in rotation has every stage reachable."""
+        return bool(self.live_lanes())
 
-    def live_lanes(self) -> list[int]:
-        """The lanes with every stage reachable, least loaded first."""
-        load = [0] * len(self.lanes)
+    def live_lanes(self) -> list[Ring]:
+        """The lanes in rotation with every stage reachable, least loaded first."""
+        load = {id(lane): 0 for lane in self.lanes}
         for lane in self._lane_of.values():
-            load[lane] += 1
-        return sorted((i for i, lane in enumerate(self.lanes) if lane.healthy), key=lambda i: (load[i], i))
+            load[id(lane)] += 1
+        live = [lane for lane in self.lanes if lane.healthy and lane not in self.draining]
+        return sorted(live, key=lambda lane: (load[id(lane)], self.lanes.index(lane)))
 
     def lane_of(self, session_id: str) -> int:
-        return self._lane_of.get(session_id, 0)
+        """The index of the session's lane (for logs); -1 when it has none."""
+        lane = self._lane_of.get(session_id)
+        return self.lanes.index(lane) if lane in self.lanes else -1
 
     def down_reason(self) -> str:
         """Why no lane serves: the first down stage of each lane, named with its address."""
@@ -100,21 +111,62 @@ class LaneRing:
         check_replicas_agree(list(lanes), [lane.addresses for lane in self.lanes])
         return lanes[0]
 
+    async def add_lane(self, lane: Ring, timeout_s: float) -> None:
+        """Starts a new lane and puts it in rotation once it answers and its replicas agree with a
+        serving lane's; a lane that does not is closed and the error raised."""
+        try:
+            await lane.start()
+            await lane.wait_ready(timeout_s)
+            reference = (self.live_lanes() or self.lanes)[0]
+            infos = await asyncio.gather(reference.stage_infos(), lane.stage_infos())
+            check_replicas_agree(list(infos), [reference.addresses, lane.addresses])
+        except BaseException:
+            await lane.close()
+            raise
+        self._join(lane)
+        log.info("lane_added", lane=len(self.lanes) - 1, stages=lane.addresses)
+        self.on_health(self.healthy)
+
+    def drain_lane(self, lane: Ring) -> None:
+        """Takes ``lane`` out of rotation now and closes it once its running sessions have ended."""
+        if lane in self.draining:
+            return
+        self.draining.add(lane)
+        log.info("lane_draining", stages=lane.addresses, sessions=self._sessions_on(lane))
+        task = asyncio.ensure_future(self._close_when_idle(lane))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        self.on_health(self.healthy)
+
+    def _sessions_on(self, lane: Ring) -> int:
+        return sum(1 for held in self._lane_of.values() if held is lane)
+
+    async def _close_when_idle(self, lane: Ring) -> None:
+        while self._sessions_on(lane):
+            await asyncio.sleep(0.2)
+        self.lanes.remove(lane)
+        self.draining.discard(lane)
+        await lane.close()
+        log.info("lane_drained", stages=lane.addresses)
+
     def stop_steps(self, reason: str) -> None:
         for lane in self.lanes:
             lane.stop_steps(reason)
 
     async def close(self) -> None:
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         for lane in self.lanes:
             await lane.close()
 
     async def open_session(self, session_id: str, capacity: int | None = None) -> int:
         """Opens on the least loaded healthy lane; a lane that fails the open is skipped for the next."""
         error: Unavailable | None = None
-        for index in self.live_lanes():
-            self._lane_of[session_id] = index
+        for lane in self.live_lanes():
+            self._lane_of[session_id] = lane
             try:
-                max_context = await self.lanes[index].open_session(session_id, capacity)
+                max_context = await lane.open_session(session_id, capacity)
             except Unavailable as exc:
                 self._lane_of.pop(session_id, None)
                 error = exc
@@ -122,7 +174,6 @@ class LaneRing:
             except BaseException:
                 self._lane_of.pop(session_id, None)
                 raise
-            log.debug("session_lane", session_id=session_id, lane=index)
             return max_context
         raise error or Unavailable(self.down_reason())
 
@@ -131,12 +182,12 @@ class LaneRing:
 
     async def step_plan(self, frames: list[activation_pb2.ActivationFrame]) -> list:
         """Each lane's frames as its own plan frame, sent at once; answers in the given order."""
-        groups: dict[int, list[int]] = {}
+        groups: dict[Ring, list[int]] = {}
         for i, frame in enumerate(frames):
-            groups.setdefault(self.lane_of(frame.session_id), []).append(i)
+            groups.setdefault(self._lane(frame.session_id), []).append(i)
         answers: list = [None] * len(frames)
         results = await asyncio.gather(
-            *(self.lanes[lane].step_plan([frames[i] for i in rows]) for lane, rows in groups.items()),
+            *(lane.step_plan([frames[i] for i in rows]) for lane, rows in groups.items()),
             return_exceptions=True,  # a failed lane fails its own rows only
         )
         for rows, lane_answers in zip(groups.values(), results, strict=True):
@@ -153,13 +204,17 @@ class LaneRing:
 
     async def release_session(self, session_id: str) -> None:
         lane = self._lane(session_id)
-        self._lane_of.pop(session_id, None)
-        await lane.release_session(session_id)
+        try:
+            await lane.release_session(session_id)
+        finally:
+            self._lane_of.pop(session_id, None)
 
     async def abort_session(self, session_id: str, reason: str) -> None:
         lane = self._lane(session_id)
-        self._lane_of.pop(session_id, None)
-        await lane.abort_session(session_id, reason)
+        try:
+            await lane.abort_session(session_id, reason)
+        finally:
+            self._lane_of.pop(session_id, None)
 
     async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> set[str]:
         return await self._lane(session_id).keep_kv(session_id, scope, token_ids)
@@ -170,4 +225,4 @@ class LaneRing:
         return await self._lane(session_id).restore_kv(session_id, scope, token_ids, positions, timeout_s)
 
     def _lane(self, session_id: str) -> Ring:
-        return self.lanes[self.lane_of(session_id)]
+        return self._lane_of.get(session_id) or self.lanes[0]

@@ -26,8 +26,29 @@ def test_loopback_topology_places_replica_r_twenty_ports_up_and_round_trips(tmp_
     assert [[s.port for s in lane] for lane in topo.lanes] == [[50061, 50062], [50081, 50082]]
     assert [s.metrics_port for s in topo.replicas[0]] == [9181, 9182]
     assert topo.stage_addresses() == ["127.0.0.1:50061|127.0.0.1:50081", "127.0.0.1:50062|127.0.0.1:50082"]
+    assert (topo.next_hop(0, 1), topo.next_hop(1, 1)) == ("127.0.0.1:50082", None)
+    assert topo.stage(1, 1).port == 50082
+    with pytest.raises(InvalidArgument, match="replica"):
+        topo.stage(0, 2)
     topo.save(tmp_path / "t.yaml")
     assert Topology.load(tmp_path / "t.yaml") == topo
+
+
+def test_fleet_drain_and_add_edit_the_topology_lanes():
+    topo = Topology.loopback("shards", 2, replicas=2)
+    drained = topo.without_lane("127.0.0.1:50082")
+    assert drained.stage_addresses() == ["127.0.0.1:50061", "127.0.0.1:50062"]
+    with pytest.raises(InvalidArgument, match="only lane"):
+        drained.without_lane("127.0.0.1:50061")
+    with pytest.raises(InvalidArgument, match="no lane"):
+        drained.without_lane("127.0.0.1:1")
+    added = drained.with_lane(["127.0.0.1:50101", "127.0.0.1:50102"])
+    assert added.stage_addresses() == ["127.0.0.1:50061|127.0.0.1:50101", "127.0.0.1:50062|127.0.0.1:50102"]
+    assert added.replicas[0][1].metrics_port == 9202
+    with pytest.raises(InvalidArgument, match="already"):
+        added.with_lane(["127.0.0.1:50101", "127.0.0.1:50103"])
+    with pytest.raises(InvalidArgument, match="must list 2"):
+        added.with_lane(["127.0.0.1:50103"])
 
 
 def _info(**fields) -> stage_pb2.GetStageInfoResponse:
@@ -60,6 +81,11 @@ class _Lane:
         self.rows: list[str] = []
         self.on_health = lambda serving: None
         self.fail_plans = False
+        self.addresses = ["x:1", "x:2"]
+        self.closed = False
+
+    async def close(self):
+        self.closed = True
 
     @property
     def healthy(self) -> bool:
@@ -100,5 +126,26 @@ def test_sessions_spread_over_healthy_lanes_and_a_failed_lane_fails_only_its_row
         await ring.release_session("s1")
         await ring.open_session("s6")
         assert a.opened[-1] == "s6"
+
+    asyncio.run(run())
+
+
+def test_a_draining_lane_takes_no_new_sessions_and_closes_once_its_sessions_end():
+    async def run():
+        a, b = _Lane(), _Lane()
+        ring = LaneRing([a, b])
+        await ring.open_session("s1")
+        ring.drain_lane(a)
+        await ring.open_session("s2")
+        await ring.open_session("s3")
+        assert (a.opened, b.opened) == (["s1"], ["s2", "s3"])
+        await asyncio.sleep(0.5)
+        assert not a.closed and a in ring.lanes  # s1 still runs there
+        await ring.release_session("s1")
+        for _ in range(50):
+            if a.closed:
+                break
+            await asyncio.sleep(0.1)
+        assert a.closed and ring.lanes == [b]
 
     asyncio.run(run())
