@@ -11,8 +11,10 @@ request's undisturbed run on the same fleet (``mismatches``, exact mode), and an
 ended in an error counts in ``failed_requests``. Each point also gives the undisturbed run's
 median TTFT: a replay costs about one prefill of the context so far.
 
-Only the replay path exists (prompt and tokens so far prefilled again on the new lane), so the
-``_replay`` key equals the default one and ``recovery_ms_p95_1024_restore`` is null.
+A failover restores the prompt's longest prefix a lane kept in its prefix cache (the
+undisturbed round and earlier rounds keep every finished request's sequence on its lane) and
+replays the rest; the coordinator logs how many positions it restored. Streams that restored
+some are the ``restore`` samples, the others (nothing kept on the surviving lane) ``replay``.
 """
 
 from __future__ import annotations
@@ -88,13 +90,14 @@ def _live_sessions(address: str) -> int:
         return stub.GetStageInfo(stage_pb2.GetStageInfoRequest(), timeout=5).live_sessions
 
 
-def _failed_over(fleet: Fleet) -> set[str]:
-    """Request ids the coordinator logged a failover for."""
-    ids = set()
+def _failed_over(fleet: Fleet) -> dict[str, int]:
+    """Request id -> prompt positions restored from the prefix cache, for each failover logged."""
+    restored = {}
     for line in fleet.process("coordinator").log.read_text().splitlines():
         if '"session_failed_over"' in line:
-            ids.add(json.loads(line).get("request_id", ""))
-    return ids
+            event = json.loads(line)
+            restored[event.get("request_id", "")] = event.get("restored_tokens", 0)
+    return restored
 
 
 async def _round(fleet: Fleet, shards: Path, prompts: list[str], kill: bool) -> dict:
@@ -120,13 +123,13 @@ async def _round(fleet: Fleet, shards: Path, prompts: list[str], kill: bool) -> 
     recovery = []
     if kill:
         victim.popen.wait()
-        affected = _failed_over(fleet).intersection(ids)
+        affected = _failed_over(fleet)
         for i in range(n):
             if ids[i] in affected:
                 after = [killed_at, *(t for t in out_at[i] if t > killed_at)]
                 if len(after) > 1:  # the token ending the longest stall after the kill
                     resumed = max(range(1, len(after)), key=lambda j: after[j] - after[j - 1])
-                    recovery.append((after[resumed] - killed_at) * 1000)
+                    recovery.append(((after[resumed] - killed_at) * 1000, affected[ids[i]] > 0))
         port = PORT_BASE + 1 + 20 * victim_lane
         args = stage_args(1, shards, port, "exact", "json", None)
         fleet.processes[fleet.processes.index(victim)] = spawn(
@@ -162,25 +165,27 @@ def main() -> int:
                 prompts = [_prompt(tokenizer, u, context) for u in range(users)]
                 reference = loop.run_until_complete(_round(fleet, shards, prompts, kill=False))
                 failed += reference["errors"]
-                recovery: list[float] = []
+                recovery: list[tuple[float, bool]] = []  # (ms, restored from the prefix cache)
                 for _ in range(ROUNDS):
                     disturbed = loop.run_until_complete(_round(fleet, shards, prompts, kill=True))
                     failed += disturbed["errors"]
                     pairs = zip(disturbed["tokens"], reference["tokens"], strict=True)
                     mismatches += sum(a != b for a, b in pairs)
                     recovery += disturbed["recovery_ms"]
-                points[f"{users}users_{context}"] = _percentiles(recovery) | {
-                    "undisturbed_ttft_ms_p50": _percentiles(reference["ttft_ms"])["p50"]
+                points[f"{users}users_{context}"] = _percentiles([ms for ms, _ in recovery]) | {
+                    "restore": _percentiles([ms for ms, restored in recovery if restored]),
+                    "replay": _percentiles([ms for ms, restored in recovery if not restored]),
+                    "undisturbed_ttft_ms_p50": _percentiles(reference["ttft_ms"])["p50"],
                 }
                 print(f"{users} users at {context}: {points[f'{users}users_{context}']}", flush=True)
     finally:
         loop.close()
         fleet.stop()
     result["recovery_ms"] = points
-    p95 = points["8users_1024"]["p95"]
-    result["recovery_ms_p95_1024"] = p95
-    result["recovery_ms_p95_1024_replay"] = p95
-    result["recovery_ms_p95_1024_restore"] = None  # no KV restore path yet
+    point = points["8users_1024"]
+    result["recovery_ms_p95_1024"] = point["p95"]
+    result["recovery_ms_p95_1024_replay"] = point["replay"]["p95"]
+    result["recovery_ms_p95_1024_restore"] = point["restore"]["p95"]
     result["failed_requests"] = failed
     result["mismatches"] = mismatches
     write_result("failover", result, command=command_with_knobs("bench-failover", KNOBS))

@@ -3,8 +3,9 @@
 When a step fails with UNAVAILABLE (a stage of the session's lane died, stopped answering or
 drains) and another lane serves, the generation is not ended: its session is aborted on the old
 lane, a new one opens through the ring (so the scheduler's KV mirror moves the request's
-reservation to it) on the least loaded healthy lane, and the new session is prefilled with the
-prompt and every token generated so far but the last, which the next step sends as usual. The
+reservation to it) on the least loaded healthy lane, the longest prefix of the prompt a serving
+lane kept in its prefix cache is restored (on that lane), and the rest of the prompt and every
+token generated so far but the last are prefilled (replayed); the next step sends the last. The
 client's stream goes on: the lost step is sent again, so no token repeats or goes missing, and in
 exact mode (a row's tokens independent of prompt chunking) the output equals an undisturbed run.
 A ring shutting down (:class:`ShuttingDown`) or no lane left ends the request as before.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import structlog
@@ -40,10 +42,17 @@ class Failover:
         return not isinstance(error, ShuttingDown) and bool(self._lanes.live_lanes())
 
     async def resume(
-        self, ring: RingLike, request: _Request, error: Unavailable, capacity: int, prefill_chunk: int
+        self,
+        ring: RingLike,
+        request: _Request,
+        error: Unavailable,
+        capacity: int,
+        prefill_chunk: int,
+        warm: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Rebuilds ``request``'s session on a healthy lane through ``ring`` (the generation's, with
-        its accounting and batching); tries each lane once, then raises the last error."""
+        its accounting and batching); tries each lane once, then raises the last error. ``warm``
+        restores what it can of the prompt from the prefix cache first (the lane that kept it)."""
         started = time.perf_counter()
         for _ in range(len(self._lanes.lanes) + 1):
             if not self.applies(error):
@@ -53,7 +62,10 @@ class Failover:
             replay = request.move_to(uuid.uuid4().hex)
             try:
                 await ring.open_session(request.session_id, capacity)
-                for frame in request.replay_frames(replay, prefill_chunk):
+                if warm is not None:
+                    await warm()
+                restored = request.cursor.logical
+                for frame in request.replay_frames(replay[restored:], prefill_chunk):
                     await ring.step(frame)
             except Unavailable as exc:
                 error = exc
@@ -65,7 +77,8 @@ class Failover:
                 session_id=request.session_id,
                 from_lane=old_lane,
                 to_lane=self._lanes.lane_of(request.session_id),
-                replayed_tokens=len(replay),
+                restored_tokens=min(restored, len(replay)),
+                replayed_tokens=max(0, len(replay) - restored),
                 seconds=round(time.perf_counter() - started, 3),
                 reason=str(error),
             )

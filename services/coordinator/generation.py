@@ -482,7 +482,8 @@ class Generation:
                     if self._failover is None or not self._failover.applies(exc):
                         raise
                     capacity = self.capacity(request.prompt_ids, request.params)
-                    await self._failover.resume(self._ring, request, exc, capacity, self._prefill_chunk)
+                    warm = (lambda: self._warm(request, scope)) if cache else None
+                    await self._failover.resume(self._ring, request, exc, capacity, self._prefill_chunk, warm)
             await request.settle_ahead()
             if cache:
                 await self._keep(request, scope)

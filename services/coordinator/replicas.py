@@ -9,7 +9,9 @@ lane with any stage down (dead, failing its health Watch, draining) takes no new
 its watch sees every stage serve again, so a restarted replica rejoins without a coordinator
 restart. Running sessions of a failed lane are moved by ``failover.Failover``. Lanes may be
 added and drained at run time (the coordinator re-reads its topology on SIGHUP): a draining lane
-takes no new sessions and closes once its running ones have ended.
+takes no new sessions and closes once its running ones have ended. Prefix caching stays per lane
+(each lane's stages keep their own KV): a restore goes to the lane that kept the prefix, unless
+that lane already runs PREFIX_SKEW sessions more than the one chosen by load.
 
 The limit of lanes (docs/ARCHITECTURE.md): one dead replica takes its whole lane out, so a
 fleet of R replicas of each stage survives R - 1 failures only when they fall in the same lane.
@@ -18,18 +20,23 @@ fleet of R replicas of each stage survives R - 1 failures only when they fall in
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Callable
 
 import structlog
 
 from pipeshard.errors import FailedPrecondition, PipeshardError, Unavailable
 from pipeshard.services.coordinator.ring import Ring
+from pipeshard.shard.prefix_chain import block_chain
 from pipeshard.v1 import activation_pb2, stage_pb2
 
 log = structlog.get_logger(__name__)
 
 # What replicas of one layer range must agree on: a session moved between them must see the same
 # model, the same numerics and the same cache layout.
+# How many more sessions than the session's own lane the lane holding its prefix may run and
+# still take it: prefix hits without piling every chat onto one lane.
+PREFIX_SKEW = 4
 _AGREEMENT = ("model_fingerprint", "precision", "kv_backend", "kv_block_tokens", "layer_start", "layer_end")
 
 
@@ -48,6 +55,28 @@ def check_replicas_agree(
                     )
 
 
+class KeptBlocks:
+    """Which lane's stages keep each prefix block (chain key -> lane), least recently used first
+    out beyond ``max_blocks``; a block a lane reports dropped is forgotten for that lane."""
+
+    def __init__(self, max_blocks: int = 65536):
+        self.max_blocks = max_blocks
+        self._lanes: OrderedDict[str, Ring] = OrderedDict()
+
+    def add(self, lane: Ring, keys: list[str], dropped: set[str]) -> None:
+        for key in keys:
+            self._lanes[key] = lane
+            self._lanes.move_to_end(key)
+        for key in dropped:
+            if self._lanes.get(key) is lane:
+                del self._lanes[key]
+        while len(self._lanes) > self.max_blocks:
+            self._lanes.popitem(last=False)
+
+    def holder(self, key: str) -> Ring | None:
+        return self._lanes.get(key)
+
+
 class LaneRing:
     """Several lanes behind one ring's interface; sessions spread over the healthy ones."""
 
@@ -56,6 +85,8 @@ class LaneRing:
             raise ValueError("a lane ring needs at least one lane")
         self.lanes: list[Ring] = []
         self._lane_of: dict[str, Ring] = {}  # session id -> its lane
+        self._capacity: dict[str, int | None] = {}  # session id -> the capacity it opened with
+        self._kept = KeptBlocks()
         self.draining: set[Ring] = set()  # out of rotation, closed once their sessions end
         self._background: set[asyncio.Task] = set()
         self.on_health: Callable[[bool], None] = lambda serving: None  # the coordinator's health
@@ -163,6 +194,7 @@ class LaneRing:
     async def open_session(self, session_id: str, capacity: int | None = None) -> int:
         """Opens on the least loaded healthy lane; a lane that fails the open is skipped for the next."""
         error: Unavailable | None = None
+        self._capacity[session_id] = capacity
         for lane in self.live_lanes():
             self._lane_of[session_id] = lane
             try:
@@ -173,8 +205,10 @@ class LaneRing:
                 continue
             except BaseException:
                 self._lane_of.pop(session_id, None)
+                self._capacity.pop(session_id, None)
                 raise
             return max_context
+        self._capacity.pop(session_id, None)
         raise error or Unavailable(self.down_reason())
 
     async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
@@ -208,6 +242,7 @@ class LaneRing:
             await lane.release_session(session_id)
         finally:
             self._lane_of.pop(session_id, None)
+            self._capacity.pop(session_id, None)
 
     async def abort_session(self, session_id: str, reason: str) -> None:
         lane = self._lane(session_id)
@@ -215,14 +250,46 @@ class LaneRing:
             await lane.abort_session(session_id, reason)
         finally:
             self._lane_of.pop(session_id, None)
+            self._capacity.pop(session_id, None)
 
     async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> set[str]:
-        return await self._lane(session_id).keep_kv(session_id, scope, token_ids)
+        """Keeps on the session's lane and remembers that lane holds those blocks."""
+        lane = self._lane(session_id)
+        dropped = await lane.keep_kv(session_id, scope, token_ids)
+        self._kept.add(lane, [block.key for block in block_chain(scope, token_ids)], dropped)
+        return dropped
 
     async def restore_kv(
         self, session_id: str, scope: str, token_ids: list[int], positions: int, timeout_s: float
     ) -> set[str]:
-        return await self._lane(session_id).restore_kv(session_id, scope, token_ids, positions, timeout_s)
+        """Restores on the lane that kept the prefix: a session just opened elsewhere (empty) is
+        moved there first when that lane serves, so a replicated fleet keeps its prefix hits."""
+        chain = block_chain(scope, token_ids)
+        holder = self._kept.holder(chain[-1].key) if chain else None
+        if holder is not None and holder is not self._lane(session_id) and self._may_move(session_id, holder):
+            await self._move_empty(session_id, holder)
+        lane = self._lane(session_id)
+        dropped = await lane.restore_kv(session_id, scope, token_ids, positions, timeout_s)
+        self._kept.add(lane, [], dropped)
+        return dropped
+
+    def _may_move(self, session_id: str, holder: Ring) -> bool:
+        """Prefix affinity within bounds: the holder serves and runs fewer than PREFIX_SKEW
+        sessions more than the session's own lane (with the session counted there)."""
+        if holder not in self.live_lanes():
+            return False
+        own = self._lane(session_id)
+        return self._sessions_on(holder) < self._sessions_on(own) + PREFIX_SKEW
+
+    async def _move_empty(self, session_id: str, lane: Ring) -> None:
+        """Reopens a session that holds nothing yet on ``lane`` (same id and capacity)."""
+        await self._lane(session_id).abort_session(session_id, "moved to the lane holding its prefix")
+        self._lane_of[session_id] = lane
+        try:
+            await lane.open_session(session_id, self._capacity.get(session_id))
+        except BaseException:
+            self._lane_of.pop(session_id, None)
+            raise
 
     def _lane(self, session_id: str) -> Ring:
         return self._lane_of.get(session_id) or self.lanes[0]

@@ -84,8 +84,21 @@ class _Lane:
         self.addresses = ["x:1", "x:2"]
         self.closed = False
 
+        self.aborted: list[str] = []
+        self.restored: list[str] = []
+
     async def close(self):
         self.closed = True
+
+    async def abort_session(self, session_id, reason):
+        self.aborted.append(session_id)
+
+    async def keep_kv(self, session_id, scope, token_ids):
+        return set()
+
+    async def restore_kv(self, session_id, scope, token_ids, positions, timeout_s):
+        self.restored.append(session_id)
+        return set()
 
     @property
     def healthy(self) -> bool:
@@ -147,5 +160,26 @@ def test_a_draining_lane_takes_no_new_sessions_and_closes_once_its_sessions_end(
                 break
             await asyncio.sleep(0.1)
         assert a.closed and ring.lanes == [b]
+
+    asyncio.run(run())
+
+
+def test_a_restore_moves_an_empty_session_to_the_lane_that_kept_the_prefix_while_it_serves():
+    async def run():
+        a, b = _Lane(), _Lane()
+        ring = LaneRing([a, b])
+        prefix = list(range(64))
+        await ring.open_session("kept")  # a
+        await ring.keep_kv("kept", "me", prefix)
+        await ring.open_session("busy")  # b
+        await ring.open_session("new", 200)  # a: one each, the first lane wins the tie
+        await ring.release_session("busy")
+        await ring.open_session("s")  # b, the least loaded
+        await ring.restore_kv("s", "me", prefix, 64, 1.0)
+        assert (b.aborted, a.opened[-1], a.restored) == (["s"], "s", ["s"])
+        await ring.open_session("t")  # b
+        a.watch.down[0] = "connection lost"  # the holder is out: restored where the session is
+        await ring.restore_kv("t", "me", prefix, 64, 1.0)
+        assert b.restored == ["t"] and "t" not in a.opened
 
     asyncio.run(run())
