@@ -36,7 +36,7 @@ log = structlog.get_logger(__name__)
 # model, the same numerics and the same cache layout.
 # How many more sessions than the session's own lane the lane holding its prefix may run and
 # still take it: prefix hits without piling every chat onto one lane.
-PREFIX_SKEW = 4
+PREFIX_SKEW = 2
 _AGREEMENT = ("model_fingerprint", "precision", "kv_backend", "kv_block_tokens", "layer_start", "layer_end")
 
 
