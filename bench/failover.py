@@ -3,10 +3,11 @@
 One 2-stage INT4 fleet with two lanes (replicas) at the default (exact) precision. Per point (1
 and 8 users, about 128 and 1,024 prompt tokens) and round: every user streams a greedy request
 (eos ignored) with its own request id; once each has a few tokens out, the replica of the final
-stage holding the most sessions is killed with SIGKILL, then restarted on its port and given time
-to rejoin. A stream is affected when the coordinator logged its request's failover; its recovery
-is the time from the kill to the token that ends its longest stall after the kill (a token
-already on its way when the kill landed can arrive first). Every stream's tokens are compared with the same
+stage holding the most sessions is killed with SIGKILL, then restarted on its port; the next
+round starts once the coordinator has seen it serve again. A stream is affected when the
+coordinator logged its request's failover; its recovery is the time from the kill to the token
+that ends its longest stall after the kill (a token already on its way when the kill landed can
+arrive first). Every stream's tokens are compared with the same
 request's undisturbed run on the same fleet (``mismatches``, exact mode), and any stream that
 ended in an error counts in ``failed_requests``. Each point also gives the undisturbed run's
 median TTFT: a replay costs about one prefill of the context so far.
@@ -90,6 +91,22 @@ def _percentiles(values: list[float]) -> dict:
     return {"p50": rank(0.50), "p95": rank(0.95), "samples": len(values)}
 
 
+async def _rejoined(fleet: Fleet, address: str, timeout_s: float = 120) -> None:
+    """Waits until the coordinator's watch has seen ``address`` serve again since its last
+    loss (the lane is back in rotation), so the next round spreads over both lanes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = None
+        for line in fleet.process("coordinator").log.read_text().splitlines():
+            if '"stage_reachability"' in line and address in line:
+                state = json.loads(line)["up"]
+        if state:
+            await asyncio.sleep(0.5)  # the lane's entry stream re-dials too
+            return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{address} did not rejoin within {timeout_s:g} s")
+
+
 def _live_sessions(address: str) -> int:
     import grpc
 
@@ -143,7 +160,7 @@ async def _round(fleet: Fleet, shards: Path, prompts: list[str], kill: bool) -> 
         fleet.processes[fleet.processes.index(victim)] = spawn(
             victim.name, args, fleet.run_dir, dict(os.environ), 180
         )
-        await asyncio.sleep(3)  # its lane's health watch and hop stream find it again
+        await _rejoined(fleet, f"127.0.0.1:{port}")
     ttft = [(t[1] - t[0]) * 1000 for t in out_at if len(t) > 1]
     return {"tokens": tokens, "errors": errors, "recovery_ms": recovery, "ttft_ms": ttft}
 
