@@ -283,8 +283,9 @@ class LaneRing:
 
     async def _move_empty(self, session_id: str, lane: Ring) -> None:
         """Reopens a session that holds nothing yet on ``lane`` (same id and capacity)."""
-        await self._lane(session_id).abort_session(session_id, "moved to the lane holding its prefix")
-        self._lane_of[session_id] = lane
+        old = self._lane(session_id)
+        self._lane_of[session_id] = lane  # counted there at once: concurrent moves see the skew
+        await old.abort_session(session_id, "moved to the lane holding its prefix")
         try:
             await lane.open_session(session_id, self._capacity.get(session_id))
         except BaseException:
