@@ -25,7 +25,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: batch bench-commits bench-compile-cache bench-compress bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-spec bench-wan clean demo distil down export lint model proto run-stage serve-openai setup soak test test-exactness test-extended test-fast test-invariance up wan-down wan-up
+.PHONY: batch bench-commits bench-compile-cache bench-compress bench-failover bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-spec bench-wan clean demo distil down export lint model proto run-stage serve-openai setup soak test test-exactness test-extended test-fast test-invariance up wan-down wan-up
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -58,9 +58,9 @@ model: proto
 export: model
 	$(VENV)/bin/pipeshard export --model $(MODEL) --stages $(STAGES) --weights $(WEIGHTS)
 
-## up: start a loopback fleet (exporter, STAGES stage processes, coordinator, OpenAI gateway on 8080); prints `coordinator listening on HOST:PORT` and `openai gateway listening on HOST:PORT`; SECURE=1: mutual TLS + client token (docs/SECURITY.md)
+## up: start a loopback fleet (exporter, STAGES stage processes (REPLICAS of each, default 1), coordinator, OpenAI gateway on 8080); prints `coordinator listening on HOST:PORT` and `openai gateway listening on HOST:PORT`; SECURE=1: mutual TLS + client token (docs/SECURITY.md)
 up: model
-	$(VENV)/bin/pipeshard up --stages $(STAGES) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(DEVICE),--device $(DEVICE)) $(if $(filter 1 yes true,$(SECURE)),--secure)
+	$(VENV)/bin/pipeshard up --stages $(STAGES) $(if $(REPLICAS),--replicas $(REPLICAS)) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(DEVICE),--device $(DEVICE)) $(if $(filter 1 yes true,$(SECURE)),--secure)
 
 ## down: stop exactly the processes `make up` started
 down:
@@ -74,9 +74,9 @@ wan-up: model
 wan-down:
 	$(VENV)/bin/pipeshard wan down
 
-## run-stage: run stage STAGE in the foreground from config/topology.yaml
+## run-stage: run stage STAGE (replica REPLICA, default 0) in the foreground from config/topology.yaml
 run-stage: proto
-	$(VENV)/bin/pipeshard stage --topology config/topology.yaml --stage $(STAGE) --log-format console
+	$(VENV)/bin/pipeshard stage --topology config/topology.yaml --stage $(STAGE) $(if $(REPLICA),--replica $(REPLICA)) --log-format console
 
 ## demo: set up, fetch the model, export, start the fleet, stream one answer, stop
 demo: model
@@ -137,6 +137,10 @@ bench-compress: model
 ## bench-wan: greedy and sampled decoding over the WAN emulator (tbf 500/100/20 Mbit/s x 0/25 ms per hop), session codecs none / lane blocks / auto interleaved in one fleet per point; final-stage sampling vs shipped logits at 20 Mbit/s (root; WAN_POINTS=20:25 for a reduced run; bench/results/wan.json); BENCH_PART=batch: offline batch jobs on 3 stages at 20 and 100 Mbit/s x 25 ms, compression off/on x micro-batches off/2/3/auto (BATCH_REQUESTS, BATCH_TOKENS, BENCH_RUNS; bench/results/wan_batch.json)
 bench-wan: model
 	$(PY) -m bench.wan
+
+## bench-failover: recovery of running requests when a replica is killed (2 stages x 2 lanes, exact): kill-to-next-token p50/p95 at 1/8 users and 128/1,024 tokens, failed requests, mismatches against the undisturbed run (BENCH_RUNS rounds, default 3; bench/results/failover.json)
+bench-failover: model
+	$(PY) -m bench.failover
 
 ## bench-gateway: tok/s and TTFT through the OpenAI gateway vs the gRPC client, 1 and 8 users (bench/results/gateway.json)
 bench-gateway: model

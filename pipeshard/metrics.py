@@ -166,6 +166,10 @@ PREFIX_STAGE_MISSES = counter(
     "Prefix index hits a stage could not restore (it no longer held a block): each costs an "
     "aborted session and a cold prefill; 0 while the stages' eviction reports keep the index exact.",
 )
+FAILOVERS = counter(
+    "pipeshard_coordinator_failovers_total",
+    "Running sessions moved to another replica lane after theirs failed (services/coordinator/failover.py).",
+)
 GENERATED_TOKENS = counter(
     "pipeshard_generated_tokens_total", "Tokens generated and streamed to clients by the coordinator."
 )

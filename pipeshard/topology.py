@@ -3,11 +3,15 @@
 ``make up`` writes it; ``make run-stage STAGE=k`` and the coordinator read it. Default ports
 (docs/SERVICES.md): coordinator 50051, stage k 50061+k, exporter 50071; metrics 9100 + the same
 offset. Each stage may name its OpenVINO device (``device``, default CPU).
+
+Replicas: ``replicas`` lists further lanes, each one process per stage (replica r of stage k on
+50061 + k + 20r by default). Replica r of a stage forwards to replica r of the next (fixed lanes,
+docs/ARCHITECTURE.md), so a lane is a whole ring and ``stages`` is lane 0.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -20,6 +24,8 @@ COORDINATOR_PORT = 50051
 STAGE_PORT_BASE = 50061
 EXPORTER_PORT = 50071
 METRICS_OFFSET = 9100 - 50000
+REPLICA_PORT_STRIDE = 20  # replica r of stage k listens on STAGE_PORT_BASE + k + 20r
+LANE_SEPARATOR = "|"  # `--stages A0|A1,B0|B1`: stage k's replicas, one per lane
 
 
 @dataclass
@@ -49,6 +55,7 @@ class Topology:
     exporter: Endpoint
     stages: list[StageEndpoint] = field(default_factory=list)
     precision: str = DEFAULT_PRECISION
+    replicas: list[list[StageEndpoint]] = field(default_factory=list)  # lanes 1.., each one per stage
 
     @classmethod
     def loopback(
@@ -58,21 +65,39 @@ class Topology:
         precision: str = DEFAULT_PRECISION,
         host: str = "127.0.0.1",
         device: str = DEFAULT_DEVICE,
+        replicas: int = 1,
+        stage_port_base: int = STAGE_PORT_BASE,
     ):
-        ports = [STAGE_PORT_BASE + k for k in range(num_stages)]
+        if replicas < 1:
+            raise InvalidArgument("replicas", f"must be at least 1, got {replicas}")
+
+        def lane(r: int) -> list[StageEndpoint]:
+            ports = [stage_port_base + k + REPLICA_PORT_STRIDE * r for k in range(num_stages)]
+            return [StageEndpoint(host, port, port + METRICS_OFFSET, device) for port in ports]
+
         return cls(
             shards=shards,
             coordinator=_endpoint(host, COORDINATOR_PORT),
             exporter=_endpoint(host, EXPORTER_PORT),
-            stages=[StageEndpoint(host, port, port + METRICS_OFFSET, device) for port in ports],
+            stages=lane(0),
             precision=precision,
+            replicas=[lane(r) for r in range(1, replicas)],
         )
 
-    def stage_addresses(self) -> list[str]:
-        return [s.address for s in self.stages]
+    @property
+    def lanes(self) -> list[list[StageEndpoint]]:
+        """Every lane (one replica of each stage, in pipeline order); lane 0 is ``stages``."""
+        return [self.stages, *self.replicas]
 
-    def next_hop(self, stage: int) -> str | None:
-        return self.stages[stage + 1].address if stage + 1 < len(self.stages) else None
+    def stage_addresses(self) -> list[str]:
+        """Each stage's addresses for ``--stages``: its replicas joined by ``|``, one per lane."""
+        return [LANE_SEPARATOR.join(lane[k].address for lane in self.lanes) for k in range(len(self.stages))]
+
+    def next_hop(self, stage: int, replica: int = 0) -> str | None:
+        """Where replica ``replica`` of ``stage`` forwards: the same lane's next stage."""
+        self.stage(stage, replica)  # both in range
+        lane = self.lanes[replica]
+        return lane[stage + 1].address if stage + 1 < len(lane) else None
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,17 +109,49 @@ class Topology:
             raise InvalidArgument("topology", f"no topology file at {path} (run `make up` to write one)")
         raw = yaml.safe_load(path.read_text())
         try:
-            return cls(
+            topo = cls(
                 shards=raw["shards"],
                 coordinator=Endpoint(**raw["coordinator"]),
                 exporter=Endpoint(**raw["exporter"]),
                 stages=[StageEndpoint(**s) for s in raw["stages"]],
                 precision=raw.get("precision", DEFAULT_PRECISION),
+                replicas=[[StageEndpoint(**s) for s in lane] for lane in raw.get("replicas", [])],
             )
         except (KeyError, TypeError) as exc:
             raise InvalidArgument("topology", f"{path} is malformed ({exc})") from None
+        for r, lane in enumerate(topo.replicas, start=1):
+            if len(lane) != len(topo.stages):
+                raise InvalidArgument(
+                    "replicas", f"lane {r} of {path} lists {len(lane)} stages, not {len(topo.stages)}"
+                )
+        return topo
 
-    def stage(self, index: int) -> StageEndpoint:
+    def without_lane(self, address: str) -> Topology:
+        """This topology less the lane holding the stage at ``address`` (``pipeshard fleet drain``)."""
+        lanes = [lane for lane in self.lanes if address not in (s.address for s in lane)]
+        if len(lanes) == len(self.lanes):
+            raise InvalidArgument("stage_addr", f"no lane of the topology has a stage at {address}")
+        if not lanes:
+            raise InvalidArgument("stage_addr", f"{address} is in the only lane left; stop the fleet instead")
+        return replace(self, stages=lanes[0], replicas=lanes[1:])
+
+    def with_lane(self, addresses: list[str]) -> Topology:
+        """This topology plus a lane: one replica of every stage, ``host:port`` in pipeline order."""
+        if len(addresses) != len(self.stages):
+            raise InvalidArgument("stages", f"must list {len(self.stages)} addresses, got {len(addresses)}")
+        lane = []
+        for k, address in enumerate(addresses):
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise InvalidArgument("stages", f"must be host:port, got {address!r}")
+            if any(address in (s.address for s in known) for known in self.lanes):
+                raise InvalidArgument("stages", f"{address} is already in the topology")
+            lane.append(StageEndpoint(host, int(port), int(port) + METRICS_OFFSET, self.stages[k].device))
+        return replace(self, replicas=[*self.replicas, lane])
+
+    def stage(self, index: int, replica: int = 0) -> StageEndpoint:
         if not 0 <= index < len(self.stages):
             raise InvalidArgument("stage", f"must be in [0, {len(self.stages) - 1}], got {index}")
-        return self.stages[index]
+        if not 0 <= replica < len(self.lanes):
+            raise InvalidArgument("replica", f"must be in [0, {len(self.lanes) - 1}], got {replica}")
+        return self.lanes[replica][index]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from pipeshard.keys import default_key_file
 from pipeshard.paths import DEFAULT_MODEL, certs_dir, export_name, shards_dir
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.gateway.settings import GATEWAY_METRICS_PORT, GATEWAY_PORT
-from pipeshard.services.launcher import start_fleet, stop_recorded
+from pipeshard.services.launcher import process_start_time, recorded, stage_name, start_fleet, stop_recorded
 from pipeshard.shard.device import DEFAULT_DEVICE
 from pipeshard.shard.manifest import WEIGHT_FORMATS
 from pipeshard.tls import CA_CERT, make_certs
@@ -35,6 +36,13 @@ TOPOLOGY = Path("config/topology.yaml")
 def register(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="start a loopback fleet (exports shards first if missing)")
     up.add_argument("--stages", type=int, default=2)
+    up.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="processes per stage, one lane each (replica r of stage k on port 50061+k+20r); the "
+        "coordinator spreads sessions over the lanes and moves them off a failed one",
+    )
     up.add_argument("--weights", choices=WEIGHT_FORMATS, default="int4")
     up.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION)
     up.add_argument("--model", default=DEFAULT_MODEL)
@@ -53,6 +61,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.set_defaults(func=run_up)
     down = sub.add_parser("down", help="stop the fleet that `pipeshard up` started")
     down.set_defaults(func=run_down)
+    fleet = sub.add_parser(
+        "fleet", help="change the replica lanes of a running fleet (topology file, then SIGHUP)"
+    )
+    lanes = fleet.add_subparsers(dest="fleet_command", required=True)
+    drain = lanes.add_parser(
+        "drain", help="take out the lane holding STAGE_ADDR: no new sessions, closed once its requests end"
+    )
+    drain.add_argument("stage_addr", help="host:port of any stage of the lane")
+    add = lanes.add_parser("add", help="add a lane: one replica of every stage, started beforehand")
+    add.add_argument(
+        "stages", help="host:port of each stage's new replica, in pipeline order, comma-separated"
+    )
+    for command in (drain, add):
+        command.add_argument("--topology", type=Path, default=TOPOLOGY, help="the coordinator's --topology")
+        command.add_argument(
+            "--run-dir",
+            type=Path,
+            default=RUN_DIR,
+            help="where `pipeshard up` recorded the coordinator's pid",
+        )
+    drain.set_defaults(func=run_fleet_drain)
+    add.set_defaults(func=run_fleet_add)
 
 
 def ensure_shards(model: str, stages: int, weights: str) -> Path:
@@ -84,20 +114,30 @@ def run_up(args: argparse.Namespace) -> int:
         print("a fleet is already up (run `make down` first)", file=sys.stderr)
         return 1
     shards = ensure_shards(args.model, args.stages, args.weights)
-    topo = Topology.loopback(str(shards), args.stages, args.precision, device=args.device)
+    topo = Topology.loopback(
+        str(shards), args.stages, args.precision, device=args.device, replicas=args.replicas
+    )
     topo.save(TOPOLOGY)
     tls_dir, token = secure_setup(args.stages) if args.secure else (None, None)
+    # With replicas the coordinator reads the topology too, so `pipeshard fleet drain|add` and a
+    # SIGHUP change its lanes at run time.
+    lanes_file = ["--topology", str(TOPOLOGY)] if args.replicas > 1 else []
     fleet = start_fleet(
         shards,
         args.stages,
         RUN_DIR,
+        extra_coordinator_args=lanes_file,
         stage_ports=[s.port for s in topo.stages],
         coordinator_port=topo.coordinator.port,
         exporter_port=topo.exporter.port,
         gateway_port=args.gateway_port,
         metrics_ports={
             "exporter": topo.exporter.metrics_port,
-            **{f"stage{k}": s.metrics_port for k, s in enumerate(topo.stages)},
+            **{
+                stage_name(k, r): s.metrics_port
+                for r, lane in enumerate(topo.lanes)
+                for k, s in enumerate(lane)
+            },
             "coordinator": topo.coordinator.metrics_port,
             "gateway": GATEWAY_METRICS_PORT,
         },
@@ -107,6 +147,7 @@ def run_up(args: argparse.Namespace) -> int:
         tls_dir=tls_dir,
         token=token,
         api_keys=default_key_file() if args.secure else None,
+        replicas=args.replicas,
     )
     if tls_dir is not None:
         shutil.copyfile(tls_dir / CA_CERT, RUN_CA_CERT)  # where clients look by default
@@ -116,10 +157,11 @@ def run_up(args: argparse.Namespace) -> int:
         print("plaintext on loopback (`make up SECURE=1` for TLS and a token)")
     print(f"topology written to {TOPOLOGY}; logs in {RUN_DIR}/")
     print(f"exporter listening on {topo.exporter.address}")
-    for k, address in enumerate(fleet.stages):
-        print(f"stage {k} listening on {address}")
+    for r, lane in enumerate(fleet.lanes):
+        for k, address in enumerate(lane):
+            print(f"stage {k} listening on {address}" + (f" (replica {r})" if r else ""))
     print(f"coordinator listening on {fleet.coordinator}")
-    metrics = [topo.exporter.metrics_port, *(s.metrics_port for s in topo.stages)]
+    metrics = [topo.exporter.metrics_port, *(s.metrics_port for lane in topo.lanes for s in lane)]
     metrics += [topo.coordinator.metrics_port, GATEWAY_METRICS_PORT]
     print(f"/metrics on ports {', '.join(map(str, metrics))}; watch the fleet with `pipeshard top`")
     print(f"openai gateway listening on {fleet.gateway}", flush=True)
@@ -146,3 +188,26 @@ def run_down(args: argparse.Namespace) -> int:
     stopped = stop_recorded(RUN_DIR)
     print(f"stopped {', '.join(stopped)}" if stopped else "no fleet was running")
     return 0
+
+
+def run_fleet_drain(args: argparse.Namespace) -> int:
+    topo = Topology.load(args.topology).without_lane(args.stage_addr)
+    topo.save(args.topology)
+    return _reload_coordinator(args.run_dir, f"the lane holding {args.stage_addr} drains")
+
+
+def run_fleet_add(args: argparse.Namespace) -> int:
+    topo = Topology.load(args.topology).with_lane(args.stages.split(","))
+    topo.save(args.topology)
+    return _reload_coordinator(args.run_dir, f"lane {args.stages} joins once it answers")
+
+
+def _reload_coordinator(run_dir: Path, what: str) -> int:
+    """SIGHUP to the coordinator `pipeshard up` recorded (a recycled pid is left alone)."""
+    for pid, started, name in recorded(run_dir):
+        if name == "coordinator" and process_start_time(pid) == started:
+            os.kill(pid, signal.SIGHUP)
+            print(f"topology written; coordinator {pid} re-reads it: {what} (see its log)")
+            return 0
+    print(f"topology written; no running coordinator recorded in {run_dir}: send it SIGHUP", file=sys.stderr)
+    return 1

@@ -24,8 +24,15 @@ from pathlib import Path
 
 from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.tls import CA_CERT
+from pipeshard.topology import LANE_SEPARATOR, REPLICA_PORT_STRIDE
 
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
+_STAGE_NAME = re.compile(r"stage(\d+)(?:\.r(\d+))?")
+
+
+def stage_name(k: int, replica: int = 0) -> str:
+    """The process name of replica ``replica`` of stage ``k``: ``stage1``, ``stage1.r2``."""
+    return f"stage{k}" if replica == 0 else f"stage{k}.r{replica}"
 
 
 @dataclass
@@ -53,8 +60,18 @@ class Fleet:
 
     @property
     def stages(self) -> list[str]:
-        named = sorted((p for p in self.processes if p.name.startswith("stage")), key=lambda p: p.name)
-        return [p.address for p in named]
+        """Lane 0's stage addresses in pipeline order (every stage when there are no replicas)."""
+        return self.lanes[0]
+
+    @property
+    def lanes(self) -> list[list[str]]:
+        """Each lane's stage addresses in pipeline order: replica r of every stage (``stage_name``)."""
+        lanes: dict[int, dict[int, str]] = {}
+        for p in self.processes:
+            match = _STAGE_NAME.fullmatch(p.name)
+            if match:
+                lanes.setdefault(int(match[2] or 0), {})[int(match[1])] = p.address
+        return [[lane[k] for k in sorted(lane)] for _, lane in sorted(lanes.items())] or [[]]
 
     def process(self, name: str) -> Process:
         return next(p for p in self.processes if p.name == name)
@@ -203,6 +220,7 @@ def start_fleet(
     tls_dir: Path | None = None,
     token: str | None = None,
     api_keys: Path | None = None,
+    replicas: int = 1,
 ) -> Fleet:
     """Start ``num_stages`` stage processes and a coordinator on loopback; ports 0 = ephemeral.
 
@@ -214,7 +232,10 @@ def start_fleet(
     any key listed there, each its own identity.
     With ``gateway_port`` set, the OpenAI gateway starts last. ``metrics_ports`` maps process
     names (exporter, stage0, ..., coordinator, gateway) to the port each serves Prometheus /metrics on.
-    ``devices`` gives each stage its OpenVINO device (``--device``; empty: the stage's default)."""
+    ``devices`` gives each stage its OpenVINO device (``--device``; empty: the stage's default).
+    ``replicas`` lanes of stages start (replica r of each stage forwards to replica r of the next;
+    ``stage_ports`` are lane 0's, lane r adds 20r to each non-zero port; metrics likewise, by
+    process name ``stage_name(k, r)``); the coordinator is given every lane."""
     run_dir.mkdir(parents=True, exist_ok=True)
 
     def metered(name: str, args: list[str]) -> list[str]:
@@ -231,7 +252,6 @@ def start_fleet(
         env["PIPESHARD_CA_CERT"] = str(tls_dir / CA_CERT)  # the gateway's view of the coordinator
     ports = stage_ports or [0] * num_stages
     fleet = Fleet(run_dir)
-    next_hop: str | None = None
     try:
         if exporter_port is not None:
             exporter = spawn(
@@ -255,17 +275,22 @@ def start_fleet(
             )
             fleet.processes.append(exporter)
             extra_stage_args = [*extra_stage_args, "--exporter", exporter.address]
-        for k in reversed(range(num_stages)):
-            args = stage_args(k, shards, ports[k], precision, log_format, next_hop, extra_stage_args)
-            args += ["--device", devices[k]] if devices else []
-            proc = spawn(f"stage{k}", metered(f"stage{k}", args), run_dir, env, timeout_s, detach=detach)
-            fleet.processes.insert(1 if exporter_port is not None else 0, proc)
-            next_hop = proc.address
+        for r in range(replicas):
+            next_hop: str | None = None
+            for k in reversed(range(num_stages)):
+                port = ports[k] + REPLICA_PORT_STRIDE * r if ports[k] else 0
+                args = stage_args(k, shards, port, precision, log_format, next_hop, extra_stage_args)
+                args += ["--device", devices[k]] if devices else []
+                name = stage_name(k, r)
+                proc = spawn(name, metered(name, args), run_dir, env, timeout_s, detach=detach)
+                fleet.processes.insert(1 if exporter_port is not None else 0, proc)
+                next_hop = proc.address
+        stages = [LANE_SEPARATOR.join(lane[k] for lane in fleet.lanes) for k in range(num_stages)]
         coordinator = spawn(
             "coordinator",
             metered(
                 "coordinator",
-                coordinator_args(fleet.stages, shards, coordinator_port, log_format, extra_coordinator_args),
+                coordinator_args(stages, shards, coordinator_port, log_format, extra_coordinator_args),
             ),
             run_dir,
             env,
@@ -295,6 +320,19 @@ def start_fleet(
     return fleet
 
 
+def recorded(run_dir: Path) -> list[tuple[int, str, str]]:
+    """The (pid, start time, name) of each process ``start_fleet`` recorded in ``run_dir``."""
+    pids_file = run_dir / "pids"
+    if not pids_file.exists():
+        return []
+    rows = []
+    for line in pids_file.read_text().splitlines():
+        if line.strip():
+            pid, started, name = line.split(" ", 2)
+            rows.append((int(pid), started, name))
+    return rows
+
+
 def stop_recorded(run_dir: Path, timeout_s: float = 15.0) -> list[str]:
     """Stop the processes whose pids ``start_fleet`` recorded in ``run_dir``; returns their names.
     A pid whose process is gone, or is another process now (a different start time), is skipped."""
@@ -302,11 +340,8 @@ def stop_recorded(run_dir: Path, timeout_s: float = 15.0) -> list[str]:
     if not pids_file.exists():
         return []
     ours: list[tuple[int, str, str]] = []
-    for line in pids_file.read_text().splitlines():
-        if not line.strip():
-            continue
-        pid, started, name = line.split(" ", 2)
-        if process_start_time(int(pid)) != started:
+    for pid, started, name in recorded(run_dir):
+        if process_start_time(pid) != started:
             print(f"not stopping pid {pid} ({name}): it is no longer the process started", file=sys.stderr)
             continue
         with contextlib.suppress(ProcessLookupError):

@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
@@ -55,6 +55,9 @@ from pipeshard.services.stage.domain import RowKind, SamplingStep
 from pipeshard.services.stage.wire import token_frame
 from pipeshard.tensor_codec import decode
 from pipeshard.v1 import activation_pb2
+
+if TYPE_CHECKING:
+    from pipeshard.services.coordinator.failover import Failover
 
 log = structlog.get_logger(__name__)
 
@@ -258,6 +261,23 @@ class _Request:
             )
         self.pending = self.prompt_ids[self.cursor.logical :]
 
+    def move_to(self, session_id: str) -> list[int]:
+        """Starts the request over in a new, empty session (failover.py); returns the tokens it
+        must be prefilled with before the next step: everything the old session had seen."""
+        if self.ahead is not None:
+            self.ahead.cancel()
+            self.ahead = None
+        self.session_id = session_id
+        self.cursor = _Cursor(session_id, self.params.greedy, truncates=self.cursor.truncates)
+        if not self.generated:
+            return []  # still prefilling: prefill_frames starts the prompt again
+        return self.context[: len(self.context) - len(self.pending)]
+
+    def replay_frames(self, tokens: list[int], chunk: int) -> Iterator[activation_pb2.ActivationFrame]:
+        """Fill-only frames of ``tokens`` in chunks, as a prompt's prefill."""
+        for start in range(0, len(tokens), chunk):
+            yield self.cursor.frame(tokens[start : start + chunk], fill_only=True)
+
     def draft(self) -> Draft:
         """Chooses K and drafts that many tokens (none on the first step or without a drafter)."""
         if self.drafter is None or not self.generated:
@@ -419,8 +439,11 @@ class Generation:
         prefix: PrefixIndex | None = None,
         restore_timeout_s: float = 5.0,
         batch_aware_k: bool = True,
+        failover: Failover | None = None,
     ):
+        """``failover``: moves a running request off a failed replica lane instead of failing it."""
         self._ring = ring
+        self._failover = failover
         self.prefix = prefix
         self.restore_timeout_s = restore_timeout_s
         self._prefill_chunk = prefill_chunk
@@ -484,13 +507,22 @@ class Generation:
         try:
             if cache:
                 await self._warm(request, scope)
-            for frame in request.prefill_frames(self._prefill_chunk):
-                await self._ring.step(frame)
             done = False
             while not done:
-                chunk, done = await self._step(request)
-                yield chunk
-                trace.mark("streamed", request.session_id, request.streaming_step)
+                try:
+                    if not request.generated:
+                        for frame in request.prefill_frames(self._prefill_chunk):
+                            await self._ring.step(frame)
+                    while not done:
+                        chunk, done = await self._step(request)
+                        yield chunk
+                        trace.mark("streamed", request.session_id, request.streaming_step)
+                except Unavailable as exc:  # a replica failed: continue on another (failover.py)
+                    if self._failover is None or not self._failover.applies(exc):
+                        raise
+                    capacity = self.capacity(request.prompt_ids, request.params)
+                    warm = (lambda: self._warm(request, scope)) if cache else None
+                    await self._failover.resume(self._ring, request, exc, capacity, self._prefill_chunk, warm)
             await request.settle_ahead()
             if cache:
                 await self._keep(request, scope)

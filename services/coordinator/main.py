@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,17 +11,19 @@ from pathlib import Path
 import structlog
 
 from pipeshard.auth import Authenticator
-from pipeshard.errors import FailedPrecondition, InvalidArgument
+from pipeshard.errors import FailedPrecondition, InvalidArgument, PipeshardError
 from pipeshard.grpc_server import GrpcServer, run_server
 from pipeshard.metrics import COORDINATOR_QUEUED, COORDINATOR_RUNNING
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
+from pipeshard.services.coordinator.failover import Failover
 from pipeshard.services.coordinator.fleet_promise import fleet_promise
 from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation
 from pipeshard.services.coordinator.kv_mirror import KvMirror
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
 from pipeshard.services.coordinator.prefix_cache import PrefixIndex
 from pipeshard.services.coordinator.remote_stages import RemoteStages
+from pipeshard.services.coordinator.replicas import ReplicaLanes
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.scheduler import Scheduler
@@ -33,7 +37,7 @@ from pipeshard.shard.prompting import Prompter
 from pipeshard.shard.runtime import WARMUP_PREFILL
 from pipeshard.shard.serving import hold_serving_lock
 from pipeshard.tls import TlsConfig
-from pipeshard.topology import Topology
+from pipeshard.topology import LANE_SEPARATOR, Topology
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
 log = structlog.get_logger(__name__)
@@ -44,10 +48,14 @@ PREFIX_CACHE_MODES = ("on", "off")
 @dataclass
 class CoordinatorSettings(ServerSettings):
     topology: Path | None = setting(
-        None, "topology file (config/topology.yaml) giving ports, stages and shards"
+        None,
+        "topology file (config/topology.yaml) giving ports, stages and shards; re-read on SIGHUP for "
+        "its replica lanes (removed ones drain, new ones join)",
     )
     stages: list[str] = setting(
-        default_factory=list, help="stage addresses in pipeline order (host:port,...)"
+        default_factory=list,
+        help="stage addresses in pipeline order (host:port,...); replicas of a stage joined by | "
+        "(A0|A1,B0|B1: replica r of every stage is lane r, docs/RELIABILITY.md)",
     )
     shards: Path | None = setting(None, "export folder: its manifest and tokenizer files are read")
     step_timeout_s: float = setting(
@@ -148,6 +156,9 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
         raise InvalidArgument("stages", "must list at least one stage address (or give --topology)")
     if settings.shards is None:
         raise InvalidArgument("shards", "is required (or give --topology)")
+    lanes = stage_lanes(settings.stages)
+    if len(lanes) > 1 and settings.host_stage0:
+        raise InvalidArgument("host_stage0", "cannot be combined with replica stages (--stages A0|A1,...)")
     if settings.prefill_chunk < 1:
         raise InvalidArgument("prefill_chunk", f"must be at least 1, got {settings.prefill_chunk}")
     if settings.inflight < 0:
@@ -170,6 +181,18 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
     return settings
 
 
+def stage_lanes(stages: list[str]) -> list[list[str]]:
+    """The lanes of ``--stages`` (each entry a stage's replicas joined by ``|``): lane r is replica
+    r of every stage; every stage must list as many replicas."""
+    replicas = [entry.split(LANE_SEPARATOR) for entry in stages]
+    counts = {len(r) for r in replicas}
+    if len(counts) > 1:
+        raise InvalidArgument(
+            "stages", f"every stage must list as many replicas; got {[len(r) for r in replicas]} ({stages})"
+        )
+    return [list(lane) for lane in zip(*replicas, strict=True)]
+
+
 def stage_kv_backend(wanted: str, stages: list[stage_pb2.GetStageInfoResponse]) -> str:
     """The KV backend every stage runs (``auto``: whichever that is). Plan frames need paged stages
     and a stateful stage refuses them, so a mixed fleet or a mismatch is refused at start."""
@@ -190,8 +213,9 @@ class Coordinator:
     settings: CoordinatorSettings
     # who callers are: the server's auth interceptor and the servicer share this one
     authenticator: Authenticator
-    stages: RemoteStages = field(init=False)
+    stages: RemoteStages | ReplicaLanes = field(init=False)
     ring: Ring = field(init=False)
+    _reloads: set[asyncio.Task] = field(init=False, default_factory=set)  # SIGHUP topology reloads
     servicer: CoordinatorServicer = field(init=False)
 
     async def start(self) -> None:
@@ -207,13 +231,10 @@ class Coordinator:
             )
         prompter = Prompter.from_dir(Path(self.settings.shards))
         local = self._local_stage0() if self.settings.host_stage0 else None
-        self.stages = RemoteStages(
-            self.settings.stages,
-            step_timeout_s=self.settings.step_timeout_s,
-            local_stage0=local,
-            hop_delay_s=self.settings.hop_delay_ms / 1000.0,
-            tls=self._tls(),
-        )
+        lanes = [self._lane(addresses, local) for addresses in stage_lanes(self.settings.stages)]
+        # Replicas, or a topology whose lanes SIGHUP may change: a transport per lane behind ReplicaLanes.
+        replicated = len(lanes) > 1 or self.settings.topology is not None
+        self.stages = ReplicaLanes(lanes) if replicated else lanes[0]
         await self.stages.start()
         await self.stages.wait_ready(self.settings.ready_timeout_s)
         infos = await self.stages.stage_infos()
@@ -253,6 +274,7 @@ class Coordinator:
                 else None
             ),
             restore_timeout_s=self.settings.prefix_restore_timeout_s,
+            failover=Failover(self.stages) if isinstance(self.stages, ReplicaLanes) else None,
         )
         await self._warmup(generation, prompter, manifest.max_context)
         COORDINATOR_RUNNING.set_function(lambda: scheduler.running)
@@ -269,6 +291,50 @@ class Coordinator:
             prefix_cache_scope=self.settings.prefix_cache_scope,
             system_fingerprint=promise.system_fingerprint,
         )
+
+    def _lane(
+        self, addresses: list[str], local: tuple[LocalEntry, LocalStageStub] | None = None
+    ) -> RemoteStages:
+        return RemoteStages(
+            addresses,
+            step_timeout_s=self.settings.step_timeout_s,
+            local_stage0=local,
+            hop_delay_s=self.settings.hop_delay_ms / 1000.0,
+            tls=self._tls(),
+        )
+
+    def watch_topology(self) -> None:
+        """SIGHUP re-reads --topology: lanes it no longer lists drain (no new sessions; closed
+        once their running ones end), lanes it newly lists join once they answer and agree."""
+        if not isinstance(self.stages, ReplicaLanes):
+            return
+        loop = asyncio.get_running_loop()
+
+        def reload() -> None:
+            task = loop.create_task(self.reload())
+            self._reloads.add(task)
+            task.add_done_callback(self._reloads.discard)
+
+        loop.add_signal_handler(signal.SIGHUP, reload)
+
+    async def reload(self) -> None:
+        try:
+            wanted = stage_lanes(Topology.load(self.settings.topology).stage_addresses())
+        except PipeshardError as exc:
+            log.error("topology_reload_failed", error=str(exc))
+            return
+        current = {
+            tuple(lane.addresses): lane for lane in self.stages.lanes if lane not in self.stages.draining
+        }
+        for addresses, lane in current.items():
+            if list(addresses) not in wanted:
+                self.stages.drain_lane(lane)
+        for addresses in wanted:
+            if tuple(addresses) not in current:
+                try:
+                    await self.stages.add_lane(self._lane(addresses), self.settings.ready_timeout_s)
+                except PipeshardError as exc:
+                    log.error("lane_refused", stages=addresses, error=str(exc))
 
     def _scheduler(self, infos: list[stage_pb2.GetStageInfoResponse]) -> Scheduler:
         """The scheduler over the stages' budgets for this coordinator: their KV pools (paged) and
@@ -366,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def services():
         await coordinator.start()
+        coordinator.watch_topology()
         return [(coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server, coordinator.servicer)]
 
     return run_server(

@@ -42,6 +42,9 @@ log = structlog.get_logger(__name__)
 @dataclass
 class StageSettings(ServerSettings):
     stage: int = setting(0, "index of this stage in the pipeline")
+    replica: int = setting(
+        0, "with --topology: which replica (lane) of the stage this is; it forwards to that lane's next stage"
+    )
     topology: Path | None = setting(
         None, "topology file (config/topology.yaml) giving port, shards and next hop"
     )
@@ -115,9 +118,9 @@ def resolve(settings: StageSettings) -> StageSettings:
             raise InvalidArgument("shards", "is required (or give --topology)")
         return settings
     topo = Topology.load(settings.topology)
-    me = topo.stage(settings.stage)
+    me = topo.stage(settings.stage, settings.replica)
     settings.shards = settings.shards or Path(topo.shards)
-    settings.next_hop = settings.next_hop or topo.next_hop(settings.stage)
+    settings.next_hop = settings.next_hop or topo.next_hop(settings.stage, settings.replica)
     settings.exporter = settings.exporter or topo.exporter.address
     settings.port = settings.port or me.port
     settings.metrics_port = settings.metrics_port or me.metrics_port

@@ -1,0 +1,234 @@
+"""`make bench-failover`: recovery of running requests when a replica is killed mid-generation.
+
+One 2-stage INT4 fleet with two lanes (replicas) at the default (exact) precision. Per point (1
+and 8 users, about 128 and 1,024 prompt tokens) and round: every user streams a greedy request
+(eos ignored) with its own request id; once each has a few tokens out, the replica of the final
+stage holding the most sessions is killed with SIGKILL, then restarted on its port; the next
+round starts once the coordinator has seen it serve again. A stream is affected when the
+coordinator logged its request's failover; its recovery is the time from the kill to the token
+that ends its longest stall after the kill (a token already on its way when the kill landed can
+arrive first). Every stream's tokens are compared with the same
+request's undisturbed run on the same fleet (``mismatches``, exact mode), and any stream that
+ended in an error counts in ``failed_requests``. Each point also gives the undisturbed run's
+median TTFT: a replay costs about one prefill of the context so far.
+
+A failover restores the prompt's longest prefix a lane kept in its prefix cache (the
+undisturbed round and earlier rounds keep every finished request's sequence on its lane) and
+replays the rest; the coordinator logs how many positions it restored. Streams that restored
+some are the ``restore`` samples, the others (nothing kept on the surviving lane) ``replay``.
+Distinct prompts rarely leave anything on the other lane (a chat's turns stay on the lane that
+keeps them), so a second fleet (``--prefix-cache-scope shared``) runs 8 users whose 1,024-token
+prompts share all but their last question: ``recovery_ms_p95_1024_restore`` comes from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from bench.stats import command_with_knobs, write_result
+from pipeshard import paths
+from pipeshard.clients.client import AsyncPipeshardClient
+from pipeshard.offline import set_offline_defaults
+from pipeshard.services.launcher import Fleet, spawn, stage_args, stage_name, start_fleet
+from pipeshard.shard.prompting import Prompter
+from pipeshard.v1 import stage_pb2, stage_pb2_grpc
+
+ROUNDS = int(os.environ.get("BENCH_RUNS", "3"))
+TOKENS = int(os.environ.get("BENCH_TOKENS", "32"))
+PORT_BASE = int(os.environ.get("BENCH_PORT_BASE", "52500"))  # replica r of stage k: base + k + 20r
+USERS = (1, 8)
+CONTEXTS = (128, 1024)
+KILL_AFTER = 3  # tokens every stream has out before the kill
+KNOBS = ("BENCH_RUNS", "BENCH_TOKENS", "BENCH_PORT_BASE")
+
+
+def _prompt(tokenizer, user: int, context: int) -> str:
+    """A prompt of about ``context`` tokens, distinct per user."""
+    words = f"Note {user}: the river bends past the old mill and the orchard. ".split()
+    text: list[str] = []
+    while len(tokenizer.encode(" ".join(text))) < context - 20:  # the chat template adds ~20
+        text += words
+    return " ".join(text) + " Summarise this."
+
+
+def _shared_prompt(tokenizer, user: int, context: int) -> str:
+    """About ``context`` tokens: one preamble every user shares, then the user's own question."""
+    return _prompt(tokenizer, 0, context - 16) + f" Then answer question {user}: who lives by the mill?"
+
+
+async def _stream(
+    address: str, prompt: str, request_id: str, out_at: list[float], started, tokens: list[int]
+) -> None:
+    out_at.append(time.perf_counter())  # the request's start: out_at[1] - out_at[0] is its TTFT
+    async with AsyncPipeshardClient(address, timeout_s=600) as client:
+        async for response in client.responses(
+            prompt, max_tokens=TOKENS, ignore_eos=True, request_id=request_id
+        ):
+            if response.HasField("chunk"):
+                tokens.extend(response.chunk.token_ids)
+                out_at.append(time.perf_counter())
+                if len(tokens) >= KILL_AFTER:
+                    started.set()
+
+
+def _percentiles(values: list[float]) -> dict:
+    """p50 and p95 (nearest rank) of the recovery samples, and how many there were."""
+    if not values:
+        return {"p50": None, "p95": None, "samples": 0}
+    ordered = sorted(values)
+
+    def rank(q: float) -> float:
+        return round(ordered[max(0, math.ceil(q * len(ordered)) - 1)], 1)
+
+    return {"p50": rank(0.50), "p95": rank(0.95), "samples": len(values)}
+
+
+async def _rejoined(fleet: Fleet, address: str, timeout_s: float = 120) -> None:
+    """Waits until the coordinator's watch has seen ``address`` serve again since its last
+    loss (the lane is back in rotation), so the next round spreads over both lanes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = None
+        for line in fleet.process("coordinator").log.read_text().splitlines():
+            if '"stage_reachability"' in line and address in line:
+                state = json.loads(line)["up"]
+        if state:
+            await asyncio.sleep(0.5)  # the lane's entry stream re-dials too
+            return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{address} did not rejoin within {timeout_s:g} s")
+
+
+def _live_sessions(address: str) -> int:
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = stage_pb2_grpc.StageServiceStub(channel)
+        return stub.GetStageInfo(stage_pb2.GetStageInfoRequest(), timeout=5).live_sessions
+
+
+def _failed_over(fleet: Fleet) -> dict[str, int]:
+    """Request id -> prompt positions restored from the prefix cache, for each failover logged."""
+    restored = {}
+    for line in fleet.process("coordinator").log.read_text().splitlines():
+        if '"session_failed_over"' in line:
+            event = json.loads(line)
+            restored[event.get("request_id", "")] = event.get("restored_tokens", 0)
+    return restored
+
+
+async def _round(fleet: Fleet, shards: Path, prompts: list[str], kill: bool) -> dict:
+    n = len(prompts)
+    ids = [uuid.uuid4().hex for _ in range(n)]
+    out_at: list[list[float]] = [[] for _ in range(n)]
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    started = [asyncio.Event() for _ in range(n)]
+    tasks = [
+        asyncio.create_task(_stream(fleet.coordinator, prompts[i], ids[i], out_at[i], started[i], tokens[i]))
+        for i in range(n)
+    ]
+    killed_at = None
+    if kill:
+        await asyncio.gather(*(e.wait() for e in started))
+        lanes = fleet.lanes
+        victim_lane = max(range(len(lanes)), key=lambda r: _live_sessions(lanes[r][1]))
+        victim = fleet.process(stage_name(1, victim_lane))
+        victim.popen.send_signal(signal.SIGKILL)
+        killed_at = time.perf_counter()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    errors = sum(isinstance(r, BaseException) for r in results)
+    recovery = []
+    if kill:
+        victim.popen.wait()
+        affected = _failed_over(fleet)
+        for i in range(n):
+            if ids[i] in affected:
+                after = [killed_at, *(t for t in out_at[i] if t > killed_at)]
+                if len(after) > 1:  # the token ending the longest stall after the kill
+                    resumed = max(range(1, len(after)), key=lambda j: after[j] - after[j - 1])
+                    recovery.append(((after[resumed] - killed_at) * 1000, affected[ids[i]] > 0))
+        port = PORT_BASE + 1 + 20 * victim_lane
+        args = stage_args(1, shards, port, "exact", "json", None)
+        fleet.processes[fleet.processes.index(victim)] = spawn(
+            victim.name, args, fleet.run_dir, dict(os.environ), 180
+        )
+        await _rejoined(fleet, f"127.0.0.1:{port}")
+    ttft = [(t[1] - t[0]) * 1000 for t in out_at if len(t) > 1]
+    return {"tokens": tokens, "errors": errors, "recovery_ms": recovery, "ttft_ms": ttft}
+
+
+def _measure(shards: Path, prompts_for, points: list[tuple[int, int]], coordinator_args: list[str]):
+    """One fleet: per (users, context) point an undisturbed round, then ROUNDS killed ones.
+    Returns the points' recovery figures, failed requests and mismatching streams."""
+    fleet = start_fleet(
+        shards,
+        2,
+        Path(tempfile.mkdtemp(prefix="bench-failover-")),
+        stage_ports=[PORT_BASE, PORT_BASE + 1],
+        replicas=2,
+        coordinator_port=PORT_BASE + 50,
+        extra_coordinator_args=coordinator_args,
+    )
+    failed, mismatches, figures = 0, 0, {}
+    loop = asyncio.new_event_loop()
+    try:
+        for users, context in points:
+            prompts = [prompts_for(u, context) for u in range(users)]
+            reference = loop.run_until_complete(_round(fleet, shards, prompts, kill=False))
+            failed += reference["errors"]
+            recovery: list[tuple[float, bool]] = []  # (ms, restored from the prefix cache)
+            for _ in range(ROUNDS):
+                disturbed = loop.run_until_complete(_round(fleet, shards, prompts, kill=True))
+                failed += disturbed["errors"]
+                pairs = zip(disturbed["tokens"], reference["tokens"], strict=True)
+                mismatches += sum(a != b for a, b in pairs)
+                recovery += disturbed["recovery_ms"]
+            name = f"{users}users_{context}"
+            figures[name] = _percentiles([ms for ms, _ in recovery]) | {
+                "restore": _percentiles([ms for ms, restored in recovery if restored]),
+                "replay": _percentiles([ms for ms, restored in recovery if not restored]),
+                "undisturbed_ttft_ms_p50": _percentiles(reference["ttft_ms"])["p50"],
+            }
+            print(f"{name} {coordinator_args}: {figures[name]}", flush=True)
+    finally:
+        loop.close()
+        fleet.stop()
+    return figures, failed, mismatches
+
+
+def main() -> int:
+    set_offline_defaults()
+    shards = paths.shards_dir() / paths.export_name(paths.DEFAULT_MODEL, 2, "int4")
+    if not (shards / "manifest.json").exists():
+        from pipeshard.exporter.export import export_model
+
+        export_model(paths.default_model_dir(), shards, stages=2, weights="int4")
+    tokenizer = Prompter.from_dir(shards).tokenizer
+    grid = [(users, context) for context in CONTEXTS for users in USERS]
+    points, failed, mismatches = _measure(shards, lambda u, c: _prompt(tokenizer, u, c), grid, [])
+    # Users sharing a long system prompt (cached for everyone): a surviving lane keeps it too.
+    shared, failed_shared, mismatches_shared = _measure(
+        shards, lambda u, c: _shared_prompt(tokenizer, u, c), [(8, 1024)], ["--prefix-cache-scope", "shared"]
+    )
+    result: dict = {"tokens": TOKENS, "rounds": ROUNDS, "stages": 2, "replicas": 2, "weights": "int4"}
+    result["recovery_ms"] = points
+    result["recovery_ms_shared_prefix"] = shared
+    result["recovery_ms_p95_1024"] = points["8users_1024"]["p95"]
+    result["recovery_ms_p95_1024_replay"] = points["8users_1024"]["replay"]["p95"]
+    result["recovery_ms_p95_1024_restore"] = shared["8users_1024"]["restore"]["p95"]
+    result["failed_requests"] = failed + failed_shared
+    result["mismatches"] = mismatches + mismatches_shared
+    write_result("failover", result, command=command_with_knobs("bench-failover", KNOBS))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

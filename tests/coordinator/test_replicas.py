@@ -1,0 +1,185 @@
+"""Replica lanes without processes: parsing and topology, the agreement check, lane choice."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from pipeshard.errors import FailedPrecondition, InvalidArgument, Unavailable
+from pipeshard.services.coordinator.main import stage_lanes
+from pipeshard.services.coordinator.replicas import ReplicaLanes, check_replicas_agree
+from pipeshard.topology import Topology
+from pipeshard.v1 import activation_pb2, stage_pb2
+
+
+def test_stage_lanes_transposes_replicas_and_refuses_uneven_counts():
+    assert stage_lanes(["a0|a1", "b0|b1"]) == [["a0", "b0"], ["a1", "b1"]]
+    assert stage_lanes(["a", "b"]) == [["a", "b"]]
+    with pytest.raises(InvalidArgument, match="as many replicas"):
+        stage_lanes(["a0|a1", "b0"])
+
+
+def test_loopback_topology_places_replica_r_twenty_ports_up_and_round_trips(tmp_path: Path):
+    topo = Topology.loopback("shards", 2, replicas=2)
+    assert [[s.port for s in lane] for lane in topo.lanes] == [[50061, 50062], [50081, 50082]]
+    assert [s.metrics_port for s in topo.replicas[0]] == [9181, 9182]
+    assert topo.stage_addresses() == ["127.0.0.1:50061|127.0.0.1:50081", "127.0.0.1:50062|127.0.0.1:50082"]
+    assert (topo.next_hop(0, 1), topo.next_hop(1, 1)) == ("127.0.0.1:50082", None)
+    assert topo.stage(1, 1).port == 50082
+    with pytest.raises(InvalidArgument, match="replica"):
+        topo.stage(0, 2)
+    topo.save(tmp_path / "t.yaml")
+    assert Topology.load(tmp_path / "t.yaml") == topo
+
+
+def test_fleet_drain_and_add_edit_the_topology_lanes():
+    topo = Topology.loopback("shards", 2, replicas=2)
+    drained = topo.without_lane("127.0.0.1:50082")
+    assert drained.stage_addresses() == ["127.0.0.1:50061", "127.0.0.1:50062"]
+    with pytest.raises(InvalidArgument, match="only lane"):
+        drained.without_lane("127.0.0.1:50061")
+    with pytest.raises(InvalidArgument, match="no lane"):
+        drained.without_lane("127.0.0.1:1")
+    added = drained.with_lane(["127.0.0.1:50101", "127.0.0.1:50102"])
+    assert added.stage_addresses() == ["127.0.0.1:50061|127.0.0.1:50101", "127.0.0.1:50062|127.0.0.1:50102"]
+    assert added.replicas[0][1].metrics_port == 9202
+    with pytest.raises(InvalidArgument, match="already"):
+        added.with_lane(["127.0.0.1:50101", "127.0.0.1:50103"])
+    with pytest.raises(InvalidArgument, match="must list 2"):
+        added.with_lane(["127.0.0.1:50103"])
+
+
+def _info(**fields) -> stage_pb2.GetStageInfoResponse:
+    base = dict(model_fingerprint="f1", precision="exact", kv_backend="paged", kv_block_tokens=32)
+    return stage_pb2.GetStageInfoResponse(**{**base, **fields})
+
+
+def test_replicas_that_disagree_are_refused_naming_both():
+    check_replicas_agree([[_info()], [_info()]], [["a:1"], ["b:1"]])
+    for field, value in (("model_fingerprint", "f2"), ("precision", "fast"), ("kv_block_tokens", 16)):
+        with pytest.raises(FailedPrecondition) as info:
+            check_replicas_agree([[_info()], [_info(**{field: value})]], [["a:1"], ["b:1"]])
+        assert field in str(info.value) and "a:1" in str(info.value) and "b:1" in str(info.value)
+
+
+class _Watch:
+    def __init__(self):
+        self.down: dict[int, str] = {}
+
+    def describe(self, index: int) -> str:
+        return f"stage {index} is unreachable ({self.down[index]})"
+
+
+class _Lane:
+    """A ring stand-in: records the sessions opened and the plan rows it was sent."""
+
+    def __init__(self):
+        self.watch = _Watch()
+        self.opened: list[str] = []
+        self.rows: list[str] = []
+        self.on_health = lambda serving: None
+        self.fail_plans = False
+        self.addresses = ["x:1", "x:2"]
+        self.closed = False
+
+        self.aborted: list[str] = []
+        self.restored: list[str] = []
+
+    async def close(self):
+        self.closed = True
+
+    async def abort_session(self, session_id, reason):
+        self.aborted.append(session_id)
+
+    async def keep_kv(self, session_id, scope, token_ids):
+        return set()
+
+    async def restore_kv(self, session_id, scope, token_ids, positions, timeout_s):
+        self.restored.append(session_id)
+        return set()
+
+    @property
+    def healthy(self) -> bool:
+        return not self.watch.down
+
+    async def open_session(self, session_id, capacity=None):
+        self.opened.append(session_id)
+        return 100
+
+    async def release_session(self, session_id):
+        pass
+
+    async def run(self, frames):
+        self.rows += [f.session_id for f in frames]
+        if self.fail_plans:
+            raise Unavailable("stage 1 is unreachable")
+        return [f.session_id for f in frames]
+
+
+def test_sessions_spread_over_healthy_lanes_and_a_failed_lane_fails_only_its_rows():
+    async def run():
+        a, b = _Lane(), _Lane()
+        ring = ReplicaLanes([a, b])
+        for sid in ("s1", "s2", "s3"):
+            await ring.open_session(sid)
+        assert (a.opened, b.opened) == (["s1", "s3"], ["s2"])
+        b.fail_plans = True
+        frames = [activation_pb2.ActivationFrame(session_id=s) for s in ("s1", "s2", "s3")]
+        answers = await ring.run(frames)
+        assert answers[0] == "s1" and answers[2] == "s3" and isinstance(answers[1], Unavailable)
+        a.watch.down[1] = "connection lost"  # lane a out of rotation
+        await ring.open_session("s4")
+        assert b.opened == ["s2", "s4"]
+        b.watch.down[0] = "connection lost"
+        with pytest.raises(Unavailable, match="stage 0"):
+            await ring.open_session("s5")
+        a.watch.down.clear()  # back: rejoins rotation
+        await ring.release_session("s1")
+        await ring.open_session("s6")
+        assert a.opened[-1] == "s6"
+
+    asyncio.run(run())
+
+
+def test_a_draining_lane_takes_no_new_sessions_and_closes_once_its_sessions_end():
+    async def run():
+        a, b = _Lane(), _Lane()
+        ring = ReplicaLanes([a, b])
+        await ring.open_session("s1")
+        ring.drain_lane(a)
+        await ring.open_session("s2")
+        await ring.open_session("s3")
+        assert (a.opened, b.opened) == (["s1"], ["s2", "s3"])
+        await asyncio.sleep(0.5)
+        assert not a.closed and a in ring.lanes  # s1 still runs there
+        await ring.release_session("s1")
+        for _ in range(50):
+            if a.closed:
+                break
+            await asyncio.sleep(0.1)
+        assert a.closed and ring.lanes == [b]
+
+    asyncio.run(run())
+
+
+def test_a_restore_moves_an_empty_session_to_the_lane_that_kept_the_prefix_while_it_serves():
+    async def run():
+        a, b = _Lane(), _Lane()
+        ring = ReplicaLanes([a, b])
+        prefix = list(range(64))
+        await ring.open_session("kept")  # a
+        await ring.keep_kv("kept", "me", prefix)
+        await ring.open_session("busy")  # b
+        await ring.open_session("new", 200)  # a: one each, the first lane wins the tie
+        await ring.release_session("busy")
+        await ring.open_session("s")  # b, the least loaded
+        await ring.restore_kv("s", "me", prefix, 64, 1.0)
+        assert (b.aborted, a.opened[-1], a.restored) == (["s"], "s", ["s"])
+        await ring.open_session("t")  # b
+        a.watch.down[0] = "connection lost"  # the holder is out: restored where the session is
+        await ring.restore_kv("t", "me", prefix, 64, 1.0)
+        assert b.restored == ["t"] and "t" not in a.opened
+
+    asyncio.run(run())
