@@ -51,7 +51,9 @@ def generate_local(args: argparse.Namespace, stream: bool) -> Summary:
     async def generate() -> Summary:
         params.validate(prompt_tokens=len(ids), max_context=ring.max_context, vocab_size=ring.vocab_size)
         summary = None
-        async for event in generation.run(ids, params, speculative=args.speculative, k=args.k):
+        async for event in generation.run(
+            ids, params, speculative=args.speculative, k=args.k, tree=args.tree
+        ):
             if isinstance(event, Summary):
                 summary = event
             elif stream:

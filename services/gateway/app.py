@@ -150,6 +150,7 @@ class Gateway:
             seed=body.seed,
             stop=body.stop_list(),
             ignore_eos=body.ignore_eos,
+            tree=body.tree or "",
             request_id=uuid.uuid4().hex[:24],
             logprobs=body.wants_logprobs,
         )

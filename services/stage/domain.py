@@ -34,6 +34,8 @@ class StepInput:
     sent_unix_nanos: int = 0
     owner: str = ""  # owner key of the session (pipeshard.ownership)
     sampling: SamplingStep | None = None  # with ReturnMode.SAMPLED
+    tree_chains: int = 1  # >1: the tokens are that many chains of a draft tree (stateful stages)
+    tree_keep: int = -1  # after a tree step: the chain whose cache the session keeps
 
 
 @dataclass

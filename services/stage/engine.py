@@ -54,10 +54,12 @@ class StageEngine:
         check_range("positions", step.positions, self.max_context)
         if self.is_first:
             check_range("input_ids", x, self.vocab_size)
+        chains = step.tree_chains  # a draft tree's chains, each continuing the cache (runtime.py)
+        check_tree(step, x.shape[1])
         check_step(
             session.past_length,
-            x.shape[1],
-            len(step.positions),
+            x.shape[1] // chains,
+            len(step.positions) // chains,
             step.return_last,
             max_context=self.max_context,
             is_last=self.is_last,
@@ -70,12 +72,16 @@ class StageEngine:
                 raise InvalidArgument(
                     "mask_update", f"range [{start}, {end}) is outside the cache of {session.past_length}"
                 )
+        if step.tree_keep >= 0:
+            session.keep_chain(step.tree_keep)
         for start, end in step.invalidate:
             session.invalidate(start, end)
         started = time.perf_counter_ns()
-        out = session.run(
-            x, step.positions.reshape(1, -1), return_last=step.return_last if self.is_last else 1
-        )
+        keep = step.return_last if self.is_last else 1
+        if chains > 1:
+            out = session.run_chains(x, step.positions, chains, return_last=keep)
+        else:
+            out = session.run(x, step.positions.reshape(1, -1), return_last=keep)
         elapsed_ns = time.perf_counter_ns() - started
         step.compute_micros.append(elapsed_ns // 1000)
         self.meters.step(elapsed_ns / 1e9, x.shape[1])  # rows: every token the step computed
@@ -96,6 +102,19 @@ def sample(logits: np.ndarray, step: StepInput) -> Sampled:
     spec = step.sampling
     tokens, state = sample_step(logits, spec.distribution, spec.draft_tokens, spec.rng_state)
     return Sampled(tokens, state)
+
+
+def check_tree(step: StepInput, tokens: int) -> None:
+    """A tree step's chains split its tokens and positions evenly and return Top1 or logits."""
+    chains = step.tree_chains
+    if chains == 1:
+        return
+    if tokens % chains or len(step.positions) != tokens:
+        raise InvalidArgument(
+            "tree_chains", f"must divide the step's {tokens} tokens and positions evenly, got {chains}"
+        )
+    if step.return_mode is ReturnMode.SAMPLED:
+        raise InvalidArgument("tree_chains", "tree steps return Top1 or logits, not RETURN_MODE_SAMPLED")
 
 
 def check_sampling(step: StepInput, vocab_size: int) -> None:

@@ -133,6 +133,8 @@ class PagedEngine:
         session = self.sessions.get(step.owner, step.session_id)
         if session.key in seen:
             raise InvalidArgument("session_id", f"{step.session_id!r} has two steps in one batch")
+        if step.tree_chains > 1 or step.tree_keep >= 0:  # PagedAttention takes no per-query mask
+            raise InvalidArgument("tree_chains", "draft trees need stateful stages (--kv stateful)")
         check_activations(step.activations, is_first=self.is_first, hidden_size=self.hidden_size)
         if self.is_last and step.return_mode is ReturnMode.SAMPLED:
             check_sampling(step, self.vocab_size)

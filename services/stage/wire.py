@@ -49,6 +49,8 @@ def step_from_frame(frame: activation_pb2.ActivationFrame, port: str) -> StepInp
         sent_unix_nanos=frame.sent_unix_nanos,
         owner=frame.owner,
         sampling=_sampling_step(frame) if frame.return_mode == activation_pb2.RETURN_MODE_SAMPLED else None,
+        tree_chains=max(1, frame.tree_chains),
+        tree_keep=frame.tree_keep - 1,
     )
 
 
@@ -208,6 +210,8 @@ def frame_from_output(
         sent_unix_nanos=step.sent_unix_nanos,
         owner=step.owner,
         sampling=sampling_request(step.sampling) if step.sampling is not None else None,
+        tree_chains=step.tree_chains if step.tree_chains > 1 else 0,
+        tree_keep=step.tree_keep + 1,
     )
 
 
@@ -257,6 +261,8 @@ def token_frame(
     return_last: int = 1,
     invalidate: list[tuple[int, int]] | None = None,
     sampling: activation_pb2.SamplingRequest | None = None,
+    chains: int = 1,
+    keep_chain: int = -1,
 ) -> activation_pb2.ActivationFrame:
     """The frame that carries token ids into stage 0 at logical positions ``start...``.
 
@@ -264,6 +270,8 @@ def token_frame(
     ``return_last`` ids (the last token and the drafts after it): Top1 when ``greedy``, drawn
     tokens when ``sampling`` is given, else logits. ``invalidate``: physical cache
     ranges every stage masks out before running (rejected drafts of the previous step).
+    ``chains`` > 1: ``ids`` are that many equal-length chains of a draft tree, each at positions
+    ``start...``; ``keep_chain``: the chain of the previous (tree) step whose cache is kept.
     """
     if fill_only:
         mode, sampling = activation_pb2.RETURN_MODE_NONE, None
@@ -274,7 +282,7 @@ def token_frame(
     return activation_pb2.ActivationFrame(
         session_id=session_id,
         step_id=step,
-        positions=range(start, start + len(ids)),
+        positions=list(range(start, start + len(ids) // chains)) * chains,
         mask_update=activation_pb2.MaskUpdate(
             invalidate=[activation_pb2.CacheRange(start=s, end=e) for s, e in invalidate or ()]
         ),
@@ -283,4 +291,6 @@ def token_frame(
         return_last=return_last,
         sent_unix_nanos=time.time_ns(),
         sampling=sampling,
+        tree_chains=chains if chains > 1 else 0,
+        tree_keep=keep_chain + 1,
     )
