@@ -260,6 +260,7 @@ class ShardSession:
         self._valid = 0
         self._rows = 1  # batch rows the state holds (W after a tree step of W chains)
         self._row = 0  # the row holding this sequence, gathered by the next inference
+        self._tree_start = 0  # physical length before the last tree step
         if runner.has_beam_idx:
             self._beam_idx = np.zeros(1, dtype=np.int32)
             self._req.set_input_tensor(self._idx["beam_idx"], ov.Tensor(self._beam_idx, shared_memory=True))
@@ -294,6 +295,16 @@ class ShardSession:
         self._past = 0
         self._valid = 0
         self._rows, self._row = 1, 0
+
+    @property
+    def pending_chains(self) -> bool:
+        """A tree step ran and no step has named the chain to keep yet."""
+        return self._rows > 1
+
+    @property
+    def tree_start(self) -> int:
+        """Physical length before the last tree step (every chain's row agrees below it)."""
+        return self._tree_start
 
     @property
     def kv_row(self) -> int:
@@ -435,6 +446,7 @@ class ShardSession:
             raise InvalidArgument("position_ids", f"has {pos.size} entries for {n} new tokens")
         self._check_chosen()
         past, total = self._past, self._past + t
+        self._tree_start = past
         if r.is_last:
             self._keep[...] = return_last
         self._mask[past:total] = 1
@@ -467,6 +479,10 @@ def export_kv(
     if not 0 < n <= valid:
         raise InvalidArgument("positions", f"must be in [1, {valid}] (the valid positions), got {n}")
     keep = np.flatnonzero(session.mask)[:n]
+    if session.pending_chains and keep[-1] >= session.tree_start:
+        raise FailedPrecondition(
+            f"positions past {session.tree_start} differ by chain until the next step names the one to keep"
+        )
     contiguous = keep[-1] == n - 1  # no holes before position n: a slice, no gather
     states = {s.name: s for s in session.infer_request.query_state()}
     arrays = []

@@ -138,6 +138,7 @@ class _Cursor:
         self.logical = 0
         self._rejected: list[tuple[int, int]] = []
         self._keep_chain = -1  # after a tree step: the chain whose cache the stages keep
+        self._tree_base = 0  # the logical length before the last tree step
 
     def frame(
         self,
@@ -149,6 +150,7 @@ class _Cursor:
         chains: int = 1,
     ) -> activation_pb2.ActivationFrame:
         """``chains`` > 1: ``ids`` are a draft tree's chains, each advancing the cache alike."""
+        self._tree_base = self.logical
         frame = token_frame(
             self.session_id,
             self.step,
@@ -172,6 +174,13 @@ class _Cursor:
     def keep_chain(self, chain: int) -> None:
         """The last (tree) step's chain ``chain`` holds the accepted path: the stages keep it."""
         self._keep_chain = chain
+
+    @property
+    def settled(self) -> int:
+        """Logical positions that sit in the session's one cache row on every stage: all of them,
+        or, while a tree step's chosen chain is not yet sent, those before that step (every
+        chain's row holds them alike)."""
+        return self.logical if self._keep_chain < 0 else self._tree_base
 
     def restored(self, positions: int) -> None:
         """The session starts with ``positions`` positions restored on every stage."""
@@ -277,7 +286,10 @@ class _Request:
             shape = TreeShape(self.tree.shape.width, min(self.tree.shape.depth, limit))
         else:
             k_step = self.policy.choose(limit)
-            shape = auto_shape(k_step, self.drafter.auto_tree_width) if self.tree.mode == "auto" else None
+            # auto: greedy requests only; a sampled tree step ships every chain's logits back
+            # where a chain's draw happens on the final stage (a few token ids)
+            auto = self.tree.mode == "auto" and self.sampler is None
+            shape = auto_shape(k_step, self.drafter.auto_tree_width) if auto else None
             if shape is None:
                 if not k_step:
                     return Draft([], None, 0.0)
@@ -636,7 +648,7 @@ class Generation:
         which no stage has seen) and indexes it, less the blocks the stages report dropped; a
         failure only costs the next request its hit."""
         sequence = request.prompt_ids + request.generated
-        tokens = sequence[: min(request.cursor.logical, len(sequence) - 1)]
+        tokens = sequence[: min(request.cursor.settled, len(sequence) - 1)]
         if len(tokens) < self.prefix.min_tokens:
             return
         try:

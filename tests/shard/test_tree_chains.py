@@ -16,7 +16,7 @@ import openvino as ov
 import openvino.opset13 as ops
 import pytest
 
-from pipeshard.errors import InvalidArgument
+from pipeshard.errors import FailedPrecondition, InvalidArgument
 from pipeshard.shard import paged
 from pipeshard.shard.runtime import ShardRunner, export_kv
 
@@ -75,6 +75,9 @@ def test_keep_chain_names_one_of_the_last_steps_chains(runner):
     with pytest.raises(InvalidArgument, match="tree_keep"):
         session.keep_chain(0)  # no tree step ran
     session.run_chains(np.array([[1, 2, 3, 4]]), np.array([10, 11, 10, 11]), 2, return_last=2)
+    assert export_kv(session, PROMPT.shape[1]).positions == PROMPT.shape[1]  # below the tree: shared
+    with pytest.raises(FailedPrecondition):
+        export_kv(session)  # the tree's positions differ by chain until one is named
     with pytest.raises(InvalidArgument, match="tree_keep"):
         session.keep_chain(2)
     with pytest.raises(InvalidArgument, match="tree_chains"):
