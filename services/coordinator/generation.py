@@ -375,14 +375,15 @@ class _Request:
             main = draft.tree.main
             fed = next((i for i, n in enumerate(self.outcome.path) if i >= len(main) or main[i] != n), kept)
             depth, proposed, seconds = draft.depth, len(draft.tree.nodes), draft.tree.seconds
+            positions = draft.width * (depth + 1)
         else:
             self.cursor.reject(len(draft.tokens) - kept)
             fed = kept
             depth = proposed = len(draft.tokens)
-            seconds = draft.seconds
+            seconds, positions = draft.seconds, None
         if self.drafter is not None and self.generated:
             self.drafter.commit(fed)
-            self.policy.observe(depth, kept, elapsed, seconds)
+            self.policy.observe(depth, kept, elapsed, seconds, positions)
             if proposed:
                 self.stats.verify_steps += 1
                 self.stats.draft_tokens += proposed

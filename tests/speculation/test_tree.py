@@ -140,3 +140,12 @@ def test_a_fixed_tree_on_paged_stages_is_refused_naming_tree():
     with pytest.raises(InvalidArgument) as err:
         generation.check_speculative("none", 0, "2x3")
     assert "tree" in str(err.value) and "'2x3'" in str(err.value)
+
+
+def test_a_tree_step_is_timed_by_the_positions_it_computed():
+    from pipeshard.services.coordinator.speculation.policy import KPolicy, TimingModel
+
+    policy = KPolicy(TimingModel(), fixed_k=None)
+    policy.observe(4, 2, 0.05, 0.0)  # a chain of 4 drafts: 5 positions
+    policy.observe(4, 2, 0.09, 0.0, positions=15)  # a tree of 3 chains of 4: 15
+    assert [s.positions for s in policy.timing.steps] == [5, 15]

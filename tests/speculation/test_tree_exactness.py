@@ -1,9 +1,10 @@
 """Tree verification is token-for-token target-only greedy decoding on INT4 shards at ``exact``
 (stateful stages in process: LocalRing), 128 tokens.
 
-``make test`` runs two tree shapes on 1 and 2 stages (prompt lookup's alternative continuations
-and the self-draft's top-k); ``make test-exactness`` runs every prompt on 1, 2 and 3 stages with
-more shapes and ``tree=auto``."""
+``make test`` runs two tree shapes on 1 stage (prompt lookup's alternative continuations and the
+self-draft's top-k; the same two on 2 stages are extended, as tests/pipeline/test_tree_fleet.py
+runs them through stage processes); ``make test-exactness`` runs every prompt on 1, 2 and 3
+stages with more shapes and ``tree=auto``."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ from tests.speculation.conftest import SPEC_PROMPTS
 
 TREE_TOKENS = 128
 SHAPES = (("ngram", "3x4"), ("self", "2x3"), ("ngram", "2x8"), ("self", "4x2"), ("ngram", "auto"))
-SUBSET = [(1, "ngram", "3x4", 2), (1, "self", "2x3", 4), (2, "ngram", "3x4", 6), (2, "self", "2x3", 1)]
+# The 2-stage pair runs through real stage processes in tests/pipeline/test_tree_fleet.py: extended.
+SUBSET = [
+    (1, "ngram", "3x4", 2),
+    (1, "self", "2x3", 4),
+    pytest.param(2, "ngram", "3x4", 6, marks=pytest.mark.extended),
+    pytest.param(2, "self", "2x3", 1, marks=pytest.mark.extended),
+]
 
 
 def _tree_generate(generation, ids, mode: str, tree: str) -> Summary:
@@ -53,7 +60,13 @@ def test_tree_greedy_is_exact_subset(
 @pytest.mark.slow
 @pytest.mark.exactness
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize(("stages", "shape"), list(itertools.product((1, 2, 3), SHAPES)))
+@pytest.mark.parametrize(
+    ("stages", "shape"),
+    [
+        pytest.param(n, shape, id=f"{n}s-{shape[0]}-{shape[1]}")
+        for n, shape in itertools.product((1, 2, 3), SHAPES)
+    ],
+)
 def test_tree_greedy_is_exact_full_matrix(spec_generation, greedy_reference, spec_prompt_ids, stages, shape):
     source, tree = shape
     for prompt in range(len(SPEC_PROMPTS)):
