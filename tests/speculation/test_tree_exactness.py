@@ -71,3 +71,26 @@ def test_tree_greedy_is_exact_full_matrix(spec_generation, greedy_reference, spe
     source, tree = shape
     for prompt in range(len(SPEC_PROMPTS)):
         _check(spec_generation, greedy_reference, spec_prompt_ids, stages, source, tree, prompt)
+
+
+@pytest.mark.slow
+def test_tree_logprobs_and_sampled_trees(spec_generation, spec_prompt_ids):
+    """Greedy trees report plain greedy's logprobs; a sampled tree (its rows' logits come back to
+    the coordinator) gives the same tokens for the same seed."""
+    generation, mode = spec_generation(1, "ngram", "int4")
+    ids = spec_prompt_ids[2]
+
+    async def run(tree: str, **sampling) -> Summary:
+        params = SamplingParams(max_tokens=32, ignore_eos=True, logprobs=True, **sampling)
+        events = [
+            e async for e in generation.run(ids, params, speculative=mode if tree else "none", tree=tree)
+        ]
+        return events[-1]
+
+    plain = asyncio.run(run(""))
+    tree = asyncio.run(run("3x4"))
+    assert tree.token_ids == plain.token_ids and tree.verify_steps > 0
+    assert max(abs(a - b) for a, b in zip(tree.logprobs, plain.logprobs, strict=True)) < 1e-3
+    first, again = (asyncio.run(run("3x4", temperature=0.8, seed=11)) for _ in range(2))
+    assert len(first.token_ids) == 32 and first.verify_steps > 0
+    assert first.token_ids == again.token_ids
