@@ -15,6 +15,17 @@ Part 3, WAN sweep (stage processes in network namespaces, tbf bandwidth cap, use
 forwarder; see docs/SERVICES.md): 2 and 3 stages at 0, 10, 50, 100 ms one-way per hop, plain
 decoding against fixed K and adaptive K with the best single-node draft source.
 
+Draft trees (issue 30): beside each source's chains, tree rows at BENCH_TREES (3x4,2x3) and
+`<source>-auto` (adaptive K with ``tree=auto``) against `<source>-chain-auto` (``tree=off``); the
+WAN fleets then run stateful stages (trees need them). Keys: ``single_node_speedup`` (the best
+configuration), ``bit_exact`` (every single-node configuration's tokens equal plain greedy's: INT4
+at the default precision, ``exact``), ``repetition_rate`` (the share of prompts whose plain greedy
+answer repeats a 4-gram more than 3 times), and from the WAN sweep ``speedup_at_100ms`` (the best
+configuration at 3 stages, 100 ms per hop, mean over the prompts run), ``tokens_per_traversal_at_100ms``
+(its committed tokens per verify traversal, the target's own included), ``adaptive_vs_best_fixed_min``
+and ``adaptive_over_plain_min`` (over every latency).
+
+BENCH_QUICK=1: 2 rounds after a warm-up, 24 tokens, K 5 only, the WAN sweep at 3 stages, 0 and 100 ms.
 Sizes: BENCH_RUNS (10), BENCH_TOKENS (24 single node), BENCH_WAN_TOKENS (24), BENCH_WAN_PROMPTS (2).
 BENCH_PARTS (single,exact,wan) runs some of the parts only (the JSON is then named after them:
 bench/results/spec-single.json); BENCH_KS (1,3,5,8,10) sets the single node's fixed K (empty:
@@ -43,17 +54,21 @@ from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.shard.chain import LocalChain
 from pipeshard.shard.prompting import Prompter
 
-RUNS = int(os.environ.get("BENCH_RUNS", "10"))
+QUICK = os.environ.get("BENCH_QUICK") == "1"
+RUNS = int(os.environ.get("BENCH_RUNS", "2" if QUICK else "10"))
 TOKENS = int(os.environ.get("BENCH_TOKENS", "24"))
 WAN_TOKENS = int(os.environ.get("BENCH_WAN_TOKENS", "24"))
 WAN_PROMPTS = int(os.environ.get("BENCH_WAN_PROMPTS", "2"))
-KS = tuple(int(k) for k in os.environ.get("BENCH_KS", "1,3,5,8,10").split(",") if k)
+KS = tuple(int(k) for k in os.environ.get("BENCH_KS", "5" if QUICK else "1,3,5,8,10").split(",") if k)
+TREES = tuple(t for t in os.environ.get("BENCH_TREES", "3x4,2x3").split(",") if t)
 ALL_PARTS = ("single", "exact", "wan")
 PARTS = tuple(p for p in ALL_PARTS if p in os.environ.get("BENCH_PARTS", ",".join(ALL_PARTS)).split(","))
-WAN_KS = tuple(int(k) for k in os.environ.get("BENCH_WAN_KS", "5,10").split(","))
+WAN_KS = tuple(int(k) for k in os.environ.get("BENCH_WAN_KS", "5" if QUICK else "5,10").split(","))
 EXACT_KS = (1, 5, 10)
-DELAYS_MS = tuple(float(d) for d in os.environ.get("BENCH_WAN_DELAYS", "0,10,50,100").split(","))
-WAN_STAGES = tuple(int(n) for n in os.environ.get("BENCH_WAN_STAGES", "2,3").split(","))
+DELAYS_MS = tuple(
+    float(d) for d in os.environ.get("BENCH_WAN_DELAYS", "0,100" if QUICK else "0,10,50,100").split(",")
+)
+WAN_STAGES = tuple(int(n) for n in os.environ.get("BENCH_WAN_STAGES", "3" if QUICK else "2,3").split(","))
 WAN_SOURCE = os.environ.get("BENCH_WAN_SOURCE")  # default: the best single-node source at K = 10
 RATE_MBIT = 100.0
 SELF_DRAFT = {"layers": 4, "vocab": 8192}
@@ -101,14 +116,14 @@ def drafts_for(target: Path) -> tuple[Path, Path]:
 
 
 def run_prompts(
-    loop, generation: Generation, prompts: list[list[int]], tokens: int, mode: str, k: int
+    loop, generation: Generation, prompts: list[list[int]], tokens: int, mode: str, k: int, tree: str = "off"
 ) -> dict:
     """Greedy generations of every prompt; decode tok/s over all of them plus per-prompt stats."""
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     per_prompt = []
 
     async def one(ids):
-        async for event in generation.run(ids, params, speculative=mode, k=k):
+        async for event in generation.run(ids, params, speculative=mode, k=k, tree=tree):
             if isinstance(event, Summary):
                 return event
 
@@ -147,20 +162,15 @@ def single_node(loop, target: Path, self_draft: Path, hf_draft: Path, prompts: l
     ring.stages.warmup()
     drafts = DraftSources(target, self_draft=self_draft, named={"hf": hf_draft})
     generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, drafts=drafts)
-    sources = {"ngram": "ngram", "self": "self", "hf": "hf"}
-    configs: dict[str, tuple[str, int]] = {"plain": ("none", 0)}
-    for name, mode in sources.items():
-        for k in KS:
-            configs[f"{name}-k{k}"] = (mode, k)
-        configs[f"{name}-auto"] = (mode, 0)
+    configs = spec_configs(("ngram", "self") if QUICK else ("ngram", "self", "hf"), KS)
     last: dict[str, dict] = {}
     per_prompt: dict[str, list[list[float]]] = {n: [] for n in configs}
 
     def runner(name: str):
-        mode, k = configs[name]
+        mode, k, tree = configs[name]
 
         def run() -> float:
-            last[name] = run_prompts(loop, generation, prompts, TOKENS, mode, k)
+            last[name] = run_prompts(loop, generation, prompts, TOKENS, mode, k, tree)
             per_prompt[name].append(last[name]["per_prompt_tok_s"])
             return last[name]["tok_s"]
 
@@ -185,17 +195,45 @@ def single_node(loop, target: Path, self_draft: Path, hf_draft: Path, prompts: l
         }
     best = max((n for n in configs if n != "plain"), key=lambda n: rows[n]["tok_s"])
     agreement = bf16_agreement(target, prompts, last)
-    trim = trim_cost(target, prompts[0])
-    draft_cost = draft_costs(target, self_draft, hf_draft, drafts)
-    return {
+    out = {
         "configs": rows,
         "best": best,
         "single_node_speedup": rows[best]["speedup"],
         "single_node_speedup_ci95": rows[best]["speedup_ci95"],
         "bf16_agreement": agreement,
-        "physical_trim_ms_per_call": trim * 1000.0,
-        "draft_cost": draft_cost,
+        "bit_exact": agreement["sequences_identical"] == agreement["sequences_compared"],
+        "repetition_rate": repetition_rate(last["plain"]["tokens"]),
     }
+    if not QUICK:
+        out["physical_trim_ms_per_call"] = trim_cost(target, prompts[0]) * 1000.0
+        out["draft_cost"] = draft_costs(target, self_draft, hf_draft, drafts)
+    return out
+
+
+def spec_configs(sources: tuple[str, ...], ks: tuple[int, ...]) -> dict[str, tuple[str, int, str]]:
+    """name -> (draft source, K (0: adaptive), tree): plain, each source's chains at every K and
+    adaptive, its trees at every BENCH_TREES shape, and adaptive K with ``tree=auto``."""
+    configs: dict[str, tuple[str, int, str]] = {"plain": ("none", 0, "off")}
+    for source in sources:
+        for k in ks:
+            configs[f"{source}-k{k}"] = (source, k, "off")
+        configs[f"{source}-chain-auto"] = (source, 0, "off")
+        for shape in TREES:
+            configs[f"{source}-tree{shape}"] = (source, 0, shape)
+        configs[f"{source}-auto"] = (source, 0, "auto")
+    return configs
+
+
+def repetition_rate(answers: list[list[int]]) -> float:
+    """The share of answers that repeat some 4-gram more than 3 times (looping text, whose
+    speculative figures would flatter prompt lookup)."""
+    from collections import Counter
+
+    def loops(tokens: list[int]) -> bool:
+        grams = Counter(tuple(tokens[i : i + 4]) for i in range(len(tokens) - 3))
+        return any(n > 3 for n in grams.values())
+
+    return sum(loops(a) for a in answers) / len(answers) if answers else 0.0
 
 
 def bf16_agreement(target: Path, prompts: list[list[int]], last: dict) -> dict:
@@ -296,24 +334,36 @@ def exactness(loop, self_draft: Path, hf_draft: Path, prompts: list[list[int]]) 
 def wan_sweep(self_draft: Path, hf_draft: Path, source: str, prompts: list[str]) -> dict:
     from pipeshard.services.wan.emulator import WanFleet
 
-    mode = source  # the coordinator is started with --draft hf=<folder>: clients pick names
-    configs = {"plain": ("none", 0), **{f"k{k}": (mode, k) for k in WAN_KS}, "auto": (mode, 0)}
+    # the coordinator is started with --draft hf=<folder>: clients pick names
+    configs = {n.removeprefix(f"{source}-"): c for n, c in spec_configs((source,), WAN_KS).items()}
     out: dict[str, dict] = {}
     for stages in WAN_STAGES:
         shards = ensure_export(stages)
         for delay in DELAYS_MS:
             run_dir = Path(f"run/bench-spec-wan-{stages}s-{delay:g}ms")
             extra = ["--self-draft", str(self_draft), "--draft", f"hf={hf_draft}", "--step-timeout-s", "120"]
-            with WanFleet(shards, stages, delay, RATE_MBIT, run_dir, extra_coordinator_args=extra) as fleet:
+            # Draft trees need stateful stages; their compiled-model cache would go into the export.
+            stateful = ["--kv", "stateful", "--compile-cache-dir", "off"] if TREES else []
+            with WanFleet(
+                shards,
+                stages,
+                delay,
+                RATE_MBIT,
+                run_dir,
+                extra_stage_args=stateful,
+                extra_coordinator_args=extra,
+            ) as fleet:
                 client = PipeshardClient(fleet.coordinator, timeout_s=600)
                 last: dict[str, dict] = {}
 
                 def runner(name: str, client=client, last=last):
-                    spec, k = configs[name]
+                    spec, k, tree = configs[name]
 
                     def run() -> float:
                         results = [
-                            client.generate(p, max_tokens=WAN_TOKENS, ignore_eos=True, speculative=spec, k=k)
+                            client.generate(
+                                p, max_tokens=WAN_TOKENS, ignore_eos=True, speculative=spec, k=k, tree=tree
+                            )
                             for p in prompts
                         ]
                         last[name] = _fold(results)
@@ -326,7 +376,9 @@ def wan_sweep(self_draft: Path, hf_draft: Path, source: str, prompts: list[str])
                 emulation = fleet.emulation
             key = f"{stages}s-{delay:g}ms"
             plain = samples["plain"]
-            best_fixed = max((f"k{k}" for k in WAN_KS), key=lambda n: median(samples[n]))
+            fixed = [n for n in configs if n not in ("plain", "auto", "chain-auto")]
+            best_fixed = max(fixed, key=lambda n: median(samples[n]))
+            best = max((n for n in configs if n != "plain"), key=lambda n: median(samples[n]))
             out[key] = {
                 "stages": stages,
                 "delay_ms": delay,
@@ -336,6 +388,8 @@ def wan_sweep(self_draft: Path, hf_draft: Path, source: str, prompts: list[str])
                 "speedup_ci95": {n: ratio_ci(v, plain)[1] for n, v in samples.items() if n != "plain"},
                 "best_fixed": best_fixed,
                 "adaptive_over_best_fixed": median(samples["auto"]) / median(samples[best_fixed]),
+                "adaptive_over_plain": median(samples["auto"]) / median(plain),
+                "best": best,
                 "spec": {n: spec_stats(r) for n, r in last.items() if n != "plain"},
                 "tokens_match_plain": {
                     n: sum(a == b for a, b in zip(r["tokens"], last["plain"]["tokens"], strict=True))
@@ -387,19 +441,21 @@ def main() -> int:
         single = single_node(loop, target, self_draft, hf_draft, prompts)
         result["tok_s"] = {n: r["tok_s"] for n, r in single["configs"].items()}
         result["single_node_speedup"] = single["single_node_speedup"]
+        result["bit_exact"] = single["bit_exact"]
+        result["repetition_rate"] = single["repetition_rate"]
         result["single_node"] = single
     if "exact" in PARTS:
         exact = exactness(loop, self_draft, hf_draft, prompts)
-        result["bit_exact"] = all(v == exact["sequences_per_config"] for v in exact["identical"].values())
+        result["bit_exact_f32"] = all(v == exact["sequences_per_config"] for v in exact["identical"].values())
         result["exactness_f32"] = exact
     loop.close()
     if "wan" in PARTS:
         # The WAN draft source: the one that keeps the most tokens per verify at K = 10.
         source = WAN_SOURCE or "ngram"
-        if WAN_SOURCE is None and single is not None and 10 in KS:
+        if WAN_SOURCE is None and single is not None and KS:
             source = max(
-                ("ngram", "self", "hf"),
-                key=lambda s: single["configs"][f"{s}-k10"]["tokens_per_verify"] or 0,
+                ("ngram", "self") if QUICK else ("ngram", "self", "hf"),
+                key=lambda s: single["configs"][f"{s}-k{max(KS)}"]["tokens_per_verify"] or 0,
             )
         texts = dict(KINDS)
         wan = wan_sweep(self_draft, hf_draft, source, [texts[k] for k in WAN_KINDS[:WAN_PROMPTS]])
@@ -407,12 +463,17 @@ def main() -> int:
             plot_path = Path("docs/img/bench-spec-wan.png")
             plot(wan, plot_path)
             result["plot"] = str(plot_path)
+        at_100 = wan.get("3s-100ms")
         result |= {
             "wan_tokens": WAN_TOKENS,
             "wan_prompts": list(WAN_KINDS[:WAN_PROMPTS]),
             "wan_source": source,
-            "speedup_at_100ms": max(wan["3s-100ms"]["speedup"].values()) if "3s-100ms" in wan else None,
+            "speedup_at_100ms": at_100["speedup"][at_100["best"]] if at_100 else None,
+            "tokens_per_traversal_at_100ms": at_100["spec"][at_100["best"]]["tokens_per_verify"]
+            if at_100
+            else None,
             "adaptive_vs_best_fixed_min": min(v["adaptive_over_best_fixed"] for v in wan.values()),
+            "adaptive_over_plain_min": min(v["adaptive_over_plain"] for v in wan.values()),
             "wan": wan,
         }
     knobs = " ".join(
@@ -425,6 +486,9 @@ def main() -> int:
             "BENCH_WAN_DELAYS",
             "BENCH_WAN_KS",
             "BENCH_WAN_SOURCE",
+            "BENCH_TREES",
+            "BENCH_QUICK",
+            "BENCH_RUNS",
         )
         if k in os.environ
     )

@@ -51,6 +51,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "coordinator's; none with --local)",
     )
     p.add_argument("--k", type=_k, default=0, metavar="N|auto", help="drafts per verify step (default auto)")
+    p.add_argument(
+        "--tree",
+        default="",
+        metavar="auto|off|WxD",
+        help="draft trees: auto (the coordinator chooses a tree or a chain; the default), off (chains) "
+        "or WxD (up to W candidate paths of D levels; stateful stages)",
+    )
     p.add_argument("--self-draft", type=Path, default=None, help="--local only: the self-draft export")
     p.add_argument(
         "--precision", default=None, help="--local only: exact, fast or f32 (unset: the default, exact)"
@@ -112,6 +119,7 @@ def _remote(args: argparse.Namespace, stream: bool) -> GenerateResult:
                 ignore_eos=args.ignore_eos,
                 speculative=args.speculative,
                 k=args.k,
+                tree=args.tree,
             ):
                 if stream and response.HasField("chunk"):
                     print(response.chunk.text, end="", flush=True)

@@ -123,6 +123,7 @@ def build_request(
     ignore_eos: bool = False,
     speculative: str = "",
     k: int = 0,
+    tree: str = "",
     request_id: str = "",
     logprobs: bool = False,
 ) -> coordinator_pb2.GenerateRequest:
@@ -147,6 +148,7 @@ def build_request(
         params=params,
         speculative=speculative,
         k=k,
+        tree=tree,
         request_id=request_id,
     )
 

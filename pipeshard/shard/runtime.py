@@ -11,6 +11,14 @@ queries then ignore them. ``position_ids`` are logical (rotary) positions; by de
 continues at the number of valid positions, which is right after rewinds of rejected tokens.
 ``trim(length)`` cuts the state physically instead: the reference the mask-based rewind is
 tested against, and the cost it avoids (``time_trim``).
+
+Draft trees (``run_chains``): the stage's attention mask is per cache position, not per query, so a
+tree cannot run as one sequence; its root-to-leaf chains run as batch rows instead. The export's
+``beam_idx`` input gathers the cache's batch rows before every inference: ``[row] * W`` copies
+the sequence's cache into W rows for the chains, and after acceptance ``keep_chain`` makes the
+next inference gather the accepted chain's row back into one. So the accepted path sits
+contiguously at the physical positions it was written at, and its rejected tail is masked like
+a chain's (docs/ARCHITECTURE.md, "Draft trees").
 """
 
 from __future__ import annotations
@@ -250,6 +258,9 @@ class ShardSession:
         self._mask = np.ones(runner.max_context, dtype=np.int64)
         self._past = 0
         self._valid = 0
+        self._rows = 1  # batch rows the state holds (W after a tree step of W chains)
+        self._row = 0  # the row holding this sequence, gathered by the next inference
+        self._tree_start = 0  # physical length before the last tree step
         if runner.has_beam_idx:
             self._beam_idx = np.zeros(1, dtype=np.int32)
             self._req.set_input_tensor(self._idx["beam_idx"], ov.Tensor(self._beam_idx, shared_memory=True))
@@ -283,6 +294,36 @@ class ShardSession:
         self._mask[:] = 1
         self._past = 0
         self._valid = 0
+        self._rows, self._row = 1, 0
+
+    @property
+    def pending_chains(self) -> bool:
+        """A tree step ran and no step has named the chain to keep yet."""
+        return self._rows > 1
+
+    @property
+    def tree_start(self) -> int:
+        """Physical length before the last tree step (every chain's row agrees below it)."""
+        return self._tree_start
+
+    @property
+    def kv_row(self) -> int:
+        """The batch row of the state that holds this sequence's cache."""
+        return self._row
+
+    def keep_chain(self, index: int) -> None:
+        """After ``run_chains``: keep chain ``index``'s cache (the next inference gathers it)."""
+        if self._rows == 1 or not 0 <= index < self._rows:
+            raise InvalidArgument(
+                "tree_keep", f"must name one of the {self._rows} chains of the last step, got {index}"
+            )
+        self._row, self._rows = index, 1
+
+    def _check_chosen(self) -> None:
+        if self._rows > 1:
+            raise InvalidArgument(
+                "tree_keep", f"the last step ran {self._rows} chains: this step must name the one to keep"
+            )
 
     def invalidate(self, start: int, end: int) -> None:
         """Mask physical positions [start, end) out of every later query (state untouched)."""
@@ -319,6 +360,7 @@ class ShardSession:
         self._mask[:] = 1
         self._past = length
         self._valid = length
+        self._rows, self._row = 1, 0
 
     # -- compute ----------------------------------------------------------------------------
     def _check_input(self, x: np.ndarray) -> np.ndarray:
@@ -360,6 +402,7 @@ class ShardSession:
         else:
             pos = np.ascontiguousarray(np.asarray(position_ids, dtype=np.int64).reshape(1, -1))
         check_step(past, t, pos.shape[1], return_last, max_context=r.max_context, is_last=r.is_last)
+        self._check_chosen()
         if r.is_last:
             self._keep[...] = return_last
         self._mask[past:total] = 1
@@ -368,11 +411,61 @@ class ShardSession:
         req.set_input_tensor(idx[r.input_name], ov.Tensor(x, shared_memory=True))
         req.set_input_tensor(idx["attention_mask"], ov.Tensor(mask, shared_memory=True))
         req.set_input_tensor(idx["position_ids"], ov.Tensor(pos, shared_memory=True))
+        if self._row:  # the first inference after a tree step gathers the kept chain
+            self._beam_idx[0] = self._row
         req.infer()
+        if self._row:
+            self._beam_idx[0] = self._row = 0
         self._past = total
         self._valid += t
         out = req.get_output_tensor(0).data
         return out.copy() if copy else out
+
+    def run_chains(
+        self, x: np.ndarray, position_ids: np.ndarray, chains: int, return_last: int = 1
+    ) -> np.ndarray:
+        """Run ``chains`` equal-length chains that each continue this sequence: ``x`` holds them
+        concatenated ([1, W*T] ids or [1, W*T, H] hidden states), ``position_ids`` their W*T
+        logical positions. Returns [1, W*T, H], or logits [1, W*return_last, vocab] on the last
+        stage, chain after chain. Until ``keep_chain`` names the chain to keep, no step may run."""
+        r = self.runner
+        if not r.has_beam_idx:
+            raise InvalidArgument("tree_chains", "this stage's export has no beam_idx input: no draft trees")
+        x = self._check_input(np.asarray(x))
+        n = x.shape[1]
+        if chains < 2 or n % chains:
+            raise InvalidArgument(
+                "tree_chains", f"must be >= 2 and divide the step's {n} tokens, got {chains}"
+            )
+        t = n // chains
+        pos = np.ascontiguousarray(np.asarray(position_ids, dtype=np.int64).reshape(-1))
+        check_step(
+            self._past, t, pos.size // chains, return_last, max_context=r.max_context, is_last=r.is_last
+        )
+        if pos.size != n:
+            raise InvalidArgument("position_ids", f"has {pos.size} entries for {n} new tokens")
+        self._check_chosen()
+        past, total = self._past, self._past + t
+        self._tree_start = past
+        if r.is_last:
+            self._keep[...] = return_last
+        self._mask[past:total] = 1
+        req, idx = self._req, self._idx
+        rows = np.ascontiguousarray(x.reshape(chains, t, *x.shape[2:]))
+        req.set_input_tensor(idx[r.input_name], ov.Tensor(rows))
+        req.set_input_tensor(idx["attention_mask"], ov.Tensor(np.tile(self._mask[:total], (chains, 1))))
+        req.set_input_tensor(idx["position_ids"], ov.Tensor(pos.reshape(chains, t)))
+        req.set_input_tensor(idx["beam_idx"], ov.Tensor(np.full(chains, self._row, dtype=np.int32)))
+        try:
+            req.infer()
+        finally:
+            req.set_input_tensor(idx["beam_idx"], ov.Tensor(self._beam_idx, shared_memory=True))
+        self._beam_idx[0] = self._row = 0
+        self._rows = chains
+        self._past = total
+        self._valid += t
+        out = req.get_output_tensor(0).data
+        return out.reshape(1, -1, out.shape[-1]).copy()
 
 
 def export_kv(
@@ -386,11 +479,15 @@ def export_kv(
     if not 0 < n <= valid:
         raise InvalidArgument("positions", f"must be in [1, {valid}] (the valid positions), got {n}")
     keep = np.flatnonzero(session.mask)[:n]
+    if session.pending_chains and keep[-1] >= session.tree_start:
+        raise FailedPrecondition(
+            f"positions past {session.tree_start} differ by chain until the next step names the one to keep"
+        )
     contiguous = keep[-1] == n - 1  # no holes before position n: a slice, no gather
     states = {s.name: s for s in session.infer_request.query_state()}
     arrays = []
     for name in session.runner.state_variables:
-        data = states[name].state.data[0]  # [kv_heads, past, head_dim]
+        data = states[name].state.data[session.kv_row]  # [kv_heads, past, head_dim]
         arrays.append(data[:, :n] if contiguous else data[:, keep])
     return KvBlob.build(session.runner.kv_source, arrays, tuple(token_ids), checksum=checksum)
 

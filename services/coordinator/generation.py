@@ -50,6 +50,17 @@ from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
 from pipeshard.services.coordinator.speculation.policy import BatchSteps, KPolicy, SourceMemory, TimingModel
 from pipeshard.services.coordinator.speculation.sources import DraftSources
+from pipeshard.services.coordinator.speculation.tree import (
+    ROOT,
+    TREE_OFF,
+    TreeChains,
+    TreeChoice,
+    TreeOutcome,
+    TreeShape,
+    accept_tree_greedy,
+    accept_tree_sampled,
+    auto_shape,
+)
 from pipeshard.services.coordinator.step_batcher import DEFAULT_PREFILL_CHUNK, StepBatcher
 from pipeshard.services.stage.domain import RowKind, SamplingStep
 from pipeshard.services.stage.wire import token_frame
@@ -143,6 +154,8 @@ class _Cursor:
         self.physical = 0
         self.logical = 0
         self._rejected: list[tuple[int, int]] = []
+        self._keep_chain = -1  # after a tree step: the chain whose cache the stages keep
+        self._tree_base = 0  # the logical length before the last tree step
 
     def frame(
         self,
@@ -152,7 +165,10 @@ class _Cursor:
         return_last: int = 1,
         sampling: SamplingStep | None = None,
         kind: RowKind | None = None,
+        chains: int = 1,
     ) -> activation_pb2.ActivationFrame:
+        """``chains`` > 1: ``ids`` are a draft tree's chains, each advancing the cache alike."""
+        self._tree_base = self.logical
         frame = token_frame(
             self.session_id,
             self.step,
@@ -164,12 +180,26 @@ class _Cursor:
             invalidate=self._rejected,
             sampling=sampling,
             kind=kind,
+            chains=chains,
+            keep_chain=self._keep_chain,
         )
         self._rejected = []
+        self._keep_chain = -1
         self.step += 1
-        self.physical += len(ids)
-        self.logical += len(ids)
+        self.physical += len(ids) // chains
+        self.logical += len(ids) // chains
         return frame
+
+    def keep_chain(self, chain: int) -> None:
+        """The last (tree) step's chain ``chain`` holds the accepted path: the stages keep it."""
+        self._keep_chain = chain
+
+    @property
+    def settled(self) -> int:
+        """Logical positions that sit in the session's one cache row on every stage: all of them,
+        or, while a tree step's chosen chain is not yet sent, those before that step (every
+        chain's row holds them alike)."""
+        return self.logical if self._keep_chain < 0 else self._tree_base
 
     def restored(self, positions: int) -> None:
         """The session starts with ``positions`` positions restored on every stage."""
@@ -225,8 +255,12 @@ class _Request:
         stop_ids: set[int],
         metered: bool = True,
         truncates: bool = False,
+        tree: TreeChoice = TREE_OFF,
     ):
         self.session_id = session_id
+        # Draft trees need stages that keep a chain's cache apart (stateful), not a paged ring.
+        self.tree = tree if not truncates else TREE_OFF
+        self.outcome: TreeOutcome | None = None  # what the last tree step accepted
         self.metered = metered  # False for the coordinator's warm-up: not a client's tokens
         self.prompt_ids = prompt_ids
         self.params = params
@@ -278,22 +312,45 @@ class _Request:
         for start in range(0, len(tokens), chunk):
             yield self.cursor.frame(tokens[start : start + chunk], fill_only=True)
 
-    def draft(self) -> Draft:
-        """Chooses K and drafts that many tokens (none on the first step or without a drafter)."""
+    def draft(self) -> Draft | TreeChains:
+        """Chooses K (or the tree's shape) and drafts (none on the first step or without a
+        drafter); a tree with one path goes as a chain."""
         if self.drafter is None or not self.generated:
             return Draft([], None, 0.0)
         remaining = self.params.max_tokens - len(self.generated)
         # Rejected drafts use cache room too: always leave room to finish plainly.
-        room = self.max_context - self.cursor.physical - remaining
-        k_step = self.policy.choose(min(remaining - 1, room))
-        if not k_step:
+        limit = min(remaining - 1, self.max_context - self.cursor.physical - remaining)
+        if self.tree.shape is not None:
+            shape = TreeShape(self.tree.shape.width, min(self.tree.shape.depth, limit))
+        else:
+            k_step = self.policy.choose(limit)
+            # auto: greedy requests only; a sampled tree step ships every chain's logits back
+            # where a chain's draw happens on the final stage (a few token ids)
+            auto = self.tree.mode == "auto" and self.sampler is None
+            shape = auto_shape(k_step, self.drafter.auto_tree_width) if auto else None
+            if shape is None:
+                if not k_step:
+                    return Draft([], None, 0.0)
+                return self.drafter.propose(self.context, k_step, self.sample)
+        if shape.depth < 1:
             return Draft([], None, 0.0)
-        return self.drafter.propose(self.context, k_step, self.sample)
+        tree = self.drafter.propose_tree(self.context, shape)
+        if len(tree.leaves()) > 1:
+            return tree.chains()
+        return Draft([n.token for n in tree.nodes], None, tree.seconds)
 
-    def frame(self, draft: Draft) -> activation_pb2.ActivationFrame:
-        """The step's frame: the pending tokens plus the draft, returning a row per draft token + 1.
-        A row that still carries prompt tokens is the prompt's last chunk; then a decode row, or a
-        verify row with drafts."""
+    def frame(self, draft: Draft | TreeChains) -> activation_pb2.ActivationFrame:
+        """The step's frame: the pending tokens plus the draft, returning a row per draft token + 1
+        (of a tree: per chain, the pending token and the chain's padded path). A row that still
+        carries prompt tokens is the prompt's last chunk; then a decode row, or a verify row with
+        drafts (a tree's chains are one verify row)."""
+        if isinstance(draft, TreeChains):
+            return self.cursor.frame(
+                draft.token_ids(self.pending),
+                return_last=draft.depth + 1,
+                kind=RowKind.VERIFY,
+                chains=draft.width,
+            )
         if self.cursor.logical < len(self.prompt_ids):
             kind = RowKind.PREFILL
         else:
@@ -312,14 +369,17 @@ class _Request:
         if (
             self.sampler is None
             or not self.final_stage_sampling
+            or isinstance(draft, TreeChains)  # trees are accepted here, from the logits
             or draft.probs is not None
             or self.params.logprobs
         ):
             return None
         return SamplingStep(self.sampler.distribution, rng_state(self.sampler.rng), list(draft.tokens))
 
-    def accept(self, draft: Draft, result: activation_pb2.StepResult) -> list[int]:
+    def accept(self, draft: Draft | TreeChains, result: activation_pb2.StepResult) -> list[int]:
         """The tokens this step keeps: the agreed draft prefix plus the target's next token."""
+        if isinstance(draft, TreeChains):
+            return self._accept_tree(draft, result)
         if self.sampler is None:
             new = accept_greedy(draft.tokens, list(result.top1.token_ids))
             if self.params.logprobs:  # greedy keeps row i's argmax, whose probability Top1 carries
@@ -334,19 +394,45 @@ class _Request:
             self.new_logprobs = token_logprobs(rows, new)
         return new
 
-    def record(self, draft: Draft, new: list[int], elapsed: float) -> None:
+    def _accept_tree(self, chains: TreeChains, result: activation_pb2.StepResult) -> list[int]:
+        if self.sampler is None:
+            self.outcome = accept_tree_greedy(chains, list(result.top1.token_ids))
+        else:
+            logits = decode(result.logits, field="logits")
+            self.outcome = accept_tree_sampled(chains, logits, self.sampler.probabilities, self.sampler.rng)
+        if self.params.logprobs:  # token i came from the row after the i-th node of the path
+            rows = [chains.row_of(node) for node in [ROOT, *self.outcome.path]]
+            if self.sampler is None:
+                self.new_logprobs = [math.log(result.top1.probabilities[r]) for r in rows]
+            else:
+                self.new_logprobs = token_logprobs(logits[rows], self.outcome.tokens)
+        return self.outcome.tokens
+
+    def record(self, draft: Draft | TreeChains, new: list[int], elapsed: float) -> None:
         """Masks rejected drafts out of the cache and feeds the K policy and the summary counters."""
         kept = len(new) - 1
-        self.cursor.reject(len(draft.tokens) - kept)
+        if isinstance(draft, TreeChains):
+            # The stages keep the accepted path's chain; its tail past the path is masked out.
+            self.cursor.reject(draft.depth - kept)
+            self.cursor.keep_chain(self.outcome.chain)
+            main = draft.tree.main
+            fed = next((i for i, n in enumerate(self.outcome.path) if i >= len(main) or main[i] != n), kept)
+            depth, proposed, seconds = draft.depth, len(draft.tree.nodes), draft.tree.seconds
+            positions = draft.width * (depth + 1)
+        else:
+            self.cursor.reject(len(draft.tokens) - kept)
+            fed = kept
+            depth = proposed = len(draft.tokens)
+            seconds, positions = draft.seconds, None
         if self.drafter is not None and self.generated:
-            self.drafter.commit(kept)
-            self.policy.observe(len(draft.tokens), kept, elapsed, draft.seconds)
-            if draft.tokens:
+            self.drafter.commit(fed)
+            self.policy.observe(depth, kept, elapsed, seconds, positions)
+            if proposed:
                 self.progress.verify_steps += 1
-                self.progress.draft_tokens += len(draft.tokens)
+                self.progress.draft_tokens += proposed
                 self.progress.accepted_tokens += kept
                 if self.metered:
-                    SPECULATIVE_DRAFTED.labels(source=self.progress.speculative).inc(len(draft.tokens))
+                    SPECULATIVE_DRAFTED.labels(source=self.progress.speculative).inc(proposed)
                     SPECULATIVE_ACCEPTED.labels(source=self.progress.speculative).inc(kept)
         if not self.generated:
             self.first_at = time.perf_counter()
@@ -474,11 +560,15 @@ class Generation:
         """Waits for the session releases still under way (before the ring closes)."""
         await asyncio.gather(*self._releases, return_exceptions=True)
 
-    def check_speculative(self, speculative: str, k: int) -> str:
-        """The mode a request resolves to; InvalidArgument for an unknown source or K."""
+    def check_speculative(self, speculative: str, k: int, tree: str = "") -> str:
+        """The mode a request resolves to; InvalidArgument for an unknown source, K or tree."""
         mode = speculative or self.default_speculative
         if not 0 <= k <= 32:
             raise InvalidArgument("k", f"must be 0 (adaptive) or 1..32, got {k}")
+        if TreeChoice.parse(tree).shape is not None and getattr(self._ring, "truncates_on_rewind", False):
+            raise InvalidArgument(
+                "tree", f"{tree!r} needs stateful stages (--kv stateful); these are paged: use auto or off"
+            )
         if mode != "none":
             if self._drafts is None:
                 raise InvalidArgument("speculative", "this coordinator has no draft sources")
@@ -495,13 +585,14 @@ class Generation:
         metered: bool = True,
         scope: str = "",
         cache: bool = True,
+        tree: str = "",
     ) -> AsyncIterator[Chunk | Summary]:
         """Streams Chunks then one Summary; raises if nothing was streamed or a stage is
         unreachable, and otherwise ends a failed generation with an "error" Summary. ``metered``
         False keeps a generation (the coordinator's warm-up) out of the token metrics; ``scope``
         names whose prefix cache entries the request may use (its client); ``cache=False`` keeps
-        it out of the prefix cache."""
-        request = await self._open(prompt_ids, params, speculative, k, metered)
+        it out of the prefix cache; ``tree``: draft trees, ``auto`` (default), ``off`` or ``WxD``."""
+        request = await self._open(prompt_ids, params, speculative, k, metered, tree)
         cache = cache and self.prefix is not None
         failure = ""  # why the generation failed on the ring, if it did
         try:
@@ -542,10 +633,16 @@ class Generation:
         yield request.summary()
 
     async def _open(
-        self, prompt_ids: list[int], params: SamplingParams, speculative: str, k: int, metered: bool
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        speculative: str,
+        k: int,
+        metered: bool,
+        tree: str = "",
     ) -> _Request:
         """Validates the request, opens its session on every stage and sets up its drafter and K policy."""
-        mode = self.check_speculative(speculative, k)
+        mode = self.check_speculative(speculative, k, tree)
         factory = None if mode == "none" else await self._drafts.factory(mode)
         session_id = uuid.uuid4().hex
         max_context = await self._ring.open_session(session_id, self.capacity(prompt_ids, params))
@@ -572,6 +669,7 @@ class Generation:
             stop_ids=set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos),
             metered=metered,
             truncates=self._ring.truncates_on_rewind,
+            tree=TreeChoice.parse(tree),
         )
         if steps is not None:
             policy.load = lambda: steps.load(request.session_id)
@@ -625,7 +723,7 @@ class Generation:
         which no stage has seen) and indexes it, less the blocks the stages report dropped; a
         failure only costs the next request its hit."""
         sequence = request.prompt_ids + request.generated
-        tokens = sequence[: min(request.cursor.logical, len(sequence) - 1)]
+        tokens = sequence[: min(request.cursor.settled, len(sequence) - 1)]
         if len(tokens) < self.prefix.min_tokens:
             return
         try:

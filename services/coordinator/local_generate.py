@@ -52,7 +52,9 @@ def generate_local(args: argparse.Namespace, stream: bool) -> Summary:
             prompt_tokens=len(ids), max_context=ring.stages.max_context, vocab_size=ring.stages.vocab_size
         )
         summary = None
-        async for event in generation.run(ids, params, speculative=args.speculative, k=args.k):
+        async for event in generation.run(
+            ids, params, speculative=args.speculative, k=args.k, tree=args.tree
+        ):
             if isinstance(event, Summary):
                 summary = event
             elif stream:

@@ -161,7 +161,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         params.validate(
             prompt_tokens=len(prompt_ids), max_context=self._max_context, vocab_size=self._vocab_size
         )
-        self._generation.check_speculative(request.speculative, request.k)
+        self._generation.check_speculative(request.speculative, request.k, request.tree)
         if identity is None:
             identity = self._authenticator.identify(context) if context else Identity("")
         tokens = self._generation.capacity(prompt_ids, params)
@@ -169,17 +169,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         async with self._scheduler.admit(identity, tokens, deadline, batch=batch):
             self._refuse_if_draining()  # queued while the drain began
             async for response in self._stream(
-                prompt_ids, params, request.speculative, request.k, identity.name
+                prompt_ids, params, request.speculative, request.k, identity.name, request.tree
             ):
                 yield response
 
     async def _stream(
-        self, prompt_ids: list[int], params: SamplingParams, speculative: str, k: int, client: str
+        self, prompt_ids: list[int], params: SamplingParams, speculative: str, k: int, client: str, tree: str
     ):
         token_ids: list[int] = []
         text: list[str] = []
         try:
-            async for response in self._responses(prompt_ids, params, speculative, k, client):
+            async for response in self._responses(prompt_ids, params, speculative, k, client, tree):
                 if response.HasField("chunk"):
                     token_ids.extend(response.chunk.token_ids)
                     text.append(response.chunk.text)
@@ -197,12 +197,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             )
 
     async def _responses(
-        self, prompt_ids: list[int], params: SamplingParams, speculative: str, k: int, client: str
+        self, prompt_ids: list[int], params: SamplingParams, speculative: str, k: int, client: str, tree: str
     ):
         # The identity scopes its prefix cache entries (a hit's timing reveals a prompt) unless the
         # operator shares them (--prefix-cache-scope shared).
         scope = SHARED_PREFIX_SCOPE if self._shared_prefixes else client
-        events = self._generation.run(prompt_ids, params, speculative=speculative, k=k, scope=scope)
+        events = self._generation.run(
+            prompt_ids, params, speculative=speculative, k=k, scope=scope, tree=tree
+        )
         async for event in events:
             if isinstance(event, Chunk):
                 yield coordinator_pb2.GenerateResponse(

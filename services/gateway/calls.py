@@ -30,6 +30,7 @@ def generate_call(
         seed=body.seed,
         stop=body.stop_list(),
         ignore_eos=body.ignore_eos,
+        tree=body.tree or "",
         request_id=uuid.uuid4().hex[:24],
         logprobs=body.wants_logprobs,
     )

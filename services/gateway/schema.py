@@ -36,6 +36,9 @@ class OpenAIRequest(BaseModel):
     # top_k and ignore_eos: vLLM extensions the coordinator supports
     top_k: int | None = Field(None, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
+    # pipeshard's extension: draft trees for speculative decoding (auto, off or WxD; the
+    # coordinator validates it and names it in its error)
+    tree: str | None = Field(None, max_length=16)
     seed: int | None = Field(None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1, le=INT32_MAX)

@@ -56,6 +56,8 @@ class StepRow:
     return_last: int = 1
     sampling: SamplingStep | None = None  # with ReturnMode.SAMPLED
     attention_mask: np.ndarray | None = None  # bool [T, past + T]; none: causal
+    tree_chains: int = 1  # >1: the tokens are that many chains of a draft tree (stateful stages)
+    tree_keep: int = -1  # after a tree step: the chain whose cache the session keeps
 
     @property
     def tokens(self) -> int:

@@ -2,7 +2,9 @@
 
 A batch of one behind the step interface (step_engine.py): the rows of a step run one after
 another, each on its own session, so a row's failure stays that row's. Rewind: the cache keeps
-rejected drafts and masks them out (any range of the cache may be invalidated).
+rejected drafts and masks them out (any range of the cache may be invalidated). Draft trees:
+a row's tokens may be several root-to-leaf chains, each continuing the cache on its own as a
+batch row gathered by beam_idx (``ShardSession.run_chains``); the next row keeps one chain.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class StageEngine(RowEngine):
     """The stage's compute over per-session caches (one InferRequest per session)."""
 
     kv_backend = "stateful"
+    runs_trees = True
 
     def __init__(
         self,
@@ -65,15 +68,19 @@ class StageEngine(RowEngine):
 
     def _one(self, ready: Ready) -> np.ndarray | Exception:
         row, session = ready.row, ready.session
+        if row.tree_keep >= 0:
+            session.keep_chain(row.tree_keep)
         for start, end in row.invalidate:
             session.invalidate(start, end)
         # Wire buffers are read-only; OpenVINO shares memory only with writeable arrays.
         x = np.require(row.activations, requirements=["C", "W"])
         started = time.perf_counter_ns()
+        keep = row.return_last if self.is_last else 1
         try:
-            out = session.run(
-                x, row.positions.reshape(1, -1), return_last=row.return_last if self.is_last else 1
-            )
+            if row.tree_chains > 1:
+                out = session.run_chains(x, row.positions, row.tree_chains, return_last=keep)
+            else:
+                out = session.run(x, row.positions.reshape(1, -1), return_last=keep)
         except Exception as exc:  # this row's failure; the step's other rows still run
             return exc
         self.meters.step((time.perf_counter_ns() - started) / 1e9, x.shape[1])  # every token computed

@@ -39,6 +39,7 @@ class RowEngine:
     """What both backends share: the row checks, the run loop and the final stage's answers."""
 
     kv_backend = ""
+    runs_trees = False  # rows of several draft-tree chains (ShardSession.run_chains)
     sessions: SessionTable
     meters: StageMeters
     is_first: bool
@@ -80,19 +81,24 @@ class RowEngine:
             raise InvalidArgument(
                 "attention_mask", f"rows with their own mask are not run by the {self.kv_backend} backend"
             )
+        if (row.tree_chains > 1 or row.tree_keep >= 0) and not self.runs_trees:
+            raise InvalidArgument(
+                "tree_chains", f"draft trees need stateful stages (--kv stateful), not {self.kv_backend}"
+            )
         check_activations(row.activations, is_first=self.is_first, hidden_size=self.hidden_size)
         # Out-of-range ids or positions would index the embedding or rotary tables out of bounds.
         check_range("positions", row.positions, self.max_context)
         if self.is_first:
             check_range("input_ids", row.activations, self.vocab_size)
         check_kind(row)
+        check_tree(row)
         if self.is_last and row.return_mode is ReturnMode.SAMPLED:
             check_sampling(row, self.vocab_size)
         start = self._rewound(row, session)
         check_step(
             start,
-            row.activations.shape[1],
-            len(row.positions),
+            row.activations.shape[1] // row.tree_chains,
+            len(row.positions) // row.tree_chains,
             row.return_last,
             max_context=self.max_context,
             is_last=self.is_last,
@@ -142,6 +148,20 @@ def check_kind(row: StepRow) -> None:
             f"a {row.kind.value} row cannot return {row.return_last} position(s) "
             f"with return mode {row.return_mode.value}",
         )
+
+
+def check_tree(row: StepRow) -> None:
+    """A tree row's chains split its tokens and positions evenly and return Top1 or logits."""
+    chains = row.tree_chains
+    if chains == 1:
+        return
+    tokens = row.activations.shape[1]
+    if chains < 1 or tokens % chains or len(row.positions) != tokens:
+        raise InvalidArgument(
+            "tree_chains", f"must divide the row's {tokens} tokens and positions evenly, got {chains}"
+        )
+    if row.return_mode is ReturnMode.SAMPLED:
+        raise InvalidArgument("tree_chains", "tree rows return Top1 or logits, not RETURN_MODE_SAMPLED")
 
 
 def sample(logits: np.ndarray, row: StepRow) -> Sampled:

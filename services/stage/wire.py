@@ -84,6 +84,8 @@ def _row(row: activation_pb2.PlanRow, positions: np.ndarray, x: np.ndarray, owne
         return_mode=_MODES[row.return_mode],
         return_last=row.return_last or 1,
         sampling=_sampling_step(row) if sampled else None,
+        tree_chains=max(1, row.tree_chains),
+        tree_keep=row.tree_keep - 1,
     )
 
 
@@ -127,6 +129,8 @@ def _plan_row(row: StepRow) -> activation_pb2.PlanRow:
         ),
         sampling=_sampling_request(row.sampling) if row.sampling is not None else None,
         kind=_PB_KINDS[row.kind],
+        tree_chains=row.tree_chains if row.tree_chains > 1 else 0,
+        tree_keep=row.tree_keep + 1,
     )
 
 
@@ -224,6 +228,8 @@ def token_frame(
     invalidate: list[tuple[int, int]] | None = None,
     sampling: SamplingStep | None = None,
     kind: RowKind | None = None,
+    chains: int = 1,
+    keep_chain: int = -1,
 ) -> activation_pb2.ActivationFrame:
     """The frame (a plan of one row) that carries one session's token ids into stage 0 at
     logical positions ``start...``.
@@ -233,6 +239,8 @@ def token_frame(
     tokens when ``sampling`` is given, else logits. ``invalidate``: physical cache ranges every
     stage drops before running (rejected drafts of the previous step). ``kind``: what the row
     is; by default a prefill chunk when it fills only or carries several tokens without drafts.
+    ``chains`` > 1: ``ids`` are that many equal-length chains of a draft tree, each at positions
+    ``start...``; ``keep_chain``: the chain of the previous (tree) step whose cache is kept.
     """
     if fill_only:
         mode, sampling = ReturnMode.NONE, None
@@ -249,11 +257,13 @@ def token_frame(
         session_id=session_id,
         step_id=step,
         kind=kind,
-        positions=np.arange(start, start + len(ids), dtype=np.int64),
+        positions=np.tile(np.arange(start, start + len(ids) // chains, dtype=np.int64), chains),
         activations=np.asarray([ids], dtype=np.int64),
         invalidate=tuple(invalidate or ()),
         return_mode=mode,
         return_last=return_last,
         sampling=sampling,
+        tree_chains=chains,
+        tree_keep=keep_chain,
     )
     return frame_from_step(Step([row], sent_unix_nanos=time.time_ns()))

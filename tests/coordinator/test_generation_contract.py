@@ -98,13 +98,13 @@ class _Prompter:
 class _Generation:
     """Reports the request id its log lines would carry."""
 
-    def check_speculative(self, speculative, k):
+    def check_speculative(self, speculative, k, tree=""):
         return "none"
 
     def capacity(self, prompt_ids, params):
         return len(prompt_ids) + params.max_tokens
 
-    async def run(self, prompt_ids, params, *, speculative, k, scope=""):
+    async def run(self, prompt_ids, params, *, speculative, k, scope="", tree=""):
         yield Chunk(text=structlog.contextvars.get_contextvars().get("request_id", ""), token_ids=[])
 
 
@@ -149,7 +149,7 @@ def test_the_summary_reaches_the_client_result_field_for_field():
     )
 
     class Finished(_Generation):
-        async def run(self, prompt_ids, params, *, speculative, k, scope=""):
+        async def run(self, prompt_ids, params, *, speculative, k, scope="", tree=""):
             yield Chunk(text="<7><7>", token_ids=[7, 7], logprobs=[-0.5, -0.25], tokens=["<7>", "<7>"])
             yield summary
 

@@ -1,4 +1,5 @@
-"""Draft sources: they propose the next K tokens; the target verifies them in one traversal.
+"""Draft sources: they propose the next K tokens, or a tree of candidates (``propose_tree``,
+speculation/tree.py); the target verifies them in one traversal.
 
 ``NgramDrafter`` (prompt lookup) copies what followed the latest earlier occurrence of the
 context's last few tokens: free to run, strong on code, lists and quoting. ``ModelDrafter`` runs
@@ -17,6 +18,7 @@ from typing import Protocol
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from pipeshard.services.coordinator.speculation.tree import DraftTree, TreeShape
 from pipeshard.shard.runtime import ShardRunner, ShardSession
 
 Probabilities = Callable[[np.ndarray], np.ndarray]
@@ -31,13 +33,21 @@ class Draft:
 
 
 class Drafter(Protocol):
+    # How many candidate paths ``tree=auto`` asks of this source (1: chains only).
+    auto_tree_width: int
+
     def propose(
         self, context: Sequence[int], k: int, sample: tuple[Probabilities, np.random.Generator] | None
     ) -> Draft:
         """Up to ``k`` tokens to follow ``context``; ``sample`` draws instead of taking argmax."""
 
+    def propose_tree(self, context: Sequence[int], shape: TreeShape) -> DraftTree:
+        """Deterministic candidates after ``context``: up to ``shape.width`` paths of up to
+        ``shape.depth`` tokens."""
+
     def commit(self, kept: int) -> None:
-        """The target kept the first ``kept`` tokens of the last proposal."""
+        """The target kept the first ``kept`` tokens of the last proposal (of a tree: of its
+        ``main`` chain)."""
 
     def close(self) -> None:
         """Give back what the drafter holds."""
@@ -45,6 +55,8 @@ class Drafter(Protocol):
 
 class NgramDrafter:
     """Prompt-lookup drafting: no model, no state."""
+
+    auto_tree_width = 3  # alternative continuations cost nothing to find
 
     def __init__(self, max_ngram: int = 3):
         self.max_ngram = max_ngram
@@ -62,6 +74,23 @@ class NgramDrafter:
                 break
         return Draft(tokens=tokens, probs=None, seconds=time.perf_counter() - started)
 
+    def propose_tree(self, context, shape: TreeShape) -> DraftTree:
+        """Alternative continuations: what followed every earlier occurrence of the context's
+        last n tokens (longest n first, latest first), as up to ``shape.width`` distinct paths."""
+        started = time.perf_counter()
+        ctx = np.asarray(context, dtype=np.int64)
+        paths: list[tuple[int, ...]] = []
+        for n in range(min(self.max_ngram, len(ctx) - 1), 0, -1):
+            windows = sliding_window_view(ctx[:-1], n)
+            for hit in np.flatnonzero((windows == ctx[-n:]).all(axis=1))[::-1][:_MAX_HITS]:
+                start = int(hit) + n
+                _add_distinct(paths, tuple(ctx[start : start + shape.depth].tolist()), shape.width)
+        tree = DraftTree()
+        for path in paths:
+            tree.add_path(path)
+        tree.seconds = time.perf_counter() - started
+        return tree
+
     def commit(self, kept: int) -> None:
         pass
 
@@ -69,8 +98,27 @@ class NgramDrafter:
         pass
 
 
+# Earlier occurrences of a suffix a tree looks at per n-gram length (the latest ones).
+_MAX_HITS = 64
+
+
+def _add_distinct(paths: list[tuple[int, ...]], path: tuple[int, ...], width: int) -> None:
+    """Adds ``path`` unless a kept path starts with it; one it extends is replaced by it; a
+    new branch only while fewer than ``width`` paths are kept (so no path prefixes another)."""
+    if not path or any(p[: len(path)] == path for p in paths):
+        return
+    for i, p in enumerate(paths):
+        if path[: len(p)] == p:
+            paths[i] = path
+            return
+    if len(paths) < width:
+        paths.append(path)
+
+
 class ModelDrafter:
     """A draft model's session. Tracks how much of the committed context its cache holds."""
+
+    auto_tree_width = 1
 
     def __init__(
         self,
@@ -110,6 +158,44 @@ class ModelDrafter:
         self._proposed = k
         return Draft(tokens=tokens, probs=probs, seconds=time.perf_counter() - started)
 
+    def propose_tree(self, context, shape: TreeShape) -> DraftTree:
+        """The draft's greedy chain of ``shape.depth`` tokens (fed through its cache, the tree's
+        ``main``), plus the ``shape.width - 1`` likeliest alternatives at any of its levels, each a
+        leaf: an alternative's score is its draft probability times its parent path's."""
+        started = time.perf_counter()
+        session = self._session
+        room = session.runner.max_context - session.past_length - (len(context) - self._cached)
+        depth = min(shape.depth, max(0, room))
+        tree = DraftTree()
+        if depth == 0:
+            self._proposed = 0
+            return tree
+        row = session.run(np.asarray([context[self._cached :]], dtype=np.int64), copy=False)[0, -1]
+        self._cached = len(context)
+        self._spec_start = session.past_length
+        step = np.zeros((1, 1), dtype=np.int64)
+        parent, path_prob, options = -1, 1.0, []
+        for level in range(depth):
+            q = _softmax(row)
+            ranked = np.argsort(q)[::-1][: shape.width]
+            for rank in ranked[1:]:
+                options.append((path_prob * float(q[rank]), parent, self._token(int(rank)), float(q[rank])))
+            best = int(ranked[0])
+            parent = tree.add(parent, self._token(best), float(q[best]))
+            tree.main.append(parent)
+            path_prob *= float(q[best])
+            if level < depth - 1:
+                step[0, 0] = self._token(best)
+                row = session.run(step, copy=False)[0, -1]
+        for _, at, token, prob in sorted(options, reverse=True)[: shape.width - 1]:
+            tree.add(at, token, prob)
+        self._proposed = depth
+        tree.seconds = time.perf_counter() - started
+        return tree
+
+    def _token(self, index: int) -> int:
+        return index if self._vocab_ids is None else int(self._vocab_ids[index])
+
     def _pick(self, row: np.ndarray, sample, probs: list[np.ndarray] | None) -> int:
         if sample is None:
             index = int(np.argmax(row))
@@ -136,6 +222,12 @@ class ModelDrafter:
 
     def close(self) -> None:
         self._release(self._session)
+
+
+def _softmax(row: np.ndarray) -> np.ndarray:
+    z = np.asarray(row, dtype=np.float64)
+    e = np.exp(z - z.max())
+    return e / e.sum()
 
 
 class DraftModel:

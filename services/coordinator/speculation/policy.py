@@ -307,11 +307,15 @@ class KPolicy:
             return max(best - 1, 1)
         return best
 
-    def observe(self, k: int, kept: int, seconds: float, draft_seconds: float) -> None:
+    def observe(
+        self, k: int, kept: int, seconds: float, draft_seconds: float, positions: int | None = None
+    ) -> None:
         """One step's outcome: ``kept`` of ``k`` drafts accepted; wall times of the traversal
-        and of drafting."""
+        and of drafting. ``positions``: what the step computed when not k + 1 (a draft tree's
+        chains of k + 1 each)."""
         if self.times_steps:
-            self.timing.observe(self._load.tokens + k + 1, seconds, rows=self._load.rows + 1)
+            computed = k + 1 if positions is None else positions
+            self.timing.observe(self._load.tokens + computed, seconds, rows=self._load.rows + 1)
         if k == 0:
             return
         self._kept, self._tried = decayed_counts(self._kept, self._tried, 0.9, k, kept)

@@ -1,0 +1,232 @@
+"""Draft trees: several candidates per position, verified in one traversal.
+
+A ``DraftTree`` hangs off the root, the last committed token (the step's pending token, which
+is not a node). Each node holds its token, its parent, its depth (1 for the root's children)
+and the probability its source gave it. The target verifies a tree as its root-to-leaf
+``TreeChains``: every chain is the pending token followed by one path, padded to the tree's
+depth, and runs as its own batch row continuing the session's cache (pipeshard/shard/runtime.py,
+``run_chains``): the stateful stages' attention mask is per cache position, not per query, so a
+flat row with an ancestor mask is not available on them (docs/ARCHITECTURE.md, "Draft trees").
+Row ``c * (D + 1) + j`` of the step's result is the target's distribution after the first j
+tokens of chain c's path.
+
+Greedy acceptance keeps the longest path whose every token is the target's argmax at its
+parent, then the target's own token: exactly greedy decoding. Sampling runs recursive rejection
+over siblings with point-mass proposals (every candidate here is a deterministic function of
+the context: prompt lookup, the draft model's top-k): child c is kept with probability p(c) under
+the current residual p; a rejected child's token is removed from p and p renormalised; when no
+child is kept, the token is drawn from the residual. Each test is a rejection step whose output
+has distribution p, so the tokens are distributed as the target's (SpecInfer's multi-candidate
+verification with point-mass drafts).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeshard.errors import InvalidArgument
+
+ROOT = -1
+MAX_WIDTH = 8
+MAX_DEPTH = 32
+_SHAPE = re.compile(r"([1-9][0-9]?)x([1-9][0-9]?)")
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """Up to ``width`` candidate paths (root-to-leaf chains, so up to ``width`` children at any
+    node) of up to ``depth`` levels."""
+
+    width: int
+    depth: int
+
+    def __str__(self) -> str:
+        return f"{self.width}x{self.depth}"
+
+
+@dataclass(frozen=True)
+class TreeChoice:
+    """What a request asked for: ``auto`` (the coordinator chooses), ``off`` (chains) or a shape."""
+
+    mode: str  # "auto" | "off" | "fixed"
+    shape: TreeShape | None = None
+
+    @classmethod
+    def parse(cls, value: str) -> TreeChoice:
+        """``""``/``auto``, ``off`` or ``WxD`` (1 <= W <= 8, 1 <= D <= 32); InvalidArgument names
+        ``tree`` and the value otherwise."""
+        text = (value or "auto").strip().lower()
+        if text in ("auto", "off"):
+            return cls(text)
+        match = _SHAPE.fullmatch(text)
+        if match:
+            width, depth = int(match[1]), int(match[2])
+            if width <= MAX_WIDTH and depth <= MAX_DEPTH:
+                return cls("fixed", TreeShape(width, depth))
+        raise InvalidArgument(
+            "tree", f"must be auto, off or WxD (W in 1..{MAX_WIDTH}, D in 1..{MAX_DEPTH}), got {value!r}"
+        )
+
+
+TREE_OFF = TreeChoice("off")
+
+
+def auto_shape(k: int, width: int) -> TreeShape | None:
+    """``tree=auto``: a tree of the source's ``auto_tree_width`` paths at the depth adaptive K
+    chose, or None (a chain) where the source offers no width (draft models: their second
+    choices cost a wider verify and were not measured to pay) or K is 0."""
+    return TreeShape(width, k) if width > 1 and k > 0 else None
+
+
+@dataclass(frozen=True)
+class TreeNode:
+    token: int
+    parent: int  # index of the parent node; ROOT for the root's children
+    depth: int  # 1 for the root's children
+    prob: float  # the probability the source gave this candidate (1.0: a deterministic lookup)
+
+
+@dataclass
+class DraftTree:
+    """A tree of candidate tokens after the context. ``main`` lists the nodes of the drafter's
+    own chain (the one a draft model fed through its cache; empty for prompt lookup)."""
+
+    nodes: list[TreeNode] = field(default_factory=list)
+    main: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def add(self, parent: int, token: int, prob: float = 1.0) -> int:
+        """The child of ``parent`` with ``token``, added unless it exists."""
+        for i in self.children(parent):
+            if self.nodes[i].token == token:
+                return i
+        depth = 1 if parent == ROOT else self.nodes[parent].depth + 1
+        self.nodes.append(TreeNode(int(token), parent, depth, float(prob)))
+        return len(self.nodes) - 1
+
+    def add_path(self, tokens: Sequence[int], probs: Sequence[float] | None = None) -> list[int]:
+        """Adds a path from the root (sharing existing prefixes); returns its node indices."""
+        path, parent = [], ROOT
+        for i, token in enumerate(tokens):
+            parent = self.add(parent, token, 1.0 if probs is None else probs[i])
+            path.append(parent)
+        return path
+
+    def children(self, parent: int) -> list[int]:
+        return [i for i, n in enumerate(self.nodes) if n.parent == parent]
+
+    def leaves(self) -> list[int]:
+        parents = {n.parent for n in self.nodes}
+        return [i for i in range(len(self.nodes)) if i not in parents]
+
+    def path(self, node: int) -> list[int]:
+        """Node indices from the root's child down to ``node``."""
+        out = []
+        while node != ROOT:
+            out.append(node)
+            node = self.nodes[node].parent
+        return out[::-1]
+
+    @property
+    def depth(self) -> int:
+        return max((n.depth for n in self.nodes), default=0)
+
+    def chains(self) -> TreeChains:
+        return TreeChains(self, [self.path(leaf) for leaf in self.leaves()])
+
+
+@dataclass
+class TreeChains:
+    """A tree as the rows the stages run: one root-to-leaf path per chain, each padded to the
+    tree's depth with its leaf's token (padding is never accepted: no node lies there)."""
+
+    tree: DraftTree
+    paths: list[list[int]]
+
+    @property
+    def width(self) -> int:
+        return len(self.paths)
+
+    @property
+    def depth(self) -> int:
+        return self.tree.depth
+
+    def token_ids(self, pending: Sequence[int]) -> list[int]:
+        """Every chain's tokens, concatenated: the tokens the stages have not seen (the root),
+        the chain's path, the padding."""
+        nodes, d = self.tree.nodes, self.depth
+        ids: list[int] = []
+        for path in self.paths:
+            tokens = [nodes[i].token for i in path]
+            ids += [*pending, *tokens, *[tokens[-1]] * (d - len(tokens))]
+        return ids
+
+    def chain_of(self, node: int) -> int:
+        """The first chain whose path holds ``node`` (chain 0 for the root)."""
+        if node == ROOT:
+            return 0
+        return next(c for c, path in enumerate(self.paths) if node in path)
+
+    def row_of(self, node: int) -> int:
+        """The result row holding the target's distribution after ``node``."""
+        depth = 0 if node == ROOT else self.tree.nodes[node].depth
+        return self.chain_of(node) * (self.depth + 1) + depth
+
+
+@dataclass(frozen=True)
+class TreeOutcome:
+    """What one tree step keeps: the accepted nodes (a path), the chain holding them, and the
+    new tokens (the accepted tokens, then the target's own)."""
+
+    path: list[int]
+    chain: int
+    tokens: list[int]
+
+
+def accept_tree_greedy(chains: TreeChains, target_top1: Sequence[int]) -> TreeOutcome:
+    """The longest path whose every token is the target's argmax at its parent."""
+    tree = chains.tree
+    node, path = ROOT, []
+    while True:
+        target = int(target_top1[chains.row_of(node)])
+        child = next((c for c in tree.children(node) if tree.nodes[c].token == target), None)
+        if child is None:
+            tokens = [tree.nodes[i].token for i in path] + [target]
+            return TreeOutcome(path, chains.chain_of(node), tokens)
+        path.append(child)
+        node = child
+
+
+def accept_tree_sampled(
+    chains: TreeChains,
+    rows: np.ndarray,
+    probabilities: Callable[[np.ndarray], np.ndarray],
+    rng: np.random.Generator,
+) -> TreeOutcome:
+    """Recursive rejection over siblings (point-mass proposals): tokens distributed as the
+    target's. ``rows`` [W * (D + 1), vocab] are the step's logits, ``probabilities`` the request's
+    sampling distribution of a row."""
+    tree = chains.tree
+    node, path = ROOT, []
+    while True:
+        p = np.array(probabilities(rows[chains.row_of(node)]), dtype=np.float64)
+        kept = None
+        for child in tree.children(node):
+            token = tree.nodes[child].token
+            rest = p.sum() - p[token]
+            # A candidate holding all the mass left is kept (rounding aside, it always would be).
+            if rng.random() < p[token] or rest <= 0.0:
+                kept = child
+                break
+            p[token] = 0.0
+            p /= rest
+        if kept is None:
+            token = int(rng.choice(p.size, p=p / p.sum()))
+            tokens = [tree.nodes[i].token for i in path] + [token]
+            return TreeOutcome(path, chains.chain_of(node), tokens)
+        path.append(kept)
+        node = kept
