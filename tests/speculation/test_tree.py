@@ -132,6 +132,7 @@ def test_prompt_lookup_tree_holds_every_earlier_continuation():
 
 class _PagedRing:
     truncates_on_rewind = True
+    batch_steps = None
 
 
 def test_a_fixed_tree_on_paged_stages_is_refused_naming_tree():
