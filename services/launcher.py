@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeshard.precision import DEFAULT_PRECISION
+from pipeshard.services.memcap import MemoryCap
 from pipeshard.tls import CA_CERT
 
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
@@ -42,6 +43,7 @@ class Fleet:
 
     run_dir: Path
     processes: list[Process] = field(default_factory=list)
+    caps: dict[str, MemoryCap] = field(default_factory=dict)  # process name -> its memory cgroup
 
     @property
     def coordinator(self) -> str:
@@ -69,6 +71,8 @@ class Fleet:
             except subprocess.TimeoutExpired:
                 proc.popen.kill()
                 proc.popen.wait()
+        for cap in self.caps.values():
+            cap.close()
 
 
 _OWNED: list[subprocess.Popen] = []
@@ -92,10 +96,12 @@ def spawn(
     detach: bool = False,
     prefix: Sequence[str] = (),
     module: str = "pipeshard.cli",
+    memory_cap: MemoryCap | None = None,
 ) -> Process:
     """Start ``[PREFIX] python -m MODULE ARGS`` and wait for its ``listening on`` line. Unless ``detach``
     (``make up``), the process is killed when this interpreter exits, however it exits. ``prefix``
-    wraps the command (``ip netns exec NS`` for the WAN emulator; it must exec, so the pid stays)."""
+    wraps the command (``ip netns exec NS`` for the WAN emulator; it must exec, so the pid stays).
+    ``memory_cap`` takes the process in as it starts, before it has loaded anything."""
     log = run_dir / f"{name.replace(' ', '')}.log"
     out = log.open("w")
     popen = subprocess.Popen(
@@ -107,6 +113,8 @@ def spawn(
     )
     if not detach:
         _OWNED.append(popen)
+    if memory_cap is not None:
+        memory_cap.add(popen.pid)
     with (run_dir / "pids").open("a") as pids:
         pids.write(f"{popen.pid} {process_start_time(popen.pid)} {name}\n")
     deadline = time.monotonic() + timeout_s
@@ -203,6 +211,7 @@ def start_fleet(
     tls_dir: Path | None = None,
     token: str | None = None,
     api_keys: Path | None = None,
+    stage_memory_limit: int | None = None,
 ) -> Fleet:
     """Start ``num_stages`` stage processes and a coordinator on loopback; ports 0 = ephemeral.
 
@@ -214,7 +223,9 @@ def start_fleet(
     any key listed there, each its own identity.
     With ``gateway_port`` set, the OpenAI gateway starts last. ``metrics_ports`` maps process
     names (exporter, stage0, ..., coordinator, gateway) to the port each serves Prometheus /metrics on.
-    ``devices`` gives each stage its OpenVINO device (``--device``; empty: the stage's default)."""
+    ``devices`` gives each stage its OpenVINO device (``--device``; empty: the stage's default).
+    ``stage_memory_limit`` (bytes) runs every stage process in its own memory cgroup with that
+    limit (``pipeshard.services.memcap``); their paths go to ``<run_dir>/cgroups``."""
     run_dir.mkdir(parents=True, exist_ok=True)
 
     def metered(name: str, args: list[str]) -> list[str]:
@@ -258,7 +269,20 @@ def start_fleet(
         for k in reversed(range(num_stages)):
             args = stage_args(k, shards, ports[k], precision, log_format, next_hop, extra_stage_args)
             args += ["--device", devices[k]] if devices else []
-            proc = spawn(f"stage{k}", metered(f"stage{k}", args), run_dir, env, timeout_s, detach=detach)
+            cap = None
+            if stage_memory_limit is not None:
+                cap = fleet.caps[f"stage{k}"] = MemoryCap(f"{run_dir.name}-stage{k}", stage_memory_limit)
+                with (run_dir / "cgroups").open("a") as cgroups:
+                    cgroups.write(f"{cap.path}\n")
+            proc = spawn(
+                f"stage{k}",
+                metered(f"stage{k}", args),
+                run_dir,
+                env,
+                timeout_s,
+                detach=detach,
+                memory_cap=cap,
+            )
             fleet.processes.insert(1 if exporter_port is not None else 0, proc)
             next_hop = proc.address
         coordinator = spawn(
@@ -320,4 +344,10 @@ def stop_recorded(run_dir: Path, timeout_s: float = 15.0) -> list[str]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     pids_file.unlink()
+    cgroups = run_dir / "cgroups"
+    if cgroups.exists():  # the stages' memory cgroups (--stage-memory-limit), empty once they exited
+        for line in cgroups.read_text().splitlines():
+            with contextlib.suppress(OSError):
+                Path(line).rmdir()
+        cgroups.unlink()
     return [name for _, _, name in ours]
