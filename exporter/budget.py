@@ -16,7 +16,7 @@ from pipeshard.errors import InvalidArgument
 from pipeshard.exporter.families import ModelSpec
 from pipeshard.sizes import gib
 
-EXPORT_FACTOR = 1.6
+EXPORT_FACTOR = 1.4
 EXPORT_BASE = 900 * 2**20
 
 
