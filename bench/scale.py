@@ -25,6 +25,7 @@ Loaded machine (2 shared cores): figures are "loaded, reduced" (SCALE_ROUNDS rou
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -43,10 +44,18 @@ from pipeshard.services.memcap import MemoryCap
 from pipeshard.sizes import gib, parse_bytes
 
 SCALE_DIR = Path(os.environ.get("SCALE_DIR", "/work/cache/scale"))
-SHAPES = {"3b": "llama-3.2-3b", "8b": "llama-3.1-8b"}
-SPLITS = {("3b", 4): "7,7,7,7", ("8b", 4): "7,9,9,7", ("3b", 2): "14,14", ("8b", 2): "16,16"}
+# SCALE_SHAPES=3b=test-llama3,8b=test-llama3 runs every phase on a tiny shape (a dry run).
+SHAPES = dict(
+    part.split("=", 1)
+    for part in os.environ.get("SCALE_SHAPES", "3b=llama-3.2-3b,8b=llama-3.1-8b").split(",")
+)
+RUNS = (("3b", 4), ("8b", 4), ("3b", 2), ("8b", 2))
+# The 8B's end stages carry the 525 M-parameter embedding / head: fewer layers there.
+SPLITS = {("llama-3.1-8b", 4): "7,9,9,7"}
 EXPORT_BUDGET = parse_bytes(os.environ.get("SCALE_EXPORT_BUDGET", "13G"), "SCALE_EXPORT_BUDGET")
 ROUNDS = int(os.environ.get("SCALE_ROUNDS", "3"))
+NEW_EXPORTS = os.environ.get("SCALE_NEW_EXPORTS", "3b_4s,8b_4s,3b_2s,8b_2s").split(",")
+PHASES = os.environ.get("SCALE_PHASES", "fleet8b,fleet3b,plan").split(",")
 TOKENS = 64
 USERS = 8
 PROMPT = "Explain in a few paragraphs how a bicycle works."
@@ -86,15 +95,25 @@ def bin_bytes(folder: Path) -> int:
 
 def export_record(shape: str, stages: int) -> dict:
     """Export (or reuse) one split; a split over the budget is refused before any stage runs."""
-    from pipeshard.exporter.budget import export_estimates
-    from pipeshard.exporter.export import resolve_split
+    from pipeshard.exporter.budget import check_export_memory, export_estimates
+    from pipeshard.exporter.export import default_split, resolve_split
     from pipeshard.exporter.families import load_config, resolve_spec
     from pipeshard.shard.manifest import load_manifest
 
     out = export_dir(shape, stages)
-    split = SPLITS[(shape, stages)]
     spec = resolve_spec(load_config(model_dir(shape)))
-    estimates = export_estimates(spec, resolve_split(spec.num_layers, None, split))
+    even = ",".join(map(str, default_split(spec.num_layers, stages)))
+    split = SPLITS.get((SHAPES[shape], stages), even)
+    layers = resolve_split(spec.num_layers, None, split)
+    estimates = export_estimates(spec, layers)
+    planned = {"split": split, "estimated_peak_bytes": [e.peak_bytes for e in estimates]}
+    try:
+        check_export_memory(spec, layers, EXPORT_BUDGET)
+    except InvalidArgument as exc:
+        log(f"export {out.name} refused: {exc}")
+        return {**planned, "refused": str(exc), "budget_bytes": EXPORT_BUDGET}
+    if not (out / "manifest.json").is_file() and f"{shape}_{stages}s" not in NEW_EXPORTS:
+        return {**planned, "skipped": "not exported in this run (SCALE_NEW_EXPORTS)"}
     if not (out / "manifest.json").is_file():
         cmd = [*CLI, "export", "--model", str(model_dir(shape)), "--split", split]
         cmd += ["--max-stage-memory", str(EXPORT_BUDGET), "--out", str(out), "--no-ov-tokenizer"]
@@ -336,10 +355,14 @@ def main() -> int:
     os.environ.setdefault("PIPESHARD_PREFIX_CACHE", "off")  # repeated prompts must be computed
     (SCALE_DIR / "exports").mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    result: dict = {"disk_free_bytes_at_start": shutil.disk_usage(SCALE_DIR).free}
+    previous = Path("bench/results/scale.json")
+    result: dict = json.loads(previous.read_text()) if os.environ.get("SCALE_MERGE") == "1" else {}
+    for key in ("name", "date", "machine", "command"):
+        result.pop(key, None)
+    result["disk_free_bytes_at_start"] = shutil.disk_usage(SCALE_DIR).free
     result["models"] = {s: ensure_model(s) for s in SHAPES}
     exports = {}
-    for shape, stages in SPLITS:
+    for shape, stages in RUNS:
         try:
             exports[f"{shape}_{stages}s"] = export_record(shape, stages)
         except InvalidArgument as exc:
@@ -354,7 +377,7 @@ def main() -> int:
 
     # 8B under per-stage caps
     cap = None
-    if "8b_4s" in have:
+    if "8b_4s" in have and "fleet8b" in PHASES:
         model_bytes = exports["8b_4s"]["model_bin_bytes"]
         cap = parse_bytes(os.environ.get("SCALE_STAGE_CAP", str(int(0.75 * model_bytes))), "SCALE_STAGE_CAP")
         fleet = start("8b", 4, 0, cap)
@@ -372,8 +395,20 @@ def main() -> int:
         result["stage_rss_over_model_max"] = round(max(stats["peak_rss_bytes"].values()) / model_bytes, 3)
         result["whole_8b_under_cap"] = whole_model_under_cap("8b", cap)
 
-    # 3B: fleets paired with the unsplit LLMPipeline
+    if "fleet3b" in PHASES:
+        fleet3b_phase(result, exports, have, spec3, bandwidth)
+    if "plan" in PHASES and (model_dir("8b") / "config.json").is_file():
+        result["plan_8b"] = plan_phase(cap or result.get("fleet_8b_4s", {}).get("cap_bytes") or 4 * 2**30)
+    result["seconds"] = round(time.perf_counter() - t_start, 1)
+    result["rounds"] = ROUNDS
+    write_result("scale", result, "make bench-scale")
+    return 0
+
+
+def fleet3b_phase(result: dict, exports: dict, have: set[str], spec3: dict, bandwidth: float) -> None:
+    """3B fleets (4 and 2 stages) at 1 and 8 users, paired with the unsplit LLMPipeline."""
     fleets3 = {}
+    samples: dict[str, list[float]] = {}
     try:
         for slot, stages in enumerate((4, 2), start=1):
             if f"3b_{stages}s" in have:
@@ -384,7 +419,6 @@ def main() -> int:
             from bench.reference import GenAIPipeline
 
             genai, ids = GenAIPipeline(mono), mono_ids()
-        samples: dict[str, list[float]] = {}
         for _ in range(ROUNDS):
             for stages, fleet in fleets3.items():
                 one = decode_round(fleet.coordinator, 1)
@@ -410,13 +444,6 @@ def main() -> int:
         result["ceiling_fraction_3b"] = round(median(samples["fleet_4s_1user"]) / ceiling, 3)
         if "mono_llmpipeline_1user" in samples:
             result["ceiling_fraction_3b_mono"] = round(median(samples["mono_llmpipeline_1user"]) / ceiling, 3)
-
-    if os.environ.get("SCALE_PLAN", "1") == "1" and (model_dir("8b") / "config.json").is_file():
-        result["plan_8b"] = plan_phase(cap or 4 * 2**30)
-    result["seconds"] = round(time.perf_counter() - t_start, 1)
-    result["rounds"] = ROUNDS
-    write_result("scale", result, "make bench-scale")
-    return 0
 
 
 if __name__ == "__main__":

@@ -55,3 +55,26 @@ def test_a_process_under_its_cap_runs_and_its_peak_is_reported():
         assert 128 * MIB <= cap.peak_bytes() <= 512 * MIB
     finally:
         cap.close()
+
+
+@pytest.mark.slow
+def test_a_capped_fleet_decodes_with_each_stage_in_its_cgroup(smollm2_export, fleet_factory):
+    """`start_fleet(stage_memory_limit=...)`: every stage process sits in its own capped cgroup and
+    the fleet decodes as usual; stopping it removes the cgroups."""
+    from pipeshard.clients.client import PipeshardClient
+
+    limit = 1536 * MIB
+    try:
+        fleet = fleet_factory(smollm2_export(2, "int4"), 2, stage_memory_limit=limit)
+    except FailedPrecondition as exc:
+        pytest.skip(str(exc))
+    for k in range(2):
+        cap = fleet.caps[f"stage{k}"]
+        assert int((cap.path / cap.files.limit).read_text()) == limit
+        assert str(fleet.process(f"stage{k}").popen.pid) in (cap.path / "cgroup.procs").read_text().split()
+    with PipeshardClient(fleet.coordinator) as client:
+        result = client.generate("Name a colour.", max_tokens=8, ignore_eos=True)
+    assert len(result.token_ids) == 8
+    assert all(0 < fleet.caps[f"stage{k}"].peak_bytes() <= limit for k in range(2))
+    fleet.stop()
+    assert not any(cap.path.exists() for cap in fleet.caps.values())
