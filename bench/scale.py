@@ -61,7 +61,7 @@ PHASES = os.environ.get("SCALE_PHASES", "fleet8b,fleet3b,plan").split(",")
 TOKENS = 64
 USERS = 8
 PROMPT = "Explain in a few paragraphs how a bicycle works."
-BASE_PORT = 52800
+BASE_PORT = 52800 + 60 * int(os.environ.get("SCALE_PORT_BLOCK", "0"))  # 2 runs at once: 0 and 1
 CLI = [sys.executable, "-m", "pipeshard.cli"]
 
 
@@ -223,6 +223,8 @@ def start(shape: str, stages: int, slot: int, cap: int | None) -> Fleet:
         coordinator_port=BASE_PORT + 20 * slot + 19,
         stage_memory_limit=cap,
         timeout_s=1800,
+        # an 8B prefill step on two loaded cores takes longer than the default 30 s step deadline
+        extra_coordinator_args=["--step-timeout-s", "900"],
     )
 
 
@@ -403,7 +405,7 @@ def main() -> int:
         result["plan_8b"] = plan_phase(cap or result.get("fleet_8b_4s", {}).get("cap_bytes") or 4 * 2**30)
     result["seconds"] = round(time.perf_counter() - t_start, 1)
     result["rounds"] = ROUNDS
-    write_result("scale", result, "make bench-scale")
+    write_result(os.environ.get("SCALE_RESULT", "scale"), result, "make bench-scale")
     return 0
 
 
