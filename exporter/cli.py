@@ -14,6 +14,7 @@ from pathlib import Path
 from pipeshard import paths
 from pipeshard.errors import InvalidArgument, PipeshardError
 from pipeshard.shard.manifest import WEIGHT_FORMATS
+from pipeshard.sizes import parse_bytes
 
 ENV_PREFIX = "PIPESHARD_EXPORT_"
 
@@ -107,6 +108,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="do not add the beam_idx Gather in front of the KV state (benchmark config B0)",
     )
     p.add_argument(
+        "--max-stage-memory",
+        default=_env("max_stage_memory"),
+        help="refuse a split with a stage whose estimated export peak is over this size (6G, 512M, bytes)",
+    )
+    p.add_argument(
         "--force", action="store_true", default=_env_flag("force"), help="replace an existing export"
     )
     p.add_argument(
@@ -166,6 +172,9 @@ def run_export(args: argparse.Namespace) -> int:
             isolate=not args.in_process,
             convert_tokenizer=not args.no_ov_tokenizer,
         )
+        budget = (
+            None if args.max_stage_memory is None else parse_bytes(args.max_stage_memory, "max_stage_memory")
+        )
         printer = ProgressPrinter()
         try:
             if args.draft_layers is not None:
@@ -178,7 +187,9 @@ def run_export(args: argparse.Namespace) -> int:
                     **options,
                 )
             else:
-                result = export_model(model_dir, out, split=layers, progress=printer, **options)
+                result = export_model(
+                    model_dir, out, split=layers, progress=printer, max_stage_memory=budget, **options
+                )
         finally:
             printer.close()
     except PipeshardError as exc:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from pipeshard import errors
 from pipeshard.errors import FailedPrecondition, InvalidArgument
 from pipeshard.exporter import EXPORTER_VERSION
+from pipeshard.exporter.budget import check_export_memory
 from pipeshard.exporter.compress import CompressionPlan, make_plan
 from pipeshard.exporter.families import ModelSpec, cut_config, load_config, resolve_spec
 from pipeshard.exporter.weights import weight_files
@@ -477,6 +478,7 @@ def plan_export(
     force: bool,
     model_name: str | None,
     draft: DraftPlan | None,
+    max_stage_memory: int | None = None,
 ) -> ExportPlan:
     """Check every argument against the model before anything is written."""
     config = load_config(model_dir)
@@ -486,6 +488,7 @@ def plan_export(
         config = cut_config(config, draft.layers)  # a k-layer model: its one stage is the last
     spec = resolve_spec(config)
     layers = resolve_split(spec.num_layers, stages, split)
+    check_export_memory(spec, layers, max_stage_memory)
     compression = make_plan(spec, weights, group_size, head_precision, int8_sym)
     context = resolve_max_context(spec, max_context)
     if out_dir.exists() and not force:
@@ -513,9 +516,17 @@ def export_stages(
     entries = []
     for job in plan.jobs(tmp):
         _check_cancel(cancel)
-        entries.append(
-            run_stage_isolated(job, progress, cancel=cancel) if isolate else export_stage(job, progress)
+        entry = run_stage_isolated(job, progress, cancel=cancel) if isolate else export_stage(job, progress)
+        stats = entry.export
+        progress(
+            ProgressEvent(
+                job.index,
+                "finished",
+                1.0,
+                f"{stats.seconds:.1f} s, peak RSS {stats.peak_rss_bytes / 2**20:.0f} MiB ({stats.rss_scope})",
+            )
         )
+        entries.append(entry)
     return entries
 
 
@@ -572,6 +583,7 @@ def export_model(
     convert_tokenizer: bool = True,
     draft: DraftPlan | None = None,
     cancel: threading.Event | None = None,
+    max_stage_memory: int | None = None,
 ) -> ExportResult:
     """Export ``model_dir`` (a Hugging Face folder with safetensors) into N stage shards at ``out_dir``.
 
@@ -579,7 +591,8 @@ def export_model(
     stages); tests of tiny models turn it off to save the process start-up. ``draft`` (see
     ``pipeshard.exporter.draft.export_draft``) exports the model cut to its first layers as one stage.
     Setting ``cancel`` stops the export (Cancelled) and removes its partial folder; ``out_dir``
-    is untouched unless the export completes.
+    is untouched unless the export completes. ``max_stage_memory`` (bytes) refuses a split with a
+    stage whose estimated export peak is larger (``pipeshard.exporter.budget``).
     """
     t0 = time.perf_counter()
     progress = progress or _default_progress
@@ -599,6 +612,7 @@ def export_model(
         force=force,
         model_name=model_name,
         draft=draft,
+        max_stage_memory=max_stage_memory,
     )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"

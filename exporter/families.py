@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeshard.errors import InvalidArgument
+from pipeshard.model.shapes import SYNTHETIC_KEY
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,49 @@ def get_family(model_type: str | None) -> Family:
 
 
 @dataclass(frozen=True)
+class Llama3Rope:
+    """Llama 3.x ``rope_scaling`` (``rope_type: llama3``): long wavelengths divided by ``factor``,
+    short ones kept, a smooth blend between (:func:`pipeshard.exporter.rope.inv_freq`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_positions: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rope_type": "llama3",
+            "factor": self.factor,
+            "low_freq_factor": self.low_freq_factor,
+            "high_freq_factor": self.high_freq_factor,
+            "original_max_position_embeddings": self.original_max_positions,
+        }
+
+
+def _rope_scaling(scaling: dict[str, Any] | None) -> Llama3Rope | None:
+    """The rope scaling the stage module implements, or InvalidArgument naming what it is not."""
+    kind = scaling and (scaling.get("rope_type") or scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind == "llama3":
+        try:
+            rope = Llama3Rope(
+                factor=float(scaling["factor"]),
+                low_freq_factor=float(scaling["low_freq_factor"]),
+                high_freq_factor=float(scaling["high_freq_factor"]),
+                original_max_positions=int(scaling["original_max_position_embeddings"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            raise InvalidArgument("model", f"has an incomplete llama3 rope_scaling {scaling!r}") from None
+        if rope.factor <= 0 or rope.high_freq_factor <= rope.low_freq_factor:
+            raise InvalidArgument("model", f"has an inconsistent llama3 rope_scaling {scaling!r}")
+        return rope
+    raise InvalidArgument(
+        "model", f"uses rope_scaling {scaling!r}; only plain rotary and rope_type llama3 are supported"
+    )
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """The numbers a stage module is built from, resolved from one config.json."""
 
@@ -98,6 +142,8 @@ class ModelSpec:
     qkv_bias: bool
     o_bias: bool
     sliding_window: int | None
+    rope_scaling: Llama3Rope | None = None
+    synthetic: bool = False  # random weights of a published shape (`pipeshard model synth`)
 
     @property
     def kv_groups(self) -> int:
@@ -121,6 +167,8 @@ class ModelSpec:
             "qkv_bias": self.qkv_bias,
             "o_bias": self.o_bias,
             "sliding_window": self.sliding_window,
+            "rope_scaling": None if self.rope_scaling is None else self.rope_scaling.to_json(),
+            "synthetic": self.synthetic,
         }
 
 
@@ -147,9 +195,7 @@ def resolve_spec(config: dict[str, Any]) -> ModelSpec:
     act = config.get(f.hidden_act, "silu")
     if act not in ("silu", "swish"):
         raise InvalidArgument("model", f"uses hidden_act {act!r}; only silu (SwiGLU) is supported")
-    scaling = config.get(f.rope_scaling)
-    if scaling and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default"):
-        raise InvalidArgument("model", f"uses rope_scaling {scaling!r}; only plain rotary is supported")
+    rope_scaling = _rope_scaling(config.get(f.rope_scaling))
     if config.get("mlp_bias"):
         raise InvalidArgument("model", "uses mlp_bias, which the stage module does not implement")
     window = config.get("sliding_window")
@@ -172,6 +218,8 @@ def resolve_spec(config: dict[str, Any]) -> ModelSpec:
         qkv_bias=_flag(config, f.qkv_bias),
         o_bias=_flag(config, f.o_bias),
         sliding_window=int(window) if window else None,
+        rope_scaling=rope_scaling,
+        synthetic=bool(config.get(SYNTHETIC_KEY, False)),
     )
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeshard.exporter import rope
 from pipeshard.exporter.families import ModelSpec
 from pipeshard.shard.manifest import input_port
 
@@ -133,9 +134,7 @@ class StageModule(nn.Module):
         if self.is_last:
             self.norm = RMSNorm(spec.hidden_size, spec.rms_eps)
             self.lm_head = nn.Linear(spec.hidden_size, head_size or spec.vocab_size, bias=False)
-        d = spec.head_dim
-        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope.inv_freq(spec), persistent=False)
 
     # -- port names -------------------------------------------------------------------------
     @property
@@ -217,6 +216,5 @@ def build_stage_module(
     with torch.device("meta"):
         module = StageModule(spec, layer_start, layer_end, None if head is None else head.shape[0])
     module.load_state_dict(weights, strict=True, assign=True)
-    d = spec.head_dim
-    module.inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    module.inv_freq = rope.inv_freq(spec)
     return module.eval()

@@ -25,6 +25,7 @@ from pipeshard.services.gateway.settings import GATEWAY_METRICS_PORT, GATEWAY_PO
 from pipeshard.services.launcher import process_start_time, recorded, stage_name, start_fleet, stop_recorded
 from pipeshard.shard.device import DEFAULT_DEVICE
 from pipeshard.shard.manifest import WEIGHT_FORMATS
+from pipeshard.sizes import parse_bytes
 from pipeshard.tls import CA_CERT, make_certs
 from pipeshard.topology import Topology
 
@@ -58,6 +59,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="mutual TLS between all processes and a client token (certificates made if missing)",
     )
     up.add_argument("--gateway-port", type=int, default=GATEWAY_PORT, help="OpenAI gateway HTTP port")
+    up.add_argument(
+        "--stage-memory-limit",
+        default=None,
+        help="run every stage in its own memory cgroup capped at this size (6G, 512M, bytes)",
+    )
     up.set_defaults(func=run_up)
     down = sub.add_parser("down", help="stop the fleet that `pipeshard up` started")
     down.set_defaults(func=run_down)
@@ -113,6 +119,11 @@ def run_up(args: argparse.Namespace) -> int:
     if (RUN_DIR / "pids").exists():
         print("a fleet is already up (run `make down` first)", file=sys.stderr)
         return 1
+    limit = (
+        None
+        if args.stage_memory_limit is None
+        else parse_bytes(args.stage_memory_limit, "stage_memory_limit")
+    )
     shards = ensure_shards(args.model, args.stages, args.weights)
     topo = Topology.loopback(
         str(shards), args.stages, args.precision, device=args.device, replicas=args.replicas
@@ -148,6 +159,7 @@ def run_up(args: argparse.Namespace) -> int:
         token=token,
         api_keys=default_key_file() if args.secure else None,
         replicas=args.replicas,
+        stage_memory_limit=limit,
     )
     if tls_dir is not None:
         shutil.copyfile(tls_dir / CA_CERT, RUN_CA_CERT)  # where clients look by default

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeshard.precision import DEFAULT_PRECISION
+from pipeshard.services.memcap import MemoryCap
 from pipeshard.tls import CA_CERT
 from pipeshard.topology import LANE_SEPARATOR, REPLICA_PORT_STRIDE
 
@@ -49,6 +50,7 @@ class Fleet:
 
     run_dir: Path
     processes: list[Process] = field(default_factory=list)
+    caps: dict[str, MemoryCap] = field(default_factory=dict)  # process name -> its memory cgroup
 
     @property
     def coordinator(self) -> str:
@@ -86,6 +88,8 @@ class Fleet:
             except subprocess.TimeoutExpired:
                 proc.popen.kill()
                 proc.popen.wait()
+        for cap in self.caps.values():
+            cap.close()
 
 
 _OWNED: list[subprocess.Popen] = []
@@ -109,10 +113,12 @@ def spawn(
     detach: bool = False,
     prefix: Sequence[str] = (),
     module: str = "pipeshard.cli",
+    memory_cap: MemoryCap | None = None,
 ) -> Process:
     """Start ``[PREFIX] python -m MODULE ARGS`` and wait for its ``listening on`` line. Unless ``detach``
     (``make up``), the process is killed when this interpreter exits, however it exits. ``prefix``
-    wraps the command (``ip netns exec NS`` for the WAN emulator; it must exec, so the pid stays)."""
+    wraps the command (``ip netns exec NS`` for the WAN emulator; it must exec, so the pid stays).
+    ``memory_cap`` takes the process in as it starts, before it has loaded anything."""
     log = run_dir / f"{name.replace(' ', '')}.log"
     out = log.open("w")
     popen = subprocess.Popen(
@@ -124,6 +130,8 @@ def spawn(
     )
     if not detach:
         _OWNED.append(popen)
+    if memory_cap is not None:
+        memory_cap.add(popen.pid)
     with (run_dir / "pids").open("a") as pids:
         pids.write(f"{popen.pid} {process_start_time(popen.pid)} {name}\n")
     deadline = time.monotonic() + timeout_s
@@ -221,6 +229,7 @@ def start_fleet(
     token: str | None = None,
     api_keys: Path | None = None,
     replicas: int = 1,
+    stage_memory_limit: int | None = None,
 ) -> Fleet:
     """Start ``num_stages`` stage processes and a coordinator on loopback; ports 0 = ephemeral.
 
@@ -235,7 +244,9 @@ def start_fleet(
     ``devices`` gives each stage its OpenVINO device (``--device``; empty: the stage's default).
     ``replicas`` lanes of stages start (replica r of each stage forwards to replica r of the next;
     ``stage_ports`` are lane 0's, lane r adds 20r to each non-zero port; metrics likewise, by
-    process name ``stage_name(k, r)``); the coordinator is given every lane."""
+    process name ``stage_name(k, r)``); the coordinator is given every lane.
+    ``stage_memory_limit`` (bytes) runs every stage process in its own memory cgroup with that
+    limit (``pipeshard.services.memcap``); their paths go to ``<run_dir>/cgroups``."""
     run_dir.mkdir(parents=True, exist_ok=True)
 
     def metered(name: str, args: list[str]) -> list[str]:
@@ -282,7 +293,14 @@ def start_fleet(
                 args = stage_args(k, shards, port, precision, log_format, next_hop, extra_stage_args)
                 args += ["--device", devices[k]] if devices else []
                 name = stage_name(k, r)
-                proc = spawn(name, metered(name, args), run_dir, env, timeout_s, detach=detach)
+                cap = None
+                if stage_memory_limit is not None:
+                    cap = fleet.caps[name] = MemoryCap(f"{run_dir.name}-{name}", stage_memory_limit)
+                    with (run_dir / "cgroups").open("a") as cgroups:
+                        cgroups.write(f"{cap.path}\n")
+                proc = spawn(
+                    name, metered(name, args), run_dir, env, timeout_s, detach=detach, memory_cap=cap
+                )
                 fleet.processes.insert(1 if exporter_port is not None else 0, proc)
                 next_hop = proc.address
         stages = [LANE_SEPARATOR.join(lane[k] for lane in fleet.lanes) for k in range(num_stages)]
@@ -355,4 +373,10 @@ def stop_recorded(run_dir: Path, timeout_s: float = 15.0) -> list[str]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     pids_file.unlink()
+    cgroups = run_dir / "cgroups"
+    if cgroups.exists():  # the stages' memory cgroups (--stage-memory-limit), empty once they exited
+        for line in cgroups.read_text().splitlines():
+            with contextlib.suppress(OSError):
+                Path(line).rmdir()
+        cgroups.unlink()
     return [name for _, _, name in ours]

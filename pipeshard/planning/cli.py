@@ -82,6 +82,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=_int(env("context")),
         help="KV cache tokens reserved per sequence (default the export's max_context)",
     )
+    p.add_argument(
+        "--max-stage-memory",
+        default=env("max_stage_memory"),
+        help="no stage may need more than this (weights + KV; 6G, 512M, bytes): the plan is placed "
+        "within it, or refused naming the stage over it",
+    )
     p.add_argument("--out", type=Path, default=env("out"), help="write the plan here (plan.yaml)")
     p.add_argument(
         "--topology",
@@ -241,15 +247,19 @@ def print_plan(plan: Plan) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from pipeshard.planning.dp import plan_layers
+    from pipeshard.planning.dp import plan_within
     from pipeshard.planning.nodes import load_nodes
+    from pipeshard.sizes import parse_bytes
 
     try:
         model_dir = _model_dir(args.model)
         cost = model_cost(model_dir, args.weights, args.context)
         nodes = load_nodes(args.nodes)
         batch = args.batch or (8 if args.objective == "throughput" else 1)
-        plan = plan_layers(nodes, cost, args.objective, batch, args.micro_batches)
+        limit = (
+            None if args.max_stage_memory is None else parse_bytes(args.max_stage_memory, "max_stage_memory")
+        )
+        plan = plan_within(nodes, cost, args.objective, batch, args.micro_batches, limit)
         if args.out:
             plan.save(args.out)
         if args.topology:

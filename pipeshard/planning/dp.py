@@ -20,6 +20,7 @@ layers plan in milliseconds (bench-planner).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -27,6 +28,7 @@ from pipeshard.errors import InvalidArgument
 from pipeshard.planning.cost import ModelCost
 from pipeshard.planning.nodes import Node
 from pipeshard.planning.plan import OBJECTIVES, Plan, StagePlan
+from pipeshard.sizes import gib
 
 
 def stage_ms(node: Node, model: ModelCost, a: int, b: int, rows: int) -> float:
@@ -259,3 +261,34 @@ def plan_layers(
         tok_s=1000.0 * batch / value if value > 0 else float("inf"),
         skipped=tuple(n.name for k, n in enumerate(nodes) if k not in used),
     )
+
+
+def plan_within(
+    nodes: Sequence[Node],
+    model: ModelCost,
+    objective: str = "latency",
+    batch: int = 1,
+    micro_batches: int | None = None,
+    max_stage_memory: int | None = None,
+) -> Plan:
+    """:func:`plan_layers` with no stage over ``max_stage_memory`` bytes (weights, KV, head).
+
+    Every node is capped at the limit; when nothing fits, the error names the stage of the
+    uncapped plan that is over it, with its estimate."""
+    if max_stage_memory is None:
+        return plan_layers(nodes, model, objective, batch, micro_batches)
+    capped = [replace(n, memory_bytes=min(n.memory_bytes, max_stage_memory + n.reserve_bytes)) for n in nodes]
+    try:
+        return plan_layers(capped, model, objective, batch, micro_batches)
+    except InvalidArgument as capped_error:
+        if capped_error.field != "nodes":
+            raise
+        free = plan_layers(nodes, model, objective, batch, micro_batches)  # raises if nothing fits at all
+        k, worst = max(enumerate(free.stages), key=lambda ks: ks[1].memory_bytes)
+        raise InvalidArgument(
+            "max_stage_memory",
+            f"is {gib(max_stage_memory)}, but no placement on these {len(nodes)} node(s) keeps "
+            f"every stage under it: the best plan's stage {k} (layers {worst.layer_start}:"
+            f"{worst.layer_end} on {worst.node}) needs an estimated {gib(worst.memory_bytes)} "
+            f"(weights and the KV cache of {batch} x {model.context} tokens); add nodes or lower --context",
+        ) from None

@@ -225,6 +225,10 @@ class ModelInfo:
     def head_dim(self) -> int:
         return int(self.spec["head_dim"])
 
+    @property
+    def synthetic(self) -> bool:  # random weights of a published shape (`pipeshard model synth`)
+        return bool(self.spec.get("synthetic", False))
+
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> ModelInfo:
         own = ("name", "source", "fingerprint", "eos_token_ids")

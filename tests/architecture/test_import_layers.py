@@ -52,6 +52,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "fleet": (
         (
             "pipeshard.services.launcher",
+            "pipeshard.services.memcap",
             "pipeshard.services.fleet_cli",
             "pipeshard.services.wan",
             "pipeshard.services.top",

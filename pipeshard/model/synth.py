@@ -1,0 +1,206 @@
+"""`pipeshard model synth`: a Hugging Face folder with a published architecture and random weights.
+
+What size changes (export memory and time, stage memory, step time, the planner's choices) does
+not depend on what the weights say, so a real-size model can be made here without downloading
+one. Weights are seeded normal(0, 0.02) (norms 1, biases 0), each tensor drawn from its own seed
+(its name and ``--seed``), written one safetensors shard at a time: at most one shard is ever in
+memory. The tokenizer is the bundled model's; embedding and LM head rows past its vocabulary are
+zero, so a random model's argmax never picks a token the tokenizer cannot decode. config.json
+carries ``pipeshard_synthetic: true``, which the exporter copies into every manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from pipeshard import paths
+from pipeshard.errors import FailedPrecondition
+from pipeshard.model.shapes import SYNTHETIC_KEY, Shape
+
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+)
+STD = 0.02
+SHARD_BYTES = 2 * 2**30
+DTYPE = torch.bfloat16
+
+Progress = Callable[[str], object]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    kind: str  # normal | ones | zeros | table (normal, rows past the tokenizer zero)
+
+    @property
+    def nbytes(self) -> int:
+        n = 2
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def tensor_specs(shape: Shape) -> list[TensorSpec]:
+    """Every tensor of the checkpoint, in file order (Llama-style names, shared by all families)."""
+    h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    specs = [TensorSpec("model.embed_tokens.weight", (shape.vocab_size, h), "table")]
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        specs += [
+            TensorSpec(p + "input_layernorm.weight", (h,), "ones"),
+            TensorSpec(p + "self_attn.q_proj.weight", (q, h), "normal"),
+            TensorSpec(p + "self_attn.k_proj.weight", (kv, h), "normal"),
+            TensorSpec(p + "self_attn.v_proj.weight", (kv, h), "normal"),
+            TensorSpec(p + "self_attn.o_proj.weight", (h, q), "normal"),
+            TensorSpec(p + "post_attention_layernorm.weight", (h,), "ones"),
+            TensorSpec(p + "mlp.gate_proj.weight", (shape.intermediate_size, h), "normal"),
+            TensorSpec(p + "mlp.up_proj.weight", (shape.intermediate_size, h), "normal"),
+            TensorSpec(p + "mlp.down_proj.weight", (h, shape.intermediate_size), "normal"),
+        ]
+        if shape.qkv_bias:
+            specs += [
+                TensorSpec(p + "self_attn.q_proj.bias", (q,), "zeros"),
+                TensorSpec(p + "self_attn.k_proj.bias", (kv,), "zeros"),
+                TensorSpec(p + "self_attn.v_proj.bias", (kv,), "zeros"),
+            ]
+    specs.append(TensorSpec("model.norm.weight", (h,), "ones"))
+    if not shape.tie_word_embeddings:
+        specs.append(TensorSpec("lm_head.weight", (shape.vocab_size, h), "table"))
+    return specs
+
+
+def make_tensor(spec: TensorSpec, seed: int, tokenizer_vocab: int) -> torch.Tensor:
+    """One tensor, the same for the same (seed, name) whatever the sharding."""
+    if spec.kind == "ones":
+        return torch.ones(spec.shape, dtype=DTYPE)
+    if spec.kind == "zeros":
+        return torch.zeros(spec.shape, dtype=DTYPE)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(spec.name.encode()))
+    out = torch.empty(spec.shape, dtype=DTYPE)
+    out.normal_(0.0, STD, generator=gen)
+    if spec.kind == "table":
+        out[tokenizer_vocab:] = 0
+    return out
+
+
+def plan_shards(specs: list[TensorSpec], limit: int = SHARD_BYTES) -> list[list[TensorSpec]]:
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if shards[-1] and size + spec.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    return shards
+
+
+def config_json(shape: Shape, seed: int, bos: int, eos: int) -> dict:
+    config = {
+        "architectures": [shape.architecture],
+        "model_type": shape.model_type,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "vocab_size": shape.vocab_size,
+        "max_position_embeddings": shape.max_positions,
+        "rope_theta": shape.rope_theta,
+        "rope_scaling": shape.rope_scaling,
+        "rms_norm_eps": shape.rms_eps,
+        "tie_word_embeddings": shape.tie_word_embeddings,
+        "hidden_act": "silu",
+        "mlp_bias": False,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        SYNTHETIC_KEY: True,
+        "pipeshard_like": shape.name,
+        "pipeshard_seed": seed,
+    }
+    if shape.model_type == "llama":
+        config["attention_bias"] = False
+    if shape.model_type == "qwen2":
+        config.update(use_sliding_window=False, sliding_window=shape.max_positions)
+    return config
+
+
+def _tokenizer_source() -> Path:
+    from pipeshard.model.fetch import ensure_default_model, is_model_folder
+
+    folder = paths.default_model_dir()
+    return folder if is_model_folder(folder) else ensure_default_model()
+
+
+def _tokenizer_vocab(folder: Path) -> int:
+    """Ids the bundled tokenizer can produce: its model vocabulary and added tokens."""
+    data = json.loads((folder / "tokenizer.json").read_text())
+    ids = list(data["model"]["vocab"].values()) + [t["id"] for t in data.get("added_tokens", [])]
+    return max(ids) + 1
+
+
+def _shard_stream(
+    shape: Shape, seed: int, tokenizer_vocab: int
+) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    shards = plan_shards(tensor_specs(shape))
+    for k, group in enumerate(shards):
+        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        yield name, {s.name: make_tensor(s, seed, tokenizer_vocab) for s in group}
+
+
+def synthesize(
+    shape: Shape, out: Path, seed: int = 0, force: bool = False, progress: Progress = print
+) -> Path:
+    """Write ``out`` (config, tokenizer, sharded bf16 safetensors); one shard in memory at a time."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise FailedPrecondition(f"{out} already exists; pass --force to replace it")
+    source = _tokenizer_source()
+    vocab = min(_tokenizer_vocab(source), shape.vocab_size)
+    gen = json.loads((source / "generation_config.json").read_text())
+    tmp = out.parent / f".{out.name}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, tmp / name)
+        config = config_json(shape, seed, int(gen.get("bos_token_id", 1)), int(gen.get("eos_token_id", 2)))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        weight_map: dict[str, str] = {}
+        total = 0
+        for name, tensors in _shard_stream(shape, seed, vocab):
+            save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+            for key, tensor in tensors.items():
+                weight_map[key] = name
+                total += tensor.numel() * tensor.element_size()
+            progress(f"wrote {name} ({len(tensors)} tensors)")
+            del tensors
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    progress(f"{shape.name}: {shape.num_layers} layers, {shape.params / 1e9:.2f} B parameters -> {out}")
+    return out

@@ -1,0 +1,69 @@
+"""`pipeshard model synth`: published shapes, seeded tensor-by-tensor weights, the padded vocabulary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from pipeshard.errors import InvalidArgument
+from pipeshard.model.shapes import SHAPES, get_shape
+from pipeshard.model.synth import make_tensor, plan_shards, synthesize, tensor_specs
+
+# Parameter counts as published (model cards), in billions, to two decimals.
+PUBLISHED_PARAMS = {"llama-3.2-3b": 3.21, "llama-3.1-8b": 8.03, "qwen2.5-3b": 3.09, "mistral-7b": 7.25}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_published_shapes_have_published_parameter_counts(name):
+    shape = get_shape(name)
+    assert round(shape.params / 1e9, 2) == PUBLISHED_PARAMS[name]
+    assert sum(torch.Size(s.shape).numel() for s in tensor_specs(shape)) == shape.params
+
+
+def test_unknown_shape_and_layers_are_refused():
+    with pytest.raises(InvalidArgument, match="like"):
+        get_shape("gpt-5")
+    with pytest.raises(InvalidArgument, match="layers"):
+        SHAPES["mistral-7b"].with_layers(33)
+
+
+def test_tensors_depend_on_seed_and_name_not_on_sharding():
+    spec = tensor_specs(get_shape("test-llama3"))[2]
+    a, b, c = make_tensor(spec, 1, 10), make_tensor(spec, 1, 10), make_tensor(spec, 2, 10)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert 0.015 < a.float().std().item() < 0.025
+    specs = tensor_specs(get_shape("test-llama3"))
+    small = plan_shards(specs, limit=20_000)
+    assert len(small) > 1 and [s for g in small for s in g] == specs
+    assert len(plan_shards(specs)) == 1
+
+
+@pytest.fixture(scope="module")
+def synth_folder(tmp_path_factory):
+    out = tmp_path_factory.mktemp("synth") / "m"
+    return synthesize(get_shape("test-llama3").with_layers(2), out, seed=3, progress=lambda _: None)
+
+
+def test_folder_is_marked_sharded_and_padded(synth_folder):
+    config = json.loads((synth_folder / "config.json").read_text())
+    assert config["pipeshard_synthetic"] is True
+    assert config["num_hidden_layers"] == 2 and config["vocab_size"] == 50000
+    assert config["rope_scaling"]["rope_type"] == "llama3"
+    index = json.loads((synth_folder / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == {s.name for s in tensor_specs(get_shape("test-llama3").with_layers(2))}
+    tok = json.loads((synth_folder / "tokenizer.json").read_text())
+    vocab = max(tok["model"]["vocab"].values()) + 1
+    with safe_open(str(synth_folder / index["weight_map"]["lm_head.weight"]), "pt") as f:
+        head = f.get_tensor("lm_head.weight")
+    assert head.dtype == torch.bfloat16 and head.shape == (50000, 64)
+    assert torch.count_nonzero(head[vocab:]) == 0 and torch.count_nonzero(head[:vocab]) > 0
+
+
+def test_existing_folder_is_not_replaced_without_force(synth_folder):
+    from pipeshard.errors import FailedPrecondition
+
+    with pytest.raises(FailedPrecondition, match="exists"):
+        synthesize(get_shape("test-llama3"), synth_folder)
