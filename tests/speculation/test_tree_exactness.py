@@ -1,5 +1,5 @@
 """Tree verification is token-for-token target-only greedy decoding on INT4 shards at ``exact``
-(stateful stages in process: LocalRing), 128 tokens.
+(stateful stages in process: `local_ring`), 128 tokens.
 
 ``make test`` runs two tree shapes on 1 stage (prompt lookup's alternative continuations and the
 self-draft's top-k; the same two on 2 stages are extended, as tests/pipeline/test_tree_fleet.py
