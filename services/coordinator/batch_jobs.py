@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
@@ -40,11 +39,6 @@ PROBE_ROUNDS = 2
 PROBE_WARMUP_STEPS = 1
 # How often the auto probe looks at the step counters.
 PROBE_POLL_S = 0.01
-
-# Per step batcher: the M an auto job measured best, which later auto jobs use.
-_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# Per step batcher while jobs run: the inflight it had before them, and how many jobs run.
-_RUNNING_JOBS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # Runs one item's request as a batch request: Generate's response stream.
 ItemRunner = Callable[[coordinator_pb2.GenerateRequest], AsyncIterator[coordinator_pb2.GenerateResponse]]
@@ -75,18 +69,34 @@ class MicroBatches:
         return cls(count)
 
 
+@dataclass
+class MicroBatchMemory:
+    """What one coordinator's step batcher keeps across batch jobs: the M an auto job measured
+    best (later auto jobs use it), and while jobs run, how many and the count it had before them."""
+
+    chosen: int | None = None
+    saved: int = 1
+    jobs: int = 0
+
+
 class MicroBatchControl:
     """Sets the step batcher's group count for a job, measures it under ``auto``, restores it.
 
     ``steps`` is the ring's step batcher (None on the stateful backend, where every session steps
-    alone and there is nothing to group)."""
+    alone and there is nothing to group); ``memory`` is the coordinator's, shared by its jobs."""
 
     def __init__(
-        self, steps, stages: int, setting: MicroBatches, clock: Callable[[], float] = time.perf_counter
+        self,
+        steps,
+        stages: int,
+        setting: MicroBatches,
+        memory: MicroBatchMemory,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self._steps = steps
         self._stages = max(stages, 1)
         self._setting = setting
+        self._memory = memory
         self._clock = clock
         self.current = setting.count
         self.measured: dict[int, float] = {}  # auto: rows per second at each M tried
@@ -96,12 +106,13 @@ class MicroBatchControl:
         if self._steps is None:
             yield self
             return
-        key = self._steps
-        saved, jobs = _RUNNING_JOBS.get(key, (self._steps.inflight, 0))
-        _RUNNING_JOBS[key] = (saved, jobs + 1)
+        memory = self._memory
+        if not memory.jobs:
+            memory.saved = self._steps.inflight
+        memory.jobs += 1
         probe = None
-        if self._setting.auto and key in _CHOSEN:
-            self.current = _CHOSEN[key]
+        if self._setting.auto and memory.chosen is not None:
+            self.current = memory.chosen
         elif self._setting.auto:
             probe = asyncio.create_task(self._probe(), name="micro-batch-probe")
         self._set(self.current)
@@ -112,11 +123,9 @@ class MicroBatchControl:
                 probe.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await probe
-            saved, jobs = _RUNNING_JOBS.pop(key)
-            if jobs > 1:
-                _RUNNING_JOBS[key] = (saved, jobs - 1)
-            else:
-                self._steps.inflight = saved
+            memory.jobs -= 1
+            if not memory.jobs:
+                self._steps.inflight = memory.saved
 
     def _set(self, count: int) -> None:
         self.current = count
@@ -134,7 +143,7 @@ class MicroBatchControl:
             self.measured[count] = (self._steps.rows_run - rows) / elapsed if elapsed > 0 else 0.0
         best = max(self.measured, key=lambda count: (self.measured[count], -count))
         self._set(best)
-        _CHOSEN[self._steps] = best
+        self._memory.chosen = best
         log.info(
             "micro_batches_chosen",
             micro_batches=best,

@@ -18,7 +18,12 @@ from pipeshard.errors import Unavailable
 from pipeshard.identity import Identity
 from pipeshard.interceptors import MAX_REQUEST_ID_CHARS
 from pipeshard.metrics import IDENTITY_CACHED_TOKENS, IDENTITY_REQUESTS
-from pipeshard.services.coordinator.batch_jobs import BatchJob, MicroBatchControl, MicroBatches
+from pipeshard.services.coordinator.batch_jobs import (
+    BatchJob,
+    MicroBatchControl,
+    MicroBatches,
+    MicroBatchMemory,
+)
 from pipeshard.services.coordinator.generation import Chunk, Generation
 from pipeshard.services.coordinator.ring import ShuttingDown
 from pipeshard.services.coordinator.sampling import SamplingParams
@@ -84,6 +89,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._system_fingerprint = system_fingerprint
         self._max_prompt_bytes = max_prompt_bytes
         self._generation = generation
+        self._micro_batches = MicroBatchMemory()  # what this coordinator's batch jobs share
         self._prompter = prompter
         self._max_context = max_context
         self._vocab_size = vocab_size
@@ -134,6 +140,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 self._generation.step_batcher,
                 self._generation.num_stages,
                 MicroBatches.parse(request.micro_batches),
+                self._micro_batches,
             )
             job = BatchJob(
                 request.items,

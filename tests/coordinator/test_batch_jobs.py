@@ -9,7 +9,12 @@ import pytest
 
 from pipeshard.errors import InvalidArgument, ResourceExhausted
 from pipeshard.services.coordinator import batch_jobs
-from pipeshard.services.coordinator.batch_jobs import BatchJob, MicroBatchControl, MicroBatches
+from pipeshard.services.coordinator.batch_jobs import (
+    BatchJob,
+    MicroBatchControl,
+    MicroBatches,
+    MicroBatchMemory,
+)
 from pipeshard.v1 import coordinator_pb2
 
 
@@ -64,7 +69,7 @@ def test_empty_job_and_empty_or_repeated_custom_id_refused_naming_the_items():
     async def run(request):
         yield coordinator_pb2.GenerateResponse()
 
-    control = MicroBatchControl(None, 2, MicroBatches(1))
+    control = MicroBatchControl(None, 2, MicroBatches(1), MicroBatchMemory())
     with pytest.raises(InvalidArgument, match="`items` must hold at least one"):
         BatchJob([], run, 4, control)
     with pytest.raises(InvalidArgument, match=r"`items\[2\].custom_id` 'a' repeats items\[0\]"):
@@ -93,7 +98,12 @@ def test_every_item_answered_once_errors_per_item_and_at_most_the_running_limit_
             running["now"] -= 1
 
     async def scenario():
-        job = BatchJob(items("a", "bad", "c", "d", "e"), run, 2, MicroBatchControl(None, 2, MicroBatches(2)))
+        job = BatchJob(
+            items("a", "bad", "c", "d", "e"),
+            run,
+            2,
+            MicroBatchControl(None, 2, MicroBatches(2), MicroBatchMemory()),
+        )
         return [r async for r in job.results()]
 
     results = asyncio.run(scenario())
@@ -112,7 +122,9 @@ def test_fixed_micro_batches_set_for_the_job_and_restored_after():
         yield coordinator_pb2.GenerateResponse(summary=coordinator_pb2.GenerateSummary())
 
     async def scenario():
-        job = BatchJob(items("a", "b"), run, 2, MicroBatchControl(steps, 3, MicroBatches(2)))
+        job = BatchJob(
+            items("a", "b"), run, 2, MicroBatchControl(steps, 3, MicroBatches(2), MicroBatchMemory())
+        )
         results = [r async for r in job.results()]
         return results, steps.inflight
 
@@ -124,9 +136,10 @@ def test_fixed_micro_batches_set_for_the_job_and_restored_after():
 def test_auto_tries_each_count_up_to_the_stages_and_keeps_the_fastest(monkeypatch):
     monkeypatch.setattr(batch_jobs, "PROBE_POLL_S", 0.0002)
     steps = FakeSteps({1: 4, 2: 9, 3: 7, 4: 50})  # rows per step at each M: M=2 is best of 1..3
+    memory = MicroBatchMemory()
 
     async def scenario():
-        control = MicroBatchControl(steps, 3, MicroBatches(auto=True), clock=steps.clock)
+        control = MicroBatchControl(steps, 3, MicroBatches(auto=True), memory, clock=steps.clock)
         ticker = asyncio.create_task(steps.run())
         async with control.applied():
             while len(control.measured) < 3 or control.current != 2:
@@ -135,7 +148,7 @@ def test_auto_tries_each_count_up_to_the_stages_and_keeps_the_fastest(monkeypatc
         return control
 
     async def later_job():
-        control = MicroBatchControl(steps, 3, MicroBatches(auto=True))
+        control = MicroBatchControl(steps, 3, MicroBatches(auto=True), memory)
         async with control.applied():
             return control, steps.inflight
 
@@ -149,10 +162,11 @@ def test_auto_tries_each_count_up_to_the_stages_and_keeps_the_fastest(monkeypatc
 
 def test_overlapping_jobs_restore_the_batchers_own_count_when_the_last_ends():
     steps = FakeSteps({}, inflight=1)
+    memory = MicroBatchMemory()
 
     async def scenario():
-        first = MicroBatchControl(steps, 3, MicroBatches(2))
-        second = MicroBatchControl(steps, 3, MicroBatches(3))
+        first = MicroBatchControl(steps, 3, MicroBatches(2), memory)
+        second = MicroBatchControl(steps, 3, MicroBatches(3), memory)
         seen = []
         async with first.applied():
             async with second.applied():
