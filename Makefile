@@ -151,7 +151,7 @@ bench-gateway: model
 report: model
 	$(PY) -m bench.report $(if $(filter 1 yes true,$(RENDER_ONLY)),--render-only)
 
-## bench-scale: real-size synthetic Llama 3.2 3B / 3.1 8B shapes: export time and peak RSS per stage, 8B stages under memory cgroup caps, decode tok/s at 1 and 8 users on 2 and 4 stages paired with LLMPipeline on the unsplit 3B (SCALE_MONO=1 makes it), the bandwidth ceiling, a plan from an 8B profile (SCALE_DIR, default /work/cache/scale; ~16 GB of disk for the 8B; bench/results/scale.json)
+## bench-scale: real-size synthetic Llama 3.2 3B / 3.1 8B shapes: export time and peak RSS per stage, 8B stages under memory cgroup caps, decode tok/s at 1 and 8 users on 2 and 4 stages paired with LLMPipeline on the unsplit 3B (SCALE_MONO=1 makes it), the bandwidth ceiling, a plan from an 8B profile (SCALE_DIR, default synthetic/ in the models folder, PIPESHARD_MODELS_DIR or models/; ~16 GB of disk for the 8B; bench/results/scale.json)
 bench-scale: model
 	$(PY) -m bench.scale
 

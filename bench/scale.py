@@ -1,6 +1,6 @@
 """bench-scale: real-size synthetic models (Llama 3.2 3B and Llama 3.1 8B shapes) across stages.
 
-Phases (each reuses what an earlier run left under SCALE_DIR, default /work/cache/scale):
+Phases (each reuses what an earlier run left under SCALE_DIR, default <models folder>/synthetic):
 
 1. models: ``pipeshard model synth`` of both shapes (bf16, seeded), unless present;
 2. exports: 4 (and 2) INT4 stages of each, every one checked first against ``--max-stage-memory``
@@ -41,11 +41,12 @@ from bench.stats import median, ratio_ci, summary, write_result
 from pipeshard.clients.client import AsyncPipeshardClient
 from pipeshard.errors import InvalidArgument
 from pipeshard.offline import set_offline_defaults
+from pipeshard.paths import models_dir
 from pipeshard.services.launcher import Fleet, start_fleet
 from pipeshard.services.memcap import MemoryCap
 from pipeshard.sizes import gib, parse_bytes
 
-SCALE_DIR = Path(os.environ.get("SCALE_DIR", "/work/cache/scale"))
+SCALE_DIR = Path(os.environ.get("SCALE_DIR", models_dir() / "synthetic"))
 # SCALE_SHAPES=3b=test-llama3,8b=test-llama3 runs every phase on a tiny shape (a dry run).
 SHAPES = dict(
     part.split("=", 1)
