@@ -29,12 +29,13 @@ from bench.stats import command_with_knobs, interleaved, median, ratio_ci, summa
 from pipeshard import paths
 from pipeshard.clients.client import PipeshardClient
 from pipeshard.offline import set_offline_defaults
+from pipeshard.precision import PRECISIONS
 from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation
 from pipeshard.services.coordinator.in_process import local_ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.launcher import Fleet, start_fleet
 from pipeshard.shard.prompting import Prompter
-from pipeshard.shard.runtime import PRECISIONS, compile_properties
+from pipeshard.shard.runtime import compile_properties
 
 RUNS = int(os.environ.get("BENCH_RUNS", "10"))
 WARMUP = int(os.environ.get("BENCH_WARMUP", "1"))
