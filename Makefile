@@ -127,9 +127,9 @@ bench-mbatch: model
 	$(PY) -m bench.mbatch
 	$(PY) -m bench.spec_batch
 
-## soak: 200 requests from 16 clients with random cancels while stage 1 is killed and restarted (not in `make test`; SOAK_SHARDS=DIR uses an existing 2-stage export; bench/results/soak.json)
+## soak: 200 requests from 16 clients with random cancels while stage 1 is killed and restarted (not in `make test`; SOAK_SHARDS=DIR uses an existing 2-stage export; bench/results/soak.json); SOAK_MODE=failover: 2 stages x 2 lanes, 16 clients for SOAK_SECONDS (300) while a replica is killed every SOAK_KILL_EVERY (20) s and restarted: failed requests, mismatches, recovery p95 (bench/results/soak_failover.json)
 soak: model
-	$(PY) -m bench.soak
+	$(PY) -m bench.$(if $(filter failover,$(SOAK_MODE)),soak_failover,soak)
 ## bench-compress: size (% of raw) and MB/s of every tensor codec on real SmolLM2 hidden states; fp16/bf16 wire token agreement (bench/results/compress.json)
 bench-compress: model
 	$(PY) -m bench.compress

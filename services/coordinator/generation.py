@@ -604,6 +604,7 @@ class Generation:
                     if not request.generated:
                         for frame in request.prefill_frames(self._prefill_chunk):
                             await self._ring.step(frame)
+                            self._computed(request, request.prompt_ids[: request.cursor.logical])
                     while not done:
                         chunk, done = await self._step(request)
                         yield chunk
@@ -764,6 +765,8 @@ class Generation:
         trace.mark("gen_result", request.session_id, step_id)
         new = request.accept(draft, result)
         request.record(draft, new, elapsed)
+        # No step of this session is in flight here: every stage holds its settled positions.
+        self._computed(request, (request.prompt_ids + request.generated + new)[: request.cursor.settled])
         if request.sends_ahead(new):
             request.pending = [new[-1]]
             frame = request.frame(Draft([], None, 0.0))
@@ -776,11 +779,18 @@ class Generation:
             chunk.tokens = await asyncio.to_thread(lambda: [self._tok.decode([t]) for t in chunk.token_ids])
         return chunk, done
 
+    def _computed(self, request: _Request, tokens: list[int]) -> None:
+        """Every stage holds ``tokens`` for the request's session: its standby copy may follow."""
+        if self._failover is not None:
+            self._failover.computed(request.session_id, tokens)
+
     def _close(self, request: _Request, failure: str) -> None:
         """Frees the session on every stage in the background, even when the client went away
         mid-stream; a failed generation aborts (each stage logs why) instead of releasing."""
         if request.drafter is not None:
             request.drafter.close()
+        if self._failover is not None:
+            self._failover.ended(request.session_id)
         self._in_background(
             self._ring.abort_session(request.session_id, failure)
             if failure
