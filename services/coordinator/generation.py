@@ -300,6 +300,8 @@ class _Request:
         must be prefilled with before the next step: everything the old session had seen."""
         if self.ahead is not None:
             self.ahead.cancel()
+            if self.ahead.done() and not self.ahead.cancelled():
+                self.ahead.exception()  # the failed step that brought us here: seen, not lost
             self.ahead = None
         self.session_id = session_id
         self.cursor = _Cursor(session_id, self.params.greedy, truncates=self.cursor.truncates)
@@ -308,9 +310,13 @@ class _Request:
         return self.context[: len(self.context) - len(self.pending)]
 
     def replay_frames(self, tokens: list[int], chunk: int) -> Iterator[activation_pb2.ActivationFrame]:
-        """Fill-only frames of ``tokens`` in chunks, as a prompt's prefill."""
-        for start in range(0, len(tokens), chunk):
+        """Fill-only frames of all but the last chunk of ``tokens``, as a prompt's prefill; the last
+        chunk goes ahead of the pending tokens, so the next step (the one that failed, sent again)
+        replays it too and one step less stands between the failover and the next token."""
+        last = len(tokens) - (len(tokens) % chunk or min(chunk, len(tokens)))
+        for start in range(0, last, chunk):
             yield self.cursor.frame(tokens[start : start + chunk], fill_only=True)
+        self.pending = tokens[last:] + self.pending
 
     def draft(self) -> Draft | TreeChains:
         """Chooses K (or the tree's shape) and drafts (none on the first step or without a

@@ -115,14 +115,21 @@ class StageKv:
         blob = self.access.blob(session, len(token_ids), (), checksum=False)
         return blob.positions, self.store.put(owner, scope, token_ids, blob.arrays)
 
-    def restore(self, owner: str, session_id: str, blob: KvBlob) -> int:
-        """Load a blob into the session (opened if absent, replaced if present); returns its positions."""
+    def check(self, blob: KvBlob) -> None:
+        """Refuses a blob this stage cannot restore (another model or layout, damaged, a part);
+        touches nothing, so it may run off the event loop."""
         if blob.start:
             raise InvalidArgument(
                 "snapshot.start_position",
                 f"is {blob.start}: a part restores only joined to the parts before it",
             )
         blob.check_for(self.source)
+
+    def restore(self, owner: str, session_id: str, blob: KvBlob, *, checked: bool = False) -> int:
+        """Load a blob into the session (opened if absent, replaced if present); returns its
+        positions. ``checked``: the caller ran :meth:`check` on it."""
+        if not checked:
+            self.check(blob)
         self.access.load(self.access.fresh(owner, session_id), blob)
         return blob.positions
 

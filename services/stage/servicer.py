@@ -142,7 +142,15 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             raise InvalidArgument("snapshot_chunk", "the stream sent no chunk")
         if not session_id:
             raise InvalidArgument("session_id", "must not be empty (set it in the first chunk)")
-        positions = self._node.kv.restore(owner, session_id, from_proto(assembler.snapshot()))
+
+        def checked_blob():
+            # Off the event loop: decoding and hashing a long session's KV would stall every frame.
+            blob = from_proto(assembler.snapshot())
+            self._node.kv.check(blob)
+            return blob
+
+        blob = await asyncio.to_thread(checked_blob)
+        positions = self._node.kv.restore(owner, session_id, blob, checked=True)
         return stage_pb2.RestoreKvStreamResponse(positions=positions)
 
     async def GetStageInfo(self, request, context):

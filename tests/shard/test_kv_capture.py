@@ -95,7 +95,7 @@ def test_parts_join_into_the_whole_capture(tiny_export):
     ids = tuple(range(100, 110))
     whole = export_kv(session, token_ids=ids)
     parts = [
-        from_proto(to_proto(export_kv(session, positions=end, token_ids=ids[:end], start=start)))
+        from_proto(to_proto(export_kv(session, positions=end, token_ids=ids[start:end], start=start)))
         for start, end in ((0, 3), (3, 7), (7, 10))
     ]
     assert [p.start for p in parts] == [0, 3, 7] and parts[1].token_ids == ids[3:7]
