@@ -51,8 +51,10 @@ TOKENS = int(os.environ.get("BENCH_TOKENS", "32"))
 PORT_BASE = int(os.environ.get("BENCH_PORT_BASE", "52500"))
 USERS = (1, 8)
 CONTEXTS = (128, 1024)
+# A reduced run names its points (users x context, comma-separated): BENCH_POINTS=8x1024.
+POINTS = [tuple(int(n) for n in p.split("x")) for p in os.environ.get("BENCH_POINTS", "").split(",") if p]
 KILL_AFTER = 3  # tokens every stream has out before the kill
-KNOBS = ("BENCH_RUNS", "BENCH_COST_RUNS", "BENCH_TOKENS", "BENCH_PORT_BASE")
+KNOBS = ("BENCH_RUNS", "BENCH_COST_RUNS", "BENCH_TOKENS", "BENCH_POINTS", "BENCH_PORT_BASE")
 
 
 def _prompt(tokenizer, user: int, context: int) -> str:
@@ -267,7 +269,7 @@ def main() -> int:
 
         export_model(paths.default_model_dir(), shards, stages=2, weights="int4")
     tokenizer = Prompter.from_dir(shards).tokenizer
-    grid = [(users, context) for context in CONTEXTS for users in USERS]
+    grid = POINTS or [(users, context) for context in CONTEXTS for users in USERS]
     prompts_for = lambda u, c: _prompt(tokenizer, u, c)  # noqa: E731
     loop = asyncio.new_event_loop()
     on = _start(shards, PORT_BASE, [])

@@ -29,6 +29,7 @@ KILL_AFTER = 8  # tokens every stream has out before the kill: its standby copy 
 # About 120 tokens each (with the chat template): a few whole blocks of 32 for the copies to hold.
 _SCENE = "The village sits where the river bends past the old mill, the orchard and the stone bridge. " * 5
 PROMPTS = [f"{_SCENE}Write a short story about a {animal}." for animal in ("cat", "dog", "fox", "owl")] * 2
+SHORT_PROMPTS = ["Write a short story about a cat.", "Write a short story about a dog."]
 
 
 def _address(k: int, r: int) -> str:
@@ -178,7 +179,8 @@ def _lane0_used_by_two_streams(fleet: Fleet) -> bool:
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        results, errors = _concurrently(fleet.coordinator, prompts=PROMPTS[:2])
+        # Short prompts no lane keeps (below --prefix-min-tokens): lane choice by load alone.
+        results, errors = _concurrently(fleet.coordinator, prompts=SHORT_PROMPTS)
     finally:
         done.set()
         watcher.join()
