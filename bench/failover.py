@@ -51,10 +51,13 @@ TOKENS = int(os.environ.get("BENCH_TOKENS", "32"))
 PORT_BASE = int(os.environ.get("BENCH_PORT_BASE", "52500"))
 USERS = (1, 8)
 CONTEXTS = (128, 1024)
+# BENCH_PART=default: only the default fleet's kill rounds (no fleet without copies, no cost rounds),
+# for a machine too loaded for the whole run.
+DEFAULT_ONLY = os.environ.get("BENCH_PART") == "default"
 # A reduced run names its points (users x context, comma-separated): BENCH_POINTS=8x1024.
 POINTS = [tuple(int(n) for n in p.split("x")) for p in os.environ.get("BENCH_POINTS", "").split(",") if p]
 KILL_AFTER = 3  # tokens every stream has out before the kill
-KNOBS = ("BENCH_RUNS", "BENCH_COST_RUNS", "BENCH_TOKENS", "BENCH_POINTS", "BENCH_PORT_BASE")
+KNOBS = ("BENCH_RUNS", "BENCH_COST_RUNS", "BENCH_TOKENS", "BENCH_POINTS", "BENCH_PART", "BENCH_PORT_BASE")
 
 
 def _prompt(tokenizer, user: int, context: int) -> str:
@@ -273,15 +276,17 @@ def main() -> int:
     prompts_for = lambda u, c: _prompt(tokenizer, u, c)  # noqa: E731
     loop = asyncio.new_event_loop()
     on = _start(shards, PORT_BASE, [])
+    cost, replay, failed_off, mismatches_off = {}, {"8users_1024": {"replay": {"p95": None}}}, 0, 0
     try:
-        off = _start(shards, PORT_BASE + 2, ["--standby-kv-bytes", "0"])
-        try:
-            cost = _capture_cost(loop, on, off, shards, [prompts_for(u, 1024) for u in range(8)])
-            replay, failed_off, mismatches_off = _measure(
-                loop, off, shards, PORT_BASE + 2, prompts_for, [(8, 1024)]
-            )
-        finally:
-            off.stop()
+        if not DEFAULT_ONLY:
+            off = _start(shards, PORT_BASE + 2, ["--standby-kv-bytes", "0"])
+            try:
+                cost = _capture_cost(loop, on, off, shards, [prompts_for(u, 1024) for u in range(8)])
+                replay, failed_off, mismatches_off = _measure(
+                    loop, off, shards, PORT_BASE + 2, prompts_for, [(8, 1024)]
+                )
+            finally:
+                off.stop()
         points, failed, mismatches = _measure(loop, on, shards, PORT_BASE, prompts_for, grid)
     finally:
         on.stop()
