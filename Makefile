@@ -138,7 +138,7 @@ bench-compress: model
 bench-wan: model
 	$(PY) -m bench.wan
 
-## bench-failover: recovery of running requests when a replica is killed (2 stages x 2 lanes, exact): kill-to-next-token p50/p95 at 1/8 users and 128/1,024 tokens, failed requests, mismatches against the undisturbed run (BENCH_RUNS rounds, default 3; bench/results/failover.json)
+## bench-failover: recovery of running requests when a replica is killed (2 stages x 2 lanes, exact): kill-to-next-token p50/p95 at 1/8 users and 128/1,024 tokens with standby KV copies, and at 8 x 1,024 without them (replay); the copies' cost in paired undisturbed rounds; failed requests, mismatches against the undisturbed run (BENCH_RUNS rounds, default 3; BENCH_COST_RUNS; reduced: BENCH_POINTS=8x1024, BENCH_PART=default; bench/results/failover.json)
 bench-failover: model
 	$(PY) -m bench.failover
 
