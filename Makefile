@@ -127,9 +127,9 @@ bench-mbatch: model
 	$(PY) -m bench.mbatch
 	$(PY) -m bench.spec_batch
 
-## soak: 200 requests from 16 clients with random cancels while stage 1 is killed and restarted (not in `make test`; SOAK_SHARDS=DIR uses an existing 2-stage export; bench/results/soak.json)
+## soak: 200 requests from 16 clients with random cancels while stage 1 is killed and restarted (not in `make test`; SOAK_SHARDS=DIR uses an existing 2-stage export; bench/results/soak.json); SOAK_MODE=failover: 2 stages x 2 lanes, 16 clients for SOAK_SECONDS (300) while a replica is killed every SOAK_KILL_EVERY (20) s and restarted: failed requests, mismatches, recovery p95 (bench/results/soak_failover.json)
 soak: model
-	$(PY) -m bench.soak
+	$(PY) -m bench.$(if $(filter failover,$(SOAK_MODE)),soak_failover,soak)
 ## bench-compress: size (% of raw) and MB/s of every tensor codec on real SmolLM2 hidden states; fp16/bf16 wire token agreement (bench/results/compress.json)
 bench-compress: model
 	$(PY) -m bench.compress
@@ -138,7 +138,7 @@ bench-compress: model
 bench-wan: model
 	$(PY) -m bench.wan
 
-## bench-failover: recovery of running requests when a replica is killed (2 stages x 2 lanes, exact): kill-to-next-token p50/p95 at 1/8 users and 128/1,024 tokens, failed requests, mismatches against the undisturbed run (BENCH_RUNS rounds, default 3; bench/results/failover.json)
+## bench-failover: recovery of running requests when a replica is killed (2 stages x 2 lanes, exact): kill-to-next-token p50/p95 at 1/8 users and 128/1,024 tokens with standby KV copies, and at 8 x 1,024 without them (replay); the copies' cost in paired undisturbed rounds; failed requests, mismatches against the undisturbed run (BENCH_RUNS rounds, default 3; BENCH_COST_RUNS; reduced: BENCH_POINTS=8x1024, BENCH_PART=default; bench/results/failover.json)
 bench-failover: model
 	$(PY) -m bench.failover
 

@@ -1,24 +1,26 @@
 """`make bench-failover`: recovery of running requests when a replica is killed mid-generation.
 
-One 2-stage INT4 fleet with two lanes (replicas) at the default (exact) precision. Per point (1
-and 8 users, about 128 and 1,024 prompt tokens) and round: every user streams a greedy request
-(eos ignored) with its own request id; once each has a few tokens out, the replica of the final
-stage holding the most sessions is killed with SIGKILL, then restarted on its port; the next
-round starts once the coordinator has seen it serve again. A stream is affected when the
-coordinator logged its request's failover; its recovery is the time from the kill to the token
-that ends its longest stall after the kill (a token already on its way when the kill landed can
-arrive first). Every stream's tokens are compared with the same
+Two 2-stage INT4 fleets with two lanes (replicas) each at the default (exact) precision, up at
+once: the default one, whose coordinator keeps each running session's KV captured from its lane
+block by block (a standby copy, services/coordinator/kv_standby.py), and one with that off
+(``--standby-kv-bytes 0``: every failover replays). Per point (1 and 8 users, about 128 and
+1,024 prompt tokens) and round on the default fleet, and at 8 users x 1,024 on the other: every
+user streams a greedy request (eos ignored) with its own request id; once each has a few tokens
+out, the replica of the final stage holding the most sessions is killed with SIGKILL, then
+restarted on its port; the next round starts once the coordinator has seen it serve again. A
+stream is affected when the coordinator logged its request's failover; its recovery is the time
+from the kill to the token that ends its longest stall after the kill (a token already on its way
+when the kill landed can arrive first). Every stream's tokens are compared with the same
 request's undisturbed run on the same fleet (``mismatches``, exact mode), and any stream that
 ended in an error counts in ``failed_requests``. Each point also gives the undisturbed run's
 median TTFT: a replay costs about one prefill of the context so far.
 
-A failover restores the prompt's longest prefix a lane kept in its prefix cache (the
-undisturbed round and earlier rounds keep every finished request's sequence on its lane) and
-replays the rest; the coordinator logs how many positions it restored. Streams that restored
-some are the ``restore`` samples, the others (nothing kept on the surviving lane) ``replay``.
-Distinct prompts rarely leave anything on the other lane (a chat's turns stay on the lane that
-keeps them), so a second fleet (``--prefix-cache-scope shared``) runs 8 users whose 1,024-token
-prompts share all but their last question: ``recovery_ms_p95_1024_restore`` comes from it.
+The coordinator logs where each failover's KV came from (``kv_from``: ``standby``, the prefix
+cache, or none) and how long opening, restoring and replaying took; ``restore`` samples restored
+a standby copy, ``replay`` samples restored nothing (``recovery_ms_p95_1024_replay`` comes from
+the fleet without copies). What the copies cost while nothing fails: undisturbed rounds at 8
+users x 1,024 tokens on the two fleets, interleaved (BENCH_COST_RUNS after one warm-up), as the
+ratio of medians of generated tokens per second and of TTFT, on over off, with 95% intervals.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.stats import command_with_knobs, write_result
+from bench.stats import command_with_knobs, median, ratio_ci, write_result
 from pipeshard import paths
 from pipeshard.clients.client import AsyncPipeshardClient
 from pipeshard.offline import set_offline_defaults
@@ -42,12 +44,20 @@ from pipeshard.shard.prompting import Prompter
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
 ROUNDS = int(os.environ.get("BENCH_RUNS", "3"))
+COST_ROUNDS = int(os.environ.get("BENCH_COST_RUNS", "3"))
 TOKENS = int(os.environ.get("BENCH_TOKENS", "32"))
-PORT_BASE = int(os.environ.get("BENCH_PORT_BASE", "52500"))  # replica r of stage k: base + k + 20r
+# The default fleet's replica r of stage k on base + k + 20r, its coordinator on base + 50; the
+# fleet without standby copies two ports up.
+PORT_BASE = int(os.environ.get("BENCH_PORT_BASE", "52500"))
 USERS = (1, 8)
 CONTEXTS = (128, 1024)
+# BENCH_PART=default: only the default fleet's kill rounds (no fleet without copies, no cost rounds),
+# for a machine too loaded for the whole run.
+DEFAULT_ONLY = os.environ.get("BENCH_PART") == "default"
+# A reduced run names its points (users x context, comma-separated): BENCH_POINTS=8x1024.
+POINTS = [tuple(int(n) for n in p.split("x")) for p in os.environ.get("BENCH_POINTS", "").split(",") if p]
 KILL_AFTER = 3  # tokens every stream has out before the kill
-KNOBS = ("BENCH_RUNS", "BENCH_TOKENS", "BENCH_PORT_BASE")
+KNOBS = ("BENCH_RUNS", "BENCH_COST_RUNS", "BENCH_TOKENS", "BENCH_POINTS", "BENCH_PART", "BENCH_PORT_BASE")
 
 
 def _prompt(tokenizer, user: int, context: int) -> str:
@@ -57,11 +67,6 @@ def _prompt(tokenizer, user: int, context: int) -> str:
     while len(tokenizer.encode(" ".join(text))) < context - 20:  # the chat template adds ~20
         text += words
     return " ".join(text) + " Summarise this."
-
-
-def _shared_prompt(tokenizer, user: int, context: int) -> str:
-    """About ``context`` tokens: one preamble every user shares, then the user's own question."""
-    return _prompt(tokenizer, 0, context - 16) + f" Then answer question {user}: who lives by the mill?"
 
 
 async def _stream(
@@ -115,22 +120,24 @@ def _live_sessions(address: str) -> int:
         return stub.GetStageInfo(stage_pb2.GetStageInfoRequest(), timeout=5).live_sessions
 
 
-def _failed_over(fleet: Fleet) -> dict[str, int]:
-    """Request id -> prompt positions restored from the prefix cache, for each failover logged."""
-    restored = {}
+def _failed_over(fleet: Fleet) -> dict[str, dict]:
+    """Request id -> its (last) logged failover: where the KV came from, positions restored and
+    replayed, and the milliseconds spent opening, restoring and replaying."""
+    events = {}
     for line in fleet.process("coordinator").log.read_text().splitlines():
         if '"session_failed_over"' in line:
             event = json.loads(line)
-            restored[event.get("request_id", "")] = event.get("restored_tokens", 0)
-    return restored
+            events[event.get("request_id", "")] = event
+    return events
 
 
-async def _round(fleet: Fleet, shards: Path, prompts: list[str], kill: bool) -> dict:
+async def _round(fleet: Fleet, shards: Path, base: int, prompts: list[str], kill: bool) -> dict:
     n = len(prompts)
     ids = [uuid.uuid4().hex for _ in range(n)]
     out_at: list[list[float]] = [[] for _ in range(n)]
     tokens: list[list[int]] = [[] for _ in range(n)]
     started = [asyncio.Event() for _ in range(n)]
+    began = time.perf_counter()
     tasks = [
         asyncio.create_task(_stream(fleet.coordinator, prompts[i], ids[i], out_at[i], started[i], tokens[i]))
         for i in range(n)
@@ -144,64 +151,117 @@ async def _round(fleet: Fleet, shards: Path, prompts: list[str], kill: bool) -> 
         victim.popen.send_signal(signal.SIGKILL)
         killed_at = time.perf_counter()
     results = await asyncio.gather(*tasks, return_exceptions=True)
+    wall = time.perf_counter() - began
     errors = sum(isinstance(r, BaseException) for r in results)
-    recovery = []
+    recovery, phases = [], []
     if kill:
         victim.popen.wait()
         affected = _failed_over(fleet)
         for i in range(n):
             if ids[i] in affected:
+                event = affected[ids[i]]
                 after = [killed_at, *(t for t in out_at[i] if t > killed_at)]
                 if len(after) > 1:  # the token ending the longest stall after the kill
                     resumed = max(range(1, len(after)), key=lambda j: after[j] - after[j - 1])
-                    recovery.append(((after[resumed] - killed_at) * 1000, affected[ids[i]] > 0))
-        port = PORT_BASE + 1 + 20 * victim_lane
+                    recovery.append(((after[resumed] - killed_at) * 1000, event.get("kv_from") == "standby"))
+                phases.append(
+                    {
+                        k: event.get(k)
+                        for k in (
+                            "kv_from",
+                            "restored_tokens",
+                            "replayed_tokens",
+                            "open_ms",
+                            "restore_ms",
+                            "replay_ms",
+                        )
+                    }
+                )
+        port = base + 1 + 20 * victim_lane
         args = stage_args(1, shards, port, "exact", "json", None)
         fleet.processes[fleet.processes.index(victim)] = spawn(
             victim.name, args, fleet.run_dir, dict(os.environ), 180
         )
         await _rejoined(fleet, f"127.0.0.1:{port}")
     ttft = [(t[1] - t[0]) * 1000 for t in out_at if len(t) > 1]
-    return {"tokens": tokens, "errors": errors, "recovery_ms": recovery, "ttft_ms": ttft}
+    return {
+        "tokens": tokens,
+        "errors": errors,
+        "recovery_ms": recovery,
+        "phases": phases,
+        "ttft_ms": ttft,
+        "tok_s": sum(len(t) for t in tokens) / wall,
+    }
 
 
-def _measure(shards: Path, prompts_for, points: list[tuple[int, int]], coordinator_args: list[str]):
-    """One fleet: per (users, context) point an undisturbed round, then ROUNDS killed ones.
-    Returns the points' recovery figures, failed requests and mismatching streams."""
-    fleet = start_fleet(
+def _start(shards: Path, base: int, coordinator_args: list[str]) -> Fleet:
+    return start_fleet(
         shards,
         2,
         Path(tempfile.mkdtemp(prefix="bench-failover-")),
-        stage_ports=[PORT_BASE, PORT_BASE + 1],
+        stage_ports=[base, base + 1],
         replicas=2,
-        coordinator_port=PORT_BASE + 50,
+        coordinator_port=base + 50,
         extra_coordinator_args=coordinator_args,
     )
+
+
+def _measure(loop, fleet: Fleet, shards: Path, base: int, prompts_for, points: list[tuple[int, int]]):
+    """Per (users, context) point an undisturbed round, then ROUNDS killed ones. Returns the
+    points' recovery figures, failed requests and mismatching streams."""
     failed, mismatches, figures = 0, 0, {}
-    loop = asyncio.new_event_loop()
-    try:
-        for users, context in points:
-            prompts = [prompts_for(u, context) for u in range(users)]
-            reference = loop.run_until_complete(_round(fleet, shards, prompts, kill=False))
-            failed += reference["errors"]
-            recovery: list[tuple[float, bool]] = []  # (ms, restored from the prefix cache)
-            for _ in range(ROUNDS):
-                disturbed = loop.run_until_complete(_round(fleet, shards, prompts, kill=True))
-                failed += disturbed["errors"]
-                pairs = zip(disturbed["tokens"], reference["tokens"], strict=True)
-                mismatches += sum(a != b for a, b in pairs)
-                recovery += disturbed["recovery_ms"]
-            name = f"{users}users_{context}"
-            figures[name] = _percentiles([ms for ms, _ in recovery]) | {
-                "restore": _percentiles([ms for ms, restored in recovery if restored]),
-                "replay": _percentiles([ms for ms, restored in recovery if not restored]),
-                "undisturbed_ttft_ms_p50": _percentiles(reference["ttft_ms"])["p50"],
-            }
-            print(f"{name} {coordinator_args}: {figures[name]}", flush=True)
-    finally:
-        loop.close()
-        fleet.stop()
+    for users, context in points:
+        prompts = [prompts_for(u, context) for u in range(users)]
+        reference = loop.run_until_complete(_round(fleet, shards, base, prompts, kill=False))
+        failed += reference["errors"]
+        recovery: list[tuple[float, bool]] = []  # (ms, restored from a standby copy)
+        phases: list[dict] = []
+        for _ in range(ROUNDS):
+            disturbed = loop.run_until_complete(_round(fleet, shards, base, prompts, kill=True))
+            failed += disturbed["errors"]
+            pairs = zip(disturbed["tokens"], reference["tokens"], strict=True)
+            mismatches += sum(a != b for a, b in pairs)
+            recovery += disturbed["recovery_ms"]
+            phases += disturbed["phases"]
+        name = f"{users}users_{context}"
+        figures[name] = _percentiles([ms for ms, _ in recovery]) | {
+            "restore": _percentiles([ms for ms, restored in recovery if restored]),
+            "replay": _percentiles([ms for ms, restored in recovery if not restored]),
+            "undisturbed_ttft_ms_p50": _percentiles(reference["ttft_ms"])["p50"],
+            "phase_ms_p50": {
+                key: median([p[key] for p in phases if p.get(key) is not None] or [0.0])
+                for key in ("open_ms", "restore_ms", "replay_ms", "restored_tokens", "replayed_tokens")
+            },
+            "kv_from": sorted(str(p["kv_from"]) for p in phases),
+        }
+        print(f"{name} base {base}: {figures[name]}", flush=True)
     return figures, failed, mismatches
+
+
+def _capture_cost(loop, on: Fleet, off: Fleet, shards: Path, prompts: list[str]) -> dict:
+    """Undisturbed rounds on the fleet with standby copies and the one without, interleaved (one
+    warm-up pair first): ratios on/off of the medians of tokens per second and of TTFT."""
+    samples: dict[str, dict[str, list[float]]] = {
+        "on": {"tok_s": [], "ttft": []},
+        "off": {"tok_s": [], "ttft": []},
+    }
+    for i in range(COST_ROUNDS + 1):
+        order = [("on", on), ("off", off)] if i % 2 else [("off", off), ("on", on)]
+        for name, fleet in order:
+            result = loop.run_until_complete(_round(fleet, shards, 0, prompts, kill=False))
+            if i:
+                samples[name]["tok_s"].append(result["tok_s"])
+                samples[name]["ttft"].append(median(result["ttft_ms"]))
+        print(f"cost round {i}: {samples}", flush=True)
+    tok_s, tok_s_ci = ratio_ci(samples["on"]["tok_s"], samples["off"]["tok_s"])
+    ttft, ttft_ci = ratio_ci(samples["on"]["ttft"], samples["off"]["ttft"])
+    return {
+        "samples": samples,
+        "standby_tok_s_ratio": round(tok_s, 3),
+        "standby_tok_s_ratio_ci": [round(x, 3) for x in tok_s_ci],
+        "standby_ttft_ratio": round(ttft, 3),
+        "standby_ttft_ratio_ci": [round(x, 3) for x in ttft_ci],
+    }
 
 
 def main() -> int:
@@ -212,20 +272,34 @@ def main() -> int:
 
         export_model(paths.default_model_dir(), shards, stages=2, weights="int4")
     tokenizer = Prompter.from_dir(shards).tokenizer
-    grid = [(users, context) for context in CONTEXTS for users in USERS]
-    points, failed, mismatches = _measure(shards, lambda u, c: _prompt(tokenizer, u, c), grid, [])
-    # Users sharing a long system prompt (cached for everyone): a surviving lane keeps it too.
-    shared, failed_shared, mismatches_shared = _measure(
-        shards, lambda u, c: _shared_prompt(tokenizer, u, c), [(8, 1024)], ["--prefix-cache-scope", "shared"]
-    )
+    grid = POINTS or [(users, context) for context in CONTEXTS for users in USERS]
+    prompts_for = lambda u, c: _prompt(tokenizer, u, c)  # noqa: E731
+    loop = asyncio.new_event_loop()
+    on = _start(shards, PORT_BASE, [])
+    cost, replay, failed_off, mismatches_off = {}, {"8users_1024": {"replay": {"p95": None}}}, 0, 0
+    try:
+        if not DEFAULT_ONLY:
+            off = _start(shards, PORT_BASE + 2, ["--standby-kv-bytes", "0"])
+            try:
+                cost = _capture_cost(loop, on, off, shards, [prompts_for(u, 1024) for u in range(8)])
+                replay, failed_off, mismatches_off = _measure(
+                    loop, off, shards, PORT_BASE + 2, prompts_for, [(8, 1024)]
+                )
+            finally:
+                off.stop()
+        points, failed, mismatches = _measure(loop, on, shards, PORT_BASE, prompts_for, grid)
+    finally:
+        on.stop()
+        loop.close()
     result: dict = {"tokens": TOKENS, "rounds": ROUNDS, "stages": 2, "replicas": 2, "weights": "int4"}
     result["recovery_ms"] = points
-    result["recovery_ms_shared_prefix"] = shared
+    result["recovery_ms_without_standby"] = replay
     result["recovery_ms_p95_1024"] = points["8users_1024"]["p95"]
-    result["recovery_ms_p95_1024_replay"] = points["8users_1024"]["replay"]["p95"]
-    result["recovery_ms_p95_1024_restore"] = shared["8users_1024"]["restore"]["p95"]
-    result["failed_requests"] = failed + failed_shared
-    result["mismatches"] = mismatches + mismatches_shared
+    result["recovery_ms_p95_1024_replay"] = replay["8users_1024"]["replay"]["p95"]
+    result["recovery_ms_p95_1024_restore"] = points["8users_1024"]["restore"]["p95"]
+    result["standby_cost"] = cost
+    result["failed_requests"] = failed + failed_off
+    result["mismatches"] = mismatches + mismatches_off
     write_result("failover", result, command=command_with_knobs("bench-failover", KNOBS))
     return 0
 

@@ -170,6 +170,11 @@ FAILOVERS = counter(
     "pipeshard_coordinator_failovers_total",
     "Running sessions moved to another replica lane after theirs failed (services/coordinator/failover.py).",
 )
+STANDBY_KV_BYTES = gauge(
+    "pipeshard_coordinator_standby_kv_bytes",
+    "Bytes of running sessions' KV this coordinator holds captured from their replica lanes, for a "
+    "failover to restore (services/coordinator/kv_standby.py; at most --standby-kv-bytes).",
+)
 GENERATED_TOKENS = counter(
     "pipeshard_generated_tokens_total", "Tokens generated and streamed to clients by the coordinator."
 )

@@ -80,6 +80,7 @@ class KvBlob:
     arrays: tuple[np.ndarray, ...]
     checksum: str
     positions: int  # T
+    start: int = 0  # the first position held: more than 0 for a part (``join_parts``)
 
     @classmethod
     def build(
@@ -90,15 +91,17 @@ class KvBlob:
         *,
         positions: int | None = None,
         checksum: bool = True,
+        start: int = 0,
     ) -> KvBlob:
-        """``positions`` defaults to the arrays' second axis (f32 layout); a block layout names it."""
+        """``positions`` defaults to the arrays' second axis (f32 layout); a block layout names it.
+        ``start`` > 0: a part of a cache holding positions [start, start + positions)."""
         # Own copies: the arrays may be views of an InferRequest's state, which later runs overwrite.
         arrays = tuple(np.array(a, dtype=source.dtype, order="C", copy=True) for a in arrays)
         token_ids = tuple(token_ids)
         if positions is None:
             positions = int(arrays[0].shape[1]) if arrays and source.blocks is None else 0
-        digest = _checksum(source, token_ids, arrays, positions) if checksum else ""
-        return cls(source, token_ids, arrays, digest, positions)
+        digest = _checksum(source, token_ids, arrays, positions, start) if checksum else ""
+        return cls(source, token_ids, arrays, digest, positions, start)
 
     @property
     def nbytes(self) -> int:
@@ -138,17 +141,22 @@ class KvBlob:
                 )
         if self.token_ids and len(self.token_ids) != t:
             raise InvalidArgument("snapshot.token_ids", f"has {len(self.token_ids)} ids for {t} positions")
-        if verify_checksum and _checksum(src, self.token_ids, self.arrays, t) != self.checksum:
+        if verify_checksum and _checksum(src, self.token_ids, self.arrays, t, self.start) != self.checksum:
             raise InvalidArgument("snapshot.checksum", "does not match the snapshot's contents: corrupt")
 
 
 def _checksum(
-    source: KvSource, token_ids: tuple[int, ...], arrays: tuple[np.ndarray, ...], positions: int
+    source: KvSource,
+    token_ids: tuple[int, ...],
+    arrays: tuple[np.ndarray, ...],
+    positions: int,
+    start: int = 0,
 ) -> str:
     digest = hashlib.sha256()
+    part = f"from {start}|" if start else ""  # a whole cache's digest is what it always was
     head = (
         f"{source.model_fingerprint}|{source.export_id}|{source.stage_index}|"
-        f"{source.layer_start}|{source.layer_end}|{positions}|{describe_layout(source.blocks)}\n"
+        f"{source.layer_start}|{source.layer_end}|{positions}|{part}{describe_layout(source.blocks)}\n"
     )
     digest.update(head.encode())
     digest.update(np.asarray(token_ids, dtype="<i8").tobytes())
@@ -175,6 +183,7 @@ def to_proto(blob: KvBlob) -> kv_pb2.KvSnapshot:
         checksum=blob.checksum,
         positions=blob.positions,
         block_tokens=src.blocks.tokens if src.blocks else 0,
+        start_position=blob.start,
     )
 
 
@@ -184,6 +193,8 @@ def from_proto(snapshot: kv_pb2.KvSnapshot) -> KvBlob:
         raise InvalidArgument("snapshot.states", "is empty")
     if snapshot.block_tokens < 0:
         raise InvalidArgument("snapshot.block_tokens", f"must be >= 0, got {snapshot.block_tokens}")
+    if snapshot.start_position < 0:
+        raise InvalidArgument("snapshot.start_position", f"must be >= 0, got {snapshot.start_position}")
     ndim = 4 if snapshot.block_tokens else 3
     arrays = []
     for named in snapshot.states:
@@ -208,7 +219,37 @@ def from_proto(snapshot: kv_pb2.KvSnapshot) -> KvBlob:
         head_dim=int(first.shape[2]),
         blocks=blocks,
     )
-    return KvBlob(source, tuple(snapshot.token_ids), tuple(arrays), snapshot.checksum, snapshot.positions)
+    return KvBlob(
+        source,
+        tuple(snapshot.token_ids),
+        tuple(arrays),
+        snapshot.checksum,
+        snapshot.positions,
+        snapshot.start_position,
+    )
+
+
+def join_parts(parts: list[KvBlob]) -> KvBlob:
+    """One whole cache from consecutive parts of one stage's capture (the first from position 0,
+    each starting where the one before ended; in a block layout every part but the last ends on a
+    block boundary), checksummed anew. Refuses parts that do not chain."""
+    if not parts:
+        raise InvalidArgument("parts", "must hold at least one part")
+    source, end = parts[0].source, 0
+    for i, part in enumerate(parts):
+        if part.source != source:
+            raise InvalidArgument("parts", f"part {i} is of another stage or layout than part 0")
+        if part.start != end:
+            raise InvalidArgument("parts", f"part {i} starts at position {part.start}, not {end}")
+        if source.blocks is not None and i < len(parts) - 1 and part.positions % source.blocks.tokens:
+            raise InvalidArgument(
+                "parts", f"part {i} ends inside a block of {source.blocks.tokens} positions"
+            )
+        end += part.positions
+    axis = 0 if source.blocks is not None else 1
+    arrays = tuple(np.concatenate([p.arrays[i] for p in parts], axis=axis) for i in range(len(source.names)))
+    token_ids = sum((p.token_ids for p in parts), ()) if all(p.token_ids for p in parts) else ()
+    return KvBlob(source, token_ids, arrays, _checksum(source, token_ids, arrays, end), end)
 
 
 # -- snapshots in chunks (CaptureKvStream / RestoreKvStream) -------------------------------------

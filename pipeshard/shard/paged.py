@@ -231,21 +231,27 @@ class PagedShard(StageShard):
             )
         state.length = length
 
-    def export_kv(self, seq: Hashable, positions: int | None = None) -> list[np.ndarray]:
-        """The sequence's first ``positions`` cached tokens (default: all), one array per state
-        variable in layer order (K, V of each layer): f32 [kv_heads, positions, head_dim] from f32
-        pools (``f32``/``exact``), else the blocks those positions fill, verbatim (``kv_source.blocks``).
-        Only those blocks are read."""
+    def export_kv(self, seq: Hashable, positions: int | None = None, start: int = 0) -> list[np.ndarray]:
+        """The sequence's cached tokens [start, positions) (default: all), one array per state
+        variable in layer order (K, V of each layer): f32 [kv_heads, positions - start, head_dim]
+        from f32 pools (``f32``/``exact``), else the blocks those positions fill, verbatim
+        (``kv_source.blocks``). Only those blocks are read; ``start`` must begin a block."""
         with self._lock:  # a batched ring steps on a worker thread meanwhile
             state = self._get(seq)
             n = state.length if positions is None else positions
             if not 0 < n <= state.length:
                 raise InvalidArgument("positions", f"must be in [1, {state.length}], got {n}")
-            blocks = state.blocks[: self.blocks_for(n)]
+            if not 0 <= start < n or start % self.block_tokens:
+                raise InvalidArgument(
+                    "from_position",
+                    f"must be a multiple of {self.block_tokens} (the block size) below {n}, got {start}",
+                )
+            blocks = state.blocks[start // self.block_tokens : self.blocks_for(n)]
             if self.kv_source.blocks is not None:
                 return [self._pool(name)[blocks] for name in self._state_pools]  # fancy indexing copies
             return [
-                np.concatenate(list(self._pool(name)[blocks]), axis=1)[:, :n] for name in self._state_pools
+                np.concatenate(list(self._pool(name)[blocks]), axis=1)[:, : n - start]
+                for name in self._state_pools
             ]
 
     def import_kv(self, seq: Hashable, arrays: Sequence[np.ndarray], positions: int) -> None:

@@ -469,15 +469,23 @@ class ShardSession:
 
 
 def export_kv(
-    session: ShardSession, positions: int | None = None, token_ids=(), *, checksum: bool = True
+    session: ShardSession,
+    positions: int | None = None,
+    token_ids=(),
+    *,
+    checksum: bool = True,
+    start: int = 0,
 ) -> KvBlob:
-    """The session's KV as a blob: the first ``positions`` mask-valid positions (default: all),
-    masked holes dropped, every state variable in layer order. ``checksum=False`` skips hashing
-    the bytes (a capture that never leaves this process)."""
+    """The session's KV as a blob: the mask-valid positions [start, positions) (default: all; a
+    ``start`` above 0 makes a part, kvblob.join_parts), masked holes dropped, every state variable
+    in layer order. ``checksum=False`` skips hashing the bytes (a capture that never leaves this
+    process)."""
     valid = session.valid_length
     n = valid if positions is None else positions
     if not 0 < n <= valid:
         raise InvalidArgument("positions", f"must be in [1, {valid}] (the valid positions), got {n}")
+    if not 0 <= start < n:
+        raise InvalidArgument("from_position", f"must be in [0, {n - 1}], got {start}")
     keep = np.flatnonzero(session.mask)[:n]
     if session.pending_chains and keep[-1] >= session.tree_start:
         raise FailedPrecondition(
@@ -488,8 +496,8 @@ def export_kv(
     arrays = []
     for name in session.runner.state_variables:
         data = states[name].state.data[session.kv_row]  # [kv_heads, past, head_dim]
-        arrays.append(data[:, :n] if contiguous else data[:, keep])
-    return KvBlob.build(session.runner.kv_source, arrays, tuple(token_ids), checksum=checksum)
+        arrays.append(data[:, start:n] if contiguous else data[:, keep[start:]])
+    return KvBlob.build(session.runner.kv_source, arrays, tuple(token_ids), checksum=checksum, start=start)
 
 
 def import_kv(session: ShardSession, blob: KvBlob, *, verify_checksum: bool = True) -> None:

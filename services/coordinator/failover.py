@@ -3,25 +3,28 @@
 When a step fails with UNAVAILABLE (a stage of the session's lane died, stopped answering or
 drains) and another lane serves, the generation is not ended: its session is aborted on the old
 lane, a new one opens through the ring (so the scheduler's KV mirror moves the request's
-reservation to it) on the least loaded healthy lane, the longest prefix of the prompt a serving
-lane kept in its prefix cache is restored (on that lane), and the rest of the prompt and every
-token generated so far but the last are prefilled (replayed); the next step sends the last. The
-client's stream goes on: the lost step is sent again, so no token repeats or goes missing, and in
-exact mode (a row's tokens independent of prompt chunking) the output equals an undisturbed run.
-A ring shutting down (:class:`ShuttingDown`) or no lane left ends the request as before.
+reservation to it) on the least loaded healthy lane, and the session's KV comes back: from its
+standby copy (kv_standby.py: captured from the old lane ahead of the failure, block by block),
+else from the longest prefix of the prompt a serving lane kept in its prefix cache; what neither
+holds of the prompt and the tokens generated so far but the last is prefilled (replayed), and the
+next step sends the last. The client's stream goes on: the lost step is sent again, so no token
+repeats or goes missing, and in exact mode (a row's tokens independent of prompt chunking and of
+prefix reuse) the output equals an undisturbed run. A ring shutting down (:class:`ShuttingDown`)
+or no lane left ends the request as before.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 import structlog
 
-from pipeshard.errors import Unavailable
+from pipeshard.errors import PipeshardError, Unavailable
 from pipeshard.metrics import FAILOVERS
+from pipeshard.services.coordinator.kv_standby import KvStandby, StandbyCopy
 from pipeshard.services.coordinator.replicas import ReplicaLanes
 from pipeshard.services.coordinator.ring import ShuttingDown
 
@@ -32,14 +35,28 @@ log = structlog.get_logger(__name__)
 
 
 class Failover:
-    """Moves a failed lane's running requests to healthy lanes of ``lanes``."""
+    """Moves a failed lane's running requests to healthy lanes of ``lanes``; ``standby`` (None:
+    off) keeps their KV captured ahead so a move restores it."""
 
-    def __init__(self, lanes: ReplicaLanes):
+    def __init__(
+        self, lanes: ReplicaLanes, standby: KvStandby | None = None, restore_timeout_s: float = 30.0
+    ):
         self._lanes = lanes
+        self.standby = standby
+        self.restore_timeout_s = restore_timeout_s
 
     def applies(self, error: Unavailable) -> bool:
         """Whether a request failing with ``error`` may move: a lane failed and another serves."""
         return not isinstance(error, ShuttingDown) and bool(self._lanes.live_lanes())
+
+    def computed(self, session_id: str, tokens: Sequence[int]) -> None:
+        """Every stage holds ``tokens`` for the session (after a step's result): the standby copy follows."""
+        if self.standby is not None:
+            self.standby.computed(session_id, tokens)
+
+    def ended(self, session_id: str) -> None:
+        if self.standby is not None:
+            self.standby.forget(session_id)
 
     async def resume(
         self,
@@ -51,36 +68,82 @@ class Failover:
         warm: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Rebuilds ``request``'s session on a healthy lane through ``ring`` (the generation's, with
-        its accounting and batching); tries each lane once, then raises the last error. ``warm``
-        restores what it can of the prompt from the prefix cache first (the lane that kept it)."""
+        its accounting and batching); tries each lane once, then raises the last error. The KV
+        comes from the standby copy when it holds any, else ``warm`` restores what it can of the
+        prompt from the prefix cache (the lane that kept it)."""
         started = time.perf_counter()
-        for _ in range(len(self._lanes.lanes) + 1):
-            if not self.applies(error):
-                raise error
-            old, old_lane = request.session_id, self._lanes.lane_of(request.session_id)
-            await ring.abort_session(old, f"moved to another replica: {error}")
-            replay = request.move_to(uuid.uuid4().hex)
-            try:
-                await ring.open_session(request.session_id, capacity)
-                if warm is not None:
-                    await warm()
-                restored = request.cursor.logical
-                for frame in request.replay_frames(replay[restored:], prefill_chunk):
-                    await ring.step(frame)
-            except Unavailable as exc:
-                error = exc
-                continue
-            FAILOVERS.inc()
-            log.warning(
-                "session_failed_over",
-                old_session=old,
-                session_id=request.session_id,
-                from_lane=old_lane,
-                to_lane=self._lanes.lane_of(request.session_id),
-                restored_tokens=min(restored, len(replay)),
-                replayed_tokens=max(0, len(replay) - restored),
-                seconds=round(time.perf_counter() - started, 3),
-                reason=str(error),
-            )
-            return
-        raise error
+        copy = self.standby.take(request.session_id) if self.standby is not None else None
+        try:
+            for _ in range(len(self._lanes.lanes) + 1):
+                if not self.applies(error):
+                    raise error
+                old, old_lane = request.session_id, self._lanes.lane_of(request.session_id)
+                await ring.abort_session(old, f"moved to another replica: {error}")
+                replay = request.move_to(uuid.uuid4().hex)
+                try:
+                    await ring.open_session(request.session_id, capacity)
+                    opened = time.perf_counter()
+                    source, copy = await self._restore(
+                        ring, request, copy, replay or request.prompt_ids, capacity
+                    )
+                    if not request.cursor.logical and warm is not None:
+                        await warm()
+                        source = "prefix_cache" if request.cursor.logical else source
+                    restored = request.cursor.logical
+                    kv_ready = time.perf_counter()
+                    for frame in request.replay_frames(replay[restored:], prefill_chunk):
+                        await ring.step(frame)
+                except Unavailable as exc:
+                    error = exc
+                    continue
+                FAILOVERS.inc()
+                log.warning(
+                    "session_failed_over",
+                    old_session=old,
+                    session_id=request.session_id,
+                    from_lane=old_lane,
+                    to_lane=self._lanes.lane_of(request.session_id),
+                    kv_from=source,
+                    restored_tokens=min(restored, len(replay)) if replay else restored,
+                    replayed_tokens=max(0, len(replay) - restored),
+                    open_ms=round((opened - started) * 1000, 1),
+                    restore_ms=round((kv_ready - opened) * 1000, 1),
+                    replay_ms=round((time.perf_counter() - kv_ready) * 1000, 1),
+                    seconds=round(time.perf_counter() - started, 3),
+                    reason=str(error),
+                )
+                return
+            raise error
+        finally:
+            if self.standby is not None:
+                self.standby.drop(copy)  # still detached: restored nowhere
+
+    async def _restore(
+        self, ring: RingLike, request: _Request, copy: StandbyCopy | None, seen: list[int], capacity: int
+    ) -> tuple[str, StandbyCopy | None]:
+        """Restores the standby copy into the request's new session when it holds a prefix of the
+        positions ``seen`` (short of the whole prompt while still prefilling, which needs a last
+        chunk); returns where the KV came from and the copy still to restore on a later lane (None
+        once it is the new session's). A copy a stage fails to take is given up: the session is
+        replaced by an empty one, and the request replays."""
+        if self.standby is None or copy is None or not copy.positions:
+            return "none", copy
+        usable = copy.tokens == seen[: copy.positions] and (
+            request.generated or copy.positions < len(request.prompt_ids)
+        )
+        if not usable:
+            return "none", copy
+        try:
+            positions = await self.standby.restore(copy, request.session_id, self.restore_timeout_s)
+        except (PipeshardError, TimeoutError) as exc:
+            if isinstance(exc, Unavailable):
+                raise  # the new lane failed too: the caller tries the next with the copy kept
+            reason = str(exc) or type(exc).__name__
+            log.warning("standby_restore_failed", session_id=request.session_id, reason=reason)
+            self.standby.drop(copy)
+            await ring.abort_session(request.session_id, f"standby KV restore failed: {reason}")
+            request.move_to(uuid.uuid4().hex)
+            await ring.open_session(request.session_id, capacity)
+            return "none", None
+        request.cursor.restored(positions)
+        return "standby", None

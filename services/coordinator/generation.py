@@ -300,6 +300,8 @@ class _Request:
         must be prefilled with before the next step: everything the old session had seen."""
         if self.ahead is not None:
             self.ahead.cancel()
+            if self.ahead.done() and not self.ahead.cancelled():
+                self.ahead.exception()  # the failed step that brought us here: seen, not lost
             self.ahead = None
         self.session_id = session_id
         self.cursor = _Cursor(session_id, self.params.greedy, truncates=self.cursor.truncates)
@@ -308,9 +310,13 @@ class _Request:
         return self.context[: len(self.context) - len(self.pending)]
 
     def replay_frames(self, tokens: list[int], chunk: int) -> Iterator[activation_pb2.ActivationFrame]:
-        """Fill-only frames of ``tokens`` in chunks, as a prompt's prefill."""
-        for start in range(0, len(tokens), chunk):
+        """Fill-only frames of all but the last chunk of ``tokens``, as a prompt's prefill; the last
+        chunk goes ahead of the pending tokens, so the next step (the one that failed, sent again)
+        replays it too and one step less stands between the failover and the next token."""
+        last = len(tokens) - (len(tokens) % chunk or min(chunk, len(tokens)))
+        for start in range(0, last, chunk):
             yield self.cursor.frame(tokens[start : start + chunk], fill_only=True)
+        self.pending = tokens[last:] + self.pending
 
     def draft(self) -> Draft | TreeChains:
         """Chooses K (or the tree's shape) and drafts (none on the first step or without a
@@ -604,6 +610,7 @@ class Generation:
                     if not request.generated:
                         for frame in request.prefill_frames(self._prefill_chunk):
                             await self._ring.step(frame)
+                            self._computed(request, request.prompt_ids[: request.cursor.logical])
                     while not done:
                         chunk, done = await self._step(request)
                         yield chunk
@@ -764,6 +771,8 @@ class Generation:
         trace.mark("gen_result", request.session_id, step_id)
         new = request.accept(draft, result)
         request.record(draft, new, elapsed)
+        # No step of this session is in flight here: every stage holds its settled positions.
+        self._computed(request, (request.prompt_ids + request.generated + new)[: request.cursor.settled])
         if request.sends_ahead(new):
             request.pending = [new[-1]]
             frame = request.frame(Draft([], None, 0.0))
@@ -776,11 +785,18 @@ class Generation:
             chunk.tokens = await asyncio.to_thread(lambda: [self._tok.decode([t]) for t in chunk.token_ids])
         return chunk, done
 
+    def _computed(self, request: _Request, tokens: list[int]) -> None:
+        """Every stage holds ``tokens`` for the request's session: its standby copy may follow."""
+        if self._failover is not None:
+            self._failover.computed(request.session_id, tokens)
+
     def _close(self, request: _Request, failure: str) -> None:
         """Frees the session on every stage in the background, even when the client went away
         mid-stream; a failed generation aborts (each stage logs why) instead of releasing."""
         if request.drafter is not None:
             request.drafter.close()
+        if self._failover is not None:
+            self._failover.ended(request.session_id)
         self._in_background(
             self._ring.abort_session(request.session_id, failure)
             if failure

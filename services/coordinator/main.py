@@ -20,6 +20,7 @@ from pipeshard.services.coordinator.failover import Failover
 from pipeshard.services.coordinator.fleet_promise import fleet_promise
 from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation
 from pipeshard.services.coordinator.kv_mirror import KvMirror
+from pipeshard.services.coordinator.kv_standby import KvStandby
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
 from pipeshard.services.coordinator.prefix_cache import PrefixIndex
 from pipeshard.services.coordinator.remote_stages import RemoteStages
@@ -131,6 +132,11 @@ class CoordinatorSettings(ServerSettings):
     prefix_restore_timeout_s: float = setting(
         5.0, "a prefix restore (or keep) not done on every stage by then is dropped: cold prefill"
     )
+    standby_kv_bytes: int = setting(
+        1 << 30,
+        "replica lanes: bytes of running sessions' KV this coordinator keeps captured from their lanes, "
+        "block by block, so a failover restores it instead of replaying it (0: off, every failover replays)",
+    )
     kv: str = setting(
         "auto",
         "the stages' KV backend: paged batches every running session into one plan frame per step, "
@@ -161,6 +167,8 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
         raise InvalidArgument("host_stage0", "cannot be combined with replica stages (--stages A0|A1,...)")
     if settings.prefill_chunk < 1:
         raise InvalidArgument("prefill_chunk", f"must be at least 1, got {settings.prefill_chunk}")
+    if settings.standby_kv_bytes < 0:
+        raise InvalidArgument("standby_kv_bytes", f"must be 0 (off) or more, got {settings.standby_kv_bytes}")
     if settings.inflight < 0:
         raise InvalidArgument("inflight", f"must be 0 (one per stage) or more, got {settings.inflight}")
     if settings.max_running_per_identity < 1:
@@ -274,7 +282,7 @@ class Coordinator:
                 else None
             ),
             restore_timeout_s=self.settings.prefix_restore_timeout_s,
-            failover=Failover(self.stages) if isinstance(self.stages, ReplicaLanes) else None,
+            failover=self._failover(infos),
         )
         await self._warmup(generation, prompter, manifest.max_context)
         COORDINATOR_RUNNING.set_function(lambda: scheduler.running)
@@ -291,6 +299,16 @@ class Coordinator:
             prefix_cache_scope=self.settings.prefix_cache_scope,
             system_fingerprint=promise.system_fingerprint,
         )
+
+    def _failover(self, infos: list[stage_pb2.GetStageInfoResponse]) -> Failover | None:
+        """Failover of running requests on replica lanes, with standby KV copies unless switched off."""
+        if not isinstance(self.stages, ReplicaLanes):
+            return None
+        limit = self.settings.standby_kv_bytes
+        block = max((info.kv_block_tokens for info in infos), default=0)
+        standby = KvStandby(self.stages, block, limit) if limit else None
+        log.info("failover", standby_kv_bytes=limit)
+        return Failover(self.stages, standby, restore_timeout_s=self.settings.step_timeout_s)
 
     def _lane(
         self, addresses: list[str], local: tuple[LocalEntry, LocalStageStub] | None = None

@@ -28,8 +28,10 @@ class StatefulAccess:
     def held(self, session) -> int:
         return session.valid_length
 
-    def blob(self, session, positions: int, token_ids: tuple[int, ...], checksum: bool) -> KvBlob:
-        return export_kv(session, positions=positions, token_ids=token_ids, checksum=checksum)
+    def blob(
+        self, session, positions: int, token_ids: tuple[int, ...], checksum: bool, start: int = 0
+    ) -> KvBlob:
+        return export_kv(session, positions=positions, token_ids=token_ids, checksum=checksum, start=start)
 
     def fresh(self, owner: str, session_id: str):
         try:
@@ -55,9 +57,18 @@ class PagedAccess:
     def held(self, session) -> int:
         return session.past_length
 
-    def blob(self, session, positions: int, token_ids: tuple[int, ...], checksum: bool) -> KvBlob:
-        arrays = self.shard.export_kv(session.key, positions)
-        return KvBlob.build(self.shard.kv_source, arrays, token_ids, positions=positions, checksum=checksum)
+    def blob(
+        self, session, positions: int, token_ids: tuple[int, ...], checksum: bool, start: int = 0
+    ) -> KvBlob:
+        arrays = self.shard.export_kv(session.key, positions, start)
+        return KvBlob.build(
+            self.shard.kv_source,
+            arrays,
+            token_ids,
+            positions=positions - start,
+            checksum=checksum,
+            start=start,
+        )
 
     def fresh(self, owner: str, session_id: str):
         try:
@@ -87,11 +98,14 @@ class StageKv:
     def paged(cls, engine: PagedEngine, store: PrefixStore) -> StageKv:
         return cls(engine.sessions, engine.shard.kv_source, store, PagedAccess(engine))
 
-    def capture(self, owner: str, session_id: str, token_ids: Sequence[int]) -> KvBlob:
-        """The session's valid positions (the first len(token_ids) when given) as a checked blob."""
+    def capture(self, owner: str, session_id: str, token_ids: Sequence[int], start: int = 0) -> KvBlob:
+        """The session's valid positions (the first len(token_ids) when given) as a checked blob;
+        ``start`` > 0: only those from it on (a part; token_ids required, the part's own kept)."""
+        if start and not token_ids:
+            raise InvalidArgument("token_ids", "must name the captured tokens when from_position is set")
         session = self._holding(owner, session_id, token_ids)
         positions = len(token_ids) or self.access.held(session)
-        return self.access.blob(session, positions, tuple(token_ids), checksum=True)
+        return self.access.blob(session, positions, tuple(token_ids)[start:], checksum=True, start=start)
 
     def keep(self, owner: str, session_id: str, scope: str, token_ids: Sequence[int]) -> tuple[int, int]:
         """Capture into the prefix cache; returns (positions, bytes newly stored)."""
@@ -101,9 +115,21 @@ class StageKv:
         blob = self.access.blob(session, len(token_ids), (), checksum=False)
         return blob.positions, self.store.put(owner, scope, token_ids, blob.arrays)
 
-    def restore(self, owner: str, session_id: str, blob: KvBlob) -> int:
-        """Load a blob into the session (opened if absent, replaced if present); returns its positions."""
+    def check(self, blob: KvBlob) -> None:
+        """Refuses a blob this stage cannot restore (another model or layout, damaged, a part);
+        touches nothing, so it may run off the event loop."""
+        if blob.start:
+            raise InvalidArgument(
+                "snapshot.start_position",
+                f"is {blob.start}: a part restores only joined to the parts before it",
+            )
         blob.check_for(self.source)
+
+    def restore(self, owner: str, session_id: str, blob: KvBlob, *, checked: bool = False) -> int:
+        """Load a blob into the session (opened if absent, replaced if present); returns its
+        positions. ``checked``: the caller ran :meth:`check` on it."""
+        if not checked:
+            self.check(blob)
         self.access.load(self.access.fresh(owner, session_id), blob)
         return blob.positions
 

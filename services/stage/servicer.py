@@ -6,6 +6,8 @@ another owner's sessions answer NOT_FOUND exactly like sessions that do not exis
 
 from __future__ import annotations
 
+import asyncio
+
 import structlog
 
 from pipeshard import trace
@@ -93,11 +95,15 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     async def CaptureKv(self, request, context):
         owner, kv = _owner(context), self._node.kv
         if request.keep_in_cache:
+            if request.from_position:
+                raise InvalidArgument(
+                    "from_position", "must be 0 with keep_in_cache: the cache keeps whole prefixes"
+                )
             positions, added = kv.keep(owner, request.session_id, request.cache_scope, request.token_ids)
             return stage_pb2.CaptureKvResponse(
                 positions=positions, cached_bytes=added, evicted_blocks=kv.dropped(owner)
             )
-        blob = kv.capture(owner, request.session_id, request.token_ids)
+        blob = kv.capture(owner, request.session_id, request.token_ids, request.from_position)
         return stage_pb2.CaptureKvResponse(snapshot=to_proto(blob), positions=blob.positions)
 
     async def RestoreKv(self, request, context):
@@ -113,12 +119,17 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     async def CaptureKvStream(self, request, context):
         if request.capture.keep_in_cache:
             raise InvalidArgument("capture.keep_in_cache", "must be false: keep with CaptureKv")
-        capture = request.capture
-        blob = self._node.kv.capture(_owner(context), capture.session_id, capture.token_ids)
-        total, chunks = snapshot_chunks(to_proto(blob), request.chunk_bytes)
+        capture, owner = request.capture, _owner(context)
+
+        def snapshot() -> tuple[int, int, list[bytes]]:
+            # Off the event loop: copying and hashing a long session's KV would stall every frame.
+            blob = self._node.kv.capture(owner, capture.session_id, capture.token_ids, capture.from_position)
+            return (blob.positions, *snapshot_chunks(to_proto(blob), request.chunk_bytes))
+
+        positions, total, chunks = await asyncio.to_thread(snapshot)
         for chunk in chunks:
             yield stage_pb2.CaptureKvStreamResponse(
-                snapshot_chunk=chunk, snapshot_bytes=total, positions=blob.positions
+                snapshot_chunk=chunk, snapshot_bytes=total, positions=positions
             )
 
     async def RestoreKvStream(self, request_iterator, context):
@@ -131,7 +142,15 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             raise InvalidArgument("snapshot_chunk", "the stream sent no chunk")
         if not session_id:
             raise InvalidArgument("session_id", "must not be empty (set it in the first chunk)")
-        positions = self._node.kv.restore(owner, session_id, from_proto(assembler.snapshot()))
+
+        def checked_blob():
+            # Off the event loop: decoding and hashing a long session's KV would stall every frame.
+            blob = from_proto(assembler.snapshot())
+            self._node.kv.check(blob)
+            return blob
+
+        blob = await asyncio.to_thread(checked_blob)
+        positions = self._node.kv.restore(owner, session_id, blob, checked=True)
         return stage_pb2.RestoreKvStreamResponse(positions=positions)
 
     async def GetStageInfo(self, request, context):

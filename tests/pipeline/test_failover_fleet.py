@@ -1,9 +1,11 @@
 """Replica stages as processes: a killed replica's running requests finish on the other lane with
-the tokens of an undisturbed run; with every replica of a stage gone, UNAVAILABLE names it; a
-restarted replica rejoins without a coordinator restart; SIGHUP drains and adds lanes."""
+the tokens of an undisturbed run, their KV restored from the coordinator's standby copies; with
+every replica of a stage gone, UNAVAILABLE names it; a restarted replica rejoins without a
+coordinator restart; SIGHUP drains and adds lanes."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -20,10 +22,14 @@ from tests.pipeline.stage_probe import live_sessions
 
 pytestmark = pytest.mark.slow
 
-BASE_PORT = 52400  # this module's fleet: replica r of stage k on BASE_PORT + k + 20r
+BASE_PORT = 52205  # this module's fleet: replica r of stage k on BASE_PORT + k + 20r
 USERS = 8
 TOKENS = 40
-PROMPTS = [f"Write a short story about a {animal}." for animal in ("cat", "dog", "fox", "owl")] * 2
+KILL_AFTER = 8  # tokens every stream has out before the kill: its standby copy holds its prompt
+# About 120 tokens each (with the chat template): a few whole blocks of 32 for the copies to hold.
+_SCENE = "The village sits where the river bends past the old mill, the orchard and the stone bridge. " * 5
+PROMPTS = [f"{_SCENE}Write a short story about a {animal}." for animal in ("cat", "dog", "fox", "owl")] * 2
+SHORT_PROMPTS = ["Write a short story about a cat.", "Write a short story about a dog."]
 
 
 def _address(k: int, r: int) -> str:
@@ -70,6 +76,11 @@ def _ensure_running(fleet: Fleet, shards: Path, k: int, r: int) -> None:
     )
 
 
+def _events(fleet: Fleet, event: str) -> list[dict]:
+    lines = fleet.process("coordinator").log.read_text().splitlines()
+    return [json.loads(line) for line in lines if f'"{event}"' in line]
+
+
 def _logged(fleet: Fleet, event: str, timeout_s: float = 60) -> bool:
     deadline = time.monotonic() + timeout_s
     while f'"{event}"' not in fleet.process("coordinator").log.read_text():
@@ -83,7 +94,7 @@ def _tokens(client: PipeshardClient, prompt: str, on_first=None) -> list[int]:
     tokens: list[int] = []
     for chunk in client.stream(prompt, max_tokens=TOKENS, ignore_eos=True):
         tokens.extend(chunk.token_ids)
-        if on_first is not None and len(tokens) >= 2:
+        if on_first is not None and len(tokens) >= KILL_AFTER:
             on_first()
             on_first = None
     return tokens
@@ -126,6 +137,8 @@ def test_killed_replica_fails_over_then_all_gone_then_rejoins(replicated):
     assert victim.popen.wait(timeout=10) is not None
     assert not errors, errors
     assert disturbed == undisturbed
+    moves = _events(fleet, "session_failed_over")
+    assert moves and any(m["kv_from"] == "standby" and m["restored_tokens"] >= 96 for m in moves), moves
 
     # Every replica of stage 1 gone: UNAVAILABLE naming stage 1, within the fault contract's bound.
     fleet.process(stage_name(1, 0)).popen.kill()
@@ -166,7 +179,8 @@ def _lane0_used_by_two_streams(fleet: Fleet) -> bool:
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        results, errors = _concurrently(fleet.coordinator, prompts=PROMPTS[:2])
+        # Short prompts no lane keeps (below --prefix-min-tokens): lane choice by load alone.
+        results, errors = _concurrently(fleet.coordinator, prompts=SHORT_PROMPTS)
     finally:
         done.set()
         watcher.join()

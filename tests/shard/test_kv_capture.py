@@ -82,6 +82,39 @@ def test_restore_continues_like_the_original(tiny_export):
     np.testing.assert_array_equal(restored.run(np.array([[5, 6]])), original.run(np.array([[5, 6]])))
 
 
+def test_parts_join_into_the_whole_capture(tiny_export):
+    """Parts captured from positions on (a standby copy's, kv_standby.py) join into exactly the
+    whole capture, through the proto, checksum and all; parts that do not chain, or a part alone
+    restored, are refused."""
+    from pipeshard.shard.kvblob import join_parts
+
+    runner = ShardRunner(tiny_export("llama", 1), 0, "f32")
+    session = runner.new_session()
+    session.run(np.arange(10, 22)[None])
+    session.invalidate(4, 6)  # a rejected draft's hole: parts count mask-valid positions
+    ids = tuple(range(100, 110))
+    whole = export_kv(session, token_ids=ids)
+    parts = [
+        from_proto(to_proto(export_kv(session, positions=end, token_ids=ids[start:end], start=start)))
+        for start, end in ((0, 3), (3, 7), (7, 10))
+    ]
+    assert [p.start for p in parts] == [0, 3, 7] and parts[1].token_ids == ids[3:7]
+    joined = join_parts(parts)
+    assert joined.start == 0 and joined.token_ids == ids and joined.checksum == whole.checksum
+    for a, b in zip(joined.arrays, whole.arrays, strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(InvalidArgument, match="starts at position 3, not 0"):
+        join_parts(parts[1:])
+    with pytest.raises(InvalidArgument, match="starts at position 7, not 3"):
+        join_parts([parts[0], parts[2]])
+    with pytest.raises(InvalidArgument) as err:
+        export_kv(session, positions=5, start=5)
+    assert err.value.field == "from_position"
+    # A part's checksum covers where it starts: moved, it no longer verifies.
+    with pytest.raises(InvalidArgument, match="corrupt"):
+        dataclasses.replace(parts[1], start=0).check_for(runner.kv_source)
+
+
 @pytest.mark.slow
 def test_capture_restore_int4_exact_identical_tokens(int4_runners, chat_prompt_ids):
     """INT4 2-stage at exact: capture mid-decode on both stages, restore into fresh sessions,

@@ -200,6 +200,13 @@ def test_exported_kv_restores_into_another_sequence(paged, chat_prompt_ids):
         with pytest.raises(InvalidArgument) as err:
             paged[1].export_kv("src", len(ids) + 2)
         assert err.value.field == "positions"
+        # Parts from block boundaries (a standby copy's) read only their blocks and chain into the whole.
+        bt = paged[1].block_tokens
+        part = paged[1].export_kv("src", len(ids), bt)
+        np.testing.assert_array_equal(part[15], blobs[1][15][:, bt:])
+        with pytest.raises(InvalidArgument) as err:
+            paged[1].export_kv("src", len(ids), bt - 1)
+        assert err.value.field == "from_position"
     finally:
         for p in paged:
             p.free("src")

@@ -1,0 +1,115 @@
+"""Running sessions' KV captured ahead of a failure, so a failover restores it instead of replaying it.
+
+A replica lane that dies takes its sessions' KV with it, and replaying a session's context on
+another lane costs a prefill of all of it (bench-failover: about 9 s for 8 users at 1,024 tokens
+on this machine). So while a session runs on a replica lane, the coordinator copies its KV from
+every stage of that lane in the background, a part at a time (``CaptureKvRequest.from_position``:
+the whole blocks completed since the last part), and holds the parts in this process. A failover
+joins each stage's parts (``kvblob.join_parts``) and restores them into the new session on a
+healthy lane; only what the copy does not hold yet (less than a block, plus a part still being
+captured) is replayed. Parts are taken only of positions every stage has computed (the generation
+reports them after each step's result), one capture per session at a time; a capture that fails
+only leaves the copy shorter. Copies count against ``max_bytes`` (``--standby-kv-bytes``): past
+it no session gets further parts, and their failovers replay the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from pipeshard.errors import PipeshardError
+from pipeshard.metrics import STANDBY_KV_BYTES
+from pipeshard.services.coordinator.replicas import ReplicaLanes
+from pipeshard.shard.kvblob import KvBlob, join_parts
+
+log = structlog.get_logger(__name__)
+
+# Positions per part on stages that report no block size (stateful): a capture per this many tokens.
+DEFAULT_PART_TOKENS = 32
+
+
+@dataclass
+class StandbyCopy:
+    """One session's KV as captured so far: the token ids of its positions and, per part, one
+    blob per stage."""
+
+    tokens: list[int] = field(default_factory=list)
+    parts: list[list[KvBlob]] = field(default_factory=list)
+    nbytes: int = 0
+    capturing: asyncio.Task | None = None
+
+    @property
+    def positions(self) -> int:
+        return len(self.tokens)
+
+
+class KvStandby:
+    """The standby copies of the sessions running on ``lanes``, by session id."""
+
+    def __init__(self, lanes: ReplicaLanes, block_tokens: int, max_bytes: int):
+        self._lanes = lanes
+        self.block_tokens = block_tokens or DEFAULT_PART_TOKENS
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._copies: dict[str, StandbyCopy] = {}
+        STANDBY_KV_BYTES.set_function(lambda: self.nbytes)
+
+    def computed(self, session_id: str, tokens: Sequence[int]) -> None:
+        """Every stage of the session's lane holds ``tokens`` (its positions so far): captures
+        in the background the whole blocks its copy lacks, unless a capture is under way."""
+        copy = self._copies.setdefault(session_id, StandbyCopy())
+        end = len(tokens) // self.block_tokens * self.block_tokens
+        if copy.capturing is not None or end <= copy.positions or self.nbytes >= self.max_bytes:
+            return
+        copy.capturing = asyncio.ensure_future(self._capture(session_id, copy, list(tokens[:end])))
+
+    async def _capture(self, session_id: str, copy: StandbyCopy, tokens: list[int]) -> None:
+        try:
+            part = await self._lanes.capture_part(session_id, tokens, copy.positions)
+        except PipeshardError as exc:  # the session ended or its lane failed: the copy stays as it is
+            log.debug("standby_capture_failed", session_id=session_id, reason=str(exc))
+            return
+        finally:
+            copy.capturing = None
+        if self._copies.get(session_id) is not copy:
+            return  # forgotten (ended) or taken (failing over) meanwhile
+        size = sum(blob.nbytes for blob in part)
+        copy.parts.append(part)
+        copy.tokens = tokens
+        copy.nbytes += size
+        self.nbytes += size
+
+    def take(self, session_id: str) -> StandbyCopy | None:
+        """Detaches the session's copy (its capture stopped): a failover restores it elsewhere."""
+        copy = self._copies.pop(session_id, None)
+        if copy is not None and copy.capturing is not None:
+            copy.capturing.cancel()
+            copy.capturing = None
+        return copy
+
+    def forget(self, session_id: str) -> None:
+        """The session ended: its copy goes."""
+        self.drop(self.take(session_id))
+
+    def drop(self, copy: StandbyCopy | None) -> None:
+        """A detached copy restored nowhere: its bytes no longer count."""
+        if copy is not None:
+            self.nbytes -= copy.nbytes
+            copy.nbytes, copy.parts, copy.tokens = 0, [], []
+
+    async def restore(self, copy: StandbyCopy, session_id: str, timeout_s: float) -> int:
+        """Restores ``copy`` into ``session_id`` (open, empty, on a healthy lane) on every stage,
+        and makes it that session's copy; returns the positions restored. Raises when a stage
+        fails it (the session then holds who knows what: the caller replaces it)."""
+        stages = len(copy.parts[0])
+        blobs = await asyncio.to_thread(
+            lambda: [join_parts([part[k] for part in copy.parts]) for k in range(stages)]
+        )
+        await asyncio.wait_for(self._lanes.restore_blobs(session_id, blobs, timeout_s), timeout_s)
+        copy.parts = [blobs]  # joined once: later parts chain on it
+        self._copies[session_id] = copy
+        return copy.positions

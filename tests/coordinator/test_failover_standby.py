@@ -1,0 +1,106 @@
+"""Failover without processes: a standby copy restores the session and only its tail rides with
+the resent step; a copy a stage refuses is given up for a full replay in a fresh session (the real
+kill runs in tests/pipeline/test_failover_fleet.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+
+from pipeshard.errors import Unavailable
+from pipeshard.services.coordinator.failover import Failover
+from pipeshard.services.coordinator.generation import _Cursor, _Request
+from pipeshard.services.coordinator.kv_standby import KvStandby
+from pipeshard.services.coordinator.ring import StageFailed
+from pipeshard.shard.kvblob import KvBlob, KvSource
+from pipeshard.v1 import activation_pb2
+
+SOURCE = KvSource("f", "e", 0, 0, 1, ("k",), kv_heads=1, head_dim=1)
+CONTEXT = list(range(1000, 1070))  # a 40-token prompt and 30 generated tokens
+
+
+class _Lanes:
+    lanes = ("lane 0", "lane 1")
+
+    def __init__(self, refuse: bool = False):
+        self.refuse = refuse
+        self.restored: list[str] = []
+
+    def live_lanes(self) -> list[str]:
+        return ["lane 1"]
+
+    def lane_of(self, session_id: str) -> int:
+        return 1
+
+    async def capture_part(self, session_id: str, token_ids: list[int], start: int) -> list[KvBlob]:
+        values = np.zeros((1, len(token_ids) - start, 1), np.float32)
+        return [KvBlob.build(SOURCE, [values], tuple(token_ids[start:]), start=start)] * 2
+
+    async def restore_blobs(self, session_id: str, blobs: list[KvBlob], timeout_s: float) -> None:
+        if self.refuse:
+            raise StageFailed(activation_pb2.StageError(stage_index=1, code="INVALID_ARGUMENT", message="no"))
+        self.restored.append(session_id)
+
+
+class _Ring:
+    def __init__(self):
+        self.opened: list[str] = []
+        self.aborted: list[str] = []
+        self.steps: list[activation_pb2.ActivationFrame] = []
+
+    async def open_session(self, session_id: str, capacity: int | None = None) -> int:
+        self.opened.append(session_id)
+        return 2048
+
+    async def abort_session(self, session_id: str, reason: str) -> None:
+        self.aborted.append(session_id)
+
+    async def step(self, frame):
+        self.steps.append(frame)
+
+
+class _Generating:
+    """The parts of a generation's request a failover touches, with the real move and replay."""
+
+    move_to = _Request.move_to
+    replay_frames = _Request.replay_frames
+
+    def __init__(self):
+        self.session_id = "old"
+        self.prompt_ids, self.generated = CONTEXT[:40], CONTEXT[40:]
+        self.context, self.pending, self.ahead = list(CONTEXT), CONTEXT[-1:], None
+        self.params = SimpleNamespace(greedy=True)
+        self.cursor = _Cursor("old", True, truncates=True)
+
+
+def _failover(refuse: bool) -> tuple[_Generating, _Ring, _Lanes, KvStandby]:
+    async def main():
+        lanes, ring, request = _Lanes(refuse), _Ring(), _Generating()
+        standby = KvStandby(lanes, block_tokens=32, max_bytes=1 << 20)
+        standby.computed("old", CONTEXT[:69])  # the stages hold all but the pending token
+        for _ in range(5):
+            await asyncio.sleep(0)
+        failover = Failover(lanes, standby)
+        error = Unavailable("stage 1 at x is unreachable")
+        await failover.resume(ring, request, error, capacity=2048, prefill_chunk=32)
+        return request, ring, lanes, standby
+
+    return asyncio.run(main())
+
+
+def test_the_standby_copy_is_restored_and_the_tail_rides_with_the_resent_step():
+    request, ring, lanes, standby = _failover(refuse=False)
+    assert ring.aborted == ["old"] and ring.opened == [request.session_id] == lanes.restored
+    assert request.cursor.logical == 64 and ring.steps == []  # two whole blocks; no fill step
+    assert request.pending == CONTEXT[64:]  # the 5 tokens past the copy, then the lost step's
+    assert standby.take(request.session_id).positions == 64  # the copy follows the new session
+
+
+def test_a_refused_copy_is_given_up_for_a_replay_in_a_fresh_session():
+    request, ring, _, standby = _failover(refuse=True)
+    first, second = ring.opened
+    assert ring.aborted == ["old", first] and request.session_id == second
+    assert len(ring.steps) == 2 and request.cursor.logical == 64  # 64 replayed in chunks of 32
+    assert request.pending == CONTEXT[64:] and standby.nbytes == 0

@@ -1,0 +1,95 @@
+"""Standby KV copies without processes: whole blocks only, one capture at a time, the byte limit,
+and a restore that joins the parts (the real capture and restore run in
+tests/pipeline/test_failover_fleet.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from pipeshard.errors import Unavailable
+from pipeshard.services.coordinator.kv_standby import KvStandby
+from pipeshard.shard.kvblob import KvBlob, KvSource
+
+SOURCE = KvSource("f", "e", 0, 0, 1, ("k",), kv_heads=1, head_dim=1)
+
+
+class _Lane:
+    """Answers captures with position-valued arrays (so a join shows its order); records calls."""
+
+    def __init__(self):
+        self.captures: list[tuple[str, int, int]] = []
+        self.restored: dict[str, list[KvBlob]] = {}
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.fail = False
+
+    async def capture_part(self, session_id: str, token_ids: list[int], start: int) -> list[KvBlob]:
+        self.captures.append((session_id, start, len(token_ids)))
+        await self.gate.wait()
+        if self.fail:
+            raise Unavailable("stage 1 at x is unreachable")
+        values = np.arange(start, len(token_ids), dtype=np.float32).reshape(1, -1, 1)
+        return [KvBlob.build(SOURCE, [values], tuple(token_ids[start:]), start=start)] * 2
+
+    async def restore_blobs(self, session_id: str, blobs: list[KvBlob], timeout_s: float) -> None:
+        self.restored[session_id] = blobs
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_copies_follow_whole_blocks_and_restore_joined():
+    async def main():
+        lane = _Lane()
+        standby = KvStandby(lane, block_tokens=4, max_bytes=1 << 20)
+        tokens = list(range(100, 120))
+        standby.computed("s", tokens[:3])  # no whole block yet
+        await _settle()
+        assert lane.captures == []
+        lane.gate.clear()
+        standby.computed("s", tokens[:9])  # blocks 0-1
+        standby.computed("s", tokens[:13])  # a capture is under way: waits for the next report
+        lane.gate.set()
+        await _settle()
+        standby.computed("s", tokens[:13])  # block 2
+        await _settle()
+        assert lane.captures == [("s", 0, 8), ("s", 8, 12)]
+        assert standby.nbytes == 2 * 12 * 4  # two stages, 12 positions of one f32 each
+
+        copy = standby.take("s")
+        assert copy.positions == 12 and copy.tokens == tokens[:12]
+        assert await standby.restore(copy, "t", 5.0) == 12
+        joined = lane.restored["t"]
+        assert joined[0].start == 0 and joined[0].token_ids == tuple(tokens[:12])
+        np.testing.assert_array_equal(joined[0].arrays[0].ravel(), np.arange(12))
+        standby.computed("t", tokens[:17])  # the copy follows the new session from where it stands
+        await _settle()
+        assert lane.captures[-1] == ("t", 12, 16)
+        standby.forget("t")
+        assert standby.nbytes == 0
+
+    asyncio.run(main())
+
+
+def test_a_failed_capture_leaves_the_copy_and_the_limit_stops_new_parts():
+    async def main():
+        lane = _Lane()
+        standby = KvStandby(lane, block_tokens=4, max_bytes=2 * 4 * 4)  # one block on two stages
+        lane.fail = True
+        standby.computed("s", list(range(8)))
+        await _settle()
+        assert standby.nbytes == 0 and standby.take("s").positions == 0
+        lane.fail = False
+        standby.computed("u", list(range(4)))
+        await _settle()
+        standby.computed("u", list(range(8)))  # the limit is reached: no further part
+        await _settle()
+        assert standby.nbytes == 32 and lane.captures[-1] == ("u", 0, 4)
+        standby.drop(standby.take("u"))
+        assert standby.nbytes == 0
+
+    asyncio.run(main())
