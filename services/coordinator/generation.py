@@ -55,6 +55,7 @@ from pipeshard.services.coordinator.speculation.tree import (
     TREE_OFF,
     TreeChains,
     TreeChoice,
+    TreeNodes,
     TreeOutcome,
     TreeShape,
     accept_tree_greedy,
@@ -155,6 +156,7 @@ class _Cursor:
         self.logical = 0
         self._rejected: list[tuple[int, int]] = []
         self._keep_chain = -1  # after a tree step: the chain whose cache the stages keep
+        self._kept: tuple[int, ...] = ()  # after a tree step as one sequence: the tokens kept
         self._tree_base = 0  # the logical length before the last tree step
 
     def frame(
@@ -166,8 +168,10 @@ class _Cursor:
         sampling: SamplingStep | None = None,
         kind: RowKind | None = None,
         chains: int = 1,
+        parents: tuple[int, ...] = (),
     ) -> activation_pb2.ActivationFrame:
-        """``chains`` > 1: ``ids`` are a draft tree's chains, each advancing the cache alike."""
+        """``chains`` > 1: ``ids`` are a draft tree's chains, each advancing the cache alike;
+        ``parents``: ``ids`` are a draft tree as one sequence (each id's parent among them)."""
         self._tree_base = self.logical
         frame = token_frame(
             self.session_id,
@@ -182,9 +186,12 @@ class _Cursor:
             kind=kind,
             chains=chains,
             keep_chain=self._keep_chain,
+            parents=parents,
+            kept=self._kept,
         )
         self._rejected = []
         self._keep_chain = -1
+        self._kept = ()
         self.step += 1
         self.physical += len(ids) // chains
         self.logical += len(ids) // chains
@@ -194,12 +201,16 @@ class _Cursor:
         """The last (tree) step's chain ``chain`` holds the accepted path: the stages keep it."""
         self._keep_chain = chain
 
+    def keep_tokens(self, kept: tuple[int, ...]) -> None:
+        """The last (tree) step's tokens ``kept`` are the accepted path: the stages move their
+        cache behind the step's start."""
+        self._kept = kept
+
     @property
     def settled(self) -> int:
         """Logical positions that sit in the session's one cache row on every stage: all of them,
-        or, while a tree step's chosen chain is not yet sent, those before that step (every
-        chain's row holds them alike)."""
-        return self.logical if self._keep_chain < 0 else self._tree_base
+        or, while a tree step's chosen chain or path is not yet sent, those before that step."""
+        return self.logical if self._keep_chain < 0 and not self._kept else self._tree_base
 
     def restored(self, positions: int) -> None:
         """The session starts with ``positions`` positions restored on every stage."""
@@ -258,8 +269,7 @@ class _Request:
         tree: TreeChoice = TREE_OFF,
     ):
         self.session_id = session_id
-        # Draft trees need stages that keep a chain's cache apart (stateful), not a paged ring.
-        self.tree = tree if not truncates else TREE_OFF
+        self.tree = tree
         self.outcome: TreeOutcome | None = None  # what the last tree step accepted
         self.metered = metered  # False for the coordinator's warm-up: not a client's tokens
         self.prompt_ids = prompt_ids
@@ -312,7 +322,7 @@ class _Request:
         for start in range(0, len(tokens), chunk):
             yield self.cursor.frame(tokens[start : start + chunk], fill_only=True)
 
-    def draft(self) -> Draft | TreeChains:
+    def draft(self) -> Draft | TreeChains | TreeNodes:
         """Chooses K (or the tree's shape) and drafts (none on the first step or without a
         drafter); a tree with one path goes as a chain."""
         if self.drafter is None or not self.generated:
@@ -335,15 +345,22 @@ class _Request:
         if shape.depth < 1:
             return Draft([], None, 0.0)
         tree = self.drafter.propose_tree(self.context, shape)
-        if len(tree.leaves()) > 1:
-            return tree.chains()
+        if len(tree.leaves()) > 1:  # paged stages (truncating rewinds) take the one-sequence form
+            return TreeNodes(tree) if self.cursor.truncates else tree.chains()
         return Draft([n.token for n in tree.nodes], None, tree.seconds)
 
-    def frame(self, draft: Draft | TreeChains) -> activation_pb2.ActivationFrame:
+    def frame(self, draft: Draft | TreeChains | TreeNodes) -> activation_pb2.ActivationFrame:
         """The step's frame: the pending tokens plus the draft, returning a row per draft token + 1
         (of a tree: per chain, the pending token and the chain's padded path). A row that still
         carries prompt tokens is the prompt's last chunk; then a decode row, or a verify row with
-        drafts (a tree's chains are one verify row)."""
+        drafts (a tree's chains are one verify row, and so are its nodes)."""
+        if isinstance(draft, TreeNodes):
+            return self.cursor.frame(
+                draft.token_ids(self.pending),
+                return_last=draft.rows,
+                kind=RowKind.VERIFY,
+                parents=draft.parents(len(self.pending)),
+            )
         if isinstance(draft, TreeChains):
             return self.cursor.frame(
                 draft.token_ids(self.pending),
@@ -369,16 +386,16 @@ class _Request:
         if (
             self.sampler is None
             or not self.final_stage_sampling
-            or isinstance(draft, TreeChains)  # trees are accepted here, from the logits
+            or isinstance(draft, TreeChains | TreeNodes)  # trees are accepted here, from the logits
             or draft.probs is not None
             or self.params.logprobs
         ):
             return None
         return SamplingStep(self.sampler.distribution, rng_state(self.sampler.rng), list(draft.tokens))
 
-    def accept(self, draft: Draft | TreeChains, result: activation_pb2.StepResult) -> list[int]:
+    def accept(self, draft: Draft | TreeChains | TreeNodes, result: activation_pb2.StepResult) -> list[int]:
         """The tokens this step keeps: the agreed draft prefix plus the target's next token."""
-        if isinstance(draft, TreeChains):
+        if isinstance(draft, TreeChains | TreeNodes):
             return self._accept_tree(draft, result)
         if self.sampler is None:
             new = accept_greedy(draft.tokens, list(result.top1.token_ids))
@@ -394,7 +411,7 @@ class _Request:
             self.new_logprobs = token_logprobs(rows, new)
         return new
 
-    def _accept_tree(self, chains: TreeChains, result: activation_pb2.StepResult) -> list[int]:
+    def _accept_tree(self, chains: TreeChains | TreeNodes, result: activation_pb2.StepResult) -> list[int]:
         if self.sampler is None:
             self.outcome = accept_tree_greedy(chains, list(result.top1.token_ids))
         else:
@@ -408,17 +425,24 @@ class _Request:
                 self.new_logprobs = token_logprobs(logits[rows], self.outcome.tokens)
         return self.outcome.tokens
 
-    def record(self, draft: Draft | TreeChains, new: list[int], elapsed: float) -> None:
+    def record(self, draft: Draft | TreeChains | TreeNodes, new: list[int], elapsed: float) -> None:
         """Masks rejected drafts out of the cache and feeds the K policy and the summary counters."""
         kept = len(new) - 1
-        if isinstance(draft, TreeChains):
-            # The stages keep the accepted path's chain; its tail past the path is masked out.
-            self.cursor.reject(draft.depth - kept)
-            self.cursor.keep_chain(self.outcome.chain)
+        if isinstance(draft, TreeChains | TreeNodes):
+            if isinstance(draft, TreeNodes):
+                # The stages move the accepted path's cache down behind the pending tokens and
+                # drop the nodes' slots past it.
+                self.cursor.reject(len(draft.tree.nodes) - kept)
+                self.cursor.keep_tokens(draft.kept(len(self.pending), self.outcome.path))
+                positions = len(self.pending) + len(draft.tree.nodes)
+            else:
+                # The stages keep the accepted path's chain; its tail past the path is masked out.
+                self.cursor.reject(draft.depth - kept)
+                self.cursor.keep_chain(self.outcome.chain)
+                positions = draft.width * (draft.depth + 1)
             main = draft.tree.main
             fed = next((i for i, n in enumerate(self.outcome.path) if i >= len(main) or main[i] != n), kept)
             depth, proposed, seconds = draft.depth, len(draft.tree.nodes), draft.tree.seconds
-            positions = draft.width * (depth + 1)
         else:
             self.cursor.reject(len(draft.tokens) - kept)
             fed = kept
@@ -565,10 +589,7 @@ class Generation:
         mode = speculative or self.default_speculative
         if not 0 <= k <= 32:
             raise InvalidArgument("k", f"must be 0 (adaptive) or 1..32, got {k}")
-        if TreeChoice.parse(tree).shape is not None and getattr(self._ring, "truncates_on_rewind", False):
-            raise InvalidArgument(
-                "tree", f"{tree!r} needs stateful stages (--kv stateful); these are paged: use auto or off"
-            )
+        TreeChoice.parse(tree)
         if mode != "none":
             if self._drafts is None:
                 raise InvalidArgument("speculative", "this coordinator has no draft sources")
