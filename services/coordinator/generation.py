@@ -60,7 +60,6 @@ from pipeshard.services.coordinator.speculation.tree import (
     TreeShape,
     accept_tree_greedy,
     accept_tree_sampled,
-    auto_shape,
 )
 from pipeshard.services.coordinator.step_batcher import DEFAULT_PREFILL_CHUNK, StepBatcher
 from pipeshard.services.stage.domain import RowKind, SamplingStep
@@ -261,6 +260,7 @@ class _Request:
         max_context: int,
         drafter: Drafter | None,
         final_stage_sampling: bool = True,
+        prune: bool = True,
         policy: KPolicy,
         detok: IncrementalDetokenizer,
         stop_ids: set[int],
@@ -282,6 +282,7 @@ class _Request:
         self.sampler = None if params.greedy else Sampler(params)
         self.sample = None if self.sampler is None else (self.sampler.probabilities, self.sampler.rng)
         self.final_stage_sampling = final_stage_sampling
+        self.prune = prune
         self.stop_ids = stop_ids
         self.context = list(prompt_ids)
         self.generated: list[int] = []
@@ -330,21 +331,23 @@ class _Request:
         remaining = self.params.max_tokens - len(self.generated)
         # Rejected drafts use cache room too: always leave room to finish plainly.
         limit = min(remaining - 1, self.max_context - self.cursor.physical - remaining)
+        floor = 0.0
         if self.tree.shape is not None:
             shape = TreeShape(self.tree.shape.width, min(self.tree.shape.depth, limit))
         else:
-            k_step = self.policy.choose(limit)
             # auto: greedy requests only; a sampled tree step ships every chain's logits back
             # where a chain's draw happens on the final stage (a few token ids)
             auto = self.tree.mode == "auto" and self.sampler is None
-            shape = auto_shape(k_step, self.drafter.auto_tree_width) if auto else None
-            if shape is None:
+            paths, k_step = self.policy.choose_shape(limit, self.drafter.auto_tree_width if auto else 1)
+            if paths == 1 or not k_step:
                 if not k_step:
                     return Draft([], None, 0.0)
                 return self.drafter.propose(self.context, k_step, self.sample)
+            shape = TreeShape(paths, k_step)
+            floor = self.policy.prune_floor(paths, k_step) if self.prune else 0.0
         if shape.depth < 1:
             return Draft([], None, 0.0)
-        tree = self.drafter.propose_tree(self.context, shape)
+        tree = self.drafter.propose_tree(self.context, shape).pruned(floor)
         if len(tree.leaves()) > 1:  # paged stages (truncating rewinds) take the one-sequence form
             return TreeNodes(tree) if self.cursor.truncates else tree.chains()
         return Draft([n.token for n in tree.nodes], None, tree.seconds)
@@ -450,7 +453,8 @@ class _Request:
             seconds, positions = draft.seconds, None
         if self.drafter is not None and self.generated:
             self.drafter.commit(fed)
-            self.policy.observe(depth, kept, elapsed, seconds, positions)
+            width = 1 if positions is None else draft.width
+            self.policy.observe(depth, kept, elapsed, seconds, positions, width)
             if proposed:
                 self.progress.verify_steps += 1
                 self.progress.draft_tokens += proposed
@@ -546,6 +550,7 @@ class Generation:
         default_speculative: str = "none",
         max_k: int = 10,
         final_stage_sampling: bool = True,
+        tree_prune: bool = True,
         prefix: PrefixIndex | None = None,
         restore_timeout_s: float = 5.0,
         batch_aware_k: bool = True,
@@ -563,6 +568,7 @@ class Generation:
         self.default_speculative = default_speculative
         self.max_k = max_k
         self.final_stage_sampling = final_stage_sampling
+        self.tree_prune = tree_prune  # tree=auto: prune nodes that do not pay (policy.prune_floor)
         self.timing = TimingModel()  # traversal cost by positions, learned across requests
         self._sources: dict[str, SourceMemory] = {}  # acceptance by draft source, across requests
         self._releases: set[asyncio.Task] = set()
@@ -685,6 +691,7 @@ class Generation:
             max_context=max_context,
             drafter=drafter,
             final_stage_sampling=self.final_stage_sampling,
+            prune=self.tree_prune,
             policy=policy,
             detok=IncrementalDetokenizer(self._tok, params.stop),
             stop_ids=set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos),

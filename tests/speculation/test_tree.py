@@ -18,7 +18,6 @@ from pipeshard.services.coordinator.speculation.tree import (
     TreeShape,
     accept_tree_greedy,
     accept_tree_sampled,
-    auto_shape,
 )
 
 
@@ -36,11 +35,6 @@ def test_bad_tree_values_name_the_field_and_value(value):
     with pytest.raises(InvalidArgument) as err:
         TreeChoice.parse(value)
     assert "tree" in str(err.value) and repr(value) in str(err.value)
-
-
-def test_auto_shape_is_a_chain_without_width_or_drafts():
-    assert auto_shape(4, 3) == TreeShape(3, 4)
-    assert auto_shape(4, 1) is None and auto_shape(0, 3) is None
 
 
 def _tree() -> DraftTree:

@@ -79,13 +79,6 @@ class TreeChoice:
 TREE_OFF = TreeChoice("off")
 
 
-def auto_shape(k: int, width: int) -> TreeShape | None:
-    """``tree=auto``: a tree of the source's ``auto_tree_width`` paths at the depth adaptive K
-    chose, or None (a chain) where the source offers no width (draft models: their second
-    choices cost a wider verify and were not measured to pay) or K is 0."""
-    return TreeShape(width, k) if width > 1 and k > 0 else None
-
-
 @dataclass(frozen=True)
 class TreeNode:
     token: int
@@ -138,6 +131,27 @@ class DraftTree:
     @property
     def depth(self) -> int:
         return max((n.depth for n in self.nodes), default=0)
+
+    def path_prob(self, node: int) -> float:
+        """The source's probability of the path down to ``node`` (BloomBee's candidate score)."""
+        return float(np.prod([self.nodes[i].prob for i in self.path(node)]))
+
+    def pruned(self, floor: float) -> DraftTree:
+        """The tree without the nodes whose path probability is below ``floor`` (nor their
+        subtrees: a path's probability only falls along it); the root's likeliest child stays,
+        so a step keeps a draft."""
+        if floor <= 0.0 or not self.nodes:
+            return self
+        keep = [self.path_prob(i) >= floor for i in range(len(self.nodes))]
+        first = max(self.children(ROOT), key=lambda i: self.nodes[i].prob)
+        keep[first] = True
+        out = DraftTree(seconds=self.seconds)
+        index: dict[int, int] = {ROOT: ROOT}
+        for i, node in enumerate(self.nodes):
+            if keep[i] and node.parent in index:
+                index[i] = out.add(index[node.parent], node.token, node.prob)
+        out.main = [index[i] for i in self.main if i in index]
+        return out
 
     def chains(self) -> TreeChains:
         return TreeChains(self, [self.path(leaf) for leaf in self.leaves()])
