@@ -258,6 +258,7 @@ class _Request:
         *,
         mode: str,
         max_context: int,
+        reserved: int | None = None,
         drafter: Drafter | None,
         final_stage_sampling: bool = True,
         prune: bool = True,
@@ -275,6 +276,7 @@ class _Request:
         self.prompt_ids = prompt_ids
         self.params = params
         self.max_context = max_context
+        self.reserved = reserved or max_context  # the cache room the session holds on paged stages
         self.drafter = drafter
         self.policy = policy
         self.cursor = _Cursor(session_id, params.greedy, truncates=truncates)
@@ -348,6 +350,8 @@ class _Request:
         if shape.depth < 1:
             return Draft([], None, 0.0)
         tree = self.drafter.propose_tree(self.context, shape).pruned(floor)
+        if self.cursor.truncates:  # one sequence of every node: it must fit the session's room
+            tree = tree.first(self.reserved - self.cursor.physical - len(self.pending))
         if len(tree.leaves()) > 1:  # paged stages (truncating rewinds) take the one-sequence form
             return TreeNodes(tree) if self.cursor.truncates else tree.chains()
         return Draft([n.token for n in tree.nodes], None, tree.seconds)
@@ -672,7 +676,8 @@ class Generation:
         mode = self.check_speculative(speculative, k, tree)
         factory = None if mode == "none" else await self._drafts.factory(mode)
         session_id = uuid.uuid4().hex
-        max_context = await self._ring.open_session(session_id, self.capacity(prompt_ids, params))
+        reserved = self.capacity(prompt_ids, params)
+        max_context = await self._ring.open_session(session_id, reserved)
         drafter = factory() if factory else None
         memory = None if mode == "none" else self._sources.setdefault(mode, SourceMemory())
         steps = self._steps
@@ -689,6 +694,7 @@ class Generation:
             params,
             mode=mode,
             max_context=max_context,
+            reserved=reserved,
             drafter=drafter,
             final_stage_sampling=self.final_stage_sampling,
             prune=self.tree_prune,

@@ -98,6 +98,14 @@ def test_greedy_keeps_the_longest_agreeing_path_and_the_targets_token():
     assert outcome.path == [] and outcome.tokens == [77] and outcome.chain == 0
 
 
+def test_a_tree_cut_to_its_first_nodes_stays_a_tree():
+    tree = _tree()
+    assert tree.first(10) is tree
+    cut = tree.first(3)  # 5 -> 6 -> 7: the room a paged session has left holds three nodes
+    assert [n.token for n in cut.nodes] == [5, 6, 7] and cut.leaves() == [2]
+    assert tree.first(0).nodes == []
+
+
 def test_greedy_over_nodes_keeps_the_same_path():
     nodes = TreeNodes(_tree())
     outcome = accept_tree_greedy(nodes, _top1(nodes, {ROOT: 5, 0: 8, 3: 42}))

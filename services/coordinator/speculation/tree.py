@@ -153,6 +153,13 @@ class DraftTree:
         out.main = [index[i] for i in self.main if i in index]
         return out
 
+    def first(self, n: int) -> DraftTree:
+        """The tree of its first ``n`` nodes (a parent precedes its children, so they are a tree);
+        itself when it has no more."""
+        if n >= len(self.nodes):
+            return self
+        return DraftTree(self.nodes[: max(0, n)], [i for i in self.main if i < n], self.seconds)
+
     def chains(self) -> TreeChains:
         return TreeChains(self, [self.path(leaf) for leaf in self.leaves()])
 
