@@ -17,7 +17,8 @@ decoding against fixed K and adaptive K with the best single-node draft source.
 
 Draft trees (issue 30): beside each source's chains, tree rows at BENCH_TREES (3x4,2x3) and
 `<source>-auto` (adaptive K with ``tree=auto``) against `<source>-chain-auto` (``tree=off``); the
-WAN fleets then run stateful stages (trees need them). Keys: ``single_node_speedup`` (the best
+WAN fleets run the default paged stages (a tree as one masked sequence; the single node's
+in-process ring is stateful: a tree as chains). Keys: ``single_node_speedup`` (the best
 configuration), ``bit_exact`` (every single-node configuration's tokens equal plain greedy's: INT4
 at the default precision, ``exact``), ``repetition_rate`` (the share of prompts whose plain greedy
 answer repeats a 4-gram more than 3 times), and from the WAN sweep ``speedup_at_100ms`` (the best
@@ -342,17 +343,7 @@ def wan_sweep(self_draft: Path, hf_draft: Path, source: str, prompts: list[str])
         for delay in DELAYS_MS:
             run_dir = Path(f"run/bench-spec-wan-{stages}s-{delay:g}ms")
             extra = ["--self-draft", str(self_draft), "--draft", f"hf={hf_draft}", "--step-timeout-s", "120"]
-            # Draft trees need stateful stages; their compiled-model cache would go into the export.
-            stateful = ["--kv", "stateful", "--compile-cache-dir", "off"] if TREES else []
-            with WanFleet(
-                shards,
-                stages,
-                delay,
-                RATE_MBIT,
-                run_dir,
-                extra_stage_args=stateful,
-                extra_coordinator_args=extra,
-            ) as fleet:
+            with WanFleet(shards, stages, delay, RATE_MBIT, run_dir, extra_coordinator_args=extra) as fleet:
                 client = PipeshardClient(fleet.coordinator, timeout_s=600)
                 last: dict[str, dict] = {}
 

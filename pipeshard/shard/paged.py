@@ -16,6 +16,13 @@ Two graph edits make our export fit the pass and serve batches:
     input (the ``logits_to_keep`` slice is meaningless once all sequences share one token axis),
     so a 1024-token prefill chunk asks for one row of logits, not a 1024 x 49152 matmul.
 
+A third edit serves draft trees: every PagedAttention's query-to-query mask inputs (QQ_BIAS,
+QQ_BIAS_BEGINS, inputs 26 and 27 of the op, left as empty constants by the pass) become the
+parameters ``qq_bias`` and ``qq_bias_begins``. A row with ``parents`` then runs as one sequence
+whose tokens each attend the cache and their own ancestors only (the CPU plugin's per-sequence
+square ancestor mask; an empty range keeps a row causal, and a step without tree rows passes no
+mask at all). ``move`` then shifts the accepted path's cache slots down behind the cache.
+
 Memory: the block pools are allocated once from a byte budget; a sequence reserves the blocks
 for its whole capacity when it opens (admission), so nothing is evicted from under a running
 sequence and a step never fails for want of blocks. Rewind (the rejected drafts of speculation)
@@ -45,6 +52,8 @@ from pipeshard.shard.runtime import StageShard, compile_properties
 # Default KV budget per stage: 256 MiB hold about 11,000 f32 tokens of a 15-layer SmolLM2 stage.
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 LOGITS_INDICES = "logits_indices"
+QQ_BIAS, QQ_BIAS_BEGINS = "qq_bias", "qq_bias_begins"
+_PA_QQ_BIAS = 26  # the PagedAttentionExtension inputs of the query-to-query mask (and 27, its begins)
 
 
 @dataclass(frozen=True)
@@ -54,12 +63,14 @@ class PagedRow:
     ``inputs``: int64 token ids [T] on the first stage, float32 hidden states [T, hidden] on the
     others. ``positions``: the T logical (rotary) positions; None continues at the sequence's
     length. ``logits``: on the last stage, how many trailing tokens of the row get logits (0:
-    none, for a prefill chunk that is not the prompt's last)."""
+    none, for a prefill chunk that is not the prompt's last). ``parents``: a draft tree's row,
+    each token's parent index within the row (-1: the cache); None: causal."""
 
     seq: Hashable
     inputs: np.ndarray
     positions: np.ndarray | None = None
     logits: int = 0
+    parents: Sequence[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,7 @@ def _prepare_model(model: ov.Model, is_first: bool, is_last: bool) -> ov.Model:
                 p.set_friendly_name("inputs_embeds")
                 p.get_output_tensor(0).set_names({"inputs_embeds"})
     paged_attention_transformation(model, False, False, False)
+    _mask_inputs(model)
     if is_last:
         head = model.get_results()[0].input(0).get_source_output().get_node()
         keep = head.input(0).get_source_output().get_node()
@@ -113,6 +125,31 @@ def _prepare_model(model: ov.Model, is_first: bool, is_last: bool) -> ov.Model:
                 model.remove_parameter(p)
         model.validate_nodes_and_infer_types()
     return model
+
+
+def _mask_inputs(model: ov.Model) -> None:
+    """Every PagedAttention's query-to-query mask inputs as the model's ``qq_bias`` (u8, the
+    concatenated square ancestor masks) and ``qq_bias_begins`` (i32, each sequence's range)."""
+    bias = ops.parameter([-1], ov.Type.u8, name=QQ_BIAS)
+    begins = ops.parameter([-1], ov.Type.i32, name=QQ_BIAS_BEGINS)
+    for p in (bias, begins):
+        p.get_output_tensor(0).set_names({p.get_friendly_name()})
+    attention = [n for n in model.get_ordered_ops() if n.get_type_name() == "PagedAttentionExtension"]
+    if any(n.get_input_size() <= _PA_QQ_BIAS + 1 for n in attention):
+        raise InvalidArgument("export_dir", "this OpenVINO's PagedAttention takes no query-to-query mask")
+    for node in attention:
+        node.input(_PA_QQ_BIAS).replace_source_output(bias.output(0))
+        node.input(_PA_QQ_BIAS + 1).replace_source_output(begins.output(0))
+    model.add_parameters([bias, begins])
+
+
+def ancestor_mask(parents: Sequence[int]) -> np.ndarray:
+    """u8 [T, T]: token i sees token j when j is i or one of its ancestors."""
+    mask = np.eye(len(parents), dtype=np.uint8)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            mask[i] |= mask[parent]
+    return mask
 
 
 class PagedShard(StageShard):
@@ -231,6 +268,34 @@ class PagedShard(StageShard):
             )
         state.length = length
 
+    def move(self, seq: Hashable, start: int, kept: Sequence[int]) -> None:
+        """The cache of the sequence's tokens at ``start + kept[i]`` moves to ``start + i`` (a
+        draft tree's accepted path, ascending, behind the cache), in every layer's pools; the
+        length is left to ``rewind``. Quantized pools keep scales per block, so only f32 pools
+        (``exact``, ``f32``) move."""
+        with self._lock:
+            state = self._get(seq)
+            if all(k == i for i, k in enumerate(kept)):
+                return
+            if self.kv_source.blocks is not None:
+                raise InvalidArgument(
+                    "tree_kept",
+                    "draft trees need f32 KV pools (precision exact or f32); this stage's are quantized",
+                )
+            if start + kept[-1] >= state.length:
+                raise InvalidArgument(
+                    "tree_kept", f"slot {start + kept[-1]} lies beyond the {state.length} tokens cached"
+                )
+            bt = self.block_tokens
+            src = start + np.asarray(kept, dtype=np.int64)
+            dst = start + np.arange(len(kept), dtype=np.int64)
+            src, dst = src[src != dst], dst[src != dst]
+            # Ascending: every source lies past every destination (kept[i] >= i), so one gather
+            # then one scatter per pool is the slot-by-slot move.
+            for name in self._state_pools:
+                pool = self._pool(name)
+                pool[state.blocks[dst // bt], :, dst % bt] = pool[state.blocks[src // bt], :, src % bt]
+
     def export_kv(self, seq: Hashable, positions: int | None = None, start: int = 0) -> list[np.ndarray]:
         """The sequence's cached tokens [start, positions) (default: all), one array per state
         variable in layer order (K, V of each layer): f32 [kv_heads, positions - start, head_dim]
@@ -342,6 +407,8 @@ class PagedShard(StageShard):
                 f"sequence {row.seq!r} would grow to {state.length + t} tokens, "
                 f"beyond its reservation of {state.capacity}"
             )
+        if row.parents is not None and len(row.parents) != t:
+            raise InvalidArgument("parents", f"must hold one entry per token ({t}), got {len(row.parents)}")
         if self.is_last:
             if not 0 <= row.logits <= t:
                 raise InvalidArgument("logits", f"must be in [0, {t}], got {row.logits}")
@@ -380,6 +447,7 @@ class PagedShard(StageShard):
                 ),
                 "block_indices_begins": table_begins,
             }
+            feed.update(_tree_masks(rows))
             wanted = [row.logits for row in rows]
             if self.is_last:
                 picks = [np.arange(b - k, b, dtype=np.int64) for b, k in zip(begins[1:], wanted, strict=True)]
@@ -425,3 +493,17 @@ class PagedShard(StageShard):
             return len(steps)
         finally:
             self.free(key)
+
+
+def _tree_masks(rows: Sequence[PagedRow]) -> dict[str, np.ndarray]:
+    """The step's query-to-query masks: each tree row's ancestor mask and an empty range for a
+    causal row; without tree rows, no ranges at all (every row causal)."""
+    if all(row.parents is None for row in rows):
+        return {QQ_BIAS: np.zeros(0, np.uint8), QQ_BIAS_BEGINS: np.zeros(0, np.int32)}
+    masks = [
+        np.zeros(0, np.uint8) if row.parents is None else ancestor_mask(row.parents).reshape(-1)
+        for row in rows
+    ]
+    begins = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum([m.size for m in masks], out=begins[1:])
+    return {QQ_BIAS: np.concatenate(masks), QQ_BIAS_BEGINS: begins}

@@ -55,11 +55,11 @@ from pipeshard.services.coordinator.speculation.tree import (
     TREE_OFF,
     TreeChains,
     TreeChoice,
+    TreeNodes,
     TreeOutcome,
     TreeShape,
     accept_tree_greedy,
     accept_tree_sampled,
-    auto_shape,
 )
 from pipeshard.services.coordinator.step_batcher import DEFAULT_PREFILL_CHUNK, StepBatcher
 from pipeshard.services.stage.domain import RowKind, SamplingStep
@@ -155,6 +155,7 @@ class _Cursor:
         self.logical = 0
         self._rejected: list[tuple[int, int]] = []
         self._keep_chain = -1  # after a tree step: the chain whose cache the stages keep
+        self._kept: tuple[int, ...] = ()  # after a tree step as one sequence: the tokens kept
         self._tree_base = 0  # the logical length before the last tree step
 
     def frame(
@@ -166,8 +167,10 @@ class _Cursor:
         sampling: SamplingStep | None = None,
         kind: RowKind | None = None,
         chains: int = 1,
+        parents: tuple[int, ...] = (),
     ) -> activation_pb2.ActivationFrame:
-        """``chains`` > 1: ``ids`` are a draft tree's chains, each advancing the cache alike."""
+        """``chains`` > 1: ``ids`` are a draft tree's chains, each advancing the cache alike;
+        ``parents``: ``ids`` are a draft tree as one sequence (each id's parent among them)."""
         self._tree_base = self.logical
         frame = token_frame(
             self.session_id,
@@ -182,9 +185,12 @@ class _Cursor:
             kind=kind,
             chains=chains,
             keep_chain=self._keep_chain,
+            parents=parents,
+            kept=self._kept,
         )
         self._rejected = []
         self._keep_chain = -1
+        self._kept = ()
         self.step += 1
         self.physical += len(ids) // chains
         self.logical += len(ids) // chains
@@ -194,12 +200,16 @@ class _Cursor:
         """The last (tree) step's chain ``chain`` holds the accepted path: the stages keep it."""
         self._keep_chain = chain
 
+    def keep_tokens(self, kept: tuple[int, ...]) -> None:
+        """The last (tree) step's tokens ``kept`` are the accepted path: the stages move their
+        cache behind the step's start."""
+        self._kept = kept
+
     @property
     def settled(self) -> int:
         """Logical positions that sit in the session's one cache row on every stage: all of them,
-        or, while a tree step's chosen chain is not yet sent, those before that step (every
-        chain's row holds them alike)."""
-        return self.logical if self._keep_chain < 0 else self._tree_base
+        or, while a tree step's chosen chain or path is not yet sent, those before that step."""
+        return self.logical if self._keep_chain < 0 and not self._kept else self._tree_base
 
     def restored(self, positions: int) -> None:
         """The session starts with ``positions`` positions restored on every stage."""
@@ -248,8 +258,10 @@ class _Request:
         *,
         mode: str,
         max_context: int,
+        reserved: int | None = None,
         drafter: Drafter | None,
         final_stage_sampling: bool = True,
+        prune: bool = True,
         policy: KPolicy,
         detok: IncrementalDetokenizer,
         stop_ids: set[int],
@@ -258,13 +270,13 @@ class _Request:
         tree: TreeChoice = TREE_OFF,
     ):
         self.session_id = session_id
-        # Draft trees need stages that keep a chain's cache apart (stateful), not a paged ring.
-        self.tree = tree if not truncates else TREE_OFF
+        self.tree = tree
         self.outcome: TreeOutcome | None = None  # what the last tree step accepted
         self.metered = metered  # False for the coordinator's warm-up: not a client's tokens
         self.prompt_ids = prompt_ids
         self.params = params
         self.max_context = max_context
+        self.reserved = reserved or max_context  # the cache room the session holds on paged stages
         self.drafter = drafter
         self.policy = policy
         self.cursor = _Cursor(session_id, params.greedy, truncates=truncates)
@@ -272,6 +284,7 @@ class _Request:
         self.sampler = None if params.greedy else Sampler(params)
         self.sample = None if self.sampler is None else (self.sampler.probabilities, self.sampler.rng)
         self.final_stage_sampling = final_stage_sampling
+        self.prune = prune
         self.stop_ids = stop_ids
         self.context = list(prompt_ids)
         self.generated: list[int] = []
@@ -318,7 +331,7 @@ class _Request:
             yield self.cursor.frame(tokens[start : start + chunk], fill_only=True)
         self.pending = tokens[last:] + self.pending
 
-    def draft(self) -> Draft | TreeChains:
+    def draft(self) -> Draft | TreeChains | TreeNodes:
         """Chooses K (or the tree's shape) and drafts (none on the first step or without a
         drafter); a tree with one path goes as a chain."""
         if self.drafter is None or not self.generated:
@@ -326,30 +339,41 @@ class _Request:
         remaining = self.params.max_tokens - len(self.generated)
         # Rejected drafts use cache room too: always leave room to finish plainly.
         limit = min(remaining - 1, self.max_context - self.cursor.physical - remaining)
+        floor = 0.0
         if self.tree.shape is not None:
             shape = TreeShape(self.tree.shape.width, min(self.tree.shape.depth, limit))
         else:
-            k_step = self.policy.choose(limit)
             # auto: greedy requests only; a sampled tree step ships every chain's logits back
             # where a chain's draw happens on the final stage (a few token ids)
             auto = self.tree.mode == "auto" and self.sampler is None
-            shape = auto_shape(k_step, self.drafter.auto_tree_width) if auto else None
-            if shape is None:
+            paths, k_step = self.policy.choose_shape(limit, self.drafter.auto_tree_width if auto else 1)
+            if paths == 1 or not k_step:
                 if not k_step:
                     return Draft([], None, 0.0)
                 return self.drafter.propose(self.context, k_step, self.sample)
+            shape = TreeShape(paths, k_step)
+            floor = self.policy.prune_floor(paths, k_step) if self.prune else 0.0
         if shape.depth < 1:
             return Draft([], None, 0.0)
-        tree = self.drafter.propose_tree(self.context, shape)
-        if len(tree.leaves()) > 1:
-            return tree.chains()
+        tree = self.drafter.propose_tree(self.context, shape).pruned(floor)
+        if self.cursor.truncates:  # one sequence of every node: it must fit the session's room
+            tree = tree.first(self.reserved - self.cursor.physical - len(self.pending))
+        if len(tree.leaves()) > 1:  # paged stages (truncating rewinds) take the one-sequence form
+            return TreeNodes(tree) if self.cursor.truncates else tree.chains()
         return Draft([n.token for n in tree.nodes], None, tree.seconds)
 
-    def frame(self, draft: Draft | TreeChains) -> activation_pb2.ActivationFrame:
+    def frame(self, draft: Draft | TreeChains | TreeNodes) -> activation_pb2.ActivationFrame:
         """The step's frame: the pending tokens plus the draft, returning a row per draft token + 1
         (of a tree: per chain, the pending token and the chain's padded path). A row that still
         carries prompt tokens is the prompt's last chunk; then a decode row, or a verify row with
-        drafts (a tree's chains are one verify row)."""
+        drafts (a tree's chains are one verify row, and so are its nodes)."""
+        if isinstance(draft, TreeNodes):
+            return self.cursor.frame(
+                draft.token_ids(self.pending),
+                return_last=draft.rows,
+                kind=RowKind.VERIFY,
+                parents=draft.parents(len(self.pending)),
+            )
         if isinstance(draft, TreeChains):
             return self.cursor.frame(
                 draft.token_ids(self.pending),
@@ -375,16 +399,16 @@ class _Request:
         if (
             self.sampler is None
             or not self.final_stage_sampling
-            or isinstance(draft, TreeChains)  # trees are accepted here, from the logits
+            or isinstance(draft, TreeChains | TreeNodes)  # trees are accepted here, from the logits
             or draft.probs is not None
             or self.params.logprobs
         ):
             return None
         return SamplingStep(self.sampler.distribution, rng_state(self.sampler.rng), list(draft.tokens))
 
-    def accept(self, draft: Draft | TreeChains, result: activation_pb2.StepResult) -> list[int]:
+    def accept(self, draft: Draft | TreeChains | TreeNodes, result: activation_pb2.StepResult) -> list[int]:
         """The tokens this step keeps: the agreed draft prefix plus the target's next token."""
-        if isinstance(draft, TreeChains):
+        if isinstance(draft, TreeChains | TreeNodes):
             return self._accept_tree(draft, result)
         if self.sampler is None:
             new = accept_greedy(draft.tokens, list(result.top1.token_ids))
@@ -400,7 +424,7 @@ class _Request:
             self.new_logprobs = token_logprobs(rows, new)
         return new
 
-    def _accept_tree(self, chains: TreeChains, result: activation_pb2.StepResult) -> list[int]:
+    def _accept_tree(self, chains: TreeChains | TreeNodes, result: activation_pb2.StepResult) -> list[int]:
         if self.sampler is None:
             self.outcome = accept_tree_greedy(chains, list(result.top1.token_ids))
         else:
@@ -414,17 +438,24 @@ class _Request:
                 self.new_logprobs = token_logprobs(logits[rows], self.outcome.tokens)
         return self.outcome.tokens
 
-    def record(self, draft: Draft | TreeChains, new: list[int], elapsed: float) -> None:
+    def record(self, draft: Draft | TreeChains | TreeNodes, new: list[int], elapsed: float) -> None:
         """Masks rejected drafts out of the cache and feeds the K policy and the summary counters."""
         kept = len(new) - 1
-        if isinstance(draft, TreeChains):
-            # The stages keep the accepted path's chain; its tail past the path is masked out.
-            self.cursor.reject(draft.depth - kept)
-            self.cursor.keep_chain(self.outcome.chain)
+        if isinstance(draft, TreeChains | TreeNodes):
+            if isinstance(draft, TreeNodes):
+                # The stages move the accepted path's cache down behind the pending tokens and
+                # drop the nodes' slots past it.
+                self.cursor.reject(len(draft.tree.nodes) - kept)
+                self.cursor.keep_tokens(draft.kept(len(self.pending), self.outcome.path))
+                positions = len(self.pending) + len(draft.tree.nodes)
+            else:
+                # The stages keep the accepted path's chain; its tail past the path is masked out.
+                self.cursor.reject(draft.depth - kept)
+                self.cursor.keep_chain(self.outcome.chain)
+                positions = draft.width * (draft.depth + 1)
             main = draft.tree.main
             fed = next((i for i, n in enumerate(self.outcome.path) if i >= len(main) or main[i] != n), kept)
             depth, proposed, seconds = draft.depth, len(draft.tree.nodes), draft.tree.seconds
-            positions = draft.width * (depth + 1)
         else:
             self.cursor.reject(len(draft.tokens) - kept)
             fed = kept
@@ -432,7 +463,8 @@ class _Request:
             seconds, positions = draft.seconds, None
         if self.drafter is not None and self.generated:
             self.drafter.commit(fed)
-            self.policy.observe(depth, kept, elapsed, seconds, positions)
+            width = 1 if positions is None else draft.width
+            self.policy.observe(depth, kept, elapsed, seconds, positions, width)
             if proposed:
                 self.progress.verify_steps += 1
                 self.progress.draft_tokens += proposed
@@ -528,6 +560,7 @@ class Generation:
         default_speculative: str = "none",
         max_k: int = 10,
         final_stage_sampling: bool = True,
+        tree_prune: bool = True,
         prefix: PrefixIndex | None = None,
         restore_timeout_s: float = 5.0,
         batch_aware_k: bool = True,
@@ -545,6 +578,7 @@ class Generation:
         self.default_speculative = default_speculative
         self.max_k = max_k
         self.final_stage_sampling = final_stage_sampling
+        self.tree_prune = tree_prune  # tree=auto: prune nodes that do not pay (policy.prune_floor)
         self.timing = TimingModel()  # traversal cost by positions, learned across requests
         self._sources: dict[str, SourceMemory] = {}  # acceptance by draft source, across requests
         self._releases: set[asyncio.Task] = set()
@@ -571,10 +605,7 @@ class Generation:
         mode = speculative or self.default_speculative
         if not 0 <= k <= 32:
             raise InvalidArgument("k", f"must be 0 (adaptive) or 1..32, got {k}")
-        if TreeChoice.parse(tree).shape is not None and getattr(self._ring, "truncates_on_rewind", False):
-            raise InvalidArgument(
-                "tree", f"{tree!r} needs stateful stages (--kv stateful); these are paged: use auto or off"
-            )
+        TreeChoice.parse(tree)
         if mode != "none":
             if self._drafts is None:
                 raise InvalidArgument("speculative", "this coordinator has no draft sources")
@@ -652,7 +683,8 @@ class Generation:
         mode = self.check_speculative(speculative, k, tree)
         factory = None if mode == "none" else await self._drafts.factory(mode)
         session_id = uuid.uuid4().hex
-        max_context = await self._ring.open_session(session_id, self.capacity(prompt_ids, params))
+        reserved = self.capacity(prompt_ids, params)
+        max_context = await self._ring.open_session(session_id, reserved)
         drafter = factory() if factory else None
         memory = None if mode == "none" else self._sources.setdefault(mode, SourceMemory())
         steps = self._steps
@@ -669,8 +701,10 @@ class Generation:
             params,
             mode=mode,
             max_context=max_context,
+            reserved=reserved,
             drafter=drafter,
             final_stage_sampling=self.final_stage_sampling,
+            prune=self.tree_prune,
             policy=policy,
             detok=IncrementalDetokenizer(self._tok, params.stop),
             stop_ids=set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos),

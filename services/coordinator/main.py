@@ -107,6 +107,9 @@ class CoordinatorSettings(ServerSettings):
     final_stage_sampling: bool = setting(
         True, "temperature > 0: the final stage draws the tokens (ids back, not 49152 logits per position)"
     )
+    tree_prune: bool = setting(
+        True, "tree=auto: drop draft-tree nodes whose path probability does not pay for their position"
+    )
     hop_delay_ms: float = setting(
         0.0, "emulated one-way latency added to every frame sent into the ring (benchmarks)"
     )
@@ -276,6 +279,7 @@ class Coordinator:
             default_speculative=self.settings.speculative,
             max_k=self.settings.max_k,
             final_stage_sampling=self.settings.final_stage_sampling,
+            tree_prune=self.settings.tree_prune,
             prefix=(
                 PrefixIndex(self.settings.prefix_cache_entries, self.settings.prefix_min_tokens)
                 if prefix

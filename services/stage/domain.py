@@ -41,8 +41,10 @@ class SamplingStep:
 class StepRow:
     """One session's part of a step as it enters a stage (a step of one session is one row).
 
-    ``attention_mask`` is the extension point for rows that attend other than causally (tree
-    verification): a row carrying one is refused by every engine until a backend runs them.
+    A draft tree comes in one of two forms, by backend: ``tree_chains`` root-to-leaf chains as
+    batch rows (stateful stages), or every node once with ``tree_parents``, each token attending
+    the cache and its ancestors only (paged stages); the next row then names what the session
+    keeps (``tree_keep``, ``tree_kept``).
     """
 
     session_id: str
@@ -55,9 +57,10 @@ class StepRow:
     return_mode: ReturnMode = ReturnMode.TOP1
     return_last: int = 1
     sampling: SamplingStep | None = None  # with ReturnMode.SAMPLED
-    attention_mask: np.ndarray | None = None  # bool [T, past + T]; none: causal
     tree_chains: int = 1  # >1: the tokens are that many chains of a draft tree (stateful stages)
     tree_keep: int = -1  # after a tree step: the chain whose cache the session keeps
+    tree_parents: tuple[int, ...] = ()  # per token, its parent's index in the row (-1: the cache)
+    tree_kept: tuple[int, ...] = ()  # after a tree_parents row: its token indices the session keeps
 
     @property
     def tokens(self) -> int:

@@ -27,6 +27,7 @@ class StageEngine(RowEngine):
 
     kv_backend = "stateful"
     runs_trees = True
+    tree_form = "chains"
 
     def __init__(
         self,

@@ -9,6 +9,11 @@ Rewind: the paged cache has no validity mask. A row's ``invalidate`` ranges must
 of the session's cache (what the coordinator's rejected drafts are); the session is shortened
 to the range's start and the next tokens overwrite those slots.
 
+Draft trees: a row with ``tree_parents`` runs its tokens as one sequence under an ancestor mask
+(``PagedShard``); its nodes fill the slots after the cache in row order. The session's next row
+names the accepted path (``tree_kept``): those slots move down behind the cache before the
+row's rewind drops the rest, so only the path's cache stays, at its own positions.
+
 Sampling (RETURN_MODE_SAMPLED): the last stage draws each row from its own logits with the
 row's own generator state (pipeshard/sampling.py, as ``StageEngine`` does), so a batched step
 returns a few token ids per session instead of 49152 floats per position.
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,6 +35,32 @@ from pipeshard.services.stage.step_engine import Ready, RowEngine
 from pipeshard.shard.paged import PagedRow, PagedShard
 
 _keys = itertools.count()
+
+
+@dataclass(frozen=True)
+class TreeStep:
+    """A session's last tree row: where it started in the cache and its tokens' parents."""
+
+    start: int
+    parents: tuple[int, ...]
+
+    def in_place(self, kept: tuple[int, ...]) -> int:
+        """How many of the row's slots hold a path's cache once ``kept`` moved (none named: the
+        leading tokens that each follow the one before)."""
+        if kept:
+            return len(kept)
+        return next((i for i, p in enumerate(self.parents) if p != i - 1), len(self.parents))
+
+    def check_path(self, kept: tuple[int, ...]) -> None:
+        """``kept`` is a path from the row's first token down its parents."""
+        if kept[-1] >= len(self.parents) or any(
+            self.parents[k] != (kept[i - 1] if i else -1) for i, k in enumerate(kept)
+        ):
+            raise InvalidArgument(
+                "tree_kept",
+                f"{list(kept)} is not a path from the first of the last tree row's "
+                f"{len(self.parents)} tokens",
+            )
 
 
 class PagedSession:
@@ -43,6 +75,7 @@ class PagedSession:
         self._held = held
         self._owner = ""
         self._blocks = 0
+        self.tree: TreeStep | None = None  # the last row, when it was a tree row
 
     @property
     def past_length(self) -> int:
@@ -56,6 +89,7 @@ class PagedSession:
 
     def reset(self) -> None:
         """Gives the session's blocks back (the table calls it on release and reaping)."""
+        self.tree = None
         if self.reserved:
             self.shard.free(self.key)
             self.reserved = False
@@ -95,6 +129,8 @@ class PagedEngine(RowEngine):
         self.vocab_size = shard.vocab_size
 
     kv_backend = "paged"
+    runs_trees = True
+    tree_form = "parents"
 
     def held_blocks(self, owner: str) -> int:
         """The blocks ``owner``'s sessions hold."""
@@ -102,7 +138,9 @@ class PagedEngine(RowEngine):
 
     def reset(self, owner: str, session_id: str) -> None:
         """Forgets the session's tokens; it keeps its reservation."""
-        self.shard.rewind(self.sessions.get(owner, session_id).key, 0)
+        session = self.sessions.get(owner, session_id)
+        session.tree = None
+        self.shard.rewind(session.key, 0)
 
     def open(self, owner: str, session_id: str, capacity: int | None = None) -> None:
         """Opens a session and reserves room for ``capacity`` tokens (the export's max_context
@@ -138,9 +176,30 @@ class PagedEngine(RowEngine):
                     "(the paged cache rewinds only its tail)",
                 )
             length = start
+        tree, kept = session.tree, row.tree_kept
+        if tree is None:
+            if kept:
+                raise InvalidArgument(
+                    "tree_kept", "names a path, but the session's last row was not a tree row"
+                )
+            return length
+        if kept:
+            tree.check_path(kept)
+        kept_end = tree.start + tree.in_place(kept)
+        if length > kept_end:
+            raise InvalidArgument(
+                "tree_kept",
+                f"after a tree row the cache keeps its path only: {length - tree.start} slots past the "
+                f"row's start remain, {kept_end - tree.start} hold the path",
+            )
         return length
 
     def _check_room(self, row: StepRow, session: PagedSession, start: int) -> None:
+        if row.tree_parents and self.shard.kv_source.blocks is not None:
+            raise InvalidArgument(
+                "tree_parents",
+                "draft trees need f32 KV pools (precision exact or f32); this stage's are quantized",
+            )
         room = self.shard.capacity(session.key)
         if start + row.tokens > room:
             raise ResourceExhausted(
@@ -154,9 +213,16 @@ class PagedEngine(RowEngine):
             return []
         rows = []
         for r in ready:
-            self.shard.rewind(r.session.key, r.start)
-            want = r.row.return_last if self.is_last and r.row.return_mode is not ReturnMode.NONE else 0
-            rows.append(PagedRow(r.session.key, r.row.activations[0], r.row.positions, logits=want))
+            row, session = r.row, r.session
+            if row.tree_kept:
+                self.shard.move(session.key, session.tree.start, row.tree_kept)
+            self.shard.rewind(session.key, r.start)
+            session.tree = TreeStep(r.start, row.tree_parents) if row.tree_parents else None
+            want = row.return_last if self.is_last and row.return_mode is not ReturnMode.NONE else 0
+            parents = row.tree_parents or None
+            rows.append(
+                PagedRow(session.key, row.activations[0], row.positions, logits=want, parents=parents)
+            )
         started = time.perf_counter_ns()
         outs = self.shard.step(rows)
         self.meters.step((time.perf_counter_ns() - started) / 1e9, sum(len(row.inputs) for row in rows))

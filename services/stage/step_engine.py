@@ -9,6 +9,7 @@ final stage's answer for each row (top-1, logits, drawn tokens or nothing) is fo
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,7 +40,8 @@ class RowEngine:
     """What both backends share: the row checks, the run loop and the final stage's answers."""
 
     kv_backend = ""
-    runs_trees = False  # rows of several draft-tree chains (ShardSession.run_chains)
+    runs_trees = False
+    tree_form = ""  # "chains" (ShardSession.run_chains) or "parents" (a tree mask over one sequence)
     sessions: SessionTable
     meters: StageMeters
     is_first: bool
@@ -77,13 +79,17 @@ class RowEngine:
     def _check(self, row: StepRow, session) -> int:
         """The one set of row checks, before anything touches the cache; returns the length the
         row's cache starts from after its rewind."""
-        if row.attention_mask is not None:
+        if (row.tree_chains > 1 or row.tree_keep >= 0) and self.tree_form != "chains":
             raise InvalidArgument(
-                "attention_mask", f"rows with their own mask are not run by the {self.kv_backend} backend"
+                "tree_chains",
+                f"draft trees as chains need stateful stages (--kv stateful); {self.kv_backend} "
+                "stages take a tree as tree_parents",
             )
-        if (row.tree_chains > 1 or row.tree_keep >= 0) and not self.runs_trees:
+        if (row.tree_parents or row.tree_kept) and self.tree_form != "parents":
             raise InvalidArgument(
-                "tree_chains", f"draft trees need stateful stages (--kv stateful), not {self.kv_backend}"
+                "tree_parents",
+                f"draft trees as one masked sequence need paged stages (--kv paged); {self.kv_backend} "
+                "stages take a tree as tree_chains",
             )
         check_activations(row.activations, is_first=self.is_first, hidden_size=self.hidden_size)
         # Out-of-range ids or positions would index the embedding or rotary tables out of bounds.
@@ -151,7 +157,11 @@ def check_kind(row: StepRow) -> None:
 
 
 def check_tree(row: StepRow) -> None:
-    """A tree row's chains split its tokens and positions evenly and return Top1 or logits."""
+    """A tree row's chains split its tokens and positions evenly, or its parents precede their
+    children one position before them; either returns Top1 or logits."""
+    if row.tree_parents or row.tree_kept:
+        check_tree_parents(row)
+        return
     chains = row.tree_chains
     if chains == 1:
         return
@@ -162,6 +172,27 @@ def check_tree(row: StepRow) -> None:
         )
     if row.return_mode is ReturnMode.SAMPLED:
         raise InvalidArgument("tree_chains", "tree rows return Top1 or logits, not RETURN_MODE_SAMPLED")
+
+
+def check_tree_parents(row: StepRow) -> None:
+    parents, tokens = row.tree_parents, row.tokens
+    if parents:
+        if len(parents) != tokens:
+            raise InvalidArgument(
+                "tree_parents", f"must hold one entry per token ({tokens}), got {len(parents)}"
+            )
+        for i, parent in enumerate(parents):
+            below = row.positions[0] if parent < 0 else row.positions[parent] + 1
+            if not -1 <= parent < i or row.positions[i] != below:
+                raise InvalidArgument(
+                    "tree_parents",
+                    f"entry {i} must name an earlier token (or -1) one position before it, got {parent}",
+                )
+        if row.return_mode is ReturnMode.SAMPLED:
+            raise InvalidArgument("tree_parents", "tree rows return Top1 or logits, not RETURN_MODE_SAMPLED")
+    kept = row.tree_kept
+    if kept and (min(kept) < 0 or any(b <= a for a, b in itertools.pairwise(kept))):
+        raise InvalidArgument("tree_kept", f"must be ascending token indices, got {list(kept)}")
 
 
 def sample(logits: np.ndarray, row: StepRow) -> Sampled:

@@ -86,6 +86,8 @@ def _row(row: activation_pb2.PlanRow, positions: np.ndarray, x: np.ndarray, owne
         sampling=_sampling_step(row) if sampled else None,
         tree_chains=max(1, row.tree_chains),
         tree_keep=row.tree_keep - 1,
+        tree_parents=tuple(row.tree_parents),
+        tree_kept=tuple(row.tree_kept),
     )
 
 
@@ -131,6 +133,8 @@ def _plan_row(row: StepRow) -> activation_pb2.PlanRow:
         kind=_PB_KINDS[row.kind],
         tree_chains=row.tree_chains if row.tree_chains > 1 else 0,
         tree_keep=row.tree_keep + 1,
+        tree_parents=row.tree_parents,
+        tree_kept=row.tree_kept,
     )
 
 
@@ -230,6 +234,8 @@ def token_frame(
     kind: RowKind | None = None,
     chains: int = 1,
     keep_chain: int = -1,
+    parents: tuple[int, ...] = (),
+    kept: tuple[int, ...] = (),
 ) -> activation_pb2.ActivationFrame:
     """The frame (a plan of one row) that carries one session's token ids into stage 0 at
     logical positions ``start...``.
@@ -241,6 +247,9 @@ def token_frame(
     is; by default a prefill chunk when it fills only or carries several tokens without drafts.
     ``chains`` > 1: ``ids`` are that many equal-length chains of a draft tree, each at positions
     ``start...``; ``keep_chain``: the chain of the previous (tree) step whose cache is kept.
+    ``parents``: a draft tree as one sequence (each id's parent within ``ids``, -1 for the cache;
+    each id sits one position after its parent); ``kept``: the ids of the previous such step
+    whose cache is kept.
     """
     if fill_only:
         mode, sampling = ReturnMode.NONE, None
@@ -257,7 +266,9 @@ def token_frame(
         session_id=session_id,
         step_id=step,
         kind=kind,
-        positions=np.tile(np.arange(start, start + len(ids) // chains, dtype=np.int64), chains),
+        positions=tree_positions(start, parents)
+        if parents
+        else np.tile(np.arange(start, start + len(ids) // chains, dtype=np.int64), chains),
         activations=np.asarray([ids], dtype=np.int64),
         invalidate=tuple(invalidate or ()),
         return_mode=mode,
@@ -265,5 +276,16 @@ def token_frame(
         sampling=sampling,
         tree_chains=chains,
         tree_keep=keep_chain,
+        tree_parents=tuple(parents),
+        tree_kept=tuple(kept),
     )
     return frame_from_step(Step([row], sent_unix_nanos=time.time_ns()))
+
+
+def tree_positions(start: int, parents: tuple[int, ...]) -> np.ndarray:
+    """The logical positions of a tree row's tokens: ``start`` after the cache, its parent's + 1
+    below it."""
+    out = np.empty(len(parents), dtype=np.int64)
+    for i, parent in enumerate(parents):
+        out[i] = start if parent < 0 else out[parent] + 1
+    return out

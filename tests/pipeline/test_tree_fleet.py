@@ -1,6 +1,7 @@
-"""Draft trees through real stage processes: a 2-stage INT4 fleet of stateful stages at
-``exact`` gives plain greedy's tokens with trees of prompt lookup and of the self-draft; a bad
-``tree`` is INVALID_ARGUMENT naming the field and the value."""
+"""Draft trees through real stage processes: 2-stage INT4 fleets at ``exact``, of stateful stages
+(trees as chains) and of paged ones (trees as one masked sequence, the path's cache moved), give
+plain greedy's tokens with trees of prompt lookup and of the self-draft; a bad ``tree`` is
+INVALID_ARGUMENT naming the field and the value."""
 
 from __future__ import annotations
 
@@ -22,14 +23,14 @@ def shards(smollm2_export):
     return smollm2_export(2, "int4")
 
 
-@pytest.fixture(scope="module")
-def client(shards, smollm2_draft, fleet_factory):
+@pytest.fixture(scope="module", params=["stateful", "paged"])
+def client(request, shards, smollm2_draft, fleet_factory):
     fleet = fleet_factory(
         shards,
         2,
         precision="exact",
         # no compiled-model cache: the shared test exports stay as they are
-        extra_stage_args=["--kv", "stateful", "--compile-cache-dir", "off"],
+        extra_stage_args=["--kv", request.param, "--compile-cache-dir", "off"],
         extra_coordinator_args=["--self-draft", str(smollm2_draft(2, 4096, "int4"))],
     )
     with PipeshardClient(fleet.coordinator, timeout_s=600) as c:

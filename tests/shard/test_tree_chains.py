@@ -3,17 +3,14 @@
 Stateful (``ShardSession.run_chains``): a tree's chains run as batch rows gathered by
 ``beam_idx``; each row equals its chain run alone, and the kept chain continues exactly.
 
-Paged: OpenVINO's PagedAttention op has query-to-query mask inputs (QQ_BIAS, QQ_BIAS_BEGINS, the
-op's inputs 26 and 27) that ``paged_attention_transformation`` leaves as empty constants; made
-parameters, the CPU plugin honours them as an ancestor mask among a step's new tokens. This is
-the evidence docs/ARCHITECTURE.md's "Draft trees" cites for a paged tree path (not wired up yet):
-if OpenVINO drops or changes those inputs, it fails."""
+Paged (``PagedShard`` with ``parents``): a tree's nodes run as one sequence under an ancestor
+mask (PagedAttention's QQ_BIAS inputs), beside another sequence's causal row in the same step;
+each node's logits equal its path run alone, the causal row's equal it run alone, and once the
+accepted path's cache moved behind the cache (``move``) the sequence continues exactly."""
 
 from __future__ import annotations
 
 import numpy as np
-import openvino as ov
-import openvino.opset13 as ops
 import pytest
 
 from pipeshard.errors import FailedPrecondition, InvalidArgument
@@ -84,60 +81,45 @@ def test_keep_chain_names_one_of_the_last_steps_chains(runner):
         session.run_chains(np.array([[1, 2, 3]]), np.array([10, 11, 12]), 2)
 
 
-_PREPARE = paged._prepare_model
+def _paged(runner_export) -> paged.PagedShard:
+    return paged.PagedShard(runner_export, 0, "exact", cache_bytes=32 << 20)
 
 
-def _with_query_mask(model: ov.Model, is_first: bool, is_last: bool) -> ov.Model:
-    """The paged graph with each PagedAttention's QQ_BIAS (26) and QQ_BIAS_BEGINS (27) as inputs."""
-    model = _PREPARE(model, is_first, is_last)
-    bias = ops.parameter([-1], ov.Type.u8, name="qq_bias")
-    begins = ops.parameter([-1], ov.Type.i32, name="qq_bias_begins")
-    for p in (bias, begins):
-        p.get_output_tensor(0).set_names({p.get_friendly_name()})
-    attention = [n for n in model.get_ordered_ops() if n.get_type_name() == "PagedAttentionExtension"]
-    assert attention and all(n.get_input_size() == 28 for n in attention)
-    for node in attention:
-        node.input(26).replace_source_output(bias.output(0))
-        node.input(27).replace_source_output(begins.output(0))
-    model.add_parameters([bias, begins])
-    model.validate_nodes_and_infer_types()
-    return model
-
-
-def test_paged_attention_takes_an_ancestor_mask_among_new_tokens(runner, smollm2_export, monkeypatch):
-    monkeypatch.setattr(paged, "_prepare_model", _with_query_mask)
-    shard = paged.PagedShard(smollm2_export(1, "int4"), 0, "exact", cache_bytes=32 << 20)
+def test_paged_tree_nodes_see_their_ancestors_only_and_the_kept_path_continues(runner, smollm2_export):
+    shard = _paged(smollm2_export(1, "int4"))
     p = PROMPT.shape[1]
-    # root 11 -> {12 -> 13, 40} flattened as [11, 12, 40, 13]: 40 must not see 12, 13 must not see 40
-    tokens = np.array([11, 12, 40, 13])
-    positions = np.array([p, p + 1, p + 1, p + 2])
-    ancestors = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=np.uint8)
+    other = np.array([1, 504, 3458, 282, 253, 7], dtype=np.int64)
     shard.open("s", 64)
-    blocks = shard._seqs["s"].blocks
-    req = shard._req
-
-    def run(ids, pos, past, bias, begins, logits):
-        t = len(ids)
-        n = shard.blocks_for(past + t)
-        feed = {
-            "input_ids": ids.astype(np.int64),
-            "position_ids": pos.astype(np.int64),
-            "past_lens": np.array([past], np.int32),
-            "subsequence_begins": np.array([0, t], np.int32),
-            "block_indices": blocks[:n],
-            "block_indices_begins": np.array([0, n], np.int32),
-            paged.LOGITS_INDICES: np.arange(t - logits, t, dtype=np.int64),
-            "qq_bias": bias,
-            "qq_bias_begins": begins,
-        }
-        for name, value in feed.items():
-            req.set_tensor(name, ov.Tensor(np.ascontiguousarray(value)))
-        req.set_tensor("max_context_len", ov.Tensor(np.array(past + t, np.int32)))
-        req.infer()
-        return req.get_output_tensor(0).data.reshape(-1, shard.vocab_size).copy()
-
-    run(PROMPT[0], np.arange(p), 0, np.zeros(0, np.uint8), np.zeros(0, np.int32), 1)
-    out = run(tokens, positions, p, ancestors.reshape(-1), np.array([0, 16], np.int32), 4)
-    for row, path in ((1, [11, 12]), (2, [11, 40]), (3, [11, 12, 13])):
+    shard.open("o", 64)
+    shard.step([paged.PagedRow("s", PROMPT[0], logits=1), paged.PagedRow("o", other[:-1], logits=1)])
+    # pending 11, then nodes 12 (-> 13, 14) and 40 beside it: row parents (-1, 0, 1, 1, 0)
+    tokens = np.array([11, 12, 13, 14, 40])
+    parents = (-1, 0, 1, 1, 0)
+    positions = p + np.array([0, 1, 2, 2, 1])
+    tree, causal = shard.step(
+        [
+            paged.PagedRow("s", tokens, positions, logits=5, parents=parents),
+            paged.PagedRow("o", other[-1:], logits=1),
+        ]
+    )
+    for row, path in ((0, [11]), (1, [11, 12]), (2, [11, 12, 13]), (3, [11, 12, 14]), (4, [11, 40])):
         want = _alone(runner, np.array(path))[-1]
-        assert np.abs(out[row] - want).max() < TOL, f"row {row} ({path}) saw a node off its path"
+        assert np.abs(tree[row] - want).max() < TOL, f"row {row} ({path}) saw a token off its path"
+        assert tree[row].argmax() == want.argmax()
+    alone = runner.new_session()
+    want = alone.run(other[None], return_last=1)[0, -1]
+    assert np.abs(causal[0] - want).max() < TOL and causal[0].argmax() == want.argmax()
+    # keep pending 11, node 12, node 14 (row tokens 0, 1, 3): the cache moves, the rest is dropped
+    shard.move("s", p, (0, 1, 3))
+    shard.rewind("s", p + 3)
+    (got,) = shard.step([paged.PagedRow("s", np.array([77]), logits=1)])
+    want = _alone(runner, np.array([11, 12, 14, 77]))[-1]
+    assert np.abs(got[0] - want).max() < TOL and got[0].argmax() == want.argmax()
+
+
+def test_paged_tree_rows_are_checked(smollm2_export):
+    shard = _paged(smollm2_export(1, "int4"))
+    shard.open("s", 64)
+    with pytest.raises(InvalidArgument, match="parents"):
+        shard.step([paged.PagedRow("s", np.array([1, 2, 3]), parents=(-1, 0))])
+    assert shard.length("s") == 0

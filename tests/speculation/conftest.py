@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeshard.services.coordinator.generation import Generation, Summary
-from pipeshard.services.coordinator.in_process import local_ring
+from pipeshard.services.coordinator.in_process import batched_ring, local_ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.shard.chain import LocalChain
@@ -64,13 +64,13 @@ def spec_prompt_ids(smollm2_export) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def spec_generation(smollm2_export, smollm2_draft, hf_draft_dir):
-    """Factory: (Generation over a local_ring of that many stages and weights at their PRECISION,
-    draft mode of a source)."""
-    built: dict[tuple[int, str], Generation] = {}
+    """Factory: (Generation over an in-process ring of that many stages and weights at their
+    PRECISION, stateful (``local_ring``) or paged (``batched_ring``), draft mode of a source)."""
+    built: dict[tuple[int, str, str], Generation] = {}
     self_draft = smollm2_draft(2, 4096, "int4")
 
-    def get(stages: int, source: str, weights: str = "fp32") -> tuple[Generation, str]:
-        if (stages, weights) not in built:
+    def get(stages: int, source: str, weights: str = "fp32", kv: str = "stateful") -> tuple[Generation, str]:
+        if (stages, weights, kv) not in built:
             export = smollm2_export(stages, weights)
             prompter = Prompter.from_dir(export)
             drafts = DraftSources(
@@ -79,10 +79,11 @@ def spec_generation(smollm2_export, smollm2_draft, hf_draft_dir):
                 named={"dir": hf_draft_dir},
                 draft_cache=shards_root() / ".drafts",
             )
-            built[(stages, weights)] = Generation(
-                local_ring(export, PRECISION[weights]), prompter.tokenizer, prompter.eos_ids, drafts=drafts
+            ring = (local_ring if kv == "stateful" else batched_ring)(export, PRECISION[weights])
+            built[(stages, weights, kv)] = Generation(
+                ring, prompter.tokenizer, prompter.eos_ids, drafts=drafts
             )
-        return built[(stages, weights)], source
+        return built[(stages, weights, kv)], source
 
     return get
 

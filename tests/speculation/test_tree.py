@@ -14,10 +14,10 @@ from pipeshard.services.coordinator.speculation.tree import (
     ROOT,
     DraftTree,
     TreeChoice,
+    TreeNodes,
     TreeShape,
     accept_tree_greedy,
     accept_tree_sampled,
-    auto_shape,
 )
 
 
@@ -35,11 +35,6 @@ def test_bad_tree_values_name_the_field_and_value(value):
     with pytest.raises(InvalidArgument) as err:
         TreeChoice.parse(value)
     assert "tree" in str(err.value) and repr(value) in str(err.value)
-
-
-def test_auto_shape_is_a_chain_without_width_or_drafts():
-    assert auto_shape(4, 3) == TreeShape(3, 4)
-    assert auto_shape(4, 1) is None and auto_shape(0, 3) is None
 
 
 def _tree() -> DraftTree:
@@ -71,9 +66,20 @@ def test_chains_pad_paths_and_map_nodes_to_result_rows():
     assert chains.row_of(4) == 8 + 1  # node 9: chain 2, depth 1
 
 
+def test_nodes_are_one_sequence_with_parents_and_map_nodes_to_result_rows():
+    nodes = TreeNodes(_tree())
+    assert (nodes.width, nodes.depth, nodes.rows) == (3, 3, 6)
+    # two pending tokens, then every node once: 5 -> {6 -> 7, 8}, 9 beside 5
+    assert nodes.token_ids([1, 2]) == [1, 2, 5, 6, 7, 8, 9]
+    assert nodes.parents(2) == (-1, 0, 1, 2, 3, 2, 1)
+    assert nodes.row_of(ROOT) == 0 and nodes.row_of(3) == 4
+    # the accepted path 5 -> 8 (nodes 0, 3) keeps the pending tokens and those two
+    assert nodes.kept(2, [0, 3]) == (0, 1, 2, 5)
+
+
 def _top1(chains, after: dict[int, int]) -> list[int]:
     """A target whose argmax after node n is after[n] (after[ROOT] at the root), 0 elsewhere."""
-    rows = [0] * (chains.width * (chains.depth + 1))
+    rows = [0] * (chains.rows if isinstance(chains, TreeNodes) else chains.width * (chains.depth + 1))
     for node, token in after.items():
         rows[chains.row_of(node)] = token
     return rows
@@ -90,6 +96,22 @@ def test_greedy_keeps_the_longest_agreeing_path_and_the_targets_token():
     # nothing agrees: the target's own token only, chain 0 kept
     outcome = accept_tree_greedy(chains, _top1(chains, {ROOT: 77}))
     assert outcome.path == [] and outcome.tokens == [77] and outcome.chain == 0
+
+
+def test_a_tree_cut_to_its_first_nodes_stays_a_tree():
+    tree = _tree()
+    assert tree.first(10) is tree
+    cut = tree.first(3)  # 5 -> 6 -> 7: the room a paged session has left holds three nodes
+    assert [n.token for n in cut.nodes] == [5, 6, 7] and cut.leaves() == [2]
+    assert tree.first(0).nodes == []
+
+
+def test_greedy_over_nodes_keeps_the_same_path():
+    nodes = TreeNodes(_tree())
+    outcome = accept_tree_greedy(nodes, _top1(nodes, {ROOT: 5, 0: 8, 3: 42}))
+    assert outcome.path == [0, 3] and outcome.tokens == [5, 8, 42]
+    outcome = accept_tree_greedy(nodes, _top1(nodes, {ROOT: 77}))
+    assert outcome.path == [] and outcome.tokens == [77]
 
 
 def test_tree_sampling_draws_the_targets_distribution():
@@ -135,12 +157,13 @@ class _PagedRing:
     batch_steps = None
 
 
-def test_a_fixed_tree_on_paged_stages_is_refused_naming_tree():
+def test_paged_stages_take_every_tree_value():
     generation = Generation(_PagedRing(), tokenizer=None, eos_ids=set())
-    assert generation.check_speculative("none", 0, "auto") == "none"  # auto falls back to chains
+    for value in ("auto", "off", "2x3"):
+        assert generation.check_speculative("none", 0, value) == "none"
     with pytest.raises(InvalidArgument) as err:
-        generation.check_speculative("none", 0, "2x3")
-    assert "tree" in str(err.value) and "'2x3'" in str(err.value)
+        generation.check_speculative("none", 0, "2x")
+    assert "tree" in str(err.value) and "'2x'" in str(err.value)
 
 
 def test_a_tree_step_is_timed_by_the_positions_it_computed():

@@ -1,10 +1,12 @@
 """Tree verification is token-for-token target-only greedy decoding on INT4 shards at ``exact``
-(stateful stages in process: `local_ring`), 128 tokens.
+over 128 tokens, on both KV backends in process: stateful stages run a tree as chains
+(`local_ring`), paged stages as one masked sequence (`batched_ring`).
 
-``make test`` runs two tree shapes on 1 stage (prompt lookup's alternative continuations and the
-self-draft's top-k; the same two on 2 stages are extended, as tests/pipeline/test_tree_fleet.py
-runs them through stage processes); ``make test-exactness`` runs every prompt on 1, 2 and 3
-stages with more shapes and ``tree=auto``."""
+``make test`` runs two tree shapes on 1 stage of each backend (prompt lookup's alternative
+continuations and the self-draft's top-k) and one on 3 paged stages; the stateful pair on 2
+stages is extended (tests/pipeline/test_tree_fleet.py runs trees through stage processes);
+``make test-exactness`` runs every prompt on 1, 2 and 3 stages of both backends with more shapes
+and ``tree=auto``."""
 
 from __future__ import annotations
 
@@ -21,10 +23,13 @@ TREE_TOKENS = 128
 SHAPES = (("ngram", "3x4"), ("self", "2x3"), ("ngram", "2x8"), ("self", "4x2"), ("ngram", "auto"))
 # The 2-stage pair runs through real stage processes in tests/pipeline/test_tree_fleet.py: extended.
 SUBSET = [
-    (1, "ngram", "3x4", 2),
-    (1, "self", "2x3", 4),
-    pytest.param(2, "ngram", "3x4", 6, marks=pytest.mark.extended),
-    pytest.param(2, "self", "2x3", 1, marks=pytest.mark.extended),
+    (1, "ngram", "3x4", 2, "stateful"),
+    (1, "self", "2x3", 4, "stateful"),
+    (1, "ngram", "3x4", 2, "paged"),
+    (1, "self", "2x3", 4, "paged"),
+    (3, "ngram", "2x8", 6, "paged"),
+    pytest.param(2, "ngram", "3x4", 6, "stateful", marks=pytest.mark.extended),
+    pytest.param(2, "self", "2x3", 1, "stateful", marks=pytest.mark.extended),
 ]
 
 
@@ -37,47 +42,50 @@ def _tree_generate(generation, ids, mode: str, tree: str) -> Summary:
     return asyncio.run(run())
 
 
-def _check(spec_generation, greedy_reference, spec_prompt_ids, stages, source, tree, prompt):
-    generation, mode = spec_generation(stages, source, "int4")
+def _check(spec_generation, greedy_reference, spec_prompt_ids, stages, source, tree, prompt, kv):
+    generation, mode = spec_generation(stages, source, "int4", kv)
     out = _tree_generate(generation, spec_prompt_ids[prompt], mode, tree)
     expected = greedy_reference(stages, prompt, "int4")[:TREE_TOKENS]
     first = next((i for i, (a, b) in enumerate(zip(out.token_ids, expected, strict=False)) if a != b), None)
     assert out.token_ids == expected, (
-        f"{SPEC_PROMPTS[prompt][0]} prompt, {stages} stages, {source} tree={tree}: first diff at {first}"
+        f"{SPEC_PROMPTS[prompt][0]} prompt, {stages} {kv} stages, {source} tree={tree}: first diff at {first}"
     )
     if tree != "auto":  # adaptive K may rightly stop drafting where it does not pay
         assert out.verify_steps > 0 and out.draft_tokens >= out.verify_steps
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("stages", "source", "tree", "prompt"), SUBSET)
+@pytest.mark.parametrize(("stages", "source", "tree", "prompt", "kv"), SUBSET)
 def test_tree_greedy_is_exact_subset(
-    spec_generation, greedy_reference, spec_prompt_ids, stages, source, tree, prompt
+    spec_generation, greedy_reference, spec_prompt_ids, stages, source, tree, prompt, kv
 ):
-    _check(spec_generation, greedy_reference, spec_prompt_ids, stages, source, tree, prompt)
+    _check(spec_generation, greedy_reference, spec_prompt_ids, stages, source, tree, prompt, kv)
 
 
 @pytest.mark.slow
 @pytest.mark.exactness
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize(
-    ("stages", "shape"),
+    ("stages", "shape", "kv"),
     [
-        pytest.param(n, shape, id=f"{n}s-{shape[0]}-{shape[1]}")
-        for n, shape in itertools.product((1, 2, 3), SHAPES)
+        pytest.param(n, shape, kv, id=f"{kv}-{n}s-{shape[0]}-{shape[1]}")
+        for kv, n, shape in itertools.product(("stateful", "paged"), (1, 2, 3), SHAPES)
     ],
 )
-def test_tree_greedy_is_exact_full_matrix(spec_generation, greedy_reference, spec_prompt_ids, stages, shape):
+def test_tree_greedy_is_exact_full_matrix(
+    spec_generation, greedy_reference, spec_prompt_ids, stages, shape, kv
+):
     source, tree = shape
     for prompt in range(len(SPEC_PROMPTS)):
-        _check(spec_generation, greedy_reference, spec_prompt_ids, stages, source, tree, prompt)
+        _check(spec_generation, greedy_reference, spec_prompt_ids, stages, source, tree, prompt, kv)
 
 
 @pytest.mark.slow
-def test_tree_logprobs_and_sampled_trees(spec_generation, spec_prompt_ids):
+@pytest.mark.parametrize("kv", ["stateful", "paged"])
+def test_tree_logprobs_and_sampled_trees(spec_generation, spec_prompt_ids, kv):
     """Greedy trees report plain greedy's logprobs; a sampled tree (its rows' logits come back to
     the coordinator) gives the same tokens for the same seed."""
-    generation, mode = spec_generation(1, "ngram", "int4")
+    generation, mode = spec_generation(1, "ngram", "int4", kv)
     ids = spec_prompt_ids[2]
 
     async def run(tree: str, **sampling) -> Summary:

@@ -58,12 +58,15 @@ class FakePagedShard:
 
     stage_index, hidden_size, max_context, vocab_size = 0, HIDDEN, MAX_CONTEXT, VOCAB
     block_tokens, blocks_total = 8, 64
+    kv_source = SimpleNamespace(blocks=None)  # f32 pools: draft trees' paths can move
 
     def __init__(self, is_last: bool):
         self.is_first, self.is_last = True, is_last
         self.lengths: dict = {}
         self.rooms: dict = {}
         self.steps = 0
+        self.moves: list = []
+        self.parents: list = []
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_tokens)
@@ -87,10 +90,14 @@ class FakePagedShard:
     def rewind(self, seq, length: int) -> None:
         self.lengths[seq] = length
 
+    def move(self, seq, start: int, kept) -> None:
+        self.moves.append((start, tuple(kept)))
+
     def step(self, rows):
         self.steps += 1
         outs = []
         for row in rows:
+            self.parents.append(row.parents)
             self.lengths[row.seq] += len(row.inputs)
             if self.is_last:
                 outs.append(_logits(row.positions[len(row.positions) - row.logits :]))
@@ -211,11 +218,6 @@ BAD_ROWS = [
     (lambda: replace(prefill("b", 2), positions=np.arange(1)), InvalidArgument, "`positions`"),
     (lambda: row("b", RowKind.DECODE, [1], 0, invalidate=((0, 5),)), InvalidArgument, "`mask_update`"),
     (lambda: row("b", RowKind.DECODE, [1], 0, return_mode=ReturnMode.SAMPLED), InvalidArgument, "`sampling`"),
-    (
-        lambda: replace(prefill("b", 1), attention_mask=np.ones((1, 1), bool)),
-        InvalidArgument,
-        "`attention_mask`",
-    ),
     (lambda: row("zz", RowKind.DECODE, [1], 0), NotFound, "unknown session 'zz'"),
     (
         lambda: replace(row("b", RowKind.DECODE, [1], 0), owner="someone-else"),
@@ -246,3 +248,94 @@ def test_run_step_adds_this_stages_compute_time(backend):
     step = Step([prefill("a", 2)], OWNER, compute_micros=[17])
     (out,) = e.run_step(step)
     assert out.row.session_id == "a" and len(step.compute_micros) == 2 and step.compute_micros[0] == 17
+
+
+def test_each_backend_refuses_the_other_backends_tree_form_by_name():
+    chains = replace(row("b", RowKind.VERIFY, [1, 2, 1, 3], 0, return_last=2), tree_chains=2)
+    chains = replace(chains, positions=np.array([0, 1, 0, 1]))
+    (out,) = make_engine("paged").run([chains])
+    assert isinstance(out, InvalidArgument) and "`tree_chains`" in str(out) and "--kv stateful" in str(out)
+    masked = row("b", RowKind.VERIFY, [1, 2, 3], 0, return_last=3, tree_parents=(-1, 0, 0))
+    masked = replace(masked, positions=np.array([0, 1, 1]))
+    (out,) = make_engine("stateful").run([masked])
+    assert isinstance(out, InvalidArgument) and "`tree_parents`" in str(out) and "--kv paged" in str(out)
+
+
+def _tree_row(session: str, start: int) -> StepRow:
+    """The pending token, then a tree: node 0 -> {1, 2}, node 3 beside node 0 (row parents)."""
+    parents = (-1, 0, 1, 1, 0)
+    out = row(session, RowKind.VERIFY, [1, 4, 5, 6, 7], start, return_last=5, tree_parents=parents)
+    return replace(out, positions=start + np.array([0, 1, 2, 2, 1]))
+
+
+def test_paged_tree_row_runs_masked_and_the_next_row_keeps_its_path():
+    e = make_engine("paged")
+    e.run([prefill("a", 6), prefill("b", 3)])
+    tree, other = e.run([_tree_row("a", 6), row("b", RowKind.DECODE, [2], 3)])
+    assert tree.top1.token_ids.tolist() == [(p + 3) % VOCAB for p in (6, 7, 8, 8, 7)]
+    assert e.shard.parents[-2:] == [(-1, 0, 1, 1, 0), None]  # the causal row stays causal
+    assert length(e, "a") == 11 and other.top1.token_ids.tolist() == [(3 + 3) % VOCAB]
+    # accepted: node 0 then its second child (row tokens 1, 3); the other two nodes' slots go
+    keep = row("a", RowKind.DECODE, [9], 9, tree_kept=(0, 1, 3), invalidate=((9, 11),))
+    (out,) = e.run([keep])
+    assert not isinstance(out, Exception), out
+    assert e.shard.moves == [(6, (0, 1, 3))] and length(e, "a") == 10
+
+
+BAD_AFTER_TREE = [
+    (dict(tree_kept=(0, 2)), "`tree_kept` .*not a path"),  # 2's parent is 1, not 0
+    (dict(tree_kept=(0, 1, 4)), "`tree_kept` .*not a path"),  # 4 hangs off 0, not 1
+    (dict(tree_kept=(0, 9)), "`tree_kept` .*not a path"),  # beyond the row
+    (dict(tree_kept=(1, 0)), "`tree_kept` must be ascending"),
+    # nothing moves: the leading path (pending, node 0, node 1) may stay, not a fourth slot
+    (dict(invalidate=((10, 11),)), "`tree_kept` .*path only"),
+]
+
+
+@pytest.mark.parametrize(("fields", "match"), BAD_AFTER_TREE)
+def test_a_row_after_a_tree_row_keeps_a_path_or_is_refused_by_name(fields, match):
+    e = make_engine("paged")
+    e.run([prefill("a", 6)])
+    e.run([_tree_row("a", 6)])
+    fields = {"invalidate": ((9, 11),), **fields}
+    (out,) = e.run([row("a", RowKind.DECODE, [9], 9, **fields)])
+    with pytest.raises(InvalidArgument, match=match):
+        raise out
+    assert e.shard.moves == [] and length(e, "a") == 11  # nothing moved or dropped
+
+
+def test_a_tree_rows_leading_path_may_stay_without_a_move():
+    e = make_engine("paged")
+    e.run([prefill("a", 6)])
+    e.run([_tree_row("a", 6)])
+    (out,) = e.run([row("a", RowKind.DECODE, [9], 9, invalidate=((9, 11),))])
+    assert not isinstance(out, Exception), out
+    assert e.shard.moves == [] and length(e, "a") == 10
+
+
+def test_paged_tree_rows_are_checked_by_name():
+    e = make_engine("paged")
+    e.run([prefill("a", 6)])
+    kept = row("a", RowKind.DECODE, [9], 6, tree_kept=(0,))
+    off_by_one = replace(_tree_row("a", 6), positions=np.arange(6, 11))
+    short = replace(_tree_row("a", 6), tree_parents=(-1, 0))
+    sampled = replace(_tree_row("a", 6), return_mode=ReturnMode.SAMPLED)
+    for bad, match in (
+        (kept, "`tree_kept` .*not a tree row"),
+        (off_by_one, "`tree_parents` entry 3"),
+        (short, "`tree_parents` must hold one entry per token"),
+        (sampled, "`tree_parents` .*SAMPLED"),
+    ):
+        (out,) = e.run([bad])
+        with pytest.raises(InvalidArgument, match=match):
+            raise out
+    assert length(e, "a") == 6
+
+
+def test_paged_trees_need_f32_pools():
+    e = make_engine("paged")
+    e.shard.kv_source = SimpleNamespace(blocks=object())  # a quantized pool's block layout
+    e.run([prefill("a", 6)])
+    (out,) = e.run([_tree_row("a", 6)])
+    with pytest.raises(InvalidArgument, match=r"`tree_parents` .*f32 KV pools"):
+        raise out

@@ -76,18 +76,25 @@ class NgramDrafter:
 
     def propose_tree(self, context, shape: TreeShape) -> DraftTree:
         """Alternative continuations: what followed every earlier occurrence of the context's
-        last n tokens (longest n first, latest first), as up to ``shape.width`` distinct paths."""
+        last n tokens (longest n first, latest first), as up to ``shape.width`` distinct paths.
+        A node's probability is the share of the occurrences through its parent that continued
+        with it (the longest matching n-gram's occurrences: the candidate score pruning reads)."""
         started = time.perf_counter()
         ctx = np.asarray(context, dtype=np.int64)
         paths: list[tuple[int, ...]] = []
+        seen: list[tuple[int, ...]] = []  # the continuations of the longest n-gram that occurs
         for n in range(min(self.max_ngram, len(ctx) - 1), 0, -1):
             windows = sliding_window_view(ctx[:-1], n)
+            longest = not seen
             for hit in np.flatnonzero((windows == ctx[-n:]).all(axis=1))[::-1][:_MAX_HITS]:
                 start = int(hit) + n
-                _add_distinct(paths, tuple(ctx[start : start + shape.depth].tolist()), shape.width)
+                continuation = tuple(ctx[start : start + shape.depth].tolist())
+                _add_distinct(paths, continuation, shape.width)
+                if longest:
+                    seen.append(continuation)
         tree = DraftTree()
         for path in paths:
-            tree.add_path(path)
+            tree.add_path(path, _shares(path, seen))
         tree.seconds = time.perf_counter() - started
         return tree
 
@@ -113,6 +120,17 @@ def _add_distinct(paths: list[tuple[int, ...]], path: tuple[int, ...], width: in
             return
     if len(paths) < width:
         paths.append(path)
+
+
+def _shares(path: tuple[int, ...], seen: list[tuple[int, ...]]) -> list[float]:
+    """Per token of ``path``: the share of the continuations in ``seen`` through its parent that
+    go on with it (1.0 where none of them reaches that far)."""
+    out = []
+    for depth in range(1, len(path) + 1):
+        through = [c for c in seen if c[: depth - 1] == path[: depth - 1] and len(c) >= depth]
+        on = sum(c[:depth] == path[:depth] for c in through)
+        out.append(on / len(through) if through else 1.0)
+    return out
 
 
 class ModelDrafter:

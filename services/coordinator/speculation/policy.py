@@ -34,6 +34,19 @@ pays a fixed ``verify`` cost once (the paged CPU stages leave their decode kerne
 draft in a step of plain rows costs more than the next. Alone (R = n = 0) this is the formula above; in a
 full compute-bound step a draft must be likely to be kept to pay for delaying everyone, so K
 shrinks, to 0 when it does not pay; when the fixed cost (round trips) dominates, drafts stay cheap.
+
+Draft trees (``choose_shape``): a tree of W paths and depth D is priced the same way, with its
+own running acceptance per level ``a_W`` (learnt from this request's tree steps of that width,
+starting optimistic: a wider tree keeps more) and the positions it computes (``nodes_W`` per
+level, measured: shared prefixes make it less than W), so
+
+    rate(W, D) = (R + E[tokens | D, a_W]) / (T(R + 1, n + 1 + nodes_W * D) + D * t_draft)
+
+and the step takes the best (W, D) over W in {1, the source's width}: a wide tree where round
+trips dominate (its extra positions cost little against a traversal), a chain or plain steps
+where compute does. ``prune_floor`` is the break-even of one more node: a node whose path
+probability is p adds p tokens and one position, so it pays when p / T_position exceeds the
+step's tokens per second; a slow hop's floor is low (nothing pruned), a fast one's high.
 """
 
 from __future__ import annotations
@@ -230,6 +243,20 @@ class SourceMemory:
         self.draft_s = ema(self.draft_s, draft_per_token_s)
 
 
+@dataclass
+class TreeStats:
+    """What one request's tree steps of one width measured: the per-level acceptance (decayed
+    counts, as a chain's) and the positions per level a tree of the source held."""
+
+    kept: float
+    tried: float
+    per_level: float
+
+    @property
+    def acceptance(self) -> float:
+        return self.kept / self.tried
+
+
 def expected_tokens(k: int, acceptance: float) -> float:
     """Tokens one verify yields when each draft is kept with probability ``acceptance``."""
     return float(sum(acceptance**i for i in range(k + 1)))
@@ -271,6 +298,7 @@ class KPolicy:
             self._draft_s = memory.draft_s
         self._steps = 0
         self._load = StepLoad()  # the load the last chosen K was chosen for
+        self._trees: dict[int, TreeStats] = {}  # by width
 
     @property
     def acceptance(self) -> float:
@@ -284,16 +312,67 @@ class KPolicy:
         self._steps += 1
         return k
 
+    def choose_shape(self, limit: int, width: int) -> tuple[int, int]:
+        """(paths, depth) for the next step of a request whose source offers trees of up to
+        ``width`` paths: the best of a chain and a tree of ``width`` (module docstring); a fixed
+        K keeps its chains. Now and then the other width is tried at the same depth, so both
+        acceptances stay measured."""
+        if width <= 1 or self.fixed_k is not None:
+            return 1, self.choose(limit)
+        self._load = self.load()
+        if not self.timing.steps:
+            paths, k = width, self.initial_k
+        else:
+            tree = self._tree(width)
+            chain_rate, chain_k = self._best(self.acceptance, 1.0)
+            tree_rate, tree_k = self._best(tree.acceptance, tree.per_level)
+            paths, k = (width, tree_k) if tree_rate > chain_rate else (1, chain_k)
+            k = self._probed(k)
+            if k and self._steps % self.explore_every == 1:
+                paths = 1 if paths > 1 else width
+        self._steps += 1
+        return paths, min(k, max(0, limit))
+
+    def prune_floor(self, width: int, depth: int) -> float:
+        """The path probability below which one more node of a tree of ``width`` paths and
+        ``depth`` levels costs more step time than its expected token is worth (0 before the
+        step cost is measured)."""
+        cost = self.timing.cost()
+        if cost is None or depth < 1:
+            return 0.0
+        tree = self._tree(width)
+        others = self._load
+        t = self.timing.estimate(others.tokens + 1 + round(tree.per_level * depth), rows=others.rows + 1)
+        tokens = others.rows + expected_tokens(depth, tree.acceptance)
+        return cost.per_position * tokens / (t + depth * self._draft_s)
+
+    def _tree(self, width: int) -> TreeStats:
+        """The request's measurements of trees of ``width`` paths; before any, a chain's
+        acceptance made optimistic (each path as a try of its own: 1 - (1 - a)^(1 + (W-1)/2))
+        with the weight of 3 drafts, and every path a position per level."""
+        if width not in self._trees:
+            a = 1.0 - (1.0 - self.acceptance) ** (1.0 + (width - 1) / 2)
+            self._trees[width] = TreeStats(3.0 * a, 3.0, float(width))
+        return self._trees[width]
+
+    def _best(self, acceptance: float, per_level: float) -> tuple[float, int]:
+        """The best (tokens per second, depth) at this acceptance and positions per level."""
+        others = self._load
+        best = (0.0, 0)
+        for k in range(self.max_k + 1):
+            t = self.timing.estimate(others.tokens + 1 + round(per_level * k), rows=others.rows + 1)
+            rate = (others.rows + expected_tokens(k, acceptance)) / (t + k * self._draft_s) if t else 0.0
+            if rate > best[0]:
+                best = (rate, k)
+        return best
+
     def _adaptive(self) -> int:
         if not self.timing.steps:
             return self.initial_k
-        a = self.acceptance
-        others = self._load
-        rates = []
-        for k in range(self.max_k + 1):
-            t = self.timing.estimate(others.tokens + k + 1, rows=others.rows + 1)  # drafts add no row
-            rates.append((others.rows + expected_tokens(k, a)) / (t + k * self._draft_s) if t else 0.0)
-        best = int(np.argmax(rates))
+        return self._probed(self._best(self.acceptance, 1.0)[1])
+
+    def _probed(self, best: int) -> int:
+        """The best depth, or now and then a neighbour (K = 1 where plain steps win)."""
         if best == 0:
             # Plain steps win: K = 1 now and then tells whether the text or the link changed; the
             # more drafts the source's history holds, the rarer (a probe costs a 2-row verify).
@@ -308,17 +387,28 @@ class KPolicy:
         return best
 
     def observe(
-        self, k: int, kept: int, seconds: float, draft_seconds: float, positions: int | None = None
+        self,
+        k: int,
+        kept: int,
+        seconds: float,
+        draft_seconds: float,
+        positions: int | None = None,
+        width: int = 1,
     ) -> None:
         """One step's outcome: ``kept`` of ``k`` drafts accepted; wall times of the traversal
         and of drafting. ``positions``: what the step computed when not k + 1 (a draft tree's
-        chains of k + 1 each)."""
+        nodes or chains); ``width``: the tree's paths (1: a chain)."""
         if self.times_steps:
             computed = k + 1 if positions is None else positions
             self.timing.observe(self._load.tokens + computed, seconds, rows=self._load.rows + 1)
         if k == 0:
             return
-        self._kept, self._tried = decayed_counts(self._kept, self._tried, 0.9, k, kept)
+        if width > 1:
+            tree = self._tree(width)
+            tree.kept, tree.tried = decayed_counts(tree.kept, tree.tried, 0.9, k, kept)
+            tree.per_level = ema(tree.per_level, ((positions or k + 1) - 1) / k)
+        else:
+            self._kept, self._tried = decayed_counts(self._kept, self._tried, 0.9, k, kept)
         per_token = draft_seconds / k
         self._draft_s = ema(self._draft_s, per_token)
         if self._memory is not None:

@@ -2,13 +2,17 @@
 
 A ``DraftTree`` hangs off the root, the last committed token (the step's pending token, which
 is not a node). Each node holds its token, its parent, its depth (1 for the root's children)
-and the probability its source gave it. The target verifies a tree as its root-to-leaf
-``TreeChains``: every chain is the pending token followed by one path, padded to the tree's
-depth, and runs as its own batch row continuing the session's cache (pipeshard/shard/runtime.py,
-``run_chains``): the stateful stages' attention mask is per cache position, not per query, so a
-flat row with an ancestor mask is not available on them (docs/ARCHITECTURE.md, "Draft trees").
-Row ``c * (D + 1) + j`` of the step's result is the target's distribution after the first j
-tokens of chain c's path.
+and the probability its source gave it. The target verifies a tree in the form its KV backend
+runs (docs/ARCHITECTURE.md, "Draft trees"):
+
+* stateful stages: its root-to-leaf ``TreeChains``. Every chain is the pending token followed by
+  one path, padded to the tree's depth, and runs as its own batch row continuing the session's
+  cache (pipeshard/shard/runtime.py, ``run_chains``): their attention mask is per cache position,
+  not per query. Row ``c * (D + 1) + j`` of the step's result is the target's distribution after
+  the first j tokens of chain c's path.
+* paged stages: ``TreeNodes``, one sequence of the pending tokens and every node once, each
+  attending the cache and its own ancestors (PagedAttention's query-to-query mask). Row 0 of
+  the result follows the root, row ``1 + i`` node i; the next step names the accepted path.
 
 Greedy acceptance keeps the longest path whose every token is the target's argmax at its
 parent, then the target's own token: exactly greedy decoding. Sampling runs recursive rejection
@@ -75,13 +79,6 @@ class TreeChoice:
 TREE_OFF = TreeChoice("off")
 
 
-def auto_shape(k: int, width: int) -> TreeShape | None:
-    """``tree=auto``: a tree of the source's ``auto_tree_width`` paths at the depth adaptive K
-    chose, or None (a chain) where the source offers no width (draft models: their second
-    choices cost a wider verify and were not measured to pay) or K is 0."""
-    return TreeShape(width, k) if width > 1 and k > 0 else None
-
-
 @dataclass(frozen=True)
 class TreeNode:
     token: int
@@ -135,6 +132,34 @@ class DraftTree:
     def depth(self) -> int:
         return max((n.depth for n in self.nodes), default=0)
 
+    def path_prob(self, node: int) -> float:
+        """The source's probability of the path down to ``node`` (BloomBee's candidate score)."""
+        return float(np.prod([self.nodes[i].prob for i in self.path(node)]))
+
+    def pruned(self, floor: float) -> DraftTree:
+        """The tree without the nodes whose path probability is below ``floor`` (nor their
+        subtrees: a path's probability only falls along it); the root's likeliest child stays,
+        so a step keeps a draft."""
+        if floor <= 0.0 or not self.nodes:
+            return self
+        keep = [self.path_prob(i) >= floor for i in range(len(self.nodes))]
+        first = max(self.children(ROOT), key=lambda i: self.nodes[i].prob)
+        keep[first] = True
+        out = DraftTree(seconds=self.seconds)
+        index: dict[int, int] = {ROOT: ROOT}
+        for i, node in enumerate(self.nodes):
+            if keep[i] and node.parent in index:
+                index[i] = out.add(index[node.parent], node.token, node.prob)
+        out.main = [index[i] for i in self.main if i in index]
+        return out
+
+    def first(self, n: int) -> DraftTree:
+        """The tree of its first ``n`` nodes (a parent precedes its children, so they are a tree);
+        itself when it has no more."""
+        if n >= len(self.nodes):
+            return self
+        return DraftTree(self.nodes[: max(0, n)], [i for i in self.main if i < n], self.seconds)
+
     def chains(self) -> TreeChains:
         return TreeChains(self, [self.path(leaf) for leaf in self.leaves()])
 
@@ -177,6 +202,49 @@ class TreeChains:
         return self.chain_of(node) * (self.depth + 1) + depth
 
 
+@dataclass
+class TreeNodes:
+    """A tree as one masked sequence (paged stages): the pending tokens, then every node once in
+    index order (a parent always precedes its children)."""
+
+    tree: DraftTree
+
+    @property
+    def width(self) -> int:
+        return len(self.tree.leaves())
+
+    @property
+    def depth(self) -> int:
+        return self.tree.depth
+
+    @property
+    def rows(self) -> int:
+        """Result rows: after the root, then after each node."""
+        return 1 + len(self.tree.nodes)
+
+    def token_ids(self, pending: Sequence[int]) -> list[int]:
+        return [*pending, *(n.token for n in self.tree.nodes)]
+
+    def parents(self, pending: int) -> tuple[int, ...]:
+        """Each token's parent within the row: the pending tokens follow one another (the first
+        the cache), a node its parent node or the last pending token."""
+        root = pending - 1
+        return (
+            *range(-1, root),
+            *(root if n.parent == ROOT else pending + n.parent for n in self.tree.nodes),
+        )
+
+    def kept(self, pending: int, path: Sequence[int]) -> tuple[int, ...]:
+        """The row's tokens an accepted ``path`` keeps: the pending ones, then the path's nodes."""
+        return (*range(pending), *(pending + node for node in path))
+
+    def chain_of(self, node: int) -> int:
+        return 0  # one sequence: the next step names the path, not a chain
+
+    def row_of(self, node: int) -> int:
+        return 0 if node == ROOT else 1 + node
+
+
 @dataclass(frozen=True)
 class TreeOutcome:
     """What one tree step keeps: the accepted nodes (a path), the chain holding them, and the
@@ -187,7 +255,10 @@ class TreeOutcome:
     tokens: list[int]
 
 
-def accept_tree_greedy(chains: TreeChains, target_top1: Sequence[int]) -> TreeOutcome:
+TreeRows = TreeChains | TreeNodes
+
+
+def accept_tree_greedy(chains: TreeRows, target_top1: Sequence[int]) -> TreeOutcome:
     """The longest path whose every token is the target's argmax at its parent."""
     tree = chains.tree
     node, path = ROOT, []
@@ -202,13 +273,13 @@ def accept_tree_greedy(chains: TreeChains, target_top1: Sequence[int]) -> TreeOu
 
 
 def accept_tree_sampled(
-    chains: TreeChains,
+    chains: TreeRows,
     rows: np.ndarray,
     probabilities: Callable[[np.ndarray], np.ndarray],
     rng: np.random.Generator,
 ) -> TreeOutcome:
     """Recursive rejection over siblings (point-mass proposals): tokens distributed as the
-    target's. ``rows`` [W * (D + 1), vocab] are the step's logits, ``probabilities`` the request's
+    target's. ``rows`` (a row per ``row_of``) are the step's logits, ``probabilities`` the request's
     sampling distribution of a row."""
     tree = chains.tree
     node, path = ROOT, []
