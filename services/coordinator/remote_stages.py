@@ -145,15 +145,12 @@ class RemoteStages:
         futures = [loop.create_future() for _ in frames]
         self._pending.update(zip(keys, futures, strict=True))
         try:
-            if len(frames) == 1:
-                plan = frames[0]
-            else:
-                trace.mark("plan_build", frames[0].session_id, frames[0].step_id)
-                plan = plan_from_frames(frames)
-                trace.mark("plan_send", plan.session_id, plan.step_id)
-                if trace.enabled():  # one per row, under the plan's key: the timeline counts rows per step
-                    for _ in frames:
-                        trace.mark("plan_row", plan.session_id, plan.step_id)
+            trace.mark("plan_build", frames[0].session_id, frames[0].step_id)
+            plan = frames[0] if len(frames) == 1 else plan_from_frames(frames)
+            trace.mark("plan_send", plan.session_id, plan.step_id)
+            if trace.enabled():  # one per row, under the plan's key: the timeline counts rows per step
+                for _ in frames:
+                    trace.mark("plan_row", plan.session_id, plan.step_id)
             plan.owner = self._owner
             await self._entry.send(plan)
             done, _ = await asyncio.wait(futures, timeout=self.timeout_for(len(plan.positions)))
