@@ -328,10 +328,13 @@ class RemoteStages:
         results; the others carry none and hold this ring's lease on its sessions there."""
 
         def on_response(response: stage_pb2.ResultsResponse) -> None:
-            trace.mark("result_recv", response.result.session_id, response.result.step_id)
-            future = self._pending.get((response.result.session_id, response.result.step_id))
-            if future is not None and not future.done():
-                future.set_result(response.result)
+            results = response.results or (response.result,)  # a step's rows, or its one row
+            trace.mark("result_recv", results[0].session_id, results[0].step_id)
+            pending = self._pending
+            for result in results:
+                future = pending.get((result.session_id, result.step_id))
+                if future is not None and not future.done():
+                    future.set_result(result)
 
         final = index == len(self._remote) - 1
         train: list[tuple[int, float]] = []

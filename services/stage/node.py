@@ -98,8 +98,8 @@ class StageNode:
             else:
                 good.append(out)
         if self.next_hop is None:
-            for out in good:
-                self.results.publish(self._result(out, step, frame.owner), frame.owner)
+            if good:  # the step's rows in one message
+                self.results.publish([self._result(out, step, frame.owner) for out in good], frame.owner)
             trace.mark("published", frame.session_id, frame.step_id)
         elif good:
             # One tensor for the whole step: its first row's session names the codec.
@@ -189,7 +189,7 @@ class StageNode:
 
     async def _pass_on_error(self, row, error: activation_pb2.StageError, owner: str) -> None:
         if self.next_hop is None:
-            self.results.publish(error_result(row, error), owner)
+            self.results.publish([error_result(row, error)], owner)
         else:
             await self.next_hop.send(error_frame(row, error, owner))
 
