@@ -105,7 +105,7 @@ class StageNode:
             # One tensor for the whole step: its first row's session names the codec.
             chooser = self._hop_chooser(frame.owner, good[0].row.session_id)
             codec = chooser.choose(good[0].hidden_states)
-            sent = frame_from_outputs(step, good, codec, self._wire_dtype)
+            sent = frame_from_outputs(step, good, codec, self._wire_dtype, received=frame)
             tensor = sent.tensors[0].tensor
             chooser.sent(tensor.raw_size, len(tensor.data), codec)
             trace.mark("encoded", frame.session_id, frame.step_id)

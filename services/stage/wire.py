@@ -158,12 +158,31 @@ def frame_from_step(
 
 
 def frame_from_outputs(
-    step: Step, outs: list[StepOutput], codec: int = Codec.CODEC_NONE, wire_dtype: str = "fp32"
+    step: Step,
+    outs: list[StepOutput],
+    codec: int = Codec.CODEC_NONE,
+    wire_dtype: str = "fp32",
+    received: activation_pb2.ActivationFrame | None = None,
 ) -> activation_pb2.ActivationFrame:
-    """The frame a non-final stage sends on: the rows that ran, carrying their hidden states."""
-    rows = [out.row.carrying(out.hidden_states) for out in outs]
-    return frame_from_step(
-        Step(rows, step.owner, step.compute_micros, step.sent_unix_nanos), codec, wire_dtype
+    """The frame a non-final stage sends on: the rows that ran, carrying their hidden states.
+    When every row of ``received`` (the frame the step came in) ran, its plan and positions go on
+    as they came, copied whole rather than rebuilt row by row."""
+    if received is None or len(outs) != len(received.plan.rows):
+        rows = [out.row.carrying(out.hidden_states) for out in outs]
+        return frame_from_step(
+            Step(rows, step.owner, step.compute_micros, step.sent_unix_nanos), codec, wire_dtype
+        )
+    x = outs[0].hidden_states if len(outs) == 1 else np.concatenate([o.hidden_states for o in outs], axis=1)
+    tensor = encode(x, codec, as_fp16=wire_dtype == "fp16", as_bf16=wire_dtype == "bf16")
+    return activation_pb2.ActivationFrame(
+        session_id=received.session_id,
+        step_id=received.step_id,
+        positions=received.positions,
+        tensors=[tensor_pb2.NamedTensor(name="hidden_states", tensor=tensor)],
+        plan=received.plan,
+        stage_compute_micros=step.compute_micros,
+        sent_unix_nanos=step.sent_unix_nanos,
+        owner=step.owner,
     )
 
 
