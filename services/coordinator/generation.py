@@ -304,8 +304,9 @@ class _Request:
             self.ahead.cancel()
             self.ahead = None
         self.session_id = session_id
+        params = self.params
         self.cursor = _Cursor(
-            session_id, self.params.greedy, truncates=self.cursor.truncates, probabilities=self.params.logprobs
+            session_id, params.greedy, truncates=self.cursor.truncates, probabilities=params.logprobs
         )
         if not self.generated:
             return []  # still prefilling: prefill_frames starts the prompt again

@@ -56,8 +56,8 @@ class Subscription:
 
     def _overflow_error(self) -> ResourceExhausted:
         return ResourceExhausted(
-            f"results subscriber {self.subscriber_id!r} fell {self.max_pending} steps' results behind and was "
-            "disconnected; read faster and subscribe again"
+            f"results subscriber {self.subscriber_id!r} fell {self.max_pending} steps' results behind and "
+            "was disconnected; read faster and subscribe again"
         )
 
 
@@ -93,7 +93,10 @@ class ResultBroker:
         if not mine:
             first = results[0]
             log.warning(
-                "result_dropped_no_subscriber", session_id=first.session_id, step_id=first.step_id, rows=len(results)
+                "result_dropped_no_subscriber",
+                session_id=first.session_id,
+                step_id=first.step_id,
+                rows=len(results),
             )
         for (_, subscriber_id), subscription in mine:
             if not subscription.put(results):
