@@ -448,6 +448,8 @@ def main() -> int:
             fleet.stop()
     if result["timeline_1user"].get("steps"):
         plot(result["timeline_1user"], Path("docs/img/latency_timeline.png"))
+    if result["timeline_16users"].get("steps"):
+        plot(result["timeline_16users"], Path("docs/img/latency_timeline_16users.png"))
     write_result("latency", result, command=("BENCH_QUICK=1 " if QUICK else "") + "make bench-latency")
     return 0
 
