@@ -8,6 +8,7 @@ row): :func:`step_from_frame` reads one, :func:`frame_from_step` writes one.
 from __future__ import annotations
 
 import time
+import zlib
 
 import numpy as np
 
@@ -188,16 +189,41 @@ def frame_from_outputs(
 
 def plan_from_frames(frames: list[activation_pb2.ActivationFrame]) -> activation_pb2.ActivationFrame:
     """The coordinator's frame for a step of many sessions: their token frames' rows in one."""
-    ids = [decode(f.tensors[0].tensor, field="input_ids") for f in frames]
     return activation_pb2.ActivationFrame(
         session_id=frames[0].session_id,
         step_id=frames[0].step_id,
         positions=[p for f in frames for p in f.positions],
-        tensors=[tensor_pb2.NamedTensor(name="input_ids", tensor=encode(np.concatenate(ids, axis=1)))],
+        tensors=[
+            tensor_pb2.NamedTensor(
+                name="input_ids", tensor=_joined_ids([f.tensors[0].tensor for f in frames])
+            )
+        ],
         plan=activation_pb2.PlanFrame(rows=[row for f in frames for row in f.plan.rows]),
         sent_unix_nanos=time.time_ns(),
         owner=frames[0].owner,
     )
+
+
+def _joined_ids(tensors: list[tensor_pb2.Tensor]) -> tensor_pb2.Tensor:
+    """Token frames' input_ids [1, T_i] as one [1, sum T_i]: their raw int64 bytes joined (what
+    :func:`token_frame` writes), or decoded and joined when a frame was written otherwise."""
+    if all(_raw_ids_row(t) for t in tensors):
+        data = b"".join(t.data for t in tensors)
+        return tensor_pb2.Tensor(
+            dtype=tensor_pb2.DTYPE_INT64,
+            shape=[1, len(data) // 8],
+            data=data,
+            codec=Codec.CODEC_NONE,
+            raw_size=len(data),
+            crc32=zlib.crc32(data),
+        )
+    return encode(np.concatenate([decode(t, field="input_ids") for t in tensors], axis=1))
+
+
+def _raw_ids_row(t: tensor_pb2.Tensor) -> bool:
+    """An uncompressed int64 [1, T] whose bytes are exactly its T ids."""
+    plain = t.codec == Codec.CODEC_NONE and t.dtype == tensor_pb2.DTYPE_INT64
+    return plain and len(t.shape) == 2 and t.shape[0] == 1 and len(t.data) == 8 * t.shape[1]
 
 
 def result_from_output(
