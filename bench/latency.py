@@ -419,9 +419,10 @@ def main() -> int:
         for name in ("fleet_fast", "fleet3"):
             fleets.pop(name).stop()
         before = checkout(BEFORE, work)
-        # As its own `make setup` installs it: uvloop was not a dependency before this work, and an
-        # installed uvloop would be picked up by that commit's run_server too.
-        (before.overlay / "uvloop.py").write_text("raise ImportError('not installed at this commit')\n")
+        # As its own `make setup` installs it: a commit from before uvloop became a dependency
+        # would pick up the one installed here through its run_server.
+        if "uvloop" not in (before.tree / "pyproject.toml").read_text():
+            (before.overlay / "uvloop.py").write_text("raise ImportError('not installed at this commit')\n")
         try:
             start_commit(before, shards, work)
             before_client = FleetClient(before.address)
