@@ -11,7 +11,7 @@
    (bench/reference.py), the default (exact) fleet against a `fast` one, a 3-stage fleet
    against its in-process ring; TTFT of a ~30-token prompt, fleet against in-process; 16 users
    aggregate against ContinuousBatchingPipeline; 8 users against the fleet of BENCH_BEFORE
-   (default c695982, checked out and served as bench/commits.py does).
+   (default e2242a2, checked out and served as bench/commits.py does).
 3. BENCH_PROFILE=1: a py-spy sampling profile (``py-spy record --format raw``) of every fleet
    process during a 1-user and a 16-user run; the top frames per process go into the result.
 
@@ -43,7 +43,7 @@ QUICK = os.environ.get("BENCH_QUICK") == "1"
 RUNS = int(os.environ.get("BENCH_RUNS", "3" if QUICK else "10"))
 WARMUP = 1 if QUICK else 2
 NEW_TOKENS = 128
-BEFORE = os.environ.get("BENCH_BEFORE", "c695982")
+BEFORE = os.environ.get("BENCH_BEFORE", "e2242a2")
 PROMPTS = [
     "Explain in a few paragraphs how a bicycle works.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -419,9 +419,10 @@ def main() -> int:
         for name in ("fleet_fast", "fleet3"):
             fleets.pop(name).stop()
         before = checkout(BEFORE, work)
-        # As its own `make setup` installs it: uvloop was not a dependency before this work, and an
-        # installed uvloop would be picked up by that commit's run_server too.
-        (before.overlay / "uvloop.py").write_text("raise ImportError('not installed at this commit')\n")
+        # As its own `make setup` installs it: a commit from before uvloop became a dependency
+        # would pick up the one installed here through its run_server.
+        if "uvloop" not in (before.tree / "pyproject.toml").read_text():
+            (before.overlay / "uvloop.py").write_text("raise ImportError('not installed at this commit')\n")
         try:
             start_commit(before, shards, work)
             before_client = FleetClient(before.address)
@@ -448,6 +449,8 @@ def main() -> int:
             fleet.stop()
     if result["timeline_1user"].get("steps"):
         plot(result["timeline_1user"], Path("docs/img/latency_timeline.png"))
+    if result["timeline_16users"].get("steps"):
+        plot(result["timeline_16users"], Path("docs/img/latency_timeline_16users.png"))
     write_result("latency", result, command=("BENCH_QUICK=1 " if QUICK else "") + "make bench-latency")
     return 0
 

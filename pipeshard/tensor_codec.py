@@ -94,7 +94,9 @@ def encode(
         dtype = Dtype.DTYPE_FP16
         raw = np.clip(np.asarray(array, dtype=np.float32), -FP16_MAX, FP16_MAX).astype("<f2")
     else:
-        dtype = _DTYPE_OF.get(array.dtype.newbyteorder("<"))
+        # The array's own dtype first: a native little-endian one hits at once (newbyteorder
+        # costs about 8 us a call, and the coordinator encodes every row's token ids).
+        dtype = _DTYPE_OF.get(array.dtype) or _DTYPE_OF.get(array.dtype.newbyteorder("<"))
         if dtype is None:
             raise InvalidArgument(field, f"has unsupported dtype {array.dtype}")
         raw = np.ascontiguousarray(array, dtype=_NUMPY_OF[dtype])

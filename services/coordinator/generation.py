@@ -146,9 +146,10 @@ class _Cursor:
     """Where one session's cache stands on every stage: physical length written, logical
     length kept, and the rejected ranges the next frame must mask out."""
 
-    def __init__(self, session_id: str, greedy: bool, *, truncates: bool = False):
+    def __init__(self, session_id: str, greedy: bool, *, truncates: bool = False, probabilities: bool = True):
         self.session_id = session_id
         self.greedy = greedy
+        self.probabilities = probabilities  # Top1 answers carry them (only logprobs read them)
         self.truncates = truncates  # the ring rewinds by shortening the cache (paged): no holes
         self.step = 0
         self.physical = 0
@@ -187,6 +188,7 @@ class _Cursor:
             keep_chain=self._keep_chain,
             parents=parents,
             kept=self._kept,
+            probabilities=self.probabilities,
         )
         self._rejected = []
         self._keep_chain = -1
@@ -279,7 +281,7 @@ class _Request:
         self.reserved = reserved or max_context  # the cache room the session holds on paged stages
         self.drafter = drafter
         self.policy = policy
-        self.cursor = _Cursor(session_id, params.greedy, truncates=truncates)
+        self.cursor = _Cursor(session_id, params.greedy, truncates=truncates, probabilities=params.logprobs)
         self.detok = detok
         self.sampler = None if params.greedy else Sampler(params)
         self.sample = None if self.sampler is None else (self.sampler.probabilities, self.sampler.rng)
@@ -317,7 +319,10 @@ class _Request:
                 self.ahead.exception()  # the failed step that brought us here: seen, not lost
             self.ahead = None
         self.session_id = session_id
-        self.cursor = _Cursor(session_id, self.params.greedy, truncates=self.cursor.truncates)
+        params = self.params
+        self.cursor = _Cursor(
+            session_id, params.greedy, truncates=self.cursor.truncates, probabilities=params.logprobs
+        )
         if not self.generated:
             return []  # still prefilling: prefill_frames starts the prompt again
         return self.context[: len(self.context) - len(self.pending)]

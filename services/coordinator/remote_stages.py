@@ -146,15 +146,12 @@ class RemoteStages:
         futures = [loop.create_future() for _ in frames]
         self._pending.update(zip(keys, futures, strict=True))
         try:
-            if len(frames) == 1:
-                plan = frames[0]
-            else:
-                trace.mark("plan_build", frames[0].session_id, frames[0].step_id)
-                plan = plan_from_frames(frames)
-                trace.mark("plan_send", plan.session_id, plan.step_id)
-                if trace.enabled():  # one per row, under the plan's key: the timeline counts rows per step
-                    for _ in frames:
-                        trace.mark("plan_row", plan.session_id, plan.step_id)
+            trace.mark("plan_build", frames[0].session_id, frames[0].step_id)
+            plan = frames[0] if len(frames) == 1 else plan_from_frames(frames)
+            trace.mark("plan_send", plan.session_id, plan.step_id)
+            if trace.enabled():  # one per row, under the plan's key: the timeline counts rows per step
+                for _ in frames:
+                    trace.mark("plan_row", plan.session_id, plan.step_id)
             plan.owner = self._owner
             await self._entry.send(plan)
             done, _ = await asyncio.wait(futures, timeout=self.timeout_for(len(plan.positions)))
@@ -382,10 +379,13 @@ class RemoteStages:
         results; the others carry none and hold this ring's lease on its sessions there."""
 
         def on_response(response: stage_pb2.ResultsResponse) -> None:
-            trace.mark("result_recv", response.result.session_id, response.result.step_id)
-            future = self._pending.get((response.result.session_id, response.result.step_id))
-            if future is not None and not future.done():
-                future.set_result(response.result)
+            results = response.results or (response.result,)  # a step's rows, or its one row
+            trace.mark("result_recv", results[0].session_id, results[0].step_id)
+            pending = self._pending
+            for result in results:
+                future = pending.get((result.session_id, result.step_id))
+                if future is not None and not future.done():
+                    future.set_result(result)
 
         final = index == len(self._remote) - 1
         train: list[tuple[int, float]] = []

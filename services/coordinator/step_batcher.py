@@ -19,7 +19,9 @@ awaits the result before sending on), so the running sessions split into about `
 groups: a step takes at most its share, ceil(open sessions / inflight), of the decode rows.
 
 After a step the scheduler waits up to ``gather_s`` for the sessions just answered to send their
-next frames, so they ride in the same next step instead of trickling into separate ones.
+next frames, so they ride in the same next step instead of trickling into separate ones. A frame
+that completes the queue (a lone session's always does) launches its step at once, with no
+scheduler turn between.
 
 Batch-aware K (speculation/policy.py, ``BatchSteps``): the batcher times each step of decode rows
 from send to result and fits its cost by rows and positions once for all sessions (``timing``), and
@@ -115,7 +117,12 @@ class StepBatcher:
             urgent=frame.step_id == 0,
         )
         self._queue.append(waiting)
-        self._changed.set()
+        if len(self._steps) < self.inflight and self._complete():
+            # Every frame the next step could wait for is here (a lone session's always is): it
+            # leaves now, not one event-loop turn later from the scheduler task.
+            self._launch(self._pick())
+        if self._queue:
+            self._changed.set()
         return await waiting.answer
 
     async def close(self) -> None:
@@ -139,6 +146,10 @@ class StepBatcher:
         """Decode rows one step may take: the open sessions split over the steps in flight."""
         return max(1, -(-self._sessions() // self.inflight))
 
+    def _complete(self) -> bool:
+        """The queue holds every frame the next step would wait for (up to a share)."""
+        return len(self._queue) >= min(self._share(), self._sessions() - self._rows_in_flight)
+
     async def _schedule(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -148,10 +159,7 @@ class StepBatcher:
                 continue
             # Wait a little for the sessions not in flight to send their frames (up to a share).
             deadline = loop.time() + self.gather_s
-            while (
-                len(self._queue) < min(self._share(), self._sessions() - self._rows_in_flight)
-                and loop.time() < deadline
-            ):
+            while not self._complete() and loop.time() < deadline:
                 self._changed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), deadline - loop.time())

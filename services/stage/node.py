@@ -98,14 +98,14 @@ class StageNode:
             else:
                 good.append(out)
         if self.next_hop is None:
-            for out in good:
-                self.results.publish(self._result(out, step, frame.owner), frame.owner)
+            if good:  # the step's rows in one message
+                self.results.publish([self._result(out, step, frame.owner) for out in good], frame.owner)
             trace.mark("published", frame.session_id, frame.step_id)
         elif good:
             # One tensor for the whole step: its first row's session names the codec.
             chooser = self._hop_chooser(frame.owner, good[0].row.session_id)
             codec = chooser.choose(good[0].hidden_states)
-            sent = frame_from_outputs(step, good, codec, self._wire_dtype)
+            sent = frame_from_outputs(step, good, codec, self._wire_dtype, received=frame)
             tensor = sent.tensors[0].tensor
             chooser.sent(tensor.raw_size, len(tensor.data), codec)
             trace.mark("encoded", frame.session_id, frame.step_id)
@@ -189,7 +189,7 @@ class StageNode:
 
     async def _pass_on_error(self, row, error: activation_pb2.StageError, owner: str) -> None:
         if self.next_hop is None:
-            self.results.publish(error_result(row, error), owner)
+            self.results.publish([error_result(row, error)], owner)
         else:
             await self.next_hop.send(error_frame(row, error, owner))
 

@@ -5,8 +5,10 @@ owner's sessions. Every stage accepts subscriptions: on a non-final stage one ca
 but is the owner's lease, so the stage can release an owner's sessions soon after its last
 subscription closes (see StageNode.start_reaper).
 
-Each subscription's queue is bounded: a subscriber that falls ``max_pending`` results behind
-is disconnected (its stream ends with RESOURCE_EXHAUSTED) rather than buffered without limit.
+A step's results are published together, as one item: the subscription's stream sends them in
+one message (one write and one read per step, not per row). Each subscription's queue is
+bounded: a subscriber that falls ``max_pending`` steps behind is disconnected (its stream ends
+with RESOURCE_EXHAUSTED) rather than buffered without limit.
 
 With ``delay_s`` > 0 (the final stage's ``--hop-delay-ms``) each subscription is a
 :class:`DelayQueue`, so results reach the coordinator one emulated hop late: the return leg is
@@ -27,7 +29,7 @@ log = structlog.get_logger(__name__)
 
 
 class Subscription:
-    """One subscriber's queue of results; ``None`` ends it, an overflow ends it with an error."""
+    """One subscriber's queue of steps' results; ``None`` ends it, an overflow ends it with an error."""
 
     def __init__(self, subscriber_id: str, delay_s: float, max_pending: int):
         self.subscriber_id = subscriber_id
@@ -37,7 +39,7 @@ class Subscription:
         )
         self._overflowed = False
 
-    def put(self, item: activation_pb2.StepResult | None) -> bool:
+    def put(self, item: list[activation_pb2.StepResult] | None) -> bool:
         """False when the subscriber is too far behind (it is then ended, see :meth:`get`)."""
         try:
             self._queue.put_nowait(item)
@@ -46,7 +48,7 @@ class Subscription:
             return False
         return True
 
-    async def get(self) -> activation_pb2.StepResult | None:
+    async def get(self) -> list[activation_pb2.StepResult] | None:
         # A full queue means the reader is stuck: the flag is seen at its next read, at the latest.
         if self._overflowed:
             raise self._overflow_error()
@@ -54,8 +56,8 @@ class Subscription:
 
     def _overflow_error(self) -> ResourceExhausted:
         return ResourceExhausted(
-            f"results subscriber {self.subscriber_id!r} fell {self.max_pending} results behind and was "
-            "disconnected; read faster and subscribe again"
+            f"results subscriber {self.subscriber_id!r} fell {self.max_pending} steps' results behind and "
+            "was disconnected; read faster and subscribe again"
         )
 
 
@@ -84,12 +86,19 @@ class ResultBroker:
         for subscription in self._subscriptions.values():
             subscription.put(None)
 
-    def publish(self, result: activation_pb2.StepResult, owner: str) -> None:
-        """Deliver to ``owner``'s subscriptions only; one too far behind is disconnected."""
+    def publish(self, results: list[activation_pb2.StepResult], owner: str) -> None:
+        """Deliver a step's results to ``owner``'s subscriptions only; one too far behind is
+        disconnected."""
         mine = [(key, s) for key, s in self._subscriptions.items() if key[0] == owner]
         if not mine:
-            log.warning("result_dropped_no_subscriber", session_id=result.session_id, step_id=result.step_id)
+            first = results[0]
+            log.warning(
+                "result_dropped_no_subscriber",
+                session_id=first.session_id,
+                step_id=first.step_id,
+                rows=len(results),
+            )
         for (_, subscriber_id), subscription in mine:
-            if not subscription.put(result):
+            if not subscription.put(results):
                 log.warning("results_subscriber_too_slow", subscriber_id=subscriber_id)
                 self.unsubscribe(owner, subscriber_id, subscription)

@@ -64,9 +64,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             if request.link_probe:  # the subscriber times the spacing of these (its return link)
                 for _ in range(PROBE_TRAIN):
                     yield stage_pb2.ResultsResponse(padding=bytes(PROBE_BYTES))
-            while (result := await subscription.get()) is not None:
-                yield stage_pb2.ResultsResponse(result=result)
-                trace.mark("results_written", result.session_id, result.step_id)
+            while (results := await subscription.get()) is not None:
+                if len(results) == 1:
+                    yield stage_pb2.ResultsResponse(result=results[0])
+                else:  # a step of several rows: one message
+                    yield stage_pb2.ResultsResponse(results=results)
+                trace.mark("results_written", results[0].session_id, results[0].step_id)
         finally:
             self._node.results.unsubscribe(owner, request.subscriber_id, subscription)
 

@@ -130,7 +130,7 @@ class RowEngine:
         if not self.is_last:
             return StepOutput(row=row, hidden_states=out)
         if row.return_mode is ReturnMode.TOP1:
-            return StepOutput(row=row, top1=top1_of(out))
+            return StepOutput(row=row, top1=top1_of(out, probabilities=not row.top1_ids_only))
         if row.return_mode is ReturnMode.LOGITS:
             return StepOutput(row=row, logits=np.ascontiguousarray(out, dtype=np.float32))
         if row.return_mode is ReturnMode.SAMPLED:  # each row draws with its own generator

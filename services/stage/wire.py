@@ -8,6 +8,7 @@ row): :func:`step_from_frame` reads one, :func:`frame_from_step` writes one.
 from __future__ import annotations
 
 import time
+import zlib
 
 import numpy as np
 
@@ -88,6 +89,7 @@ def _row(row: activation_pb2.PlanRow, positions: np.ndarray, x: np.ndarray, owne
         tree_keep=row.tree_keep - 1,
         tree_parents=tuple(row.tree_parents),
         tree_kept=tuple(row.tree_kept),
+        top1_ids_only=row.top1_ids_only,
     )
 
 
@@ -135,6 +137,7 @@ def _plan_row(row: StepRow) -> activation_pb2.PlanRow:
         tree_keep=row.tree_keep + 1,
         tree_parents=row.tree_parents,
         tree_kept=row.tree_kept,
+        top1_ids_only=row.top1_ids_only,
     )
 
 
@@ -160,27 +163,71 @@ def frame_from_step(
 
 
 def frame_from_outputs(
-    step: Step, outs: list[StepOutput], codec: int = Codec.CODEC_NONE, wire_dtype: str = "fp32"
+    step: Step,
+    outs: list[StepOutput],
+    codec: int = Codec.CODEC_NONE,
+    wire_dtype: str = "fp32",
+    received: activation_pb2.ActivationFrame | None = None,
 ) -> activation_pb2.ActivationFrame:
-    """The frame a non-final stage sends on: the rows that ran, carrying their hidden states."""
-    rows = [out.row.carrying(out.hidden_states) for out in outs]
-    return frame_from_step(
-        Step(rows, step.owner, step.compute_micros, step.sent_unix_nanos), codec, wire_dtype
+    """The frame a non-final stage sends on: the rows that ran, carrying their hidden states.
+    When every row of ``received`` (the frame the step came in) ran, its plan and positions go on
+    as they came, copied whole rather than rebuilt row by row."""
+    if received is None or len(outs) != len(received.plan.rows):
+        rows = [out.row.carrying(out.hidden_states) for out in outs]
+        return frame_from_step(
+            Step(rows, step.owner, step.compute_micros, step.sent_unix_nanos), codec, wire_dtype
+        )
+    x = outs[0].hidden_states if len(outs) == 1 else np.concatenate([o.hidden_states for o in outs], axis=1)
+    tensor = encode(x, codec, as_fp16=wire_dtype == "fp16", as_bf16=wire_dtype == "bf16")
+    return activation_pb2.ActivationFrame(
+        session_id=received.session_id,
+        step_id=received.step_id,
+        positions=received.positions,
+        tensors=[tensor_pb2.NamedTensor(name="hidden_states", tensor=tensor)],
+        plan=received.plan,
+        stage_compute_micros=step.compute_micros,
+        sent_unix_nanos=step.sent_unix_nanos,
+        owner=step.owner,
     )
 
 
 def plan_from_frames(frames: list[activation_pb2.ActivationFrame]) -> activation_pb2.ActivationFrame:
     """The coordinator's frame for a step of many sessions: their token frames' rows in one."""
-    ids = [decode(f.tensors[0].tensor, field="input_ids") for f in frames]
     return activation_pb2.ActivationFrame(
         session_id=frames[0].session_id,
         step_id=frames[0].step_id,
         positions=[p for f in frames for p in f.positions],
-        tensors=[tensor_pb2.NamedTensor(name="input_ids", tensor=encode(np.concatenate(ids, axis=1)))],
+        tensors=[
+            tensor_pb2.NamedTensor(
+                name="input_ids", tensor=_joined_ids([f.tensors[0].tensor for f in frames])
+            )
+        ],
         plan=activation_pb2.PlanFrame(rows=[row for f in frames for row in f.plan.rows]),
         sent_unix_nanos=time.time_ns(),
         owner=frames[0].owner,
     )
+
+
+def _joined_ids(tensors: list[tensor_pb2.Tensor]) -> tensor_pb2.Tensor:
+    """Token frames' input_ids [1, T_i] as one [1, sum T_i]: their raw int64 bytes joined (what
+    :func:`token_frame` writes), or decoded and joined when a frame was written otherwise."""
+    if all(_raw_ids_row(t) for t in tensors):
+        data = b"".join(t.data for t in tensors)
+        return tensor_pb2.Tensor(
+            dtype=tensor_pb2.DTYPE_INT64,
+            shape=[1, len(data) // 8],
+            data=data,
+            codec=Codec.CODEC_NONE,
+            raw_size=len(data),
+            crc32=zlib.crc32(data),
+        )
+    return encode(np.concatenate([decode(t, field="input_ids") for t in tensors], axis=1))
+
+
+def _raw_ids_row(t: tensor_pb2.Tensor) -> bool:
+    """An uncompressed int64 [1, T] whose bytes are exactly its T ids."""
+    plain = t.codec == Codec.CODEC_NONE and t.dtype == tensor_pb2.DTYPE_INT64
+    return plain and len(t.shape) == 2 and t.shape[0] == 1 and len(t.data) == 8 * t.shape[1]
 
 
 def result_from_output(
@@ -236,6 +283,7 @@ def token_frame(
     keep_chain: int = -1,
     parents: tuple[int, ...] = (),
     kept: tuple[int, ...] = (),
+    probabilities: bool = True,
 ) -> activation_pb2.ActivationFrame:
     """The frame (a plan of one row) that carries one session's token ids into stage 0 at
     logical positions ``start...``.
@@ -250,6 +298,7 @@ def token_frame(
     ``parents``: a draft tree as one sequence (each id's parent within ``ids``, -1 for the cache;
     each id sits one position after its parent); ``kept``: the ids of the previous such step
     whose cache is kept.
+    ``probabilities`` False: a Top1 answer carries the ids only (no softmax on the final stage).
     """
     if fill_only:
         mode, sampling = ReturnMode.NONE, None
@@ -278,6 +327,7 @@ def token_frame(
         tree_keep=keep_chain,
         tree_parents=tuple(parents),
         tree_kept=tuple(kept),
+        top1_ids_only=mode is ReturnMode.TOP1 and not probabilities,
     )
     return frame_from_step(Step([row], sent_unix_nanos=time.time_ns()))
 

@@ -1,4 +1,4 @@
-"""The final stage's result fan-out holds at most max_pending results for a subscriber that lags."""
+"""The final stage's result fan-out holds at most max_pending steps' results for a subscriber that lags."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ def test_a_reader_that_keeps_up_gets_every_result_in_order():
         sub = broker.subscribe("o", "c")
         got = []
         for i in range(20):
-            broker.publish(_result(i), "o")
-            got.append((await sub.get()).step_id)
+            broker.publish([_result(i)], "o")
+            got.append((await sub.get())[0].step_id)
         broker.close()
         return got, await sub.get()
 
@@ -34,12 +34,12 @@ def test_a_stuck_reader_is_disconnected_not_buffered():
         broker = ResultBroker(max_pending=4)
         slow, fast = broker.subscribe("o", "slow"), broker.subscribe("o", "fast")
         for i in range(10):
-            broker.publish(_result(i), "o")
-            assert (await fast.get()).step_id == i  # the other subscriber is unaffected
+            broker.publish([_result(i)], "o")
+            assert (await fast.get())[0].step_id == i  # the other subscriber is unaffected
         assert slow._queue.qsize() == 4
-        with pytest.raises(ResourceExhausted, match="'slow' fell 4 results behind"):
+        with pytest.raises(ResourceExhausted, match="'slow' fell 4 steps' results behind"):
             await slow.get()
-        broker.publish(_result(10), "o")  # no longer subscribed: nothing more is queued for it
-        assert slow._queue.qsize() == 4 and (await fast.get()).step_id == 10
+        broker.publish([_result(10)], "o")  # no longer subscribed: nothing more is queued for it
+        assert slow._queue.qsize() == 4 and (await fast.get())[0].step_id == 10
 
     asyncio.run(run())

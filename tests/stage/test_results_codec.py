@@ -72,7 +72,8 @@ def _result_codec(mode: str, bandwidth_bytes_s: float | None) -> tuple[int, np.n
         if bandwidth_bytes_s is not None:
             node.note_results_link("owner-a", bandwidth_bytes_s)
         assert await node.handle(_frame("owner-a")) is None
-        return await subscription.get()
+        (result,) = await subscription.get()
+        return result
 
     result = asyncio.run(run())
     return result.logits.codec, decode(result.logits, field="logits"), logits
@@ -108,7 +109,7 @@ async def _logits_codec(node: StageNode, subscription, session: str) -> int:
     """The codec of the logits ``node`` returns for one step of ``session`` (they arrive exact)."""
     frame = _frame("owner-a", session)
     assert await node.handle(frame) is None
-    result = await subscription.get()
+    (result,) = await subscription.get()
     assert decode(result.logits, field="logits").tobytes() == node.engine.logits.tobytes()
     return result.logits.codec
 
