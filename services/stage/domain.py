@@ -58,6 +58,8 @@ class StepRow:
     attention_mask: np.ndarray | None = None  # bool [T, past + T]; none: causal
     tree_chains: int = 1  # >1: the tokens are that many chains of a draft tree (stateful stages)
     tree_keep: int = -1  # after a tree step: the chain whose cache the session keeps
+    slot_id: int = -1  # static stages: the slot the session holds (-1: the stage finds it)
+    prefix_reuse_length: int = 0  # static stages: continue after this many cached positions (0: all)
 
     @property
     def tokens(self) -> int:

@@ -86,6 +86,8 @@ def _row(row: activation_pb2.PlanRow, positions: np.ndarray, x: np.ndarray, owne
         sampling=_sampling_step(row) if sampled else None,
         tree_chains=max(1, row.tree_chains),
         tree_keep=row.tree_keep - 1,
+        slot_id=row.slot_id,
+        prefix_reuse_length=row.prefix_reuse_length,
     )
 
 
@@ -117,8 +119,9 @@ def _sampling_request(step: SamplingStep) -> activation_pb2.SamplingRequest:
 
 def _plan_row(row: StepRow) -> activation_pb2.PlanRow:
     return activation_pb2.PlanRow(
-        slot_id=-1,
+        slot_id=row.slot_id,
         position=int(row.positions[0]) if len(row.positions) else 0,
+        prefix_reuse_length=row.prefix_reuse_length,
         session_id=row.session_id,
         step_id=row.step_id,
         tokens=row.tokens,

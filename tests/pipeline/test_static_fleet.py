@@ -1,0 +1,64 @@
+"""A fleet of static stages (a ``pipeshard export --static`` shard: the stages take the backend from
+the manifest, no flag) in real processes, exact mode, INT4, one thread per stage: greedy tokens over
+128 tokens equal the paged backend's; GetStageInfo reports the slots and the chunk; sessions up to
+the slots share steps and keep their solo tokens, a fifth waits for a slot; prompt-lookup
+speculation (verify rows within the chunk) keeps the plain tokens."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from pipeshard.clients.client import PipeshardClient
+from pipeshard.shard.prompting import Prompter
+from pipeshard.v1 import stage_pb2, stage_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+TOKENS = 128
+
+
+def _generate(address: str, prompt: str, tokens: int = TOKENS, **kw) -> list[int]:
+    with PipeshardClient(address, timeout_s=600) as client:
+        return client.generate(prompt, max_tokens=tokens, ignore_eos=True, **kw).token_ids
+
+
+def _info(address: str) -> stage_pb2.GetStageInfoResponse:
+    with grpc.insecure_channel(address) as channel:
+        return stage_pb2_grpc.StageServiceStub(channel).GetStageInfo(stage_pb2.GetStageInfoRequest(), timeout=5)
+
+
+@pytest.mark.parametrize(
+    "stages", [pytest.param(1, marks=pytest.mark.extended), 2, pytest.param(3, marks=pytest.mark.extended)]
+)
+def test_static_fleet_greedy_equals_the_paged_backend_over_128_tokens(
+    stages, smollm2_static_export, smollm2_export, fleet_factory, greedy_in_process, prompts
+):
+    export = smollm2_static_export(stages)
+    fleet = fleet_factory(
+        export,
+        stages,
+        precision="exact",
+        extra_stage_args=["--num-threads", "1"],
+        extra_coordinator_args=["--max-running", "8"],
+    )
+    for address in fleet.stages:
+        info = _info(address)
+        assert (info.kv_backend, info.static_slots, info.static_chunk) == ("static", 4, 16)
+    chosen = list(prompts[:2])
+    got = [_generate(fleet.coordinator, p) for p in chosen]
+    ids = [Prompter.from_dir(export).encode("", [("user", p)]) for p in chosen]
+    assert got == greedy_in_process(smollm2_export(stages, "int4"), ids, TOKENS, "exact", 1)
+    if stages != 2:
+        return
+    # Five sessions at once on four slots (--max-running 8 is capped at the slots): each keeps its solo tokens.
+    five = list(prompts[:5])
+    solo = got + [_generate(fleet.coordinator, p, 32) for p in five[2:]]
+    with ThreadPoolExecutor(len(five)) as pool:
+        together = list(pool.map(lambda i: _generate(fleet.coordinator, five[i], TOKENS if i < 2 else 32), range(5)))
+    assert together == solo
+    # Verify rows of prompt lookup (K = 3 and adaptive, within the 16-row chunk) keep the tokens.
+    assert _generate(fleet.coordinator, chosen[0], speculative="ngram", k=3) == got[0]
+    assert _generate(fleet.coordinator, chosen[1], speculative="ngram", k=0) == got[1]
