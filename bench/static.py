@@ -84,10 +84,14 @@ def exports() -> tuple[Path, Path]:
     from pipeshard.exporter.export import export_model
 
     model = paths.default_model_dir()
-    paged = Path(os.environ.get("BENCH_SHARDS") or paths.shards_dir() / paths.export_name(paths.DEFAULT_MODEL, 2, "int4"))
+    paged = Path(
+        os.environ.get("BENCH_SHARDS")
+        or paths.shards_dir() / paths.export_name(paths.DEFAULT_MODEL, 2, "int4")
+    )
     static = Path(
         os.environ.get("BENCH_STATIC_SHARDS")
-        or paths.shards_dir() / f"{paths.export_name(paths.DEFAULT_MODEL, 2, 'int4')}-static{SLOTS}x{CHUNK}-{CONTEXT}"
+        or paths.shards_dir()
+        / f"{paths.export_name(paths.DEFAULT_MODEL, 2, 'int4')}-static{SLOTS}x{CHUNK}-{CONTEXT}"
     )
     if not (paged / "manifest.json").exists():
         export_model(model, paged, stages=2, weights="int4")
@@ -184,7 +188,11 @@ def kv_write_us(shard: StaticShard, reps: int = 50) -> dict:
     for _ in range(5):
         shard.warmup()
     infer = (time.perf_counter_ns() - started) / 5 / 1000
-    return {"decode_row_us": round(write(1), 1), "chunk_us": round(write(CHUNK), 1), "inference_us": round(infer, 1)}
+    return {
+        "decode_row_us": round(write(1), 1),
+        "chunk_us": round(write(CHUNK), 1),
+        "inference_us": round(infer, 1),
+    }
 
 
 def compile_seconds(export: Path) -> list[float]:
@@ -205,7 +213,9 @@ def start_ratio(static: Path) -> dict:
         compiles: dict[str, list[float]] = {"cold": [], "cached": []}
         start_stage(static, run_dir, extra["cached"], [])  # fills the cache
         samples = interleaved(
-            {n: (lambda n=n: start_stage(static, run_dir, extra[n], compiles[n])) for n in extra}, START_RUNS, 0
+            {n: (lambda n=n: start_stage(static, run_dir, extra[n], compiles[n])) for n in extra},
+            START_RUNS,
+            0,
         )
     ratio, ci = ratio_ci(samples["cached"], samples["cold"])
     return {
@@ -224,7 +234,8 @@ def main() -> None:
     backends = {"static": Backend(static_dir, prompter), "paged": Backend(paged_dir, prompter)}
 
     exact = {
-        name: [s.token_ids for s in b.run(chats[:EXACT_PROMPTS], EXACT_TOKENS)] for name, b in backends.items()
+        name: [s.token_ids for s in b.run(chats[:EXACT_PROMPTS], EXACT_TOKENS)]
+        for name, b in backends.items()
     }
     static_exact = exact["static"] == exact["paged"]
     first_divergence = [

@@ -37,10 +37,10 @@ from pipeshard.shard.manifest import (
     ExportStats,
     KvReorder,
     Manifest,
-    StaticLayout,
     ModelInfo,
     PortInfo,
     StageEntry,
+    StaticLayout,
     TokenizerInfo,
     WeightsInfo,
     export_id,
@@ -529,11 +529,15 @@ def plan_export(
 def check_static(static: StaticLayout, max_context: int, draft: bool) -> None:
     """A static export's shapes: at least one slot, a chunk within the context, no draft."""
     if draft:
-        raise InvalidArgument("static", "a draft is exported stateful (its stage runs beside the coordinator)")
+        raise InvalidArgument(
+            "static", "a draft is exported stateful (its stage runs beside the coordinator)"
+        )
     if not isinstance(static.slots, int) or static.slots < 1:
         raise InvalidArgument("slots", f"must be a positive integer, got {static.slots!r}")
     if not isinstance(static.chunk, int) or not 1 <= static.chunk <= max_context:
-        raise InvalidArgument("chunk", f"must be an integer in [1, max_context {max_context}], got {static.chunk!r}")
+        raise InvalidArgument(
+            "chunk", f"must be an integer in [1, max_context {max_context}], got {static.chunk!r}"
+        )
 
 
 def export_stages(

@@ -18,10 +18,10 @@ export's module (stage_module.py) traced at these shapes without the state trans
 
 from __future__ import annotations
 
+import openvino as ov
 import torch
 from torch import nn
 
-import openvino as ov
 from pipeshard.exporter.convert import disable_ovc_telemetry
 from pipeshard.exporter.stage_module import StageModule
 from pipeshard.shard.manifest import StaticLayout
@@ -72,7 +72,10 @@ class StaticStage(nn.Module):
             x = torch.zeros(slots, chunk, s.hidden_size)
         mask = torch.ones(slots, self.context + chunk, dtype=torch.int64)
         pos = torch.arange(chunk, dtype=torch.int64)[None].expand(slots, chunk).contiguous()
-        kv = [torch.zeros(slots, s.num_kv_heads, self.context, s.head_dim)] * (2 * len(self.inner.layer_indices))
+        kv = [
+            torch.zeros(slots, s.num_kv_heads, self.context, s.head_dim)
+            for _ in range(2 * len(self.inner.layer_indices))
+        ]
         return (x, mask, pos, *kv)
 
 

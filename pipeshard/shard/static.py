@@ -30,7 +30,6 @@ from pipeshard.shard.device import DEFAULT_DEVICE
 from pipeshard.shard.manifest import Manifest
 from pipeshard.shard.runtime import StageShard, compile_properties
 
-
 AUTO_KV = "auto"
 KV_BACKENDS = ("stateful", "paged", "static")
 
@@ -43,7 +42,8 @@ def kv_backend(wanted: str, manifest: Manifest) -> str:
         return "static" if layout == "static" else "paged"
     if (wanted == "static") != (layout == "static"):
         raise InvalidArgument(
-            "kv", f"is {wanted}, but {manifest.export_dir} is a {layout} export (--kv auto follows the manifest)"
+            "kv",
+            f"is {wanted}, but {manifest.export_dir} is a {layout} export (--kv auto follows the manifest)",
         )
     return wanted
 
@@ -83,14 +83,18 @@ class StaticShard(StageShard):
                 f"{self.export_dir} is a stateful export; static stages need `pipeshard export --static`"
             )
         self.slots, self.chunk = layout.slots, layout.chunk
-        self.name = f"static shard {self.manifest.name} stage {stage_index} ({self.slots} slots x {self.chunk})"
+        self.name = (
+            f"static shard {self.manifest.name} stage {stage_index} ({self.slots} slots x {self.chunk})"
+        )
         props = compile_properties(precision, num_threads)
         self.compiled = self.compile(str(self.export_dir / self.entry.model), device, props, compile_cache)
         self._req = self.compiled.create_infer_request()
         s, c, ctx = self.slots, self.chunk, self.max_context
         kv = (s, self.kv_source.kv_heads, ctx, self.kv_source.head_dim)
         self._input = self.entry.input_name
-        self._x = np.zeros((s, c), np.int64) if self.is_first else np.zeros((s, c, self.hidden_size), np.float32)
+        self._x = (
+            np.zeros((s, c), np.int64) if self.is_first else np.zeros((s, c, self.hidden_size), np.float32)
+        )
         self._mask = np.zeros((s, ctx + c), np.int64)
         self._pos = np.zeros((s, c), np.int64)
         self._cache = {name: np.zeros(kv, np.float32) for name in self.state_variables}
@@ -143,7 +147,9 @@ class StaticShard(StageShard):
     def rewind(self, slot: int, length: int) -> None:
         """Shortens a slot to its first ``length`` positions: the next rows overwrite the rest."""
         if not 0 <= length <= self.lengths[slot]:
-            raise InvalidArgument("length", f"must be in [0, {self.lengths[slot]}] for slot {slot}, got {length}")
+            raise InvalidArgument(
+                "length", f"must be in [0, {self.lengths[slot]}] for slot {slot}, got {length}"
+            )
         self.lengths[slot] = length
 
     def export_kv(self, slot: int, positions: int) -> list[np.ndarray]:
@@ -160,11 +166,15 @@ class StaticShard(StageShard):
             if len(arrays) != len(self._cache):
                 raise InvalidArgument("arrays", f"must hold {len(self._cache)} states, got {len(arrays)}")
             if not 0 < positions <= self.max_context:
-                raise ResourceExhausted(f"{positions} positions exceed the {self.name}'s context {self.max_context}")
+                raise ResourceExhausted(
+                    f"{positions} positions exceed the {self.name}'s context {self.max_context}"
+                )
             want = self.kv_source.shapes_for(positions)
-            for (name, buf), array, shape in zip(self._cache.items(), arrays, want, strict=True):
+            for name, array, shape in zip(self._cache, arrays, want, strict=True):
                 if array.shape != shape:
-                    raise InvalidArgument("arrays", f"{name} has shape {list(array.shape)}, not {list(shape)}")
+                    raise InvalidArgument(
+                        "arrays", f"{name} has shape {list(array.shape)}, not {list(shape)}"
+                    )
             for buf, array in zip(self._cache.values(), arrays, strict=True):
                 buf[slot, :, :positions] = array
             self.lengths[slot] = positions
@@ -174,7 +184,9 @@ class StaticShard(StageShard):
         """A row's fit into the static shapes, before anything is written."""
         t = len(row.positions)
         if not 0 <= row.slot < self.slots:
-            raise InvalidArgument("slot_id", f"must be in [0, {self.slots}) on the {self.name}, got {row.slot}")
+            raise InvalidArgument(
+                "slot_id", f"must be in [0, {self.slots}) on the {self.name}, got {row.slot}"
+            )
         if not 1 <= t <= self.chunk:
             raise InvalidArgument(
                 "tokens", f"a row holds at most {self.chunk} tokens on the {self.name} (its chunk), got {t}"
@@ -211,7 +223,9 @@ class StaticShard(StageShard):
                 for name, buf in self._cache.items():
                     buf[s, :, start : start + t] = self._new[name][s, :, :t]
                 self.lengths[s] = start + t
-                outs.append(self._out[s, t - row.logits : t].copy() if self.is_last else self._out[s, :t].copy())
+                outs.append(
+                    self._out[s, t - row.logits : t].copy() if self.is_last else self._out[s, :t].copy()
+                )
             return outs
 
     def warmup(self) -> int:

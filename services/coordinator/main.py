@@ -405,7 +405,7 @@ class Coordinator:
             shards=self.settings.shards,
             next_hop=self.settings.stages[0],
             precision=self.settings.precision,
-            kv="stateful" if self.settings.kv == "stateful" else "paged",  # auto: the stages' default
+            kv=self.settings.kv,  # auto: the manifest's (static for a static export, else paged)
             hop_delay_ms=self.settings.hop_delay_ms,
             tls_dir=self.settings.tls_dir,
             tls_name=self.settings.tls_name or "coordinator",

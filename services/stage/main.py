@@ -41,7 +41,6 @@ from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 log = structlog.get_logger(__name__)
 
 
-
 @dataclass
 class StageSettings(ServerSettings):
     stage: int = setting(0, "index of this stage in the pipeline")
@@ -165,12 +164,12 @@ def prefix_store(settings: StageSettings, shard: StageShard) -> PrefixStore:
 
 def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageInfoResponse]:
     threads = settings.num_threads or None
-    backend = kv_backend(settings.kv, load_manifest(Path(settings.shards)))
-    if backend != "stateful" and settings.raw_tcp_port:
+    if settings.kv != "stateful" and settings.raw_tcp_port:
         raise InvalidArgument(
             "raw_tcp_port", "the raw-TCP baseline serves the stateful backend only (--kv stateful)"
         )
     check_wire_dtype(settings.codec, settings.wire_dtype)
+    backend = kv_backend(settings.kv, load_manifest(Path(settings.shards)))
     if backend == "static":
         runner = StaticShard(
             settings.shards,

@@ -71,7 +71,9 @@ class StaticEngine(RowEngine):
     ):
         self.shard = shard
         self.meters = meters or StageMeters(shard.stage_index)
-        self.sessions = SessionTable(lambda: StaticSession(shard), max_sessions, idle_timeout_s, max_per_owner)
+        self.sessions = SessionTable(
+            lambda: StaticSession(shard), max_sessions, idle_timeout_s, max_per_owner
+        )
         self.is_first = shard.is_first
         self.is_last = shard.is_last
         self.hidden_size = shard.hidden_size
@@ -118,7 +120,8 @@ class StaticEngine(RowEngine):
         if row.slot_id not in (-1, session.slot):
             if not 0 <= row.slot_id < self.shard.slots:
                 raise InvalidArgument(
-                    "slot_id", f"must be -1 or in [0, {self.shard.slots}) on the {self.shard.name}, got {row.slot_id}"
+                    "slot_id",
+                    f"must be -1 or in [0, {self.shard.slots}) on the {self.shard.name}, got {row.slot_id}",
                 )
             raise InvalidArgument(
                 "slot_id", f"session {row.session_id!r} holds slot {session.slot}, not {row.slot_id}"

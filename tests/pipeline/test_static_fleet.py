@@ -27,7 +27,9 @@ def _generate(address: str, prompt: str, tokens: int = TOKENS, **kw) -> list[int
 
 def _info(address: str) -> stage_pb2.GetStageInfoResponse:
     with grpc.insecure_channel(address) as channel:
-        return stage_pb2_grpc.StageServiceStub(channel).GetStageInfo(stage_pb2.GetStageInfoRequest(), timeout=5)
+        return stage_pb2_grpc.StageServiceStub(channel).GetStageInfo(
+            stage_pb2.GetStageInfoRequest(), timeout=5
+        )
 
 
 @pytest.mark.parametrize(
@@ -53,11 +55,14 @@ def test_static_fleet_greedy_equals_the_paged_backend_over_128_tokens(
     assert got == greedy_in_process(smollm2_export(stages, "int4"), ids, TOKENS, "exact", 1)
     if stages != 2:
         return
-    # Five sessions at once on four slots (--max-running 8 is capped at the slots): each keeps its solo tokens.
+    # Five sessions at once on four slots: each gives its solo tokens
+    # (--max-running 8 is capped at the slots)
     five = list(prompts[:5])
     solo = got + [_generate(fleet.coordinator, p, 32) for p in five[2:]]
     with ThreadPoolExecutor(len(five)) as pool:
-        together = list(pool.map(lambda i: _generate(fleet.coordinator, five[i], TOKENS if i < 2 else 32), range(5)))
+        together = list(
+            pool.map(lambda i: _generate(fleet.coordinator, five[i], TOKENS if i < 2 else 32), range(5))
+        )
     assert together == solo
     # Verify rows of prompt lookup (K = 3 and adaptive, within the 16-row chunk) keep the tokens.
     assert _generate(fleet.coordinator, chosen[0], speculative="ngram", k=3) == got[0]
