@@ -8,8 +8,9 @@ split. Interleaved rounds, ratios of medians with bootstrap intervals:
   static_over_paged_full       decode tok/s summed over S sessions at once (S = the export's slots)
   static_ttft_over_paged_128   TTFT of a 128-token prompt, static over paged (lower is better)
   static_ttft_over_paged_1024  the same at 1,024 tokens
-  static_exact                 greedy tokens of BENCH_EXACT_PROMPTS prompts over 128 tokens equal
-                               the paged backend's (the tests check 1, 2 and 3 stages)
+  static_exact                 greedy tokens of BENCH_EXACT_PROMPTS prompts (at once) over
+                               BENCH_EXACT_TOKENS tokens equal the paged backend's (alone); the
+                               tests check 128 tokens on 1, 2 and 3 stages
   cached_start_over_cold       a static stage process's start to SERVING with its compiled-model
                                cache over without (bench/compile_cache.py's measure)
 
@@ -19,10 +20,10 @@ compile seconds per stage, the KV bytes each backend holds per stage, the stage'
 K/V rows into its buffers (``kv_write``), and the process's peak RSS.
 
 Knobs (environment): BENCH_RUNS (default 3), BENCH_WARMUP (1), BENCH_TOKENS (decode tokens, 32),
-BENCH_THREADS (inference threads per stage; default the plugin's), BENCH_SLOTS / BENCH_CHUNK /
+BENCH_THREADS (inference threads per stage, 1; 0: the plugin's choice), BENCH_SLOTS / BENCH_CHUNK /
 BENCH_CONTEXT (the static export's shapes, 4 / 16 / 1280), BENCH_STATIC_SHARDS and BENCH_SHARDS
 (the static and the paged 2-stage exports; exported under the shards dir when missing),
-BENCH_EXACT_PROMPTS (2), BENCH_START_RUNS (compile-cache rounds, 3).
+BENCH_EXACT_PROMPTS (2), BENCH_EXACT_TOKENS (128), BENCH_START_RUNS (compile-cache rounds, 3).
 """
 
 from __future__ import annotations
@@ -51,14 +52,15 @@ from pipeshard.shard.static import StaticRow, StaticShard
 RUNS = int(os.environ.get("BENCH_RUNS", "3"))
 WARMUP = int(os.environ.get("BENCH_WARMUP", "1"))
 TOKENS = int(os.environ.get("BENCH_TOKENS", "32"))
-THREADS = int(os.environ["BENCH_THREADS"]) if os.environ.get("BENCH_THREADS") else None
+THREADS = int(os.environ.get("BENCH_THREADS", "1")) or None
 SLOTS = int(os.environ.get("BENCH_SLOTS", "4"))
 CHUNK = int(os.environ.get("BENCH_CHUNK", "16"))
 CONTEXT = int(os.environ.get("BENCH_CONTEXT", "1280"))
 EXACT_PROMPTS = int(os.environ.get("BENCH_EXACT_PROMPTS", "2"))
 START_RUNS = int(os.environ.get("BENCH_START_RUNS", "3"))
-EXACT_TOKENS = 128
+EXACT_TOKENS = int(os.environ.get("BENCH_EXACT_TOKENS", "128"))
 KNOBS = (
+    "BENCH_EXACT_TOKENS",
     "BENCH_RUNS",
     "BENCH_WARMUP",
     "BENCH_TOKENS",
@@ -234,8 +236,8 @@ def main() -> None:
     backends = {"static": Backend(static_dir, prompter), "paged": Backend(paged_dir, prompter)}
 
     exact = {
-        name: [s.token_ids for s in b.run(chats[:EXACT_PROMPTS], EXACT_TOKENS)]
-        for name, b in backends.items()
+        "static": [s.token_ids for s in backends["static"].run(chats[:EXACT_PROMPTS], EXACT_TOKENS)],
+        "paged": [backends["paged"].run([ids], EXACT_TOKENS)[0].token_ids for ids in chats[:EXACT_PROMPTS]],
     }
     static_exact = exact["static"] == exact["paged"]
     first_divergence = [
@@ -252,7 +254,16 @@ def main() -> None:
         for n, ids in long_prompts.items():
             configs[f"{name}_ttft_{n}"] = lambda b=backend, ids=ids: ttft_ms(b, ids)
     samples = interleaved(configs, RUNS, WARMUP)
-    result: dict = {"runs": RUNS, "tokens": TOKENS, "slots": SLOTS, "chunk": CHUNK, "context": CONTEXT}
+    result: dict = {
+        "runs": RUNS,
+        "tokens": TOKENS,
+        "threads": THREADS,
+        "slots": SLOTS,
+        "chunk": CHUNK,
+        "context": CONTEXT,
+        "exact_tokens": EXACT_TOKENS,
+        "exact_prompts": EXACT_PROMPTS,
+    }
     for key, num, den in (
         ("static_over_paged_1user", "static_1user", "paged_1user"),
         ("static_over_paged_full", "static_full", "paged_full"),
