@@ -15,9 +15,9 @@ split. Interleaved rounds, ratios of medians with bootstrap intervals:
                                cache over without (bench/compile_cache.py's measure)
 
 Also: the teacher-forced logit difference between the backends over the paged tokens
-(``logit_diff``: max and median |static - paged| per position, and the smallest top-1 margin seen),
-compile seconds per stage, the KV bytes each backend holds per stage, the stage's time writing new
-K/V rows into its buffers (``kv_write``), and the process's peak RSS.
+(``logit_diff``: max and median |static - paged| per position, and the smallest top-1 margin
+seen), compile seconds per stage (both backends), the KV bytes each backend holds per stage, the
+stage's time writing new K/V rows into its buffers (``kv_write``), and the process's peak RSS.
 
 Knobs (environment): BENCH_RUNS (default 3), BENCH_WARMUP (1), BENCH_TOKENS (decode tokens, 32),
 BENCH_THREADS (inference threads per stage, 1; 0: the plugin's choice), BENCH_SLOTS / BENCH_CHUNK /
@@ -139,38 +139,35 @@ def ttft_ms(backend: Backend, prompt: list[int]) -> float:
     return backend.run([prompt], 1)[0].ttft_ms
 
 
-def teacher_forced(static: Path, paged: Path, ids: list[int]) -> dict:
+def teacher_forced(s_shards: list[StaticShard], p_shards: list[PagedShard], ids: list[int]) -> dict:
     """Logits of every position of ``ids`` from both backends' stage chains (static in its
     chunks, paged in one row), compared: max and median |difference|, the smallest top-1 margin,
     and the positions whose greedy pick differs."""
-    s_shards = [StaticShard(static, i, "exact", THREADS) for i in range(2)]
-    p_shards = [PagedShard(paged, i, "exact", THREADS) for i in range(2)]
-    n = len(ids)
-    p_shards[0].open("tf", n)
-    p_shards[1].open("tf", n)
-    x = np.asarray(ids, np.int64)
+    n, x = len(ids), np.asarray(ids, np.int64)
+    for shard in p_shards:
+        shard.open("tf", n)
     hidden = p_shards[0].step([PagedRow("tf", x, np.arange(n))])[0]
     paged_logits = p_shards[1].step([PagedRow("tf", hidden, np.arange(n), logits=n)])[0]
+    slots = [shard.acquire() for shard in s_shards]
     static_logits = []
     for start in range(0, n, CHUNK):
         pos = np.arange(start, min(n, start + CHUNK))
-        h = s_shards[0].step([StaticRow(0, start, x[pos], pos)])[0]
-        static_logits.append(s_shards[1].step([StaticRow(0, start, h, pos, logits=len(pos))])[0])
+        h = s_shards[0].step([StaticRow(slots[0], start, x[pos], pos)])[0]
+        static_logits.append(s_shards[1].step([StaticRow(slots[1], start, h, pos, logits=len(pos))])[0])
+    for shard, slot in zip(s_shards, slots, strict=True):
+        shard.release(slot)
+    for shard in p_shards:
+        shard.free("tf")
     static_all = np.concatenate(static_logits)
     diff = np.abs(static_all - paged_logits).max(axis=-1)
     top2 = np.sort(paged_logits, axis=-1)[:, -2:]
     flips = np.nonzero(static_all.argmax(-1) != paged_logits.argmax(-1))[0]
-    kv_write = kv_write_us(s_shards[0])
     return {
         "positions": n,
         "max_abs": float(diff.max()),
         "median_abs": float(np.median(diff)),
         "min_top1_margin": float((top2[:, 1] - top2[:, 0]).min()),
         "argmax_flips": [int(i) for i in flips],
-        "kv_write": kv_write,
-        "static_kv_bytes_per_stage": [s.cache_bytes for s in s_shards],
-        "static_kv_positions_per_stage": SLOTS * CONTEXT,
-        "paged_kv_bytes_per_stage": [s.cache_bytes for s in p_shards],
     }
 
 
@@ -195,15 +192,6 @@ def kv_write_us(shard: StaticShard, reps: int = 50) -> dict:
         "chunk_us": round(write(CHUNK), 1),
         "inference_us": round(infer, 1),
     }
-
-
-def compile_seconds(export: Path) -> list[float]:
-    out = []
-    for i in range(2):
-        started = time.perf_counter()
-        StaticShard(export, i, "exact", THREADS, compile_cache="off")
-        out.append(round(time.perf_counter() - started, 2))
-    return out
 
 
 def start_ratio(static: Path) -> dict:
@@ -244,7 +232,18 @@ def main() -> None:
         next((i for i, (a, b) in enumerate(zip(s, p, strict=True)) if a != b), None)
         for s, p in zip(exact["static"], exact["paged"], strict=True)
     ]
-    logit_diff = teacher_forced(static_dir, paged_dir, chats[0] + exact["paged"][0])
+    s_shards, p_shards = backends["static"].ring.stages.shards, backends["paged"].ring.stages.shards
+    logit_diff = teacher_forced(s_shards, p_shards, chats[0] + exact["paged"][0])
+    memory = {
+        "static_kv_bytes_per_stage": [s.cache_bytes for s in s_shards],
+        "static_kv_positions_per_stage": SLOTS * CONTEXT,
+        "paged_kv_bytes_per_stage": [s.cache_bytes for s in p_shards],
+        "compile_s_per_stage": {
+            "static": [s.compile_seconds for s in s_shards],
+            "paged": [s.compile_seconds for s in p_shards],
+        },
+        "kv_write": kv_write_us(s_shards[0]),
+    }
 
     long_prompts = {n: prompt_of(prompter, n) for n in (128, 1024)}
     configs = {}
@@ -277,7 +276,7 @@ def main() -> None:
         "static_exact": static_exact,
         "first_divergence": first_divergence,
         "logit_diff": logit_diff,
-        "compile_s_per_stage": compile_seconds(static_dir),
+        "memory_and_compile": memory,
         **start_ratio(static_dir),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "measured": {name: summary(values) for name, values in samples.items()},
