@@ -289,7 +289,9 @@ class Coordinator:
             restore_timeout_s=self.settings.prefix_restore_timeout_s,
             failover=Failover(self.stages) if isinstance(self.stages, ReplicaLanes) else None,
         )
-        await self._warmup(generation, prompter, manifest.max_context)
+        # Static stages run one shape whatever the prompt: one chunk warms every hop's frames.
+        warm_context = self.ring.prefill_chunk + 4 if backend == "static" else manifest.max_context
+        await self._warmup(generation, prompter, warm_context)
         COORDINATOR_RUNNING.set_function(lambda: scheduler.running)
         COORDINATOR_QUEUED.set_function(lambda: scheduler.queued)
         self.servicer = CoordinatorServicer(
