@@ -32,6 +32,7 @@ def _info(address: str) -> stage_pb2.GetStageInfoResponse:
         )
 
 
+@pytest.mark.timeout(3600)  # every static step computes its 4 x 16 rows; a loaded machine can pass 15 minutes
 @pytest.mark.parametrize(
     "stages", [pytest.param(1, marks=pytest.mark.extended), 2, pytest.param(3, marks=pytest.mark.extended)]
 )
