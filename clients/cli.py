@@ -64,10 +64,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--kv",
-        choices=("stateful", "paged"),
-        default="paged",
-        help="--local only: the KV backend, paged (continuous batching, the fleet's default) or stateful "
-        "(one cache per session)",
+        choices=("auto", "stateful", "paged", "static"),
+        default="auto",
+        help="--local only: the KV backend, auto (static for a static export, else paged), paged "
+        "(continuous batching, the fleet's default), stateful (one cache per session) or static",
     )
     p.add_argument("--stream", action="store_true", help="print text as it arrives")
     p.add_argument("--json", action="store_true", help="print one JSON object with the result")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pipeshard import paths
 from pipeshard.errors import InvalidArgument, PipeshardError
-from pipeshard.shard.manifest import WEIGHT_FORMATS
+from pipeshard.shard.manifest import WEIGHT_FORMATS, StaticLayout
 from pipeshard.sizes import parse_bytes
 
 ENV_PREFIX = "PIPESHARD_EXPORT_"
@@ -108,6 +108,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="do not add the beam_idx Gather in front of the KV state (benchmark config B0)",
     )
     p.add_argument(
+        "--static",
+        action="store_true",
+        default=_env_flag("static"),
+        help="stateless static-shape stages (KV cache as inputs and outputs, fixed [slots, chunk] rows): "
+        "what an NPU compiles; stages take their backend from the manifest",
+    )
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=_int_or_none(_env("slots")) or 4,
+        help="--static: sequences one inference holds (continuous batching up to this many)",
+    )
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=_int_or_none(_env("chunk")) or 16,
+        help="--static: tokens per slot and inference (prefill chunk; a verify row fits in it)",
+    )
+    p.add_argument(
         "--max-stage-memory",
         default=_env("max_stage_memory"),
         help="refuse a split with a stage whose estimated export peak is over this size (6G, 512M, bytes)",
@@ -145,11 +164,15 @@ def run_export(args: argparse.Namespace) -> int:
     try:
         model_dir = resolve_model(args.model)
         if args.draft_layers is not None:
+            if args.static:
+                raise InvalidArgument("static", "does not apply to a draft (a draft is exported stateful)")
             if args.stages not in (None, 1) or args.split is not None or args.plan is not None:
                 raise InvalidArgument("stages", "does not apply to a draft (a draft is one stage)")
             name = paths.draft_export_name(model_dir.name, args.draft_layers, args.draft_vocab, args.weights)
         elif args.draft_vocab is not None:
             raise InvalidArgument("draft_vocab", "needs --draft-layers")
+        elif args.static and args.draft_layers is None and args.max_context is None:
+            raise InvalidArgument("max_context", "is required with --static (the KV inputs' fixed length)")
         elif args.stages is None and args.split is None and args.plan is None:
             raise InvalidArgument("stages", "is required (or give --split or --plan)")
         else:
@@ -158,6 +181,8 @@ def run_export(args: argparse.Namespace) -> int:
                 args.split = _plan_split(args.plan, spec.num_layers)
             layers = resolve_split(spec.num_layers, args.stages, args.split)
             name = paths.export_name(model_dir.name, len(layers), args.weights)
+            if args.static:
+                name += f"-static{args.slots}x{args.chunk}"
         group = args.group_size if args.group_size in (None, "auto") else _parse_group(args.group_size)
         out = args.out or paths.shards_dir() / name
         options = dict(
@@ -187,8 +212,15 @@ def run_export(args: argparse.Namespace) -> int:
                     **options,
                 )
             else:
+                static = StaticLayout(args.slots, args.chunk) if args.static else None
                 result = export_model(
-                    model_dir, out, split=layers, progress=printer, max_stage_memory=budget, **options
+                    model_dir,
+                    out,
+                    split=layers,
+                    progress=printer,
+                    max_stage_memory=budget,
+                    static=static,
+                    **options,
                 )
         finally:
             printer.close()
@@ -203,6 +235,8 @@ def run_export(args: argparse.Namespace) -> int:
             f"{e.seconds:.1f} s, peak RSS {e.peak_rss_bytes / 2**20:.0f} MiB ({e.rss_scope})"
         )
     kind = f"draft of {m.draft.layers} layers" if m.draft else f"{m.num_stages} stages"
+    if m.static is not None:
+        kind += f", static {m.static.slots} slots x {m.static.chunk} rows"
     print(
         f"exported {m.model.name} to {result.path}: {kind}, {m.weights.format}"
         + (f" (group {m.weights.group_size})" if m.weights.group_size else "")

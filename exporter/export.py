@@ -40,6 +40,7 @@ from pipeshard.shard.manifest import (
     ModelInfo,
     PortInfo,
     StageEntry,
+    StaticLayout,
     TokenizerInfo,
     WeightsInfo,
     export_id,
@@ -94,6 +95,8 @@ class StageJob:
     plan: CompressionPlan
     beam_idx: bool
     head_ids: tuple[int, ...] | None = None  # a draft's vocabulary slice: the LM head rows kept
+    static: StaticLayout | None = None  # stateless static shapes (static_stage.py) instead of state
+    max_context: int = 0  # the static KV inputs' positions
 
 
 @dataclass
@@ -211,6 +214,7 @@ def export_stage(job: StageJob, progress: ProgressFn) -> StageEntry:
         trace_stage,
     )
     from pipeshard.exporter.stage_module import build_stage_module
+    from pipeshard.exporter.static_stage import kv_port_names, trace_static
     from pipeshard.exporter.weights import load_stage_weights
 
     t0 = time.perf_counter()
@@ -231,17 +235,21 @@ def export_stage(job: StageJob, progress: ProgressFn) -> StageEntry:
     phase("trace", 0.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TorchScript tracer warnings about shape-dependent arange
-        model = trace_stage(module)
+        if job.static is not None:
+            model = trace_static(module, job.static, job.max_context)
+        else:
+            model = trace_stage(module)
     del module
     phase("trace", 1.0)
 
-    phase("convert", 0.0, "stateful KV" + (" + beam_idx" if job.beam_idx else ""))
-    past = [p.get_any_name() for p in model.inputs if p.get_any_name().startswith("past_key_values.")]
-    present = [p.get_any_name() for p in model.outputs if p.get_any_name().startswith("present.")]
-    if job.beam_idx:
-        add_beam_idx(model, past)
-    make_stateful(model, dict(zip(past, present, strict=True)))
-    phase("convert", 1.0)
+    if job.static is None:
+        phase("convert", 0.0, "stateful KV" + (" + beam_idx" if job.beam_idx else ""))
+        past = [p.get_any_name() for p in model.inputs if p.get_any_name().startswith("past_key_values.")]
+        present = [p.get_any_name() for p in model.outputs if p.get_any_name().startswith("present.")]
+        if job.beam_idx:
+            add_beam_idx(model, past)
+        make_stateful(model, dict(zip(past, present, strict=True)))
+        phase("convert", 1.0)
 
     phase("compress", 0.0, job.plan.weights)
     model = compress_stage(model, job.plan)
@@ -253,6 +261,8 @@ def export_stage(job: StageJob, progress: ProgressFn) -> StageEntry:
     ov.save_model(model, folder / MODEL_XML, compress_to_fp16=job.plan.save_fp16)
     phase("save", 1.0, str(folder))
     reorder = kv_reorder_report(model)
+    # A static stage has no state: its KV inputs are named as the stateful export's variables.
+    kv_names = kv_port_names(model) if job.static is not None else state_variable_ids(model)
     return StageEntry(
         index=i,
         layer_start=job.layer_start,
@@ -261,7 +271,7 @@ def export_stage(job: StageJob, progress: ProgressFn) -> StageEntry:
         model=f"stage_{i}/{MODEL_XML}",
         inputs=_port_records(model.inputs),
         outputs=_port_records(model.outputs),
-        state_variables=tuple(state_variable_ids(model)),
+        state_variables=tuple(kv_names),
         kv_reorder=KvReorder(reorder["read_values"], reorder["beam_idx_gathers"]),
         export=ExportStats(round(time.perf_counter() - t0, 3), _peak_rss_bytes(), "process"),
     )
@@ -443,6 +453,7 @@ class ExportPlan:
     model_name: str
     draft: DraftPlan | None
     weight_files: list[Path]  # the safetensors files the fingerprint covers
+    static: StaticLayout | None = None
 
     def jobs(self, tmp: Path) -> list[StageJob]:
         starts = [sum(self.layers[:i]) for i in range(len(self.layers))]
@@ -458,6 +469,8 @@ class ExportPlan:
                 self.compression,
                 self.beam_idx,
                 head_ids,
+                self.static,
+                self.max_context,
             )
             for index, (start, count) in enumerate(zip(starts, self.layers, strict=True))
         ]
@@ -479,6 +492,7 @@ def plan_export(
     model_name: str | None,
     draft: DraftPlan | None,
     max_stage_memory: int | None = None,
+    static: StaticLayout | None = None,
 ) -> ExportPlan:
     """Check every argument against the model before anything is written."""
     config = load_config(model_dir)
@@ -491,6 +505,8 @@ def plan_export(
     check_export_memory(spec, layers, max_stage_memory)
     compression = make_plan(spec, weights, group_size, head_precision, int8_sym)
     context = resolve_max_context(spec, max_context)
+    if static is not None:
+        check_static(static, context, draft is not None)
     if out_dir.exists() and not force:
         raise FailedPrecondition(f"{out_dir} already exists; pass --force (force=True) to replace it")
     wfiles = weight_files(model_dir)
@@ -506,7 +522,22 @@ def plan_export(
         model_name or model_dir.name,
         draft,
         wfiles,
+        static,
     )
+
+
+def check_static(static: StaticLayout, max_context: int, draft: bool) -> None:
+    """A static export's shapes: at least one slot, a chunk within the context, no draft."""
+    if draft:
+        raise InvalidArgument(
+            "static", "a draft is exported stateful (its stage runs beside the coordinator)"
+        )
+    if not isinstance(static.slots, int) or static.slots < 1:
+        raise InvalidArgument("slots", f"must be a positive integer, got {static.slots!r}")
+    if not isinstance(static.chunk, int) or not 1 <= static.chunk <= max_context:
+        raise InvalidArgument(
+            "chunk", f"must be an integer in [1, max_context {max_context}], got {static.chunk!r}"
+        )
 
 
 def export_stages(
@@ -559,6 +590,7 @@ def write_export(
         tokenizer=tokenizer,
         files=files,
         draft=draft,
+        static=plan.static,
     )
     write_manifest(tmp, manifest)
     return manifest
@@ -584,6 +616,7 @@ def export_model(
     draft: DraftPlan | None = None,
     cancel: threading.Event | None = None,
     max_stage_memory: int | None = None,
+    static: StaticLayout | None = None,
 ) -> ExportResult:
     """Export ``model_dir`` (a Hugging Face folder with safetensors) into N stage shards at ``out_dir``.
 
@@ -592,7 +625,8 @@ def export_model(
     ``pipeshard.exporter.draft.export_draft``) exports the model cut to its first layers as one stage.
     Setting ``cancel`` stops the export (Cancelled) and removes its partial folder; ``out_dir``
     is untouched unless the export completes. ``max_stage_memory`` (bytes) refuses a split with a
-    stage whose estimated export peak is larger (``pipeshard.exporter.budget``).
+    stage whose estimated export peak is larger (``pipeshard.exporter.budget``). ``static``
+    writes stateless static-shape stages (``pipeshard.exporter.static_stage``).
     """
     t0 = time.perf_counter()
     progress = progress or _default_progress
@@ -613,6 +647,7 @@ def export_model(
         model_name=model_name,
         draft=draft,
         max_stage_memory=max_stage_memory,
+        static=static,
     )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"

@@ -107,6 +107,29 @@ def smollm2_export(smollm2_dir: Path):
     return get
 
 
+# The static exports the tests use: small fixed shapes keep their export and compile short.
+STATIC_SLOTS, STATIC_CHUNK, STATIC_CONTEXT = 4, 16, 512
+
+
+@pytest.fixture(scope="session")
+def smollm2_static_export(smollm2_dir: Path):
+    """Factory: the default model's INT4 static export (``export --static``, 4 slots x 16 rows, 512
+    positions) with ``stages`` stages, cached like smollm2_export."""
+    from pipeshard.exporter.export import export_model
+    from pipeshard.shard.manifest import StaticLayout
+
+    root = Path(os.environ.get("PIPESHARD_TEST_SHARDS", REPO_ROOT / "shards" / ".test"))
+
+    def get(stages: int) -> Path:
+        out = root / f"smollm2-{stages}s-int4-static{STATIC_SLOTS}x{STATIC_CHUNK}-{STATIC_CONTEXT}"
+        if not (out / "manifest.json").exists():
+            layout = StaticLayout(STATIC_SLOTS, STATIC_CHUNK)
+            export_model(smollm2_dir, out, stages=stages, max_context=STATIC_CONTEXT, static=layout)
+        return out
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def smollm2_draft(smollm2_dir: Path):
     """Factory: a self-draft of the default model (layers, vocab, weights), cached like smollm2_export."""

@@ -327,6 +327,22 @@ class DraftInfo:
 
 
 @dataclass(frozen=True)
+class StaticLayout:
+    """A static export's fixed shapes (``pipeshard export --static``): every inference runs
+    ``slots`` rows of ``chunk`` tokens over KV inputs of max_context positions per slot."""
+
+    slots: int
+    chunk: int
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> StaticLayout:
+        return cls(int(raw["slots"]), int(raw["chunk"]))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"slots": self.slots, "chunk": self.chunk}
+
+
+@dataclass(frozen=True)
 class Manifest:
     """manifest.json as one typed object: the exporter builds and writes it (``to_dict``), every
     reader loads it (``from_dict``); the two are inverse on every export."""
@@ -345,6 +361,12 @@ class Manifest:
     files: Mapping[str, FileRecord]
     draft: DraftInfo | None = None
     export_id: str = ""  # "" in exports written before it existed
+    static: StaticLayout | None = None  # stateless static-shape stages; None: stateful (KV as graph state)
+
+    @property
+    def kv_layout(self) -> str:
+        """How the stages hold the KV cache: "static" (inputs and outputs) or "stateful"."""
+        return "static" if self.static is not None else "stateful"
 
     @property
     def num_stages(self) -> int:
@@ -356,6 +378,7 @@ class Manifest:
         where = Path(export_dir) / MANIFEST
         try:
             draft = raw.get("draft")
+            static = raw.get("static")
             stages = tuple(StageEntry.from_dict(s) for s in raw["stages"])
             return cls(
                 export_dir=Path(export_dir),
@@ -372,6 +395,7 @@ class Manifest:
                 files={rel: FileRecord(str(r["sha256"]), int(r["size"])) for rel, r in raw["files"].items()},
                 draft=DraftInfo.from_dict(draft) if draft else None,
                 export_id=str(raw.get("export_id", "")),
+                static=StaticLayout.from_dict(static) if static else None,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise FailedPrecondition(f"{where} is malformed: {type(exc).__name__} {exc}") from None
@@ -400,6 +424,9 @@ class Manifest:
         )
         if self.draft is not None:
             out["draft"] = self.draft.to_dict()
+        if self.static is not None:
+            out["kv_layout"] = self.kv_layout
+            out["static"] = self.static.to_dict()
         return out
 
     def stage(self, stage: int) -> StageEntry:

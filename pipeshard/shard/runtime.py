@@ -170,6 +170,7 @@ class StageShard:
         started = time.perf_counter()
         compiled = self.core.compile_model(model, device, config)
         seconds = round(time.perf_counter() - started, 3)
+        self.compile_seconds = seconds
         cache = config.get("CACHE_DIR")
         log.info("compiled", stage=self.stage_index, device=device, cache=cache, seconds=seconds)
         return compiled

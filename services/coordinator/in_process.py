@@ -31,11 +31,13 @@ from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.paged_engine import PagedEngine
 from pipeshard.services.stage.prefix_store import PrefixStore
 from pipeshard.services.stage.sessions import SessionTable
+from pipeshard.services.stage.static_engine import StaticEngine
 from pipeshard.services.stage.step_engine import RowEngine
 from pipeshard.services.stage.wire import result_from_output, stage_error, step_from_frame
 from pipeshard.shard.manifest import input_port, load_manifest
 from pipeshard.shard.paged import DEFAULT_CACHE_BYTES, PagedShard
 from pipeshard.shard.runtime import ShardRunner
+from pipeshard.shard.static import StaticShard
 from pipeshard.v1 import activation_pb2
 
 LOCAL_OWNER = "local"  # one process, one party: the operator running it
@@ -48,13 +50,13 @@ class InProcessStages:
     def __init__(self, export_dir: Path, shards: list, engines: list[RowEngine], kv: list[StageKv]):
         manifest = load_manifest(export_dir)
         self.export_dir = export_dir
-        self.shards = shards  # ShardRunner (stateful) or PagedShard (paged), one per stage
+        self.shards = shards  # ShardRunner (stateful), PagedShard (paged) or StaticShard, one per stage
         self.engines = engines
         self.kv = kv
         self.kv_backend = engines[0].kv_backend
         self.max_context = manifest.max_context
         self.vocab_size = manifest.model.vocab_size
-        self._threaded = self.kv_backend == "paged"
+        self._threaded = self.kv_backend != "stateful"
         self._locks: list[asyncio.Lock] = []  # one step at a time per stage (made per event loop)
         self._locks_loop: asyncio.AbstractEventLoop | None = None
 
@@ -119,18 +121,41 @@ class InProcessStages:
         ]
         return cls(export_dir, shards, engines, kv)
 
+    @classmethod
+    def static(
+        cls,
+        export_dir: Path | str,
+        precision: str = DEFAULT_PRECISION,
+        num_threads: int | None = None,
+        *,
+        max_sessions: int = 64,
+        prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
+        core: ov.Core | None = None,
+    ) -> InProcessStages:
+        """Every stage of a static export (``pipeshard export --static``), a slot per session."""
+        export_dir = Path(export_dir)
+        core = core or ov.Core()
+        shards = [
+            StaticShard(export_dir, i, precision, num_threads, core=core)
+            for i in range(load_manifest(export_dir).num_stages)
+        ]
+        engines = [StaticEngine(s, max_sessions, idle_timeout_s=float("inf")) for s in shards]
+        kv = [StageKv.static(e, PrefixStore(prefix_cache_bytes)) for e in engines]
+        return cls(export_dir, shards, engines, kv)
+
     def ring(
         self, *, step_tokens: int = DEFAULT_STEP_TOKENS, gather_s: float = 0.002, inflight: int = 1
     ) -> Ring:
-        """The ring over these stages (paged: batching every session's steps, counted by stage 0's
-        session table)."""
+        """The ring over these stages (paged and static: batching every session's steps, counted
+        by stage 0's session table; static: in rows of the export's chunk)."""
         return Ring(
             self,
-            paged=self.kv_backend == "paged",
+            paged=self.kv_backend != "stateful",
             sessions=lambda: len(self.engines[0].sessions),
             step_tokens=step_tokens,
             gather_s=gather_s,
             inflight=inflight,
+            prefill_chunk=self.shards[0].chunk if self.kv_backend == "static" else None,
         )
 
     @property
@@ -267,8 +292,18 @@ def batched_ring(
     inflight: int = 1,
     core: ov.Core | None = None,
 ) -> Ring:
-    """A ring over every stage of the export in this process on the paged backend, batching
-    every running session's steps."""
+    """A ring over every stage of the export in this process on the paged backend (the static
+    one for a static export), batching every running session's steps."""
+    if load_manifest(Path(export_dir)).static is not None:
+        static = InProcessStages.static(
+            export_dir,
+            precision,
+            num_threads,
+            max_sessions=max_sessions,
+            prefix_cache_bytes=prefix_cache_bytes,
+            core=core,
+        )
+        return static.ring(step_tokens=step_tokens, gather_s=gather_s, inflight=inflight)
     stages = InProcessStages.paged(
         export_dir,
         precision,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from pathlib import Path
 
 from pipeshard.errors import PipeshardError
 from pipeshard.logs import configure_logging
@@ -17,7 +18,9 @@ from pipeshard.services.coordinator.generation import Generation, Summary
 from pipeshard.services.coordinator.in_process import batched_ring, local_ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
+from pipeshard.shard.manifest import load_manifest
 from pipeshard.shard.prompting import Prompter
+from pipeshard.shard.static import kv_backend
 
 
 def generate_local(args: argparse.Namespace, stream: bool) -> Summary:
@@ -26,8 +29,8 @@ def generate_local(args: argparse.Namespace, stream: bool) -> Summary:
     configure_logging(fmt="console", level="warning", stream=sys.stderr)
     prompter = Prompter.from_dir(args.local)
     precision = args.precision or DEFAULT_PRECISION
-    paged = args.kv == "paged"
-    ring = batched_ring(args.local, precision) if paged else local_ring(args.local, precision=precision)
+    batched = kv_backend(args.kv, load_manifest(Path(args.local))) != "stateful"
+    ring = batched_ring(args.local, precision) if batched else local_ring(args.local, precision=precision)
     ring.stages.warmup()  # the first inference prepares kernels (0.5-2 s); keep it out of ttft
     generation = Generation(
         ring,

@@ -143,8 +143,9 @@ class CoordinatorSettings(ServerSettings):
     kv: str = setting(
         "auto",
         "the stages' KV backend: paged batches every running session into one plan frame per step, "
-        "stateful runs each session's frames alone; auto follows what the stages report",
-        choices=("auto", "stateful", "paged"),
+        "stateful runs each session's frames alone, static batches like paged in rows of the shards' "
+        "chunk; auto follows what the stages report",
+        choices=("auto", "stateful", "paged", "static"),
     )
     inflight: int = setting(
         1,
@@ -217,6 +218,12 @@ def stage_kv_backend(wanted: str, stages: list[stage_pb2.GetStageInfoResponse]) 
     return backends[0]
 
 
+def static_chunk(stages: list[stage_pb2.GetStageInfoResponse]) -> int | None:
+    """The tokens a row may carry on static stages (the smallest chunk of any); None elsewhere."""
+    chunks = [info.static_chunk for info in stages if info.static_chunk]
+    return min(chunks) if chunks else None
+
+
 @dataclass
 class Coordinator:
     """Everything one coordinator process holds; built inside the running event loop."""
@@ -249,7 +256,8 @@ class Coordinator:
         await self.stages.start()
         await self.stages.wait_ready(self.settings.ready_timeout_s)
         infos = await self.stages.stage_infos()
-        paged = stage_kv_backend(self.settings.kv, infos) == "paged"
+        backend = stage_kv_backend(self.settings.kv, infos)
+        paged = backend in ("paged", "static")  # both batch steps and truncate on a rewind
         promise = fleet_promise(infos)
         log.info("fleet_promise", precision=promise.precision, invariant=promise.invariant)
         prefix = self.settings.prefix_cache == "on"
@@ -261,10 +269,15 @@ class Coordinator:
             sessions=lambda: scheduler.running,
             accounts=scheduler.accounts(),
             inflight=self.settings.inflight or None,
+            prefill_chunk=static_chunk(infos),
         )
         chunk = self.settings.prefill_chunk
         if paged and chunk == DEFAULT_PREFILL_CHUNK:
             chunk = self.ring.prefill_chunk  # the same chunks as `generate --local --kv paged`
+        max_k = self.settings.max_k
+        if backend == "static":  # a row holds at most the shards' chunk: prefill and verify fit in it
+            chunk = min(chunk, self.ring.prefill_chunk)
+            max_k = max(1, min(max_k, self.ring.prefill_chunk - 1))
         generation = Generation(
             self.ring,
             prompter.tokenizer,
@@ -277,7 +290,7 @@ class Coordinator:
                 draft_cache=self.settings.draft_cache,
             ),
             default_speculative=self.settings.speculative,
-            max_k=self.settings.max_k,
+            max_k=max_k,
             final_stage_sampling=self.settings.final_stage_sampling,
             tree_prune=self.settings.tree_prune,
             prefix=(
@@ -288,7 +301,9 @@ class Coordinator:
             restore_timeout_s=self.settings.prefix_restore_timeout_s,
             failover=self._failover(infos),
         )
-        await self._warmup(generation, prompter, manifest.max_context)
+        # Static stages run one shape whatever the prompt: one chunk warms every hop's frames.
+        warm_context = self.ring.prefill_chunk + 4 if backend == "static" else manifest.max_context
+        await self._warmup(generation, prompter, warm_context)
         COORDINATOR_RUNNING.set_function(lambda: scheduler.running)
         COORDINATOR_QUEUED.set_function(lambda: scheduler.queued)
         self.servicer = CoordinatorServicer(
@@ -359,9 +374,13 @@ class Coordinator:
                     log.error("lane_refused", stages=addresses, error=str(exc))
 
     def _scheduler(self, infos: list[stage_pb2.GetStageInfoResponse]) -> Scheduler:
-        """The scheduler over the stages' budgets for this coordinator: their KV pools (paged) and
-        the sessions each lets it hold (both backends), which caps --max-running."""
-        sessions = min(info.max_sessions_per_owner or self.settings.max_running for info in infos)
+        """The scheduler over the stages' budgets for this coordinator: their KV pools (paged), the
+        sessions each lets it hold (every backend) and a static stage's slots, which cap --max-running
+        (a request beyond them waits in the queue)."""
+        sessions = min(
+            min(info.max_sessions_per_owner or self.settings.max_running, info.static_slots or 1 << 30)
+            for info in infos
+        )
         capacity = min(self.settings.max_running, sessions)
         kv = KvMirror.from_infos(infos)
         log.info(
@@ -410,7 +429,7 @@ class Coordinator:
             shards=self.settings.shards,
             next_hop=self.settings.stages[0],
             precision=self.settings.precision,
-            kv="stateful" if self.settings.kv == "stateful" else "paged",  # auto: the stages' default
+            kv=self.settings.kv,  # auto: the manifest's (static for a static export, else paged)
             hop_delay_ms=self.settings.hop_delay_ms,
             tls_dir=self.settings.tls_dir,
             tls_name=self.settings.tls_name or "coordinator",

@@ -84,13 +84,16 @@ class Ring:
         step_tokens: int = DEFAULT_STEP_TOKENS,
         gather_s: float = 0.002,
         inflight: int | None = None,
+        prefill_chunk: int | None = None,
     ):
-        """``paged``: the stages' KV backend is paged (steps are batched). ``sessions``: how many
-        sessions may send steps (the scheduler's count; a batching ring needs it). ``inflight``:
-        the most batched steps travelling at once (None: one per stage)."""
+        """``paged``: the stages' KV backend is paged or static (steps are batched, a rewind
+        truncates). ``sessions``: how many sessions may send steps (the scheduler's count; a
+        batching ring needs it). ``inflight``: the most batched steps travelling at once (None:
+        one per stage). ``prefill_chunk``: prompt tokens per frame when the stages fix it (a
+        static shard's chunk); None: the backend's default."""
         self.stages = stages
         self.truncates_on_rewind = paged
-        self.prefill_chunk = PAGED_PREFILL_CHUNK if paged else DEFAULT_PREFILL_CHUNK
+        self.prefill_chunk = prefill_chunk or (PAGED_PREFILL_CHUNK if paged else DEFAULT_PREFILL_CHUNK)
         self._accounts = accounts
         # Step cost and load for batch-aware K (speculation/policy.py, ``BatchSteps``); None when
         # each session's step travels alone.

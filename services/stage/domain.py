@@ -62,6 +62,8 @@ class StepRow:
     tree_parents: tuple[int, ...] = ()  # per token, its parent's index in the row (-1: the cache)
     tree_kept: tuple[int, ...] = ()  # after a tree_parents row: its token indices the session keeps
     top1_ids_only: bool = False  # ReturnMode.TOP1 without probabilities (no softmax)
+    slot_id: int = -1  # static stages: the slot the session holds (-1: the stage finds it)
+    prefix_reuse_length: int = 0  # static stages: continue after this many cached positions (0: all)
 
     @property
     def tokens(self) -> int:

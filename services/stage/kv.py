@@ -4,7 +4,8 @@ A restore is all or nothing on this stage: the blob (or the cached prefix) is ch
 before the session is touched, and a session that already held a sequence is replaced. Both KV
 backends capture the same backend-neutral arrays (pipeshard/shard/kvblob.py), so one prefix
 store and one blob format serve a stateful stage (graph state) and a paged one (block pools); a
-paged stage with quantized pools captures its blocks verbatim (KvSource.blocks).
+paged stage with quantized pools captures its blocks verbatim (KvSource.blocks); a static stage
+captures its slot's positions of its KV buffers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pipeshard.errors import InvalidArgument, NotFound
 from pipeshard.services.stage.paged_engine import PagedEngine
 from pipeshard.services.stage.prefix_store import PrefixStore
 from pipeshard.services.stage.sessions import SessionTable
+from pipeshard.services.stage.static_engine import StaticEngine
 from pipeshard.shard.kvblob import KvBlob, KvSource
 from pipeshard.shard.runtime import export_kv, import_kv
 
@@ -81,13 +83,49 @@ class PagedAccess:
         self.shard.import_kv(session.key, blob.arrays, blob.positions)
 
 
+class StaticAccess:
+    """A static session's KV: the positions its slot holds in the shard's buffers (the stateful
+    blob layout, f32 per layer). A restore into a session not opened takes a free slot."""
+
+    def __init__(self, engine: StaticEngine):
+        self.engine = engine
+        self.sessions = engine.sessions
+        self.shard = engine.shard
+
+    def held(self, session) -> int:
+        return session.past_length
+
+    def blob(
+        self, session, positions: int, token_ids: tuple[int, ...], checksum: bool, start: int = 0
+    ) -> KvBlob:
+        arrays = self.shard.export_kv(session.slot, positions, start)
+        return KvBlob.build(
+            self.shard.kv_source,
+            arrays,
+            token_ids,
+            positions=positions - start,
+            checksum=checksum,
+            start=start,
+        )
+
+    def fresh(self, owner: str, session_id: str):
+        try:
+            self.engine.reset(owner, session_id)
+        except NotFound:
+            self.engine.open(owner, session_id)
+        return self.sessions.get(owner, session_id)
+
+    def load(self, session, blob: KvBlob) -> None:
+        self.shard.import_kv(session.slot, blob.arrays, blob.positions)
+
+
 class StageKv:
     def __init__(
         self,
         sessions: SessionTable,
         source: KvSource,
         store: PrefixStore,
-        access: StatefulAccess | PagedAccess | None = None,
+        access: StatefulAccess | PagedAccess | StaticAccess | None = None,
     ):
         self.sessions = sessions
         self.source = source
@@ -97,6 +135,10 @@ class StageKv:
     @classmethod
     def paged(cls, engine: PagedEngine, store: PrefixStore) -> StageKv:
         return cls(engine.sessions, engine.shard.kv_source, store, PagedAccess(engine))
+
+    @classmethod
+    def static(cls, engine: StaticEngine, store: PrefixStore) -> StageKv:
+        return cls(engine.sessions, engine.shard.kv_source, store, StaticAccess(engine))
 
     def capture(self, owner: str, session_id: str, token_ids: Sequence[int], start: int = 0) -> KvBlob:
         """The session's valid positions (the first len(token_ids) when given) as a checked blob;

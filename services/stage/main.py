@@ -23,15 +23,17 @@ from pipeshard.services.stage.prefix_store import PrefixStore
 from pipeshard.services.stage.rawtcp import RawTcpStage
 from pipeshard.services.stage.servicer import StageServicer
 from pipeshard.services.stage.sessions import SessionTable
+from pipeshard.services.stage.static_engine import StaticEngine
 from pipeshard.services.stage.wire import WIRE_DTYPES
 from pipeshard.services.transport.hop import HopStream
 from pipeshard.settings import ServerSettings, load_settings, setting
 from pipeshard.shard.device import DEFAULT_DEVICE
-from pipeshard.shard.manifest import verify_shard
+from pipeshard.shard.manifest import load_manifest, verify_shard
 from pipeshard.shard.paged import DEFAULT_CACHE_BYTES, PagedShard
 from pipeshard.shard.pull import pull_shard
 from pipeshard.shard.runtime import ShardRunner, StageShard
 from pipeshard.shard.serving import hold_serving_lock
+from pipeshard.shard.static import AUTO_KV, KV_BACKENDS, StaticShard, kv_backend
 from pipeshard.tls import TlsConfig
 from pipeshard.topology import Topology
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
@@ -93,10 +95,11 @@ class StageSettings(ServerSettings):
         4 * 1024 * 1024 * 1024, "bytes of blocks the spill folder keeps (oldest out; --prefix-spill-dir)"
     )
     kv: str = setting(
-        "paged",
-        "KV backend: paged (a shared block pool; plan frames run many sessions in one inference) or "
-        "stateful (one cache per session, one session per inference; the raw-TCP baseline needs it)",
-        choices=("stateful", "paged"),
+        AUTO_KV,
+        "KV backend: auto (static for a `pipeshard export --static` shard, else paged), paged (a shared "
+        "block pool; plan frames run many sessions in one inference), stateful (one cache per session, "
+        "one session per inference; the raw-TCP baseline needs it) or static (only a static export)",
+        choices=(AUTO_KV, *KV_BACKENDS),
     )
     kv_cache_bytes: int = setting(DEFAULT_CACHE_BYTES, "byte budget of the paged KV block pool (--kv paged)")
     device: str = setting(
@@ -107,7 +110,7 @@ class StageSettings(ServerSettings):
     compile_cache_dir: str = setting(
         "",
         "folder for compiled models, so a restart skips compiling (one subfolder per export and "
-        "device; empty: .compile_cache inside the export; off: no cache); --kv stateful only",
+        "device; empty: .compile_cache inside the export; off: no cache); --kv stateful and static",
     )
 
 
@@ -161,12 +164,22 @@ def prefix_store(settings: StageSettings, shard: StageShard) -> PrefixStore:
 
 def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageInfoResponse]:
     threads = settings.num_threads or None
-    if settings.kv == "paged" and settings.raw_tcp_port:
+    if settings.kv != "stateful" and settings.raw_tcp_port:
         raise InvalidArgument(
             "raw_tcp_port", "the raw-TCP baseline serves the stateful backend only (--kv stateful)"
         )
     check_wire_dtype(settings.codec, settings.wire_dtype)
-    if settings.kv == "paged":
+    backend = kv_backend(settings.kv, load_manifest(Path(settings.shards)))
+    if backend == "static":
+        runner = StaticShard(
+            settings.shards,
+            settings.stage,
+            settings.precision,
+            threads,
+            device=settings.device,
+            compile_cache=settings.compile_cache_dir,
+        )
+    elif backend == "paged":
         runner = PagedShard(
             settings.shards,
             settings.stage,
@@ -200,7 +213,17 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         seconds=round(time.perf_counter() - started, 3),
     )
     meters = StageMeters(settings.stage)
-    if settings.kv == "paged":
+    if backend == "static":
+        engine = StaticEngine(
+            runner,
+            settings.max_sessions,
+            settings.idle_timeout_s,
+            settings.max_sessions_per_owner,
+            meters=meters,
+        )
+        meters.watch(engine.sessions, kv_bytes_per_position(runner))
+        kv = StageKv.static(engine, prefix_store(settings, runner))
+    elif backend == "paged":
         engine = PagedEngine(
             runner,
             settings.max_sessions,
@@ -253,6 +276,8 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         invariant=is_invariant(settings.precision),
         device=runner.device,
     )
+    if backend == "static":
+        info.static_slots, info.static_chunk = runner.slots, runner.chunk
     return node, info
 
 

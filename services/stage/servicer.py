@@ -165,6 +165,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         info.live_sessions = len(engine.sessions)
         info.kv_backend = engine.kv_backend
         info.max_sessions_per_owner = engine.sessions.max_per_owner
+        if engine.kv_backend == "static":
+            info.static_slots_used = engine.shard.slots_used
         if engine.kv_backend == "paged":
             usage = engine.shard.usage()
             info.kv_cache_budget_bytes = usage.budget_bytes

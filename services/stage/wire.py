@@ -90,6 +90,8 @@ def _row(row: activation_pb2.PlanRow, positions: np.ndarray, x: np.ndarray, owne
         tree_parents=tuple(row.tree_parents),
         tree_kept=tuple(row.tree_kept),
         top1_ids_only=row.top1_ids_only,
+        slot_id=row.slot_id,
+        prefix_reuse_length=row.prefix_reuse_length,
     )
 
 
@@ -121,8 +123,9 @@ def _sampling_request(step: SamplingStep) -> activation_pb2.SamplingRequest:
 
 def _plan_row(row: StepRow) -> activation_pb2.PlanRow:
     return activation_pb2.PlanRow(
-        slot_id=-1,
+        slot_id=row.slot_id,
         position=int(row.positions[0]) if len(row.positions) else 0,
+        prefix_reuse_length=row.prefix_reuse_length,
         session_id=row.session_id,
         step_id=row.step_id,
         tokens=row.tokens,

@@ -1,5 +1,5 @@
-"""The step interface (services/stage/step_engine.py): the stateful and the paged engines pass the
-same row-level tests, over fake models whose logits favour token (position + 3) % VOCAB."""
+"""The step interface (services/stage/step_engine.py): the stateful, paged and static engines pass
+the same row-level tests, over fake models whose logits favour token (position + 3) % VOCAB."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from pipeshard.services.stage.domain import ReturnMode, RowKind, SamplingStep, S
 from pipeshard.services.stage.engine import StageEngine
 from pipeshard.services.stage.paged_engine import PagedEngine
 from pipeshard.services.stage.sessions import SessionTable
+from pipeshard.services.stage.static_engine import StaticEngine
+from pipeshard.shard.static import StaticShard
 
 VOCAB, HIDDEN, MAX_CONTEXT = 11, 4, 64
 OWNER = "owner-a"
@@ -106,6 +108,40 @@ class FakePagedShard:
         return outs
 
 
+class FakeStaticShard:
+    """A static shard's slots and checks (the real ones) over a fake model."""
+
+    stage_index, hidden_size, max_context, vocab_size = 0, HIDDEN, MAX_CONTEXT, VOCAB
+    slots, chunk, name = 4, 8, "static shard fake stage 0 (4 slots x 8)"
+    check = StaticShard.check
+    acquire = StaticShard.acquire
+    release = StaticShard.release
+    length = StaticShard.length
+    rewind = StaticShard.rewind
+    slots_used = StaticShard.slots_used
+
+    def __init__(self, is_last: bool):
+        import threading
+
+        self.is_first, self.is_last = True, is_last
+        self.lengths = np.zeros(self.slots, np.int64)
+        self._free = list(range(self.slots - 1, -1, -1))
+        self._lock = threading.Lock()
+        self.steps = 0
+
+    def step(self, rows):
+        self.steps += 1
+        outs = []
+        for row in rows:
+            self.check(row)
+            self.lengths[row.slot] = row.start + len(row.positions)
+            if self.is_last:
+                outs.append(_logits(row.positions[len(row.positions) - row.logits :]))
+            else:
+                outs.append(_hidden(row.positions))
+        return outs
+
+
 def make_engine(backend: str, is_last: bool = True):
     if backend == "stateful":
         session_class = type("Session", (FakeSession,), {"is_last": is_last})
@@ -117,6 +153,8 @@ def make_engine(backend: str, is_last: bool = True):
             max_context=MAX_CONTEXT,
             vocab_size=VOCAB,
         )
+    elif backend == "static":
+        engine = StaticEngine(FakeStaticShard(is_last), max_sessions=8, idle_timeout_s=60.0)
     else:
         engine = PagedEngine(FakePagedShard(is_last), max_sessions=8, idle_timeout_s=60.0)
     for session in ("a", "b", "c"):
@@ -145,7 +183,7 @@ def length(engine, session: str) -> int:
     return engine.sessions.get(OWNER, session).past_length
 
 
-BACKENDS = ["stateful", "paged"]
+BACKENDS = ["stateful", "paged", "static"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -173,8 +211,8 @@ def test_verify_with_a_rewind_of_the_rejected_tail_returns_a_position_per_token(
     e.run([row("a", RowKind.VERIFY, [2, 3, 4], 4, return_last=3)])  # 7 written, two drafts rejected
     (out,) = e.run([row("a", RowKind.VERIFY, [5, 6], 5, return_last=2, invalidate=((5, 7),))])
     assert out.top1.token_ids.tolist() == [8, 9]
-    # The paged cache drops the tail; the stateful one keeps it masked.
-    assert length(e, "a") == (7 if backend == "paged" else 9)
+    # The paged and static caches drop the tail; the stateful one keeps it masked.
+    assert length(e, "a") == (9 if backend == "stateful" else 7)
     if backend == "stateful":
         assert e.sessions.get(OWNER, "a").masked == [(5, 7)]
 
@@ -339,3 +377,55 @@ def test_paged_trees_need_f32_pools():
     (out,) = e.run([_tree_row("a", 6)])
     with pytest.raises(InvalidArgument, match=r"`tree_parents` .*f32 KV pools"):
         raise out
+
+
+def test_static_rows_name_their_slot_and_bad_slots_chunks_and_positions_are_refused_by_name():
+    e = make_engine("static")
+    (a,) = e.run([prefill("a", 3, last=True)])
+    assert a.row.slot_id == 0  # written into the row the stage passes on (the next plan frame)
+    slot_b = e.sessions.get(OWNER, "b").slot
+    bad = [
+        (replace(prefill("b", 2), slot_id=9), r"`slot_id` must be -1 or in \[0, 4\)"),
+        (replace(prefill("b", 2), slot_id=0), f"`slot_id` session 'b' holds slot {slot_b}, not 0"),
+        (prefill("b", 9), r"`tokens` a row holds at most 8 tokens on the static shard"),
+        (row("b", RowKind.DECODE, [1], MAX_CONTEXT), r"`positions` must lie in \[0, 64\)"),
+        (replace(prefill("b", 2), prefix_reuse_length=5), r"`prefix_reuse_length` must be in \[0, 0\]"),
+    ]
+    for bad_row, match in bad:
+        (out,) = e.run([bad_row])
+        assert isinstance(out, InvalidArgument), match
+        with pytest.raises(InvalidArgument, match=match):
+            raise out
+    assert length(e, "b") == 0
+    (ok,) = e.run([replace(prefill("b", 2), slot_id=slot_b)])
+    assert ok.row.slot_id == slot_b and length(e, "b") == 2
+
+
+def test_static_prefix_reuse_continues_after_the_kept_positions():
+    e = make_engine("static")
+    e.run([prefill("a", 6)])
+    (out,) = e.run([replace(prefill("a", 2, start=4, last=True), prefix_reuse_length=4)])
+    assert out.top1.token_ids.tolist() == [(5 + 3) % VOCAB] and length(e, "a") == 6
+
+
+def test_static_sessions_hold_a_slot_each_up_to_the_shards_slots():
+    e = make_engine("static")  # a, b and c hold three of the four slots
+    e.open(OWNER, "d")
+    with pytest.raises(PipeshardError, match="all 4 slots of the static shard fake"):
+        e.open(OWNER, "e")
+    assert len(e.sessions) == 4  # the refused session is not left open
+    e.sessions.release(OWNER, "a")
+    e.open(OWNER, "e")
+    assert e.sessions.get(OWNER, "e").slot == 0
+
+
+def test_the_backend_follows_the_manifest_and_a_mismatch_is_refused_by_name():
+    from pipeshard.shard.static import kv_backend
+
+    static = SimpleNamespace(kv_layout="static", export_dir="/x/static")
+    stateful = SimpleNamespace(kv_layout="stateful", export_dir="/x/plain")
+    assert [kv_backend(k, static) for k in ("auto", "static")] == ["static", "static"]
+    assert [kv_backend(k, stateful) for k in ("auto", "paged", "stateful")] == ["paged", "paged", "stateful"]
+    for wanted, manifest in (("paged", static), ("stateful", static), ("static", stateful)):
+        with pytest.raises(InvalidArgument, match=f"`kv` is {wanted}, but .* export"):
+            kv_backend(wanted, manifest)

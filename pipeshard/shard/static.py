@@ -1,0 +1,238 @@
+"""A static stage shard: S slots of C rows per inference over KV buffers the stage owns.
+
+The export (``pipeshard export --static``, exporter/static_stage.py) has no graph state and only
+static shapes, the form an NPU compiles. This module holds the cache instead: one f32 buffer
+[S, kv_heads, L, head_dim] per layer and K/V, bound once to the request's KV inputs as tensors
+sharing the buffers' memory (``set_tensor``), so a step copies none of the cache in. The model
+returns the new rows' K/V into small output buffers bound the same way; the stage writes each
+row's valid part into its slot at the slot's length (a copy of the new rows only, measured in
+bench-static as ``kv_write``). Every input and output is preallocated and bound once.
+
+A sequence holds a slot from open to free; a step packs one row per sequence, at most C tokens,
+into its slot; idle slots and padding rows are masked out (``attention_mask``) and their results
+dropped, so a row's values do not depend on the other slots. Rewind: a slot's length shortens
+and the next rows overwrite the tail.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+
+from pipeshard.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from pipeshard.precision import DEFAULT_PRECISION
+from pipeshard.shard.device import DEFAULT_DEVICE
+from pipeshard.shard.manifest import Manifest
+from pipeshard.shard.runtime import StageShard, compile_properties
+
+AUTO_KV = "auto"
+KV_BACKENDS = ("stateful", "paged", "static")
+
+
+def kv_backend(wanted: str, manifest: Manifest) -> str:
+    """The backend a stage runs: a static export's shards run only static (and ``auto`` picks it),
+    a stateful export's run paged (``auto``) or stateful."""
+    layout = manifest.kv_layout
+    if wanted == AUTO_KV:
+        return "static" if layout == "static" else "paged"
+    if (wanted == "static") != (layout == "static"):
+        raise InvalidArgument(
+            "kv",
+            f"is {wanted}, but {manifest.export_dir} is a {layout} export (--kv auto follows the manifest)",
+        )
+    return wanted
+
+
+@dataclass(frozen=True)
+class StaticRow:
+    """One sequence's part of a step: its slot, the cache length it starts from (after a rewind
+    or a prefix reuse), its inputs (int64 ids [T] or f32 hidden [T, H]), their positions [T] and,
+    on the last stage, how many trailing rows get logits."""
+
+    slot: int
+    start: int
+    inputs: np.ndarray
+    positions: np.ndarray
+    logits: int = 0
+
+
+class StaticShard(StageShard):
+    """One compiled static stage and its slot-packed KV buffers (one InferRequest)."""
+
+    def __init__(
+        self,
+        export_dir: Path | str,
+        stage_index: int,
+        precision: str = DEFAULT_PRECISION,
+        num_threads: int | None = None,
+        *,
+        verify: bool = True,
+        core: ov.Core | None = None,
+        device: str = DEFAULT_DEVICE,
+        compile_cache: str | Path | None = "off",
+    ):
+        super().__init__(export_dir, stage_index, precision, verify=verify, core=core)
+        layout = self.manifest.static
+        if layout is None:
+            raise FailedPrecondition(
+                f"{self.export_dir} is a stateful export; static stages need `pipeshard export --static`"
+            )
+        self.slots, self.chunk = layout.slots, layout.chunk
+        self.name = (
+            f"static shard {self.manifest.name} stage {stage_index} ({self.slots} slots x {self.chunk})"
+        )
+        props = compile_properties(precision, num_threads)
+        self.compiled = self.compile(str(self.export_dir / self.entry.model), device, props, compile_cache)
+        self._req = self.compiled.create_infer_request()
+        s, c, ctx = self.slots, self.chunk, self.max_context
+        kv = (s, self.kv_source.kv_heads, ctx, self.kv_source.head_dim)
+        self._input = self.entry.input_name
+        self._x = (
+            np.zeros((s, c), np.int64) if self.is_first else np.zeros((s, c, self.hidden_size), np.float32)
+        )
+        self._mask = np.zeros((s, ctx + c), np.int64)
+        self._pos = np.zeros((s, c), np.int64)
+        self._cache = {name: np.zeros(kv, np.float32) for name in self.state_variables}
+        self._new = {name: np.zeros((s, kv[1], c, kv[3]), np.float32) for name in self.state_variables}
+        width = self.vocab_size if self.is_last else self.hidden_size
+        self._out = np.zeros((s, c, width), np.float32)
+        self._bind(self._input, self._x)
+        self._bind("attention_mask", self._mask)
+        self._bind("position_ids", self._pos)
+        for name, buf in self._cache.items():
+            self._bind(name, buf)
+        for name, buf in self._new.items():
+            self._bind("present." + name.removeprefix("past_key_values."), buf)
+        self._bind("logits" if self.is_last else "hidden_states", self._out)
+        self.lengths = np.zeros(s, np.int64)  # cached positions per slot
+        self._free = list(range(s - 1, -1, -1))  # pop() hands out low slots first
+        self._lock = threading.Lock()
+        self.cache_bytes = sum(b.nbytes for b in self._cache.values())
+
+    def _bind(self, name: str, buf: np.ndarray) -> None:
+        """Binds a preallocated buffer to a port by name, sharing its memory (no copy per step)."""
+        self._req.set_tensor(name, ov.Tensor(buf, shared_memory=True))
+
+    # -- slots -------------------------------------------------------------------------------
+    def acquire(self) -> int:
+        """A free slot for a new sequence, or RESOURCE_EXHAUSTED naming the shard's slots."""
+        with self._lock:
+            if not self._free:
+                raise ResourceExhausted(
+                    f"all {self.slots} slots of the {self.name} are taken (continuous batching holds "
+                    f"at most {self.slots} sequences)"
+                )
+            slot = self._free.pop()
+            self.lengths[slot] = 0
+            return slot
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            if slot not in self._free:
+                self._free.append(slot)
+                self._free.sort(reverse=True)
+
+    @property
+    def slots_used(self) -> int:
+        return self.slots - len(self._free)
+
+    def length(self, slot: int) -> int:
+        return int(self.lengths[slot])
+
+    def rewind(self, slot: int, length: int) -> None:
+        """Shortens a slot to its first ``length`` positions: the next rows overwrite the rest."""
+        if not 0 <= length <= self.lengths[slot]:
+            raise InvalidArgument(
+                "length", f"must be in [0, {self.lengths[slot]}] for slot {slot}, got {length}"
+            )
+        self.lengths[slot] = length
+
+    def export_kv(self, slot: int, positions: int, start: int = 0) -> list[np.ndarray]:
+        """The slot's cached positions [start, positions), f32 [kv_heads, positions - start,
+        head_dim] per layer and K/V (the stateful export's blob layout)."""
+        with self._lock:
+            if not 0 < positions <= self.lengths[slot]:
+                raise InvalidArgument("positions", f"must be in [1, {self.lengths[slot]}], got {positions}")
+            if not 0 <= start < positions:
+                raise InvalidArgument("from_position", f"must be in [0, {positions}), got {start}")
+            return [buf[slot, :, start:positions].copy() for buf in self._cache.values()]
+
+    def import_kv(self, slot: int, arrays: Sequence[np.ndarray], positions: int) -> None:
+        """Writes ``export_kv``'s arrays into a slot; its length becomes ``positions``."""
+        with self._lock:
+            if len(arrays) != len(self._cache):
+                raise InvalidArgument("arrays", f"must hold {len(self._cache)} states, got {len(arrays)}")
+            if not 0 < positions <= self.max_context:
+                raise ResourceExhausted(
+                    f"{positions} positions exceed the {self.name}'s context {self.max_context}"
+                )
+            want = self.kv_source.shapes_for(positions)
+            for name, array, shape in zip(self._cache, arrays, want, strict=True):
+                if array.shape != shape:
+                    raise InvalidArgument(
+                        "arrays", f"{name} has shape {list(array.shape)}, not {list(shape)}"
+                    )
+            for buf, array in zip(self._cache.values(), arrays, strict=True):
+                buf[slot, :, :positions] = array
+            self.lengths[slot] = positions
+
+    # -- compute -----------------------------------------------------------------------------
+    def check(self, row: StaticRow) -> None:
+        """A row's fit into the static shapes, before anything is written."""
+        t = len(row.positions)
+        if not 0 <= row.slot < self.slots:
+            raise InvalidArgument(
+                "slot_id", f"must be in [0, {self.slots}) on the {self.name}, got {row.slot}"
+            )
+        if not 1 <= t <= self.chunk:
+            raise InvalidArgument(
+                "tokens", f"a row holds at most {self.chunk} tokens on the {self.name} (its chunk), got {t}"
+            )
+        if row.start + t > self.max_context:
+            raise InvalidArgument(
+                "positions",
+                f"slot {row.slot} would grow to {row.start + t} positions, beyond the {self.name}'s "
+                f"max_context {self.max_context}",
+            )
+
+    def step(self, rows: Sequence[StaticRow]) -> list[np.ndarray]:
+        """One inference over every slot; per row its hidden states [T, H] or, on the last stage,
+        its logits [logits, vocab] (copies). Rows must name distinct slots."""
+        for row in rows:
+            self.check(row)
+        if len({row.slot for row in rows}) != len(rows):
+            raise InvalidArgument("slot_id", f"two rows name one slot of the {self.name}")
+        ctx = self.max_context
+        with self._lock:
+            self._mask[:] = 0
+            for row in rows:
+                t, s = len(row.positions), row.slot
+                self._x[s, :t] = row.inputs
+                self._x[s, t:] = 0
+                self._pos[s, :t] = row.positions
+                self._pos[s, t:] = row.positions[-1]
+                self._mask[s, : row.start] = 1
+                self._mask[s, ctx : ctx + t] = 1
+            self._req.infer()
+            outs = []
+            for row in rows:
+                t, s, start = len(row.positions), row.slot, row.start
+                for name, buf in self._cache.items():
+                    buf[s, :, start : start + t] = self._new[name][s, :, :t]
+                self.lengths[s] = start + t
+                outs.append(
+                    self._out[s, t - row.logits : t].copy() if self.is_last else self._out[s, :t].copy()
+                )
+            return outs
+
+    def warmup(self) -> int:
+        """One throwaway inference (the plugin prepares its kernels on the first); slots untouched."""
+        with self._lock:
+            self._mask[:] = 0
+            self._req.infer()
+        return 1
