@@ -71,7 +71,7 @@ class _Generating:
         self.session_id = "old"
         self.prompt_ids, self.generated = CONTEXT[:40], CONTEXT[40:]
         self.context, self.pending, self.ahead = list(CONTEXT), CONTEXT[-1:], None
-        self.params = SimpleNamespace(greedy=True)
+        self.params = SimpleNamespace(greedy=True, logprobs=False)
         self.cursor = _Cursor("old", True, truncates=True)
 
 
