@@ -44,6 +44,7 @@ from pipeshard.offline import set_offline_defaults
 from pipeshard.paths import models_dir
 from pipeshard.services.launcher import Fleet, start_fleet
 from pipeshard.services.memcap import MemoryCap
+from pipeshard.shard.paged import DEFAULT_CACHE_BYTES
 from pipeshard.sizes import gib, parse_bytes
 
 SCALE_DIR = Path(os.environ.get("SCALE_DIR", models_dir() / "synthetic"))
@@ -203,11 +204,14 @@ async def _gather(address: str, users: int) -> list[dict]:
     return await asyncio.gather(*(_user(address, u) for u in range(users)))
 
 
-def vm_hwm(pid: int) -> int:
+def proc_memory(pid: int) -> dict[str, int]:
+    """VmHWM (the peak RSS), RssAnon and RssFile of a live process, in bytes."""
+    out = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "RssAnon", "RssFile"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
 
 
 def start(shape: str, stages: int, slot: int, cap: int | None) -> Fleet:
@@ -233,8 +237,14 @@ def fleet_stats(fleet: Fleet, stages: int) -> dict:
     names = [f"stage{k}" for k in range(stages)]
     procs = {n: fleet.process(n) for n in names}
     alive = {n: p.popen.poll() is None for n, p in procs.items()}
-    rss = {n: vm_hwm(p.popen.pid) if alive[n] else 0 for n, p in procs.items()}
-    stats = {"alive": alive, "peak_rss_bytes": rss}
+    memory = {n: proc_memory(p.popen.pid) if alive[n] else {} for n, p in procs.items()}
+    stats = {
+        "alive": alive,
+        "peak_rss_bytes": {n: m.get("VmHWM", 0) for n, m in memory.items()},
+        "rss_anon_bytes": {n: m.get("RssAnon", 0) for n, m in memory.items()},
+        "rss_file_bytes": {n: m.get("RssFile", 0) for n, m in memory.items()},
+        "kv_pool_bytes": DEFAULT_CACHE_BYTES,  # each stage's paged KV pool (--kv-cache-bytes)
+    }
     if fleet.caps:
         stats["cgroup_peak_bytes"] = {n: fleet.caps[n].peak_bytes() for n in names}
         stats["oom_kills"] = {n: fleet.caps[n].oom_kills() for n in names}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,17 +27,21 @@ from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.services.stage.wire import WIRE_DTYPES
 from pipeshard.services.transport.hop import HopStream
 from pipeshard.settings import ServerSettings, load_settings, setting
+from pipeshard.shard.compile_cache import OFF
 from pipeshard.shard.device import DEFAULT_DEVICE
 from pipeshard.shard.manifest import verify_shard
 from pipeshard.shard.paged import DEFAULT_CACHE_BYTES, PagedShard
 from pipeshard.shard.pull import pull_shard
 from pipeshard.shard.runtime import ShardRunner, StageShard
 from pipeshard.shard.serving import hold_serving_lock
+from pipeshard.shard.weight_pages import WeightPages
 from pipeshard.tls import TlsConfig
 from pipeshard.topology import Topology
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
 log = structlog.get_logger(__name__)
+
+RELEASE = "release"
 
 
 @dataclass
@@ -109,6 +114,13 @@ class StageSettings(ServerSettings):
         "folder for compiled models, so a restart skips compiling (one subfolder per export and "
         "device; empty: .compile_cache inside the export; off: no cache); --kv stateful only",
     )
+    weight_pages: str = setting(
+        RELEASE,
+        "release: while the stage compiles and warms up, unmap the pages of its memory-mapped weight "
+        "files once the CPU plugin has copied them (the page cache keeps them), so its RSS holds one "
+        "copy of the weights, not two; keep: leave them mapped",
+        choices=(RELEASE, "keep"),
+    )
 
 
 def resolve(settings: StageSettings) -> StageSettings:
@@ -159,15 +171,19 @@ def prefix_store(settings: StageSettings, shard: StageShard) -> PrefixStore:
     return PrefixStore(settings.prefix_cache_bytes, spill, layout=shard.kv_source.blocks)
 
 
-def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageInfoResponse]:
-    threads = settings.num_threads or None
-    if settings.kv == "paged" and settings.raw_tcp_port:
-        raise InvalidArgument(
-            "raw_tcp_port", "the raw-TCP baseline serves the stateful backend only (--kv stateful)"
-        )
-    check_wire_dtype(settings.codec, settings.wire_dtype)
+def weight_folders(settings: StageSettings) -> list[Path]:
+    """Where the stage's weights are mapped from: the export, and a compile-cache root outside it."""
+    folders = [Path(settings.shards)]
+    if settings.kv == "stateful" and settings.compile_cache_dir.strip().lower() not in ("", OFF):
+        folders.append(Path(settings.compile_cache_dir))
+    return folders
+
+
+def load_runner(settings: StageSettings, threads: int | None) -> PagedShard | ShardRunner:
+    """The stage's compiled shard of the chosen KV backend, checked against its place in the
+    pipeline and warmed up."""
     if settings.kv == "paged":
-        runner = PagedShard(
+        runner: PagedShard | ShardRunner = PagedShard(
             settings.shards,
             settings.stage,
             settings.precision,
@@ -199,6 +215,19 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         inferences=inferences,
         seconds=round(time.perf_counter() - started, 3),
     )
+    return runner
+
+
+def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageInfoResponse]:
+    threads = settings.num_threads or None
+    if settings.kv == "paged" and settings.raw_tcp_port:
+        raise InvalidArgument(
+            "raw_tcp_port", "the raw-TCP baseline serves the stateful backend only (--kv stateful)"
+        )
+    check_wire_dtype(settings.codec, settings.wire_dtype)
+    release = settings.weight_pages == RELEASE
+    with WeightPages(weight_folders(settings)) if release else contextlib.nullcontext():
+        runner = load_runner(settings, threads)
     meters = StageMeters(settings.stage)
     if settings.kv == "paged":
         engine = PagedEngine(
