@@ -53,7 +53,8 @@ SHAPES = dict(
     part.split("=", 1)
     for part in os.environ.get("SCALE_SHAPES", "3b=llama-3.2-3b,8b=llama-3.1-8b").split(",")
 )
-RUNS = (("3b", 4), ("8b", 4), ("3b", 2), ("8b", 2))
+# SCALE_SHAPES=8b=llama-3.1-8b runs the 8B phases alone (no 3B model made or read).
+RUNS = tuple(run for run in (("3b", 4), ("8b", 4), ("3b", 2), ("8b", 2)) if run[0] in SHAPES)
 # The 8B's end stages carry the 525 M-parameter embedding / head: fewer layers there.
 SPLITS = {("llama-3.1-8b", 4): "7,9,9,7"}
 EXPORT_BUDGET = parse_bytes(os.environ.get("SCALE_EXPORT_BUDGET", "13G"), "SCALE_EXPORT_BUDGET")
@@ -385,7 +386,6 @@ def main() -> int:
     result["exports"] = exports
     from pipeshard.exporter.families import load_config, resolve_spec
 
-    spec3 = resolve_spec(load_config(model_dir("3b"))).to_json()
     bandwidth = copy_bandwidth()
     result["bandwidth_bytes_s"] = bandwidth
     have = {k for k, v in exports.items() if "stages" in v}
@@ -410,9 +410,10 @@ def main() -> int:
         result["stage_rss_over_model_max"] = round(max(stats["peak_rss_bytes"].values()) / model_bytes, 3)
         result["whole_8b_under_cap"] = whole_model_under_cap("8b", cap)
 
-    if "fleet3b" in PHASES:
+    if "fleet3b" in PHASES and "3b" in SHAPES:
+        spec3 = resolve_spec(load_config(model_dir("3b"))).to_json()
         fleet3b_phase(result, exports, have, spec3, bandwidth)
-    if "plan" in PHASES and (model_dir("8b") / "config.json").is_file():
+    if "plan" in PHASES and "8b" in SHAPES and (model_dir("8b") / "config.json").is_file():
         result["plan_8b"] = plan_phase(cap or result.get("fleet_8b_4s", {}).get("cap_bytes") or 4 * 2**30)
     result["seconds"] = round(time.perf_counter() - t_start, 1)
     result["rounds"] = ROUNDS
