@@ -81,7 +81,7 @@ def test_a_serving_stage_holds_its_weights_once(smollm2_export, tmp_path):
     kept = _serving_stage_memory(shards, 1, "keep", tmp_path / "keep")
     released = _serving_stage_memory(shards, 1, "release", tmp_path / "release")
     # keep: the repack read the weights through the mapping and their pages stay in the RSS
-    assert kept.weight_pages > 0.8 * weights
+    assert kept.weight_pages > 0.8 * weights, (kept, weights)
     # release: almost none stay mapped, and the peak never held both copies
-    assert released.weight_pages < 0.2 * weights
-    assert released.peak_rss < kept.peak_rss - 0.5 * weights
+    assert released.weight_pages < 0.2 * weights, (released, weights)
+    assert released.peak_rss < kept.peak_rss - 0.5 * weights, (kept, released, weights)
