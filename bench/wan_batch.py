@@ -6,6 +6,7 @@ rate in WAN_BATCH_RATES Mbit/s with WAN_BATCH_DELAY_MS per hop. Compression is a
 (``--codec none`` / ``lane_blocks_zstd``), so each (rate, compression) pair is its own fleet, run
 one after the other; inside a fleet the micro-batch settings (``off``, fixed M = 2 and 3,
 ``auto``) are interleaved job by job in shuffled rounds (BENCH_RUNS, after one warm-up round).
+WAN_BATCH_STEP_TIMEOUT_S raises the coordinator's step deadline (a heavily loaded machine).
 
 Keys: ``compress_microbatch_speedup_20mbit`` = tok/s(compression on, the best fixed M) /
 tok/s(compression off, micro-batches off) at the lowest rate, with the interval of the ratio of
@@ -36,6 +37,7 @@ TOKENS = int(os.environ.get("BATCH_TOKENS", "32"))
 RUNS = int(os.environ.get("BENCH_RUNS", "5"))
 RATES = [float(r) for r in os.environ.get("WAN_BATCH_RATES", "20,100").split(",")]
 DELAY_MS = float(os.environ.get("WAN_BATCH_DELAY_MS", "25"))
+STEP_TIMEOUT_S = os.environ.get("WAN_BATCH_STEP_TIMEOUT_S", "")
 CODECS = {"off": "none", "on": "lane_blocks_zstd"}
 MICRO = ("off", "2", "3", "auto")
 FIXED = ("off", "2", "3")
@@ -59,6 +61,8 @@ def measure_fleet(shards: Path, rate: float, codec: str, run_dir: Path) -> dict:
     """One fleet: every micro-batch setting interleaved, job tok/s per setting."""
     t0 = time.perf_counter()
     args = ["--max-running", str(REQUESTS), "--max-running-per-identity", str(REQUESTS)]
+    if STEP_TIMEOUT_S:  # a loaded machine: a step can take longer than the default deadline
+        args += ["--step-timeout-s", STEP_TIMEOUT_S]
     with WanFleet(
         shards,
         STAGES,

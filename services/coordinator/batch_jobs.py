@@ -10,10 +10,11 @@ Micro-batches: on a paged fleet every running session's rows go through the step
 ``inflight`` of them travelling the stages at once: stage k computes group i+1 while group i is
 on the wire. While a job runs it sets that number: ``off`` is one group (the whole batch in one
 step), M is M groups, and ``auto`` measures the rows per second the fleet delivers at each M
-from 1 to the number of stages for ``PROBE_ROUNDS`` rounds (M steps each: every session once),
-then keeps the best, for this job and the later auto jobs of the coordinator (the first pays
-for the measurement; a short job may end before it does). The grouping changes only which rows
-share a step, so in ``exact`` precision every answer is the same whatever M is. When the last
+from 1 to the number of stages and back down, ``PROBE_ROUNDS`` rounds each way (M steps a
+round: every session once), then keeps the best, for this job and the later auto jobs of the
+coordinator (the first pays for the measurement; a short job may end before it does). The
+grouping changes only which rows share a step, so in ``exact`` precision every answer is the
+same whatever M is. When the last
 running job ends the batcher gets back the number it had before the first (while two jobs run,
 the later one's count holds).
 """
@@ -132,15 +133,23 @@ class MicroBatchControl:
         self._steps.inflight = count
 
     async def _probe(self) -> None:
-        """Runs each candidate M for PROBE_ROUNDS rounds, then keeps the one with the most rows/s."""
+        """Runs each candidate M for PROBE_ROUNDS rounds going up from 1 to the stages and then
+        back down, and keeps the one with the most rows/s over both passes. Each candidate's two
+        windows sit symmetrically about the probe's middle, so a drift of the job's rate through the
+        probe (prompts prefilling at its start, sessions ending towards its end) weighs on every
+        candidate alike instead of favouring the ones measured first."""
         await self._wait_steps(PROBE_WARMUP_STEPS)
-        for count in range(1, self._stages + 1):
+        counts = list(range(1, self._stages + 1))
+        rows = dict.fromkeys(counts, 0)
+        seconds = dict.fromkeys(counts, 0.0)
+        for count in counts + counts[::-1]:
             self._set(count)
             await self._wait_steps(1)  # steps formed under the previous M are still travelling
-            rows, start = self._steps.rows_run, self._clock()
+            before, start = self._steps.rows_run, self._clock()
             await self._wait_steps(PROBE_ROUNDS * count)
-            elapsed = self._clock() - start
-            self.measured[count] = (self._steps.rows_run - rows) / elapsed if elapsed > 0 else 0.0
+            rows[count] += self._steps.rows_run - before
+            seconds[count] += self._clock() - start
+            self.measured[count] = rows[count] / seconds[count] if seconds[count] > 0 else 0.0
         best = max(self.measured, key=lambda count: (self.measured[count], -count))
         self._set(best)
         self._memory.chosen = best

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from pipeshard.services.stage.static_engine import StaticEngine
 from pipeshard.services.stage.wire import WIRE_DTYPES
 from pipeshard.services.transport.hop import HopStream
 from pipeshard.settings import ServerSettings, load_settings, setting
+from pipeshard.shard.compile_cache import OFF
 from pipeshard.shard.device import DEFAULT_DEVICE
 from pipeshard.shard.manifest import load_manifest, verify_shard
 from pipeshard.shard.paged import DEFAULT_CACHE_BYTES, PagedShard
@@ -34,11 +36,14 @@ from pipeshard.shard.pull import pull_shard
 from pipeshard.shard.runtime import ShardRunner, StageShard
 from pipeshard.shard.serving import hold_serving_lock
 from pipeshard.shard.static import AUTO_KV, KV_BACKENDS, StaticShard, kv_backend
+from pipeshard.shard.weight_pages import WeightPages
 from pipeshard.tls import TlsConfig
 from pipeshard.topology import Topology
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
 log = structlog.get_logger(__name__)
+
+RELEASE = "release"
 
 
 @dataclass
@@ -112,6 +117,13 @@ class StageSettings(ServerSettings):
         "folder for compiled models, so a restart skips compiling (one subfolder per export and "
         "device; empty: .compile_cache inside the export; off: no cache); --kv stateful and static",
     )
+    weight_pages: str = setting(
+        RELEASE,
+        "release: while the stage compiles and warms up, unmap the pages of its memory-mapped weight "
+        "files once the CPU plugin has copied them (the page cache keeps them), so its RSS holds one "
+        "copy of the weights, not two; keep: leave them mapped",
+        choices=(RELEASE, "keep"),
+    )
 
 
 def resolve(settings: StageSettings) -> StageSettings:
@@ -162,14 +174,20 @@ def prefix_store(settings: StageSettings, shard: StageShard) -> PrefixStore:
     return PrefixStore(settings.prefix_cache_bytes, spill, layout=shard.kv_source.blocks)
 
 
-def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageInfoResponse]:
-    threads = settings.num_threads or None
-    if settings.kv != "stateful" and settings.raw_tcp_port:
-        raise InvalidArgument(
-            "raw_tcp_port", "the raw-TCP baseline serves the stateful backend only (--kv stateful)"
-        )
-    check_wire_dtype(settings.codec, settings.wire_dtype)
-    backend = kv_backend(settings.kv, load_manifest(Path(settings.shards)))
+def weight_folders(settings: StageSettings, backend: str) -> list[Path]:
+    """Where the stage's weights are mapped from: the export, and a compile-cache root outside it."""
+    folders = [Path(settings.shards)]
+    if backend != "paged" and settings.compile_cache_dir.strip().lower() not in ("", OFF):
+        folders.append(Path(settings.compile_cache_dir))
+    return folders
+
+
+def load_runner(
+    settings: StageSettings, backend: str, threads: int | None
+) -> StaticShard | PagedShard | ShardRunner:
+    """The stage's compiled shard of the chosen KV backend, checked against its place in the
+    pipeline and warmed up."""
+    runner: StaticShard | PagedShard | ShardRunner
     if backend == "static":
         runner = StaticShard(
             settings.shards,
@@ -212,6 +230,20 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         inferences=inferences,
         seconds=round(time.perf_counter() - started, 3),
     )
+    return runner
+
+
+def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageInfoResponse]:
+    threads = settings.num_threads or None
+    if settings.kv != "stateful" and settings.raw_tcp_port:
+        raise InvalidArgument(
+            "raw_tcp_port", "the raw-TCP baseline serves the stateful backend only (--kv stateful)"
+        )
+    check_wire_dtype(settings.codec, settings.wire_dtype)
+    backend = kv_backend(settings.kv, load_manifest(Path(settings.shards)))
+    release = settings.weight_pages == RELEASE
+    with WeightPages(weight_folders(settings, backend)) if release else contextlib.nullcontext():
+        runner = load_runner(settings, backend, threads)
     meters = StageMeters(settings.stage)
     if backend == "static":
         engine = StaticEngine(

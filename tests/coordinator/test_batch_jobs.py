@@ -142,7 +142,7 @@ def test_auto_tries_each_count_up_to_the_stages_and_keeps_the_fastest(monkeypatc
         control = MicroBatchControl(steps, 3, MicroBatches(auto=True), memory, clock=steps.clock)
         ticker = asyncio.create_task(steps.run())
         async with control.applied():
-            while len(control.measured) < 3 or control.current != 2:
+            while memory.chosen is None:
                 await asyncio.sleep(0.001)
         ticker.cancel()
         return control
@@ -158,6 +158,36 @@ def test_auto_tries_each_count_up_to_the_stages_and_keeps_the_fastest(monkeypatc
     assert steps.inflight == 3  # restored
     later, during = asyncio.run(later_job())
     assert (later.current, during, later.measured) == (2, 2, {})  # the measured choice, no new probe
+
+
+class DriftingSteps(FakeSteps):
+    """Rows per step fall as the job goes on (its sessions end): whatever is measured later looks slower."""
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(0.0005)
+            self.steps_run += 1
+            self.rows_run += self._rows.get(self.inflight, 1) * max(0.0, 1.0 - 0.02 * self.steps_run)
+
+
+def test_auto_keeps_the_fastest_count_while_the_jobs_rate_drifts_down(monkeypatch):
+    """M = 3 delivers 10% more rows than M = 2 at any moment, but in one rising pass it would be
+    measured later, when the job delivers less: the pass back down must cancel that."""
+    monkeypatch.setattr(batch_jobs, "PROBE_POLL_S", 0.0002)
+    steps = DriftingSteps({1: 4, 2: 10, 3: 11})
+    memory = MicroBatchMemory()
+
+    async def scenario():
+        control = MicroBatchControl(steps, 3, MicroBatches(auto=True), memory, clock=steps.clock)
+        ticker = asyncio.create_task(steps.run())
+        async with control.applied():
+            while memory.chosen is None:
+                await asyncio.sleep(0.001)
+        ticker.cancel()
+        return control
+
+    control = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert memory.chosen == 3, control.measured
 
 
 def test_overlapping_jobs_restore_the_batchers_own_count_when_the_last_ends():
