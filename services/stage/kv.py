@@ -10,7 +10,7 @@ captures its slot's positions of its KV buffers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from pipeshard.errors import InvalidArgument, NotFound
 from pipeshard.services.stage.paged_engine import PagedEngine
@@ -51,10 +51,14 @@ class PagedAccess:
     """A paged session's KV: the blocks it reserved in the shard's pools. A restore into a
     session the coordinator has not opened reserves the export's whole context for it."""
 
-    def __init__(self, engine: PagedEngine):
+    def __init__(self, engine: PagedEngine | StaticEngine):
         self.engine = engine
         self.sessions = engine.sessions
         self.shard = engine.shard
+
+    def where(self, session) -> Hashable:
+        """What the shard knows the session's cache by."""
+        return session.key
 
     def held(self, session) -> int:
         return session.past_length
@@ -62,7 +66,7 @@ class PagedAccess:
     def blob(
         self, session, positions: int, token_ids: tuple[int, ...], checksum: bool, start: int = 0
     ) -> KvBlob:
-        arrays = self.shard.export_kv(session.key, positions, start)
+        arrays = self.shard.export_kv(self.where(session), positions, start)
         return KvBlob.build(
             self.shard.kv_source,
             arrays,
@@ -80,43 +84,15 @@ class PagedAccess:
         return self.sessions.get(owner, session_id)
 
     def load(self, session, blob: KvBlob) -> None:
-        self.shard.import_kv(session.key, blob.arrays, blob.positions)
+        self.shard.import_kv(self.where(session), blob.arrays, blob.positions)
 
 
-class StaticAccess:
+class StaticAccess(PagedAccess):
     """A static session's KV: the positions its slot holds in the shard's buffers (the stateful
     blob layout, f32 per layer). A restore into a session not opened takes a free slot."""
 
-    def __init__(self, engine: StaticEngine):
-        self.engine = engine
-        self.sessions = engine.sessions
-        self.shard = engine.shard
-
-    def held(self, session) -> int:
-        return session.past_length
-
-    def blob(
-        self, session, positions: int, token_ids: tuple[int, ...], checksum: bool, start: int = 0
-    ) -> KvBlob:
-        arrays = self.shard.export_kv(session.slot, positions, start)
-        return KvBlob.build(
-            self.shard.kv_source,
-            arrays,
-            token_ids,
-            positions=positions - start,
-            checksum=checksum,
-            start=start,
-        )
-
-    def fresh(self, owner: str, session_id: str):
-        try:
-            self.engine.reset(owner, session_id)
-        except NotFound:
-            self.engine.open(owner, session_id)
-        return self.sessions.get(owner, session_id)
-
-    def load(self, session, blob: KvBlob) -> None:
-        self.shard.import_kv(session.slot, blob.arrays, blob.positions)
+    def where(self, session) -> int:
+        return session.slot
 
 
 class StageKv:
