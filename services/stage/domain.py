@@ -58,6 +58,7 @@ class StepRow:
     attention_mask: np.ndarray | None = None  # bool [T, past + T]; none: causal
     tree_chains: int = 1  # >1: the tokens are that many chains of a draft tree (stateful stages)
     tree_keep: int = -1  # after a tree step: the chain whose cache the session keeps
+    return_features: bool = False  # the final stage also returns its final normed hidden state
 
     @property
     def tokens(self) -> int:
@@ -99,6 +100,16 @@ class StepOutput:
     top1: Top1 | None = None
     logits: np.ndarray | None = None  # float32 [n, vocab]
     sampled: Sampled | None = None
+    features: np.ndarray | None = None  # float32 [n, hidden]: the final normed hidden state
+
+
+@dataclass
+class Computed:
+    """A backend's output for one row: hidden states [1, T, H] for the next hop, or on the final
+    stage logits [n, vocab] and, when the row asked, its final normed hidden state [n, H]."""
+
+    out: np.ndarray
+    features: np.ndarray | None = None
 
 
 def top1_of(logits: np.ndarray) -> Top1:

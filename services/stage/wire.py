@@ -86,6 +86,7 @@ def _row(row: activation_pb2.PlanRow, positions: np.ndarray, x: np.ndarray, owne
         sampling=_sampling_step(row) if sampled else None,
         tree_chains=max(1, row.tree_chains),
         tree_keep=row.tree_keep - 1,
+        return_features=row.return_features,
     )
 
 
@@ -131,6 +132,7 @@ def _plan_row(row: StepRow) -> activation_pb2.PlanRow:
         kind=_PB_KINDS[row.kind],
         tree_chains=row.tree_chains if row.tree_chains > 1 else 0,
         tree_keep=row.tree_keep + 1,
+        return_features=row.return_features,
     )
 
 
@@ -195,6 +197,8 @@ def result_from_output(
     if out.sampled is not None:
         result.sampled.token_ids.extend(out.sampled.token_ids)
         result.sampled.rng_state = out.sampled.rng_state
+    if out.features is not None:  # a draft's input only: fp16 halves it, no token depends on it
+        result.features.CopyFrom(encode(out.features, codec, as_fp16=True, field="features"))
     return result
 
 
@@ -230,6 +234,7 @@ def token_frame(
     kind: RowKind | None = None,
     chains: int = 1,
     keep_chain: int = -1,
+    features: bool = False,
 ) -> activation_pb2.ActivationFrame:
     """The frame (a plan of one row) that carries one session's token ids into stage 0 at
     logical positions ``start...``.
@@ -241,6 +246,7 @@ def token_frame(
     is; by default a prefill chunk when it fills only or carries several tokens without drafts.
     ``chains`` > 1: ``ids`` are that many equal-length chains of a draft tree, each at positions
     ``start...``; ``keep_chain``: the chain of the previous (tree) step whose cache is kept.
+    ``features``: the final stage also returns its final normed hidden state at those ids.
     """
     if fill_only:
         mode, sampling = ReturnMode.NONE, None
@@ -265,5 +271,6 @@ def token_frame(
         sampling=sampling,
         tree_chains=chains,
         tree_keep=keep_chain,
+        return_features=features and not fill_only,
     )
     return frame_from_step(Step([row], sent_unix_nanos=time.time_ns()))
