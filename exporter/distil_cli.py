@@ -53,9 +53,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help='JSONL of {"prompt", "text"} to train on (default: the target answers synthetic prompts)',
     )
     p.add_argument(
-        "--prompts", type=int, default=None, help="synthetic prompts without --texts (token 200, eagle 160)"
+        "--prompts", type=int, default=None, help="synthetic prompts without --texts (token 200, eagle 200)"
     )
-    p.add_argument("--max-tokens", type=int, default=128, help="answer length per synthetic prompt")
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="answer length per synthetic prompt (default 128)"
+    )
     p.add_argument("--epochs", type=float, default=None, help="passes over the data (token 2, eagle 20)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (token 1e-3, eagle 2e-3)")
     p.add_argument("--weights", default="int4", choices=WEIGHT_FORMATS)
@@ -94,7 +96,7 @@ def run_distil(args: argparse.Namespace) -> int:
             vocab=args.vocab,
             texts=args.texts,
             prompts=args.prompts or 200,
-            max_tokens=args.max_tokens,
+            max_tokens=args.max_tokens or 128,
             epochs=args.epochs or 2.0,
             lr=args.lr or 1e-3,
             report=_report,
@@ -125,8 +127,8 @@ def _run_eagle(args: argparse.Namespace, model_dir: Path) -> int:
         args.target,
         out,
         vocab=vocab,
-        prompts=args.prompts or 160,
-        max_tokens=args.max_tokens,
+        prompts=args.prompts or 200,
+        max_tokens=args.max_tokens or 128,
         epochs=args.epochs or 20.0,
         lr=args.lr or 2e-3,
         force=args.force,

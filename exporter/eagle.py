@@ -1,7 +1,7 @@
 """Train an EAGLE-style feature draft (``pipeshard distil --kind eagle``) on the target's own
-features: its greedy answers to synthetic prompts (none of them a benchmark prompt), each run
-through the target export once more to read the final normed hidden state and the argmax at
-every position (pipeshard/shard/features.py).
+features: its greedy answers to synthetic prompts (none of them a benchmark prompt), generated
+in batches on the paged backend, reading the final normed hidden state and the argmax at every
+position on the way (pipeshard/shard/features.py).
 
 The draft (pipeshard/shard/feature_draft.py) learns, from the target's feature at t and the
 token at t + 1, the feature at t + 1 (regression) and the target's argmax there (cross-entropy
@@ -20,13 +20,15 @@ from pathlib import Path
 import numpy as np
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.exporter.distil import generate_texts, synthetic_prompts
+from pipeshard.exporter.distil import synthetic_prompts
 from pipeshard.exporter.draft import plan_draft
 from pipeshard.shard import feature_draft
 from pipeshard.shard.manifest import load_manifest
+from pipeshard.shard.prompting import Prompter
 
 Report = Callable[[str, float, str], object]
 UNROLL = 3  # draft steps trained per sample, each on the previous step's predicted feature
+BATCH = 32  # prompts answered per paged inference while the texts are generated
 INTERMEDIATE = 1536  # the MLP block's width (SmolLM2-135M's own layers use 1536)
 
 
@@ -43,23 +45,55 @@ class FeatureTexts:
         return sum(len(i) for i in self.ids)
 
 
-def read_features(
-    target_export: Path, texts: Sequence[tuple[list[int], int]], report: Report
+def generate_features(
+    target_export: Path, prompts: Sequence[list[int]], max_tokens: int, report: Report, batch: int = BATCH
 ) -> FeatureTexts:
-    """One prefill per text through the target, every position returned."""
-    from pipeshard.shard.chain import LocalChain
+    """The target's greedy answers (at ``exact``, whose tokens do not depend on the rows beside
+    them), ``batch`` prompts per paged inference, with every position's feature and argmax read
+    on the way: the prompt's from its prefill, each answer token's from its decode step."""
+    from pipeshard.shard.paged import PagedRow, PagedShard
 
-    chain = LocalChain(target_export)
-    ids, feats, top = [], [], []
-    for i, (tokens, _) in enumerate(texts):
-        tokens = tokens[: chain.max_context]
-        chain.reset()
-        logits = chain.step(np.asarray([tokens], dtype=np.int64), return_last=len(tokens))[0]
-        ids.append(np.asarray(tokens, dtype=np.int64))
-        feats.append(chain.sessions[-1].features().astype(np.float32))
-        top.append(logits.argmax(-1).astype(np.int64))
-        report("features", (i + 1) / len(texts), f"{i + 1}/{len(texts)} texts")
-    return FeatureTexts(ids, feats, top)
+    manifest = load_manifest(target_export)
+    shards = [PagedShard(target_export, k, "exact") for k in range(manifest.num_stages)]
+    eos = set(manifest.model.eos_token_ids)
+    out = FeatureTexts([], [], [])
+    for first in range(0, len(prompts), batch):
+        group = list(enumerate(prompts[first : first + batch]))
+        for i, ids in group:
+            for shard in shards:
+                shard.open(i, len(ids) + max_tokens)
+        feats: dict[int, list[np.ndarray]] = {i: [] for i, _ in group}
+        top: dict[int, list[np.ndarray]] = {i: [] for i, _ in group}
+        tokens = {i: list(ids) for i, ids in group}
+        rows = [PagedRow(i, np.asarray(ids), np.arange(len(ids)), logits=len(ids)) for i, ids in group]
+        for _ in range(max_tokens):
+            for shard in shards[:-1]:
+                hidden = shard.step(rows)
+                rows = [PagedRow(r.seq, h, r.positions, r.logits) for r, h in zip(rows, hidden, strict=True)]
+            logits, features = shards[-1].step_features(rows)
+            nxt = []
+            for r, lg, f in zip(rows, logits, features, strict=True):
+                feats[r.seq].append(f.astype(np.float32))
+                top[r.seq].append(lg.argmax(-1).astype(np.int64))
+                token = int(top[r.seq][-1][-1])
+                if token in eos:
+                    continue
+                tokens[r.seq].append(token)
+                position = len(tokens[r.seq]) - 1
+                nxt.append(PagedRow(r.seq, np.asarray([token]), np.asarray([position]), logits=1))
+            rows = nxt
+            if not rows:
+                break
+        for i, _ in group:
+            for shard in shards:
+                shard.free(i)
+            n = sum(len(f) for f in feats[i])  # positions read: the last token was never fed
+            out.ids.append(np.asarray(tokens[i][:n], dtype=np.int64))
+            out.features.append(np.concatenate(feats[i]))
+            out.argmax.append(np.concatenate(top[i]))
+        done = min(first + batch, len(prompts))
+        report("generate", done / len(prompts), f"{done}/{len(prompts)} answers with their features")
+    return out
 
 
 class EagleDraft:
@@ -192,7 +226,7 @@ def train(
         loss.backward()
         opt.step()
         sched.step()
-        report("train", (step + 1) / steps, f"step {step + 1}/{steps} loss {float(loss):.3f}")
+        report("train", (step + 1) / steps, f"step {step + 1}/{steps} loss {loss.item():.3f}")
 
 
 @dataclass(frozen=True)
@@ -208,8 +242,8 @@ def distil_eagle(
     out_dir: Path | str,
     *,
     vocab: int | None = 8192,
-    prompts: int = 120,
-    max_tokens: int = 96,
+    prompts: int = 200,
+    max_tokens: int = 128,
     epochs: float = 20.0,
     lr: float = 2e-3,
     batch: int = 256,
@@ -235,8 +269,9 @@ def distil_eagle(
         raise InvalidArgument("held_out", f"must be in (0, 1), got {held_out}")
     plan = plan_draft(model_dir, 1, vocab)  # the head slice (merge order, special tokens kept)
     started = time.perf_counter()
-    texts = generate_texts(target_export, synthetic_prompts(prompts, seed), max_tokens, report)
-    data = read_features(target_export, texts, report)
+    prompter = Prompter.from_dir(target_export)
+    encoded = [prompter.encode("", [("user", p)]) for p in synthetic_prompts(prompts, seed)]
+    data = generate_features(target_export, encoded, max_tokens, report)
     order = list(range(len(data.ids)))
     random.Random(seed).shuffle(order)
     n_eval = max(1, round(held_out * len(order)))

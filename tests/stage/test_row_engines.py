@@ -98,6 +98,10 @@ class FakePagedShard:
                 outs.append(_hidden(row.positions))
         return outs
 
+    def step_features(self, rows):
+        outs = self.step(rows)
+        return outs, ([out[:, :1] for out in outs] if self.is_last else None)
+
 
 def make_engine(backend: str, is_last: bool = True):
     if backend == "stateful":
