@@ -455,7 +455,7 @@ def main() -> int:
         from bench import spec_feature
 
         texts = dict(KINDS)
-        wan_prompts = [texts[k] for k in WAN_KINDS[:WAN_PROMPTS]] if "wan" in PARTS else None
+        wan_prompts = [texts[k] for k in WAN_KINDS[:WAN_PROMPTS]]
         result |= spec_feature.run(
             loop, target, prompts, runs=RUNS, tokens=TOKENS, wan_prompts=wan_prompts, wan_tokens=WAN_TOKENS
         )

@@ -12,7 +12,9 @@ drafted token against the target's decode step (numpy, the served forward, and t
 Keys: ``feature_single_node_speedup``, ``feature_speedup_at_100ms``,
 ``feature_tokens_per_traversal_at_100ms`` (the best configuration of each), ``feature_bit_exact``,
 ``draft_train_minutes`` (from the draft's own record; a reused draft keeps its training time).
-BENCH_FEATURE_DRAFT=<folder> uses that draft instead of training/reusing the default one.
+BENCH_FEATURE_DRAFT=<folder> uses that draft instead of training/reusing the default one;
+BENCH_FEATURE_PARTS (single,wan) runs some parts; BENCH_FEATURE_KS (3,5), BENCH_FEATURE_TREES (3x4)
+and BENCH_FEATURE_WAN_KS (4) set the configurations.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ KS = tuple(int(k) for k in os.environ.get("BENCH_FEATURE_KS", "3,5").split(",") 
 TREES = tuple(t for t in os.environ.get("BENCH_FEATURE_TREES", "3x4").split(",") if t)
 WAN_KS = tuple(int(k) for k in os.environ.get("BENCH_FEATURE_WAN_KS", "4").split(",") if k)
 DRAFT = os.environ.get("BENCH_FEATURE_DRAFT")
+FEATURE_PARTS = tuple(os.environ.get("BENCH_FEATURE_PARTS", "single,wan").split(","))
 VOCAB = 8192
 
 
@@ -235,7 +238,7 @@ def run(
     *,
     runs: int,
     tokens: int,
-    wan_prompts: list[str] | None,
+    wan_prompts: list[str],
     wan_tokens: int,
 ) -> dict:
     """Every part above; the keys bench/spec.py adds to its result."""
@@ -243,20 +246,23 @@ def run(
 
     draft = feature_draft(target)
     meta = read_meta(draft)
-    single = single_node(loop, target, draft, prompts, runs, tokens)
-    best = single["best"]
     result = {
         "feature_draft": str(draft),
         "feature_training": meta.training,
         "draft_train_minutes": meta.training.get("minutes"),
-        "feature_single_node_speedup": single["configs"][best]["speedup"],
-        "feature_single_node_speedup_ci95": single["configs"][best]["speedup_ci95"],
-        "feature_bit_exact": single["bit_exact"],
-        "feature_single_node": single,
         "feature_bytes": feature_bytes(target),
         "feature_draft_cost": draft_cost(target, draft),
     }
-    if wan_prompts:
+    if "single" in FEATURE_PARTS:
+        single = single_node(loop, target, draft, prompts, runs, tokens)
+        best = single["best"]
+        result |= {
+            "feature_single_node_speedup": single["configs"][best]["speedup"],
+            "feature_single_node_speedup_ci95": single["configs"][best]["speedup_ci95"],
+            "feature_bit_exact": single["bit_exact"],
+            "feature_single_node": single,
+        }
+    if "wan" in FEATURE_PARTS:  # the WAN emulator is shared: run under `flock /tmp/wan.lock`
         at_100 = wan(draft, wan_prompts, runs, wan_tokens)
         best = at_100["best"]
         result |= {

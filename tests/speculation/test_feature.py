@@ -107,7 +107,7 @@ def test_a_draft_for_other_weights_is_refused_naming_both_fingerprints(smollm2_e
 def eagle_draft(smollm2_dir, smollm2_export) -> Path:
     """A feature draft trained briefly on the 1-stage INT4 target (reused from the test cache)."""
     out = shards_root() / "smollm2-eagle-test"
-    distil_eagle(smollm2_dir, smollm2_export(1, "int4"), out, prompts=16, max_tokens=48, epochs=40, batch=64)
+    distil_eagle(smollm2_dir, smollm2_export(1, "int4"), out, prompts=12, max_tokens=40, epochs=30, batch=64)
     return out
 
 
@@ -152,6 +152,7 @@ def _greedy_case(export: Path, draft: Path, prompt: int, tokens: int, k: int):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first run trains the test's draft (a few minutes, more when loaded)
 @pytest.mark.parametrize(("stages", "prompt", "k"), [(1, 0, 4), (2, 2, 0)])
 def test_feature_draft_greedy_is_plain_greedy(smollm2_export, eagle_draft, stages, prompt, k):
     out, expected = _greedy_case(smollm2_export(stages, "int4"), eagle_draft, prompt, 128, k)
@@ -163,6 +164,7 @@ def test_feature_draft_greedy_is_plain_greedy(smollm2_export, eagle_draft, stage
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_feature_draft_sampling_follows_the_target(smollm2_export, eagle_draft):
     from scipy import stats
 
