@@ -28,7 +28,10 @@ and ``adaptive_over_plain_min`` (over every latency).
 
 BENCH_QUICK=1: 2 rounds after a warm-up, 24 tokens, K 5 only, the WAN sweep at 3 stages, 0 and 100 ms.
 Sizes: BENCH_RUNS (10), BENCH_TOKENS (24 single node), BENCH_WAN_TOKENS (24), BENCH_WAN_PROMPTS (2).
-BENCH_PARTS (single,exact,wan) runs some of the parts only (the JSON is then named after them:
+Part 4, ``feature`` (issue 31, bench/spec_feature.py): the feature draft single node and, with the
+WAN part, at 3 stages and 100 ms per hop.
+
+BENCH_PARTS (single,exact,wan,feature) runs some of the parts only (the JSON is then named after them:
 bench/results/spec-single.json); BENCH_KS (1,3,5,8,10) sets the single node's fixed K (empty:
 adaptive only). BENCH_SELF_DRAFT=<export> replaces the self-draft (for example a distilled one,
 `make distil`). The exactness part compares K in {1, 5, 10}; `make test-exactness` runs the whole
@@ -62,7 +65,7 @@ WAN_TOKENS = int(os.environ.get("BENCH_WAN_TOKENS", "24"))
 WAN_PROMPTS = int(os.environ.get("BENCH_WAN_PROMPTS", "2"))
 KS = tuple(int(k) for k in os.environ.get("BENCH_KS", "5" if QUICK else "1,3,5,8,10").split(",") if k)
 TREES = tuple(t for t in os.environ.get("BENCH_TREES", "3x4,2x3").split(",") if t)
-ALL_PARTS = ("single", "exact", "wan")
+ALL_PARTS = ("single", "exact", "wan", "feature")
 PARTS = tuple(p for p in ALL_PARTS if p in os.environ.get("BENCH_PARTS", ",".join(ALL_PARTS)).split(","))
 WAN_KS = tuple(int(k) for k in os.environ.get("BENCH_WAN_KS", "5" if QUICK else "5,10").split(","))
 EXACT_KS = (1, 5, 10)
@@ -439,6 +442,14 @@ def main() -> int:
         exact = exactness(loop, self_draft, hf_draft, prompts)
         result["bit_exact_f32"] = all(v == exact["sequences_per_config"] for v in exact["identical"].values())
         result["exactness_f32"] = exact
+    if "feature" in PARTS:  # issue 31: the feature draft (bench/spec_feature.py)
+        from bench import spec_feature
+
+        texts = dict(KINDS)
+        wan_prompts = [texts[k] for k in WAN_KINDS[:WAN_PROMPTS]]
+        result |= spec_feature.run(
+            loop, target, prompts, runs=RUNS, tokens=TOKENS, wan_prompts=wan_prompts, wan_tokens=WAN_TOKENS
+        )
     loop.close()
     if "wan" in PARTS:
         # The WAN draft source: the one that keeps the most tokens per verify at K = 10.

@@ -1,9 +1,13 @@
-"""``pipeshard distil``: train a draft on the target's own next tokens and export it.
+"""``pipeshard distil``: train a draft on the target's own outputs.
 
     pipeshard distil --target shards/smollm2-135m-instruct-1s-int4 --layers 2 --vocab 8192
+    pipeshard distil --kind eagle --target shards/smollm2-135m-instruct-1s-int4
 
-writes SHARDS_DIR/<model>-distil<K>[-v<N>]/{hf,export}; start a coordinator with
-``--self-draft <that>/export`` (or pass ``<that>/hf`` as a request's ``speculative``).
+``--kind token`` (the default) writes SHARDS_DIR/<model>-distil<K>[-v<N>]/{hf,export}; start a
+coordinator with ``--self-draft <that>/export`` (or pass ``<that>/hf`` as a request's
+``speculative``). ``--kind eagle`` trains a draft that reads the target's final hidden state
+(exporter/eagle.py) into SHARDS_DIR/<model>-eagle[-v<N>], reused when it already matches the
+target's weights; a coordinator offers it as ``feature`` (``--feature-draft DIR``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--target", type=Path, required=True, help="the target's export: it writes and labels the texts"
     )
-    p.add_argument("--layers", type=int, required=True, help="the draft keeps the model's first K layers")
+    p.add_argument(
+        "--kind",
+        default="token",
+        choices=("token", "eagle"),
+        help="token: a k-layer draft of the model; eagle: a draft reading the target's features",
+    )
+    p.add_argument(
+        "--layers", type=int, default=None, help="the token draft keeps the model's first K layers (required)"
+    )
     p.add_argument(
         "--vocab", type=int, default=None, help="the draft's head scores N token ids (default all)"
     )
@@ -40,10 +52,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help='JSONL of {"prompt", "text"} to train on (default: the target answers synthetic prompts)',
     )
-    p.add_argument("--prompts", type=int, default=200, help="synthetic prompts without --texts (default 200)")
-    p.add_argument("--max-tokens", type=int, default=128, help="answer length per synthetic prompt")
-    p.add_argument("--epochs", type=float, default=2.0)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--prompts", type=int, default=None, help="synthetic prompts without --texts (token 200, eagle 200)"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="answer length per synthetic prompt (default 128)"
+    )
+    p.add_argument("--epochs", type=float, default=None, help="passes over the data (token 2, eagle 20)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (token 1e-3, eagle 2e-3)")
     p.add_argument("--weights", default="int4", choices=WEIGHT_FORMATS)
     p.add_argument(
         "--out", type=Path, default=None, help="output folder (default SHARDS_DIR/<model>-distil<K>[-v<N>])"
@@ -66,6 +82,10 @@ def run_distil(args: argparse.Namespace) -> int:
         if not (args.target / "manifest.json").is_file():
             raise InvalidArgument("target", f"{args.target} is not a pipeshard export (no manifest.json)")
         model_dir = resolve_model(args.model)
+        if args.kind == "eagle":
+            return _run_eagle(args, model_dir)
+        if args.layers is None:
+            raise InvalidArgument("layers", "is required with --kind token")
         vocab = "" if args.vocab is None else f"-v{args.vocab}"
         out = args.out or paths.shards_dir() / f"{model_dir.name}-distil{args.layers}{vocab}"
         result = distil(
@@ -75,10 +95,10 @@ def run_distil(args: argparse.Namespace) -> int:
             layers=args.layers,
             vocab=args.vocab,
             texts=args.texts,
-            prompts=args.prompts,
-            max_tokens=args.max_tokens,
-            epochs=args.epochs,
-            lr=args.lr,
+            prompts=args.prompts or 200,
+            max_tokens=args.max_tokens or 128,
+            epochs=args.epochs or 2.0,
+            lr=args.lr or 1e-3,
             report=_report,
             weights=args.weights,
             force=args.force,
@@ -91,5 +111,34 @@ def run_distil(args: argparse.Namespace) -> int:
         f"distilled a {args.layers}-layer draft: held-out agreement with the target "
         f"{result.agreement_before:.3f} -> {result.agreement_after:.3f}; "
         f"Hugging Face folder {result.folder}, export {result.export.path}"
+    )
+    return 0
+
+
+def _run_eagle(args: argparse.Namespace, model_dir: Path) -> int:
+    from pipeshard.exporter.eagle import distil_eagle
+
+    if args.texts is not None:
+        raise InvalidArgument("texts", "--kind eagle trains on the target's own answers, not on --texts")
+    vocab = 8192 if args.vocab is None else args.vocab
+    out = args.out or paths.shards_dir() / paths.feature_draft_name(model_dir.name, vocab)
+    result = distil_eagle(
+        model_dir,
+        args.target,
+        out,
+        vocab=vocab,
+        prompts=args.prompts or 200,
+        max_tokens=args.max_tokens or 128,
+        epochs=args.epochs or 20.0,
+        lr=args.lr or 2e-3,
+        force=args.force,
+        report=_report,
+    )
+    t = result.meta.training
+    verb = "reused" if result.reused else "trained"
+    print(
+        f"{verb} an eagle draft in {result.folder}: {t.get('texts')} texts, {t.get('positions')} positions, "
+        f"{t.get('minutes')} minutes; held-out agreement with the target {t.get('held_out_agreement')}, "
+        f"accepted of a 3-token chain {t.get('held_out_chain_of_3')}"
     )
     return 0

@@ -35,6 +35,11 @@ def export_name(model: str, stages: int, weights: str) -> str:
     return f"{model}-{stages}s-{weights}"
 
 
+def feature_draft_name(model: str, vocab: int | None) -> str:
+    """Folder name of a trained eagle draft (``pipeshard distil --kind eagle``): ``<model>-eagle[-v<N>]``."""
+    return f"{model}-eagle{'' if vocab is None else f'-v{vocab}'}"
+
+
 def draft_export_name(model: str, layers: int, vocab: int | None, weights: str) -> str:
     """Folder name of a self-draft export: ``<model>-draft<K>[-v<N>]-<weights>``."""
     return f"{model}-draft{layers}{'' if vocab is None else f'-v{vocab}'}-{weights}"

@@ -22,7 +22,14 @@ from pipeshard.keys import default_key_file
 from pipeshard.paths import DEFAULT_MODEL, certs_dir, export_name, shards_dir
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.gateway.settings import GATEWAY_METRICS_PORT, GATEWAY_PORT
-from pipeshard.services.launcher import process_start_time, recorded, stage_name, start_fleet, stop_recorded
+from pipeshard.services.launcher import (
+    feature_draft_args,
+    process_start_time,
+    recorded,
+    stage_name,
+    start_fleet,
+    stop_recorded,
+)
 from pipeshard.shard.device import DEFAULT_DEVICE
 from pipeshard.shard.manifest import WEIGHT_FORMATS
 from pipeshard.sizes import parse_bytes
@@ -59,6 +66,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="mutual TLS between all processes and a client token (certificates made if missing)",
     )
     up.add_argument("--gateway-port", type=int, default=GATEWAY_PORT, help="OpenAI gateway HTTP port")
+    up.add_argument(
+        "--feature-draft",
+        default="auto",
+        help="auto: offer a feature draft trained for this export's weights (`make distil KIND=eagle`) "
+        "as the default speculation; off; or a draft folder",
+    )
     up.add_argument(
         "--stage-memory-limit",
         default=None,
@@ -133,11 +146,12 @@ def run_up(args: argparse.Namespace) -> int:
     # With replicas the coordinator reads the topology too, so `pipeshard fleet drain|add` and a
     # SIGHUP change its lanes at run time.
     lanes_file = ["--topology", str(TOPOLOGY)] if args.replicas > 1 else []
+    feature = feature_draft_args(shards, args.feature_draft)
     fleet = start_fleet(
         shards,
         args.stages,
         RUN_DIR,
-        extra_coordinator_args=lanes_file,
+        extra_coordinator_args=lanes_file + feature,
         stage_ports=[s.port for s in topo.stages],
         coordinator_port=topo.coordinator.port,
         exporter_port=topo.exporter.port,
@@ -167,6 +181,8 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"API keys: {default_key_file()} (re-read on change; `pipeshard keys add NAME` makes one)")
     else:
         print("plaintext on loopback (`make up SECURE=1` for TLS and a token)")
+    if feature:
+        print(f"speculation: the feature draft {feature[1]} by default (adaptive K)")
     print(f"topology written to {TOPOLOGY}; logs in {RUN_DIR}/")
     print(f"exporter listening on {topo.exporter.address}")
     for r, lane in enumerate(fleet.lanes):

@@ -24,6 +24,8 @@ from pathlib import Path
 
 from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.memcap import MemoryCap
+from pipeshard.shard.feature_draft import is_feature_draft, read_meta
+from pipeshard.shard.manifest import load_manifest
 from pipeshard.tls import CA_CERT
 from pipeshard.topology import LANE_SEPARATOR, REPLICA_PORT_STRIDE
 
@@ -181,6 +183,22 @@ def stage_args(
     args = ["stage", "--stage", str(k), "--shards", str(shards), "--port", str(port)]
     args += ["--precision", precision, "--log-format", log_format, *extra]
     return [*args, "--next-hop", next_hop] if next_hop else args
+
+
+def feature_draft_args(shards: Path, choice: str = "auto") -> list[str]:
+    """The coordinator arguments that offer a trained feature draft (``pipeshard distil --kind
+    eagle``) as ``feature`` and make it the default speculation (adaptive K: none where it does
+    not pay). ``auto``: the draft in the shards folder trained for these weights, if any; ``off``:
+    none; else a folder, checked by the coordinator against the export's fingerprint."""
+    if choice == "off":
+        return []
+    if choice != "auto":
+        return ["--feature-draft", choice, "--speculative", "feature"]
+    model = load_manifest(shards).model
+    for folder in sorted(Path(shards).parent.glob(f"{model.name}-eagle*")):
+        if is_feature_draft(folder) and read_meta(folder).model_fingerprint == model.fingerprint:
+            return ["--feature-draft", str(folder), "--speculative", "feature"]
+    return []
 
 
 def coordinator_args(

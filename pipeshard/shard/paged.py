@@ -46,6 +46,7 @@ from pipeshard.errors import InvalidArgument, NotFound, ResourceExhausted
 from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.shard.compile_cache import OFF
 from pipeshard.shard.device import DEFAULT_DEVICE
+from pipeshard.shard.features import FEATURES, add_features_output
 from pipeshard.shard.kvblob import BlockLayout
 from pipeshard.shard.runtime import StageShard, compile_properties
 
@@ -124,6 +125,7 @@ def _prepare_model(model: ov.Model, is_first: bool, is_last: bool) -> ov.Model:
             if p.get_friendly_name() == "logits_to_keep":
                 model.remove_parameter(p)
         model.validate_nodes_and_infer_types()
+        add_features_output(model)  # after the gather: the features of exactly the scored rows
     return model
 
 
@@ -424,6 +426,11 @@ class PagedShard(StageShard):
 
         Every row is checked before anything runs: a bad row fails the step and no cache
         changes."""
+        return self.step_features(rows)[0]
+
+    def step_features(self, rows: Sequence[PagedRow]) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+        """``step``, and on the last stage each row's final normed hidden state at its logits
+        rows ([logits, hidden], pipeshard/shard/features.py; None on other stages)."""
         if not rows:
             raise InvalidArgument("rows", "must name at least one sequence")
         with self._lock:
@@ -461,13 +468,12 @@ class PagedShard(StageShard):
             for (state, _, _), end in zip(checked, ends, strict=True):
                 state.length = int(end)
             out = req.get_output_tensor(0).data
-            if self.is_last:
-                out = out.reshape(-1, out.shape[-1])[: sum(wanted)]
-                splits = np.cumsum(wanted)[:-1]
-            else:
-                out = out.reshape(-1, self.hidden_size)
-                splits = begins[1:-1]
-            return np.split(out.copy(), splits)
+            if not self.is_last:
+                return np.split(out.reshape(-1, self.hidden_size).copy(), begins[1:-1]), None
+            splits = np.cumsum(wanted)[:-1]
+            logits = out.reshape(-1, out.shape[-1])[: sum(wanted)]
+            features = req.get_tensor(FEATURES).data.reshape(-1, self.hidden_size)[: sum(wanted)]
+            return np.split(logits.copy(), splits), np.split(features.copy(), splits)
 
     def warmup(self, prefill: int = 256, decode: int = 2) -> int:
         """A throwaway prefill and a few decode steps on a temporary sequence (the plugin prepares

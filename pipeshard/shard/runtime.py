@@ -37,6 +37,7 @@ from pipeshard.errors import FailedPrecondition, InvalidArgument, ResourceExhaus
 from pipeshard.precision import DEFAULT_PRECISION, canonical
 from pipeshard.shard.compile_cache import cache_config
 from pipeshard.shard.device import DEFAULT_DEVICE, device_properties
+from pipeshard.shard.features import FEATURES, add_features_output
 from pipeshard.shard.kvblob import KvBlob, KvSource
 from pipeshard.shard.manifest import load_manifest, verify_shard
 
@@ -194,7 +195,10 @@ class ShardRunner(StageShard):
     ):
         props = compile_properties(precision, num_threads, num_streams)
         super().__init__(export_dir, stage_index, precision, verify=verify, core=core)
-        self.compiled = self.compile(str(self.export_dir / self.entry.model), device, props, compile_cache)
+        model: ov.Model | str = str(self.export_dir / self.entry.model)
+        if self.is_last:  # the final hidden state beside the logits, for feature-reading drafts
+            model = add_features_output(self.core.read_model(model))
+        self.compiled = self.compile(model, device, props, compile_cache)
         names = [p.get_any_name() for p in self.compiled.inputs]
         self.input_name = self.entry.input_name
         self._index = {n: i for i, n in enumerate(names)}
@@ -364,6 +368,14 @@ class ShardSession:
         self._rows, self._row = 1, 0
 
     # -- compute ----------------------------------------------------------------------------
+    def features(self) -> np.ndarray:
+        """The last stage's final normed hidden state at the positions the last run returned
+        logits for: [n, H] (of a chain run: chain after chain), a copy."""
+        if not self.runner.is_last:
+            raise InvalidArgument("features", f"stage {self.runner.stage_index} is not the last stage")
+        out = self._req.get_tensor(FEATURES).data
+        return out.reshape(-1, out.shape[-1]).copy()
+
     def _check_input(self, x: np.ndarray) -> np.ndarray:
         """Takes 1-D ids as one row and any integer (or float) dtype the port can hold losslessly."""
         r = self.runner

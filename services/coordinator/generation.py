@@ -169,9 +169,11 @@ class _Cursor:
         kind: RowKind | None = None,
         chains: int = 1,
         parents: tuple[int, ...] = (),
+        features: bool = False,
     ) -> activation_pb2.ActivationFrame:
         """``chains`` > 1: ``ids`` are a draft tree's chains, each advancing the cache alike;
-        ``parents``: ``ids`` are a draft tree as one sequence (each id's parent among them)."""
+        ``parents``: ``ids`` are a draft tree as one sequence (each id's parent among them);
+        ``features``: the final stage returns its final hidden state too (a feature draft's)."""
         self._tree_base = self.logical
         frame = token_frame(
             self.session_id,
@@ -189,6 +191,7 @@ class _Cursor:
             parents=parents,
             kept=self._kept,
             probabilities=self.probabilities,
+            features=features,
         )
         self._rejected = []
         self._keep_chain = -1
@@ -280,6 +283,7 @@ class _Request:
         self.max_context = max_context
         self.reserved = reserved or max_context  # the cache room the session holds on paged stages
         self.drafter = drafter
+        self.reads_features = drafter is not None and drafter.reads_features
         self.policy = policy
         self.cursor = _Cursor(session_id, params.greedy, truncates=truncates, probabilities=params.logprobs)
         self.detok = detok
@@ -385,6 +389,7 @@ class _Request:
                 return_last=draft.depth + 1,
                 kind=RowKind.VERIFY,
                 chains=draft.width,
+                features=self.reads_features,
             )
         if self.cursor.logical < len(self.prompt_ids):
             kind = RowKind.PREFILL
@@ -395,6 +400,7 @@ class _Request:
             return_last=len(draft.tokens) + 1,
             sampling=self._sampling(draft),
             kind=kind,
+            features=self.reads_features,
         )
 
     def _sampling(self, draft: Draft) -> SamplingStep | None:
@@ -413,6 +419,25 @@ class _Request:
 
     def accept(self, draft: Draft | TreeChains | TreeNodes, result: activation_pb2.StepResult) -> list[int]:
         """The tokens this step keeps: the agreed draft prefix plus the target's next token."""
+        new = self._accept(draft, result)
+        if self.reads_features:
+            self._observe(draft, result, new)
+        return new
+
+    def _observe(
+        self, draft: Draft | TreeChains | TreeNodes, result: activation_pb2.StepResult, new: list[int]
+    ) -> None:
+        """Hands a feature draft the target's feature at the last position kept: the row before
+        the target's own token (of a tree: the accepted path's last node's row)."""
+        if not result.HasField("features"):
+            return  # a stage that cannot return them: the draft stays idle, decoding stays exact
+        if isinstance(draft, TreeChains | TreeNodes):
+            row = draft.row_of(self.outcome.path[-1] if self.outcome.path else ROOT)
+        else:
+            row = len(new) - 1
+        self.drafter.observe(decode(result.features, field="features")[row])
+
+    def _accept(self, draft: Draft | TreeChains | TreeNodes, result: activation_pb2.StepResult) -> list[int]:
         if isinstance(draft, TreeChains | TreeNodes):
             return self._accept_tree(draft, result)
         if self.sampler is None:

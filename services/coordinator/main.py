@@ -91,7 +91,7 @@ class CoordinatorSettings(ServerSettings):
     host_stage0: bool = setting(False, "run stage 0 in this process; --stages then lists stages 1..N-1")
     precision: str = setting(DEFAULT_PRECISION, "inference precision of a hosted stage 0", choices=PRECISIONS)
     speculative: str = setting(
-        "none", "speculation of requests that do not choose: none, ngram, self or a --draft name"
+        "none", "speculation of requests that do not choose: none, ngram, self, feature or a --draft name"
     )
     draft: list[str] = setting(
         default_factory=list,
@@ -99,6 +99,11 @@ class CoordinatorSettings(ServerSettings):
     )
     self_draft: Path | None = setting(
         None, "self-draft export (pipeshard export --draft-layers K) used by `--speculative self`"
+    )
+    feature_draft: Path | None = setting(
+        None,
+        "trained feature draft (pipeshard distil --kind eagle) offered as `feature`; refused at start "
+        "when trained for other weights",
     )
     draft_cache: Path | None = setting(
         None, "where Hugging Face draft folders are exported on first use (default: <shards>/../.drafts)"
@@ -187,9 +192,13 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
         raise InvalidArgument("max_k", f"must be in 1..32, got {settings.max_k}")
     if settings.speculative == "self" and settings.self_draft is None:
         raise InvalidArgument("speculative", "self needs --self-draft DIR")
+    if settings.speculative == "feature" and settings.feature_draft is None:
+        raise InvalidArgument("speculative", "feature needs --feature-draft DIR")
     named = parse_named(settings.draft)
     if settings.speculative not in (*MODES, *named):
-        raise InvalidArgument("speculative", "must be none, ngram, self or a name given with --draft")
+        raise InvalidArgument(
+            "speculative", "must be none, ngram, self, feature or a name given with --draft"
+        )
     return settings
 
 
@@ -278,17 +287,20 @@ class Coordinator:
         if backend == "static":  # a row holds at most the shards' chunk: prefill and verify fit in it
             chunk = min(chunk, self.ring.prefill_chunk)
             max_k = max(1, min(max_k, self.ring.prefill_chunk - 1))
+        drafts = DraftSources(
+            Path(self.settings.shards),
+            self_draft=self.settings.self_draft,
+            feature=self.settings.feature_draft,
+            named=parse_named(self.settings.draft),
+            draft_cache=self.settings.draft_cache,
+        )
+        log.info("draft_sources", offered=drafts.names, default=self.settings.speculative)
         generation = Generation(
             self.ring,
             prompter.tokenizer,
             prompter.eos_ids,
             prefill_chunk=chunk,
-            drafts=DraftSources(
-                Path(self.settings.shards),
-                self_draft=self.settings.self_draft,
-                named=parse_named(self.settings.draft),
-                draft_cache=self.settings.draft_cache,
-            ),
+            drafts=drafts,
             default_speculative=self.settings.speculative,
             max_k=max_k,
             final_stage_sampling=self.settings.final_stage_sampling,

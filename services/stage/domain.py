@@ -64,6 +64,7 @@ class StepRow:
     top1_ids_only: bool = False  # ReturnMode.TOP1 without probabilities (no softmax)
     slot_id: int = -1  # static stages: the slot the session holds (-1: the stage finds it)
     prefix_reuse_length: int = 0  # static stages: continue after this many cached positions (0: all)
+    return_features: bool = False  # the final stage also returns its final normed hidden state
 
     @property
     def tokens(self) -> int:
@@ -105,6 +106,16 @@ class StepOutput:
     top1: Top1 | None = None
     logits: np.ndarray | None = None  # float32 [n, vocab]
     sampled: Sampled | None = None
+    features: np.ndarray | None = None  # float32 [n, hidden]: the final normed hidden state
+
+
+@dataclass
+class Computed:
+    """A backend's output for one row: hidden states [1, T, H] for the next hop, or on the final
+    stage logits [n, vocab] and, when the row asked, its final normed hidden state [n, H]."""
+
+    out: np.ndarray
+    features: np.ndarray | None = None
 
 
 def top1_of(logits: np.ndarray, probabilities: bool = True) -> Top1:

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.services.stage.domain import ReturnMode, StepRow
+from pipeshard.services.stage.domain import Computed, ReturnMode, StepRow
 from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.services.stage.step_engine import Ready, RowEngine
@@ -64,10 +64,10 @@ class StageEngine(RowEngine):
                 )
         return session.past_length
 
-    def _compute(self, ready: list[Ready]) -> list[np.ndarray | Exception]:
+    def _compute(self, ready: list[Ready]) -> list[Computed | Exception]:
         return [self._one(r) for r in ready]
 
-    def _one(self, ready: Ready) -> np.ndarray | Exception:
+    def _one(self, ready: Ready) -> Computed | Exception:
         row, session = ready.row, ready.session
         if row.tree_keep >= 0:
             session.keep_chain(row.tree_keep)
@@ -86,7 +86,7 @@ class StageEngine(RowEngine):
             return exc
         self.meters.step((time.perf_counter_ns() - started) / 1e9, x.shape[1])  # every token computed
         if not self.is_last:
-            return out
+            return Computed(out)
         if row.return_mode is ReturnMode.NONE:
-            return out[:0]
-        return out.reshape(-1, out.shape[-1])
+            return Computed(out[:0])
+        return Computed(out.reshape(-1, out.shape[-1]), session.features() if row.return_features else None)

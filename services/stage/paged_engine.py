@@ -25,10 +25,8 @@ import itertools
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 from pipeshard.errors import InvalidArgument, PipeshardError, ResourceExhausted
-from pipeshard.services.stage.domain import ReturnMode, StepRow
+from pipeshard.services.stage.domain import Computed, ReturnMode, StepRow
 from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.services.stage.step_engine import Ready, RowEngine
@@ -207,7 +205,7 @@ class PagedEngine(RowEngine):
                 f"beyond the {room} it reserved"
             )
 
-    def _compute(self, ready: list[Ready]) -> list[np.ndarray]:
+    def _compute(self, ready: list[Ready]) -> list[Computed]:
         """One inference for every ready row (a failure raises: it fails them all)."""
         if not ready:
             return []
@@ -224,6 +222,8 @@ class PagedEngine(RowEngine):
                 PagedRow(session.key, row.activations[0], row.positions, logits=want, parents=parents)
             )
         started = time.perf_counter_ns()
-        outs = self.shard.step(rows)
+        outs, features = self.shard.step_features(rows)
         self.meters.step((time.perf_counter_ns() - started) / 1e9, sum(len(row.inputs) for row in rows))
-        return [out if self.is_last else out[None] for out in outs]
+        if not self.is_last:
+            return [Computed(out[None]) for out in outs]
+        return [Computed(out, f) for out, f in zip(outs, features, strict=True)]

@@ -18,7 +18,16 @@ import numpy as np
 
 from pipeshard.errors import InvalidArgument, PipeshardError
 from pipeshard.sampling import sample_step
-from pipeshard.services.stage.domain import ReturnMode, RowKind, Sampled, Step, StepOutput, StepRow, top1_of
+from pipeshard.services.stage.domain import (
+    Computed,
+    ReturnMode,
+    RowKind,
+    Sampled,
+    Step,
+    StepOutput,
+    StepRow,
+    top1_of,
+)
 from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.shard.runtime import check_activations, check_step
@@ -121,20 +130,26 @@ class RowEngine:
     def _check_room(self, row: StepRow, session, start: int) -> None:
         """A backend's own room check beyond max_context (none by default)."""
 
-    def _compute(self, ready: list[Ready]) -> list[np.ndarray | Exception]:
+    def _compute(self, ready: list[Ready]) -> list[Computed | Exception]:
         """Per ready row: hidden states [1, T, H] (non-final stage), logits [return_last, vocab]
-        (final stage) or the row's own error."""
+        and the features the row asked for (final stage), or the row's own error."""
         raise NotImplementedError
 
-    def _answer(self, row: StepRow, out: np.ndarray) -> StepOutput:
+    def _answer(self, row: StepRow, computed: Computed) -> StepOutput:
+        out = computed.out
         if not self.is_last:
             return StepOutput(row=row, hidden_states=out)
+        features = computed.features if row.return_features else None
         if row.return_mode is ReturnMode.TOP1:
-            return StepOutput(row=row, top1=top1_of(out, probabilities=not row.top1_ids_only))
+            return StepOutput(
+                row=row, top1=top1_of(out, probabilities=not row.top1_ids_only), features=features
+            )
         if row.return_mode is ReturnMode.LOGITS:
-            return StepOutput(row=row, logits=np.ascontiguousarray(out, dtype=np.float32))
+            return StepOutput(row=row, logits=np.ascontiguousarray(out, dtype=np.float32), features=features)
         if row.return_mode is ReturnMode.SAMPLED:  # each row draws with its own generator
-            return StepOutput(row=row, sampled=sample(np.asarray(out, dtype=np.float32), row))
+            return StepOutput(
+                row=row, sampled=sample(np.asarray(out, dtype=np.float32), row), features=features
+            )
         return StepOutput(row=row)
 
 

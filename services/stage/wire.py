@@ -92,6 +92,7 @@ def _row(row: activation_pb2.PlanRow, positions: np.ndarray, x: np.ndarray, owne
         top1_ids_only=row.top1_ids_only,
         slot_id=row.slot_id,
         prefix_reuse_length=row.prefix_reuse_length,
+        return_features=row.return_features,
     )
 
 
@@ -141,6 +142,7 @@ def _plan_row(row: StepRow) -> activation_pb2.PlanRow:
         tree_parents=row.tree_parents,
         tree_kept=row.tree_kept,
         top1_ids_only=row.top1_ids_only,
+        return_features=row.return_features,
     )
 
 
@@ -249,6 +251,8 @@ def result_from_output(
     if out.sampled is not None:
         result.sampled.token_ids.extend(out.sampled.token_ids)
         result.sampled.rng_state = out.sampled.rng_state
+    if out.features is not None:  # a draft's input only: fp16 halves it, no token depends on it
+        result.features.CopyFrom(encode(out.features, codec, as_fp16=True, field="features"))
     return result
 
 
@@ -287,6 +291,7 @@ def token_frame(
     parents: tuple[int, ...] = (),
     kept: tuple[int, ...] = (),
     probabilities: bool = True,
+    features: bool = False,
 ) -> activation_pb2.ActivationFrame:
     """The frame (a plan of one row) that carries one session's token ids into stage 0 at
     logical positions ``start...``.
@@ -302,6 +307,7 @@ def token_frame(
     each id sits one position after its parent); ``kept``: the ids of the previous such step
     whose cache is kept.
     ``probabilities`` False: a Top1 answer carries the ids only (no softmax on the final stage).
+    ``features``: the final stage also returns its final normed hidden state at those ids.
     """
     if fill_only:
         mode, sampling = ReturnMode.NONE, None
@@ -331,6 +337,7 @@ def token_frame(
         tree_parents=tuple(parents),
         tree_kept=tuple(kept),
         top1_ids_only=mode is ReturnMode.TOP1 and not probabilities,
+        return_features=features and not fill_only,
     )
     return frame_from_step(Step([row], sent_unix_nanos=time.time_ns()))
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from pipeshard.paths import DEFAULT_MODEL
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.fleet_cli import ensure_shards
+from pipeshard.services.launcher import feature_draft_args
 from pipeshard.services.wan import netns, state
 from pipeshard.services.wan.emulator import WanFleet
 from pipeshard.services.wan.netns import WanError
@@ -34,6 +35,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--model", default=DEFAULT_MODEL)
     up.add_argument("--port", type=int, default=50051, help="coordinator port on 127.0.0.1 (0 = any)")
     up.add_argument("--ttl-s", type=float, default=3600.0, help="tear down by itself after this long")
+    up.add_argument(
+        "--feature-draft",
+        default="auto",
+        help="auto: offer a feature draft trained for this export's weights as the default "
+        "speculation; off; or a draft folder",
+    )
     up.set_defaults(func=run_up)
     down = wan_sub.add_parser("down", help="stop what `pipeshard wan up` started, delete its namespaces")
     down.set_defaults(func=run_down)
@@ -53,6 +60,7 @@ def run_up(args: argparse.Namespace) -> int:
             coordinator_port=args.port,
             detach=True,
             ttl_s=args.ttl_s,
+            extra_coordinator_args=feature_draft_args(shards, args.feature_draft),
         )
     except WanError as exc:
         print(f"wan up: {exc}", file=sys.stderr)

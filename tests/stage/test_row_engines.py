@@ -107,6 +107,10 @@ class FakePagedShard:
                 outs.append(_hidden(row.positions))
         return outs
 
+    def step_features(self, rows):
+        outs = self.step(rows)
+        return outs, ([out[:, :1] for out in outs] if self.is_last else None)
+
 
 class FakeStaticShard:
     """A static shard's slots and checks (the real ones) over a fake model."""

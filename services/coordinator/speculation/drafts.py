@@ -35,6 +35,9 @@ class Draft:
 class Drafter(Protocol):
     # How many candidate paths ``tree=auto`` asks of this source (1: chains only).
     auto_tree_width: int
+    # Whether it reads the target's final hidden state (speculation/feature.py): steps then ask
+    # the final stage for it and hand the drafter the kept position's through ``observe``.
+    reads_features: bool
 
     def propose(
         self, context: Sequence[int], k: int, sample: tuple[Probabilities, np.random.Generator] | None
@@ -57,6 +60,7 @@ class NgramDrafter:
     """Prompt-lookup drafting: no model, no state."""
 
     auto_tree_width = 3  # alternative continuations cost nothing to find
+    reads_features = False
 
     def __init__(self, max_ngram: int = 3):
         self.max_ngram = max_ngram
@@ -137,6 +141,7 @@ class ModelDrafter:
     """A draft model's session. Tracks how much of the committed context its cache holds."""
 
     auto_tree_width = 1
+    reads_features = False
 
     def __init__(
         self,

@@ -1,7 +1,8 @@
 """Turns a request's ``speculative`` field into a drafter factory, loading draft models once.
 
 A client only picks a name: the operator decides at start-up which draft folders exist
-(``--draft NAME=DIR``, plus ``self``: the ``--self-draft`` export), so a request can never make
+(``--draft NAME=DIR``, plus ``self``: the ``--self-draft`` export, and ``feature``: the
+``--feature-draft`` folder, a draft reading the target's features), so a request can never make
 the coordinator read, export or keep in memory a folder it chose, nor learn which folders exist.
 """
 
@@ -16,12 +17,14 @@ import structlog
 
 from pipeshard.errors import InvalidArgument
 from pipeshard.services.coordinator.speculation.drafts import Drafter, DraftModel, NgramDrafter
+from pipeshard.services.coordinator.speculation.feature import FeatureDrafter
+from pipeshard.shard import feature_draft
 from pipeshard.shard.drafts import check_same_tokenizer, resolve_draft
 from pipeshard.shard.runtime import ShardRunner
 
 log = structlog.get_logger(__name__)
 
-MODES = ("none", "self", "ngram")
+MODES = ("none", "self", "ngram", "feature")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -41,8 +44,10 @@ def parse_named(specs: list[str]) -> dict[str, Path]:
 
 
 class DraftSources:
-    """``none``, ``ngram``, ``self`` (the configured self-draft export) or an operator-named draft
-    folder (an export, or a same-tokenizer Hugging Face model folder exported on first use).
+    """``none``, ``ngram``, ``self`` (the configured self-draft export), ``feature`` (the
+    configured feature draft, checked against the target's fingerprint here, at start) or an
+    operator-named draft folder (an export, or a same-tokenizer Hugging Face model folder
+    exported on first use).
     ``allow_paths`` lets a mode be a folder itself: only where the caller is the operator
     (``pipeshard generate --local``, in-process tests and benchmarks), never in a service."""
 
@@ -51,6 +56,7 @@ class DraftSources:
         target_shards: Path,
         *,
         self_draft: Path | None = None,
+        feature: Path | None = None,
         named: Mapping[str, Path] | None = None,
         draft_cache: Path | None = None,
         num_threads: int | None = None,
@@ -58,6 +64,12 @@ class DraftSources:
     ):
         self.target_shards = Path(target_shards)
         self.self_draft = self_draft
+        self.feature = Path(feature) if feature is not None else None
+        self._feature_meta = None
+        if self.feature is not None:
+            self._feature_meta = feature_draft.read_meta(self.feature)
+            feature_draft.check_target(self._feature_meta, self.target_shards, self.feature)
+        self._feature_model: feature_draft.FeatureDraftModel | None = None
         self.named = dict(named or {})
         self.allow_paths = allow_paths
         self.draft_cache = Path(draft_cache) if draft_cache else self.target_shards.parent / ".drafts"
@@ -68,7 +80,13 @@ class DraftSources:
     @property
     def names(self) -> list[str]:
         """What a client may ask for, in a stable order."""
-        return ["none", "ngram", *(["self"] if self.self_draft is not None else []), *sorted(self.named)]
+        return [
+            "none",
+            "ngram",
+            *(["self"] if self.self_draft is not None else []),
+            *(["feature"] if self.feature is not None else []),
+            *sorted(self.named),
+        ]
 
     def validate(self, mode: str) -> None:
         """Cheap checks at request time, before any slot or session is taken."""
@@ -78,6 +96,12 @@ class DraftSources:
             raise InvalidArgument(
                 "speculative",
                 "self-draft is not configured on this coordinator (start it with --self-draft DIR)",
+            )
+        if mode == "feature":
+            raise InvalidArgument(
+                "speculative",
+                "no feature draft is configured on this coordinator (train one with "
+                "`pipeshard distil --kind eagle`, start it with --feature-draft DIR)",
             )
         # The request's value is not echoed: it may be a probe for which paths exist.
         raise InvalidArgument(
@@ -90,9 +114,21 @@ class DraftSources:
             return None
         if mode == "ngram":
             return NgramDrafter
+        if mode == "feature":
+            model = await self._feature_draft()
+            return lambda: FeatureDrafter(model)
         folder = self.self_draft if mode == "self" else self.named.get(mode, Path(mode))
         model = await self._load(Path(folder).resolve())
         return model.drafter
+
+    async def _feature_draft(self) -> feature_draft.FeatureDraftModel:
+        async with self._lock:
+            if self._feature_model is None:
+                self._feature_model = await asyncio.to_thread(
+                    feature_draft.FeatureDraftModel, self.feature, self._feature_meta
+                )
+                log.info("feature_draft_loaded", folder=str(self.feature), kind=self._feature_meta.kind)
+            return self._feature_model
 
     async def _load(self, folder: Path) -> DraftModel:
         async with self._lock:

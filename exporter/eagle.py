@@ -1,0 +1,322 @@
+"""Train an EAGLE-style feature draft (``pipeshard distil --kind eagle``) on the target's own
+features: its greedy answers to synthetic prompts (none of them a benchmark prompt), generated
+in batches on the paged backend, reading the final normed hidden state and the argmax at every
+position on the way (pipeshard/shard/features.py).
+
+The draft (pipeshard/shard/feature_draft.py) learns, from the target's feature at t and the
+token at t + 1, the feature at t + 1 (regression) and the target's argmax there (cross-entropy
+through the target's frozen head rows). Training unrolls ``UNROLL`` steps, each fed the draft's
+own predicted feature, because that is how a chain or tree is drafted. Torch on CPU.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeshard.errors import InvalidArgument
+from pipeshard.exporter.distil import synthetic_prompts
+from pipeshard.exporter.draft import plan_draft
+from pipeshard.shard import feature_draft
+from pipeshard.shard.manifest import load_manifest
+from pipeshard.shard.prompting import Prompter
+
+Report = Callable[[str, float, str], object]
+UNROLL = 3  # draft steps trained per sample, each on the previous step's predicted feature
+BATCH = 32  # prompts answered per paged inference while the texts are generated
+CACHE_BYTES_PER_ROW = 24 * 1024 * 1024  # f32 KV of SmolLM2-135M: 8 blocks of 32 tokens per row
+INTERMEDIATE = 1536  # the MLP block's width (SmolLM2-135M's own layers use 1536)
+
+
+@dataclass(frozen=True)
+class FeatureTexts:
+    """Every text's token ids, the target's final normed features and argmax at each position."""
+
+    ids: list[np.ndarray]  # int64 [n]
+    features: list[np.ndarray]  # float32 [n, H]
+    argmax: list[np.ndarray]  # int64 [n]
+
+    @property
+    def positions(self) -> int:
+        return sum(len(i) for i in self.ids)
+
+
+def generate_features(
+    target_export: Path, prompts: Sequence[list[int]], max_tokens: int, report: Report, batch: int = BATCH
+) -> FeatureTexts:
+    """The target's greedy answers (at ``exact``, whose tokens do not depend on the rows beside
+    them), ``batch`` prompts per paged inference, with every position's feature and argmax read
+    on the way: the prompt's from its prefill, each answer token's from its decode step."""
+    from pipeshard.shard.paged import PagedRow, PagedShard
+
+    manifest = load_manifest(target_export)
+    cache = CACHE_BYTES_PER_ROW * batch
+    shards = [PagedShard(target_export, k, "exact", cache_bytes=cache) for k in range(manifest.num_stages)]
+    eos = set(manifest.model.eos_token_ids)
+    out = FeatureTexts([], [], [])
+    for first in range(0, len(prompts), batch):
+        group = list(enumerate(prompts[first : first + batch]))
+        for i, ids in group:
+            for shard in shards:
+                shard.open(i, len(ids) + max_tokens)
+        feats: dict[int, list[np.ndarray]] = {i: [] for i, _ in group}
+        top: dict[int, list[np.ndarray]] = {i: [] for i, _ in group}
+        tokens = {i: list(ids) for i, ids in group}
+        rows = [PagedRow(i, np.asarray(ids), np.arange(len(ids)), logits=len(ids)) for i, ids in group]
+        for _ in range(max_tokens):
+            for shard in shards[:-1]:
+                hidden = shard.step(rows)
+                rows = [PagedRow(r.seq, h, r.positions, r.logits) for r, h in zip(rows, hidden, strict=True)]
+            logits, features = shards[-1].step_features(rows)
+            nxt = []
+            for r, lg, f in zip(rows, logits, features, strict=True):
+                feats[r.seq].append(f.astype(np.float32))
+                top[r.seq].append(lg.argmax(-1).astype(np.int64))
+                token = int(top[r.seq][-1][-1])
+                if token in eos:
+                    continue
+                tokens[r.seq].append(token)
+                position = len(tokens[r.seq]) - 1
+                nxt.append(PagedRow(r.seq, np.asarray([token]), np.asarray([position]), logits=1))
+            rows = nxt
+            if not rows:
+                break
+        for i, _ in group:
+            for shard in shards:
+                shard.free(i)
+            n = sum(len(f) for f in feats[i])  # positions read: the last token was never fed
+            out.ids.append(np.asarray(tokens[i][:n], dtype=np.int64))
+            out.features.append(np.concatenate(feats[i]))
+            out.argmax.append(np.concatenate(top[i]))
+        done = min(first + batch, len(prompts))
+        report("generate", done / len(prompts), f"{done}/{len(prompts)} answers with their features")
+    return out
+
+
+class EagleDraft:
+    """The draft as a torch module mirroring ``FeatureDraftModel.step``."""
+
+    def __init__(self, embed, head, head_ids, eps: float, intermediate: int = INTERMEDIATE):
+        import torch
+        from torch import nn
+
+        h = embed.shape[1]
+        self.torch = torch
+        self.eps = eps
+        self.embed = embed  # frozen [V, H]
+        self.head = head  # frozen [S, H]
+        self.head_ids = head_ids  # [S]
+        self.column = torch.full((embed.shape[0],), -100, dtype=torch.long)
+        self.column[head_ids] = torch.arange(len(head_ids))
+        self.norm_embed = nn.Parameter(torch.ones(h))
+        self.fc = nn.Linear(2 * h, h)
+        with torch.no_grad():  # start as "the feature passes through"
+            self.fc.weight.zero_()
+            self.fc.weight[:, h:] = torch.eye(h)
+            self.fc.bias.zero_()
+        self.norm_mlp = nn.Parameter(torch.ones(h))
+        self.gate = nn.Linear(h, intermediate, bias=False)
+        self.up = nn.Linear(h, intermediate, bias=False)
+        self.down = nn.Linear(intermediate, h, bias=False)
+        with torch.no_grad():
+            self.down.weight.mul_(0.1)
+        self.norm_out = nn.Parameter(torch.ones(h))
+        self.modules = [self.fc, self.gate, self.up, self.down]
+
+    def parameters(self) -> list:
+        params = [self.norm_embed, self.norm_mlp, self.norm_out]
+        for m in self.modules:
+            params += list(m.parameters())
+        return params
+
+    def _rms(self, x, weight):
+        return x * self.torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
+
+    def step(self, features, tokens):
+        """Predicted features [B, H] and head-slice logits [B, S]."""
+        f = self.torch.nn.functional
+        e = self._rms(self.embed[tokens], self.norm_embed)
+        z = self.fc(self.torch.cat([e, features], dim=-1))
+        zn = self._rms(z, self.norm_mlp)
+        h = z + self.down(f.silu(self.gate(zn)) * self.up(zn))
+        out = self._rms(h, self.norm_out)
+        return out, out @ self.head.T
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        def a(t):
+            return t.detach().cpu().numpy().astype(np.float32)
+
+        return {
+            "embed": self.embed.numpy().astype(np.float16),
+            "head_ids": self.head_ids.numpy().astype(np.int64),
+            "head": a(self.head),
+            "norm_embed": a(self.norm_embed),
+            "fc_weight": a(self.fc.weight),
+            "fc_bias": a(self.fc.bias),
+            "norm_mlp": a(self.norm_mlp),
+            "gate": a(self.gate.weight),
+            "up": a(self.up.weight),
+            "down": a(self.down.weight),
+            "norm_out": a(self.norm_out),
+        }
+
+
+def _samples(data: FeatureTexts) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Flat ids, features, argmax and the start indices t with UNROLL steps inside one text."""
+    ids = np.concatenate(data.ids)
+    feats = np.concatenate(data.features)
+    top = np.concatenate(data.argmax)
+    starts, offset = [], 0
+    for text in data.ids:
+        n = len(text)
+        starts.extend(range(offset, offset + n - UNROLL))
+        offset += n
+    return ids, feats, top, np.asarray(starts, dtype=np.int64)
+
+
+def agreement(draft: EagleDraft, data: FeatureTexts) -> tuple[float, float]:
+    """(first-step agreement with the target's argmax, mean accepted chain length of UNROLL
+    steps) over ``data``: what a chain draft would keep on the target's own text."""
+    torch = draft.torch
+    ids, feats, top, starts = _samples(data)
+    if not len(starts):
+        return 0.0, 0.0
+    with torch.no_grad():
+        f = torch.as_tensor(feats[starts])
+        alive = torch.ones(len(starts), dtype=torch.bool)
+        first, kept = 0.0, torch.zeros(len(starts))
+        for j in range(UNROLL):
+            tok = torch.as_tensor(ids[starts + j + 1])
+            f, logits = draft.step(f, tok)
+            pred = draft.head_ids[logits.argmax(-1)]
+            hit = pred == torch.as_tensor(top[starts + j + 1])
+            if j == 0:
+                first = float(hit.float().mean())
+            alive &= hit
+            kept += alive.float()
+    return first, float(kept.mean())
+
+
+def train(
+    draft: EagleDraft, data: FeatureTexts, *, epochs: float, lr: float, batch: int, seed: int, report: Report
+) -> None:
+    torch = draft.torch
+    torch.manual_seed(seed)
+    ids, feats, top, starts = _samples(data)
+    ids_t, feats_t, top_t = torch.as_tensor(ids), torch.as_tensor(feats), torch.as_tensor(top)
+    scale = float(feats_t.pow(2).mean())  # the regression in units of the features' own power
+    steps = max(1, round(epochs * len(starts) / batch))
+    opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
+    rng = np.random.default_rng(seed)
+    for step in range(steps):
+        pick = torch.as_tensor(rng.choice(starts, size=min(batch, len(starts)), replace=False))
+        f = feats_t[pick]
+        loss = 0.0
+        for j in range(UNROLL):
+            f, logits = draft.step(f, ids_t[pick + j + 1])
+            want = feats_t[pick + j + 1]
+            label = draft.column[top_t[pick + j + 1]]
+            loss = loss + torch.nn.functional.smooth_l1_loss(f, want) / scale
+            loss = loss + torch.nn.functional.cross_entropy(logits, label, ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        report("train", (step + 1) / steps, f"step {step + 1}/{steps} loss {loss.item():.3f}")
+
+
+@dataclass(frozen=True)
+class EagleResult:
+    folder: Path
+    reused: bool
+    meta: feature_draft.FeatureDraftMeta
+
+
+def distil_eagle(
+    model_dir: Path | str,
+    target_export: Path | str,
+    out_dir: Path | str,
+    *,
+    vocab: int | None = 8192,
+    prompts: int = 200,
+    max_tokens: int = 128,
+    epochs: float = 20.0,
+    lr: float = 2e-3,
+    batch: int = 256,
+    held_out: float = 0.1,
+    seed: int = 0,
+    force: bool = False,
+    report: Report | None = None,
+) -> EagleResult:
+    """Train (or reuse) an eagle draft of ``target_export`` into ``out_dir``: a trained draft there
+    whose fingerprint matches the target's is reused unless ``force``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    report = report or (lambda phase, fraction, message: None)
+    model_dir, target_export, out_dir = Path(model_dir), Path(target_export), Path(out_dir)
+    target = load_manifest(target_export).model
+    if feature_draft.is_feature_draft(out_dir) and not force:
+        meta = feature_draft.read_meta(out_dir)
+        if meta.model_fingerprint == target.fingerprint:
+            report("reuse", 1.0, f"{out_dir} already holds a draft for {target.fingerprint}")
+            return EagleResult(out_dir, True, meta)
+    if not 0 < held_out < 1:
+        raise InvalidArgument("held_out", f"must be in (0, 1), got {held_out}")
+    plan = plan_draft(model_dir, 1, vocab)  # the head slice (merge order, special tokens kept)
+    started = time.perf_counter()
+    prompter = Prompter.from_dir(target_export)
+    encoded = [prompter.encode("", [("user", p)]) for p in synthetic_prompts(prompts, seed)]
+    data = generate_features(target_export, encoded, max_tokens, report)
+    order = list(range(len(data.ids)))
+    random.Random(seed).shuffle(order)
+    n_eval = max(1, round(held_out * len(order)))
+    if len(order) - n_eval < 1:
+        raise InvalidArgument("prompts", f"{len(order)} texts leave nothing to train on")
+
+    def part(index):
+        return FeatureTexts(*([getattr(data, k)[i] for i in index] for k in ("ids", "features", "argmax")))
+
+    evaluation, training = part(order[:n_eval]), part(order[n_eval:])
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    embed = hf.get_input_embeddings().weight.detach().clone()
+    head_all = hf.get_output_embeddings().weight.detach()
+    head_ids = torch.as_tensor(
+        plan.vocab_ids if plan.vocab_ids is not None else range(embed.shape[0]), dtype=torch.long
+    )
+    draft = EagleDraft(embed, head_all[head_ids].clone(), head_ids, float(hf.config.rms_norm_eps))
+    del hf
+    before = agreement(draft, evaluation)
+    report("train", 0.0, f"held-out agreement before {before[0]:.3f} (chain of {UNROLL}: {before[1]:.2f})")
+    train(draft, training, epochs=epochs, lr=lr, batch=batch, seed=seed, report=report)
+    after = agreement(draft, evaluation)
+    minutes = (time.perf_counter() - started) / 60.0
+    report("train", 1.0, f"held-out agreement after {after[0]:.3f} (chain of {UNROLL}: {after[1]:.2f})")
+    meta = feature_draft.FeatureDraftMeta(
+        kind="eagle",
+        model_fingerprint=target.fingerprint,
+        hidden_size=int(embed.shape[1]),
+        vocab_size=int(embed.shape[0]),
+        intermediate_size=INTERMEDIATE,
+        rms_eps=draft.eps,
+        training={
+            "target_export": str(target_export),
+            "texts": len(data.ids),
+            "positions": data.positions,
+            "train_positions": training.positions,
+            "max_tokens": max_tokens,
+            "epochs": epochs,
+            "minutes": round(minutes, 2),
+            "held_out_agreement_before": round(before[0], 4),
+            "held_out_agreement": round(after[0], 4),
+            "held_out_chain_of_3": round(after[1], 3),
+        },
+    )
+    feature_draft.write(out_dir, meta, draft.arrays())
+    return EagleResult(out_dir, False, meta)

@@ -1,0 +1,218 @@
+"""The ``feature`` draft source: an EAGLE-style draft reading the target's final hidden state.
+
+Fast: the coordinator's numpy forward is the training module's; chains and trees have the shapes
+asked for; a draft trained for other weights is refused naming both fingerprints (any split of
+the same weights is accepted); the training prompts are none of the benchmark's.
+Slow (real INT4 shards at ``exact``): the final stage's features are the LM head's input on both
+KV backends; greedy decoding with a (quickly) trained feature draft is token for token plain
+greedy over 128 tokens on 1 and 2 stages; sampling with it follows the target's distribution.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeshard.errors import FailedPrecondition
+from pipeshard.exporter.distil import synthetic_prompts
+from pipeshard.exporter.eagle import EagleDraft, distil_eagle
+from pipeshard.services.coordinator.generation import Generation
+from pipeshard.services.coordinator.in_process import local_ring
+from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.speculation.feature import FeatureDrafter
+from pipeshard.services.coordinator.speculation.sources import DraftSources
+from pipeshard.services.coordinator.speculation.tree import TreeShape
+from pipeshard.shard import feature_draft
+from pipeshard.shard.chain import LocalChain
+from pipeshard.shard.manifest import load_manifest
+from pipeshard.shard.prompting import Prompter
+from tests.speculation.conftest import SPEC_PROMPTS, generate, shards_root
+
+H, V, S = 16, 64, 24
+
+
+def _random_draft(folder: Path, fingerprint: str = "sha256:test", seed: int = 0) -> EagleDraft:
+    torch.manual_seed(seed)
+    embed = torch.randn(V, H).half().float()  # the file keeps fp16 rows
+    ids = torch.arange(0, V, V // S)[:S]
+    draft = EagleDraft(embed, torch.randn(S, H), ids, 1e-5, intermediate=32)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    meta = feature_draft.FeatureDraftMeta("eagle", fingerprint, H, V, 32, 1e-5)
+    feature_draft.write(folder, meta, draft.arrays())
+    return draft
+
+
+def test_numpy_forward_is_the_training_modules(tmp_path):
+    draft = _random_draft(tmp_path)
+    model = feature_draft.FeatureDraftModel(tmp_path)
+    f = np.random.default_rng(1).standard_normal((5, H)).astype(np.float32)
+    tokens = np.array([1, 7, 63, 0, 22])
+    out, logits = model.step(f, tokens)
+    with torch.no_grad():
+        want_out, want_logits = draft.step(torch.as_tensor(f), torch.as_tensor(tokens))
+    np.testing.assert_allclose(out, want_out.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits, want_logits.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_drafter_waits_for_a_feature_then_drafts_chains_and_trees(tmp_path):
+    _random_draft(tmp_path)
+    drafter = FeatureDrafter(feature_draft.FeatureDraftModel(tmp_path))
+    assert drafter.propose([1, 2], 4, None).tokens == []  # no feature seen yet
+    drafter.observe(np.ones(H, dtype=np.float32))
+    chain = drafter.propose([1, 2], 4, None)
+    assert len(chain.tokens) == 4 and all(0 <= t < V for t in chain.tokens)
+    tree = drafter.propose_tree([1, 2], TreeShape(3, 4))
+    assert 1 <= len(tree.leaves()) <= 3 and tree.depth == 4
+    assert [tree.nodes[i].token for i in tree.main] == chain.tokens  # the best beam is the greedy chain
+
+    def softmax(row):
+        e = np.exp(row - row.max())
+        return e / e.sum()
+
+    sampled = drafter.propose([1, 2], 3, (softmax, np.random.default_rng(0)))
+    assert len(sampled.probs) == 3 and all(abs(p.sum() - 1) < 1e-6 and p.size == V for p in sampled.probs)
+
+
+def test_training_prompts_are_not_benchmark_or_test_prompts():
+    from bench.spec import KINDS
+
+    held = {text for _, text in KINDS} | {m[-1][1] for _, m in SPEC_PROMPTS}
+    assert not held & set(synthetic_prompts(800))
+
+
+def test_a_draft_for_other_weights_is_refused_naming_both_fingerprints(smollm2_export, tmp_path):
+    one, two = smollm2_export(1, "int4"), smollm2_export(2, "int4")
+    target = load_manifest(two).model.fingerprint
+    _random_draft(tmp_path / "other", fingerprint="sha256:" + "0" * 64)
+    with pytest.raises(FailedPrecondition) as refused:
+        DraftSources(two, feature=tmp_path / "other")
+    assert "sha256:" + "0" * 64 in str(refused.value) and target in str(refused.value)
+    # The same weights under any split (1 or 2 stages) are accepted: the check is the fingerprint.
+    model = load_manifest(one).model
+    meta = feature_draft.FeatureDraftMeta("eagle", target, model.hidden_size, model.vocab_size, 32, 1e-5)
+    for export in (one, two):
+        feature_draft.check_target(meta, export, tmp_path)
+
+
+# -- slow: real shards ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def eagle_draft(smollm2_dir, smollm2_export) -> Path:
+    """A feature draft trained briefly on the 1-stage INT4 target (reused from the test cache)."""
+    out = shards_root() / "smollm2-eagle-test"
+    distil_eagle(smollm2_dir, smollm2_export(1, "int4"), out, prompts=12, max_tokens=40, epochs=8, batch=64)
+    return out
+
+
+@pytest.mark.slow
+def test_final_stage_features_are_the_lm_heads_input_on_both_backends(smollm2_export, smollm2_dir):
+    from pipeshard.shard.paged import PagedRow, PagedShard
+
+    export = smollm2_export(2, "int4")
+    ids = Prompter.from_dir(export).encode("Name three rivers in Europe.", [])
+    chain = LocalChain(export, "exact")
+    logits = chain.step(np.asarray([ids]), return_last=len(ids))[0]
+    features = chain.sessions[-1].features()
+    assert features.shape == (len(ids), chain.manifest.model.hidden_size)
+    from safetensors.numpy import load_file  # SmolLM2 ties its LM head to the input embedding
+
+    embed = load_file(str(smollm2_dir / "model.safetensors"))["model.embed_tokens.weight"].astype(np.float32)
+    agree = (np.argmax(features @ embed.T, -1) == logits.argmax(-1)).mean()
+    assert agree > 0.8, agree  # the export quantizes its head; the embedding here is the f32 one
+    stage0 = PagedShard(export, 0, "exact")
+    last = PagedShard(export, 1, "exact")
+    stage0.open("s", 256)
+    last.open("s", 256)
+    pos = np.arange(len(ids), dtype=np.int64)
+    hidden = stage0.step([PagedRow("s", np.asarray(ids), pos)])[0]
+    paged_logits, paged_features = last.step_features([PagedRow("s", hidden, pos, logits=3)])
+    np.testing.assert_allclose(paged_features[0], features[-3:], atol=2e-3)
+    assert (paged_logits[0].argmax(-1) == logits[-3:].argmax(-1)).all()
+
+
+def _greedy_case(export: Path, draft: Path, prompt: int, tokens: int, k: int):
+    prompter = Prompter.from_dir(export)
+    ids = prompter.encode("", SPEC_PROMPTS[prompt][1])
+    generation = Generation(
+        local_ring(export, "exact"),
+        prompter.tokenizer,
+        prompter.eos_ids,
+        drafts=DraftSources(export, feature=draft),
+    )
+    out = generate(generation, ids, SamplingParams(max_tokens=tokens, ignore_eos=True), "feature", k)
+    expected = LocalChain(export, "exact").generate_greedy(ids, tokens, ignore_eos=True).token_ids
+    return out, expected
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first run trains the test's draft (a few minutes, more when loaded)
+@pytest.mark.parametrize(("stages", "prompt", "k"), [(1, 0, 4), (2, 2, 0)])
+def test_feature_draft_greedy_is_plain_greedy(smollm2_export, eagle_draft, stages, prompt, k):
+    out, expected = _greedy_case(smollm2_export(stages, "int4"), eagle_draft, prompt, 128, k)
+    assert out.token_ids == expected, next(
+        i for i, (a, b) in enumerate(zip(out.token_ids, expected, strict=False)) if a != b
+    )
+    if k:
+        assert out.verify_steps > 0 and out.accepted_tokens > 0  # the accept path was exercised
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_feature_draft_sampling_follows_the_target(smollm2_export, eagle_draft):
+    from scipy import stats
+
+    from tests.speculation.test_spec_sampling import _table
+
+    export = smollm2_export(1, "int4")
+    prompter = Prompter.from_dir(export)
+    generation = Generation(
+        local_ring(export, "exact"),
+        prompter.tokenizer,
+        prompter.eos_ids,
+        drafts=DraftSources(export, feature=eagle_draft),
+    )
+    ids = prompter.encode("Once upon a time, in a small village,", [])
+    plain, spec, verified = Counter(), Counter(), 0
+    for seed in range(300):
+        params = SamplingParams(max_tokens=3, temperature=1.0, top_k=6, seed=seed, ignore_eos=True)
+        a = generate(generation, ids, params, "none", 0)
+        b = generate(generation, ids, params, "feature", 3)
+        verified += b.verify_steps
+        plain[tuple(a.token_ids[1:])] += 1
+        spec[tuple(b.token_ids[1:])] += 1
+    assert verified >= 300
+    table = _table(plain, spec)
+    assert len(table[0]) >= 4, "the distribution is too concentrated to test"
+    assert stats.chi2_contingency(table).pvalue > 1e-3, table
+
+
+def test_only_feature_drafts_read_features(tmp_path):
+    from pipeshard.services.coordinator.speculation.drafts import NgramDrafter
+
+    _random_draft(tmp_path)
+    assert FeatureDrafter(feature_draft.FeatureDraftModel(tmp_path)).reads_features
+    assert not NgramDrafter().reads_features
+
+
+def test_distil_cli_names_what_is_missing_for_each_kind(smollm2_export, tmp_path):
+    import subprocess
+    import sys
+
+    target = str(smollm2_export(1, "int4"))
+    cli = [sys.executable, "-m", "pipeshard.cli", "distil", "--target", target]
+    token = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert token.returncode == 2 and "`layers`" in token.stderr, token.stderr
+    eagle = subprocess.run(
+        [*cli, "--kind", "eagle", "--texts", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert eagle.returncode == 2 and "`texts`" in eagle.stderr and not (tmp_path / "o").exists(), eagle.stderr
