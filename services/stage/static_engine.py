@@ -21,10 +21,8 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-import numpy as np
-
 from pipeshard.errors import InvalidArgument
-from pipeshard.services.stage.domain import ReturnMode, StepRow
+from pipeshard.services.stage.domain import Computed, ReturnMode, StepRow
 from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.services.stage.step_engine import Ready, RowEngine
@@ -132,17 +130,18 @@ class StaticEngine(RowEngine):
         want = row.return_last if self.is_last and row.return_mode is not ReturnMode.NONE else 0
         return StaticRow(session.slot, start, row.activations[0], row.positions, logits=want)
 
-    def _compute(self, ready: list[Ready]) -> list[np.ndarray]:
-        """One inference for every ready row (a failure raises: it fails them all)."""
+    def _compute(self, ready: list[Ready]) -> list[Computed]:
+        """One inference for every ready row (a failure raises: it fails them all). Static exports
+        have no features output: a row that asks for them gets none (its draft stays idle)."""
         if not ready:
             return []
         rows = [self._static_row(r.row, r.session, r.start) for r in ready]
         started = time.perf_counter_ns()
         outs = self.shard.step(rows)
         self.meters.step((time.perf_counter_ns() - started) / 1e9, sum(len(row.positions) for row in rows))
-        return [out if self.is_last else out[None] for out in outs]
+        return [Computed(out if self.is_last else out[None]) for out in outs]
 
-    def _answer(self, row: StepRow, out: np.ndarray):
+    def _answer(self, row: StepRow, computed: Computed):
         """The base answer, with the row's slot written in for the next stage's plan frame."""
         slot = self.sessions.get(row.owner, row.session_id).slot
-        return super()._answer(replace(row, slot_id=slot), out)
+        return super()._answer(replace(row, slot_id=slot), computed)
