@@ -101,22 +101,24 @@ class StaticShard(StageShard):
         self._new = {name: np.zeros((s, kv[1], c, kv[3]), np.float32) for name in self.state_variables}
         width = self.vocab_size if self.is_last else self.hidden_size
         self._out = np.zeros((s, c, width), np.float32)
-        self._bind(self._input, self._x)
-        self._bind("attention_mask", self._mask)
-        self._bind("position_ids", self._pos)
+        inputs, outputs = self.compiled.input, self.compiled.output
+        self._bind(inputs(self._input), self._x)
+        self._bind(inputs("attention_mask"), self._mask)
+        self._bind(inputs("position_ids"), self._pos)
         for name, buf in self._cache.items():
-            self._bind(name, buf)
+            self._bind(inputs(name), buf)
         for name, buf in self._new.items():
-            self._bind("present." + name.removeprefix("past_key_values."), buf)
-        self._bind("logits" if self.is_last else "hidden_states", self._out)
+            self._bind(outputs("present." + name.removeprefix("past_key_values.")), buf)
+        # By index: a middle stage's output carries its input's name (hidden_states in and out).
+        self._bind(outputs(0), self._out)
         self.lengths = np.zeros(s, np.int64)  # cached positions per slot
         self._free = list(range(s - 1, -1, -1))  # pop() hands out low slots first
         self._lock = threading.Lock()
         self.cache_bytes = sum(b.nbytes for b in self._cache.values())
 
-    def _bind(self, name: str, buf: np.ndarray) -> None:
-        """Binds a preallocated buffer to a port by name, sharing its memory (no copy per step)."""
-        self._req.set_tensor(name, ov.Tensor(buf, shared_memory=True))
+    def _bind(self, port: ov.ConstOutput, buf: np.ndarray) -> None:
+        """Binds a preallocated buffer to a port, sharing its memory (no copy per step)."""
+        self._req.set_tensor(port, ov.Tensor(buf, shared_memory=True))
 
     # -- slots -------------------------------------------------------------------------------
     def acquire(self) -> int:
