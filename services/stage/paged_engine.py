@@ -29,7 +29,7 @@ from pipeshard.errors import InvalidArgument, PipeshardError, ResourceExhausted
 from pipeshard.services.stage.domain import Computed, ReturnMode, StepRow
 from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.sessions import SessionTable
-from pipeshard.services.stage.step_engine import Ready, RowEngine
+from pipeshard.services.stage.step_engine import Ready, RowEngine, tail_rewound
 from pipeshard.shard.paged import PagedRow, PagedShard
 
 _keys = itertools.count()
@@ -165,15 +165,7 @@ class PagedEngine(RowEngine):
 
     def _rewound(self, row: StepRow, session: PagedSession) -> int:
         """The paged cache has no mask: a rewind shortens the session to its range's start."""
-        length = session.past_length
-        for start, end in sorted(row.invalidate, reverse=True):
-            if not 0 <= start <= end == length:
-                raise InvalidArgument(
-                    "mask_update",
-                    f"range [{start}, {end}) is not the tail of the cache of {length} "
-                    "(the paged cache rewinds only its tail)",
-                )
-            length = start
+        length = tail_rewound(row, session.past_length, "the paged cache")
         tree, kept = session.tree, row.tree_kept
         if tree is None:
             if kept:

@@ -25,7 +25,7 @@ from pipeshard.errors import InvalidArgument
 from pipeshard.services.stage.domain import Computed, ReturnMode, StepRow
 from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.sessions import SessionTable
-from pipeshard.services.stage.step_engine import Ready, RowEngine
+from pipeshard.services.stage.step_engine import Ready, RowEngine, tail_rewound
 from pipeshard.shard.static import StaticRow, StaticShard
 
 
@@ -95,15 +95,7 @@ class StaticEngine(RowEngine):
         self.shard.rewind(session.slot, 0)
 
     def _rewound(self, row: StepRow, session: StaticSession) -> int:
-        length = session.past_length
-        for start, end in sorted(row.invalidate, reverse=True):
-            if not 0 <= start <= end == length:
-                raise InvalidArgument(
-                    "mask_update",
-                    f"range [{start}, {end}) is not the tail of the cache of {length} "
-                    "(a static slot rewinds only its tail)",
-                )
-            length = start
+        length = tail_rewound(row, session.past_length, "a static slot")
         if row.prefix_reuse_length:
             if not 0 < row.prefix_reuse_length <= length:
                 raise InvalidArgument(

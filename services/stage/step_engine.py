@@ -153,6 +153,20 @@ class RowEngine:
         return StepOutput(row=row)
 
 
+def tail_rewound(row: StepRow, length: int, cache: str) -> int:
+    """The cache length after the row's rewinds, for caches that rewind only their tail (paged
+    blocks, static slots): each range must end where the cache does."""
+    for start, end in sorted(row.invalidate, reverse=True):
+        if not 0 <= start <= end == length:
+            raise InvalidArgument(
+                "mask_update",
+                f"range [{start}, {end}) is not the tail of the cache of {length} "
+                f"({cache} rewinds only its tail)",
+            )
+        length = start
+    return length
+
+
 def check_kind(row: StepRow) -> None:
     """A row's kind agrees with what it asks back: a decode row returns one position, a verify
     row one per drafted token and the last token, a prefill chunk nothing or its last."""
