@@ -82,6 +82,8 @@ def test_a_serving_stage_holds_its_weights_once(smollm2_export, tmp_path):
     released = _serving_stage_memory(shards, 1, "release", tmp_path / "release")
     # keep: the repack read the weights through the mapping and their pages stay in the RSS
     assert kept.weight_pages > 0.8 * weights, (kept, weights)
-    # release: almost none stay mapped, and the peak never held both copies
+    # release: almost none stay mapped, and the peak is lower. How much lower depends on when the
+    # 50 ms release thread runs against the plugin's repack (CI measured 0.49x the .bin on a 57 MB
+    # stage), so the bound on the peak is a quarter of the file: a lost release would miss it.
     assert released.weight_pages < 0.2 * weights, (released, weights)
-    assert released.peak_rss < kept.peak_rss - 0.5 * weights, (kept, released, weights)
+    assert released.peak_rss < kept.peak_rss - 0.25 * weights, (kept, released, weights)
