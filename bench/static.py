@@ -17,7 +17,8 @@ split. Interleaved rounds, ratios of medians with bootstrap intervals:
 Also: the teacher-forced logit difference between the backends over the paged tokens
 (``logit_diff``: max and median |static - paged| per position, and the smallest top-1 margin
 seen), compile seconds per stage (both backends), the KV bytes each backend holds per stage, the
-stage's time writing new K/V rows into its buffers (``kv_write``), and the process's peak RSS.
+stage's time writing new K/V rows into its buffers and per decode and chunk step, the
+first inference over the next (``step_costs``), and the process's peak RSS.
 
 Knobs (environment): BENCH_RUNS (default 3), BENCH_WARMUP (1), BENCH_TOKENS (decode tokens, 32),
 BENCH_THREADS (inference threads per stage, 1; 0: the plugin's choice), BENCH_SLOTS / BENCH_CHUNK /
@@ -171,10 +172,14 @@ def teacher_forced(s_shards: list[StaticShard], p_shards: list[PagedShard], ids:
     }
 
 
-def kv_write_us(shard: StaticShard, reps: int = 50) -> dict:
-    """What a step spends writing a decode row's and a full chunk's new K/V into the buffers,
-    beside a whole inference: the copy the bound output buffers leave."""
-    caches, news = list(shard._cache.values()), list(shard._new.values())
+def step_costs(export: Path, reps: int = 50) -> dict:
+    """On a freshly compiled stage 0: what a step spends writing a decode row's and a full chunk's
+    new K/V into the buffers (the copy the bound output buffers leave), beside whole inferences:
+    a decode step (the [S, 1] twin when the export has one), a chunk step, and the compiled
+    model's first inference over the next (static shapes leave no kernel preparation to a first
+    inference, so the stage skips warm-up)."""
+    shard = StaticShard(export, 0, num_threads=THREADS)
+    caches, news = list(shard._cache.values()), list(shard._chunked.new.values())
 
     def write(t: int) -> float:
         started = time.perf_counter_ns()
@@ -183,14 +188,26 @@ def kv_write_us(shard: StaticShard, reps: int = 50) -> dict:
                 buf[0, :, 100 : 100 + t] = new[0, :, :t]
         return (time.perf_counter_ns() - started) / reps / 1000
 
-    started = time.perf_counter_ns()
-    for _ in range(5):
-        shard.warmup()
-    infer = (time.perf_counter_ns() - started) / 5 / 1000
+    def timed(t: int, start: int) -> float:
+        pos = np.arange(start, start + t)
+        x = pos if shard.is_first else np.zeros((t, shard.hidden_size), np.float32)
+        started = time.perf_counter_ns()
+        shard.step([StaticRow(slot, start, x, pos, logits=1 if shard.is_last else 0)])
+        return (time.perf_counter_ns() - started) / 1000
+
+    slot = shard.acquire()
+    try:
+        first, chunk = timed(CHUNK, 0), timed(CHUNK, CHUNK)
+        decode = sorted(timed(1, 2 * CHUNK + i) for i in range(5))[2]
+    finally:
+        shard.release(slot)
     return {
-        "decode_row_us": round(write(1), 1),
-        "chunk_us": round(write(CHUNK), 1),
-        "inference_us": round(infer, 1),
+        "decode_row_write_us": round(write(1), 1),
+        "chunk_write_us": round(write(CHUNK), 1),
+        "decode_step_us": round(decode, 1),
+        "chunk_step_us": round(chunk, 1),
+        "first_inference_over_next": round(first / chunk, 3),
+        "decode_twin": bool(shard.entry.decode_model),
     }
 
 
@@ -242,7 +259,7 @@ def main() -> None:
             "static": [s.compile_seconds for s in s_shards],
             "paged": [s.compile_seconds for s in p_shards],
         },
-        "kv_write": kv_write_us(s_shards[0]),
+        "step_costs": step_costs(static_dir),
     }
 
     long_prompts = {n: prompt_of(prompter, n) for n in (128, 1024)}

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from pipeshard.exporter.draft import DraftPlan
 
 MODEL_XML = "openvino_model.xml"
+DECODE_XML = "openvino_model_decode.xml"  # a static export's [slots, 1] decode-shaped twin
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -237,8 +238,13 @@ def export_stage(job: StageJob, progress: ProgressFn) -> StageEntry:
         warnings.simplefilter("ignore")  # TorchScript tracer warnings about shape-dependent arange
         if job.static is not None:
             model = trace_static(module, job.static, job.max_context)
+            decode = (
+                trace_static(module, replace(job.static, chunk=1), job.max_context)
+                if job.static.chunk > 1
+                else None
+            )
         else:
-            model = trace_stage(module)
+            model, decode = trace_stage(module), None
     del module
     phase("trace", 1.0)
 
@@ -253,12 +259,16 @@ def export_stage(job: StageJob, progress: ProgressFn) -> StageEntry:
 
     phase("compress", 0.0, job.plan.weights)
     model = compress_stage(model, job.plan)
+    if decode is not None:
+        decode = compress_stage(decode, job.plan)
     phase("compress", 1.0)
 
     phase("save", 0.0)
     folder = Path(job.out_dir) / f"stage_{i}"
     folder.mkdir(parents=True, exist_ok=True)
     ov.save_model(model, folder / MODEL_XML, compress_to_fp16=job.plan.save_fp16)
+    if decode is not None:
+        ov.save_model(decode, folder / DECODE_XML, compress_to_fp16=job.plan.save_fp16)
     phase("save", 1.0, str(folder))
     reorder = kv_reorder_report(model)
     # A static stage has no state: its KV inputs are named as the stateful export's variables.
@@ -269,6 +279,7 @@ def export_stage(job: StageJob, progress: ProgressFn) -> StageEntry:
         layer_end=job.layer_end,
         folder=f"stage_{i}",
         model=f"stage_{i}/{MODEL_XML}",
+        decode_model=f"stage_{i}/{DECODE_XML}" if decode is not None else "",
         inputs=_port_records(model.inputs),
         outputs=_port_records(model.outputs),
         state_variables=tuple(kv_names),

@@ -121,7 +121,8 @@ def smollm2_static_export(smollm2_dir: Path):
     root = Path(os.environ.get("PIPESHARD_TEST_SHARDS", REPO_ROOT / "shards" / ".test"))
 
     def get(stages: int) -> Path:
-        out = root / f"smollm2-{stages}s-int4-static{STATIC_SLOTS}x{STATIC_CHUNK}-{STATIC_CONTEXT}"
+        # "+1": each stage also carries its [slots, 1] decode twin (exports before it did not).
+        out = root / f"smollm2-{stages}s-int4-static{STATIC_SLOTS}x{STATIC_CHUNK}+1-{STATIC_CONTEXT}"
         if not (out / "manifest.json").exists():
             layout = StaticLayout(STATIC_SLOTS, STATIC_CHUNK)
             export_model(smollm2_dir, out, stages=stages, max_context=STATIC_CONTEXT, static=layout)

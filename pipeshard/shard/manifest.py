@@ -148,6 +148,9 @@ class StageEntry:
     inputs: tuple[PortInfo, ...] = ()
     outputs: tuple[PortInfo, ...] = ()
     kv_reorder: KvReorder | None = None
+    # A static export's [slots, 1] twin of ``model`` (same weights and KV inputs) that single-token
+    # steps run instead of the [slots, chunk] one; "" when the export has none (chunk 1, stateful).
+    decode_model: str = ""
 
     @property
     def input_name(self) -> str:
@@ -173,6 +176,7 @@ class StageEntry:
             kv_reorder=None
             if reorder is None
             else KvReorder(int(reorder["read_values"]), int(reorder["beam_idx_gathers"])),
+            decode_model=str(raw.get("decode_model", "")),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -182,6 +186,7 @@ class StageEntry:
             "layer_end": self.layer_end,
             "folder": self.folder,
             "model": self.model,
+            **({"decode_model": self.decode_model} if self.decode_model else {}),
             "inputs": [p.to_dict() for p in self.inputs],
             "outputs": [p.to_dict() for p in self.outputs],
             "state_variables": list(self.state_variables),
@@ -501,10 +506,9 @@ def verify_shard(export_dir: Path, stage: int, hashes: bool = True) -> Manifest:
     manifest = load_manifest(export_dir)
     rels = manifest.stage_files(stage)
     entry = manifest.stages[stage]
-    if entry.model not in rels:
-        raise FailedPrecondition(
-            f"stage {stage}: {entry.model} is not listed in the manifest of {export_dir}"
-        )
+    for model in filter(None, (entry.model, entry.decode_model)):
+        if model not in rels:
+            raise FailedPrecondition(f"stage {stage}: {model} is not listed in the manifest of {export_dir}")
     _check_files(export_dir, manifest, rels, hashes, f"stage {stage}")
     return manifest
 

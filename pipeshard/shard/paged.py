@@ -48,7 +48,7 @@ from pipeshard.shard.compile_cache import OFF
 from pipeshard.shard.device import DEFAULT_DEVICE
 from pipeshard.shard.features import FEATURES, add_features_output
 from pipeshard.shard.kvblob import BlockLayout
-from pipeshard.shard.runtime import StageShard, compile_properties
+from pipeshard.shard.runtime import StageShard
 
 # Default KV budget per stage: 256 MiB hold about 11,000 f32 tokens of a 15-layer SmolLM2 stage.
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
@@ -169,7 +169,9 @@ class PagedShard(StageShard):
         core: ov.Core | None = None,
         device: str = DEFAULT_DEVICE,
     ):
-        super().__init__(export_dir, stage_index, precision, verify=verify, core=core)
+        super().__init__(
+            export_dir, stage_index, precision, num_threads, verify=verify, core=core, device=device
+        )
         model = _prepare_model(
             self.core.read_model(str(self.export_dir / self.entry.model)), self.is_first, self.is_last
         )
@@ -177,7 +179,7 @@ class PagedShard(StageShard):
         # memory but never loads it (LOADED_FROM_CACHE stays false; each try cost 1-4 s more than
         # compiling on a SmolLM2 stage), and the transformed graph cannot be saved as IR to cache
         # by path (its PagedAttention nodes lose the runtime info the CPU plugin needs).
-        self.compiled = self.compile(model, device, compile_properties(precision, num_threads), OFF)
+        self.compiled = self.compile(model, OFF)
         self._req = self.compiled.create_infer_request()
         self._input = "input_ids" if self.is_first else "inputs_embeds"
         cache_ports = [

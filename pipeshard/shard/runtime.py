@@ -126,11 +126,21 @@ def check_step(
 
 
 class StageShard:
-    """What every KV backend of one stage reads from the export (the stateful ``ShardRunner``
-    and the paged ``PagedShard``): the verified manifest entry and the stage's place and sizes."""
+    """What every KV backend of one stage reads from the export (the stateful ``ShardRunner``, the
+    paged ``PagedShard`` and the ``StaticShard``): the verified manifest entry, the stage's place
+    and sizes, and how its models compile (device, precision, threads)."""
 
     def __init__(
-        self, export_dir: Path | str, stage_index: int, precision: str, *, verify: bool, core: ov.Core | None
+        self,
+        export_dir: Path | str,
+        stage_index: int,
+        precision: str,
+        num_threads: int | None,
+        *,
+        verify: bool,
+        core: ov.Core | None,
+        device: str,
+        num_streams: int | None = None,
     ):
         self.export_dir = Path(export_dir)
         manifest = verify_shard(self.export_dir, stage_index) if verify else load_manifest(self.export_dir)
@@ -157,17 +167,16 @@ class StageShard:
             kv_heads=manifest.model.num_kv_heads,
             head_dim=manifest.model.head_dim,
         )
-        self.device = DEFAULT_DEVICE
+        self.device = device
+        self._props = compile_properties(precision, num_threads, num_streams)
 
-    def compile(
-        self, model: ov.Model | str, device: str, props: dict[str, Any], compile_cache: str | Path | None
-    ) -> ov.CompiledModel:
-        """Compile for ``device`` (checked, its properties adapted: device.py) through the
+    def compile(self, model: ov.Model | str, compile_cache: str | Path | None) -> ov.CompiledModel:
+        """Compile for the stage's device (checked, its properties adapted: device.py) through the
         compiled-model cache (compile_cache.py: "off" compiles every time, None or "" caches in the
         export folder)."""
-        config = device_properties(device, props, self.core, self.precision)
+        device = self.device
+        config = device_properties(device, self._props, self.core, self.precision)
         config |= cache_config(compile_cache, self.manifest, device)
-        self.device = device
         started = time.perf_counter()
         compiled = self.core.compile_model(model, device, config)
         seconds = round(time.perf_counter() - started, 3)
@@ -193,12 +202,20 @@ class ShardRunner(StageShard):
         device: str = DEFAULT_DEVICE,
         compile_cache: str | Path | None = "off",
     ):
-        props = compile_properties(precision, num_threads, num_streams)
-        super().__init__(export_dir, stage_index, precision, verify=verify, core=core)
+        super().__init__(
+            export_dir,
+            stage_index,
+            precision,
+            num_threads,
+            verify=verify,
+            core=core,
+            device=device,
+            num_streams=num_streams,
+        )
         model: ov.Model | str = str(self.export_dir / self.entry.model)
         if self.is_last:  # the final hidden state beside the logits, for feature-reading drafts
             model = add_features_output(self.core.read_model(model))
-        self.compiled = self.compile(model, device, props, compile_cache)
+        self.compiled = self.compile(model, compile_cache)
         names = [p.get_any_name() for p in self.compiled.inputs]
         self.input_name = self.entry.input_name
         self._index = {n: i for i, n in enumerate(names)}

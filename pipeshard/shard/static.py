@@ -28,7 +28,7 @@ from pipeshard.errors import FailedPrecondition, InvalidArgument, ResourceExhaus
 from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.shard.device import DEFAULT_DEVICE
 from pipeshard.shard.manifest import Manifest
-from pipeshard.shard.runtime import StageShard, compile_properties
+from pipeshard.shard.runtime import StageShard
 
 AUTO_KV = "auto"
 KV_BACKENDS = ("stateful", "paged", "static")
@@ -61,8 +61,45 @@ class StaticRow:
     logits: int = 0
 
 
+class _Request:
+    """One compiled static model (the [S, C] model or its [S, 1] decode twin) with its own input
+    and output buffers, all preallocated and bound once; the KV buffers are the shard's, bound to
+    every request, so both shapes read one cache."""
+
+    def __init__(
+        self, compiled: ov.CompiledModel, shard: StaticShard, chunk: int, cache: dict[str, np.ndarray]
+    ):
+        self.chunk = chunk
+        self.req = compiled.create_infer_request()
+        s, ctx, kv = shard.slots, shard.max_context, shard.kv_source
+        self.x = (
+            np.zeros((s, chunk), np.int64)
+            if shard.is_first
+            else np.zeros((s, chunk, shard.hidden_size), np.float32)
+        )
+        self.mask = np.zeros((s, ctx + chunk), np.int64)
+        self.pos = np.zeros((s, chunk), np.int64)
+        self.new = {name: np.zeros((s, kv.kv_heads, chunk, kv.head_dim), np.float32) for name in cache}
+        self.out = np.zeros((s, chunk, shard.vocab_size if shard.is_last else shard.hidden_size), np.float32)
+        inputs, outputs = compiled.input, compiled.output
+        self._bind(inputs(shard.entry.input_name), self.x)
+        self._bind(inputs("attention_mask"), self.mask)
+        self._bind(inputs("position_ids"), self.pos)
+        for name, buf in cache.items():
+            self._bind(inputs(name), buf)
+        for name, buf in self.new.items():
+            self._bind(outputs("present." + name.removeprefix("past_key_values.")), buf)
+        # By index: a middle stage's output carries its input's name (hidden_states in and out).
+        self._bind(outputs(0), self.out)
+
+    def _bind(self, port: ov.ConstOutput, buf: np.ndarray) -> None:
+        """Binds a preallocated buffer to a port, sharing its memory (no copy per step)."""
+        self.req.set_tensor(port, ov.Tensor(buf, shared_memory=True))
+
+
 class StaticShard(StageShard):
-    """One compiled static stage and its slot-packed KV buffers (one InferRequest)."""
+    """One compiled static stage (and its decode twin, when the export has one) over slot-packed
+    KV buffers."""
 
     def __init__(
         self,
@@ -76,7 +113,9 @@ class StaticShard(StageShard):
         device: str = DEFAULT_DEVICE,
         compile_cache: str | Path | None = "off",
     ):
-        super().__init__(export_dir, stage_index, precision, verify=verify, core=core)
+        super().__init__(
+            export_dir, stage_index, precision, num_threads, verify=verify, core=core, device=device
+        )
         layout = self.manifest.static
         if layout is None:
             raise FailedPrecondition(
@@ -86,39 +125,20 @@ class StaticShard(StageShard):
         self.name = (
             f"static shard {self.manifest.name} stage {stage_index} ({self.slots} slots x {self.chunk})"
         )
-        props = compile_properties(precision, num_threads)
-        self.compiled = self.compile(str(self.export_dir / self.entry.model), device, props, compile_cache)
-        self._req = self.compiled.create_infer_request()
-        s, c, ctx = self.slots, self.chunk, self.max_context
-        kv = (s, self.kv_source.kv_heads, ctx, self.kv_source.head_dim)
-        self._input = self.entry.input_name
-        self._x = (
-            np.zeros((s, c), np.int64) if self.is_first else np.zeros((s, c, self.hidden_size), np.float32)
-        )
-        self._mask = np.zeros((s, ctx + c), np.int64)
-        self._pos = np.zeros((s, c), np.int64)
+        kv = (self.slots, self.kv_source.kv_heads, self.max_context, self.kv_source.head_dim)
         self._cache = {name: np.zeros(kv, np.float32) for name in self.state_variables}
-        self._new = {name: np.zeros((s, kv[1], c, kv[3]), np.float32) for name in self.state_variables}
-        width = self.vocab_size if self.is_last else self.hidden_size
-        self._out = np.zeros((s, c, width), np.float32)
-        inputs, outputs = self.compiled.input, self.compiled.output
-        self._bind(inputs(self._input), self._x)
-        self._bind(inputs("attention_mask"), self._mask)
-        self._bind(inputs("position_ids"), self._pos)
-        for name, buf in self._cache.items():
-            self._bind(inputs(name), buf)
-        for name, buf in self._new.items():
-            self._bind(outputs("present." + name.removeprefix("past_key_values.")), buf)
-        # By index: a middle stage's output carries its input's name (hidden_states in and out).
-        self._bind(outputs(0), self._out)
-        self.lengths = np.zeros(s, np.int64)  # cached positions per slot
-        self._free = list(range(s - 1, -1, -1))  # pop() hands out low slots first
+        self.compiled = self.compile(str(self.export_dir / self.entry.model), compile_cache)
+        self._chunked = _Request(self.compiled, self, self.chunk, self._cache)
+        self._decode = self._chunked
+        if self.entry.decode_model:
+            seconds = self.compile_seconds
+            twin = self.compile(str(self.export_dir / self.entry.decode_model), compile_cache)
+            self._decode = _Request(twin, self, 1, self._cache)
+            self.compile_seconds = round(seconds + self.compile_seconds, 3)
+        self.lengths = np.zeros(self.slots, np.int64)  # cached positions per slot
+        self._free = list(range(self.slots - 1, -1, -1))  # pop() hands out low slots first
         self._lock = threading.Lock()
         self.cache_bytes = sum(b.nbytes for b in self._cache.values())
-
-    def _bind(self, port: ov.ConstOutput, buf: np.ndarray) -> None:
-        """Binds a preallocated buffer to a port, sharing its memory (no copy per step)."""
-        self._req.set_tensor(port, ov.Tensor(buf, shared_memory=True))
 
     # -- slots -------------------------------------------------------------------------------
     def acquire(self) -> int:
@@ -210,31 +230,30 @@ class StaticShard(StageShard):
         if len({row.slot for row in rows}) != len(rows):
             raise InvalidArgument("slot_id", f"two rows name one slot of the {self.name}")
         ctx = self.max_context
+        # A step of single tokens runs the decode twin: S rows instead of S x C.
+        run = self._decode if all(len(row.positions) == 1 for row in rows) else self._chunked
         with self._lock:
-            self._mask[:] = 0
+            run.mask[:] = 0
             for row in rows:
                 t, s = len(row.positions), row.slot
-                self._x[s, :t] = row.inputs
-                self._x[s, t:] = 0
-                self._pos[s, :t] = row.positions
-                self._pos[s, t:] = row.positions[-1]
-                self._mask[s, : row.start] = 1
-                self._mask[s, ctx : ctx + t] = 1
-            self._req.infer()
+                run.x[s, :t] = row.inputs
+                run.x[s, t:] = 0
+                run.pos[s, :t] = row.positions
+                run.pos[s, t:] = row.positions[-1]
+                run.mask[s, : row.start] = 1
+                run.mask[s, ctx : ctx + t] = 1
+            run.req.infer()
             outs = []
             for row in rows:
                 t, s, start = len(row.positions), row.slot, row.start
                 for name, buf in self._cache.items():
-                    buf[s, :, start : start + t] = self._new[name][s, :, :t]
+                    buf[s, :, start : start + t] = run.new[name][s, :, :t]
                 self.lengths[s] = start + t
-                outs.append(
-                    self._out[s, t - row.logits : t].copy() if self.is_last else self._out[s, :t].copy()
-                )
+                outs.append(run.out[s, t - row.logits : t].copy() if self.is_last else run.out[s, :t].copy())
             return outs
 
     def warmup(self) -> int:
-        """One throwaway inference (the plugin prepares its kernels on the first); slots untouched."""
-        with self._lock:
-            self._mask[:] = 0
-            self._req.infer()
-        return 1
+        """Runs nothing: every port is static, so the plugin prepares each kernel when it compiles
+        or imports the model and a first inference costs what later ones do (measured in
+        bench-static as ``first_inference_over_next``); returns the inferences run, 0."""
+        return 0

@@ -16,7 +16,9 @@ run's tokens.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import openvino as ov
 
@@ -108,18 +110,13 @@ class InProcessStages:
     ) -> InProcessStages:
         """``core``: a Core carrying extra CPU properties (bench-precision-modes compares
         compile settings through it); a fresh one by default."""
-        export_dir = Path(export_dir)
-        core = core or ov.Core()
-        shards = [
-            PagedShard(export_dir, i, precision, num_threads, cache_bytes=cache_bytes, core=core)
-            for i in range(load_manifest(export_dir).num_stages)
-        ]
-        engines = [PagedEngine(s, max_sessions, idle_timeout_s=float("inf")) for s in shards]
-        kv = [
-            StageKv.paged(e, PrefixStore(prefix_cache_bytes, layout=e.shard.kv_source.blocks))
-            for e in engines
-        ]
-        return cls(export_dir, shards, engines, kv)
+        return cls._per_stage(
+            export_dir,
+            core,
+            lambda d, i, c: PagedShard(d, i, precision, num_threads, cache_bytes=cache_bytes, core=c),
+            lambda s: PagedEngine(s, max_sessions, idle_timeout_s=float("inf")),
+            lambda e: StageKv.paged(e, PrefixStore(prefix_cache_bytes, layout=e.shard.kv_source.blocks)),
+        )
 
     @classmethod
     def static(
@@ -133,15 +130,30 @@ class InProcessStages:
         core: ov.Core | None = None,
     ) -> InProcessStages:
         """Every stage of a static export (``pipeshard export --static``), a slot per session."""
+        return cls._per_stage(
+            export_dir,
+            core,
+            lambda d, i, c: StaticShard(d, i, precision, num_threads, core=c),
+            lambda s: StaticEngine(s, max_sessions, idle_timeout_s=float("inf")),
+            lambda e: StageKv.static(e, PrefixStore(prefix_cache_bytes)),
+        )
+
+    @classmethod
+    def _per_stage(
+        cls,
+        export_dir: Path | str,
+        core: ov.Core | None,
+        shard: Callable[[Path, int, ov.Core], Any],
+        engine: Callable[[Any], RowEngine],
+        kv: Callable[[Any], StageKv],
+    ) -> InProcessStages:
+        """A shard, its row engine and its KV service for every stage (the paged and static
+        backends differ only in these three), sharing one Core."""
         export_dir = Path(export_dir)
         core = core or ov.Core()
-        shards = [
-            StaticShard(export_dir, i, precision, num_threads, core=core)
-            for i in range(load_manifest(export_dir).num_stages)
-        ]
-        engines = [StaticEngine(s, max_sessions, idle_timeout_s=float("inf")) for s in shards]
-        kv = [StageKv.static(e, PrefixStore(prefix_cache_bytes)) for e in engines]
-        return cls(export_dir, shards, engines, kv)
+        shards = [shard(export_dir, i, core) for i in range(load_manifest(export_dir).num_stages)]
+        engines = [engine(s) for s in shards]
+        return cls(export_dir, shards, engines, [kv(e) for e in engines])
 
     def ring(
         self, *, step_tokens: int = DEFAULT_STEP_TOKENS, gather_s: float = 0.002, inflight: int = 1

@@ -31,17 +31,20 @@ def test_a_static_export_has_fixed_shapes_and_no_state(smollm2_static_export):
     assert (manifest.static.slots, manifest.static.chunk) == (STATIC_SLOTS, STATIC_CHUNK)
     core = ov.Core()
     for entry in manifest.stages:
-        model = core.read_model(str(export / entry.model))
-        assert not model.get_variables() and entry.kv_reorder.read_values == 0
-        assert all(p.get_partial_shape().is_static for p in [*model.inputs, *model.outputs])
-        ports = {p.get_any_name(): list(p.get_shape()) for p in model.inputs}
-        first_kv = f"past_key_values.{entry.layer_start}.key"
-        assert ports[first_kv] == [STATIC_SLOTS, 3, STATIC_CONTEXT, 64]
-        assert ports["attention_mask"] == [STATIC_SLOTS, STATIC_CONTEXT + STATIC_CHUNK]
-        assert ports["position_ids"] == [STATIC_SLOTS, STATIC_CHUNK]
-        assert entry.state_variables[0] == first_kv
-        outs = {p.get_any_name(): list(p.get_shape()) for p in model.outputs}
-        assert outs[f"present.{entry.layer_start}.key"] == [STATIC_SLOTS, 3, STATIC_CHUNK, 64]
+        # The [S, C] model and its [S, 1] decode twin: same KV inputs, their own rows.
+        assert entry.decode_model
+        for path, chunk in ((entry.model, STATIC_CHUNK), (entry.decode_model, 1)):
+            model = core.read_model(str(export / path))
+            assert not model.get_variables() and entry.kv_reorder.read_values == 0
+            assert all(p.get_partial_shape().is_static for p in [*model.inputs, *model.outputs])
+            ports = {p.get_any_name(): list(p.get_shape()) for p in model.inputs}
+            first_kv = f"past_key_values.{entry.layer_start}.key"
+            assert ports[first_kv] == [STATIC_SLOTS, 3, STATIC_CONTEXT, 64]
+            assert ports["attention_mask"] == [STATIC_SLOTS, STATIC_CONTEXT + chunk]
+            assert ports["position_ids"] == [STATIC_SLOTS, chunk]
+            assert entry.state_variables[0] == first_kv
+            outs = {p.get_any_name(): list(p.get_shape()) for p in model.outputs}
+            assert outs[f"present.{entry.layer_start}.key"] == [STATIC_SLOTS, 3, chunk, 64]
 
 
 def test_a_static_stage_refuses_rows_beyond_its_shapes_by_name(smollm2_static_export, smollm2_export):
