@@ -6,7 +6,11 @@ static shapes, the form an NPU compiles. This module holds the cache instead: on
 sharing the buffers' memory (``set_tensor``), so a step copies none of the cache in. The model
 returns the new rows' K/V into small output buffers bound the same way; the stage writes each
 row's valid part into its slot at the slot's length (a copy of the new rows only, measured in
-bench-static as ``kv_write``). Every input and output is preallocated and bound once.
+bench-static's ``step_costs``). Every input and output is preallocated and bound once.
+
+An export with C > 1 also carries each stage's decode twin, the model traced at [S, 1]: a step
+of single tokens runs it (S rows, not S x C) over the same bound KV buffers, so decode stops
+paying for C - 1 padding rows per slot.
 
 A sequence holds a slot from open to free; a step packs one row per sequence, at most C tokens,
 into its slot; idle slots and padding rows are masked out (``attention_mask``) and their results
