@@ -258,6 +258,7 @@ class StaticShard(StageShard):
 
     def warmup(self) -> int:
         """Runs nothing: every port is static, so the plugin prepares each kernel when it compiles
-        or imports the model and a first inference costs what later ones do (measured in
-        bench-static as ``first_inference_over_next``); returns the inferences run, 0."""
+        or imports the model; a first inference cost 1.2x the next (bench-static's
+        ``first_inference_over_next``), less than a warm-up inference would add to every start.
+        Returns the inferences run, 0."""
         return 0
