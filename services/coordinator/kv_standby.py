@@ -16,6 +16,7 @@ it no session gets further parts, and their failovers replay the rest.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -105,11 +106,21 @@ class KvStandby:
         """Restores ``copy`` into ``session_id`` (open, empty, on a healthy lane) on every stage,
         and makes it that session's copy; returns the positions restored. Raises when a stage
         fails it (the session then holds who knows what: the caller replaces it)."""
-        stages = len(copy.parts[0])
+        stages, started = len(copy.parts[0]), time.perf_counter()
         blobs = await asyncio.to_thread(
             lambda: [join_parts([part[k] for part in copy.parts]) for k in range(stages)]
         )
+        joined = time.perf_counter()
         await asyncio.wait_for(self._lanes.restore_blobs(session_id, blobs, timeout_s), timeout_s)
+        log.info(
+            "standby_restored",
+            session_id=session_id,
+            positions=copy.positions,
+            parts=len(copy.parts),
+            nbytes=copy.nbytes,
+            join_ms=round((joined - started) * 1000, 1),
+            load_ms=round((time.perf_counter() - joined) * 1000, 1),
+        )
         copy.parts = [blobs]  # joined once: later parts chain on it
         self._copies[session_id] = copy
         return copy.positions
