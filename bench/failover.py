@@ -224,7 +224,9 @@ async def _round(fleet: Fleet, shards: Path, base: int, prompts: list[str], kill
         )
         await _rejoined(fleet, f"127.0.0.1:{port}")
     ttft = [(t[1] - t[0]) * 1000 for t in out_at if len(t) > 1]
+    gaps = [(t[j] - t[j - 1]) * 1000 for t in out_at for j in range(2, len(t))]
     return {
+        "itl_ms": gaps,
         "tokens": tokens,
         "errors": errors,
         "recovery_ms": recovery,
@@ -268,6 +270,7 @@ def _measure(loop, fleet: Fleet, shards: Path, base: int, prompts_for, points: l
             "restore": _percentiles([ms for ms, restored in recovery if restored]),
             "replay": _percentiles([ms for ms, restored in recovery if not restored]),
             "undisturbed_ttft_ms_p50": _percentiles(reference["ttft_ms"])["p50"],
+            "undisturbed_itl_ms_p50": _percentiles(reference["itl_ms"])["p50"],
             "phase_ms_p50": {
                 key: round(median([p[key] for p in phases if p.get(key) is not None] or [0.0]), 1)
                 for key in PHASE_KEYS[1:]
