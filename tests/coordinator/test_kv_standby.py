@@ -62,7 +62,7 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
-def test_copies_follow_whole_blocks_and_restore_joined():
+def test_copies_follow_whole_blocks_and_restore_as_the_captured_parts():
     async def main():
         lane = _Lane()
         standby = KvStandby(lane, block_tokens=4, max_bytes=1 << 20)
