@@ -33,6 +33,7 @@ import signal
 import tempfile
 import time
 import uuid
+from datetime import datetime
 from pathlib import Path
 
 from bench.stats import command_with_knobs, median, ratio_ci, write_result
@@ -56,6 +57,24 @@ CONTEXTS = (128, 1024)
 DEFAULT_ONLY = os.environ.get("BENCH_PART") == "default"
 # A reduced run names its points (users x context, comma-separated): BENCH_POINTS=8x1024.
 POINTS = [tuple(int(n) for n in p.split("x")) for p in os.environ.get("BENCH_POINTS", "").split(",") if p]
+# One failover, kill to next token: the watch sees the loss (detect), the request's failed step
+# reaches its failover (wait), the old session is aborted, a new one opened, the KV restored (the
+# standby copy's parts joined, then sent and loaded), the rest replayed, and the lost step sent
+# again until its token streams (resend).
+PHASE_KEYS = (
+    "kv_from",
+    "restored_tokens",
+    "replayed_tokens",
+    "detect_ms",
+    "wait_ms",
+    "abort_ms",
+    "open_ms",
+    "restore_ms",
+    "join_ms",
+    "load_ms",
+    "replay_ms",
+    "resend_ms",
+)
 KILL_AFTER = 3  # tokens every stream has out before the kill
 KNOBS = ("BENCH_RUNS", "BENCH_COST_RUNS", "BENCH_TOKENS", "BENCH_POINTS", "BENCH_PART", "BENCH_PORT_BASE")
 
@@ -122,13 +141,37 @@ def _live_sessions(address: str) -> int:
 
 def _failed_over(fleet: Fleet) -> dict[str, dict]:
     """Request id -> its (last) logged failover: where the KV came from, positions restored and
-    replayed, and the milliseconds spent opening, restoring and replaying."""
-    events = {}
+    replayed, the milliseconds spent aborting, opening, restoring and replaying, and (``_end``,
+    wall-clock seconds) when it finished; with a standby copy, the restore's split into joining
+    the parts (``join_ms``) and sending and loading them (``load_ms``)."""
+    events, restored = {}, {}
     for line in fleet.process("coordinator").log.read_text().splitlines():
         if '"session_failed_over"' in line:
             event = json.loads(line)
+            event["_end"] = _wall(event["timestamp"])
             events[event.get("request_id", "")] = event
+        elif '"standby_restored"' in line:
+            event = json.loads(line)
+            restored[event["session_id"]] = event
+    for event in events.values():
+        split = restored.get(event["session_id"], {})
+        event["join_ms"], event["load_ms"] = split.get("join_ms"), split.get("load_ms")
     return events
+
+
+def _wall(timestamp: str) -> float:
+    """A log line's ISO timestamp as wall-clock seconds."""
+    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
+
+
+def _lost_at(fleet: Fleet, address: str, after: float) -> float | None:
+    """When (wall clock) the coordinator's watch first logged ``address`` lost after ``after``."""
+    for line in fleet.process("coordinator").log.read_text().splitlines():
+        if '"stage_reachability"' in line and address in line:
+            event = json.loads(line)
+            if not event["up"] and _wall(event["timestamp"]) >= after:
+                return _wall(event["timestamp"])
+    return None
 
 
 async def _round(fleet: Fleet, shards: Path, base: int, prompts: list[str], kill: bool) -> dict:
@@ -149,7 +192,7 @@ async def _round(fleet: Fleet, shards: Path, base: int, prompts: list[str], kill
         victim_lane = max(range(len(lanes)), key=lambda r: _live_sessions(lanes[r][1]))
         victim = fleet.process(stage_name(1, victim_lane))
         victim.popen.send_signal(signal.SIGKILL)
-        killed_at = time.perf_counter()
+        killed_at, killed_wall = time.perf_counter(), time.time()
     results = await asyncio.gather(*tasks, return_exceptions=True)
     wall = time.perf_counter() - began
     errors = sum(isinstance(r, BaseException) for r in results)
@@ -157,34 +200,33 @@ async def _round(fleet: Fleet, shards: Path, base: int, prompts: list[str], kill
     if kill:
         victim.popen.wait()
         affected = _failed_over(fleet)
+        port = base + 1 + 20 * victim_lane
+        lost = _lost_at(fleet, f"127.0.0.1:{port}", killed_wall - 1)
         for i in range(n):
             if ids[i] in affected:
                 event = affected[ids[i]]
                 after = [killed_at, *(t for t in out_at[i] if t > killed_at)]
-                if len(after) > 1:  # the token ending the longest stall after the kill
-                    resumed = max(range(1, len(after)), key=lambda j: after[j] - after[j - 1])
-                    recovery.append(((after[resumed] - killed_at) * 1000, event.get("kv_from") == "standby"))
-                phases.append(
-                    {
-                        k: event.get(k)
-                        for k in (
-                            "kv_from",
-                            "restored_tokens",
-                            "replayed_tokens",
-                            "open_ms",
-                            "restore_ms",
-                            "replay_ms",
-                        )
-                    }
-                )
-        port = base + 1 + 20 * victim_lane
+                if len(after) < 2:
+                    continue
+                # the token ending the longest stall after the kill
+                resumed = max(range(1, len(after)), key=lambda j: after[j] - after[j - 1])
+                ms = (after[resumed] - killed_at) * 1000
+                recovery.append((ms, event.get("kv_from") == "standby"))
+                began_at = event["_end"] - event["seconds"]  # the failover's start, wall clock
+                phase = {k: event.get(k) for k in PHASE_KEYS if k in event}
+                phase["detect_ms"] = (lost - killed_wall) * 1000 if lost is not None else None
+                phase["wait_ms"] = (began_at - (lost or killed_wall)) * 1000
+                phase["resend_ms"] = ms - (event["_end"] - killed_wall) * 1000
+                phases.append(phase)
         args = stage_args(1, shards, port, "exact", "json", None)
         fleet.processes[fleet.processes.index(victim)] = spawn(
             victim.name, args, fleet.run_dir, dict(os.environ), 180
         )
         await _rejoined(fleet, f"127.0.0.1:{port}")
     ttft = [(t[1] - t[0]) * 1000 for t in out_at if len(t) > 1]
+    gaps = [(t[j] - t[j - 1]) * 1000 for t in out_at for j in range(2, len(t))]
     return {
+        "itl_ms": gaps,
         "tokens": tokens,
         "errors": errors,
         "recovery_ms": recovery,
@@ -228,9 +270,10 @@ def _measure(loop, fleet: Fleet, shards: Path, base: int, prompts_for, points: l
             "restore": _percentiles([ms for ms, restored in recovery if restored]),
             "replay": _percentiles([ms for ms, restored in recovery if not restored]),
             "undisturbed_ttft_ms_p50": _percentiles(reference["ttft_ms"])["p50"],
+            "undisturbed_itl_ms_p50": _percentiles(reference["itl_ms"])["p50"],
             "phase_ms_p50": {
-                key: median([p[key] for p in phases if p.get(key) is not None] or [0.0])
-                for key in ("open_ms", "restore_ms", "replay_ms", "restored_tokens", "replayed_tokens")
+                key: round(median([p[key] for p in phases if p.get(key) is not None] or [0.0]), 1)
+                for key in PHASE_KEYS[1:]
             },
             "kv_from": sorted(str(p["kv_from"]) for p in phases),
         }

@@ -5,10 +5,11 @@ model's). The 2-stage paged shards at exact run 8 sequences of a ~1,024-token pr
 interleaved rounds (BENCH_RUNS, default 5), 32 decode steps of the 8 rows (the tokens in which
 each session completes one 32-token block) and, for the same 8 sessions, what the coordinator's
 standby copy does for those tokens: on each stage the part capture of that block
-(``export_kv`` from its first position, the checksummed blob, the proto serialized) and, for the
-coordinator, its decode. The ratio of medians (capture time / decode time) is the share of a
-session's decode work its copy adds, as CPU time on the same cores (on a fleet it runs on other
-threads and processes, so it slows decoding only where cores are short). Also timed: capturing a
+(``export_kv`` from its first position, the checksummed blob, the proto serialized and cut into
+chunks); the coordinator only keeps those chunks. The ratio of medians (capture time / decode
+time) is the share of a session's decode work its copy adds, as CPU time on the same cores (on
+a fleet it runs on other threads and processes, so it slows decoding only where cores are
+short). Also timed: capturing a
 whole 1,024-token prompt once (the copy's first parts after a prefill).
 """
 
@@ -23,9 +24,8 @@ import numpy as np
 from bench.stats import median, ratio_ci, write_result
 from pipeshard import paths
 from pipeshard.offline import set_offline_defaults
-from pipeshard.shard.kvblob import KvBlob, from_proto, to_proto
+from pipeshard.shard.kvblob import KvBlob, snapshot_chunks, to_proto
 from pipeshard.shard.paged import PagedRow, PagedShard
-from pipeshard.v1 import kv_pb2
 
 RUNS = int(os.environ.get("BENCH_RUNS", "5"))
 USERS, PROMPT, BLOCK = 8, 1024, 32
@@ -44,12 +44,10 @@ def _step(stages: list[PagedShard], feeds: dict[str, np.ndarray]) -> dict[str, i
 
 
 def _capture(stage: PagedShard, seq: str, end: int, start: int) -> int:
-    """A standby part as the stage makes it and the coordinator reads it; returns its bytes."""
+    """A standby part as the stage makes it (the coordinator keeps its chunks); returns its bytes."""
     arrays = stage.export_kv(seq, end, start)
     blob = KvBlob.build(stage.kv_source, arrays, tuple(range(start, end)), positions=end - start, start=start)
-    data = to_proto(blob).SerializeToString()
-    from_proto(kv_pb2.KvSnapshot.FromString(data))
-    return len(data)
+    return snapshot_chunks(to_proto(blob))[0]
 
 
 def main() -> int:

@@ -141,7 +141,13 @@ class KvBlob:
                 )
         if self.token_ids and len(self.token_ids) != t:
             raise InvalidArgument("snapshot.token_ids", f"has {len(self.token_ids)} ids for {t} positions")
-        if verify_checksum and _checksum(src, self.token_ids, self.arrays, t, self.start) != self.checksum:
+        if verify_checksum:
+            self.verify_checksum()
+
+    def verify_checksum(self) -> None:
+        """Refuses a blob whose contents do not match its checksum (damaged on the way)."""
+        digest = _checksum(self.source, self.token_ids, self.arrays, self.positions, self.start)
+        if digest != self.checksum:
             raise InvalidArgument("snapshot.checksum", "does not match the snapshot's contents: corrupt")
 
 
@@ -229,10 +235,11 @@ def from_proto(snapshot: kv_pb2.KvSnapshot) -> KvBlob:
     )
 
 
-def join_parts(parts: list[KvBlob]) -> KvBlob:
+def join_parts(parts: list[KvBlob], *, checksum: bool = True) -> KvBlob:
     """One whole cache from consecutive parts of one stage's capture (the first from position 0,
     each starting where the one before ended; in a block layout every part but the last ends on a
-    block boundary), checksummed anew. Refuses parts that do not chain."""
+    block boundary), checksummed anew (``checksum=False``: left without one, for a caller that
+    verified every part's and restores the whole at once). Refuses parts that do not chain."""
     if not parts:
         raise InvalidArgument("parts", "must hold at least one part")
     source, end = parts[0].source, 0
@@ -249,7 +256,8 @@ def join_parts(parts: list[KvBlob]) -> KvBlob:
     axis = 0 if source.blocks is not None else 1
     arrays = tuple(np.concatenate([p.arrays[i] for p in parts], axis=axis) for i in range(len(source.names)))
     token_ids = sum((p.token_ids for p in parts), ()) if all(p.token_ids for p in parts) else ()
-    return KvBlob(source, token_ids, arrays, _checksum(source, token_ids, arrays, end), end)
+    digest = _checksum(source, token_ids, arrays, end) if checksum else ""
+    return KvBlob(source, token_ids, arrays, digest, end)
 
 
 # -- snapshots in chunks (CaptureKvStream / RestoreKvStream) -------------------------------------
@@ -267,26 +275,43 @@ def snapshot_chunks(snapshot: kv_pb2.KvSnapshot, chunk_bytes: int = 0) -> tuple[
     return len(data), [data[i : i + step] for i in range(0, len(data), step)]
 
 
+@dataclass(frozen=True)
+class SnapshotBytes:
+    """A serialized KvSnapshot kept as the chunks it arrived in, never decoded: a part of a
+    standby copy, sent back as it came (RestoreKvStreamRequest.next_part)."""
+
+    chunks: tuple[bytes, ...]
+    positions: int  # the positions the snapshot holds
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(chunk) for chunk in self.chunks)
+
+
 class SnapshotAssembler:
-    """Collects a snapshot's chunks; refuses more or fewer bytes than the sender announced."""
+    """Collects a snapshot's chunks; refuses more or fewer bytes than the sender announced. The
+    chunks are joined once, at the end (growing one buffer chunk by chunk copied a long
+    session's KV over and over, on the restore's critical path)."""
 
     def __init__(self, total: int):
         if not 0 < total <= MAX_SNAPSHOT_BYTES:
             raise InvalidArgument("snapshot_bytes", f"must be in [1, {MAX_SNAPSHOT_BYTES}], got {total}")
         self.total = total
-        self._buffer = bytearray()
+        self._chunks: list[bytes] = []
+        self._received = 0
 
     def add(self, chunk: bytes) -> None:
-        if len(self._buffer) + len(chunk) > self.total:
+        if self._received + len(chunk) > self.total:
             raise InvalidArgument("snapshot_chunk", f"chunks exceed the announced {self.total} bytes")
-        self._buffer += chunk
+        self._chunks.append(chunk)
+        self._received += len(chunk)
 
     def snapshot(self) -> kv_pb2.KvSnapshot:
-        if len(self._buffer) != self.total:
+        if self._received != self.total:
             raise InvalidArgument(
-                "snapshot_chunk", f"chunks hold {len(self._buffer)} of the announced {self.total} bytes"
+                "snapshot_chunk", f"chunks hold {self._received} of the announced {self.total} bytes"
             )
         try:
-            return kv_pb2.KvSnapshot.FromString(bytes(self._buffer))
+            return kv_pb2.KvSnapshot.FromString(b"".join(self._chunks))
         except DecodeError:
             raise InvalidArgument("snapshot_chunk", "the chunks do not parse as a KvSnapshot") from None

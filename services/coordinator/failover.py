@@ -79,6 +79,7 @@ class Failover:
                     raise error
                 old, old_lane = request.session_id, self._lanes.lane_of(request.session_id)
                 await ring.abort_session(old, f"moved to another replica: {error}")
+                aborted = time.perf_counter()
                 replay = request.move_to(uuid.uuid4().hex)
                 try:
                     await ring.open_session(request.session_id, capacity)
@@ -106,7 +107,8 @@ class Failover:
                     kv_from=source,
                     restored_tokens=min(restored, len(replay)) if replay else restored,
                     replayed_tokens=max(0, len(replay) - restored),
-                    open_ms=round((opened - started) * 1000, 1),
+                    abort_ms=round((aborted - started) * 1000, 1),
+                    open_ms=round((opened - aborted) * 1000, 1),
                     restore_ms=round((kv_ready - opened) * 1000, 1),
                     replay_ms=round((time.perf_counter() - kv_ready) * 1000, 1),
                     seconds=round(time.perf_counter() - started, 3),

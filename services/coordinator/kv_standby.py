@@ -4,10 +4,13 @@ A replica lane that dies takes its sessions' KV with it, and replaying a session
 another lane costs a prefill of all of it (bench-failover: about 9 s for 8 users at 1,024 tokens
 on this machine). So while a session runs on a replica lane, the coordinator copies its KV from
 every stage of that lane in the background, a part at a time (``CaptureKvRequest.from_position``:
-the whole blocks completed since the last part), and holds the parts in this process. A failover
-joins each stage's parts (``kvblob.join_parts``) and restores them into the new session on a
-healthy lane; only what the copy does not hold yet (less than a block, plus a part still being
-captured) is replayed. Parts are taken only of positions every stage has computed (the generation
+the whole blocks completed since the last part), and holds the parts in this process as the
+serialized bytes they arrived in: it never decodes, joins or re-encodes them (each such pass over
+a long session's KV cost the failover time on a loaded machine, and the copies' upkeep cost decode
+work). A failover streams each stage's parts back as they are into the new session on a healthy
+lane (``RestoreKvStreamRequest.next_part``), and the stage joins them (``kvblob.join_parts``);
+only what the copy does not hold yet (less than a block, plus a part still being captured) is
+replayed. Parts are taken only of positions every stage has computed (the generation
 reports them after each step's result), one capture per session at a time; a capture that fails
 only leaves the copy shorter. Copies count against ``max_bytes`` (``--standby-kv-bytes``): past
 it no session gets further parts, and their failovers replay the rest.
@@ -16,6 +19,7 @@ it no session gets further parts, and their failovers replay the rest.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -24,7 +28,7 @@ import structlog
 from pipeshard.errors import PipeshardError
 from pipeshard.metrics import STANDBY_KV_BYTES
 from pipeshard.services.coordinator.replicas import ReplicaLanes
-from pipeshard.shard.kvblob import KvBlob, join_parts
+from pipeshard.shard.kvblob import SnapshotBytes
 
 log = structlog.get_logger(__name__)
 
@@ -35,10 +39,10 @@ DEFAULT_PART_TOKENS = 32
 @dataclass
 class StandbyCopy:
     """One session's KV as captured so far: the token ids of its positions and, per part, one
-    blob per stage."""
+    serialized snapshot per stage."""
 
     tokens: list[int] = field(default_factory=list)
-    parts: list[list[KvBlob]] = field(default_factory=list)
+    parts: list[list[SnapshotBytes]] = field(default_factory=list)
     nbytes: int = 0
     capturing: asyncio.Task | None = None
 
@@ -105,11 +109,16 @@ class KvStandby:
         """Restores ``copy`` into ``session_id`` (open, empty, on a healthy lane) on every stage,
         and makes it that session's copy; returns the positions restored. Raises when a stage
         fails it (the session then holds who knows what: the caller replaces it)."""
-        stages = len(copy.parts[0])
-        blobs = await asyncio.to_thread(
-            lambda: [join_parts([part[k] for part in copy.parts]) for k in range(stages)]
-        )
-        await asyncio.wait_for(self._lanes.restore_blobs(session_id, blobs, timeout_s), timeout_s)
-        copy.parts = [blobs]  # joined once: later parts chain on it
+        started = time.perf_counter()
+        per_stage = [[part[k] for part in copy.parts] for k in range(len(copy.parts[0]))]
+        await asyncio.wait_for(self._lanes.restore_parts(session_id, per_stage, timeout_s), timeout_s)
         self._copies[session_id] = copy
+        log.info(
+            "standby_restored",
+            session_id=session_id,
+            positions=copy.positions,
+            parts=len(copy.parts),
+            nbytes=copy.nbytes,
+            load_ms=round((time.perf_counter() - started) * 1000, 1),
+        )
         return copy.positions

@@ -33,7 +33,7 @@ from pipeshard.services.coordinator.stage_watch import StageWatch
 from pipeshard.services.stage.wire import plan_from_frames
 from pipeshard.services.transport.channels import open_channel
 from pipeshard.services.transport.hop import PROBE_TRAIN, HopStream, keep_open
-from pipeshard.shard.kvblob import KvBlob, SnapshotAssembler, from_proto, snapshot_chunks, to_proto
+from pipeshard.shard.kvblob import SnapshotBytes
 from pipeshard.tls import TlsConfig
 from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc
 
@@ -224,48 +224,53 @@ class RemoteStages:
         responses = await self._on_all("RestoreKv", request, timeout=timeout_s)  # a late stage: UNAVAILABLE
         return {key for r in responses for key in r.evicted_blocks}
 
-    async def capture_part(self, session_id: str, token_ids: list[int], start: int) -> list[KvBlob]:
-        """Every stage's KV of the session's positions [start, len(token_ids)), a part each
-        (kvblob.join_parts), decoded off the event loop; raises as a control call."""
+    async def capture_part(self, session_id: str, token_ids: list[int], start: int) -> list[SnapshotBytes]:
+        """Every stage's KV of the session's positions [start, len(token_ids)), a part each, kept
+        serialized as it arrived (no decoding here: the stage that restores it checks it);
+        raises as a control call."""
 
-        async def capture(i: int) -> KvBlob:
+        async def capture(i: int) -> SnapshotBytes:
             request = stage_pb2.CaptureKvStreamRequest(
                 capture=stage_pb2.CaptureKvRequest(
                     session_id=session_id, token_ids=token_ids, from_position=start
                 )
             )
-            assembler = None
+            chunks, positions = [], 0
             try:
                 call = self._stubs[i].CaptureKvStream(
                     request, timeout=self.step_timeout_s, metadata=self._metadata
                 )
                 async for chunk in call:
-                    assembler = assembler or SnapshotAssembler(chunk.snapshot_bytes)
-                    assembler.add(chunk.snapshot_chunk)
+                    chunks.append(chunk.snapshot_chunk)
+                    positions = chunk.positions
             except grpc.aio.AioRpcError as exc:
                 raise _stage_rpc_error(i, self.addresses[i], exc) from None
-            if assembler is None:
+            if not chunks:
                 raise Unavailable(f"stage {i} at {self.addresses[i]} sent no snapshot")
-            return await asyncio.to_thread(lambda: from_proto(assembler.snapshot()))
+            return SnapshotBytes(tuple(chunks), positions)
 
         return list(await asyncio.gather(*(capture(i) for i in range(self.num_stages))))
 
-    async def restore_blobs(self, session_id: str, blobs: list[KvBlob], timeout_s: float) -> None:
-        """Restores stage i's ``blobs[i]`` (whole caches) into the session on every stage at once,
-        each streamed in chunks; raises if any stage fails (the caller discards the session)."""
+    async def restore_parts(
+        self, session_id: str, parts: list[list[SnapshotBytes]], timeout_s: float
+    ) -> None:
+        """Restores stage i's consecutive parts ``parts[i]`` (as captured) into the session on
+        every stage at once, streamed chunk by chunk; the stage joins them. Raises if any stage
+        fails (the caller discards the session)."""
 
         async def restore(i: int) -> None:
-            total, chunks = await asyncio.to_thread(lambda: snapshot_chunks(to_proto(blobs[i])))
-            requests = [
+            requests = (
                 stage_pb2.RestoreKvStreamRequest(
-                    session_id=session_id if j == 0 else "", snapshot_chunk=chunk, snapshot_bytes=total
+                    session_id=session_id if p == 0 and j == 0 else "",
+                    snapshot_chunk=chunk,
+                    snapshot_bytes=part.nbytes,
+                    next_part=p > 0 and j == 0,
                 )
-                for j, chunk in enumerate(chunks)
-            ]
+                for p, part in enumerate(parts[i])
+                for j, chunk in enumerate(part.chunks)
+            )
             try:
-                await self._stubs[i].RestoreKvStream(
-                    iter(requests), timeout=timeout_s, metadata=self._metadata
-                )
+                await self._stubs[i].RestoreKvStream(requests, timeout=timeout_s, metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
                 raise _stage_rpc_error(i, self.addresses[i], exc) from None
 

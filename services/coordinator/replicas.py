@@ -28,7 +28,7 @@ import structlog
 
 from pipeshard.errors import FailedPrecondition, PipeshardError, Unavailable
 from pipeshard.services.coordinator.remote_stages import RemoteStages
-from pipeshard.shard.kvblob import KvBlob
+from pipeshard.shard.kvblob import SnapshotBytes
 from pipeshard.shard.prefix_chain import block_chain
 from pipeshard.v1 import activation_pb2, stage_pb2
 
@@ -273,13 +273,15 @@ class ReplicaLanes:
         self._kept.add(lane, [], dropped)
         return dropped
 
-    async def capture_part(self, session_id: str, token_ids: list[int], start: int) -> list[KvBlob]:
+    async def capture_part(self, session_id: str, token_ids: list[int], start: int) -> list[SnapshotBytes]:
         """Every stage's part [start, len(token_ids)) of the session's KV, from its lane (kv_standby.py)."""
         return await self._lane(session_id).capture_part(session_id, token_ids, start)
 
-    async def restore_blobs(self, session_id: str, blobs: list[KvBlob], timeout_s: float) -> None:
-        """Restores a whole cache per stage into the session, on its lane."""
-        await self._lane(session_id).restore_blobs(session_id, blobs, timeout_s)
+    async def restore_parts(
+        self, session_id: str, parts: list[list[SnapshotBytes]], timeout_s: float
+    ) -> None:
+        """Restores each stage's consecutive parts into the session, on its lane."""
+        await self._lane(session_id).restore_parts(session_id, parts, timeout_s)
 
     def _may_move(self, session_id: str, holder: RemoteStages) -> bool:
         """Prefix affinity within bounds: the holder serves and runs fewer than PREFIX_SKEW

@@ -136,21 +136,21 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             )
 
     async def RestoreKvStream(self, request_iterator, context):
-        owner, session_id, assembler = _owner(context), "", None
+        owner, session_id, parts = _owner(context), "", []  # one assembler per part
         async for request in request_iterator:
-            if assembler is None:
-                session_id, assembler = request.session_id, SnapshotAssembler(request.snapshot_bytes)
-            assembler.add(request.snapshot_chunk)
-        if assembler is None:
+            if not parts:
+                session_id = request.session_id
+            if not parts or request.next_part:
+                parts.append(SnapshotAssembler(request.snapshot_bytes))
+            parts[-1].add(request.snapshot_chunk)
+        if not parts:
             raise InvalidArgument("snapshot_chunk", "the stream sent no chunk")
         if not session_id:
             raise InvalidArgument("session_id", "must not be empty (set it in the first chunk)")
 
         def checked_blob():
             # Off the event loop: decoding and hashing a long session's KV would stall every frame.
-            blob = from_proto(assembler.snapshot())
-            self._node.kv.check(blob)
-            return blob
+            return self._node.kv.check_parts([from_proto(part.snapshot()) for part in parts])
 
         blob = await asyncio.to_thread(checked_blob)
         positions = self._node.kv.restore(owner, session_id, blob, checked=True)

@@ -14,7 +14,7 @@ from pipeshard.services.coordinator.failover import Failover
 from pipeshard.services.coordinator.generation import _Cursor, _Request
 from pipeshard.services.coordinator.kv_standby import KvStandby
 from pipeshard.services.coordinator.ring import StageFailed
-from pipeshard.shard.kvblob import KvBlob, KvSource
+from pipeshard.shard.kvblob import KvBlob, KvSource, SnapshotBytes, snapshot_chunks, to_proto
 from pipeshard.v1 import activation_pb2
 
 SOURCE = KvSource("f", "e", 0, 0, 1, ("k",), kv_heads=1, head_dim=1)
@@ -34,11 +34,14 @@ class _Lanes:
     def lane_of(self, session_id: str) -> int:
         return 1
 
-    async def capture_part(self, session_id: str, token_ids: list[int], start: int) -> list[KvBlob]:
+    async def capture_part(self, session_id: str, token_ids: list[int], start: int) -> list[SnapshotBytes]:
         values = np.zeros((1, len(token_ids) - start, 1), np.float32)
-        return [KvBlob.build(SOURCE, [values], tuple(token_ids[start:]), start=start)] * 2
+        blob = KvBlob.build(SOURCE, [values], tuple(token_ids[start:]), start=start)
+        return [SnapshotBytes(tuple(snapshot_chunks(to_proto(blob))[1]), blob.positions)] * 2
 
-    async def restore_blobs(self, session_id: str, blobs: list[KvBlob], timeout_s: float) -> None:
+    async def restore_parts(
+        self, session_id: str, parts: list[list[SnapshotBytes]], timeout_s: float
+    ) -> None:
         if self.refuse:
             raise StageFailed(activation_pb2.StageError(stage_index=1, code="INVALID_ARGUMENT", message="no"))
         self.restored.append(session_id)

@@ -1,6 +1,6 @@
 """Standby KV copies without processes: whole blocks only, one capture at a time, the byte limit,
-and a restore that joins the parts (the real capture and restore run in
-tests/pipeline/test_failover_fleet.py)."""
+and a restore that sends the parts back as captured, in order (the real capture and restore run
+in tests/pipeline/test_failover_fleet.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,16 @@ import numpy as np
 
 from pipeshard.errors import Unavailable
 from pipeshard.services.coordinator.kv_standby import KvStandby
-from pipeshard.shard.kvblob import KvBlob, KvSource
+from pipeshard.shard.kvblob import (
+    KvBlob,
+    KvSource,
+    SnapshotBytes,
+    from_proto,
+    join_parts,
+    snapshot_chunks,
+    to_proto,
+)
+from pipeshard.v1 import kv_pb2
 
 SOURCE = KvSource("f", "e", 0, 0, 1, ("k",), kv_heads=1, head_dim=1)
 
@@ -20,21 +29,32 @@ class _Lane:
 
     def __init__(self):
         self.captures: list[tuple[str, int, int]] = []
-        self.restored: dict[str, list[KvBlob]] = {}
+        self.restored: dict[str, list[list[SnapshotBytes]]] = {}
         self.gate = asyncio.Event()
         self.gate.set()
         self.fail = False
+        self.sent_bytes = 0  # of the parts captured, over both stages
 
-    async def capture_part(self, session_id: str, token_ids: list[int], start: int) -> list[KvBlob]:
+    async def capture_part(self, session_id: str, token_ids: list[int], start: int) -> list[SnapshotBytes]:
         self.captures.append((session_id, start, len(token_ids)))
         await self.gate.wait()
         if self.fail:
             raise Unavailable("stage 1 at x is unreachable")
         values = np.arange(start, len(token_ids), dtype=np.float32).reshape(1, -1, 1)
-        return [KvBlob.build(SOURCE, [values], tuple(token_ids[start:]), start=start)] * 2
+        blob = KvBlob.build(SOURCE, [values], tuple(token_ids[start:]), start=start)
+        part = SnapshotBytes(tuple(snapshot_chunks(to_proto(blob), chunk_bytes=40)[1]), blob.positions)
+        self.sent_bytes += 2 * part.nbytes
+        return [part] * 2
 
-    async def restore_blobs(self, session_id: str, blobs: list[KvBlob], timeout_s: float) -> None:
-        self.restored[session_id] = blobs
+    async def restore_parts(
+        self, session_id: str, parts: list[list[SnapshotBytes]], timeout_s: float
+    ) -> None:
+        self.restored[session_id] = parts
+
+
+def _joined(parts: list[SnapshotBytes]) -> KvBlob:
+    """What a stage restores from the parts it was sent."""
+    return join_parts([from_proto(kv_pb2.KvSnapshot.FromString(b"".join(p.chunks))) for p in parts])
 
 
 async def _settle() -> None:
@@ -42,7 +62,7 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
-def test_copies_follow_whole_blocks_and_restore_joined():
+def test_copies_follow_whole_blocks_and_restore_as_the_captured_parts():
     async def main():
         lane = _Lane()
         standby = KvStandby(lane, block_tokens=4, max_bytes=1 << 20)
@@ -58,14 +78,16 @@ def test_copies_follow_whole_blocks_and_restore_joined():
         standby.computed("s", tokens[:13])  # block 2
         await _settle()
         assert lane.captures == [("s", 0, 8), ("s", 8, 12)]
-        assert standby.nbytes == 2 * 12 * 4  # two stages, 12 positions of one f32 each
+        assert standby.nbytes == lane.sent_bytes  # two parts on two stages, as serialized
 
         copy = standby.take("s")
         assert copy.positions == 12 and copy.tokens == tokens[:12]
         assert await standby.restore(copy, "t", 5.0) == 12
-        joined = lane.restored["t"]
-        assert joined[0].start == 0 and joined[0].token_ids == tuple(tokens[:12])
-        np.testing.assert_array_equal(joined[0].arrays[0].ravel(), np.arange(12))
+        parts = lane.restored["t"]
+        assert len(parts) == 2 and [part.positions for part in parts[0]] == [8, 4]
+        joined = _joined(parts[0])
+        assert joined.start == 0 and joined.token_ids == tuple(tokens[:12])
+        np.testing.assert_array_equal(joined.arrays[0].ravel(), np.arange(12))
         standby.computed("t", tokens[:17])  # the copy follows the new session from where it stands
         await _settle()
         assert lane.captures[-1] == ("t", 12, 16)
@@ -78,7 +100,7 @@ def test_copies_follow_whole_blocks_and_restore_joined():
 def test_a_failed_capture_leaves_the_copy_and_the_limit_stops_new_parts():
     async def main():
         lane = _Lane()
-        standby = KvStandby(lane, block_tokens=4, max_bytes=2 * 4 * 4)  # one block on two stages
+        standby = KvStandby(lane, block_tokens=4, max_bytes=1)  # reached by the first part
         lane.fail = True
         standby.computed("s", list(range(8)))
         await _settle()
@@ -88,7 +110,7 @@ def test_a_failed_capture_leaves_the_copy_and_the_limit_stops_new_parts():
         await _settle()
         standby.computed("u", list(range(8)))  # the limit is reached: no further part
         await _settle()
-        assert standby.nbytes == 32 and lane.captures[-1] == ("u", 0, 4)
+        assert standby.nbytes == lane.sent_bytes and lane.captures[-1] == ("u", 0, 4)
         standby.drop(standby.take("u"))
         assert standby.nbytes == 0
 

@@ -155,3 +155,32 @@ def test_capture_after_speculative_rewind_drops_holes(int4_runners, chat_prompt_
     for s, blob in zip(restored, blobs, strict=True):
         import_kv(s, blob)
     assert _greedy(restored, token, 40) == want == _greedy(clean, token, 40)
+
+
+def test_a_stage_joins_the_parts_it_is_sent(tiny_export):
+    """A restore streamed as parts (a standby copy's, RestoreKvStreamRequest.next_part): the stage
+    verifies each part's checksum and joins them into exactly the whole capture; a damaged part, a
+    gap or a lone later part is refused."""
+    from pipeshard.services.stage.kv import StageKv
+
+    runner = ShardRunner(tiny_export("llama", 1), 0, "f32")
+    session = runner.new_session()
+    session.run(np.arange(10, 22)[None])
+    ids = tuple(range(100, 112))
+    whole = export_kv(session, token_ids=ids)
+    parts = [
+        from_proto(to_proto(export_kv(session, positions=end, token_ids=ids[start:end], start=start)))
+        for start, end in ((0, 4), (4, 8), (8, 12))
+    ]
+    kv = StageKv(None, runner.kv_source, None)
+    joined = kv.check_parts(parts)
+    assert joined.positions == 12 and joined.token_ids == ids
+    for a, b in zip(joined.arrays, whole.arrays, strict=True):
+        np.testing.assert_array_equal(a, b)
+    damaged = dataclasses.replace(parts[1], arrays=(parts[1].arrays[0] + 1, *parts[1].arrays[1:]))
+    with pytest.raises(InvalidArgument, match="corrupt"):
+        kv.check_parts([parts[0], damaged, parts[2]])
+    with pytest.raises(InvalidArgument, match="starts at position 8, not 4"):
+        kv.check_parts([parts[0], parts[2]])
+    with pytest.raises(InvalidArgument, match="joined to the parts before it"):
+        kv.check_parts([parts[2]])
