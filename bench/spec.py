@@ -29,13 +29,13 @@ plain, minimum over every WAN point), ``bit_exact`` (every speculative sequence 
 plain greedy's, INT4 at ``exact``), ``repetition_rate``; (#31) ``feature_speedup_at_100ms``,
 ``feature_single_node_speedup``, ``feature_tokens_per_traversal_at_100ms``, ``draft_train_minutes``.
 
-BENCH_QUICK=1: 2 rounds after a warm-up single node (1 WAN round after a short warm-up), 24
+BENCH_QUICK=1: 2 rounds single node, 1 WAN round, each after a few tokens per configuration, 24
 tokens, K 5, tree 3x4, sources ngram and feature (and self when BENCH_SELF_DRAFT is given), the
 WAN sweep at 3 stages, 0 and 100 ms, the exact part on 2 and 3 stages.
 Sizes: BENCH_RUNS, BENCH_TOKENS (128; quick 24), BENCH_WAN_TOKENS (same), BENCH_KS (1,3,5,8,10; empty:
 adaptive only), BENCH_TREES (3x4,2x3), BENCH_WAN_STAGES (2,3), BENCH_WAN_DELAYS (0,10,50,100),
 BENCH_WAN_KS (5,10), BENCH_WAN_SOURCE (ngram|self|hf; default the best single-node token source),
-BENCH_WAN_PROMPTS (every kept kind).
+BENCH_PROMPTS (single and exact) and BENCH_WAN_PROMPTS: the first N kept kinds (default every one).
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ RUNS = int(os.environ.get("BENCH_RUNS", "2" if QUICK else "10"))
 WAN_RUNS = int(os.environ.get("BENCH_WAN_RUNS", "1" if QUICK else str(RUNS)))
 TOKENS = int(os.environ.get("BENCH_TOKENS", "24" if QUICK else "128"))
 WAN_TOKENS = int(os.environ.get("BENCH_WAN_TOKENS", str(TOKENS)))
+PROMPTS = int(os.environ["BENCH_PROMPTS"]) if os.environ.get("BENCH_PROMPTS") else None
 WAN_PROMPTS = int(os.environ["BENCH_WAN_PROMPTS"]) if os.environ.get("BENCH_WAN_PROMPTS") else None
 KS = tuple(int(k) for k in os.environ.get("BENCH_KS", "5" if QUICK else "1,3,5,8,10").split(",") if k)
 TREES = tuple(t for t in os.environ.get("BENCH_TREES", "3x4" if QUICK else "3x4,2x3").split(",") if t)
@@ -101,6 +102,7 @@ KNOBS = (
     "BENCH_WAN_DELAYS",
     "BENCH_WAN_KS",
     "BENCH_WAN_SOURCE",
+    "BENCH_PROMPTS",
     "BENCH_WAN_PROMPTS",
 )
 
@@ -329,7 +331,7 @@ def single_node(
     generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, drafts=drafts)
     configs = spec_configs(sources, KS)
     samples, per_prompt, last = measure(
-        configs, in_process_generate(loop, generation), prompts, TOKENS, RUNS, warmup=1
+        configs, in_process_generate(loop, generation), prompts, TOKENS, RUNS, warmup=0 if QUICK else 1
     )
     rows = table(configs, samples, per_prompt, last, kinds)
     return {
@@ -473,7 +475,7 @@ def main() -> int:
     if not kept:
         raise SystemExit(f"every prompt's plain answer loops within {measured} tokens")
     kinds = [KINDS[i][0] for i in kept]
-    prompts = [every_prompt[i] for i in kept]
+    prompts = [every_prompt[i] for i in kept][:PROMPTS]
     result: dict = {
         "runs": RUNS,
         "parts": list(PARTS),
@@ -499,8 +501,8 @@ def main() -> int:
     loop = asyncio.new_event_loop()
     single = None
     if "single" in PARTS:
-        single = single_node(loop, target, drafts_for(target), all_sources, prompts, kinds)
-        chain_answers = [a[:TOKENS] for a in (answers[i] for i in kept)]
+        single = single_node(loop, target, drafts_for(target), all_sources, prompts, kinds[: len(prompts)])
+        chain_answers = [answers[i][:TOKENS] for i in kept][: len(prompts)]
         if single.pop("plain_tokens") != chain_answers:
             raise RuntimeError("the ring's plain greedy differs from the chain's on the same shards")
         configs = single["configs"]
