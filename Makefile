@@ -174,17 +174,17 @@ batch: proto
 	@test -n "$(IN)" -a -n "$(OUT)" || { echo "usage: make batch IN=input.jsonl OUT=output.jsonl [COORDINATOR=$(COORDINATOR)] [MICRO_BATCHES=auto]"; exit 2; }
 	$(VENV)/bin/pipeshard batch $(IN) --out $(OUT) --coordinator $(COORDINATOR) --micro-batches $(MICRO_BATCHES)
 
-## distil: train a DRAFT_LAYERS-layer draft on the 1-stage target's answers to synthetic prompts and export it (shards/<model>-distil<K>-v<N>; generating the answers at ~45 tokens/s dominates); KIND=eagle: a draft reading the target's features (shards/<model>-eagle-v<N>, reused when it matches; `make up` offers it as `feature`)
+## distil: (DISTIL_PROMPTS texts, DISTIL_EPOCHS passes) train a DRAFT_LAYERS-layer draft on the 1-stage target's answers to synthetic prompts and export it (shards/<model>-distil<K>-v<N>; generating the answers at ~45 tokens/s dominates); KIND=eagle: a draft reading the target's features (shards/<model>-eagle-v<N>, reused when it matches; `make up` offers it as `feature`)
 KIND ?= token
 distil: model
 	test -f shards/$(MODEL)-1s-$(WEIGHTS)/manifest.json || $(VENV)/bin/pipeshard export --model $(MODEL) --stages 1 --weights $(WEIGHTS)
 	if [ "$(KIND)" = eagle ]; then \
-	  $(VENV)/bin/pipeshard distil --kind eagle --model $(MODEL) --target shards/$(MODEL)-1s-$(WEIGHTS) --vocab $(DRAFT_VOCAB) $(if $(filter command line,$(origin DISTIL_PROMPTS)),--prompts $(DISTIL_PROMPTS)); \
+	  $(VENV)/bin/pipeshard distil --kind eagle --model $(MODEL) --target shards/$(MODEL)-1s-$(WEIGHTS) --vocab $(DRAFT_VOCAB) $(if $(filter command line,$(origin DISTIL_PROMPTS)),--prompts $(DISTIL_PROMPTS)) $(if $(DISTIL_EPOCHS),--epochs $(DISTIL_EPOCHS)); \
 	else \
-	  $(VENV)/bin/pipeshard distil --model $(MODEL) --target shards/$(MODEL)-1s-$(WEIGHTS) --layers $(DRAFT_LAYERS) --vocab $(DRAFT_VOCAB) --prompts $(DISTIL_PROMPTS); \
+	  $(VENV)/bin/pipeshard distil --model $(MODEL) --target shards/$(MODEL)-1s-$(WEIGHTS) --layers $(DRAFT_LAYERS) --vocab $(DRAFT_VOCAB) --prompts $(DISTIL_PROMPTS) $(if $(DISTIL_EPOCHS),--epochs $(DISTIL_EPOCHS)); \
 	fi
 
-## bench-spec: speculative decoding single node (every draft source and K) and across the WAN emulator (bench/results/spec.json)
+## bench-spec: speculative decoding on natural text (looping prompts dropped, repetition_rate), every draft source (prompt lookup, self, hf, the trained feature draft) as chains, trees and adaptive, single node, on 2-/3-stage rings for exactness and across the WAN emulator (flock /tmp/wan.lock; BENCH_QUICK=1: every key; bench/results/spec.json)
 bench-spec: model
 	$(PY) -m bench.spec
 

@@ -1,42 +1,41 @@
-"""`make bench-spec`: speculative decoding against target-only decoding, single node and over WAN.
+"""`make bench-spec`: speculative decoding against plain decoding on natural text, single node and
+over the WAN emulator, for every draft source, chains and trees (issues 30 and 31).
 
-Part 1, single node (every stage in this process, INT4 shards at the CPU's default precision):
-target-only greedy against each draft source (prompt lookup, the self-draft, a same-tokenizer
-Hugging Face folder) at K in {1, 3, 5, 8, 10} and adaptive K, over prompts of eight kinds, in
-shuffled rounds. Per configuration: tok/s, acceptance rate, tokens per verify; per kind and as
-the mean. Also: the per-call cost of the physical KV trim the mask-based rewind replaces, and
-the agreement of speculative with plain greedy output at this precision (with the top-2 margin
-where they part).
+Prompts: the paper's eight kinds (KINDS), kept only where plain greedy's answer over the measured
+length is natural text (no 4-gram more than 3 times); ``repetition_rate`` is the share dropped.
+Every speedup is the mean over the kept kinds of each kind's ratio of medians to plain over
+interleaved rounds (its ``_ci95`` a bootstrap over rounds).
 
-Part 2, exactness at f32: every draft source at K in {1, 5, 10} on 1- and 2-stage shards, token for
-token against target-only greedy.
+Sources: ``ngram`` (prompt lookup), ``self`` (the 4-layer self-draft, or BENCH_SELF_DRAFT, e.g. a
+distilled one from `make distil`), ``hf`` (a same-tokenizer Hugging Face folder) and ``feature``
+(the trained feature draft, `make distil KIND=eagle`; BENCH_FEATURE_DRAFT=<folder> or the default
+folder, trained there when missing; BENCH_FEATURE_DRAFT=off leaves it out). Per source: chains at
+each K, adaptive K with ``tree=off`` (``-chain-auto``), trees at BENCH_TREES, adaptive K with
+``tree=auto`` (``-auto``, the default).
 
-Part 3, WAN sweep (stage processes in network namespaces, tbf bandwidth cap, user-space delay
-forwarder; see docs/SERVICES.md): 2 and 3 stages at 0, 10, 50, 100 ms one-way per hop, plain
-decoding against fixed K and adaptive K with the best single-node draft source.
+Parts (BENCH_PARTS, default single,exact,wan; a subset names the JSON bench/results/spec-<parts>.json):
+- single: every stage in this process (INT4 at the default precision, ``exact``); tok/s,
+  acceptance, tokens per traversal per kind; the draft costs against the target.
+- exact: the same configurations on 2- and 3-stage INT4 rings at ``exact``, tokens against plain.
+- wan: 2 and 3 stage processes in network namespaces at 0, 10, 50, 100 ms one way per hop
+  (``flock /tmp/wan.lock``: the emulator is shared), plain against the best single-node token
+  source's and the feature draft's configurations in one fleet per point.
 
-Draft trees (issue 30): beside each source's chains, tree rows at BENCH_TREES (3x4,2x3) and
-`<source>-auto` (adaptive K with ``tree=auto``) against `<source>-chain-auto` (``tree=off``); the
-WAN fleets run the default paged stages (a tree as one masked sequence; the single node's
-in-process ring is stateful: a tree as chains). Keys: ``single_node_speedup`` (the best
-configuration), ``bit_exact`` (every single-node configuration's tokens equal plain greedy's: INT4
-at the default precision, ``exact``), ``repetition_rate`` (the share of prompts whose plain greedy
-answer repeats a 4-gram more than 3 times), and from the WAN sweep ``speedup_at_100ms`` (the best
-configuration at 3 stages, 100 ms per hop, mean over the prompts run), ``tokens_per_traversal_at_100ms``
-(its committed tokens per verify traversal, the target's own included), ``adaptive_vs_best_fixed_min``
-and ``adaptive_over_plain_min`` (over every latency).
+Keys (#30): ``speedup_at_100ms`` (the best token-draft configuration at 3 stages, 100 ms),
+``tokens_per_traversal_at_100ms`` (its committed tokens per verify traversal, the target's own
+included), ``single_node_speedup`` (the best token-draft configuration), ``adaptive_vs_best_fixed_min``
+and ``adaptive_over_plain_min`` (``-auto`` of the WAN source against its best fixed shape and
+plain, minimum over every WAN point), ``bit_exact`` (every speculative sequence of every part equals
+plain greedy's, INT4 at ``exact``), ``repetition_rate``; (#31) ``feature_speedup_at_100ms``,
+``feature_single_node_speedup``, ``feature_tokens_per_traversal_at_100ms``, ``draft_train_minutes``.
 
-BENCH_QUICK=1: 2 rounds after a warm-up, 24 tokens, K 5 only, the WAN sweep at 3 stages, 0 and 100 ms.
-Sizes: BENCH_RUNS (10), BENCH_TOKENS (24 single node), BENCH_WAN_TOKENS (24), BENCH_WAN_PROMPTS (2).
-Part 4, ``feature`` (issue 31, bench/spec_feature.py): the feature draft single node and, with the
-WAN part, at 3 stages and 100 ms per hop.
-
-BENCH_PARTS (single,exact,wan,feature) runs some of the parts only (the JSON is then named after them:
-bench/results/spec-single.json); BENCH_KS (1,3,5,8,10) sets the single node's fixed K (empty:
-adaptive only). BENCH_SELF_DRAFT=<export> replaces the self-draft (for example a distilled one,
-`make distil`). The exactness part compares K in {1, 5, 10}; `make test-exactness` runs the whole
-matrix. BENCH_WAN_STAGES (2,3), BENCH_WAN_DELAYS (0,10,50,100), BENCH_WAN_KS (5,10) and
-BENCH_WAN_SOURCE (ngram|self|hf) run a part of the WAN sweep (the plot needs the whole one).
+BENCH_QUICK=1: 2 rounds single node, 1 WAN round, each after a few tokens per configuration, 24
+tokens, K 5, tree 3x4, sources ngram and feature (and self when BENCH_SELF_DRAFT is given), the
+WAN sweep at 3 stages, 0 and 100 ms, the exact part on 2 and 3 stages.
+Sizes: BENCH_RUNS, BENCH_TOKENS (128; quick 24), BENCH_WAN_TOKENS (same), BENCH_KS (1,3,5,8,10; empty:
+adaptive only), BENCH_TREES (3x4,2x3), BENCH_WAN_STAGES (2,3), BENCH_WAN_DELAYS (0,10,50,100),
+BENCH_WAN_KS (5,10), BENCH_WAN_SOURCE (ngram|self|hf; default the best single-node token source),
+BENCH_PROMPTS (single and exact) and BENCH_WAN_PROMPTS: the first N kept kinds (default every one).
 """
 
 from __future__ import annotations
@@ -44,10 +43,13 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.pipeline import ensure_export
-from bench.stats import interleaved, median, ratio_ci, write_result
+from bench.spec_costs import feature_bytes, feature_draft_cost, token_draft_costs, trim_cost
+from bench.stats import RESULTS_DIR, interleaved, mean_ratio_ci, median, write_result
 from pipeshard import paths
 from pipeshard.clients.client import PipeshardClient
 from pipeshard.offline import set_offline_defaults
@@ -60,24 +62,49 @@ from pipeshard.shard.prompting import Prompter
 
 QUICK = os.environ.get("BENCH_QUICK") == "1"
 RUNS = int(os.environ.get("BENCH_RUNS", "2" if QUICK else "10"))
-TOKENS = int(os.environ.get("BENCH_TOKENS", "24"))
-WAN_TOKENS = int(os.environ.get("BENCH_WAN_TOKENS", "24"))
-WAN_PROMPTS = int(os.environ.get("BENCH_WAN_PROMPTS", "2"))
+WAN_RUNS = int(os.environ.get("BENCH_WAN_RUNS", "1" if QUICK else str(RUNS)))
+TOKENS = int(os.environ.get("BENCH_TOKENS", "24" if QUICK else "128"))
+WAN_TOKENS = int(os.environ.get("BENCH_WAN_TOKENS", str(TOKENS)))
+PROMPTS = int(os.environ["BENCH_PROMPTS"]) if os.environ.get("BENCH_PROMPTS") else None
+WAN_PROMPTS = int(os.environ["BENCH_WAN_PROMPTS"]) if os.environ.get("BENCH_WAN_PROMPTS") else None
 KS = tuple(int(k) for k in os.environ.get("BENCH_KS", "5" if QUICK else "1,3,5,8,10").split(",") if k)
-TREES = tuple(t for t in os.environ.get("BENCH_TREES", "3x4,2x3").split(",") if t)
-ALL_PARTS = ("single", "exact", "wan", "feature")
+TREES = tuple(t for t in os.environ.get("BENCH_TREES", "3x4" if QUICK else "3x4,2x3").split(",") if t)
+ALL_PARTS = ("single", "exact", "wan")
 PARTS = tuple(p for p in ALL_PARTS if p in os.environ.get("BENCH_PARTS", ",".join(ALL_PARTS)).split(","))
 WAN_KS = tuple(int(k) for k in os.environ.get("BENCH_WAN_KS", "5" if QUICK else "5,10").split(","))
-EXACT_KS = (1, 5, 10)
+EXACT_KS = (5,) if QUICK else (1, 5, 10)
+EXACT_STAGES = (2, 3)
 DELAYS_MS = tuple(
     float(d) for d in os.environ.get("BENCH_WAN_DELAYS", "0,100" if QUICK else "0,10,50,100").split(",")
 )
 WAN_STAGES = tuple(int(n) for n in os.environ.get("BENCH_WAN_STAGES", "3" if QUICK else "2,3").split(","))
-WAN_SOURCE = os.environ.get("BENCH_WAN_SOURCE")  # default: the best single-node source at K = 10
+WAN_SOURCE = os.environ.get("BENCH_WAN_SOURCE")  # default: the best single-node token source
 RATE_MBIT = 100.0
 SELF_DRAFT = {"layers": 4, "vocab": 8192}
 SELF_DRAFT_EXPORT = os.environ.get("BENCH_SELF_DRAFT")
 HF_DRAFT_LAYERS = 2
+FEATURE_DRAFT = os.environ.get("BENCH_FEATURE_DRAFT")  # a folder, "off", or unset: the default one
+FEATURE_VOCAB = 8192
+MAX_REPEATS = 3  # an answer with a 4-gram more often than this loops: not natural text
+QUICK_WARMUP_TOKENS = 4
+KNOBS = (
+    "BENCH_QUICK",
+    "BENCH_PARTS",
+    "BENCH_RUNS",
+    "BENCH_WAN_RUNS",
+    "BENCH_TOKENS",
+    "BENCH_WAN_TOKENS",
+    "BENCH_KS",
+    "BENCH_TREES",
+    "BENCH_SELF_DRAFT",
+    "BENCH_FEATURE_DRAFT",
+    "BENCH_WAN_STAGES",
+    "BENCH_WAN_DELAYS",
+    "BENCH_WAN_KS",
+    "BENCH_WAN_SOURCE",
+    "BENCH_PROMPTS",
+    "BENCH_WAN_PROMPTS",
+)
 
 # The paper's eight kinds, one prompt each, as one user chat message.
 KINDS: tuple[tuple[str, str], ...] = (
@@ -93,47 +120,103 @@ KINDS: tuple[tuple[str, str], ...] = (
     ("chat", "Hi! I'm planning a trip to the mountains this weekend. Any tips?"),
     ("translation", "Translate into Spanish: 'Good morning, how are you today? I would like a coffee.'"),
 )
-# WAN prompts: kinds whose single-node acceptance is near the middle, not the best ones.
-WAN_KINDS = ("technical explanation", "chat", "reasoning", "creative")
+
+Config = tuple[str, int, str]  # draft source, K (0: adaptive), tree
+Generate = Callable[[object, int, str, int, str], object]  # (prompt, tokens, source, k, tree) -> summary
 
 
-def drafts_for(target: Path) -> tuple[Path, Path]:
-    """The self-draft export and the Hugging Face draft folder (built once, cached under shards/)."""
+def token_sources() -> tuple[str, ...]:
+    """The token drafts measured: the quick run skips the untrained self-draft and the HF folder."""
+    if QUICK:
+        return ("ngram", "self") if SELF_DRAFT_EXPORT else ("ngram",)
+    return ("ngram", "self", "hf")
+
+
+def self_draft_export() -> Path:
+    """BENCH_SELF_DRAFT, or the 4-layer self-draft (exported once under shards/)."""
     from pipeshard.exporter.draft import export_draft
+
+    if SELF_DRAFT_EXPORT:
+        folder = Path(SELF_DRAFT_EXPORT)
+        if not (folder / "manifest.json").is_file():
+            raise SystemExit(f"BENCH_SELF_DRAFT={folder} is not an export (no manifest.json)")
+        return folder
+    folder = paths.shards_dir() / paths.draft_export_name(
+        paths.DEFAULT_MODEL, SELF_DRAFT["layers"], SELF_DRAFT["vocab"], "int4"
+    )
+    if not (folder / "manifest.json").exists():
+        export_draft(
+            paths.default_model_dir(), folder, layers=SELF_DRAFT["layers"], vocab=SELF_DRAFT["vocab"]
+        )
+    return folder
+
+
+def hf_draft_folder() -> Path:
+    """The model's first layers as a Hugging Face folder (built once under shards/)."""
     from pipeshard.exporter.truncate import truncate_model
 
-    model_dir = paths.default_model_dir()
-    if SELF_DRAFT_EXPORT:
-        self_draft = Path(SELF_DRAFT_EXPORT)
-        if not (self_draft / "manifest.json").is_file():
-            raise SystemExit(f"BENCH_SELF_DRAFT={self_draft} is not an export (no manifest.json)")
-    else:
-        self_draft = paths.shards_dir() / paths.draft_export_name(
-            paths.DEFAULT_MODEL, SELF_DRAFT["layers"], SELF_DRAFT["vocab"], "int4"
-        )
-    if not (self_draft / "manifest.json").exists():
-        export_draft(model_dir, self_draft, layers=SELF_DRAFT["layers"], vocab=SELF_DRAFT["vocab"])
-    hf = paths.shards_dir() / f"{paths.DEFAULT_MODEL}-first{HF_DRAFT_LAYERS}-hf"
-    if not (hf / "config.json").exists():
-        truncate_model(model_dir, hf, layers=HF_DRAFT_LAYERS)
-    return self_draft, hf
+    folder = paths.shards_dir() / f"{paths.DEFAULT_MODEL}-first{HF_DRAFT_LAYERS}-hf"
+    if not (folder / "config.json").exists():
+        truncate_model(paths.default_model_dir(), folder, layers=HF_DRAFT_LAYERS)
+    return folder
 
 
-def run_prompts(
-    loop, generation: Generation, prompts: list[list[int]], tokens: int, mode: str, k: int, tree: str = "off"
-) -> dict:
-    """Greedy generations of every prompt; decode tok/s over all of them plus per-prompt stats."""
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    per_prompt = []
+def feature_draft(target: Path) -> Path | None:
+    """The trained feature draft for the target's weights: BENCH_FEATURE_DRAFT, or the default
+    folder (trained there when missing or for other weights, as `make distil KIND=eagle` would)."""
+    from pipeshard.exporter.eagle import distil_eagle
 
-    async def one(ids):
-        async for event in generation.run(ids, params, speculative=mode, k=k, tree=tree):
-            if isinstance(event, Summary):
-                return event
+    if FEATURE_DRAFT == "off":
+        return None
+    if FEATURE_DRAFT:
+        return Path(FEATURE_DRAFT)
+    out = paths.shards_dir() / paths.feature_draft_name(paths.DEFAULT_MODEL, FEATURE_VOCAB)
 
-    for ids in prompts:
-        per_prompt.append(loop.run_until_complete(one(ids)))
-    return _fold(per_prompt)
+    def report(phase: str, fraction: float, message: str) -> None:
+        if fraction in (0.0, 1.0):
+            print(f"feature draft: {phase} {message}", file=sys.stderr, flush=True)
+
+    distil_eagle(paths.default_model_dir(), target, out, vocab=FEATURE_VOCAB, report=report)
+    return out
+
+
+def loops(tokens: list[int]) -> bool:
+    """Whether some 4-gram occurs more than MAX_REPEATS times (looping, not natural, text)."""
+    grams = Counter(tuple(tokens[i : i + 4]) for i in range(len(tokens) - 3))
+    return any(n > MAX_REPEATS for n in grams.values())
+
+
+def repetition_rate(answers: list[list[int]]) -> float:
+    """The share of answers that loop (their speculative figures would flatter prompt lookup)."""
+    return sum(loops(a) for a in answers) / len(answers) if answers else 0.0
+
+
+def natural_kinds(target: Path, prompts: list[list[int]], tokens: int) -> tuple[list[int], list[list[int]]]:
+    """The indices of the prompts whose plain greedy answer over ``tokens`` does not loop, and
+    every prompt's answer."""
+    chain = LocalChain(target)
+    answers = [chain.generate_greedy(ids, tokens, ignore_eos=True).token_ids for ids in prompts]
+    return [i for i, a in enumerate(answers) if not loops(a)], answers
+
+
+def spec_configs(sources: tuple[str, ...], ks: tuple[int, ...]) -> dict[str, Config]:
+    """name -> (draft source, K (0: adaptive), tree): plain, each source's chains at every K and
+    adaptive, its trees at every BENCH_TREES shape, and adaptive K with ``tree=auto``."""
+    configs: dict[str, Config] = {"plain": ("none", 0, "off")}
+    for source in sources:
+        for k in ks:
+            configs[f"{source}-k{k}"] = (source, k, "off")
+        configs[f"{source}-chain-auto"] = (source, 0, "off")
+        for shape in TREES:
+            configs[f"{source}-tree{shape}"] = (source, 0, shape)
+        configs[f"{source}-auto"] = (source, 0, "auto")
+    return configs
+
+
+def is_fixed(config: Config) -> bool:
+    """A fixed shape: a chain at a given K or a tree at a given shape, not an adaptive policy."""
+    _, k, tree = config
+    return k > 0 or tree not in ("off", "auto")
 
 
 def _fold(summaries: list) -> dict:
@@ -149,6 +232,10 @@ def _fold(summaries: list) -> dict:
         "per_prompt_acceptance": [
             s.accepted_tokens / s.draft_tokens if s.draft_tokens else None for s in summaries
         ],
+        "per_prompt_tokens_per_traversal": [
+            (s.accepted_tokens + s.verify_steps) / s.verify_steps if s.verify_steps else None
+            for s in summaries
+        ],
     }
 
 
@@ -160,341 +247,322 @@ def spec_stats(last: dict) -> dict:
     }
 
 
-def single_node(loop, target: Path, self_draft: Path, hf_draft: Path, prompts: list[list[int]]) -> dict:
-    prompter = Prompter.from_dir(target)
-    ring = local_ring(target)
-    ring.stages.warmup()
-    drafts = DraftSources(target, self_draft=self_draft, named={"hf": hf_draft})
-    generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, drafts=drafts)
-    configs = spec_configs(("ngram", "self") if QUICK else ("ngram", "self", "hf"), KS)
+def measure(
+    configs: dict[str, Config], generate: Generate, prompts: list, tokens: int, runs: int, warmup: int
+) -> tuple[dict[str, list[float]], dict[str, list[list[float]]], dict[str, dict]]:
+    """Interleaved rounds of every configuration over every prompt: total tok/s per round,
+    per-prompt tok/s per round, and each configuration's last round. Without warm-up rounds each
+    configuration first runs a few tokens of the first prompt (compiles, first-use costs)."""
     last: dict[str, dict] = {}
     per_prompt: dict[str, list[list[float]]] = {n: [] for n in configs}
+    if not warmup:
+        for source, k, tree in configs.values():
+            generate(prompts[0], QUICK_WARMUP_TOKENS, source, k, tree)
 
     def runner(name: str):
-        mode, k, tree = configs[name]
+        source, k, tree = configs[name]
 
         def run() -> float:
-            last[name] = run_prompts(loop, generation, prompts, TOKENS, mode, k, tree)
+            last[name] = _fold([generate(p, tokens, source, k, tree) for p in prompts])
             per_prompt[name].append(last[name]["per_prompt_tok_s"])
             return last[name]["tok_s"]
 
         return run
 
-    samples = interleaved({n: runner(n) for n in configs}, RUNS, warmup=1)
-    for name in configs:
-        per_prompt[name] = per_prompt[name][-RUNS:]
-    plain = samples["plain"]
+    samples = interleaved({n: runner(n) for n in configs}, runs, warmup=warmup)
+    return samples, {n: v[-runs:] for n, v in per_prompt.items()}, last
+
+
+def table(
+    configs: dict[str, Config],
+    samples: dict[str, list[float]],
+    per_prompt: dict[str, list[list[float]]],
+    last: dict[str, dict],
+    kinds: list[str],
+) -> dict[str, dict]:
+    """Per configuration: tok/s, the speedup (mean over kinds), per-kind figures, acceptance,
+    tokens per traversal and how many answers equal plain greedy's."""
+    plain = last["plain"]["tokens"]
     rows = {}
     for name in configs:
-        ratio, ci = ratio_ci(samples[name], plain)
-        by_kind = {kind: median([run[i] for run in per_prompt[name]]) for i, (kind, _) in enumerate(KINDS)}
-        acceptance = last[name]["per_prompt_acceptance"]
+        ratio, ci = mean_ratio_ci(per_prompt[name], per_prompt["plain"])
+        result = last[name]
         rows[name] = {
             "tok_s": median(samples[name]),
             "speedup": ratio,
             "speedup_ci95": ci,
-            "tok_s_by_kind": by_kind,
-            "acceptance_by_kind": {kind: acceptance[i] for i, (kind, _) in enumerate(KINDS)},
-            **spec_stats(last[name]),
+            "tok_s_by_kind": {kind: median([r[i] for r in per_prompt[name]]) for i, kind in enumerate(kinds)},
+            "acceptance_by_kind": dict(zip(kinds, result["per_prompt_acceptance"], strict=True)),
+            "tokens_per_traversal_by_kind": dict(
+                zip(kinds, result["per_prompt_tokens_per_traversal"], strict=True)
+            ),
+            "identical_to_plain": sum(a == b for a, b in zip(result["tokens"], plain, strict=True)),
+            **spec_stats(result),
         }
-    best = max((n for n in configs if n != "plain"), key=lambda n: rows[n]["tok_s"])
-    agreement = bf16_agreement(target, prompts, last)
-    out = {
-        "configs": rows,
-        "best": best,
-        "single_node_speedup": rows[best]["speedup"],
-        "single_node_speedup_ci95": rows[best]["speedup_ci95"],
-        "bf16_agreement": agreement,
-        "bit_exact": agreement["sequences_identical"] == agreement["sequences_compared"],
-        "repetition_rate": repetition_rate(last["plain"]["tokens"]),
-    }
-    if not QUICK:
-        out["physical_trim_ms_per_call"] = trim_cost(target, prompts[0]) * 1000.0
-        out["draft_cost"] = draft_costs(target, self_draft, hf_draft, drafts)
-    return out
+    return rows
 
 
-def spec_configs(sources: tuple[str, ...], ks: tuple[int, ...]) -> dict[str, tuple[str, int, str]]:
-    """name -> (draft source, K (0: adaptive), tree): plain, each source's chains at every K and
-    adaptive, its trees at every BENCH_TREES shape, and adaptive K with ``tree=auto``."""
-    configs: dict[str, tuple[str, int, str]] = {"plain": ("none", 0, "off")}
-    for source in sources:
-        for k in ks:
-            configs[f"{source}-k{k}"] = (source, k, "off")
-        configs[f"{source}-chain-auto"] = (source, 0, "off")
-        for shape in TREES:
-            configs[f"{source}-tree{shape}"] = (source, 0, shape)
-        configs[f"{source}-auto"] = (source, 0, "auto")
-    return configs
+def best_of(rows: dict[str, dict], configs: dict[str, Config], sources: tuple[str, ...]) -> str | None:
+    """The configuration of ``sources`` with the highest speedup (None when none was run)."""
+    names = [n for n in rows if configs[n][0] in sources]
+    return max(names, key=lambda n: rows[n]["speedup"]) if names else None
 
 
-def repetition_rate(answers: list[list[int]]) -> float:
-    """The share of answers that repeat some 4-gram more than 3 times (looping text, whose
-    speculative figures would flatter prompt lookup)."""
-    from collections import Counter
+def in_process_generate(loop, generation: Generation) -> Generate:
+    def generate(ids, tokens: int, source: str, k: int, tree: str) -> Summary:
+        async def one():
+            params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+            async for event in generation.run(ids, params, speculative=source, k=k, tree=tree):
+                if isinstance(event, Summary):
+                    return event
 
-    def loops(tokens: list[int]) -> bool:
-        grams = Counter(tuple(tokens[i : i + 4]) for i in range(len(tokens) - 3))
-        return any(n > 3 for n in grams.values())
+        return loop.run_until_complete(one())
 
-    return sum(loops(a) for a in answers) / len(answers) if answers else 0.0
+    return generate
 
 
-def bf16_agreement(target: Path, prompts: list[list[int]], last: dict) -> dict:
-    """At the CPU's default (bf16) precision a K+1-row verify may round differently from a 1-row
-    step: compare each configuration's tokens with plain greedy and give the top-2 margin of the
-    plain run where they first differ."""
-    chain = LocalChain(target)
-    plain = last["plain"]["tokens"]
-    margins = []
-    for ids, expected in zip(prompts, plain, strict=True):
-        out = chain.generate_greedy(ids, TOKENS, ignore_eos=True, top2_margins=True)
-        if out.token_ids != expected:
-            raise RuntimeError("the chain's greedy differs from the ring's plain greedy on the same shards")
-        margins.append(out.margins)
-    compared = diverged = 0
-    divergences = []
-    for name, result in last.items():
-        if name == "plain":
-            continue
-        for p, (tokens, expected) in enumerate(zip(result["tokens"], plain, strict=True)):
-            compared += 1
-            if tokens != expected:
-                diverged += 1
-                at = next(i for i, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b)
-                divergences.append(
-                    {"config": name, "kind": KINDS[p][0], "token": at, "top2_margin": margins[p][at]}
-                )
+def single_node(
+    loop, target: Path, drafts: DraftSources, sources: tuple[str, ...], prompts: list, kinds: list[str]
+) -> dict:
+    """Every stage in this process; every source's configurations against plain."""
+    prompter = Prompter.from_dir(target)
+    ring = local_ring(target)
+    ring.stages.warmup()
+    generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, drafts=drafts)
+    configs = spec_configs(sources, KS)
+    samples, per_prompt, last = measure(
+        configs, in_process_generate(loop, generation), prompts, TOKENS, RUNS, warmup=0 if QUICK else 1
+    )
+    rows = table(configs, samples, per_prompt, last, kinds)
     return {
-        "sequences_compared": compared,
-        "sequences_identical": compared - diverged,
-        "divergences": divergences,
-        "max_margin_at_divergence": max((d["top2_margin"] for d in divergences), default=None),
+        "configs": rows,
+        "best": best_of(rows, configs, tuple(s for s in sources if s != "feature")),
+        "feature_best": best_of(rows, configs, ("feature",)),
+        "plain_tokens": last["plain"]["tokens"],
+        "sequences_compared": len(prompts) * (len(configs) - 1),
+        "sequences_identical": sum(r["identical_to_plain"] for n, r in rows.items() if n != "plain"),
     }
 
 
-def trim_cost(target: Path, prompt: list[int]) -> float:
-    from pipeshard.shard.runtime import ShardRunner, time_trim
-
-    session = ShardRunner(target, 0).new_session()
-    session.run([(prompt * 8)[:300]])
-    return time_trim(session, reps=50)
-
-
-def draft_costs(target: Path, self_draft: Path, hf_draft: Path, drafts: DraftSources) -> dict:
-    """Median seconds of a one-token step: the target (all stages) against each draft model."""
-    import time
-
-    import numpy as np
-
-    from pipeshard.shard.runtime import ShardRunner
-
-    def per_token(runner: ShardRunner) -> float:
-        session = runner.new_session()
-        session.run(np.zeros((1, 32), dtype=np.int64))
-        times = []
-        for _ in range(100):
-            t0 = time.perf_counter()
-            session.run(np.zeros((1, 1), dtype=np.int64), copy=False)
-            times.append(time.perf_counter() - t0)
-        return median(times)
-
-    from pipeshard.exporter.draft import ensure_draft_export
-
-    target_s = per_token(ShardRunner(target, 0))
-    out = {"target_ms": target_s * 1000.0}
-    for name, export in (("self", self_draft), ("hf", ensure_draft_export(hf_draft, drafts.draft_cache))):
-        draft_s = per_token(ShardRunner(export, 0))
-        out[f"{name}_ms"] = draft_s * 1000.0
-        out[f"{name}_over_target"] = draft_s / target_s
-    return out
-
-
-def exactness(loop, self_draft: Path, hf_draft: Path, prompts: list[list[int]]) -> dict:
-    """Every source and K on f32 shards of 1 and 2 stages against target-only greedy."""
-    from pipeshard.exporter.export import export_model
-
-    results = {}
-    for stages in (1, 2):
-        target = paths.shards_dir() / paths.export_name(paths.DEFAULT_MODEL, stages, "fp32")
-        if not (target / "manifest.json").exists():
-            export_model(paths.default_model_dir(), target, stages=stages, weights="fp32")
+def exactness(
+    loop, drafts_for: Callable[[Path], DraftSources], sources: tuple[str, ...], prompts: list
+) -> dict:
+    """Every source's configurations at EXACT_KS on 2- and 3-stage INT4 rings at ``exact``, token
+    for token against plain greedy on the same ring."""
+    configs = spec_configs(sources, EXACT_KS)
+    identical = {}
+    for stages in EXACT_STAGES:
+        target = ensure_export(stages)
         prompter = Prompter.from_dir(target)
-        generation = Generation(
-            local_ring(target, "f32"),
-            prompter.tokenizer,
-            prompter.eos_ids,
-            drafts=DraftSources(target, self_draft=self_draft, named={"hf": hf_draft}),
-        )
-        plain = run_prompts(loop, generation, prompts, TOKENS, "none", 0)["tokens"]
-        for name, mode in (("ngram", "ngram"), ("self", "self"), ("hf", "hf")):
-            for k in EXACT_KS:
-                got = run_prompts(loop, generation, prompts, TOKENS, mode, k)["tokens"]
-                results[f"{stages}s-{name}-k{k}"] = sum(a == b for a, b in zip(got, plain, strict=True))
-        print(f"exactness {stages} stages: {results}", file=sys.stderr)
-    return {"sequences_per_config": len(prompts), "identical": results}
+        ring = local_ring(target, "exact")
+        generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, drafts=drafts_for(target))
+        generate = in_process_generate(loop, generation)
+        results = {n: [generate(p, TOKENS, *c).token_ids for p in prompts] for n, c in configs.items()}
+        for name in configs:
+            if name != "plain":
+                identical[f"{stages}s-{name}"] = sum(
+                    list(a) == list(b) for a, b in zip(results[name], results["plain"], strict=True)
+                )
+        print(f"exactness {stages} stages: {identical}", file=sys.stderr)
+    return {"sequences_per_config": len(prompts), "identical": identical}
 
 
-def wan_sweep(self_draft: Path, hf_draft: Path, source: str, prompts: list[str]) -> dict:
+def wan_sweep(extra: list[str], sources: tuple[str, ...], prompts: list[str], kinds: list[str]) -> dict:
+    """Plain against each source's configurations over the WAN emulator, one fleet per point."""
     from pipeshard.services.wan.emulator import WanFleet
 
-    # the coordinator is started with --draft hf=<folder>: clients pick names
-    configs = {n.removeprefix(f"{source}-"): c for n, c in spec_configs((source,), WAN_KS).items()}
+    configs: dict[str, Config] = {}
+    for source in sources:
+        configs |= spec_configs((source,), WAN_KS)
     out: dict[str, dict] = {}
     for stages in WAN_STAGES:
         shards = ensure_export(stages)
         for delay in DELAYS_MS:
             run_dir = Path(f"run/bench-spec-wan-{stages}s-{delay:g}ms")
-            extra = ["--self-draft", str(self_draft), "--draft", f"hf={hf_draft}", "--step-timeout-s", "120"]
             with WanFleet(shards, stages, delay, RATE_MBIT, run_dir, extra_coordinator_args=extra) as fleet:
                 client = PipeshardClient(fleet.coordinator, timeout_s=600)
-                last: dict[str, dict] = {}
 
-                def runner(name: str, client=client, last=last):
-                    spec, k, tree = configs[name]
+                def generate(prompt, tokens, source, k, tree, client=client):
+                    return client.generate(
+                        prompt, max_tokens=tokens, ignore_eos=True, speculative=source, k=k, tree=tree
+                    )
 
-                    def run() -> float:
-                        results = [
-                            client.generate(
-                                p, max_tokens=WAN_TOKENS, ignore_eos=True, speculative=spec, k=k, tree=tree
-                            )
-                            for p in prompts
-                        ]
-                        last[name] = _fold(results)
-                        return last[name]["tok_s"]
-
-                    return run
-
-                samples = interleaved({n: runner(n) for n in configs}, RUNS, warmup=1)
+                samples, per_prompt, last = measure(
+                    configs, generate, prompts, WAN_TOKENS, WAN_RUNS, warmup=0 if QUICK else 1
+                )
                 client.close()
                 emulation = fleet.emulation
+            rows = table(configs, samples, per_prompt, last, kinds)
+            point: dict = {"stages": stages, "delay_ms": delay, "emulation": emulation, "configs": rows}
+            for source in sources:
+                names = [n for n in configs if configs[n][0] == source]
+                best_fixed = max((n for n in names if is_fixed(configs[n])), key=lambda n: rows[n]["speedup"])
+                auto = rows[f"{source}-auto"]["speedup"]
+                point[source] = {
+                    "best": max(names, key=lambda n: rows[n]["speedup"]),
+                    "best_fixed": best_fixed,
+                    "adaptive_over_best_fixed": auto / rows[best_fixed]["speedup"],
+                    "adaptive_over_plain": auto,
+                }
             key = f"{stages}s-{delay:g}ms"
-            plain = samples["plain"]
-            fixed = [n for n in configs if n not in ("plain", "auto", "chain-auto")]
-            best_fixed = max(fixed, key=lambda n: median(samples[n]))
-            best = max((n for n in configs if n != "plain"), key=lambda n: median(samples[n]))
-            out[key] = {
-                "stages": stages,
-                "delay_ms": delay,
-                "emulation": emulation,
-                "tok_s": {n: median(v) for n, v in samples.items()},
-                "speedup": {n: ratio_ci(v, plain)[0] for n, v in samples.items() if n != "plain"},
-                "speedup_ci95": {n: ratio_ci(v, plain)[1] for n, v in samples.items() if n != "plain"},
-                "best_fixed": best_fixed,
-                "adaptive_over_best_fixed": median(samples["auto"]) / median(samples[best_fixed]),
-                "adaptive_over_plain": median(samples["auto"]) / median(plain),
-                "best": best,
-                "spec": {n: spec_stats(r) for n, r in last.items() if n != "plain"},
-                "tokens_match_plain": {
-                    n: sum(a == b for a, b in zip(r["tokens"], last["plain"]["tokens"], strict=True))
-                    for n, r in last.items()
-                },
-            }
-            print(f"wan {key}: {out[key]['tok_s']}", file=sys.stderr)
+            out[key] = point
+            print(f"wan {key}: { ({n: round(r['tok_s'], 2) for n, r in rows.items()}) }", file=sys.stderr)
     return out
 
 
 def plot(wan: dict, path: Path) -> None:
+    """tok/s against the one-way delay per hop, a line per configuration, a panel per stage count."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, stages in zip(axes, (2, 3), strict=True):
+    fig, axes = plt.subplots(
+        1, len(WAN_STAGES), figsize=(6 * len(WAN_STAGES), 4.5), sharey=True, squeeze=False
+    )
+    for ax, stages in zip(axes[0], WAN_STAGES, strict=True):
         points = sorted((v for v in wan.values() if v["stages"] == stages), key=lambda v: v["delay_ms"])
         delays = [p["delay_ms"] for p in points]
-        for name in points[0]["tok_s"]:
-            ax.plot(delays, [p["tok_s"][name] for p in points], marker="o", label=name)
+        for name in points[0]["configs"]:
+            ax.plot(delays, [p["configs"][name]["tok_s"] for p in points], marker="o", label=name)
         ax.set_title(f"{stages} stages (WAN emulator, {RATE_MBIT:g} Mbit/s)")
         ax.set_xlabel("one-way latency per hop (ms)")
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("tok/s (greedy, median)")
-    axes[1].legend()
+    axes[0][0].set_ylabel("tok/s (greedy, median)")
+    axes[0][-1].legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def wan_keys(wan: dict, token_source: str, feature: bool) -> dict:
+    """The sweep's keys: the best configuration of the token source (and of the feature draft)
+    at 3 stages and 100 ms per hop; the adaptive policy's worst point."""
+    sources = (token_source, "feature") if feature else (token_source,)
+    out: dict = {
+        "adaptive_vs_best_fixed_min": min(
+            p[s]["adaptive_over_best_fixed"] for p in wan.values() for s in sources
+        ),
+        "adaptive_over_plain_min": min(p[s]["adaptive_over_plain"] for p in wan.values() for s in sources),
+    }
+    at_100 = wan.get("3s-100ms")
+    if at_100 is None:
+        return out
+    for prefix, source in (("", token_source), *((("feature_", "feature"),) if feature else ())):
+        best = at_100["configs"][at_100[source]["best"]]
+        out[f"{prefix}speedup_at_100ms"] = best["speedup"]
+        out[f"{prefix}speedup_at_100ms_ci95"] = best["speedup_ci95"]
+        out[f"{prefix}tokens_per_traversal_at_100ms"] = best["tokens_per_verify"]
+    return out
 
 
 def main() -> int:
     set_offline_defaults()
     target = ensure_export(1)
-    self_draft, hf_draft = drafts_for(target)
+    sources = token_sources()
+    self_draft = self_draft_export() if "self" in sources else None
+    hf = hf_draft_folder() if "hf" in sources else None
+    feature = feature_draft(target)
+    all_sources = sources + (("feature",) if feature else ())
+
+    def drafts_for(export: Path) -> DraftSources:
+        return DraftSources(export, self_draft=self_draft, feature=feature, named={"hf": hf} if hf else None)
+
     prompter = Prompter.from_dir(target)
-    prompts = [prompter.encode("", [("user", text)]) for _, text in KINDS]
-    loop = asyncio.new_event_loop()
+    every_prompt = [prompter.encode("", [("user", text)]) for _, text in KINDS]
+    measured = max(TOKENS, WAN_TOKENS if "wan" in PARTS else 0)
+    kept, answers = natural_kinds(target, every_prompt, measured)
+    if not kept:
+        raise SystemExit(f"every prompt's plain answer loops within {measured} tokens")
+    kinds = [KINDS[i][0] for i in kept]
+    prompts = [every_prompt[i] for i in kept][:PROMPTS]
     result: dict = {
         "runs": RUNS,
         "parts": list(PARTS),
         "tokens": TOKENS,
-        "self_draft": SELF_DRAFT_EXPORT or SELF_DRAFT,
-        "hf_draft_layers": HF_DRAFT_LAYERS,
+        "sources": list(all_sources),
+        "kinds": kinds,
+        "dropped_kinds": [KINDS[i][0] for i in range(len(KINDS)) if i not in kept],
+        "repetition_rate": repetition_rate(answers),
+        "self_draft": SELF_DRAFT_EXPORT or (SELF_DRAFT if self_draft else None),
     }
+    if feature:
+        from pipeshard.shard.feature_draft import read_meta
+
+        training = read_meta(feature).training
+        result |= {
+            "feature_draft": str(feature),
+            "feature_training": training,
+            "draft_train_minutes": training.get("minutes"),
+            "feature_bytes": feature_bytes(target),
+            "feature_draft_cost": feature_draft_cost(target, feature),
+        }
+    exact: list[bool] = []
+    loop = asyncio.new_event_loop()
     single = None
     if "single" in PARTS:
-        single = single_node(loop, target, self_draft, hf_draft, prompts)
-        result["tok_s"] = {n: r["tok_s"] for n, r in single["configs"].items()}
-        result["single_node_speedup"] = single["single_node_speedup"]
-        result["bit_exact"] = single["bit_exact"]
-        result["repetition_rate"] = single["repetition_rate"]
-        result["single_node"] = single
-    if "exact" in PARTS:
-        exact = exactness(loop, self_draft, hf_draft, prompts)
-        result["bit_exact_f32"] = all(v == exact["sequences_per_config"] for v in exact["identical"].values())
-        result["exactness_f32"] = exact
-    if "feature" in PARTS:  # issue 31: the feature draft (bench/spec_feature.py)
-        from bench import spec_feature
+        single = single_node(loop, target, drafts_for(target), all_sources, prompts, kinds[: len(prompts)])
+        chain_answers = [answers[i][:TOKENS] for i in kept][: len(prompts)]
+        if single.pop("plain_tokens") != chain_answers:
+            raise RuntimeError("the ring's plain greedy differs from the chain's on the same shards")
+        configs = single["configs"]
+        exact.append(single["sequences_identical"] == single["sequences_compared"])
+        result |= {
+            "tok_s": {n: r["tok_s"] for n, r in configs.items()},
+            "single_node_speedup": configs[single["best"]]["speedup"],
+            "single_node_speedup_ci95": configs[single["best"]]["speedup_ci95"],
+            "single_node": single,
+        }
+        if single["feature_best"]:
+            result["feature_single_node_speedup"] = configs[single["feature_best"]]["speedup"]
+            result["feature_single_node_speedup_ci95"] = configs[single["feature_best"]]["speedup_ci95"]
+        if not QUICK:
+            result["physical_trim_ms_per_call"] = trim_cost(target, prompts[0]) * 1000.0
+            from pipeshard.exporter.draft import ensure_draft_export
 
-        texts = dict(KINDS)
-        wan_prompts = [texts[k] for k in WAN_KINDS[:WAN_PROMPTS]]
-        result |= spec_feature.run(
-            loop, target, prompts, runs=RUNS, tokens=TOKENS, wan_prompts=wan_prompts, wan_tokens=WAN_TOKENS
-        )
+            named = {"self": self_draft} if self_draft else {}
+            if hf:
+                named["hf"] = ensure_draft_export(hf, drafts_for(target).draft_cache)
+            result["draft_cost"] = token_draft_costs(target, named)
+    if "exact" in PARTS:
+        checked = exactness(loop, drafts_for, all_sources, prompts)
+        exact.append(all(v == checked["sequences_per_config"] for v in checked["identical"].values()))
+        result["exactness"] = checked
     loop.close()
     if "wan" in PARTS:
-        # The WAN draft source: the one that keeps the most tokens per verify at K = 10.
-        source = WAN_SOURCE or "ngram"
-        if WAN_SOURCE is None and single is not None and KS:
-            source = max(
-                ("ngram", "self") if QUICK else ("ngram", "self", "hf"),
-                key=lambda s: single["configs"][f"{s}-k{max(KS)}"]["tokens_per_verify"] or 0,
+        token_source = WAN_SOURCE or "ngram"
+        if WAN_SOURCE is None and single is not None:
+            rows = single["configs"]
+            token_source = max(
+                sources,
+                key=lambda s: max(rows[n]["tokens_per_verify"] or 0 for n in rows if n.startswith(f"{s}-")),
             )
-        texts = dict(KINDS)
-        wan = wan_sweep(self_draft, hf_draft, source, [texts[k] for k in WAN_KINDS[:WAN_PROMPTS]])
-        if WAN_STAGES == (2, 3) and DELAYS_MS == (0, 10, 50, 100):
-            plot_path = Path("docs/img/bench-spec-wan.png")
+        wan_sources = (token_source, "feature") if feature else (token_source,)
+        extra = ["--step-timeout-s", "120"]
+        extra += ["--self-draft", str(self_draft)] if self_draft else []
+        extra += ["--draft", f"hf={hf}"] if hf else []
+        extra += ["--feature-draft", str(feature)] if feature else []
+        texts = [KINDS[i][1] for i in kept][:WAN_PROMPTS]
+        wan = wan_sweep(extra, wan_sources, texts, kinds[: len(texts)])
+        for point in wan.values():
+            plain = len(texts)
+            exact.append(all(r["identical_to_plain"] == plain for r in point["configs"].values()))
+        if len(DELAYS_MS) > 1:  # the docs' plot from the whole sweep only
+            full = WAN_STAGES == (2, 3) and DELAYS_MS == (0, 10, 50, 100)
+            plot_path = Path("docs/img/bench-spec-wan.png") if full else RESULTS_DIR / "spec-wan.png"
             plot(wan, plot_path)
             result["plot"] = str(plot_path)
-        at_100 = wan.get("3s-100ms")
         result |= {
             "wan_tokens": WAN_TOKENS,
-            "wan_prompts": list(WAN_KINDS[:WAN_PROMPTS]),
-            "wan_source": source,
-            "speedup_at_100ms": at_100["speedup"][at_100["best"]] if at_100 else None,
-            "tokens_per_traversal_at_100ms": at_100["spec"][at_100["best"]]["tokens_per_verify"]
-            if at_100
-            else None,
-            "adaptive_vs_best_fixed_min": min(v["adaptive_over_best_fixed"] for v in wan.values()),
-            "adaptive_over_plain_min": min(v["adaptive_over_plain"] for v in wan.values()),
+            "wan_runs": WAN_RUNS,
+            "wan_kinds": kinds[: len(texts)],
+            "wan_source": token_source,
+            **wan_keys(wan, token_source, feature is not None),
             "wan": wan,
         }
-    knobs = " ".join(
-        f"{k}={os.environ[k]}"
-        for k in (
-            "BENCH_PARTS",
-            "BENCH_KS",
-            "BENCH_SELF_DRAFT",
-            "BENCH_WAN_STAGES",
-            "BENCH_WAN_DELAYS",
-            "BENCH_WAN_KS",
-            "BENCH_WAN_SOURCE",
-            "BENCH_TREES",
-            "BENCH_QUICK",
-            "BENCH_RUNS",
-        )
-        if k in os.environ
-    )
+    result["bit_exact"] = all(exact) if exact else None
     name = "spec" if PARTS == ALL_PARTS else "spec-" + "-".join(PARTS)
+    knobs = " ".join(f"{k}={os.environ[k]}" for k in KNOBS if k in os.environ)
     write_result(name, result, f"{knobs} make bench-spec".strip())
     return 0
 

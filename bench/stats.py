@@ -81,6 +81,24 @@ def ratio_ci(
     return median(num) / median(den), [boots[int(0.025 * n_boot)], boots[int(0.975 * n_boot) - 1]]
 
 
+def mean_ratio_ci(
+    num: list[list[float]], den: list[list[float]], n_boot: int = 4000, seed: int = 1
+) -> tuple[float, list[float]]:
+    """Mean over items (for example prompt kinds) of each item's ratio of medians, ``num[round][item]``
+    against ``den[round][item]``, and its 95% bootstrap interval resampling paired rounds."""
+    rng = random.Random(seed)
+    rounds = len(num)
+
+    def mean_ratio(picked: list[int]) -> float:
+        items = range(len(num[0]))
+        return statistics.fmean(
+            median([num[r][i] for r in picked]) / median([den[r][i] for r in picked]) for i in items
+        )
+
+    boots = sorted(mean_ratio([rng.randrange(rounds) for _ in range(rounds)]) for _ in range(n_boot))
+    return mean_ratio(list(range(rounds))), [boots[int(0.025 * n_boot)], boots[int(0.975 * n_boot) - 1]]
+
+
 def command_with_knobs(target: str, knobs: Sequence[str]) -> str:
     """``make TARGET`` preceded by the BENCH_* settings this run was given (so it can be repeated)."""
     given = " ".join(f"{k}={os.environ[k]}" for k in knobs if k in os.environ)

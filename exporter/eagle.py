@@ -31,6 +31,9 @@ UNROLL = 3  # draft steps trained per sample, each on the previous step's predic
 BATCH = 32  # prompts answered per paged inference while the texts are generated
 CACHE_BYTES_PER_ROW = 24 * 1024 * 1024  # f32 KV of SmolLM2-135M: 8 blocks of 32 tokens per row
 INTERMEDIATE = 1536  # the MLP block's width (SmolLM2-135M's own layers use 1536)
+# The generated texts, kept in the output folder: a rerun (after an interruption, or --force with
+# other training settings) trains without generating them again.
+TEXTS = "texts.npz"
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,32 @@ def generate_features(
         done = min(first + batch, len(prompts))
         report("generate", done / len(prompts), f"{done}/{len(prompts)} answers with their features")
     return out
+
+
+def save_texts(path: Path, key: str, data: FeatureTexts) -> None:
+    """``data`` under ``key`` (what generated it), so a later run with the same key reuses it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial.npz")
+    np.savez(
+        partial,
+        key=np.asarray(key),
+        lengths=np.asarray([len(i) for i in data.ids], dtype=np.int64),
+        ids=np.concatenate(data.ids),
+        features=np.concatenate(data.features),
+        argmax=np.concatenate(data.argmax),
+    )
+    partial.replace(path)
+
+
+def load_texts(path: Path, key: str) -> FeatureTexts | None:
+    """The texts saved at ``path`` if they were generated under ``key``, else None."""
+    if not path.is_file():
+        return None
+    with np.load(path) as saved:
+        if str(saved["key"]) != key:
+            return None
+        cuts = np.cumsum(saved["lengths"])[:-1]
+        return FeatureTexts(*(list(np.split(saved[name], cuts)) for name in ("ids", "features", "argmax")))
 
 
 class EagleDraft:
@@ -272,8 +301,15 @@ def distil_eagle(
     plan = plan_draft(model_dir, 1, vocab)  # the head slice (merge order, special tokens kept)
     started = time.perf_counter()
     prompter = Prompter.from_dir(target_export)
-    encoded = [prompter.encode("", [("user", p)]) for p in synthetic_prompts(prompts, seed)]
-    data = generate_features(target_export, encoded, max_tokens, report)
+    texts_key = f"{target.fingerprint} prompts={prompts} max_tokens={max_tokens} seed={seed}"
+    data = load_texts(out_dir / TEXTS, texts_key)
+    reused_texts = data is not None
+    if data is None:
+        encoded = [prompter.encode("", [("user", p)]) for p in synthetic_prompts(prompts, seed)]
+        data = generate_features(target_export, encoded, max_tokens, report)
+        save_texts(out_dir / TEXTS, texts_key, data)
+    else:
+        report("generate", 1.0, f"reused {len(data.ids)} texts from {out_dir / TEXTS}")
     order = list(range(len(data.ids)))
     random.Random(seed).shuffle(order)
     n_eval = max(1, round(held_out * len(order)))
@@ -312,7 +348,8 @@ def distil_eagle(
             "train_positions": training.positions,
             "max_tokens": max_tokens,
             "epochs": epochs,
-            "minutes": round(minutes, 2),
+            "minutes": round(minutes, 2),  # this run's: without generating when the texts were reused
+            "texts_reused": reused_texts,
             "held_out_agreement_before": round(before[0], 4),
             "held_out_agreement": round(after[0], 4),
             "held_out_chain_of_3": round(after[1], 3),

@@ -37,3 +37,16 @@ def test_interleaved_generations_keeps_last_result():
     results = iter([{"tok_s": float(i), "tokens": [i]} for i in range(10)])
     samples, last = interleaved_generations({"x": lambda: next(results)}, runs=3, warmup=1)
     assert samples["x"] == [1.0, 2.0, 3.0] and last["x"]["tokens"] == [3]
+
+
+def test_mean_ratio_over_kinds_weighs_every_kind_alike():
+    from bench.stats import mean_ratio_ci
+
+    # two kinds: one 4x faster, one unchanged; a slow kind must not dominate as it would in a total
+    num = [[4.0, 1.0], [4.0, 1.0], [4.0, 1.0]]
+    den = [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
+    ratio, ci = mean_ratio_ci(num, den)
+    assert ratio == pytest.approx(2.5)
+    assert ci == [pytest.approx(2.5), pytest.approx(2.5)]
+    noisy, ci = mean_ratio_ci([[2.0], [3.0], [4.0]], [[1.0], [1.0], [1.0]])
+    assert noisy == pytest.approx(3.0) and ci[0] < 3.0 < ci[1]

@@ -1,21 +1,62 @@
-"""bench-spec's tree configurations and its repetition rate."""
+"""bench-spec's configurations, its natural-text filter and the keys it derives from a sweep."""
 
 from __future__ import annotations
 
-from bench.spec import TREES, repetition_rate, spec_configs
+import pytest
+
+from bench.spec import TREES, is_fixed, loops, repetition_rate, spec_configs, wan_keys
 
 
 def test_repetition_rate_counts_answers_that_loop():
     looping = [1, 2, 3, 4] * 4  # the 4-gram 1 2 3 4 four times
     natural = list(range(16))
+    assert loops(looping) and not loops(natural)
     assert repetition_rate([looping, natural]) == 0.5
     assert repetition_rate([natural, [1, 2, 3, 4] * 3]) == 0.0  # three times is allowed
 
 
 def test_every_source_gets_chains_trees_and_both_adaptive_modes():
-    configs = spec_configs(("ngram",), (5,))
+    configs = spec_configs(("ngram", "feature"), (5,))
     assert configs["plain"] == ("none", 0, "off")
-    assert configs["ngram-k5"] == ("ngram", 5, "off")
-    assert configs["ngram-chain-auto"] == ("ngram", 0, "off")
-    assert configs["ngram-auto"] == ("ngram", 0, "auto")
-    assert all(configs[f"ngram-tree{shape}"] == ("ngram", 0, shape) for shape in TREES)
+    for source in ("ngram", "feature"):
+        assert configs[f"{source}-k5"] == (source, 5, "off")
+        assert configs[f"{source}-chain-auto"] == (source, 0, "off")
+        assert configs[f"{source}-auto"] == (source, 0, "auto")
+        assert all(configs[f"{source}-tree{shape}"] == (source, 0, shape) for shape in TREES)
+    fixed = {n for n, c in configs.items() if is_fixed(c)}
+    assert fixed == {f"{s}-{x}" for s in ("ngram", "feature") for x in ("k5", *(f"tree{t}" for t in TREES))}
+
+
+def _point(stages, delay, ngram, feature):
+    def source(best, best_fixed, over_fixed, over_plain):
+        return {
+            "best": best,
+            "best_fixed": best_fixed,
+            "adaptive_over_best_fixed": over_fixed,
+            "adaptive_over_plain": over_plain,
+        }
+
+    configs = {
+        "ngram-k5": {"speedup": ngram, "speedup_ci95": [ngram, ngram], "tokens_per_verify": 1.5},
+        "feature-auto": {"speedup": feature, "speedup_ci95": [feature, feature], "tokens_per_verify": 2.5},
+    }
+    return {
+        "stages": stages,
+        "delay_ms": delay,
+        "configs": configs,
+        "ngram": source("ngram-k5", "ngram-k5", 0.97, 1.1),
+        "feature": source("feature-auto", "feature-k5", 1.02, 0.93),
+    }
+
+
+def test_wan_keys_take_each_sources_best_at_100ms_and_the_worst_adaptive_point():
+    wan = {"3s-0ms": _point(3, 0.0, 1.0, 1.1), "3s-100ms": _point(3, 100.0, 1.4, 2.2)}
+    keys = wan_keys(wan, "ngram", feature=True)
+    assert keys["speedup_at_100ms"] == 1.4 and keys["tokens_per_traversal_at_100ms"] == 1.5
+    assert keys["feature_speedup_at_100ms"] == 2.2 and keys["feature_tokens_per_traversal_at_100ms"] == 2.5
+    assert keys["adaptive_vs_best_fixed_min"] == pytest.approx(0.97)
+    assert keys["adaptive_over_plain_min"] == pytest.approx(0.93)
+    without = wan_keys(wan, "ngram", feature=False)
+    assert "feature_speedup_at_100ms" not in without and without["adaptive_over_plain_min"] == pytest.approx(
+        1.1
+    )

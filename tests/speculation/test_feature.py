@@ -2,7 +2,8 @@
 
 Fast: the coordinator's numpy forward is the training module's; chains and trees have the shapes
 asked for; a draft trained for other weights is refused naming both fingerprints (any split of
-the same weights is accepted); the training prompts are none of the benchmark's.
+the same weights is accepted); the training prompts are none of the benchmark's; generated
+training texts are kept and reused only under the settings that made them.
 Slow (real INT4 shards at ``exact``): the final stage's features are the LM head's input on both
 KV backends; greedy decoding with a (quickly) trained feature draft is token for token plain
 greedy over 128 tokens on 1 and 2 stages; sampling with it follows the target's distribution.
@@ -19,7 +20,7 @@ import torch
 
 from pipeshard.errors import FailedPrecondition
 from pipeshard.exporter.distil import synthetic_prompts
-from pipeshard.exporter.eagle import EagleDraft, distil_eagle
+from pipeshard.exporter.eagle import EagleDraft, FeatureTexts, distil_eagle, load_texts, save_texts
 from pipeshard.services.coordinator.generation import Generation
 from pipeshard.services.coordinator.in_process import local_ring
 from pipeshard.services.coordinator.sampling import SamplingParams
@@ -77,6 +78,23 @@ def test_drafter_waits_for_a_feature_then_drafts_chains_and_trees(tmp_path):
 
     sampled = drafter.propose([1, 2], 3, (softmax, np.random.default_rng(0)))
     assert len(sampled.probs) == 3 and all(abs(p.sum() - 1) < 1e-6 and p.size == V for p in sampled.probs)
+
+
+def test_generated_texts_are_reused_only_under_the_key_that_made_them(tmp_path):
+    rng = np.random.default_rng(0)
+    lengths = (5, 3, 7)
+    data = FeatureTexts(
+        [rng.integers(0, V, n) for n in lengths],
+        [rng.standard_normal((n, H)).astype(np.float32) for n in lengths],
+        [rng.integers(0, V, n) for n in lengths],
+    )
+    path = tmp_path / "draft" / "texts.npz"
+    save_texts(path, "sha256:a prompts=3 max_tokens=8 seed=0", data)
+    back = load_texts(path, "sha256:a prompts=3 max_tokens=8 seed=0")
+    for name in ("ids", "features", "argmax"):
+        assert [a.tolist() for a in getattr(back, name)] == [a.tolist() for a in getattr(data, name)]
+    assert load_texts(path, "sha256:b prompts=3 max_tokens=8 seed=0") is None
+    assert load_texts(tmp_path / "missing.npz", "sha256:a prompts=3 max_tokens=8 seed=0") is None
 
 
 def test_training_prompts_are_not_benchmark_or_test_prompts():

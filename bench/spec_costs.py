@@ -1,0 +1,90 @@
+"""What speculation's parts cost, for `make bench-spec`: the physical KV trim the mask-based
+rewind replaces, a draft model's step against the target's, and the bytes a feature draft adds
+to the final stage's return link."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.stats import median
+
+
+def _timed_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return median(times) * 1000.0
+
+
+def trim_cost(target: Path, prompt: list[int]) -> float:
+    """Seconds per physical trim of a 300-token stateful cache."""
+    from pipeshard.shard.runtime import ShardRunner, time_trim
+
+    session = ShardRunner(target, 0).new_session()
+    session.run([(prompt * 8)[:300]])
+    return time_trim(session, reps=50)
+
+
+def token_draft_costs(target: Path, drafts: dict[str, Path]) -> dict:
+    """Milliseconds of a one-token step: the target (1-stage export) against each draft export."""
+    from pipeshard.shard.runtime import ShardRunner
+
+    def per_token(runner: ShardRunner) -> float:
+        session = runner.new_session()
+        session.run(np.zeros((1, 32), dtype=np.int64))
+        return _timed_ms(lambda: session.run(np.zeros((1, 1), dtype=np.int64), copy=False), 100)
+
+    target_ms = per_token(ShardRunner(target, 0))
+    out = {"target_ms": target_ms}
+    for name, export in drafts.items():
+        draft_ms = per_token(ShardRunner(export, 0))
+        out[f"{name}_ms"] = draft_ms
+        out[f"{name}_over_target"] = draft_ms / target_ms
+    return out
+
+
+def feature_bytes(target: Path, ks: tuple[int, ...] = (0, 4, 10)) -> dict:
+    """Bytes of a final stage's StepResult (Top1 return) with and without the fp16 features, for
+    a decode step and K-draft verifies."""
+    from pipeshard.services.stage.domain import RowKind, StepOutput, StepRow, top1_of
+    from pipeshard.services.stage.wire import result_from_output
+    from pipeshard.shard.manifest import load_manifest
+
+    hidden = load_manifest(target).model.hidden_size
+    rng = np.random.default_rng(0)
+    out = {}
+    for k in ks:
+        row = StepRow("s" * 32, 7, RowKind.DECODE, np.arange(k + 1), np.zeros((1, k + 1), dtype=np.int64))
+        top1 = top1_of(rng.standard_normal((k + 1, 64)).astype(np.float32))
+        without = result_from_output(StepOutput(row, top1=top1), [100, 100]).ByteSize()
+        features = rng.standard_normal((k + 1, hidden)).astype(np.float32)
+        with_features = result_from_output(
+            StepOutput(row, top1=top1, features=features), [100, 100]
+        ).ByteSize()
+        out[f"k{k}"] = {"without": without, "with": with_features, "extra": with_features - without}
+    return out
+
+
+def feature_draft_cost(target: Path, draft: Path, reps: int = 200) -> dict:
+    """Milliseconds per drafted token (one chain step) of the served numpy forward, against the
+    target's one-token decode step (every stage in this process): #31 bounds it at a quarter."""
+    from pipeshard.shard.chain import LocalChain
+    from pipeshard.shard.feature_draft import FeatureDraftModel
+
+    model = FeatureDraftModel(draft)
+    f = np.random.default_rng(0).standard_normal((1, model.meta.hidden_size)).astype(np.float32)
+    numpy_ms = _timed_ms(lambda: model.step(f, np.array([42])), reps)
+    chain = LocalChain(target)
+    chain.step(np.asarray([[1] * 64]))
+    target_ms = _timed_ms(lambda: chain.step(np.asarray([[42]])), 100)
+    return {
+        "draft_ms_per_token": numpy_ms,
+        "target_decode_ms": target_ms,
+        "cost_vs_target": numpy_ms / target_ms,
+    }
