@@ -6,12 +6,25 @@ difference only when it does not end in U+FFFD (an incomplete byte sequence).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
+
+
+def ids_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=True)``; for a fast tokenizer that cleans up no
+    spaces, its Rust backend's own decode, which is all transformers' ``decode`` then calls: its
+    Python wrapper cost 6x the decode itself, twice per token of every stream (docs/BENCHMARKS.md,
+    bench-latency)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return functools.partial(backend.decode, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()):
-        self._tok = tokenizer
+        self._decode = ids_decoder(tokenizer)
         self._ids: list[int] = []
         self._prefix = 0
         self._read = 0
@@ -23,8 +36,8 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> None:
         self._ids.append(token_id)
-        prefix_text = self._tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
-        new_text = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=True)
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             self.text += new_text[len(prefix_text) :]
             self._prefix, self._read = self._read, len(self._ids)

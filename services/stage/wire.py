@@ -320,26 +320,41 @@ def token_frame(
             kind = RowKind.VERIFY
         else:
             kind = RowKind.PREFILL if fill_only or len(ids) > 1 else RowKind.DECODE
-    row = StepRow(
+    # Built as protobuf directly, not as a StepRow through frame_from_step (the same frame): the
+    # coordinator builds one per running session per step, and the StepRow, numpy and re-encoding
+    # path cost about 3x as much (docs/BENCHMARKS.md, bench-latency).
+    if parents:
+        positions = tree_positions(start, parents).tolist()
+    else:
+        positions = list(range(start, start + len(ids) // chains)) * chains
+    row = activation_pb2.PlanRow(
+        slot_id=-1,
+        position=positions[0] if positions else 0,
         session_id=session_id,
         step_id=step,
-        kind=kind,
-        positions=tree_positions(start, parents)
-        if parents
-        else np.tile(np.arange(start, start + len(ids) // chains, dtype=np.int64), chains),
-        activations=np.asarray([ids], dtype=np.int64),
-        invalidate=tuple(invalidate or ()),
-        return_mode=mode,
+        tokens=len(positions),
+        return_mode=_PB_MODES[mode],
         return_last=return_last,
-        sampling=sampling,
-        tree_chains=chains,
-        tree_keep=keep_chain,
-        tree_parents=tuple(parents),
-        tree_kept=tuple(kept),
+        mask_update=activation_pb2.MaskUpdate(
+            invalidate=[activation_pb2.CacheRange(start=s, end=e) for s, e in invalidate or ()]
+        ),
+        sampling=_sampling_request(sampling) if sampling is not None else None,
+        kind=_PB_KINDS[kind],
+        tree_chains=chains if chains > 1 else 0,
+        tree_keep=keep_chain + 1,
+        tree_parents=parents,
+        tree_kept=kept,
         top1_ids_only=mode is ReturnMode.TOP1 and not probabilities,
         return_features=features and not fill_only,
     )
-    return frame_from_step(Step([row], sent_unix_nanos=time.time_ns()))
+    return activation_pb2.ActivationFrame(
+        session_id=session_id,
+        step_id=step,
+        positions=positions,
+        tensors=[tensor_pb2.NamedTensor(name="input_ids", tensor=encode(np.asarray([ids], dtype=np.int64)))],
+        plan=activation_pb2.PlanFrame(rows=[row]),
+        sent_unix_nanos=time.time_ns(),
+    )
 
 
 def tree_positions(start: int, parents: tuple[int, ...]) -> np.ndarray:

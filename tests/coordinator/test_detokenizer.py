@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeshard.services.coordinator.detokenizer import IncrementalDetokenizer
+from pipeshard.services.coordinator.detokenizer import IncrementalDetokenizer, ids_decoder
 
 
 class ByteTokenizer:
@@ -41,3 +41,23 @@ def test_stop_string_truncates_and_is_not_streamed():
 def test_text_without_stop_is_streamed_in_full():
     deltas, detok = stream("abc def", stop=("zzz",))
     assert not detok.stopped and "".join(deltas) == "abc def"
+
+
+def test_the_bundled_tokenizer_streams_what_its_own_decode_gives(smollm2_dir):
+    """The Rust backend's decode (ids_decoder) streams exactly transformers' decode of every token,
+    special tokens skipped, multi-byte characters whole."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert ids_decoder(tok).func == tok.backend_tokenizer.decode  # the fast path is taken
+    text = "Grüße aus 東京 🙂!\n<|im_end|>def f(x):\n    return x  # ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    deltas = []
+    for i in ids:
+        detok.add(i)
+        deltas.append(detok.delta())
+    deltas.append(detok.delta(final=True))
+    assert "".join(deltas) == detok.text == tok.decode(ids, skip_special_tokens=True)
+    assert "<|im_end|>" not in detok.text and "東京 🙂" in detok.text
+    assert all("\ufffd" not in d for d in deltas)
