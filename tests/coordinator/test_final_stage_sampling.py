@@ -105,7 +105,7 @@ def spy_ring(smollm2_export):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("speculative", ["none", "ngram"])
+@pytest.mark.parametrize("speculative", ["none", pytest.param("ngram", marks=pytest.mark.extended)])
 def test_same_seed_same_tokens_with_and_without_final_stage_sampling(spy_ring, speculative):
     export, ring = spy_ring
     prompter = Prompter.from_dir(export)

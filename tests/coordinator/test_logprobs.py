@@ -59,11 +59,13 @@ def prompt_ids(chat_prompt_ids) -> list[int]:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {},  # greedy: from the final stage's Top1 probability
-        {"speculative": "ngram", "k": 3},  # greedy verify rows
-        {"temperature": 0.8, "top_p": 0.9, "seed": 11},  # sampled: from the logits (raw, untempered)
+        pytest.param({}, id="greedy"),  # from the final stage's Top1 probability
+        pytest.param({"speculative": "ngram", "k": 3}, id="greedy-speculative", marks=pytest.mark.extended),
+        # sampled: from the logits (raw, untempered)
+        pytest.param(
+            {"temperature": 0.8, "top_p": 0.9, "seed": 11}, id="sampled", marks=pytest.mark.extended
+        ),
     ],
-    ids=["greedy", "greedy-speculative", "sampled"],
 )
 def test_logprobs_equal_hf_teacher_forced_on_fp32(smollm2_export, hf_model, prompt_ids, kwargs):
     summary = generate(smollm2_export(2, "fp32"), "f32", prompt_ids, **kwargs)

@@ -246,9 +246,7 @@ def _warm_against_cold(ring, export, prompter, modes, **generation_args) -> list
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "stages", [pytest.param(1, marks=pytest.mark.extended), 2, pytest.param(3, marks=pytest.mark.extended)]
-)
+@pytest.mark.parametrize("stages", [pytest.param(n, marks=pytest.mark.extended) for n in (1, 2, 3)])
 def test_warm_equals_cold_int4_exact(stages, smollm2_export, prompter):
     """Stateful stages: plain greedy and speculative (prompt lookup at K=3, and adaptive K on 2
     stages)."""

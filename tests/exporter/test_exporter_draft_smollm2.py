@@ -9,7 +9,7 @@ from pipeshard.shard.drafts import check_same_tokenizer
 from pipeshard.shard.manifest import verify_export
 from pipeshard.shard.runtime import ShardRunner
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 
 def test_smollm2_draft_matches_truncated_hf(

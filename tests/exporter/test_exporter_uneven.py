@@ -54,6 +54,7 @@ def test_uneven_split_matches_hf_at_every_boundary(family, split, tiny_model, tm
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_uneven_smollm2_chain_equals_hf_greedy(smollm2_dir, hf_model, chat_prompt_ids, tmp_path_factory):
     out = tmp_path_factory.mktemp("uneven") / "smollm2-uneven-fp32"
     export_model(

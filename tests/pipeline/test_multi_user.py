@@ -46,6 +46,7 @@ def test_concurrent_sessions_match_their_solo_runs(fleet, prompts):
         assert tokens == solo[prompt], f"{prompt!r} changed when run beside others"
 
 
+@pytest.mark.extended
 def test_concurrent_speculative_sessions_match_their_solo_runs(fleet, prompts):
     """Each session runs its own speculative loop at a fixed K: neighbours, speculative or not,
     cannot change its output (at `fast` too: every session has its own state)."""

@@ -28,7 +28,8 @@ def _first_diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-@pytest.mark.parametrize("stages", [2, pytest.param(3, marks=pytest.mark.extended)])
+@pytest.mark.extended
+@pytest.mark.parametrize("stages", [2, 3])
 def test_fp32_fleet_matches_hf_greedy(
     stages, smollm2_export, fleet_factory, prompts, chat_prompt_ids, hf_greedy_128
 ):

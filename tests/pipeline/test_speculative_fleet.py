@@ -44,7 +44,11 @@ def client(fleet):
 
 @pytest.mark.parametrize(
     ("source", "k", "prompt_indices"),
-    [("ngram", 0, (0, 1)), ("self", 3, (2, 3)), ("hf", 5, (4, 5))],
+    [
+        pytest.param("ngram", 0, (0, 1), marks=pytest.mark.extended),
+        pytest.param("self", 3, (2, 3), marks=pytest.mark.extended),
+        ("hf", 5, (4, 5)),
+    ],
 )
 def test_speculative_fleet_matches_hf_greedy(client, source, k, prompt_indices, prompts, hf_greedy_128):
     speculative = source

@@ -33,9 +33,7 @@ def _info(address: str) -> stage_pb2.GetStageInfoResponse:
 
 
 @pytest.mark.timeout(3600)  # every static step computes its 4 x 16 rows; a loaded machine can pass 15 minutes
-@pytest.mark.parametrize(
-    "stages", [pytest.param(1, marks=pytest.mark.extended), 2, pytest.param(3, marks=pytest.mark.extended)]
-)
+@pytest.mark.parametrize("stages", [pytest.param(n, marks=pytest.mark.extended) for n in (1, 2, 3)])
 def test_static_fleet_greedy_equals_the_paged_backend_over_128_tokens(
     stages, smollm2_static_export, smollm2_export, fleet_factory, greedy_in_process, prompts
 ):

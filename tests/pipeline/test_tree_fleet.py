@@ -23,7 +23,7 @@ def shards(smollm2_export):
     return smollm2_export(2, "int4")
 
 
-@pytest.fixture(scope="module", params=["stateful", "paged"])
+@pytest.fixture(scope="module", params=[pytest.param("stateful", marks=pytest.mark.extended), "paged"])
 def client(request, shards, smollm2_draft, fleet_factory):
     fleet = fleet_factory(
         shards,

@@ -70,6 +70,7 @@ def test_fp32_chain_matches_hf_generate(smollm2_export, chat_prompt_ids, hf_mode
     assert got.finish_reason == "stop"
 
 
+@pytest.mark.extended
 def test_int4_chains_agree_or_near_tie(smollm2_export, chat_prompt_ids):
     """INT4 at `fast` (bf16 inference, u8 KV cache): 1, 2 and 3 stages decode the same tokens, or
     diverge only where the top-2 logits are nearly tied."""

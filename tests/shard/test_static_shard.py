@@ -81,14 +81,15 @@ def _greedy(ring, prompter: Prompter, prompt_ids: list[list[int]], together: boo
     return asyncio.run(run())
 
 
+@pytest.mark.parametrize("stages", [2, pytest.param(3, marks=pytest.mark.extended)])
 def test_static_greedy_of_four_sessions_at_once_equals_paged_alone_over_128_tokens(
-    smollm2_static_export, smollm2_export, chat_prompt_ids
+    stages, smollm2_static_export, smollm2_export, chat_prompt_ids
 ):
     """In exact mode at one thread: the static ring (16-token prefill chunks, every step one
     inference over the 4 slots, the four sessions sharing it) gives each session the paged ring's
-    tokens of its solo run. Three stages, so a middle stage (hidden states in and out under one
-    name) is covered: binding its output by that name once fed it zeros."""
-    static_dir, paged_dir = smollm2_static_export(3), smollm2_export(3, "int4")
+    tokens of its solo run. Three stages (extended) cover a middle stage (hidden states in and out
+    under one name): binding its output by that name once fed it zeros."""
+    static_dir, paged_dir = smollm2_static_export(stages), smollm2_export(stages, "int4")
     prompter = Prompter.from_dir(static_dir)
     ids = chat_prompt_ids[:STATIC_SLOTS]
     paged = _greedy(batched_ring(paged_dir, "exact", 1), prompter, ids, together=False)

@@ -171,7 +171,9 @@ def _greedy_case(export: Path, draft: Path, prompt: int, tokens: int, k: int):
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # the first run trains the test's draft (a few minutes, more when loaded)
-@pytest.mark.parametrize(("stages", "prompt", "k"), [(1, 0, 4), (2, 2, 0)])
+@pytest.mark.parametrize(
+    ("stages", "prompt", "k"), [pytest.param(1, 0, 4, marks=pytest.mark.extended), (2, 2, 0)]
+)
 def test_feature_draft_greedy_is_plain_greedy(smollm2_export, eagle_draft, stages, prompt, k):
     out, expected = _greedy_case(smollm2_export(stages, "int4"), eagle_draft, prompt, 128, k)
     assert out.token_ids == expected, next(
@@ -182,6 +184,7 @@ def test_feature_draft_greedy_is_plain_greedy(smollm2_export, eagle_draft, stage
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(3600)
 def test_feature_draft_sampling_follows_the_target(smollm2_export, eagle_draft):
     from scipy import stats

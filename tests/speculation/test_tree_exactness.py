@@ -21,10 +21,11 @@ from tests.speculation.conftest import SPEC_PROMPTS
 
 TREE_TOKENS = 128
 SHAPES = (("ngram", "3x4"), ("self", "2x3"), ("ngram", "2x8"), ("self", "4x2"), ("ngram", "auto"))
-# The 2-stage pair runs through real stage processes in tests/pipeline/test_tree_fleet.py: extended.
+# The 2-stage pair runs through real stage processes in tests/pipeline/test_tree_fleet.py, and the
+# stateful backend's cases (not the default) are extended.
 SUBSET = [
-    (1, "ngram", "3x4", 2, "stateful"),
-    (1, "self", "2x3", 4, "stateful"),
+    pytest.param(1, "ngram", "3x4", 2, "stateful", marks=pytest.mark.extended),
+    pytest.param(1, "self", "2x3", 4, "stateful", marks=pytest.mark.extended),
     (1, "ngram", "3x4", 2, "paged"),
     (1, "self", "2x3", 4, "paged"),
     (3, "ngram", "2x8", 6, "paged"),
@@ -81,7 +82,7 @@ def test_tree_greedy_is_exact_full_matrix(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv", ["stateful", "paged"])
+@pytest.mark.parametrize("kv", [pytest.param("stateful", marks=pytest.mark.extended), "paged"])
 def test_tree_logprobs_and_sampled_trees(spec_generation, spec_prompt_ids, kv):
     """Greedy trees report plain greedy's logprobs; a sampled tree (its rows' logits come back to
     the coordinator) gives the same tokens for the same seed."""
