@@ -194,7 +194,7 @@ bench-prefix: model
 
 ## test: the whole suite, slow real-model tests included
 test: proto
-	$(VENV)/bin/pytest -q --durations=30
+	$(VENV)/bin/pytest -q --durations=60
 
 ## test-exactness: the full speculative exactness matrix (10 prompts x 1/2/3 stages x K x draft source; FP32 at f32, INT4 at exact)
 test-exactness: model
