@@ -17,7 +17,7 @@ CODECS = [Codec.CODEC_NONE, Codec.CODEC_ZSTD, Codec.CODEC_BYTE_SPLIT_ZSTD, Codec
 
 @pytest.fixture(scope="module", params=["int4", "fp32"])
 def frames(request, smollm2_export) -> dict[str, list[np.ndarray]]:
-    export = smollm2_export(2, request.param)
+    export = smollm2_export(3, request.param)
     prompter = Prompter.from_dir(export)
     prompts = [
         prompter.encode("", [("user", p)]) for p in ("List five fruits that are red.", "Why is the sky blue?")
