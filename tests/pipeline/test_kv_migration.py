@@ -153,6 +153,7 @@ def test_captured_session_continues_identically_on_another_process(two_stage_pro
         dst.close()
 
 
+@pytest.mark.extended
 def test_fast_precision_sessions_move_as_verbatim_blocks(
     smollm2_export, fleet_factory, two_stage_processes, chat_prompt_ids
 ):

@@ -63,6 +63,7 @@ def test_warm_turns_equal_cold_turns_and_stages_keeping_nothing_are_not_asked(fl
     assert '"prefix_cache_hit"' not in cold_log and '"prefix_cache_fallback"' not in cold_log
 
 
+@pytest.mark.extended
 def test_a_fast_fleet_restores_prefixes(smollm2_export, fleet_factory):
     """`make up PRECISION=fast` (paged stages at bf16 with u8 pools, no coordinator flag) keeps and
     restores prefixes too: the u8 pools' blocks travel verbatim (warm vs cold numerics:

@@ -47,7 +47,7 @@ def client(fleet):
     [
         pytest.param("ngram", 0, (0, 1), marks=pytest.mark.extended),
         pytest.param("self", 3, (2, 3), marks=pytest.mark.extended),
-        ("hf", 5, (4, 5)),
+        pytest.param("hf", 5, (4, 5), marks=pytest.mark.extended),
     ],
 )
 def test_speculative_fleet_matches_hf_greedy(client, source, k, prompt_indices, prompts, hf_greedy_128):
