@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -122,25 +123,68 @@ def _sampling_request(step: SamplingStep) -> activation_pb2.SamplingRequest:
     )
 
 
-def _plan_row(row: StepRow) -> activation_pb2.PlanRow:
+def _pb_plan_row(
+    *,
+    slot_id: int,
+    position: int,
+    session_id: str,
+    step_id: int,
+    tokens: int,
+    mode: ReturnMode,
+    return_last: int,
+    invalidate: Iterable[tuple[int, int]],
+    sampling: SamplingStep | None,
+    kind: RowKind,
+    chains: int,
+    keep: int,
+    parents: Sequence[int],
+    kept: Sequence[int],
+    top1_ids_only: bool,
+    return_features: bool,
+    prefix_reuse_length: int = 0,
+) -> activation_pb2.PlanRow:
+    """The one place a row's fields become a PlanRow (a StepRow's in frame_from_step, the
+    coordinator's raw ones in token_frame)."""
     return activation_pb2.PlanRow(
+        slot_id=slot_id,
+        position=position,
+        prefix_reuse_length=prefix_reuse_length,
+        session_id=session_id,
+        step_id=step_id,
+        tokens=tokens,
+        return_mode=_PB_MODES[mode],
+        return_last=return_last,
+        mask_update=activation_pb2.MaskUpdate(
+            invalidate=[activation_pb2.CacheRange(start=s, end=e) for s, e in invalidate]
+        ),
+        sampling=_sampling_request(sampling) if sampling is not None else None,
+        kind=_PB_KINDS[kind],
+        tree_chains=chains if chains > 1 else 0,
+        tree_keep=keep + 1,
+        tree_parents=parents,
+        tree_kept=kept,
+        top1_ids_only=top1_ids_only,
+        return_features=return_features,
+    )
+
+
+def _plan_row(row: StepRow) -> activation_pb2.PlanRow:
+    return _pb_plan_row(
         slot_id=row.slot_id,
         position=int(row.positions[0]) if len(row.positions) else 0,
         prefix_reuse_length=row.prefix_reuse_length,
         session_id=row.session_id,
         step_id=row.step_id,
         tokens=row.tokens,
-        return_mode=_PB_MODES[row.return_mode],
+        mode=row.return_mode,
         return_last=row.return_last,
-        mask_update=activation_pb2.MaskUpdate(
-            invalidate=[activation_pb2.CacheRange(start=s, end=e) for s, e in row.invalidate]
-        ),
-        sampling=_sampling_request(row.sampling) if row.sampling is not None else None,
-        kind=_PB_KINDS[row.kind],
-        tree_chains=row.tree_chains if row.tree_chains > 1 else 0,
-        tree_keep=row.tree_keep + 1,
-        tree_parents=row.tree_parents,
-        tree_kept=row.tree_kept,
+        invalidate=row.invalidate,
+        sampling=row.sampling,
+        kind=row.kind,
+        chains=row.tree_chains,
+        keep=row.tree_keep,
+        parents=row.tree_parents,
+        kept=row.tree_kept,
         top1_ids_only=row.top1_ids_only,
         return_features=row.return_features,
     )
@@ -327,23 +371,21 @@ def token_frame(
         positions = tree_positions(start, parents).tolist()
     else:
         positions = list(range(start, start + len(ids) // chains)) * chains
-    row = activation_pb2.PlanRow(
+    row = _pb_plan_row(
         slot_id=-1,
         position=positions[0] if positions else 0,
         session_id=session_id,
         step_id=step,
         tokens=len(positions),
-        return_mode=_PB_MODES[mode],
+        mode=mode,
         return_last=return_last,
-        mask_update=activation_pb2.MaskUpdate(
-            invalidate=[activation_pb2.CacheRange(start=s, end=e) for s, e in invalidate or ()]
-        ),
-        sampling=_sampling_request(sampling) if sampling is not None else None,
-        kind=_PB_KINDS[kind],
-        tree_chains=chains if chains > 1 else 0,
-        tree_keep=keep_chain + 1,
-        tree_parents=parents,
-        tree_kept=kept,
+        invalidate=invalidate or (),
+        sampling=sampling,
+        kind=kind,
+        chains=chains,
+        keep=keep_chain,
+        parents=parents,
+        kept=kept,
         top1_ids_only=mode is ReturnMode.TOP1 and not probabilities,
         return_features=features and not fill_only,
     )
