@@ -16,6 +16,8 @@
    process during a 1-user and a 16-user run; the top frames per process go into the result.
 
 BENCH_QUICK=1: 3 rounds after 1 warm-up (under 10 minutes on 2 loaded cores); BENCH_RUNS overrides.
+BENCH_PART (comma-separated, default all): ``timeline``, ``1user`` (the 1-user keys and the short
+prompt's TTFT), ``16users``, ``8users``; the result holds the keys of the parts run.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ RUNS = int(os.environ.get("BENCH_RUNS", "3" if QUICK else "10"))
 WARMUP = 1 if QUICK else 2
 NEW_TOKENS = 128
 BEFORE = os.environ.get("BENCH_BEFORE", "e2242a2")
+PARTS = ("timeline", "1user", "16users", "8users")
 PROMPTS = [
     "Explain in a few paragraphs how a bicycle works.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -52,6 +55,11 @@ PROMPTS = [
 ]
 # About 30 tokens once chat-templated (the TTFT of a short prompt).
 SHORT_PROMPT = "Hi, what is the capital of France?"
+# The benchmark's users all connect from loopback, so without API keys they are one identity
+# (pipeshard/auth.py: the peer's host), which --max-running-per-identity (12 by default) would cap
+# below the 16 users compared with ContinuousBatchingPipeline; 16 users on 16 machines are 16
+# identities, each under the cap.
+COORDINATOR_ARGS = ["--max-running-per-identity", "16"]
 # The order one decode step's events happen in (process, event); the timeline's segments join them.
 TIMELINE = [
     ("coordinator", "gen_send"),
@@ -207,7 +215,7 @@ def start(shards: Path, stages: int, run_dir: Path, precision: str | None = None
     os.environ.update(env or {})
     try:
         kwargs = {"precision": precision} if precision else {}
-        return start_fleet(shards, stages, run_dir, **kwargs)
+        return start_fleet(shards, stages, run_dir, extra_coordinator_args=COORDINATOR_ARGS, **kwargs)
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -340,119 +348,144 @@ def top_frames(path: Path, n: int = 8) -> dict:
 
 def main() -> int:
     set_offline_defaults()
-    from bench.commits import checkout
-    from bench.commits import start as start_commit
     from bench.reference import GenAIPipeline, optimum_export
 
+    parts = os.environ.get("BENCH_PART", ",".join(PARTS)).split(",")
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        sys.exit(f"BENCH_PART: unknown part(s) {sorted(unknown)}; choose from {', '.join(PARTS)}")
     shards, shards3 = export(2), export(3)
     work = Path(tempfile.mkdtemp(prefix="pipeshard-latency-"))
-    result: dict = {"runs": RUNS, "warmup": WARMUP, "new_tokens": NEW_TOKENS, "prompts": PROMPTS}
-    result["timeline_1user"] = traced(shards, work, 1)
-    print("timeline 1 user:", result["timeline_1user"], file=sys.stderr)
-    result["timeline_16users"] = traced(shards, work, 16)
-    result["hop_overhead_ms_p50"] = result["timeline_1user"].get("hop_overhead_ms_p50")
+    result: dict = {
+        "runs": RUNS,
+        "warmup": WARMUP,
+        "new_tokens": NEW_TOKENS,
+        "prompts": PROMPTS,
+        "parts": parts,
+    }
+    if "timeline" in parts:
+        result["timeline_1user"] = traced(shards, work, 1)
+        print("timeline 1 user:", result["timeline_1user"], file=sys.stderr)
+        result["timeline_16users"] = traced(shards, work, 16)
+        result["hop_overhead_ms_p50"] = result["timeline_1user"].get("hop_overhead_ms_p50")
+        for key, image in (
+            ("timeline_1user", "latency_timeline"),
+            ("timeline_16users", "latency_timeline_16users"),
+        ):
+            if result[key].get("steps"):
+                plot(result[key], Path(f"docs/img/{image}.png"))
 
     reference = optimum_export(paths.default_model_dir(), paths.shards_dir() / "optimum-int4-reference")
-    fleets = {
-        "fleet": start(shards, 2, work / "run-fleet"),
+    fleets = {"fleet": start(shards, 2, work / "run-fleet")}
+    if "1user" in parts:
         # the default fleet runs `exact`; the issue's "default" baseline is today's `fast`
-        "fleet_fast": start(shards, 2, work / "run-fast", precision="fast"),
-        "fleet3": start(shards3, 3, work / "run-fleet3"),
-    }
+        fleets["fleet_fast"] = start(shards, 2, work / "run-fast", precision="fast")
+        fleets["fleet3"] = start(shards3, 3, work / "run-fleet3")
     try:
         clients = {name: FleetClient(f.coordinator) for name, f in fleets.items()}
-        local, local3 = Local(shards), Local(shards3)
-        mono, cb = GenAIPipeline(reference), Continuous(reference)
-        rounds = iter(range(10**9))
-
-        def prompt() -> str:
-            return PROMPTS[next(rounds) % len(PROMPTS)]
-
-        one = {
-            **{name: (lambda c=c: c.run(prompt())["tok_s"]) for name, c in clients.items()},
-            "local": lambda: local.run(prompt())["tok_s"],
-            "local3": lambda: local3.run(prompt())["tok_s"],
-            "mono": lambda: mono.run(local.ids(prompt()), NEW_TOKENS)["tok_s"],
-            # CB is timed like an aggregate (tokens over the call, prefill included): the fleet too.
-            "cb": lambda: cb.aggregate([local.ids(prompt())]),
-            "fleet_aggregate": lambda: clients["fleet"].aggregate(1),
-        }
-        tok_s = interleaved(one, RUNS, warmup=WARMUP)
-        result["tok_s_1user"] = {n: summary(v) for n, v in tok_s.items()}
-        for key, (num, den) in {
-            "fleet_over_local_1user": ("fleet", "local"),
-            "fleet_over_mono_1user": ("fleet", "mono"),
-            "fleet_over_cb_1user": ("fleet_aggregate", "cb"),
-            "exact_over_default_1user": ("fleet", "fleet_fast"),
-            "fleet3_over_local3_1user": ("fleet3", "local3"),
-        }.items():
-            result[key], result[f"{key}_ci"] = ratio_ci(tok_s[num], tok_s[den])
-        ttft = interleaved(
-            {
-                "fleet": lambda: clients["fleet"].run(SHORT_PROMPT, 1)["ttft_ms"],
-                "local": lambda: local.run(SHORT_PROMPT, 1)["ttft_ms"],
-            },
-            RUNS,
-            warmup=WARMUP,
-        )
-        result["short_prompt_tokens"] = len(local.ids(SHORT_PROMPT))
-        result["ttft_ms_short"] = {n: summary(v) for n, v in ttft.items()}
-        result["ttft_fleet_over_local_short"], result["ttft_fleet_over_local_short_ci"] = ratio_ci(
-            ttft["fleet"], ttft["local"]
-        )
-        ids16 = [local.ids(PROMPTS[i % len(PROMPTS)]) for i in range(16)]
-        agg = interleaved(
-            {"fleet": lambda: clients["fleet"].aggregate(16), "cb": lambda: cb.aggregate(ids16)},
-            RUNS,
-            warmup=WARMUP,
-        )
-        result["tok_s_16users"] = {n: summary(v) for n, v in agg.items()}
-        result["fleet_over_cb_16users"], result["fleet_over_cb_16users_ci"] = ratio_ci(
-            agg["fleet"], agg["cb"]
-        )
-        if os.environ.get("BENCH_PROFILE") == "1":
-            out = Path("bench/results/profiles")
-            out.mkdir(parents=True, exist_ok=True)
-            result["profile"] = {
-                f"{users}u": profile(fleets["fleet"], clients["fleet"], users, out) for users in (1, 16)
-            }
+        local = Local(shards)
+        cb = Continuous(reference)
+        if "1user" in parts:
+            one_user(result, clients, local, Local(shards3), GenAIPipeline(reference), cb)
+        if "16users" in parts:
+            sixteen_users(result, clients["fleet"], local, cb)
+            if os.environ.get("BENCH_PROFILE") == "1":
+                out = Path("bench/results/profiles")
+                out.mkdir(parents=True, exist_ok=True)
+                result["profile"] = {
+                    f"{users}u": profile(fleets["fleet"], clients["fleet"], users, out) for users in (1, 16)
+                }
         for name in ("fleet_fast", "fleet3"):
-            fleets.pop(name).stop()
-        before = checkout(BEFORE, work)
-        # As its own `make setup` installs it: a commit from before uvloop became a dependency
-        # would pick up the one installed here through its run_server.
-        if "uvloop" not in (before.tree / "pyproject.toml").read_text():
-            (before.overlay / "uvloop.py").write_text("raise ImportError('not installed at this commit')\n")
-        try:
-            start_commit(before, shards, work)
-            before_client = FleetClient(before.address)
-            eight = interleaved(
-                {
-                    "after": lambda: clients["fleet"].aggregate(8),
-                    "before": lambda: before_client.aggregate(8),
-                },
-                RUNS,
-                warmup=WARMUP,
-            )
-        finally:
-            if before.process is not None:
-                before.process.stdin.close()
-                before.process.wait(timeout=60)
-            subprocess.run(["git", "worktree", "remove", "--force", str(before.tree)], check=False)
-        result["before"] = BEFORE
-        result["tok_s_8users"] = {n: summary(v) for n, v in eight.items()}
-        result["aggregate_8users_over_before"], result["aggregate_8users_over_before_ci"] = ratio_ci(
-            eight["after"], eight["before"]
-        )
+            if name in fleets:
+                fleets.pop(name).stop()
+        if "8users" in parts:
+            eight_users(result, clients["fleet"], shards, work)
     finally:
         for fleet in fleets.values():
             fleet.stop()
-    if result["timeline_1user"].get("steps"):
-        plot(result["timeline_1user"], Path("docs/img/latency_timeline.png"))
-    if result["timeline_16users"].get("steps"):
-        plot(result["timeline_16users"], Path("docs/img/latency_timeline_16users.png"))
     write_result("latency", result, command=("BENCH_QUICK=1 " if QUICK else "") + "make bench-latency")
     return 0
+
+
+def one_user(result: dict, clients: dict, local: Local, local3: Local, mono, cb: Continuous) -> None:
+    """The 1-user keys (paired, interleaved) and the short prompt's TTFT, fleet against in-process."""
+    rounds = iter(range(10**9))
+
+    def prompt() -> str:
+        return PROMPTS[next(rounds) % len(PROMPTS)]
+
+    one = {
+        **{name: (lambda c=c: c.run(prompt())["tok_s"]) for name, c in clients.items()},
+        "local": lambda: local.run(prompt())["tok_s"],
+        "local3": lambda: local3.run(prompt())["tok_s"],
+        "mono": lambda: mono.run(local.ids(prompt()), NEW_TOKENS)["tok_s"],
+        # CB is timed like an aggregate (tokens over the call, prefill included): the fleet too.
+        "cb": lambda: cb.aggregate([local.ids(prompt())]),
+        "fleet_aggregate": lambda: clients["fleet"].aggregate(1),
+    }
+    tok_s = interleaved(one, RUNS, warmup=WARMUP)
+    result["tok_s_1user"] = {n: summary(v) for n, v in tok_s.items()}
+    for key, (num, den) in {
+        "fleet_over_local_1user": ("fleet", "local"),
+        "fleet_over_mono_1user": ("fleet", "mono"),
+        "fleet_over_cb_1user": ("fleet_aggregate", "cb"),
+        "exact_over_default_1user": ("fleet", "fleet_fast"),
+        "fleet3_over_local3_1user": ("fleet3", "local3"),
+    }.items():
+        result[key], result[f"{key}_ci"] = ratio_ci(tok_s[num], tok_s[den])
+    ttft = interleaved(
+        {
+            "fleet": lambda: clients["fleet"].run(SHORT_PROMPT, 1)["ttft_ms"],
+            "local": lambda: local.run(SHORT_PROMPT, 1)["ttft_ms"],
+        },
+        RUNS,
+        warmup=WARMUP,
+    )
+    result["short_prompt_tokens"] = len(local.ids(SHORT_PROMPT))
+    result["ttft_ms_short"] = {n: summary(v) for n, v in ttft.items()}
+    result["ttft_fleet_over_local_short"], result["ttft_fleet_over_local_short_ci"] = ratio_ci(
+        ttft["fleet"], ttft["local"]
+    )
+
+
+def sixteen_users(result: dict, client: FleetClient, local: Local, cb: Continuous) -> None:
+    """16 concurrent generations, aggregate tok/s, the fleet against ContinuousBatchingPipeline."""
+    ids16 = [local.ids(PROMPTS[i % len(PROMPTS)]) for i in range(16)]
+    agg = interleaved(
+        {"fleet": lambda: client.aggregate(16), "cb": lambda: cb.aggregate(ids16)}, RUNS, warmup=WARMUP
+    )
+    result["tok_s_16users"] = {n: summary(v) for n, v in agg.items()}
+    result["fleet_over_cb_16users"], result["fleet_over_cb_16users_ci"] = ratio_ci(agg["fleet"], agg["cb"])
+
+
+def eight_users(result: dict, client: FleetClient, shards: Path, work: Path) -> None:
+    """8 users' aggregate against the fleet of BENCH_BEFORE, alternating (it must not fall)."""
+    from bench.commits import checkout
+    from bench.commits import start as start_commit
+
+    before = checkout(BEFORE, work)
+    # As its own `make setup` installs it: a commit from before uvloop became a dependency
+    # would pick up the one installed here through its run_server.
+    if "uvloop" not in (before.tree / "pyproject.toml").read_text():
+        (before.overlay / "uvloop.py").write_text("raise ImportError('not installed at this commit')\n")
+    try:
+        start_commit(before, shards, work)
+        before_client = FleetClient(before.address)
+        eight = interleaved(
+            {"after": lambda: client.aggregate(8), "before": lambda: before_client.aggregate(8)},
+            RUNS,
+            warmup=WARMUP,
+        )
+    finally:
+        if before.process is not None:
+            before.process.stdin.close()
+            before.process.wait(timeout=60)
+        subprocess.run(["git", "worktree", "remove", "--force", str(before.tree)], check=False)
+    result["before"] = BEFORE
+    result["tok_s_8users"] = {n: summary(v) for n, v in eight.items()}
+    result["aggregate_8users_over_before"], result["aggregate_8users_over_before_ci"] = ratio_ci(
+        eight["after"], eight["before"]
+    )
 
 
 if __name__ == "__main__":

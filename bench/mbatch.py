@@ -99,7 +99,9 @@ WAN_RATE_MBIT = 100.0
 TTFT_BUSY = 8  # users decoding while the TTFT probes arrive
 MAX_MARGINS = 40  # divergences per (stages, precision) whose margin is measured
 TTFT_PROBES = 3  # probe requests per round, one after another (prompts no busy user has)
-COORDINATOR_ARGS = ["--max-running", "16", "--step-timeout-s", "120"] + (
+# All users connect from loopback, one identity (the peer's host) without API keys: the
+# per-identity cap (12 by default) is lifted to the 16 users measured.
+COORDINATOR_ARGS = ["--max-running", "16", "--max-running-per-identity", "16", "--step-timeout-s", "120"] + (
     ["--self-draft", DRAFT] if DRAFT else []
 )
 
