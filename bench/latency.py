@@ -403,7 +403,8 @@ def main() -> int:
     finally:
         for fleet in fleets.values():
             fleet.stop()
-    write_result("latency", result, command=("BENCH_QUICK=1 " if QUICK else "") + "make bench-latency")
+    part = f"BENCH_PART={os.environ['BENCH_PART']} " if "BENCH_PART" in os.environ else ""
+    write_result("latency", result, command=("BENCH_QUICK=1 " if QUICK else "") + part + "make bench-latency")
     return 0
 
 
