@@ -120,13 +120,29 @@ class _SharedFleet:
     last_module: str = "nobody"
 
 
+_SHARED_FLEETS: dict[tuple, _SharedFleet] = {}  # the running shared fleets by their start arguments
+
+
+def _stop_shared_fleets() -> None:
+    while _SHARED_FLEETS:
+        _SHARED_FLEETS.popitem()[1].fleet.stop()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the shared fleets after the last test that uses one, not at the session's end: each
+    holds about 1 GiB that the rest of the session does not need."""
+    if _SHARED_FLEETS and nextitem is not None:
+        users = [i for i in item.session.items if "shared_fleet" in getattr(i, "fixturenames", ())]
+        if users and item is users[-1]:
+            _stop_shared_fleets()
+
+
 @pytest.fixture(scope="session")
 def _shared_fleets():
-    """The session's shared fleets by their start arguments; stopped when the session ends."""
-    started: dict[tuple, _SharedFleet] = {}
-    yield started
-    for shared in started.values():
-        shared.fleet.stop()
+    """The shared fleets; whatever still runs (a run stopped early) is stopped when the session ends."""
+    yield _SHARED_FLEETS
+    _stop_shared_fleets()
 
 
 @pytest.fixture(scope="module")

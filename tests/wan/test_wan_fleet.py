@@ -35,9 +35,12 @@ def shards(smollm2_export):
 
 
 @pytest.fixture(scope="module")
-def plain(default_fleet):
-    """The tokens and per-token time of the session's default fleet (2 stages, no delay)."""
-    return _decode(default_fleet.coordinator)
+def plain(shards, tmp_path_factory):
+    fleet = start_fleet(shards, STAGES, tmp_path_factory.mktemp("plain"))
+    try:
+        yield _decode(fleet.coordinator)
+    finally:
+        fleet.stop()
 
 
 def test_in_process_hop_delay_keeps_tokens_and_delays_every_hop(shards, plain, tmp_path):
