@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from pipeshard.offline import set_offline_defaults
+
+if TYPE_CHECKING:
+    from pipeshard.services.launcher import Fleet
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,6 +110,88 @@ def smollm2_export(smollm2_dir: Path):
         return built[key]
 
     return get
+
+
+@dataclass
+class _SharedFleet:
+    """A fleet shared across modules, and the module that used it last (named if it left sessions)."""
+
+    fleet: Fleet
+    last_module: str = "nobody"
+
+
+_SHARED_FLEETS: dict[tuple, _SharedFleet] = {}  # the running shared fleets by their start arguments
+
+
+def _stop_shared_fleets() -> None:
+    while _SHARED_FLEETS:
+        _SHARED_FLEETS.popitem()[1].fleet.stop()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the shared fleets after the last test that uses one, not at the session's end: each
+    holds about 1 GiB that the rest of the session does not need."""
+    if _SHARED_FLEETS and nextitem is not None:
+        users = [i for i in item.session.items if "shared_fleet" in getattr(i, "fixturenames", ())]
+        if users and item is users[-1]:
+            _stop_shared_fleets()
+
+
+@pytest.fixture(scope="session")
+def _shared_fleets():
+    """The shared fleets; whatever still runs (a run stopped early) is stopped when the session ends."""
+    yield _SHARED_FLEETS
+    _stop_shared_fleets()
+
+
+@pytest.fixture(scope="module")
+def shared_fleet(_shared_fleets, tmp_path_factory, request):
+    """Factory: a fleet started once per session for each distinct (export, stages, precision,
+    stage flags, coordinator flags), so modules that need the same fleet share one start (20-30 s)
+    instead of one each. Only for tests that neither kill, restart, drain nor reconfigure it: those
+    start their own (fleet_factory in tests/pipeline).
+
+    A fleet is handed over only with every stage holding no session, so a module that leaves one
+    is named here rather than surfacing as an odd count in a later module. Its prefix cache and
+    logs carry over: at the default precision a warm prefix changes no greedy token, and a test
+    that reads a log reads only what it wrote."""
+    from pipeshard.precision import DEFAULT_PRECISION
+    from pipeshard.services.launcher import start_fleet
+    from tests.pipeline.stage_probe import sessions_after_release
+
+    def get(
+        shards: Path,
+        stages: int,
+        precision: str = DEFAULT_PRECISION,
+        extra_stage_args: tuple[str, ...] = (),
+        extra_coordinator_args: tuple[str, ...] = (),
+    ) -> Fleet:
+        key = (str(shards), stages, precision, tuple(extra_stage_args), tuple(extra_coordinator_args))
+        if key not in _shared_fleets:
+            fleet = start_fleet(
+                shards,
+                stages,
+                tmp_path_factory.mktemp(f"shared-fleet-{stages}s"),
+                precision=precision,
+                extra_stage_args=list(extra_stage_args),
+                extra_coordinator_args=list(extra_coordinator_args),
+            )
+            _shared_fleets[key] = _SharedFleet(fleet)
+        shared = _shared_fleets[key]
+        left = sessions_after_release(shared.fleet.stages)
+        assert left == [0] * len(left), f"sessions left on a shared fleet by {shared.last_module}: {left}"
+        shared.last_module = request.module.__name__
+        return shared.fleet
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def default_fleet(shared_fleet, smollm2_export):
+    """The 2-stage INT4 fleet with every flag at its default (paged stages, the default precision,
+    ephemeral ports): what most modules that only talk to a fleet need."""
+    return shared_fleet(smollm2_export(2, "int4"), 2)
 
 
 # The static exports the tests use: small fixed shapes keep their export and compile short.

@@ -1,4 +1,5 @@
-"""Real multi-process fleets on loopback (ephemeral ports), shared per test module."""
+"""Real multi-process fleets on loopback (ephemeral ports), shared per test module (a fleet that
+several modules need unchanged is shared across them: shared_fleet, default_fleet in tests/conftest.py)."""
 
 from __future__ import annotations
 

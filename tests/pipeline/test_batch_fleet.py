@@ -19,8 +19,8 @@ PROMPTS = ("The capital of France is", "Write a haiku about rain.", "List three 
 
 
 @pytest.fixture(scope="module")
-def fleet(smollm2_export, fleet_factory):
-    return fleet_factory(smollm2_export(2, "int4"), 2)
+def fleet(default_fleet):
+    return default_fleet
 
 
 def _chat(custom_id: str, prompt: str) -> str:

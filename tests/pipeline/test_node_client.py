@@ -31,8 +31,8 @@ def node() -> str:
 
 
 @pytest.fixture(scope="module")
-def fleet(smollm2_export, fleet_factory):
-    return fleet_factory(smollm2_export(2, "int4"), 2)
+def fleet(default_fleet):
+    return default_fleet
 
 
 def _generate(node: str, coordinator: str, *args: str) -> subprocess.CompletedProcess:

@@ -29,8 +29,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def fleet(smollm2_export, fleet_factory):
-    return fleet_factory(smollm2_export(2, "int4"), 2)
+def fleet(default_fleet):
+    return default_fleet
 
 
 def test_an_oversized_prompt_is_refused_before_tokenizing(fleet):

@@ -28,8 +28,8 @@ def shards(smollm2_export):
 
 
 @pytest.fixture(scope="module")
-def fleet(shards, fleet_factory):
-    return fleet_factory(shards, 2)
+def fleet(default_fleet):
+    return default_fleet
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from pipeshard.clients.client import PipeshardClient
+from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.launcher import spawn, stage_args
 
 pytestmark = pytest.mark.slow
@@ -21,11 +22,13 @@ SYSTEM = "You answer in short, precise sentences. " * 10
 
 
 @pytest.fixture(scope="module")
-def fleets(smollm2_export, fleet_factory):
-    export = smollm2_export(2, "int4")
-    warm = fleet_factory(export, 2, precision="exact")
-    cold = fleet_factory(export, 2, precision="exact", extra_stage_args=["--prefix-cache-bytes", "0"])
-    return warm, cold
+def fleets(smollm2_export, fleet_factory, default_fleet):
+    """The session's default fleet (exact, its stages keep prefixes) and one whose stages keep none."""
+    assert DEFAULT_PRECISION == "exact", "warm == cold is promised at exact; the warm fleet is the default"
+    cold = fleet_factory(
+        smollm2_export(2, "int4"), 2, precision="exact", extra_stage_args=["--prefix-cache-bytes", "0"]
+    )
+    return default_fleet, cold
 
 
 def _conversation(address: str) -> list[list[int]]:
@@ -54,8 +57,10 @@ def _next_turn(client: PipeshardClient, max_tokens: int) -> list[dict]:
 
 def test_warm_turns_equal_cold_turns_and_stages_keeping_nothing_are_not_asked(fleets):
     warm, cold = fleets
+    warm_path = warm.process("coordinator").log
+    earlier = warm_path.stat().st_size  # the shared fleet's log holds other modules' requests too
     assert _conversation(warm.coordinator) == _conversation(cold.coordinator)
-    warm_log = warm.process("coordinator").log.read_text()
+    warm_log = warm_path.read_bytes()[earlier:].decode()
     cold_log = cold.process("coordinator").log.read_text()
     assert warm_log.count('"prefix_cache_hit"') >= 2 and '"prefix_cache_fallback"' not in warm_log
     # The cold fleet's stages keep nothing and say so in each keep's reply: the index holds

@@ -92,8 +92,8 @@ def forward(address: str, frame, metadata=()) -> list[stage_pb2.ForwardResponse]
 
 
 @pytest.fixture(scope="module")
-def fleet(smollm2_export, fleet_factory):
-    return fleet_factory(smollm2_export(2, "int4"), 2)
+def fleet(default_fleet):
+    return default_fleet
 
 
 def test_results_reach_only_the_owner_of_the_session(fleet):

@@ -24,14 +24,14 @@ def shards(smollm2_export):
 
 
 @pytest.fixture(scope="module", params=[pytest.param("stateful", marks=pytest.mark.extended), "paged"])
-def client(request, shards, smollm2_draft, fleet_factory):
-    fleet = fleet_factory(
+def client(request, shards, smollm2_draft, shared_fleet):
+    # Paged is the stages' default, so the paged fleet is test_exact_fleet.py's 2-stage one, shared.
+    fleet = shared_fleet(
         shards,
         2,
         precision="exact",
-        # no compiled-model cache: the shared test exports stay as they are
-        extra_stage_args=["--kv", request.param, "--compile-cache-dir", "off"],
-        extra_coordinator_args=["--self-draft", str(smollm2_draft(2, 4096, "int4"))],
+        extra_stage_args=() if request.param == "paged" else ("--kv", request.param),
+        extra_coordinator_args=("--self-draft", str(smollm2_draft(2, 4096, "int4"))),
     )
     with PipeshardClient(fleet.coordinator, timeout_s=600) as c:
         yield c
