@@ -39,6 +39,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from pipeshard import trace
 from pipeshard.services.coordinator.speculation.policy import StepLoad, TimingModel
 from pipeshard.v1 import activation_pb2
 
@@ -176,6 +177,7 @@ class StepBatcher:
         self.last_step_tokens = sum(w.tokens for w in batch)
         for w in batch:
             self._loads[w.frame.session_id] = StepLoad(len(batch) - 1, self.last_step_tokens - w.tokens)
+            trace.mark("batched", w.frame.session_id, w.frame.step_id)
         self._rows_in_flight += len(batch)
         task = asyncio.create_task(self._run_step(batch), name="batch-step")
         self._steps.add(task)
