@@ -101,6 +101,7 @@ class Failover:
                 except Unavailable as exc:
                     error = exc
                     continue
+                ring.expedite(request.session_id)  # the lost step, sent next, goes at once
                 FAILOVERS.inc()
                 log.warning(
                     "session_failed_over",
