@@ -262,10 +262,6 @@ def join_parts(parts: list[KvBlob], *, checksum: bool = True) -> KvBlob:
 
 # -- snapshots in chunks (CaptureKvStream / RestoreKvStream) -------------------------------------
 DEFAULT_CHUNK_BYTES = 1 << 20
-# Bytes per message of a standby copy's parts, captured and restored (below the 64 MiB gRPC
-# message limit of both ends): a stage reads one message of a stream per turn of its event loop,
-# and a turn waits for the step it is computing, so a restore costs about a step per message.
-PART_MESSAGE_BYTES = 16 << 20
 MAX_SNAPSHOT_BYTES = (1 << 31) - 1  # protobuf parses no larger message
 
 
@@ -303,15 +299,6 @@ class SnapshotAssembler:
         self.total = total
         self._chunks: list[bytes] = []
         self._received = 0
-
-    @classmethod
-    def whole(cls, snapshot: bytes) -> SnapshotAssembler:
-        """A snapshot that arrived in one piece (RestoreKvStreamRequest.whole_parts)."""
-        if not snapshot:
-            raise InvalidArgument("whole_parts", "holds an empty part")
-        assembler = cls(len(snapshot))
-        assembler.add(snapshot)
-        return assembler
 
     def add(self, chunk: bytes) -> None:
         if self._received + len(chunk) > self.total:

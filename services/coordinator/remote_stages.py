@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import grpc
 import structlog
@@ -33,7 +33,7 @@ from pipeshard.services.coordinator.stage_watch import StageWatch
 from pipeshard.services.stage.wire import plan_from_frames
 from pipeshard.services.transport.channels import open_channel
 from pipeshard.services.transport.hop import PROBE_TRAIN, HopStream, keep_open
-from pipeshard.shard.kvblob import PART_MESSAGE_BYTES, SnapshotBytes
+from pipeshard.shard.kvblob import SnapshotBytes
 from pipeshard.tls import TlsConfig
 from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc
 
@@ -233,8 +233,7 @@ class RemoteStages:
             request = stage_pb2.CaptureKvStreamRequest(
                 capture=stage_pb2.CaptureKvRequest(
                     session_id=session_id, token_ids=token_ids, from_position=start
-                ),
-                chunk_bytes=PART_MESSAGE_BYTES,
+                )
             )
             chunks, positions = [], 0
             try:
@@ -260,7 +259,16 @@ class RemoteStages:
         fails (the caller discards the session)."""
 
         async def restore(i: int) -> None:
-            requests = restore_requests(session_id, parts[i])
+            requests = (
+                stage_pb2.RestoreKvStreamRequest(
+                    session_id=session_id if p == 0 and j == 0 else "",
+                    snapshot_chunk=chunk,
+                    snapshot_bytes=part.nbytes,
+                    next_part=p > 0 and j == 0,
+                )
+                for p, part in enumerate(parts[i])
+                for j, chunk in enumerate(part.chunks)
+            )
             try:
                 await self._stubs[i].RestoreKvStream(requests, timeout=timeout_s, metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
@@ -408,46 +416,6 @@ class RemoteStages:
             "results",
             stage=index,
         )
-
-
-def restore_requests(
-    session_id: str, parts: list[SnapshotBytes], message_bytes: int = PART_MESSAGE_BYTES
-) -> Iterator[stage_pb2.RestoreKvStreamRequest]:
-    """One stage's consecutive parts as RestoreKvStream messages of about ``message_bytes``: parts
-    that arrived in one chunk ride whole, many to a message (``whole_parts``); a larger one goes
-    chunk by chunk (``next_part``). The stage reads a message per turn of its event loop, and a
-    turn waits for the step it computes: one message per 32-token part made a restore cost a
-    step per part."""
-    pending: list[bytes] = []  # whole parts not sent yet
-    size, first = 0, True
-
-    def flush() -> stage_pb2.RestoreKvStreamRequest:
-        nonlocal pending, size, first
-        request = stage_pb2.RestoreKvStreamRequest(
-            session_id=session_id if first else "", whole_parts=pending
-        )
-        pending, size, first = [], 0, False
-        return request
-
-    for p, part in enumerate(parts):
-        if len(part.chunks) == 1:
-            if pending and size + part.nbytes > message_bytes:
-                yield flush()
-            pending.append(part.chunks[0])
-            size += part.nbytes
-            continue
-        if pending:
-            yield flush()
-        for j, chunk in enumerate(part.chunks):
-            yield stage_pb2.RestoreKvStreamRequest(
-                session_id=session_id if first else "",
-                snapshot_chunk=chunk,
-                snapshot_bytes=part.nbytes,
-                next_part=p > 0 and j == 0,
-            )
-            first = False
-    if pending:
-        yield flush()
 
 
 def _stage_rpc_error(index: int, address: str, exc: grpc.aio.AioRpcError) -> PipeshardError:

@@ -137,17 +137,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     async def RestoreKvStream(self, request_iterator, context):
         owner, session_id, parts = _owner(context), "", []  # one assembler per part
-        first = True
         async for request in request_iterator:
-            if first:
-                session_id, first = request.session_id, False
+            if not parts:
+                session_id = request.session_id
                 trace.mark("restore_first_chunk", session_id, 0)
-            if request.snapshot_chunk or request.snapshot_bytes or not request.whole_parts:
-                if not parts or request.next_part:
-                    parts.append(SnapshotAssembler(request.snapshot_bytes))
-                parts[-1].add(request.snapshot_chunk)
-            for whole in request.whole_parts:
-                parts.append(SnapshotAssembler.whole(whole))
+            if not parts or request.next_part:
+                parts.append(SnapshotAssembler(request.snapshot_bytes))
+            parts[-1].add(request.snapshot_chunk)
         if not parts:
             raise InvalidArgument("snapshot_chunk", "the stream sent no chunk")
         if not session_id:
