@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from pipeshard import trace
 from pipeshard.errors import PipeshardError, Unavailable
 from pipeshard.metrics import FAILOVERS
 from pipeshard.services.coordinator.kv_standby import KvStandby, StandbyCopy
@@ -81,9 +82,11 @@ class Failover:
                 await ring.abort_session(old, f"moved to another replica: {error}")
                 aborted = time.perf_counter()
                 replay = request.move_to(uuid.uuid4().hex)
+                trace.mark("failover_begin", request.session_id, 0)
                 try:
                     await ring.open_session(request.session_id, capacity)
                     opened = time.perf_counter()
+                    trace.mark("failover_opened", request.session_id, 0)
                     source, copy = await self._restore(
                         ring, request, copy, replay or request.prompt_ids, capacity
                     )
@@ -92,11 +95,13 @@ class Failover:
                         source = "prefix_cache" if request.cursor.logical else source
                     restored = request.cursor.logical
                     kv_ready = time.perf_counter()
+                    trace.mark("failover_restored", request.session_id, 0)
                     for frame in request.replay_frames(replay[restored:], prefill_chunk):
                         await ring.step(frame)
                 except Unavailable as exc:
                     error = exc
                     continue
+                ring.expedite(request.session_id)  # the lost step, sent next, goes at once
                 FAILOVERS.inc()
                 log.warning(
                     "session_failed_over",

@@ -121,6 +121,12 @@ class Ring:
             raise answer
         return answer
 
+    def expedite(self, session_id: str) -> None:
+        """The session's next step leaves at once, not after the steps in flight (a failover's
+        resend); a ring that does not batch sends every step at once anyway."""
+        if self.batch_steps is not None:
+            self.batch_steps.expedite(session_id)
+
     async def open_session(self, session_id: str, capacity: int | None = None) -> int:
         """Opens the session on every stage; returns the smallest max_context among them.
         ``capacity``: the tokens the session may use (a paged stage reserves them or refuses)."""

@@ -18,6 +18,10 @@ stage works on a different step). Each session has at most one step in flight (i
 awaits the result before sending on), so the running sessions split into about ``inflight``
 groups: a step takes at most its share, ceil(open sessions / inflight), of the decode rows.
 
+A failover's resend leaves at once (``expedite``): the moved session has waited through a restore
+already, and behind the steps in flight (after a failover often the other moved sessions' resends,
+each carrying the replay tail its copy lacked) it waited up to two such steps more.
+
 After a step the scheduler waits up to ``gather_s`` for the sessions just answered to send their
 next frames, so they ride in the same next step instead of trickling into separate ones. A frame
 that completes the queue (a lone session's always does) launches its step at once, with no
@@ -39,6 +43,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from pipeshard import trace
 from pipeshard.services.coordinator.speculation.policy import StepLoad, TimingModel
 from pipeshard.v1 import activation_pb2
 
@@ -100,6 +105,7 @@ class StepBatcher:
         self._changed: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._arrivals = itertools.count()
+        self._expedited: set[str] = set()  # sessions whose next frame leaves at once, alone
 
     async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
         if self._task is None or self._task.done():  # first step, or a new event loop
@@ -116,6 +122,10 @@ class StepBatcher:
             next(self._arrivals),
             urgent=frame.step_id == 0,
         )
+        if frame.session_id in self._expedited:
+            self._expedited.discard(frame.session_id)
+            self._launch([waiting])
+            return await waiting.answer
         self._queue.append(waiting)
         if len(self._steps) < self.inflight and self._complete():
             # Every frame the next step could wait for is here (a lone session's always is): it
@@ -138,9 +148,16 @@ class StepBatcher:
         with); the latest step's for a session that has not stepped yet."""
         return self._loads.get(session_id) or StepLoad(self.last_step_rows, self.last_step_tokens)
 
+    def expedite(self, session_id: str) -> None:
+        """The session's next frame leaves at once as a step of its own, past the limit of steps
+        in flight (a failover's resend: the stages compute in arrival order, so it waits at most
+        behind the step each is computing)."""
+        self._expedited.add(session_id)
+
     def forget(self, session_id: str) -> None:
         """The session has closed."""
         self._loads.pop(session_id, None)
+        self._expedited.discard(session_id)
 
     def _share(self) -> int:
         """Decode rows one step may take: the open sessions split over the steps in flight."""
@@ -176,6 +193,7 @@ class StepBatcher:
         self.last_step_tokens = sum(w.tokens for w in batch)
         for w in batch:
             self._loads[w.frame.session_id] = StepLoad(len(batch) - 1, self.last_step_tokens - w.tokens)
+            trace.mark("batched", w.frame.session_id, w.frame.step_id)
         self._rows_in_flight += len(batch)
         task = asyncio.create_task(self._run_step(batch), name="batch-step")
         self._steps.add(task)

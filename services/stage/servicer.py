@@ -140,6 +140,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         async for request in request_iterator:
             if not parts:
                 session_id = request.session_id
+                trace.mark("restore_first_chunk", session_id, 0)
             if not parts or request.next_part:
                 parts.append(SnapshotAssembler(request.snapshot_bytes))
             parts[-1].add(request.snapshot_chunk)
@@ -152,8 +153,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             # Off the event loop: decoding and hashing a long session's KV would stall every frame.
             return self._node.kv.check_parts([from_proto(part.snapshot()) for part in parts])
 
+        trace.mark("restore_received", session_id, 0)
         blob = await asyncio.to_thread(checked_blob)
+        trace.mark("restore_checked", session_id, 0)
         positions = self._node.kv.restore(owner, session_id, blob, checked=True)
+        trace.mark("restore_loaded", session_id, 0)
         return stage_pb2.RestoreKvStreamResponse(positions=positions)
 
     async def GetStageInfo(self, request, context):

@@ -52,6 +52,10 @@ class _Ring:
         self.opened: list[str] = []
         self.aborted: list[str] = []
         self.steps: list[activation_pb2.ActivationFrame] = []
+        self.expedited: list[str] = []
+
+    def expedite(self, session_id: str) -> None:
+        self.expedited.append(session_id)
 
     async def open_session(self, session_id: str, capacity: int | None = None) -> int:
         self.opened.append(session_id)
@@ -99,6 +103,7 @@ def test_the_standby_copy_is_restored_and_the_tail_rides_with_the_resent_step():
     assert request.cursor.logical == 64 and ring.steps == []  # two whole blocks; no fill step
     assert request.pending == CONTEXT[64:]  # the 5 tokens past the copy, then the lost step's
     assert standby.take(request.session_id).positions == 64  # the copy follows the new session
+    assert ring.expedited == [request.session_id]  # the resent step goes at once
 
 
 def test_a_refused_copy_is_given_up_for_a_replay_in_a_fresh_session():
@@ -107,3 +112,4 @@ def test_a_refused_copy_is_given_up_for_a_replay_in_a_fresh_session():
     assert ring.aborted == ["old", first] and request.session_id == second
     assert len(ring.steps) == 2 and request.cursor.logical == 64  # 64 replayed in chunks of 32
     assert request.pending == CONTEXT[64:] and standby.nbytes == 0
+    assert ring.expedited == [second]

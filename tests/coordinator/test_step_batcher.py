@@ -66,6 +66,38 @@ def test_a_chunk_larger_than_the_budget_runs_alone_and_errors_reach_their_caller
     assert isinstance(ok, activation_pb2.StepResult) and isinstance(error, NotFound)
 
 
+def test_an_expedited_session_s_next_frame_leaves_at_once_alone():
+    """A failover's resend does not wait for a step in flight; the session's later frames batch."""
+    seen: list[list[str]] = []
+
+    async def main():
+        gate = asyncio.Event()
+
+        async def run(frames):
+            seen.append([f.session_id for f in frames])
+            if frames[0].session_id == "slow":
+                await gate.wait()
+            return [activation_pb2.StepResult(session_id=f.session_id) for f in frames]
+
+        batcher = StepBatcher(run, sessions=lambda: 3, gather_s=0.01, inflight=1)
+        slow = asyncio.ensure_future(batcher.step(_frame("slow", 1)))
+        await asyncio.sleep(0.02)
+        waiting = asyncio.ensure_future(batcher.step(_frame("other", 1)))
+        batcher.expedite("moved")
+        # answered while "slow" is still in flight (without expedite it would wait for ever)
+        moved = await asyncio.wait_for(batcher.step(_frame("moved", 20)), 30)
+        assert not slow.done() and not waiting.done()
+        gate.set()
+        await asyncio.gather(slow, waiting)
+        again = await batcher.step(_frame("moved", 1, step=1))
+        await batcher.close()
+        return moved, again
+
+    moved, again = asyncio.run(main())
+    assert moved.session_id == again.session_id == "moved"
+    assert seen == [["slow"], ["moved"], ["other"], ["moved"]]
+
+
 def test_plan_frames_carry_each_rows_tokens_and_return_mode():
     a, b = token_frame("a", 7, [1, 2, 3], 0, True), token_frame("b", 2, [9], 5, False, return_last=1)
     plan = plan_from_frames([a, b])
