@@ -3,7 +3,9 @@
 A job keeps at most its identity's running limit of items in the scheduler at once (so its
 queue limits never refuse it) and streams each item's result the moment it finishes; an item
 that fails answers its error and the job goes on. Items are batch requests: the scheduler admits
-them only when no interactive request waits (scheduler.py).
+them only when no interactive request waits (scheduler.py). A job may name the codec its
+sessions ask every stage for (``SESSION_CODEC``, set in each item's task), so one fleet can run
+jobs with and without compression side by side.
 
 Micro-batches: on a paged fleet every running session's rows go through the step batcher
 (step_batcher.py), which splits the sessions into ``inflight`` groups, each a plan step, up to
@@ -30,6 +32,8 @@ from dataclasses import dataclass
 import structlog
 
 from pipeshard.errors import InvalidArgument, PipeshardError
+from pipeshard.link_model import parse_codec
+from pipeshard.services.coordinator.remote_stages import SESSION_CODEC
 from pipeshard.v1 import coordinator_pb2
 
 log = structlog.get_logger(__name__)
@@ -181,7 +185,8 @@ def check_items(items: Sequence[coordinator_pb2.BatchJobItem]) -> None:
 
 
 class BatchJob:
-    """Runs ``items`` through ``run`` with at most ``concurrency`` at once; yields each result."""
+    """Runs ``items`` through ``run`` with at most ``concurrency`` at once; yields each result.
+    ``codec``: what the items' sessions ask every stage for (empty: the stages' own)."""
 
     def __init__(
         self,
@@ -189,8 +194,10 @@ class BatchJob:
         run: ItemRunner,
         concurrency: int,
         micro: MicroBatchControl,
+        codec: str = "",
     ):
         check_items(items)
+        self._codec = parse_codec(codec) if codec else ""
         self._items = list(items)
         self._run = run
         self._concurrency = max(1, min(concurrency, len(self._items)))
@@ -215,6 +222,7 @@ class BatchJob:
                 await asyncio.gather(*workers, return_exceptions=True)
 
     async def _worker(self, pending: asyncio.Queue, done: asyncio.Queue) -> None:
+        SESSION_CODEC.set(self._codec)  # this worker task's own context: its items' sessions only
         while not pending.empty():
             item = pending.get_nowait()
             response = await self._one(item)

@@ -147,6 +147,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 lambda item: self._generate(item, context, identity=identity, batch=True),
                 self._scheduler.running_limit(identity),
                 micro,
+                codec=request.codec,
             )
             log.info("batch_job", items=len(request.items), identity=identity.name)
             async for response in job.results():

@@ -15,6 +15,7 @@ from pipeshard.services.coordinator.batch_jobs import (
     MicroBatches,
     MicroBatchMemory,
 )
+from pipeshard.services.coordinator.remote_stages import SESSION_CODEC
 from pipeshard.v1 import coordinator_pb2
 
 
@@ -76,6 +77,29 @@ def test_empty_job_and_empty_or_repeated_custom_id_refused_naming_the_items():
         BatchJob(items("a", "b", "a"), run, 4, control)
     with pytest.raises(InvalidArgument, match=r"`items\[1\].custom_id` must not be empty"):
         BatchJob(items("a", ""), run, 4, control)
+
+
+def test_a_jobs_codec_reaches_its_items_sessions_only_and_an_unknown_one_is_refused():
+    seen: dict[str, str] = {}
+
+    async def run(request):
+        seen[request.prompt] = SESSION_CODEC.get()  # what the item's OpenSession would ask for
+        yield coordinator_pb2.GenerateResponse(summary=coordinator_pb2.GenerateSummary())
+
+    async def scenario():
+        control = MicroBatchControl(None, 2, MicroBatches(1), MicroBatchMemory())
+        on = BatchJob(items("a", "b"), run, 2, control, codec="lane_blocks_zstd")
+        default = BatchJob(items("c"), run, 1, control)
+        await asyncio.gather(*(_drain(job) for job in (on, default)))
+        return SESSION_CODEC.get()
+
+    async def _drain(job):
+        return [r async for r in job.results()]
+
+    assert asyncio.run(scenario()) == ""  # the caller's own context is untouched
+    assert seen == {"p-a": "lane_blocks_zstd", "p-b": "lane_blocks_zstd", "p-c": ""}
+    with pytest.raises(InvalidArgument, match=r"`codec` must be one of .*'gzip'"):
+        BatchJob(items("a"), run, 1, MicroBatchControl(None, 2, MicroBatches(1), MicroBatchMemory()), "gzip")
 
 
 def test_every_item_answered_once_errors_per_item_and_at_most_the_running_limit_at_once():
