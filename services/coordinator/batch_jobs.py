@@ -13,12 +13,14 @@ Micro-batches: on a paged fleet every running session's rows go through the step
 on the wire. While a job runs it sets that number: ``off`` is one group (the whole batch in one
 step), M is M groups, and ``auto`` measures the rows per second the fleet delivers at each M
 from 1 to the number of stages and back down, ``PROBE_ROUNDS`` rounds each way (M steps a
-round: every session once), then keeps the best, for this job and the later auto jobs of the
-coordinator (the first pays for the measurement; a short job may end before it does). The
-grouping changes only which rows share a step, so in ``exact`` precision every answer is the
-same whatever M is. When the last
-running job ends the batcher gets back the number it had before the first (while two jobs run,
-the later one's count holds).
+round: every session once), then keeps the smallest M within ``PROBE_TIE`` of the fastest. The
+choice holds for the job's :class:`Workload` (its codec and, to a power of two, how many
+sessions it runs at once): later auto jobs of that workload use it, a job of another codec or
+size is probed anew, and a job that ends before its probe does leaves the rest of the probe to
+the next auto job of its workload. The grouping changes only which rows share a step, so in
+``exact`` precision every answer is the same whatever M is. When the last running job ends the
+batcher gets back the number it had before the first (while two jobs run, the later one's count
+holds). The count applies to every running session, interactive ones too, while a job runs.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -44,6 +46,10 @@ PROBE_ROUNDS = 2
 PROBE_WARMUP_STEPS = 1
 # How often the auto probe looks at the step counters.
 PROBE_POLL_S = 0.01
+# Counts whose rows/s are within this fraction of the fastest tie, and the smallest of them wins:
+# it carries the same rows in fewer steps (less per-step work on every stage), and differences this
+# small are within what one probe measures on a loaded machine.
+PROBE_TIE = 0.03
 
 # Runs one item's request as a batch request: Generate's response stream.
 ItemRunner = Callable[[coordinator_pb2.GenerateRequest], AsyncIterator[coordinator_pb2.GenerateResponse]]
@@ -74,12 +80,53 @@ class MicroBatches:
         return cls(count)
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What an auto choice holds for: the job's codec (the wire time of a step) and how many of its
+    sessions run at once, rounded up to a power of two (the rows a step can split)."""
+
+    codec: str = ""
+    rows: int = 1
+
+    @classmethod
+    def of(cls, codec: str, rows: int) -> Workload:
+        return cls(codec, 1 << max(rows - 1, 0).bit_length())
+
+
+@dataclass
+class Probe:
+    """An auto probe of one workload, kept across jobs: the windows still to measure (each count
+    going up from 1 to the stages and back down) and the rows and seconds measured so far."""
+
+    plan: list[int]
+    rows: dict[int, int]
+    seconds: dict[int, float]
+    chosen: int | None = None
+    running: bool = False  # a job is measuring it now
+
+    @classmethod
+    def over(cls, stages: int) -> Probe:
+        counts = list(range(1, stages + 1))
+        return cls(counts + counts[::-1], dict.fromkeys(counts, 0), dict.fromkeys(counts, 0.0))
+
+    def rates(self) -> dict[int, float]:
+        """Rows per second of every count measured so far."""
+        return {c: self.rows[c] / s for c, s in self.seconds.items() if s > 0}
+
+    def choose(self) -> int:
+        """The smallest count within PROBE_TIE of the fastest."""
+        rates = self.rates()
+        best = max(rates.values())
+        self.chosen = min(c for c, rate in rates.items() if rate >= best * (1 - PROBE_TIE))
+        return self.chosen
+
+
 @dataclass
 class MicroBatchMemory:
-    """What one coordinator's step batcher keeps across batch jobs: the M an auto job measured
-    best (later auto jobs use it), and while jobs run, how many and the count it had before them."""
+    """What one coordinator's step batcher keeps across batch jobs: the auto probe of each
+    workload, and while jobs run, how many and the count the batcher had before them."""
 
-    chosen: int | None = None
+    probes: dict[Workload, Probe] = field(default_factory=dict)
     saved: int = 1
     jobs: int = 0
 
@@ -88,7 +135,8 @@ class MicroBatchControl:
     """Sets the step batcher's group count for a job, measures it under ``auto``, restores it.
 
     ``steps`` is the ring's step batcher (None on the stateful backend, where every session steps
-    alone and there is nothing to group); ``memory`` is the coordinator's, shared by its jobs."""
+    alone and there is nothing to group); ``memory`` is the coordinator's, shared by its jobs;
+    ``workload`` names the auto probe this job uses or continues."""
 
     def __init__(
         self,
@@ -96,12 +144,14 @@ class MicroBatchControl:
         stages: int,
         setting: MicroBatches,
         memory: MicroBatchMemory,
+        workload: Workload = Workload(),
         clock: Callable[[], float] = time.perf_counter,
     ):
         self._steps = steps
         self._stages = max(stages, 1)
         self._setting = setting
         self._memory = memory
+        self._workload = workload
         self._clock = clock
         self.current = setting.count
         self.measured: dict[int, float] = {}  # auto: rows per second at each M tried
@@ -115,19 +165,27 @@ class MicroBatchControl:
         if not memory.jobs:
             memory.saved = self._steps.inflight
         memory.jobs += 1
+        task = None
         probe = None
-        if self._setting.auto and memory.chosen is not None:
-            self.current = memory.chosen
-        elif self._setting.auto:
-            probe = asyncio.create_task(self._probe(), name="micro-batch-probe")
-        self._set(self.current)
+        if self._setting.auto:
+            probe = memory.probes.setdefault(self._workload, Probe.over(self._stages))
+        if probe is not None and probe.chosen is not None:
+            self._set(probe.chosen)
+        elif probe is not None and probe.running:  # another job of this workload probes: its counts hold
+            self.current = self._steps.inflight
+        else:
+            self._set(self.current)
+            if probe is not None:
+                probe.running = True
+                task = asyncio.create_task(self._probe(probe), name="micro-batch-probe")
         try:
             yield self
         finally:
-            if probe is not None:
-                probe.cancel()
+            if task is not None:
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await probe
+                    await task
+                probe.running = False
             memory.jobs -= 1
             if not memory.jobs:
                 self._steps.inflight = memory.saved
@@ -136,30 +194,31 @@ class MicroBatchControl:
         self.current = count
         self._steps.inflight = count
 
-    async def _probe(self) -> None:
-        """Runs each candidate M for PROBE_ROUNDS rounds going up from 1 to the stages and then
-        back down, and keeps the one with the most rows/s over both passes. Each candidate's two
-        windows sit symmetrically about the probe's middle, so a drift of the job's rate through the
-        probe (prompts prefilling at its start, sessions ending towards its end) weighs on every
-        candidate alike instead of favouring the ones measured first."""
+    async def _probe(self, probe: Probe) -> None:
+        """Runs the probe's remaining windows, PROBE_ROUNDS rounds of each count, going up from 1
+        to the stages and then back down, then keeps its choice. Each count's two windows sit
+        symmetrically about the probe's middle, so a drift of the job's rate through the probe
+        (prompts prefilling at its start, sessions ending towards its end) weighs on every count
+        alike instead of favouring the ones measured first. A window cut off by the job's end
+        counts for nothing: the next job of the workload measures it again."""
         await self._wait_steps(PROBE_WARMUP_STEPS)
-        counts = list(range(1, self._stages + 1))
-        rows = dict.fromkeys(counts, 0)
-        seconds = dict.fromkeys(counts, 0.0)
-        for count in counts + counts[::-1]:
+        while probe.plan:
+            count = probe.plan[0]
             self._set(count)
             await self._wait_steps(1)  # steps formed under the previous M are still travelling
             before, start = self._steps.rows_run, self._clock()
             await self._wait_steps(PROBE_ROUNDS * count)
-            rows[count] += self._steps.rows_run - before
-            seconds[count] += self._clock() - start
-            self.measured[count] = rows[count] / seconds[count] if seconds[count] > 0 else 0.0
-        best = max(self.measured, key=lambda count: (self.measured[count], -count))
+            probe.rows[count] += self._steps.rows_run - before
+            probe.seconds[count] += self._clock() - start
+            probe.plan.pop(0)
+            self.measured = probe.rates()
+        best = probe.choose()
         self._set(best)
-        self._memory.chosen = best
         log.info(
             "micro_batches_chosen",
             micro_batches=best,
+            codec=self._workload.codec,
+            rows=self._workload.rows,
             rows_per_s={k: round(v, 1) for k, v in self.measured.items()},
         )
 

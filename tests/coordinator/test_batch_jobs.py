@@ -1,5 +1,6 @@
 """Batch jobs (RunBatch's domain code) with a fake item runner and a fake step batcher: every item
-answered once, errors per item, the identity's running limit, and the micro-batch setting."""
+answered once, errors per item, the identity's running limit, the job's codec, and the micro-batch
+setting (the auto probe over fake step timings: one second a step, rows per step by M)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pipeshard.services.coordinator.batch_jobs import (
     MicroBatchControl,
     MicroBatches,
     MicroBatchMemory,
+    Workload,
 )
 from pipeshard.services.coordinator.remote_stages import SESSION_CODEC
 from pipeshard.v1 import coordinator_pb2
@@ -166,7 +168,7 @@ def test_auto_tries_each_count_up_to_the_stages_and_keeps_the_fastest(monkeypatc
         control = MicroBatchControl(steps, 3, MicroBatches(auto=True), memory, clock=steps.clock)
         ticker = asyncio.create_task(steps.run())
         async with control.applied():
-            while memory.chosen is None:
+            while memory.probes[Workload()].chosen is None:
                 await asyncio.sleep(0.001)
         ticker.cancel()
         return control
@@ -205,13 +207,67 @@ def test_auto_keeps_the_fastest_count_while_the_jobs_rate_drifts_down(monkeypatc
         control = MicroBatchControl(steps, 3, MicroBatches(auto=True), memory, clock=steps.clock)
         ticker = asyncio.create_task(steps.run())
         async with control.applied():
-            while memory.chosen is None:
+            while memory.probes[Workload()].chosen is None:
                 await asyncio.sleep(0.001)
         ticker.cancel()
         return control
 
     control = asyncio.run(asyncio.wait_for(scenario(), 10))
-    assert memory.chosen == 3, control.measured
+    assert memory.probes[Workload()].chosen == 3, control.measured
+
+
+async def _auto_job(steps: FakeSteps, memory: MicroBatchMemory, workload: Workload, steps_alive: int | None):
+    """An auto job that lasts until its probe has chosen, or only ``steps_alive`` steps."""
+    control = MicroBatchControl(steps, 3, MicroBatches(auto=True), memory, workload, clock=steps.clock)
+    ticker = asyncio.create_task(steps.run())
+    start = steps.steps_run
+    async with control.applied():
+        while (
+            memory.probes[workload].chosen is None
+            if steps_alive is None
+            else steps.steps_run < start + steps_alive
+        ):
+            await asyncio.sleep(0.001)
+    ticker.cancel()
+    return control
+
+
+def test_auto_resolves_a_near_tie_toward_the_smaller_count(monkeypatch):
+    """M = 3 delivers 2% more rows than M = 2 (within PROBE_TIE): M = 2 carries them in fewer steps."""
+    monkeypatch.setattr(batch_jobs, "PROBE_POLL_S", 0.0002)
+    steps = FakeSteps({1: 4, 2: 10, 3: 10.2})
+    memory = MicroBatchMemory()
+    asyncio.run(asyncio.wait_for(_auto_job(steps, memory, Workload(), None), 10))
+    assert memory.probes[Workload()].chosen == 2
+
+
+def test_a_probe_cut_off_by_its_jobs_end_is_finished_by_the_next_job_of_its_workload(monkeypatch):
+    monkeypatch.setattr(batch_jobs, "PROBE_POLL_S", 0.0002)
+    steps = FakeSteps({1: 4, 2: 9, 3: 7})
+    memory = MicroBatchMemory()
+    workload = Workload.of("none", 32)
+    asyncio.run(asyncio.wait_for(_auto_job(steps, memory, workload, 12), 10))
+    probe = memory.probes[workload]
+    assert probe.chosen is None and not probe.running and 0 < len(probe.plan) < 6
+    assert steps.inflight == 3  # the batcher's own count back after the job
+    second = asyncio.run(asyncio.wait_for(_auto_job(steps, memory, workload, None), 10))
+    assert probe.chosen == 2 and not probe.plan
+    assert 0 < len(second.measured) <= 3
+
+
+def test_another_codec_or_job_size_is_probed_anew_and_the_same_reuses_the_choice(monkeypatch):
+    monkeypatch.setattr(batch_jobs, "PROBE_POLL_S", 0.0002)
+    assert Workload.of("none", 20) == Workload.of("none", 32) == Workload("none", 32)
+    assert Workload.of("none", 8) != Workload.of("none", 32) != Workload.of("lane_blocks_zstd", 32)
+    steps = FakeSteps({1: 4, 2: 9, 3: 7})
+    memory = MicroBatchMemory()
+    asyncio.run(asyncio.wait_for(_auto_job(steps, memory, Workload.of("none", 32), None), 10))
+    steps._rows = {1: 4, 2: 7, 3: 9}  # compressed frames: M = 3 now fastest
+    compressed = Workload.of("lane_blocks_zstd", 32)
+    asyncio.run(asyncio.wait_for(_auto_job(steps, memory, compressed, None), 10))
+    assert memory.probes[Workload.of("none", 32)].chosen == 2 and memory.probes[compressed].chosen == 3
+    again = asyncio.run(asyncio.wait_for(_auto_job(steps, memory, Workload.of("none", 24), 3), 10))
+    assert again.current == 2 and again.measured == {}
 
 
 def test_overlapping_jobs_restore_the_batchers_own_count_when_the_last_ends():
