@@ -8,19 +8,18 @@ sessions ask every stage for (``SESSION_CODEC``, set in each item's task), so on
 jobs with and without compression side by side.
 
 Micro-batches: on a paged fleet every running session's rows go through the step batcher
-(step_batcher.py), which splits the sessions into ``inflight`` groups, each a plan step, up to
-``inflight`` of them travelling the stages at once: stage k computes group i+1 while group i is
-on the wire. While a job runs it sets that number: ``off`` is one group (the whole batch in one
-step), M is M groups, and ``auto`` measures the rows per second the fleet delivers at each M
-from 1 to the number of stages and back down, ``PROBE_ROUNDS`` rounds each way (M steps a
-round: every session once), then keeps the smallest M within ``PROBE_TIE`` of the fastest. The
-choice holds for the job's :class:`Workload` (its codec and, to a power of two, how many
-sessions it runs at once): later auto jobs of that workload use it, a job of another codec or
-size is probed anew, and a job that ends before its probe does leaves the rest of the probe to
-the next auto job of its workload. The grouping changes only which rows share a step, so in
-``exact`` precision every answer is the same whatever M is. When the last running job ends the
-batcher gets back the number it had before the first (while two jobs run, the later one's count
-holds). The count applies to every running session, interactive ones too, while a job runs.
+(step_batcher.py), which steps a job's sessions under the job's own :class:`Grouping`: their
+decode rows in ``count`` groups, each a plan step, up to ``count`` of them travelling the stages
+at once, so stage k computes group i+1 while group i is on the wire. Other sessions (interactive
+ones, other jobs) keep their own grouping. ``off`` is one group (the whole batch in one step), M
+is M groups, and ``auto`` measures the rows per second the job's steps deliver at each M from 1
+to the number of stages and back down, ``PROBE_ROUNDS`` rounds each way (M steps a round: every
+session once), then keeps the smallest M within ``PROBE_TIE`` of the fastest. The choice holds
+for the job's :class:`Workload` (its codec and, to a power of two, how many sessions it runs at
+once): later auto jobs of that workload use it, a job of another codec or size is probed anew,
+and a job that ends before its probe does leaves the rest of the probe to the next auto job of
+its workload. The grouping changes only which rows share a step, so in ``exact`` precision
+every answer is the same whatever M is.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ import structlog
 from pipeshard.errors import InvalidArgument, PipeshardError
 from pipeshard.link_model import parse_codec
 from pipeshard.services.coordinator.remote_stages import SESSION_CODEC
+from pipeshard.services.coordinator.step_batcher import JOB_GROUPING, Grouping
 from pipeshard.v1 import coordinator_pb2
 
 log = structlog.get_logger(__name__)
@@ -123,16 +123,13 @@ class Probe:
 
 @dataclass
 class MicroBatchMemory:
-    """What one coordinator's step batcher keeps across batch jobs: the auto probe of each
-    workload, and while jobs run, how many and the count the batcher had before them."""
+    """What one coordinator keeps across batch jobs: the auto probe of each workload."""
 
     probes: dict[Workload, Probe] = field(default_factory=dict)
-    saved: int = 1
-    jobs: int = 0
 
 
 class MicroBatchControl:
-    """Sets the step batcher's group count for a job, measures it under ``auto``, restores it.
+    """The job's :class:`Grouping`: its count fixed, or measured and chosen under ``auto``.
 
     ``steps`` is the ring's step batcher (None on the stateful backend, where every session steps
     alone and there is nothing to group); ``memory`` is the coordinator's, shared by its jobs;
@@ -153,29 +150,28 @@ class MicroBatchControl:
         self._memory = memory
         self._workload = workload
         self._clock = clock
-        self.current = setting.count
+        self.grouping = Grouping(setting.count)
         self.measured: dict[int, float] = {}  # auto: rows per second at each M tried
+
+    @property
+    def current(self) -> int:
+        return self.grouping.count
+
+    def enter(self) -> None:
+        """Puts the job's sessions stepped in this context (an item's task) under its grouping."""
+        JOB_GROUPING.set(self.grouping)
 
     @contextlib.asynccontextmanager
     async def applied(self) -> AsyncIterator[MicroBatchControl]:
-        if self._steps is None:
-            yield self
-            return
-        memory = self._memory
-        if not memory.jobs:
-            memory.saved = self._steps.inflight
-        memory.jobs += 1
-        task = None
-        probe = None
-        if self._setting.auto:
-            probe = memory.probes.setdefault(self._workload, Probe.over(self._stages))
-        if probe is not None and probe.chosen is not None:
-            self._set(probe.chosen)
-        elif probe is not None and probe.running:  # another job of this workload probes: its counts hold
-            self.current = self._steps.inflight
-        else:
-            self._set(self.current)
-            if probe is not None:
+        """Chooses the count for the job's run, measuring it under ``auto`` while the job runs."""
+        task = probe = None
+        if self._steps is not None and self._setting.auto:
+            probe = self._memory.probes.setdefault(self._workload, Probe.over(self._stages))
+            if probe.chosen is not None:
+                self.grouping.count = probe.chosen
+            elif probe.running:  # another job of this workload probes: the batcher's own count
+                self.grouping.count = self._steps.inflight
+            else:
                 probe.running = True
                 task = asyncio.create_task(self._probe(probe), name="micro-batch-probe")
         try:
@@ -186,13 +182,6 @@ class MicroBatchControl:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
                 probe.running = False
-            memory.jobs -= 1
-            if not memory.jobs:
-                self._steps.inflight = memory.saved
-
-    def _set(self, count: int) -> None:
-        self.current = count
-        self._steps.inflight = count
 
     async def _probe(self, probe: Probe) -> None:
         """Runs the probe's remaining windows, PROBE_ROUNDS rounds of each count, going up from 1
@@ -201,30 +190,30 @@ class MicroBatchControl:
         (prompts prefilling at its start, sessions ending towards its end) weighs on every count
         alike instead of favouring the ones measured first. A window cut off by the job's end
         counts for nothing: the next job of the workload measures it again."""
+        grouping = self.grouping
         await self._wait_steps(PROBE_WARMUP_STEPS)
         while probe.plan:
-            count = probe.plan[0]
-            self._set(count)
+            count = grouping.count = probe.plan[0]
             await self._wait_steps(1)  # steps formed under the previous M are still travelling
-            before, start = self._steps.rows_run, self._clock()
+            before, start = grouping.rows_run, self._clock()
             await self._wait_steps(PROBE_ROUNDS * count)
-            probe.rows[count] += self._steps.rows_run - before
+            probe.rows[count] += grouping.rows_run - before
             probe.seconds[count] += self._clock() - start
             probe.plan.pop(0)
             self.measured = probe.rates()
-        best = probe.choose()
-        self._set(best)
+        grouping.count = probe.choose()
         log.info(
             "micro_batches_chosen",
-            micro_batches=best,
+            micro_batches=grouping.count,
             codec=self._workload.codec,
             rows=self._workload.rows,
             rows_per_s={k: round(v, 1) for k, v in self.measured.items()},
         )
 
     async def _wait_steps(self, steps: int) -> None:
-        target = self._steps.steps_run + steps
-        while self._steps.steps_run < target:
+        """Until ``steps`` more steps carried the job's rows."""
+        target = self.grouping.steps_run + steps
+        while self.grouping.steps_run < target:
             await asyncio.sleep(PROBE_POLL_S)
 
 
@@ -282,6 +271,7 @@ class BatchJob:
 
     async def _worker(self, pending: asyncio.Queue, done: asyncio.Queue) -> None:
         SESSION_CODEC.set(self._codec)  # this worker task's own context: its items' sessions only
+        self._micro.enter()
         while not pending.empty():
             item = pending.get_nowait()
             response = await self._one(item)
