@@ -138,7 +138,7 @@ soak: model
 bench-compress: model
 	$(PY) -m bench.compress
 
-## bench-wan: greedy and sampled decoding over the WAN emulator (tbf 500/100/20 Mbit/s x 0/25 ms per hop), session codecs none / lane blocks / auto interleaved in one fleet per point; final-stage sampling vs shipped logits at 20 Mbit/s (root; WAN_POINTS=20:25 for a reduced run; bench/results/wan.json); BENCH_PART=batch: offline batch jobs on 3 stages at 20 and 100 Mbit/s x 25 ms, compression off/on x micro-batches off/2/3/auto (BATCH_REQUESTS, BATCH_TOKENS, BENCH_RUNS; bench/results/wan_batch.json)
+## bench-wan: greedy and sampled decoding over the WAN emulator (tbf 500/100/20 Mbit/s x 0/25 ms per hop), session codecs none / lane blocks / auto interleaved in one fleet per point; final-stage sampling vs shipped logits at 20 Mbit/s (root; WAN_POINTS=20:25 for a reduced run; bench/results/wan.json); BENCH_PART=batch: offline batch jobs on 3 stages at 20 and 100 Mbit/s x 25 ms, one fleet per rate, compression off/on (the job's codec) x micro-batches off/2/3/auto interleaved job by job (BATCH_REQUESTS, BATCH_TOKENS, BENCH_RUNS; bench/results/wan_batch.json)
 bench-wan: model
 	$(PY) -m bench.wan
 
