@@ -93,6 +93,7 @@ def measure_rate(shards: Path, rate: float, run_dir: Path) -> dict[str, dict]:
 
             configs = {f"{c}/{m}": runner(c, m) for c in CODECS for m in MICRO}
             samples = interleaved(configs, RUNS, warmup=1)
+        probes = _probe_lines(wan.run_dir / "coordinator.log")
     out: dict[str, dict] = {}
     for key, values in samples.items():
         compression, micro = key.split("/")
@@ -101,7 +102,17 @@ def measure_rate(shards: Path, rate: float, run_dir: Path) -> dict[str, dict]:
             "samples": values,
             "micro_batches_at_end": chosen[key][1:],
         }
+    for compression, codec in CODECS.items():
+        out[f"{rate:g}mbit/{compression}"]["auto_probes"] = [p for p in probes if p.get("codec") == codec]
     return out
+
+
+def _probe_lines(log: Path) -> list[dict]:
+    """The coordinator's auto probe results (the M each kept and the rows/s it measured)."""
+    if not log.exists():
+        return []
+    lines = [line for line in log.read_text().splitlines() if '"micro_batches_chosen"' in line]
+    return [json.loads(line) for line in lines]
 
 
 def summarise(results: dict[str, dict]) -> dict:
