@@ -138,7 +138,7 @@ soak: model
 bench-compress: model
 	$(PY) -m bench.compress
 
-## bench-wan: greedy and sampled decoding over the WAN emulator (tbf 500/100/20 Mbit/s x 0/25 ms per hop), session codecs none / lane blocks / auto interleaved in one fleet per point; final-stage sampling vs shipped logits at 20 Mbit/s (root; WAN_POINTS=20:25 for a reduced run; bench/results/wan.json); BENCH_PART=batch: offline batch jobs on 3 stages at 20 and 100 Mbit/s x 25 ms, compression off/on x micro-batches off/2/3/auto (BATCH_REQUESTS, BATCH_TOKENS, BENCH_RUNS; bench/results/wan_batch.json)
+## bench-wan: greedy and sampled decoding over the WAN emulator (tbf 500/100/20 Mbit/s x 0/25 ms per hop), session codecs none / lane blocks / auto interleaved in one fleet per point; final-stage sampling vs shipped logits at 20 Mbit/s (root; WAN_POINTS=20:25 for a reduced run; bench/results/wan.json); BENCH_PART=batch: offline batch jobs on 3 stages at 20 and 100 Mbit/s x 25 ms, one fleet per rate, compression off/on (the job's codec) x micro-batches off/2/3/auto interleaved job by job (BATCH_REQUESTS, BATCH_TOKENS, BENCH_RUNS; bench/results/wan_batch.json)
 bench-wan: model
 	$(PY) -m bench.wan
 
@@ -168,11 +168,11 @@ COORDINATOR ?= 127.0.0.1:50051
 serve-openai: proto
 	$(VENV)/bin/pipeshard serve-openai --coordinator $(COORDINATOR) --log-format console
 
-## batch: run an OpenAI batch file through a running coordinator (IN=input.jsonl OUT=output.jsonl [MICRO_BATCHES=auto|off|M]; a rerun skips finished custom_ids)
+## batch: run an OpenAI batch file through a running coordinator (IN=input.jsonl OUT=output.jsonl [MICRO_BATCHES=auto|off|M] [CODEC=none|lane_blocks_zstd|...]; a rerun skips finished custom_ids)
 MICRO_BATCHES ?= auto
 batch: proto
-	@test -n "$(IN)" -a -n "$(OUT)" || { echo "usage: make batch IN=input.jsonl OUT=output.jsonl [COORDINATOR=$(COORDINATOR)] [MICRO_BATCHES=auto]"; exit 2; }
-	$(VENV)/bin/pipeshard batch $(IN) --out $(OUT) --coordinator $(COORDINATOR) --micro-batches $(MICRO_BATCHES)
+	@test -n "$(IN)" -a -n "$(OUT)" || { echo "usage: make batch IN=input.jsonl OUT=output.jsonl [COORDINATOR=$(COORDINATOR)] [MICRO_BATCHES=auto] [CODEC=MODE]"; exit 2; }
+	$(VENV)/bin/pipeshard batch $(IN) --out $(OUT) --coordinator $(COORDINATOR) --micro-batches $(MICRO_BATCHES) $(if $(CODEC),--codec $(CODEC))
 
 ## distil: (DISTIL_PROMPTS texts, DISTIL_EPOCHS passes) train a DRAFT_LAYERS-layer draft on the 1-stage target's answers to synthetic prompts and export it (shards/<model>-distil<K>-v<N>; generating the answers at ~45 tokens/s dominates); KIND=eagle: a draft reading the target's features (shards/<model>-eagle-v<N>, reused when it matches; `make up` offers it as `feature`)
 KIND ?= token

@@ -37,7 +37,7 @@ from pathlib import Path
 from bench.stats import RESULTS_DIR, interleaved, median, ratio_ci, write_result
 from pipeshard.offline import set_offline_defaults
 from pipeshard.services.coordinator.generation import Generation, Summary
-from pipeshard.services.coordinator.remote_stages import RemoteStages
+from pipeshard.services.coordinator.remote_stages import SESSION_CODEC, RemoteStages
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.wan.emulator import CONTROL_PORT, WanFleet
@@ -106,7 +106,7 @@ class Driver:
 
         def run() -> float:
             self._mode = f"{codec}/{mode}"
-            self.ring.stages.session_codec = codec
+            SESSION_CODEC.set(codec)  # the generation task below copies this context
             self.steps.setdefault(self._mode, []).append([])
             summary = self.loop.run_until_complete(go())
             if summary.completion_tokens != TOKENS:

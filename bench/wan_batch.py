@@ -2,18 +2,19 @@
 
 A job of BATCH_REQUESTS greedy chat requests (BATCH_TOKENS tokens each, ignore_eos) goes through
 the coordinator's RunBatch on a 3-stage INT4 fleet in network namespaces (services/wan), at each
-rate in WAN_BATCH_RATES Mbit/s with WAN_BATCH_DELAY_MS per hop. Compression is a stage flag
-(``--codec none`` / ``lane_blocks_zstd``), so each (rate, compression) pair is its own fleet, run
-one after the other; inside a fleet the micro-batch settings (``off``, fixed M = 2 and 3,
-``auto``) are interleaved job by job in shuffled rounds (BENCH_RUNS, after one warm-up round).
-WAN_BATCH_STEP_TIMEOUT_S raises the coordinator's step deadline (a heavily loaded machine).
+rate in WAN_BATCH_RATES Mbit/s with WAN_BATCH_DELAY_MS per hop, one fleet per rate. Compression
+is the job's own codec (RunBatchRequest.codec: ``none`` / ``lane_blocks_zstd``), so inside a
+fleet every (compression, micro-batch setting) pair (``off``, fixed M = 2 and 3, ``auto``) is
+interleaved job by job in shuffled rounds (BENCH_RUNS, after one warm-up round): the machine's
+drift weighs on every pair alike. WAN_BATCH_STEP_TIMEOUT_S raises the coordinator's step
+deadline (a heavily loaded machine).
 
 Keys: ``compress_microbatch_speedup_20mbit`` = tok/s(compression on, the best fixed M) /
 tok/s(compression off, micro-batches off) at the lowest rate, with the interval of the ratio of
-medians (the two come from different fleets run one after the other: not interleaved);
-``auto_microbatch_vs_best`` = min over fleets of tok/s(auto) / tok/s(the best fixed setting,
-off included), interleaved in one fleet. Plot: docs/img/bench-wan-batch.png (``python -m
-bench.wan_batch --plot-only`` redraws it from bench/results/wan_batch.json). Needs root.
+medians; ``auto_microbatch_vs_best`` = min over (rate, compression) of tok/s(auto) / tok/s(the
+best fixed setting, off included). Both compare jobs interleaved in one fleet. Plot:
+docs/img/bench-wan-batch.png (``python -m bench.wan_batch --plot-only`` redraws it from
+bench/results/wan_batch.json). Needs root.
 """
 
 from __future__ import annotations
@@ -57,46 +58,61 @@ def job() -> coordinator_pb2.RunBatchRequest:
     return coordinator_pb2.RunBatchRequest(items=items)
 
 
-def measure_fleet(shards: Path, rate: float, codec: str, run_dir: Path) -> dict:
-    """One fleet: every micro-batch setting interleaved, job tok/s per setting."""
+def measure_rate(shards: Path, rate: float, run_dir: Path) -> dict[str, dict]:
+    """One fleet: every (compression, micro-batch setting) pair interleaved; job tok/s per pair,
+    keyed ``"<rate>mbit/<compression>"`` then by setting."""
     t0 = time.perf_counter()
     args = ["--max-running", str(REQUESTS), "--max-running-per-identity", str(REQUESTS)]
     if STEP_TIMEOUT_S:  # a loaded machine: a step can take longer than the default deadline
         args += ["--step-timeout-s", STEP_TIMEOUT_S]
-    with WanFleet(
-        shards,
-        STAGES,
-        DELAY_MS,
-        rate,
-        run_dir / f"{rate:g}-{codec}",
-        extra_stage_args=["--codec", codec],
-        extra_coordinator_args=args,
-    ) as wan:
-        print(f"fleet {rate:g} Mbit/s codec {codec} up in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-        chosen: dict[str, list[int]] = {m: [] for m in MICRO}
+    with WanFleet(shards, STAGES, DELAY_MS, rate, run_dir / f"{rate:g}", extra_coordinator_args=args) as wan:
+        print(f"fleet {rate:g} Mbit/s up in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        chosen: dict[str, list[int]] = {}
         with grpc.insecure_channel(wan.coordinator) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             base = job()
 
-            def runner(micro: str):
+            def runner(compression: str, micro: str):
+                key = f"{compression}/{micro}"
+                chosen[key] = []
+
                 def run() -> float:
-                    request = coordinator_pb2.RunBatchRequest(items=base.items, micro_batches=micro)
+                    request = coordinator_pb2.RunBatchRequest(
+                        items=base.items, micro_batches=micro, codec=CODECS[compression]
+                    )
                     start = time.perf_counter()
                     results = list(stub.RunBatch(request, timeout=1800))
                     elapsed = time.perf_counter() - start
                     failed = [r.error.message for r in results if r.HasField("error")]
                     if failed:
                         raise RuntimeError(f"{len(failed)} items failed: {failed[0]}")
-                    chosen[micro].append(results[-1].micro_batches)
+                    chosen[key].append(results[-1].micro_batches)
                     return sum(r.summary.completion_tokens for r in results) / elapsed
 
                 return run
 
-            samples = interleaved({m: runner(m) for m in MICRO}, RUNS, warmup=1)
-    return {
-        m: {"tok_s": median(v), "samples": v, "micro_batches_at_end": chosen[m][1:]}
-        for m, v in samples.items()
-    }
+            configs = {f"{c}/{m}": runner(c, m) for c in CODECS for m in MICRO}
+            samples = interleaved(configs, RUNS, warmup=1)
+        probes = _probe_lines(wan.run_dir / "coordinator.log")
+    out: dict[str, dict] = {}
+    for key, values in samples.items():
+        compression, micro = key.split("/")
+        out.setdefault(f"{rate:g}mbit/{compression}", {})[micro] = {
+            "tok_s": median(values),
+            "samples": values,
+            "micro_batches_at_end": chosen[key][1:],
+        }
+    for compression, codec in CODECS.items():
+        out[f"{rate:g}mbit/{compression}"]["auto_probes"] = [p for p in probes if p.get("codec") == codec]
+    return out
+
+
+def _probe_lines(log: Path) -> list[dict]:
+    """The coordinator's auto probe results (the M each kept and the rows/s it measured)."""
+    if not log.exists():
+        return []
+    lines = [line for line in log.read_text().splitlines() if '"micro_batches_chosen"' in line]
+    return [json.loads(line) for line in lines]
 
 
 def summarise(results: dict[str, dict]) -> dict:
@@ -127,8 +143,8 @@ def summarise(results: dict[str, dict]) -> dict:
         "auto_microbatch_vs_best_ci": auto_vs_best[worst][1] if worst else None,
         "auto_microbatch_vs_best_at": worst,
         "baselines": {
-            "compress_microbatch_speedup_20mbit": "compression off and micro-batches off, a separate fleet "
-            "run before it (not interleaved)",
+            "compress_microbatch_speedup_20mbit": "compression off and micro-batches off, interleaved in "
+            "the same fleet (job by job)",
             "auto_microbatch_vs_best": "the fastest of off, M=2 and M=3 in the same fleet, interleaved",
         },
         "emulation": f"wan-emulator: netns + veth tbf + delay forwarder; {STAGES} stages INT4, "
@@ -181,14 +197,14 @@ def main() -> int:
     results: dict[str, dict] = {}
     started = time.perf_counter()
     for rate in RATES:
-        for compression, codec in CODECS.items():
+        results |= measure_rate(shards, rate, run_dir)
+        summary = summarise(results)
+        summary["elapsed_s"] = time.perf_counter() - started
+        for compression in CODECS:
             name = f"{rate:g}mbit/{compression}"
-            results[name] = measure_fleet(shards, rate, codec, run_dir)
-            summary = summarise(results)
-            summary["elapsed_s"] = time.perf_counter() - started
             print(name, {m: round(results[name][m]["tok_s"], 2) for m in MICRO}, file=sys.stderr)
-            RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-            (RESULTS_DIR / "wan_batch.partial.json").write_text(json.dumps(summary, indent=2))
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        (RESULTS_DIR / "wan_batch.partial.json").write_text(json.dumps(summary, indent=2))
     path = write_result("wan_batch", summary, command="BENCH_PART=batch make bench-wan")
     plot(json.loads(path.read_text()))
     return 0

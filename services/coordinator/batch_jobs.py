@@ -3,20 +3,23 @@
 A job keeps at most its identity's running limit of items in the scheduler at once (so its
 queue limits never refuse it) and streams each item's result the moment it finishes; an item
 that fails answers its error and the job goes on. Items are batch requests: the scheduler admits
-them only when no interactive request waits (scheduler.py).
+them only when no interactive request waits (scheduler.py). A job may name the codec its
+sessions ask every stage for (``SESSION_CODEC``, set in each item's task), so one fleet can run
+jobs with and without compression side by side.
 
 Micro-batches: on a paged fleet every running session's rows go through the step batcher
-(step_batcher.py), which splits the sessions into ``inflight`` groups, each a plan step, up to
-``inflight`` of them travelling the stages at once: stage k computes group i+1 while group i is
-on the wire. While a job runs it sets that number: ``off`` is one group (the whole batch in one
-step), M is M groups, and ``auto`` measures the rows per second the fleet delivers at each M
-from 1 to the number of stages and back down, ``PROBE_ROUNDS`` rounds each way (M steps a
-round: every session once), then keeps the best, for this job and the later auto jobs of the
-coordinator (the first pays for the measurement; a short job may end before it does). The
-grouping changes only which rows share a step, so in ``exact`` precision every answer is the
-same whatever M is. When the last
-running job ends the batcher gets back the number it had before the first (while two jobs run,
-the later one's count holds).
+(step_batcher.py), which steps a job's sessions under the job's own :class:`Grouping`: their
+decode rows in ``count`` groups, each a plan step, up to ``count`` of them travelling the stages
+at once, so stage k computes group i+1 while group i is on the wire. Other sessions (interactive
+ones, other jobs) keep their own grouping. ``off`` is one group (the whole batch in one step), M
+is M groups, and ``auto`` measures the rows per second the job's steps deliver at each M from 1
+to the number of stages and back down, ``PROBE_ROUNDS`` rounds each way (M steps a round: every
+session once), then keeps the smallest M within ``PROBE_TIE`` of the fastest. The choice holds
+for the job's :class:`Workload` (its codec and, to a power of two, how many sessions it runs at
+once): later auto jobs of that workload use it, a job of another codec or size is probed anew,
+and a job that ends before its probe does leaves the rest of the probe to the next auto job of
+its workload. The grouping changes only which rows share a step, so in ``exact`` precision
+every answer is the same whatever M is.
 """
 
 from __future__ import annotations
@@ -25,11 +28,14 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
 from pipeshard.errors import InvalidArgument, PipeshardError
+from pipeshard.link_model import parse_codec
+from pipeshard.services.coordinator.remote_stages import SESSION_CODEC
+from pipeshard.services.coordinator.step_batcher import JOB_GROUPING, Grouping
 from pipeshard.v1 import coordinator_pb2
 
 log = structlog.get_logger(__name__)
@@ -40,6 +46,10 @@ PROBE_ROUNDS = 2
 PROBE_WARMUP_STEPS = 1
 # How often the auto probe looks at the step counters.
 PROBE_POLL_S = 0.01
+# Counts whose rows/s are within this fraction of the fastest tie, and the smallest of them wins:
+# it carries the same rows in fewer steps (less per-step work on every stage), and differences this
+# small are within what one probe measures on a loaded machine.
+PROBE_TIE = 0.03
 
 # Runs one item's request as a batch request: Generate's response stream.
 ItemRunner = Callable[[coordinator_pb2.GenerateRequest], AsyncIterator[coordinator_pb2.GenerateResponse]]
@@ -70,21 +80,60 @@ class MicroBatches:
         return cls(count)
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What an auto choice holds for: the job's codec (the wire time of a step) and how many of its
+    sessions run at once, rounded up to a power of two (the rows a step can split)."""
+
+    codec: str = ""
+    rows: int = 1
+
+    @classmethod
+    def of(cls, codec: str, rows: int) -> Workload:
+        return cls(codec, 1 << max(rows - 1, 0).bit_length())
+
+
+@dataclass
+class Probe:
+    """An auto probe of one workload, kept across jobs: the windows still to measure (each count
+    going up from 1 to the stages and back down) and the rows and seconds measured so far."""
+
+    plan: list[int]
+    rows: dict[int, int]
+    seconds: dict[int, float]
+    chosen: int | None = None
+    running: bool = False  # a job is measuring it now
+
+    @classmethod
+    def over(cls, stages: int) -> Probe:
+        counts = list(range(1, stages + 1))
+        return cls(counts + counts[::-1], dict.fromkeys(counts, 0), dict.fromkeys(counts, 0.0))
+
+    def rates(self) -> dict[int, float]:
+        """Rows per second of every count measured so far."""
+        return {c: self.rows[c] / s for c, s in self.seconds.items() if s > 0}
+
+    def choose(self) -> int:
+        """The smallest count within PROBE_TIE of the fastest."""
+        rates = self.rates()
+        best = max(rates.values())
+        self.chosen = min(c for c, rate in rates.items() if rate >= best * (1 - PROBE_TIE))
+        return self.chosen
+
+
 @dataclass
 class MicroBatchMemory:
-    """What one coordinator's step batcher keeps across batch jobs: the M an auto job measured
-    best (later auto jobs use it), and while jobs run, how many and the count it had before them."""
+    """What one coordinator keeps across batch jobs: the auto probe of each workload."""
 
-    chosen: int | None = None
-    saved: int = 1
-    jobs: int = 0
+    probes: dict[Workload, Probe] = field(default_factory=dict)
 
 
 class MicroBatchControl:
-    """Sets the step batcher's group count for a job, measures it under ``auto``, restores it.
+    """The job's :class:`Grouping`: its count fixed, or measured and chosen under ``auto``.
 
     ``steps`` is the ring's step batcher (None on the stateful backend, where every session steps
-    alone and there is nothing to group); ``memory`` is the coordinator's, shared by its jobs."""
+    alone and there is nothing to group); ``memory`` is the coordinator's, shared by its jobs;
+    ``workload`` names the auto probe this job uses or continues."""
 
     def __init__(
         self,
@@ -92,76 +141,79 @@ class MicroBatchControl:
         stages: int,
         setting: MicroBatches,
         memory: MicroBatchMemory,
+        workload: Workload = Workload(),
         clock: Callable[[], float] = time.perf_counter,
     ):
         self._steps = steps
         self._stages = max(stages, 1)
         self._setting = setting
         self._memory = memory
+        self._workload = workload
         self._clock = clock
-        self.current = setting.count
+        self.grouping = Grouping(setting.count)
         self.measured: dict[int, float] = {}  # auto: rows per second at each M tried
+
+    @property
+    def current(self) -> int:
+        return self.grouping.count
+
+    def enter(self) -> None:
+        """Puts the job's sessions stepped in this context (an item's task) under its grouping."""
+        JOB_GROUPING.set(self.grouping)
 
     @contextlib.asynccontextmanager
     async def applied(self) -> AsyncIterator[MicroBatchControl]:
-        if self._steps is None:
-            yield self
-            return
-        memory = self._memory
-        if not memory.jobs:
-            memory.saved = self._steps.inflight
-        memory.jobs += 1
-        probe = None
-        if self._setting.auto and memory.chosen is not None:
-            self.current = memory.chosen
-        elif self._setting.auto:
-            probe = asyncio.create_task(self._probe(), name="micro-batch-probe")
-        self._set(self.current)
+        """Chooses the count for the job's run, measuring it under ``auto`` while the job runs."""
+        task = probe = None
+        if self._steps is not None and self._setting.auto:
+            probe = self._memory.probes.setdefault(self._workload, Probe.over(self._stages))
+            if probe.chosen is not None:
+                self.grouping.count = probe.chosen
+            elif probe.running:  # another job of this workload probes: the batcher's own count
+                self.grouping.count = self._steps.inflight
+            else:
+                probe.running = True
+                task = asyncio.create_task(self._probe(probe), name="micro-batch-probe")
         try:
             yield self
         finally:
-            if probe is not None:
-                probe.cancel()
+            if task is not None:
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await probe
-            memory.jobs -= 1
-            if not memory.jobs:
-                self._steps.inflight = memory.saved
+                    await task
+                probe.running = False
 
-    def _set(self, count: int) -> None:
-        self.current = count
-        self._steps.inflight = count
-
-    async def _probe(self) -> None:
-        """Runs each candidate M for PROBE_ROUNDS rounds going up from 1 to the stages and then
-        back down, and keeps the one with the most rows/s over both passes. Each candidate's two
-        windows sit symmetrically about the probe's middle, so a drift of the job's rate through the
-        probe (prompts prefilling at its start, sessions ending towards its end) weighs on every
-        candidate alike instead of favouring the ones measured first."""
+    async def _probe(self, probe: Probe) -> None:
+        """Runs the probe's remaining windows, PROBE_ROUNDS rounds of each count, going up from 1
+        to the stages and then back down, then keeps its choice. Each count's two windows sit
+        symmetrically about the probe's middle, so a drift of the job's rate through the probe
+        (prompts prefilling at its start, sessions ending towards its end) weighs on every count
+        alike instead of favouring the ones measured first. A window cut off by the job's end
+        counts for nothing: the next job of the workload measures it again."""
+        grouping = self.grouping
         await self._wait_steps(PROBE_WARMUP_STEPS)
-        counts = list(range(1, self._stages + 1))
-        rows = dict.fromkeys(counts, 0)
-        seconds = dict.fromkeys(counts, 0.0)
-        for count in counts + counts[::-1]:
-            self._set(count)
+        while probe.plan:
+            count = grouping.count = probe.plan[0]
             await self._wait_steps(1)  # steps formed under the previous M are still travelling
-            before, start = self._steps.rows_run, self._clock()
+            before, start = grouping.rows_run, self._clock()
             await self._wait_steps(PROBE_ROUNDS * count)
-            rows[count] += self._steps.rows_run - before
-            seconds[count] += self._clock() - start
-            self.measured[count] = rows[count] / seconds[count] if seconds[count] > 0 else 0.0
-        best = max(self.measured, key=lambda count: (self.measured[count], -count))
-        self._set(best)
-        self._memory.chosen = best
+            probe.rows[count] += grouping.rows_run - before
+            probe.seconds[count] += self._clock() - start
+            probe.plan.pop(0)
+            self.measured = probe.rates()
+        grouping.count = probe.choose()
         log.info(
             "micro_batches_chosen",
-            micro_batches=best,
+            micro_batches=grouping.count,
+            codec=self._workload.codec,
+            rows=self._workload.rows,
             rows_per_s={k: round(v, 1) for k, v in self.measured.items()},
         )
 
     async def _wait_steps(self, steps: int) -> None:
-        target = self._steps.steps_run + steps
-        while self._steps.steps_run < target:
+        """Until ``steps`` more steps carried the job's rows."""
+        target = self.grouping.steps_run + steps
+        while self.grouping.steps_run < target:
             await asyncio.sleep(PROBE_POLL_S)
 
 
@@ -181,7 +233,8 @@ def check_items(items: Sequence[coordinator_pb2.BatchJobItem]) -> None:
 
 
 class BatchJob:
-    """Runs ``items`` through ``run`` with at most ``concurrency`` at once; yields each result."""
+    """Runs ``items`` through ``run`` with at most ``concurrency`` at once; yields each result.
+    ``codec``: what the items' sessions ask every stage for (empty: the stages' own)."""
 
     def __init__(
         self,
@@ -189,8 +242,10 @@ class BatchJob:
         run: ItemRunner,
         concurrency: int,
         micro: MicroBatchControl,
+        codec: str = "",
     ):
         check_items(items)
+        self._codec = parse_codec(codec) if codec else ""
         self._items = list(items)
         self._run = run
         self._concurrency = max(1, min(concurrency, len(self._items)))
@@ -215,6 +270,8 @@ class BatchJob:
                 await asyncio.gather(*workers, return_exceptions=True)
 
     async def _worker(self, pending: asyncio.Queue, done: asyncio.Queue) -> None:
+        SESSION_CODEC.set(self._codec)  # this worker task's own context: its items' sessions only
+        self._micro.enter()
         while not pending.empty():
             item = pending.get_nowait()
             response = await self._one(item)

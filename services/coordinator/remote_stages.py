@@ -19,6 +19,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
+from contextvars import ContextVar
 
 import grpc
 import structlog
@@ -45,6 +46,13 @@ TIMEOUT_ROWS = 256
 
 
 _MAX_UNRELEASED = 4096  # sessions remembered per unreachable stage, to abort when it returns
+
+# The codec every stage uses for the sessions opened in this context (OpenSession's codec; empty:
+# each stage's own --codec). A context, not a ring setting, so a batch job's sessions (each item's
+# task sets it) and a benchmark's requests choose theirs while every other session keeps the
+# stages' own; a session reopened on another lane (failover, prefix moves) runs in its
+# generation's task and keeps it.
+SESSION_CODEC: ContextVar[str] = ContextVar("session_codec", default="")
 
 
 class RemoteStages:
@@ -98,9 +106,6 @@ class RemoteStages:
         # The return link (final stage -> here), probed at each Results subscription; the final
         # stage hears of it with every OpenSession and picks its results codec from it.
         self.results_link = LinkEstimate("results")
-        # The codec every stage uses for the sessions this ring opens from now on (OpenSession's
-        # codec; empty: each stage's own --codec). A benchmark switches it request by request.
-        self.session_codec = ""
 
     @property
     def healthy(self) -> bool:
@@ -176,7 +181,7 @@ class RemoteStages:
             session_id=session_id,
             capacity=capacity or 0,
             results_link_bandwidth_bytes_per_second=self.results_link.bandwidth_bytes_s or 0.0,
-            codec=self.session_codec,
+            codec=SESSION_CODEC.get(),
         )
         try:
             responses = await self._on_all("OpenSession", request)

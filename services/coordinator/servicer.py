@@ -23,6 +23,7 @@ from pipeshard.services.coordinator.batch_jobs import (
     MicroBatchControl,
     MicroBatches,
     MicroBatchMemory,
+    Workload,
 )
 from pipeshard.services.coordinator.generation import Chunk, Generation
 from pipeshard.services.coordinator.ring import ShuttingDown
@@ -136,17 +137,20 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def RunBatch(self, request, context):
         with self._counted():
             identity = self._authenticator.identify(context) if context else Identity("")
+            concurrency = min(self._scheduler.running_limit(identity), len(request.items))
             micro = MicroBatchControl(
                 self._generation.step_batcher,
                 self._generation.num_stages,
                 MicroBatches.parse(request.micro_batches),
                 self._micro_batches,
+                Workload.of(request.codec, concurrency),
             )
             job = BatchJob(
                 request.items,
                 lambda item: self._generate(item, context, identity=identity, batch=True),
-                self._scheduler.running_limit(identity),
+                concurrency,
                 micro,
+                codec=request.codec,
             )
             log.info("batch_job", items=len(request.items), identity=identity.name)
             async for response in job.results():

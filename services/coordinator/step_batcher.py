@@ -22,6 +22,12 @@ A failover's resend leaves at once (``expedite``): the moved session has waited 
 already, and behind the steps in flight (after a failover often the other moved sessions' resends,
 each carrying the replay tail its copy lacked) it waited up to two such steps more.
 
+Micro-batches of a batch job (batch_jobs.py): a job's sessions step under its :class:`Grouping`
+(``JOB_GROUPING``, set in each of its items' tasks), so a step takes at most ceil(the job's
+sessions / its ``count``) of their decode rows, and up to that many steps travel at once; the
+other sessions keep their share of ``inflight`` groups, so a job's count never regroups
+interactive rows.
+
 After a step the scheduler waits up to ``gather_s`` for the sessions just answered to send their
 next frames, so they ride in the same next step instead of trickling into separate ones. A frame
 that completes the queue (a lone session's always does) launches its step at once, with no
@@ -40,7 +46,9 @@ import asyncio
 import contextlib
 import itertools
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from pipeshard import trace
@@ -64,6 +72,22 @@ PAGED_PREFILL_CHUNK = 256
 StepRunner = Callable[[list[activation_pb2.ActivationFrame]], Awaitable[list]]
 
 
+@dataclass(eq=False)
+class Grouping:
+    """A batch job's micro-batches: its sessions' decode rows go in ``count`` groups, each a step,
+    up to ``count`` of them travelling at once. ``steps_run`` and ``rows_run`` count the steps
+    that carried its rows and those rows (what its auto probe measures)."""
+
+    count: int = 1
+    steps_run: int = 0
+    rows_run: int = 0
+
+
+# The grouping of the sessions stepped in this context: a batch job's (each of its items' tasks
+# sets it), or None for every other session (grouped by the batcher's own ``inflight``).
+JOB_GROUPING: ContextVar[Grouping | None] = ContextVar("job_grouping", default=None)
+
+
 @dataclass
 class _Waiting:
     frame: activation_pb2.ActivationFrame
@@ -72,6 +96,7 @@ class _Waiting:
     answer: asyncio.Future
     arrival: int  # order of arrival (ties between equally urgent frames go to the earlier)
     urgent: bool  # a session's first frame, or a chunk passed over once: goes before other chunks
+    grouping: Grouping | None  # its batch job's micro-batches; None: the batcher's own groups
 
 
 class StepBatcher:
@@ -100,7 +125,8 @@ class StepBatcher:
         self._clock = clock
         self._loads: dict[str, StepLoad] = {}  # per session: the rest of its last step
         self._queue: list[_Waiting] = []
-        self._rows_in_flight = 0
+        self._rows_in_flight: Counter[Grouping | None] = Counter()  # by grouping
+        self._grouped: dict[str, Grouping] = {}  # batch jobs' sessions (the rest: interactive)
         self._steps: set[asyncio.Task] = set()
         self._changed: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -112,7 +138,7 @@ class StepBatcher:
             self._changed = asyncio.Event()
             self._queue = []
             self._steps = set()
-            self._rows_in_flight = 0
+            self._rows_in_flight = Counter()
             self._task = asyncio.create_task(self._schedule(), name="step-batcher")
         waiting = _Waiting(
             frame,
@@ -121,13 +147,16 @@ class StepBatcher:
             asyncio.get_running_loop().create_future(),
             next(self._arrivals),
             urgent=frame.step_id == 0,
+            grouping=JOB_GROUPING.get(),
         )
+        if waiting.grouping is not None:
+            self._grouped[frame.session_id] = waiting.grouping
         if frame.session_id in self._expedited:
             self._expedited.discard(frame.session_id)
             self._launch([waiting])
             return await waiting.answer
         self._queue.append(waiting)
-        if len(self._steps) < self.inflight and self._complete():
+        if len(self._steps) < self._limit() and self._complete():
             # Every frame the next step could wait for is here (a lone session's always is): it
             # leaves now, not one event-loop turn later from the scheduler task.
             self._launch(self._pick())
@@ -158,21 +187,36 @@ class StepBatcher:
         """The session has closed."""
         self._loads.pop(session_id, None)
         self._expedited.discard(session_id)
+        self._grouped.pop(session_id, None)
 
-    def _share(self) -> int:
-        """Decode rows one step may take: the open sessions split over the steps in flight."""
-        return max(1, -(-self._sessions() // self.inflight))
+    def _limit(self) -> int:
+        """The most steps in flight: ``inflight``, or more while a batch job's count is higher."""
+        return max([self.inflight, *(g.count for g in self._grouped.values())])
+
+    def _open(self) -> dict[Grouping | None, int]:
+        """Open sessions by grouping (None: those of no batch job)."""
+        open_ = Counter(self._grouped.values())
+        return {None: max(0, self._sessions() - len(self._grouped)), **open_}
+
+    def _shares(self, open_: dict[Grouping | None, int]) -> dict[Grouping | None, int]:
+        """Decode rows of each grouping one step may take: its sessions split over its groups."""
+        return {g: max(1, -(-n // (self.inflight if g is None else g.count))) for g, n in open_.items()}
 
     def _complete(self) -> bool:
-        """The queue holds every frame the next step would wait for (up to a share)."""
-        return len(self._queue) >= min(self._share(), self._sessions() - self._rows_in_flight)
+        """The queue holds every frame the next step would wait for (up to a share of each grouping)."""
+        open_ = self._open()
+        queued = Counter(w.grouping for w in self._queue)
+        return all(
+            queued[g] >= min(share, open_[g] - self._rows_in_flight[g])
+            for g, share in self._shares(open_).items()
+        )
 
     async def _schedule(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await self._changed.wait()
             self._changed.clear()
-            if len(self._steps) >= self.inflight or not self._queue:
+            if len(self._steps) >= self._limit() or not self._queue:
                 continue
             # Wait a little for the sessions not in flight to send their frames (up to a share).
             deadline = loop.time() + self.gather_s
@@ -194,7 +238,12 @@ class StepBatcher:
         for w in batch:
             self._loads[w.frame.session_id] = StepLoad(len(batch) - 1, self.last_step_tokens - w.tokens)
             trace.mark("batched", w.frame.session_id, w.frame.step_id)
-        self._rows_in_flight += len(batch)
+        rows = Counter(w.grouping for w in batch)
+        self._rows_in_flight += rows
+        for grouping, n in rows.items():
+            if grouping is not None:
+                grouping.steps_run += 1
+                grouping.rows_run += n
         task = asyncio.create_task(self._run_step(batch), name="batch-step")
         self._steps.add(task)
         self.max_in_flight = max(self.max_in_flight, len(self._steps))
@@ -208,7 +257,7 @@ class StepBatcher:
         except Exception as exc:  # a runner that raises fails every row of its step
             answers = [exc] * len(batch)
         finally:
-            self._rows_in_flight -= len(batch)
+            self._rows_in_flight -= Counter(w.grouping for w in batch)
             self._steps.discard(asyncio.current_task())
             self._changed.set()
         for waiting, answer in zip(batch, answers, strict=True):
@@ -224,7 +273,12 @@ class StepBatcher:
         urgent ones (first frames, chunks passed over before) first, each group in arrival order."""
         queue = [w for w in self._queue if not w.answer.done()]  # a cancelled caller's frame drops
         queue.sort(key=lambda w: (not w.urgent, w.arrival))
-        step = [w for w in queue if w.decoding][: self._share()]
+        room = self._shares(self._open())
+        step = []
+        for w in queue:
+            if w.decoding and room.get(w.grouping, 1) > 0:
+                step.append(w)
+                room[w.grouping] = room.get(w.grouping, 1) - 1
         budget = self.step_tokens
         for w in queue:
             if not w.decoding and (w.tokens <= budget or not step):

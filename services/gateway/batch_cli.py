@@ -41,6 +41,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(off: the whole batch in one step; auto: chosen from measured step throughput; default auto)",
     )
     p.add_argument(
+        "--codec",
+        default="",
+        metavar="MODE",
+        help="how every stage sends this job's hidden states and logits: none, zstd, byte_split_zstd, "
+        "lane_blocks_zstd, quantum_zstd or auto (default: the stages' own --codec)",
+    )
+    p.add_argument(
         "--model-name", default=DEFAULT_MODEL_NAME, help="`model` of answers whose body names none"
     )
     p.add_argument("--token", default=None, help="bearer token (default: PIPESHARD_TOKEN, else certs/token)")
@@ -87,6 +94,7 @@ def _submit(args: argparse.Namespace, lines, output: OutputFile) -> int:
             coordinator_pb2.BatchJobItem(custom_id=line.custom_id, request=line.request) for line in lines
         ],
         micro_batches=args.micro_batches,
+        codec=args.codec,
     )
     connection = Connection.resolve(args.ca_cert, args.token)
     failed = tokens = 0

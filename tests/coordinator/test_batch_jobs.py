@@ -1,5 +1,6 @@
 """Batch jobs (RunBatch's domain code) with a fake item runner and a fake step batcher: every item
-answered once, errors per item, the identity's running limit, and the micro-batch setting."""
+answered once, errors per item, the identity's running limit, the job's codec, and the micro-batch
+setting (the auto probe over fake step timings: one second a step, rows per step by M)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from pipeshard.services.coordinator.batch_jobs import (
     MicroBatchControl,
     MicroBatches,
     MicroBatchMemory,
+    Workload,
 )
+from pipeshard.services.coordinator.remote_stages import SESSION_CODEC
+from pipeshard.services.coordinator.step_batcher import JOB_GROUPING, Grouping
 from pipeshard.v1 import coordinator_pb2
 
 
@@ -26,24 +30,25 @@ def items(*ids: str) -> list[coordinator_pb2.BatchJobItem]:
 
 
 class FakeSteps:
-    """A step batcher stand-in: steps advance on their own; rows per step depend on ``inflight``."""
+    """A step batcher stand-in: the job's steps advance on their own, rows per step by its count."""
 
-    def __init__(self, rows_per_step: dict[int, int], inflight: int = 3):
-        self.inflight = inflight
-        self.steps_run = 0
-        self.rows_run = 0
+    def __init__(self, rows_per_step: dict[int, float], inflight: int = 3):
+        self.inflight = inflight  # the batcher's own count: a job never changes it
         self._rows = rows_per_step
-        self.seen: set[int] = set()
+        self.grouping: Grouping | None = None
 
-    async def run(self) -> None:
+    async def run(self, grouping: Grouping) -> None:
+        self.grouping = grouping
         while True:
             await asyncio.sleep(0.0005)
-            self.seen.add(self.inflight)
-            self.steps_run += 1
-            self.rows_run += self._rows.get(self.inflight, 1)
+            grouping.steps_run += 1
+            grouping.rows_run += self.rows(grouping)
+
+    def rows(self, grouping: Grouping) -> float:
+        return self._rows.get(grouping.count, 1)
 
     def clock(self) -> float:
-        return float(self.steps_run)  # one second a step: rows/s is rows per step
+        return float(self.grouping.steps_run if self.grouping else 0)  # a second a step: rows/s = rows a step
 
 
 @pytest.mark.parametrize(
@@ -76,6 +81,29 @@ def test_empty_job_and_empty_or_repeated_custom_id_refused_naming_the_items():
         BatchJob(items("a", "b", "a"), run, 4, control)
     with pytest.raises(InvalidArgument, match=r"`items\[1\].custom_id` must not be empty"):
         BatchJob(items("a", ""), run, 4, control)
+
+
+def test_a_jobs_codec_reaches_its_items_sessions_only_and_an_unknown_one_is_refused():
+    seen: dict[str, str] = {}
+
+    async def run(request):
+        seen[request.prompt] = SESSION_CODEC.get()  # what the item's OpenSession would ask for
+        yield coordinator_pb2.GenerateResponse(summary=coordinator_pb2.GenerateSummary())
+
+    async def scenario():
+        control = MicroBatchControl(None, 2, MicroBatches(1), MicroBatchMemory())
+        on = BatchJob(items("a", "b"), run, 2, control, codec="lane_blocks_zstd")
+        default = BatchJob(items("c"), run, 1, control)
+        await asyncio.gather(*(_drain(job) for job in (on, default)))
+        return SESSION_CODEC.get()
+
+    async def _drain(job):
+        return [r async for r in job.results()]
+
+    assert asyncio.run(scenario()) == ""  # the caller's own context is untouched
+    assert seen == {"p-a": "lane_blocks_zstd", "p-b": "lane_blocks_zstd", "p-c": ""}
+    with pytest.raises(InvalidArgument, match=r"`codec` must be one of .*'gzip'"):
+        BatchJob(items("a"), run, 1, MicroBatchControl(None, 2, MicroBatches(1), MicroBatchMemory()), "gzip")
 
 
 def test_every_item_answered_once_errors_per_item_and_at_most_the_running_limit_at_once():
@@ -114,11 +142,12 @@ def test_every_item_answered_once_errors_per_item_and_at_most_the_running_limit_
     assert running["most"] == 2
 
 
-def test_fixed_micro_batches_set_for_the_job_and_restored_after():
+def test_a_fixed_count_is_the_grouping_of_the_jobs_items_only():
     steps = FakeSteps({})
+    seen = []
 
     async def run(request):
-        assert steps.inflight == 2
+        seen.append(JOB_GROUPING.get().count)
         yield coordinator_pb2.GenerateResponse(summary=coordinator_pb2.GenerateSummary())
 
     async def scenario():
@@ -126,83 +155,101 @@ def test_fixed_micro_batches_set_for_the_job_and_restored_after():
             items("a", "b"), run, 2, MicroBatchControl(steps, 3, MicroBatches(2), MicroBatchMemory())
         )
         results = [r async for r in job.results()]
-        return results, steps.inflight
+        return results, JOB_GROUPING.get()
 
-    results, after = asyncio.run(scenario())
-    assert [r.micro_batches for r in results] == [2, 2]
-    assert after == 3
+    results, outside = asyncio.run(scenario())
+    assert seen == [2, 2] and [r.micro_batches for r in results] == [2, 2]
+    assert outside is None and steps.inflight == 3  # other sessions' grouping untouched
+
+
+async def _auto_job(steps: FakeSteps, memory: MicroBatchMemory, workload: Workload, steps_alive: int | None):
+    """An auto job that lasts until its probe has chosen, or only ``steps_alive`` of its steps."""
+    control = MicroBatchControl(steps, 3, MicroBatches(auto=True), memory, workload, clock=steps.clock)
+    ticker = asyncio.create_task(steps.run(control.grouping))
+    async with control.applied():
+        while (
+            memory.probes[workload].chosen is None
+            if steps_alive is None
+            else control.grouping.steps_run < steps_alive
+        ):
+            await asyncio.sleep(0.001)
+    ticker.cancel()
+    return control
+
+
+def _probe(monkeypatch, rows: dict[int, float], steps: FakeSteps | None = None) -> MicroBatchControl:
+    monkeypatch.setattr(batch_jobs, "PROBE_POLL_S", 0.0002)
+    steps = steps or FakeSteps(rows)
+    return asyncio.run(asyncio.wait_for(_auto_job(steps, MicroBatchMemory(), Workload(), None), 10))
 
 
 def test_auto_tries_each_count_up_to_the_stages_and_keeps_the_fastest(monkeypatch):
     monkeypatch.setattr(batch_jobs, "PROBE_POLL_S", 0.0002)
     steps = FakeSteps({1: 4, 2: 9, 3: 7, 4: 50})  # rows per step at each M: M=2 is best of 1..3
     memory = MicroBatchMemory()
-
-    async def scenario():
-        control = MicroBatchControl(steps, 3, MicroBatches(auto=True), memory, clock=steps.clock)
-        ticker = asyncio.create_task(steps.run())
-        async with control.applied():
-            while memory.chosen is None:
-                await asyncio.sleep(0.001)
-        ticker.cancel()
-        return control
-
-    async def later_job():
-        control = MicroBatchControl(steps, 3, MicroBatches(auto=True), memory)
-        async with control.applied():
-            return control, steps.inflight
-
-    control = asyncio.run(asyncio.wait_for(scenario(), 10))
+    control = asyncio.run(asyncio.wait_for(_auto_job(steps, memory, Workload(), None), 10))
     assert sorted(control.measured) == [1, 2, 3]
-    assert max(control.measured, key=control.measured.get) == 2
-    assert steps.inflight == 3  # restored
-    later, during = asyncio.run(later_job())
-    assert (later.current, during, later.measured) == (2, 2, {})  # the measured choice, no new probe
+    assert max(control.measured, key=control.measured.get) == 2 == control.current
+    assert steps.inflight == 3  # the batcher's own count untouched
+    later = asyncio.run(asyncio.wait_for(_auto_job(steps, memory, Workload(), 2), 10))
+    assert (later.current, later.measured) == (2, {})  # the measured choice, no new probe
 
 
 class DriftingSteps(FakeSteps):
     """Rows per step fall as the job goes on (its sessions end): whatever is measured later looks slower."""
 
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(0.0005)
-            self.steps_run += 1
-            self.rows_run += self._rows.get(self.inflight, 1) * max(0.0, 1.0 - 0.02 * self.steps_run)
+    def rows(self, grouping: Grouping) -> float:
+        return self._rows.get(grouping.count, 1) * max(0.0, 1.0 - 0.02 * grouping.steps_run)
 
 
 def test_auto_keeps_the_fastest_count_while_the_jobs_rate_drifts_down(monkeypatch):
     """M = 3 delivers 10% more rows than M = 2 at any moment, but in one rising pass it would be
     measured later, when the job delivers less: the pass back down must cancel that."""
+    control = _probe(monkeypatch, {}, DriftingSteps({1: 4, 2: 10, 3: 11}))
+    assert control.current == 3, control.measured
+
+
+def test_auto_resolves_a_near_tie_toward_the_smaller_count(monkeypatch):
+    """M = 3 delivers 2% more rows than M = 2 (within PROBE_TIE): M = 2 carries them in fewer steps."""
+    assert _probe(monkeypatch, {1: 4, 2: 10, 3: 10.2}).current == 2
+    assert _probe(monkeypatch, {1: 4, 2: 10, 3: 10.5}).current == 3
+
+
+def test_a_probe_cut_off_by_its_jobs_end_is_finished_by_the_next_job_of_its_workload(monkeypatch):
     monkeypatch.setattr(batch_jobs, "PROBE_POLL_S", 0.0002)
-    steps = DriftingSteps({1: 4, 2: 10, 3: 11})
+    steps = FakeSteps({1: 4, 2: 9, 3: 7})
     memory = MicroBatchMemory()
-
-    async def scenario():
-        control = MicroBatchControl(steps, 3, MicroBatches(auto=True), memory, clock=steps.clock)
-        ticker = asyncio.create_task(steps.run())
-        async with control.applied():
-            while memory.chosen is None:
-                await asyncio.sleep(0.001)
-        ticker.cancel()
-        return control
-
-    control = asyncio.run(asyncio.wait_for(scenario(), 10))
-    assert memory.chosen == 3, control.measured
+    workload = Workload.of("none", 32)
+    asyncio.run(asyncio.wait_for(_auto_job(steps, memory, workload, 12), 10))
+    probe = memory.probes[workload]
+    assert probe.chosen is None and not probe.running and 0 < len(probe.plan) < 6
+    second = asyncio.run(asyncio.wait_for(_auto_job(steps, memory, workload, None), 10))
+    assert probe.chosen == 2 == second.current and not probe.plan
 
 
-def test_overlapping_jobs_restore_the_batchers_own_count_when_the_last_ends():
-    steps = FakeSteps({}, inflight=1)
+def test_another_codec_or_job_size_is_probed_anew_and_the_same_reuses_the_choice(monkeypatch):
+    monkeypatch.setattr(batch_jobs, "PROBE_POLL_S", 0.0002)
+    assert Workload.of("none", 20) == Workload.of("none", 32) == Workload("none", 32)
+    assert Workload.of("none", 8) != Workload.of("none", 32) != Workload.of("lane_blocks_zstd", 32)
+    steps = FakeSteps({1: 4, 2: 9, 3: 7})
+    memory = MicroBatchMemory()
+    asyncio.run(asyncio.wait_for(_auto_job(steps, memory, Workload.of("none", 32), None), 10))
+    steps._rows = {1: 4, 2: 7, 3: 9}  # compressed frames: M = 3 now fastest
+    compressed = Workload.of("lane_blocks_zstd", 32)
+    asyncio.run(asyncio.wait_for(_auto_job(steps, memory, compressed, None), 10))
+    assert memory.probes[Workload.of("none", 32)].chosen == 2 and memory.probes[compressed].chosen == 3
+    again = asyncio.run(asyncio.wait_for(_auto_job(steps, memory, Workload.of("none", 24), 3), 10))
+    assert again.current == 2 and again.measured == {}
+
+
+def test_two_jobs_at_once_keep_their_own_counts():
+    steps = FakeSteps({})
     memory = MicroBatchMemory()
 
     async def scenario():
         first = MicroBatchControl(steps, 3, MicroBatches(2), memory)
         second = MicroBatchControl(steps, 3, MicroBatches(3), memory)
-        seen = []
-        async with first.applied():
-            async with second.applied():
-                seen.append(steps.inflight)
-            seen.append(steps.inflight)
-        seen.append(steps.inflight)
-        return seen
+        async with first.applied(), second.applied():
+            return first.grouping is not second.grouping, first.current, second.current
 
-    assert asyncio.run(scenario()) == [3, 3, 1]
+    assert asyncio.run(scenario()) == (True, 2, 3)

@@ -16,7 +16,7 @@ from pipeshard.services.coordinator.main import CoordinatorSettings, resolve
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.policy import StepLoad
-from pipeshard.services.coordinator.step_batcher import StepBatcher
+from pipeshard.services.coordinator.step_batcher import JOB_GROUPING, Grouping, StepBatcher
 from pipeshard.services.stage.domain import ReturnMode, RowKind
 from pipeshard.services.stage.wire import plan_from_frames, step_from_frame, token_frame
 from pipeshard.v1 import activation_pb2
@@ -145,6 +145,42 @@ def test_up_to_inflight_steps_travel_at_once_each_session_in_one_of_them():
     assert batcher.max_in_flight == 3
     # The six sessions split into three groups of (at most) two decode rows.
     assert max(len(s) for s in steps) == 2 and batcher.rows_run == 36
+
+
+@pytest.mark.parametrize(("count", "job_rows"), [(1, 6), (3, 2)])
+def test_a_batch_jobs_count_groups_its_own_sessions_and_interactive_rows_keep_theirs(count, job_rows):
+    """4 interactive sessions beside 6 of a batch job on a batcher of 2 groups: interactive rows go
+    2 a step whatever the job's count; the job's go all 6 in one step (count 1) or 2 a step (3).
+    Each session starts with a prefill chunk, as a generation does (its first frame makes it known
+    as the job's)."""
+    steps: list[list[str]] = []
+
+    async def run(frames):
+        steps.append([f.session_id for f in frames if len(f.positions) == 1])  # decode rows
+        await asyncio.sleep(0.01)
+        return [activation_pb2.StepResult(session_id=f.session_id) for f in frames]
+
+    async def session(batcher, name, grouping):
+        JOB_GROUPING.set(grouping)  # this task's context, as a job's item task sets it
+        for step in range(5):
+            await batcher.step(_frame(name, 40 if step == 0 else 1, step))
+
+    async def main():
+        batcher = StepBatcher(run, sessions=lambda: 10, gather_s=0.05, inflight=2)
+        job = Grouping(count)
+        await asyncio.gather(
+            *(session(batcher, f"i{i}", None) for i in range(4)),
+            *(session(batcher, f"j{i}", job) for i in range(6)),
+        )
+        await batcher.close()
+        return batcher, job
+
+    batcher, job = asyncio.run(main())
+    interactive = [sum(n.startswith("i") for n in s) for s in steps]
+    ours = [sum(n.startswith("j") for n in s) for s in steps]
+    assert max(interactive) == 2 and max(ours) == job_rows
+    assert sum(ours) == 24 and job.rows_run == 30  # 4 decode rows and a chunk per session
+    assert batcher.inflight == 2 and batcher.max_in_flight <= max(2, count)
 
 
 def test_a_newcomers_first_chunk_goes_ahead_of_later_chunks_and_passed_over_chunks_come_next():

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeshard.clients.client import PipeshardClient
 from pipeshard.services.coordinator.generation import Generation, Summary
-from pipeshard.services.coordinator.remote_stages import RemoteStages
+from pipeshard.services.coordinator.remote_stages import SESSION_CODEC, RemoteStages
 from pipeshard.services.coordinator.ring import Ring, StageFailed
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.shard.prompting import Prompter
@@ -144,13 +144,13 @@ def test_each_session_sends_with_the_codec_it_opened_with(fleet, shards):
             ):
                 stage, link = ("stage0", "") if kind == "greedy" else ("stage1", "results-")
                 for codec in ("none", "lane_blocks_zstd"):
-                    ring.stages.session_codec = codec
+                    SESSION_CODEC.set(codec)
                     before = _frames_by_codec(fleet, stage, link)
                     events = [e async for e in gen.run(ids, params)]
                     after = _frames_by_codec(fleet, stage, link)
                     tokens[(kind, codec)] = events[-1].token_ids
                     sent[(kind, codec)] = {c: n - before.get(c, 0.0) for c, n in after.items()}
-            ring.stages.session_codec = "gzip"
+            SESSION_CODEC.set("gzip")
             with pytest.raises(StageFailed) as bad:
                 await ring.open_session("bad-codec")
             assert bad.value.code == "INVALID_ARGUMENT" and "`codec`" in str(bad.value)
