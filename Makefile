@@ -118,7 +118,7 @@ bench-prefill: model
 bench-pipeline: model
 	$(PY) -m bench.pipeline
 
-## bench-latency: the fleet's own cost per step and per row: a per-token timeline across the processes (PIPESHARD_TRACE_DIR), 1-user fleet vs in-process, LLMPipeline and ContinuousBatchingPipeline, 16 users vs CB, 8 users vs BENCH_BEFORE (default e2242a2); BENCH_PROFILE=1 adds py-spy profiles; BENCH_QUICK=1 3 rounds; BENCH_PART=timeline,1user,16users,8users picks parts (bench/results/latency.json)
+## bench-latency: the fleet's own cost per step and per row: a per-token timeline across the processes (PIPESHARD_TRACE_DIR), 1-user fleet vs in-process, LLMPipeline and ContinuousBatchingPipeline, 16 users vs CB, 8 users vs BENCH_BEFORE (default e2242a2); BENCH_PROFILE=1 adds py-spy profiles; about 25 min in full; BENCH_QUICK=1 3 rounds; BENCH_PART=timeline,1user,16users,8users picks parts (bench/results/latency.json)
 bench-latency: model
 	$(PY) -m bench.latency
 

@@ -15,7 +15,9 @@
 3. BENCH_PROFILE=1: a py-spy sampling profile (``py-spy record --format raw``) of every fleet
    process during a 1-user and a 16-user run; the top frames per process go into the result.
 
-BENCH_QUICK=1: 3 rounds after 1 warm-up (under 10 minutes on 2 loaded cores); BENCH_RUNS overrides.
+Runtime: about 25 minutes in full on 2 quiet cores (2026-12-02: 24 min with BENCH_PROFILE=1; the
+16users part alone 5 min). BENCH_QUICK=1: 3 rounds after 1 warm-up (under 10 minutes on 2 loaded
+cores); BENCH_RUNS overrides.
 BENCH_PART (comma-separated, default all): ``timeline``, ``1user`` (the 1-user keys and the short
 prompt's TTFT), ``16users``, ``8users``; the result holds the keys of the parts run.
 """
