@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,109 +21,20 @@ import numpy as np
 from pipeshard.errors import InvalidArgument
 from pipeshard.exporter.distil import synthetic_prompts
 from pipeshard.exporter.draft import plan_draft
+from pipeshard.exporter.target_texts import (
+    TEXTS,
+    FeatureTexts,
+    Report,
+    generate_features,
+    load_texts,
+    save_texts,
+)
 from pipeshard.shard import feature_draft
 from pipeshard.shard.manifest import load_manifest
 from pipeshard.shard.prompting import Prompter
 
-Report = Callable[[str, float, str], object]
 UNROLL = 3  # draft steps trained per sample, each on the previous step's predicted feature
-BATCH = 32  # prompts answered per paged inference while the texts are generated
-CACHE_BYTES_PER_ROW = 24 * 1024 * 1024  # f32 KV of SmolLM2-135M: 8 blocks of 32 tokens per row
 INTERMEDIATE = 1536  # the MLP block's width (SmolLM2-135M's own layers use 1536)
-# The generated texts, kept in the output folder: a rerun (after an interruption, or --force with
-# other training settings) trains without generating them again.
-TEXTS = "texts.npz"
-
-
-@dataclass(frozen=True)
-class FeatureTexts:
-    """Every text's token ids, the target's final normed features and argmax at each position."""
-
-    ids: list[np.ndarray]  # int64 [n]
-    features: list[np.ndarray]  # float32 [n, H]
-    argmax: list[np.ndarray]  # int64 [n]
-
-    @property
-    def positions(self) -> int:
-        return sum(len(i) for i in self.ids)
-
-
-def generate_features(
-    target_export: Path, prompts: Sequence[list[int]], max_tokens: int, report: Report, batch: int = BATCH
-) -> FeatureTexts:
-    """The target's greedy answers (at ``exact``, whose tokens do not depend on the rows beside
-    them), ``batch`` prompts per paged inference, with every position's feature and argmax read
-    on the way: the prompt's from its prefill, each answer token's from its decode step."""
-    from pipeshard.shard.paged import PagedRow, PagedShard
-
-    manifest = load_manifest(target_export)
-    cache = CACHE_BYTES_PER_ROW * batch
-    shards = [PagedShard(target_export, k, "exact", cache_bytes=cache) for k in range(manifest.num_stages)]
-    eos = set(manifest.model.eos_token_ids)
-    out = FeatureTexts([], [], [])
-    for first in range(0, len(prompts), batch):
-        group = list(enumerate(prompts[first : first + batch]))
-        for i, ids in group:
-            for shard in shards:
-                shard.open(i, len(ids) + max_tokens)
-        feats: dict[int, list[np.ndarray]] = {i: [] for i, _ in group}
-        top: dict[int, list[np.ndarray]] = {i: [] for i, _ in group}
-        tokens = {i: list(ids) for i, ids in group}
-        rows = [PagedRow(i, np.asarray(ids), np.arange(len(ids)), logits=len(ids)) for i, ids in group]
-        for _ in range(max_tokens):
-            for shard in shards[:-1]:
-                hidden = shard.step(rows)
-                rows = [PagedRow(r.seq, h, r.positions, r.logits) for r, h in zip(rows, hidden, strict=True)]
-            logits, features = shards[-1].step_features(rows)
-            nxt = []
-            for r, lg, f in zip(rows, logits, features, strict=True):
-                feats[r.seq].append(f.astype(np.float32))
-                top[r.seq].append(lg.argmax(-1).astype(np.int64))
-                token = int(top[r.seq][-1][-1])
-                if token in eos:
-                    continue
-                tokens[r.seq].append(token)
-                position = len(tokens[r.seq]) - 1
-                nxt.append(PagedRow(r.seq, np.asarray([token]), np.asarray([position]), logits=1))
-            rows = nxt
-            if not rows:
-                break
-        for i, _ in group:
-            for shard in shards:
-                shard.free(i)
-            n = sum(len(f) for f in feats[i])  # positions read: the last token was never fed
-            out.ids.append(np.asarray(tokens[i][:n], dtype=np.int64))
-            out.features.append(np.concatenate(feats[i]))
-            out.argmax.append(np.concatenate(top[i]))
-        done = min(first + batch, len(prompts))
-        report("generate", done / len(prompts), f"{done}/{len(prompts)} answers with their features")
-    return out
-
-
-def save_texts(path: Path, key: str, data: FeatureTexts) -> None:
-    """``data`` under ``key`` (what generated it), so a later run with the same key reuses it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial.npz")
-    np.savez(
-        partial,
-        key=np.asarray(key),
-        lengths=np.asarray([len(i) for i in data.ids], dtype=np.int64),
-        ids=np.concatenate(data.ids),
-        features=np.concatenate(data.features),
-        argmax=np.concatenate(data.argmax),
-    )
-    partial.replace(path)
-
-
-def load_texts(path: Path, key: str) -> FeatureTexts | None:
-    """The texts saved at ``path`` if they were generated under ``key``, else None."""
-    if not path.is_file():
-        return None
-    with np.load(path) as saved:
-        if str(saved["key"]) != key:
-            return None
-        cuts = np.cumsum(saved["lengths"])[:-1]
-        return FeatureTexts(*(list(np.split(saved[name], cuts)) for name in ("ids", "features", "argmax")))
 
 
 class EagleDraft:

@@ -20,7 +20,8 @@ import torch
 
 from pipeshard.errors import FailedPrecondition
 from pipeshard.exporter.distil import synthetic_prompts
-from pipeshard.exporter.eagle import EagleDraft, FeatureTexts, distil_eagle, load_texts, save_texts
+from pipeshard.exporter.eagle import EagleDraft, distil_eagle
+from pipeshard.exporter.target_texts import FeatureTexts, load_texts, save_texts
 from pipeshard.services.coordinator.generation import Generation
 from pipeshard.services.coordinator.in_process import local_ring
 from pipeshard.services.coordinator.sampling import SamplingParams
