@@ -49,6 +49,11 @@ _TEMPLATES = (
     "What should I know before learning about {t}?",
     "Write a short dialogue about {t}.",
     "Give step-by-step instructions involving {t}.",
+    "Write a short poem about {t}.",
+    "What is a common misconception about {t}?",
+    "Describe a day in the life of someone who works with {t}.",
+    "Explain {t} to a ten-year-old.",
+    "What is the future of {t}?",
 )
 _TOPICS = (
     "photosynthesis", "the moon", "coffee", "volcanoes", "chess", "bicycles", "the ocean",
@@ -58,11 +63,24 @@ _TOPICS = (
     "friendship", "airplanes", "vitamins", "ancient Egypt", "sorting algorithms", "football",
     "cloud computing", "mushrooms", "poetry", "the human heart", "solar panels", "time management",
     "cats", "linear algebra",
+    "glaciers", "tea", "origami", "jazz", "the Great Wall of China", "earthquakes", "tigers",
+    "submarines", "chocolate", "the printing press", "basketball", "owls", "compilers", "kites",
+    "public transport", "vaccines", "the solar system", "knitting", "spiders", "wind turbines",
+    "operating systems", "penguins", "the Renaissance", "marathons", "cheese", "lighthouses",
+    "black holes", "board games", "rivers", "meditation", "the Olympic Games", "bridges",
+    "dinosaurs", "photography", "encryption", "coral reefs", "tomatoes", "museums", "clocks",
+    "rain forests", "recursion", "elephants", "pottery", "newspapers", "hurricanes", "the violin",
+    "space stations", "fungi", "birthdays", "dolphins", "skateboarding", "the periodic table",
+    "volunteering", "trains", "maps", "the immune system", "ice cream", "podcasts", "castles",
+    "wolves", "spreadsheets", "bamboo", "comets", "minimalism", "the alphabet", "sunflowers",
+    "video games", "beeswax", "hiking boots", "submarine cables", "cooking rice", "graph theory",
+    "octopuses", "the Silk Road", "umbrellas", "snow", "pizza", "theatre", "archaeology", "lemons",
 )  # fmt: skip
 
 
 def synthetic_prompts(n: int, seed: int = 0) -> list[str]:
-    """``n`` distinct instructions (template x topic, up to 800), a seeded sample."""
+    """``n`` distinct instructions (template x topic, up to 3000), a seeded sample; none is a
+    benchmark prompt (bench/spec.py's kinds are other instructions on other topics)."""
     pool = [t.format(t=topic) for t in _TEMPLATES for topic in _TOPICS]
     if not 1 <= n <= len(pool):
         raise InvalidArgument("prompts", f"must be in [1, {len(pool)}], got {n}")

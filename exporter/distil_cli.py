@@ -53,6 +53,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help='JSONL of {"prompt", "text"} to train on (default: the target answers synthetic prompts)',
     )
     p.add_argument(
+        "--texts-file",
+        type=Path,
+        default=None,
+        help="--kind eagle: the .npz keeping the target's generated texts, reused when it matches "
+        "(default <out>/texts.npz; a shared file serves every draft kind and split of the same weights)",
+    )
+    p.add_argument(
         "--prompts", type=int, default=None, help="synthetic prompts without --texts (token 200, eagle 200)"
     )
     p.add_argument(
@@ -132,6 +139,7 @@ def _run_eagle(args: argparse.Namespace, model_dir: Path) -> int:
         epochs=args.epochs or 20.0,
         lr=args.lr or 2e-3,
         force=args.force,
+        texts=args.texts_file,
         report=_report,
     )
     t = result.meta.training

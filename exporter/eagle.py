@@ -19,19 +19,15 @@ from pathlib import Path
 import numpy as np
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.exporter.distil import synthetic_prompts
 from pipeshard.exporter.draft import plan_draft
 from pipeshard.exporter.target_texts import (
     TEXTS,
     FeatureTexts,
     Report,
-    generate_features,
-    load_texts,
-    save_texts,
+    target_texts,
 )
 from pipeshard.shard import feature_draft
 from pipeshard.shard.manifest import load_manifest
-from pipeshard.shard.prompting import Prompter
 
 UNROLL = 3  # draft steps trained per sample, each on the previous step's predicted feature
 INTERMEDIATE = 1536  # the MLP block's width (SmolLM2-135M's own layers use 1536)
@@ -118,27 +114,27 @@ def _samples(data: FeatureTexts) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
     return ids, feats, top, np.asarray(starts, dtype=np.int64)
 
 
-def agreement(draft: EagleDraft, data: FeatureTexts) -> tuple[float, float]:
+def agreement(draft: EagleDraft, data: FeatureTexts, chunk: int = 4096) -> tuple[float, float]:
     """(first-step agreement with the target's argmax, mean accepted chain length of UNROLL
     steps) over ``data``: what a chain draft would keep on the target's own text."""
     torch = draft.torch
     ids, feats, top, starts = _samples(data)
     if not len(starts):
         return 0.0, 0.0
+    first, kept = 0.0, 0.0
     with torch.no_grad():
-        f = torch.as_tensor(feats[starts])
-        alive = torch.ones(len(starts), dtype=torch.bool)
-        first, kept = 0.0, torch.zeros(len(starts))
-        for j in range(UNROLL):
-            tok = torch.as_tensor(ids[starts + j + 1])
-            f, logits = draft.step(f, tok)
-            pred = draft.head_ids[logits.argmax(-1)]
-            hit = pred == torch.as_tensor(top[starts + j + 1])
-            if j == 0:
-                first = float(hit.float().mean())
-            alive &= hit
-            kept += alive.float()
-    return first, float(kept.mean())
+        for at in range(0, len(starts), chunk):  # [chunk, S] logits at a time, not [positions, S]
+            part = starts[at : at + chunk]
+            f = torch.as_tensor(feats[part], dtype=torch.float32)
+            alive = torch.ones(len(part), dtype=torch.bool)
+            for j in range(UNROLL):
+                f, logits = draft.step(f, torch.as_tensor(ids[part + j + 1]))
+                hit = draft.head_ids[logits.argmax(-1)] == torch.as_tensor(top[part + j + 1])
+                if j == 0:
+                    first += float(hit.float().sum())
+                alive &= hit
+                kept += float(alive.float().sum())
+    return first / len(starts), kept / len(starts)
 
 
 def train(
@@ -147,7 +143,8 @@ def train(
     torch = draft.torch
     torch.manual_seed(seed)
     ids, feats, top, starts = _samples(data)
-    ids_t, feats_t, top_t = torch.as_tensor(ids), torch.as_tensor(feats), torch.as_tensor(top)
+    ids_t, top_t = torch.as_tensor(ids), torch.as_tensor(top)
+    feats_t = torch.as_tensor(feats, dtype=torch.float32)
     scale = float(feats_t.pow(2).mean())  # the regression in units of the features' own power
     steps = max(1, round(epochs * len(starts) / batch))
     opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
@@ -191,10 +188,12 @@ def distil_eagle(
     held_out: float = 0.1,
     seed: int = 0,
     force: bool = False,
+    texts: Path | None = None,
     report: Report | None = None,
 ) -> EagleResult:
     """Train (or reuse) an eagle draft of ``target_export`` into ``out_dir``: a trained draft there
-    whose fingerprint matches the target's is reused unless ``force``."""
+    whose fingerprint matches the target's is reused unless ``force``. The target's texts are kept
+    in ``texts`` (default ``out_dir/texts.npz``) and reused from there when they match."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -210,16 +209,14 @@ def distil_eagle(
         raise InvalidArgument("held_out", f"must be in (0, 1), got {held_out}")
     plan = plan_draft(model_dir, 1, vocab)  # the head slice (merge order, special tokens kept)
     started = time.perf_counter()
-    prompter = Prompter.from_dir(target_export)
-    texts_key = f"{target.fingerprint} prompts={prompts} max_tokens={max_tokens} seed={seed}"
-    data = load_texts(out_dir / TEXTS, texts_key)
-    reused_texts = data is not None
-    if data is None:
-        encoded = [prompter.encode("", [("user", p)]) for p in synthetic_prompts(prompts, seed)]
-        data = generate_features(target_export, encoded, max_tokens, report)
-        save_texts(out_dir / TEXTS, texts_key, data)
-    else:
-        report("generate", 1.0, f"reused {len(data.ids)} texts from {out_dir / TEXTS}")
+    data, reused_texts = target_texts(
+        target_export,
+        texts or out_dir / TEXTS,
+        prompts=prompts,
+        max_tokens=max_tokens,
+        seed=seed,
+        report=report,
+    )
     order = list(range(len(data.ids)))
     random.Random(seed).shuffle(order)
     n_eval = max(1, round(held_out * len(order)))

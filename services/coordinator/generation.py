@@ -384,6 +384,7 @@ class _Request:
                 return_last=draft.rows,
                 kind=RowKind.VERIFY,
                 parents=draft.parents(len(self.pending)),
+                features=self.reads_features,
             )
         if isinstance(draft, TreeChains):
             return self.cursor.frame(
@@ -432,7 +433,10 @@ class _Request:
         """Hands a feature draft the target's feature at the last position kept: the row before
         the target's own token (of a tree: the accepted path's last node's row)."""
         if not result.HasField("features"):
-            return  # a stage that cannot return them: the draft stays idle, decoding stays exact
+            # A stage that cannot return them: the draft goes idle (a stale feature would draft
+            # for a position the target has left), decoding stays exact.
+            self.drafter.observe(None)
+            return
         if isinstance(draft, TreeChains | TreeNodes):
             row = draft.row_of(self.outcome.path[-1] if self.outcome.path else ROOT)
         else:

@@ -70,8 +70,14 @@ def test_drafter_waits_for_a_feature_then_drafts_chains_and_trees(tmp_path):
     chain = drafter.propose([1, 2], 4, None)
     assert len(chain.tokens) == 4 and all(0 <= t < V for t in chain.tokens)
     tree = drafter.propose_tree([1, 2], TreeShape(3, 4))
-    assert 1 <= len(tree.leaves()) <= 3 and tree.depth == 4
-    assert [tree.nodes[i].token for i in tree.main] == chain.tokens  # the best beam is the greedy chain
+    assert len(tree.nodes) == 12 and 1 <= tree.depth <= 4
+    # No node's path is likelier than its parent's (so the likeliest nodes form a tree).
+    scores = [tree.path_prob(i) for i in range(len(tree.nodes))]
+    assert all(scores[i] <= scores[n.parent] for i, n in enumerate(tree.nodes) if n.parent >= 0)
+    # ``main`` follows the likeliest child from the root, and starts with the chain's first draft.
+    assert tree.main and tree.nodes[tree.main[0]].token == chain.tokens[0]
+    for parent, child in zip([-1, *tree.main], tree.main, strict=False):
+        assert tree.nodes[child].prob == max(tree.nodes[c].prob for c in tree.children(parent))
 
     def softmax(row):
         e = np.exp(row - row.max())
@@ -79,6 +85,9 @@ def test_drafter_waits_for_a_feature_then_drafts_chains_and_trees(tmp_path):
 
     sampled = drafter.propose([1, 2], 3, (softmax, np.random.default_rng(0)))
     assert len(sampled.probs) == 3 and all(abs(p.sum() - 1) < 1e-6 and p.size == V for p in sampled.probs)
+    drafter.observe(None)  # a step without features: idle, no stale drafts
+    assert drafter.propose([1, 2], 4, None).tokens == []
+    assert not drafter.propose_tree([1, 2], TreeShape(3, 4)).nodes
 
 
 def test_generated_texts_are_reused_only_under_the_key_that_made_them(tmp_path):
@@ -86,7 +95,7 @@ def test_generated_texts_are_reused_only_under_the_key_that_made_them(tmp_path):
     lengths = (5, 3, 7)
     data = FeatureTexts(
         [rng.integers(0, V, n) for n in lengths],
-        [rng.standard_normal((n, H)).astype(np.float32) for n in lengths],
+        [rng.standard_normal((n, H)).astype(np.float16) for n in lengths],  # as the wire returns them
         [rng.integers(0, V, n) for n in lengths],
     )
     path = tmp_path / "draft" / "texts.npz"
@@ -102,7 +111,7 @@ def test_training_prompts_are_not_benchmark_or_test_prompts():
     from bench.spec import KINDS
 
     held = {text for _, text in KINDS} | {m[-1][1] for _, m in SPEC_PROMPTS}
-    assert not held & set(synthetic_prompts(800))
+    assert not held & set(synthetic_prompts(3000))
 
 
 def test_a_draft_for_other_weights_is_refused_naming_both_fingerprints(smollm2_export, tmp_path):

@@ -17,24 +17,24 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipeshard.services.coordinator.speculation.drafts import Draft
-from pipeshard.services.coordinator.speculation.tree import DraftTree, TreeShape
+from pipeshard.services.coordinator.speculation.tree import ROOT, DraftTree, TreeShape
 from pipeshard.shard.feature_draft import FeatureDraftModel
 
 
 class FeatureDrafter:
     """One request's use of a feature draft: the target's latest feature, nothing else."""
 
-    auto_tree_width = 1  # trees need stateful stages; a chain is what every backend verifies
+    auto_tree_width = 3  # a level of any width is one batched draft step; the policy prices it
     reads_features = True
 
     def __init__(self, model: FeatureDraftModel):
         self._model = model
         self._feature: np.ndarray | None = None  # the target's, at the last position it kept
 
-    def observe(self, feature: np.ndarray) -> None:
+    def observe(self, feature: np.ndarray | None) -> None:
         """The target's final normed hidden state at the last position it kept (the position of
-        the token before the one it just added)."""
-        self._feature = np.asarray(feature, dtype=np.float32).reshape(1, -1)
+        the token before the one it just added); None: the step returned none (idle until one)."""
+        self._feature = None if feature is None else np.asarray(feature, dtype=np.float32).reshape(1, -1)
 
     def propose(self, context: Sequence[int], k: int, sample) -> Draft:
         started = time.perf_counter()
@@ -60,32 +60,54 @@ class FeatureDrafter:
         return Draft(tokens, probs, time.perf_counter() - started)
 
     def propose_tree(self, context: Sequence[int], shape: TreeShape) -> DraftTree:
-        """A beam of ``shape.width`` paths over ``shape.depth`` levels, each path scored by the
-        product of the draft's probabilities along it; the best path is the tree's ``main``."""
+        """The ``shape.width * shape.depth`` likeliest nodes (EAGLE-2's reranked tree): level by
+        level the draft scores the children of the ``width`` likeliest nodes of the level above
+        (one batched step), and of every node it scored the tree keeps those whose path
+        probability (the product of the draft's probabilities along it) is highest, so it grows
+        deep where the draft is sure and wide where it is not. ``main`` is the draft's greedy
+        chain as far as the tree holds it."""
         started = time.perf_counter()
         tree = DraftTree()
         if self._feature is None:
             return tree
         model, width = self._model, shape.width
-        beams = [((), 1.0)]  # (tokens, path probability)
+        # Scored candidates: (path probability, parent candidate or -1, token, own probability).
+        scored: list[tuple[float, int, int, float]] = []
+        frontier = [-1]  # candidates whose children the next level scores (-1: the root)
         features = self._feature
         tokens = np.asarray([context[-1]], dtype=np.int64)
-        for _ in range(shape.depth):
+        for level in range(shape.depth):
             out, logits = model.step(features, tokens)
             q = _softmax(logits)
-            options = []
-            for b, (path, score) in enumerate(beams):
-                for column in np.argsort(q[b])[::-1][:width]:
-                    options.append((score * float(q[b, column]), b, int(model.head_ids[column]), path))
-            options.sort(key=lambda o: o[0], reverse=True)
-            kept = options[:width]
-            beams = [((*path, token), score) for score, _, token, path in kept]
-            features = out[[b for _, b, _, _ in kept]]
-            tokens = np.asarray([token for _, _, token, _ in kept], dtype=np.int64)
-        for i, (path, _) in enumerate(beams):
-            nodes = tree.add_path(path)
-            if i == 0:
-                tree.main = nodes
+            top = np.argpartition(-q, width - 1, axis=-1)[:, :width] if q.shape[1] > width else None
+            children = []
+            for b, parent in enumerate(frontier):
+                base = 1.0 if parent < 0 else scored[parent][0]
+                columns = range(q.shape[1]) if top is None else top[b]
+                for column in columns:
+                    p = float(q[b, column])
+                    scored.append((base * p, parent, int(model.head_ids[column]), p))
+                    children.append((len(scored) - 1, b))
+            if level == shape.depth - 1:
+                break
+            children.sort(key=lambda c: scored[c[0]][0], reverse=True)
+            kept = children[:width]
+            frontier = [c for c, _ in kept]
+            features = out[[b for _, b in kept]]
+            tokens = np.asarray([scored[c][2] for c in frontier], dtype=np.int64)
+        best = sorted(range(len(scored)), key=lambda i: scored[i][0], reverse=True)
+        chosen = set(best[: width * shape.depth])
+        index = {-1: ROOT}
+        for i, (_, parent, token, p) in enumerate(scored):  # parents come before their children
+            if i in chosen and parent in index:
+                index[i] = tree.add(index[parent], token, p)
+        node = ROOT
+        while True:
+            options = tree.children(node)
+            if not options:
+                break
+            node = max(options, key=lambda c: tree.nodes[c].prob)
+            tree.main.append(node)
         tree.seconds = time.perf_counter() - started
         return tree
 
