@@ -194,6 +194,36 @@ def test_feature_draft_greedy_is_plain_greedy(smollm2_export, eagle_draft, stage
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("tree", ["3x4", pytest.param("auto", marks=pytest.mark.extended)])
+def test_feature_trees_on_paged_stages_are_plain_greedy(smollm2_export, eagle_draft, greedy_reference, tree):
+    """Paged stages run a feature draft's tree as one masked sequence and return the features of
+    its rows: the drafter reads the accepted path's, and decoding stays plain greedy."""
+    import asyncio
+
+    from pipeshard.services.coordinator.in_process import batched_ring
+
+    export = smollm2_export(1, "int4")
+    prompter = Prompter.from_dir(export)
+    ids = prompter.encode("", SPEC_PROMPTS[0][1])
+    generation = Generation(
+        batched_ring(export, "exact", cache_bytes=96 << 20),
+        prompter.tokenizer,
+        prompter.eos_ids,
+        drafts=DraftSources(export, feature=eagle_draft),
+    )
+
+    async def run():
+        params = SamplingParams(max_tokens=128, ignore_eos=True)
+        return [e async for e in generation.run(ids, params, speculative="feature", tree=tree)][-1]
+
+    out = asyncio.run(run())
+    assert out.token_ids == greedy_reference(1, 0, "int4")[:128]
+    if tree != "auto":  # every step drafts a tree, and the features keep it drafting
+        assert out.verify_steps > 10 and out.accepted_tokens > 0, out
+
+
+@pytest.mark.slow
 @pytest.mark.extended
 @pytest.mark.timeout(3600)
 def test_feature_draft_sampling_follows_the_target(smollm2_export, eagle_draft):
