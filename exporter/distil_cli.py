@@ -20,6 +20,11 @@ from pipeshard import paths
 from pipeshard.errors import InvalidArgument, PipeshardError
 from pipeshard.shard.manifest import WEIGHT_FORMATS
 
+# --kind eagle: 2048 of the target's answers take about 11-15 minutes to generate on 2 quiet cores
+# (64 at a time); training then stops at its budget.
+EAGLE_PROMPTS = 2048
+EAGLE_TRAIN_MINUTES = 25.0
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -60,12 +65,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default <out>/texts.npz; a shared file serves every draft kind and split of the same weights)",
     )
     p.add_argument(
-        "--prompts", type=int, default=None, help="synthetic prompts without --texts (token 200, eagle 200)"
+        "--prompts", type=int, default=None, help="synthetic prompts without --texts (token 200, eagle 2048)"
     )
     p.add_argument(
         "--max-tokens", type=int, default=None, help="answer length per synthetic prompt (default 128)"
     )
-    p.add_argument("--epochs", type=float, default=None, help="passes over the data (token 2, eagle 20)")
+    p.add_argument("--epochs", type=float, default=None, help="passes over the data (token 2, eagle 2)")
+    p.add_argument(
+        "--train-minutes",
+        type=float,
+        default=EAGLE_TRAIN_MINUTES,
+        help="--kind eagle: fewer passes than --epochs where they would not fit this many minutes "
+        "(default %(default)s: with the texts' ~15 minutes, within 45 on 2 cores)",
+    )
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (token 1e-3, eagle 2e-3)")
     p.add_argument("--weights", default="int4", choices=WEIGHT_FORMATS)
     p.add_argument(
@@ -134,12 +146,13 @@ def _run_eagle(args: argparse.Namespace, model_dir: Path) -> int:
         args.target,
         out,
         vocab=vocab,
-        prompts=args.prompts or 200,
+        prompts=args.prompts or EAGLE_PROMPTS,
         max_tokens=args.max_tokens or 128,
-        epochs=args.epochs or 20.0,
+        epochs=args.epochs or 2.0,
         lr=args.lr or 2e-3,
         force=args.force,
         texts=args.texts_file,
+        train_minutes=args.train_minutes,
         report=_report,
     )
     t = result.meta.training

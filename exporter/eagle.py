@@ -138,33 +138,65 @@ def agreement(draft: EagleDraft, data: FeatureTexts, chunk: int = 4096) -> tuple
 
 
 def train(
-    draft: EagleDraft, data: FeatureTexts, *, epochs: float, lr: float, batch: int, seed: int, report: Report
-) -> None:
+    draft: EagleDraft,
+    data: FeatureTexts,
+    *,
+    epochs: float,
+    lr: float,
+    batch: int,
+    seed: int,
+    report: Report,
+    minutes: float | None = None,
+) -> int:
+    """Trains ``epochs`` passes (each a fresh shuffle of the samples), or fewer when ``minutes``
+    (timed on the first steps) would not hold them; returns the steps taken."""
     torch = draft.torch
     torch.manual_seed(seed)
     ids, feats, top, starts = _samples(data)
     ids_t, top_t = torch.as_tensor(ids), torch.as_tensor(top)
     feats_t = torch.as_tensor(feats, dtype=torch.float32)
     scale = float(feats_t.pow(2).mean())  # the regression in units of the features' own power
+    batch = min(batch, len(starts))
     steps = max(1, round(epochs * len(starts) / batch))
-    opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
     rng = np.random.default_rng(seed)
-    for step in range(steps):
-        pick = torch.as_tensor(rng.choice(starts, size=min(batch, len(starts)), replace=False))
-        f = feats_t[pick]
-        loss = 0.0
+    order = np.empty(0, dtype=np.int64)
+
+    def loss_of(step: int):
+        nonlocal order
+        if len(order) < batch:
+            order = np.concatenate([order, rng.permutation(starts)])
+        pick, order = torch.as_tensor(order[:batch]), order[batch:]
+        f, loss = feats_t[pick], 0.0
         for j in range(UNROLL):
             f, logits = draft.step(f, ids_t[pick + j + 1])
-            want = feats_t[pick + j + 1]
             label = draft.column[top_t[pick + j + 1]]
-            loss = loss + torch.nn.functional.smooth_l1_loss(f, want) / scale
+            loss = loss + torch.nn.functional.smooth_l1_loss(f, feats_t[pick + j + 1]) / scale
             loss = loss + torch.nn.functional.cross_entropy(logits, label, ignore_index=-100)
+        return loss
+
+    if minutes is not None:  # time a few steps (no update) and fit the schedule to the budget
+        started = time.perf_counter()
+        for probe in range(3):
+            loss_of(probe).backward()
+        per_step = (time.perf_counter() - started) / 3
+        _zero_grad(draft)
+        steps = max(1, min(steps, int(minutes * 60.0 / per_step)))
+        report("train", 0.0, f"{per_step:.2f} s a step: {steps} steps of {batch} fit {minutes:g} minutes")
+    opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
+    for step in range(steps):
+        loss = loss_of(step)
         opt.zero_grad()
         loss.backward()
         opt.step()
         sched.step()
         report("train", (step + 1) / steps, f"step {step + 1}/{steps} loss {loss.item():.3f}")
+    return steps
+
+
+def _zero_grad(draft: EagleDraft) -> None:
+    for p in draft.parameters():
+        p.grad = None
 
 
 @dataclass(frozen=True)
@@ -180,20 +212,22 @@ def distil_eagle(
     out_dir: Path | str,
     *,
     vocab: int | None = 8192,
-    prompts: int = 200,
+    prompts: int = 2048,
     max_tokens: int = 128,
-    epochs: float = 20.0,
+    epochs: float = 2.0,
     lr: float = 2e-3,
     batch: int = 256,
     held_out: float = 0.1,
     seed: int = 0,
     force: bool = False,
     texts: Path | None = None,
+    train_minutes: float | None = None,
     report: Report | None = None,
 ) -> EagleResult:
     """Train (or reuse) an eagle draft of ``target_export`` into ``out_dir``: a trained draft there
     whose fingerprint matches the target's is reused unless ``force``. The target's texts are kept
-    in ``texts`` (default ``out_dir/texts.npz``) and reused from there when they match."""
+    in ``texts`` (default ``out_dir/texts.npz``) and reused from there when they match; training
+    stops short of ``epochs`` where ``train_minutes`` would not hold them."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -237,7 +271,9 @@ def distil_eagle(
     del hf
     before = agreement(draft, evaluation)
     report("train", 0.0, f"held-out agreement before {before[0]:.3f} (chain of {UNROLL}: {before[1]:.2f})")
-    train(draft, training, epochs=epochs, lr=lr, batch=batch, seed=seed, report=report)
+    steps = train(
+        draft, training, epochs=epochs, lr=lr, batch=batch, seed=seed, report=report, minutes=train_minutes
+    )
     after = agreement(draft, evaluation)
     minutes = (time.perf_counter() - started) / 60.0
     report("train", 1.0, f"held-out agreement after {after[0]:.3f} (chain of {UNROLL}: {after[1]:.2f})")
@@ -255,6 +291,8 @@ def distil_eagle(
             "train_positions": training.positions,
             "max_tokens": max_tokens,
             "epochs": epochs,
+            "steps": steps,
+            "batch": batch,
             "minutes": round(minutes, 2),  # this run's: without generating when the texts were reused
             "texts_reused": reused_texts,
             "held_out_agreement_before": round(before[0], 4),
