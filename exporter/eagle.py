@@ -11,8 +11,10 @@ own predicted feature, because that is how a chain or tree is drafted. Torch on 
 
 from __future__ import annotations
 
+import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,6 +139,17 @@ def agreement(draft: EagleDraft, data: FeatureTexts, chunk: int = 4096) -> tuple
     return first / len(starts), kept / len(starts)
 
 
+WARMUP = 0.05  # share of the schedule the learning rate rises over
+
+
+def schedule(progress: float) -> float:
+    """The learning rate's share of its peak at ``progress`` (0..1) of training: a linear warm-up,
+    then a cosine down to 0 (one cycle)."""
+    if progress < WARMUP:
+        return max(progress / WARMUP, 0.01)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (progress - WARMUP) / (1.0 - WARMUP))))
+
+
 def train(
     draft: EagleDraft,
     data: FeatureTexts,
@@ -147,9 +160,12 @@ def train(
     seed: int,
     report: Report,
     minutes: float | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> int:
-    """Trains ``epochs`` passes (each a fresh shuffle of the samples), or fewer when ``minutes``
-    (timed on the first steps) would not hold them; returns the steps taken."""
+    """Trains ``epochs`` passes (each a fresh shuffle of the samples), or until ``minutes`` have
+    passed: the schedule follows whichever is further along, steps or time, so a step that
+    slows down as training goes on (or a machine that gets busier) shortens training rather than
+    overrunning the budget, and the learning rate still ends annealed. Returns the steps taken."""
     torch = draft.torch
     torch.manual_seed(seed)
     ids, feats, top, starts = _samples(data)
@@ -158,11 +174,12 @@ def train(
     scale = float(feats_t.pow(2).mean())  # the regression in units of the features' own power
     batch = min(batch, len(starts))
     steps = max(1, round(epochs * len(starts) / batch))
+    budget = None if minutes is None else minutes * 60.0
     rng = np.random.default_rng(seed)
     order = np.empty(0, dtype=np.int64)
-
-    def loss_of(step: int):
-        nonlocal order
+    opt = torch.optim.AdamW(draft.parameters(), lr=lr * schedule(0.0), weight_decay=0.0)
+    started, step, progress = clock(), 0, 0.0
+    while progress < 1.0:
         if len(order) < batch:
             order = np.concatenate([order, rng.permutation(starts)])
         pick, order = torch.as_tensor(order[:batch]), order[batch:]
@@ -172,31 +189,19 @@ def train(
             label = draft.column[top_t[pick + j + 1]]
             loss = loss + torch.nn.functional.smooth_l1_loss(f, feats_t[pick + j + 1]) / scale
             loss = loss + torch.nn.functional.cross_entropy(logits, label, ignore_index=-100)
-        return loss
-
-    if minutes is not None:  # time a few steps (no update) and fit the schedule to the budget
-        started = time.perf_counter()
-        for probe in range(3):
-            loss_of(probe).backward()
-        per_step = (time.perf_counter() - started) / 3
-        _zero_grad(draft)
-        steps = max(1, min(steps, int(minutes * 60.0 / per_step)))
-        report("train", 0.0, f"{per_step:.2f} s a step: {steps} steps of {batch} fit {minutes:g} minutes")
-    opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
-    for step in range(steps):
-        loss = loss_of(step)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        sched.step()
-        report("train", (step + 1) / steps, f"step {step + 1}/{steps} loss {loss.item():.3f}")
-    return steps
-
-
-def _zero_grad(draft: EagleDraft) -> None:
-    for p in draft.parameters():
-        p.grad = None
+        step += 1
+        progress = step / steps if budget is None else max(step / steps, (clock() - started) / budget)
+        for group in opt.param_groups:
+            group["lr"] = lr * schedule(progress)
+        report(
+            "train",
+            min(1.0, progress),
+            f"step {step} ({step / steps:.0%} of {epochs:g} epochs) loss {loss.item():.3f}",
+        )
+    return step
 
 
 @dataclass(frozen=True)

@@ -277,3 +277,45 @@ def test_distil_cli_names_what_is_missing_for_each_kind(smollm2_export, tmp_path
         timeout=120,
     )
     assert eagle.returncode == 2 and "`texts`" in eagle.stderr and not (tmp_path / "o").exists(), eagle.stderr
+
+
+def test_fleets_offer_the_draft_trained_for_their_weights_only(smollm2_export, tmp_path):
+    """`make up` / `make wan-up` (``feature_draft_args``): a draft beside the export whose
+    fingerprint is the export's is offered as the default ``feature``; one for other weights is not."""
+    import shutil
+
+    from pipeshard.services.launcher import feature_draft_args
+
+    export = tmp_path / "smollm2-1s-int4"
+    skip = shutil.ignore_patterns("*.bin", ".compile_cache")  # the manifest is what is read
+    shutil.copytree(smollm2_export(1, "int4"), export, ignore=skip)
+    model = load_manifest(export).model
+    _random_draft(tmp_path / f"{model.name}-eagle-v1", fingerprint="sha256:" + "1" * 64)
+    assert feature_draft_args(export) == []
+    _random_draft(tmp_path / f"{model.name}-eagle-v8192", fingerprint=model.fingerprint)
+    ours = str(tmp_path / f"{model.name}-eagle-v8192")
+    assert feature_draft_args(export) == ["--feature-draft", ours, "--speculative", "feature"]
+    assert feature_draft_args(export, "off") == []
+
+
+def test_training_stops_at_its_time_budget_with_the_rate_annealed():
+    """A step that takes longer than planned shortens training instead of overrunning
+    ``--train-minutes``, and the learning rate still ends at zero."""
+    from pipeshard.exporter.eagle import schedule, train
+
+    rng = np.random.default_rng(0)
+    data = FeatureTexts(
+        [rng.integers(0, V, 30) for _ in range(4)],
+        [rng.standard_normal((30, H)).astype(np.float16) for _ in range(4)],
+        [rng.integers(0, V, 30) for _ in range(4)],
+    )
+    torch.manual_seed(0)
+    draft = EagleDraft(torch.randn(V, H), torch.randn(S, H), torch.arange(0, V, V // S)[:S], 1e-5, 32)
+    ticks = iter(range(0, 10_000, 10))  # every step takes 10 s
+    steps = train(
+        draft, data, epochs=1000, lr=1e-3, batch=8, seed=0, report=lambda *a: None, minutes=1.0,
+        clock=lambda: float(next(ticks)),
+    )  # fmt: skip
+    assert steps == 6  # 60 s of 10 s steps, not the 1000 epochs' 13,500
+    assert schedule(1.0) == 0.0 and 0.0 < schedule(0.0) < schedule(0.05) == 1.0
+    assert train(draft, data, epochs=2, lr=1e-3, batch=8, seed=0, report=lambda *a: None) == 27
