@@ -4,9 +4,10 @@ state (pipeshard/shard/feature_draft.py), so it drafts what this target would sa
 Steps that use it ask the final stage for its features (``PlanRow.return_features``); after each
 step the generation hands the drafter the feature at the last position the target kept
 (``observe``), and the next proposal starts from it and the token the target added there. The
-draft keeps no cache: a chain feeds each predicted feature to the next level, and a tree is a
-beam over levels (one batched numpy step per level), so a wider tree costs the coordinator a
-wider matmul, not more round trips.
+draft keeps no cache: a chain feeds each predicted feature to the next level, and a tree scores
+the children of a level's likeliest nodes in one batched numpy step and keeps the likeliest
+nodes overall (EAGLE-2), so a wider tree costs the coordinator a wider matmul, not more round
+trips. Both KV backends return the features of tree rows (paged stages: the masked sequence's).
 """
 
 from __future__ import annotations
