@@ -20,11 +20,6 @@ from pipeshard import paths
 from pipeshard.errors import InvalidArgument, PipeshardError
 from pipeshard.shard.manifest import WEIGHT_FORMATS
 
-# --kind eagle: 2048 of the target's answers take about 11-15 minutes to generate on 2 quiet cores
-# (64 at a time); training then stops at its budget.
-EAGLE_PROMPTS = 2048
-EAGLE_TRAIN_MINUTES = 25.0
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -74,9 +69,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--train-minutes",
         type=float,
-        default=EAGLE_TRAIN_MINUTES,
+        default=None,
         help="--kind eagle: fewer passes than --epochs where they would not fit this many minutes "
-        "(default %(default)s: with the texts' ~15 minutes, within 45 on 2 cores)",
+        "(default 25: with generating the texts, about 15, within 45 on 2 cores)",
     )
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (token 1e-3, eagle 2e-3)")
     p.add_argument("--weights", default="int4", choices=WEIGHT_FORMATS)
@@ -135,7 +130,7 @@ def run_distil(args: argparse.Namespace) -> int:
 
 
 def _run_eagle(args: argparse.Namespace, model_dir: Path) -> int:
-    from pipeshard.exporter.eagle import distil_eagle
+    from pipeshard.exporter.eagle import PROMPTS, TRAIN_MINUTES, distil_eagle
 
     if args.texts is not None:
         raise InvalidArgument("texts", "--kind eagle trains on the target's own answers, not on --texts")
@@ -146,13 +141,13 @@ def _run_eagle(args: argparse.Namespace, model_dir: Path) -> int:
         args.target,
         out,
         vocab=vocab,
-        prompts=args.prompts or EAGLE_PROMPTS,
+        prompts=args.prompts or PROMPTS,
         max_tokens=args.max_tokens or 128,
         epochs=args.epochs or 2.0,
         lr=args.lr or 2e-3,
         force=args.force,
         texts=args.texts_file,
-        train_minutes=args.train_minutes,
+        train_minutes=args.train_minutes or TRAIN_MINUTES,
         report=_report,
     )
     t = result.meta.training

@@ -32,6 +32,10 @@ from pipeshard.shard import feature_draft
 from pipeshard.shard.manifest import load_manifest
 
 UNROLL = 3  # draft steps trained per sample, each on the previous step's predicted feature
+# The defaults: 2048 of the target's answers take about 11-15 minutes to generate on 2 quiet cores
+# (64 at a time); training then stops at its budget, so a draft is ready within 45 minutes.
+PROMPTS = 2048
+TRAIN_MINUTES = 25.0
 INTERMEDIATE = 1536  # the MLP block's width (SmolLM2-135M's own layers use 1536)
 
 
@@ -217,7 +221,7 @@ def distil_eagle(
     out_dir: Path | str,
     *,
     vocab: int | None = 8192,
-    prompts: int = 2048,
+    prompts: int = PROMPTS,
     max_tokens: int = 128,
     epochs: float = 2.0,
     lr: float = 2e-3,
@@ -226,7 +230,7 @@ def distil_eagle(
     seed: int = 0,
     force: bool = False,
     texts: Path | None = None,
-    train_minutes: float | None = None,
+    train_minutes: float | None = TRAIN_MINUTES,
     report: Report | None = None,
 ) -> EagleResult:
     """Train (or reuse) an eagle draft of ``target_export`` into ``out_dir``: a trained draft there
