@@ -82,10 +82,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_distil)
 
 
-def _report(phase: str, fraction: float, message: str) -> None:
-    # One line per tenth of a phase, and every message that opens or closes one.
-    if fraction in (0.0, 1.0) or int(fraction * 10) != int((fraction - 1e-9) * 10):
-        print(f"[distil] {phase} {fraction:4.0%} {message}", file=sys.stderr, flush=True)
+class _Report:
+    """One line each time a phase passes another tenth, and every message that opens or closes
+    one (a phase's fractions need not land on tenths: a timed training's seldom do)."""
+
+    def __init__(self):
+        self._tenth: dict[str, int] = {}
+
+    def __call__(self, phase: str, fraction: float, message: str) -> None:
+        tenth = int(fraction * 10)
+        if fraction in (0.0, 1.0) or tenth > self._tenth.get(phase, 0):
+            self._tenth[phase] = tenth
+            print(f"[distil] {phase} {fraction:4.0%} {message}", file=sys.stderr, flush=True)
 
 
 def run_distil(args: argparse.Namespace) -> int:
@@ -113,7 +121,7 @@ def run_distil(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens or 128,
             epochs=args.epochs or 2.0,
             lr=args.lr or 1e-3,
-            report=_report,
+            report=_Report(),
             weights=args.weights,
             force=args.force,
             model_name=f"{model_dir.name}-distil{args.layers}",
@@ -148,7 +156,7 @@ def _run_eagle(args: argparse.Namespace, model_dir: Path) -> int:
         force=args.force,
         texts=args.texts_file,
         train_minutes=args.train_minutes or TRAIN_MINUTES,
-        report=_report,
+        report=_Report(),
     )
     t = result.meta.training
     verb = "reused" if result.reused else "trained"

@@ -319,3 +319,13 @@ def test_training_stops_at_its_time_budget_with_the_rate_annealed():
     assert steps == 6  # 60 s of 10 s steps, not the 1000 epochs' 13,500
     assert schedule(1.0) == 0.0 and 0.0 < schedule(0.0) < schedule(0.05) == 1.0
     assert train(draft, data, epochs=2, lr=1e-3, batch=8, seed=0, report=lambda *a: None) == 27
+
+
+def test_distil_progress_prints_every_tenth_of_a_phase(capsys):
+    from pipeshard.exporter.distil_cli import _Report
+
+    report = _Report()
+    for step in range(1357):  # 1356 steps: no fraction but 0, 1/2 and 1 lands on a tenth
+        report("train", step / 1356, f"step {step}")
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split()[2] for line in lines] == [f"{10 * t}%" for t in range(11)]
