@@ -14,8 +14,10 @@ each K, adaptive K with ``tree=off`` (``-chain-auto``), trees at BENCH_TREES, ad
 ``tree=auto`` (``-auto``, the default).
 
 Parts (BENCH_PARTS, default single,exact,wan; a subset names the JSON bench/results/spec-<parts>.json):
-- single: every stage in this process (INT4 at the default precision, ``exact``); tok/s,
-  acceptance, tokens per traversal per kind; the draft costs against the target.
+- single: every stage in this process (INT4 at the default precision, ``exact``) on paged stages
+  as `make up` runs them, a tree one masked sequence (BENCH_SINGLE_KV=stateful: the stateful
+  backend, where a tree runs as one chain per path, every path's row copying the session's cache);
+  tok/s, acceptance, tokens per traversal per kind; the draft costs against the target.
 - exact: the same configurations on 2- and 3-stage INT4 rings at ``exact``, tokens against plain.
 - wan: 2 and 3 stage processes in network namespaces at 0, 10, 50, 100 ms one way per hop
   (``flock /tmp/wan.lock``: the emulator is shared), plain against the best single-node token
@@ -54,7 +56,7 @@ from pipeshard import paths
 from pipeshard.clients.client import PipeshardClient
 from pipeshard.offline import set_offline_defaults
 from pipeshard.services.coordinator.generation import Generation, Summary
-from pipeshard.services.coordinator.in_process import local_ring
+from pipeshard.services.coordinator.in_process import batched_ring, local_ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.shard.chain import LocalChain
@@ -85,6 +87,7 @@ SELF_DRAFT_EXPORT = os.environ.get("BENCH_SELF_DRAFT")
 HF_DRAFT_LAYERS = 2
 FEATURE_DRAFT = os.environ.get("BENCH_FEATURE_DRAFT")  # a folder, "off", or unset: the default one
 FEATURE_VOCAB = 8192
+SINGLE_KV = os.environ.get("BENCH_SINGLE_KV", "paged")  # paged | stateful
 MAX_REPEATS = 3  # an answer with a 4-gram more often than this loops: not natural text
 QUICK_WARMUP_TOKENS = 4
 KNOBS = (
@@ -104,6 +107,7 @@ KNOBS = (
     "BENCH_WAN_SOURCE",
     "BENCH_PROMPTS",
     "BENCH_WAN_PROMPTS",
+    "BENCH_SINGLE_KV",
 )
 
 # The paper's eight kinds, one prompt each, as one user chat message.
@@ -326,7 +330,7 @@ def single_node(
 ) -> dict:
     """Every stage in this process; every source's configurations against plain."""
     prompter = Prompter.from_dir(target)
-    ring = local_ring(target)
+    ring = batched_ring(target) if SINGLE_KV == "paged" else local_ring(target)
     ring.stages.warmup()
     generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, drafts=drafts)
     configs = spec_configs(sources, KS)
@@ -479,6 +483,7 @@ def main() -> int:
     result: dict = {
         "runs": RUNS,
         "parts": list(PARTS),
+        "single_kv": SINGLE_KV,
         "tokens": TOKENS,
         "sources": list(all_sources),
         "kinds": kinds,
