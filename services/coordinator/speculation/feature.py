@@ -26,6 +26,7 @@ class FeatureDrafter:
 
     auto_tree_width = 1  # trees need stateful stages; a chain is what every backend verifies
     reads_features = True
+    head_candidates = 0
 
     def __init__(self, model: FeatureDraftModel):
         self._model = model
