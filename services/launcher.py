@@ -234,6 +234,7 @@ def start_fleet(
     coordinator_port: int = 0,
     precision: str = DEFAULT_PRECISION,
     extra_stage_args: list[str] = (),
+    final_stage_args: list[str] = (),
     devices: Sequence[str] = (),
     extra_coordinator_args: list[str] = (),
     extra_gateway_args: list[str] = (),
@@ -259,6 +260,7 @@ def start_fleet(
     any key listed there, each its own identity.
     With ``gateway_port`` set, the OpenAI gateway starts last. ``metrics_ports`` maps process
     names (exporter, stage0, ..., coordinator, gateway) to the port each serves Prometheus /metrics on.
+    ``final_stage_args`` go to the final stage only (``--draft-heads DIR``, which others refuse).
     ``devices`` gives each stage its OpenVINO device (``--device``; empty: the stage's default).
     ``replicas`` lanes of stages start (replica r of each stage forwards to replica r of the next;
     ``stage_ports`` are lane 0's, lane r adds 20r to each non-zero port; metrics likewise, by
@@ -310,6 +312,7 @@ def start_fleet(
                 port = ports[k] + REPLICA_PORT_STRIDE * r if ports[k] else 0
                 args = stage_args(k, shards, port, precision, log_format, next_hop, extra_stage_args)
                 args += ["--device", devices[k]] if devices else []
+                args += list(final_stage_args) if k == num_stages - 1 else []
                 name = stage_name(k, r)
                 cap = None
                 if stage_memory_limit is not None:
