@@ -193,6 +193,8 @@ def _run_medusa(args: argparse.Namespace, model_dir: Path) -> int:
     print(
         f"{verb} {result.meta.heads} medusa heads in {result.folder}: {t.get('texts')} texts, "
         f"{t.get('train_positions')} training positions, {t.get('minutes')} minutes; held-out top-1/top-3 "
-        f"{accuracy}; serve them with `pipeshard stage --draft-heads {result.folder}` on the final stage"
+        f"{accuracy}, a chain of all heads "
+        f"{t.get('held_out_chain_tokens_per_traversal')} tokens per traversal; "
+        f"serve them with `pipeshard stage --draft-heads {result.folder}` on the final stage"
     )
     return 0

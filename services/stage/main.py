@@ -252,7 +252,7 @@ def load_heads(settings: StageSettings, num_stages: int) -> DraftHeads | None:
         )
     meta = read_meta(settings.draft_heads)
     check_target(meta, Path(settings.shards), settings.draft_heads)
-    heads = DraftHeads(settings.draft_heads, meta)
+    heads = DraftHeads(settings.draft_heads, meta, settings.num_threads or None)
     log.info("draft_heads_loaded", folder=str(settings.draft_heads), heads=heads.heads)
     return heads
 

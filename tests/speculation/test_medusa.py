@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pipeshard.errors import FailedPrecondition, InvalidArgument
-from pipeshard.exporter.medusa import labels
+from pipeshard.exporter.medusa import Labels, MedusaHeads, accuracy, labels
 from pipeshard.exporter.target_texts import FeatureTexts
 from pipeshard.services.coordinator.speculation.medusa import MedusaDrafter
 from pipeshard.services.coordinator.speculation.sources import DraftSources
@@ -191,3 +191,13 @@ def test_medusa_is_offered_only_where_the_final_stage_runs_heads(tmp_path):
         without.validate("medusa")
     assert "medusa" in str(info.value) and "--draft-heads" in str(info.value)
     assert "medusa" in DraftSources(export, heads=3).names
+
+
+def test_held_out_accuracy_counts_top_k_and_the_chain():
+    torch = pytest.importorskip("torch")
+    model = MedusaHeads(torch.eye(4), torch.arange(4), 2)  # W = 0: every head scores the feature itself
+    features = np.array([[5, 1, 0, 0], [0, 5, 1, 0]], np.float32)
+    columns = np.array([[0, 0], [1, 2]])  # the second position's head 2 wants its second best
+    per_head, chain = accuracy(model, Labels(features, columns, columns.copy()))
+    assert per_head[0]["top1"] == 1.0 and per_head[1]["top1"] == 0.5 and per_head[1]["top3"] == 1.0
+    assert chain == 1 + (2 + 1) / 2
