@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pipeshard.errors import FailedPrecondition, InvalidArgument
-from pipeshard.exporter.medusa import Labels, MedusaHeads, accuracy, labels
+from pipeshard.exporter.medusa import Labels, MedusaHeads, accuracy, labels, load_target_texts
 from pipeshard.exporter.target_texts import FeatureTexts
 from pipeshard.services.coordinator.speculation.medusa import MedusaDrafter
 from pipeshard.services.coordinator.speculation.sources import DraftSources
@@ -201,3 +201,23 @@ def test_held_out_accuracy_counts_top_k_and_the_chain():
     per_head, chain = accuracy(model, Labels(features, columns, columns.copy()))
     assert per_head[0]["top1"] == 1.0 and per_head[1]["top1"] == 0.5 and per_head[1]["top3"] == 1.0
     assert chain == 1 + (2 + 1) / 2
+
+
+def test_distil_medusa_refuses_jsonl_texts_and_other_models_texts(smollm2_export, tmp_path):
+    import subprocess
+    import sys
+
+    target = str(smollm2_export(1, "int4"))
+    cli = [sys.executable, "-m", "pipeshard.cli", "distil", "--kind", "medusa", "--target", target]
+    done = subprocess.run(
+        [*cli, "--texts", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "`texts`" in done.stderr and not (tmp_path / "o").exists(), done.stderr
+    other = tmp_path / "texts.npz"
+    np.savez(other, key=np.asarray("sha256:other prompts=1"), lengths=np.asarray([1]))
+    with pytest.raises(InvalidArgument) as info:
+        load_target_texts(other, load_manifest(target).model.fingerprint)
+    assert "sha256:other" in str(info.value) and "target_texts" in str(info.value)
