@@ -24,6 +24,8 @@ from pathlib import Path
 
 from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.memcap import MemoryCap
+from pipeshard.shard.draft_heads import is_draft_heads
+from pipeshard.shard.draft_heads import read_meta as read_heads
 from pipeshard.shard.feature_draft import is_feature_draft, read_meta
 from pipeshard.shard.manifest import load_manifest
 from pipeshard.tls import CA_CERT
@@ -198,6 +200,22 @@ def feature_draft_args(shards: Path, choice: str = "auto") -> list[str]:
     for folder in sorted(Path(shards).parent.glob(f"{model.name}-eagle*")):
         if is_feature_draft(folder) and read_meta(folder).model_fingerprint == model.fingerprint:
             return ["--feature-draft", str(folder), "--speculative", "feature"]
+    return []
+
+
+def draft_heads_args(shards: Path, choice: str = "auto") -> list[str]:
+    """The final stage's arguments that run trained draft heads (``pipeshard distil --kind
+    medusa``), so the coordinator offers ``medusa``. ``auto``: heads in the shards folder trained
+    for these weights, if any; ``off``: none; else a folder, checked by the stage against the
+    export's fingerprint."""
+    if choice == "off":
+        return []
+    if choice != "auto":
+        return ["--draft-heads", choice]
+    model = load_manifest(shards).model
+    for folder in sorted(Path(shards).parent.glob(f"{model.name}-medusa*")):
+        if is_draft_heads(folder) and read_heads(folder).model_fingerprint == model.fingerprint:
+            return ["--draft-heads", str(folder)]
     return []
 
 

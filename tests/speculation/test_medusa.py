@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -221,3 +223,20 @@ def test_distil_medusa_refuses_jsonl_texts_and_other_models_texts(smollm2_export
     with pytest.raises(InvalidArgument) as info:
         load_target_texts(other, load_manifest(target).model.fingerprint)
     assert "sha256:other" in str(info.value) and "target_texts" in str(info.value)
+
+
+def test_up_finds_heads_trained_for_the_exports_weights(tmp_path):
+    from pipeshard.services.launcher import draft_heads_args
+
+    export = tmp_path / "m-1s-int4"  # its manifest is the patched one below
+    model = SimpleNamespace(name="m", fingerprint="sha256:mine")
+    for name, fingerprint in (("m-medusa3-v8", "sha256:other"), ("m-medusa4-v8", "sha256:mine")):
+        meta = DraftHeadsMeta(draft_heads.KIND, fingerprint, K, H, V)
+        (tmp_path / name).mkdir()
+        (tmp_path / name / draft_heads.META).write_text(json.dumps(meta.to_dict()))
+    with patch("pipeshard.services.launcher.load_manifest", return_value=SimpleNamespace(model=model)):
+        assert draft_heads_args(export) == ["--draft-heads", str(tmp_path / "m-medusa4-v8")]
+        assert draft_heads_args(export, "off") == []
+        assert draft_heads_args(export, "/x") == ["--draft-heads", "/x"]
+        model.fingerprint = "sha256:none"
+        assert draft_heads_args(export) == []
