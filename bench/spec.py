@@ -9,7 +9,10 @@ interleaved rounds (its ``_ci95`` a bootstrap over rounds).
 Sources: ``ngram`` (prompt lookup), ``self`` (the 4-layer self-draft, or BENCH_SELF_DRAFT, e.g. a
 distilled one from `make distil`), ``hf`` (a same-tokenizer Hugging Face folder) and ``feature``
 (the trained feature draft, `make distil KIND=eagle`; BENCH_FEATURE_DRAFT=<folder> or the default
-folder, trained there when missing; BENCH_FEATURE_DRAFT=off leaves it out). Per source: chains at
+folder, trained there when missing; BENCH_FEATURE_DRAFT=off leaves it out) and ``medusa`` (the final
+stage's draft heads, `make distil KIND=medusa`; BENCH_DRAFT_HEADS=<folder> or the default folder
+when it holds heads for these weights, never trained here; the single and exact parts only, on
+stateful rings, where trees go as chains and so draft by prompt lookup). Per source: chains at
 each K, adaptive K with ``tree=off`` (``-chain-auto``), trees at BENCH_TREES, adaptive K with
 ``tree=auto`` (``-auto``, the default).
 
@@ -29,7 +32,8 @@ included), ``single_node_speedup`` (the best token-draft configuration), ``adapt
 and ``adaptive_over_plain_min`` (``-auto`` of the WAN source against its best fixed shape and
 plain, minimum over every WAN point), ``bit_exact`` (every speculative sequence of every part equals
 plain greedy's, INT4 at ``exact``), ``repetition_rate``; (#31) ``feature_speedup_at_100ms``,
-``feature_single_node_speedup``, ``feature_tokens_per_traversal_at_100ms``, ``draft_train_minutes``.
+``feature_single_node_speedup``, ``feature_tokens_per_traversal_at_100ms``, ``draft_train_minutes``;
+``medusa_single_node_speedup``, ``medusa_tokens_per_traversal``, ``draft_heads_cost``.
 
 BENCH_QUICK=1: 2 rounds single node, 1 WAN round, each after a few tokens per configuration, 24
 tokens, K 5, tree 3x4, sources ngram and feature (and self when BENCH_SELF_DRAFT is given), the
@@ -50,7 +54,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.pipeline import ensure_export
-from bench.spec_costs import feature_bytes, feature_draft_cost, token_draft_costs, trim_cost
+from bench.spec_costs import draft_heads_cost, feature_bytes, feature_draft_cost, token_draft_costs, trim_cost
 from bench.stats import RESULTS_DIR, interleaved, mean_ratio_ci, median, write_result
 from pipeshard import paths
 from pipeshard.clients.client import PipeshardClient
@@ -88,6 +92,7 @@ HF_DRAFT_LAYERS = 2
 FEATURE_DRAFT = os.environ.get("BENCH_FEATURE_DRAFT")  # a folder, "off", or unset: the default one
 FEATURE_VOCAB = 8192
 SINGLE_KV = os.environ.get("BENCH_SINGLE_KV", "paged")  # paged | stateful
+DRAFT_HEADS = os.environ.get("BENCH_DRAFT_HEADS")  # a folder, "off", or unset: the default one if trained
 MAX_REPEATS = 3  # an answer with a 4-gram more often than this loops: not natural text
 QUICK_WARMUP_TOKENS = 4
 KNOBS = (
@@ -101,6 +106,7 @@ KNOBS = (
     "BENCH_TREES",
     "BENCH_SELF_DRAFT",
     "BENCH_FEATURE_DRAFT",
+    "BENCH_DRAFT_HEADS",
     "BENCH_WAN_STAGES",
     "BENCH_WAN_DELAYS",
     "BENCH_WAN_KS",
@@ -182,6 +188,22 @@ def feature_draft(target: Path) -> Path | None:
 
     distil_eagle(paths.default_model_dir(), target, out, vocab=FEATURE_VOCAB, report=report)
     return out
+
+
+def draft_heads_folder(target: Path) -> Path | None:
+    """The final stage's draft heads (`make distil KIND=medusa`): BENCH_DRAFT_HEADS, or the default
+    folder when it holds heads trained for the target's weights (never trained here)."""
+    from pipeshard.exporter.medusa import HEADS
+    from pipeshard.shard.draft_heads import is_draft_heads, read_meta
+    from pipeshard.shard.manifest import load_manifest
+
+    if DRAFT_HEADS == "off":
+        return None
+    if DRAFT_HEADS:
+        return Path(DRAFT_HEADS)
+    folder = paths.shards_dir() / paths.draft_heads_name(paths.DEFAULT_MODEL, HEADS, FEATURE_VOCAB)
+    fingerprint = load_manifest(target).model.fingerprint
+    return folder if is_draft_heads(folder) and read_meta(folder).model_fingerprint == fingerprint else None
 
 
 def loops(tokens: list[int]) -> bool:
@@ -326,11 +348,20 @@ def in_process_generate(loop, generation: Generation) -> Generate:
 
 
 def single_node(
-    loop, target: Path, drafts: DraftSources, sources: tuple[str, ...], prompts: list, kinds: list[str]
+    loop,
+    target: Path,
+    drafts: DraftSources,
+    sources: tuple[str, ...],
+    prompts: list,
+    kinds: list[str],
+    heads: Path | None = None,
 ) -> dict:
-    """Every stage in this process; every source's configurations against plain."""
+    """Every stage in this process; every source's configurations against plain (the final stage
+    running ``heads`` for the ``medusa`` source)."""
     prompter = Prompter.from_dir(target)
     ring = batched_ring(target) if SINGLE_KV == "paged" else local_ring(target)
+    if heads is not None:
+        ring.stages.run_heads(heads)
     ring.stages.warmup()
     generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, drafts=drafts)
     configs = spec_configs(sources, KS)
@@ -340,8 +371,9 @@ def single_node(
     rows = table(configs, samples, per_prompt, last, kinds)
     return {
         "configs": rows,
-        "best": best_of(rows, configs, tuple(s for s in sources if s != "feature")),
+        "best": best_of(rows, configs, tuple(s for s in sources if s not in ("feature", "medusa"))),
         "feature_best": best_of(rows, configs, ("feature",)),
+        "medusa_best": best_of(rows, configs, ("medusa",)),
         "plain_tokens": last["plain"]["tokens"],
         "sequences_compared": len(prompts) * (len(configs) - 1),
         "sequences_identical": sum(r["identical_to_plain"] for n, r in rows.items() if n != "plain"),
@@ -349,7 +381,11 @@ def single_node(
 
 
 def exactness(
-    loop, drafts_for: Callable[[Path], DraftSources], sources: tuple[str, ...], prompts: list
+    loop,
+    drafts_for: Callable[[Path], DraftSources],
+    sources: tuple[str, ...],
+    prompts: list,
+    heads: Path | None = None,
 ) -> dict:
     """Every source's configurations at EXACT_KS on 2- and 3-stage INT4 rings at ``exact``, token
     for token against plain greedy on the same ring."""
@@ -359,6 +395,8 @@ def exactness(
         target = ensure_export(stages)
         prompter = Prompter.from_dir(target)
         ring = local_ring(target, "exact")
+        if heads is not None:
+            ring.stages.run_heads(heads)
         generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, drafts=drafts_for(target))
         generate = in_process_generate(loop, generation)
         results = {n: [generate(p, TOKENS, *c).token_ids for p in prompts] for n, c in configs.items()}
@@ -467,10 +505,22 @@ def main() -> int:
     self_draft = self_draft_export() if "self" in sources else None
     hf = hf_draft_folder() if "hf" in sources else None
     feature = feature_draft(target)
-    all_sources = sources + (("feature",) if feature else ())
+    heads = draft_heads_folder(target)
+    all_sources = sources + (("feature",) if feature else ()) + (("medusa",) if heads else ())
+    head_count = 0
+    if heads is not None:
+        from pipeshard.shard.draft_heads import read_meta as read_heads
+
+        head_count = read_heads(heads).heads
 
     def drafts_for(export: Path) -> DraftSources:
-        return DraftSources(export, self_draft=self_draft, feature=feature, named={"hf": hf} if hf else None)
+        return DraftSources(
+            export,
+            self_draft=self_draft,
+            feature=feature,
+            heads=head_count,
+            named={"hf": hf} if hf else None,
+        )
 
     prompter = Prompter.from_dir(target)
     every_prompt = [prompter.encode("", [("user", text)]) for _, text in KINDS]
@@ -502,11 +552,19 @@ def main() -> int:
             "feature_bytes": feature_bytes(target),
             "feature_draft_cost": feature_draft_cost(target, feature),
         }
+    if heads is not None:
+        result |= {
+            "draft_heads": str(heads),
+            "draft_heads_training": read_heads(heads).training,
+            "draft_heads_cost": draft_heads_cost(target, heads),
+        }
     exact: list[bool] = []
     loop = asyncio.new_event_loop()
     single = None
     if "single" in PARTS:
-        single = single_node(loop, target, drafts_for(target), all_sources, prompts, kinds[: len(prompts)])
+        single = single_node(
+            loop, target, drafts_for(target), all_sources, prompts, kinds[: len(prompts)], heads
+        )
         chain_answers = [answers[i][:TOKENS] for i in kept][: len(prompts)]
         if single.pop("plain_tokens") != chain_answers:
             raise RuntimeError("the ring's plain greedy differs from the chain's on the same shards")
@@ -521,6 +579,10 @@ def main() -> int:
         if single["feature_best"]:
             result["feature_single_node_speedup"] = configs[single["feature_best"]]["speedup"]
             result["feature_single_node_speedup_ci95"] = configs[single["feature_best"]]["speedup_ci95"]
+        if single["medusa_best"]:
+            result["medusa_single_node_speedup"] = configs[single["medusa_best"]]["speedup"]
+            result["medusa_single_node_speedup_ci95"] = configs[single["medusa_best"]]["speedup_ci95"]
+            result["medusa_tokens_per_traversal"] = configs[single["medusa_best"]]["tokens_per_verify"]
         if not QUICK:
             result["physical_trim_ms_per_call"] = trim_cost(target, prompts[0]) * 1000.0
             from pipeshard.exporter.draft import ensure_draft_export
@@ -530,7 +592,7 @@ def main() -> int:
                 named["hf"] = ensure_draft_export(hf, drafts_for(target).draft_cache)
             result["draft_cost"] = token_draft_costs(target, named)
     if "exact" in PARTS:
-        checked = exactness(loop, drafts_for, all_sources, prompts)
+        checked = exactness(loop, drafts_for, all_sources, prompts, heads)
         exact.append(all(v == checked["sequences_per_config"] for v in checked["identical"].values()))
         result["exactness"] = checked
     loop.close()

@@ -88,3 +88,23 @@ def feature_draft_cost(target: Path, draft: Path, reps: int = 200) -> dict:
         "target_decode_ms": target_ms,
         "cost_vs_target": numpy_ms / target_ms,
     }
+
+
+def draft_heads_cost(target: Path, heads: Path, reps: int = 200) -> dict:
+    """Milliseconds the final stage's draft heads add to a step (K heads at one position, their
+    top candidates), against the target's one-token decode step (every stage in this process)."""
+    from pipeshard.shard.chain import LocalChain
+    from pipeshard.shard.draft_heads import DraftHeads
+
+    model = DraftHeads(heads)
+    f = np.random.default_rng(0).standard_normal(model.meta.hidden_size).astype(np.float32)
+    heads_ms = _timed_ms(lambda: model.candidates(f, 4), reps)
+    chain = LocalChain(target)
+    chain.step(np.asarray([[1] * 64]))
+    target_ms = _timed_ms(lambda: chain.step(np.asarray([[42]])), 100)
+    return {
+        "heads": model.heads,
+        "heads_ms_per_step": heads_ms,
+        "target_decode_ms": target_ms,
+        "cost_vs_target": heads_ms / target_ms,
+    }

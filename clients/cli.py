@@ -60,6 +60,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--self-draft", type=Path, default=None, help="--local only: the self-draft export")
     p.add_argument(
+        "--draft-heads",
+        type=Path,
+        default=None,
+        help="--local only: draft heads the final stage runs (pipeshard distil --kind medusa), for `medusa`",
+    )
+    p.add_argument(
         "--precision", default=None, help="--local only: exact, fast or f32 (unset: the default, exact)"
     )
     p.add_argument(

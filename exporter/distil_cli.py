@@ -2,12 +2,16 @@
 
     pipeshard distil --target shards/smollm2-135m-instruct-1s-int4 --layers 2 --vocab 8192
     pipeshard distil --kind eagle --target shards/smollm2-135m-instruct-1s-int4
+    pipeshard distil --kind medusa --target shards/smollm2-135m-instruct-1s-int4
 
 ``--kind token`` (the default) writes SHARDS_DIR/<model>-distil<K>[-v<N>]/{hf,export}; start a
 coordinator with ``--self-draft <that>/export`` (or pass ``<that>/hf`` as a request's
 ``speculative``). ``--kind eagle`` trains a draft that reads the target's final hidden state
 (exporter/eagle.py) into SHARDS_DIR/<model>-eagle[-v<N>], reused when it already matches the
 target's weights; a coordinator offers it as ``feature`` (``--feature-draft DIR``).
+``--kind medusa`` trains draft heads on the same kind of texts (exporter/medusa.py) into
+SHARDS_DIR/<model>-medusa<K>[-v<N>], reused likewise; the final stage runs them (``pipeshard stage
+--draft-heads DIR``) and a coordinator then offers ``medusa``.
 """
 
 from __future__ import annotations
@@ -37,8 +41,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kind",
         default="token",
-        choices=("token", "eagle"),
-        help="token: a k-layer draft of the model; eagle: a draft reading the target's features",
+        choices=("token", "eagle", "medusa"),
+        help="token: a k-layer draft of the model; eagle: a draft reading the target's features; "
+        "medusa: heads on the final stage reading them",
+    )
+    p.add_argument("--heads", type=int, default=None, help="--kind medusa: how many heads (default 4)")
+    p.add_argument(
+        "--target-texts",
+        type=Path,
+        default=None,
+        help="--kind medusa: a texts.npz of the target's answers with features (exporter/target_texts.py, "
+        "for example an eagle run's) to train on instead of generating them",
     )
     p.add_argument(
         "--layers", type=int, default=None, help="the token draft keeps the model's first K layers (required)"
@@ -65,7 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-tokens", type=int, default=None, help="answer length per synthetic prompt (default 128)"
     )
-    p.add_argument("--epochs", type=float, default=None, help="passes over the data (token 2, eagle 2)")
+    p.add_argument("--epochs", type=float, default=None, help="passes over the data (token 2, eagle 2, medusa 2)")
     p.add_argument(
         "--train-minutes",
         type=float,
@@ -73,7 +86,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="--kind eagle: fewer passes than --epochs where they would not fit this many minutes "
         "(default 25: with generating the texts, about 15, within 45 on 2 cores)",
     )
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (token 1e-3, eagle 2e-3)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (token 1e-3, eagle 2e-3, medusa 1e-3)")
     p.add_argument("--weights", default="int4", choices=WEIGHT_FORMATS)
     p.add_argument(
         "--out", type=Path, default=None, help="output folder (default SHARDS_DIR/<model>-distil<K>[-v<N>])"
@@ -106,6 +119,8 @@ def run_distil(args: argparse.Namespace) -> int:
         model_dir = resolve_model(args.model)
         if args.kind == "eagle":
             return _run_eagle(args, model_dir)
+        if args.kind == "medusa":
+            return _run_medusa(args, model_dir)
         if args.layers is None:
             raise InvalidArgument("layers", "is required with --kind token")
         vocab = "" if args.vocab is None else f"-v{args.vocab}"
@@ -164,5 +179,42 @@ def _run_eagle(args: argparse.Namespace, model_dir: Path) -> int:
         f"{verb} an eagle draft in {result.folder}: {t.get('texts')} texts, {t.get('positions')} positions, "
         f"{t.get('minutes')} minutes; held-out agreement with the target {t.get('held_out_agreement')}, "
         f"accepted of a 3-token chain {t.get('held_out_chain_of_3')}"
+    )
+    return 0
+
+
+def _run_medusa(args: argparse.Namespace, model_dir: Path) -> int:
+    from pipeshard.exporter.medusa import HEADS, distil_medusa
+
+    if args.texts is not None:
+        raise InvalidArgument("texts", "--kind medusa trains on the target's own answers (--target-texts)")
+    vocab = 8192 if args.vocab is None else args.vocab
+    heads = args.heads or HEADS
+    out = args.out or paths.shards_dir() / paths.draft_heads_name(model_dir.name, heads, vocab)
+    result = distil_medusa(
+        model_dir,
+        args.target,
+        out,
+        heads=heads,
+        vocab=vocab,
+        texts=args.target_texts,
+        prompts=args.prompts or 200,
+        max_tokens=args.max_tokens or 128,
+        epochs=args.epochs or 2.0,
+        lr=args.lr or 1e-3,
+        force=args.force,
+        report=_report,
+    )
+    t = result.meta.training
+    verb = "reused" if result.reused else "trained"
+    accuracy = ", ".join(
+        f"head {i + 1} {a['top1']:.3f}/{a['top3']:.3f}" for i, a in enumerate(t.get("held_out", []))
+    )
+    print(
+        f"{verb} {result.meta.heads} medusa heads in {result.folder}: {t.get('texts')} texts, "
+        f"{t.get('train_positions')} training positions, {t.get('minutes')} minutes; held-out top-1/top-3 "
+        f"{accuracy}, a chain of all heads "
+        f"{t.get('held_out_chain_tokens_per_traversal')} tokens per traversal; "
+        f"serve them with `pipeshard stage --draft-heads {result.folder}` on the final stage"
     )
     return 0

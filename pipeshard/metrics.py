@@ -126,6 +126,12 @@ STAGE_STEP_ROWS = histogram(
     ("stage",),
     buckets=ROW_BUCKETS,
 )
+STAGE_HEADS_SECONDS = histogram(
+    "pipeshard_stage_draft_heads_seconds",
+    "Time the final stage's draft heads took for one row (path, heads and top candidates), in seconds.",
+    ("stage",),
+    buckets=STEP_BUCKETS,
+)
 STAGE_SESSIONS = gauge("pipeshard_stage_sessions", "Sessions open on a stage.", ("stage",))
 STAGE_CACHE_POSITIONS = gauge(
     "pipeshard_stage_cache_positions",

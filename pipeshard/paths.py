@@ -40,6 +40,12 @@ def feature_draft_name(model: str, vocab: int | None) -> str:
     return f"{model}-eagle{'' if vocab is None else f'-v{vocab}'}"
 
 
+def draft_heads_name(model: str, heads: int, vocab: int | None) -> str:
+    """Folder name of trained draft heads (``pipeshard distil --kind medusa``): ``<model>-medusa<K>[-v<N>]``
+    (K heads, a head slice of N ids)."""
+    return f"{model}-medusa{heads}{'' if vocab is None else f'-v{vocab}'}"
+
+
 def draft_export_name(model: str, layers: int, vocab: int | None, weights: str) -> str:
     """Folder name of a self-draft export: ``<model>-draft<K>[-v<N>]-<weights>``."""
     return f"{model}-draft{layers}{'' if vocab is None else f'-v{vocab}'}-{weights}"

@@ -23,6 +23,7 @@ from pipeshard.paths import DEFAULT_MODEL, certs_dir, export_name, shards_dir
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.gateway.settings import GATEWAY_METRICS_PORT, GATEWAY_PORT
 from pipeshard.services.launcher import (
+    draft_heads_args,
     feature_draft_args,
     process_start_time,
     recorded,
@@ -71,6 +72,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="auto",
         help="auto: offer a feature draft trained for this export's weights (`make distil KIND=eagle`) "
         "as the default speculation; off; or a draft folder",
+    )
+    up.add_argument(
+        "--draft-heads",
+        default="auto",
+        help="auto: the final stage runs draft heads trained for this export's weights (`make distil "
+        "KIND=medusa`), offered as `medusa`; off; or a heads folder",
     )
     up.add_argument(
         "--stage-memory-limit",
@@ -147,11 +154,13 @@ def run_up(args: argparse.Namespace) -> int:
     # SIGHUP change its lanes at run time.
     lanes_file = ["--topology", str(TOPOLOGY)] if args.replicas > 1 else []
     feature = feature_draft_args(shards, args.feature_draft)
+    heads = draft_heads_args(shards, args.draft_heads)
     fleet = start_fleet(
         shards,
         args.stages,
         RUN_DIR,
         extra_coordinator_args=lanes_file + feature,
+        final_stage_args=heads,
         stage_ports=[s.port for s in topo.stages],
         coordinator_port=topo.coordinator.port,
         exporter_port=topo.exporter.port,
@@ -183,6 +192,8 @@ def run_up(args: argparse.Namespace) -> int:
         print("plaintext on loopback (`make up SECURE=1` for TLS and a token)")
     if feature:
         print(f"speculation: the feature draft {feature[1]} by default (adaptive K)")
+    if heads:
+        print(f"draft heads: {heads[1]} on the final stage (speculative `medusa`)")
     print(f"topology written to {TOPOLOGY}; logs in {RUN_DIR}/")
     print(f"exporter listening on {topo.exporter.address}")
     for r, lane in enumerate(fleet.lanes):

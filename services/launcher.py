@@ -24,6 +24,8 @@ from pathlib import Path
 
 from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.memcap import MemoryCap
+from pipeshard.shard.draft_heads import is_draft_heads
+from pipeshard.shard.draft_heads import read_meta as read_heads
 from pipeshard.shard.feature_draft import is_feature_draft, read_meta
 from pipeshard.shard.manifest import load_manifest
 from pipeshard.tls import CA_CERT
@@ -201,6 +203,22 @@ def feature_draft_args(shards: Path, choice: str = "auto") -> list[str]:
     return []
 
 
+def draft_heads_args(shards: Path, choice: str = "auto") -> list[str]:
+    """The final stage's arguments that run trained draft heads (``pipeshard distil --kind
+    medusa``), so the coordinator offers ``medusa``. ``auto``: heads in the shards folder trained
+    for these weights, if any; ``off``: none; else a folder, checked by the stage against the
+    export's fingerprint."""
+    if choice == "off":
+        return []
+    if choice != "auto":
+        return ["--draft-heads", choice]
+    model = load_manifest(shards).model
+    for folder in sorted(Path(shards).parent.glob(f"{model.name}-medusa*")):
+        if is_draft_heads(folder) and read_heads(folder).model_fingerprint == model.fingerprint:
+            return ["--draft-heads", str(folder)]
+    return []
+
+
 def coordinator_args(
     stages: list[str], shards: Path, port: int, log_format: str, extra: Sequence[str] = ()
 ) -> list[str]:
@@ -234,6 +252,7 @@ def start_fleet(
     coordinator_port: int = 0,
     precision: str = DEFAULT_PRECISION,
     extra_stage_args: list[str] = (),
+    final_stage_args: list[str] = (),
     devices: Sequence[str] = (),
     extra_coordinator_args: list[str] = (),
     extra_gateway_args: list[str] = (),
@@ -259,6 +278,7 @@ def start_fleet(
     any key listed there, each its own identity.
     With ``gateway_port`` set, the OpenAI gateway starts last. ``metrics_ports`` maps process
     names (exporter, stage0, ..., coordinator, gateway) to the port each serves Prometheus /metrics on.
+    ``final_stage_args`` go to the final stage only (``--draft-heads DIR``, which others refuse).
     ``devices`` gives each stage its OpenVINO device (``--device``; empty: the stage's default).
     ``replicas`` lanes of stages start (replica r of each stage forwards to replica r of the next;
     ``stage_ports`` are lane 0's, lane r adds 20r to each non-zero port; metrics likewise, by
@@ -310,6 +330,7 @@ def start_fleet(
                 port = ports[k] + REPLICA_PORT_STRIDE * r if ports[k] else 0
                 args = stage_args(k, shards, port, precision, log_format, next_hop, extra_stage_args)
                 args += ["--device", devices[k]] if devices else []
+                args += list(final_stage_args) if k == num_stages - 1 else []
                 name = stage_name(k, r)
                 cap = None
                 if stage_memory_limit is not None:

@@ -166,8 +166,10 @@ def shared_fleet(_shared_fleets, tmp_path_factory, request):
         precision: str = DEFAULT_PRECISION,
         extra_stage_args: tuple[str, ...] = (),
         extra_coordinator_args: tuple[str, ...] = (),
+        final_stage_args: tuple[str, ...] = (),
     ) -> Fleet:
         key = (str(shards), stages, precision, tuple(extra_stage_args), tuple(extra_coordinator_args))
+        key += (tuple(final_stage_args),) if final_stage_args else ()
         if key not in _shared_fleets:
             fleet = start_fleet(
                 shards,
@@ -176,6 +178,7 @@ def shared_fleet(_shared_fleets, tmp_path_factory, request):
                 precision=precision,
                 extra_stage_args=list(extra_stage_args),
                 extra_coordinator_args=list(extra_coordinator_args),
+                final_stage_args=list(final_stage_args),
             )
             _shared_fleets[key] = _SharedFleet(fleet)
         shared = _shared_fleets[key]
@@ -233,6 +236,23 @@ def smollm2_draft(smollm2_dir: Path):
         return out
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_heads(smollm2_dir: Path, smollm2_export) -> Path:
+    """Medusa draft heads of the default model (``pipeshard distil --kind medusa``), trained small
+    and fast on the 1-stage INT4 export's answers to a few prompts (weak heads: the tests check
+    exactness and plumbing, not their acceptance), cached like smollm2_export."""
+    from pipeshard.exporter.medusa import distil_medusa
+    from pipeshard.shard.draft_heads import is_draft_heads
+
+    out = (
+        Path(os.environ.get("PIPESHARD_TEST_SHARDS", REPO_ROOT / "shards" / ".test")) / "smollm2-medusa3-tiny"
+    )
+    if not is_draft_heads(out):
+        target = smollm2_export(1, "int4")
+        distil_medusa(smollm2_dir, target, out, heads=3, vocab=4096, prompts=16, max_tokens=64, epochs=12)
+    return out
 
 
 @pytest.fixture(scope="session")

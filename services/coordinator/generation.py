@@ -63,7 +63,7 @@ from pipeshard.services.coordinator.speculation.tree import (
 )
 from pipeshard.services.coordinator.step_batcher import DEFAULT_PREFILL_CHUNK, StepBatcher
 from pipeshard.services.stage.domain import RowKind, SamplingStep
-from pipeshard.services.stage.wire import token_frame
+from pipeshard.services.stage.wire import head_candidates, token_frame
 from pipeshard.tensor_codec import decode
 from pipeshard.v1 import activation_pb2
 
@@ -172,10 +172,12 @@ class _Cursor:
         chains: int = 1,
         parents: tuple[int, ...] = (),
         features: bool = False,
+        heads: int = 0,
     ) -> activation_pb2.ActivationFrame:
         """``chains`` > 1: ``ids`` are a draft tree's chains, each advancing the cache alike;
         ``parents``: ``ids`` are a draft tree as one sequence (each id's parent among them);
-        ``features``: the final stage returns its final hidden state too (a feature draft's)."""
+        ``features``: the final stage returns its final hidden state too (a feature draft's);
+        ``heads``: the final stage's draft heads return that many candidates each."""
         self._tree_base = self.logical
         frame = token_frame(
             self.session_id,
@@ -194,6 +196,7 @@ class _Cursor:
             kept=self._kept,
             probabilities=self.probabilities,
             features=features,
+            heads=heads,
         )
         self._rejected = []
         self._keep_chain = -1
@@ -286,6 +289,8 @@ class _Request:
         self.reserved = reserved or max_context  # the cache room the session holds on paged stages
         self.drafter = drafter
         self.reads_features = drafter is not None and drafter.reads_features
+        # Draft heads follow the greedy path on the final stage: greedy requests only.
+        self.heads = drafter.head_candidates if drafter is not None and params.greedy else 0
         self.policy = policy
         self.cursor = _Cursor(session_id, params.greedy, truncates=truncates, probabilities=params.logprobs)
         self.detok = detok
@@ -385,6 +390,7 @@ class _Request:
                 kind=RowKind.VERIFY,
                 parents=draft.parents(len(self.pending)),
                 features=self.reads_features,
+                heads=self.heads,
             )
         if isinstance(draft, TreeChains):
             return self.cursor.frame(
@@ -404,6 +410,7 @@ class _Request:
             sampling=self._sampling(draft),
             kind=kind,
             features=self.reads_features,
+            heads=self.heads,
         )
 
     def _sampling(self, draft: Draft) -> SamplingStep | None:
@@ -425,7 +432,24 @@ class _Request:
         new = self._accept(draft, result)
         if self.reads_features:
             self._observe(draft, result, new)
+        if self.heads:
+            self._observe_heads(draft, result, new)
         return new
+
+    def _observe_heads(
+        self, draft: Draft | TreeChains | TreeNodes, result: activation_pb2.StepResult, new: list[int]
+    ) -> None:
+        """Hands the drafter the final stage's head candidates when they were computed where this
+        acceptance ended (the row before the target's own token); otherwise none this step."""
+        candidates = head_candidates(result)
+        if isinstance(draft, TreeNodes):
+            row = draft.row_of(self.outcome.path[-1] if self.outcome.path else ROOT)
+        elif isinstance(draft, TreeChains):
+            row = -1  # chains ask for no heads (the stage cannot tell padding from drafts)
+        else:
+            row = len(new) - 1
+        usable = candidates is not None and candidates.row == row
+        self.drafter.observe_heads(candidates if usable else None)
 
     def _observe(
         self, draft: Draft | TreeChains | TreeNodes, result: activation_pb2.StepResult, new: list[int]

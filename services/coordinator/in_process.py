@@ -36,6 +36,7 @@ from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.services.stage.static_engine import StaticEngine
 from pipeshard.services.stage.step_engine import RowEngine
 from pipeshard.services.stage.wire import result_from_output, stage_error, step_from_frame
+from pipeshard.shard import draft_heads
 from pipeshard.shard.manifest import input_port, load_manifest
 from pipeshard.shard.paged import DEFAULT_CACHE_BYTES, PagedShard
 from pipeshard.shard.runtime import ShardRunner
@@ -173,6 +174,14 @@ class InProcessStages:
     @property
     def num_stages(self) -> int:
         return len(self.engines)
+
+    def run_heads(self, folder: Path | str) -> int:
+        """The final stage runs the draft heads in ``folder`` (as ``pipeshard stage --draft-heads``,
+        checked against the export's weights); returns how many."""
+        meta = draft_heads.read_meta(Path(folder))
+        draft_heads.check_target(meta, self.export_dir, Path(folder))
+        self.engines[-1].heads = draft_heads.DraftHeads(Path(folder), meta)
+        return meta.heads
 
     def warmup(self) -> None:
         for shard in self.shards:

@@ -31,13 +31,14 @@ def generate_local(args: argparse.Namespace, stream: bool) -> Summary:
     precision = args.precision or DEFAULT_PRECISION
     batched = kv_backend(args.kv, load_manifest(Path(args.local))) != "stateful"
     ring = batched_ring(args.local, precision) if batched else local_ring(args.local, precision=precision)
+    heads = ring.stages.run_heads(args.draft_heads) if args.draft_heads else 0
     ring.stages.warmup()  # the first inference prepares kernels (0.5-2 s); keep it out of ttft
     generation = Generation(
         ring,
         prompter.tokenizer,
         prompter.eos_ids,
         prefill_chunk=ring.prefill_chunk,
-        drafts=DraftSources(args.local, self_draft=args.self_draft, allow_paths=True),
+        drafts=DraftSources(args.local, self_draft=args.self_draft, heads=heads, allow_paths=True),
     )
     ids = prompter.encode("", [("user", args.prompt)])
     params = SamplingParams(

@@ -91,7 +91,9 @@ class CoordinatorSettings(ServerSettings):
     host_stage0: bool = setting(False, "run stage 0 in this process; --stages then lists stages 1..N-1")
     precision: str = setting(DEFAULT_PRECISION, "inference precision of a hosted stage 0", choices=PRECISIONS)
     speculative: str = setting(
-        "none", "speculation of requests that do not choose: none, ngram, self, feature or a --draft name"
+        "none",
+        "speculation of requests that do not choose: none, ngram, self, feature, medusa (the final "
+        "stage's --draft-heads) or a --draft name",
     )
     draft: list[str] = setting(
         default_factory=list,
@@ -197,7 +199,7 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
     named = parse_named(settings.draft)
     if settings.speculative not in (*MODES, *named):
         raise InvalidArgument(
-            "speculative", "must be none, ngram, self, feature or a name given with --draft"
+            "speculative", "must be none, ngram, self, feature, medusa or a name given with --draft"
         )
     return settings
 
@@ -291,10 +293,13 @@ class Coordinator:
             Path(self.settings.shards),
             self_draft=self.settings.self_draft,
             feature=self.settings.feature_draft,
+            heads=infos[-1].draft_heads,
             named=parse_named(self.settings.draft),
             draft_cache=self.settings.draft_cache,
         )
         log.info("draft_sources", offered=drafts.names, default=self.settings.speculative)
+        if self.settings.speculative != "none":
+            drafts.validate(self.settings.speculative)  # medusa: only once the final stage has heads
         generation = Generation(
             self.ring,
             prompter.tokenizer,

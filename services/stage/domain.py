@@ -8,6 +8,7 @@ from enum import Enum
 import numpy as np
 
 from pipeshard.sampling import Distribution
+from pipeshard.shard.draft_heads import HeadCandidates
 
 
 class ReturnMode(Enum):
@@ -65,6 +66,8 @@ class StepRow:
     slot_id: int = -1  # static stages: the slot the session holds (-1: the stage finds it)
     prefix_reuse_length: int = 0  # static stages: continue after this many cached positions (0: all)
     return_features: bool = False  # the final stage also returns its final normed hidden state
+    draft_heads: int = 0  # >0: the final stage's heads return that many candidates each (greedy rows)
+    head_path_tokens: tuple[int, ...] = ()  # with draft_heads: the ids at the returned positions
 
     @property
     def tokens(self) -> int:
@@ -107,6 +110,7 @@ class StepOutput:
     logits: np.ndarray | None = None  # float32 [n, vocab]
     sampled: Sampled | None = None
     features: np.ndarray | None = None  # float32 [n, hidden]: the final normed hidden state
+    head_candidates: HeadCandidates | None = None  # the draft heads' proposals for the next step
 
 
 @dataclass

@@ -89,4 +89,7 @@ class StageEngine(RowEngine):
             return Computed(out)
         if row.return_mode is ReturnMode.NONE:
             return Computed(out[:0])
-        return Computed(out.reshape(-1, out.shape[-1]), session.features() if row.return_features else None)
+        return Computed(
+            out.reshape(-1, out.shape[-1]),
+            session.features() if row.return_features or row.draft_heads else None,
+        )

@@ -30,6 +30,7 @@ from pipeshard.services.transport.hop import HopStream
 from pipeshard.settings import ServerSettings, load_settings, setting
 from pipeshard.shard.compile_cache import OFF
 from pipeshard.shard.device import DEFAULT_DEVICE
+from pipeshard.shard.draft_heads import DraftHeads, check_target, read_meta
 from pipeshard.shard.manifest import load_manifest, verify_shard
 from pipeshard.shard.paged import DEFAULT_CACHE_BYTES, PagedShard
 from pipeshard.shard.pull import pull_shard
@@ -116,6 +117,12 @@ class StageSettings(ServerSettings):
         "",
         "folder for compiled models, so a restart skips compiling (one subfolder per export and "
         "device; empty: .compile_cache inside the export; off: no cache); --kv stateful and static",
+    )
+    draft_heads: Path | None = setting(
+        None,
+        "final stage only: trained draft heads (pipeshard distil --kind medusa) run for rows that ask, "
+        "their candidates returned with the verify result (the coordinator's `medusa` source); refused "
+        "at start when trained for other weights",
     )
     weight_pages: str = setting(
         RELEASE,
@@ -233,6 +240,23 @@ def load_runner(
     return runner
 
 
+def load_heads(settings: StageSettings, num_stages: int) -> DraftHeads | None:
+    """The final stage's draft heads (--draft-heads), checked against the export's weights."""
+    if settings.draft_heads is None:
+        return None
+    if settings.stage != num_stages - 1:
+        raise InvalidArgument(
+            "draft_heads",
+            f"only the final stage runs draft heads; this is stage {settings.stage} of {num_stages} "
+            f"(give --draft-heads to stage {num_stages - 1})",
+        )
+    meta = read_meta(settings.draft_heads)
+    check_target(meta, Path(settings.shards), settings.draft_heads)
+    heads = DraftHeads(settings.draft_heads, meta, settings.num_threads or None)
+    log.info("draft_heads_loaded", folder=str(settings.draft_heads), heads=heads.heads)
+    return heads
+
+
 def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageInfoResponse]:
     threads = settings.num_threads or None
     if settings.kv != "stateful" and settings.raw_tcp_port:
@@ -240,7 +264,9 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
             "raw_tcp_port", "the raw-TCP baseline serves the stateful backend only (--kv stateful)"
         )
     check_wire_dtype(settings.codec, settings.wire_dtype)
-    backend = kv_backend(settings.kv, load_manifest(Path(settings.shards)))
+    manifest = load_manifest(Path(settings.shards))
+    backend = kv_backend(settings.kv, manifest)
+    heads = load_heads(settings, manifest.num_stages)  # before compiling: a refusal comes at once
     release = settings.weight_pages == RELEASE
     with WeightPages(weight_folders(settings, backend)) if release else contextlib.nullcontext():
         runner = load_runner(settings, backend, threads)
@@ -283,6 +309,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
             meters=meters,
         )
         kv = StageKv(sessions, runner.kv_source, prefix_store(settings, runner))
+    engine.heads = heads
     delay_s = settings.hop_delay_ms / 1000.0
     hop = (
         HopStream(settings.next_hop, delay_s=delay_s, tls=fleet_tls(settings)) if settings.next_hop else None
@@ -307,6 +334,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         precision=canonical(settings.precision),
         invariant=is_invariant(settings.precision),
         device=runner.device,
+        draft_heads=engine.heads.heads if engine.heads is not None else 0,
     )
     if backend == "static":
         info.static_slots, info.static_chunk = runner.slots, runner.chunk

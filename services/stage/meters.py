@@ -11,6 +11,7 @@ import contextlib
 from pipeshard.metrics import (
     STAGE_CACHE_BYTES,
     STAGE_CACHE_POSITIONS,
+    STAGE_HEADS_SECONDS,
     STAGE_SESSIONS,
     STAGE_STEP_ROWS,
     STAGE_STEP_SECONDS,
@@ -44,12 +45,17 @@ class StageMeters:
         label = str(stage_index)
         self._seconds = STAGE_STEP_SECONDS.labels(stage=label)
         self._rows = STAGE_STEP_ROWS.labels(stage=label)
+        self._heads = STAGE_HEADS_SECONDS.labels(stage=label)
         self._label = label
 
     def step(self, seconds: float, rows: int) -> None:
         """One step's compute time and the rows (tokens, all sessions together) it computed."""
         self._seconds.observe(seconds)
         self._rows.observe(rows)
+
+    def heads(self, seconds: float) -> None:
+        """One row's draft heads on the final stage (--draft-heads)."""
+        self._heads.observe(seconds)
 
     def watch(self, sessions: SessionTable, bytes_per_position: int) -> None:
         """Serve the session and cache gauges from ``sessions`` at scrape time."""

@@ -30,6 +30,7 @@ from pipeshard.services.stage.domain import (
 )
 from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.sessions import SessionTable
+from pipeshard.shard.draft_heads import MAX_WIDTH, DraftHeads
 from pipeshard.shard.runtime import check_activations, check_step
 
 Answer = StepOutput | Exception  # a row's error: a PipeshardError, or an internal failure
@@ -58,6 +59,7 @@ class RowEngine:
     hidden_size: int
     max_context: int
     vocab_size: int
+    heads: DraftHeads | None = None  # the final stage's draft heads (--draft-heads), if it runs any
 
     def run(self, rows: Sequence[StepRow]) -> list[Answer]:
         """Every row that passes its checks runs; a failed check or a failed row answers with
@@ -107,6 +109,8 @@ class RowEngine:
             check_range("input_ids", row.activations, self.vocab_size)
         check_kind(row)
         check_tree(row)
+        if row.draft_heads:
+            check_heads(row)
         if self.is_last and row.return_mode is ReturnMode.SAMPLED:
             check_sampling(row, self.vocab_size)
         start = self._rewound(row, session)
@@ -141,9 +145,9 @@ class RowEngine:
             return StepOutput(row=row, hidden_states=out)
         features = computed.features if row.return_features else None
         if row.return_mode is ReturnMode.TOP1:
-            return StepOutput(
-                row=row, top1=top1_of(out, probabilities=not row.top1_ids_only), features=features
-            )
+            top1 = top1_of(out, probabilities=not row.top1_ids_only)
+            candidates = self._head_candidates(row, top1.token_ids, computed.features)
+            return StepOutput(row=row, top1=top1, features=features, head_candidates=candidates)
         if row.return_mode is ReturnMode.LOGITS:
             return StepOutput(row=row, logits=np.ascontiguousarray(out, dtype=np.float32), features=features)
         if row.return_mode is ReturnMode.SAMPLED:  # each row draws with its own generator
@@ -151,6 +155,54 @@ class RowEngine:
                 row=row, sampled=sample(np.asarray(out, dtype=np.float32), row), features=features
             )
         return StepOutput(row=row)
+
+    def _head_candidates(self, row: StepRow, top1: np.ndarray, features: np.ndarray | None):
+        """The draft heads' candidates at the last position of the greedy path through the row
+        (None without heads, without features (static stages) or for a tree as chains)."""
+        if not row.draft_heads or self.heads is None or features is None or row.tree_chains > 1:
+            return None
+        started = time.perf_counter_ns()
+        end = greedy_path_end(row, top1)
+        out = self.heads.candidates(features[end], row.draft_heads, end)
+        self.meters.heads((time.perf_counter_ns() - started) / 1e9)
+        return out
+
+
+def greedy_path_end(row: StepRow, top1: np.ndarray) -> int:
+    """The returned position where greedy acceptance of the row's drafts stops: from the first
+    returned position, step to a child whose token is the top-1 there (a chain's next position;
+    a tree row's first such child down ``tree_parents``) until none is; what the coordinator's
+    acceptance keeps, so its heads read the feature before the target's own next token."""
+    tokens = row.head_path_tokens
+    offset = row.tokens - len(tokens)
+    if row.tree_parents:
+        parents = [p - offset for p in row.tree_parents[offset:]]
+    else:
+        parents = list(range(-1, len(tokens) - 1))
+    node = 0
+    while True:
+        want = int(top1[node])
+        child = next(
+            (i for i in range(node + 1, len(tokens)) if parents[i] == node and tokens[i] == want), None
+        )
+        if child is None:
+            return node
+        node = child
+
+
+def check_heads(row: StepRow) -> None:
+    """A row asking for draft heads is greedy, names its returned tokens and asks a sane width."""
+    if not 0 < row.draft_heads <= MAX_WIDTH:
+        raise InvalidArgument(
+            "draft_heads", f"must be 0 or in 1..{MAX_WIDTH} candidates, got {row.draft_heads}"
+        )
+    if row.return_mode is not ReturnMode.TOP1:
+        raise InvalidArgument("draft_heads", "heads follow the greedy path: the row must return Top1")
+    if len(row.head_path_tokens) != row.return_last:
+        raise InvalidArgument(
+            "head_path_tokens",
+            f"must hold the row's {row.return_last} returned token ids, got {len(row.head_path_tokens)}",
+        )
 
 
 def tail_rewound(row: StepRow, length: int, cache: str) -> int:

@@ -16,6 +16,7 @@ import numpy as np
 from pipeshard.errors import InvalidArgument, PipeshardError
 from pipeshard.sampling import Distribution, check_rng_state
 from pipeshard.services.stage.domain import ReturnMode, RowKind, SamplingStep, Step, StepOutput, StepRow
+from pipeshard.shard.draft_heads import HeadCandidates
 from pipeshard.tensor_codec import Codec, decode, encode
 from pipeshard.v1 import activation_pb2, tensor_pb2
 
@@ -94,6 +95,8 @@ def _row(row: activation_pb2.PlanRow, positions: np.ndarray, x: np.ndarray, owne
         slot_id=row.slot_id,
         prefix_reuse_length=row.prefix_reuse_length,
         return_features=row.return_features,
+        draft_heads=row.draft_heads,
+        head_path_tokens=tuple(row.head_path_tokens),
     )
 
 
@@ -141,6 +144,8 @@ def _pb_plan_row(
     kept: Sequence[int],
     top1_ids_only: bool,
     return_features: bool,
+    draft_heads: int = 0,
+    head_path_tokens: Sequence[int] = (),
     prefix_reuse_length: int = 0,
 ) -> activation_pb2.PlanRow:
     """The one place a row's fields become a PlanRow (a StepRow's in frame_from_step, the
@@ -165,6 +170,8 @@ def _pb_plan_row(
         tree_kept=kept,
         top1_ids_only=top1_ids_only,
         return_features=return_features,
+        draft_heads=draft_heads,
+        head_path_tokens=head_path_tokens,
     )
 
 
@@ -187,6 +194,8 @@ def _plan_row(row: StepRow) -> activation_pb2.PlanRow:
         kept=row.tree_kept,
         top1_ids_only=row.top1_ids_only,
         return_features=row.return_features,
+        draft_heads=row.draft_heads,
+        head_path_tokens=row.head_path_tokens,
     )
 
 
@@ -297,7 +306,31 @@ def result_from_output(
         result.sampled.rng_state = out.sampled.rng_state
     if out.features is not None:  # a draft's input only: fp16 halves it, no token depends on it
         result.features.CopyFrom(encode(out.features, codec, as_fp16=True, field="features"))
+    if out.head_candidates is not None:
+        c = out.head_candidates
+        result.head_candidates.CopyFrom(
+            activation_pb2.HeadCandidates(
+                row=c.row,
+                heads=c.token_ids.shape[0],
+                width=c.token_ids.shape[1],
+                token_ids=c.token_ids.reshape(-1).tolist(),
+                probabilities_fp16=c.probabilities.astype("<f2").tobytes(),
+            )
+        )
     return result
+
+
+def head_candidates(result: activation_pb2.StepResult) -> HeadCandidates | None:
+    """A result's draft-head candidates, or None when it carries none (or malformed ones)."""
+    if not result.HasField("head_candidates"):
+        return None
+    c = result.head_candidates
+    n = c.heads * c.width
+    if c.heads < 1 or c.width < 1 or len(c.token_ids) != n or len(c.probabilities_fp16) != 2 * n:
+        return None
+    ids = np.asarray(c.token_ids, dtype=np.int64).reshape(c.heads, c.width)
+    probs = np.frombuffer(c.probabilities_fp16, dtype="<f2").astype(np.float32).reshape(c.heads, c.width)
+    return HeadCandidates(c.row, ids, probs)
 
 
 def stage_error(stage_index: int, exc: BaseException) -> activation_pb2.StageError:
@@ -336,6 +369,7 @@ def token_frame(
     kept: tuple[int, ...] = (),
     probabilities: bool = True,
     features: bool = False,
+    heads: int = 0,
 ) -> activation_pb2.ActivationFrame:
     """The frame (a plan of one row) that carries one session's token ids into stage 0 at
     logical positions ``start...``.
@@ -352,6 +386,7 @@ def token_frame(
     whose cache is kept.
     ``probabilities`` False: a Top1 answer carries the ids only (no softmax on the final stage).
     ``features``: the final stage also returns its final normed hidden state at those ids.
+    ``heads`` > 0: the final stage's draft heads return that many candidates each (greedy rows).
     """
     if fill_only:
         mode, sampling = ReturnMode.NONE, None
@@ -388,6 +423,8 @@ def token_frame(
         kept=kept,
         top1_ids_only=mode is ReturnMode.TOP1 and not probabilities,
         return_features=features and not fill_only,
+        draft_heads=0 if fill_only else heads,
+        head_path_tokens=ids[len(ids) - return_last :] if heads and not fill_only else (),
     )
     return activation_pb2.ActivationFrame(
         session_id=session_id,

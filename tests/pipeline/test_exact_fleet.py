@@ -30,7 +30,7 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
     ],
 )
 def test_int4_exact_fleet_speculation_equals_plain_greedy(
-    stages, runs, smollm2_export, smollm2_draft, shared_fleet
+    stages, runs, smollm2_export, smollm2_draft, smollm2_heads, shared_fleet
 ):
     shards = smollm2_export(stages, "int4")
     self_draft = smollm2_draft(2, 4096, "int4")
@@ -41,9 +41,13 @@ def test_int4_exact_fleet_speculation_equals_plain_greedy(
         for p in PROMPTS
     ]
     del chain
-    # The 2-stage fleet is test_tree_fleet.py's paged fleet too: one start for both modules.
+    # The 2-stage fleet is test_tree_fleet.py's and test_medusa_fleet.py's paged fleet too: one
+    # start for the three modules (its final stage runs draft heads).
     draft = ("--self-draft", str(self_draft))
-    fleet = shared_fleet(shards, stages, precision="exact", extra_coordinator_args=draft)
+    heads = ("--draft-heads", str(smollm2_heads))
+    fleet = shared_fleet(
+        shards, stages, precision="exact", extra_coordinator_args=draft, final_stage_args=heads
+    )
     with PipeshardClient(fleet.coordinator, timeout_s=600) as client:
         for i, prompt in enumerate(PROMPTS):
             got = client.generate(prompt, max_tokens=MAX_TOKENS, ignore_eos=True, speculative="none")

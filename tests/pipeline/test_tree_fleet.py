@@ -24,7 +24,7 @@ def shards(smollm2_export):
 
 
 @pytest.fixture(scope="module", params=[pytest.param("stateful", marks=pytest.mark.extended), "paged"])
-def client(request, shards, smollm2_draft, shared_fleet):
+def client(request, shards, smollm2_draft, smollm2_heads, shared_fleet):
     # Paged is the stages' default, so the paged fleet is test_exact_fleet.py's 2-stage one, shared.
     fleet = shared_fleet(
         shards,
@@ -32,6 +32,7 @@ def client(request, shards, smollm2_draft, shared_fleet):
         precision="exact",
         extra_stage_args=() if request.param == "paged" else ("--kv", request.param),
         extra_coordinator_args=("--self-draft", str(smollm2_draft(2, 4096, "int4"))),
+        final_stage_args=("--draft-heads", str(smollm2_heads)),
     )
     with PipeshardClient(fleet.coordinator, timeout_s=600) as c:
         yield c

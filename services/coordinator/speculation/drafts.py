@@ -38,6 +38,10 @@ class Drafter(Protocol):
     # Whether it reads the target's final hidden state (speculation/feature.py): steps then ask
     # the final stage for it and hand the drafter the kept position's through ``observe``.
     reads_features: bool
+    # Candidates per head it asks of the final stage's draft heads (speculation/medusa.py; 0:
+    # none): greedy steps then ask for them and hand the drafter each result's through
+    # ``observe_heads``.
+    head_candidates: int
 
     def propose(
         self, context: Sequence[int], k: int, sample: tuple[Probabilities, np.random.Generator] | None
@@ -61,6 +65,7 @@ class NgramDrafter:
 
     auto_tree_width = 3  # alternative continuations cost nothing to find
     reads_features = False
+    head_candidates = 0
 
     def __init__(self, max_ngram: int = 3):
         self.max_ngram = max_ngram
@@ -142,6 +147,7 @@ class ModelDrafter:
 
     auto_tree_width = 1
     reads_features = False
+    head_candidates = 0
 
     def __init__(
         self,

@@ -27,6 +27,7 @@ class FeatureDrafter:
 
     auto_tree_width = 3  # a level of any width is one batched draft step; the policy prices it
     reads_features = True
+    head_candidates = 0
 
     def __init__(self, model: FeatureDraftModel):
         self._model = model

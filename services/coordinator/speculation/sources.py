@@ -1,8 +1,9 @@
 """Turns a request's ``speculative`` field into a drafter factory, loading draft models once.
 
 A client only picks a name: the operator decides at start-up which draft folders exist
-(``--draft NAME=DIR``, plus ``self``: the ``--self-draft`` export, and ``feature``: the
-``--feature-draft`` folder, a draft reading the target's features), so a request can never make
+(``--draft NAME=DIR``, plus ``self``: the ``--self-draft`` export, ``feature``: the
+``--feature-draft`` folder, a draft reading the target's features, and ``medusa``: the final
+stage's draft heads, when its GetStageInfo reports them), so a request can never make
 the coordinator read, export or keep in memory a folder it chose, nor learn which folders exist.
 """
 
@@ -18,13 +19,14 @@ import structlog
 from pipeshard.errors import InvalidArgument
 from pipeshard.services.coordinator.speculation.drafts import Drafter, DraftModel, NgramDrafter
 from pipeshard.services.coordinator.speculation.feature import FeatureDrafter
+from pipeshard.services.coordinator.speculation.medusa import MedusaDrafter
 from pipeshard.shard import feature_draft
 from pipeshard.shard.drafts import check_same_tokenizer, resolve_draft
 from pipeshard.shard.runtime import ShardRunner
 
 log = structlog.get_logger(__name__)
 
-MODES = ("none", "self", "ngram", "feature")
+MODES = ("none", "self", "ngram", "feature", "medusa")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -45,7 +47,8 @@ def parse_named(specs: list[str]) -> dict[str, Path]:
 
 class DraftSources:
     """``none``, ``ngram``, ``self`` (the configured self-draft export), ``feature`` (the
-    configured feature draft, checked against the target's fingerprint here, at start) or an
+    configured feature draft, checked against the target's fingerprint here, at start),
+    ``medusa`` (the final stage's ``heads`` draft heads, which the stage checked) or an
     operator-named draft folder (an export, or a same-tokenizer Hugging Face model folder
     exported on first use).
     ``allow_paths`` lets a mode be a folder itself: only where the caller is the operator
@@ -57,6 +60,7 @@ class DraftSources:
         *,
         self_draft: Path | None = None,
         feature: Path | None = None,
+        heads: int = 0,
         named: Mapping[str, Path] | None = None,
         draft_cache: Path | None = None,
         num_threads: int | None = None,
@@ -70,6 +74,7 @@ class DraftSources:
             self._feature_meta = feature_draft.read_meta(self.feature)
             feature_draft.check_target(self._feature_meta, self.target_shards, self.feature)
         self._feature_model: feature_draft.FeatureDraftModel | None = None
+        self.heads = heads
         self.named = dict(named or {})
         self.allow_paths = allow_paths
         self.draft_cache = Path(draft_cache) if draft_cache else self.target_shards.parent / ".drafts"
@@ -85,6 +90,7 @@ class DraftSources:
             "ngram",
             *(["self"] if self.self_draft is not None else []),
             *(["feature"] if self.feature is not None else []),
+            *(["medusa"] if self.heads else []),
             *sorted(self.named),
         ]
 
@@ -103,6 +109,12 @@ class DraftSources:
                 "no feature draft is configured on this coordinator (train one with "
                 "`pipeshard distil --kind eagle`, start it with --feature-draft DIR)",
             )
+        if mode == "medusa":
+            raise InvalidArgument(
+                "speculative",
+                "medusa needs draft heads on the final stage, and this fleet's has none (train them "
+                "with `pipeshard distil --kind medusa`, start the final stage with --draft-heads DIR)",
+            )
         # The request's value is not echoed: it may be a probe for which paths exist.
         raise InvalidArgument(
             "speculative", f"must name a draft source this coordinator offers: {', '.join(self.names)}"
@@ -114,6 +126,8 @@ class DraftSources:
             return None
         if mode == "ngram":
             return NgramDrafter
+        if mode == "medusa":
+            return lambda: MedusaDrafter(self.heads)
         if mode == "feature":
             model = await self._feature_draft()
             return lambda: FeatureDrafter(model)
