@@ -16,12 +16,12 @@ is M groups, and ``auto`` measures the decode rows per second (the job's tokens)
 at each M from 1 to the number of stages and back down, ``PROBE_ROUNDS`` rounds each way (M steps
 a round: every session once), then keeps the smallest M within ``PROBE_TIE`` of the fastest. Its
 windows compare like work: the first starts once the job's prompts are prefilled, and a window
-whose steps carried prefill chunks of the job's (items starting later) is measured again. The choice holds
-for the job's :class:`Workload` (its codec and, to a power of two, how many sessions it runs at
-once): later auto jobs of that workload use it, a job of another codec or size is probed anew,
-and a job that ends before its probe does leaves the rest of the probe to the next auto job of
-its workload. The grouping changes only which rows share a step, so in ``exact`` precision
-every answer is the same whatever M is.
+whose steps carried prefill chunks of the job's (items starting later) is measured again. The
+choice holds for the job's :class:`Workload` (its codec and, to a power of two, how many sessions
+it runs at once): later auto jobs of that workload use it, a job of another codec or size is
+probed anew, and a job that ends before its probe does leaves the rest of the probe to the next
+auto job of its workload. The grouping changes only which rows share a step, so in ``exact``
+precision every answer is the same whatever M is.
 """
 
 from __future__ import annotations
