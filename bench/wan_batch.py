@@ -6,13 +6,18 @@ rate in WAN_BATCH_RATES Mbit/s with WAN_BATCH_DELAY_MS per hop, one fleet per ra
 is the job's own codec (RunBatchRequest.codec: ``none`` / ``lane_blocks_zstd``), so inside a
 fleet every (compression, micro-batch setting) pair (``off``, fixed M = 2 and 3, ``auto``) is
 interleaved job by job in shuffled rounds (BENCH_RUNS, after one warm-up round): the machine's
-drift weighs on every pair alike. WAN_BATCH_STEP_TIMEOUT_S raises the coordinator's step
-deadline (a heavily loaded machine).
+drift weighs on every pair alike. Every stage holds the whole job's sessions
+(``--max-sessions-per-owner``). WAN_BATCH_STEP_TIMEOUT_S raises the coordinator's step deadline
+(a heavily loaded machine). Runtime on 2 quiet-ish cores (load 5-7): about 18 s a 64 x 32 job,
+so about 30 minutes for the default 2 rates x 8 pairs x 6 rounds.
 
 Keys: ``compress_microbatch_speedup_20mbit`` = tok/s(compression on, the best fixed M) /
 tok/s(compression off, micro-batches off) at the lowest rate, with the interval of the ratio of
 medians; ``auto_microbatch_vs_best`` = min over (rate, compression) of tok/s(auto) / tok/s(the
-best fixed setting, off included). Both compare jobs interleaved in one fleet. Plot:
+best fixed setting, off included). Both compare jobs interleaved in one fleet. ``mismatches``:
+answers differing from the fleet's first job's (every setting and codec must give the same
+text at ``exact``). Per fleet also the auto probes (decode rows/s per M) and the control calls
+over 1 s (``slowest_control_call_s``). Plot:
 docs/img/bench-wan-batch.png (``python -m bench.wan_batch --plot-only`` redraws it from
 bench/results/wan_batch.json). Needs root.
 """
@@ -65,9 +70,21 @@ def measure_rate(shards: Path, rate: float, run_dir: Path) -> dict[str, dict]:
     args = ["--max-running", str(REQUESTS), "--max-running-per-identity", str(REQUESTS)]
     if STEP_TIMEOUT_S:  # a loaded machine: a step can take longer than the default deadline
         args += ["--step-timeout-s", STEP_TIMEOUT_S]
-    with WanFleet(shards, STAGES, DELAY_MS, rate, run_dir / f"{rate:g}", extra_coordinator_args=args) as wan:
+    # Every stage holds the whole job's sessions (its default lets one coordinator hold 32).
+    stage_args = ["--max-sessions-per-owner", str(REQUESTS), "--max-sessions", str(max(64, REQUESTS))]
+    with WanFleet(
+        shards,
+        STAGES,
+        DELAY_MS,
+        rate,
+        run_dir / f"{rate:g}",
+        extra_stage_args=stage_args,
+        extra_coordinator_args=args,
+    ) as wan:
         print(f"fleet {rate:g} Mbit/s up in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         chosen: dict[str, list[int]] = {}
+        first: dict[str, str] = {}  # custom_id -> the first job's answer: every job must repeat it
+        mismatches: dict[str, int] = {}
         with grpc.insecure_channel(wan.coordinator) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             base = job()
@@ -75,6 +92,7 @@ def measure_rate(shards: Path, rate: float, run_dir: Path) -> dict[str, dict]:
             def runner(compression: str, micro: str):
                 key = f"{compression}/{micro}"
                 chosen[key] = []
+                mismatches[key] = 0
 
                 def run() -> float:
                     request = coordinator_pb2.RunBatchRequest(
@@ -87,13 +105,16 @@ def measure_rate(shards: Path, rate: float, run_dir: Path) -> dict[str, dict]:
                     if failed:
                         raise RuntimeError(f"{len(failed)} items failed: {failed[0]}")
                     chosen[key].append(results[-1].micro_batches)
+                    for r in results:
+                        mismatches[key] += first.setdefault(r.custom_id, r.summary.text) != r.summary.text
                     return sum(r.summary.completion_tokens for r in results) / elapsed
 
                 return run
 
             configs = {f"{c}/{m}": runner(c, m) for c in CODECS for m in MICRO}
             samples = interleaved(configs, RUNS, warmup=1)
-        probes = _probe_lines(wan.run_dir / "coordinator.log")
+        probes = _log_events(wan.run_dir / "coordinator.log", "micro_batches_chosen")
+        slow = _log_events(wan.run_dir / "coordinator.log", "stage_control_slow")
     out: dict[str, dict] = {}
     for key, values in samples.items():
         compression, micro = key.split("/")
@@ -101,18 +122,24 @@ def measure_rate(shards: Path, rate: float, run_dir: Path) -> dict[str, dict]:
             "tok_s": median(values),
             "samples": values,
             "micro_batches_at_end": chosen[key][1:],
+            "mismatches": mismatches[key],  # answers differing from the fleet's first job's, all rounds
         }
     for compression, codec in CODECS.items():
-        out[f"{rate:g}mbit/{compression}"]["auto_probes"] = [p for p in probes if p.get("codec") == codec]
+        fleet = out[f"{rate:g}mbit/{compression}"]
+        fleet["auto_probes"] = [p for p in probes if p.get("codec") == codec]
+        # The fleet's control calls over 1 s (both compressions: jobs interleave): what a control
+        # deadline must cover on this machine.
+        fleet["slow_control_calls"] = len(slow)
+        fleet["slowest_control_call_s"] = max((e["seconds"] for e in slow), default=None)
     return out
 
 
-def _probe_lines(log: Path) -> list[dict]:
-    """The coordinator's auto probe results (the M each kept and the rows/s it measured)."""
+def _log_events(log: Path, event: str) -> list[dict]:
+    """The coordinator's log lines of ``event``: auto probes (the M each kept and the decode rows/s
+    it measured) and control calls over 1 s."""
     if not log.exists():
         return []
-    lines = [line for line in log.read_text().splitlines() if '"micro_batches_chosen"' in line]
-    return [json.loads(line) for line in lines]
+    return [json.loads(line) for line in log.read_text().splitlines() if f'"{event}"' in line]
 
 
 def summarise(results: dict[str, dict]) -> dict:
@@ -142,6 +169,7 @@ def summarise(results: dict[str, dict]) -> dict:
         "auto_microbatch_vs_best": auto_vs_best[worst][0] if worst else None,
         "auto_microbatch_vs_best_ci": auto_vs_best[worst][1] if worst else None,
         "auto_microbatch_vs_best_at": worst,
+        "mismatches": sum(f[m]["mismatches"] for f in results.values() for m in MICRO),
         "baselines": {
             "compress_microbatch_speedup_20mbit": "compression off and micro-batches off, interleaved in "
             "the same fleet (job by job)",

@@ -12,21 +12,22 @@ Micro-batches: on a paged fleet every running session's rows go through the step
 decode rows in ``count`` groups, each a plan step, up to ``count`` of them travelling the stages
 at once, so stage k computes group i+1 while group i is on the wire. Other sessions (interactive
 ones, other jobs) keep their own grouping. ``off`` is one group (the whole batch in one step), M
-is M groups, and ``auto`` measures the rows per second the job's steps deliver at each M from 1
-to the number of stages and back down, ``PROBE_ROUNDS`` rounds each way (M steps a round: every
-session once), then keeps the smallest M within ``PROBE_TIE`` of the fastest. The choice holds
-for the job's :class:`Workload` (its codec and, to a power of two, how many sessions it runs at
-once): later auto jobs of that workload use it, a job of another codec or size is probed anew,
-and a job that ends before its probe does leaves the rest of the probe to the next auto job of
-its workload. The grouping changes only which rows share a step, so in ``exact`` precision
-every answer is the same whatever M is.
+is M groups, and ``auto`` measures the decode rows per second (the job's tokens) its steps deliver
+at each M from 1 to the number of stages and back down, ``PROBE_ROUNDS`` rounds each way (M steps
+a round: every session once), then keeps the smallest M within ``PROBE_TIE`` of the fastest. Its
+windows compare like work: the first starts once the job's prompts are prefilled, and a window
+whose steps carried prefill chunks of the job's (items starting later) is measured again. The
+choice holds for the job's :class:`Workload` (its codec and, to a power of two, how many sessions
+it runs at once): later auto jobs of that workload use it, a job of another codec or size is
+probed anew, and a job that ends before its probe does leaves the rest of the probe to the next
+auto job of its workload. The grouping changes only which rows share a step, so in ``exact``
+precision every answer is the same whatever M is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -42,8 +43,9 @@ log = structlog.get_logger(__name__)
 
 # Rounds (M steps each) every candidate M runs for while ``auto`` measures it.
 PROBE_ROUNDS = 2
-# Steps before ``auto`` starts measuring: the prompts' prefill chunks ride in the first ones.
-PROBE_WARMUP_STEPS = 1
+# Tries at a window before one whose steps carried the job's prefill chunks is kept (items starting
+# all through the job, each a prompt to prefill: then they fall on every count alike).
+PROBE_ATTEMPTS = 3
 # How often the auto probe looks at the step counters.
 PROBE_POLL_S = 0.01
 # Counts whose rows/s are within this fraction of the fastest tie, and the smallest of them wins:
@@ -99,7 +101,7 @@ class Probe:
     going up from 1 to the stages and back down) and the rows and seconds measured so far."""
 
     plan: list[int]
-    rows: dict[int, int]
+    rows: dict[int, int]  # decode rows
     seconds: dict[int, float]
     chosen: int | None = None
     running: bool = False  # a job is measuring it now
@@ -110,7 +112,7 @@ class Probe:
         return cls(counts + counts[::-1], dict.fromkeys(counts, 0), dict.fromkeys(counts, 0.0))
 
     def rates(self) -> dict[int, float]:
-        """Rows per second of every count measured so far."""
+        """Decode rows per second of every count measured so far."""
         return {c: self.rows[c] / s for c, s in self.seconds.items() if s > 0}
 
     def choose(self) -> int:
@@ -142,16 +144,14 @@ class MicroBatchControl:
         setting: MicroBatches,
         memory: MicroBatchMemory,
         workload: Workload = Workload(),
-        clock: Callable[[], float] = time.perf_counter,
     ):
         self._steps = steps
         self._stages = max(stages, 1)
         self._setting = setting
         self._memory = memory
         self._workload = workload
-        self._clock = clock
         self.grouping = Grouping(setting.count)
-        self.measured: dict[int, float] = {}  # auto: rows per second at each M tried
+        self.measured: dict[int, float] = {}  # auto: decode rows per second at each M tried
 
     @property
     def current(self) -> int:
@@ -187,18 +187,19 @@ class MicroBatchControl:
         """Runs the probe's remaining windows, PROBE_ROUNDS rounds of each count, going up from 1
         to the stages and then back down, then keeps its choice. Each count's two windows sit
         symmetrically about the probe's middle, so a drift of the job's rate through the probe
-        (prompts prefilling at its start, sessions ending towards its end) weighs on every count
-        alike instead of favouring the ones measured first. A window cut off by the job's end
-        counts for nothing: the next job of the workload measures it again."""
+        (sessions ending towards its end) weighs on every count alike instead of favouring the ones
+        measured first. The first window waits for the job's prompts to be prefilled: a prefill
+        chunk is not a token, and steps carrying them deliver a fraction of the decode rows. A
+        window cut off by the job's end counts for nothing: the next job of the workload measures
+        it again."""
         grouping = self.grouping
-        await self._wait_steps(PROBE_WARMUP_STEPS)
+        grouping.count = probe.plan[0]
+        await self._until(lambda: grouping.steps_run - grouping.last_prefill_step >= grouping.count)
         while probe.plan:
-            count = grouping.count = probe.plan[0]
-            await self._wait_steps(1)  # steps formed under the previous M are still travelling
-            before, start = grouping.rows_run, self._clock()
-            await self._wait_steps(PROBE_ROUNDS * count)
-            probe.rows[count] += grouping.rows_run - before
-            probe.seconds[count] += self._clock() - start
+            count = probe.plan[0]
+            rows, seconds = await self._window(count)
+            probe.rows[count] += rows
+            probe.seconds[count] += seconds
             probe.plan.pop(0)
             self.measured = probe.rates()
         grouping.count = probe.choose()
@@ -210,10 +211,32 @@ class MicroBatchControl:
             rows_per_s={k: round(v, 1) for k, v in self.measured.items()},
         )
 
-    async def _wait_steps(self, steps: int) -> None:
+    async def _window(self, count: int) -> tuple[int, float]:
+        """Decode rows and seconds of PROBE_ROUNDS rounds at ``count``, from the launch of a step
+        to that of the step whole rounds later (steps leave in bursts of up to ``count``: whole
+        rounds take the same share of every burst). Measured again, up to PROBE_ATTEMPTS tries,
+        while the window's steps carry prefill chunks of the job's."""
+        grouping = self.grouping
+        grouping.count = count
+        for attempt in range(1, PROBE_ATTEMPTS + 1):
+            # Steps formed under the previous count are still travelling: start a step later.
+            await self._until_steps(1)
+            steps, rows, start = grouping.steps_run, grouping.decode_rows_run, grouping.launched_s
+            await self._until_steps(PROBE_ROUNDS * count)
+            # Clean: no prefill chunk in its steps nor in those travelling at its start.
+            if grouping.last_prefill_step <= steps - count or attempt == PROBE_ATTEMPTS:
+                break
+            log.debug("micro_batch_window_again", micro_batches=count, attempt=attempt)
+        # The steps counted are those launched after ``steps``, the time from its launch on.
+        return grouping.decode_rows_run - rows, grouping.launched_s - start
+
+    async def _until_steps(self, steps: int) -> None:
         """Until ``steps`` more steps carried the job's rows."""
         target = self.grouping.steps_run + steps
-        while self.grouping.steps_run < target:
+        await self._until(lambda: self.grouping.steps_run >= target)
+
+    async def _until(self, done: Callable[[], bool]) -> None:
+        while not done():
             await asyncio.sleep(PROBE_POLL_S)
 
 

@@ -62,6 +62,12 @@ class CoordinatorSettings(ServerSettings):
     step_timeout_s: float = setting(
         30.0, "a step with no result after this long fails as UNAVAILABLE (per 256 rows of a prefill)"
     )
+    control_timeout_s: float = setting(
+        30.0,
+        "a control call (open, release, prefix keep) a stage has not answered after this long fails "
+        "as UNAVAILABLE naming the stage and the call; on a loaded machine a stage busy computing "
+        "answers late",
+    )
     ready_timeout_s: float = setting(120.0, "how long to wait at start for every stage to answer")
     default_max_tokens: int = setting(256, "max_tokens of a request that does not set it")
     max_running: int = setting(
@@ -176,6 +182,8 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
     lanes = stage_lanes(settings.stages)
     if len(lanes) > 1 and settings.host_stage0:
         raise InvalidArgument("host_stage0", "cannot be combined with replica stages (--stages A0|A1,...)")
+    if settings.control_timeout_s <= 0:
+        raise InvalidArgument("control_timeout_s", f"must be above 0, got {settings.control_timeout_s:g}")
     if settings.prefill_chunk < 1:
         raise InvalidArgument("prefill_chunk", f"must be at least 1, got {settings.prefill_chunk}")
     if settings.standby_kv_bytes < 0:
@@ -352,6 +360,7 @@ class Coordinator:
         return RemoteStages(
             addresses,
             step_timeout_s=self.settings.step_timeout_s,
+            control_timeout_s=self.settings.control_timeout_s,
             local_stage0=local,
             hop_delay_s=self.settings.hop_delay_ms / 1000.0,
             tls=self._tls(),

@@ -40,6 +40,10 @@ from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
+# A control call slower than this is logged (``stage_control_slow``): a stage answering late, long
+# before ``control_timeout_s`` fails it.
+SLOW_CONTROL_S = 1.0
+
 # Rows of a step that ``step_timeout_s`` covers; a longer step (a one-pass prefill) gets that much
 # time per started block of this many rows.
 TIMEOUT_ROWS = 256
@@ -61,7 +65,7 @@ class RemoteStages:
         stage_addresses: list[str],
         *,
         step_timeout_s: float = 30.0,
-        control_timeout_s: float = 5.0,
+        control_timeout_s: float = 30.0,
         local_stage0: tuple[LocalEntry, LocalStageStub] | None = None,
         hop_delay_s: float = 0.0,
         tls: TlsConfig | None = None,
@@ -249,7 +253,8 @@ class RemoteStages:
                     chunks.append(chunk.snapshot_chunk)
                     positions = chunk.positions
             except grpc.aio.AioRpcError as exc:
-                raise _stage_rpc_error(i, self.addresses[i], exc) from None
+                limit = f"{self.step_timeout_s:g} s (--step-timeout-s)"
+                raise _stage_rpc_error(i, self.addresses[i], exc, "CaptureKvStream", limit) from None
             if not chunks:
                 raise Unavailable(f"stage {i} at {self.addresses[i]} sent no snapshot")
             return SnapshotBytes(tuple(chunks), positions)
@@ -277,7 +282,8 @@ class RemoteStages:
             try:
                 await self._stubs[i].RestoreKvStream(requests, timeout=timeout_s, metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
-                raise _stage_rpc_error(i, self.addresses[i], exc) from None
+                limit = f"{timeout_s:g} s"
+                raise _stage_rpc_error(i, self.addresses[i], exc, "RestoreKvStream", limit) from None
 
         results = await asyncio.gather(*(restore(i) for i in range(self.num_stages)), return_exceptions=True)
         for result in results:
@@ -310,16 +316,22 @@ class RemoteStages:
     async def _on_all(
         self, method: str, request, *, tolerate: bool = False, timeout: float | None = None
     ) -> list:
+        limit = timeout or self.control_timeout_s
+
         async def call(i: int):
+            started = time.perf_counter()
             try:
-                return await getattr(self._stubs[i], method)(
-                    request, timeout=timeout or self.control_timeout_s, metadata=self._metadata
-                )
+                return await getattr(self._stubs[i], method)(request, timeout=limit, metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
                 if tolerate:
                     log.warning("stage_control_failed", stage=i, method=method, code=exc.code().name)
                     return None
-                raise _stage_rpc_error(i, self.addresses[i], exc) from None
+                hint = "" if timeout else " (--control-timeout-s)"
+                raise _stage_rpc_error(i, self.addresses[i], exc, method, f"{limit:g} s{hint}") from None
+            finally:
+                seconds = time.perf_counter() - started
+                if seconds > SLOW_CONTROL_S:
+                    log.info("stage_control_slow", stage=i, method=method, seconds=round(seconds, 2))
 
         # Every call is waited for before an error is raised: a release that overtook a still
         # running open would leave that stage's session behind.
@@ -423,8 +435,13 @@ class RemoteStages:
         )
 
 
-def _stage_rpc_error(index: int, address: str, exc: grpc.aio.AioRpcError) -> PipeshardError:
+def _stage_rpc_error(
+    index: int, address: str, exc: grpc.aio.AioRpcError, call: str, limit: str
+) -> PipeshardError:
+    """The error a stage's failed ``call`` raises; a deadline names the call and its ``limit``."""
     code = exc.code().name
-    if code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
-        return Unavailable(f"stage {index} at {address} is unavailable ({exc.details()})")
+    if code == "DEADLINE_EXCEEDED":
+        return Unavailable(f"stage {index} at {address} did not answer {call} within {limit}")
+    if code == "UNAVAILABLE":
+        return Unavailable(f"stage {index} at {address} is unavailable for {call} ({exc.details()})")
     return StageFailed(activation_pb2.StageError(stage_index=index, code=code, message=exc.details() or code))

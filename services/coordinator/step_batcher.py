@@ -75,12 +75,16 @@ StepRunner = Callable[[list[activation_pb2.ActivationFrame]], Awaitable[list]]
 @dataclass(eq=False)
 class Grouping:
     """A batch job's micro-batches: its sessions' decode rows go in ``count`` groups, each a step,
-    up to ``count`` of them travelling at once. ``steps_run`` and ``rows_run`` count the steps
-    that carried its rows and those rows (what its auto probe measures)."""
+    up to ``count`` of them travelling at once. What its auto probe measures: ``steps_run`` counts
+    the steps that carried its rows, ``decode_rows_run`` its decode rows among them (its tokens;
+    a prefill chunk is other work), ``last_prefill_step`` the latest of those steps that carried a
+    prefill chunk of the job's, and ``launched_s`` when the latest left (the batcher's clock)."""
 
     count: int = 1
     steps_run: int = 0
-    rows_run: int = 0
+    decode_rows_run: int = 0
+    last_prefill_step: int = 0
+    launched_s: float = 0.0
 
 
 # The grouping of the sessions stepped in this context: a batch job's (each of its items' tasks
@@ -238,12 +242,16 @@ class StepBatcher:
         for w in batch:
             self._loads[w.frame.session_id] = StepLoad(len(batch) - 1, self.last_step_tokens - w.tokens)
             trace.mark("batched", w.frame.session_id, w.frame.step_id)
-        rows = Counter(w.grouping for w in batch)
-        self._rows_in_flight += rows
-        for grouping, n in rows.items():
-            if grouping is not None:
-                grouping.steps_run += 1
-                grouping.rows_run += n
+        self._rows_in_flight += Counter(w.grouping for w in batch)
+        now = self._clock()
+        for grouping in {w.grouping for w in batch} - {None}:
+            grouping.steps_run += 1
+            grouping.launched_s = now
+        for w in batch:
+            if w.grouping is not None:
+                w.grouping.decode_rows_run += w.decoding
+                if not w.decoding:
+                    w.grouping.last_prefill_step = w.grouping.steps_run
         task = asyncio.create_task(self._run_step(batch), name="batch-step")
         self._steps.add(task)
         self.max_in_flight = max(self.max_in_flight, len(self._steps))

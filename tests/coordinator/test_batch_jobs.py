@@ -30,25 +30,39 @@ def items(*ids: str) -> list[coordinator_pb2.BatchJobItem]:
 
 
 class FakeSteps:
-    """A step batcher stand-in: the job's steps advance on their own, rows per step by its count."""
+    """A step batcher stand-in: the job's steps advance on their own, a fake second each, with
+    decode rows per step by its count. The first ``prefill_steps`` steps (and every
+    ``prefill_every``-th one after, items starting later) carry prompts' chunks instead and only
+    ``prefill_rows`` decode rows each."""
 
-    def __init__(self, rows_per_step: dict[int, float], inflight: int = 3):
+    def __init__(
+        self,
+        rows_per_step: dict[int, float],
+        inflight: int = 3,
+        prefill_steps: int = 0,
+        prefill_every: int = 0,
+        prefill_rows: float = 1,
+    ):
         self.inflight = inflight  # the batcher's own count: a job never changes it
         self._rows = rows_per_step
-        self.grouping: Grouping | None = None
+        self._prefill_steps = prefill_steps
+        self._prefill_every = prefill_every
+        self._prefill_rows = prefill_rows
 
     async def run(self, grouping: Grouping) -> None:
-        self.grouping = grouping
         while True:
             await asyncio.sleep(0.0005)
             grouping.steps_run += 1
-            grouping.rows_run += self.rows(grouping)
+            grouping.launched_s = float(grouping.steps_run)  # a second a step: rows/s = rows a step
+            n = grouping.steps_run
+            if n <= self._prefill_steps or (self._prefill_every and n % self._prefill_every == 0):
+                grouping.last_prefill_step = n
+                grouping.decode_rows_run += self._prefill_rows
+            else:
+                grouping.decode_rows_run += self.rows(grouping)
 
     def rows(self, grouping: Grouping) -> float:
         return self._rows.get(grouping.count, 1)
-
-    def clock(self) -> float:
-        return float(self.grouping.steps_run if self.grouping else 0)  # a second a step: rows/s = rows a step
 
 
 @pytest.mark.parametrize(
@@ -164,7 +178,7 @@ def test_a_fixed_count_is_the_grouping_of_the_jobs_items_only():
 
 async def _auto_job(steps: FakeSteps, memory: MicroBatchMemory, workload: Workload, steps_alive: int | None):
     """An auto job that lasts until its probe has chosen, or only ``steps_alive`` of its steps."""
-    control = MicroBatchControl(steps, 3, MicroBatches(auto=True), memory, workload, clock=steps.clock)
+    control = MicroBatchControl(steps, 3, MicroBatches(auto=True), memory, workload)
     ticker = asyncio.create_task(steps.run(control.grouping))
     async with control.applied():
         while (
@@ -207,6 +221,32 @@ def test_auto_keeps_the_fastest_count_while_the_jobs_rate_drifts_down(monkeypatc
     measured later, when the job delivers less: the pass back down must cancel that."""
     control = _probe(monkeypatch, {}, DriftingSteps({1: 4, 2: 10, 3: 11}))
     assert control.current == 3, control.measured
+
+
+def test_auto_measures_after_the_jobs_prompts_are_prefilled(monkeypatch):
+    """M = 1 delivers as many decode rows as M = 2 once decoding, but the job's first 12 steps carry
+    its prompts' chunks (1 decode row each): measured then, M = 1 would look 10x slower."""
+    steps = FakeSteps({1: 10, 2: 10.1, 3: 7}, prefill_steps=12)
+    control = _probe(monkeypatch, {}, steps)
+    assert control.current == 1, control.measured
+    assert control.measured[1] == pytest.approx(10)
+
+
+def test_auto_measures_a_window_again_when_an_items_prefill_rode_in_it(monkeypatch):
+    """Items starting later: every 20th step carries a chunk and 1 decode row. Windows holding one
+    are measured again, so each count's rate is its decode rate; M = 3 is the fastest."""
+    steps = FakeSteps({1: 8, 2: 9, 3: 10}, prefill_every=20)
+    control = _probe(monkeypatch, {}, steps)
+    assert control.current == 3, control.measured
+    assert control.measured == pytest.approx({1: 8, 2: 9, 3: 10})
+
+
+def test_auto_keeps_a_window_after_its_tries_when_prefill_rides_in_every_one(monkeypatch):
+    """Prefill in every other step: no clean window exists, so after PROBE_ATTEMPTS tries each
+    window is kept (decode rows only) and the probe still ends with a choice."""
+    steps = FakeSteps({1: 8, 2: 9, 3: 10}, prefill_every=2)
+    control = _probe(monkeypatch, {}, steps)
+    assert sorted(control.measured) == [1, 2, 3] and control.current in (1, 2, 3)
 
 
 def test_auto_resolves_a_near_tie_toward_the_smaller_count(monkeypatch):

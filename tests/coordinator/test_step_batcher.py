@@ -179,7 +179,8 @@ def test_a_batch_jobs_count_groups_its_own_sessions_and_interactive_rows_keep_th
     interactive = [sum(n.startswith("i") for n in s) for s in steps]
     ours = [sum(n.startswith("j") for n in s) for s in steps]
     assert max(interactive) == 2 and max(ours) == job_rows
-    assert sum(ours) == 24 and job.rows_run == 30  # 4 decode rows and a chunk per session
+    assert sum(ours) == 24 == job.decode_rows_run  # 4 decode rows per session, chunks not counted
+    assert 1 <= job.last_prefill_step < job.steps_run and job.launched_s > 0  # chunks in the first steps
     assert batcher.inflight == 2 and batcher.max_in_flight <= max(2, count)
 
 

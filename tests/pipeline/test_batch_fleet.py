@@ -1,6 +1,7 @@
 """Offline batch jobs through real processes: `pipeshard batch` on a 2-stage fleet (a bad line,
 a restart that skips finished custom_ids), and RunBatch's answers token for token the same
-whatever the micro-batch count or the job's codec (greedy, ``exact``)."""
+whatever the micro-batch count (fixed, or changed by auto's probe while the job runs) or the
+job's codec (greedy, ``exact``)."""
 
 from __future__ import annotations
 
@@ -83,17 +84,20 @@ def test_micro_batch_count_never_changes_a_greedy_answer(fleet):
     answers = {}
     with grpc.insecure_channel(fleet.coordinator) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-        # The last job also asks every stage to compress its sessions' frames (the job's codec).
-        for micro, codec in (("off", ""), ("1", ""), ("2", ""), ("3", "lane_blocks_zstd")):
+        # The fourth job also asks every stage to compress its sessions' frames (the job's codec);
+        # the last regroups its sessions while they run (auto's probe changes M between windows).
+        jobs = (("off", ""), ("1", ""), ("2", ""), ("3", "lane_blocks_zstd"), ("auto", ""))
+        for micro, codec in jobs:
             request = coordinator_pb2.RunBatchRequest(items=items, micro_batches=micro, codec=codec)
             results = list(stub.RunBatch(request, timeout=600))
             assert {r.custom_id for r in results} == {f"p{i}" for i in range(len(PROMPTS))}
             assert all(not r.HasField("error") for r in results), [r.error for r in results]
-            assert {r.micro_batches for r in results} == {1 if micro == "off" else int(micro)}
+            counts = {r.micro_batches for r in results}
+            assert counts <= {1, 2} if micro == "auto" else counts == {1 if micro == "off" else int(micro)}
             answers[micro] = {r.custom_id: (list(r.tokens), r.summary.text) for r in results}
         with pytest.raises(grpc.RpcError) as bad:
             list(stub.RunBatch(coordinator_pb2.RunBatchRequest(items=items, codec="gzip"), timeout=60))
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "`codec`" in bad.value.details()
-    for micro in ("1", "2", "3"):
+    for micro in ("1", "2", "3", "auto"):
         assert answers[micro] == answers["off"], f"micro-batches {micro} changed an answer"
     assert all(len(tokens) == 12 for tokens, _ in answers["off"].values())

@@ -31,7 +31,9 @@ def _free_port() -> int:
 def test_stage_down_is_named_and_the_fleet_recovers(smollm2_export, fleet_factory):
     shards = smollm2_export(2, "int4")
     ports = [_free_port(), _free_port()]
-    fleet = fleet_factory(shards, 2, stage_ports=ports, extra_coordinator_args=["--step-timeout-s", "5"])
+    # Short step and control deadlines: the frozen stage below is named within seconds.
+    args = ["--step-timeout-s", "5", "--control-timeout-s", "5"]
+    fleet = fleet_factory(shards, 2, stage_ports=ports, extra_coordinator_args=args)
     with PipeshardClient(fleet.coordinator, timeout_s=60) as client:
         assert client.generate("Say hi.", max_tokens=4).completion_tokens == 4
         # A stage that stops answering (frozen, sockets still open) is named too.
