@@ -174,14 +174,14 @@ batch: proto
 	@test -n "$(IN)" -a -n "$(OUT)" || { echo "usage: make batch IN=input.jsonl OUT=output.jsonl [COORDINATOR=$(COORDINATOR)] [MICRO_BATCHES=auto] [CODEC=MODE]"; exit 2; }
 	$(VENV)/bin/pipeshard batch $(IN) --out $(OUT) --coordinator $(COORDINATOR) --micro-batches $(MICRO_BATCHES) $(if $(CODEC),--codec $(CODEC))
 
-## distil: (DISTIL_PROMPTS texts, DISTIL_EPOCHS passes) train a DRAFT_LAYERS-layer draft on the 1-stage target's answers to synthetic prompts and export it (shards/<model>-distil<K>-v<N>; generating the answers at ~45 tokens/s dominates); KIND=eagle: a draft reading the target's features (shards/<model>-eagle-v<N>, reused when it matches; 2048 answers with their features, ~15 min, then at most 25 min of training; `make up` offers it as `feature`); KIND=medusa: draft heads for the final stage (shards/<model>-medusa4-v<N>, reused when they match; TEXTS_FILE= the shared texts to train on; run the final stage with --draft-heads)
+## distil: (DISTIL_PROMPTS texts, DISTIL_EPOCHS passes) train a DRAFT_LAYERS-layer draft on the 1-stage target's answers to synthetic prompts and export it (shards/<model>-distil<K>-v<N>; generating the answers at ~45 tokens/s dominates); KIND=eagle: a draft reading the target's features (shards/<model>-eagle-v<N>, reused when it matches; 2048 answers with their features, ~15 min, then at most 25 min of training; `make up` offers it as `feature`); KIND=medusa: draft heads for the final stage (shards/<model>-medusa4-v<N>, reused when they match; TEXTS_FILE=: the target's texts both kinds share, default beside the export; run the final stage with --draft-heads)
 KIND ?= token
 distil: model
 	test -f shards/$(MODEL)-1s-$(WEIGHTS)/manifest.json || $(VENV)/bin/pipeshard export --model $(MODEL) --stages 1 --weights $(WEIGHTS)
 	if [ "$(KIND)" = eagle ]; then \
 	  $(VENV)/bin/pipeshard distil --kind eagle --model $(MODEL) --target shards/$(MODEL)-1s-$(WEIGHTS) --vocab $(DRAFT_VOCAB) $(if $(filter command line,$(origin DISTIL_PROMPTS)),--prompts $(DISTIL_PROMPTS)) $(if $(DISTIL_EPOCHS),--epochs $(DISTIL_EPOCHS)); \
 	elif [ "$(KIND)" = medusa ]; then \
-	  $(VENV)/bin/pipeshard distil --kind medusa --model $(MODEL) --target shards/$(MODEL)-1s-$(WEIGHTS) --vocab $(DRAFT_VOCAB) $(if $(filter command line,$(origin DISTIL_PROMPTS)),--prompts $(DISTIL_PROMPTS)) $(if $(DISTIL_EPOCHS),--epochs $(DISTIL_EPOCHS)) $(if $(TARGET_TEXTS),--target-texts $(TARGET_TEXTS)); \
+	  $(VENV)/bin/pipeshard distil --kind medusa --model $(MODEL) --target shards/$(MODEL)-1s-$(WEIGHTS) --vocab $(DRAFT_VOCAB) $(if $(filter command line,$(origin DISTIL_PROMPTS)),--prompts $(DISTIL_PROMPTS)) $(if $(DISTIL_EPOCHS),--epochs $(DISTIL_EPOCHS)) $(if $(TEXTS_FILE),--texts-file $(TEXTS_FILE)); \
 	else \
 	  $(VENV)/bin/pipeshard distil --model $(MODEL) --target shards/$(MODEL)-1s-$(WEIGHTS) --layers $(DRAFT_LAYERS) --vocab $(DRAFT_VOCAB) --prompts $(DISTIL_PROMPTS) $(if $(DISTIL_EPOCHS),--epochs $(DISTIL_EPOCHS)); \
 	fi

@@ -47,13 +47,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--heads", type=int, default=None, help="--kind medusa: how many heads (default 4)")
     p.add_argument(
-        "--target-texts",
-        type=Path,
-        default=None,
-        help="--kind medusa: a texts.npz of the target's answers with features (exporter/target_texts.py, "
-        "for example an eagle run's) to train on instead of generating them",
-    )
-    p.add_argument(
         "--layers", type=int, default=None, help="the token draft keeps the model's first K layers (required)"
     )
     p.add_argument(
@@ -69,16 +62,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--texts-file",
         type=Path,
         default=None,
-        help="--kind eagle: the .npz keeping the target's generated texts, reused when it matches "
-        "(default <out>/texts.npz; a shared file serves every draft kind and split of the same weights)",
+        help="--kind eagle/medusa: the .npz keeping the target's answers with their features, reused "
+        "when it matches, else generated there (default <target>-texts.npz beside the target's export: "
+        "both kinds share it)",
     )
     p.add_argument(
-        "--prompts", type=int, default=None, help="synthetic prompts without --texts (token 200, eagle 2048)"
+        "--prompts",
+        type=int,
+        default=None,
+        help="synthetic prompts without --texts (token 200, eagle/medusa 2048)",
     )
     p.add_argument(
         "--max-tokens", type=int, default=None, help="answer length per synthetic prompt (default 128)"
     )
-    p.add_argument("--epochs", type=float, default=None, help="passes over the data (token 2, eagle 2, medusa 2)")
+    p.add_argument(
+        "--epochs", type=float, default=None, help="passes over the data (token 2, eagle 2, medusa 2)"
+    )
     p.add_argument(
         "--train-minutes",
         type=float,
@@ -86,7 +85,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="--kind eagle: fewer passes than --epochs where they would not fit this many minutes "
         "(default 25: with generating the texts, about 15, within 45 on 2 cores)",
     )
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (token 1e-3, eagle 2e-3, medusa 1e-3)")
+    p.add_argument(
+        "--lr", type=float, default=None, help="peak learning rate (token 1e-3, eagle 2e-3, medusa 1e-3)"
+    )
     p.add_argument("--weights", default="int4", choices=WEIGHT_FORMATS)
     p.add_argument(
         "--out", type=Path, default=None, help="output folder (default SHARDS_DIR/<model>-distil<K>[-v<N>])"
@@ -152,8 +153,14 @@ def run_distil(args: argparse.Namespace) -> int:
     return 0
 
 
+def _texts_file(args: argparse.Namespace) -> Path:
+    """--texts-file, or one file beside the target's export that every feature-reading kind shares."""
+    return args.texts_file or args.target.parent / f"{args.target.name}-texts.npz"
+
+
 def _run_eagle(args: argparse.Namespace, model_dir: Path) -> int:
-    from pipeshard.exporter.eagle import PROMPTS, TRAIN_MINUTES, distil_eagle
+    from pipeshard.exporter.eagle import TRAIN_MINUTES, distil_eagle
+    from pipeshard.exporter.target_texts import PROMPTS
 
     if args.texts is not None:
         raise InvalidArgument("texts", "--kind eagle trains on the target's own answers, not on --texts")
@@ -169,7 +176,7 @@ def _run_eagle(args: argparse.Namespace, model_dir: Path) -> int:
         epochs=args.epochs or 2.0,
         lr=args.lr or 2e-3,
         force=args.force,
-        texts=args.texts_file,
+        texts=_texts_file(args),
         train_minutes=args.train_minutes or TRAIN_MINUTES,
         report=_Report(),
     )
@@ -185,9 +192,10 @@ def _run_eagle(args: argparse.Namespace, model_dir: Path) -> int:
 
 def _run_medusa(args: argparse.Namespace, model_dir: Path) -> int:
     from pipeshard.exporter.medusa import HEADS, distil_medusa
+    from pipeshard.exporter.target_texts import PROMPTS
 
     if args.texts is not None:
-        raise InvalidArgument("texts", "--kind medusa trains on the target's own answers (--target-texts)")
+        raise InvalidArgument("texts", "--kind medusa trains on the target's own answers, not on --texts")
     vocab = 8192 if args.vocab is None else args.vocab
     heads = args.heads or HEADS
     out = args.out or paths.shards_dir() / paths.draft_heads_name(model_dir.name, heads, vocab)
@@ -197,13 +205,13 @@ def _run_medusa(args: argparse.Namespace, model_dir: Path) -> int:
         out,
         heads=heads,
         vocab=vocab,
-        texts=args.target_texts,
-        prompts=args.prompts or 200,
+        texts=_texts_file(args),
+        prompts=args.prompts or PROMPTS,
         max_tokens=args.max_tokens or 128,
         epochs=args.epochs or 2.0,
         lr=args.lr or 1e-3,
         force=args.force,
-        report=_report,
+        report=_Report(),
     )
     t = result.meta.training
     verb = "reused" if result.reused else "trained"

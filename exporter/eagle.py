@@ -23,6 +23,7 @@ import numpy as np
 from pipeshard.errors import InvalidArgument
 from pipeshard.exporter.draft import plan_draft
 from pipeshard.exporter.target_texts import (
+    PROMPTS,
     TEXTS,
     FeatureTexts,
     Report,
@@ -32,9 +33,8 @@ from pipeshard.shard import feature_draft
 from pipeshard.shard.manifest import load_manifest
 
 UNROLL = 3  # draft steps trained per sample, each on the previous step's predicted feature
-# The defaults: 2048 of the target's answers take about 11-15 minutes to generate on 2 quiet cores
-# (64 at a time); training then stops at its budget, so a draft is ready within 45 minutes.
-PROMPTS = 2048
+# Training stops at this budget: with the texts (PROMPTS answers, about 11-15 minutes to generate on
+# 2 quiet cores), a draft is ready within 45 minutes.
 TRAIN_MINUTES = 25.0
 INTERMEDIATE = 1536  # the MLP block's width (SmolLM2-135M's own layers use 1536)
 

@@ -21,19 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.exporter.distil import synthetic_prompts
 from pipeshard.exporter.draft import plan_draft
-from pipeshard.exporter.target_texts import (
-    TEXTS,
-    FeatureTexts,
-    Report,
-    generate_features,
-    load_texts,
-    save_texts,
-)
+from pipeshard.exporter.target_texts import PROMPTS, TEXTS, FeatureTexts, Report, target_texts
 from pipeshard.shard import draft_heads
 from pipeshard.shard.manifest import load_manifest
-from pipeshard.shard.prompting import Prompter
 
 HEADS = 4
 TOP = (1, 3)  # the held-out accuracies reported per head: top-1 and top-3
@@ -171,20 +162,6 @@ class MedusaResult:
     meta: draft_heads.DraftHeadsMeta
 
 
-def load_target_texts(path: Path, fingerprint: str) -> FeatureTexts:
-    """A texts file generated for this target (its key starts with the target's fingerprint),
-    for example the one an eagle run kept."""
-    with np.load(path) as saved:
-        key = str(saved["key"])
-    if not key.startswith(f"{fingerprint} "):
-        raise InvalidArgument(
-            "target_texts", f"{path} holds texts of another model ({key.split(' ')[0]}), not {fingerprint}"
-        )
-    data = load_texts(path, key)
-    assert data is not None  # the key was just read from it
-    return data
-
-
 def distil_medusa(
     model_dir: Path | str,
     target_export: Path | str,
@@ -193,7 +170,7 @@ def distil_medusa(
     heads: int = HEADS,
     vocab: int | None = 8192,
     texts: Path | None = None,
-    prompts: int = 200,
+    prompts: int = PROMPTS,
     max_tokens: int = 128,
     epochs: float = 2.0,
     lr: float = 1e-3,
@@ -205,7 +182,8 @@ def distil_medusa(
 ) -> MedusaResult:
     """Train (or reuse) ``heads`` Medusa heads of ``target_export`` into ``out_dir``: heads there
     for the same fingerprint, count and slice are reused unless ``force``. ``texts``: a texts file
-    of the target's answers with features to train on (otherwise generated into ``out_dir``)."""
+    keeping the target's answers with their features (default ``out_dir/texts.npz``), reused when
+    they match, else generated there (exporter/target_texts.py)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -225,21 +203,10 @@ def distil_medusa(
     if not 0 < held_out < 1:
         raise InvalidArgument("held_out", f"must be in (0, 1), got {held_out}")
     started = time.perf_counter()
-    if texts is not None:
-        data = load_target_texts(Path(texts), target.fingerprint)
-        source = str(texts)
-        report("generate", 1.0, f"read {len(data.ids)} texts from {texts}")
-    else:
-        texts_key = f"{target.fingerprint} prompts={prompts} max_tokens={max_tokens} seed={seed}"
-        data = load_texts(out_dir / TEXTS, texts_key)
-        source = texts_key
-        if data is None:
-            prompter = Prompter.from_dir(target_export)
-            encoded = [prompter.encode("", [("user", p)]) for p in synthetic_prompts(prompts, seed)]
-            data = generate_features(target_export, encoded, max_tokens, report)
-            save_texts(out_dir / TEXTS, texts_key, data)
-        else:
-            report("generate", 1.0, f"reused {len(data.ids)} texts from {out_dir / TEXTS}")
+    texts = Path(texts) if texts is not None else out_dir / TEXTS
+    data, reused_texts = target_texts(
+        target_export, texts, prompts=prompts, max_tokens=max_tokens, seed=seed, report=report
+    )
     order = list(range(len(data.ids)))
     random.Random(seed).shuffle(order)
     n_eval = max(1, round(held_out * len(order)))
@@ -274,7 +241,8 @@ def distil_medusa(
         vocab_size=vocab_size,
         training={
             "target_export": str(target_export),
-            "texts_source": source,
+            "texts_file": str(texts),
+            "texts_reused": reused_texts,
             "texts": len(data.ids),
             "positions": data.positions,
             "train_positions": len(training),

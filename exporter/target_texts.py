@@ -15,6 +15,8 @@ import numpy as np
 from pipeshard.shard.manifest import load_manifest
 
 Report = Callable[[str, float, str], object]
+# The synthetic prompts answered by default: every feature-reading draft kind trains on the same file.
+PROMPTS = 2048
 BATCH = 64  # prompts answered per paged inference (64: ~200 texts/min on 2 quiet cores, 32: ~90)
 CACHE_BYTES_PER_ROW = 24 * 1024 * 1024  # f32 KV of SmolLM2-135M: 8 blocks of 32 tokens per row
 # The generated texts, kept in a draft's output folder: a rerun (after an interruption, or --force
