@@ -11,8 +11,8 @@ distilled one from `make distil`), ``hf`` (a same-tokenizer Hugging Face folder)
 (the trained feature draft, `make distil KIND=eagle`; BENCH_FEATURE_DRAFT=<folder> or the default
 folder, trained there when missing; BENCH_FEATURE_DRAFT=off leaves it out) and ``medusa`` (the final
 stage's draft heads, `make distil KIND=medusa`; BENCH_DRAFT_HEADS=<folder> or the default folder
-when it holds heads for these weights, never trained here; the single and exact parts only, on
-stateful rings, where trees go as chains and so draft by prompt lookup). Per source: chains at
+when it holds heads for these weights, never trained here; every part, the WAN fleets' final
+stage started with ``--draft-heads``). Per source: chains at
 each K, adaptive K with ``tree=off`` (``-chain-auto``), trees at BENCH_TREES, adaptive K with
 ``tree=auto`` (``-auto``, the default).
 
@@ -409,8 +409,15 @@ def exactness(
     return {"sequences_per_config": len(prompts), "identical": identical}
 
 
-def wan_sweep(extra: list[str], sources: tuple[str, ...], prompts: list[str], kinds: list[str]) -> dict:
-    """Plain against each source's configurations over the WAN emulator, one fleet per point."""
+def wan_sweep(
+    extra: list[str],
+    sources: tuple[str, ...],
+    prompts: list[str],
+    kinds: list[str],
+    heads: Path | None = None,
+) -> dict:
+    """Plain against each source's configurations over the WAN emulator, one fleet per point (its
+    final stage running ``heads`` for the ``medusa`` source)."""
     from pipeshard.services.wan.emulator import WanFleet
 
     configs: dict[str, Config] = {}
@@ -421,7 +428,9 @@ def wan_sweep(extra: list[str], sources: tuple[str, ...], prompts: list[str], ki
         shards = ensure_export(stages)
         for delay in DELAYS_MS:
             run_dir = Path(f"run/bench-spec-wan-{stages}s-{delay:g}ms")
-            with WanFleet(shards, stages, delay, RATE_MBIT, run_dir, extra_coordinator_args=extra) as fleet:
+            final = ["--draft-heads", str(heads)] if heads is not None else []
+            fleet_args = {"extra_coordinator_args": extra, "final_stage_args": final}
+            with WanFleet(shards, stages, delay, RATE_MBIT, run_dir, **fleet_args) as fleet:
                 client = PipeshardClient(fleet.coordinator, timeout_s=600)
 
                 def generate(prompt, tokens, source, k, tree, client=client):
@@ -477,10 +486,11 @@ def plot(wan: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def wan_keys(wan: dict, token_source: str, feature: bool) -> dict:
-    """The sweep's keys: the best configuration of the token source (and of the feature draft)
-    at 3 stages and 100 ms per hop; the adaptive policy's worst point."""
-    sources = (token_source, "feature") if feature else (token_source,)
+def wan_keys(wan: dict, token_source: str, feature_sources: tuple[str, ...]) -> dict:
+    """The sweep's keys: the best configuration of the token source (and of each feature-reading
+    source: ``feature_`` for the eagle draft, ``medusa_`` for the heads) at 3 stages and 100 ms per
+    hop; the adaptive policy's worst point."""
+    sources = (token_source, *feature_sources)
     out: dict = {
         "adaptive_vs_best_fixed_min": min(
             p[s]["adaptive_over_best_fixed"] for p in wan.values() for s in sources
@@ -490,7 +500,8 @@ def wan_keys(wan: dict, token_source: str, feature: bool) -> dict:
     at_100 = wan.get("3s-100ms")
     if at_100 is None:
         return out
-    for prefix, source in (("", token_source), *((("feature_", "feature"),) if feature else ())):
+    for source in sources:
+        prefix = "" if source == token_source else f"{source}_"
         best = at_100["configs"][at_100[source]["best"]]
         out[f"{prefix}speedup_at_100ms"] = best["speedup"]
         out[f"{prefix}speedup_at_100ms_ci95"] = best["speedup_ci95"]
@@ -604,13 +615,13 @@ def main() -> int:
                 sources,
                 key=lambda s: max(rows[n]["tokens_per_verify"] or 0 for n in rows if n.startswith(f"{s}-")),
             )
-        wan_sources = (token_source, "feature") if feature else (token_source,)
+        wan_sources = (token_source,) + (("feature",) if feature else ()) + (("medusa",) if heads else ())
         extra = ["--step-timeout-s", "120"]
         extra += ["--self-draft", str(self_draft)] if self_draft else []
         extra += ["--draft", f"hf={hf}"] if hf else []
         extra += ["--feature-draft", str(feature)] if feature else []
         texts = [KINDS[i][1] for i in kept][:WAN_PROMPTS]
-        wan = wan_sweep(extra, wan_sources, texts, kinds[: len(texts)])
+        wan = wan_sweep(extra, wan_sources, texts, kinds[: len(texts)], heads)
         for point in wan.values():
             plain = len(texts)
             exact.append(all(r["identical_to_plain"] == plain for r in point["configs"].values()))
@@ -624,7 +635,7 @@ def main() -> int:
             "wan_runs": WAN_RUNS,
             "wan_kinds": kinds[: len(texts)],
             "wan_source": token_source,
-            **wan_keys(wan, token_source, feature is not None),
+            **wan_keys(wan, token_source, wan_sources[1:]),
             "wan": wan,
         }
     result["bit_exact"] = all(exact) if exact else None

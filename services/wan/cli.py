@@ -14,7 +14,7 @@ from pathlib import Path
 from pipeshard.paths import DEFAULT_MODEL
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.fleet_cli import ensure_shards
-from pipeshard.services.launcher import feature_draft_args
+from pipeshard.services.launcher import draft_heads_args, feature_draft_args
 from pipeshard.services.wan import netns, state
 from pipeshard.services.wan.emulator import WanFleet
 from pipeshard.services.wan.netns import WanError
@@ -41,6 +41,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="auto: offer a feature draft trained for this export's weights as the default "
         "speculation; off; or a draft folder",
     )
+    up.add_argument(
+        "--draft-heads",
+        default="auto",
+        help="auto: the final stage runs draft heads trained for this export's weights (the `medusa` "
+        "source); off; or a heads folder",
+    )
     up.set_defaults(func=run_up)
     down = wan_sub.add_parser("down", help="stop what `pipeshard wan up` started, delete its namespaces")
     down.set_defaults(func=run_down)
@@ -61,6 +67,7 @@ def run_up(args: argparse.Namespace) -> int:
             detach=True,
             ttl_s=args.ttl_s,
             extra_coordinator_args=feature_draft_args(shards, args.feature_draft),
+            final_stage_args=draft_heads_args(shards, args.draft_heads),
         )
     except WanError as exc:
         print(f"wan up: {exc}", file=sys.stderr)

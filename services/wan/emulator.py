@@ -50,6 +50,7 @@ class WanFleet:
         extra_stage_args: Sequence[str] = (),
         extra_coordinator_args: Sequence[str] = (),
         *,
+        final_stage_args: Sequence[str] = (),
         coordinator_port: int = 0,
         detach: bool = False,
         ttl_s: float | None = None,
@@ -90,6 +91,8 @@ class WanFleet:
                 # The namespace's private link: plaintext asked for (stages refuse it unasked beyond
                 # loopback); pass --tls-dir in extra_stage_args for a secured emulated WAN.
                 extra = [*extra_stage_args, "--host", link.ns_ip, "--allow-plaintext"]
+                if link.index == stages - 1:  # --draft-heads: the final stage's alone
+                    extra += final_stage_args
                 args = stage_args(
                     link.index, Path(shards), STAGE_PORT, precision, log_format, next_hop, extra
                 )

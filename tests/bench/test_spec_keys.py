@@ -51,12 +51,12 @@ def _point(stages, delay, ngram, feature):
 
 def test_wan_keys_take_each_sources_best_at_100ms_and_the_worst_adaptive_point():
     wan = {"3s-0ms": _point(3, 0.0, 1.0, 1.1), "3s-100ms": _point(3, 100.0, 1.4, 2.2)}
-    keys = wan_keys(wan, "ngram", feature=True)
+    keys = wan_keys(wan, "ngram", ("feature",))
     assert keys["speedup_at_100ms"] == 1.4 and keys["tokens_per_traversal_at_100ms"] == 1.5
     assert keys["feature_speedup_at_100ms"] == 2.2 and keys["feature_tokens_per_traversal_at_100ms"] == 2.5
     assert keys["adaptive_vs_best_fixed_min"] == pytest.approx(0.97)
     assert keys["adaptive_over_plain_min"] == pytest.approx(0.93)
-    without = wan_keys(wan, "ngram", feature=False)
+    without = wan_keys(wan, "ngram", ())
     assert "feature_speedup_at_100ms" not in without and without["adaptive_over_plain_min"] == pytest.approx(
         1.1
     )
