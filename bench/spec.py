@@ -483,6 +483,7 @@ def plot(wan: dict, path: Path) -> None:
     axes[0][0].set_ylabel("tok/s (greedy, median)")
     axes[0][-1].legend(fontsize="small")
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
 
 
