@@ -17,7 +17,6 @@ manifest's model fingerprint, the same for every export of the same weights.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -25,11 +24,10 @@ import numpy as np
 import openvino as ov
 from openvino import opset13 as ops
 
-from pipeshard.errors import FailedPrecondition, InvalidArgument
-from pipeshard.shard.manifest import load_manifest
+from pipeshard.errors import InvalidArgument
+from pipeshard.shard.draft_folder import WEIGHTS, DraftFolder
 
 META = "draft_heads.json"
-WEIGHTS = "weights.npz"
 KIND = "medusa"
 MAX_WIDTH = 8  # candidates per head the compiled heads return at most (a tree's widest)
 # The arrays, with their shapes in terms of K (heads), H (hidden) and S (vocabulary slice).
@@ -39,6 +37,7 @@ ARRAYS = (
     "weight",  # [K, H, H] each head's residual block, W_k (out, in)
     "bias",  # [K, H]
 )
+FOLDER = DraftFolder("draft heads", "draft_heads", META, ARRAYS)
 
 
 @dataclass(frozen=True)
@@ -68,37 +67,20 @@ class DraftHeadsMeta:
 
 
 def is_draft_heads(folder: Path) -> bool:
-    return (Path(folder) / META).is_file()
+    return FOLDER.holds(folder)
 
 
 def read_meta(folder: Path) -> DraftHeadsMeta:
-    path = Path(folder) / META
-    if not path.is_file():
-        raise InvalidArgument("draft_heads", f"{folder} holds no draft heads ({META})")
-    return DraftHeadsMeta.from_dict(json.loads(path.read_text()))
+    return DraftHeadsMeta.from_dict(FOLDER.read(folder))
 
 
 def write(folder: Path, meta: DraftHeadsMeta, arrays: dict[str, np.ndarray]) -> None:
-    missing = [name for name in ARRAYS if name not in arrays]
-    if missing:
-        raise InvalidArgument("draft_heads", f"missing arrays: {', '.join(missing)}")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    np.savez(folder / WEIGHTS, **{name: arrays[name] for name in ARRAYS})
-    (folder / META).write_text(json.dumps(meta.to_dict(), indent=2) + "\n")
+    FOLDER.write(folder, meta.to_dict(), arrays)
 
 
 def check_target(meta: DraftHeadsMeta, target_export: Path, folder: Path) -> None:
-    """Heads trained on one model's features are refused for another, naming both fingerprints;
-    any export (split, weight format) of the same weights is accepted."""
-    target = load_manifest(Path(target_export)).model
-    if meta.model_fingerprint != target.fingerprint:
-        raise FailedPrecondition(
-            f"draft heads {folder} were trained for model fingerprint {meta.model_fingerprint}; "
-            f"the target {target_export} is {target.fingerprint}"
-        )
-    if meta.hidden_size != target.hidden_size or meta.vocab_size != target.vocab_size:
-        raise FailedPrecondition(f"draft heads {folder} do not match the target's sizes")
+    """Refused for any weights but those it was trained on, naming both fingerprints."""
+    FOLDER.check_target(folder, meta.model_fingerprint, meta.hidden_size, meta.vocab_size, target_export)
 
 
 @dataclass(frozen=True)

@@ -16,17 +16,15 @@ the manifest's model fingerprint, the same for every export of the same weights.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from pipeshard.errors import FailedPrecondition, InvalidArgument
-from pipeshard.shard.manifest import load_manifest
+from pipeshard.errors import InvalidArgument
+from pipeshard.shard.draft_folder import WEIGHTS, DraftFolder
 
 META = "feature_draft.json"
-WEIGHTS = "weights.npz"
 KINDS = ("eagle",)
 # The arrays of a draft, with their shapes in terms of H (hidden), I (MLP), V (vocab), S (slice).
 ARRAYS = (
@@ -42,6 +40,7 @@ ARRAYS = (
     "down",  # [H, I]
     "norm_out",  # [H]
 )
+FOLDER = DraftFolder("feature draft", "feature_draft", META, ARRAYS)
 
 
 @dataclass(frozen=True)
@@ -74,37 +73,20 @@ class FeatureDraftMeta:
 
 
 def is_feature_draft(folder: Path) -> bool:
-    return (Path(folder) / META).is_file()
+    return FOLDER.holds(folder)
 
 
 def read_meta(folder: Path) -> FeatureDraftMeta:
-    path = Path(folder) / META
-    if not path.is_file():
-        raise InvalidArgument("feature_draft", f"{folder} holds no feature draft ({META})")
-    return FeatureDraftMeta.from_dict(json.loads(path.read_text()))
+    return FeatureDraftMeta.from_dict(FOLDER.read(folder))
 
 
 def write(folder: Path, meta: FeatureDraftMeta, arrays: dict[str, np.ndarray]) -> None:
-    missing = [name for name in ARRAYS if name not in arrays]
-    if missing:
-        raise InvalidArgument("feature_draft", f"missing arrays: {', '.join(missing)}")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    np.savez(folder / WEIGHTS, **{name: arrays[name] for name in ARRAYS})
-    (folder / META).write_text(json.dumps(meta.to_dict(), indent=2) + "\n")
+    FOLDER.write(folder, meta.to_dict(), arrays)
 
 
 def check_target(meta: FeatureDraftMeta, target_export: Path, folder: Path) -> None:
-    """A draft trained on one model's features is refused for another, naming both fingerprints;
-    any export (split, weight format) of the same weights is accepted."""
-    target = load_manifest(Path(target_export)).model
-    if meta.model_fingerprint != target.fingerprint:
-        raise FailedPrecondition(
-            f"feature draft {folder} was trained for model fingerprint {meta.model_fingerprint}; "
-            f"the target {target_export} is {target.fingerprint}"
-        )
-    if meta.hidden_size != target.hidden_size or meta.vocab_size != target.vocab_size:
-        raise FailedPrecondition(f"feature draft {folder} does not match the target's sizes")
+    """Refused for any weights but those it was trained on, naming both fingerprints."""
+    FOLDER.check_target(folder, meta.model_fingerprint, meta.hidden_size, meta.vocab_size, target_export)
 
 
 def _rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
