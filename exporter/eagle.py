@@ -12,7 +12,6 @@ own predicted feature, because that is how a chain or tree is drafted. Torch on 
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -260,16 +259,7 @@ def distil_eagle(
         seed=seed,
         report=report,
     )
-    order = list(range(len(data.ids)))
-    random.Random(seed).shuffle(order)
-    n_eval = max(1, round(held_out * len(order)))
-    if len(order) - n_eval < 1:
-        raise InvalidArgument("prompts", f"{len(order)} texts leave nothing to train on")
-
-    def part(index):
-        return FeatureTexts(*([getattr(data, k)[i] for i in index] for k in ("ids", "features", "argmax")))
-
-    evaluation, training = part(order[:n_eval]), part(order[n_eval:])
+    evaluation, training = data.split(held_out, seed)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     embed = hf.get_input_embeddings().weight.detach().clone()
     head_all = hf.get_output_embeddings().weight.detach()

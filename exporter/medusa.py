@@ -13,7 +13,6 @@ slice, head k weighted 0.8^(k-1) as Medusa does. Torch on CPU.
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,14 +206,7 @@ def distil_medusa(
     data, reused_texts = target_texts(
         target_export, texts, prompts=prompts, max_tokens=max_tokens, seed=seed, report=report
     )
-    order = list(range(len(data.ids)))
-    random.Random(seed).shuffle(order)
-    n_eval = max(1, round(held_out * len(order)))
-    if len(order) - n_eval < 1:
-        raise InvalidArgument("prompts", f"{len(order)} texts leave nothing to train on")
-
-    def part(index):
-        return FeatureTexts(*([getattr(data, k)[i] for i in index] for k in ("ids", "features", "argmax")))
+    held_texts, train_texts = data.split(held_out, seed)
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     head_all = hf.get_output_embeddings().weight.detach()
@@ -225,8 +217,8 @@ def distil_medusa(
     )
     column = np.full(vocab_size, -100, dtype=np.int64)
     column[head_ids.numpy()] = np.arange(len(head_ids))
-    evaluation = labels(part(order[:n_eval]), heads, column)
-    training = labels(part(order[n_eval:]), heads, column)
+    evaluation = labels(held_texts, heads, column)
+    training = labels(train_texts, heads, column)
     model = MedusaHeads(head_all[head_ids].clone(), head_ids, heads)
     train(model, training, epochs=epochs, lr=lr, batch=batch, seed=seed, report=report)
     held, chain = accuracy(model, evaluation)

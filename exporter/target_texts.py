@@ -6,12 +6,14 @@ generated once per target and prompt set and kept in a file.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from pipeshard.errors import InvalidArgument
 from pipeshard.shard.manifest import load_manifest
 
 Report = Callable[[str, float, str], object]
@@ -35,6 +37,22 @@ class FeatureTexts:
     @property
     def positions(self) -> int:
         return sum(len(i) for i in self.ids)
+
+    def split(self, held_out: float, seed: int) -> tuple[FeatureTexts, FeatureTexts]:
+        """(held out, training): ``held_out`` of the texts (at least one), picked by a seeded
+        shuffle, kept apart from the rest."""
+        order = list(range(len(self.ids)))
+        random.Random(seed).shuffle(order)
+        n_eval = max(1, round(held_out * len(order)))
+        if len(order) - n_eval < 1:
+            raise InvalidArgument("prompts", f"{len(order)} texts leave nothing to train on")
+
+        def part(index: list[int]) -> FeatureTexts:
+            return FeatureTexts(
+                *([getattr(self, k)[i] for i in index] for k in ("ids", "features", "argmax"))
+            )
+
+        return part(order[:n_eval]), part(order[n_eval:])
 
 
 def generate_features(
