@@ -334,7 +334,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         precision=canonical(settings.precision),
         invariant=is_invariant(settings.precision),
         device=runner.device,
-        draft_heads=engine.heads.heads if engine.heads is not None else 0,
+        draft_heads=heads.heads if heads is not None else 0,
     )
     if backend == "static":
         info.static_slots, info.static_chunk = runner.slots, runner.chunk
