@@ -442,13 +442,12 @@ class _Request:
         """Hands the drafter the final stage's head candidates when they were computed where this
         acceptance ended (the row before the target's own token); otherwise none this step."""
         candidates = head_candidates(result)
-        if isinstance(draft, TreeNodes):
-            row = draft.row_of(self.outcome.path[-1] if self.outcome.path else ROOT)
-        elif isinstance(draft, TreeChains):
-            row = -1  # chains ask for no heads (the stage cannot tell padding from drafts)
-        else:
-            row = len(new) - 1
-        usable = candidates is not None and candidates.row == row
+        # Tree chains ask for no heads (the stage cannot tell padding from drafts).
+        usable = (
+            candidates is not None
+            and not isinstance(draft, TreeChains)
+            and candidates.row == self._kept_row(draft, new)
+        )
         self.drafter.observe_heads(candidates if usable else None)
 
     def _observe(
@@ -461,11 +460,15 @@ class _Request:
             # for a position the target has left), decoding stays exact.
             self.drafter.observe(None)
             return
+        self.drafter.observe(decode(result.features, field="features")[self._kept_row(draft, new)])
+
+    def _kept_row(self, draft: Draft | TreeChains | TreeNodes, new: list[int]) -> int:
+        """The result row of the last position this step kept (the row before the target's own
+        token; of a tree, the accepted path's last node's row): where a feature-reading draft
+        goes on from."""
         if isinstance(draft, TreeChains | TreeNodes):
-            row = draft.row_of(self.outcome.path[-1] if self.outcome.path else ROOT)
-        else:
-            row = len(new) - 1
-        self.drafter.observe(decode(result.features, field="features")[row])
+            return draft.row_of(self.outcome.path[-1] if self.outcome.path else ROOT)
+        return len(new) - 1
 
     def _accept(self, draft: Draft | TreeChains | TreeNodes, result: activation_pb2.StepResult) -> list[int]:
         if isinstance(draft, TreeChains | TreeNodes):
