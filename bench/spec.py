@@ -33,11 +33,14 @@ and ``adaptive_over_plain_min`` (``-auto`` of the WAN source against its best fi
 plain, minimum over every WAN point), ``bit_exact`` (every speculative sequence of every part equals
 plain greedy's, INT4 at ``exact``), ``repetition_rate``; (#31) ``feature_speedup_at_100ms``,
 ``feature_single_node_speedup``, ``feature_tokens_per_traversal_at_100ms``, ``draft_train_minutes``;
-``medusa_single_node_speedup``, ``medusa_tokens_per_traversal``, ``draft_heads_cost``.
+``medusa_single_node_speedup``, ``medusa_tokens_per_traversal``, ``draft_heads_cost``, and from the WAN
+sweep ``medusa_speedup_at_100ms``, ``medusa_tokens_per_traversal_at_100ms``.
 
 BENCH_QUICK=1: 2 rounds single node, 1 WAN round, each after a few tokens per configuration, 24
 tokens, K 5, tree 3x4, sources ngram and feature (and self when BENCH_SELF_DRAFT is given), the
-WAN sweep at 3 stages, 0 and 100 ms, the exact part on 2 and 3 stages.
+WAN sweep at 3 stages, 0 and 100 ms, the exact part on 2 and 3 stages. Runtime on 2 quiet cores
+(2026-12-02): 10 minutes with prompt lookup alone, about 25 with the eagle draft and the heads
+too (their training not included: `make distil KIND=eagle|medusa`).
 Sizes: BENCH_RUNS, BENCH_TOKENS (128; quick 24), BENCH_WAN_TOKENS (same), BENCH_KS (1,3,5,8,10; empty:
 adaptive only), BENCH_TREES (3x4,2x3), BENCH_WAN_STAGES (2,3), BENCH_WAN_DELAYS (0,10,50,100),
 BENCH_WAN_KS (5,10), BENCH_WAN_SOURCE (ngram|self|hf; default the best single-node token source),
