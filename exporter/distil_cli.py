@@ -70,11 +70,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--prompts",
         type=int,
         default=None,
-        help="synthetic prompts without --texts (token 200, eagle/medusa 2048)",
+        help="prompts answered without --texts: token, synthetic instructions (200); "
+        "eagle/medusa, the target's own questions (2048)",
     )
-    p.add_argument(
-        "--max-tokens", type=int, default=None, help="answer length per synthetic prompt (default 128)"
-    )
+    p.add_argument("--max-tokens", type=int, default=None, help="answer length per prompt (default 128)")
     p.add_argument(
         "--epochs", type=float, default=None, help="passes over the data (token 2, eagle 2, medusa 2)"
     )

@@ -80,8 +80,14 @@ def special_ids(model_dir: Path, config: dict[str, Any], vocab_size: int) -> set
     return {i for i in ids if 0 <= i < vocab_size}
 
 
-def plan_draft(model_dir: Path | str, layers: int, vocab: int | None = None) -> DraftPlan:
-    """Validate a draft request against the source model; pick the vocabulary slice."""
+def plan_draft(
+    model_dir: Path | str, layers: int, vocab: int | None = None, counts: np.ndarray | None = None
+) -> DraftPlan:
+    """Validate a draft request against the source model; pick the vocabulary slice: the special
+    tokens, then the ids ``counts`` (per token id) saw most, then the rest in merge order. A
+    draft trained on the target's texts counts the target's own argmax there: merge order alone
+    left 11% of the target's answer tokens on natural prompts outside an 8192-row slice, counts
+    6% (the texts' own tokens, where they are varied, fewer)."""
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     spec = resolve_spec(config)
@@ -97,7 +103,10 @@ def plan_draft(model_dir: Path | str, layers: int, vocab: int | None = None) -> 
             f"must be an integer in [{len(specials)}, {spec.vocab_size}] (the special tokens up to the "
             f"vocabulary size), got {vocab!r}",
         )
-    ranked = [int(i) for i in merge_rank(model_dir, spec.vocab_size) if int(i) not in specials]
+    order = merge_rank(model_dir, spec.vocab_size)
+    if counts is not None:
+        order = order[np.argsort(-np.asarray(counts)[order], kind="stable")]
+    ranked = [int(i) for i in order if int(i) not in specials]
     ids = sorted(specials | set(ranked[: vocab - len(specials)]))
     return DraftPlan(layers, n, tuple(ids))
 

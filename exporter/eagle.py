@@ -1,5 +1,5 @@
 """Train an EAGLE-style feature draft (``pipeshard distil --kind eagle``) on the target's own
-features: its greedy answers to synthetic prompts (none of them a benchmark prompt), generated
+features: its greedy answers to its own questions (none of them a benchmark prompt), generated
 in batches on the paged backend, reading the final normed hidden state and the argmax at every
 position on the way (pipeshard/shard/features.py).
 
@@ -27,6 +27,7 @@ from pipeshard.exporter.target_texts import (
     FeatureTexts,
     Report,
     target_texts,
+    token_counts,
 )
 from pipeshard.shard import feature_draft
 from pipeshard.shard.manifest import load_manifest
@@ -107,14 +108,16 @@ class EagleDraft:
 
 
 def _samples(data: FeatureTexts) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Flat ids, features, argmax and the start indices t with UNROLL steps inside one text."""
+    """Flat ids, features, argmax and the start indices t with UNROLL steps inside one text's
+    answer (where serving drafts: the prompts' own positions are another distribution, and
+    their template is the same in every text)."""
     ids = np.concatenate(data.ids)
     feats = np.concatenate(data.features)
     top = np.concatenate(data.argmax)
     starts, offset = [], 0
-    for text in data.ids:
+    for i, text in enumerate(data.ids):
         n = len(text)
-        starts.extend(range(offset, offset + n - UNROLL))
+        starts.extend(range(offset + data.answer_start(i), offset + n - UNROLL))
         offset += n
     return ids, feats, top, np.asarray(starts, dtype=np.int64)
 
@@ -249,7 +252,7 @@ def distil_eagle(
             return EagleResult(out_dir, True, meta)
     if not 0 < held_out < 1:
         raise InvalidArgument("held_out", f"must be in (0, 1), got {held_out}")
-    plan = plan_draft(model_dir, 1, vocab)  # the head slice (merge order, special tokens kept)
+    plan_draft(model_dir, 1, vocab)  # refuses a bad slice before the texts are generated
     started = time.perf_counter()
     data, reused_texts = target_texts(
         target_export,
@@ -259,6 +262,7 @@ def distil_eagle(
         seed=seed,
         report=report,
     )
+    plan = plan_draft(model_dir, 1, vocab, counts=token_counts(data, target.vocab_size))
     evaluation, training = data.split(held_out, seed)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     embed = hf.get_input_embeddings().weight.detach().clone()

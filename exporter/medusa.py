@@ -1,5 +1,5 @@
 """Train Medusa-style draft heads (``pipeshard distil --kind medusa``) on the target's own
-features: its greedy answers to synthetic prompts (none of them a benchmark prompt) with the
+features: its greedy answers to its own questions (none of them a benchmark prompt) with the
 final normed hidden state and the argmax at every position (exporter/target_texts.py).
 
 Head k at position t learns the token at t + 1 + k of the target's greedy continuation from t,
@@ -21,7 +21,14 @@ import numpy as np
 
 from pipeshard.errors import InvalidArgument
 from pipeshard.exporter.draft import plan_draft
-from pipeshard.exporter.target_texts import PROMPTS, TEXTS, FeatureTexts, Report, target_texts
+from pipeshard.exporter.target_texts import (
+    PROMPTS,
+    TEXTS,
+    FeatureTexts,
+    Report,
+    target_texts,
+    token_counts,
+)
 from pipeshard.shard import draft_heads
 from pipeshard.shard.manifest import load_manifest
 
@@ -48,7 +55,7 @@ def labels(data: FeatureTexts, heads: int, column: np.ndarray) -> Labels:
     did not choose), with each head's label: the target's argmax at t + k while the tokens
     t + 1 .. t + k follow it greedily."""
     feats, tokens = [], []
-    for ids, features, top in zip(data.ids, data.features, data.argmax, strict=True):
+    for i, (ids, features, top) in enumerate(zip(data.ids, data.features, data.argmax, strict=True)):
         n = len(ids)
         greedy = np.zeros(n, dtype=bool)  # greedy[j]: the token at j is the target's argmax at j - 1
         greedy[1:] = ids[1:] == top[:-1]
@@ -60,10 +67,7 @@ def labels(data: FeatureTexts, heads: int, column: np.ndarray) -> Labels:
             ok[: n - k] = greedy[t + k]
             alive &= ok
             out[: n - k, k - 1] = np.where(alive[: n - k], top[t + k], -1)
-        # Only the answer: from the last position whose next token the target did not choose
-        # (the prompt's end, or just before it), where serving runs the heads.
-        user = np.flatnonzero(~greedy[1:])
-        keep = (out[:, 0] >= 0) & (np.arange(n) >= (user[-1] if len(user) else 0))
+        keep = (out[:, 0] >= 0) & (np.arange(n) >= data.answer_start(i))  # where serving runs the heads
         feats.append(features[keep])
         tokens.append(out[keep])
     token_ids = np.concatenate(tokens) if tokens else np.zeros((0, heads), dtype=np.int64)
@@ -189,7 +193,7 @@ def distil_medusa(
     report = report or (lambda phase, fraction, message: None)
     model_dir, target_export, out_dir = Path(model_dir), Path(target_export), Path(out_dir)
     target = load_manifest(target_export).model
-    plan = plan_draft(model_dir, 1, vocab)  # the head slice (merge order, special tokens kept)
+    plan = plan_draft(model_dir, 1, vocab)  # refuses a bad slice before the texts are generated
     slice_size = len(plan.vocab_ids) if plan.vocab_ids is not None else target.vocab_size
     if draft_heads.is_draft_heads(out_dir) and not force:
         meta = draft_heads.read_meta(out_dir)
@@ -206,6 +210,7 @@ def distil_medusa(
     data, reused_texts = target_texts(
         target_export, texts, prompts=prompts, max_tokens=max_tokens, seed=seed, report=report
     )
+    plan = plan_draft(model_dir, 1, vocab, counts=token_counts(data, target.vocab_size))
     held_texts, train_texts = data.split(held_out, seed)
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

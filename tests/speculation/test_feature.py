@@ -304,10 +304,11 @@ def test_training_stops_at_its_time_budget_with_the_rate_annealed():
     from pipeshard.exporter.eagle import schedule, train
 
     rng = np.random.default_rng(0)
-    data = FeatureTexts(
-        [rng.integers(0, V, 30) for _ in range(4)],
+    ids = [rng.integers(0, V, 30) for _ in range(4)]
+    data = FeatureTexts(  # all answer: every next token is the argmax before it
+        ids,
         [rng.standard_normal((30, H)).astype(np.float16) for _ in range(4)],
-        [rng.integers(0, V, 30) for _ in range(4)],
+        [np.append(i[1:], 0) for i in ids],
     )
     torch.manual_seed(0)
     draft = EagleDraft(torch.randn(V, H), torch.randn(S, H), torch.arange(0, V, V // S)[:S], 1e-5, 32)
