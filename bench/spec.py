@@ -563,7 +563,8 @@ def main() -> int:
         result |= {
             "feature_draft": str(feature),
             "feature_training": training,
-            "draft_train_minutes": training.get("minutes"),
+            # texts and training: what making the draft took on this machine
+            "draft_train_minutes": training.get("total_minutes", training.get("minutes")),
             "feature_bytes": feature_bytes(target),
             "feature_draft_cost": feature_draft_cost(target, feature),
         }

@@ -298,6 +298,8 @@ def distil_eagle(
             "batch": batch,
             "minutes": round(minutes, 2),  # this run's: without generating when the texts were reused
             "texts_reused": reused_texts,
+            "texts_minutes": round(data.minutes, 2),  # generating the texts, whenever that was
+            "total_minutes": round(minutes + (data.minutes if reused_texts else 0.0), 2),
             "held_out_agreement_before": round(before[0], 4),
             "held_out_agreement": round(after[0], 4),
             "held_out_chain_of_3": round(after[1], 3),

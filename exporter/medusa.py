@@ -246,6 +246,8 @@ def distil_medusa(
             "vocab_slice": slice_size,
             "epochs": epochs,
             "minutes": round(minutes, 2),  # this run's: without generating when the texts were read
+            "texts_minutes": round(data.minutes, 2),  # generating the texts, whenever that was
+            "total_minutes": round(minutes + (data.minutes if reused_texts else 0.0), 2),
             "held_out": held,
             "held_out_chain_tokens_per_traversal": round(chain, 3),
         },

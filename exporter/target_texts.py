@@ -12,7 +12,9 @@ none is a benchmark prompt.
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +54,7 @@ class FeatureTexts:
     ids: list[np.ndarray]  # int64 [n]
     features: list[np.ndarray]  # float16 [n, H]: what the final stage returns on the wire
     argmax: list[np.ndarray]  # int64 [n]
+    minutes: float = 0.0  # how long generating them took (questions and answers)
 
     @property
     def positions(self) -> int:
@@ -215,9 +218,11 @@ def target_texts(
         report("generate", 1.0, f"reused {len(data.ids)} texts from {path}")
         return data, True
     prompter = Prompter.from_dir(target_export)
+    started = time.perf_counter()
     questions = own_questions(target_export, prompts, seed, report, batch)
     encoded = [prompter.encode("", [("user", q)]) for q in questions]
     data = generate_features(target_export, encoded, max_tokens, report, batch, phase="answer")
+    data = dataclasses.replace(data, minutes=(time.perf_counter() - started) / 60.0)
     save_texts(path, key, data)
     return data, False
 
@@ -233,6 +238,7 @@ def save_texts(path: Path, key: str, data: FeatureTexts) -> None:
         ids=np.concatenate(data.ids),
         features=np.concatenate(data.features).astype(np.float16),
         argmax=np.concatenate(data.argmax),
+        minutes=np.asarray(data.minutes),
     )
     partial.replace(path)
 
@@ -245,4 +251,5 @@ def load_texts(path: Path, key: str) -> FeatureTexts | None:
         if str(saved["key"]) != key:
             return None
         cuts = np.cumsum(saved["lengths"])[:-1]
-        return FeatureTexts(*(list(np.split(saved[name], cuts)) for name in ("ids", "features", "argmax")))
+        parts = (list(np.split(saved[name], cuts)) for name in ("ids", "features", "argmax"))
+        return FeatureTexts(*parts, minutes=float(saved["minutes"]) if "minutes" in saved else 0.0)

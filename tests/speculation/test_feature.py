@@ -97,12 +97,14 @@ def test_generated_texts_are_reused_only_under_the_key_that_made_them(tmp_path):
         [rng.integers(0, V, n) for n in lengths],
         [rng.standard_normal((n, H)).astype(np.float16) for n in lengths],  # as the wire returns them
         [rng.integers(0, V, n) for n in lengths],
+        minutes=3.5,
     )
     path = tmp_path / "draft" / "texts.npz"
     save_texts(path, "sha256:a prompts=3 max_tokens=8 seed=0", data)
     back = load_texts(path, "sha256:a prompts=3 max_tokens=8 seed=0")
     for name in ("ids", "features", "argmax"):
         assert [a.tolist() for a in getattr(back, name)] == [a.tolist() for a in getattr(data, name)]
+    assert back.minutes == 3.5  # what generating them took, for the draft's total
     assert load_texts(path, "sha256:b prompts=3 max_tokens=8 seed=0") is None
     assert load_texts(tmp_path / "missing.npz", "sha256:a prompts=3 max_tokens=8 seed=0") is None
 
