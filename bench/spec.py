@@ -32,7 +32,8 @@ included), ``single_node_speedup`` (the best token-draft configuration), ``adapt
 and ``adaptive_over_plain_min`` (``-auto`` of the WAN source against its best fixed shape and
 plain, minimum over every WAN point), ``bit_exact`` (every speculative sequence of every part equals
 plain greedy's, INT4 at ``exact``), ``repetition_rate``; (#31) ``feature_speedup_at_100ms``,
-``feature_single_node_speedup``, ``feature_tokens_per_traversal_at_100ms``, ``draft_train_minutes``;
+``feature_single_node_speedup``, ``feature_tokens_per_traversal_at_100ms``, ``draft_train_minutes``,
+``feature_teacher_forced`` (per kind, the draft's agreement with the target on its own answers);
 ``medusa_single_node_speedup``, ``medusa_tokens_per_traversal``, ``draft_heads_cost``, and from the WAN
 sweep ``medusa_speedup_at_100ms``, ``medusa_tokens_per_traversal_at_100ms``.
 
@@ -57,7 +58,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.pipeline import ensure_export
-from bench.spec_costs import draft_heads_cost, feature_bytes, feature_draft_cost, token_draft_costs, trim_cost
+from bench.spec_costs import (
+    draft_heads_cost,
+    feature_agreement,
+    feature_bytes,
+    feature_draft_cost,
+    token_draft_costs,
+    trim_cost,
+)
 from bench.stats import RESULTS_DIR, interleaved, mean_ratio_ci, median, write_result
 from pipeshard import paths
 from pipeshard.clients.client import PipeshardClient
@@ -567,6 +575,9 @@ def main() -> int:
             "draft_train_minutes": training.get("total_minutes", training.get("minutes")),
             "feature_bytes": feature_bytes(target),
             "feature_draft_cost": feature_draft_cost(target, feature),
+            "feature_teacher_forced": feature_agreement(
+                target, feature, [every_prompt[i] for i in kept], kinds, measured
+            ),
         }
     if heads is not None:
         result |= {

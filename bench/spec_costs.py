@@ -108,3 +108,41 @@ def draft_heads_cost(target: Path, heads: Path, reps: int = 200) -> dict:
         "target_decode_ms": target_ms,
         "cost_vs_target": heads_ms / target_ms,
     }
+
+
+def feature_agreement(
+    target: Path, draft: Path, prompts: list[list[int]], kinds: list[str], tokens: int
+) -> dict:
+    """Teacher-forced on the target's own greedy answers (``exact``) to the measured prompts, per
+    kind: how often the served draft's first token is the target's argmax (``first``), the mean
+    length a 3-token chain keeps (``chain3``), and the share of the target's answer tokens outside
+    the draft's head slice (``outside_slice``, which no draft can be right on). It separates what
+    a draft predicts from what serving does with it."""
+    from pipeshard.exporter.target_texts import generate_features
+    from pipeshard.shard.feature_draft import FeatureDraftModel
+
+    model = FeatureDraftModel(draft)
+    data = generate_features(target, prompts, tokens, lambda *a: None, batch=len(prompts))
+    sliced = np.zeros(model.meta.vocab_size, dtype=bool)
+    sliced[model.head_ids] = True
+    out: dict = {}
+    for i, kind in enumerate(kinds):
+        ids, top = data.ids[i], data.argmax[i]
+        starts = np.arange(data.answer_start(i), len(ids) - 3)
+        if not len(starts):
+            continue
+        feature = data.features[i][starts].astype(np.float32)
+        alive, hits = np.ones(len(starts), dtype=bool), []
+        for j in range(3):
+            feature, logits = model.step(feature, ids[starts + j + 1])
+            hit = model.head_ids[logits.argmax(-1)] == top[starts + j + 1]
+            alive &= hit
+            hits.append(alive.sum())
+        out[kind] = {
+            "positions": len(starts),
+            "first": float(hits[0] / len(starts)),
+            "chain3": float(sum(hits) / len(starts)),
+            "outside_slice": float((~sliced[top[starts + 1]]).mean()),
+        }
+    out["mean_first"] = float(np.mean([v["first"] for v in out.values()]))
+    return out
