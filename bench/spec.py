@@ -40,7 +40,7 @@ sweep ``medusa_speedup_at_100ms``, ``medusa_tokens_per_traversal_at_100ms``.
 BENCH_QUICK=1: 2 rounds single node, 1 WAN round, each after a few tokens per configuration, 24
 tokens, K 5, tree 3x4, sources ngram and feature (and self when BENCH_SELF_DRAFT is given), the
 WAN sweep at 3 stages, 0 and 100 ms, the exact part on 2 and 3 stages. Runtime on 2 quiet cores
-(2026-12-02): 10 minutes with prompt lookup alone, about 25 with the eagle draft and the heads
+(2026-12-02): 10 minutes with prompt lookup alone, 25-27 with the eagle draft and the heads
 too (their training not included: `make distil KIND=eagle|medusa`).
 Sizes: BENCH_RUNS, BENCH_TOKENS (128; quick 24), BENCH_WAN_TOKENS (same), BENCH_KS (1,3,5,8,10; empty:
 adaptive only), BENCH_TREES (3x4,2x3), BENCH_WAN_STAGES (2,3), BENCH_WAN_DELAYS (0,10,50,100),

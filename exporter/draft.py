@@ -86,8 +86,8 @@ def plan_draft(
     """Validate a draft request against the source model; pick the vocabulary slice: the special
     tokens, then the ids ``counts`` (per token id) saw most, then the rest in merge order. A
     draft trained on the target's texts counts the target's own argmax there: merge order alone
-    left 11% of the target's answer tokens on natural prompts outside an 8192-row slice, counts
-    6% (the texts' own tokens, where they are varied, fewer)."""
+    left 11% of the target's answer tokens on the benchmark prompts outside an 8192-row slice,
+    counts over its answers to its own questions 3.8%."""
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     spec = resolve_spec(config)
