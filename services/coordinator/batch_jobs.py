@@ -177,7 +177,7 @@ class MicroBatchControl:
         try:
             yield self
         finally:
-            if task is not None:
+            if task is not None and probe is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task

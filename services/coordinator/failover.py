@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Protocol
 
 import structlog
 
@@ -27,12 +27,45 @@ from pipeshard.errors import PipeshardError, Unavailable
 from pipeshard.metrics import FAILOVERS
 from pipeshard.services.coordinator.kv_standby import KvStandby, StandbyCopy
 from pipeshard.services.coordinator.replicas import ReplicaLanes
-from pipeshard.services.coordinator.ring import ShuttingDown
-
-if TYPE_CHECKING:
-    from pipeshard.services.coordinator.generation import RingLike, _Request
+from pipeshard.services.coordinator.ring import RingLike, ShuttingDown
+from pipeshard.v1 import activation_pb2
 
 log = structlog.get_logger(__name__)
+
+
+class RestoredCursor(Protocol):
+    """Where a moved request's new session stands: the positions its KV holds."""
+
+    @property
+    def logical(self) -> int: ...
+
+    def restored(self, positions: int) -> None:
+        """The session starts with ``positions`` positions restored on every stage."""
+
+
+class MovableRequest(Protocol):
+    """What a failover needs of a running request (generation.py's): its public moves, so this
+    module depends on no generation internals and the two do not import each other."""
+
+    @property
+    def session_id(self) -> str: ...
+
+    @property
+    def prompt_ids(self) -> list[int]: ...
+
+    @property
+    def generated(self) -> list[int]: ...
+
+    @property
+    def cursor(self) -> RestoredCursor: ...
+
+    def move_to(self, session_id: str) -> list[int]:
+        """Starts over in a new, empty session; returns the tokens to prefill it with."""
+        ...
+
+    def replay_frames(self, tokens: list[int], chunk: int) -> Iterator[activation_pb2.ActivationFrame]:
+        """Fill-only frames that bring the new session up to ``tokens``."""
+        ...
 
 
 class Failover:
@@ -62,7 +95,7 @@ class Failover:
     async def resume(
         self,
         ring: RingLike,
-        request: _Request,
+        request: MovableRequest,
         error: Unavailable,
         capacity: int,
         prefill_chunk: int,
@@ -126,7 +159,12 @@ class Failover:
                 self.standby.drop(copy)  # still detached: restored nowhere
 
     async def _restore(
-        self, ring: RingLike, request: _Request, copy: StandbyCopy | None, seen: list[int], capacity: int
+        self,
+        ring: RingLike,
+        request: MovableRequest,
+        copy: StandbyCopy | None,
+        seen: list[int],
+        capacity: int,
     ) -> tuple[str, StandbyCopy | None]:
         """Restores the standby copy into the request's new session when it holds a prefix of the
         positions ``seen`` (short of the whole prompt while still prefilling, which needs a last

@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -44,7 +44,7 @@ from pipeshard.metrics import (
 from pipeshard.sampling import accept_sampled, restore_rng, rng_state
 from pipeshard.services.coordinator.detokenizer import IncrementalDetokenizer
 from pipeshard.services.coordinator.prefix_cache import PrefixIndex
-from pipeshard.services.coordinator.ring import StageFailed
+from pipeshard.services.coordinator.ring import RingLike, StageFailed
 from pipeshard.services.coordinator.sampling import Sampler, SamplingParams, token_logprobs
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
@@ -71,31 +71,6 @@ if TYPE_CHECKING:
     from pipeshard.services.coordinator.failover import Failover
 
 log = structlog.get_logger(__name__)
-
-
-class RingLike(Protocol):
-    """What a generation needs of the stages (ring.py's ``Ring`` over any transport)."""
-
-    # The ring rewinds by shortening a session's cache (paged): the cursor keeps no holes.
-    truncates_on_rewind: bool
-    # A ring that batches every step: its step cost and load, for batch-aware K (None: alone).
-    batch_steps: BatchSteps | None
-
-    async def open_session(self, session_id: str, capacity: int | None = None) -> int: ...
-
-    async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult: ...
-
-    def expedite(self, session_id: str) -> None: ...
-
-    async def release_session(self, session_id: str) -> None: ...
-
-    async def abort_session(self, session_id: str, reason: str) -> None: ...
-
-    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> set[str]: ...
-
-    async def restore_kv(
-        self, session_id: str, scope: str, token_ids: list[int], positions: int, timeout_s: float
-    ) -> set[str]: ...
 
 
 # Steps that accepted at most this many tokens are detokenized on the event loop (two decodes of
@@ -430,14 +405,18 @@ class _Request:
     def accept(self, draft: Draft | TreeChains | TreeNodes, result: activation_pb2.StepResult) -> list[int]:
         """The tokens this step keeps: the agreed draft prefix plus the target's next token."""
         new = self._accept(draft, result)
-        if self.reads_features:
-            self._observe(draft, result, new)
-        if self.heads:
-            self._observe_heads(draft, result, new)
+        if self.drafter is not None and self.reads_features:
+            self._observe(self.drafter, draft, result, new)
+        if self.drafter is not None and self.heads:
+            self._observe_heads(self.drafter, draft, result, new)
         return new
 
     def _observe_heads(
-        self, draft: Draft | TreeChains | TreeNodes, result: activation_pb2.StepResult, new: list[int]
+        self,
+        drafter: Drafter,
+        draft: Draft | TreeChains | TreeNodes,
+        result: activation_pb2.StepResult,
+        new: list[int],
     ) -> None:
         """Hands the drafter the final stage's head candidates when they were computed where this
         acceptance ended (the row before the target's own token); otherwise none this step."""
@@ -448,27 +427,39 @@ class _Request:
             and not isinstance(draft, TreeChains)
             and candidates.row == self._kept_row(draft, new)
         )
-        self.drafter.observe_heads(candidates if usable else None)
+        drafter.observe_heads(candidates if usable else None)
 
     def _observe(
-        self, draft: Draft | TreeChains | TreeNodes, result: activation_pb2.StepResult, new: list[int]
+        self,
+        drafter: Drafter,
+        draft: Draft | TreeChains | TreeNodes,
+        result: activation_pb2.StepResult,
+        new: list[int],
     ) -> None:
         """Hands a feature draft the target's feature at the last position kept: the row before
         the target's own token (of a tree: the accepted path's last node's row)."""
         if not result.HasField("features"):
             # A stage that cannot return them: the draft goes idle (a stale feature would draft
             # for a position the target has left), decoding stays exact.
-            self.drafter.observe(None)
+            drafter.observe(None)
             return
-        self.drafter.observe(decode(result.features, field="features")[self._kept_row(draft, new)])
+        drafter.observe(decode(result.features, field="features")[self._kept_row(draft, new)])
 
     def _kept_row(self, draft: Draft | TreeChains | TreeNodes, new: list[int]) -> int:
         """The result row of the last position this step kept (the row before the target's own
         token; of a tree, the accepted path's last node's row): where a feature-reading draft
         goes on from."""
         if isinstance(draft, TreeChains | TreeNodes):
-            return draft.row_of(self.outcome.path[-1] if self.outcome.path else ROOT)
+            path = self._tree_outcome.path
+            return draft.row_of(path[-1] if path else ROOT)
         return len(new) - 1
+
+    @property
+    def _tree_outcome(self) -> TreeOutcome:
+        """What the last tree step accepted (``accept`` sets it before anything reads it)."""
+        if self.outcome is None:
+            raise RuntimeError("a tree step's outcome was read before its acceptance")
+        return self.outcome
 
     def _accept(self, draft: Draft | TreeChains | TreeNodes, result: activation_pb2.StepResult) -> list[int]:
         if isinstance(draft, TreeChains | TreeNodes):
@@ -505,19 +496,20 @@ class _Request:
         """Masks rejected drafts out of the cache and feeds the K policy and the summary counters."""
         kept = len(new) - 1
         if isinstance(draft, TreeChains | TreeNodes):
+            outcome = self._tree_outcome
             if isinstance(draft, TreeNodes):
                 # The stages move the accepted path's cache down behind the pending tokens and
                 # drop the nodes' slots past it.
                 self.cursor.reject(len(draft.tree.nodes) - kept)
-                self.cursor.keep_tokens(draft.kept(len(self.pending), self.outcome.path))
+                self.cursor.keep_tokens(draft.kept(len(self.pending), outcome.path))
                 positions = len(self.pending) + len(draft.tree.nodes)
             else:
                 # The stages keep the accepted path's chain; its tail past the path is masked out.
                 self.cursor.reject(draft.depth - kept)
-                self.cursor.keep_chain(self.outcome.chain)
+                self.cursor.keep_chain(outcome.chain)
                 positions = draft.width * (draft.depth + 1)
             main = draft.tree.main
-            fed = next((i for i, n in enumerate(self.outcome.path) if i >= len(main) or main[i] != n), kept)
+            fed = next((i for i, n in enumerate(outcome.path) if i >= len(main) or main[i] != n), kept)
             depth, proposed, seconds = draft.depth, len(draft.tree.nodes), draft.tree.seconds
         else:
             self.cursor.reject(len(draft.tokens) - kept)
@@ -588,6 +580,8 @@ class _Request:
 
     def summary(self) -> Summary:
         """The final Summary of an ended request: finish reason, counts and timings."""
+        if self.finish is None:
+            raise RuntimeError("a running request has no summary yet")
         elapsed = time.perf_counter() - self.first_at
         n = len(self.generated)
         p = self.progress
@@ -744,7 +738,8 @@ class Generation:
     ) -> _Request:
         """Validates the request, opens its session on every stage and sets up its drafter and K policy."""
         mode = self.check_speculative(speculative, k, tree)
-        factory = None if mode == "none" else await self._drafts.factory(mode)
+        # check_speculative refused any mode but "none" without draft sources
+        factory = None if mode == "none" or self._drafts is None else await self._drafts.factory(mode)
         session_id = uuid.uuid4().hex
         reserved = self.capacity(prompt_ids, params)
         max_context = await self._ring.open_session(session_id, reserved)
@@ -786,8 +781,9 @@ class Generation:
 
     async def _warm(self, request: _Request, scope: str) -> None:
         """Restores the longest cached prefix of the prompt on every stage, or none of it."""
-        hit = self.prefix.lookup(scope, request.prompt_ids)
-        if hit is None:
+        prefix = self.prefix
+        hit = None if prefix is None else prefix.lookup(scope, request.prompt_ids)
+        if prefix is None or hit is None:
             return
         try:
             dropped = await asyncio.wait_for(
@@ -797,8 +793,8 @@ class Generation:
                 self.restore_timeout_s,
             )
         except (PipeshardError, TimeoutError) as exc:
-            self.prefix.unpin(hit)
-            self.prefix.drop(hit)
+            prefix.unpin(hit)
+            prefix.drop(hit)
             if isinstance(exc, StageFailed) and exc.code == "NOT_FOUND":
                 PREFIX_STAGE_MISSES.inc()  # the index held what a stage did not
             reason = str(exc) or type(exc).__name__
@@ -814,10 +810,10 @@ class Generation:
             )
             return
         except BaseException:  # cancelled (the client went away): the entry stays usable
-            self.prefix.unpin(hit)
+            prefix.unpin(hit)
             raise
-        self.prefix.unpin(hit)
-        self.prefix.forget(dropped)
+        prefix.unpin(hit)
+        prefix.forget(dropped)
         request.cursor.restored(hit.positions)
         request.progress.cached_tokens = hit.positions
         log.info("prefix_cache_hit", session_id=request.session_id, positions=hit.positions)
@@ -826,9 +822,10 @@ class Generation:
         """Leaves the finished sequence in every stage's prefix cache (all but the last token,
         which no stage has seen) and indexes it, less the blocks the stages report dropped; a
         failure only costs the next request its hit."""
+        prefix = self.prefix
         sequence = request.prompt_ids + request.generated
         tokens = sequence[: min(request.cursor.settled, len(sequence) - 1)]
-        if len(tokens) < self.prefix.min_tokens:
+        if prefix is None or len(tokens) < prefix.min_tokens:
             return
         try:
             dropped = await asyncio.wait_for(
@@ -837,8 +834,8 @@ class Generation:
         except (PipeshardError, TimeoutError) as exc:
             log.info("prefix_cache_keep_failed", session_id=request.session_id, reason=str(exc) or "timeout")
             return
-        self.prefix.add(scope, tokens)
-        self.prefix.forget(dropped)
+        prefix.add(scope, tokens)
+        prefix.forget(dropped)
         log.debug(
             "prefix_cache_kept", session_id=request.session_id, positions=len(tokens), dropped=len(dropped)
         )

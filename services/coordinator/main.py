@@ -167,6 +167,13 @@ class CoordinatorSettings(ServerSettings):
         "latency on its own machine: on shared cores and at 50 ms per hop it measured slower)",
     )
 
+    @property
+    def shards_dir(self) -> Path:
+        """The export folder, once :func:`resolve` has filled ``shards`` in."""
+        if self.shards is None:
+            raise InvalidArgument("shards", "is required (or give --topology)")
+        return self.shards
+
 
 def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
     if settings.topology is not None:
@@ -256,8 +263,8 @@ class Coordinator:
     servicer: CoordinatorServicer = field(init=False)
 
     async def start(self) -> None:
-        self._serving = hold_serving_lock(Path(self.settings.shards))  # see pipeshard.shard.serving
-        manifest = load_manifest(Path(self.settings.shards))
+        self._serving = hold_serving_lock(self.settings.shards_dir)  # see pipeshard.shard.serving
+        manifest = load_manifest(self.settings.shards_dir)
         remote = manifest.num_stages - (1 if self.settings.host_stage0 else 0)
         if remote != len(self.settings.stages):
             raise InvalidArgument(
@@ -266,7 +273,7 @@ class Coordinator:
                 f"needs {remote} remote stages"
                 + (" (stage 0 hosted here)" if self.settings.host_stage0 else ""),
             )
-        prompter = Prompter.from_dir(Path(self.settings.shards))
+        prompter = Prompter.from_dir(self.settings.shards_dir)
         local = self._local_stage0() if self.settings.host_stage0 else None
         lanes = [self._lane(addresses, local) for addresses in stage_lanes(self.settings.stages)]
         # Replicas, or a topology whose lanes SIGHUP may change: a transport per lane behind ReplicaLanes.
@@ -298,7 +305,7 @@ class Coordinator:
             chunk = min(chunk, self.ring.prefill_chunk)
             max_k = max(1, min(max_k, self.ring.prefill_chunk - 1))
         drafts = DraftSources(
-            Path(self.settings.shards),
+            self.settings.shards_dir,
             self_draft=self.settings.self_draft,
             feature=self.settings.feature_draft,
             heads=infos[-1].draft_heads,
@@ -381,6 +388,8 @@ class Coordinator:
         loop.add_signal_handler(signal.SIGHUP, reload)
 
     async def reload(self) -> None:
+        if self.settings.topology is None:
+            return  # nothing to re-read: the stages were given as flags
         try:
             wanted = stage_lanes(Topology.load(self.settings.topology).stage_addresses())
         except PipeshardError as exc:
@@ -389,8 +398,8 @@ class Coordinator:
         current = {
             tuple(lane.addresses): lane for lane in self.stages.lanes if lane not in self.stages.draining
         }
-        for addresses, lane in current.items():
-            if list(addresses) not in wanted:
+        for key, lane in current.items():
+            if list(key) not in wanted:
                 self.stages.drain_lane(lane)
         for addresses in wanted:
             if tuple(addresses) not in current:

@@ -30,6 +30,7 @@ from pipeshard.v1 import activation_pb2
 
 if TYPE_CHECKING:
     from pipeshard.services.coordinator.scheduler import SessionAccounts
+    from pipeshard.services.coordinator.speculation.policy import BatchSteps
 
 
 class StageFailed(PipeshardError):
@@ -71,6 +72,34 @@ class StageLink(Protocol):
     ) -> set[str]: ...
 
     async def close(self) -> None: ...
+
+
+class RingLike(Protocol):
+    """What a generation needs of the stages (``Ring`` below over any transport)."""
+
+    # The ring rewinds by shortening a session's cache (paged): the cursor keeps no holes.
+    truncates_on_rewind: bool
+
+    @property
+    def batch_steps(self) -> BatchSteps | None:
+        """A ring that batches every step: its step cost and load, for batch-aware K (None: alone)."""
+        ...
+
+    async def open_session(self, session_id: str, capacity: int | None = None) -> int: ...
+
+    async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult: ...
+
+    def expedite(self, session_id: str) -> None: ...
+
+    async def release_session(self, session_id: str) -> None: ...
+
+    async def abort_session(self, session_id: str, reason: str) -> None: ...
+
+    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> set[str]: ...
+
+    async def restore_kv(
+        self, session_id: str, scope: str, token_ids: list[int], positions: int, timeout_s: float
+    ) -> set[str]: ...
 
 
 class Ring:

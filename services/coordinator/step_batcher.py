@@ -132,7 +132,7 @@ class StepBatcher:
         self._rows_in_flight: Counter[Grouping | None] = Counter()  # by grouping
         self._grouped: dict[str, Grouping] = {}  # batch jobs' sessions (the rest: interactive)
         self._steps: set[asyncio.Task] = set()
-        self._changed: asyncio.Event | None = None
+        self._changed = asyncio.Event()  # made anew on the first step in each event loop
         self._task: asyncio.Task | None = None
         self._arrivals = itertools.count()
         self._expedited: set[str] = set()  # sessions whose next frame leaves at once, alone
@@ -199,7 +199,7 @@ class StepBatcher:
 
     def _open(self) -> dict[Grouping | None, int]:
         """Open sessions by grouping (None: those of no batch job)."""
-        open_ = Counter(self._grouped.values())
+        open_: Counter[Grouping | None] = Counter(self._grouped.values())
         return {None: max(0, self._sessions() - len(self._grouped)), **open_}
 
     def _shares(self, open_: dict[Grouping | None, int]) -> dict[Grouping | None, int]:
@@ -244,7 +244,7 @@ class StepBatcher:
             trace.mark("batched", w.frame.session_id, w.frame.step_id)
         self._rows_in_flight += Counter(w.grouping for w in batch)
         now = self._clock()
-        for grouping in {w.grouping for w in batch} - {None}:
+        for grouping in {w.grouping for w in batch if w.grouping is not None}:
             grouping.steps_run += 1
             grouping.launched_s = now
         for w in batch:

@@ -132,6 +132,13 @@ class StageSettings(ServerSettings):
         choices=(RELEASE, "keep"),
     )
 
+    @property
+    def shards_dir(self) -> Path:
+        """The export folder, once :func:`resolve` has filled ``shards`` in."""
+        if self.shards is None:
+            raise InvalidArgument("shards", "is required (or give --topology)")
+        return self.shards
+
 
 def resolve(settings: StageSettings) -> StageSettings:
     """Fill what the topology file knows and the flags did not say."""
@@ -161,13 +168,17 @@ def fleet_tls(settings: StageSettings) -> TlsConfig | None:
 def ensure_shard(settings: StageSettings) -> None:
     """Pull the shard from the exporter when it is missing or damaged and an exporter is known."""
     try:
-        verify_shard(settings.shards, settings.stage)
+        verify_shard(settings.shards_dir, settings.stage)
     except (FailedPrecondition, NotFound, InvalidArgument, FileNotFoundError) as exc:
         if not settings.exporter:
             raise
         log.info("pulling_shard", stage=settings.stage, exporter=settings.exporter, reason=str(exc))
         pull_shard(
-            settings.exporter, settings.shards, settings.stage, tls=fleet_tls(settings), token=settings.token
+            settings.exporter,
+            settings.shards_dir,
+            settings.stage,
+            tls=fleet_tls(settings),
+            token=settings.token,
         )
 
 
@@ -183,7 +194,7 @@ def prefix_store(settings: StageSettings, shard: StageShard) -> PrefixStore:
 
 def weight_folders(settings: StageSettings, backend: str) -> list[Path]:
     """Where the stage's weights are mapped from: the export, and a compile-cache root outside it."""
-    folders = [Path(settings.shards)]
+    folders = [settings.shards_dir]
     if backend != "paged" and settings.compile_cache_dir.strip().lower() not in ("", OFF):
         folders.append(Path(settings.compile_cache_dir))
     return folders
@@ -197,7 +208,7 @@ def load_runner(
     runner: StaticShard | PagedShard | ShardRunner
     if backend == "static":
         runner = StaticShard(
-            settings.shards,
+            settings.shards_dir,
             settings.stage,
             settings.precision,
             threads,
@@ -206,7 +217,7 @@ def load_runner(
         )
     elif backend == "paged":
         runner = PagedShard(
-            settings.shards,
+            settings.shards_dir,
             settings.stage,
             settings.precision,
             threads,
@@ -215,7 +226,7 @@ def load_runner(
         )
     else:
         runner = ShardRunner(
-            settings.shards,
+            settings.shards_dir,
             settings.stage,
             settings.precision,
             threads,
@@ -251,7 +262,7 @@ def load_heads(settings: StageSettings, num_stages: int) -> DraftHeads | None:
             f"(give --draft-heads to stage {num_stages - 1})",
         )
     meta = read_meta(settings.draft_heads)
-    check_target(meta, Path(settings.shards), settings.draft_heads)
+    check_target(meta, settings.shards_dir, settings.draft_heads)
     heads = DraftHeads(settings.draft_heads, meta, settings.num_threads or None)
     log.info("draft_heads_loaded", folder=str(settings.draft_heads), heads=heads.heads)
     return heads
@@ -264,7 +275,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
             "raw_tcp_port", "the raw-TCP baseline serves the stateful backend only (--kv stateful)"
         )
     check_wire_dtype(settings.codec, settings.wire_dtype)
-    manifest = load_manifest(Path(settings.shards))
+    manifest = load_manifest(settings.shards_dir)
     backend = kv_backend(settings.kv, manifest)
     heads = load_heads(settings, manifest.num_stages)  # before compiling: a refusal comes at once
     release = settings.weight_pages == RELEASE
@@ -348,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def services():
         ensure_shard(settings)
-        holder["serving"] = hold_serving_lock(settings.shards)  # no forced export replaces it now
+        holder["serving"] = hold_serving_lock(settings.shards_dir)  # no forced export replaces it now
         node, info = build_node(settings)
         holder["node"] = node
         node.start_reaper(settings.idle_timeout_s, settings.lease_grace_s)

@@ -19,6 +19,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from pipeshard.services.coordinator.speculation.tree import DraftTree, TreeShape
+from pipeshard.shard.draft_heads import HeadCandidates
 from pipeshard.shard.runtime import ShardRunner, ShardSession
 
 Probabilities = Callable[[np.ndarray], np.ndarray]
@@ -55,6 +56,14 @@ class Drafter(Protocol):
     def commit(self, kept: int) -> None:
         """The target kept the first ``kept`` tokens of the last proposal (of a tree: of its
         ``main`` chain)."""
+
+    def observe(self, feature: np.ndarray | None) -> None:
+        """The target's feature at the last position a step kept (steps send it only when
+        ``reads_features``; None: the step returned none)."""
+
+    def observe_heads(self, candidates: HeadCandidates | None) -> None:
+        """The final stage's head candidates after a step (only when ``head_candidates``; None:
+        none usable this step)."""
 
     def close(self) -> None:
         """Give back what the drafter holds."""
@@ -109,6 +118,12 @@ class NgramDrafter:
 
     def commit(self, kept: int) -> None:
         pass
+
+    def observe(self, feature: np.ndarray | None) -> None:
+        pass  # reads no features (``reads_features`` is False)
+
+    def observe_heads(self, candidates: HeadCandidates | None) -> None:
+        pass  # asks for no head candidates
 
     def close(self) -> None:
         pass
@@ -248,6 +263,12 @@ class ModelDrafter:
             self._session.invalidate(self._spec_start + keep, self._spec_start + fed)
         self._cached += keep
         self._proposed = 0
+
+    def observe(self, feature: np.ndarray | None) -> None:
+        pass  # reads no features (``reads_features`` is False)
+
+    def observe_heads(self, candidates: HeadCandidates | None) -> None:
+        pass  # asks for no head candidates
 
     def close(self) -> None:
         self._release(self._session)

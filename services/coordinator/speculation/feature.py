@@ -19,6 +19,7 @@ import numpy as np
 
 from pipeshard.services.coordinator.speculation.drafts import Draft
 from pipeshard.services.coordinator.speculation.tree import ROOT, DraftTree, TreeShape
+from pipeshard.shard.draft_heads import HeadCandidates
 from pipeshard.shard.feature_draft import FeatureDraftModel
 
 
@@ -115,6 +116,9 @@ class FeatureDrafter:
 
     def commit(self, kept: int) -> None:
         """Nothing to realign: the next ``observe`` replaces the feature."""
+
+    def observe_heads(self, candidates: HeadCandidates | None) -> None:
+        pass  # asks for no head candidates
 
     def close(self) -> None:
         self._feature = None

@@ -19,6 +19,8 @@ import heapq
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from pipeshard.services.coordinator.speculation.drafts import Draft, NgramDrafter
 from pipeshard.services.coordinator.speculation.tree import ROOT, DraftTree, TreeShape
 from pipeshard.shard.draft_heads import HeadCandidates
@@ -95,6 +97,9 @@ class MedusaDrafter:
 
     def commit(self, kept: int) -> None:
         """Nothing to realign: the next step's candidates replace these."""
+
+    def observe(self, feature: np.ndarray | None) -> None:
+        pass  # reads no features (``reads_features`` is False)
 
     def close(self) -> None:
         self._candidates = None

@@ -342,7 +342,7 @@ class KPolicy:
             return 0.0
         tree = self._tree(width)
         others = self._load
-        t = self.timing.estimate(others.tokens + 1 + round(tree.per_level * depth), rows=others.rows + 1)
+        t = cost.seconds(others.rows + 1, others.tokens + 1 + round(tree.per_level * depth))
         tokens = others.rows + expected_tokens(depth, tree.acceptance)
         return cost.per_position * tokens / (t + depth * self._draft_s)
 

@@ -132,17 +132,22 @@ class DraftSources:
             model = await self._feature_draft()
             return lambda: FeatureDrafter(model)
         folder = self.self_draft if mode == "self" else self.named.get(mode, Path(mode))
+        if folder is None:
+            raise InvalidArgument("speculative", "this coordinator has no self-draft")
         model = await self._load(Path(folder).resolve())
         return model.drafter
 
     async def _feature_draft(self) -> feature_draft.FeatureDraftModel:
+        folder, meta = self.feature, self._feature_meta
+        if folder is None or meta is None:
+            raise InvalidArgument("speculative", "this coordinator has no feature draft (--feature-draft)")
         async with self._lock:
-            if self._feature_model is None:
-                self._feature_model = await asyncio.to_thread(
-                    feature_draft.FeatureDraftModel, self.feature, self._feature_meta
-                )
-                log.info("feature_draft_loaded", folder=str(self.feature), kind=self._feature_meta.kind)
-            return self._feature_model
+            model = self._feature_model
+            if model is None:
+                model = await asyncio.to_thread(feature_draft.FeatureDraftModel, folder, meta)
+                self._feature_model = model
+                log.info("feature_draft_loaded", folder=str(folder), kind=meta.kind)
+            return model
 
     async def _load(self, folder: Path) -> DraftModel:
         async with self._lock:

@@ -261,7 +261,7 @@ TreeRows = TreeChains | TreeNodes
 def accept_tree_greedy(chains: TreeRows, target_top1: Sequence[int]) -> TreeOutcome:
     """The longest path whose every token is the target's argmax at its parent."""
     tree = chains.tree
-    node, path = ROOT, []
+    node, path = ROOT, list[int]()
     while True:
         target = int(target_top1[chains.row_of(node)])
         child = next((c for c in tree.children(node) if tree.nodes[c].token == target), None)
@@ -282,7 +282,7 @@ def accept_tree_sampled(
     target's. ``rows`` (a row per ``row_of``) are the step's logits, ``probabilities`` the request's
     sampling distribution of a row."""
     tree = chains.tree
-    node, path = ROOT, []
+    node, path = ROOT, list[int]()
     while True:
         p = np.array(probabilities(rows[chains.row_of(node)]), dtype=np.float64)
         kept = None
