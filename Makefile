@@ -25,7 +25,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: batch bench-commits bench-compile-cache bench-compress bench-failover bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-spec bench-static bench-wan clean demo distil down export lint model proto run-stage serve-openai setup soak test test-exactness test-extended test-fast test-invariance up wan-down wan-up
+.PHONY: batch bench-commits bench-compile-cache bench-compress bench-failover bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-spec bench-static bench-wan clean demo distil down export lint model proto run-stage serve-openai setup soak test test-exactness test-extended test-fast test-invariance typecheck up wan-down wan-up
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -44,11 +44,15 @@ $(PROTO_OUT)/.stamp: $(PROTO_SRC)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
 	touch $@
 
-## lint: ruff and buf lint
-lint: setup
+## lint: ruff, the type check (typecheck) and buf lint
+lint: typecheck
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	cd proto && npx --yes @bufbuild/buf lint
+
+## typecheck: mypy over pipeshard/ and services/ against the generated stubs (settings in pyproject.toml)
+typecheck: proto
+	$(VENV)/bin/mypy
 
 ## model: fetch the bundled default model into models/ (idempotent)
 model: proto

@@ -75,7 +75,7 @@ def _as_service(spec: ServiceSpec) -> Service:
     if service.name:
         return service
     recorder = _NameRecorder()
-    service.add(service.servicer, recorder)  # type: ignore[arg-type]
+    service.add(service.servicer, recorder)
     names = list(dict.fromkeys(recorder.names))
     if len(names) != 1:
         raise ValueError(f"cannot tell the service name of {service.servicer!r}; pass it explicitly")

@@ -135,11 +135,11 @@ def transfer_cost_s(nbytes: int, cost: CodecCost | None, bandwidth_bytes_s: floa
 
 def best_codec(
     nbytes: int,
-    costs: dict[int, CodecCost],
+    costs: dict[Codec, CodecCost],
     bandwidth_bytes_s: float | None,
     margin: float = 0.05,
-    current: int = Codec.CODEC_NONE,
-) -> int:
+    current: Codec = Codec.CODEC_NONE,
+) -> Codec:
     """The codec that moves ``nbytes`` soonest. Leaving ``current`` (none at first) takes a saving
     of more than ``margin``, so a link near break-even does not flap between choices."""
     if bandwidth_bytes_s is None or nbytes == 0:
@@ -182,9 +182,9 @@ class CodecChooser:
         self.link = link
         self.shadow_every = shadow_every
         self._clock = clock
-        self._costs: dict[str, dict[int, CodecCost]] = {}
+        self._costs: dict[str, dict[Codec, CodecCost]] = {}
         self._sent = 0
-        self.current: int | None = None
+        self.current: Codec | None = None
         self._link_name = link.link if link is not None else "unmeasured"
 
     def with_mode(self, mode: str) -> CodecChooser:
@@ -195,7 +195,7 @@ class CodecChooser:
         """A chooser for another link with this one's mode, shadow period and clock."""
         return CodecChooser(self.mode, link, shadow_every=self.shadow_every, clock=self._clock)
 
-    def choose(self, array: np.ndarray) -> int:
+    def choose(self, array: np.ndarray) -> Codec:
         """The codec for this tensor (measuring every candidate on it now and then)."""
         if self.mode != AUTO:
             codec = CODEC_NAMES[self.mode]
@@ -210,12 +210,12 @@ class CodecChooser:
         self._record(codec)
         return codec
 
-    def sent(self, raw_bytes: int, wire_bytes: int, codec: int) -> None:
+    def sent(self, raw_bytes: int, wire_bytes: int, codec: Codec) -> None:
         LINK_FRAMES.labels(self._link_name, Codec.Name(codec)).inc()
         LINK_RAW.labels(self._link_name).inc(raw_bytes)
         LINK_WIRE.labels(self._link_name).inc(wire_bytes)
 
-    def _measure(self, array: np.ndarray, costs: dict[int, CodecCost]) -> None:
+    def _measure(self, array: np.ndarray, costs: dict[Codec, CodecCost]) -> None:
         # A slice is enough to know the ratio and speed, and keeps a long prefill from stalling.
         sample = np.ascontiguousarray(array).reshape(-1)[: SHADOW_BYTES // max(array.itemsize, 1)]
         n = max(sample.nbytes, 1)
@@ -227,7 +227,7 @@ class CodecChooser:
             t2 = self._clock()
             costs.setdefault(codec, CodecCost()).observe(len(wire.data) / n, (t1 - t0) / n, (t2 - t1) / n)
 
-    def _record(self, codec: int) -> None:
+    def _record(self, codec: Codec) -> None:
         if codec == self.current:
             return
         if self.current is not None:

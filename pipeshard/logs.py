@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import IO, Any
 
 import structlog
@@ -18,7 +19,7 @@ FORMATS = ("json", "console")
 
 
 def _static_fields(fields: dict[str, Any]) -> structlog.typing.Processor:
-    def add(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    def add(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
         for key, value in fields.items():
             event_dict.setdefault(key, value)
         return event_dict

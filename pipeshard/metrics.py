@@ -14,6 +14,7 @@ from typing import Any
 
 import prometheus_client
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 # Covers a fast unary call (ms) through a long prefill or a whole streamed generation (minutes).
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -23,7 +24,7 @@ _created: dict[str, Any] = {}
 
 
 def _get_or_create(
-    kind: type, name: str, documentation: str, labelnames: Sequence[str], **kwargs: Any
+    kind: type[MetricWrapperBase], name: str, documentation: str, labelnames: Sequence[str], **kwargs: Any
 ) -> Any:
     with _lock:
         existing = _created.get(name)

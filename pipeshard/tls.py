@@ -85,7 +85,7 @@ def _write_private(path: Path, data: bytes) -> None:
 def _san(hosts: Iterable[str]):
     from cryptography import x509
 
-    names = []
+    names: list[x509.GeneralName] = []
     for host in dict.fromkeys(hosts):
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(host)))
@@ -107,13 +107,12 @@ def make_certs(folder: Path, nodes: Iterable[str], hosts: Iterable[str] = ()) ->
     written: list[Path] = []
     now = datetime.datetime.now(datetime.UTC)
     pem = serialization.Encoding.PEM
-    key_format = dict(
-        encoding=pem,
-        format=serialization.PrivateFormat.PKCS8,
-        encryption_algorithm=serialization.NoEncryption(),
-    )
+    pkcs8, unencrypted = serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     if (folder / CA_CERT).exists() and (folder / CA_KEY).exists():
-        ca_key = serialization.load_pem_private_key((folder / CA_KEY).read_bytes(), None)
+        loaded = serialization.load_pem_private_key((folder / CA_KEY).read_bytes(), None)
+        if not isinstance(loaded, ec.EllipticCurvePrivateKey):
+            raise FailedPrecondition(f"{folder / CA_KEY} is not the EC key this command makes")
+        ca_key = loaded
         ca_cert = x509.load_pem_x509_certificate((folder / CA_CERT).read_bytes())
     else:
         ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -144,7 +143,7 @@ def make_certs(folder: Path, nodes: Iterable[str], hosts: Iterable[str] = ()) ->
             )
             .sign(ca_key, hashes.SHA256())
         )
-        _write_private(folder / CA_KEY, ca_key.private_bytes(**key_format))
+        _write_private(folder / CA_KEY, ca_key.private_bytes(pem, pkcs8, unencrypted))
         (folder / CA_CERT).write_bytes(ca_cert.public_bytes(pem))
         written += [folder / CA_KEY, folder / CA_CERT]
     for node in nodes:
@@ -162,7 +161,7 @@ def make_certs(folder: Path, nodes: Iterable[str], hosts: Iterable[str] = ()) ->
             .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
-                x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()), critical=False
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
             )
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .add_extension(_san([node, *DEFAULT_HOSTS, *hosts]), critical=False)
@@ -172,7 +171,7 @@ def make_certs(folder: Path, nodes: Iterable[str], hosts: Iterable[str] = ()) ->
             )
             .sign(ca_key, hashes.SHA256())
         )
-        _write_private(key_path, key.private_bytes(**key_format))
+        _write_private(key_path, key.private_bytes(pem, pkcs8, unencrypted))
         cert_path.write_bytes(cert.public_bytes(pem))
         written += [key_path, cert_path]
     return written

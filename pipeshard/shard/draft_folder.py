@@ -44,7 +44,8 @@ class DraftFolder:
             raise InvalidArgument(self.parameter, f"missing arrays: {', '.join(missing)}")
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        np.savez(folder / WEIGHTS, **{name: arrays[name] for name in self.arrays})
+        # numpy's stubs type the named arrays as if one could be the ``allow_pickle`` flag
+        np.savez(folder / WEIGHTS, **{name: arrays[name] for name in self.arrays})  # type: ignore[arg-type]
         (folder / self.meta_file).write_text(json.dumps(meta, indent=2) + "\n")
 
     def check_target(

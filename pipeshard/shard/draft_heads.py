@@ -113,7 +113,7 @@ class DraftHeads:
         if w["weight"].shape != (k, h, h) or w["head"].shape != (len(w["head_ids"]), h):
             raise InvalidArgument("draft_heads", f"{folder}: weights do not match {META}")
         self.head_ids = w["head_ids"].astype(np.int64)
-        config = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"}
+        config: dict[str, str | int] = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"}
         if num_threads:
             config["INFERENCE_NUM_THREADS"] = num_threads
         self._request = ov.Core().compile_model(_model(w, k, h), "CPU", config).create_infer_request()

@@ -96,12 +96,12 @@ class KvBlob:
         """``positions`` defaults to the arrays' second axis (f32 layout); a block layout names it.
         ``start`` > 0: a part of a cache holding positions [start, start + positions)."""
         # Own copies: the arrays may be views of an InferRequest's state, which later runs overwrite.
-        arrays = tuple(np.array(a, dtype=source.dtype, order="C", copy=True) for a in arrays)
+        owned = tuple(np.array(a, dtype=source.dtype, order="C", copy=True) for a in arrays)
         token_ids = tuple(token_ids)
         if positions is None:
-            positions = int(arrays[0].shape[1]) if arrays and source.blocks is None else 0
-        digest = _checksum(source, token_ids, arrays, positions, start) if checksum else ""
-        return cls(source, token_ids, arrays, digest, positions, start)
+            positions = int(owned[0].shape[1]) if owned and source.blocks is None else 0
+        digest = _checksum(source, token_ids, owned, positions, start) if checksum else ""
+        return cls(source, token_ids, owned, digest, positions, start)
 
     @property
     def nbytes(self) -> int:
@@ -168,7 +168,7 @@ def _checksum(
     digest.update(np.asarray(token_ids, dtype="<i8").tobytes())
     for name, a in zip(source.names, arrays, strict=True):
         digest.update(f"{name}|{a.dtype.str}|{list(a.shape)}\n".encode())
-        digest.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+        digest.update(np.ascontiguousarray(a).data.cast("B"))
     return "sha256:" + digest.hexdigest()
 
 

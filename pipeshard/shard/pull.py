@@ -54,6 +54,8 @@ def pull_shard(
                         raise FailedPrecondition(f"exporter sent a path outside the shard: {chunk.path!r}")
                     target.parent.mkdir(parents=True, exist_ok=True)
                     handle, digest = target.open("wb"), hashlib.sha256()
+                if handle is None or digest is None:
+                    raise FailedPrecondition(f"exporter began {chunk.path!r} at offset {chunk.offset}")
                 handle.write(chunk.data)
                 digest.update(chunk.data)
                 if chunk.last_chunk:

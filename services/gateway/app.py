@@ -198,7 +198,10 @@ async def _events(
             else:
                 summary = response.summary
             response = await call.read()
-        error = failed(summary) if summary is not None else GatewayError(502, "no summary from coordinator")
+        if summary is None:
+            yield _sse(GatewayError(502, "no summary from coordinator").body())
+            return
+        error = failed(summary)
         if error is not None:
             yield _sse(error.body())
             return

@@ -146,7 +146,10 @@ def parse_input(path: Path, model_name: str, done: set[str]) -> tuple[list[Batch
             first_line[custom_id] = number
             if custom_id in done:
                 continue
-        (errors if isinstance(parsed, LineError) else runnable).append(parsed)
+        if isinstance(parsed, LineError):
+            errors.append(parsed)
+        else:
+            runnable.append(parsed)
     if not any(text.strip() for text in lines):
         raise BatchFileError(f"input {path} is empty: no request lines")
     return runnable, errors

@@ -282,7 +282,8 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
     with WeightPages(weight_folders(settings, backend)) if release else contextlib.nullcontext():
         runner = load_runner(settings, backend, threads)
     meters = StageMeters(settings.stage)
-    if backend == "static":
+    # the runner's class is the backend from here on
+    if isinstance(runner, StaticShard):
         engine = StaticEngine(
             runner,
             settings.max_sessions,
@@ -292,7 +293,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         )
         meters.watch(engine.sessions, kv_bytes_per_position(runner))
         kv = StageKv.static(engine, prefix_store(settings, runner))
-    elif backend == "paged":
+    elif isinstance(runner, PagedShard):
         engine = PagedEngine(
             runner,
             settings.max_sessions,
@@ -347,7 +348,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         device=runner.device,
         draft_heads=heads.heads if heads is not None else 0,
     )
-    if backend == "static":
+    if isinstance(runner, StaticShard):
         info.static_slots, info.static_chunk = runner.slots, runner.chunk
     return node, info
 

@@ -25,7 +25,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from pipeshard.errors import InvalidArgument, PipeshardError, ResourceExhausted
+from pipeshard.errors import Internal, InvalidArgument, PipeshardError, ResourceExhausted
 from pipeshard.services.stage.domain import Computed, ReturnMode, StepRow
 from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.sessions import SessionTable
@@ -218,4 +218,6 @@ class PagedEngine(RowEngine):
         self.meters.step((time.perf_counter_ns() - started) / 1e9, sum(len(row.inputs) for row in rows))
         if not self.is_last:
             return [Computed(out[None]) for out in outs]
+        if features is None:
+            raise Internal("the final stage's shard returned no features")
         return [Computed(out, f) for out, f in zip(outs, features, strict=True)]

@@ -21,6 +21,7 @@ import struct
 
 import numpy as np
 
+from pipeshard.errors import FailedPrecondition
 from pipeshard.ownership import owner_key
 from pipeshard.services.stage.domain import RowKind, StepRow
 from pipeshard.services.stage.engine import StageEngine
@@ -67,6 +68,7 @@ class RawTcpStage:
                 return
             session, step, position, n, size = HEADER.unpack(header)
             payload = await reader.readexactly(size)
+            x: np.ndarray
             if self._engine.is_first:
                 x = np.frombuffer(payload, dtype=np.int64).reshape(1, n).copy()
             else:
@@ -83,11 +85,15 @@ class RawTcpStage:
             if isinstance(out, Exception):
                 raise out
             if self._engine.is_last:
+                if self._results is None:
+                    raise FailedPrecondition("raw TCP: a frame came before the results connection")
                 self._results.write(
                     RESULT.pack(session, step, int(out.top1.token_ids[-1]), float(out.top1.probabilities[-1]))
                 )
             else:
                 if self._next_writer is None:
+                    if self._next is None:
+                        raise FailedPrecondition("raw TCP: a stage before the last needs a next hop")
                     _, self._next_writer = await asyncio.open_connection(*self._next)
                     _nodelay(self._next_writer)
                     self._next_writer.write(b"F")

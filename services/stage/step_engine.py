@@ -13,6 +13,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import numpy as np
 
@@ -33,7 +34,7 @@ from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.shard.draft_heads import MAX_WIDTH, DraftHeads
 from pipeshard.shard.runtime import check_activations, check_step
 
-Answer = StepOutput | Exception  # a row's error: a PipeshardError, or an internal failure
+Answer: TypeAlias = StepOutput | Exception  # a row's error: a PipeshardError, or an internal failure
 
 
 @dataclass

@@ -200,7 +200,7 @@ def _plan_row(row: StepRow) -> activation_pb2.PlanRow:
 
 
 def frame_from_step(
-    step: Step, codec: int = Codec.CODEC_NONE, wire_dtype: str = "fp32"
+    step: Step, codec: Codec = Codec.CODEC_NONE, wire_dtype: str = "fp32"
 ) -> activation_pb2.ActivationFrame:
     """The frame of a step: every row's activations concatenated (token ids into stage 0, hidden
     states onwards, narrowed to ``wire_dtype``) and one plan row each."""
@@ -223,7 +223,7 @@ def frame_from_step(
 def frame_from_outputs(
     step: Step,
     outs: list[StepOutput],
-    codec: int = Codec.CODEC_NONE,
+    codec: Codec = Codec.CODEC_NONE,
     wire_dtype: str = "fp32",
     received: activation_pb2.ActivationFrame | None = None,
 ) -> activation_pb2.ActivationFrame:
@@ -289,7 +289,7 @@ def _raw_ids_row(t: tensor_pb2.Tensor) -> bool:
 
 
 def result_from_output(
-    out: StepOutput, compute_micros: list[int], codec: int = Codec.CODEC_NONE
+    out: StepOutput, compute_micros: list[int], codec: Codec = Codec.CODEC_NONE
 ) -> activation_pb2.StepResult:
     """The final stage's result for a row; ``codec`` compresses its logits (the return link's choice)."""
     row = out.row

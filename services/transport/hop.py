@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -84,14 +84,6 @@ class HopStream:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._owns_channel:
             await self._channel.close()
-
-    async def _write(self, call) -> None:
-        """Feeds the queue into one call. Owned by ``_run`` and cancelled when the call ends, so a
-        broken call never takes a frame meant for the next one (grpc's own iterator poller
-        outlives a call that ended by itself and would)."""
-        while True:
-            frame = await self._queue.get()
-            await call.write(stage_pb2.ForwardRequest(frame=frame))
 
     async def _run(self) -> None:
         def on_response(response: stage_pb2.ForwardResponse) -> None:
@@ -163,7 +155,7 @@ async def keep_open(
     connected: asyncio.Event,
     name: str,
     *,
-    write: Callable[[Any], Awaitable[None]] | None = None,
+    write: Callable[[Any], Coroutine[Any, Any, None]] | None = None,
     **log_fields: Any,
 ) -> None:
     """Hold one persistent streaming call open for good: (re)open it, mark ``connected`` while it

@@ -241,7 +241,9 @@ class ModelDrafter:
         return index if self._vocab_ids is None else int(self._vocab_ids[index])
 
     def _pick(self, row: np.ndarray, sample, probs: list[np.ndarray] | None) -> int:
-        if sample is None:
+        """The next token from ``row``: its argmax, or drawn by ``sample`` (its distribution kept in
+        ``probs``, which a drawing proposal always passes)."""
+        if sample is None or probs is None:
             index = int(np.argmax(row))
             return index if self._vocab_ids is None else int(self._vocab_ids[index])
         probabilities, rng = sample

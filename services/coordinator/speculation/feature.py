@@ -49,7 +49,7 @@ class FeatureDrafter:
         probs: list[np.ndarray] | None = [] if sample else None
         for _ in range(k):
             feature, logits = model.step(feature, token)
-            if sample is None:
+            if sample is None or probs is None:  # probs: a list whenever it draws
                 column = int(np.argmax(logits[0]))
             else:
                 probabilities, rng = sample
