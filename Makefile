@@ -51,8 +51,14 @@ lint: typecheck
 	cd proto && npx --yes @bufbuild/buf lint
 
 ## typecheck: mypy over pipeshard/ and services/ against the generated stubs (settings in pyproject.toml)
+# mypy names modules by their folders: build/typecheck/pipeshard links the installed layout
+# (services/ as pipeshard/services, ...), so every import of pipeshard.services.* is checked.
+TYPECHECK_TREE := build/typecheck
 typecheck: proto
-	$(VENV)/bin/mypy
+	rm -rf $(TYPECHECK_TREE)/pipeshard && mkdir -p $(TYPECHECK_TREE)/pipeshard
+	ln -s $(CURDIR)/pipeshard/* $(TYPECHECK_TREE)/pipeshard/
+	for d in services exporter clients; do ln -s $(CURDIR)/$$d $(TYPECHECK_TREE)/pipeshard/$$d; done
+	cd $(TYPECHECK_TREE) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p pipeshard
 
 ## model: fetch the bundled default model into models/ (idempotent)
 model: proto

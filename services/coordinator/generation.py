@@ -511,14 +511,15 @@ class _Request:
             main = draft.tree.main
             fed = next((i for i, n in enumerate(outcome.path) if i >= len(main) or main[i] != n), kept)
             depth, proposed, seconds = draft.depth, len(draft.tree.nodes), draft.tree.seconds
+            width = draft.width
         else:
             self.cursor.reject(len(draft.tokens) - kept)
             fed = kept
             depth = proposed = len(draft.tokens)
             seconds, positions = draft.seconds, None
+            width = 1
         if self.drafter is not None and self.generated:
             self.drafter.commit(fed)
-            width = 1 if positions is None else draft.width
             self.policy.observe(depth, kept, elapsed, seconds, positions, width)
             if proposed:
                 self.progress.verify_steps += 1
@@ -850,6 +851,7 @@ class Generation:
         A plain decode sends its next step before detokenizing and streaming this one's token, so
         the stages compute while this process streams (``_Request.sends_ahead``)."""
         sent = time.perf_counter()
+        draft: Draft | TreeChains | TreeNodes
         if request.ahead is not None:
             draft, ahead, request.ahead = Draft([], None, 0.0), request.ahead, None
             step_id = request.cursor.step - 1

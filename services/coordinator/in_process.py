@@ -16,7 +16,7 @@ run's tokens.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,7 @@ PREFIX_CACHE_BYTES = 512 * 1024 * 1024
 class InProcessStages:
     """Every stage's engine and KV service in this process, behind the ring's ``StageLink``."""
 
-    def __init__(self, export_dir: Path, shards: list, engines: list[RowEngine], kv: list[StageKv]):
+    def __init__(self, export_dir: Path, shards: list, engines: Sequence[RowEngine], kv: list[StageKv]):
         manifest = load_manifest(export_dir)
         self.export_dir = export_dir
         self.shards = shards  # ShardRunner (stateful), PagedShard (paged) or StaticShard, one per stage
@@ -158,7 +158,7 @@ class InProcessStages:
 
     def ring(
         self, *, step_tokens: int = DEFAULT_STEP_TOKENS, gather_s: float = 0.002, inflight: int = 1
-    ) -> Ring:
+    ) -> Ring[InProcessStages]:
         """The ring over these stages (paged and static: batching every session's steps, counted
         by stage 0's session table; static: in rows of the export's chunk)."""
         return Ring(
@@ -292,7 +292,7 @@ def local_ring(
     *,
     max_sessions: int = 64,
     prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
-) -> Ring:
+) -> Ring[InProcessStages]:
     """A ring over every stage of the export in this process on the stateful backend."""
     stages = InProcessStages.stateful(
         export_dir, precision, num_threads, max_sessions=max_sessions, prefix_cache_bytes=prefix_cache_bytes
@@ -312,7 +312,7 @@ def batched_ring(
     prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
     inflight: int = 1,
     core: ov.Core | None = None,
-) -> Ring:
+) -> Ring[InProcessStages]:
     """A ring over every stage of the export in this process on the paged backend (the static
     one for a static export), batching every running session's steps."""
     if load_manifest(Path(export_dir)).static is not None:

@@ -11,7 +11,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from pipeshard.errors import PipeshardError
+from pipeshard.errors import Internal, PipeshardError
 from pipeshard.logs import configure_logging
 from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.coordinator.generation import Generation, Summary
@@ -63,6 +63,8 @@ def generate_local(args: argparse.Namespace, stream: bool) -> Summary:
                 summary = event
             elif stream:
                 print(event.text, end="", flush=True)
+        if summary is None:
+            raise Internal("the generation ended without a summary")
         return summary
 
     try:

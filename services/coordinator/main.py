@@ -388,23 +388,22 @@ class Coordinator:
         loop.add_signal_handler(signal.SIGHUP, reload)
 
     async def reload(self) -> None:
-        if self.settings.topology is None:
-            return  # nothing to re-read: the stages were given as flags
+        stages = self.stages
+        if self.settings.topology is None or not isinstance(stages, ReplicaLanes):
+            return  # nothing to re-read (the stages were given as flags), or no lanes to change
         try:
             wanted = stage_lanes(Topology.load(self.settings.topology).stage_addresses())
         except PipeshardError as exc:
             log.error("topology_reload_failed", error=str(exc))
             return
-        current = {
-            tuple(lane.addresses): lane for lane in self.stages.lanes if lane not in self.stages.draining
-        }
+        current = {tuple(lane.addresses): lane for lane in stages.lanes if lane not in stages.draining}
         for key, lane in current.items():
             if list(key) not in wanted:
-                self.stages.drain_lane(lane)
+                stages.drain_lane(lane)
         for addresses in wanted:
             if tuple(addresses) not in current:
                 try:
-                    await self.stages.add_lane(self._lane(addresses), self.settings.ready_timeout_s)
+                    await stages.add_lane(self._lane(addresses), self.settings.ready_timeout_s)
                 except PipeshardError as exc:
                     log.error("lane_refused", stages=addresses, error=str(exc))
 

@@ -81,7 +81,10 @@ class RemoteStages:
         self._owner = owner_key(secret)
         self._metadata = owner_metadata(secret)
         self._channels = [open_channel(a, tls) for a in stage_addresses]
-        self._stubs = [stage_pb2_grpc.StageServiceStub(c) for c in self._channels]
+        self._stubs: list[stage_pb2_grpc.StageServiceStub | LocalStageStub] = [
+            stage_pb2_grpc.StageServiceStub(c) for c in self._channels
+        ]
+        self._entry: HopStream | LocalEntry
         if local_stage0 is None:
             self.addresses = list(stage_addresses)
             self._entry = HopStream(

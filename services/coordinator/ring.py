@@ -17,7 +17,7 @@ budget until every stage has released it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from pipeshard.errors import PipeshardError, Unavailable
 from pipeshard.services.coordinator.step_batcher import (
@@ -30,7 +30,6 @@ from pipeshard.v1 import activation_pb2
 
 if TYPE_CHECKING:
     from pipeshard.services.coordinator.scheduler import SessionAccounts
-    from pipeshard.services.coordinator.speculation.policy import BatchSteps
 
 
 class StageFailed(PipeshardError):
@@ -81,9 +80,12 @@ class RingLike(Protocol):
     truncates_on_rewind: bool
 
     @property
-    def batch_steps(self) -> BatchSteps | None:
+    def batch_steps(self) -> StepBatcher | None:
         """A ring that batches every step: its step cost and load, for batch-aware K (None: alone)."""
         ...
+
+    @property
+    def num_stages(self) -> int: ...
 
     async def open_session(self, session_id: str, capacity: int | None = None) -> int: ...
 
@@ -102,10 +104,15 @@ class RingLike(Protocol):
     ) -> set[str]: ...
 
 
-class Ring:
+L = TypeVar("L", bound=StageLink)
+
+
+class Ring(Generic[L]):
+    """A ring over the stages ``L`` (its transport, which callers may use as that type)."""
+
     def __init__(
         self,
-        stages: StageLink,
+        stages: L,
         *,
         paged: bool,
         sessions: Callable[[], int] | None = None,

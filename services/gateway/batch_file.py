@@ -24,7 +24,10 @@ from pipeshard.services.gateway.responses import Shaper
 from pipeshard.services.gateway.schema import ChatCompletionRequest, CompletionRequest, invalid_body
 from pipeshard.v1 import coordinator_pb2
 
-BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+BODIES: dict[str, type[ChatCompletionRequest | CompletionRequest]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+}
 # The HTTP status each BatchJobError code stands for (the gateway's mapping of gRPC codes).
 _STATUS = {
     "INVALID_ARGUMENT": 400,
@@ -216,7 +219,9 @@ def result_record(line: BatchLine, result: coordinator_pb2.RunBatchResponse) -> 
     """The output record of one finished item: the gateway's answer, or its error."""
     if result.HasField("error"):
         status = _STATUS.get(result.error.code, 500)
-        error = GatewayError(status, result.error.message, code=result.error.code.lower())
+        error: GatewayError | None = GatewayError(
+            status, result.error.message, code=result.error.code.lower()
+        )
     else:
         error = failed(result.summary)
     response = {"status_code": 200, "request_id": line.request.request_id}

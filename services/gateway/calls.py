@@ -22,7 +22,7 @@ def generate_call(
     body.check()
     chat = isinstance(body, ChatCompletionRequest)
     rpc = build_request(
-        messages=body.chat() if chat else [],
+        messages=body.chat() if isinstance(body, ChatCompletionRequest) else [],
         max_tokens=body.limit(),
         temperature=body.temperature,
         top_p=body.top_p,
@@ -34,7 +34,7 @@ def generate_call(
         request_id=uuid.uuid4().hex[:24],
         logprobs=body.wants_logprobs,
     )
-    if not chat:
+    if isinstance(body, CompletionRequest):
         rpc.prompt = body.text()  # raw text, no chat template (build_request wraps a prompt as a message)
     kind = "chatcmpl" if chat else "cmpl"
     shaper = Shaper(

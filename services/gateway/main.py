@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=10,
-        timeout_keep_alive=settings.idle_timeout_s,
+        # uvicorn annotates it int but schedules it with call_later, which takes any seconds
+        timeout_keep_alive=settings.idle_timeout_s,  # type: ignore[arg-type]
         http=guarded_protocol(
             settings.header_timeout_s, settings.drain_timeout_s, settings.write_buffer_bytes
         ),

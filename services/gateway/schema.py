@@ -6,6 +6,7 @@ silently ignored; known-but-unsupported fields are accepted only at their neutra
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -183,7 +184,7 @@ class CompletionRequest(OpenAIRequest):
         return self.max_tokens
 
 
-def invalid_body(error: dict) -> GatewayError:
+def invalid_body(error: Mapping[str, Any]) -> GatewayError:
     """The 400 for a body's first validation error (pydantic's error dict), naming the field."""
     loc = [str(part) for part in error["loc"] if part != "body"]
     # The union types of `stop`/`content` add the tried type to the location; keep the field.

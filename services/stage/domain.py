@@ -7,6 +7,7 @@ from enum import Enum
 
 import numpy as np
 
+from pipeshard.errors import Internal
 from pipeshard.sampling import Distribution
 from pipeshard.shard.draft_heads import HeadCandidates
 
@@ -111,6 +112,20 @@ class StepOutput:
     sampled: Sampled | None = None
     features: np.ndarray | None = None  # float32 [n, hidden]: the final normed hidden state
     head_candidates: HeadCandidates | None = None  # the draft heads' proposals for the next step
+
+    @property
+    def hidden(self) -> np.ndarray:
+        """The hidden states for the next hop, which a stage before the last always produces."""
+        if self.hidden_states is None:
+            raise Internal("a stage before the last produced no hidden states")
+        return self.hidden_states
+
+    @property
+    def top1_answer(self) -> Top1:
+        """The final stage's Top1 answer, for a row that asked for one."""
+        if self.top1 is None:
+            raise Internal("the final stage produced no Top1 answer for this row")
+        return self.top1
 
 
 @dataclass

@@ -18,11 +18,12 @@ from pipeshard.services.stage.domain import Computed, ReturnMode, StepRow
 from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.services.stage.step_engine import Ready, RowEngine
+from pipeshard.shard.runtime import ShardSession
 
 __all__ = ["StageEngine"]
 
 
-class StageEngine(RowEngine):
+class StageEngine(RowEngine[ShardSession]):
     """The stage's compute over per-session caches (one InferRequest per session)."""
 
     kv_backend = "stateful"
@@ -31,7 +32,7 @@ class StageEngine(RowEngine):
 
     def __init__(
         self,
-        sessions: SessionTable,
+        sessions: SessionTable[ShardSession],
         *,
         is_first: bool,
         is_last: bool,
@@ -55,7 +56,7 @@ class StageEngine(RowEngine):
     def reset(self, owner: str, session_id: str) -> None:
         self.sessions.get(owner, session_id).reset()
 
-    def _rewound(self, row: StepRow, session) -> int:
+    def _rewound(self, row: StepRow, session: ShardSession) -> int:
         """Masked ranges stay in the cache: the row starts from the full length."""
         for start, end in row.invalidate:
             if not 0 <= start <= end <= session.past_length:
@@ -64,10 +65,10 @@ class StageEngine(RowEngine):
                 )
         return session.past_length
 
-    def _compute(self, ready: list[Ready]) -> list[Computed | Exception]:
+    def _compute(self, ready: list[Ready[ShardSession]]) -> list[Computed | Exception]:
         return [self._one(r) for r in ready]
 
-    def _one(self, ready: Ready) -> Computed | Exception:
+    def _one(self, ready: Ready[ShardSession]) -> Computed | Exception:
         row, session = ready.row, ready.session
         if row.tree_keep >= 0:
             session.keep_chain(row.tree_keep)

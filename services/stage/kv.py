@@ -10,7 +10,7 @@ captures its slot's positions of its KV buffers.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 from pipeshard.errors import InvalidArgument, NotFound
 from pipeshard.services.stage.paged_engine import PagedEngine
@@ -19,6 +19,7 @@ from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.services.stage.static_engine import StaticEngine
 from pipeshard.shard.kvblob import KvBlob, KvSource, join_parts
 from pipeshard.shard.runtime import export_kv, import_kv
+from pipeshard.shard.static import StaticShard
 
 
 class StatefulAccess:
@@ -48,17 +49,15 @@ class StatefulAccess:
 
 
 class PagedAccess:
-    """A paged session's KV: the blocks it reserved in the shard's pools. A restore into a
-    session the coordinator has not opened reserves the export's whole context for it."""
+    """A paged session's KV: the blocks it reserved in the shard's pools (a restore into a
+    session the coordinator has not opened reserves the export's whole context for it); or a
+    static session's: the positions its slot holds in the shard's buffers (the stateful blob
+    layout, f32 per layer; a restore into a session not opened takes a free slot)."""
 
     def __init__(self, engine: PagedEngine | StaticEngine):
         self.engine = engine
         self.sessions = engine.sessions
         self.shard = engine.shard
-
-    def where(self, session) -> Hashable:
-        """What the shard knows the session's cache by."""
-        return session.key
 
     def held(self, session) -> int:
         return session.past_length
@@ -66,7 +65,11 @@ class PagedAccess:
     def blob(
         self, session, positions: int, token_ids: tuple[int, ...], checksum: bool, start: int = 0
     ) -> KvBlob:
-        arrays = self.shard.export_kv(self.where(session), positions, start)
+        shard = self.shard  # the shard knows a static session by its slot, a paged one by its key
+        if isinstance(shard, StaticShard):
+            arrays = shard.export_kv(session.slot, positions, start)
+        else:
+            arrays = shard.export_kv(session.key, positions, start)
         return KvBlob.build(
             self.shard.kv_source,
             arrays,
@@ -84,15 +87,11 @@ class PagedAccess:
         return self.sessions.get(owner, session_id)
 
     def load(self, session, blob: KvBlob) -> None:
-        self.shard.import_kv(self.where(session), blob.arrays, blob.positions)
-
-
-class StaticAccess(PagedAccess):
-    """A static session's KV: the positions its slot holds in the shard's buffers (the stateful
-    blob layout, f32 per layer). A restore into a session not opened takes a free slot."""
-
-    def where(self, session) -> int:
-        return session.slot
+        shard = self.shard
+        if isinstance(shard, StaticShard):
+            shard.import_kv(session.slot, blob.arrays, blob.positions)
+        else:
+            shard.import_kv(session.key, blob.arrays, blob.positions)
 
 
 class StageKv:
@@ -101,7 +100,7 @@ class StageKv:
         sessions: SessionTable,
         source: KvSource,
         store: PrefixStore,
-        access: StatefulAccess | PagedAccess | StaticAccess | None = None,
+        access: StatefulAccess | PagedAccess | None = None,
     ):
         self.sessions = sessions
         self.source = source
@@ -114,7 +113,7 @@ class StageKv:
 
     @classmethod
     def static(cls, engine: StaticEngine, store: PrefixStore) -> StageKv:
-        return cls(engine.sessions, engine.shard.kv_source, store, StaticAccess(engine))
+        return cls(engine.sessions, engine.shard.kv_source, store, PagedAccess(engine))
 
     def capture(self, owner: str, session_id: str, token_ids: Sequence[int], start: int = 0) -> KvBlob:
         """The session's valid positions (the first len(token_ids) when given) as a checked blob;

@@ -25,6 +25,7 @@ from pipeshard.services.stage.rawtcp import RawTcpStage
 from pipeshard.services.stage.servicer import StageServicer
 from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.services.stage.static_engine import StaticEngine
+from pipeshard.services.stage.step_engine import RowEngine
 from pipeshard.services.stage.wire import WIRE_DTYPES
 from pipeshard.services.transport.hop import HopStream
 from pipeshard.settings import ServerSettings, load_settings, setting
@@ -283,6 +284,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         runner = load_runner(settings, backend, threads)
     meters = StageMeters(settings.stage)
     # the runner's class is the backend from here on
+    engine: RowEngine
     if isinstance(runner, StaticShard):
         engine = StaticEngine(
             runner,

@@ -18,12 +18,13 @@ from pipeshard.metrics import (
 )
 from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.shard.runtime import ShardRunner
+from pipeshard.shard.static import StaticShard
 
 # Element size of the KV cache precisions the CPU plugin reports (KV_CACHE_PRECISION).
 _KV_ELEMENT_BYTES = {"u8": 1, "i8": 1, "f16": 2, "bf16": 2, "f32": 4}
 
 
-def kv_bytes_per_position(runner: ShardRunner) -> int:
+def kv_bytes_per_position(runner: ShardRunner | StaticShard) -> int:
     """Bytes one cache position costs on this stage: every state variable (a K or V of one layer)
     holds KV heads x head size elements at the compiled KV cache precision (f32 if unknown)."""
     model = runner.manifest.model

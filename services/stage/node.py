@@ -16,7 +16,7 @@ import math
 import structlog
 
 from pipeshard import trace
-from pipeshard.errors import InvalidArgument
+from pipeshard.errors import InvalidArgument, Unimplemented
 from pipeshard.link_model import CodecChooser, LinkEstimate, check_wire_dtype, parse_codec
 from pipeshard.services.stage.domain import Step, StepOutput
 from pipeshard.services.stage.kv import StageKv
@@ -66,6 +66,13 @@ class StageNode:
         self._port = input_port(engine.is_first)
         self._reaper: asyncio.Task | None = None
 
+    @property
+    def kv_service(self) -> StageKv:
+        """The node's KV capture and restore (Unimplemented on a node without a shard runtime)."""
+        if self.kv is None:
+            raise Unimplemented("this stage serves no KV capture or restore")
+        return self.kv
+
     async def handle(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StageError | None:
         """Run a step frame's rows in one engine call and pass their outputs on; a failed row
         travels the ring as its own error, the others go on together. Returns this stage's
@@ -104,7 +111,7 @@ class StageNode:
         elif good:
             # One tensor for the whole step: its first row's session names the codec.
             chooser = self._hop_chooser(frame.owner, good[0].row.session_id)
-            codec = chooser.choose(good[0].hidden_states)
+            codec = chooser.choose(good[0].hidden)
             sent = frame_from_outputs(step, good, codec, self._wire_dtype, received=frame)
             tensor = sent.tensors[0].tensor
             chooser.sent(tensor.raw_size, len(tensor.data), codec)

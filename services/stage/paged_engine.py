@@ -98,7 +98,7 @@ class PagedSession:
                 del self._held[self._owner]
 
 
-class PagedEngine(RowEngine):
+class PagedEngine(RowEngine[PagedSession]):
     """The stage's compute over a paged shard: open sessions with a capacity, run rows in batches."""
 
     def __init__(
@@ -197,14 +197,14 @@ class PagedEngine(RowEngine):
                 f"beyond the {room} it reserved"
             )
 
-    def _compute(self, ready: list[Ready]) -> list[Computed]:
+    def _compute(self, ready: list[Ready[PagedSession]]) -> list[Computed]:
         """One inference for every ready row (a failure raises: it fails them all)."""
         if not ready:
             return []
         rows = []
         for r in ready:
             row, session = r.row, r.session
-            if row.tree_kept:
+            if row.tree_kept and session.tree is not None:  # _rewound refused a path without a tree
                 self.shard.move(session.key, session.tree.start, row.tree_kept)
             self.shard.rewind(session.key, r.start)
             session.tree = TreeStep(r.start, row.tree_parents) if row.tree_parents else None

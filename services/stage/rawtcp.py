@@ -87,8 +87,9 @@ class RawTcpStage:
             if self._engine.is_last:
                 if self._results is None:
                     raise FailedPrecondition("raw TCP: a frame came before the results connection")
+                top1 = out.top1_answer
                 self._results.write(
-                    RESULT.pack(session, step, int(out.top1.token_ids[-1]), float(out.top1.probabilities[-1]))
+                    RESULT.pack(session, step, int(top1.token_ids[-1]), float(top1.probabilities[-1]))
                 )
             else:
                 if self._next_writer is None:
@@ -97,7 +98,7 @@ class RawTcpStage:
                     _, self._next_writer = await asyncio.open_connection(*self._next)
                     _nodelay(self._next_writer)
                     self._next_writer.write(b"F")
-                self._next_writer.write(pack_frame(session, step, position, out.hidden_states))
+                self._next_writer.write(pack_frame(session, step, position, out.hidden))
 
 
 class RawTcpRing:

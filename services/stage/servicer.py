@@ -126,7 +126,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
         def snapshot() -> tuple[int, int, list[bytes]]:
             # Off the event loop: copying and hashing a long session's KV would stall every frame.
-            blob = self._node.kv.capture(owner, capture.session_id, capture.token_ids, capture.from_position)
+            blob = self._node.kv_service.capture(
+                owner, capture.session_id, capture.token_ids, capture.from_position
+            )
             return (blob.positions, *snapshot_chunks(to_proto(blob), request.chunk_bytes))
 
         positions, total, chunks = await asyncio.to_thread(snapshot)

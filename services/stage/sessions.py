@@ -8,49 +8,52 @@ session. Each owner holds at most ``max_per_owner`` of the stage's ``max_session
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import numpy as np
+from typing import Generic, Protocol, TypeVar
 
 from pipeshard.errors import InvalidArgument, NotFound, ResourceExhausted
 
 
 class ShardSessionLike(Protocol):
-    """What the stage needs from the shard runtime's session."""
+    """What the table needs of a backend's session (each engine's own type has the rest)."""
 
-    past_length: int
-    valid_length: int
+    @property
+    def past_length(self) -> int: ...
 
-    def run(self, x: np.ndarray, position_ids: np.ndarray, return_last: int = 1) -> np.ndarray: ...
+    def reset(self) -> None:
+        """Gives back what the session holds; it may be reused for another."""
 
-    def invalidate(self, start: int, end: int) -> None: ...
 
-    def reset(self) -> None: ...
+S = TypeVar("S", bound=ShardSessionLike)
 
 
 @dataclass
-class _Entry:
-    session: ShardSessionLike
+class _Entry(Generic[S]):
+    session: S
     last_used: float = field(default_factory=time.monotonic)
     codec: str = ""  # the wire codec mode the session asked for at OpenSession ("": the stage's own)
 
 
-class SessionTable:
+class SessionTable(Generic[S]):
     """Sessions by (owner, id), bounded in number; the factory builds a fresh shard session."""
 
     def __init__(
-        self, factory: Any, max_sessions: int, idle_timeout_s: float, max_per_owner: int | None = None
+        self,
+        factory: Callable[[], S],
+        max_sessions: int,
+        idle_timeout_s: float,
+        max_per_owner: int | None = None,
     ):
         self._factory = factory
         self._max = max_sessions
         self._max_per_owner = max_sessions if max_per_owner is None else max_per_owner
         self._idle = idle_timeout_s
-        self._entries: dict[tuple[str, str], _Entry] = {}
+        self._entries: dict[tuple[str, str], _Entry[S]] = {}
         self._per_owner: dict[str, int] = {}
         # Released sessions are reset and reused: a fresh InferRequest pays for its buffers on its
         # first (prefill) inference, which showed as tens of ms of TTFT per request.
-        self._free: list[ShardSessionLike] = []
+        self._free: list[S] = []
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -68,7 +71,7 @@ class SessionTable:
         values is one step under the GIL, so a concurrent open or release cannot break it)."""
         return sum(entry.session.past_length for entry in list(self._entries.values()))
 
-    def open(self, owner: str, session_id: str) -> ShardSessionLike:
+    def open(self, owner: str, session_id: str) -> S:
         if not session_id:
             raise InvalidArgument("session_id", "must not be empty")
         if (owner, session_id) in self._entries:
@@ -85,7 +88,7 @@ class SessionTable:
         self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
         return entry.session
 
-    def get(self, owner: str, session_id: str) -> ShardSessionLike:
+    def get(self, owner: str, session_id: str) -> S:
         """The owner's session; another owner's session is as unknown as one never opened."""
         entry = self._entry(owner, session_id)
         entry.last_used = time.monotonic()
@@ -100,7 +103,7 @@ class SessionTable:
         entry = self._entries.get((owner, session_id))
         return "" if entry is None else entry.codec
 
-    def _entry(self, owner: str, session_id: str) -> _Entry:
+    def _entry(self, owner: str, session_id: str) -> _Entry[S]:
         entry = self._entries.get((owner, session_id))
         if entry is None:
             raise NotFound(f"unknown session {session_id!r}")
@@ -120,7 +123,7 @@ class SessionTable:
             self._drop(owner, self._entries.pop((owner, sid)))
         return ids
 
-    def _drop(self, owner: str, entry: _Entry) -> None:
+    def _drop(self, owner: str, entry: _Entry[S]) -> None:
         left = self._per_owner[owner] - 1
         if left:
             self._per_owner[owner] = left

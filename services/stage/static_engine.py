@@ -53,7 +53,7 @@ class StaticSession:
             self.slot = -1
 
 
-class StaticEngine(RowEngine):
+class StaticEngine(RowEngine[StaticSession]):
     """The stage's compute over a static shard: a slot per session, one inference per step."""
 
     kv_backend = "static"
@@ -122,7 +122,7 @@ class StaticEngine(RowEngine):
         want = row.return_last if self.is_last and row.return_mode is not ReturnMode.NONE else 0
         return StaticRow(session.slot, start, row.activations[0], row.positions, logits=want)
 
-    def _compute(self, ready: list[Ready]) -> list[Computed]:
+    def _compute(self, ready: list[Ready[StaticSession]]) -> list[Computed]:
         """One inference for every ready row (a failure raises: it fails them all). Static exports
         have no features output: a row that asks for them gets none (its draft stays idle)."""
         if not ready:

@@ -13,11 +13,11 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Generic, TypeAlias
 
 import numpy as np
 
-from pipeshard.errors import InvalidArgument, PipeshardError
+from pipeshard.errors import Internal, InvalidArgument, PipeshardError
 from pipeshard.sampling import sample_step
 from pipeshard.services.stage.domain import (
     Computed,
@@ -30,7 +30,7 @@ from pipeshard.services.stage.domain import (
     top1_of,
 )
 from pipeshard.services.stage.meters import StageMeters
-from pipeshard.services.stage.sessions import SessionTable
+from pipeshard.services.stage.sessions import S, SessionTable
 from pipeshard.shard.draft_heads import MAX_WIDTH, DraftHeads
 from pipeshard.shard.runtime import check_activations, check_step
 
@@ -38,22 +38,22 @@ Answer: TypeAlias = StepOutput | Exception  # a row's error: a PipeshardError, o
 
 
 @dataclass
-class Ready:
+class Ready(Generic[S]):
     """A row that passed its checks: its session and the cache length it starts from."""
 
     index: int
     row: StepRow
-    session: object
+    session: S
     start: int
 
 
-class RowEngine:
+class RowEngine(Generic[S]):
     """What both backends share: the row checks, the run loop and the final stage's answers."""
 
     kv_backend = ""
     runs_trees = False
     tree_form = ""  # "chains" (ShardSession.run_chains) or "parents" (a tree mask over one sequence)
-    sessions: SessionTable
+    sessions: SessionTable[S]
     meters: StageMeters
     is_first: bool
     is_last: bool
@@ -66,7 +66,7 @@ class RowEngine:
         """Every row that passes its checks runs; a failed check or a failed row answers with
         its error in place. An exception raised here failed the whole inference."""
         answers: list[Answer | None] = [None] * len(rows)
-        ready: list[Ready] = []
+        ready: list[Ready[S]] = []
         seen: set[int] = set()
         for i, row in enumerate(rows):
             try:
@@ -79,7 +79,9 @@ class RowEngine:
                 answers[i] = exc
         for r, out in zip(ready, self._compute(ready), strict=True):
             answers[r.index] = out if isinstance(out, Exception) else self._answer(r.row, out)
-        return answers
+        if any(answer is None for answer in answers):
+            raise Internal("a row of the step got no answer")
+        return [answer for answer in answers if answer is not None]
 
     def run_step(self, step: Step) -> list[Answer]:
         """``run`` over a step's rows, adding this stage's compute time to the step."""
@@ -88,7 +90,7 @@ class RowEngine:
         step.compute_micros.append((time.perf_counter_ns() - started) // 1000)
         return answers
 
-    def _check(self, row: StepRow, session) -> int:
+    def _check(self, row: StepRow, session: S) -> int:
         """The one set of row checks, before anything touches the cache; returns the length the
         row's cache starts from after its rewind."""
         if (row.tree_chains > 1 or row.tree_keep >= 0) and self.tree_form != "chains":
@@ -127,15 +129,19 @@ class RowEngine:
         self._check_room(row, session, start)
         return start
 
-    def _rewound(self, row: StepRow, session) -> int:
+    def open(self, owner: str, session_id: str, capacity: int | None = None) -> None:
+        """Opens the session (a backend with a capacity reserves it here or refuses)."""
+        raise NotImplementedError
+
+    def _rewound(self, row: StepRow, session: S) -> int:
         """The cache length the row starts from once its ``invalidate`` ranges apply (raises on a
         range the backend cannot drop)."""
         raise NotImplementedError
 
-    def _check_room(self, row: StepRow, session, start: int) -> None:
+    def _check_room(self, row: StepRow, session: S, start: int) -> None:
         """A backend's own room check beyond max_context (none by default)."""
 
-    def _compute(self, ready: list[Ready]) -> list[Computed | Exception]:
+    def _compute(self, ready: list[Ready[S]]) -> Sequence[Computed | Exception]:
         """Per ready row: hidden states [1, T, H] (non-final stage), logits [return_last, vocab]
         and the features the row asked for (final stage), or the row's own error."""
         raise NotImplementedError
@@ -280,6 +286,8 @@ def check_tree_parents(row: StepRow) -> None:
 def sample(logits: np.ndarray, row: StepRow) -> Sampled:
     """The draw the coordinator would make from these logits (same rows, same generator)."""
     spec = row.sampling
+    if spec is None:  # check_sampling refused such a row before it ran
+        raise InvalidArgument("sampling", "is required with RETURN_MODE_SAMPLED")
     tokens, state = sample_step(logits, spec.distribution, spec.draft_tokens, spec.rng_state)
     return Sampled(tokens, state)
 

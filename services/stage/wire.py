@@ -231,11 +231,11 @@ def frame_from_outputs(
     When every row of ``received`` (the frame the step came in) ran, its plan and positions go on
     as they came, copied whole rather than rebuilt row by row."""
     if received is None or len(outs) != len(received.plan.rows):
-        rows = [out.row.carrying(out.hidden_states) for out in outs]
+        rows = [out.row.carrying(out.hidden) for out in outs]
         return frame_from_step(
             Step(rows, step.owner, step.compute_micros, step.sent_unix_nanos), codec, wire_dtype
         )
-    x = outs[0].hidden_states if len(outs) == 1 else np.concatenate([o.hidden_states for o in outs], axis=1)
+    x = outs[0].hidden if len(outs) == 1 else np.concatenate([o.hidden for o in outs], axis=1)
     tensor = encode(x, codec, as_fp16=wire_dtype == "fp16", as_bf16=wire_dtype == "bf16")
     return activation_pb2.ActivationFrame(
         session_id=received.session_id,

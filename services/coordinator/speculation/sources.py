@@ -129,8 +129,8 @@ class DraftSources:
         if mode == "medusa":
             return lambda: MedusaDrafter(self.heads)
         if mode == "feature":
-            model = await self._feature_draft()
-            return lambda: FeatureDrafter(model)
+            feature = await self._feature_draft()
+            return lambda: FeatureDrafter(feature)
         folder = self.self_draft if mode == "self" else self.named.get(mode, Path(mode))
         if folder is None:
             raise InvalidArgument("speculative", "this coordinator has no self-draft")
