@@ -345,6 +345,14 @@ def server_security(
         authenticator = authenticator or Authenticator.from_settings(settings.token, settings.api_keys)
         if authenticator.required:
             interceptors.append(AuthInterceptor(authenticator))
+        elif credentials is not None:
+            # TLS says "secured" to whoever deploys it; without a secret it admits every caller.
+            if not settings.allow_anonymous:
+                raise OSError(
+                    f"refusing to serve {node_name} over TLS without --token or --api-keys: anyone who "
+                    "reaches the port could call it; give one, or --allow-anonymous to serve it open"
+                )
+            log.warning("serving_without_token", service=node_name, reason="--allow-anonymous")
     return credentials, interceptors
 
 

@@ -274,3 +274,8 @@ class ServerSettings:
         "exporter may present any listed key instead of the token, each key its own identity",
     )
     allow_plaintext: bool = setting(False, "listen without TLS on an address other than loopback")
+    allow_anonymous: bool = setting(
+        False,
+        "coordinator and exporter: serve TLS without --token or --api-keys (anyone who reaches the "
+        "port may call; logged as a warning); refused at start otherwise",
+    )
