@@ -151,6 +151,8 @@ def test_logprobs_of_the_chosen_tokens_match_grpc(fleet, api, prompts):
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 100_000}, "max_tokens"),  # refused by the coordinator (INVALID_ARGUMENT)
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),  # OpenAI's rule: at most 4
+        ({"stop": "x" * 1000}, "stop"),
     ],
 )
 def test_bad_requests_are_400_naming_the_parameter(api, extra, param):
@@ -325,6 +327,27 @@ def _stalled_stream(address: str) -> socket.socket:
     head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
     return sock
+
+
+def test_a_stop_list_flood_is_refused_by_name_and_the_coordinator_serves_on(fleet, api):
+    """A million stop strings, matched after every token on the coordinator's event loop, would
+    stall every user: refused before the request is tokenized, over gRPC and over HTTP."""
+    import grpc
+
+    request = build_request(messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    request.params.stop.extend(f"s{i}" for i in range(1_000_000))
+    with grpc.insecure_channel(fleet.coordinator, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request, timeout=120))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "`stop`" in info.value.details() and "at most 4" in info.value.details()
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], stop=[f"s{i}" for i in range(10_000)]
+        )
+    assert refused.value.param == "stop"
+    assert grpc_generate(fleet, "Say hi.").completion_tokens > 0
 
 
 def test_streams_whose_reader_never_reads_are_cancelled_and_free_their_slots(fleet, api):

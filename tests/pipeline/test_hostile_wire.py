@@ -32,7 +32,7 @@ def stage(smollm2_export, tmp_path_factory):
 @pytest.fixture(scope="module")
 def driver(stage):
     d = HostileDriver(stage.address)
-    d.call("OpenSession", stage_pb2.OpenSessionRequest(session_id="ok"))
+    d.call("OpenSession", stage_pb2.OpenSessionRequest(session_id="ok", capacity=64))
     d.normal_step("ok")  # warm: the baseline RSS includes one inference
     yield d
     d.close()
@@ -45,7 +45,7 @@ def rss_ceiling(stage, driver):
     before = peak_rss_bytes(stage.popen.pid)
     yield
     session = f"after-{driver.step_id}"
-    driver.call("OpenSession", stage_pb2.OpenSessionRequest(session_id=session))
+    driver.call("OpenSession", stage_pb2.OpenSessionRequest(session_id=session, capacity=64))
     driver.normal_step(session)
     driver.call("ReleaseSession", stage_pb2.ReleaseSessionRequest(session_id=session))
     grown = peak_rss_bytes(stage.popen.pid) - before
@@ -102,7 +102,7 @@ def test_a_malformed_tree_is_refused_by_name(driver, rss_ceiling):
 
 
 def _captured(driver: HostileDriver):
-    driver.call("OpenSession", stage_pb2.OpenSessionRequest(session_id="src"))
+    driver.call("OpenSession", stage_pb2.OpenSessionRequest(session_id="src", capacity=64))
     driver.normal_step("src", tokens=16)
     snapshot = driver.call("CaptureKv", stage_pb2.CaptureKvRequest(session_id="src")).snapshot
     driver.call("ReleaseSession", stage_pb2.ReleaseSessionRequest(session_id="src"))
@@ -117,24 +117,23 @@ def _refused(call) -> tuple[grpc.StatusCode, str]:
 
 def test_kv_states_declaring_huge_shapes_are_refused_before_decompression(driver, rss_ceiling):
     snapshot = _captured(driver)
-    block = list(snapshot.states[0].tensor.shape[1:])
-    per_block = int(np.prod(block))
-    blocks = (16 << 20) // per_block  # 16 MiB a state, a few KiB of zstd each
-    bomb = zstandard.ZstdCompressor().compress(bytes(blocks * per_block))
+    shape = list(snapshot.states[0].tensor.shape)
+    itemsize = 1 if snapshot.block_tokens else 4  # u8 blocks, or f32 [kv_heads, T, head_dim]
+    axis = 0 if snapshot.block_tokens else 1
+    shape[axis] = 1
+    shape[axis] = (16 << 20) // (int(np.prod(shape)) * itemsize)  # 16 MiB a state, KiB of zstd each
+    raw = int(np.prod(shape)) * itemsize
+    bomb = zstandard.ZstdCompressor().compress(bytes(raw))
     for named in snapshot.states:
         named.tensor.CopyFrom(
             tensor_pb2.Tensor(
-                dtype=named.tensor.dtype,
-                shape=[blocks, *block],
-                data=bomb,
-                codec=Codec.CODEC_ZSTD,
-                raw_size=blocks * per_block,
+                dtype=named.tensor.dtype, shape=shape, data=bomb, codec=Codec.CODEC_ZSTD, raw_size=raw
             )
         )
     request = stage_pb2.RestoreKvRequest(session_id="bomb", snapshot=snapshot)
     code, details = _refused(lambda: driver.call("RestoreKv", request))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "snapshot.states" in details, details
-    snapshot.positions = blocks * snapshot.block_tokens  # shapes that agree, beyond max_context
+    request.snapshot.positions = shape[axis] * (snapshot.block_tokens or 1)  # agrees, beyond max_context
     code, details = _refused(lambda: driver.call("RestoreKv", request))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "max_context" in details, details
 
