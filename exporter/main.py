@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         me = Topology.load(settings.topology).exporter
         settings.port = settings.port or me.port
         settings.metrics_port = settings.metrics_port or me.metrics_port
-    servicer = ExporterServicer(settings.shards_dir or paths.shards_dir(), settings.models_dir or paths.models_dir())
+    servicer = ExporterServicer(
+        settings.shards_dir or paths.shards_dir(), settings.models_dir or paths.models_dir()
+    )
     return run_server(
         settings,
         [(exporter_pb2_grpc.add_ExporterServiceServicer_to_server, servicer)],

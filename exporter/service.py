@@ -160,7 +160,9 @@ class ExporterServicer(exporter_pb2_grpc.ExporterServiceServicer):
                     yield response
 
     @staticmethod
-    async def _file(root: Path, rel: str, record: FileRecord | None) -> AsyncIterator[exporter_pb2.FetchShardResponse]:
+    async def _file(
+        root: Path, rel: str, record: FileRecord | None
+    ) -> AsyncIterator[exporter_pb2.FetchShardResponse]:
         """One file's chunks, with the checksum the manifest records (the puller verifies it;
         hashing the whole shard again on every call cost a read of it per pull)."""
         path = root / rel

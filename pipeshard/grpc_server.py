@@ -153,6 +153,7 @@ class GrpcServer:
         keepalive_timeout_ms: int = 10_000,
         min_ping_interval_ms: int = 5_000,
         metrics_port: int = 0,
+        metrics_host: str = "127.0.0.1",
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         credentials: grpc.ServerCredentials | None = None,
         options: Sequence[tuple[str, Any]] = (),
@@ -164,6 +165,7 @@ class GrpcServer:
         self.port = port  # replaced by the bound port in start()
         self.grace_seconds = grace_seconds
         self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
         self.credentials = credentials
         self.handle_signals = handle_signals
         self.interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(), *interceptors]
@@ -201,6 +203,7 @@ class GrpcServer:
             "keepalive_time_ms": settings.keepalive_time_ms,
             "keepalive_timeout_ms": settings.keepalive_timeout_ms,
             "metrics_port": settings.metrics_port,
+            "metrics_host": settings.metrics_host,
         }
         return cls(services, **{**base, **kwargs})
 
@@ -245,7 +248,7 @@ class GrpcServer:
         self.port = bound
         await server.start()
         self._server = server
-        self._metrics = start_metrics_server(self.metrics_port, self.host)
+        self._metrics = start_metrics_server(self.metrics_port, self.metrics_host)
         for name in ("", *self.service_names):
             self.set_serving(name, True)
         if self.handle_signals:

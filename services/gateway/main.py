@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = load_settings(GatewaySettings, argv, prog="pipeshard serve-openai")
     configure_logging(settings.log_format, settings.log_level, service="gateway")
     sock = _listen(settings.host, settings.port)
-    metrics = start_metrics_server(settings.metrics_port, settings.host)
+    metrics = start_metrics_server(settings.metrics_port, settings.metrics_host)
     config = uvicorn.Config(
         create_app(settings),
         log_config=None,

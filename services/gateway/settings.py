@@ -48,5 +48,8 @@ class GatewaySettings:
         "writes count as not drained (0 = 64 KiB and the kernel's default)",
     )
     metrics_port: int = setting(0, "Prometheus /metrics port (0 = disabled)")
+    metrics_host: str = setting(
+        "127.0.0.1", "address /metrics listens on: loopback unless told (it is plaintext and unauthenticated)"
+    )
     log_format: str = setting("json", "log line format", choices=("json", "console"))
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error", "critical"))
