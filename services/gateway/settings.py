@@ -62,6 +62,14 @@ class GatewaySettings:
         "comma-separated addresses of reverse proxies whose X-Forwarded-For (its last entry) names "
         "the caller's host for the stream caps; empty: the connection's own peer",
     )
+    tls_cert: Path | None = setting(
+        None, "certificate (PEM, its chain after it) the gateway serves HTTPS with; with --tls-key"
+    )
+    tls_key: Path | None = setting(None, "private key (PEM) of --tls-cert")
+    allow_plaintext: bool = setting(
+        False,
+        "serve plain HTTP on an address other than loopback (API keys would cross the network in clear)",
+    )
     metrics_port: int = setting(0, "Prometheus /metrics port (0 = disabled)")
     metrics_host: str = setting(
         "127.0.0.1", "address /metrics listens on: loopback unless told (it is plaintext and unauthenticated)"
