@@ -69,7 +69,11 @@ def test_the_gateway_serves_https(certs, tmp_path):
     args += ["--tls-cert", str(certs / "gateway.pem"), "--tls-key", str(certs / "gateway.key")]
     proc = spawn("gateway", args, tmp_path, dict(os.environ), 120)
     try:
-        reply = httpx.get(f"https://{proc.address}/v1/models", verify=ssl.create_default_context(cafile=str(certs / "ca.pem")), timeout=30)
+        reply = httpx.get(
+            f"https://{proc.address}/v1/models",
+            verify=ssl.create_default_context(cafile=str(certs / "ca.pem")),
+            timeout=30,
+        )
         assert reply.status_code == 200 and reply.json()["object"] == "list"
         with pytest.raises(httpx.HTTPError):  # plain HTTP is not spoken there
             httpx.get(f"http://{proc.address}/v1/models", timeout=30)
