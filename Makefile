@@ -25,7 +25,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: batch bench-commits bench-compile-cache bench-compress bench-failover bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-spec bench-static bench-wan clean demo distil down export lint model proto run-stage serve-openai setup soak test test-exactness test-extended test-fast test-invariance typecheck up wan-down wan-up
+.PHONY: batch bench-commits bench-compile-cache bench-compress bench-failover bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-spec bench-static bench-wan clean demo distil down export lint model proto run-stage serve-openai setup soak test test-exactness test-extended test-fast test-fuzz test-invariance typecheck up wan-down wan-up
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -219,6 +219,10 @@ test-invariance: model
 ## test-extended: repeated variants of cases `make test` already covers (more stage counts and modes), kept out of its 30-minute budget
 test-extended: model
 	$(VENV)/bin/pytest -q -m extended
+
+## test-fuzz: the stage RPC fuzz test's long profile (hypothesis, 400 examples per RPC against a real stage, RSS ceiling)
+test-fuzz: model
+	PIPESHARD_FUZZ_EXAMPLES=400 $(VENV)/bin/pytest -q tests/stage/test_rpc_fuzz.py
 
 ## test-fast: unit tests only
 test-fast: proto

@@ -20,6 +20,11 @@ class ExporterSettings(ServerSettings):
     shards_dir: Path | None = setting(
         None, "folder exports are written to and served from (default ./shards)"
     )
+    models_dir: Path | None = setting(
+        None,
+        "folder of the models Export may convert, named by folder name (default ./models); a path "
+        "or `..` in a request's `model` is refused",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         me = Topology.load(settings.topology).exporter
         settings.port = settings.port or me.port
         settings.metrics_port = settings.metrics_port or me.metrics_port
-    servicer = ExporterServicer(settings.shards_dir or paths.shards_dir())
+    servicer = ExporterServicer(
+        settings.shards_dir or paths.shards_dir(), settings.models_dir or paths.models_dir()
+    )
     return run_server(
         settings,
         [(exporter_pb2_grpc.add_ExporterServiceServicer_to_server, servicer)],

@@ -20,10 +20,10 @@ from pathlib import Path
 import structlog
 
 from pipeshard import paths
-from pipeshard.errors import InvalidArgument, NotFound
+from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound
 from pipeshard.exporter.export import ExportResult, ProgressEvent, export_model
-from pipeshard.model.fetch import resolve_model_source
-from pipeshard.shard.manifest import MANIFEST, WEIGHT_FORMATS, file_sha256, load_manifest
+from pipeshard.model.fetch import is_model_folder
+from pipeshard.shard.manifest import MANIFEST, WEIGHT_FORMATS, FileRecord, file_sha256, load_manifest
 from pipeshard.shard.serving import not_served
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc
 
@@ -38,10 +38,32 @@ def _safe_name(name: str, field: str) -> str:
     return name
 
 
+MAX_CONCURRENT_FETCHES = 4  # FetchShard streams served at once; more wait their turn
+
+
 class ExporterServicer(exporter_pb2_grpc.ExporterServiceServicer):
-    def __init__(self, shards_dir: Path | None = None):
+    def __init__(self, shards_dir: Path | None = None, models_dir: Path | None = None):
         self._shards_dir = shards_dir or paths.shards_dir()
+        self._models_dir = models_dir or paths.models_dir()
         self._lock = asyncio.Lock()
+        self._fetches = asyncio.Semaphore(MAX_CONCURRENT_FETCHES)
+        self._pulled: set[str] = set()  # exports FetchShard served since this process started
+
+    def _model_dir(self, name: str) -> Path:
+        """A model of the models folder, by name only: a caller cannot have any other folder on
+        this host converted and served."""
+        if not name or "/" in name or "\\" in name or name.startswith(".") or Path(name).is_absolute():
+            raise InvalidArgument(
+                "model", f"must name a model folder under {self._models_dir} (no path), got {name!r}"
+            )
+        model_dir = self._models_dir / name
+        if not is_model_folder(model_dir):
+            raise InvalidArgument(
+                "model",
+                f"no model folder {name!r} in {self._models_dir} (expected config.json and "
+                "*.safetensors); run `pipeshard model fetch`",
+            )
+        return model_dir.resolve()
 
     async def Export(self, request, context) -> AsyncIterator[exporter_pb2.ExportResponse]:
         if request.weights and request.weights not in WEIGHT_FORMATS:
@@ -52,7 +74,7 @@ class ExporterServicer(exporter_pb2_grpc.ExporterServiceServicer):
             raise InvalidArgument("stages", f"must be positive, got {request.stages}")
         if not request.model:
             raise InvalidArgument("model", "must name a model folder or a model under the models directory")
-        model_dir = resolve_model_source(request.model)
+        model_dir = self._model_dir(request.model)
         weights = request.weights or "int4"
         stages = request.stages or (len(request.split) if request.split else 1)
         name = (
@@ -66,6 +88,13 @@ class ExporterServicer(exporter_pb2_grpc.ExporterServiceServicer):
                 done=exporter_pb2.ExportDone(out_dir=str(out), manifest_json=(out / MANIFEST).read_text())
             )
             return
+        if request.force and name in self._pulled:
+            # Stages elsewhere pulled it from here: replacing it under them would change the
+            # shard their next pull or restart verifies, with no lock of theirs on this host.
+            raise FailedPrecondition(
+                f"export {name!r} was pulled by stages from this exporter: a forced export would "
+                "replace it under them; export to another `out`"
+            )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[ProgressEvent | None] = asyncio.Queue()
         cancel = threading.Event()
@@ -124,23 +153,34 @@ class ExporterServicer(exporter_pb2_grpc.ExporterServiceServicer):
         if not (root / MANIFEST).is_file():
             raise NotFound(f"no export named {request.export_name!r} in {self._shards_dir}")
         manifest = load_manifest(root)
-        for rel in manifest.files_for_stage(request.stage_index):
-            path = root / rel
-            size = path.stat().st_size
-            digest = file_sha256(path)
-            with path.open("rb") as f:
-                offset = 0
-                while True:
-                    data = f.read(CHUNK_BYTES)
-                    last = offset + len(data) >= size
-                    yield exporter_pb2.FetchShardResponse(
-                        path=rel,
-                        offset=offset,
-                        data=data,
-                        file_size=size,
-                        file_sha256=digest,
-                        last_chunk=last,
-                    )
-                    offset += len(data)
-                    if last:
-                        break
+        self._pulled.add(root.name)
+        async with self._fetches:
+            for rel in manifest.files_for_stage(request.stage_index):
+                async for response in self._file(root, rel, manifest.files.get(rel)):
+                    yield response
+
+    @staticmethod
+    async def _file(
+        root: Path, rel: str, record: FileRecord | None
+    ) -> AsyncIterator[exporter_pb2.FetchShardResponse]:
+        """One file's chunks, with the checksum the manifest records (the puller verifies it;
+        hashing the whole shard again on every call cost a read of it per pull)."""
+        path = root / rel
+        size = path.stat().st_size
+        digest = record.sha256 if record is not None else file_sha256(path)
+        with path.open("rb") as f:
+            offset = 0
+            while True:
+                data = f.read(CHUNK_BYTES)
+                last = offset + len(data) >= size
+                yield exporter_pb2.FetchShardResponse(
+                    path=rel,
+                    offset=offset,
+                    data=data,
+                    file_size=size,
+                    file_sha256=digest,
+                    last_chunk=last,
+                )
+                offset += len(data)
+                if last:
+                    break

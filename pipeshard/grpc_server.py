@@ -153,6 +153,7 @@ class GrpcServer:
         keepalive_timeout_ms: int = 10_000,
         min_ping_interval_ms: int = 5_000,
         metrics_port: int = 0,
+        metrics_host: str = "127.0.0.1",
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         credentials: grpc.ServerCredentials | None = None,
         options: Sequence[tuple[str, Any]] = (),
@@ -164,6 +165,7 @@ class GrpcServer:
         self.port = port  # replaced by the bound port in start()
         self.grace_seconds = grace_seconds
         self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
         self.credentials = credentials
         self.handle_signals = handle_signals
         self.interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(), *interceptors]
@@ -201,6 +203,7 @@ class GrpcServer:
             "keepalive_time_ms": settings.keepalive_time_ms,
             "keepalive_timeout_ms": settings.keepalive_timeout_ms,
             "metrics_port": settings.metrics_port,
+            "metrics_host": settings.metrics_host,
         }
         return cls(services, **{**base, **kwargs})
 
@@ -245,7 +248,7 @@ class GrpcServer:
         self.port = bound
         await server.start()
         self._server = server
-        self._metrics = start_metrics_server(self.metrics_port, self.host)
+        self._metrics = start_metrics_server(self.metrics_port, self.metrics_host)
         for name in ("", *self.service_names):
             self.set_serving(name, True)
         if self.handle_signals:
@@ -345,6 +348,14 @@ def server_security(
         authenticator = authenticator or Authenticator.from_settings(settings.token, settings.api_keys)
         if authenticator.required:
             interceptors.append(AuthInterceptor(authenticator))
+        elif credentials is not None:
+            # TLS says "secured" to whoever deploys it; without a secret it admits every caller.
+            if not settings.allow_anonymous:
+                raise OSError(
+                    f"refusing to serve {node_name} over TLS without --token or --api-keys: anyone who "
+                    "reaches the port could call it; give one, or --allow-anonymous to serve it open"
+                )
+            log.warning("serving_without_token", service=node_name, reason="--allow-anonymous")
     return credentials, interceptors
 
 

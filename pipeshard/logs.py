@@ -62,7 +62,10 @@ def configure_logging(
             structlog.processors.JSONRenderer(default=str),
         ]
     else:
-        final = [structlog.dev.ConsoleRenderer(colors=False)]
+        # Plain tracebacks: the default (rich's) prints every frame's locals, prompts among them.
+        final = [
+            structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
+        ]
 
     structlog.configure(
         processors=[

@@ -25,6 +25,28 @@ import numpy as np
 from pipeshard.errors import InvalidArgument
 
 _RNG_STATE_BYTES = 16 + 16 + 1 + 4  # PCG64 state, increment, has_uint32, uinteger
+# Stop strings are matched after every token on the coordinator's event loop: OpenAI's rule of
+# at most 4 (TGI's --max-stop-sequences default too), each of bounded length.
+MAX_STOP = 4
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
+
+def check_stop(stop: Sequence[str], stop_token_ids: Sequence[int] = ()) -> None:
+    """Refuses a stop list beyond the bounds, naming ``stop`` (before anything else reads it)."""
+    if len(stop) > MAX_STOP:
+        raise InvalidArgument("stop", f"may hold at most {MAX_STOP} sequences, got {len(stop)}")
+    for s in stop:
+        if not s:
+            raise InvalidArgument("stop", "must not contain empty strings")
+        if len(s) > MAX_STOP_CHARS:
+            raise InvalidArgument(
+                "stop", f"sequences may be at most {MAX_STOP_CHARS} characters, got {len(s)}"
+            )
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument(
+            "stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_token_ids)}"
+        )
 
 
 @dataclass(frozen=True)

@@ -252,6 +252,9 @@ class ServerSettings:
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(0, "gRPC port (0 = an ephemeral port, printed at start)")
     metrics_port: int = setting(0, "Prometheus /metrics port (0 = disabled)")
+    metrics_host: str = setting(
+        "127.0.0.1", "address /metrics listens on: loopback unless told (it is plaintext and unauthenticated)"
+    )
     log_format: str = setting("json", "log line format", choices=("json", "console"))
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error", "critical"))
     grace_seconds: float = setting(10.0, "on SIGTERM/SIGINT, time in-flight calls get to finish")
@@ -274,3 +277,8 @@ class ServerSettings:
         "exporter may present any listed key instead of the token, each key its own identity",
     )
     allow_plaintext: bool = setting(False, "listen without TLS on an address other than loopback")
+    allow_anonymous: bool = setting(
+        False,
+        "coordinator and exporter: serve TLS without --token or --api-keys (anyone who reaches the "
+        "port may call; logged as a warning); refused at start otherwise",
+    )

@@ -113,8 +113,15 @@ def encode(
     )
 
 
-def decode(tensor: tensor_pb2.Tensor, *, field: str = "tensor") -> np.ndarray:
-    """Decode a tensor, validating it; bfloat16 comes back as float32."""
+def dtype_code(np_dtype: np.dtype) -> int:
+    """The wire dtype of a numpy dtype (what :func:`encode` writes for it)."""
+    d = np.dtype(np_dtype)
+    return _DTYPE_OF.get(d) or _DTYPE_OF[d.newbyteorder("<")]
+
+
+def decoded_bytes(tensor: tensor_pb2.Tensor, *, field: str = "tensor") -> int:
+    """The bytes ``tensor`` decodes to, from its declared dtype and shape alone (nothing is
+    decompressed), so a caller can hold it against its own limit first."""
     np_dtype = _NUMPY_OF.get(tensor.dtype)
     if np_dtype is None:
         name = Dtype.Name(tensor.dtype) if tensor.dtype in Dtype.values() else str(tensor.dtype)
@@ -122,10 +129,27 @@ def decode(tensor: tensor_pb2.Tensor, *, field: str = "tensor") -> np.ndarray:
     shape = tuple(tensor.shape)
     if any(d < 0 for d in shape):
         raise MalformedTensor(field, f"has a negative dimension in shape {list(shape)}")
-    expected = math.prod(shape) * np_dtype.itemsize
-    if expected > MAX_RAW_BYTES:
+    return math.prod(shape) * np_dtype.itemsize
+
+
+def decode(
+    tensor: tensor_pb2.Tensor,
+    *,
+    field: str = "tensor",
+    max_bytes: int = MAX_RAW_BYTES,
+    limit: str = "MAX_RAW_BYTES",
+) -> np.ndarray:
+    """Decode a tensor, validating it; bfloat16 comes back as float32. ``max_bytes`` is the most
+    the caller can use (``limit`` names it in the error): a shape needing more is refused before
+    anything is decompressed or allocated."""
+    expected = decoded_bytes(tensor, field=field)
+    np_dtype = _NUMPY_OF[tensor.dtype]
+    shape = tuple(tensor.shape)
+    cap = min(max_bytes, MAX_RAW_BYTES)
+    if expected > cap:
+        name = limit if max_bytes <= MAX_RAW_BYTES else "MAX_RAW_BYTES"
         raise MalformedTensor(
-            field, f"shape {list(shape)} needs {expected} bytes, over the {MAX_RAW_BYTES} cap"
+            field, f"shape {list(shape)} needs {expected} bytes, over the {cap}-byte {name}"
         )
     if tensor.raw_size and tensor.raw_size != expected:
         raise MalformedTensor(

@@ -11,7 +11,8 @@ lossless for every fp32 bit pattern (zeros, subnormals, inf and NaN keep all 23 
 Layout (little-endian): Q + 128 (u32), exception count (u32), zstd length (u32); exception
 indices (u32, strictly increasing); a zstd frame of the n exponent bytes declaring its size; the
 n sign bits packed; the kept mantissa bits packed, most significant first. Every length is
-checked against the element count before anything is allocated.
+checked against the element count before anything is allocated, and the values are decoded
+65536 at a time, so the working memory stays a few MiB above the output whatever the frame says.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import zstandard
 
 QUANTA = range(-26, -13)  # per-frame candidates; SmolLM2's hidden states sit at -19 to -17
 _HEADER = 12
+_CHUNK = 1 << 16  # values decoded at a time (a multiple of 8): bounds the working memory whatever n
 _local = threading.local()  # zstd contexts are cheaper reused, but not thread-safe
 
 
@@ -107,17 +109,29 @@ def decode_fp32(data: bytes, n: int, zdict: zstandard.ZstdCompressionDict | None
         raise QuantumFrameError(f"has {exponent.size} exponents for {n} values")
     at += zlen
     sign_bytes = (n + 7) // 8
-    widths = _widths(exponent, q, exceptions)
-    mantissa_bytes = (int(widths.sum()) + 7) // 8
-    if len(data) != at + sign_bytes + mantissa_bytes:
-        raise QuantumFrameError(f"is {len(data)} bytes but its parts need {at + sign_bytes + mantissa_bytes}")
-    signs = np.unpackbits(np.frombuffer(data[at : at + sign_bytes], dtype=np.uint8))[:n]
-    at += sign_bytes
-    keep = np.arange(23)[None, :] < widths[:, None]
-    padded = np.zeros((n, 32), dtype=np.uint8)
-    padded[:, 9:][keep] = np.unpackbits(np.frombuffer(data[at:], dtype=np.uint8))[: int(widths.sum())]
-    mantissa = np.packbits(padded, axis=1).view(">u4").reshape(-1).astype(np.uint32)
-    return (signs.astype(np.uint32) << 31) | (exponent.astype(np.uint32) << 23) | mantissa
+    widths = np.empty(n, dtype=np.uint8)
+    for a in range(0, n, _CHUNK):
+        widths[a : a + _CHUNK] = _widths(exponent[a : a + _CHUNK], q, None)
+    widths[exceptions] = 23
+    need = at + sign_bytes + (int(widths.sum(dtype=np.int64)) + 7) // 8
+    if len(data) != need:
+        raise QuantumFrameError(f"is {len(data)} bytes but its parts need {need}")
+    view = np.frombuffer(data, dtype=np.uint8)
+    signs, stream = view[at : at + sign_bytes], view[at + sign_bytes :]
+    out = np.empty(n, dtype=np.uint32)
+    bit = 0
+    for a in range(0, n, _CHUNK):  # a chunk at a time: the bit arrays are 32x the values
+        w = widths[a : a + _CHUNK]
+        count = int(w.sum(dtype=np.int64))
+        skip = bit % 8
+        kept = np.unpackbits(stream[bit // 8 : -(-(bit + count) // 8)])[skip : skip + count]
+        padded = np.zeros((w.size, 32), dtype=np.uint8)
+        padded[:, 9:][np.arange(23)[None, :] < w[:, None]] = kept
+        mantissa = np.packbits(padded, axis=1).view(">u4").reshape(-1).astype(np.uint32)
+        sign = np.unpackbits(signs[a // 8 : -(-(a + w.size) // 8)])[: w.size].astype(np.uint32)
+        out[a : a + w.size] = (sign << 31) | (exponent[a : a + w.size].astype(np.uint32) << 23) | mantissa
+        bit += count
+    return out
 
 
 def _exponent_compressor(zdict: zstandard.ZstdCompressionDict | None) -> zstandard.ZstdCompressor:

@@ -15,13 +15,14 @@ compacted cache is exactly the cache of the sequence without its rejected drafts
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from pipeshard.errors import FailedPrecondition, InvalidArgument
-from pipeshard.tensor_codec import decode, encode
+from pipeshard.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from pipeshard.tensor_codec import decode, decoded_bytes, dtype_code, encode
 from pipeshard.v1 import kv_pb2, tensor_pb2
 
 
@@ -193,8 +194,58 @@ def to_proto(blob: KvBlob) -> kv_pb2.KvSnapshot:
     )
 
 
-def from_proto(snapshot: kv_pb2.KvSnapshot) -> KvBlob:
-    """The blob a snapshot describes (shapes are checked against a stage by ``check_for``)."""
+def check_declared(snapshot: kv_pb2.KvSnapshot, target: KvSource, max_positions: int) -> list[int]:
+    """Holds a snapshot's declared fields and tensor shapes against the stage ``target`` that
+    would restore it, before any state is decompressed (a blob of tiny states each declaring a
+    huge shape would otherwise allocate without bound); returns each state's decoded bytes."""
+    if snapshot.model_fingerprint != target.model_fingerprint or snapshot.export_id != target.export_id:
+        raise FailedPrecondition(
+            f"KV snapshot is of model {snapshot.model_fingerprint[:19]}... "
+            f"export {snapshot.export_id[:19]}..., "
+            f"this stage serves {target.model_fingerprint[:19]}... export {target.export_id[:19]}..."
+        )
+    if (snapshot.layer_start, snapshot.layer_end) != (target.layer_start, target.layer_end):
+        raise FailedPrecondition(
+            f"KV snapshot holds layers [{snapshot.layer_start}, {snapshot.layer_end}), "
+            f"this stage runs layers [{target.layer_start}, {target.layer_end})"
+        )
+    tokens = target.blocks.tokens if target.blocks else 0
+    if snapshot.block_tokens != tokens:
+        n = snapshot.block_tokens
+        said = f"blocks of {n} positions" if n else describe_layout(None)
+        raise FailedPrecondition(
+            f"KV snapshot holds {said}, this stage keeps {describe_layout(target.blocks)}: "
+            "start both stages at the same --precision and --kv"
+        )
+    names = tuple(n.name for n in snapshot.states)
+    if names != target.names:
+        raise InvalidArgument(
+            "snapshot.states",
+            f"must be the {len(target.names)} state variables {target.names[0]}... in order",
+        )
+    t, start = snapshot.positions, snapshot.start_position
+    if t < 1 or start < 0 or start + t > max_positions:
+        raise InvalidArgument(
+            "snapshot.positions",
+            f"must hold 1 to {max_positions} positions (this stage's max_context) from start_position "
+            f"{start}, got {t}",
+        )
+    code, sizes = dtype_code(target.dtype), []
+    for named, want in zip(snapshot.states, target.shapes_for(t), strict=True):
+        if named.tensor.dtype != code or tuple(named.tensor.shape) != want:
+            raise InvalidArgument(
+                "snapshot.states",
+                f"{named.name} must be {target.dtype} {list(want)}, got shape {list(named.tensor.shape)}",
+            )
+        sizes.append(decoded_bytes(named.tensor, field=f"snapshot.states[{named.name}]"))
+    return sizes
+
+
+def from_proto(snapshot: kv_pb2.KvSnapshot, target: KvSource | None = None, max_positions: int = 0) -> KvBlob:
+    """The blob a snapshot describes (shapes are checked against a stage by ``check_for``);
+    with ``target``, its declared shapes are checked first (:func:`check_declared`) and no
+    state decodes to more than its shape there needs."""
+    sizes = check_declared(snapshot, target, max_positions) if target is not None else None
     if not snapshot.states:
         raise InvalidArgument("snapshot.states", "is empty")
     if snapshot.block_tokens < 0:
@@ -203,8 +254,13 @@ def from_proto(snapshot: kv_pb2.KvSnapshot) -> KvBlob:
         raise InvalidArgument("snapshot.start_position", f"must be >= 0, got {snapshot.start_position}")
     ndim = 4 if snapshot.block_tokens else 3
     arrays = []
-    for named in snapshot.states:
-        a = decode(named.tensor, field=f"snapshot.states[{named.name}]")
+    for i, named in enumerate(snapshot.states):
+        field = f"snapshot.states[{named.name}]"
+        a = (
+            decode(named.tensor, field=field)
+            if sizes is None
+            else decode(named.tensor, field=field, max_bytes=sizes[i], limit="stage's state shape")
+        )
         if a.ndim != ndim:
             raise InvalidArgument(
                 "snapshot.states", f"{named.name} must be {ndim}-D, got shape {list(a.shape)}"
@@ -262,7 +318,52 @@ def join_parts(parts: list[KvBlob], *, checksum: bool = True) -> KvBlob:
 
 # -- snapshots in chunks (CaptureKvStream / RestoreKvStream) -------------------------------------
 DEFAULT_CHUNK_BYTES = 1 << 20
+MIN_CHUNK_BYTES = 64 << 10  # a caller's chunk: smaller ones cost a message per few bytes
+MAX_CHUNK_BYTES = 16 << 20  # a quarter of the default gRPC message limit
 MAX_SNAPSHOT_BYTES = (1 << 31) - 1  # protobuf parses no larger message
+_PART_OVERHEAD_BYTES = 64 << 10  # a part's own fields beyond its states (ids, names, checksum)
+
+
+def check_chunk_bytes(chunk_bytes: int) -> int:
+    """A caller's capture chunk size (0: the default), between the floor and the ceiling."""
+    if chunk_bytes == 0:
+        return DEFAULT_CHUNK_BYTES
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise InvalidArgument(
+            "chunk_bytes",
+            f"must be 0 (1 MiB) or in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}",
+        )
+    return chunk_bytes
+
+
+@dataclass(frozen=True)
+class RestoreLimits:
+    """What one restore stream may bring into a stage: parts and bytes of at most its
+    max_context positions in its own layout, counted as they arrive (before any decoding)."""
+
+    max_positions: int
+    max_parts: int
+    max_bytes: int
+    max_chunks: int
+
+    @classmethod
+    def of(cls, source: KvSource, max_positions: int) -> RestoreLimits:
+        parts = source.blocks.blocks_for(max_positions) if source.blocks else max_positions
+        per_state = [math.prod(shape) for shape in source.shapes_for(max_positions)]
+        states = sum(per_state) * source.dtype.itemsize
+        max_bytes = states + 12 * max_positions + parts * _PART_OVERHEAD_BYTES
+        return cls(max_positions, parts, max_bytes, parts + max_bytes // MIN_CHUNK_BYTES)
+
+    def check(self, parts: int, announced: int, chunks: int) -> None:
+        if parts > self.max_parts:
+            raise ResourceExhausted(f"restore stream: more than {self.max_parts} parts (max_parts)")
+        if announced > self.max_bytes:
+            raise ResourceExhausted(
+                f"restore stream: parts announce {announced} bytes, over its {self.max_bytes}-byte "
+                f"budget (max_bytes: {self.max_positions} positions of this stage's KV)"
+            )
+        if chunks > self.max_chunks:
+            raise ResourceExhausted(f"restore stream: more than {self.max_chunks} chunks (max_chunks)")
 
 
 def snapshot_chunks(snapshot: kv_pb2.KvSnapshot, chunk_bytes: int = 0) -> tuple[int, list[bytes]]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.sampling import Distribution
+from pipeshard.sampling import Distribution, check_stop
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,7 @@ class SamplingParams:
             raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidArgument("top_k", f"must be 0 (disabled) or positive, got {self.top_k}")
-        for s in self.stop:
-            if not s:
-                raise InvalidArgument("stop", "must not contain empty strings")
+        check_stop(self.stop, self.stop_token_ids)
         for t in self.stop_token_ids:
             if not 0 <= t < vocab_size:
                 raise InvalidArgument("stop_token_ids", f"{t} is not a token id (vocabulary {vocab_size})")

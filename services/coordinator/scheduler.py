@@ -9,9 +9,13 @@ Fair share: waiting identities are served in turn, weighted by ``Identity.weight
 scheduling: an admission advances its identity's pass by 1/weight, the identity whose pass after
 its next admission is smallest goes next, and an identity that starts waiting joins at the
 current pass), first come first served within an identity. The identity whose turn it is blocks
-the queue until its oldest request fits: nothing overtakes it, so a large request is never
-starved by small ones. No preemption: a running request keeps what it reserved (the stages
-reserve a session's whole capacity when it opens, as TGI does, so a step never fails for space).
+the queue until its oldest request fits, with one bounded exception: a waiting request that fits
+now and needs at most a quarter of the blocked head's KV may run ahead of it (backfill), at most
+``max_running`` times per head, so a large request waits behind at most that many small ones and
+a short request is not stuck behind long ones its own identity queued (never-read streams of
+2000 tokens held a normal chat request of the same host in the queue for minutes). No
+preemption: a running request keeps what it reserved (the stages reserve a session's whole
+capacity when it opens, as TGI does, so a step never fails for space).
 Another identity is served promptly because one identity runs at most
 ``max_running_per_identity`` requests (below ``max_running`` by default), and when the KV pool
 is the limit it gets the next room that frees up, since its turn comes before the busy
@@ -66,6 +70,10 @@ class ScheduledRequest:
     # once the stages released its session while it runs); False while a session it opened
     # carries the charge (SessionAccounts), or once it was credited.
     charged: bool = False
+    overtaken: int = 0  # requests admitted ahead of it while it was the blocked head (backfill)
+
+
+BACKFILL_SHARE = 4  # a request may overtake a blocked head needing at least this many times its KV
 
 
 @dataclass
@@ -240,25 +248,52 @@ class Scheduler:
                 COORDINATOR_RUNNING_BY_IDENTITY.remove(name)
 
     def _admit_waiting(self) -> None:
-        """Admits queued requests in fair-share order while the head of the next one's turn fits."""
+        """Admits queued requests in fair-share order while the head of the next one's turn fits,
+        and small ones ahead of a head that does not (:meth:`_backfill`)."""
         while self.running < self.max_running:
             lane = self._next_lane()
             if lane is None:
                 return
             request = lane.queue[0]
             if not self.kv.has_room(request.need):
-                return  # nothing overtakes it
-            lane.queue.popleft()
-            self.queued -= 1
-            self._vtime = lane.passed
-            lane.passed += _stride(lane)
-            lane.running += 1
-            self.running += 1
-            COORDINATOR_RUNNING_BY_IDENTITY.labels(lane.identity.name).set(lane.running)
-            self.kv.charge(request.need)
-            request.charged = True
-            request.status = RequestStatus.RUNNING
-            request.admitted.set_result(None)
+                if not self._backfill(request):
+                    return  # nothing else overtakes it
+                continue
+            self._start(lane, request)
+
+    def _backfill(self, head: ScheduledRequest) -> bool:
+        """Admits the oldest waiting request that fits now and needs at most 1/BACKFILL_SHARE of
+        ``head``'s blocks, unless ``head`` was overtaken ``max_running`` times already."""
+        if head.overtaken >= self.max_running:
+            return False
+        limit = sum(head.need)
+        candidates = [
+            (request, lane)
+            for lane in self._lanes.values()
+            if lane.running < self._running_limit(lane)
+            for request in lane.queue
+            if request is not head and not request.batch
+        ]
+        for request, lane in sorted(candidates, key=lambda pair: pair[0].seq):
+            if sum(request.need) * BACKFILL_SHARE <= limit and self.kv.has_room(request.need):
+                head.overtaken += 1
+                self._start(lane, request)
+                return True
+        return False
+
+    def _start(self, lane: _Lane, request: ScheduledRequest) -> None:
+        """Moves ``request`` from its lane's queue to running, charging its KV."""
+        lane.queue.remove(request)
+        self.queued -= 1
+        self._vtime = lane.passed
+        lane.passed += _stride(lane)
+        lane.running += 1
+        self.running += 1
+        COORDINATOR_RUNNING_BY_IDENTITY.labels(lane.identity.name).set(lane.running)
+        self.kv.charge(request.need)
+        request.charged = True
+        request.status = RequestStatus.RUNNING
+        request.admitted.set_result(None)
 
     def _next_lane(self) -> _Lane | None:
         ready = [

@@ -18,6 +18,7 @@ from pipeshard.errors import Unavailable
 from pipeshard.identity import Identity
 from pipeshard.interceptors import MAX_REQUEST_ID_CHARS
 from pipeshard.metrics import IDENTITY_CACHED_TOKENS, IDENTITY_REQUESTS
+from pipeshard.sampling import check_stop
 from pipeshard.services.coordinator.batch_jobs import (
     BatchJob,
     MicroBatchControl,
@@ -54,6 +55,7 @@ _SUMMARY_FIELDS = tuple(
 
 
 def params_from_proto(p: coordinator_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
+    check_stop(p.stop, p.stop_token_ids)  # before the request is tokenized or queued
     return SamplingParams(
         max_tokens=p.max_tokens if p.HasField("max_tokens") else default_max_tokens,
         temperature=p.temperature,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
@@ -36,6 +36,7 @@ from pipeshard.services.gateway.schema import (
     invalid_body,
 )
 from pipeshard.services.gateway.settings import GatewaySettings
+from pipeshard.services.gateway.streams import StreamCaps, caller_identity, parse_proxies
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -82,9 +83,21 @@ async def _unless_gone(request: Request, work: Awaitable[T], call: grpc.aio.Unar
 class Gateway:
     """Holds the channel (opened inside the server's event loop) and serves the routes."""
 
-    def __init__(self, settings: GatewaySettings):
+    def __init__(self, settings: GatewaySettings, authenticator: Authenticator):
         self.settings = settings
         self.channel: grpc.aio.Channel | None = None
+        self.auth = authenticator
+        self.streams = StreamCaps(settings.max_streams_per_identity, settings.max_streams)
+        self._proxies = parse_proxies(settings.trusted_proxies)
+
+    def _identity(self, request: Request) -> str:
+        return caller_identity(
+            self.auth,
+            request.headers.get("authorization", ""),
+            request.client.host if request.client else "",
+            request.headers.get("x-forwarded-for", ""),
+            self._proxies,
+        )
 
     async def open(self) -> None:
         # TLS to a secured coordinator; the token is each HTTP request's own (see _metadata).
@@ -127,6 +140,9 @@ class Gateway:
     async def _answer(
         self, request: Request, body: OpenAIRequest, rpc: coordinator_pb2.GenerateRequest, shaper: Shaper
     ):
+        identity = self._identity(request) if body.stream else ""
+        if body.stream:
+            self.streams.open(identity)  # before the call: a refused stream takes no slot
         call = self.stub.Generate(rpc, metadata=_metadata(request), timeout=self.settings.request_timeout_s)
         try:
             if not body.stream:
@@ -137,10 +153,13 @@ class Gateway:
             first = await _unless_gone(request, call.read(), call)
         except BaseException:
             call.cancel()
+            if body.stream:
+                self.streams.close(identity)
             raise
         return _EventStream(
             call,
             _events(call, first, shaper, body.include_usage),
+            on_end=lambda: self.streams.close(identity),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -151,15 +170,35 @@ class _EventStream(StreamingResponse):
     aborted for not reading) Starlette cancels the streaming task, which leaves the event generator
     suspended at a ``yield`` until garbage collection, its call (and coordinator slot) still live."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, events: AsyncIterator[str], **kwargs):
+    def __init__(
+        self,
+        call: grpc.aio.UnaryStreamCall,
+        events: AsyncIterator[str],
+        on_end: Callable[[], None],
+        **kwargs,
+    ):
         super().__init__(events, **kwargs)
         self._call = call
+        self._on_end = on_end
+        self._ended = False
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._end()
+
+    def _end(self) -> None:
+        self._call.cancel()  # a no-op once the call has finished
+        if not self._ended:  # the stream's count, once however the response ends
+            self._ended = True
+            self._on_end()
 
     async def stream_response(self, send) -> None:
         try:
             await super().stream_response(send)
         finally:
-            self._call.cancel()  # a no-op once the call has finished
+            self._end()
 
 
 async def _collect(
@@ -218,7 +257,8 @@ async def _events(
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
-    gateway = Gateway(settings)
+    authenticator = Authenticator.from_settings(settings.token, settings.api_keys)
+    gateway = Gateway(settings, authenticator)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -230,7 +270,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.gateway = gateway
     # Added last runs first: the key check, then the body limit, then the routes.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
-    authenticator = Authenticator.from_settings(settings.token, settings.api_keys)
     app.add_middleware(AuthGuard, authenticator=authenticator)
 
     @app.middleware("http")

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pipeshard.sampling import MAX_STOP, MAX_STOP_CHARS
 from pipeshard.services.gateway.errors import GatewayError
 
 # The coordinator's int32 fields (max_tokens, top_k): larger values are a 400 naming the field.
@@ -46,6 +47,16 @@ class OpenAIRequest(BaseModel):
     user: str | None = None  # an end-user id for abuse tracking; nothing to do with generation
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"may hold at most {MAX_STOP} sequences, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"sequences may be at most {MAX_STOP_CHARS} characters")
+        return stop
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -47,6 +47,32 @@ class GatewaySettings:
         "unsent bytes a connection may hold (gateway buffer and socket send buffer each) before its "
         "writes count as not drained (0 = 64 KiB and the kernel's default)",
     )
+    max_streams_per_identity: int = setting(
+        4,
+        "SSE streams one caller (API key, fleet token, or host of an open gateway) may hold open; "
+        "one more is 429",
+    )
+    max_streams: int = setting(
+        8,
+        "SSE streams all callers may hold open; keep it below the coordinator's --max-running so "
+        "non-streamed requests always find a slot",
+    )
+    trusted_proxies: str = setting(
+        "",
+        "comma-separated addresses of reverse proxies whose X-Forwarded-For (its last entry) names "
+        "the caller's host for the stream caps; empty: the connection's own peer",
+    )
+    tls_cert: Path | None = setting(
+        None, "certificate (PEM, its chain after it) the gateway serves HTTPS with; with --tls-key"
+    )
+    tls_key: Path | None = setting(None, "private key (PEM) of --tls-cert")
+    allow_plaintext: bool = setting(
+        False,
+        "serve plain HTTP on an address other than loopback (API keys would cross the network in clear)",
+    )
     metrics_port: int = setting(0, "Prometheus /metrics port (0 = disabled)")
+    metrics_host: str = setting(
+        "127.0.0.1", "address /metrics listens on: loopback unless told (it is plaintext and unauthenticated)"
+    )
     log_format: str = setting("json", "log line format", choices=("json", "console"))
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error", "critical"))

@@ -26,7 +26,7 @@ from pipeshard.services.stage.servicer import StageServicer
 from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.services.stage.static_engine import StaticEngine
 from pipeshard.services.stage.step_engine import RowEngine
-from pipeshard.services.stage.wire import WIRE_DTYPES
+from pipeshard.services.stage.wire import DEFAULT_MAX_FRAME_TOKENS, WIRE_DTYPES
 from pipeshard.services.transport.hop import HopStream
 from pipeshard.settings import ServerSettings, load_settings, setting
 from pipeshard.shard.compile_cache import OFF
@@ -83,6 +83,11 @@ class StageSettings(ServerSettings):
         "fp32",
         "dtype of hidden states on the wire; fp16 and bf16 are LOSSY (fewer bytes)",
         choices=WIRE_DTYPES,
+    )
+    max_frame_tokens: int = setting(
+        DEFAULT_MAX_FRAME_TOKENS,
+        "positions one Forward frame may carry; a frame declaring more is refused (RESOURCE_EXHAUSTED) "
+        "before its tensor is decompressed",
     )
     exporter: str | None = setting(None, "exporter to pull this stage's shard from when it is missing")
     raw_tcp_port: int = setting(0, "also serve the raw-TCP baseline on this port (benchmarks; 0 = off)")
@@ -336,6 +341,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         wire_dtype=settings.wire_dtype,
         results_delay_s=delay_s,
         kv=kv,
+        max_frame_tokens=settings.max_frame_tokens,
     )
     info = stage_pb2.GetStageInfoResponse(
         stage_index=settings.stage,

@@ -23,6 +23,8 @@ from pipeshard.services.stage.kv import StageKv
 from pipeshard.services.stage.results import ResultBroker
 from pipeshard.services.stage.step_engine import RowEngine
 from pipeshard.services.stage.wire import (
+    DEFAULT_MAX_FRAME_TOKENS,
+    FrameLimits,
     error_frame,
     error_result,
     frame_from_outputs,
@@ -48,9 +50,11 @@ class StageNode:
         wire_dtype: str = "fp32",
         results_delay_s: float = 0.0,
         kv: StageKv | None = None,
+        max_frame_tokens: int = DEFAULT_MAX_FRAME_TOKENS,
     ):
         """``codec`` picks the compression of each frame sent on (fixed or measured per link);
-        ``wire_dtype`` fp16/bf16 narrows hidden states on the wire (lossy, opt-in)."""
+        ``wire_dtype`` fp16/bf16 narrows hidden states on the wire (lossy, opt-in);
+        ``max_frame_tokens``: the most positions one frame may carry (refused before decoding)."""
         if engine.is_last != (next_hop is None):
             raise ValueError("exactly the final stage has no next hop")
         self.engine = engine
@@ -64,6 +68,7 @@ class StageNode:
         self._wire_dtype = wire_dtype
         self.kv = kv  # KV capture/restore and the prefix cache (None: a node without a shard runtime)
         self._port = input_port(engine.is_first)
+        self._limits = FrameLimits(engine.hidden_size, max_frame_tokens)
         self._reaper: asyncio.Task | None = None
 
     @property
@@ -81,7 +86,7 @@ class StageNode:
             await self._pass_on_error(frame, frame.error, frame.owner)
             return None
         try:
-            step = step_from_frame(frame, self._port)
+            step = step_from_frame(frame, self._port, self._limits)
             trace.mark("decoded", frame.session_id, frame.step_id)
             # Inline on the event-loop thread: measured 0.3 ms per transfer and about 1.4 ms of
             # inference per token cheaper than a worker thread (docs/BENCHMARKS.md); frames that
@@ -179,6 +184,8 @@ class StageNode:
 
     def _forget_owner(self, owner: str) -> None:
         self._results_links.pop(owner, None)
+        if self.kv is not None:
+            self.kv.store.forget_owner(owner)
         for key in [k for k in self._results_codecs if k[0] == owner]:
             del self._results_codecs[key]
 

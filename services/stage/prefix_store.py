@@ -113,6 +113,10 @@ class PrefixStore:
         gone = self._dropped.pop(owner_digest(owner), set())
         return sorted(key for key in gone if not self._holds(owner, key))
 
+    def forget_owner(self, owner: str) -> None:
+        """An owner that left (its lease ran out): nobody will take its dropped keys any more."""
+        self._dropped.pop(owner_digest(owner), None)
+
     def _holds(self, owner: str, key: str) -> bool:
         return (owner, key) in self._blocks or (self.spill is not None and self.spill.holds(owner, key))
 

@@ -61,15 +61,40 @@ class Subscription:
         )
 
 
+MAX_SUBSCRIPTIONS_PER_OWNER = 16  # a coordinator holds one per lane it runs on this stage
+MAX_SUBSCRIPTIONS = 256
+
+
 class ResultBroker:
-    def __init__(self, delay_s: float = 0.0, max_pending: int = 4096) -> None:
+    def __init__(
+        self,
+        delay_s: float = 0.0,
+        max_pending: int = 4096,
+        *,
+        max_per_owner: int = MAX_SUBSCRIPTIONS_PER_OWNER,
+        max_total: int = MAX_SUBSCRIPTIONS,
+    ) -> None:
         self._delay_s = delay_s
         self._max_pending = max_pending
+        self._max_per_owner = max_per_owner
+        self._max_total = max_total
         self._subscriptions: dict[tuple[str, str], Subscription] = {}
 
     def subscribe(self, owner: str, subscriber_id: str) -> Subscription:
         """A new subscription replaces the owner's older one with the same id (a reconnecting
-        coordinator); another owner's subscriptions are untouched whatever their ids."""
+        coordinator); another owner's subscriptions are untouched whatever their ids. Each
+        subscription holds a queue: an owner and the stage have a bounded number."""
+        if (owner, subscriber_id) not in self._subscriptions:
+            held = sum(1 for o, _ in self._subscriptions if o == owner)
+            if held >= self._max_per_owner:
+                raise ResourceExhausted(
+                    f"results subscriptions: this owner holds {held}, the max_subscriptions_per_owner"
+                )
+            if len(self._subscriptions) >= self._max_total:
+                raise ResourceExhausted(
+                    f"results subscriptions: the stage holds {len(self._subscriptions)}, "
+                    "its max_subscriptions"
+                )
         subscription = Subscription(subscriber_id, self._delay_s, self._max_pending)
         self._subscriptions[(owner, subscriber_id)] = subscription
         return subscription

@@ -14,8 +14,16 @@ from pipeshard import trace
 from pipeshard.errors import InvalidArgument, PermissionDenied
 from pipeshard.ownership import owner_from_metadata
 from pipeshard.services.stage.node import StageNode
+from pipeshard.services.stage.wire import check_id
 from pipeshard.services.transport.hop import PROBE_BYTES, PROBE_TRAIN
-from pipeshard.shard.kvblob import SnapshotAssembler, from_proto, snapshot_chunks, to_proto
+from pipeshard.shard.kvblob import (
+    RestoreLimits,
+    SnapshotAssembler,
+    check_chunk_bytes,
+    from_proto,
+    snapshot_chunks,
+    to_proto,
+)
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -58,6 +66,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     async def Results(self, request, context):
         owner = _owner(context)
+        check_id("subscriber_id", request.subscriber_id)
         subscription = self._node.results.subscribe(owner, request.subscriber_id)
         await context.send_initial_metadata(())  # lets the subscriber see it is live
         try:
@@ -75,6 +84,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     async def OpenSession(self, request, context):
         owner = _owner(context)
+        check_id("session_id", request.session_id)
         self._node.note_results_link(owner, request.results_link_bandwidth_bytes_per_second)
         self._node.open_session(owner, request.session_id, request.capacity or None, request.codec)
         return stage_pb2.OpenSessionResponse(max_context=self._node.engine.max_context)
@@ -109,10 +119,15 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         blob = kv.capture(owner, request.session_id, request.token_ids, request.from_position)
         return stage_pb2.CaptureKvResponse(snapshot=to_proto(blob), positions=blob.positions)
 
+    def _limits(self) -> RestoreLimits:
+        return RestoreLimits.of(self._node.kv.source, self._node.engine.max_context)
+
     async def RestoreKv(self, request, context):
         owner, kv = _owner(context), self._node.kv
+        check_id("session_id", request.session_id)
         if request.HasField("snapshot"):
-            positions = kv.restore(owner, request.session_id, from_proto(request.snapshot))
+            blob = from_proto(request.snapshot, kv.source, self._node.engine.max_context)
+            positions = kv.restore(owner, request.session_id, blob)
         else:
             positions = kv.restore_cached(
                 owner, request.session_id, request.cache_scope, request.cached_token_ids, request.positions
@@ -123,13 +138,14 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         if request.capture.keep_in_cache:
             raise InvalidArgument("capture.keep_in_cache", "must be false: keep with CaptureKv")
         capture, owner = request.capture, _owner(context)
+        chunk_bytes = check_chunk_bytes(request.chunk_bytes)
 
         def snapshot() -> tuple[int, int, list[bytes]]:
             # Off the event loop: copying and hashing a long session's KV would stall every frame.
             blob = self._node.kv_service.capture(
                 owner, capture.session_id, capture.token_ids, capture.from_position
             )
-            return (blob.positions, *snapshot_chunks(to_proto(blob), request.chunk_bytes))
+            return (blob.positions, *snapshot_chunks(to_proto(blob), chunk_bytes))
 
         positions, total, chunks = await asyncio.to_thread(snapshot)
         for chunk in chunks:
@@ -139,12 +155,18 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     async def RestoreKvStream(self, request_iterator, context):
         owner, session_id, parts = _owner(context), "", []  # one assembler per part
+        limits, announced, chunks = self._limits(), 0, 0
         async for request in request_iterator:
             if not parts:
                 session_id = request.session_id
+                check_id("session_id", session_id)
                 trace.mark("restore_first_chunk", session_id, 0)
             if not parts or request.next_part:
+                announced += max(request.snapshot_bytes, 0)
+                limits.check(len(parts) + 1, announced, chunks)  # before the part is taken in
                 parts.append(SnapshotAssembler(request.snapshot_bytes))
+            chunks += 1
+            limits.check(len(parts), announced, chunks)
             parts[-1].add(request.snapshot_chunk)
         if not parts:
             raise InvalidArgument("snapshot_chunk", "the stream sent no chunk")
@@ -153,7 +175,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
         def checked_blob():
             # Off the event loop: decoding and hashing a long session's KV would stall every frame.
-            return self._node.kv.check_parts([from_proto(part.snapshot()) for part in parts])
+            source, most = self._node.kv.source, self._node.engine.max_context
+            return self._node.kv.check_parts([from_proto(part.snapshot(), source, most) for part in parts])
 
         trace.mark("restore_received", session_id, 0)
         blob = await asyncio.to_thread(checked_blob)

@@ -270,8 +270,9 @@ def check_tree_parents(row: StepRow) -> None:
                 "tree_parents", f"must hold one entry per token ({tokens}), got {len(parents)}"
             )
         for i, parent in enumerate(parents):
-            below = row.positions[0] if parent < 0 else row.positions[parent] + 1
-            if not -1 <= parent < i or row.positions[i] != below:
+            # The range first: a parent beyond the row would index its positions out of bounds.
+            ok = -1 <= parent < i
+            if not ok or row.positions[i] != (row.positions[0] if parent < 0 else row.positions[parent] + 1):
                 raise InvalidArgument(
                     "tree_parents",
                     f"entry {i} must name an earlier token (or -1) one position before it, got {parent}",

@@ -7,13 +7,15 @@ row): :func:`step_from_frame` reads one, :func:`frame_from_step` writes one.
 
 from __future__ import annotations
 
+import math
 import time
 import zlib
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from pipeshard.errors import InvalidArgument, PipeshardError
+from pipeshard.errors import InvalidArgument, PipeshardError, ResourceExhausted
 from pipeshard.sampling import Distribution, check_rng_state
 from pipeshard.services.stage.domain import ReturnMode, RowKind, SamplingStep, Step, StepOutput, StepRow
 from pipeshard.shard.draft_heads import HeadCandidates
@@ -43,13 +45,57 @@ _PB_KINDS = {kind: pb for pb, kind in _KINDS.items()}
 WIRE_DTYPES = ("fp32", "fp16", "bf16")  # fp16 and bf16 are LOSSY opt-ins (docs/BENCHMARKS.md)
 
 
-def step_from_frame(frame: activation_pb2.ActivationFrame, port: str) -> Step:
+DEFAULT_MAX_FRAME_TOKENS = 8192  # a 4096-token prefill (the largest chunk) twice over
+MAX_ID_CHARS = 256  # session and subscriber ids: a uuid is 36
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    """What one frame may carry into a stage, held against the tensor's declared shape before
+    anything is decompressed: the shard's hidden size and a token count per frame."""
+
+    hidden_size: int
+    max_tokens: int = DEFAULT_MAX_FRAME_TOKENS
+
+    def check(self, tensor: tensor_pb2.Tensor, port: str, positions: int) -> int:
+        """The bytes ``tensor`` may decode to; refuses a frame beyond the limits, naming them."""
+        if positions > self.max_tokens:
+            raise ResourceExhausted(
+                f"`positions` holds {positions} tokens, over this stage's max_frame_tokens {self.max_tokens}"
+            )
+        want = [1, positions] if port == "input_ids" else [1, positions, self.hidden_size]
+        if list(tensor.shape) != want:
+            raise InvalidArgument(
+                port, f"must have shape {want} for the frame's positions, got {list(tensor.shape)}"
+            )
+        return math.prod(want) * (8 if port == "input_ids" else 4)
+
+
+def check_id(field: str, value: str) -> None:
+    """Ids are keys of tables the stage keeps: bounded, so a caller cannot fill memory with one."""
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidArgument(field, f"is {len(value)} characters, over the {MAX_ID_CHARS}-character limit")
+
+
+def step_from_frame(
+    frame: activation_pb2.ActivationFrame, port: str, limits: FrameLimits | None = None
+) -> Step:
     """Decode a step frame for a stage whose input port is ``port`` (input_ids or hidden_states):
-    one row per plan row, each taking its ``tokens`` of the positions and tensor rows in order."""
+    one row per plan row, each taking its ``tokens`` of the positions and tensor rows in order.
+    ``limits``: the stage's own, checked on the declared shape before the tensor is decoded."""
     tensors = {t.name: t.tensor for t in frame.tensors}
     if port not in tensors:
         raise InvalidArgument("tensors", f"must carry {port!r}, got {sorted(tensors) or 'none'}")
-    x = _widen(decode(tensors[port], field=port))
+    if limits is None:
+        x = _widen(decode(tensors[port], field=port))
+    else:
+        if not frame.plan.rows:
+            raise InvalidArgument("plan", "must hold at least one row")
+        for row in frame.plan.rows:
+            check_id("plan.rows.session_id", row.session_id)
+        check_id("owner", frame.owner)
+        need = limits.check(tensors[port], port, len(frame.positions))
+        x = _widen(decode(tensors[port], field=port, max_bytes=need, limit="frame shape"))
     rows = frame.plan.rows
     if not rows:
         raise InvalidArgument("plan", "must hold at least one row")

@@ -357,3 +357,37 @@ def test_running_limit_is_the_identitys_own_else_the_default_capped_by_max_runni
     assert scheduler.running_limit(ALICE) == 3
     assert scheduler.running_limit(Identity("key:big", max_running=10)) == 4
     assert scheduler.running_limit(Identity("key:small", max_running=1)) == 1
+
+
+def test_a_small_request_overtakes_a_blocked_head_a_bounded_number_of_times():
+    """Backfill: a short request of the same identity runs ahead of a long one that does not fit
+    yet (never-read streams must not hold a normal request in the queue), but at most max_running
+    small ones overtake one head, so a large request is not starved."""
+
+    async def scenario():
+        kv = KvMirror([budget(pool=100, share=50)])
+        scheduler = Scheduler(max_running=3, max_queue=16, kv=kv)
+        users = Users(scheduler)
+        users.start("stream-1", ALICE, tokens=200)  # 20 blocks
+        users.start("stream-2", ALICE, tokens=200)
+        users.start("stream-3", ALICE, tokens=200)  # 60 > 50: waits
+        users.start("chat", ALICE, tokens=40)  # 4 blocks: fits, and is small beside the head
+        await settle()
+        assert users.order == ["stream-1", "stream-2", "chat"]
+        await users.finish("chat")
+        for name in ("small-1", "small-2", "small-3"):
+            users.start(name, ALICE, tokens=10)
+        await settle()
+        assert users.order[3:] == ["small-1"]  # the running slots are full now
+        await users.finish("small-1")
+        await settle()
+        # The head was overtaken max_running (3) times: the next small one waits behind it.
+        assert users.order[4:] == ["small-2"]
+        await users.finish("small-2")
+        await settle()
+        assert "small-3" not in users.order
+        await users.finish("stream-1")
+        await settle()
+        assert users.order[5] == "stream-3"
+
+    asyncio.run(scenario())

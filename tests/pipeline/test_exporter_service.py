@@ -24,11 +24,27 @@ def int4_export(smollm2_export):
 
 
 @pytest.fixture(scope="module")
-def exporter(int4_export, tmp_path_factory):
+def models_dir(smollm2_dir, tmp_path_factory):
+    """The exporter's models folder: the default model (linked) and what a test builds there."""
+    root = tmp_path_factory.mktemp("models")
+    (root / smollm2_dir.name).symlink_to(smollm2_dir.resolve())
+    return root
+
+
+@pytest.fixture(scope="module")
+def exporter(int4_export, models_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("exporter")
     proc = spawn(
         "exporter",
-        ["exporter-service", "--shards-dir", str(int4_export.parent), "--port", "0"],
+        [
+            "exporter-service",
+            "--shards-dir",
+            str(int4_export.parent),
+            "--models-dir",
+            str(models_dir),
+            "--port",
+            "0",
+        ],
         run_dir,
         dict(os.environ),
         120,
@@ -49,6 +65,8 @@ def stub(exporter):
     [
         ({"model": "", "stages": 2}, "`model`"),
         ({"model": "/nonexistent/model", "stages": 2}, "`model`"),
+        ({"model": "../smollm2-135m-instruct", "stages": 2}, "`model`"),
+        ({"model": "nonexistent-model", "stages": 2}, "`model`"),
         ({"model": "smollm2-135m-instruct", "stages": 31}, "`stages`"),
         ({"model": "smollm2-135m-instruct", "split": [10, 10]}, "`split`"),
         (
@@ -60,23 +78,29 @@ def stub(exporter):
     ],
 )
 def test_bad_export_requests_name_the_field(stub, smollm2_dir, request_fields, field):
-    if request_fields.get("model") == "smollm2-135m-instruct":
-        request_fields = {**request_fields, "model": str(smollm2_dir)}
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Export(exporter_pb2.ExportRequest(**request_fields), timeout=60))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert field in info.value.details()
 
 
-def test_export_streams_progress_then_manifest(stub, tmp_path):
+def test_a_model_outside_the_models_folder_is_refused_by_name(stub, smollm2_dir):
+    for model in (str(smollm2_dir.resolve()), f"{smollm2_dir.name}/../{smollm2_dir.name}"):
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Export(exporter_pb2.ExportRequest(model=model, stages=1), timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "`model`" in info.value.details() and "no path" in info.value.details()
+
+
+def test_export_streams_progress_then_manifest(stub, models_dir):
     import json
 
-    model_dir = tmp_path / "tiny-llama"
+    model_dir = models_dir / "tiny-llama"
     build_tiny("llama", model_dir)
     events = list(
         stub.Export(
             exporter_pb2.ExportRequest(
-                model=str(model_dir), stages=2, weights="fp32", out="tiny-service-test", force=True
+                model=model_dir.name, stages=2, weights="fp32", out="tiny-service-test", force=True
             ),
             timeout=300,
         )
@@ -135,3 +159,14 @@ def test_damaged_source_file_fails_the_pull(exporter, int4_export, tmp_path_fact
     finally:
         proc.popen.terminate()
         proc.popen.wait(15)
+
+
+def test_a_forced_export_never_replaces_what_stages_pulled(exporter, stub, int4_export, tmp_path):
+    pull_shard(exporter.address, tmp_path / int4_export.name, 1)
+    request = exporter_pb2.ExportRequest(
+        model="smollm2-135m-instruct", stages=2, weights="int4", out=int4_export.name, force=True
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Export(request, timeout=60))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "pulled" in info.value.details()

@@ -151,6 +151,8 @@ def test_logprobs_of_the_chosen_tokens_match_grpc(fleet, api, prompts):
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 100_000}, "max_tokens"),  # refused by the coordinator (INVALID_ARGUMENT)
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),  # OpenAI's rule: at most 4
+        ({"stop": "x" * 1000}, "stop"),
     ],
 )
 def test_bad_requests_are_400_naming_the_parameter(api, extra, param):
@@ -313,11 +315,12 @@ def test_invented_tokens_are_one_identity_in_plaintext(fleet):
     assert served - served_before == outcomes.count("served") > 0
 
 
-def _stalled_stream(address: str) -> socket.socket:
+def _stalled_stream(address: str, small_buffer: bool = True) -> socket.socket:
     """A streaming completion whose reader never reads (and keeps its receive buffer small)."""
     host, port = address.rsplit(":", 1)
     sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    if small_buffer:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
     sock.connect((host, int(port)))
     body = json.dumps(
         {"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 2000, "ignore_eos": True, "stream": True}
@@ -325,6 +328,27 @@ def _stalled_stream(address: str) -> socket.socket:
     head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
     return sock
+
+
+def test_a_stop_list_flood_is_refused_by_name_and_the_coordinator_serves_on(fleet, api):
+    """A million stop strings, matched after every token on the coordinator's event loop, would
+    stall every user: refused before the request is tokenized, over gRPC and over HTTP."""
+    import grpc
+
+    request = build_request(messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    request.params.stop.extend(f"s{i}" for i in range(1_000_000))
+    with grpc.insecure_channel(fleet.coordinator, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request, timeout=120))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "`stop`" in info.value.details() and "at most 4" in info.value.details()
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], stop=[f"s{i}" for i in range(10_000)]
+        )
+    assert refused.value.param == "stop"
+    assert grpc_generate(fleet, "Say hi.").completion_tokens > 0
 
 
 def test_streams_whose_reader_never_reads_are_cancelled_and_free_their_slots(fleet, api):
@@ -344,12 +368,33 @@ def test_streams_whose_reader_never_reads_are_cancelled_and_free_their_slots(fle
             )
             if busy == 0 and metric(gateway, stalled, reason="stalled_write") > before:
                 break
-        assert metric(gateway, stalled, reason="stalled_write") - before >= 8  # at least every slot's
+        # Every admitted stream's (--max-streams-per-identity: the others were 429 at once).
+        assert metric(gateway, stalled, reason="stalled_write") - before >= 4
         assert busy == 0
         reply = api.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
         )
         assert reply.choices[0].message.content
+    finally:
+        for sock in streams:
+            sock.close()
+
+
+def test_never_read_streams_leave_a_normal_request_answered(fleet):
+    """30 never-read 2000-token streams from default client sockets (their bytes fit in the
+    buffers for minutes, so no drain timeout cuts them): a normal request is still answered, from
+    the same host, because one caller holds at most --max-streams-per-identity streams and the
+    gateway's streams leave the coordinator a reserve of slots."""
+    streams = [_stalled_stream(fleet.gateway, small_buffer=False) for _ in range(30)]
+    try:
+        time.sleep(2)  # every stream is admitted or refused by now
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        reply = httpx.post(f"http://{fleet.gateway}/v1/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"]
+        one_more = {"model": MODEL, "prompt": "1,", "max_tokens": 4, "stream": True}
+        refused = httpx.post(f"http://{fleet.gateway}/v1/completions", json=one_more, timeout=60)
+        assert refused.status_code == 429 and "max-streams-per-identity" in refused.text
     finally:
         for sock in streams:
             sock.close()

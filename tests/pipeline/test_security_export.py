@@ -34,11 +34,21 @@ def shards_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stub(shards_dir, tmp_path_factory):
+def stub(shards_dir, tiny_model, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("exporter")
     proc = spawn(
         "exporter",
-        ["exporter-service", "--shards-dir", str(shards_dir), "--port", "0", "--token", TOKEN],
+        [
+            "exporter-service",
+            "--shards-dir",
+            str(shards_dir),
+            "--models-dir",
+            str(tiny_model.parent),
+            "--port",
+            "0",
+            "--token",
+            TOKEN,
+        ],
         run_dir,
         dict(os.environ),
         120,
@@ -50,7 +60,7 @@ def stub(shards_dir, tmp_path_factory):
 
 
 def export_request(model, out: str, force: bool = False) -> exporter_pb2.ExportRequest:
-    return exporter_pb2.ExportRequest(model=str(model), stages=2, weights="fp32", out=out, force=force)
+    return exporter_pb2.ExportRequest(model=model.name, stages=2, weights="fp32", out=out, force=force)
 
 
 def test_export_and_fetch_need_the_token(stub, tiny_model):

@@ -32,6 +32,7 @@ class FinalEngine:
 
     is_first = False
     is_last = True
+    hidden_size = 576
 
     def __init__(self, logits: np.ndarray):
         self.logits = logits
