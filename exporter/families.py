@@ -2,9 +2,11 @@
 
 Every supported family is a decoder-only transformer with RMSNorm, rotary attention with
 grouped KV heads and a SwiGLU MLP; they differ only in where their config keeps things, in
-the tensor names and in whether q/k/v (and o) projections carry a bias. One ``Family`` value
-per model type describes that, and :func:`resolve_spec` turns a ``config.json`` into the
-plain numbers the stage module is built from.
+the tensor names, in whether q/k/v (and o) projections carry a bias, whether queries and keys
+are RMS-normed per head (QK-norm: Qwen3) and whether q/k/v and gate/up are stored as one fused
+matrix each (Phi-3; the loader splits them by rows). One ``Family`` value per model type
+describes that, and :func:`resolve_spec` turns a ``config.json`` into the plain numbers the
+stage module is built from.
 """
 
 from __future__ import annotations
@@ -54,6 +56,20 @@ class Family:
     embed: str = "model.embed_tokens.weight"
     final_norm: str = "model.norm.weight"
     lm_head: str = "lm_head.weight"
+    # QK-norm: per-head RMSNorm weights of queries and keys, before rotary (None: no QK-norm).
+    q_norm: str | None = None
+    k_norm: str | None = None
+    # Fused projections: one [q + 2 kv, hidden] matrix, one [2 intermediate, hidden] (gate rows
+    # first); None: separate q/k/v and gate/up tensors.
+    qkv_proj: str | None = None
+    gate_up_proj: str | None = None
+    # Real weights of this family that pipeshard installs (`pipeshard model list`); None: only
+    # synthetic shapes (`pipeshard model synth`) or a folder the user brings.
+    real_weights: str | None = None
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.q_norm is not None
 
     def layer_tensor(self, layer: int, part: str, kind: str = "weight") -> str:
         """Full tensor name of ``part`` (a field value such as ``self.q_proj``) in ``layer``."""
@@ -61,9 +77,22 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family(name="llama", qkv_bias="attention_bias", o_bias="attention_bias"),
+    "llama": Family(
+        name="llama",
+        qkv_bias="attention_bias",
+        o_bias="attention_bias",
+        real_weights="SmolLM2-135M-Instruct, bundled (`pipeshard model fetch`)",
+    ),
     "mistral": Family(name="mistral"),
     "qwen2": Family(name="qwen2", qkv_bias=True),
+    "qwen3": Family(
+        name="qwen3",
+        qkv_bias="attention_bias",
+        o_bias="attention_bias",
+        q_norm="self_attn.q_norm",
+        k_norm="self_attn.k_norm",
+    ),
+    "phi3": Family(name="phi3", qkv_proj="self_attn.qkv_proj", gate_up_proj="mlp.gate_up_proj"),
 }
 
 
@@ -166,6 +195,7 @@ class ModelSpec:
             "max_position_embeddings": self.max_positions,
             "qkv_bias": self.qkv_bias,
             "o_bias": self.o_bias,
+            "qk_norm": self.family.qk_norm,
             "sliding_window": self.sliding_window,
             "rope_scaling": None if self.rope_scaling is None else self.rope_scaling.to_json(),
             "synthetic": self.synthetic,
@@ -198,8 +228,10 @@ def resolve_spec(config: dict[str, Any]) -> ModelSpec:
     rope_scaling = _rope_scaling(config.get(f.rope_scaling))
     if config.get("mlp_bias"):
         raise InvalidArgument("model", "uses mlp_bias, which the stage module does not implement")
+    if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise InvalidArgument("model", "uses partial_rotary_factor != 1 (rotary on part of each head only)")
     window = config.get("sliding_window")
-    if family.name == "qwen2" and not config.get("use_sliding_window", False):
+    if family.name in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
         window = None
     return ModelSpec(
         family=family,

@@ -61,6 +61,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(spec.num_heads * d, h, bias=spec.o_bias)
+        # QK-norm (Qwen3): each head's query and key RMS-normed over head_dim, before rotary.
+        self.q_norm = RMSNorm(d, spec.rms_eps) if spec.family.qk_norm else None
+        self.k_norm = RMSNorm(d, spec.rms_eps) if spec.family.qk_norm else None
 
     def _repeat_kv(self, x: torch.Tensor) -> torch.Tensor:
         # The Unsqueeze/Broadcast/Reshape GQA pattern the CPU plugin's SDPA fusion recognises.
@@ -75,8 +78,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, past_k, past_v):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
