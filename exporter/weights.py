@@ -97,6 +97,9 @@ def layer_tensor_names(spec: ModelSpec, layer: int) -> dict[str, TensorRef]:
     parts["mlp.down_proj.weight"] = TensorRef(f.layer_tensor(layer, f.down_proj))
     parts["input_layernorm.weight"] = TensorRef(f.layer_tensor(layer, f.input_norm))
     parts["post_attention_layernorm.weight"] = TensorRef(f.layer_tensor(layer, f.post_attention_norm))
+    if f.pre_mlp_norm is not None and f.post_mlp_norm is not None:
+        parts["pre_feedforward_layernorm.weight"] = TensorRef(f.layer_tensor(layer, f.pre_mlp_norm))
+        parts["post_feedforward_layernorm.weight"] = TensorRef(f.layer_tensor(layer, f.post_mlp_norm))
     return parts
 
 

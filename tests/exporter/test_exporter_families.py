@@ -11,7 +11,7 @@ import torch
 from pipeshard.shard.chain import LocalChain
 from pipeshard.shard.paged import PagedRow, PagedShard
 
-FAMILIES = ("qwen3", "phi3")
+FAMILIES = ("qwen3", "phi3", "gemma3_text")
 RTOL = ATOL = 1e-4
 PROMPT, NEW_TOKENS = 9, 24
 
