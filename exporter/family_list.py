@@ -26,7 +26,7 @@ class FamilyRow:
         if self.shapes:
             sources.append(f"synthetic shapes: {', '.join(self.shapes)}")
         features = ", ".join(self.features) or "-"
-        return f"{self.family:<8} {features:<28} {'; '.join(sources) or 'bring a Hugging Face folder'}"
+        return f"{self.family:<12} {features:<36} {'; '.join(sources) or 'bring a Hugging Face folder'}"
 
 
 def _features(family: Family) -> tuple[str, ...]:
@@ -39,6 +39,12 @@ def _features(family: Family) -> tuple[str, ...]:
         out.append("QK-norm")
     if family.qkv_proj or family.gate_up_proj:
         out.append("fused qkv, gate-up")
+    if family.pre_mlp_norm:
+        out.append("four norms")
+    if family.embed_scaled:
+        out.append("scaled embedding")
+    if family.local_rope_theta:
+        out.append("local/global layers")
     return tuple(out)
 
 
@@ -64,7 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    print(f"{'family':<8} {'beyond the Llama shape':<28} weights")
+    print(f"{'family':<12} {'beyond the Llama shape':<36} weights")
     for row in family_rows():
         print(row.render())
     return 0
