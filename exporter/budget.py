@@ -23,7 +23,8 @@ EXPORT_BASE = 900 * 2**20
 def layer_params(spec: ModelSpec) -> int:
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     bias = (q + 2 * kv if spec.qkv_bias else 0) + (spec.hidden_size if spec.o_bias else 0)
-    return spec.hidden_size * (2 * q + 2 * kv) + 3 * spec.hidden_size * spec.intermediate_size + bias
+    norms = 2 * spec.head_dim if spec.family.qk_norm else 0
+    return spec.hidden_size * (2 * q + 2 * kv) + 3 * spec.hidden_size * spec.intermediate_size + bias + norms
 
 
 def stage_params(spec: ModelSpec, layer_start: int, layer_end: int) -> int:

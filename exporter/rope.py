@@ -10,16 +10,18 @@ import torch
 from pipeshard.exporter.families import ModelSpec
 
 
-def inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """``1 / theta^(2i/d)``, then Llama 3.x's scaling when the spec has it.
+def inv_freq(spec: ModelSpec, local: bool = False) -> torch.Tensor:
+    """``1 / theta^(2i/d)``, then Llama 3.x's scaling when the spec has it; ``local``: the
+    sliding-window layers' own base (Gemma 3's ``rope_local_base_freq``), never scaled.
 
     llama3: wavelengths longer than ``original / low_freq_factor`` are stretched by ``factor``,
     those shorter than ``original / high_freq_factor`` kept, and the band between blended
     linearly in ``original / wavelength`` (as the published models were trained)."""
     d = spec.head_dim
-    base = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    theta = spec.local_rope_theta if local and spec.local_rope_theta else spec.rope_theta
+    base = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     rope = spec.rope_scaling
-    if rope is None:
+    if rope is None or local:
         return base
     wavelen = 2 * math.pi / base
     low_wavelen = rope.original_max_positions / rope.low_freq_factor

@@ -22,6 +22,12 @@ cache index j iff j <= past + i and attention_mask[j] == 1.
 Rotary cos/sin are computed in-graph from ``position_ids`` and a constant ``inv_freq``. The
 runtime and the speculative rewind then feed only logical positions; no cos/sin ports travel
 between processes and no caller needs to know the rotary base.
+
+Local (sliding-window) layers (Gemma 3) get a second mask and rotary table: a query at logical
+position p sees the valid cache entries of logical positions p - window + 1 .. p, where a cache
+entry's logical position is the count of valid entries before it (``cumsum(attention_mask) - 1``,
+so masked-out rewinds leave no gap in the window). On the paged backend the PagedAttention pass
+drops this mask; pipeshard.shard.paged gives those layers' PagedAttention the window instead.
 """
 
 from __future__ import annotations
@@ -36,14 +42,22 @@ from pipeshard.shard.manifest import input_port
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    """``(offset + weight) * x / rms(x)``: offset 0 for Llama-style weights, 1 for Gemma's."""
+
+    def __init__(self, size: int, eps: float, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         variance = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(variance + self.eps))
+        scale = self.weight + self.offset if self.offset else self.weight
+        return scale * (x * torch.rsqrt(variance + self.eps))
+
+
+def _norm(spec: ModelSpec, size: int) -> RMSNorm:
+    return RMSNorm(size, spec.rms_eps, spec.family.norm_offset)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -61,6 +75,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(spec.num_heads * d, h, bias=spec.o_bias)
+        # QK-norm (Qwen3): each head's query and key RMS-normed over head_dim, before rotary.
+        self.q_norm = _norm(spec, d) if spec.family.qk_norm else None
+        self.k_norm = _norm(spec, d) if spec.family.qk_norm else None
+        self.scale = (spec.query_scale or d) ** -0.5
 
     def _repeat_kv(self, x: torch.Tensor) -> torch.Tensor:
         # The Unsqueeze/Broadcast/Reshape GQA pattern the CPU plugin's SDPA fusion recognises.
@@ -75,15 +93,18 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, past_k, past_v):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         k = torch.cat([past_k, k], dim=2)
         v = torch.cat([past_v, v], dim=2)
         out = F.scaled_dot_product_attention(
-            q, self._repeat_kv(k), self._repeat_kv(v), attn_mask=mask, scale=self.head_dim**-0.5
+            q, self._repeat_kv(k), self._repeat_kv(v), attn_mask=mask, scale=self.scale
         )
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
         return self.o_proj(out), k, v
@@ -96,24 +117,34 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
+        self.gelu = spec.activation == "gelu_tanh"
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, local: bool = False):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_eps)
+        h = spec.hidden_size
+        self.local = local  # a sliding-window layer: the local mask and rotary table
+        self.input_layernorm = _norm(spec, h)
         self.self_attn = Attention(spec)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_eps)
+        self.post_attention_layernorm = _norm(spec, h)
         self.mlp = MLP(spec)
+        four = spec.family.pre_mlp_norm is not None
+        self.pre_feedforward_layernorm = _norm(spec, h) if four else None
+        self.post_feedforward_layernorm = _norm(spec, h) if four else None
 
     def forward(self, x, cos, sin, mask, past_k, past_v):
         attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v)
-        x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, k, v
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x)), k, v
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), k, v
 
 
 class StageModule(nn.Module):
@@ -130,11 +161,14 @@ class StageModule(nn.Module):
         self.is_last = layer_end == spec.num_layers
         if self.is_first:
             self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(layer_start, layer_end))
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, i in spec.local_layers) for i in range(layer_start, layer_end)
+        )
         if self.is_last:
-            self.norm = RMSNorm(spec.hidden_size, spec.rms_eps)
+            self.norm = _norm(spec, spec.hidden_size)
             self.lm_head = nn.Linear(spec.hidden_size, head_size or spec.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope.inv_freq(spec), persistent=False)
+        self.register_buffer("local_inv_freq", rope.inv_freq(spec, local=True), persistent=False)
 
     # -- port names -------------------------------------------------------------------------
     @property
@@ -162,25 +196,29 @@ class StageModule(nn.Module):
         else:
             logits_to_keep, past = None, rest
         h = self.embed_tokens(x) if self.is_first else x
+        if self.is_first and self.spec.family.embed_scaled:
+            h = h * torch.tensor(self.spec.hidden_size**0.5, dtype=torch.float32)
         t = h.shape[1]
         total = attention_mask.shape[1]
-
-        # Rotary tables from logical positions: [B, 1, T, head_dim].
-        freqs = position_ids[:, :, None].to(torch.float32) * self.inv_freq[None, None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+        cos, sin = self._rotary(position_ids, self.inv_freq)
 
         # Additive mask [B, 1, T, past + T]: causal over physical indices AND valid in attention_mask.
         q_pos = torch.arange(t, dtype=torch.int64) + (total - t)
         k_pos = torch.arange(total, dtype=torch.int64)
         allowed = (k_pos[None, :] <= q_pos[:, None])[None, None] & (attention_mask[:, None, None, :] > 0)
-        mask = torch.where(
-            allowed, torch.tensor(0.0, dtype=torch.float32), torch.tensor(torch.finfo(torch.float32).min)
-        )
+        mask = _additive(allowed)
+        if any(layer.local for layer in self.layers):
+            local_cos, local_sin = self._rotary(position_ids, self.local_inv_freq)
+            k_logical = torch.cumsum(attention_mask, dim=1) - 1  # [B, past + T]
+            within = position_ids[:, None, :, None] - k_logical[:, None, None, :] < self.spec.sliding_window
+            local_mask = _additive(allowed & within)
 
         presents = []
         for n, layer in enumerate(self.layers):
-            h, k, v = layer(h, cos, sin, mask, past[2 * n], past[2 * n + 1])
+            if layer.local:
+                h, k, v = layer(h, local_cos, local_sin, local_mask, past[2 * n], past[2 * n + 1])
+            else:
+                h, k, v = layer(h, cos, sin, mask, past[2 * n], past[2 * n + 1])
             presents += [k, v]
         if self.is_last:
             h = self.norm(h)
@@ -189,6 +227,13 @@ class StageModule(nn.Module):
             h = torch.index_select(h, 1, idx)
             h = self.lm_head(h)
         return (h, *presents)
+
+    @staticmethod
+    def _rotary(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary tables from logical positions: cos, sin [B, 1, T, head_dim]."""
+        freqs = position_ids[:, :, None].to(torch.float32) * inv_freq[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos()[:, None], emb.sin()[:, None]
 
     # -- example inputs for tracing --------------------------------------------------------
     def example_inputs(self, batch: int = 2, seq: int = 3, past: int = 4) -> tuple[torch.Tensor, ...]:
@@ -207,6 +252,12 @@ class StageModule(nn.Module):
         return tuple(inputs)
 
 
+def _additive(allowed: torch.Tensor) -> torch.Tensor:
+    return torch.where(
+        allowed, torch.tensor(0.0, dtype=torch.float32), torch.tensor(torch.finfo(torch.float32).min)
+    )
+
+
 def build_stage_module(
     spec: ModelSpec, layer_start: int, layer_end: int, weights: dict[str, torch.Tensor]
 ) -> StageModule:
@@ -217,4 +268,5 @@ def build_stage_module(
         module = StageModule(spec, layer_start, layer_end, None if head is None else head.shape[0])
     module.load_state_dict(weights, strict=True, assign=True)
     module.inv_freq = rope.inv_freq(spec)
+    module.local_inv_freq = rope.inv_freq(spec, local=True)
     return module.eval()

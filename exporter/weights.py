@@ -3,13 +3,17 @@
 A stage needs its own layers; stage 0 also the token embeddings; the last stage also the
 final norm and the LM head (the embedding matrix again when embeddings are tied). Both a
 single ``model.safetensors`` and a sharded ``model.safetensors.index.json`` are handled;
-``safe_open`` maps the file, so tensors a stage does not name are never read.
+``safe_open`` maps the file, so tensors a stage does not name are never read. A family with
+fused projections (Phi-3's qkv_proj, gate_up_proj) is split here into the stage module's q/k/v
+and gate/up by rows, so one module serves every family.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,40 +49,72 @@ def _weight_map(model_dir: Path) -> dict[str, str]:
         return dict.fromkeys(f.keys(), SINGLE_FILE)
 
 
-def layer_tensor_names(spec: ModelSpec, layer: int) -> dict[str, str]:
-    """Module-relative name -> checkpoint tensor name for one decoder layer."""
+@dataclass(frozen=True)
+class TensorRef:
+    """A checkpoint tensor, or the rows [start, stop) of one (a part of a fused projection)."""
+
+    name: str
+    start: int | None = None
+    stop: int | None = None
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.start is None else tensor[self.start : self.stop]
+
+
+def _fused(name: str, sizes: list[int]) -> list[TensorRef]:
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return [TensorRef(name, a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def layer_tensor_names(spec: ModelSpec, layer: int) -> dict[str, TensorRef]:
+    """Module-relative name -> checkpoint tensor (or rows of one) for one decoder layer."""
     f = spec.family
-    parts = {
-        "self_attn.q_proj.weight": f.layer_tensor(layer, f.q_proj),
-        "self_attn.k_proj.weight": f.layer_tensor(layer, f.k_proj),
-        "self_attn.v_proj.weight": f.layer_tensor(layer, f.v_proj),
-        "self_attn.o_proj.weight": f.layer_tensor(layer, f.o_proj),
-        "mlp.gate_proj.weight": f.layer_tensor(layer, f.gate_proj),
-        "mlp.up_proj.weight": f.layer_tensor(layer, f.up_proj),
-        "mlp.down_proj.weight": f.layer_tensor(layer, f.down_proj),
-        "input_layernorm.weight": f.layer_tensor(layer, f.input_norm),
-        "post_attention_layernorm.weight": f.layer_tensor(layer, f.post_attention_norm),
-    }
-    if spec.qkv_bias:
-        for proj, name in (("q_proj", f.q_proj), ("k_proj", f.k_proj), ("v_proj", f.v_proj)):
-            parts[f"self_attn.{proj}.bias"] = f.layer_tensor(layer, name, "bias")
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    parts: dict[str, TensorRef] = {}
+    projections = (("q_proj", f.q_proj), ("k_proj", f.k_proj), ("v_proj", f.v_proj))
+    if f.qkv_proj is None:
+        for proj, name in projections:
+            parts[f"self_attn.{proj}.weight"] = TensorRef(f.layer_tensor(layer, name))
+            if spec.qkv_bias:
+                parts[f"self_attn.{proj}.bias"] = TensorRef(f.layer_tensor(layer, name, "bias"))
+    else:
+        for kind in ("weight", "bias") if spec.qkv_bias else ("weight",):
+            split = _fused(f.layer_tensor(layer, f.qkv_proj, kind), [q, kv, kv])
+            for (proj, _), ref in zip(projections, split, strict=True):
+                parts[f"self_attn.{proj}.{kind}"] = ref
+    parts["self_attn.o_proj.weight"] = TensorRef(f.layer_tensor(layer, f.o_proj))
     if spec.o_bias:
-        parts["self_attn.o_proj.bias"] = f.layer_tensor(layer, f.o_proj, "bias")
+        parts["self_attn.o_proj.bias"] = TensorRef(f.layer_tensor(layer, f.o_proj, "bias"))
+    if f.q_norm is not None and f.k_norm is not None:
+        parts["self_attn.q_norm.weight"] = TensorRef(f.layer_tensor(layer, f.q_norm))
+        parts["self_attn.k_norm.weight"] = TensorRef(f.layer_tensor(layer, f.k_norm))
+    if f.gate_up_proj is None:
+        parts["mlp.gate_proj.weight"] = TensorRef(f.layer_tensor(layer, f.gate_proj))
+        parts["mlp.up_proj.weight"] = TensorRef(f.layer_tensor(layer, f.up_proj))
+    else:
+        gate, up = _fused(f.layer_tensor(layer, f.gate_up_proj), [spec.intermediate_size] * 2)
+        parts["mlp.gate_proj.weight"], parts["mlp.up_proj.weight"] = gate, up
+    parts["mlp.down_proj.weight"] = TensorRef(f.layer_tensor(layer, f.down_proj))
+    parts["input_layernorm.weight"] = TensorRef(f.layer_tensor(layer, f.input_norm))
+    parts["post_attention_layernorm.weight"] = TensorRef(f.layer_tensor(layer, f.post_attention_norm))
+    if f.pre_mlp_norm is not None and f.post_mlp_norm is not None:
+        parts["pre_feedforward_layernorm.weight"] = TensorRef(f.layer_tensor(layer, f.pre_mlp_norm))
+        parts["post_feedforward_layernorm.weight"] = TensorRef(f.layer_tensor(layer, f.post_mlp_norm))
     return parts
 
 
-def stage_tensor_names(spec: ModelSpec, layer_start: int, layer_end: int) -> dict[str, str]:
-    """Stage-module state-dict key -> checkpoint tensor name for layers [layer_start, layer_end)."""
+def stage_tensor_names(spec: ModelSpec, layer_start: int, layer_end: int) -> dict[str, TensorRef]:
+    """Stage-module state-dict key -> checkpoint tensor for layers [layer_start, layer_end)."""
     f = spec.family
-    names: dict[str, str] = {}
+    names: dict[str, TensorRef] = {}
     if layer_start == 0:
-        names["embed_tokens.weight"] = f.embed
+        names["embed_tokens.weight"] = TensorRef(f.embed)
     for local, layer in enumerate(range(layer_start, layer_end)):
         for key, tensor in layer_tensor_names(spec, layer).items():
             names[f"layers.{local}.{key}"] = tensor
     if layer_end == spec.num_layers:
-        names["norm.weight"] = f.final_norm
-        names["lm_head.weight"] = f.embed if spec.tie_word_embeddings else f.lm_head
+        names["norm.weight"] = TensorRef(f.final_norm)
+        names["lm_head.weight"] = TensorRef(f.embed if spec.tie_word_embeddings else f.lm_head)
     return names
 
 
@@ -89,13 +125,13 @@ def load_stage_weights(
     model_dir = Path(model_dir)
     wanted = stage_tensor_names(spec, layer_start, layer_end)
     wmap = _weight_map(model_dir)
-    missing = sorted({t for t in wanted.values() if t not in wmap})
+    missing = sorted({t.name for t in wanted.values() if t.name not in wmap})
     if missing:
         raise InvalidArgument(
             "model", f"weights lack tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}"
         )
     by_file: dict[str, list[str]] = defaultdict(list)
-    for tensor in set(wanted.values()):
+    for tensor in {t.name for t in wanted.values()}:
         by_file[wmap[tensor]].append(tensor)
     loaded: dict[str, torch.Tensor] = {}
     for file, tensors in by_file.items():
@@ -103,4 +139,4 @@ def load_stage_weights(
             for t in tensors:
                 loaded[t] = f.get_tensor(t).to(torch.float32)
     # A tied LM head is the very same tensor object as the embedding (no second copy in memory).
-    return {key: loaded[tensor] for key, tensor in wanted.items()}
+    return {key: ref.take(loaded[ref.name]) for key, ref in wanted.items()}

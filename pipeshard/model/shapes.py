@@ -1,7 +1,9 @@
 """Published architectures as typed data: what `pipeshard model synth --like NAME` reproduces.
 
-Numbers are those of each model's published ``config.json``. ``test-llama3`` is not a published
-model: a few-megabyte Llama 3-style shape (llama3 rope scaling, GQA, untied head) for tests.
+Numbers are those of each model's published ``config.json``; ``qk_norm`` (Qwen3) adds per-head
+query and key norms, ``fused`` (Phi-3) stores q/k/v and gate/up as one matrix each.
+``test-llama3`` is not a published model: a few-megabyte Llama 3-style shape (llama3 rope scaling,
+GQA, untied head) for tests.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ class Shape:
     """One decoder-only architecture (Llama-style tensor names, RMSNorm, SwiGLU, rotary GQA)."""
 
     name: str
-    model_type: str  # llama | qwen2 | mistral
+    model_type: str  # llama | qwen2 | mistral | qwen3 | phi3
     architecture: str
     num_layers: int
     hidden_size: int
@@ -35,6 +37,9 @@ class Shape:
     tie_word_embeddings: bool
     qkv_bias: bool = False
     rope_scaling: dict[str, Any] | None = None
+    qk_norm: bool = False
+    fused: bool = False
+    sliding_window: int | None = None
 
     def with_layers(self, layers: int | None) -> Shape:
         """The same shape cut to its first ``layers`` layers (tests, quick runs)."""
@@ -48,7 +53,9 @@ class Shape:
     def layer_params(self) -> int:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = q + 2 * kv if self.qkv_bias else 0
-        return self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size + bias
+        norms = 2 * self.head_dim if self.qk_norm else 0
+        matrices = self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
+        return matrices + bias + norms
 
     @property
     def params(self) -> int:
@@ -85,6 +92,18 @@ SHAPES: dict[str, Shape] = {
         Shape(
             "mistral-7b", "mistral", "MistralForCausalLM", 32, 4096, 14336, 32, 8, 128, 32768,
             1000000.0, 1e-5, 32768, tie_word_embeddings=False,
+        ),
+        Shape(
+            "qwen3-0.6b", "qwen3", "Qwen3ForCausalLM", 28, 1024, 3072, 16, 8, 128, 151936,
+            1000000.0, 1e-6, 40960, tie_word_embeddings=True, qk_norm=True,
+        ),
+        Shape(
+            "qwen3-8b", "qwen3", "Qwen3ForCausalLM", 36, 4096, 12288, 32, 8, 128, 151936,
+            1000000.0, 1e-6, 40960, tie_word_embeddings=False, qk_norm=True,
+        ),
+        Shape(
+            "phi-3-mini-4k", "phi3", "Phi3ForCausalLM", 32, 3072, 8192, 32, 32, 96, 32064,
+            10000.0, 1e-5, 4096, tie_word_embeddings=False, fused=True, sliding_window=2047,
         ),
         Shape(
             "test-llama3", "llama", "LlamaForCausalLM", 4, 64, 128, 4, 2, 16, 50000,

@@ -56,22 +56,37 @@ class TensorSpec:
 
 
 def tensor_specs(shape: Shape) -> list[TensorSpec]:
-    """Every tensor of the checkpoint, in file order (Llama-style names, shared by all families)."""
+    """Every tensor of the checkpoint, in file order (Llama-style names; Phi-3's fused q/k/v and
+    gate/up, Qwen3's q_norm and k_norm where the shape has them)."""
     h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    inter = shape.intermediate_size
     specs = [TensorSpec("model.embed_tokens.weight", (shape.vocab_size, h), "table")]
     for i in range(shape.num_layers):
         p = f"model.layers.{i}."
-        specs += [
-            TensorSpec(p + "input_layernorm.weight", (h,), "ones"),
-            TensorSpec(p + "self_attn.q_proj.weight", (q, h), "normal"),
-            TensorSpec(p + "self_attn.k_proj.weight", (kv, h), "normal"),
-            TensorSpec(p + "self_attn.v_proj.weight", (kv, h), "normal"),
-            TensorSpec(p + "self_attn.o_proj.weight", (h, q), "normal"),
-            TensorSpec(p + "post_attention_layernorm.weight", (h,), "ones"),
-            TensorSpec(p + "mlp.gate_proj.weight", (shape.intermediate_size, h), "normal"),
-            TensorSpec(p + "mlp.up_proj.weight", (shape.intermediate_size, h), "normal"),
-            TensorSpec(p + "mlp.down_proj.weight", (h, shape.intermediate_size), "normal"),
-        ]
+        specs.append(TensorSpec(p + "input_layernorm.weight", (h,), "ones"))
+        if shape.fused:
+            specs.append(TensorSpec(p + "self_attn.qkv_proj.weight", (q + 2 * kv, h), "normal"))
+        else:
+            specs += [
+                TensorSpec(p + "self_attn.q_proj.weight", (q, h), "normal"),
+                TensorSpec(p + "self_attn.k_proj.weight", (kv, h), "normal"),
+                TensorSpec(p + "self_attn.v_proj.weight", (kv, h), "normal"),
+            ]
+        specs.append(TensorSpec(p + "self_attn.o_proj.weight", (h, q), "normal"))
+        if shape.qk_norm:
+            specs += [
+                TensorSpec(p + "self_attn.q_norm.weight", (shape.head_dim,), "ones"),
+                TensorSpec(p + "self_attn.k_norm.weight", (shape.head_dim,), "ones"),
+            ]
+        specs.append(TensorSpec(p + "post_attention_layernorm.weight", (h,), "ones"))
+        if shape.fused:
+            specs.append(TensorSpec(p + "mlp.gate_up_proj.weight", (2 * inter, h), "normal"))
+        else:
+            specs += [
+                TensorSpec(p + "mlp.gate_proj.weight", (inter, h), "normal"),
+                TensorSpec(p + "mlp.up_proj.weight", (inter, h), "normal"),
+            ]
+        specs.append(TensorSpec(p + "mlp.down_proj.weight", (h, inter), "normal"))
         if shape.qkv_bias:
             specs += [
                 TensorSpec(p + "self_attn.q_proj.bias", (q,), "zeros"),
@@ -136,10 +151,18 @@ def config_json(shape: Shape, seed: int, bos: int, eos: int) -> dict:
         "pipeshard_like": shape.name,
         "pipeshard_seed": seed,
     }
-    if shape.model_type == "llama":
+    if shape.model_type in ("llama", "qwen3"):
         config["attention_bias"] = False
     if shape.model_type == "qwen2":
         config.update(use_sliding_window=False, sliding_window=shape.max_positions)
+    if shape.model_type == "qwen3":
+        config.update(use_sliding_window=False, sliding_window=None)
+    if shape.model_type == "phi3":
+        config.update(
+            sliding_window=shape.sliding_window,
+            original_max_position_embeddings=shape.max_positions,
+            partial_rotary_factor=1.0,
+        )
     return config
 
 

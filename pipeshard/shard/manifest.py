@@ -234,6 +234,15 @@ class ModelInfo:
     def synthetic(self) -> bool:  # random weights of a published shape (`pipeshard model synth`)
         return bool(self.spec.get("synthetic", False))
 
+    @property
+    def local_layers(self) -> frozenset[int]:  # sliding-window layers (Gemma 3), global indices
+        return frozenset(int(i) for i in self.spec.get("local_layers", ()))
+
+    @property
+    def sliding_window(self) -> int | None:
+        window = self.spec.get("sliding_window")
+        return int(window) if window else None
+
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> ModelInfo:
         own = ("name", "source", "fingerprint", "eos_token_ids")

@@ -16,6 +16,10 @@ Two graph edits make our export fit the pass and serve batches:
     input (the ``logits_to_keep`` slice is meaningless once all sequences share one token axis),
     so a 1024-token prefill chunk asks for one row of logits, not a 1024 x 49152 matmul.
 
+A sliding-window layer (Gemma 3's local layers) gets its window as its PagedAttention's
+``sliding_window`` input (the pass leaves 0, attend to everything, since it drops the export's
+in-graph window mask with the rest of the mask); global layers keep 0.
+
 A third edit serves draft trees: every PagedAttention's query-to-query mask inputs (QQ_BIAS,
 QQ_BIAS_BEGINS, inputs 26 and 27 of the op, left as empty constants by the pass) become the
 parameters ``qq_bias`` and ``qq_bias_begins``. A row with ``parents`` then runs as one sequence
@@ -48,6 +52,7 @@ from pipeshard.shard.compile_cache import OFF
 from pipeshard.shard.device import DEFAULT_DEVICE
 from pipeshard.shard.features import FEATURES, add_features_output
 from pipeshard.shard.kvblob import BlockLayout
+from pipeshard.shard.manifest import ModelInfo
 from pipeshard.shard.runtime import StageShard
 
 # Default KV budget per stage: 256 MiB hold about 11,000 f32 tokens of a 15-layer SmolLM2 stage.
@@ -55,6 +60,7 @@ DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 LOGITS_INDICES = "logits_indices"
 QQ_BIAS, QQ_BIAS_BEGINS = "qq_bias", "qq_bias_begins"
 _PA_QQ_BIAS = 26  # the PagedAttentionExtension inputs of the query-to-query mask (and 27, its begins)
+_PA_SLIDING_WINDOW = 10  # its sliding-window input: 0 attends to the whole cache
 
 
 @dataclass(frozen=True)
@@ -145,6 +151,21 @@ def _mask_inputs(model: ov.Model) -> None:
     model.add_parameters([bias, begins])
 
 
+def _window_inputs(model: ov.Model, layer_start: int, info: ModelInfo) -> None:
+    """Each local layer's PagedAttention attends within the model's sliding window. Its layer is
+    the stage's n-th (``key_cache.n``, numbered from the stage's first layer)."""
+    if not info.local_layers or info.sliding_window is None:
+        return
+    for node in model.get_ordered_ops():
+        if node.get_type_name() != "PagedAttentionExtension":
+            continue
+        cache = node.input(3).get_source_output().get_node().get_friendly_name()  # key_cache.n
+        if layer_start + int(cache.rsplit(".", 1)[1]) in info.local_layers:
+            window = ops.constant(np.array(info.sliding_window, dtype=np.int32))
+            node.input(_PA_SLIDING_WINDOW).replace_source_output(window.output(0))
+    model.validate_nodes_and_infer_types()
+
+
 def ancestor_mask(parents: Sequence[int]) -> np.ndarray:
     """u8 [T, T]: token i sees token j when j is i or one of its ancestors."""
     mask = np.eye(len(parents), dtype=np.uint8)
@@ -175,6 +196,7 @@ class PagedShard(StageShard):
         model = _prepare_model(
             self.core.read_model(str(self.export_dir / self.entry.model)), self.is_first, self.is_last
         )
+        _window_inputs(model, self.entry.layer_start, self.manifest.model)
         # No compiled-model cache here: OpenVINO 2026.4 writes a blob for this model transformed in
         # memory but never loads it (LOADED_FROM_CACHE stays false; each try cost 1-4 s more than
         # compiling on a SmolLM2 stage), and the transformed graph cannot be saved as IR to cache

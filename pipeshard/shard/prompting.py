@@ -1,4 +1,7 @@
-"""Turning a request into prompt ids: plain text as is, chat messages through the chat template."""
+"""Turning a request into prompt ids: plain text as is (with the bos a tokenizer asks for, as
+Gemma's does), chat messages through the chat template. A model without one (a base model such
+as Gemma 3 270M) refuses messages: it continues raw text only, and a made-up chat format would
+only look like an answer."""
 
 from __future__ import annotations
 
@@ -41,8 +44,15 @@ class Prompter:
                     )
                 if not content:
                     raise InvalidArgument(f"messages[{i}].content", "must not be empty")
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise InvalidArgument(
+                    "messages",
+                    "cannot be used with this model: it has no chat template (a base model); "
+                    "send `prompt` with the text to continue",
+                )
             chat = [{"role": r, "content": c} for r, c in messages]
             return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True))
         if not prompt:
             raise InvalidArgument("prompt", "must not be empty (or send `messages`)")
-        return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        # The tokenizer's own post-processor decides: SmolLM2's adds nothing, Gemma's a bos.
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True))

@@ -50,7 +50,7 @@ def test_unsupported_family(tmp_path):
     with pytest.raises(InvalidArgument) as err:
         get_family("gpt2")
     assert err.value.field == "model"
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
     with pytest.raises(InvalidArgument) as err:
         export_model(tmp_path, tmp_path / "out", stages=1, isolate=False)
     assert err.value.field == "model"

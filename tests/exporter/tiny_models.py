@@ -4,7 +4,9 @@ Imported by tests/exporter/conftest.py and tests/shard/conftest.py.
 
 Each family gets GQA ratios other than SmolLM2's 3 and at least one untied head:
 llama 4 heads / 2 KV (untied), qwen2 8 heads / 1 KV with q/k/v bias (tied),
-mistral 8 heads / 2 KV with head_dim 16 != hidden / heads (untied).
+mistral 8 heads / 2 KV with head_dim 16 != hidden / heads (untied), qwen3 8 heads / 2 KV with
+QK-norm and head_dim 16 (tied), phi3 4 heads / 4 KV with fused qkv and gate-up (untied), gemma3_text
+4 heads / 1 KV, a window of 4 tokens on three of its four layers and a query scale != head_dim.
 """
 
 from __future__ import annotations
@@ -27,7 +29,37 @@ TINY_CONFIGS = {
         tie_word_embeddings=False,
         rope_theta=10000.0,
     ),
+    "qwen3": dict(
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+    ),
+    "phi3": dict(
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        pad_token_id=None,
+        sliding_window=None,
+    ),
+    "gemma3_text": dict(
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_theta=1000000.0,
+        rope_local_base_freq=10000.0,
+        tie_word_embeddings=True,
+        hidden_activation="gelu_pytorch_tanh",
+    ),
 }
+# Families whose norm weights are drawn, not HF's ones, so a QK-norm or norm read from the wrong
+# tensor cannot pass.
+NORMS_DRAWN = ("qwen3", "phi3", "gemma3_text")
 COMMON = dict(
     vocab_size=256,
     hidden_size=64,
@@ -43,23 +75,37 @@ def build_tiny(family: str, folder: Path, max_shard_size: str | None = None):
     """Build, save (safetensors) and return a tiny random HF model of ``family``."""
     import torch
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     classes = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "phi3": (Phi3Config, Phi3ForCausalLM),
+        "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
     }
     config_cls, model_cls = classes[family]
     torch.manual_seed(1234)
     config = config_cls(**COMMON, **TINY_CONFIGS[family])
     model = model_cls(config).eval()
+    if family in NORMS_DRAWN:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, safe_serialization=True, **kwargs)
     return model

@@ -10,10 +10,12 @@ from safetensors import safe_open
 
 from pipeshard.errors import InvalidArgument
 from pipeshard.model.shapes import SHAPES, get_shape
-from pipeshard.model.synth import make_tensor, plan_shards, synthesize, tensor_specs
+from pipeshard.model.synth import config_json, make_tensor, plan_shards, synthesize, tensor_specs
 
 # Parameter counts as published (model cards), in billions, to two decimals.
 PUBLISHED_PARAMS = {"llama-3.2-3b": 3.21, "llama-3.1-8b": 8.03, "qwen2.5-3b": 3.09, "mistral-7b": 7.25}
+# Model cards that give one decimal only.
+PUBLISHED_PARAMS_1 = {"qwen3-0.6b": 0.6, "qwen3-8b": 8.2, "phi-3-mini-4k": 3.8}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
@@ -21,6 +23,25 @@ def test_published_shapes_have_published_parameter_counts(name):
     shape = get_shape(name)
     assert round(shape.params / 1e9, 2) == PUBLISHED_PARAMS[name]
     assert sum(torch.Size(s.shape).numel() for s in tensor_specs(shape)) == shape.params
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS_1))
+def test_new_family_shapes_have_published_counts_and_hf_tensor_names(name):
+    """Qwen3's QK-norms and Phi-3's fused matrices: the names and shapes HF's own class has."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = get_shape(name)
+    assert round(shape.params / 1e9, 1) == PUBLISHED_PARAMS_1[name]
+    assert sum(torch.Size(s.shape).numel() for s in tensor_specs(shape)) == shape.params
+    small = shape.with_layers(2)
+    config = config_json(small, 0, 1, 2)
+    hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    hf = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if small.tie_word_embeddings:
+        hf.pop("lm_head.weight")
+    assert {s.name: s.shape for s in tensor_specs(small)} == hf
 
 
 def test_unknown_shape_and_layers_are_refused():
