@@ -25,7 +25,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: batch bench-commits bench-compile-cache bench-compress bench-failover bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-spec bench-static bench-wan clean demo distil down export lint model proto run-stage serve-openai setup soak test test-exactness test-extended test-fast test-invariance up wan-down wan-up
+.PHONY: bench-ray test-ray batch bench-commits bench-compile-cache bench-compress bench-failover bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-spec bench-static bench-wan clean demo distil down export lint model proto run-stage serve-openai setup soak test test-exactness test-extended test-fast test-invariance up wan-down wan-up
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,ray]'
 	touch $(STAMP)
 
 ## proto: generate Python stubs (+ .pyi) into pipeshard/v1 (build output, git-ignored)
@@ -58,9 +58,9 @@ model: proto
 export: model
 	$(VENV)/bin/pipeshard export --model $(MODEL) --stages $(STAGES) --weights $(WEIGHTS)
 
-## up: start a loopback fleet (exporter, STAGES stage processes (REPLICAS of each, default 1), coordinator, OpenAI gateway on 8080); prints `coordinator listening on HOST:PORT` and `openai gateway listening on HOST:PORT`; SECURE=1: mutual TLS + client token (docs/SECURITY.md)
+## up: start a loopback fleet; RAY=auto|HEAD:6379: its services as actors on a Ray cluster, placed by the planner unless STAGES is given (docs/RAY.md) (exporter, STAGES stage processes (REPLICAS of each, default 1), coordinator, OpenAI gateway on 8080); prints `coordinator listening on HOST:PORT` and `openai gateway listening on HOST:PORT`; SECURE=1: mutual TLS + client token (docs/SECURITY.md)
 up: model
-	$(VENV)/bin/pipeshard up --stages $(STAGES) $(if $(REPLICAS),--replicas $(REPLICAS)) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(DEVICE),--device $(DEVICE)) $(if $(filter 1 yes true,$(SECURE)),--secure)
+	$(VENV)/bin/pipeshard up $(if $(RAY),--ray $(RAY) $(if $(filter command line environment,$(origin STAGES)),--stages $(STAGES)),--stages $(STAGES)) $(if $(REPLICAS),--replicas $(REPLICAS)) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(DEVICE),--device $(DEVICE)) $(if $(filter 1 yes true,$(SECURE)),--secure)
 
 ## down: stop exactly the processes `make up` started
 down:
@@ -209,6 +209,10 @@ test-invariance: model
 ## test-extended: repeated variants of cases `make test` already covers (more stage counts and modes), kept out of its 30-minute budget
 test-extended: model
 	$(VENV)/bin/pytest -q -m extended
+
+## test-ray: a fleet on a real 3-node Ray cluster on this machine (ray.cluster_utils): planned placement, exact tokens, a node killed mid-stream, a node joining (about 10 min)
+test-ray: model
+	$(VENV)/bin/pytest -q -m ray tests/ray
 
 ## test-fast: unit tests only
 test-fast: proto

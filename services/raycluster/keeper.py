@@ -1,0 +1,176 @@
+"""Membership changes of a Ray fleet, handled by one detached actor beside the coordinator.
+
+Ray restarts a dead node's stage actors on nodes with room (``max_restarts``, the lane's placement
+group rescheduled); the coordinator's failover carries the running requests meanwhile. The keeper
+only keeps the coordinator's lanes equal to where the actors now are (topology file + SIGHUP: a
+moved stage's lane is replaced), adds a lane when a joining node makes room for one (``--replicas
+auto``, or ``replan``), and drains a node's lanes. Each change is logged and counted
+(``pipeshard_ray_fleet_changes_total`` in Ray's metrics, on its dashboard).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+
+import ray
+import structlog
+from ray.util.placement_group import get_placement_group, remove_placement_group
+
+from pipeshard.services.launcher import stage_name
+from pipeshard.services.raycluster.actors import NAMESPACE, ServiceInfo
+from pipeshard.services.raycluster.fleet import (
+    COORDINATOR,
+    RayFleet,
+    fleet_topology,
+    head_strategy,
+    start_lane,
+)
+from pipeshard.services.raycluster.members import members
+from pipeshard.topology import Endpoint
+
+log = structlog.get_logger(__name__)
+KEEPER = "keeper"
+
+
+@dataclass(frozen=True)
+class Change:
+    """One membership change, as the keeper logged and counted it."""
+
+    at: float
+    kind: str  # stage_moved | lane_added | lane_drained
+    detail: str
+
+
+@ray.remote(num_cpus=0)
+class Keeper:
+    def __init__(self, fleet: RayFleet, interval_s: float = 1.0):
+        from ray.util.metrics import Counter
+
+        self.fleet = fleet
+        self.lanes: dict[int, list[ServiceInfo]] = dict(enumerate(fleet.lanes))
+        self.changes: list[Change] = []
+        self.counter = Counter(
+            "pipeshard_ray_fleet_changes", "membership changes of the Ray fleet", tag_keys=("kind",)
+        )
+        self.nodes = len(members())
+        self.lock = threading.Lock()
+        self.interval_s = interval_s
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _record(self, kind: str, detail: str) -> None:
+        self.changes.append(Change(time.time(), kind, detail))
+        self.counter.inc(tags={"kind": kind})
+        log.info("ray_fleet_change", kind=kind, detail=detail)
+
+    def _publish(self) -> None:
+        """The coordinator re-reads its lanes: removed ones drain, new ones join once they answer."""
+        f = self.fleet
+        host = f.coordinator.address.rpartition(":")[0]
+        c_port = int(f.coordinator.address.rpartition(":")[2])
+        e_port = int(f.exporter.address.rpartition(":")[2])
+        lanes = [self.lanes[r] for r in sorted(self.lanes)]
+        topo = fleet_topology(f.spec, f.shards, Endpoint(host, c_port, 0), Endpoint(host, e_port, 0), lanes)
+        topo.save(f.spec.topology)
+        coordinator = ray.get_actor(COORDINATOR, namespace=NAMESPACE)
+        ray.get(coordinator.signal_reload.remote(str(f.spec.topology), f.spec.topology.read_text()))
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self.interval_s)
+            try:
+                with self.lock:
+                    self.step()
+            except Exception as exc:  # one failed look must not end the watch
+                log.warning("ray_fleet_watch_failed", error=str(exc))
+
+    def step(self) -> None:
+        changed = False
+        for r, lane in list(self.lanes.items()):
+            now = []
+            for info in lane:
+                try:
+                    actor = ray.get_actor(info.name, namespace=NAMESPACE)
+                    now.append(ray.get(actor.info.remote(), timeout=2))
+                except Exception:
+                    now = []  # restarting: look again next time
+                    break
+            if not now:
+                continue
+            for old, new in zip(lane, now, strict=True):
+                if (old.pid, old.node_id) != (new.pid, new.node_id):
+                    self._record(
+                        "stage_moved",
+                        f"{new.name} from node {old.node_id[:8]} to {new.node_id[:8]} at {new.address}",
+                    )
+            if [s.address for s in now] != [s.address for s in lane]:
+                changed = True
+            self.lanes[r] = now
+        alive = len(members())
+        if self.fleet.spec.auto_replicas and alive > self.nodes:
+            changed |= self._add_lane()
+        self.nodes = alive
+        if changed:
+            self._publish()
+
+    def _add_lane(self) -> bool:
+        f = self.fleet
+        r = max(self.lanes, default=-1) + 1
+        lane = start_lane(f.spec, f.plan, f.shards, f.exporter.address, r)
+        if lane is None:
+            return False
+        self.lanes[r] = lane
+        self._record("lane_added", f"lane {r} on nodes {', '.join(s.node_id[:8] for s in lane)}")
+        return True
+
+    def replan(self) -> int:
+        """Add lanes while the cluster has room for one; returns how many were added."""
+        with self.lock:
+            added = 0
+            while self._add_lane():
+                added += 1
+            if added:
+                self._publish()
+            return added
+
+    def drain(self, node: str, grace_s: float = 30.0) -> list[int]:
+        """Take every lane with a stage on ``node`` (a node id or its prefix) out: a replacement lane
+        first where there is room, then the coordinator stops sending it sessions and closes it once
+        its requests end; then its actors and placement group go. Returns the lanes drained."""
+        with self.lock:
+            hit = [r for r, lane in self.lanes.items() if any(s.node_id.startswith(node) for s in lane)]
+            if not hit:
+                return []
+            for _ in hit:
+                self._add_lane()
+            for r in hit:
+                self.lanes.pop(r)
+                self._record("lane_drained", f"lane {r} off node {node}")
+            self._publish()
+        time.sleep(grace_s)
+        for r in hit:
+            for k in range(len(self.fleet.plan.stages)):
+                with contextlib.suppress(ValueError):
+                    ray.kill(ray.get_actor(stage_name(k, r), namespace=NAMESPACE), no_restart=True)
+            with contextlib.suppress(ValueError):
+                remove_placement_group(get_placement_group(f"pipeshard-lane{r}"))
+        return hit
+
+    def history(self) -> list[Change]:
+        return list(self.changes)
+
+    def lane_infos(self) -> dict[int, list[ServiceInfo]]:
+        return dict(self.lanes)
+
+
+def start_keeper(fleet: RayFleet):
+    """The fleet's keeper, on this machine's node beside the coordinator."""
+    return Keeper.options(
+        name=KEEPER, namespace=NAMESPACE, lifetime="detached", scheduling_strategy=head_strategy()
+    ).remote(fleet)
+
+
+def keeper():
+    return ray.get_actor(KEEPER, namespace=NAMESPACE)
