@@ -146,6 +146,10 @@ bench-wan: model
 bench-failover: model
 	$(PY) -m bench.failover
 
+## bench-ray: a fleet on a 3-node Ray cluster on this machine: up to first token, a dead node's stage serving again, decode tok/s over the launcher's fleet at 1 and 8 users, interleaved (bench/results/ray.json)
+bench-ray: model
+	$(PY) -m bench.ray
+
 ## bench-gateway: tok/s and TTFT through the OpenAI gateway vs the gRPC client, 1 and 8 users (bench/results/gateway.json)
 bench-gateway: model
 	$(PY) -m bench.gateway

@@ -140,7 +140,8 @@ def fleet_topology(spec: RaySpec, shards: Path, coordinator: Endpoint, exporter:
 
     def end(info: ServiceInfo) -> StageEndpoint:
         host, _, port = info.address.rpartition(":")
-        return StageEndpoint(host, int(port), int(port) + METRICS_OFFSET if spec.metrics else 0)
+        metrics = int(port) + METRICS_OFFSET if spec.metrics else 0
+        return StageEndpoint(host, int(port), metrics, node=info.node_id)
 
     ends = [[end(s) for s in lane] for lane in lanes]
     return Topology(str(shards), coordinator, exporter, ends[0], spec.precision, ends[1:])

@@ -40,7 +40,7 @@ class Change:
     """One membership change, as the keeper logged and counted it."""
 
     at: float
-    kind: str  # stage_moved | lane_added | lane_drained
+    kind: str  # stage_moved | stage_restarted | lane_added | lane_drained
     detail: str
 
 
@@ -100,13 +100,17 @@ class Keeper:
             if not now:
                 continue
             for old, new in zip(lane, now, strict=True):
-                if (old.pid, old.node_id) != (new.pid, new.node_id):
-                    self._record(
-                        "stage_moved",
-                        f"{new.name} from node {old.node_id[:8]} to {new.node_id[:8]} at {new.address}",
-                    )
-            if [s.address for s in now] != [s.address for s in lane]:
+                if old.node_id != new.node_id:
+                    detail = f"{new.name} from node {old.node_id[:8]} to {new.node_id[:8]} at {new.address}"
+                    self._record("stage_moved", detail)
+            moved = [k for k in range(len(now)) if now[k].address != lane[k].address]
+            if moved:
                 changed = True
+                # the stages before it forward to its old address: Ray restarts them (same ports),
+                # and each asks its next stage's actor where that is now
+                for j in reversed(range(max(moved))):
+                    ray.kill(ray.get_actor(stage_name(j, r), namespace=NAMESPACE), no_restart=False)
+                    self._record("stage_restarted", f"{stage_name(j, r)}: its next hop moved")
             self.lanes[r] = now
         alive = len(members())
         if self.fleet.spec.auto_replicas and alive > self.nodes:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -107,6 +108,10 @@ def _generate_all(address: str, results: dict, started: threading.Event | None =
 def test_plan_over_the_members_splits_the_model_over_two_of_three_nodes(cluster, smollm2_dir):
     found = members()
     assert len(found) == 3
+    cost = model_cost(smollm2_dir, "int4", None)
+    whole = cost.stage_bytes(0, cost.num_layers, 1)
+    # each node as Ray lists it, but with memory for 60% of the model: two of them must share it
+    found = [replace(m, memory_bytes=int(whole * 0.6)) for m in found]
     fp = plan_fleet(found, smollm2_dir, "int4", profile=False)
     assert len(fp.plan.stages) == 2, fp.plan
     assert len({s.node for s in fp.plan.stages}) == 2 and len(fp.plan.skipped) == 1
