@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import ray
-from ray.util.placement_group import get_placement_group, remove_placement_group
+from ray.util.placement_group import get_placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from pipeshard.errors import InvalidArgument
@@ -27,6 +27,7 @@ from pipeshard.services.raycluster.placement import FleetPlan, reserve_lane
 from pipeshard.topology import METRICS_OFFSET, REPLICA_PORT_STRIDE, Endpoint, StageEndpoint, Topology
 
 EXPORTER, COORDINATOR, GATEWAY = "exporter", "coordinator", "gateway"
+LANE_GROUP = "pipeshard-lane"  # lane r's placement group is pipeshard-lane<r>
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def stage_port(spec: RaySpec, k: int, r: int) -> int:
 def start_lane(spec: RaySpec, fp: FleetPlan, shards: Path, exporter: str, r: int) -> list[ServiceInfo] | None:
     """Lane ``r`` in its own placement group, last stage first (each asks the next's address);
     None when the cluster has no room for it now."""
-    pg = reserve_lane(fp, f"pipeshard-lane{r}", spec.lane_timeout_s)
+    pg = reserve_lane(fp, f"{LANE_GROUP}{r}", spec.lane_timeout_s)
     if pg is None:
         return None
     infos: list[ServiceInfo] = []
@@ -217,11 +218,10 @@ def remove(names: list[str]) -> list[str]:
             ray.get(actor.stop.remote(), timeout=30)
         ray.kill(actor, no_restart=True)
         stopped.append(name)
-    for r in range(64):
-        try:
-            remove_placement_group(get_placement_group(f"pipeshard-lane{r}"))
-        except ValueError:
-            break
+    for pg in placement_group_table().values():
+        if pg.get("name", "").startswith(LANE_GROUP) and pg.get("state") != "REMOVED":
+            with contextlib.suppress(ValueError):
+                remove_placement_group(get_placement_group(pg["name"]))
     return stopped
 
 

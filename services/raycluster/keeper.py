@@ -23,6 +23,7 @@ from pipeshard.services.launcher import stage_name
 from pipeshard.services.raycluster.actors import NAMESPACE, ServiceInfo
 from pipeshard.services.raycluster.fleet import (
     COORDINATOR,
+    LANE_GROUP,
     RayFleet,
     fleet_topology,
     head_strategy,
@@ -159,7 +160,7 @@ class Keeper:
                 with contextlib.suppress(ValueError):
                     ray.kill(ray.get_actor(stage_name(k, r), namespace=NAMESPACE), no_restart=True)
             with contextlib.suppress(ValueError):
-                remove_placement_group(get_placement_group(f"pipeshard-lane{r}"))
+                remove_placement_group(get_placement_group(f"{LANE_GROUP}{r}"))
         return hit
 
     def history(self) -> list[Change]:
