@@ -42,7 +42,7 @@ class RaySpec:
     weights: str = "int4"
     precision: str = DEFAULT_PRECISION
     replicas: int = 1  # lanes to start
-    auto_replicas: bool = False  # also one more lane whenever the cluster has room for one
+    auto_replicas: bool = False  # the keeper adds a lane when a joining node makes room for one
     stage_port_base: int = 0
     coordinator_port: int = 0
     exporter_port: int = 0
@@ -168,7 +168,7 @@ def up(spec: RaySpec, fp: FleetPlan) -> RayFleet:
         names.append(EXPORTER)
         shards = ensure_export(spec, fp, exporter)
         lanes: list[list[ServiceInfo]] = []
-        while len(lanes) < spec.replicas or spec.auto_replicas:
+        while len(lanes) < spec.replicas:
             lane = start_lane(spec, fp, shards, ex_info.address, len(lanes))
             if lane is None:
                 break
