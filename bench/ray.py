@@ -137,7 +137,12 @@ def main() -> None:
         plain = None
         # a node's death while 8 users stream
         _, _, _, undisturbed = _run(fleet.coordinator.address, 8)
-        victim = next(w for w in workers if any(s.node_id == w.node_id for ln in fleet.lanes for s in ln))
+        # a worker whose stages are all of one lane: the other lane carries its requests meanwhile
+        lanes_on = {
+            w.node_id: {r for r, ln in enumerate(fleet.lanes) for s in ln if s.node_id == w.node_id}
+            for w in workers
+        }
+        victim = next(w for w in workers if len(lanes_on[w.node_id]) == 1)
         lost = [s.name for lane in fleet.lanes for s in lane if s.node_id == victim.node_id]
         results, started = {}, threading.Event()
         streams = threading.Thread(target=_run, args=(fleet.coordinator.address, 8, results, started))

@@ -149,7 +149,13 @@ def test_ray_fleet_is_exact_survives_a_dead_node_and_grows_a_lane(
         assert [results[i] for i in range(len(PROMPTS))] == reference
 
         # a worker node holding a stage dies mid-stream
-        victim = next(w for w in workers if any(s.node_id == w.node_id for lane in fleet.lanes for s in lane))
+        # one whose stages are all of one lane: the other lane carries its requests meanwhile
+        lanes_on = {
+            w.node_id: {r for r, lane in enumerate(fleet.lanes) for s in lane if s.node_id == w.node_id}
+            for w in workers
+        }
+        victim = next((w for w in workers if len(lanes_on[w.node_id]) == 1), None)
+        assert victim is not None, f"every worker holds stages of both lanes: {lanes_on}"
         moved = [s for lane in fleet.lanes for s in lane if s.node_id == victim.node_id]
         started, results = threading.Event(), {}
         streams = threading.Thread(target=_generate_all, args=(fleet.coordinator.address, results, started))
