@@ -61,9 +61,9 @@ def run_up(args: argparse.Namespace, run_dir: Path, topology: Path) -> int:
         return 1
     auto = args.replicas == "auto"
     spec = RaySpec(
-        shards_root=shards_dir(),
+        shards_root=shards_dir().resolve(),
         work_dir=(run_dir / "ray").resolve(),
-        topology=topology,
+        topology=topology.resolve(),
         model=args.model,
         weights=args.weights,
         precision=args.precision,

@@ -136,6 +136,10 @@ def start_lane(spec: RaySpec, fp: FleetPlan, shards: Path, exporter: str, r: int
     return infos
 
 
+def endpoint(spec: RaySpec, host: str, port: int) -> Endpoint:
+    return Endpoint(host, port, port + METRICS_OFFSET if spec.metrics else 0)
+
+
 def fleet_topology(spec: RaySpec, shards: Path, coordinator: Endpoint, exporter: Endpoint, lanes) -> Topology:
     """The coordinator's topology file from the stage actors' reports."""
 
@@ -185,7 +189,7 @@ def up(spec: RaySpec, fp: FleetPlan) -> RayFleet:
         c_port = _port(spec.coordinator_port)
         ex_host = ex_info.address.rpartition(":")[0]
         topo = fleet_topology(
-            spec, shards, Endpoint(ex_host, c_port, 0), Endpoint(ex_host, exporter_port, 0), lanes
+            spec, shards, endpoint(spec, ex_host, c_port), endpoint(spec, ex_host, exporter_port), lanes
         )
         topo.save(spec.topology)
         c_args = ["coordinator", "--topology", str(spec.topology.resolve()), "--log-format", "json"]

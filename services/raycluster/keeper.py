@@ -25,12 +25,12 @@ from pipeshard.services.raycluster.fleet import (
     COORDINATOR,
     LANE_GROUP,
     RayFleet,
+    endpoint,
     fleet_topology,
     head_strategy,
     start_lane,
 )
 from pipeshard.services.raycluster.members import members
-from pipeshard.topology import Endpoint
 
 log = structlog.get_logger(__name__)
 KEEPER = "keeper"
@@ -73,7 +73,8 @@ class Keeper:
         c_port = int(f.coordinator.address.rpartition(":")[2])
         e_port = int(f.exporter.address.rpartition(":")[2])
         lanes = [self.lanes[r] for r in sorted(self.lanes)]
-        topo = fleet_topology(f.spec, f.shards, Endpoint(host, c_port, 0), Endpoint(host, e_port, 0), lanes)
+        ends = endpoint(f.spec, host, c_port), endpoint(f.spec, host, e_port)
+        topo = fleet_topology(f.spec, f.shards, *ends, lanes)
         topo.save(f.spec.topology)
         coordinator = ray.get_actor(COORDINATOR, namespace=NAMESPACE)
         ray.get(coordinator.signal_reload.remote(str(f.spec.topology), f.spec.topology.read_text()))
