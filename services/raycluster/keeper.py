@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import grpc
 import ray
 import structlog
 from ray.util.placement_group import get_placement_group, remove_placement_group
@@ -31,6 +32,7 @@ from pipeshard.services.raycluster.fleet import (
     start_lane,
 )
 from pipeshard.services.raycluster.members import members
+from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
 log = structlog.get_logger(__name__)
 KEEPER = "keeper"
@@ -141,21 +143,24 @@ class Keeper:
                 self._publish()
             return added
 
-    def drain(self, node: str, grace_s: float = 30.0) -> list[int]:
+    def drain(self, node: str, timeout_s: float = 600.0) -> list[int]:
         """Take every lane with a stage on ``node`` (a node id or its prefix) out: a replacement lane
         first where there is room, then the coordinator stops sending it sessions and closes it once
-        its requests end; then its actors and placement group go. Returns the lanes drained."""
+        its requests end; once its stages hold no session (or after ``timeout_s``) its actors and
+        placement group go. Returns the lanes drained."""
         with self.lock:
             hit = [r for r, lane in self.lanes.items() if any(s.node_id.startswith(node) for s in lane)]
             if not hit:
                 return []
             for _ in hit:
                 self._add_lane()
+            gone = [s.address for r in hit for s in self.lanes.pop(r)]
             for r in hit:
-                self.lanes.pop(r)
                 self._record("lane_drained", f"lane {r} off node {node}")
             self._publish()
-        time.sleep(grace_s)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(_sessions(a) for a in gone):
+            time.sleep(1.0)
         for r in hit:
             for k in range(len(self.fleet.plan.stages)):
                 with contextlib.suppress(ValueError):
@@ -169,6 +174,18 @@ class Keeper:
 
     def lane_infos(self) -> dict[int, list[ServiceInfo]]:
         return dict(self.lanes)
+
+
+def _sessions(address: str) -> int:
+    """Sessions the stage at ``address`` holds (0 once it does not answer)."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            info = stage_pb2_grpc.StageServiceStub(channel).GetStageInfo(
+                stage_pb2.GetStageInfoRequest(), timeout=5
+            )
+        except grpc.RpcError:
+            return 0
+    return info.live_sessions
 
 
 def start_keeper(fleet: RayFleet):

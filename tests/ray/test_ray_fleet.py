@@ -1,7 +1,7 @@
 """A fleet on a real 3-node Ray cluster on this machine (`make test-ray`): placed by the planner,
 its stages pulling their shards from the exporter actor, exact against an in-process run; a node
 killed mid-stream with two lanes fails no request and its stage serves again on another node; a
-node that joins adds a lane (``--replicas auto``)."""
+node that joins adds a lane (``--replicas auto``); draining a node fails no request."""
 
 from __future__ import annotations
 
@@ -187,5 +187,19 @@ def test_ray_fleet_is_exact_survives_a_dead_node_and_grows_a_lane(
         results = {}
         _generate_all(fleet.coordinator.address, results)
         assert [results[i] for i in range(len(PROMPTS))] == reference
+
+        # draining a node while requests run: its lanes go, none of the requests fails
+        lanes = ray.get(keeper.lane_infos.remote())
+        node = lanes[max(lanes)][0].node_id
+        started, results = threading.Event(), {}
+        streams = threading.Thread(target=_generate_all, args=(fleet.coordinator.address, results, started))
+        streams.start()
+        assert started.wait(600)
+        drained = ray.get(keeper.drain.remote(node[:8]))
+        streams.join()
+        assert drained and [results[i] for i in range(len(PROMPTS))] == reference
+        left = ray.get(keeper.lane_infos.remote())
+        assert all(s.node_id != node for lane in left.values() for s in lane)
+        assert "lane_drained" in [ch.kind for ch in ray.get(keeper.history.remote())]
     finally:
         remove(["keeper", *fleet.actor_names, *ray.util.list_named_actors()])
