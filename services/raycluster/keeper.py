@@ -123,15 +123,28 @@ class Keeper:
         if changed:
             self._publish()
 
-    def _add_lane(self) -> bool:
+    def _add_lane(self, avoid: str | None = None) -> bool:
+        """One more lane where the cluster has room; with ``avoid`` (a node id prefix), none that
+        would have a stage there."""
         f = self.fleet
         r = max(self.lanes, default=-1) + 1
         lane = start_lane(f.spec, f.plan, f.shards, f.exporter.address, r)
         if lane is None:
             return False
+        if avoid is not None and any(s.node_id.startswith(avoid) for s in lane):
+            self._remove_lane(r)
+            return False
         self.lanes[r] = lane
         self._record("lane_added", f"lane {r} on nodes {', '.join(s.node_id[:8] for s in lane)}")
         return True
+
+    def _remove_lane(self, r: int) -> None:
+        """Lane ``r``'s actors (not restarted) and its placement group."""
+        for k in range(len(self.fleet.plan.plan.stages)):
+            with contextlib.suppress(ValueError):
+                ray.kill(ray.get_actor(stage_name(k, r), namespace=NAMESPACE), no_restart=True)
+        with contextlib.suppress(ValueError):
+            remove_placement_group(get_placement_group(f"{LANE_GROUP}{r}"))
 
     def replan(self) -> int:
         """Add lanes while the cluster has room for one; returns how many were added."""
@@ -153,7 +166,7 @@ class Keeper:
             if not hit:
                 return []
             for _ in hit:
-                self._add_lane()
+                self._add_lane(avoid=node)
             gone = [s.address for r in hit for s in self.lanes.pop(r)]
             for r in hit:
                 self._record("lane_drained", f"lane {r} off node {node}")
@@ -162,11 +175,7 @@ class Keeper:
         while time.monotonic() < deadline and any(_sessions(a) for a in gone):
             time.sleep(1.0)
         for r in hit:
-            for k in range(len(self.fleet.plan.stages)):
-                with contextlib.suppress(ValueError):
-                    ray.kill(ray.get_actor(stage_name(k, r), namespace=NAMESPACE), no_restart=True)
-            with contextlib.suppress(ValueError):
-                remove_placement_group(get_placement_group(f"{LANE_GROUP}{r}"))
+            self._remove_lane(r)
         return hit
 
     def history(self) -> list[Change]:
