@@ -25,7 +25,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: batch bench-commits bench-compile-cache bench-compress bench-failover bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-spec bench-static bench-wan clean demo distil down export lint model model-gemma3 proto run-stage serve-openai setup soak test test-exactness test-extended test-fast test-fuzz test-invariance typecheck up wan-down wan-up
+.PHONY: batch bench-commits bench-compile-cache bench-compress bench-failover bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-ray bench-spec bench-static bench-wan clean demo distil down export lint model model-gemma3 proto run-stage serve-openai setup soak test test-exactness test-extended test-fast test-fuzz test-invariance test-ray typecheck up wan-down wan-up
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,ray]'
 	touch $(STAMP)
 
 ## proto: generate Python stubs (+ .pyi) into pipeshard/v1 (build output, git-ignored)
@@ -72,9 +72,9 @@ model-gemma3: proto
 export: model
 	$(VENV)/bin/pipeshard export --model $(MODEL) --stages $(STAGES) --weights $(WEIGHTS)
 
-## up: start a loopback fleet (exporter, STAGES stage processes (REPLICAS of each, default 1), coordinator, OpenAI gateway on 8080); prints `coordinator listening on HOST:PORT` and `openai gateway listening on HOST:PORT`; SECURE=1: mutual TLS + client token (docs/SECURITY.md)
+## up: start a loopback fleet; RAY=auto|HEAD:6379: its services as actors on a Ray cluster, placed by the planner unless STAGES is given (docs/RAY.md) (exporter, STAGES stage processes (REPLICAS of each, default 1), coordinator, OpenAI gateway on 8080); prints `coordinator listening on HOST:PORT` and `openai gateway listening on HOST:PORT`; SECURE=1: mutual TLS + client token (docs/SECURITY.md)
 up: model
-	$(VENV)/bin/pipeshard up --stages $(STAGES) $(if $(REPLICAS),--replicas $(REPLICAS)) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(DEVICE),--device $(DEVICE)) $(if $(filter 1 yes true,$(SECURE)),--secure)
+	$(VENV)/bin/pipeshard up $(if $(RAY),--ray $(RAY) $(if $(filter command line environment,$(origin STAGES)),--stages $(STAGES)),--stages $(STAGES)) $(if $(REPLICAS),--replicas $(REPLICAS)) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(DEVICE),--device $(DEVICE)) $(if $(filter 1 yes true,$(SECURE)),--secure)
 
 ## down: stop exactly the processes `make up` started
 down:
@@ -160,6 +160,10 @@ bench-wan: model
 bench-failover: model
 	$(PY) -m bench.failover
 
+## bench-ray: a fleet on a 3-node Ray cluster on this machine: up to first token, a dead node's stage serving again, decode tok/s over the launcher's fleet at 1 and 8 users, interleaved (bench/results/ray.json)
+bench-ray: model
+	$(PY) -m bench.ray
+
 ## bench-gateway: tok/s and TTFT through the OpenAI gateway vs the gRPC client, 1 and 8 users (bench/results/gateway.json)
 bench-gateway: model
 	$(PY) -m bench.gateway
@@ -227,6 +231,10 @@ test-extended: model
 ## test-fuzz: the stage RPC fuzz test's long profile (hypothesis, 400 examples per RPC against a real stage, RSS ceiling)
 test-fuzz: model
 	PIPESHARD_FUZZ_EXAMPLES=400 $(VENV)/bin/pytest -q tests/stage/test_rpc_fuzz.py
+
+## test-ray: a fleet on a real 3-node Ray cluster on this machine (ray.cluster_utils): planned placement, exact tokens, a node killed mid-stream, a node joining (about 10 min)
+test-ray: model
+	$(VENV)/bin/pytest -q -m ray tests/ray
 
 ## test-fast: unit tests only
 test-fast: proto

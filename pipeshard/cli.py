@@ -17,6 +17,7 @@ _COMMAND_MODULES = (
     "pipeshard.clients.cli",
     "pipeshard.services.gateway.batch_cli",
     "pipeshard.services.fleet_cli",
+    "pipeshard.services.raycluster.cli",
     "pipeshard.services.top",
     "pipeshard.services.wan.cli",
     "pipeshard.certs_cli",

@@ -42,6 +42,7 @@ class Endpoint:
 @dataclass
 class StageEndpoint(Endpoint):
     device: str = DEFAULT_DEVICE  # the OpenVINO device this stage compiles for
+    node: str = ""  # the machine it runs on when known (a Ray fleet's node id, docs/RAY.md)
 
 
 def _endpoint(host: str, port: int) -> Endpoint:

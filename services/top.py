@@ -32,7 +32,7 @@ from pipeshard.metrics import (
     STAGE_STEP_ROWS,
     STAGE_STEP_SECONDS,
 )
-from pipeshard.topology import Topology
+from pipeshard.topology import StageEndpoint, Topology
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
 TIMEOUT_S = 2.0
@@ -185,10 +185,29 @@ class View:
             self._last[key] = now
         return now, before
 
+    def _stage_row(self, stages: Table, k: int, r: int, endpoint: StageEndpoint) -> None:
+        """One stage of one lane (``1.r2``: stage 1 of lane 2), with the node it runs on if known."""
+        row = stage_row(endpoint.address)
+        key = f"stage{k}" if r == 0 else f"stage{k}.r{r}"
+        stage_figures(row, *self._scrape(key, endpoint.host, endpoint.metrics_port), k)
+        stages.add_row(
+            str(k) if r == 0 else f"{k}.r{r}",
+            endpoint.node[:8] or "-",
+            row.address,
+            row.layers,
+            row.health,
+            row.precision,
+            row.step_ms,
+            row.rows_per_step,
+            row.sessions,
+            row.cache,
+        )
+
     def render(self) -> Group:
         stages = Table(title="stages", title_justify="left")
         for column in (
             "stage",
+            "node",
             "address",
             "layers",
             "health",
@@ -199,20 +218,9 @@ class View:
             "cache",
         ):
             stages.add_column(column)
-        for k, endpoint in enumerate(self.topo.stages):
-            row = stage_row(endpoint.address)
-            stage_figures(row, *self._scrape(f"stage{k}", endpoint.host, endpoint.metrics_port), k)
-            stages.add_row(
-                str(k),
-                row.address,
-                row.layers,
-                row.health,
-                row.precision,
-                row.step_ms,
-                row.rows_per_step,
-                row.sessions,
-                row.cache,
-            )
+        for r, lane in enumerate(self.topo.lanes):
+            for k, endpoint in enumerate(lane):
+                self._stage_row(stages, k, r, endpoint)
         c = self.topo.coordinator
         coordinator = coordinator_row(self.topo, *self._scrape("coordinator", c.host, c.metrics_port))
         front = Table(title="front", title_justify="left")

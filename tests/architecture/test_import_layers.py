@@ -63,6 +63,11 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("pipeshard.planning.profile", "pipeshard.planning.cli"),
         ("contract", "core", "format", "exporter", "planning"),
     ),
+    # a fleet on a Ray cluster: the planner over its members, one actor per service process
+    "ray": (
+        ("pipeshard.services.raycluster",),
+        ("contract", "core", "format", "transport", "gateway", "exporter", "planning", "profiling", "fleet"),
+    ),
     "cli": (
         ("pipeshard.cli",),
         (
@@ -73,6 +78,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
             "stage",
             "coordinator",
             "fleet",
+            "ray",
             "clients",
             "gateway",
             "planning",
