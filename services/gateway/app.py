@@ -129,6 +129,16 @@ class Gateway:
     ):
         call = self.stub.Generate(rpc, metadata=_metadata(request), timeout=self.settings.request_timeout_s)
         try:
+            return await self._started(request, body, call, shaper)
+        except GatewayError as exc:
+            # The coordinator names its own field; the client sent response_format (or guided_regex).
+            if exc.param is not None and exc.param.split(".")[0] == "grammar":
+                exc.param = body.grammar_param
+                exc.message = f"`{body.grammar_param}`: {exc.message.split('` ', 1)[-1]}"
+            raise
+
+    async def _started(self, request: Request, body: OpenAIRequest, call, shaper: Shaper):
+        try:
             if not body.stream:
                 summary, tokens, logprobs = await _unless_gone(request, _collect(call), call)
                 if (error := failed(summary)) is not None:

@@ -34,6 +34,12 @@ def generate_call(
         request_id=uuid.uuid4().hex[:24],
         logprobs=body.wants_logprobs,
     )
+    rpc.params.presence_penalty = body.presence_penalty or 0.0
+    rpc.params.frequency_penalty = body.frequency_penalty or 0.0
+    rpc.params.logit_bias.update(body.token_biases())
+    grammar = body.grammar()
+    if grammar is not None:
+        rpc.params.grammar.CopyFrom(grammar)
     if not chat:
         rpc.prompt = body.text()  # raw text, no chat template (build_request wraps a prompt as a message)
     kind = "chatcmpl" if chat else "cmpl"

@@ -6,11 +6,13 @@ silently ignored; known-but-unsupported fields are accepted only at their neutra
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeshard.services.gateway.errors import GatewayError
+from pipeshard.v1 import coordinator_pb2
 
 # The coordinator's int32 fields (max_tokens, top_k): larger values are a 400 naming the field.
 INT32_MAX = 2**31 - 1
@@ -20,6 +22,25 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema the answer validates against. ``strict`` is
+    accepted either way: the grammar engine always holds the answer to the whole schema."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class OpenAIRequest(BaseModel):
@@ -43,8 +64,51 @@ class OpenAIRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1, le=INT32_MAX)
     user: str | None = None  # an end-user id for abuse tracking; nothing to do with generation
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # token id (as a string, as OpenAI's) -> bias in [-100, 100]; the coordinator checks the ids
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
+    response_format: ResponseFormat | None = None
+    # vLLM's extension: the whole answer matches this regular expression
+    guided_regex: str | None = Field(None, min_length=1, max_length=4096)
+
+    def grammar(self) -> coordinator_pb2.Grammar | None:
+        """The coordinator's grammar for ``response_format`` or ``guided_regex`` (None: free text)."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text" and self.guided_regex is not None:
+            raise GatewayError(
+                400, "`guided_regex` and `response_format` are exclusive: set one", param="guided_regex"
+            )
+        if self.guided_regex is not None:
+            return coordinator_pb2.Grammar(regex=self.guided_regex)
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return coordinator_pb2.Grammar(json_object=True)
+        if fmt.json_schema is None:
+            raise GatewayError(
+                400,
+                "`response_format.json_schema` is required when response_format.type is json_schema",
+                param="response_format.json_schema",
+            )
+        return coordinator_pb2.Grammar(json_schema=json.dumps(fmt.json_schema.schema_))
+
+    def token_biases(self) -> dict[int, float]:
+        """``logit_bias`` by token id; a key that is not an integer is a 400 naming it."""
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                out[int(key)] = bias
+            except ValueError:
+                raise GatewayError(
+                    400, f"`logit_bias`: {key!r} is not a token id", param="logit_bias"
+                ) from None
+        return out
+
+    @property
+    def grammar_param(self) -> str:
+        """The parameter a grammar the coordinator refuses came from."""
+        return "guided_regex" if self.guided_regex is not None else "response_format"
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -56,9 +120,6 @@ class OpenAIRequest(BaseModel):
         names = [k for k, v in (self.model_extra or {}).items() if v not in (None, [], {})]
         if self.n not in (None, 1):
             names.append("n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                names.append(name)
         if self.stream_options is not None and not self.stream:
             names.append("stream_options")
         return names
@@ -69,7 +130,7 @@ class OpenAIRequest(BaseModel):
             raise GatewayError(
                 400,
                 f"unsupported parameter{'s' if len(names) > 1 else ''}: {', '.join(sorted(names))} "
-                "(this fleet serves n=1 text generation without tools, top logprobs, penalties or formats)",
+                "(this fleet serves n=1 text generation without tools or top logprobs)",
                 param=sorted(names)[0],
                 code="unsupported_parameter",
             )

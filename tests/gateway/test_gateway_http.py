@@ -88,10 +88,7 @@ def test_completion_stream(http):
     [
         ({"n": 2}, "n"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"logit_bias": {"1": 5}}, "logit_bias"),
         ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
@@ -103,6 +100,42 @@ def test_unsupported_parameters_are_refused_by_name(http, coordinator, extra, pa
     assert error["param"] == param and param in error["message"]
     assert error["type"] == "invalid_request_error" and error["code"] == "unsupported_parameter"
     assert len(coordinator[0].requests) == before  # refused before any generation
+
+
+def test_formats_penalties_and_biases_reach_the_coordinator(http, coordinator):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    extra = {"presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"7": -100}}
+    assert chat(http, response_format=fmt, **extra).status_code == 200
+    params = coordinator[0].requests[-1].params
+    assert json.loads(params.grammar.json_schema) == schema
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.0)
+    assert dict(params.logit_bias) == {7: -100.0}
+    assert chat(http, response_format={"type": "json_object"}).status_code == 200
+    assert coordinator[0].requests[-1].params.grammar.json_object
+    assert chat(http, guided_regex="[a-z]+").status_code == 200
+    assert coordinator[0].requests[-1].params.grammar.regex == "[a-z]+"
+    assert chat(http, response_format={"type": "text"}).status_code == 200
+    assert not coordinator[0].requests[-1].params.HasField("grammar")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ],
+)
+def test_bad_formats_and_penalties_are_400_naming_them(http, coordinator, extra, param):
+    before = len(coordinator[0].requests)
+    reply = chat(http, **extra)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+    assert len(coordinator[0].requests) == before
 
 
 def test_completion_logprobs_above_zero_are_refused_by_name(http):

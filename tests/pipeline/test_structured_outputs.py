@@ -1,0 +1,311 @@
+"""Structured outputs through the OpenAI gateway on a real fleet, with the official `openai` client:
+JSON schemas of different shapes answered with JSON that validates, streamed and not; json_object
+and guided_regex; max_tokens inside the JSON says "length"; an uncompilable schema is a 400 naming
+response_format; and with speculation (prompt lookup) the constrained tokens equal plain ones."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import grpc
+import openai
+import pytest
+
+from pipeshard.clients.client import build_request
+from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tests.pipeline.schema_check import violations
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+TOKENS = 160  # room for every schema's longest answer (strings and arrays are bounded)
+
+NAME = {"type": "string", "minLength": 1, "maxLength": 12}
+SCHEMAS = {
+    "person": {
+        "type": "object",
+        "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "city": NAME,
+            "location": {
+                "type": "object",
+                "properties": {
+                    "lat": {"type": "number", "minimum": -90, "maximum": 90},
+                    "lon": {"type": "number", "minimum": -180, "maximum": 180},
+                },
+                "required": ["lat", "lon"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["city", "location"],
+        "additionalProperties": False,
+    },
+    "array_of_enums": {
+        "type": "object",
+        "properties": {
+            "colors": {
+                "type": "array",
+                "items": {"type": "string", "enum": ["red", "green", "blue"]},
+                "minItems": 1,
+                "maxItems": 3,
+            }
+        },
+        "required": ["colors"],
+        "additionalProperties": False,
+    },
+    "bool_and_enum": {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "level": {"enum": ["low", "mid", "high"]}},
+        "required": ["ok", "level"],
+        "additionalProperties": False,
+    },
+}
+EXTENDED = {
+    "integer_bounds": {
+        "type": "object",
+        "properties": {"score": {"type": "integer", "minimum": 1, "maximum": 10}},
+        "required": ["score"],
+        "additionalProperties": False,
+    },
+    "number_bounds": {
+        "type": "object",
+        "properties": {"price": {"type": "number", "minimum": 0, "maximum": 1000}},
+        "required": ["price"],
+        "additionalProperties": False,
+    },
+    "array_of_objects": {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"name": NAME, "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+                    "required": ["name", "qty"],
+                    "additionalProperties": False,
+                },
+                "minItems": 1,
+                "maxItems": 2,
+            }
+        },
+        "required": ["items"],
+        "additionalProperties": False,
+    },
+    "top_level_array": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4},
+    "top_level_enum": {"enum": ["yes", "no", "maybe"]},
+    "const": {
+        "type": "object",
+        "properties": {"kind": {"const": "event"}, "title": NAME},
+        "required": ["kind", "title"],
+        "additionalProperties": False,
+    },
+    "nullable": {
+        "type": "object",
+        "properties": {"note": {"type": ["string", "null"], "maxLength": 10}},
+        "required": ["note"],
+        "additionalProperties": False,
+    },
+    "any_of": {
+        "type": "object",
+        "properties": {"id": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, NAME]}},
+        "required": ["id"],
+        "additionalProperties": False,
+    },
+    "deep": {
+        "type": "object",
+        "properties": {
+            "a": {
+                "type": "object",
+                "properties": {
+                    "b": {
+                        "type": "object",
+                        "properties": {"c": {"type": "integer", "minimum": 0, "maximum": 5}},
+                        "required": ["c"],
+                        "additionalProperties": False,
+                    }
+                },
+                "required": ["b"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["a"],
+        "additionalProperties": False,
+    },
+    "tags": {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": NAME, "minItems": 1, "maxItems": 3}},
+        "required": ["tags"],
+        "additionalProperties": False,
+    },
+    "optional_field": {
+        "type": "object",
+        "properties": {"title": NAME, "year": {"type": "integer", "minimum": 1900, "maximum": 2100}},
+        "required": ["title"],
+        "additionalProperties": False,
+    },
+    "matrix": {
+        "type": "object",
+        "properties": {
+            "rows": {
+                "type": "array",
+                "items": {"type": "array", "items": {"type": "integer", "maximum": 9}, "maxItems": 2},
+                "minItems": 1,
+                "maxItems": 2,
+            }
+        },
+        "required": ["rows"],
+        "additionalProperties": False,
+    },
+    "weather": {
+        "type": "object",
+        "properties": {
+            "city": NAME,
+            "unit": {"enum": ["C", "F"]},
+            "temp": {"type": "number", "minimum": -60, "maximum": 60},
+        },
+        "required": ["city", "unit", "temp"],
+        "additionalProperties": False,
+    },
+    "short_string": {"type": "string", "minLength": 2, "maxLength": 8},
+    "two_enums": {
+        "type": "object",
+        "properties": {"size": {"enum": ["S", "M", "L"]}, "fit": {"enum": ["slim", "loose"]}},
+        "required": ["size", "fit"],
+        "additionalProperties": False,
+    },
+    "boolean_array": {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3},
+}
+PROMPT = "Answer in JSON. Describe a fictional {name} briefly."
+
+
+@pytest.fixture(scope="module")
+def fleet(smollm2_export, fleet_factory):
+    return fleet_factory(smollm2_export(2, "int4"), 2, gateway_port=0)
+
+
+@pytest.fixture(scope="module")
+def api(fleet):
+    with openai.OpenAI(base_url=f"http://{fleet.gateway}/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
+def _schema_format(name: str, schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def _answers(api, name: str, schema: dict) -> tuple[str, str, str]:
+    """(non-streamed text, streamed text, the streamed finish reason) for one schema."""
+    kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPT.format(name=name.replace("_", " "))}],
+        max_tokens=TOKENS,
+        response_format=_schema_format(name, schema),
+    )
+    whole = api.chat.completions.create(**kwargs)
+    assert whole.choices[0].finish_reason == "stop", whole.choices[0].message.content
+    parts, finish = [], None
+    for chunk in api.chat.completions.create(stream=True, **kwargs):
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    return whole.choices[0].message.content, "".join(parts), finish
+
+
+def _check_schemas(api, schemas: dict) -> None:
+    for name, schema in schemas.items():
+        whole, streamed, finish = _answers(api, name, schema)
+        assert streamed == whole and finish == "stop", name  # greedy: the same answer either way
+        value = json.loads(whole)
+        assert not violations(value, schema), (name, whole, violations(value, schema))
+
+
+def test_json_schemas_are_answered_with_valid_json_streamed_and_not(api):
+    _check_schemas(api, SCHEMAS)
+
+
+@pytest.mark.extended
+def test_twenty_json_schemas_are_answered_with_valid_json(api):
+    _check_schemas(api, EXTENDED)
+
+
+def test_json_object_completions_and_guided_regex(api):
+    text = api.completions.create(
+        model=MODEL,
+        prompt="A JSON object describing a cat:",
+        max_tokens=TOKENS,
+        extra_body={"response_format": {"type": "json_object"}},
+    ).choices[0]
+    assert isinstance(json.loads(text.text), dict) and text.finish_reason == "stop", text.text
+    pattern = r"(yes|no), [a-z]{2,6}\."
+    answer = api.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Is the sky blue?"}],
+        max_tokens=32,
+        extra_body={"guided_regex": pattern},
+    ).choices[0]
+    assert re.fullmatch(pattern, answer.message.content) and answer.finish_reason == "stop", answer
+
+
+def test_max_tokens_inside_the_json_is_length(api):
+    choice = api.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe a person."}],
+        max_tokens=5,
+        response_format=_schema_format("person", SCHEMAS["person"]),
+    ).choices[0]
+    assert choice.finish_reason == "length"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(choice.message.content)
+
+
+@pytest.mark.parametrize(
+    ("response_format", "param"),
+    [
+        (_schema_format("bad", {"type": "frobnicate"}), "response_format"),
+        (_schema_format("remote", {"$ref": "http://example.invalid/schema.json"}), "response_format"),
+        ({"type": "json_schema"}, "response_format.json_schema"),
+        ({"type": "yaml"}, "response_format.type"),
+    ],
+)
+def test_a_schema_the_engine_cannot_compile_is_a_400_naming_response_format(api, response_format, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        api.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], response_format=response_format
+        )
+    assert info.value.status_code == 400 and info.value.param == param, info.value.message
+    # the fleet keeps serving
+    ok = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert ok.choices[0].message.content
+
+
+def _grpc_tokens(fleet, schema: dict, prompt: str, **kwargs) -> list[int]:
+    request = build_request(prompt, max_tokens=TOKENS, **kwargs)
+    request.params.grammar.CopyFrom(coordinator_pb2.Grammar(json_schema=json.dumps(schema)))
+    with grpc.insecure_channel(fleet.coordinator) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        ids: list[int] = []
+        summary = None
+        for response in stub.Generate(request, timeout=300):
+            if response.HasField("chunk"):
+                ids.extend(response.chunk.token_ids)
+            else:
+                summary = response.summary
+    assert summary.finish_reason == coordinator_pb2.FINISH_REASON_STOP, summary
+    return ids, summary
+
+
+def test_speculative_structured_output_equals_plain(fleet):
+    """Prompt-lookup drafts copy the prompt's own JSON-ish text, much of which leaves the grammar:
+    each draft is cut where the masked target disagrees, and the tokens equal plain decoding."""
+    schema = SCHEMAS["nested"]
+    prompt = 'Fill {"city": "...", "location": {"lat": 0, "lon": 0}} for Paris: {"city": "Paris"}'
+    plain, _ = _grpc_tokens(fleet, schema, prompt, speculative="none")
+    drafted, summary = _grpc_tokens(fleet, schema, prompt, speculative="ngram", k=4)
+    assert summary.draft_tokens > 0  # drafts were proposed and verified
+    assert drafted == plain
