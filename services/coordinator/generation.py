@@ -47,7 +47,13 @@ from pipeshard.services.coordinator.detokenizer import IncrementalDetokenizer
 from pipeshard.services.coordinator.grammar import Constraint, Grammars
 from pipeshard.services.coordinator.prefix_cache import PrefixIndex
 from pipeshard.services.coordinator.ring import StageFailed
-from pipeshard.services.coordinator.sampling import LogitShaper, Sampler, SamplingParams, token_logprobs
+from pipeshard.services.coordinator.sampling import (
+    LogitShaper,
+    Sampler,
+    SamplingParams,
+    token_logprobs,
+    top_logprobs,
+)
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
 from pipeshard.services.coordinator.speculation.policy import BatchSteps, KPolicy, SourceMemory, TimingModel
@@ -113,6 +119,16 @@ class Chunk:
     token_ids: list[int]
     logprobs: list[float] = field(default_factory=list)  # per token, when the request asked
     tokens: list[str] = field(default_factory=list)  # each token's own text, likewise
+    top: list[TopTokens] = field(default_factory=list)  # per token, when top_logprobs was asked
+
+
+@dataclass
+class TopTokens:
+    """The most likely tokens at one position, most likely first."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    tokens: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -285,7 +301,8 @@ class _Request:
         self.session_id = session_id
         # Structured output, penalties, logit_bias: tokens are chosen here from shaped logits.
         self.constraint = constraint
-        self.shaper = LogitShaper(params, constraint) if params.shapes_logits else None
+        self.shaper = LogitShaper(params, constraint) if params.chooses_here else None
+        self.new_top: list[TopTokens] = []  # of the tokens the last step accepted, when asked
         self.tree = tree
         self.outcome: TreeOutcome | None = None  # what the last tree step accepted
         self.metered = metered  # False for the coordinator's warm-up: not a client's tokens
@@ -522,6 +539,10 @@ class _Request:
                 break
         if self.params.logprobs:
             self.new_logprobs = token_logprobs(rows, new)
+            if self.params.top_logprobs:
+                self.new_top = [
+                    TopTokens(*top_logprobs(rows[i], self.params.top_logprobs)) for i in range(len(new))
+                ]
         return new
 
     def _accept_tree(self, chains: TreeChains | TreeNodes, result: activation_pb2.StepResult) -> list[int]:
@@ -593,6 +614,7 @@ class _Request:
         chunk = Chunk(text=text, token_ids=emitted)
         if self.params.logprobs:
             chunk.logprobs = self.new_logprobs[: len(emitted)]
+            chunk.top = self.new_top[: len(emitted)]
             self.progress.logprobs.extend(chunk.logprobs)
         return chunk, done
 
@@ -944,6 +966,10 @@ class Generation:
         trace.mark("emitted", request.session_id, step_id)
         if request.params.logprobs:  # each token's own text, for OpenAI's logprobs objects
             chunk.tokens = await asyncio.to_thread(lambda: [self._tok.decode([t]) for t in chunk.token_ids])
+            for top in chunk.top:
+                top.tokens = await asyncio.to_thread(
+                    lambda t=top: [self._tok.decode([i]) for i in t.token_ids]
+                )
         return chunk, done
 
     def _computed(self, request: _Request, tokens: list[int]) -> None:

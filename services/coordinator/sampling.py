@@ -16,6 +16,8 @@ from pipeshard.errors import InvalidArgument
 from pipeshard.sampling import Distribution
 from pipeshard.services.coordinator.grammar import GrammarSpec
 
+MAX_TOP_LOGPROBS = 20  # as OpenAI's
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -32,6 +34,13 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    top_logprobs: int = 0  # with logprobs: this many most likely tokens per position
+
+    @property
+    def chooses_here(self) -> bool:
+        """Tokens are chosen on the coordinator from the final stage's logits (not Top1 or a
+        final-stage draw): the logits are shaped, or the alternatives are asked for."""
+        return self.shapes_logits or self.top_logprobs > 0
 
     @property
     def shapes_logits(self) -> bool:
@@ -73,6 +82,10 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not 0 <= t < vocab_size:
                 raise InvalidArgument("stop_token_ids", f"{t} is not a token id (vocabulary {vocab_size})")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(
+                "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (math.isfinite(value) and -2.0 <= value <= 2.0):
@@ -131,6 +144,17 @@ class LogitShaper:
         self.counts[token] = self.counts.get(token, 0) + 1
         if self.constraint is not None:
             self.constraint.consume(token)
+
+
+def top_logprobs(logits: np.ndarray, n: int) -> tuple[list[int], list[float]]:
+    """The ``n`` most likely tokens of one row of logits and their raw log-probabilities
+    (log-softmax before temperature, top-k or top-p, as token_logprobs), most likely first."""
+    row = logits.astype(np.float64)
+    top = row.max()
+    log_z = top + np.log(np.exp(row - top).sum())
+    ids = np.argpartition(-row, n - 1)[:n]
+    ids = ids[np.lexsort((ids, -row[ids]))]  # most likely first, ties by id
+    return [int(i) for i in ids], [float(row[i] - log_z) for i in ids]
 
 
 def token_logprobs(logits: np.ndarray, tokens: list[int]) -> list[float]:

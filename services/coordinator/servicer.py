@@ -69,6 +69,7 @@ def params_from_proto(p: coordinator_pb2.SamplingParams, default_max_tokens: int
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
         logit_bias=tuple(sorted(p.logit_bias.items())),
+        top_logprobs=p.top_logprobs,
     )
 
 
@@ -237,6 +238,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                         token_ids=event.token_ids,
                         logprobs=event.logprobs,
                         tokens=event.tokens,
+                        top_logprobs=[
+                            coordinator_pb2.TopLogprobs(
+                                token_ids=t.token_ids, logprobs=t.logprobs, tokens=t.tokens
+                            )
+                            for t in event.top
+                        ],
                     )
                 )
             else:

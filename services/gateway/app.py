@@ -140,10 +140,10 @@ class Gateway:
     async def _started(self, request: Request, body: OpenAIRequest, call, shaper: Shaper):
         try:
             if not body.stream:
-                summary, tokens, logprobs = await _unless_gone(request, _collect(call), call)
+                summary, tokens, logprobs, tops = await _unless_gone(request, _collect(call), call)
                 if (error := failed(summary)) is not None:
                     raise error
-                return JSONResponse(shaper.completion(summary, tokens, logprobs))
+                return JSONResponse(shaper.completion(summary, tokens, logprobs, tops))
             first = await _unless_gone(request, call.read(), call)
         except BaseException:
             call.cancel()
@@ -174,18 +174,19 @@ class _EventStream(StreamingResponse):
 
 async def _collect(
     call: grpc.aio.UnaryStreamCall,
-) -> tuple[coordinator_pb2.GenerateSummary, list[str], list[float]]:
-    """The whole stream: its summary and every token's text and logprob (when asked for)."""
-    summary, tokens, logprobs = None, [], []
+) -> tuple[coordinator_pb2.GenerateSummary, list[str], list[float], list[coordinator_pb2.TopLogprobs]]:
+    """The whole stream: its summary and every token's text, logprob and alternatives (when asked for)."""
+    summary, tokens, logprobs, tops = None, [], [], []
     while (response := await call.read()) is not END:
         if response.HasField("summary"):
             summary = response.summary
         else:
             tokens.extend(response.chunk.tokens)
             logprobs.extend(response.chunk.logprobs)
+            tops.extend(response.chunk.top_logprobs)
     if summary is None:
         raise GatewayError(502, "the coordinator ended the stream without a summary")
-    return summary, tokens, logprobs
+    return summary, tokens, logprobs, tops
 
 
 async def _events(
@@ -203,7 +204,7 @@ async def _events(
                 chunk = response.chunk
                 # A token that ends inside a UTF-8 character brings no text, but its logprob.
                 if chunk.text or (shaper.logprobs and chunk.token_ids):
-                    logprobs = shaper.token_logprobs(chunk.tokens, chunk.logprobs)
+                    logprobs = shaper.token_logprobs(chunk.tokens, chunk.logprobs, chunk.top_logprobs)
                     yield _sse(shaper.chunk(chunk.text, with_usage=include_usage, logprobs=logprobs))
             else:
                 summary = response.summary

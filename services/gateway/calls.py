@@ -34,6 +34,7 @@ def generate_call(
         request_id=uuid.uuid4().hex[:24],
         logprobs=body.wants_logprobs,
     )
+    rpc.params.top_logprobs = body.alternatives
     rpc.params.presence_penalty = body.presence_penalty or 0.0
     rpc.params.frequency_penalty = body.frequency_penalty or 0.0
     rpc.params.logit_bias.update(body.token_biases())

@@ -56,15 +56,26 @@ class Shaper:
         """Takes the fleet's system_fingerprint from the final summary for the objects after it."""
         self.system_fingerprint = summary.system_fingerprint or None
 
-    def token_logprobs(self, tokens: Sequence[str], logprobs: Sequence[float]) -> dict | None:
+    def token_logprobs(
+        self,
+        tokens: Sequence[str],
+        logprobs: Sequence[float],
+        tops: Sequence[coordinator_pb2.TopLogprobs] = (),
+    ) -> dict | None:
         """OpenAI's logprobs object for these tokens (chat: ``content``; completions: parallel
-        lists), with no alternatives: the fleet returns the chosen token's logprob only."""
+        lists), with each position's most likely tokens when they were asked for (``tops``)."""
         if not self.logprobs:
             return None
+        alternatives = [list(zip(t.tokens, t.logprobs, strict=True)) for t in tops] or [[] for _ in tokens]
         if self.chat:
             content = [
-                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                for t, lp in zip(tokens, logprobs, strict=True)
+                {
+                    "token": t,
+                    "logprob": lp,
+                    "bytes": list(t.encode()),
+                    "top_logprobs": [{"token": a, "logprob": b, "bytes": list(a.encode())} for a, b in alt],
+                }
+                for t, lp, alt in zip(tokens, logprobs, alternatives, strict=True)
             ]
             return {"content": content, "refusal": None}
         offsets = []
@@ -74,7 +85,7 @@ class Shaper:
         return {
             "tokens": list(tokens),
             "token_logprobs": list(logprobs),
-            "top_logprobs": None,
+            "top_logprobs": [dict(alt) for alt in alternatives] if tops else None,
             "text_offset": offsets,
         }
 
@@ -106,11 +117,12 @@ class Shaper:
         summary: coordinator_pb2.GenerateSummary,
         tokens: Sequence[str] = (),
         logprobs: Sequence[float] = (),
+        tops: Sequence[coordinator_pb2.TopLogprobs] = (),
     ) -> dict:
         self.summarized(summary)
         finish = FINISH.get(summary.finish_reason, "stop")
         choice = self._choice(
-            summary.text, finish, delta=False, logprobs=self.token_logprobs(tokens, logprobs)
+            summary.text, finish, delta=False, logprobs=self.token_logprobs(tokens, logprobs, tops)
         )
         return {**self._envelope(chunk=False), "choices": [choice], "usage": usage(summary)}
 

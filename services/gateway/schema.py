@@ -141,8 +141,13 @@ class OpenAIRequest(BaseModel):
 
     @property
     def wants_logprobs(self) -> bool:
-        """Whether each generated token's logprob is asked for (the chosen token's only)."""
+        """Whether each generated token's logprob is asked for."""
         return False
+
+    @property
+    def alternatives(self) -> int:
+        """How many of the most likely tokens to return per position (OpenAI's top_logprobs)."""
+        return 0
 
 
 class ChatMessage(BaseModel):
@@ -158,15 +163,14 @@ class ChatCompletionRequest(OpenAIRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
-    def _unsupported(self) -> list[str]:
-        names = super()._unsupported()
-        if self.top_logprobs:  # the coordinator returns the chosen token's logprob only
-            names.append("top_logprobs")
-        return names
-
     @property
     def wants_logprobs(self) -> bool:
         return bool(self.logprobs)
+
+    @property
+    def alternatives(self) -> int:
+        """How many of the most likely tokens to return per position (with ``logprobs``)."""
+        return self.top_logprobs or 0 if self.logprobs else 0
 
     def limit(self) -> int | None:
         """``max_completion_tokens`` replaces the deprecated ``max_tokens``; either is honoured."""
@@ -221,8 +225,6 @@ class CompletionRequest(OpenAIRequest):
 
     def _unsupported(self) -> list[str]:
         names = super()._unsupported()
-        if self.logprobs:  # 0 asks for the chosen token's logprob, which is all the fleet returns
-            names.append("logprobs")
         if self.echo:
             names.append("echo")
         if self.best_of not in (None, 1):
@@ -239,6 +241,10 @@ class CompletionRequest(OpenAIRequest):
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
+
+    @property
+    def alternatives(self) -> int:
+        return self.logprobs or 0
 
     def limit(self) -> int | None:
         return self.max_tokens

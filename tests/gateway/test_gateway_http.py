@@ -88,7 +88,6 @@ def test_completion_stream(http):
     [
         ({"n": 2}, "n"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
@@ -138,9 +137,23 @@ def test_bad_formats_and_penalties_are_400_naming_them(http, coordinator, extra,
     assert len(coordinator[0].requests) == before
 
 
-def test_completion_logprobs_above_zero_are_refused_by_name(http):
+def test_top_logprobs_are_asked_for_and_shaped(http, coordinator):
     reply = http.post("/v1/completions", json={"prompt": "x", "logprobs": 2})
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == "logprobs"
+    assert reply.status_code == 200 and coordinator[0].requests[-1].params.top_logprobs == 2
+    tops = reply.json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert tops == [{"Hello": -0.5, "Hi": -1.5}, {" world": -0.25, " you": -2.0}]
+    content = chat(http, logprobs=True, top_logprobs=2).json()["choices"][0]["logprobs"]["content"]
+    assert coordinator[0].requests[-1].params.top_logprobs == 2
+    assert [[t["token"] for t in c["top_logprobs"]] for c in content] == [["Hello", "Hi"], [" world", " you"]]
+    assert chat(http, top_logprobs=2).status_code == 200  # without logprobs: none asked for
+    assert coordinator[0].requests[-1].params.top_logprobs == 0
+    for body in (
+        {"prompt": "x", "logprobs": 6},
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+    ):
+        route = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        refused = http.post(route, json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] in ("logprobs", "top_logprobs")
 
 
 def test_chat_logprobs_carry_the_chosen_tokens(http, coordinator):

@@ -1,12 +1,15 @@
-"""Structured outputs through the OpenAI gateway on a real fleet, with the official `openai` client:
-JSON schemas of different shapes answered with JSON that validates, streamed and not; json_object
-and guided_regex; max_tokens inside the JSON says "length"; an uncompilable schema is a 400 naming
-response_format; and with speculation (prompt lookup) the constrained tokens equal plain ones."""
+"""Structured outputs, penalties, logit_bias and top_logprobs through the OpenAI gateway on a real
+fleet, with the official `openai` client: JSON schemas of different shapes answered with JSON that
+validates, streamed and not; json_object and guided_regex; max_tokens inside the JSON says
+"length"; an uncompilable schema is a 400 naming response_format; a constrained row leaves its
+batch neighbours' tokens as they are alone; and with speculation (prompt lookup) the constrained
+tokens equal plain ones."""
 
 from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import openai
@@ -237,7 +240,7 @@ def test_twenty_json_schemas_are_answered_with_valid_json(api):
 def test_json_object_completions_and_guided_regex(api):
     text = api.completions.create(
         model=MODEL,
-        prompt="A JSON object describing a cat:",
+        prompt='Cats as JSON:\n{"name": "Tom", "age": 3}\n{"name": "Kit", "age": 5}\n',
         max_tokens=TOKENS,
         extra_body={"response_format": {"type": "json_object"}},
     ).choices[0]
@@ -309,3 +312,68 @@ def test_speculative_structured_output_equals_plain(fleet):
     drafted, summary = _grpc_tokens(fleet, schema, prompt, speculative="ngram", k=4)
     assert summary.draft_tokens > 0  # drafts were proposed and verified
     assert drafted == plain
+
+
+def _chat(api, content: str, **kwargs):
+    return api.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=kwargs.pop("max_tokens", 48),
+        **kwargs,
+    ).choices[0]
+
+
+def test_a_constrained_row_leaves_its_batch_neighbours_untouched(api):
+    prompt = "Name three rivers of Europe."
+    alone = _chat(api, prompt).message.content
+    with ThreadPoolExecutor(3) as pool:
+        constrained = [
+            pool.submit(
+                _chat, api, PROMPT.format(name=n), max_tokens=TOKENS, response_format=_schema_format(n, s)
+            )
+            for n, s in list(SCHEMAS.items())[:2]
+        ]
+        beside = pool.submit(_chat, api, prompt)
+        assert beside.result().message.content == alone
+        for future in constrained:
+            json.loads(future.result().message.content)
+
+
+def test_penalties_and_logit_bias_change_the_tokens(api):
+    prompt = "Repeat the word hello ten times."
+    plain = _chat(api, prompt, logprobs=True).logprobs.content
+    penalised = _chat(api, prompt, frequency_penalty=2.0, logprobs=True).logprobs.content
+
+    def repeats(content) -> int:
+        tokens = [c.token for c in content]
+        return len(tokens) - len(set(tokens))
+
+    assert repeats(penalised) < repeats(plain)
+    first = plain[0].token
+    banned = _chat(api, prompt, logit_bias={str(_token_id(api, first)): -100}).message.content
+    assert not banned.startswith(first)
+
+
+def _token_id(api, text: str) -> int:
+    """The id of a one-token text, from the top alternatives of a forced answer."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import REPO_ROOT
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO_ROOT / "models" / MODEL)
+    (token,) = tokenizer.encode(text, add_special_tokens=False)
+    return token
+
+
+def test_top_logprobs_come_from_the_chosen_position(api):
+    prompt = "What is the capital of France?"
+    plain = _chat(api, prompt).message.content
+    answer = _chat(api, prompt, logprobs=True, top_logprobs=5)
+    assert answer.message.content == plain  # chosen from the logits here: the same greedy tokens
+    for entry in answer.logprobs.content:
+        tops = entry.top_logprobs
+        assert len(tops) == 5 and [t.logprob for t in tops] == sorted((t.logprob for t in tops), reverse=True)
+        assert tops[0].token == entry.token and abs(tops[0].logprob - entry.logprob) < 1e-4
+    with pytest.raises(openai.BadRequestError) as info:
+        _chat(api, prompt, logprobs=True, top_logprobs=21)
+    assert info.value.param == "top_logprobs"
