@@ -199,11 +199,14 @@ async def _events(
             yield _sse(shaper.chunk(None, role=True, with_usage=include_usage))
         response = first
         summary = None
+        held: list[str] = []  # an answer that may be a tool call, until it ends
         while response is not END:
             if response.HasField("chunk"):
                 chunk = response.chunk
+                if shaper.holds_text:
+                    held.append(chunk.text)
                 # A token that ends inside a UTF-8 character brings no text, but its logprob.
-                if chunk.text or (shaper.logprobs and chunk.token_ids):
+                elif chunk.text or (shaper.logprobs and chunk.token_ids):
                     logprobs = shaper.token_logprobs(chunk.tokens, chunk.logprobs, chunk.top_logprobs)
                     yield _sse(shaper.chunk(chunk.text, with_usage=include_usage, logprobs=logprobs))
             else:
@@ -214,6 +217,13 @@ async def _events(
             yield _sse(error.body())
             return
         finish = "length" if summary.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH else "stop"
+        if held:
+            call = shaper.tool_call("".join(held)) if finish == "stop" else None
+            if call is not None:
+                finish = "tool_calls"
+                yield _sse(shaper.tool_call_chunk(call, include_usage))
+            else:
+                yield _sse(shaper.chunk("".join(held), with_usage=include_usage))
         shaper.summarized(summary)
         yield _sse(shaper.chunk(None, finish, with_usage=include_usage))
         if include_usage:

@@ -45,7 +45,11 @@ def generate_call(
         rpc.prompt = body.text()  # raw text, no chat template (build_request wraps a prompt as a message)
     kind = "chatcmpl" if chat else "cmpl"
     shaper = Shaper(
-        f"{kind}-{rpc.request_id}", body.model or model_name, chat=chat, logprobs=body.wants_logprobs
+        f"{kind}-{rpc.request_id}",
+        body.model or model_name,
+        chat=chat,
+        logprobs=body.wants_logprobs,
+        tools=body.tool_plan(),
     )
     return rpc, shaper
 

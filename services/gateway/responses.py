@@ -6,6 +6,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pipeshard.services.gateway.tools import ToolCall, ToolPlan
 from pipeshard.v1 import coordinator_pb2
 
 FINISH = {
@@ -36,6 +37,7 @@ class Shaper:
     chat: bool
     created: int = 0
     logprobs: bool = False
+    tools: ToolPlan | None = None  # the request's tools: an answer may be a call
     system_fingerprint: str | None = None
     _offset: int = 0  # characters of generated text before the next token (completions' text_offset)
 
@@ -124,6 +126,10 @@ class Shaper:
         choice = self._choice(
             summary.text, finish, delta=False, logprobs=self.token_logprobs(tokens, logprobs, tops)
         )
+        call = self.tool_call(summary.text) if finish == "stop" else None
+        if call is not None:
+            choice["message"].update(content=None, tool_calls=[call.body()])
+            choice["finish_reason"] = "tool_calls"
         return {**self._envelope(chunk=False), "choices": [choice], "usage": usage(summary)}
 
     def chunk(
@@ -140,6 +146,20 @@ class Shaper:
         out = {**self._envelope(chunk=True), "choices": [choice]}
         if with_usage:
             out["usage"] = None
+        return out
+
+    @property
+    def holds_text(self) -> bool:
+        """A streamed answer that may be a tool call is held back until it ends."""
+        return self.chat and self.tools is not None and self.tools.calls
+
+    def tool_call(self, text: str) -> ToolCall | None:
+        return None if self.tools is None else self.tools.parse(text)
+
+    def tool_call_chunk(self, call: ToolCall, with_usage: bool) -> dict:
+        """The streamed delta of a whole call (OpenAI's ``delta.tool_calls`` with its index)."""
+        out = self.chunk(None, with_usage=with_usage)
+        out["choices"][0]["delta"] = {"tool_calls": [{"index": 0, **call.body()}]}
         return out
 
     def usage_chunk(self, summary: coordinator_pb2.GenerateSummary) -> dict:

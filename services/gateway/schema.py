@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeshard.services.gateway.errors import GatewayError
+from pipeshard.services.gateway.tools import Tool, ToolChoice, ToolPlan, call_text
 from pipeshard.v1 import coordinator_pb2
 
 # The coordinator's int32 fields (max_tokens, top_k): larger values are a 400 naming the field.
@@ -72,9 +73,20 @@ class OpenAIRequest(BaseModel):
     # vLLM's extension: the whole answer matches this regular expression
     guided_regex: str | None = Field(None, min_length=1, max_length=4096)
 
+    def tool_plan(self) -> ToolPlan | None:
+        return None
+
     def grammar(self) -> coordinator_pb2.Grammar | None:
-        """The coordinator's grammar for ``response_format`` or ``guided_regex`` (None: free text)."""
+        """The coordinator's grammar for a required or named tool call, ``response_format`` or
+        ``guided_regex`` (None: free text)."""
+        plan = self.tool_plan()
         fmt = self.response_format
+        if plan is not None and plan.schema() is not None:
+            if (fmt is not None and fmt.type != "text") or self.guided_regex is not None:
+                raise GatewayError(
+                    400, "`tool_choice` required or named excludes response_format", param="tool_choice"
+                )
+            return coordinator_pb2.Grammar(json_schema=json.dumps(plan.schema()))
         if fmt is not None and fmt.type != "text" and self.guided_regex is not None:
             raise GatewayError(
                 400, "`guided_regex` and `response_format` are exclusive: set one", param="guided_regex"
@@ -155,6 +167,9 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -162,6 +177,12 @@ class ChatCompletionRequest(OpenAIRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # one call per answer either way
+
+    def tool_plan(self) -> ToolPlan | None:
+        return ToolPlan.of(self.tools, self.tool_choice)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -178,15 +199,35 @@ class ChatCompletionRequest(OpenAIRequest):
 
     def chat(self) -> list[dict[str, str]]:
         """role/content pairs for the coordinator's chat template; text parts only."""
-        out = []
+        plan = self.tool_plan()
+        out = [plan.system_message()] if plan is not None and plan.calls else []
+        calls: dict[str, str] = {}  # call id -> function name, for the tool turns that answer them
         for i, message in enumerate(self.messages):
             role = "system" if message.role == "developer" else message.role
-            if role not in ("system", "user", "assistant"):
+            if role not in ("system", "user", "assistant", "tool"):
                 raise GatewayError(
                     400,
-                    f"messages[{i}].role must be system, developer, user or assistant, got {message.role!r}",
+                    f"messages[{i}].role must be system, developer, user, assistant or tool, "
+                    f"got {message.role!r}",
                     param=f"messages[{i}].role",
                 )
+            if role == "assistant" and message.tool_calls:
+                calls.update(
+                    {c.get("id", ""): c.get("function", {}).get("name", "") for c in message.tool_calls}
+                )
+                text = _text(message.content, i)
+                out.append(
+                    {
+                        "role": role,
+                        "content": "\n".join(t for t in (text, call_text(message.tool_calls, i)) if t),
+                    }
+                )
+                continue
+            if role == "tool":
+                # The default template has no tool role: a tool's answer is a user turn saying so.
+                name = message.name or calls.get(message.tool_call_id or "", "") or "the function"
+                out.append({"role": "user", "content": f"Result of {name}: {_text(message.content, i)}"})
+                continue
             extras = sorted(k for k, v in (message.model_extra or {}).items() if v is not None)
             if extras:
                 raise GatewayError(

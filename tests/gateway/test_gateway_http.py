@@ -87,7 +87,6 @@ def test_completion_stream(http):
     ("extra", "param"),
     [
         ({"n": 2}, "n"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
@@ -99,6 +98,41 @@ def test_unsupported_parameters_are_refused_by_name(http, coordinator, extra, pa
     assert error["param"] == param and param in error["message"]
     assert error["type"] == "invalid_request_error" and error["code"] == "unsupported_parameter"
     assert len(coordinator[0].requests) == before  # refused before any generation
+
+
+_TOOL = {
+    "type": "function",
+    "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+}
+
+
+def test_tools_are_rendered_and_required_calls_get_a_grammar(http, coordinator):
+    messages = [
+        {"role": "user", "content": "Call f"},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    reply = http.post(
+        "/v1/chat/completions", json={"messages": messages, "tools": [_TOOL], "tool_choice": "required"}
+    )
+    assert reply.status_code == 200, reply.text
+    sent = coordinator[0].requests[-1]
+    assert sent.messages[0].role == "system" and '"name": <function name>' in sent.messages[0].content
+    assert [m.role for m in sent.messages[1:]] == ["user", "assistant", "user"]
+    assert json.loads(sent.messages[2].content) == {"name": "f", "arguments": {"x": 1}}
+    assert sent.messages[3].content == "Result of f: 42"
+    schema = json.loads(sent.params.grammar.json_schema)
+    assert schema["properties"]["name"] == {"const": "f"}
+    # the scripted answer is not a call: plain text, finish as the coordinator said
+    assert reply.json()["choices"][0]["message"]["content"] == "Hello world"
+    chat(http, tools=[_TOOL], tool_choice="none")
+    sent = coordinator[0].requests[-1]
+    assert not sent.params.HasField("grammar") and sent.messages[0].role == "user"
 
 
 def test_formats_penalties_and_biases_reach_the_coordinator(http, coordinator):
@@ -127,6 +161,9 @@ def test_formats_penalties_and_biases_reach_the_coordinator(http, coordinator):
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0].function.parameters"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ],
 )
 def test_bad_formats_and_penalties_are_400_naming_them(http, coordinator, extra, param):
@@ -206,8 +243,8 @@ def test_out_of_range_values_are_400_naming_the_parameter(http, extra, param):
     assert reply.json()["error"]["param"] == param
 
 
-def test_tool_role_and_image_parts_are_refused(http):
-    tool = http.post("/v1/chat/completions", json={"messages": [{"role": "tool", "content": "x"}]})
+def test_unknown_roles_and_image_parts_are_refused(http):
+    tool = http.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
     assert tool.status_code == 400 and tool.json()["error"]["param"] == "messages[0].role"
     image = chat(http, content=[{"type": "image_url", "image_url": {"url": "x"}}])
     assert image.status_code == 400 and image.json()["error"]["param"] == "messages[0].content"

@@ -377,3 +377,23 @@ def test_top_logprobs_come_from_the_chosen_position(api):
     with pytest.raises(openai.BadRequestError) as info:
         _chat(api, prompt, logprobs=True, top_logprobs=21)
     assert info.value.param == "top_logprobs"
+
+
+@pytest.mark.parametrize("constrained", [False, True])
+def test_a_seed_reproduces_its_tokens_alone_and_among_eight_users(api, constrained):
+    """Sampled with a seed (drawn on the final stage, or here from shaped logits when a schema is
+    set): the same tokens alone and in a batch of eight different requests."""
+    fmt = {"response_format": _schema_format("person", SCHEMAS["person"])} if constrained else {}
+    seeded = dict(temperature=0.9, seed=1234, max_tokens=TOKENS if constrained else 24, **fmt)
+    prompt = PROMPT.format(name="person")
+    alone = _chat(api, prompt, **seeded).message.content
+    others = [
+        dict(temperature=0.7, seed=i) if i % 2 else dict(frequency_penalty=0.5 * (i % 3)) for i in range(7)
+    ]
+    with ThreadPoolExecutor(8) as pool:
+        load = [pool.submit(_chat, api, f"Tell me about the number {i}.", **o) for i, o in enumerate(others)]
+        crowded = pool.submit(_chat, api, prompt, **seeded)
+        assert crowded.result().message.content == alone
+        assert all(f.result().message.content for f in load)
+    if constrained:
+        assert not violations(json.loads(alone), SCHEMAS["person"])
