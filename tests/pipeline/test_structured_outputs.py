@@ -397,3 +397,59 @@ def test_a_seed_reproduces_its_tokens_alone_and_among_eight_users(api, constrain
         assert all(f.result().message.content for f in load)
     if constrained:
         assert not violations(json.loads(alone), SCHEMAS["person"])
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": NAME, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_calls_round_trip_streamed_and_not(api, choice):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kwargs = dict(
+        model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=TOKENS
+    )
+    answer = api.chat.completions.create(**kwargs).choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.content is None
+    (call,) = answer.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    if isinstance(choice, dict):
+        assert call.function.name == "get_weather"
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}[call.function.name]
+    assert not violations(arguments, schema), arguments
+    streamed, finish = [], None
+    for chunk in api.chat.completions.create(stream=True, **kwargs):
+        if chunk.choices:
+            streamed.extend(chunk.choices[0].delta.tool_calls or [])
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and [c.function.name for c in streamed] == [call.function.name]
+    assert json.loads(streamed[0].function.arguments) == arguments
+    follow = [
+        *messages,
+        {"role": "assistant", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})},
+    ]
+    final = api.chat.completions.create(
+        model=MODEL, messages=follow, tools=[WEATHER, TIME], tool_choice="none", max_tokens=32
+    ).choices[0]
+    assert (
+        final.message.content and not final.message.tool_calls and final.finish_reason in ("stop", "length")
+    )
