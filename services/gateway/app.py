@@ -127,8 +127,12 @@ class Gateway:
     async def _answer(
         self, request: Request, body: OpenAIRequest, rpc: coordinator_pb2.GenerateRequest, shaper: Shaper
     ):
-        call = self.stub.Generate(rpc, metadata=_metadata(request), timeout=self.settings.request_timeout_s)
         try:
+            if (body.n or 1) > 1:
+                return await self._choices(request, rpc, body.n, shaper)
+            call = self.stub.Generate(
+                rpc, metadata=_metadata(request), timeout=self.settings.request_timeout_s
+            )
             return await self._started(request, body, call, shaper)
         except GatewayError as exc:
             # The coordinator names its own field; the client sent response_format (or guided_regex).
@@ -136,6 +140,27 @@ class Gateway:
                 exc.param = body.grammar_param
                 exc.message = f"`{body.grammar_param}`: {exc.message.split('` ', 1)[-1]}"
             raise
+
+    async def _choices(self, request: Request, rpc: coordinator_pb2.GenerateRequest, n: int, shaper: Shaper):
+        """``n`` > 1 (not streamed): n Generate calls at once, choice i seeded ``seed + i``."""
+        calls = []
+        for i in range(n):
+            one = coordinator_pb2.GenerateRequest()
+            one.CopyFrom(rpc)
+            if rpc.params.HasField("seed"):
+                one.params.seed = (rpc.params.seed + i) % 2**64
+            calls.append(
+                self.stub.Generate(one, metadata=_metadata(request), timeout=self.settings.request_timeout_s)
+            )
+        try:
+            results = await asyncio.gather(*(_unless_gone(request, _collect(c), c) for c in calls))
+        finally:
+            for c in calls:
+                c.cancel()
+        for summary, *_ in results:
+            if (error := failed(summary)) is not None:
+                raise error
+        return JSONResponse(shaper.completions(results))
 
     async def _started(self, request: Request, body: OpenAIRequest, call, shaper: Shaper):
         try:

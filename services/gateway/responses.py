@@ -132,6 +132,18 @@ class Shaper:
             choice["finish_reason"] = "tool_calls"
         return {**self._envelope(chunk=False), "choices": [choice], "usage": usage(summary)}
 
+    def completions(self, results: Sequence[tuple]) -> dict:
+        """One object of several choices, each from one generation's (summary, tokens, logprobs,
+        tops); usage counts the prompt once and every choice's tokens."""
+        answers = [self.completion(*result) for result in results]
+        out = answers[0]
+        out["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
+        completion = sum(a["usage"]["completion_tokens"] for a in answers)
+        out["usage"].update(
+            completion_tokens=completion, total_tokens=out["usage"]["prompt_tokens"] + completion
+        )
+        return out
+
     def chunk(
         self,
         text: str | None,

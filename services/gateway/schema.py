@@ -17,6 +17,8 @@ from pipeshard.v1 import coordinator_pb2
 
 # The coordinator's int32 fields (max_tokens, top_k): larger values are a 400 naming the field.
 INT32_MAX = 2**31 - 1
+# Choices per request (``n``): each is its own generation.
+MAX_CHOICES = 8
 
 
 class StreamOptions(BaseModel):
@@ -130,8 +132,10 @@ class OpenAIRequest(BaseModel):
     def _unsupported(self) -> list[str]:
         """Fields this fleet cannot honour; neutral values (n=1, penalties 0, null) are fine."""
         names = [k for k, v in (self.model_extra or {}).items() if v not in (None, [], {})]
-        if self.n not in (None, 1):
-            names.append("n")
+        if (self.n or 1) > MAX_CHOICES:
+            raise GatewayError(400, f"`n` must be at most {MAX_CHOICES}, got {self.n}", param="n")
+        if (self.n or 1) > 1 and self.stream:
+            raise GatewayError(400, "`n` > 1 is answered whole: not with stream", param="n")
         if self.stream_options is not None and not self.stream:
             names.append("stream_options")
         return names
@@ -142,7 +146,7 @@ class OpenAIRequest(BaseModel):
             raise GatewayError(
                 400,
                 f"unsupported parameter{'s' if len(names) > 1 else ''}: {', '.join(sorted(names))} "
-                "(this fleet serves n=1 text generation without tools or top logprobs)",
+                "(this fleet does not implement them)",
                 param=sorted(names)[0],
                 code="unsupported_parameter",
             )

@@ -86,7 +86,6 @@ def test_completion_stream(http):
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"n": 2}, "n"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
@@ -133,6 +132,21 @@ def test_tools_are_rendered_and_required_calls_get_a_grammar(http, coordinator):
     chat(http, tools=[_TOOL], tool_choice="none")
     sent = coordinator[0].requests[-1]
     assert not sent.params.HasField("grammar") and sent.messages[0].role == "user"
+
+
+def test_n_choices_are_n_generations_with_derived_seeds(http, coordinator):
+    before = len(coordinator[0].requests)
+    reply = chat(http, n=3, seed=10, temperature=0.5)
+    assert reply.status_code == 200, reply.text
+    sent = coordinator[0].requests[before:]
+    assert sorted(r.params.seed for r in sent) == [10, 11, 12]
+    body = reply.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(c["message"]["content"] == "Hello world" for c in body["choices"])
+    assert body["usage"]["completion_tokens"] == 6 and body["usage"]["prompt_tokens"] == 5
+    for extra in ({"n": 9}, {"n": 2, "stream": True}):
+        refused = chat(http, **extra)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
 
 
 def test_formats_penalties_and_biases_reach_the_coordinator(http, coordinator):

@@ -147,7 +147,7 @@ def test_logprobs_of_the_chosen_tokens_match_grpc(fleet, api, prompts):
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 9}, "n"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0].function.parameters"),
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 100_000}, "max_tokens"),  # refused by the coordinator (INVALID_ARGUMENT)
