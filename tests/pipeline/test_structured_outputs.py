@@ -234,7 +234,7 @@ def test_json_schemas_are_answered_with_valid_json_streamed_and_not(api):
 
 @pytest.mark.extended
 def test_twenty_json_schemas_are_answered_with_valid_json(api):
-    _check_schemas(api, EXTENDED)
+    _check_schemas(api, SCHEMAS | EXTENDED)
 
 
 def test_json_object_completions_and_guided_regex(api):
