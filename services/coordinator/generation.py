@@ -605,6 +605,7 @@ class _Request:
             emitted, self.finish, text = await asyncio.to_thread(_take, *args)
         if self.finish is None and self.constraint is not None and self.constraint.stopped:
             self.finish = "stop"  # the grammar is complete and allows nothing more
+            text += self.detok.delta(final=True)
         done = self.finish is not None
         if self.metered:
             self._meter(len(emitted))
