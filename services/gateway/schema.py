@@ -130,7 +130,8 @@ class OpenAIRequest(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def _unsupported(self) -> list[str]:
-        """Fields this fleet cannot honour; neutral values (n=1, penalties 0, null) are fine."""
+        """Fields this fleet cannot honour (null and empty values are fine); ``n`` above its limit
+        or streamed is refused here."""
         names = [k for k, v in (self.model_extra or {}).items() if v not in (None, [], {})]
         if (self.n or 1) > MAX_CHOICES:
             raise GatewayError(400, f"`n` must be at most {MAX_CHOICES}, got {self.n}", param="n")
