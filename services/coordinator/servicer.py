@@ -186,7 +186,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             prompt_tokens=len(prompt_ids), max_context=self._max_context, vocab_size=self._vocab_size
         )
         self._generation.check_speculative(request.speculative, request.k, request.tree)
-        await self._generation.check_grammar(params)
+        if params.grammar is not None:  # compiled (and cached) before the request queues
+            await self._generation.check_grammar(params)
         if identity is None:
             identity = self._authenticator.identify(context) if context else Identity("")
         tokens = self._generation.capacity(prompt_ids, params)
