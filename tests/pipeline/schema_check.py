@@ -1,6 +1,6 @@
 """A small JSON-schema validator for the tests: the keywords the structured-output schemas use
 (type, properties, required, additionalProperties, items, min/maxItems, enum, const, bounds,
-min/maxLength, anyOf), strict, so an answer that breaks any of them fails the test."""
+min/maxLength, multipleOf, anyOf), strict, so an answer that breaks any of them fails the test."""
 
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ def violations(value, schema: dict, where: str = "$") -> list[str]:
             out.append(f"{where}: {value} < {schema['minimum']}")
         if "maximum" in schema and value > schema["maximum"]:
             out.append(f"{where}: {value} > {schema['maximum']}")
+        step = schema.get("multipleOf")
+        if step and abs(value / step - round(value / step)) > 1e-6:
+            out.append(f"{where}: {value} is not a multiple of {step}")
     if isinstance(value, str) and not schema.get("minLength", 0) <= len(value) <= schema.get(
         "maxLength", len(value)
     ):
