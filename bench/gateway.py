@@ -4,19 +4,27 @@ One 2-stage INT4 fleet with its gateway; each round runs four configurations in 
 N users (1 or 8) streaming the same greedy request (64 tokens, eos ignored) at once, either with
 the async gRPC client straight to the coordinator or with the official `openai` async client
 through the gateway. Per configuration and round: aggregate tok/s (all users' tokens over the
-round's wall time) and the median client-side time to first token. Goal (issue #18): the gateway
-costs at most 5% throughput and 5 ms TTFT at 8 users.
+round's wall time) and the median client-side time to first token. Goal: the gateway costs at
+most 5% throughput and 5 ms TTFT at 8 users.
+
+Structured outputs: a third path sends the same request through the gateway with a JSON schema
+(one long string field, so every user writes the whole 64 tokens inside the JSON):
+``schema_over_plain_{1user,8users}`` is its tok/s over the plain gateway's (goal >= 0.9), its
+TTFT the first-token time of a schema request (compiled once, then cached). ``grammar`` times the
+engine alone on the tokenizer: a schema's compile, and the mask plus advance per token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import openai
 
 from bench.stats import difference_ci, interleaved, ratio_ci, summary, write_result
@@ -30,6 +38,13 @@ TOKENS = int(os.environ.get("BENCH_TOKENS", "64"))
 RUNS = int(os.environ.get("BENCH_RUNS", "10"))
 WARMUP = 2
 USERS = (1, 8)
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "minLength": 2000}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
 
 
 async def _grpc_user(address: str) -> tuple[float, int]:
@@ -43,7 +58,7 @@ async def _grpc_user(address: str) -> tuple[float, int]:
         return ttft * 1000, tokens
 
 
-async def _gateway_user(api: openai.AsyncOpenAI) -> tuple[float, int]:
+async def _gateway_user(api: openai.AsyncOpenAI, schema: bool = False) -> tuple[float, int]:
     t0 = time.perf_counter()
     ttft, tokens = None, 0
     stream = await api.chat.completions.create(
@@ -52,7 +67,7 @@ async def _gateway_user(api: openai.AsyncOpenAI) -> tuple[float, int]:
         max_tokens=TOKENS,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, **({"response_format": FORMAT} if schema else {})},
     )
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content and ttft is None:
@@ -60,6 +75,53 @@ async def _gateway_user(api: openai.AsyncOpenAI) -> tuple[float, int]:
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     return ttft * 1000, tokens
+
+
+def _grammar_cost(shards: Path) -> dict:
+    """The engine alone: a schema's compile (cold, then cached) and mask + advance per token over
+    a valid answer's tokens."""
+    from pipeshard.services.coordinator.grammar import Grammars, GrammarSpec
+    from pipeshard.shard.prompting import Prompter
+
+    prompter = Prompter.from_dir(shards)
+    vocab = len(prompter.tokenizer)
+    engine = Grammars(prompter.tokenizer, vocab, prompter.eos_ids)
+    engine.prepare()
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}},
+            "address": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+        "required": ["name", "age", "tags", "address"],
+        "additionalProperties": False,
+    }
+    spec = GrammarSpec("json_schema", json.dumps(schema))
+    t0 = time.perf_counter()
+    engine.compile(spec)
+    compile_ms = (time.perf_counter() - t0) * 1000
+    t0 = time.perf_counter()
+    engine.compile(spec)
+    cached_ms = (time.perf_counter() - t0) * 1000
+    answer = '{"name": "Ann Lee", "age": 42, "tags": ["a", "c"], "address": {"city": "Paris"}}'
+    ids = prompter.tokenizer.encode(answer, add_special_tokens=False) + sorted(prompter.eos_ids)[:1]
+    logits = np.random.default_rng(0).standard_normal(vocab).astype(np.float32)
+    per_token = []
+    for _ in range(5):
+        constraint = engine.constraint(spec)
+        t0 = time.perf_counter()
+        for token in ids:
+            constraint.masked(logits)
+            constraint.consume(token)
+        per_token.append((time.perf_counter() - t0) * 1000 / len(ids))
+    return {
+        "engine": "llguidance",
+        "compile_ms": compile_ms,
+        "compile_cached_ms": cached_ms,
+        "mask_ms_per_token": summary(per_token),
+    }
 
 
 def main() -> int:
@@ -79,7 +141,8 @@ def main() -> int:
             async def one_round():
                 if name.startswith("grpc"):
                     return await asyncio.gather(*(_grpc_user(fleet.coordinator) for _ in range(users)))
-                return await asyncio.gather(*(_gateway_user(api) for _ in range(users)))
+                schema = name.startswith("schema")
+                return await asyncio.gather(*(_gateway_user(api, schema) for _ in range(users)))
 
             start = time.perf_counter()
             results = loop.run_until_complete(one_round())
@@ -92,7 +155,8 @@ def main() -> int:
         return run
 
     try:
-        configs = {f"{path}_{u}": config(f"{path}_{u}", u) for path in ("grpc", "gateway") for u in USERS}
+        paths_ = ("grpc", "gateway", "schema")
+        configs = {f"{path}_{u}": config(f"{path}_{u}", u) for path in paths_ for u in USERS}
         samples = interleaved(configs, RUNS, WARMUP)
     finally:
         loop.run_until_complete(api.close())
@@ -111,6 +175,10 @@ def main() -> int:
         key = "gateway_ttft_overhead_ms" if u == 8 else "gateway_ttft_overhead_ms_1user"
         result[key] = overhead
         result[f"{key}_ci95"] = ci
+        ratio, ci = ratio_ci(samples[f"schema_{u}"], samples[f"gateway_{u}"])
+        result[f"schema_over_plain_{u}{suffix}"] = ratio
+        result[f"schema_over_plain_{u}{suffix}_ci95"] = ci
+    result["grammar"] = _grammar_cost(shards)
     write_result("gateway", result, command=f"make bench-gateway  # BENCH_RUNS={RUNS} BENCH_TOKENS={TOKENS}")
     return 0
 

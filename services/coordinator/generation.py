@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import structlog
 
 from pipeshard import trace
@@ -43,9 +44,16 @@ from pipeshard.metrics import (
 )
 from pipeshard.sampling import accept_sampled, restore_rng, rng_state
 from pipeshard.services.coordinator.detokenizer import IncrementalDetokenizer
+from pipeshard.services.coordinator.grammar import Constraint, Grammars
 from pipeshard.services.coordinator.prefix_cache import PrefixIndex
 from pipeshard.services.coordinator.ring import RingLike, StageFailed
-from pipeshard.services.coordinator.sampling import Sampler, SamplingParams, token_logprobs
+from pipeshard.services.coordinator.sampling import (
+    LogitShaper,
+    Sampler,
+    SamplingParams,
+    token_logprobs,
+    top_logprobs,
+)
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
 from pipeshard.services.coordinator.speculation.policy import BatchSteps, KPolicy, SourceMemory, TimingModel
@@ -86,6 +94,16 @@ class Chunk:
     token_ids: list[int]
     logprobs: list[float] = field(default_factory=list)  # per token, when the request asked
     tokens: list[str] = field(default_factory=list)  # each token's own text, likewise
+    top: list[TopTokens] = field(default_factory=list)  # per token, when top_logprobs was asked
+
+
+@dataclass
+class TopTokens:
+    """The most likely tokens at one position, most likely first."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    tokens: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -253,8 +271,13 @@ class _Request:
         metered: bool = True,
         truncates: bool = False,
         tree: TreeChoice = TREE_OFF,
+        constraint: Constraint | None = None,
     ):
         self.session_id = session_id
+        # Structured output, penalties, logit_bias: tokens are chosen here from shaped logits.
+        self.constraint = constraint
+        self.shaper = LogitShaper(params, constraint) if params.chooses_here else None
+        self.new_top: list[TopTokens] = []  # of the tokens the last step accepted, when asked
         self.tree = tree
         self.outcome: TreeOutcome | None = None  # what the last tree step accepted
         self.metered = metered  # False for the coordinator's warm-up: not a client's tokens
@@ -265,9 +288,9 @@ class _Request:
         self.drafter = drafter
         self.reads_features = drafter is not None and drafter.reads_features
         # Draft heads follow the greedy path on the final stage: greedy requests only.
-        self.heads = drafter.head_candidates if drafter is not None and params.greedy else 0
+        self.heads = drafter.head_candidates if drafter is not None and self.top1 else 0
         self.policy = policy
-        self.cursor = _Cursor(session_id, params.greedy, truncates=truncates, probabilities=params.logprobs)
+        self.cursor = _Cursor(session_id, self.top1, truncates=truncates, probabilities=params.logprobs)
         self.detok = detok
         self.sampler = None if params.greedy else Sampler(params)
         self.sample = None if self.sampler is None else (self.sampler.probabilities, self.sampler.rng)
@@ -285,6 +308,11 @@ class _Request:
         self.new_logprobs: list[float] = []  # of the tokens the last step accepted, when asked
         self.ahead: asyncio.Task | None = None  # the next step, sent before this one's token streams
         self.streaming_step = 0  # the step whose tokens are streaming (the trace's key)
+
+    @property
+    def top1(self) -> bool:
+        """The final stage answers with its argmax (greedy, unconstrained); else with logits or draws."""
+        return self.params.greedy and self.shaper is None
 
     def prefill_frames(self, chunk: int) -> Iterator[activation_pb2.ActivationFrame]:
         """Fill-only frames for all of the prompt but its last chunk, so other sessions' decode
@@ -307,7 +335,7 @@ class _Request:
         self.session_id = session_id
         params = self.params
         self.cursor = _Cursor(
-            session_id, params.greedy, truncates=self.cursor.truncates, probabilities=params.logprobs
+            session_id, self.top1, truncates=self.cursor.truncates, probabilities=params.logprobs
         )
         if not self.generated:
             return []  # still prefilling: prefill_frames starts the prompt again
@@ -394,6 +422,7 @@ class _Request:
         client asked for logprobs, which are computed here from the logits."""
         if (
             self.sampler is None
+            or self.shaper is not None  # bias, penalties and the grammar's mask apply here
             or not self.final_stage_sampling
             or isinstance(draft, TreeChains | TreeNodes)  # trees are accepted here, from the logits
             or draft.probs is not None
@@ -464,6 +493,8 @@ class _Request:
     def _accept(self, draft: Draft | TreeChains | TreeNodes, result: activation_pb2.StepResult) -> list[int]:
         if isinstance(draft, TreeChains | TreeNodes):
             return self._accept_tree(draft, result)
+        if self.shaper is not None:
+            return self._accept_shaped(draft, result)
         if self.sampler is None:
             new = accept_greedy(draft.tokens, list(result.top1.token_ids))
             if self.params.logprobs:  # greedy keeps row i's argmax, whose probability Top1 carries
@@ -476,6 +507,33 @@ class _Request:
         new = accept_sampled(draft.tokens, draft.probs, rows, self.sampler.probabilities, self.sampler.rng)
         if self.params.logprobs:  # token i was drawn (or kept) from row i
             self.new_logprobs = token_logprobs(rows, new)
+        return new
+
+    def _accept_shaped(self, draft: Draft, result: activation_pb2.StepResult) -> list[int]:
+        """Each position's token chosen from its shaped row (bias, penalties, the grammar's mask),
+        in order: a greedy request keeps a draft while it equals the shaped argmax (so a draft
+        that leaves the grammar is cut there, and the output equals plain decoding); a sampled one
+        draws (no drafts)."""
+        rows = decode(result.logits, field="logits")
+        new: list[int] = []
+        for i in range(len(draft.tokens) + 1):
+            row = self.shaper.shaped(rows[i])
+            if self.sampler is None:
+                token = int(np.argmax(row))
+            else:
+                probs = self.sampler.probabilities(row)
+                token = int(self.sampler.rng.choice(probs.size, p=probs))
+            self.shaper.took(token)
+            new.append(token)
+            stopped = self.constraint is not None and self.constraint.stopped
+            if stopped or i == len(draft.tokens) or token != draft.tokens[i]:
+                break
+        if self.params.logprobs:
+            self.new_logprobs = token_logprobs(rows, new)
+            if self.params.top_logprobs:
+                self.new_top = [
+                    TopTokens(*top_logprobs(rows[i], self.params.top_logprobs)) for i in range(len(new))
+                ]
         return new
 
     def _accept_tree(self, chains: TreeChains | TreeNodes, result: activation_pb2.StepResult) -> list[int]:
@@ -538,6 +596,9 @@ class _Request:
             emitted, self.finish, text = _take(*args)
         else:
             emitted, self.finish, text = await asyncio.to_thread(_take, *args)
+        if self.finish is None and self.constraint is not None and self.constraint.stopped:
+            self.finish = "stop"  # the grammar is complete and allows nothing more
+            text += self.detok.delta(final=True)
         done = self.finish is not None
         if self.metered:
             self._meter(len(emitted))
@@ -547,6 +608,7 @@ class _Request:
         chunk = Chunk(text=text, token_ids=emitted)
         if self.params.logprobs:
             chunk.logprobs = self.new_logprobs[: len(emitted)]
+            chunk.top = self.new_top[: len(emitted)]
             self.progress.logprobs.extend(chunk.logprobs)
         return chunk, done
 
@@ -623,9 +685,12 @@ class Generation:
         restore_timeout_s: float = 5.0,
         batch_aware_k: bool = True,
         failover: Failover | None = None,
+        grammars: Grammars | None = None,
     ):
-        """``failover``: moves a running request off a failed replica lane instead of failing it."""
+        """``failover``: moves a running request off a failed replica lane instead of failing it;
+        ``grammars``: compiles structured outputs' grammars (None: refused)."""
         self._ring = ring
+        self._grammars = grammars
         self._failover = failover
         self.prefix = prefix
         self.restore_timeout_s = restore_timeout_s
@@ -669,6 +734,15 @@ class Generation:
                 raise InvalidArgument("speculative", "this coordinator has no draft sources")
             self._drafts.validate(mode)
         return mode
+
+    async def check_grammar(self, params: SamplingParams) -> None:
+        """InvalidArgument naming ``grammar`` when a request's grammar cannot be compiled (the
+        compile is cached, so the request's own constraint then starts from it)."""
+        if params.grammar is None:
+            return
+        if self._grammars is None:
+            raise InvalidArgument("grammar", "is not supported by this coordinator")
+        await asyncio.to_thread(self._grammars.compile, params.grammar)
 
     async def run(
         self,
@@ -739,6 +813,16 @@ class Generation:
     ) -> _Request:
         """Validates the request, opens its session on every stage and sets up its drafter and K policy."""
         mode = self.check_speculative(speculative, k, tree)
+        constraint = None
+        if params.grammar is not None:
+            await self.check_grammar(params)
+            constraint = await asyncio.to_thread(self._grammars.constraint, params.grammar)
+        if params.shapes_logits:
+            # Drafts are verified position by position on shaped rows: chains only, greedy only
+            # (a sampled request draws each token from its shaped distribution).
+            tree = "off"
+            if not params.greedy:
+                mode = "none"
         # check_speculative refused any mode but "none" without draft sources
         factory = None if mode == "none" or self._drafts is None else await self._drafts.factory(mode)
         session_id = uuid.uuid4().hex
@@ -766,10 +850,13 @@ class Generation:
             prune=self.tree_prune,
             policy=policy,
             detok=IncrementalDetokenizer(self._tok, params.stop),
-            stop_ids=set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos),
+            # A grammar ends at end-of-sequence, whatever ignore_eos says.
+            stop_ids=set(params.stop_token_ids)
+            | (set() if params.ignore_eos and constraint is None else self._eos),
             metered=metered,
             truncates=self._ring.truncates_on_rewind,
             tree=TreeChoice.parse(tree),
+            constraint=constraint,
         )
         if steps is not None:
             policy.load = lambda: steps.load(request.session_id)
@@ -879,6 +966,10 @@ class Generation:
         trace.mark("emitted", request.session_id, step_id)
         if request.params.logprobs:  # each token's own text, for OpenAI's logprobs objects
             chunk.tokens = await asyncio.to_thread(lambda: [self._tok.decode([t]) for t in chunk.token_ids])
+            for top in chunk.top:
+                top.tokens = await asyncio.to_thread(
+                    lambda t=top: [self._tok.decode([i]) for i in t.token_ids]
+                )
         return chunk, done
 
     def _computed(self, request: _Request, tokens: list[int]) -> None:

@@ -19,6 +19,7 @@ from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.coordinator.failover import Failover
 from pipeshard.services.coordinator.fleet_promise import fleet_promise
 from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation
+from pipeshard.services.coordinator.grammar import Grammars
 from pipeshard.services.coordinator.kv_mirror import KvMirror
 from pipeshard.services.coordinator.kv_standby import KvStandby
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
@@ -315,6 +316,9 @@ class Coordinator:
         log.info("draft_sources", offered=drafts.names, default=self.settings.speculative)
         if self.settings.speculative != "none":
             drafts.validate(self.settings.speculative)  # medusa: only once the final stage has heads
+        grammars = Grammars(prompter.tokenizer, manifest.model.vocab_size, prompter.eos_ids)
+        # The grammar engine's view of the vocabulary takes seconds: built while the fleet warms up.
+        self._grammar_ready = asyncio.get_running_loop().run_in_executor(None, grammars.prepare)
         generation = Generation(
             self.ring,
             prompter.tokenizer,
@@ -332,6 +336,7 @@ class Coordinator:
             ),
             restore_timeout_s=self.settings.prefix_restore_timeout_s,
             failover=self._failover(infos),
+            grammars=grammars,
         )
         # Static stages run one shape whatever the prompt: one chunk warms every hop's frames.
         warm_context = self.ring.prefill_chunk + 4 if backend == "static" else manifest.max_context

@@ -14,6 +14,9 @@ import numpy as np
 
 from pipeshard.errors import InvalidArgument
 from pipeshard.sampling import Distribution, check_stop
+from pipeshard.services.coordinator.grammar import GrammarSpec
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI's
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,27 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False  # return each generated token's logprob and text
+    grammar: GrammarSpec | None = None  # structured output: the text follows this grammar
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    top_logprobs: int = 0  # with logprobs: this many most likely tokens per position
+
+    @property
+    def chooses_here(self) -> bool:
+        """Tokens are chosen on the coordinator from the final stage's logits (not Top1 or a
+        final-stage draw): the logits are shaped, or the alternatives are asked for."""
+        return self.shapes_logits or self.top_logprobs > 0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """The logits are changed before a token is chosen: chosen here, from the final stage's logits."""
+        return (
+            self.grammar is not None
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+        )
 
     @property
     def greedy(self) -> bool:
@@ -56,6 +80,19 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not 0 <= t < vocab_size:
                 raise InvalidArgument("stop_token_ids", f"{t} is not a token id (vocabulary {vocab_size})")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(
+                "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise InvalidArgument(name, f"must be in [-2, 2], got {value}")
+        for t, bias in self.logit_bias:
+            if not 0 <= t < vocab_size:
+                raise InvalidArgument("logit_bias", f"{t} is not a token id (vocabulary {vocab_size})")
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise InvalidArgument("logit_bias", f"of token {t} must be in [-100, 100], got {bias}")
 
 
 @dataclass
@@ -77,6 +114,45 @@ class Sampler:
     def sample(self, logits: np.ndarray) -> int:
         probs = self.probabilities(logits)
         return int(self.rng.choice(probs.size, p=probs))
+
+
+class LogitShaper:
+    """One request's changes to each row of logits before its token is chosen: logit_bias, the
+    presence and frequency penalties over the tokens generated so far, and the grammar's mask."""
+
+    def __init__(self, params: SamplingParams, constraint=None):
+        self.params = params
+        self.constraint = constraint
+        self.counts: dict[int, int] = {}  # generated tokens and how often each came
+
+    def shaped(self, row: np.ndarray) -> np.ndarray:
+        """A shaped copy of ``row`` (the input stays as it came)."""
+        p = self.params
+        out = row.astype(np.float32, copy=True)
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias, strict=True)
+            out[list(ids)] += np.asarray(biases, dtype=np.float32)
+        if self.counts and (p.presence_penalty or p.frequency_penalty):
+            ids = np.fromiter(self.counts, dtype=np.int64)
+            n = np.fromiter(self.counts.values(), dtype=np.float32)
+            out[ids] -= p.presence_penalty + p.frequency_penalty * n
+        return out if self.constraint is None else self.constraint.masked(out)
+
+    def took(self, token: int) -> None:
+        self.counts[token] = self.counts.get(token, 0) + 1
+        if self.constraint is not None:
+            self.constraint.consume(token)
+
+
+def top_logprobs(logits: np.ndarray, n: int) -> tuple[list[int], list[float]]:
+    """The ``n`` most likely tokens of one row of logits and their raw log-probabilities
+    (log-softmax before temperature, top-k or top-p, as token_logprobs), most likely first."""
+    row = logits.astype(np.float64)
+    top = row.max()
+    log_z = top + np.log(np.exp(row - top).sum())
+    ids = np.argpartition(-row, n - 1)[:n]
+    ids = ids[np.lexsort((ids, -row[ids]))]  # most likely first, ties by id
+    return [int(i) for i in ids], [float(row[i] - log_z) for i in ids]
 
 
 def token_logprobs(logits: np.ndarray, tokens: list[int]) -> list[float]:

@@ -14,7 +14,7 @@ import contextlib
 import structlog
 
 from pipeshard.auth import Authenticator
-from pipeshard.errors import Unavailable
+from pipeshard.errors import InvalidArgument, Unavailable
 from pipeshard.identity import Identity
 from pipeshard.interceptors import MAX_REQUEST_ID_CHARS
 from pipeshard.metrics import IDENTITY_CACHED_TOKENS, IDENTITY_REQUESTS
@@ -27,6 +27,7 @@ from pipeshard.services.coordinator.batch_jobs import (
     Workload,
 )
 from pipeshard.services.coordinator.generation import Chunk, Generation
+from pipeshard.services.coordinator.grammar import GrammarSpec
 from pipeshard.services.coordinator.ring import ShuttingDown
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.scheduler import Scheduler
@@ -66,7 +67,19 @@ def params_from_proto(p: coordinator_pb2.SamplingParams, default_max_tokens: int
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs,
+        grammar=_grammar(p.grammar) if p.HasField("grammar") else None,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        logit_bias=tuple(sorted(p.logit_bias.items())),
+        top_logprobs=p.top_logprobs,
     )
+
+
+def _grammar(g: coordinator_pb2.Grammar) -> GrammarSpec:
+    kind = g.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument("grammar", "must set one of json_schema, json_object or regex")
+    return GrammarSpec(kind, "" if kind == "json_object" else getattr(g, kind))
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -175,6 +188,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             prompt_tokens=len(prompt_ids), max_context=self._max_context, vocab_size=self._vocab_size
         )
         self._generation.check_speculative(request.speculative, request.k, request.tree)
+        if params.grammar is not None:  # compiled (and cached) before the request queues
+            await self._generation.check_grammar(params)
         if identity is None:
             identity = self._authenticator.identify(context) if context else Identity("")
         tokens = self._generation.capacity(prompt_ids, params)
@@ -226,6 +241,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                         token_ids=event.token_ids,
                         logprobs=event.logprobs,
                         tokens=event.tokens,
+                        top_logprobs=[
+                            coordinator_pb2.TopLogprobs(
+                                token_ids=t.token_ids, logprobs=t.logprobs, tokens=t.tokens
+                            )
+                            for t in event.top
+                        ],
                     )
                 )
             else:

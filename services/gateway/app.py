@@ -140,16 +140,53 @@ class Gateway:
     async def _answer(
         self, request: Request, body: OpenAIRequest, rpc: coordinator_pb2.GenerateRequest, shaper: Shaper
     ):
-        identity = self._identity(request) if body.stream else ""
-        if body.stream:
-            self.streams.open(identity)  # before the call: a refused stream takes no slot
-        call = self.stub.Generate(rpc, metadata=_metadata(request), timeout=self.settings.request_timeout_s)
+        try:
+            if (body.n or 1) > 1:
+                return await self._choices(request, rpc, body.n, shaper)
+            identity = self._identity(request) if body.stream else ""
+            if body.stream:
+                self.streams.open(identity)  # before the call: a refused stream takes no slot
+            call = self.stub.Generate(
+                rpc, metadata=_metadata(request), timeout=self.settings.request_timeout_s
+            )
+            return await self._started(request, body, call, shaper, identity)
+        except GatewayError as exc:
+            # The coordinator names its own field; the client sent response_format (or guided_regex).
+            if exc.param is not None and exc.param.split(".")[0] == "grammar":
+                exc.param = body.grammar_param
+                exc.message = f"`{body.grammar_param}`: {exc.message.split('` ', 1)[-1]}"
+            raise
+
+    async def _choices(self, request: Request, rpc: coordinator_pb2.GenerateRequest, n: int, shaper: Shaper):
+        """``n`` > 1 (not streamed): n Generate calls at once, choice i seeded ``seed + i``."""
+        calls = []
+        for i in range(n):
+            one = coordinator_pb2.GenerateRequest()
+            one.CopyFrom(rpc)
+            if rpc.params.HasField("seed"):
+                one.params.seed = (rpc.params.seed + i) % 2**64
+            calls.append(
+                self.stub.Generate(one, metadata=_metadata(request), timeout=self.settings.request_timeout_s)
+            )
+        try:
+            results = await asyncio.gather(*(_unless_gone(request, _collect(c), c) for c in calls))
+        finally:
+            for c in calls:
+                c.cancel()
+        for summary, *_ in results:
+            if (error := failed(summary)) is not None:
+                raise error
+        return JSONResponse(shaper.completions(results))
+
+    async def _started(
+        self, request: Request, body: OpenAIRequest, call, shaper: Shaper, identity: str
+    ):
         try:
             if not body.stream:
-                summary, tokens, logprobs = await _unless_gone(request, _collect(call), call)
+                summary, tokens, logprobs, tops = await _unless_gone(request, _collect(call), call)
                 if (error := failed(summary)) is not None:
                     raise error
-                return JSONResponse(shaper.completion(summary, tokens, logprobs))
+                return JSONResponse(shaper.completion(summary, tokens, logprobs, tops))
             first = await _unless_gone(request, call.read(), call)
         except BaseException:
             call.cancel()
@@ -203,18 +240,19 @@ class _EventStream(StreamingResponse):
 
 async def _collect(
     call: grpc.aio.UnaryStreamCall,
-) -> tuple[coordinator_pb2.GenerateSummary, list[str], list[float]]:
-    """The whole stream: its summary and every token's text and logprob (when asked for)."""
-    summary, tokens, logprobs = None, [], []
+) -> tuple[coordinator_pb2.GenerateSummary, list[str], list[float], list[coordinator_pb2.TopLogprobs]]:
+    """The whole stream: its summary and every token's text, logprob and alternatives (when asked for)."""
+    summary, tokens, logprobs, tops = None, [], [], []
     while (response := await call.read()) is not END:
         if response.HasField("summary"):
             summary = response.summary
         else:
             tokens.extend(response.chunk.tokens)
             logprobs.extend(response.chunk.logprobs)
+            tops.extend(response.chunk.top_logprobs)
     if summary is None:
         raise GatewayError(502, "the coordinator ended the stream without a summary")
-    return summary, tokens, logprobs
+    return summary, tokens, logprobs, tops
 
 
 async def _events(
@@ -227,12 +265,15 @@ async def _events(
             yield _sse(shaper.chunk(None, role=True, with_usage=include_usage))
         response = first
         summary = None
+        held: list[str] = []  # an answer that may be a tool call, until it ends
         while response is not END:
             if response.HasField("chunk"):
                 chunk = response.chunk
+                if shaper.holds_text:
+                    held.append(chunk.text)
                 # A token that ends inside a UTF-8 character brings no text, but its logprob.
-                if chunk.text or (shaper.logprobs and chunk.token_ids):
-                    logprobs = shaper.token_logprobs(chunk.tokens, chunk.logprobs)
+                elif chunk.text or (shaper.logprobs and chunk.token_ids):
+                    logprobs = shaper.token_logprobs(chunk.tokens, chunk.logprobs, chunk.top_logprobs)
                     yield _sse(shaper.chunk(chunk.text, with_usage=include_usage, logprobs=logprobs))
             else:
                 summary = response.summary
@@ -245,6 +286,13 @@ async def _events(
             yield _sse(error.body())
             return
         finish = "length" if summary.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH else "stop"
+        if held:
+            call = shaper.tool_call("".join(held)) if finish == "stop" else None
+            if call is not None:
+                finish = "tool_calls"
+                yield _sse(shaper.tool_call_chunk(call, include_usage))
+            else:
+                yield _sse(shaper.chunk("".join(held), with_usage=include_usage))
         shaper.summarized(summary)
         yield _sse(shaper.chunk(None, finish, with_usage=include_usage))
         if include_usage:

@@ -110,6 +110,13 @@ def parse_line(number: int, text: str, model_name: str) -> BatchLine | LineError
             raise GatewayError(
                 400, "`stream` must be false in a batch: each answer is written whole", param="stream"
             )
+        if (body.n or 1) > 1:
+            raise GatewayError(
+                400,
+                "unsupported parameter: n (a batch line has one answer)",
+                param="n",
+                code="unsupported_parameter",
+            )
         request, shaper = generate_call(body, model_name)
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]

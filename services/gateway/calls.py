@@ -34,11 +34,22 @@ def generate_call(
         request_id=uuid.uuid4().hex[:24],
         logprobs=body.wants_logprobs,
     )
+    rpc.params.top_logprobs = body.alternatives
+    rpc.params.presence_penalty = body.presence_penalty or 0.0
+    rpc.params.frequency_penalty = body.frequency_penalty or 0.0
+    rpc.params.logit_bias.update(body.token_biases())
+    grammar = body.grammar()
+    if grammar is not None:
+        rpc.params.grammar.CopyFrom(grammar)
     if isinstance(body, CompletionRequest):
         rpc.prompt = body.text()  # raw text, no chat template (build_request wraps a prompt as a message)
     kind = "chatcmpl" if chat else "cmpl"
     shaper = Shaper(
-        f"{kind}-{rpc.request_id}", body.model or model_name, chat=chat, logprobs=body.wants_logprobs
+        f"{kind}-{rpc.request_id}",
+        body.model or model_name,
+        chat=chat,
+        logprobs=body.wants_logprobs,
+        tools=body.tool_plan(),
     )
     return rpc, shaper
 

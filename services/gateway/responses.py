@@ -6,6 +6,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pipeshard.services.gateway.tools import ToolCall, ToolPlan
 from pipeshard.v1 import coordinator_pb2
 
 FINISH = {
@@ -36,6 +37,7 @@ class Shaper:
     chat: bool
     created: int = 0
     logprobs: bool = False
+    tools: ToolPlan | None = None  # the request's tools: an answer may be a call
     system_fingerprint: str | None = None
     _offset: int = 0  # characters of generated text before the next token (completions' text_offset)
 
@@ -56,15 +58,26 @@ class Shaper:
         """Takes the fleet's system_fingerprint from the final summary for the objects after it."""
         self.system_fingerprint = summary.system_fingerprint or None
 
-    def token_logprobs(self, tokens: Sequence[str], logprobs: Sequence[float]) -> dict | None:
+    def token_logprobs(
+        self,
+        tokens: Sequence[str],
+        logprobs: Sequence[float],
+        tops: Sequence[coordinator_pb2.TopLogprobs] = (),
+    ) -> dict | None:
         """OpenAI's logprobs object for these tokens (chat: ``content``; completions: parallel
-        lists), with no alternatives: the fleet returns the chosen token's logprob only."""
+        lists), with each position's most likely tokens when they were asked for (``tops``)."""
         if not self.logprobs:
             return None
+        alternatives = [list(zip(t.tokens, t.logprobs, strict=True)) for t in tops] or [[] for _ in tokens]
         if self.chat:
             content = [
-                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                for t, lp in zip(tokens, logprobs, strict=True)
+                {
+                    "token": t,
+                    "logprob": lp,
+                    "bytes": list(t.encode()),
+                    "top_logprobs": [{"token": a, "logprob": b, "bytes": list(a.encode())} for a, b in alt],
+                }
+                for t, lp, alt in zip(tokens, logprobs, alternatives, strict=True)
             ]
             return {"content": content, "refusal": None}
         offsets = []
@@ -74,7 +87,7 @@ class Shaper:
         return {
             "tokens": list(tokens),
             "token_logprobs": list(logprobs),
-            "top_logprobs": None,
+            "top_logprobs": [dict(alt) for alt in alternatives] if tops else None,
             "text_offset": offsets,
         }
 
@@ -106,13 +119,30 @@ class Shaper:
         summary: coordinator_pb2.GenerateSummary,
         tokens: Sequence[str] = (),
         logprobs: Sequence[float] = (),
+        tops: Sequence[coordinator_pb2.TopLogprobs] = (),
     ) -> dict:
         self.summarized(summary)
         finish = FINISH.get(summary.finish_reason, "stop")
         choice = self._choice(
-            summary.text, finish, delta=False, logprobs=self.token_logprobs(tokens, logprobs)
+            summary.text, finish, delta=False, logprobs=self.token_logprobs(tokens, logprobs, tops)
         )
+        call = self.tool_call(summary.text) if finish == "stop" else None
+        if call is not None:
+            choice["message"].update(content=None, tool_calls=[call.body()])
+            choice["finish_reason"] = "tool_calls"
         return {**self._envelope(chunk=False), "choices": [choice], "usage": usage(summary)}
+
+    def completions(self, results: Sequence[tuple]) -> dict:
+        """One object of several choices, each from one generation's (summary, tokens, logprobs,
+        tops); usage counts the prompt once and every choice's tokens."""
+        answers = [self.completion(*result) for result in results]
+        out = answers[0]
+        out["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
+        completion = sum(a["usage"]["completion_tokens"] for a in answers)
+        out["usage"].update(
+            completion_tokens=completion, total_tokens=out["usage"]["prompt_tokens"] + completion
+        )
+        return out
 
     def chunk(
         self,
@@ -128,6 +158,20 @@ class Shaper:
         out = {**self._envelope(chunk=True), "choices": [choice]}
         if with_usage:
             out["usage"] = None
+        return out
+
+    @property
+    def holds_text(self) -> bool:
+        """A streamed answer that may be a tool call is held back until it ends."""
+        return self.chat and self.tools is not None and self.tools.calls
+
+    def tool_call(self, text: str) -> ToolCall | None:
+        return None if self.tools is None else self.tools.parse(text)
+
+    def tool_call_chunk(self, call: ToolCall, with_usage: bool) -> dict:
+        """The streamed delta of a whole call (OpenAI's ``delta.tool_calls`` with its index)."""
+        out = self.chunk(None, with_usage=with_usage)
+        out["choices"][0]["delta"] = {"tool_calls": [{"index": 0, **call.body()}]}
         return out
 
     def usage_chunk(self, summary: coordinator_pb2.GenerateSummary) -> dict:

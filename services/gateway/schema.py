@@ -6,22 +6,46 @@ silently ignored; known-but-unsupported fields are accepted only at their neutra
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipeshard.sampling import MAX_STOP, MAX_STOP_CHARS
 from pipeshard.services.gateway.errors import GatewayError
+from pipeshard.services.gateway.tools import Tool, ToolChoice, ToolPlan, call_text
+from pipeshard.v1 import coordinator_pb2
 
 # The coordinator's int32 fields (max_tokens, top_k): larger values are a 400 naming the field.
 INT32_MAX = 2**31 - 1
+# Choices per request (``n``): each is its own generation.
+MAX_CHOICES = 8
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema the answer validates against. ``strict`` is
+    accepted either way: the grammar engine always holds the answer to the whole schema."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class OpenAIRequest(BaseModel):
@@ -45,8 +69,62 @@ class OpenAIRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1, le=INT32_MAX)
     user: str | None = None  # an end-user id for abuse tracking; nothing to do with generation
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # token id (as a string, as OpenAI's) -> bias in [-100, 100]; the coordinator checks the ids
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
+    response_format: ResponseFormat | None = None
+    # vLLM's extension: the whole answer matches this regular expression
+    guided_regex: str | None = Field(None, min_length=1, max_length=4096)
+
+    def tool_plan(self) -> ToolPlan | None:
+        return None
+
+    def grammar(self) -> coordinator_pb2.Grammar | None:
+        """The coordinator's grammar for a required or named tool call, ``response_format`` or
+        ``guided_regex`` (None: free text)."""
+        plan = self.tool_plan()
+        fmt = self.response_format
+        if plan is not None and plan.schema() is not None:
+            if (fmt is not None and fmt.type != "text") or self.guided_regex is not None:
+                raise GatewayError(
+                    400, "`tool_choice` required or named excludes response_format", param="tool_choice"
+                )
+            return coordinator_pb2.Grammar(json_schema=json.dumps(plan.schema()))
+        if fmt is not None and fmt.type != "text" and self.guided_regex is not None:
+            raise GatewayError(
+                400, "`guided_regex` and `response_format` are exclusive: set one", param="guided_regex"
+            )
+        if self.guided_regex is not None:
+            return coordinator_pb2.Grammar(regex=self.guided_regex)
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return coordinator_pb2.Grammar(json_object=True)
+        if fmt.json_schema is None:
+            raise GatewayError(
+                400,
+                "`response_format.json_schema` is required when response_format.type is json_schema",
+                param="response_format.json_schema",
+            )
+        return coordinator_pb2.Grammar(json_schema=json.dumps(fmt.json_schema.schema_))
+
+    def token_biases(self) -> dict[int, float]:
+        """``logit_bias`` by token id; a key that is not an integer is a 400 naming it."""
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                out[int(key)] = bias
+            except ValueError:
+                raise GatewayError(
+                    400, f"`logit_bias`: {key!r} is not a token id", param="logit_bias"
+                ) from None
+        return out
+
+    @property
+    def grammar_param(self) -> str:
+        """The parameter a grammar the coordinator refuses came from."""
+        return "guided_regex" if self.guided_regex is not None else "response_format"
 
     @field_validator("stop")
     @classmethod
@@ -64,13 +142,13 @@ class OpenAIRequest(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def _unsupported(self) -> list[str]:
-        """Fields this fleet cannot honour; neutral values (n=1, penalties 0, null) are fine."""
+        """Fields this fleet cannot honour (null and empty values are fine); ``n`` above its limit
+        or streamed is refused here."""
         names = [k for k, v in (self.model_extra or {}).items() if v not in (None, [], {})]
-        if self.n not in (None, 1):
-            names.append("n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                names.append(name)
+        if (self.n or 1) > MAX_CHOICES:
+            raise GatewayError(400, f"`n` must be at most {MAX_CHOICES}, got {self.n}", param="n")
+        if (self.n or 1) > 1 and self.stream:
+            raise GatewayError(400, "`n` > 1 is answered whole: not with stream", param="n")
         if self.stream_options is not None and not self.stream:
             names.append("stream_options")
         return names
@@ -81,7 +159,7 @@ class OpenAIRequest(BaseModel):
             raise GatewayError(
                 400,
                 f"unsupported parameter{'s' if len(names) > 1 else ''}: {', '.join(sorted(names))} "
-                "(this fleet serves n=1 text generation without tools, top logprobs, penalties or formats)",
+                "(this fleet does not implement them)",
                 param=sorted(names)[0],
                 code="unsupported_parameter",
             )
@@ -92,8 +170,13 @@ class OpenAIRequest(BaseModel):
 
     @property
     def wants_logprobs(self) -> bool:
-        """Whether each generated token's logprob is asked for (the chosen token's only)."""
+        """Whether each generated token's logprob is asked for."""
         return False
+
+    @property
+    def alternatives(self) -> int:
+        """How many of the most likely tokens to return per position (OpenAI's top_logprobs)."""
+        return 0
 
 
 class ChatMessage(BaseModel):
@@ -101,6 +184,9 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -108,16 +194,21 @@ class ChatCompletionRequest(OpenAIRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # one call per answer either way
 
-    def _unsupported(self) -> list[str]:
-        names = super()._unsupported()
-        if self.top_logprobs:  # the coordinator returns the chosen token's logprob only
-            names.append("top_logprobs")
-        return names
+    def tool_plan(self) -> ToolPlan | None:
+        return ToolPlan.of(self.tools, self.tool_choice)
 
     @property
     def wants_logprobs(self) -> bool:
         return bool(self.logprobs)
+
+    @property
+    def alternatives(self) -> int:
+        """How many of the most likely tokens to return per position (with ``logprobs``)."""
+        return self.top_logprobs or 0 if self.logprobs else 0
 
     def limit(self) -> int | None:
         """``max_completion_tokens`` replaces the deprecated ``max_tokens``; either is honoured."""
@@ -125,15 +216,35 @@ class ChatCompletionRequest(OpenAIRequest):
 
     def chat(self) -> list[dict[str, str]]:
         """role/content pairs for the coordinator's chat template; text parts only."""
-        out = []
+        plan = self.tool_plan()
+        out = [plan.system_message()] if plan is not None and plan.calls else []
+        calls: dict[str, str] = {}  # call id -> function name, for the tool turns that answer them
         for i, message in enumerate(self.messages):
             role = "system" if message.role == "developer" else message.role
-            if role not in ("system", "user", "assistant"):
+            if role not in ("system", "user", "assistant", "tool"):
                 raise GatewayError(
                     400,
-                    f"messages[{i}].role must be system, developer, user or assistant, got {message.role!r}",
+                    f"messages[{i}].role must be system, developer, user, assistant or tool, "
+                    f"got {message.role!r}",
                     param=f"messages[{i}].role",
                 )
+            if role == "assistant" and message.tool_calls:
+                calls.update(
+                    {c.get("id", ""): c.get("function", {}).get("name", "") for c in message.tool_calls}
+                )
+                text = _text(message.content, i)
+                out.append(
+                    {
+                        "role": role,
+                        "content": "\n".join(t for t in (text, call_text(message.tool_calls, i)) if t),
+                    }
+                )
+                continue
+            if role == "tool":
+                # The default template has no tool role: a tool's answer is a user turn saying so.
+                name = message.name or calls.get(message.tool_call_id or "", "") or "the function"
+                out.append({"role": "user", "content": f"Result of {name}: {_text(message.content, i)}"})
+                continue
             extras = sorted(k for k, v in (message.model_extra or {}).items() if v is not None)
             if extras:
                 raise GatewayError(
@@ -172,8 +283,6 @@ class CompletionRequest(OpenAIRequest):
 
     def _unsupported(self) -> list[str]:
         names = super()._unsupported()
-        if self.logprobs:  # 0 asks for the chosen token's logprob, which is all the fleet returns
-            names.append("logprobs")
         if self.echo:
             names.append("echo")
         if self.best_of not in (None, 1):
@@ -190,6 +299,10 @@ class CompletionRequest(OpenAIRequest):
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
+
+    @property
+    def alternatives(self) -> int:
+        return self.logprobs or 0
 
     def limit(self) -> int | None:
         return self.max_tokens

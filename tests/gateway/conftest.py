@@ -25,11 +25,19 @@ class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
         text = request.prompt or request.messages[-1].content
         if text in grpc.StatusCode.__members__:
             context.abort(grpc.StatusCode[text], f"`max_tokens` scripted {text}")
+        alternatives = {"Hello": ("Hi", -1.5), " world": (" you", -2.0)}
         for text, token, logprob in (("Hello", 1, -0.5), (" world", 2, -0.25)):
             chunk = coordinator_pb2.TokenChunk(text=text, token_ids=[token])
             if request.params.logprobs:
                 chunk.logprobs.append(logprob)
                 chunk.tokens.append(text)
+            if request.params.top_logprobs:
+                other, other_logprob = alternatives[text]
+                chunk.top_logprobs.append(
+                    coordinator_pb2.TopLogprobs(
+                        token_ids=[token, 9], logprobs=[logprob, other_logprob], tokens=[text, other]
+                    )
+                )
             yield coordinator_pb2.GenerateResponse(chunk=chunk)
         yield coordinator_pb2.GenerateResponse(
             summary=coordinator_pb2.GenerateSummary(

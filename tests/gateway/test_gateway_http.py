@@ -86,12 +86,6 @@ def test_completion_stream(http):
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"n": 2}, "n"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"logit_bias": {"1": 5}}, "logit_bias"),
-        ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
@@ -105,9 +99,112 @@ def test_unsupported_parameters_are_refused_by_name(http, coordinator, extra, pa
     assert len(coordinator[0].requests) == before  # refused before any generation
 
 
-def test_completion_logprobs_above_zero_are_refused_by_name(http):
+_TOOL = {
+    "type": "function",
+    "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+}
+
+
+def test_tools_are_rendered_and_required_calls_get_a_grammar(http, coordinator):
+    messages = [
+        {"role": "user", "content": "Call f"},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    reply = http.post(
+        "/v1/chat/completions", json={"messages": messages, "tools": [_TOOL], "tool_choice": "required"}
+    )
+    assert reply.status_code == 200, reply.text
+    sent = coordinator[0].requests[-1]
+    assert sent.messages[0].role == "system" and '"name": <function name>' in sent.messages[0].content
+    assert [m.role for m in sent.messages[1:]] == ["user", "assistant", "user"]
+    assert json.loads(sent.messages[2].content) == {"name": "f", "arguments": {"x": 1}}
+    assert sent.messages[3].content == "Result of f: 42"
+    schema = json.loads(sent.params.grammar.json_schema)
+    assert schema["properties"]["name"] == {"const": "f"}
+    # the scripted answer is not a call: plain text, finish as the coordinator said
+    assert reply.json()["choices"][0]["message"]["content"] == "Hello world"
+    chat(http, tools=[_TOOL], tool_choice="none")
+    sent = coordinator[0].requests[-1]
+    assert not sent.params.HasField("grammar") and sent.messages[0].role == "user"
+
+
+def test_n_choices_are_n_generations_with_derived_seeds(http, coordinator):
+    before = len(coordinator[0].requests)
+    reply = chat(http, n=3, seed=10, temperature=0.5)
+    assert reply.status_code == 200, reply.text
+    sent = coordinator[0].requests[before:]
+    assert sorted(r.params.seed for r in sent) == [10, 11, 12]
+    body = reply.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(c["message"]["content"] == "Hello world" for c in body["choices"])
+    assert body["usage"]["completion_tokens"] == 6 and body["usage"]["prompt_tokens"] == 5
+    for extra in ({"n": 9}, {"n": 2, "stream": True}):
+        refused = chat(http, **extra)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
+
+
+def test_formats_penalties_and_biases_reach_the_coordinator(http, coordinator):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    extra = {"presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"7": -100}}
+    assert chat(http, response_format=fmt, **extra).status_code == 200
+    params = coordinator[0].requests[-1].params
+    assert json.loads(params.grammar.json_schema) == schema
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.0)
+    assert dict(params.logit_bias) == {7: -100.0}
+    assert chat(http, response_format={"type": "json_object"}).status_code == 200
+    assert coordinator[0].requests[-1].params.grammar.json_object
+    assert chat(http, guided_regex="[a-z]+").status_code == 200
+    assert coordinator[0].requests[-1].params.grammar.regex == "[a-z]+"
+    assert chat(http, response_format={"type": "text"}).status_code == 200
+    assert not coordinator[0].requests[-1].params.HasField("grammar")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0].function.parameters"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ],
+)
+def test_bad_formats_and_penalties_are_400_naming_them(http, coordinator, extra, param):
+    before = len(coordinator[0].requests)
+    reply = chat(http, **extra)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+    assert len(coordinator[0].requests) == before
+
+
+def test_top_logprobs_are_asked_for_and_shaped(http, coordinator):
     reply = http.post("/v1/completions", json={"prompt": "x", "logprobs": 2})
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == "logprobs"
+    assert reply.status_code == 200 and coordinator[0].requests[-1].params.top_logprobs == 2
+    tops = reply.json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert tops == [{"Hello": -0.5, "Hi": -1.5}, {" world": -0.25, " you": -2.0}]
+    content = chat(http, logprobs=True, top_logprobs=2).json()["choices"][0]["logprobs"]["content"]
+    assert coordinator[0].requests[-1].params.top_logprobs == 2
+    assert [[t["token"] for t in c["top_logprobs"]] for c in content] == [["Hello", "Hi"], [" world", " you"]]
+    assert chat(http, top_logprobs=2).status_code == 200  # without logprobs: none asked for
+    assert coordinator[0].requests[-1].params.top_logprobs == 0
+    for body in (
+        {"prompt": "x", "logprobs": 6},
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+    ):
+        route = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        refused = http.post(route, json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] in ("logprobs", "top_logprobs")
 
 
 def test_chat_logprobs_carry_the_chosen_tokens(http, coordinator):
@@ -160,8 +257,8 @@ def test_out_of_range_values_are_400_naming_the_parameter(http, extra, param):
     assert reply.json()["error"]["param"] == param
 
 
-def test_tool_role_and_image_parts_are_refused(http):
-    tool = http.post("/v1/chat/completions", json={"messages": [{"role": "tool", "content": "x"}]})
+def test_unknown_roles_and_image_parts_are_refused(http):
+    tool = http.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
     assert tool.status_code == 400 and tool.json()["error"]["param"] == "messages[0].role"
     image = chat(http, content=[{"type": "image_url", "image_url": {"url": "x"}}])
     assert image.status_code == 400 and image.json()["error"]["param"] == "messages[0].content"

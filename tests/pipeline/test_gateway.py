@@ -140,15 +140,15 @@ def test_logprobs_of_the_chosen_tokens_match_grpc(fleet, api, prompts):
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == raw.usage.completion_tokens
     assert all(lp <= 0 for lp in logprobs.token_logprobs)
     with pytest.raises(openai.BadRequestError) as refused:
-        api.chat.completions.create(model=MODEL, messages=messages, logprobs=True, top_logprobs=3)
+        api.chat.completions.create(model=MODEL, messages=messages, logprobs=True, top_logprobs=21)
     assert refused.value.param == "top_logprobs"
 
 
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"n": 2}, "n"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"n": 9}, "n"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0].function.parameters"),
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 100_000}, "max_tokens"),  # refused by the coordinator (INVALID_ARGUMENT)
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),  # OpenAI's rule: at most 4
