@@ -1,6 +1,9 @@
 # pipeshard: every target runs inside .venv, created by `make setup`.
 SHELL := /bin/bash
 PYTHON_BOOT ?= python3.11
+# the CPU build of torch, chosen explicitly (PyPI's Linux torch is the multi-GB CUDA build); a
+# machine without that index installs the same build from a local wheel (pip's find-links)
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
@@ -33,7 +36,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q torch==2.13.0 --index-url $(TORCH_INDEX)
 	$(PIP) install -q -e '.[dev]'
 	touch $(STAMP)
 

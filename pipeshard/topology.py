@@ -44,6 +44,16 @@ class StageEndpoint(Endpoint):
     device: str = DEFAULT_DEVICE  # the OpenVINO device this stage compiles for
 
 
+def fleet_ports(port: int | None, metrics_port: int | None, default: int) -> tuple[int, int]:
+    """A fleet process's gRPC and metrics ports: unset, the fleet's ``default`` port and the
+    metrics port beside it (50061 -> 9161, for `pipeshard top`); an ephemeral gRPC port (0) leaves
+    unset metrics off."""
+    port = default if port is None else port
+    if metrics_port is None:
+        metrics_port = port + METRICS_OFFSET if port else 0
+    return port, metrics_port
+
+
 def _endpoint(host: str, port: int) -> Endpoint:
     return Endpoint(host=host, port=port, metrics_port=port + METRICS_OFFSET)
 

@@ -32,14 +32,14 @@ from pipeshard.services.coordinator.servicer import CoordinatorServicer
 from pipeshard.services.coordinator.speculation.sources import MODES, DraftSources, parse_named
 from pipeshard.services.stage.main import StageSettings, build_node
 from pipeshard.services.stage.servicer import StageServicer
-from pipeshard.settings import ServerSettings, load_settings, setting
+from pipeshard.settings import LOOPBACK, ServerSettings, load_settings, setting
 from pipeshard.shard.manifest import load_manifest, verify_root_files, verify_shard
 from pipeshard.shard.prompting import Prompter
 from pipeshard.shard.pull import pull_root_files, pull_shard
 from pipeshard.shard.runtime import WARMUP_PREFILL
 from pipeshard.shard.serving import hold_serving_lock
 from pipeshard.tls import TlsConfig
-from pipeshard.topology import LANE_SEPARATOR, Topology
+from pipeshard.topology import COORDINATOR_PORT, LANE_SEPARATOR, Topology, fleet_ports
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
 log = structlog.get_logger(__name__)
@@ -49,6 +49,12 @@ PREFIX_CACHE_MODES = ("on", "off")
 
 @dataclass
 class CoordinatorSettings(ServerSettings):
+    port: int | None = setting(None, "gRPC port (default: the topology's, else 50051; 0 = ephemeral)")
+    metrics_port: int | None = setting(
+        None,
+        "Prometheus /metrics port, read by `pipeshard top` (default: the topology's, else 9151; off "
+        "with an ephemeral --port; 0 = off)",
+    )
     topology: Path | None = setting(
         None,
         "topology file (config/topology.yaml) giving ports, stages and shards; re-read on SIGHUP for "
@@ -63,7 +69,8 @@ class CoordinatorSettings(ServerSettings):
     exporter: str | None = setting(
         None,
         "exporter (host:port) to pull the export's manifest and tokenizer from when --shards lacks "
-        "them (with --host-stage0, stage 0's shard); with --topology, the topology's exporter",
+        "them (with --host-stage0, stage 0's shard), the export named as the --shards folder is; "
+        "with --topology, the topology's exporter",
     )
     step_timeout_s: float = setting(
         30.0, "a step with no result after this long fails as UNAVAILABLE (per 256 rows of a prefill)"
@@ -180,8 +187,11 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
         settings.stages = settings.stages or topo.stage_addresses()
         settings.shards = settings.shards or Path(topo.shards)
         settings.exporter = settings.exporter or topo.exporter.address
-        settings.port = settings.port or topo.coordinator.port
-        settings.metrics_port = settings.metrics_port or topo.coordinator.metrics_port
+        me = topo.coordinator
+        settings.host = me.host if settings.host == LOOPBACK else settings.host
+        settings.port = me.port if settings.port is None else settings.port
+        settings.metrics_port = me.metrics_port if settings.metrics_port is None else settings.metrics_port
+    settings.port, settings.metrics_port = fleet_ports(settings.port, settings.metrics_port, COORDINATOR_PORT)
     if not settings.stages:
         raise InvalidArgument("stages", "must list at least one stage address (or give --topology)")
     if settings.shards is None:
