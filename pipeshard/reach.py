@@ -10,12 +10,12 @@ from __future__ import annotations
 # (words gRPC's details hold, what the operator does about it); the first match wins.
 _CAUSES = (
     (
-        ("peer name", "not in peer certificate", "hostname mismatch", "ip address mismatch"),
+        ("hostname verification", "peer name", "not in peer certificate", "hostname mismatch"),
         "its certificate is not made for {host}: make it again with `pipeshard certs` naming that "
         "host, or dial it by a name its certificate holds",
     ),
     (
-        ("certificate_verify_failed", "unknown ca", "self signed", "unable to get local issuer"),
+        ("certificate_verify_failed", "certificate verify failed", "unknown ca", "self signed"),
         "its certificate is from another fleet's CA: copy this fleet's ca.pem and certificates "
         "(one `pipeshard certs` folder) to both hosts",
     ),
@@ -33,6 +33,12 @@ _CAUSES = (
     ),
 )
 _DEFAULT = "no answer from {host}:{port}: check it runs and that its firewall lets port {port} in"
+
+
+def is_tls_failure(details: str) -> bool:
+    """Whether a failed dial was refused by TLS (retrying will not help) rather than unanswered."""
+    low = details.lower()
+    return any(w in low for words, _ in _CAUSES[:3] for w in words)
 
 
 def unreachable_hint(role: str, address: str, details: str) -> str:

@@ -184,3 +184,35 @@ def test_coordinator_pulls_its_export_files_and_generates_like_the_in_process_ri
         for proc in (coordinator, stage0, stage1):
             proc.popen.terminate()
             proc.popen.wait(15)
+
+
+def test_a_stage_index_past_the_exports_stages_is_refused_naming_the_range(exporter, int4_export, tmp_path):
+    from pipeshard.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument) as info:
+        pull_shard(exporter.address, tmp_path / int4_export.name, 5)
+    assert "[0, 2)" in str(info.value) and exporter.address in str(info.value)
+
+
+def test_an_exporter_certificate_for_another_host_is_refused_naming_the_fix(int4_export, tmp_path):
+    from pipeshard.errors import Unavailable
+    from pipeshard.tls import HostCert, TlsConfig, make_host_bundles
+
+    certs = [HostCert("exporter", "exporter", "10.99.0.1"), HostCert("stage0", "stage", "127.0.0.1")]
+    bundles = make_host_bundles(tmp_path / "certs", certs)
+    args = ["exporter-service", "--shards-dir", str(int4_export.parent), "--port", "0"]
+    proc = spawn(
+        "exporter-tls",
+        [*args, "--tls-dir", str(bundles["10.99.0.1"])],
+        tmp_path,
+        dict(os.environ),
+        120,
+    )
+    try:
+        with pytest.raises(Unavailable) as info:
+            stage_tls = TlsConfig.from_dir(bundles["127.0.0.1"], "stage0")
+            pull_shard(proc.address, tmp_path / int4_export.name, 0, tls=stage_tls, connect_timeout_s=10)
+        assert "certificate is not made for 127.0.0.1" in str(info.value)
+    finally:
+        proc.popen.terminate()
+        proc.popen.wait(15)
