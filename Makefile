@@ -28,7 +28,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: batch bench-commits bench-compile-cache bench-compress bench-failover bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-spec bench-static bench-wan clean demo distil down export lint model proto run-stage serve-openai setup soak test test-exactness test-extended test-fast test-invariance up wan-down wan-up
+.PHONY: batch bench-commits bench-compile-cache bench-compress bench-failover bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-spec bench-static bench-wan clean demo distil down export lint model proto run-stage serve-openai setup soak test test-exactness test-deploy test-extended test-fast test-invariance up wan-down wan-up
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -212,6 +212,10 @@ test-invariance: model
 ## test-extended: repeated variants of cases `make test` already covers (more stage counts and modes), kept out of its 30-minute budget
 test-extended: model
 	$(VENV)/bin/pytest -q -m extended
+
+## test-deploy: docs/DEPLOY.md's steps on four hosts emulated by network namespaces (psd-*, 10.88.0.x; root), TLS on: a real exporter, 2 stages pulling their shards, a coordinator; tokens equal to the in-process ring (about 3-5 min here)
+test-deploy: model
+	$(VENV)/bin/pytest -q -m deploy tests/deploy
 
 ## test-fast: unit tests only
 test-fast: proto

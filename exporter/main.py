@@ -28,15 +28,20 @@ class ExporterSettings(ServerSettings):
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    set_offline_defaults()
-    settings = load_settings(ExporterSettings, argv, prog="pipeshard exporter-service")
+def resolve(settings: ExporterSettings) -> ExporterSettings:
+    """Fill what the topology file knows and the flags did not say; else the fleet's ports."""
     if settings.topology is not None:
         me = Topology.load(settings.topology).exporter
         settings.host = me.host if settings.host == LOOPBACK else settings.host
         settings.port = me.port if settings.port is None else settings.port
         settings.metrics_port = me.metrics_port if settings.metrics_port is None else settings.metrics_port
     settings.port, settings.metrics_port = fleet_ports(settings.port, settings.metrics_port, EXPORTER_PORT)
+    return settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    set_offline_defaults()
+    settings = resolve(load_settings(ExporterSettings, argv, prog="pipeshard exporter-service"))
     servicer = ExporterServicer(settings.shards_dir or paths.shards_dir())
     return run_server(
         settings,
