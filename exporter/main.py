@@ -19,8 +19,7 @@ class ExporterSettings(ServerSettings):
     port: int | None = setting(None, "gRPC port (default: the topology's, else 50071; 0 = ephemeral)")
     metrics_port: int | None = setting(
         None,
-        "Prometheus /metrics port (default: the topology's, else 9171; off with an ephemeral --port; "
-        "0 = off)",
+        "Prometheus /metrics port (default: the topology's, else 9171; off when --port is given; 0 = off)",
     )
     topology: Path | None = setting(None, "topology file giving this service's host and port")
     shards_dir: Path | None = setting(

@@ -9,6 +9,7 @@ clients prove themselves with the bearer token instead (pipeshard.auth).
 from __future__ import annotations
 
 import datetime
+import functools
 import ipaddress
 import os
 from collections.abc import Iterable
@@ -18,7 +19,7 @@ from pathlib import Path
 import grpc
 
 from pipeshard import paths
-from pipeshard.errors import FailedPrecondition
+from pipeshard.errors import FailedPrecondition, PermissionDenied
 
 CA_CERT = "ca.pem"
 CA_KEY = "ca.key"
@@ -62,6 +63,33 @@ class TlsConfig:
             root_certificates=self.ca.read_bytes(),
             private_key=self.key.read_bytes(),
             certificate_chain=self.cert.read_bytes(),
+        )
+
+
+@functools.lru_cache(maxsize=64)
+def certificate_role(pem: bytes) -> str | None:
+    """The role a fleet certificate names (``pipeshard certs --topology`` writes it as the
+    organizational unit), or None for one without (`make up SECURE=1`'s, which act as any)."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    units = x509.load_pem_x509_certificate(pem).subject.get_attributes_for_oid(
+        NameOID.ORGANIZATIONAL_UNIT_NAME
+    )
+    return str(units[0].value) if units else None
+
+
+def require_role(context, roles: tuple[str, ...], what: str) -> None:
+    """Refuse a call whose peer certificate names a role not in ``roles`` (PermissionDenied):
+    a stage's certificate cannot act as a coordinator. Plaintext calls and certificates
+    without a role pass (they are checked, or not, as before)."""
+    auth = getattr(context, "auth_context", None)
+    pem = (auth() if auth is not None else {}).get("x509_pem_cert")
+    role = certificate_role(pem[0]) if pem else None
+    if role is not None and role not in roles:
+        raise PermissionDenied(
+            f"{what} is for a {' or '.join(roles)}; the caller's certificate is a {role}'s "
+            "(`pipeshard certs --topology` gives each process its role)"
         )
 
 

@@ -53,7 +53,7 @@ class CoordinatorSettings(ServerSettings):
     metrics_port: int | None = setting(
         None,
         "Prometheus /metrics port, read by `pipeshard top` (default: the topology's, else 9151; off "
-        "with an ephemeral --port; 0 = off)",
+        "when --port is given; 0 = off)",
     )
     topology: Path | None = setting(
         None,

@@ -55,7 +55,7 @@ class StageSettings(ServerSettings):
     metrics_port: int | None = setting(
         None,
         "Prometheus /metrics port, read by `pipeshard top` (default: the topology's, else 9161 + "
-        "stage + 20 x replica; off with an ephemeral --port; 0 = off)",
+        "stage + 20 x replica; off when --port is given; 0 = off)",
     )
     stage: int = setting(0, "index of this stage in the pipeline")
     replica: int = setting(

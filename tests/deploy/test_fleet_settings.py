@@ -64,6 +64,8 @@ def test_fleet_commands_default_to_the_fleet_ports_with_metrics_on():
     assert (stage.port, stage.metrics_port) == (50061 + 2 + 20, 9161 + 2 + 20)
     ephemeral = resolve_stage(load_settings(StageSettings, ["--shards", "x", "--port", "0"]))
     assert (ephemeral.port, ephemeral.metrics_port) == (0, 0)  # tests' ephemeral ports: metrics off
+    fixed = resolve_stage(load_settings(StageSettings, ["--shards", "x", "--port", "43000"]))
+    assert (fixed.port, fixed.metrics_port) == (43000, 0)  # no metrics port derived from a given one
     coordinator = resolve_coordinator(
         load_settings(CoordinatorSettings, ["--stages", "a:1", "--shards", "x"])
     )
@@ -114,3 +116,33 @@ def _args(folder: Path, topology: Path):
     import argparse
 
     return argparse.Namespace(dir=folder, topology=topology, days=None, stages=8, nodes="", hosts="")
+
+
+class _PeerContext:
+    """A servicer context whose caller presented ``pem`` over TLS (what grpc's auth context holds)."""
+
+    def __init__(self, pem: bytes | None):
+        self._pem = pem
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {"x509_pem_cert": [self._pem]} if self._pem else {}
+
+
+def test_a_stage_certificate_cannot_act_as_a_coordinator(tmp_path):
+    from pipeshard.errors import PermissionDenied
+    from pipeshard.services.stage.servicer import COORDINATOR, RING
+    from pipeshard.tls import HostCert, make_certs, make_host_bundles, require_role
+
+    certs = [HostCert("stage0", "stage", "10.88.0.3"), HostCert("coordinator", "coordinator", "10.88.0.5")]
+    bundles = make_host_bundles(tmp_path / "certs", certs)
+    stage = (bundles["10.88.0.3"] / "stage0.pem").read_bytes()
+    coordinator = (bundles["10.88.0.5"] / "coordinator.pem").read_bytes()
+    with pytest.raises(PermissionDenied, match="is for a coordinator; the caller's certificate is a stage's"):
+        require_role(_PeerContext(stage), COORDINATOR, "OpenSession")
+    require_role(_PeerContext(stage), RING, "Forward")  # the previous stage sends frames
+    require_role(_PeerContext(coordinator), COORDINATOR, "OpenSession")
+    make_certs(tmp_path / "loopback", ["stage0"])  # `make up SECURE=1`'s certificates name no role
+    require_role(
+        _PeerContext((tmp_path / "loopback" / "stage0.pem").read_bytes()), COORDINATOR, "OpenSession"
+    )
+    require_role(_PeerContext(None), COORDINATOR, "OpenSession")  # plaintext: as before
