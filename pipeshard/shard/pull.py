@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import socket
+import ssl
 import time
 from pathlib import Path
 
@@ -17,10 +19,10 @@ import grpc
 import structlog
 
 from pipeshard.auth import token_metadata
-from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from pipeshard.reach import is_tls_failure, unreachable_hint
 from pipeshard.shard.manifest import verify_root_files, verify_shard
-from pipeshard.tls import TlsConfig
+from pipeshard.tls import TlsConfig, certificate_role
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -83,6 +85,8 @@ def _retrying(
     deadline = time.monotonic() + connect_timeout_s
     while True:
         try:
+            if tls is not None:
+                check_exporter_role(address, tls)
             return _pull(address, export_dir, request, timeout_s, tls, token)
         except grpc.RpcError as exc:
             code, details = exc.code(), exc.details() or ""
@@ -102,6 +106,33 @@ def _retrying(
                 raise Unavailable(f"{hint} (pulling {what})") from None
             log.warning("exporter_unreachable", exporter=address, hint=hint)
             time.sleep(RETRY_S)
+
+
+def check_exporter_role(address: str, tls: TlsConfig) -> None:
+    """Refuse an exporter whose certificate names another role (a stage's key cannot serve
+    shards): read on a TLS connection of its own before the pull, as gRPC does not show a
+    client its server's certificate. Fleets whose certificates name no role (`make up
+    SECURE=1`), and exporters not answering yet (the pull itself then says why), pass."""
+    if certificate_role(tls.cert.read_bytes()) is None:
+        return
+    host, _, port = address.rpartition(":")
+    context = ssl.create_default_context(cafile=str(tls.ca))
+    context.set_alpn_protocols(["h2"])
+    context.load_cert_chain(tls.cert, tls.key)
+    try:
+        with (
+            socket.create_connection((host, int(port)), timeout=10) as raw,
+            context.wrap_socket(raw, server_hostname=host) as conn,
+        ):
+            der = conn.getpeercert(binary_form=True)
+    except (OSError, ValueError):
+        return
+    role = certificate_role(ssl.DER_cert_to_PEM_cert(der).encode()) if der else None
+    if role is not None and role != "exporter":
+        raise PermissionDenied(
+            f"the server at {address} is not an exporter: its certificate is a {role}'s; give "
+            "the exporter's address (--exporter, or the topology's exporter)"
+        )
 
 
 def _pull(

@@ -216,3 +216,40 @@ def test_an_exporter_certificate_for_another_host_is_refused_naming_the_fix(int4
     finally:
         proc.popen.terminate()
         proc.popen.wait(15)
+
+
+def test_a_stage_certificate_cannot_act_as_the_exporter(int4_export, tmp_path):
+    from pipeshard.errors import PermissionDenied
+    from pipeshard.shard.pull import pull_root_files
+    from pipeshard.tls import HostCert, TlsConfig, make_host_bundles
+
+    roles = [("stage0", "stage"), ("exporter", "exporter"), ("coordinator", "coordinator")]
+    (bundle,) = make_host_bundles(
+        tmp_path / "certs", [HostCert(n, r, "127.0.0.1") for n, r in roles]
+    ).values()
+    coordinator = TlsConfig.from_dir(bundle, "coordinator")
+    base = [
+        "exporter-service",
+        "--shards-dir",
+        str(int4_export.parent),
+        "--port",
+        "0",
+        "--tls-dir",
+        str(bundle),
+    ]
+    for name, expect_refusal in (("stage0", True), ("exporter", False)):
+        proc = spawn(f"exporter-as-{name}", [*base, "--tls-name", name], tmp_path, dict(os.environ), 120)
+        try:
+            target = tmp_path / name / int4_export.name
+            if expect_refusal:
+                with pytest.raises(
+                    PermissionDenied, match="is not an exporter: its certificate is a stage's"
+                ):
+                    pull_root_files(proc.address, target, tls=coordinator, connect_timeout_s=10)
+                assert not target.exists()
+            else:
+                pull_root_files(proc.address, target, tls=coordinator, connect_timeout_s=10)
+                assert (target / "manifest.json").is_file()
+        finally:
+            proc.popen.terminate()
+            proc.popen.wait(15)
