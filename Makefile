@@ -1,6 +1,9 @@
 # pipeshard: every target runs inside .venv, created by `make setup`.
 SHELL := /bin/bash
 PYTHON_BOOT ?= python3.11
+# the CPU build of torch, chosen explicitly (PyPI's Linux torch is the multi-GB CUDA build); a
+# machine without that index installs the same build from a local wheel (pip's find-links)
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
@@ -25,7 +28,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: batch bench-commits bench-compile-cache bench-compress bench-failover bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-ray bench-spec bench-static bench-wan clean demo distil down export lint model model-gemma3 proto run-stage serve-openai setup soak test test-exactness test-extended test-fast test-fuzz test-invariance test-ray typecheck up wan-down wan-up
+.PHONY: batch bench-commits bench-compile-cache bench-compress bench-failover bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-ray bench-spec bench-static bench-wan clean demo distil down export lint model model-gemma3 proto run-stage serve-openai setup soak test test-deploy test-exactness test-extended test-fast test-fuzz test-invariance test-ray typecheck up wan-down wan-up
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -33,7 +36,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q --retries 1 torch==2.13.0 --index-url $(TORCH_INDEX)
 	$(PIP) install -q -e '.[dev,ray]'
 	touch $(STAMP)
 
@@ -235,6 +238,10 @@ test-fuzz: model
 ## test-ray: a fleet on a real 3-node Ray cluster on this machine (ray.cluster_utils): planned placement, exact tokens, a node killed mid-stream, a node joining (about 10 min)
 test-ray: model
 	$(VENV)/bin/pytest -q -m ray tests/ray
+
+## test-deploy: docs/DEPLOY.md's steps on four hosts emulated by network namespaces (psd-*, 10.88.0.x; root), TLS on: a real exporter, 2 stages pulling their shards, a coordinator; tokens equal to the in-process ring (about 3-5 min here)
+test-deploy: model
+	$(VENV)/bin/pytest -q -m deploy tests/deploy
 
 ## test-fast: unit tests only
 test-fast: proto

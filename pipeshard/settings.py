@@ -245,11 +245,14 @@ def load_settings(
 # ---------------------------------------------------------------- the common server fields
 
 
+LOOPBACK = "127.0.0.1"  # the default listening address; a topology's host replaces it
+
+
 @dataclass
 class ServerSettings:
     """Settings every gRPC server shares; services subclass this and override defaults (e.g. port)."""
 
-    host: str = setting("127.0.0.1", "address to listen on")
+    host: str = setting(LOOPBACK, "address to listen on")
     port: int = setting(0, "gRPC port (0 = an ephemeral port, printed at start)")
     metrics_port: int = setting(0, "Prometheus /metrics port (0 = disabled)")
     metrics_host: str = setting(
@@ -282,3 +285,11 @@ class ServerSettings:
         "coordinator and exporter: serve TLS without --token or --api-keys (anyone who reaches the "
         "port may call; logged as a warning); refused at start otherwise",
     )
+
+    def __post_init__(self) -> None:
+        # A host's bundle from `pipeshard certs --topology` holds the fleet token beside the
+        # certificates: with --tls-dir set and no token given, that one.
+        if self.token is None and self.tls_dir is not None:
+            stored = Path(self.tls_dir) / "token"
+            if stored.is_file():
+                self.token = stored.read_text().strip() or None

@@ -9,6 +9,7 @@ clients prove themselves with the bearer token instead (pipeshard.auth).
 from __future__ import annotations
 
 import datetime
+import functools
 import ipaddress
 import os
 from collections.abc import Iterable
@@ -18,12 +19,15 @@ from pathlib import Path
 import grpc
 
 from pipeshard import paths
-from pipeshard.errors import FailedPrecondition
+from pipeshard.errors import FailedPrecondition, PermissionDenied
 
 CA_CERT = "ca.pem"
 CA_KEY = "ca.key"
+TOKEN_FILE = "token"  # the fleet's client token beside the certificates (`pipeshard certs`)
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
-VALID_DAYS = 825
+VALID_DAYS = 90  # a node certificate's life: re-run `pipeshard certs` before it ends
+CA_VALID_DAYS = 365
+ROLES = ("exporter", "coordinator", "stage", "gateway")
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,33 @@ class TlsConfig:
         )
 
 
+@functools.lru_cache(maxsize=64)
+def certificate_role(pem: bytes) -> str | None:
+    """The role a fleet certificate names (``pipeshard certs --topology`` writes it as the
+    organizational unit), or None for one without (`make up SECURE=1`'s, which act as any)."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    units = x509.load_pem_x509_certificate(pem).subject.get_attributes_for_oid(
+        NameOID.ORGANIZATIONAL_UNIT_NAME
+    )
+    return str(units[0].value) if units else None
+
+
+def require_role(context, roles: tuple[str, ...], what: str) -> None:
+    """Refuse a call whose peer certificate names a role not in ``roles`` (PermissionDenied):
+    a stage's certificate cannot act as a coordinator. Plaintext calls and certificates
+    without a role pass (they are checked, or not, as before)."""
+    auth = getattr(context, "auth_context", None)
+    pem = (auth() if auth is not None else {}).get("x509_pem_cert")
+    role = certificate_role(pem[0]) if pem else None
+    if role is not None and role not in roles:
+        raise PermissionDenied(
+            f"{what} is for a {' or '.join(roles)}; the caller's certificate is a {role}'s "
+            "(`pipeshard certs --topology` gives each process its role)"
+        )
+
+
 def default_ca_cert() -> Path:
     """Where clients look for the fleet CA certificate: PIPESHARD_CA_CERT, else certs/ca.pem."""
     return Path(os.environ.get("PIPESHARD_CA_CERT", paths.certs_dir() / CA_CERT))
@@ -94,84 +125,142 @@ def _san(hosts: Iterable[str]):
     return x509.SubjectAlternativeName(names)
 
 
-def make_certs(folder: Path, nodes: Iterable[str], hosts: Iterable[str] = ()) -> list[Path]:
-    """Create the fleet CA (unless ``folder`` has one) and a certificate for every node that has
-    none; each is valid for the node's name, loopback and ``hosts``. Returns the files written."""
+@dataclass(frozen=True)
+class HostCert:
+    """One process's certificate: its node name (file and common name), role and host."""
+
+    name: str  # exporter, coordinator, stage0, ...: the file name in its bundle
+    role: str  # one of ROLES, written into the certificate (organizational unit)
+    host: str  # the only name or IP the certificate is valid for
+
+
+def _ca(folder: Path, now: datetime.datetime, days: int):
+    """The fleet CA in ``folder`` (made if missing): (key, certificate, files written)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    if (folder / CA_CERT).exists() and (folder / CA_KEY).exists():
+        ca_key = serialization.load_pem_private_key((folder / CA_KEY).read_bytes(), None)
+        return ca_key, x509.load_pem_x509_certificate((folder / CA_CERT).read_bytes()), []
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"pipeshard fleet CA {now:%Y%m%d%H%M%S}")])
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    _write_private(folder / CA_KEY, ca_key.private_bytes(**_key_format()))
+    (folder / CA_CERT).write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    return ca_key, ca_cert, [folder / CA_KEY, folder / CA_CERT]
+
+
+def _key_format() -> dict:
+    from cryptography.hazmat.primitives import serialization
+
+    return dict(
+        encoding=serialization.Encoding.PEM,
+        format=serialization.PrivateFormat.PKCS8,
+        encryption_algorithm=serialization.NoEncryption(),
+    )
+
+
+def _issue(
+    ca_key, ca_cert, folder: Path, node: str, sans: Iterable[str], days: int, role: str | None = None
+) -> list[Path]:
+    """Write ``node``.pem and ``node``.key in ``folder``, valid for exactly ``sans``."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+    now = datetime.datetime.now(datetime.UTC)
+    subject = [x509.NameAttribute(NameOID.COMMON_NAME, node)]
+    if role is not None:
+        subject.append(x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name(subject))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()), critical=False
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(_san(sans), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    cert_path, key_path = folder / f"{node}.pem", folder / f"{node}.key"
+    _write_private(key_path, key.private_bytes(**_key_format()))
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return [key_path, cert_path]
+
+
+def make_certs(
+    folder: Path, nodes: Iterable[str], hosts: Iterable[str] = (), days: int = VALID_DAYS
+) -> list[Path]:
+    """Create the fleet CA (unless ``folder`` has one) and a certificate for every node that has
+    none; each is valid for the node's name, loopback and ``hosts`` (one machine's fleet, `make up
+    SECURE=1`). Returns the files written."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
-    now = datetime.datetime.now(datetime.UTC)
-    pem = serialization.Encoding.PEM
-    pkcs8, unencrypted = serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    if (folder / CA_CERT).exists() and (folder / CA_KEY).exists():
-        loaded = serialization.load_pem_private_key((folder / CA_KEY).read_bytes(), None)
-        if not isinstance(loaded, ec.EllipticCurvePrivateKey):
-            raise FailedPrecondition(f"{folder / CA_KEY} is not the EC key this command makes")
-        ca_key = loaded
-        ca_cert = x509.load_pem_x509_certificate((folder / CA_CERT).read_bytes())
-    else:
-        ca_key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"pipeshard fleet CA {now:%Y%m%d%H%M%S}")])
-        ca_cert = (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(name)
-            .public_key(ca_key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=True,
-                    crl_sign=True,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-            .sign(ca_key, hashes.SHA256())
-        )
-        _write_private(folder / CA_KEY, ca_key.private_bytes(pem, pkcs8, unencrypted))
-        (folder / CA_CERT).write_bytes(ca_cert.public_bytes(pem))
-        written += [folder / CA_KEY, folder / CA_CERT]
+    hosts = list(hosts)
+    ca_key, ca_cert, written = _ca(folder, datetime.datetime.now(datetime.UTC), CA_VALID_DAYS)
     for node in nodes:
-        cert_path, key_path = folder / f"{node}.pem", folder / f"{node}.key"
-        if cert_path.exists() and key_path.exists():
+        if (folder / f"{node}.pem").exists() and (folder / f"{node}.key").exists():
             continue
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node)]))
-            .issuer_name(ca_cert.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
-            )
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .add_extension(_san([node, *DEFAULT_HOSTS, *hosts]), critical=False)
-            .add_extension(
-                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                critical=False,
-            )
-            .sign(ca_key, hashes.SHA256())
-        )
-        _write_private(key_path, key.private_bytes(pem, pkcs8, unencrypted))
-        cert_path.write_bytes(cert.public_bytes(pem))
-        written += [key_path, cert_path]
+        written += _issue(ca_key, ca_cert, folder, node, [node, *DEFAULT_HOSTS, *hosts], days)
     return written
+
+
+def make_host_bundles(folder: Path, certs: Iterable[HostCert], days: int = VALID_DAYS) -> dict[str, Path]:
+    """The fleet CA in ``folder`` (kept there: it never leaves this machine) and, per host, a
+    folder ``folder/hosts/HOST`` holding ca.pem and only the certificates of the processes on
+    that host, each valid for that host alone and naming its role. Existing certificates are
+    made again (a re-run after a topology change must not leave one for an old host). Returns
+    each host's folder: copy it to that machine as its ``--tls-dir``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    ca_key, ca_cert, _ = _ca(folder, datetime.datetime.now(datetime.UTC), CA_VALID_DAYS)
+    bundles: dict[str, Path] = {}
+    for cert in certs:
+        if cert.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {cert.role!r}")
+        bundle = bundles.get(cert.host)
+        if bundle is None:
+            bundle = bundles[cert.host] = folder / "hosts" / cert.host
+            bundle.mkdir(parents=True, exist_ok=True)
+            (bundle / CA_CERT).write_bytes((folder / CA_CERT).read_bytes())
+        _issue(ca_key, ca_cert, bundle, cert.name, [cert.host], days, cert.role)
+    return bundles

@@ -45,6 +45,15 @@ class StageEndpoint(Endpoint):
     node: str = ""  # the machine it runs on when known (a Ray fleet's node id, docs/RAY.md)
 
 
+def fleet_ports(port: int | None, metrics_port: int | None, default: int) -> tuple[int, int]:
+    """A fleet process's gRPC and metrics ports: unset, the fleet's ``default`` port and the
+    metrics port beside it (50061 -> 9161, for `pipeshard top`); a port given (0: ephemeral)
+    leaves unset metrics off, so no two processes meet on a derived metrics port."""
+    if port is None:
+        return default, default + METRICS_OFFSET if metrics_port is None else metrics_port
+    return port, 0 if metrics_port is None else metrics_port
+
+
 def _endpoint(host: str, port: int) -> Endpoint:
     return Endpoint(host=host, port=port, metrics_port=port + METRICS_OFFSET)
 

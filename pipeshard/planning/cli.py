@@ -106,6 +106,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=PRECISIONS,
         help="precision the topology's fleet runs at",
     )
+    p.add_argument(
+        "--coordinator",
+        default=env("coordinator", "127.0.0.1"),
+        help="HOST or HOST:PORT the topology's coordinator listens on (default %(default)s:50051)",
+    )
+    p.add_argument(
+        "--exporter",
+        default=env("exporter", "127.0.0.1"),
+        help="HOST or HOST:PORT of the exporter the topology's stages pull their shards from "
+        "(default %(default)s:50071)",
+    )
     p.set_defaults(func=run_plan)
 
     q = subparsers.add_parser(
@@ -201,19 +212,39 @@ def _model_dir(spec: str) -> Path:
     raise InvalidArgument("model", f"no config.json at {spec} or {paths.models_dir() / spec}")
 
 
-def plan_topology(plan: Plan, shards: str, precision: str):
-    """The loopback topology with each stage at its node's address (nodes without one keep the
-    default port 50061+k on 127.0.0.1)."""
-    from pipeshard.topology import METRICS_OFFSET, StageEndpoint, Topology
+def plan_topology(
+    plan: Plan, shards: str, precision: str, coordinator: str = "127.0.0.1", exporter: str = "127.0.0.1"
+):
+    """The plan's fleet: each stage at its node's address on its node's device (nodes without an
+    address keep the default port 50061+k on 127.0.0.1), the coordinator and the exporter at
+    ``coordinator`` and ``exporter`` (HOST or HOST:PORT, default ports 50051 and 50071)."""
+    from pipeshard.topology import (
+        COORDINATOR_PORT,
+        EXPORTER_PORT,
+        METRICS_OFFSET,
+        Endpoint,
+        StageEndpoint,
+        Topology,
+    )
+
+    def endpoint(spec: str, default_port: int, field: str) -> tuple[str, int]:
+        host, sep, port = spec.rpartition(":")
+        if not sep:
+            return spec, default_port
+        if not host or not port.isdigit():
+            raise InvalidArgument(field, f"must be HOST or HOST:PORT, got {spec!r}")
+        return host, int(port)
 
     topo = Topology.loopback(shards, len(plan.stages), precision)
     for k, stage in enumerate(plan.stages):
-        if not stage.address:
-            continue
-        host, _, port = stage.address.rpartition(":")
-        if not host or not port.isdigit():
-            raise InvalidArgument("address", f"of node {stage.node} must be HOST:PORT, got {stage.address!r}")
-        topo.stages[k] = StageEndpoint(host=host, port=int(port), metrics_port=int(port) + METRICS_OFFSET)
+        host, port = topo.stages[k].host, topo.stages[k].port
+        if stage.address:
+            host, port = endpoint(stage.address, port, f"address of node {stage.node}")
+        topo.stages[k] = StageEndpoint(host, port, port + METRICS_OFFSET, stage.device)
+    host, port = endpoint(coordinator, COORDINATOR_PORT, "coordinator")
+    topo.coordinator = Endpoint(host, port, port + METRICS_OFFSET)
+    host, port = endpoint(exporter, EXPORTER_PORT, "exporter")
+    topo.exporter = Endpoint(host, port, port + METRICS_OFFSET)
     return topo
 
 
@@ -266,7 +297,8 @@ def run_plan(args: argparse.Namespace) -> int:
             shards = args.shards or str(
                 paths.shards_dir() / paths.export_name(model_dir.name, len(plan.stages), args.weights)
             )
-            plan_topology(plan, shards, args.precision).save(args.topology)
+            topology = plan_topology(plan, shards, args.precision, args.coordinator, args.exporter)
+            topology.save(args.topology)
     except PipeshardError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, InvalidArgument) else 1

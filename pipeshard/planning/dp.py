@@ -254,6 +254,7 @@ def plan_layers(
                 step_ms=float(table[i, a, b]),
                 tok_s=1000.0 * rows / float(table[i, a, b]) if table[i, a, b] > 0 else float("inf"),
                 memory_bytes=model.stage_bytes(a, b, batch),
+                device=nodes[i].device,
             )
             for i, a, b in stages
         ),

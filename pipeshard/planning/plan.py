@@ -25,6 +25,7 @@ class StagePlan:
     step_ms: float  # one step of one micro-batch on this stage, its send included
     tok_s: float  # tokens/s this stage alone could sustain (rows / step time)
     memory_bytes: int  # weights, KV cache and embedding / head it holds
+    device: str = "CPU"  # the OpenVINO device its node compiles for (the topology's stage device)
 
     @property
     def layers(self) -> int:

@@ -28,7 +28,7 @@ from pipeshard.services.stage.static_engine import StaticEngine
 from pipeshard.services.stage.step_engine import RowEngine
 from pipeshard.services.stage.wire import DEFAULT_MAX_FRAME_TOKENS, WIRE_DTYPES
 from pipeshard.services.transport.hop import HopStream
-from pipeshard.settings import ServerSettings, load_settings, setting
+from pipeshard.settings import LOOPBACK, ServerSettings, load_settings, setting
 from pipeshard.shard.compile_cache import OFF
 from pipeshard.shard.device import DEFAULT_DEVICE
 from pipeshard.shard.draft_heads import DraftHeads, check_target, read_meta
@@ -40,7 +40,7 @@ from pipeshard.shard.serving import hold_serving_lock
 from pipeshard.shard.static import AUTO_KV, KV_BACKENDS, StaticShard, kv_backend
 from pipeshard.shard.weight_pages import WeightPages
 from pipeshard.tls import TlsConfig
-from pipeshard.topology import Topology
+from pipeshard.topology import REPLICA_PORT_STRIDE, STAGE_PORT_BASE, Topology, fleet_ports
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -50,6 +50,14 @@ RELEASE = "release"
 
 @dataclass
 class StageSettings(ServerSettings):
+    port: int | None = setting(
+        None, "gRPC port (default: the topology's, else 50061 + stage + 20 x replica; 0 = ephemeral)"
+    )
+    metrics_port: int | None = setting(
+        None,
+        "Prometheus /metrics port, read by `pipeshard top` (default: the topology's, else 9161 + "
+        "stage + 20 x replica; off when --port is given; 0 = off)",
+    )
     stage: int = setting(0, "index of this stage in the pipeline")
     replica: int = setting(
         0, "with --topology: which replica (lane) of the stage this is; it forwards to that lane's next stage"
@@ -89,7 +97,11 @@ class StageSettings(ServerSettings):
         "positions one Forward frame may carry; a frame declaring more is refused (RESOURCE_EXHAUSTED) "
         "before its tensor is decompressed",
     )
-    exporter: str | None = setting(None, "exporter to pull this stage's shard from when it is missing")
+    exporter: str | None = setting(
+        None,
+        "exporter (host:port) to pull this stage's shard from when it is missing: the export named "
+        "as the --shards folder is (its last path part, e.g. smollm2-135m-instruct-2s-int4)",
+    )
     raw_tcp_port: int = setting(0, "also serve the raw-TCP baseline on this port (benchmarks; 0 = off)")
     raw_tcp_next_hop: str | None = setting(None, "raw-TCP address of the next stage (benchmarks)")
     hop_delay_ms: float = setting(
@@ -147,18 +159,22 @@ class StageSettings(ServerSettings):
 
 
 def resolve(settings: StageSettings) -> StageSettings:
-    """Fill what the topology file knows and the flags did not say."""
+    """Fill what the topology file knows and the flags did not say; without one, the fleet's
+    default ports (docs/SERVICES.md)."""
     if settings.topology is None:
         if settings.shards is None:
             raise InvalidArgument("shards", "is required (or give --topology)")
+        default = STAGE_PORT_BASE + settings.stage + REPLICA_PORT_STRIDE * settings.replica
+        settings.port, settings.metrics_port = fleet_ports(settings.port, settings.metrics_port, default)
         return settings
     topo = Topology.load(settings.topology)
     me = topo.stage(settings.stage, settings.replica)
     settings.shards = settings.shards or Path(topo.shards)
     settings.next_hop = settings.next_hop or topo.next_hop(settings.stage, settings.replica)
     settings.exporter = settings.exporter or topo.exporter.address
-    settings.port = settings.port or me.port
-    settings.metrics_port = settings.metrics_port or me.metrics_port
+    settings.host = me.host if settings.host == LOOPBACK else settings.host
+    settings.port = me.port if settings.port is None else settings.port
+    settings.metrics_port = me.metrics_port if settings.metrics_port is None else settings.metrics_port
     settings.precision = topo.precision if settings.precision == DEFAULT_PRECISION else settings.precision
     settings.device = me.device if settings.device == DEFAULT_DEVICE else settings.device
     return settings

@@ -24,12 +24,19 @@ from pipeshard.shard.kvblob import (
     snapshot_chunks,
     to_proto,
 )
+from pipeshard.tls import require_role
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
 
+COORDINATOR = ("coordinator",)
+RING = ("coordinator", "stage")  # who may send frames: the coordinator, the previous stage
+
+
 def _owner(context) -> str:
+    """The caller's owner key; sessions and subscriptions are a coordinator's alone."""
+    require_role(context, COORDINATOR, "this stage call")
     return owner_from_metadata(context.invocation_metadata())
 
 
@@ -51,6 +58,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     async def Forward(self, request_iterator, context):
         # Frames name their owner themselves (ActivationFrame.owner): they come from the
         # coordinator or, further down the ring, from the previous hop.
+        require_role(context, RING, "Forward")
         await context.send_initial_metadata(())  # lets the caller see the stream is up
         async for request in request_iterator:
             if request.ack_id:  # the sender times its link: acknowledge before the compute

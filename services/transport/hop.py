@@ -28,6 +28,7 @@ import structlog
 
 from pipeshard import trace
 from pipeshard.link_model import MIN_TIMED_BYTES, LinkEstimate, train_rate
+from pipeshard.reach import unreachable_hint
 from pipeshard.services.transport.channels import open_channel
 from pipeshard.services.transport.delay import DelayQueue
 from pipeshard.tls import TlsConfig
@@ -35,6 +36,7 @@ from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
+UNREACHABLE_AFTER_S = 20.0  # a hop not connected this long is named in the log, with the fix
 PROBE_BYTES = 64 * 1024
 PROBE_TRAIN = 5
 RTT_SAMPLE_EVERY = 8
@@ -63,6 +65,7 @@ class HopStream:
         self._channel = channel or open_channel(address, tls)
         self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
         self._task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
         self.connected = asyncio.Event()
         self.link = LinkEstimate(address)
         self._ack_ids = itertools.count(1)
@@ -72,6 +75,20 @@ class HopStream:
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name=f"hop->{self.address}")
+            self._watch_task = asyncio.create_task(self._watch(), name=f"hop-watch->{self.address}")
+
+    async def _watch(self) -> None:
+        """While the hop stays unreachable, say so every ``UNREACHABLE_AFTER_S`` with why and the
+        fix (one call that does not wait for the channel shows gRPC's reason), not a silent wait."""
+        while True:
+            await asyncio.sleep(UNREACHABLE_AFTER_S)
+            if self.connected.is_set():
+                continue
+            try:
+                await self._stub.GetStageInfo(stage_pb2.GetStageInfoRequest(), timeout=5)
+            except grpc.aio.AioRpcError as exc:
+                hint = unreachable_hint("next hop", self.address, exc.details() or "")
+                log.error("next_hop_unreachable", address=self.address, hint=hint)
 
     async def send(self, frame: activation_pb2.ActivationFrame) -> None:
         trace.mark("hop_send", frame.session_id, frame.step_id)
@@ -79,9 +96,10 @@ class HopStream:
         await self._queue.put(frame)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._watch_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._owns_channel:
             await self._channel.close()
 

@@ -54,6 +54,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
             "pipeshard.services.launcher",
             "pipeshard.services.memcap",
             "pipeshard.services.fleet_cli",
+            "pipeshard.certs_cli",  # a topology's hosts get their certificates
             "pipeshard.services.wan",
             "pipeshard.services.top",
         ),

@@ -170,3 +170,121 @@ def test_a_forced_export_never_replaces_what_stages_pulled(exporter, stub, int4_
         list(stub.Export(request, timeout=60))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "pulled" in info.value.details()
+
+
+def test_root_files_pull_brings_the_manifest_and_tokenizer_only(exporter, int4_export, tmp_path):
+    from pipeshard.shard.manifest import load_manifest
+    from pipeshard.shard.pull import pull_root_files
+
+    target = tmp_path / int4_export.name
+    pull_root_files(exporter.address, target)
+    expected = load_manifest(int4_export).root_files()
+    assert "tokenizer.json" in expected
+    pulled = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file())
+    assert pulled == sorted(expected)
+    for rel in expected:
+        assert (target / rel).read_bytes() == (int4_export / rel).read_bytes()
+    assert not any(target.glob("stage_*"))
+
+
+def test_coordinator_pulls_its_export_files_and_generates_like_the_in_process_ring(
+    exporter, int4_export, tmp_path, greedy_in_process
+):
+    from pipeshard.clients.client import PipeshardClient
+    from pipeshard.shard.prompting import Prompter
+
+    env = dict(os.environ)
+    stage1 = spawn(
+        "stage1", ["stage", "--stage", "1", "--shards", str(int4_export), "--port", "0"], tmp_path, env, 300
+    )
+    stage0 = spawn(
+        "stage0",
+        ["stage", "--stage", "0", "--shards", str(int4_export), "--port", "0", "--next-hop", stage1.address],
+        tmp_path,
+        env,
+        300,
+    )
+    empty = tmp_path / "coordinator-host" / int4_export.name
+    args = ["coordinator", "--shards", str(empty), "--exporter", exporter.address, "--port", "0"]
+    coordinator = spawn(
+        "coordinator", [*args, "--stages", f"{stage0.address},{stage1.address}"], tmp_path, env, 300
+    )
+    try:
+        assert (empty / "manifest.json").is_file() and not any(empty.glob("stage_*"))
+        with PipeshardClient(coordinator.address, timeout_s=120) as client:
+            remote = client.generate("What is the capital of France?", max_tokens=16, ignore_eos=True)
+        ids = Prompter.from_dir(int4_export).encode("", [("user", "What is the capital of France?")])
+        assert remote.token_ids == greedy_in_process(int4_export, [ids], 16)[0]
+    finally:
+        for proc in (coordinator, stage0, stage1):
+            proc.popen.terminate()
+            proc.popen.wait(15)
+
+
+def test_a_stage_index_past_the_exports_stages_is_refused_naming_the_range(exporter, int4_export, tmp_path):
+    from pipeshard.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument) as info:
+        pull_shard(exporter.address, tmp_path / int4_export.name, 5)
+    assert "[0, 2)" in str(info.value) and exporter.address in str(info.value)
+
+
+def test_an_exporter_certificate_for_another_host_is_refused_naming_the_fix(int4_export, tmp_path):
+    from pipeshard.errors import Unavailable
+    from pipeshard.tls import HostCert, TlsConfig, make_host_bundles
+
+    certs = [HostCert("exporter", "exporter", "10.99.0.1"), HostCert("stage0", "stage", "127.0.0.1")]
+    bundles = make_host_bundles(tmp_path / "certs", certs)
+    args = ["exporter-service", "--shards-dir", str(int4_export.parent), "--port", "0"]
+    proc = spawn(
+        "exporter-tls",
+        [*args, "--tls-dir", str(bundles["10.99.0.1"])],
+        tmp_path,
+        dict(os.environ),
+        120,
+    )
+    try:
+        with pytest.raises(Unavailable) as info:
+            stage_tls = TlsConfig.from_dir(bundles["127.0.0.1"], "stage0")
+            pull_shard(proc.address, tmp_path / int4_export.name, 0, tls=stage_tls, connect_timeout_s=10)
+        assert "certificate is not made for 127.0.0.1" in str(info.value)
+    finally:
+        proc.popen.terminate()
+        proc.popen.wait(15)
+
+
+def test_a_stage_certificate_cannot_act_as_the_exporter(int4_export, tmp_path):
+    from pipeshard.errors import PermissionDenied
+    from pipeshard.shard.pull import pull_root_files
+    from pipeshard.tls import HostCert, TlsConfig, make_host_bundles
+
+    roles = [("stage0", "stage"), ("exporter", "exporter"), ("coordinator", "coordinator")]
+    (bundle,) = make_host_bundles(
+        tmp_path / "certs", [HostCert(n, r, "127.0.0.1") for n, r in roles]
+    ).values()
+    coordinator = TlsConfig.from_dir(bundle, "coordinator")
+    base = [
+        "exporter-service",
+        "--shards-dir",
+        str(int4_export.parent),
+        "--port",
+        "0",
+        "--tls-dir",
+        str(bundle),
+    ]
+    for name, expect_refusal in (("stage0", True), ("exporter", False)):
+        proc = spawn(f"exporter-as-{name}", [*base, "--tls-name", name], tmp_path, dict(os.environ), 120)
+        try:
+            target = tmp_path / name / int4_export.name
+            if expect_refusal:
+                with pytest.raises(
+                    PermissionDenied, match="is not an exporter: its certificate is a stage's"
+                ):
+                    pull_root_files(proc.address, target, tls=coordinator, connect_timeout_s=10)
+                assert not target.exists()
+            else:
+                pull_root_files(proc.address, target, tls=coordinator, connect_timeout_s=10)
+                assert (target / "manifest.json").is_file()
+        finally:
+            proc.popen.terminate()
+            proc.popen.wait(15)

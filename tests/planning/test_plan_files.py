@@ -90,7 +90,13 @@ def test_plan_cli_writes_plan_and_topology(tmp_path, capsys):
     model = _tiny_config(tmp_path / "tiny")
     nodes = [
         {"name": "a", "address": "10.0.0.1:7001", "per_layer_ms": 0.5, "memory_bytes": 10**9},
-        {"name": "b", "address": "10.0.0.2:7002", "per_layer_ms": 1.0, "memory_bytes": 10**9},
+        {
+            "name": "b",
+            "address": "10.0.0.2:7002",
+            "per_layer_ms": 1.0,
+            "memory_bytes": 10**9,
+            "device": "GPU",
+        },
     ]
     # a is faster, but its memory holds only two layers with the embedding and their KV cache
     from pipeshard.planning.cli import model_cost
@@ -100,6 +106,7 @@ def test_plan_cli_writes_plan_and_topology(tmp_path, capsys):
     (tmp_path / "nodes.yaml").write_text(yaml.safe_dump(nodes))
     argv = ["plan", "--nodes", str(tmp_path / "nodes.yaml"), "--model", str(model), "--weights", "fp32"]
     argv += ["--out", str(tmp_path / "plan.yaml"), "--topology", str(tmp_path / "topology.yaml")]
+    argv += ["--coordinator", "10.0.0.9", "--exporter", "10.0.0.8:7100"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "pipeshard export --split 0:2,2:6" in out and "predicted" in out
@@ -108,6 +115,9 @@ def test_plan_cli_writes_plan_and_topology(tmp_path, capsys):
     topo = Topology.load(tmp_path / "topology.yaml")
     assert topo.stage_addresses() == ["10.0.0.1:7001", "10.0.0.2:7002"]
     assert topo.stages[1].metrics_port == 7002 - 50000 + 9100
+    assert [s.device for s in topo.stages] == ["CPU", "GPU"]  # each node's device reaches its stage
+    assert (topo.coordinator.address, topo.coordinator.metrics_port) == ("10.0.0.9:50051", 9151)
+    assert (topo.exporter.address, topo.exporter.metrics_port) == ("10.0.0.8:7100", 7100 - 50000 + 9100)
 
 
 def test_plan_cli_reports_infeasible_memory(tmp_path, capsys):
