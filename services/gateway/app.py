@@ -178,9 +178,7 @@ class Gateway:
                 raise error
         return JSONResponse(shaper.completions(results))
 
-    async def _started(
-        self, request: Request, body: OpenAIRequest, call, shaper: Shaper, identity: str
-    ):
+    async def _started(self, request: Request, body: OpenAIRequest, call, shaper: Shaper, identity: str):
         try:
             if not body.stream:
                 summary, tokens, logprobs, tops = await _unless_gone(request, _collect(call), call)
