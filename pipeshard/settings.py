@@ -253,8 +253,8 @@ class ServerSettings:
     """Settings every gRPC server shares; services subclass this and override defaults (e.g. port)."""
 
     host: str = setting(LOOPBACK, "address to listen on")
-    port: int = setting(0, "gRPC port (0 = an ephemeral port, printed at start)")
-    metrics_port: int = setting(0, "Prometheus /metrics port (0 = disabled)")
+    port: int | None = setting(0, "gRPC port (0 = an ephemeral port, printed at start)")
+    metrics_port: int | None = setting(0, "Prometheus /metrics port (0 = disabled)")
     metrics_host: str = setting(
         "127.0.0.1", "address /metrics listens on: loopback unless told (it is plaintext and unauthenticated)"
     )

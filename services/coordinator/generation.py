@@ -494,7 +494,7 @@ class _Request:
         if isinstance(draft, TreeChains | TreeNodes):
             return self._accept_tree(draft, result)
         if self.shaper is not None:
-            return self._accept_shaped(draft, result)
+            return self._accept_shaped(draft, result, self.shaper)
         if self.sampler is None:
             new = accept_greedy(draft.tokens, list(result.top1.token_ids))
             if self.params.logprobs:  # greedy keeps row i's argmax, whose probability Top1 carries
@@ -509,7 +509,9 @@ class _Request:
             self.new_logprobs = token_logprobs(rows, new)
         return new
 
-    def _accept_shaped(self, draft: Draft, result: activation_pb2.StepResult) -> list[int]:
+    def _accept_shaped(
+        self, draft: Draft, result: activation_pb2.StepResult, shaper: LogitShaper
+    ) -> list[int]:
         """Each position's token chosen from its shaped row (bias, penalties, the grammar's mask),
         in order: a greedy request keeps a draft while it equals the shaped argmax (so a draft
         that leaves the grammar is cut there, and the output equals plain decoding); a sampled one
@@ -517,13 +519,13 @@ class _Request:
         rows = decode(result.logits, field="logits")
         new: list[int] = []
         for i in range(len(draft.tokens) + 1):
-            row = self.shaper.shaped(rows[i])
+            row = shaper.shaped(rows[i])
             if self.sampler is None:
                 token = int(np.argmax(row))
             else:
                 probs = self.sampler.probabilities(row)
                 token = int(self.sampler.rng.choice(probs.size, p=probs))
-            self.shaper.took(token)
+            shaper.took(token)
             new.append(token)
             stopped = self.constraint is not None and self.constraint.stopped
             if stopped or i == len(draft.tokens) or token != draft.tokens[i]:
@@ -816,7 +818,9 @@ class Generation:
         constraint = None
         if params.grammar is not None:
             await self.check_grammar(params)
-            constraint = await asyncio.to_thread(self._grammars.constraint, params.grammar)
+            grammars = self._grammars
+            assert grammars is not None  # check_grammar refused the grammar otherwise
+            constraint = await asyncio.to_thread(grammars.constraint, params.grammar)
         if params.shapes_logits:
             # Drafts are verified position by position on shaped rows: chains only, greedy only
             # (a sampled request draws each token from its shaped distribution).
@@ -965,12 +969,14 @@ class Generation:
         chunk, done = await request.emit(new)
         trace.mark("emitted", request.session_id, step_id)
         if request.params.logprobs:  # each token's own text, for OpenAI's logprobs objects
-            chunk.tokens = await asyncio.to_thread(lambda: [self._tok.decode([t]) for t in chunk.token_ids])
+            chunk.tokens = await asyncio.to_thread(self._token_texts, list(chunk.token_ids))
             for top in chunk.top:
-                top.tokens = await asyncio.to_thread(
-                    lambda t=top: [self._tok.decode([i]) for i in t.token_ids]
-                )
+                top.tokens = await asyncio.to_thread(self._token_texts, list(top.token_ids))
         return chunk, done
+
+    def _token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text (off the event loop: the tokenizer is slow per call)."""
+        return [self._tok.decode([t]) for t in token_ids]
 
     def _computed(self, request: _Request, tokens: list[int]) -> None:
         """Every stage holds ``tokens`` for the request's session: its standby copy may follow."""

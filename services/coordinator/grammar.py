@@ -13,16 +13,24 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pipeshard.errors import InvalidArgument
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 # Compiled grammars kept, by their text (a schema sent again starts from its cached matcher).
 CACHED_GRAMMARS = 256
 # JSON as models write it, with no free whitespace: a flexible grammar lets a small model (or any
 # model sampling) fill its tokens with blanks between keys. An unimplemented keyword is an error.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 
 @dataclass(frozen=True)

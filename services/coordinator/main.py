@@ -240,7 +240,7 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
 def ensure_export_files(settings: CoordinatorSettings) -> None:
     """Pull what this coordinator reads from the exporter when ``--shards`` lacks it (or holds a
     damaged copy) and an exporter is known: the root files, or stage 0's shard when it hosts stage 0."""
-    shards = Path(settings.shards)
+    shards = settings.shards_dir
     try:
         if settings.host_stage0:
             verify_shard(shards, 0)

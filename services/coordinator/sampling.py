@@ -133,9 +133,9 @@ class LogitShaper:
             ids, biases = zip(*p.logit_bias, strict=True)
             out[list(ids)] += np.asarray(biases, dtype=np.float32)
         if self.counts and (p.presence_penalty or p.frequency_penalty):
-            ids = np.fromiter(self.counts, dtype=np.int64)
+            seen = np.fromiter(self.counts, dtype=np.int64)
             n = np.fromiter(self.counts.values(), dtype=np.float32)
-            out[ids] -= p.presence_penalty + p.frequency_penalty * n
+            out[seen] -= p.presence_penalty + p.frequency_penalty * n
         return out if self.constraint is None else self.constraint.masked(out)
 
     def took(self, token: int) -> None:

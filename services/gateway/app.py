@@ -142,7 +142,7 @@ class Gateway:
     ):
         try:
             if (body.n or 1) > 1:
-                return await self._choices(request, rpc, body.n, shaper)
+                return await self._choices(request, rpc, body.n or 1, shaper)
             identity = self._identity(request) if body.stream else ""
             if body.stream:
                 self.streams.open(identity)  # before the call: a refused stream takes no slot

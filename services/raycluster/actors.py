@@ -13,6 +13,7 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import ray
 
@@ -67,7 +68,8 @@ class ServiceActor:
         values = {"host": self.node_ip, "run": str(run_dir)}
         argv = [a.format(**values) for a in args]
         if next_of is not None:
-            nxt = ray.get(ray.get_actor(next_of, namespace=NAMESPACE).info.remote(), timeout=timeout_s)
+            peer = ray.get_actor(next_of, namespace=NAMESPACE)
+            nxt = cast(ServiceInfo, ray.get(peer.info.remote(), timeout=timeout_s))
             argv += ["--next-hop", nxt.address]
         self.process: Process = spawn(
             name, argv, run_dir, {**fleet_env(), **(env or {})}, timeout_s, prefix=_DIE_WITH_ACTOR

@@ -93,7 +93,7 @@ def _server_args(spec: RaySpec, port: int) -> list[str]:
 def start_actor(
     name: str, args: list[str], spec: RaySpec, strategy, *, next_of: str | None = None, restarts: int = 0
 ):
-    actor = ServiceActor.options(
+    actor = ServiceActor.options(  # type: ignore[attr-defined]  # ray.remote returns an ActorClass; its stubs say the class
         name=name,
         namespace=NAMESPACE,
         lifetime="detached",

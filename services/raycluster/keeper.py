@@ -14,6 +14,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import grpc
 import ray
@@ -93,11 +94,11 @@ class Keeper:
     def step(self) -> None:
         changed = False
         for r, lane in list(self.lanes.items()):
-            now = []
+            now: list[ServiceInfo] = []
             for info in lane:
                 try:
                     actor = ray.get_actor(info.name, namespace=NAMESPACE)
-                    now.append(ray.get(actor.info.remote(), timeout=2))
+                    now.append(cast(ServiceInfo, ray.get(actor.info.remote(), timeout=2)))
                 except Exception:
                     now = []  # restarting: look again next time
                     break
@@ -199,7 +200,7 @@ def _sessions(address: str) -> int:
 
 def start_keeper(fleet: RayFleet):
     """The fleet's keeper, on this machine's node beside the coordinator."""
-    return Keeper.options(
+    return Keeper.options(  # type: ignore[attr-defined]  # ray.remote returns an ActorClass; its stubs say the class
         name=KEEPER, namespace=NAMESPACE, lifetime="detached", scheduling_strategy=head_strategy()
     ).remote(fleet)
 

@@ -128,7 +128,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         return stage_pb2.CaptureKvResponse(snapshot=to_proto(blob), positions=blob.positions)
 
     def _limits(self) -> RestoreLimits:
-        return RestoreLimits.of(self._node.kv.source, self._node.engine.max_context)
+        return RestoreLimits.of(self._node.kv_service.source, self._node.engine.max_context)
 
     async def RestoreKv(self, request, context):
         owner, kv = _owner(context), self._node.kv
