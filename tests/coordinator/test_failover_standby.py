@@ -80,6 +80,7 @@ class _Generating:
         self.context, self.pending, self.ahead = list(CONTEXT), CONTEXT[-1:], None
         self.params = SimpleNamespace(greedy=True, logprobs=False)
         self.cursor = _Cursor("old", True, truncates=True)
+        self.top1 = True  # a greedy request with nothing chosen on the coordinator
 
 
 def _failover(refuse: bool) -> tuple[_Generating, _Ring, _Lanes, KvStandby]:
