@@ -30,8 +30,8 @@ PROMPTS = (
     "Water boils at 100 degrees Celsius because",
 )
 NEW_TOKENS = 64
-# Measured 2026-12-03 on the 4 prompts x 64 tokens (see docs/MODEL.md): Q4_K_M weights dequantized
-# to fp32 and then compressed to INT4 again by the exporter.
+# Q4_K_M weights dequantized to fp32, then compressed to INT4 again by the exporter. A bound chosen
+# before measuring (the test prints the measured figures): to be tightened to what it measures.
 INT4_MAX_ABS = 6.0
 INT4_TOP1 = 0.75
 
