@@ -25,7 +25,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: batch bench-commits bench-compile-cache bench-compress bench-failover bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-spec bench-static bench-wan clean demo distil down export lint model proto run-stage serve-openai setup soak test test-exactness test-extended test-fast test-invariance up wan-down wan-up
+.PHONY: batch bench-commits bench-compile-cache bench-compress bench-deploy bench-failover bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-spec bench-static bench-wan clean demo distil down export image image-base lint model proto run-stage serve-openai setup soak test test-exactness test-docker test-extended test-fast test-invariance up wan-down wan-up wheelhouse
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -65,6 +65,23 @@ up: model
 ## down: stop exactly the processes `make up` started
 down:
 	$(VENV)/bin/pipeshard down
+
+## image-base: (root) the Debian bookworm base image pipeshard-base:bookworm with Python 3.11 from Debian packages (debootstrap + docker import; no registry); FORCE=1 rebuilds
+image-base:
+	docker/image-base.sh pipeshard-base:bookworm
+
+## wheelhouse: every wheel the images install (the CPU torch build included) and the project's own wheel, gathered into build/wheelhouse by the host's pip
+wheelhouse: proto
+	mkdir -p build/wheelhouse
+	$(PY) docker/wheelhouse.py requirements serving > build/wheelhouse/serving.txt
+	$(PY) docker/wheelhouse.py requirements exporter > build/wheelhouse/exporter.txt
+	$(PIP) wheel -q -w build/wheelhouse -r build/wheelhouse/exporter.txt -r build/wheelhouse/serving.txt
+	rm -f build/wheelhouse/pipeshard-*.whl
+	$(PIP) wheel -q --no-deps -w build/wheelhouse .
+
+## image: the serving image pipeshard:latest (stage, coordinator, gateway; no torch) and pipeshard-exporter:latest from the wheelhouse, installed with --no-index; BASE=IMAGE (unset: python:3.11-slim if a registry answers, else `make image-base`); docs/CONTAINERS.md
+image: wheelhouse
+	docker/build-images.sh
 
 ## wan-up: (root) STAGES stages in network namespaces, DELAY_MS one way per hop, RATE_MBIT tbf cap (0 = none); stops itself after an hour
 wan-up: model
