@@ -76,6 +76,7 @@ wheelhouse: proto
 	$(PY) docker/wheelhouse.py requirements serving > build/wheelhouse/serving.txt
 	$(PY) docker/wheelhouse.py requirements exporter > build/wheelhouse/exporter.txt
 	$(PIP) wheel -q -w build/wheelhouse -r build/wheelhouse/exporter.txt -r build/wheelhouse/serving.txt
+	$(PIP) download -q --no-deps -d build/wheelhouse $$($(PY) docker/wheelhouse.py no-deps)
 	rm -f build/wheelhouse/pipeshard-*.whl
 	$(PIP) wheel -q --no-deps -w build/wheelhouse .
 
@@ -159,6 +160,12 @@ bench-compress: model
 bench-wan: model
 	$(PY) -m bench.wan
 
+## bench-deploy: (Docker) the compose fleet against `make up`'s processes: images built, from nothing to the first token (cold: the exporter container exports; cached: images and export kept, shards pulled again), decode tok/s at 1 and 8 users in interleaved rounds (holds the default-ports lock; BENCH_QUICK=1 reuses the images; bench/results/deploy.json)
+bench-deploy: model
+	$(PY) docker/compose_gen.py check
+	docker image inspect pipeshard:latest pipeshard-exporter:latest >/dev/null 2>&1 || $(MAKE) image
+	flock /tmp/pipeshard-default-ports.lock $(PY) -m bench.deploy
+
 ## bench-failover: recovery of running requests when a replica is killed (2 stages x 2 lanes, exact): kill-to-next-token p50/p95 at 1/8 users and 128/1,024 tokens with standby KV copies, and at 8 x 1,024 without them (replay); the copies' cost in paired undisturbed rounds; failed requests, mismatches against the undisturbed run (BENCH_RUNS rounds, default 3; BENCH_COST_RUNS; reduced: BENCH_POINTS=8x1024, BENCH_PART=default; bench/results/failover.json)
 bench-failover: model
 	$(PY) -m bench.failover
@@ -214,6 +221,12 @@ bench-prefix: model
 ## test: the whole suite, slow real-model tests included
 test: proto
 	$(VENV)/bin/pytest -q --durations=60
+
+## test-docker: (Docker) the compose fleet for real at 2 stages x 2 replicas and 3 stages, mutual TLS: tokens through the gateway (openai client) equal a plain-process fleet's on the same export, a stage replica container killed mid-stream fails no request, nothing left after down; builds the images if absent, installs nothing (says what is missing); not in `make test`
+test-docker: proto
+	$(PY) docker/compose_gen.py check
+	docker image inspect pipeshard:latest pipeshard-exporter:latest >/dev/null 2>&1 || $(MAKE) image
+	PIPESHARD_DOCKER_FLEET=1 $(VENV)/bin/pytest -q -p no:cacheprovider tests/docker/test_fleet_containers.py
 
 ## test-exactness: the full speculative exactness matrix (10 prompts x 1/2/3 stages x K x draft source; FP32 at f32, INT4 at exact)
 test-exactness: model

@@ -231,6 +231,9 @@ COMPOSE_MISSING = (
 )
 
 
+DAEMON_MISSING = (
+    "error: no Docker daemon answers (start it: `sudo systemctl start docker` or `sudo dockerd &`)"
+)
 DOCKER_MISSING = "error: the docker command is missing (install Docker: `sudo apt-get install docker.io`)"
 
 
@@ -270,6 +273,8 @@ def main(argv: list[str]) -> int:
     )
     if args.action == "check":
         try:
+            if subprocess.run(["docker", "info"], capture_output=True, check=False).returncode:
+                raise RuntimeError(DAEMON_MISSING)
             print(f"compose: {' '.join(compose_command())}")
         except (RuntimeError, FileNotFoundError) as exc:
             print(exc if isinstance(exc, RuntimeError) else DOCKER_MISSING, file=sys.stderr)

