@@ -5,7 +5,8 @@ events cross back to the event loop through a queue. An export whose caller goes
 cancelled and leaves no partial folder; a forced export never replaces an export a running
 fleet serves (pipeshard.shard.serving). With a token configured, only its holders may call (the
 operator): see pipeshard.auth. FetchShard serves only files listed in an
-export's manifest, so a request can never read outside the shards directory.
+export's manifest, so a request can never read outside the shards directory: one stage's files
+for a stage, or only the root files (manifest, config, tokenizer) for a coordinator.
 """
 
 from __future__ import annotations
@@ -124,7 +125,11 @@ class ExporterServicer(exporter_pb2_grpc.ExporterServiceServicer):
         if not (root / MANIFEST).is_file():
             raise NotFound(f"no export named {request.export_name!r} in {self._shards_dir}")
         manifest = load_manifest(root)
-        for rel in manifest.files_for_stage(request.stage_index):
+        if request.root_files_only:
+            rels = manifest.root_files()
+        else:
+            rels = manifest.files_for_stage(request.stage_index)
+        for rel in rels:
             path = root / rel
             size = path.stat().st_size
             digest = file_sha256(path)

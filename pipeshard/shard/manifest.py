@@ -444,11 +444,16 @@ class Manifest:
         folder = self.stage(stage).folder.rstrip("/") + "/"
         return sorted(rel for rel in self.files if rel.startswith(folder))
 
-    def files_for_stage(self, stage: int) -> list[str]:
-        """What one stage needs: the manifest, the shared root files (config, tokenizer), its folder."""
+    def root_files(self) -> list[str]:
+        """What every process of a fleet reads (a coordinator no more): the manifest and the files
+        outside the stage folders (config, tokenizer)."""
         stage_folders = tuple(s.folder.rstrip("/") + "/" for s in self.stages)
         shared = [rel for rel in self.files if not rel.startswith(stage_folders)]
-        return [MANIFEST, *sorted(shared), *self.stage_files(stage)]
+        return [MANIFEST, *sorted(shared)]
+
+    def files_for_stage(self, stage: int) -> list[str]:
+        """What one stage needs: the root files and its folder."""
+        return [*self.root_files(), *self.stage_files(stage)]
 
 
 def load_manifest(export_dir: Path) -> Manifest:
@@ -510,6 +515,14 @@ def verify_shard(export_dir: Path, stage: int, hashes: bool = True) -> Manifest:
         if model not in rels:
             raise FailedPrecondition(f"stage {stage}: {model} is not listed in the manifest of {export_dir}")
     _check_files(export_dir, manifest, rels, hashes, f"stage {stage}")
+    return manifest
+
+
+def verify_root_files(export_dir: Path, hashes: bool = True) -> Manifest:
+    """Check the export's root files (what a coordinator reads) against the manifest."""
+    export_dir = Path(export_dir)
+    manifest = load_manifest(export_dir)
+    _check_files(export_dir, manifest, manifest.root_files()[1:], hashes, "export root")
     return manifest
 
 

@@ -1,7 +1,9 @@
-"""A fleet node pulls its stage's shard from the exporter, verifying every file's checksum.
+"""A fleet node pulls its files from the exporter, verifying every file's checksum.
 
-Files land in a temporary folder beside the target and are moved in only when every checksum
-matched, so an interrupted pull never leaves a shard that looks complete.
+A stage pulls its stage's shard (the root files and its stage folder); a coordinator pulls only
+the export's root files (manifest, config, tokenizer). Files land in a temporary folder beside
+the target and are moved in only when every checksum matched, so an interrupted pull never
+leaves a shard that looks complete.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import grpc
 
 from pipeshard.auth import token_metadata
 from pipeshard.errors import FailedPrecondition, Unavailable
-from pipeshard.shard.manifest import verify_shard
+from pipeshard.shard.manifest import verify_root_files, verify_shard
 from pipeshard.tls import TlsConfig
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc
 
@@ -31,9 +33,42 @@ def pull_shard(
     """Fetch stage ``stage`` of export ``export_dir.name`` from the exporter at ``address``
     (over TLS with ``tls``, presenting ``token`` when the exporter requires one)."""
     export_dir = Path(export_dir)
-    tmp = export_dir.parent / f".{export_dir.name}.pull-{stage}"
-    shutil.rmtree(tmp, ignore_errors=True)
     request = exporter_pb2.FetchShardRequest(export_name=export_dir.name, stage_index=stage)
+    _pull(address, export_dir, request, f"stage {stage}", timeout_s, tls, token)
+    verify_shard(export_dir, stage)
+    return export_dir
+
+
+def pull_root_files(
+    address: str,
+    export_dir: Path,
+    timeout_s: float = 600.0,
+    *,
+    tls: TlsConfig | None = None,
+    token: str | None = None,
+) -> Path:
+    """Fetch the root files (manifest, config, tokenizer) of export ``export_dir.name``: what a
+    coordinator reads, none of the stages' weights."""
+    export_dir = Path(export_dir)
+    request = exporter_pb2.FetchShardRequest(export_name=export_dir.name, root_files_only=True)
+    _pull(address, export_dir, request, "the export's root files", timeout_s, tls, token)
+    verify_root_files(export_dir)
+    return export_dir
+
+
+def _pull(
+    address: str,
+    export_dir: Path,
+    request: exporter_pb2.FetchShardRequest,
+    what: str,
+    timeout_s: float,
+    tls: TlsConfig | None,
+    token: str | None,
+) -> None:
+    """Stream the files ``request`` asks for into ``export_dir``, each checked on arrival."""
+    part = "root" if request.root_files_only else str(request.stage_index)
+    tmp = export_dir.parent / f".{export_dir.name}.pull-{part}"
+    shutil.rmtree(tmp, ignore_errors=True)
     received: list[str] = []
     try:
         channel = (
@@ -63,9 +98,7 @@ def pull_shard(
                     received.append(chunk.path)
     except grpc.RpcError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise Unavailable(
-            f"cannot pull stage {stage} from the exporter at {address}: {exc.details()}"
-        ) from None
+        raise Unavailable(f"cannot pull {what} from the exporter at {address}: {exc.details()}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -74,5 +107,3 @@ def pull_shard(
         (export_dir / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp / rel).replace(export_dir / rel)
     shutil.rmtree(tmp, ignore_errors=True)
-    verify_shard(export_dir, stage)
-    return export_dir

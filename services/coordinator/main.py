@@ -11,7 +11,7 @@ from pathlib import Path
 import structlog
 
 from pipeshard.auth import Authenticator
-from pipeshard.errors import FailedPrecondition, InvalidArgument, PipeshardError
+from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound, PipeshardError
 from pipeshard.grpc_server import GrpcServer, run_server
 from pipeshard.metrics import COORDINATOR_QUEUED, COORDINATOR_RUNNING
 from pipeshard.offline import set_offline_defaults
@@ -33,8 +33,9 @@ from pipeshard.services.coordinator.speculation.sources import MODES, DraftSourc
 from pipeshard.services.stage.main import StageSettings, build_node
 from pipeshard.services.stage.servicer import StageServicer
 from pipeshard.settings import ServerSettings, load_settings, setting
-from pipeshard.shard.manifest import load_manifest
+from pipeshard.shard.manifest import load_manifest, verify_root_files, verify_shard
 from pipeshard.shard.prompting import Prompter
+from pipeshard.shard.pull import pull_root_files, pull_shard
 from pipeshard.shard.runtime import WARMUP_PREFILL
 from pipeshard.shard.serving import hold_serving_lock
 from pipeshard.tls import TlsConfig
@@ -59,6 +60,11 @@ class CoordinatorSettings(ServerSettings):
         "(A0|A1,B0|B1: replica r of every stage is lane r, docs/RELIABILITY.md)",
     )
     shards: Path | None = setting(None, "export folder: its manifest and tokenizer files are read")
+    exporter: str | None = setting(
+        None,
+        "exporter (host:port) to pull the export's manifest and tokenizer from when --shards lacks "
+        "them (with --host-stage0, stage 0's shard); with --topology, the topology's exporter",
+    )
     step_timeout_s: float = setting(
         30.0, "a step with no result after this long fails as UNAVAILABLE (per 256 rows of a prefill)"
     )
@@ -173,6 +179,7 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
         topo = Topology.load(settings.topology)
         settings.stages = settings.stages or topo.stage_addresses()
         settings.shards = settings.shards or Path(topo.shards)
+        settings.exporter = settings.exporter or topo.exporter.address
         settings.port = settings.port or topo.coordinator.port
         settings.metrics_port = settings.metrics_port or topo.coordinator.metrics_port
     if not settings.stages:
@@ -210,6 +217,28 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
             "speculative", "must be none, ngram, self, feature, medusa or a name given with --draft"
         )
     return settings
+
+
+def ensure_export_files(settings: CoordinatorSettings) -> None:
+    """Pull what this coordinator reads from the exporter when ``--shards`` lacks it (or holds a
+    damaged copy) and an exporter is known: the root files, or stage 0's shard when it hosts stage 0."""
+    shards = Path(settings.shards)
+    try:
+        if settings.host_stage0:
+            verify_shard(shards, 0)
+        else:
+            verify_root_files(shards)
+    except (FailedPrecondition, NotFound, InvalidArgument, FileNotFoundError) as exc:
+        if not settings.exporter:
+            raise
+        log.info("pulling_export", exporter=settings.exporter, stage0=settings.host_stage0, reason=str(exc))
+        tls = None
+        if settings.tls_dir is not None:
+            tls = TlsConfig.from_dir(settings.tls_dir, settings.tls_name or "coordinator")
+        if settings.host_stage0:
+            pull_shard(settings.exporter, shards, 0, tls=tls, token=settings.token)
+        else:
+            pull_root_files(settings.exporter, shards, tls=tls, token=settings.token)
 
 
 def stage_lanes(stages: list[str]) -> list[list[str]]:
@@ -498,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     coordinator = Coordinator(settings, authenticator)
 
     async def services():
+        ensure_export_files(settings)
         await coordinator.start()
         coordinator.watch_topology()
         return [(coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server, coordinator.servicer)]

@@ -135,3 +135,52 @@ def test_damaged_source_file_fails_the_pull(exporter, int4_export, tmp_path_fact
     finally:
         proc.popen.terminate()
         proc.popen.wait(15)
+
+
+def test_root_files_pull_brings_the_manifest_and_tokenizer_only(exporter, int4_export, tmp_path):
+    from pipeshard.shard.manifest import load_manifest
+    from pipeshard.shard.pull import pull_root_files
+
+    target = tmp_path / int4_export.name
+    pull_root_files(exporter.address, target)
+    expected = load_manifest(int4_export).root_files()
+    assert "tokenizer.json" in expected
+    pulled = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file())
+    assert pulled == sorted(expected)
+    for rel in expected:
+        assert (target / rel).read_bytes() == (int4_export / rel).read_bytes()
+    assert not any(target.glob("stage_*"))
+
+
+def test_coordinator_pulls_its_export_files_and_generates_like_the_in_process_ring(
+    exporter, int4_export, tmp_path, greedy_in_process
+):
+    from pipeshard.clients.client import PipeshardClient
+    from pipeshard.shard.prompting import Prompter
+
+    env = dict(os.environ)
+    stage1 = spawn(
+        "stage1", ["stage", "--stage", "1", "--shards", str(int4_export), "--port", "0"], tmp_path, env, 300
+    )
+    stage0 = spawn(
+        "stage0",
+        ["stage", "--stage", "0", "--shards", str(int4_export), "--port", "0", "--next-hop", stage1.address],
+        tmp_path,
+        env,
+        300,
+    )
+    empty = tmp_path / "coordinator-host" / int4_export.name
+    args = ["coordinator", "--shards", str(empty), "--exporter", exporter.address, "--port", "0"]
+    coordinator = spawn(
+        "coordinator", [*args, "--stages", f"{stage0.address},{stage1.address}"], tmp_path, env, 300
+    )
+    try:
+        assert (empty / "manifest.json").is_file() and not any(empty.glob("stage_*"))
+        with PipeshardClient(coordinator.address, timeout_s=120) as client:
+            remote = client.generate("What is the capital of France?", max_tokens=16, ignore_eos=True)
+        ids = Prompter.from_dir(int4_export).encode("", [("user", "What is the capital of France?")])
+        assert remote.token_ids == greedy_in_process(int4_export, [ids], 16)[0]
+    finally:
+        for proc in (coordinator, stage0, stage1):
+            proc.popen.terminate()
+            proc.popen.wait(15)
