@@ -70,15 +70,15 @@ down:
 image-base:
 	docker/image-base.sh pipeshard-base:bookworm
 
-## wheelhouse: every wheel the images install (the CPU torch build included) and the project's own wheel, gathered into build/wheelhouse by the host's pip
+## wheelhouse: every wheel the images install (the CPU torch build included) gathered into build/wheelhouse by the host's pip, and the project's own wheel into build/project
 wheelhouse: proto
 	mkdir -p build/wheelhouse
 	$(PY) docker/wheelhouse.py requirements serving > build/wheelhouse/serving.txt
 	$(PY) docker/wheelhouse.py requirements exporter > build/wheelhouse/exporter.txt
 	$(PIP) wheel -q -w build/wheelhouse -r build/wheelhouse/exporter.txt -r build/wheelhouse/serving.txt
 	$(PIP) download -q --no-deps -d build/wheelhouse $$($(PY) docker/wheelhouse.py no-deps)
-	rm -f build/wheelhouse/pipeshard-*.whl
-	$(PIP) wheel -q --no-deps -w build/wheelhouse .
+	rm -rf build/project
+	$(PIP) wheel -q --no-deps -w build/project .
 
 ## image: the serving image pipeshard:latest (stage, coordinator, gateway; no torch) and pipeshard-exporter:latest from the wheelhouse, installed with --no-index; BASE=IMAGE (unset: python:3.11-slim if a registry answers, else `make image-base`); docs/CONTAINERS.md
 image: wheelhouse

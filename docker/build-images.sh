@@ -12,6 +12,7 @@ docker info >/dev/null 2>&1 || {
 for image in serving exporter; do
     "$python" docker/wheelhouse.py check "$wheelhouse" "$image" >/dev/null
 done
+"$python" docker/wheelhouse.py check-project build/project
 base="${BASE:-}"
 if [[ -z "$base" ]]; then
     if docker image inspect python:3.11-slim >/dev/null 2>&1 ||

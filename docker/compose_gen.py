@@ -153,11 +153,10 @@ def compose(spec: FleetSpec) -> dict:
             "PIPESHARD_PORT": str(topo.coordinator.port),
             "PIPESHARD_STAGES": stage_list,
             "PIPESHARD_SHARDS": shards,
-            "EXPORTER_ADDRESS": exporter_addr,
+            "PIPESHARD_EXPORTER": exporter_addr,
         },
-        [f"python -c {_PULL_EXPORT!r} && exec pipeshard coordinator"],
+        ["coordinator"],
     )
-    coordinator["entrypoint"] = ["sh", "-c"]
     coordinator["healthcheck"]["start_period"] = "300s"
     coordinator["depends_on"] = {
         stage_service(k, r): {"condition": "service_healthy"}
@@ -185,17 +184,6 @@ def compose(spec: FleetSpec) -> dict:
         "networks": {"fleet": {"driver": "bridge"}},
         "volumes": {"exports": {}},
     }
-
-
-# The coordinator reads the export's manifest and tokenizer: it pulls them (with stage 0's files,
-# checksums verified) from the exporter, as a stage pulls its shard.
-_PULL_EXPORT = (
-    "import os; from pathlib import Path; from pipeshard.shard.pull import pull_shard; "
-    "from pipeshard.tls import TlsConfig; d = os.environ.get('PIPESHARD_TLS_DIR'); "
-    "p = Path(os.environ['PIPESHARD_SHARDS']); (p / 'manifest.json').exists() or pull_shard("
-    "os.environ['EXPORTER_ADDRESS'], p, 0, tls=TlsConfig.from_dir(d, 'coordinator') if d else None, "
-    "token=os.environ.get('PIPESHARD_TOKEN') or None)"
-)
 
 
 HEADER = """\

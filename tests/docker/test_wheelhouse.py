@@ -45,7 +45,13 @@ def test_check_command_fails_on_an_empty_wheelhouse_naming_the_fix(tmp_path: Pat
     )
     assert run.returncode == 1
     assert run.stderr.startswith(f"error: the wheelhouse {tmp_path} has no wheel for ")
-    assert "pipeshard" in run.stderr and "(fix: `make wheelhouse`)" in run.stderr
+    assert "openvino==2026.4.1" in run.stderr and run.stderr.endswith("(fix: `make wheelhouse`)\n")
+    project = subprocess.run(
+        [sys.executable, str(DOCKER / "wheelhouse.py"), "check-project", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert project.returncode == 1 and "has no wheel for pipeshard (fix: `make wheelhouse`)" in project.stderr
 
 
 def test_an_unknown_image_is_refused_by_name():
