@@ -160,11 +160,11 @@ bench-compress: model
 bench-wan: model
 	$(PY) -m bench.wan
 
-## bench-deploy: (Docker) the compose fleet against `make up`'s processes: images built, from nothing to the first token (cold: the exporter container exports; cached: images and export kept, shards pulled again), decode tok/s at 1 and 8 users in interleaved rounds (holds the default-ports lock; BENCH_QUICK=1 reuses the images; bench/results/deploy.json)
+## bench-deploy: (Docker) the compose fleet against `make up`'s processes: images built, from nothing to the first token (cold: the exporter container exports; cached: images and export kept, shards pulled again), decode tok/s at 1 and 8 users in interleaved rounds (takes the default-ports lock for `pipeshard up`; BENCH_QUICK=1 reuses the images; bench/results/deploy.json)
 bench-deploy: model
 	$(PY) docker/compose_gen.py check
 	docker image inspect pipeshard:latest pipeshard-exporter:latest >/dev/null 2>&1 || $(MAKE) image
-	flock /tmp/pipeshard-default-ports.lock $(PY) -m bench.deploy
+	$(PY) -m bench.deploy
 
 ## bench-failover: recovery of running requests when a replica is killed (2 stages x 2 lanes, exact): kill-to-next-token p50/p95 at 1/8 users and 128/1,024 tokens with standby KV copies, and at 8 x 1,024 without them (replay); the copies' cost in paired undisturbed rounds; failed requests, mismatches against the undisturbed run (BENCH_RUNS rounds, default 3; BENCH_COST_RUNS; reduced: BENCH_POINTS=8x1024, BENCH_PART=default; bench/results/failover.json)
 bench-failover: model

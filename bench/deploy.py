@@ -6,15 +6,17 @@ BENCH_QUICK=1, which reuses the images); ``cold_first_token_s``: `up` with no ex
 exporter container fetches the model and exports, every stage pulls its shard over FetchShard);
 ``cached_first_token_s``: `up` again with the images and the exporter's volume kept (the stage and
 coordinator containers are new and empty: they pull again). Then decode rate, both fleets up at
-once on the same export: the compose fleet and `pipeshard up --secure` (plain processes; the
-default ports, so `make bench-deploy` holds the port lock), 1 and 8 users each streaming a greedy
-request of BENCH_TOKENS (64) tokens, BENCH_RUNS (3) rounds interleaved fleet by fleet; generated
+once on the same export: the compose fleet and `pipeshard up --secure` (plain processes on the
+default ports, so under the default-ports lock, taken once the compose fleet is up), 1 and 8
+users each streaming a greedy request of BENCH_TOKENS (64) tokens, BENCH_RUNS (3) rounds
+interleaved fleet by fleet; generated
 tokens per second of wall time per round, the ratio of medians compose over processes with a 95%
 interval. A noisy shared machine moves these figures; read the ratio, measured side by side.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -36,6 +38,7 @@ KNOBS = ("BENCH_QUICK", "BENCH_RUNS", "BENCH_TOKENS")
 PROMPT = "Write a short story about a lighthouse keeper."
 USERS = (1, 8)
 IMAGES = ("pipeshard:latest", "pipeshard-exporter:latest")
+PORT_LOCK = Path("/tmp/pipeshard-default-ports.lock")
 
 
 def first_token_s(base_url: str, key: str, started: float, timeout_s: float = 600) -> float:
@@ -95,6 +98,7 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="bench-deploy-"))
     fleet = ComposeFleet(folder, 2)
     up = [sys.executable, "-m", "pipeshard.cli"]
+    lock = PORT_LOCK.open("a")
     try:
         start = time.monotonic()
         fleet.up()
@@ -108,6 +112,7 @@ def main() -> None:
             source = f"{fleet.container('exporter')}:/app/data/shards/{fleet.spec.export}"
             export.parent.mkdir(exist_ok=True)
             subprocess.run(["docker", "cp", source, str(export)], check=True)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held until `pipeshard down` below
         subprocess.run([*up, "up", "--stages", "2", "--secure"], check=True, stdout=subprocess.DEVNULL)
         plain_key = Path("certs/token").read_text().strip()
         fleets = {"compose": (fleet.gateway, fleet.token), "processes": ("http://127.0.0.1:8080", plain_key)}
@@ -127,6 +132,7 @@ def main() -> None:
             }
     finally:
         subprocess.run([*up, "down"], check=False, stdout=subprocess.DEVNULL)
+        lock.close()
         fleet.down()
         shutil.rmtree(folder, ignore_errors=True)
     write_result("deploy", result, command_with_knobs("bench-deploy", KNOBS))
