@@ -22,6 +22,8 @@ from tests.docker.test_compose import load
 
 pytestmark = [
     pytest.mark.slow,
+    # the exporter container exports at start: 15 min on this shared 2-core machine under load
+    pytest.mark.timeout(3600),
     pytest.mark.skipif(
         not os.environ.get("PIPESHARD_DOCKER_FLEET"), reason="needs Docker and the images: `make test-docker`"
     ),
