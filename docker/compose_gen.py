@@ -123,7 +123,8 @@ def compose(spec: FleetSpec) -> dict:
         [export_cmd],
     )
     exporter["entrypoint"] = ["sh", "-c"]
-    exporter["healthcheck"]["start_period"] = "900s"
+    # the first start exports (15+ min on a loaded 2-core machine); unhealthy before it would stop the fleet
+    exporter["healthcheck"]["start_period"] = "3600s"
     exporter.setdefault("volumes", []).append(f"exports:{DATA}")
     services: dict[str, dict] = {"exporter": exporter}
     for r, lane in enumerate(topo.lanes):
