@@ -28,7 +28,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: batch bench-commits bench-compile-cache bench-compress bench-failover bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-ray bench-spec bench-static bench-wan clean demo distil down export lint model model-gemma3 proto run-stage serve-openai setup soak test test-deploy test-exactness test-extended test-fast test-fuzz test-invariance test-ray typecheck up wan-down wan-up
+.PHONY: batch bench-commits bench-compile-cache bench-compress bench-deploy bench-failover bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-ray bench-spec bench-static bench-wan clean demo distil down export image image-base lint model model-gemma3 proto run-stage serve-openai setup soak test test-deploy test-docker test-exactness test-extended test-fast test-fuzz test-invariance test-ray typecheck up wan-down wan-up wheelhouse
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -82,6 +82,24 @@ up: model
 ## down: stop exactly the processes `make up` started
 down:
 	$(VENV)/bin/pipeshard down
+
+## image-base: (root) the Debian bookworm base image pipeshard-base:bookworm with Python 3.11 from Debian packages (debootstrap + docker import; no registry); FORCE=1 rebuilds
+image-base:
+	docker/image-base.sh pipeshard-base:bookworm
+
+## wheelhouse: every wheel the images install (the CPU torch build included) gathered into build/wheelhouse by the host's pip, and the project's own wheel into build/project
+wheelhouse: proto
+	mkdir -p build/wheelhouse
+	$(PY) docker/wheelhouse.py requirements serving > build/wheelhouse/serving.txt
+	$(PY) docker/wheelhouse.py requirements exporter > build/wheelhouse/exporter.txt
+	$(PIP) wheel -q -w build/wheelhouse -r build/wheelhouse/exporter.txt -r build/wheelhouse/serving.txt
+	$(PIP) download -q --no-deps -d build/wheelhouse $$($(PY) docker/wheelhouse.py no-deps)
+	rm -rf build/project
+	$(PIP) wheel -q --no-deps -w build/project .
+
+## image: the serving image pipeshard:latest (stage, coordinator, gateway; no torch) and pipeshard-exporter:latest from the wheelhouse, installed with --no-index; BASE=IMAGE (unset: python:3.11-slim if a registry answers, else `make image-base`); docs/CONTAINERS.md
+image: wheelhouse
+	docker/build-images.sh
 
 ## wan-up: (root) STAGES stages in network namespaces, DELAY_MS one way per hop, RATE_MBIT tbf cap (0 = none); stops itself after an hour
 wan-up: model
@@ -159,6 +177,12 @@ bench-compress: model
 bench-wan: model
 	$(PY) -m bench.wan
 
+## bench-deploy: (Docker) the compose fleet against `make up`'s processes: images built, from nothing to the first token (cold: the exporter container exports; cached: images and export kept, shards pulled again), decode tok/s at 1 and 8 users in interleaved rounds (takes the default-ports lock for `pipeshard up`; BENCH_QUICK=1 reuses the images; bench/results/deploy.json)
+bench-deploy: model
+	$(PY) docker/compose_gen.py check
+	docker image inspect pipeshard:latest pipeshard-exporter:latest >/dev/null 2>&1 || $(MAKE) image
+	$(PY) -m bench.deploy
+
 ## bench-failover: recovery of running requests when a replica is killed (2 stages x 2 lanes, exact): kill-to-next-token p50/p95 at 1/8 users and 128/1,024 tokens with standby KV copies, and at 8 x 1,024 without them (replay); the copies' cost in paired undisturbed rounds; failed requests, mismatches against the undisturbed run (BENCH_RUNS rounds, default 3; BENCH_COST_RUNS; reduced: BENCH_POINTS=8x1024, BENCH_PART=default; bench/results/failover.json)
 bench-failover: model
 	$(PY) -m bench.failover
@@ -218,6 +242,12 @@ bench-prefix: model
 ## test: the whole suite, slow real-model tests included
 test: proto
 	$(VENV)/bin/pytest -q --durations=60
+
+## test-docker: (Docker) the compose fleet for real at 2 stages x 2 replicas and 3 stages, mutual TLS: tokens through the gateway (openai client) equal a plain-process fleet's on the same export, a stage replica container killed mid-stream fails no request, nothing left after down; builds the images if absent, installs nothing (says what is missing); not in `make test`
+test-docker: proto
+	$(PY) docker/compose_gen.py check
+	docker image inspect pipeshard:latest pipeshard-exporter:latest >/dev/null 2>&1 || $(MAKE) image
+	PIPESHARD_DOCKER_FLEET=1 $(VENV)/bin/pytest -q -p no:cacheprovider tests/docker/test_fleet_containers.py
 
 ## test-exactness: the full speculative exactness matrix (10 prompts x 1/2/3 stages x K x draft source; FP32 at f32, INT4 at exact)
 test-exactness: model
