@@ -173,6 +173,9 @@ def compose(spec: FleetSpec) -> dict:
             "PIPESHARD_PORT": str(GATEWAY_PORT),
             "PIPESHARD_MODEL_NAME": spec.model,
             "HEALTHCHECK_URL": f"http://127.0.0.1:{GATEWAY_PORT}/health",
+            # Plain HTTP on the container's 0.0.0.0 is asked for: its port is published on the
+            # host's loopback only (below); the fleet's own hops are mutual TLS.
+            "PIPESHARD_ALLOW_PLAINTEXT": "1",
         },
         gateway_cmd,
     )

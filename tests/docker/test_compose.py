@@ -11,9 +11,10 @@ import pytest
 
 from pipeshard.exporter.main import ExporterSettings
 from pipeshard.services.coordinator.main import CoordinatorSettings
+from pipeshard.services.gateway.main import _refusal
 from pipeshard.services.gateway.settings import GatewaySettings
 from pipeshard.services.stage.main import StageSettings
-from pipeshard.settings import env_name
+from pipeshard.settings import env_name, load_settings
 from pipeshard.topology import LANE_SEPARATOR, Topology
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
@@ -104,10 +105,15 @@ def test_secure_services_name_their_own_certificate_and_plaintext_is_asked_for_o
     for name, service in _fleet(2, 2)["services"].items():
         env = _env(service)
         if name == "gateway":
+            # Its HTTP is plain inside the container, asked for by name (published on loopback only),
+            # and the gateway's start check accepts the container's environment.
             assert env["PIPESHARD_CA_CERT"] == "/app/certs/ca.pem"
+            assert env["PIPESHARD_ALLOW_PLAINTEXT"] == "1"
+            settings = load_settings(GatewaySettings, service["command"][1:], env=env)
+            assert settings.host == "0.0.0.0" and _refusal(settings) == ""
         else:
             assert env["PIPESHARD_TLS_NAME"] == name and env["PIPESHARD_TLS_DIR"] == "/app/certs"
-        assert "PIPESHARD_ALLOW_PLAINTEXT" not in env
+            assert "PIPESHARD_ALLOW_PLAINTEXT" not in env
     for service in _fleet(2, 1, secure=False)["services"].values():
         assert _env(service)["PIPESHARD_ALLOW_PLAINTEXT"] == "1"
         assert "PIPESHARD_TLS_DIR" not in _env(service)
