@@ -82,7 +82,11 @@ def _port(port: int) -> int:
 
 
 def _metered(spec: RaySpec, port: int) -> list[str]:
-    return ["--metrics-port", str(port + METRICS_OFFSET)] if spec.metrics else []
+    """Metrics on the node's address, where `pipeshard top` on another node reads them (the Ray
+    fleet is plaintext throughout until it is secured: docs/RAY.md, "Limits")."""
+    if not spec.metrics:
+        return []
+    return ["--metrics-port", str(port + METRICS_OFFSET), "--metrics-host", "{host}"]
 
 
 def _server_args(spec: RaySpec, port: int) -> list[str]:
@@ -201,6 +205,7 @@ def up(spec: RaySpec, fp: FleetPlan) -> RayFleet:
             model_name = json.loads((shards / "manifest.json").read_text())["model"]["name"]
             g_args = ["serve-openai", "--coordinator", c_info.address, "--model-name", model_name]
             g_args += ["--host", "{host}", "--port", str(_port(spec.gateway_port)), "--log-format", "json"]
+            g_args += ["--allow-plaintext"]  # on the node's address, plaintext like the rest of this fleet
             _, g_info = start_actor(GATEWAY, g_args, spec, head)
             names.append(GATEWAY)
     except BaseException:
