@@ -15,6 +15,9 @@ from pipeshard.shard.pull import pull_shard
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.exporter.tiny_models import build_tiny
 
+# The fleet token of the TLS exporters below: an exporter over TLS refuses to start without one.
+TOKEN = "exporter-test-token"
+
 pytestmark = pytest.mark.slow
 
 
@@ -235,7 +238,7 @@ def test_an_exporter_certificate_for_another_host_is_refused_naming_the_fix(int4
 
     certs = [HostCert("exporter", "exporter", "10.99.0.1"), HostCert("stage0", "stage", "127.0.0.1")]
     bundles = make_host_bundles(tmp_path / "certs", certs)
-    args = ["exporter-service", "--shards-dir", str(int4_export.parent), "--port", "0"]
+    args = ["exporter-service", "--shards-dir", str(int4_export.parent), "--port", "0", "--token", TOKEN]
     proc = spawn(
         "exporter-tls",
         [*args, "--tls-dir", str(bundles["10.99.0.1"])],
@@ -246,7 +249,9 @@ def test_an_exporter_certificate_for_another_host_is_refused_naming_the_fix(int4
     try:
         with pytest.raises(Unavailable) as info:
             stage_tls = TlsConfig.from_dir(bundles["127.0.0.1"], "stage0")
-            pull_shard(proc.address, tmp_path / int4_export.name, 0, tls=stage_tls, connect_timeout_s=10)
+            pull_shard(
+                proc.address, tmp_path / int4_export.name, 0, tls=stage_tls, token=TOKEN, connect_timeout_s=10
+            )
         assert "certificate is not made for 127.0.0.1" in str(info.value)
     finally:
         proc.popen.terminate()
@@ -271,6 +276,8 @@ def test_a_stage_certificate_cannot_act_as_the_exporter(int4_export, tmp_path):
         "0",
         "--tls-dir",
         str(bundle),
+        "--token",
+        TOKEN,
     ]
     for name, expect_refusal in (("stage0", True), ("exporter", False)):
         proc = spawn(f"exporter-as-{name}", [*base, "--tls-name", name], tmp_path, dict(os.environ), 120)
@@ -280,10 +287,10 @@ def test_a_stage_certificate_cannot_act_as_the_exporter(int4_export, tmp_path):
                 with pytest.raises(
                     PermissionDenied, match="is not an exporter: its certificate is a stage's"
                 ):
-                    pull_root_files(proc.address, target, tls=coordinator, connect_timeout_s=10)
+                    pull_root_files(proc.address, target, tls=coordinator, token=TOKEN, connect_timeout_s=10)
                 assert not target.exists()
             else:
-                pull_root_files(proc.address, target, tls=coordinator, connect_timeout_s=10)
+                pull_root_files(proc.address, target, tls=coordinator, token=TOKEN, connect_timeout_s=10)
                 assert (target / "manifest.json").is_file()
         finally:
             proc.popen.terminate()
