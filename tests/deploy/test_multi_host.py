@@ -92,6 +92,7 @@ def test_the_deploy_guide_on_four_hosts_generates_like_the_in_process_ring(
         shutil.copy(operator / "topology.yaml", host.folder / "topology.yaml")
     # 4. One short command per host.
     fleet = ["--topology", "topology.yaml", "--tls-dir", "tls", "--log-format", "json"]
+    fleet += ["--metrics-host", "0.0.0.0"]  # `pipeshard top` reads them from the operator's machine
     commands = [
         ("exp", ["exporter-service", *fleet, "--shards-dir", "shards"]),
         ("s1", ["stage", "--stage", "1", *fleet]),
