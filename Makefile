@@ -243,8 +243,8 @@ bench-prefix: model
 test: proto
 	$(VENV)/bin/pytest -q --durations=60
 
-## test-docker: (Docker) the compose fleet for real at 2 stages x 2 replicas and 3 stages, mutual TLS: tokens through the gateway (openai client) equal a plain-process fleet's on the same export, a stage replica container killed mid-stream fails no request, nothing left after down; builds the images if absent, installs nothing (says what is missing); not in `make test`
-test-docker: proto
+## test-docker: (Docker) the compose fleet for real at 2 stages x 2 replicas and 3 stages, mutual TLS: tokens through the gateway (openai client) equal a plain-process fleet's on the same export, a stage replica container killed mid-stream fails no request, nothing left after down; builds the images if absent, installs nothing (says what is missing); not in `make test`; runs test-deploy first (the multi-host guide in namespaces)
+test-docker: proto test-deploy
 	$(PY) docker/compose_gen.py check
 	docker image inspect pipeshard:latest pipeshard-exporter:latest >/dev/null 2>&1 || $(MAKE) image
 	PIPESHARD_DOCKER_FLEET=1 $(VENV)/bin/pytest -q -p no:cacheprovider tests/docker/test_fleet_containers.py
@@ -269,7 +269,7 @@ test-fuzz: model
 test-ray: model
 	$(VENV)/bin/pytest -q -m ray tests/ray
 
-## test-deploy: docs/DEPLOY.md's steps on four hosts emulated by network namespaces (psd-*, 10.88.0.x; root), TLS on: a real exporter, 2 stages pulling their shards, a coordinator; tokens equal to the in-process ring (about 3-5 min here)
+## test-deploy: docs/DEPLOY.md's steps on four hosts emulated by network namespaces (psd-*, 10.88.0.x; root), TLS on: a real exporter, 2 stages pulling their shards, a coordinator; tokens equal to the in-process ring (44 s on a quiet machine, 4-9 min loaded; also run by test-docker)
 test-deploy: model
 	$(VENV)/bin/pytest -q -m deploy tests/deploy
 
