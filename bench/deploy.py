@@ -8,7 +8,7 @@ exporter container fetches the model and exports, every stage pulls its shard ov
 coordinator containers are new and empty: they pull again). Then decode rate, both fleets up at
 once on the same export: the compose fleet and `pipeshard up --secure` (plain processes on the
 default ports, so under the default-ports lock, taken once the compose fleet is up), 1 and 8
-users each streaming a greedy request of BENCH_TOKENS (64) tokens, BENCH_RUNS (3) rounds
+users each streaming a greedy request of BENCH_TOKENS (64) tokens, BENCH_RUNS (10) rounds
 interleaved fleet by fleet; generated
 tokens per second of wall time per round, the ratio of medians compose over processes with a 95%
 interval. A noisy shared machine moves these figures; read the ratio, measured side by side.
@@ -90,7 +90,7 @@ def build_images() -> float:
 
 def main() -> None:
     quick = bool(os.environ.get("BENCH_QUICK"))
-    runs = int(os.environ.get("BENCH_RUNS", "3"))
+    runs = int(os.environ.get("BENCH_RUNS", "10"))
     tokens = int(os.environ.get("BENCH_TOKENS", "64"))
     result: dict = {"stages": 2, "secure": True, "tokens": tokens, "runs": runs}
     if not quick:

@@ -48,12 +48,12 @@ class GatewaySettings:
         "writes count as not drained (0 = 64 KiB and the kernel's default)",
     )
     max_streams_per_identity: int = setting(
-        4,
+        8,
         "SSE streams one caller (API key, fleet token, or host of an open gateway) may hold open; "
         "one more is 429",
     )
     max_streams: int = setting(
-        8,
+        12,
         "SSE streams all callers may hold open; keep it below the coordinator's --max-running so "
         "non-streamed requests always find a slot",
     )
