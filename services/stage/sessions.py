@@ -94,6 +94,10 @@ class SessionTable(Generic[S]):
         entry.last_used = time.monotonic()
         return entry.session
 
+    def has(self, owner: str, session_id: str) -> bool:
+        """Whether ``owner`` holds ``session_id`` here (another owner's is as absent as none)."""
+        return (owner, session_id) in self._entries
+
     def set_codec(self, owner: str, session_id: str, mode: str) -> None:
         """Keeps the session's codec mode on its entry, so it is forgotten with the session."""
         self._entry(owner, session_id).codec = mode

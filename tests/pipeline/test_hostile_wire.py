@@ -94,6 +94,28 @@ def test_a_quantum_frame_at_the_limit_decodes_in_bounded_memory(driver, rss_ceil
     assert error.code in ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"), error.message
 
 
+def test_a_frame_for_no_session_of_its_owner_is_refused_before_decoding(stage, driver, rss_ceiling):
+    """The session is checked before any tensor is decoded: a frame naming a session its owner
+    does not hold is NOT_FOUND even when its tensor is garbage that decoding would refuse (without
+    the check the answer is the decoder's INVALID_ARGUMENT)."""
+    frame = bombed(driver, 4, [1, 4, HIDDEN])
+    frame.tensors[0].tensor.data = b"not a quantum frame"
+    assert driver.refused(frame).code == "INVALID_ARGUMENT"  # a held session: decoded, refused
+    for row in frame.plan.rows:
+        row.session_id = "nobody-holds-this"
+    error = driver.refused(frame)
+    assert error.code == "NOT_FOUND" and "nobody-holds-this" in error.message, error.message
+    other = HostileDriver(stage.address, name="other-owner")
+    try:
+        frame.owner = other.owner
+        for row in frame.plan.rows:
+            row.session_id = "ok"  # the driver's session, not this owner's
+        error = other.refused(frame)
+        assert error.code == "NOT_FOUND", error.message
+    finally:
+        other.close()
+
+
 def test_a_malformed_tree_is_refused_by_name(driver, rss_ceiling):
     frame = driver.frame("ok", 4, 0)
     frame.plan.rows[0].tree_parents[:] = [-1, 7, 0, 1]  # 7: no such token

@@ -70,6 +70,7 @@ def _result_codec(mode: str, bandwidth_bytes_s: float | None) -> tuple[int, np.n
 
     async def run():
         subscription = node.results.subscribe("owner-a", "sub")
+        node.open_session("owner-a", "s", None, "")  # a frame for no open session is refused unread
         if bandwidth_bytes_s is not None:
             node.note_results_link("owner-a", bandwidth_bytes_s)
         assert await node.handle(_frame("owner-a")) is None
