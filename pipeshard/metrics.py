@@ -61,6 +61,29 @@ def gauge(name: str, documentation: str, labelnames: Sequence[str] = ()) -> Gaug
     return _get_or_create(Gauge, name, documentation, labelnames)
 
 
+# How an identity appears in label values: its kind alone (key, token, peer) unless the operator
+# asks for names, so /metrics never lists API-key names or callers' hosts nobody chose to publish.
+IDENTITY_LABEL_MODES = ("kind", "names")
+_identity_labels = {"mode": "kind"}
+
+
+def set_identity_labels(mode: str) -> None:
+    """Chooses this process's identity label values (``--metrics-identity-labels``)."""
+    if mode not in IDENTITY_LABEL_MODES:
+        raise ValueError(
+            f"metrics_identity_labels must be one of {', '.join(IDENTITY_LABEL_MODES)}, got {mode!r}"
+        )
+    _identity_labels["mode"] = mode
+
+
+def identity_label(name: str) -> str:
+    """The label value of the identity called ``name`` (``key:alice`` -> ``key`` by default)."""
+    if _identity_labels["mode"] == "names":
+        return name
+    kind, _, _ = name.partition(":")
+    return kind or "anonymous"
+
+
 # The RPC metrics the server interceptor records for every call (health and reflection included).
 RPC_REQUESTS = counter(
     "pipeshard_rpc_requests",
@@ -151,8 +174,8 @@ COORDINATOR_RUNNING = gauge(
 )
 COORDINATOR_RUNNING_BY_IDENTITY = gauge(
     "pipeshard_coordinator_running_requests_by_identity",
-    "Generations running on the coordinator per identity (its name: a key's name or how a "
-    "plaintext caller is recognised, never a secret).",
+    "Generations running on the coordinator per identity label (its kind, key, token or peer; its "
+    "name only with --metrics-identity-labels names).",
     ("identity",),
 )
 COORDINATOR_QUEUED = gauge(
@@ -160,12 +183,13 @@ COORDINATOR_QUEUED = gauge(
 )
 IDENTITY_REQUESTS = counter(
     "pipeshard_coordinator_identity_requests_total",
-    "Generations finished, by identity (key:NAME, token:fleet or peer:HOST; never a key) and finish reason.",
+    "Generations finished, by identity label (key, token or peer; key:NAME, token:fleet or peer:HOST "
+    "only with --metrics-identity-labels names; never a key) and finish reason.",
     ("identity", "finish_reason"),
 )
 IDENTITY_CACHED_TOKENS = counter(
     "pipeshard_coordinator_identity_cached_tokens_total",
-    "Prompt tokens restored from the prefix cache instead of prefilled, by identity.",
+    "Prompt tokens restored from the prefix cache instead of prefilled, by identity label.",
     ("identity",),
 )
 PREFIX_STAGE_MISSES = counter(

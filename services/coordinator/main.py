@@ -13,7 +13,12 @@ import structlog
 from pipeshard.auth import Authenticator
 from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound, PipeshardError
 from pipeshard.grpc_server import GrpcServer, run_server
-from pipeshard.metrics import COORDINATOR_QUEUED, COORDINATOR_RUNNING
+from pipeshard.metrics import (
+    COORDINATOR_QUEUED,
+    COORDINATOR_RUNNING,
+    IDENTITY_LABEL_MODES,
+    set_identity_labels,
+)
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.coordinator.failover import Failover
@@ -167,6 +172,12 @@ class CoordinatorSettings(ServerSettings):
         "replica lanes: bytes of running sessions' KV this coordinator keeps captured from their lanes, "
         "block by block, so a failover restores it instead of replaying it (0: off, every failover replays)",
     )
+    metrics_identity_labels: str = setting(
+        "kind",
+        "what the per-identity metrics' label shows: kind (key, token or peer; the default) or names "
+        "(key:NAME, peer:HOST: API-key names and callers' hosts appear in /metrics)",
+        choices=IDENTITY_LABEL_MODES,
+    )
     kv: str = setting(
         "auto",
         "the stages' KV backend: paged batches every running session into one plan frame per step, "
@@ -229,6 +240,7 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
         raise InvalidArgument("speculative", "self needs --self-draft DIR")
     if settings.speculative == "feature" and settings.feature_draft is None:
         raise InvalidArgument("speculative", "feature needs --feature-draft DIR")
+    set_identity_labels(settings.metrics_identity_labels)
     named = parse_named(settings.draft)
     if settings.speculative not in (*MODES, *named):
         raise InvalidArgument(

@@ -39,13 +39,13 @@ import contextlib
 import contextvars
 import enum
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pipeshard.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from pipeshard.identity import Identity
-from pipeshard.metrics import COORDINATOR_RUNNING_BY_IDENTITY
+from pipeshard.metrics import COORDINATOR_RUNNING_BY_IDENTITY, identity_label
 from pipeshard.services.coordinator.kv_mirror import KvMirror, Need
 
 
@@ -133,6 +133,7 @@ class Scheduler:
         self._vtime = 0.0  # the pass of the last admission: where a newly waiting identity starts
         self.running = 0
         self.queued = 0
+        self._running_by_label: Counter[str] = Counter()  # what the per-identity gauge shows
 
     def running_limit(self, identity: Identity) -> int:
         """The most requests ``identity`` may run at once (a batch job keeps no more in the queue)."""
@@ -232,7 +233,7 @@ class Scheduler:
         lane = self._lanes[request.identity.name]
         lane.running -= 1
         self.running -= 1
-        COORDINATOR_RUNNING_BY_IDENTITY.labels(request.identity.name).set(lane.running)
+        self._count_running(request.identity.name, -1)
         self._forget_if_idle(request.identity.name)
         if request.charged:
             request.charged = False
@@ -244,8 +245,18 @@ class Scheduler:
         lane = self._lanes[name]
         if not lane.queue and not lane.running:
             del self._lanes[name]
-            with contextlib.suppress(KeyError):  # an identity that never ran has no series
-                COORDINATOR_RUNNING_BY_IDENTITY.remove(name)
+
+    def _count_running(self, name: str, change: int) -> None:
+        """Moves the gauge of ``name``'s label, which several identities may share; a label with
+        nothing running loses its series."""
+        label = identity_label(name)
+        self._running_by_label[label] += change
+        if self._running_by_label[label] > 0:
+            COORDINATOR_RUNNING_BY_IDENTITY.labels(label).set(self._running_by_label[label])
+            return
+        del self._running_by_label[label]
+        with contextlib.suppress(KeyError):
+            COORDINATOR_RUNNING_BY_IDENTITY.remove(label)
 
     def _admit_waiting(self) -> None:
         """Admits queued requests in fair-share order while the head of the next one's turn fits,
@@ -289,7 +300,7 @@ class Scheduler:
         lane.passed += _stride(lane)
         lane.running += 1
         self.running += 1
-        COORDINATOR_RUNNING_BY_IDENTITY.labels(lane.identity.name).set(lane.running)
+        self._count_running(lane.identity.name, +1)
         self.kv.charge(request.need)
         request.charged = True
         request.status = RequestStatus.RUNNING

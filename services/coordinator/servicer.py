@@ -17,7 +17,7 @@ from pipeshard.auth import Authenticator
 from pipeshard.errors import InvalidArgument, Unavailable
 from pipeshard.identity import Identity
 from pipeshard.interceptors import MAX_REQUEST_ID_CHARS
-from pipeshard.metrics import IDENTITY_CACHED_TOKENS, IDENTITY_REQUESTS
+from pipeshard.metrics import IDENTITY_CACHED_TOKENS, IDENTITY_REQUESTS, identity_label
 from pipeshard.sampling import check_stop
 from pipeshard.services.coordinator.batch_jobs import (
     BatchJob,
@@ -250,8 +250,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     )
                 )
             else:
-                IDENTITY_REQUESTS.labels(identity=client, finish_reason=event.finish_reason).inc()
-                IDENTITY_CACHED_TOKENS.labels(identity=client).inc(event.cached_tokens)
+                label = identity_label(client)
+                IDENTITY_REQUESTS.labels(identity=label, finish_reason=event.finish_reason).inc()
+                IDENTITY_CACHED_TOKENS.labels(identity=label).inc(event.cached_tokens)
                 copied = {name: getattr(event, name) for name in _SUMMARY_FIELDS}
                 yield coordinator_pb2.GenerateResponse(
                     summary=coordinator_pb2.GenerateSummary(

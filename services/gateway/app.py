@@ -43,6 +43,9 @@ log = structlog.get_logger(__name__)
 REQUESTS = counter(
     "pipeshard_gateway_requests_total", "HTTP requests answered, by path and status.", ("path", "status")
 )
+# The only paths counted by name: a label taken from the URL would let a caller grow /metrics
+# without end (one series per path it invents).
+COUNTED_PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
 T = TypeVar("T")
 END = grpc.aio.EOF
 
@@ -321,7 +324,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.middleware("http")
     async def count(request: Request, call_next):
         response = await call_next(request)
-        path = request.url.path if request.url.path.startswith(("/v1/chat", "/v1/completions")) else "other"
+        path = request.url.path if request.url.path in COUNTED_PATHS else "other"
         REQUESTS.labels(path=path, status=str(response.status_code)).inc()
         return response
 
@@ -334,6 +337,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         """404, 405 and the like in OpenAI's shape instead of FastAPI's ``{"detail": ...}``."""
+        if exc.status_code == 400:  # FastAPI's "error parsing the body": bytes that are not UTF-8 JSON
+            error = GatewayError(400, "the request body is not valid UTF-8 JSON", code="invalid_json")
+            return JSONResponse(error.body(), status_code=400)
         what = {404: "no such route", 405: "method not allowed on"}.get(exc.status_code, exc.detail)
         error = GatewayError(exc.status_code, f"{what}: {request.method} {request.url.path}")
         return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)

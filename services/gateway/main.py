@@ -28,6 +28,8 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def _refusal(settings: GatewaySettings) -> str:
     """Why the gateway must not start as configured ("" if it may)."""
+    if settings.chunk_deadline_s < 0:
+        return f"--chunk-deadline-s must be 0 (off) or more, got {settings.chunk_deadline_s:g}"
     if (settings.tls_cert is None) != (settings.tls_key is None):
         return "--tls-cert and --tls-key go together"
     loopback = settings.host in ("localhost", "::1") or settings.host.startswith("127.")
@@ -57,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         ssl_certfile=str(settings.tls_cert) if settings.tls_cert else None,
         ssl_keyfile=str(settings.tls_key) if settings.tls_key else None,
         http=guarded_protocol(
-            settings.header_timeout_s, settings.drain_timeout_s, settings.write_buffer_bytes
+            settings.header_timeout_s,
+            settings.drain_timeout_s,
+            settings.write_buffer_bytes,
+            settings.chunk_deadline_s,
         ),
     )
     server = uvicorn.Server(config)

@@ -42,6 +42,12 @@ class GatewaySettings:
         "a connection whose unsent response bytes have not drained for this long (its reader stopped "
         "reading) is aborted, and its generation cancelled",
     )
+    chunk_deadline_s: float = setting(
+        10.0,
+        "every chunk of a response (an SSE event of a stream) must be taken by the client (its TCP "
+        "stack acknowledged it) this long after it was written, else the connection is aborted and "
+        "its generation cancelled, freeing its stream slot (0 = off; Linux only)",
+    )
     write_buffer_bytes: int = setting(
         0,
         "unsent bytes a connection may hold (gateway buffer and socket send buffer each) before its "

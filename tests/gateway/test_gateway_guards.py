@@ -13,30 +13,11 @@ import httpx2 as httpx
 import pytest
 
 from pipeshard.keys import add_key, revoke_key
-from pipeshard.services.launcher import fleet_env, spawn
 
 pytestmark = pytest.mark.slow
 
 JSON = {"content-type": "application/json"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
-
-
-@pytest.fixture(scope="module")
-def gateways(coordinator, tmp_path_factory):
-    """Factory: a gateway process before the scripted coordinator with extra flags; stopped at the end."""
-    run_dir = tmp_path_factory.mktemp("gateways")
-    started = []
-
-    def start(*flags: str) -> str:
-        args = ["serve-openai", "--coordinator", coordinator[1], "--port", "0", *flags]
-        process = spawn(f"gateway{len(started)}", args, run_dir, fleet_env(), 60)
-        started.append(process)
-        return process.address
-
-    yield start
-    for process in started:
-        process.popen.terminate()
-        process.popen.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +128,18 @@ def test_keys_are_checked_at_the_gateway_and_forwarded(gateways, coordinator, tm
     assert error_of(post(alice), 401)["code"] == "invalid_api_key"
     assert post(bob).status_code == 200
     assert json.loads(post(bob).text)["choices"][0]["message"]["content"] == "Hello world"
+
+
+def test_metrics_name_only_known_paths(gateways):
+    """A path taken from the URL as a label would let a caller grow /metrics without end: the
+    invented ones are all counted as `other`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = gateways("--metrics-port", str(port))
+    for i in range(5):
+        assert httpx.post(f"http://{address}/v1/chat/completions-{i}", json=CHAT).status_code == 404
+    assert httpx.post(f"http://{address}/v1/completions/x", json=CHAT).status_code == 404
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    assert 'pipeshard_gateway_requests_total{path="other",status="404"} 6.0' in text, text
+    assert "completions-" not in text and "completions/x" not in text

@@ -38,8 +38,15 @@ def fleet(smollm2_export, fleet_factory):
     metrics = {name: _free_port() for name in ("stage0", "stage1", "coordinator", "gateway")}
     # A stalled reader's writes count as not draining after 4 KiB unsent, for 2 s (issue #37).
     drain = ["--drain-timeout-s", "2", "--write-buffer-bytes", "4096"]
+    # Identities by name in /metrics (the operator's opt-in; by default only their kind shows).
+    names = ["--metrics-identity-labels", "names"]
     started = fleet_factory(
-        smollm2_export(2, "int4"), 2, gateway_port=0, metrics_ports=metrics, extra_gateway_args=drain
+        smollm2_export(2, "int4"),
+        2,
+        gateway_port=0,
+        metrics_ports=metrics,
+        extra_gateway_args=drain,
+        extra_coordinator_args=names,
     )
     started.metrics_ports = metrics
     return started
