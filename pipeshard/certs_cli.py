@@ -40,6 +40,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--days", type=int, default=None, help="node certificates' validity in days (default 90)")
     p.set_defaults(func=run)
+    actions = p.add_subparsers(dest="certs_action", metavar="revoke")
+    revoke = actions.add_parser(
+        "revoke",
+        help="revoke a node's certificates: their serials go to DIR/revoked and every host bundle's "
+        "revoked; copy it to each host's --tls-dir (stages re-read it within a second)",
+    )
+    revoke.add_argument("name", help="node name (stage0, coordinator, exporter, gateway, ...)")
+    revoke.add_argument(
+        "--dir", type=Path, default=None, help="certificates folder (default: certs/ or PIPESHARD_CERTS_DIR)"
+    )
+    revoke.set_defaults(func=run_revoke)
 
 
 def node_names(stages: int, extra: str = "") -> list[str]:
@@ -91,6 +102,25 @@ def run(args: argparse.Namespace) -> int:
         f"{len(written)} files written to {folder}" if written else f"{folder} already has every certificate"
     )
     print(f"CA certificate (give it to clients): {folder / 'ca.pem'}; keep {folder / 'ca.key'} offline")
+    return 0
+
+
+def run_revoke(args: argparse.Namespace) -> int:
+    from pipeshard.errors import NotFound
+    from pipeshard.revocation import REVOKED_FILE, revoke
+
+    folder = args.dir or paths.certs_dir()
+    try:
+        revoked = revoke(folder, args.name)
+    except NotFound as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for path, serial in revoked:
+        print(f"revoked {path} (serial {serial:x})")
+    print(
+        f"written to {folder / REVOKED_FILE} and every host bundle's {REVOKED_FILE}: copy it to each "
+        "host's --tls-dir; `pipeshard certs` (the same options) issues the node a new certificate"
+    )
     return 0
 
 

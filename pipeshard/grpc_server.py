@@ -25,7 +25,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pipeshard import trace
+from pipeshard import revocation, trace
 from pipeshard.auth import Authenticator, AuthInterceptor
 from pipeshard.errors import PipeshardError
 from pipeshard.interceptors import ErrorInterceptor
@@ -338,6 +338,8 @@ def server_security(
     if settings.tls_dir is not None:
         tls = TlsConfig.from_dir(settings.tls_dir, settings.tls_name or node_name)
         credentials = tls.server_credentials(require_client_cert=peers == "fleet")
+        if peers == "fleet":
+            revocation.watch(settings.tls_dir)  # every call's peer is held against it
     elif not _is_loopback(settings.host) and not settings.allow_plaintext:
         raise OSError(
             f"refusing to serve plaintext on {settings.host}: give --tls-dir (see `pipeshard certs`) "

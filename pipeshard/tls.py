@@ -12,6 +12,7 @@ import datetime
 import functools
 import ipaddress
 import os
+import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import grpc
 
 from pipeshard import paths
 from pipeshard.errors import FailedPrecondition, PermissionDenied
+from pipeshard.revocation import check_peer
 
 CA_CERT = "ca.pem"
 CA_KEY = "ca.key"
@@ -79,18 +81,66 @@ def certificate_role(pem: bytes) -> str | None:
     return str(units[0].value) if units else None
 
 
+@functools.lru_cache(maxsize=64)
+def certificate_hosts(pem: bytes) -> frozenset[str]:
+    """The addresses a certificate is valid for: its IP names, and its DNS names resolved
+    (once per certificate; a name that does not resolve adds nothing)."""
+    from cryptography import x509
+
+    try:
+        san = x509.load_pem_x509_certificate(pem).extensions.get_extension_for_class(
+            x509.SubjectAlternativeName
+        )
+    except x509.ExtensionNotFound:
+        return frozenset()
+    hosts = {str(ip) for ip in san.value.get_values_for_type(x509.IPAddress)}
+    for name in san.value.get_values_for_type(x509.DNSName):
+        try:
+            hosts.update(str(info[4][0]) for info in socket.getaddrinfo(name, None))
+        except OSError:
+            continue
+    return frozenset(hosts)
+
+
+def peer_host(context) -> str | None:
+    """The caller's IP address from a gRPC context (``ipv4:10.0.0.5:4711``), None if not IP."""
+    peer = getattr(context, "peer", None)
+    kind, _, rest = (peer() if peer is not None else "").partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    return rest.rsplit(":", 1)[0].strip("[]").split("%")[0]
+
+
+def require_host(context, pem: bytes, role: str) -> None:
+    """Refuse a role-bearing certificate presented from a host it was not issued for: a stage's
+    key copied to another machine does not work there (`pipeshard certs --topology` issues each
+    for its topology host alone)."""
+    host = peer_host(context)
+    hosts = certificate_hosts(pem)
+    if host is not None and hosts and host not in hosts:
+        raise PermissionDenied(
+            f"the caller's {role} certificate is for {', '.join(sorted(hosts))}, not {host}, where it "
+            "is used (each fleet certificate serves its topology host alone)"
+        )
+
+
 def require_role(context, roles: tuple[str, ...], what: str) -> None:
-    """Refuse a call whose peer certificate names a role not in ``roles`` (PermissionDenied):
-    a stage's certificate cannot act as a coordinator. Plaintext calls and certificates
-    without a role pass (they are checked, or not, as before)."""
+    """Refuse a call whose peer certificate is revoked or names a role not in ``roles``
+    (PermissionDenied): a stage's certificate cannot act as a coordinator; a role-bearing one
+    must be used from its own host. Plaintext calls and certificates without a role pass the
+    role and host checks (they are checked, or not, as before)."""
     auth = getattr(context, "auth_context", None)
     pem = (auth() if auth is not None else {}).get("x509_pem_cert")
+    if pem:
+        check_peer(pem[0])  # a revoked certificate is refused whatever its role
     role = certificate_role(pem[0]) if pem else None
     if role is not None and role not in roles:
         raise PermissionDenied(
             f"{what} is for a {' or '.join(roles)}; the caller's certificate is a {role}'s "
             "(`pipeshard certs --topology` gives each process its role)"
         )
+    if pem and role is not None:
+        require_host(context, pem[0], role)
 
 
 def default_ca_cert() -> Path:

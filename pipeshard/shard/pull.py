@@ -21,6 +21,7 @@ import structlog
 from pipeshard.auth import token_metadata
 from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from pipeshard.reach import is_tls_failure, unreachable_hint
+from pipeshard.revocation import REVOKED_FILE, Denylist
 from pipeshard.shard.manifest import verify_root_files, verify_shard
 from pipeshard.tls import TlsConfig, certificate_role
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc
@@ -110,10 +111,12 @@ def _retrying(
 
 def check_exporter_role(address: str, tls: TlsConfig) -> None:
     """Refuse an exporter whose certificate names another role (a stage's key cannot serve
-    shards): read on a TLS connection of its own before the pull, as gRPC does not show a
-    client its server's certificate. Fleets whose certificates name no role (`make up
-    SECURE=1`), and exporters not answering yet (the pull itself then says why), pass."""
-    if certificate_role(tls.cert.read_bytes()) is None:
+    shards) or is in the revocation list beside this node's certificates: read on a TLS
+    connection of its own before the pull, as gRPC does not show a client its server's
+    certificate. Fleets whose certificates name no role (`make up SECURE=1`) and revoke none,
+    and exporters not answering yet (the pull itself then says why), pass."""
+    denylist = Denylist(tls.ca.parent / REVOKED_FILE)
+    if certificate_role(tls.cert.read_bytes()) is None and not denylist.serials():
         return
     host, _, port = address.rpartition(":")
     context = ssl.create_default_context(cafile=str(tls.ca))
@@ -127,7 +130,10 @@ def check_exporter_role(address: str, tls: TlsConfig) -> None:
             der = conn.getpeercert(binary_form=True)
     except (OSError, ValueError):
         return
-    role = certificate_role(ssl.DER_cert_to_PEM_cert(der).encode()) if der else None
+    pem = ssl.DER_cert_to_PEM_cert(der).encode() if der else None
+    if pem is not None:
+        denylist.check(pem, f"the exporter at {address}")
+    role = certificate_role(pem) if pem else None
     if role is not None and role != "exporter":
         raise PermissionDenied(
             f"the server at {address} is not an exporter: its certificate is a {role}'s; give "

@@ -267,3 +267,35 @@ def test_another_keys_request_goes_ahead_of_a_queued_burst(fleet, certs, keys):
     # bob took the first slot that freed; at most hog's 2 running and the one admitted beside bob
     # started before him (FIFO across identities: all 8).
     assert first_tokens.index("bob") <= 3, first_tokens
+
+
+def test_a_revoked_certificate_is_refused_by_every_stage_at_once(fleet, certs):
+    """`pipeshard certs revoke intruder`: the stages re-read the list beside their certificates
+    and refuse the intruder's next call (its connection already open), while the fleet serves
+    on. Without the check in the stages' role check the intruder's calls go on succeeding."""
+    from pipeshard.revocation import revoke
+
+    channels = [member_channel(address, certs, "intruder") for address in fleet.stages]
+    metadata = owner_metadata("intruder-secret-of-its-own")
+
+    def open_session(channel: grpc.Channel) -> None:
+        stub = stage_pb2_grpc.StageServiceStub(channel)
+        stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="rv"), metadata=metadata, timeout=10)
+        stub.ReleaseSession(stage_pb2.ReleaseSessionRequest(session_id="rv"), metadata=metadata, timeout=10)
+
+    try:
+        for channel in channels:
+            open_session(channel)  # a fleet member's own session: admitted
+        (revoked,) = revoke(certs, "intruder")
+        assert not revoked[0].exists()  # `pipeshard certs` issues a new one
+        time.sleep(1.0)  # the stages look at the list at most every 0.5 s
+        for channel in channels:
+            with pytest.raises(grpc.RpcError) as info:
+                open_session(channel)
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, info.value.details()
+            assert "revoked" in info.value.details()
+    finally:
+        for channel in channels:
+            channel.close()
+    with PipeshardClient(fleet.coordinator, timeout_s=120, token=TOKEN, ca_cert=certs / "ca.pem") as client:
+        assert client.generate("hi", max_tokens=2).completion_tokens == 2
