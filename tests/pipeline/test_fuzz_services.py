@@ -4,9 +4,15 @@ Messages are drawn from each request type's descriptor (every field, nested mess
 fields, extreme numbers, any text) and then sometimes mutated at the byte level (flipped bytes,
 truncation, invalid UTF-8), so both well-formed nonsense and undecodable bytes reach the server.
 No call may end INTERNAL or UNKNOWN, no process may exit, and each still serves afterwards.
+Generate is also fuzzed field by field on a servable prompt (so the sampling checks, grammars and
+the scheduler are reached, not only the first refusal), with every process's peak RSS held under
+a ceiling; PIPESHARD_FUZZ_EXAMPLES sets its examples (`make test-fuzz` runs the long profile).
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import grpc
 import pytest
@@ -24,6 +30,10 @@ pytestmark = pytest.mark.slow
 
 FORBIDDEN = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 EXAMPLES = 40
+GENERATE_EXAMPLES = int(os.environ.get("PIPESHARD_FUZZ_EXAMPLES", "15"))
+# Each process's peak RSS may grow this much over its peak before the Generate fuzz (a few
+# requests' grammars, sessions and steps); an unbounded list or allocation takes far more.
+RSS_MARGIN = 192 << 20
 _T = FieldDescriptor
 _INTS = {
     _T.TYPE_INT32: (-(2**31), 2**31 - 1),
@@ -196,6 +206,51 @@ def test_fuzz_coordinator(fuzz_fleet, method, cls):
 
         run()
     _still_serves(fuzz_fleet)
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's high-water mark of resident memory (VmHWM): catches a transient allocation."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc status")
+
+
+@st.composite
+def generate_requests(draw) -> coordinator_pb2.GenerateRequest:
+    """A servable prompt or chat with drawn fields: sampling parameters, speculation, ids."""
+    request = coordinator_pb2.GenerateRequest(params=draw(messages(coordinator_pb2.SamplingParams)))
+    if draw(st.booleans()):
+        request.prompt = draw(st.sampled_from(["Hi", "Say hi."]) | st.text(min_size=1, max_size=40))
+    else:
+        for message in draw(st.lists(messages(coordinator_pb2.ChatMessage), min_size=1, max_size=3)):
+            request.messages.add().CopyFrom(message)
+    # Mostly a few tokens, so examples are served quickly; sometimes the extremes.
+    tokens = draw(st.one_of(st.integers(1, 6), st.sampled_from([0, -1, 2**31 - 1])))
+    request.params.max_tokens = tokens
+    request.speculative = draw(st.sampled_from(["", "none", "ngram", "self", "nowhere", "/etc"]))
+    request.k = draw(st.integers(-2, 40))
+    request.tree = draw(st.sampled_from(["", "auto", "chain", "2x2", "x" * 17]))
+    request.request_id = draw(st.text(max_size=8) | st.just("r" * 300))
+    return request
+
+
+def test_fuzz_generate_fields(fuzz_fleet):
+    """Generate with random fields on a servable request: a named refusal or an answer, never
+    INTERNAL or UNKNOWN; every process's peak RSS under its peak before + RSS_MARGIN."""
+    before = {p.name: peak_rss_bytes(p.popen.pid) for p in fuzz_fleet.processes}
+    with grpc.insecure_channel(fuzz_fleet.coordinator) as channel:
+
+        @settings(max_examples=GENERATE_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(request=generate_requests())
+        def run(request: coordinator_pb2.GenerateRequest) -> None:
+            payload = request.SerializeToString()
+            _call(channel, "/pipeshard.v1.CoordinatorService/Generate", "server_stream", payload, 10.0)
+
+        run()
+    _still_serves(fuzz_fleet)
+    grown = {p.name: peak_rss_bytes(p.popen.pid) - before[p.name] for p in fuzz_fleet.processes}
+    assert all(g <= RSS_MARGIN for g in grown.values()), {n: g >> 20 for n, g in grown.items()}
 
 
 def _still_serves(fleet) -> None:
