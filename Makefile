@@ -166,9 +166,9 @@ bench-mbatch: model
 	$(PY) -m bench.mbatch
 	$(PY) -m bench.spec_batch
 
-## soak: 200 requests from 16 clients with random cancels while stage 1 is killed and restarted (not in `make test`; SOAK_SHARDS=DIR uses an existing 2-stage export; bench/results/soak.json); SOAK_MODE=failover: 2 stages x 2 lanes, 16 clients for SOAK_SECONDS (300) while a replica is killed every SOAK_KILL_EVERY (20) s and restarted: failed requests, mismatches, recovery p95 (bench/results/soak_failover.json)
+## soak: 200 requests from 16 clients with random cancels while stage 1 is killed and restarted (not in `make test`; SOAK_SHARDS=DIR uses an existing 2-stage export; bench/results/soak.json); SOAK_MODE=failover: 2 stages x 2 lanes, 16 clients for SOAK_SECONDS (300) while a replica is killed every SOAK_KILL_EVERY (20) s and restarted: failed requests, mismatches, recovery p95 (bench/results/soak_failover.json); SOAK_MODE=hostile: SOAK_ROUNDS (6) rounds of the hostile-input attack mix beside 4 normal users, every process's RSS at the end within 10% of its start (bench/results/soak_hostile.json)
 soak: model
-	$(PY) -m bench.$(if $(filter failover,$(SOAK_MODE)),soak_failover,soak)
+	$(PY) -m bench.$(if $(filter failover,$(SOAK_MODE)),soak_failover,$(if $(filter hostile,$(SOAK_MODE)),soak_hostile,soak))
 ## bench-compress: size (% of raw) and MB/s of every tensor codec on real SmolLM2 hidden states; fp16/bf16 wire token agreement (bench/results/compress.json)
 bench-compress: model
 	$(PY) -m bench.compress
@@ -261,9 +261,10 @@ test-invariance: model
 test-extended: model
 	$(VENV)/bin/pytest -q -m extended
 
-## test-fuzz: the stage RPC fuzz test's long profile (hypothesis, 400 examples per RPC against a real stage, RSS ceiling)
+## test-fuzz: the RPC and HTTP fuzz tests' long profile (hypothesis, 400 examples each: the stage's RPCs against a real stage, the coordinator's Generate fields against a real fleet, RSS ceilings; the gateway's bodies)
 test-fuzz: model
-	PIPESHARD_FUZZ_EXAMPLES=400 $(VENV)/bin/pytest -q tests/stage/test_rpc_fuzz.py
+	PIPESHARD_FUZZ_EXAMPLES=400 $(VENV)/bin/pytest -q tests/stage/test_rpc_fuzz.py \
+		tests/pipeline/test_fuzz_services.py::test_fuzz_generate_fields tests/gateway/test_http_fuzz.py
 
 ## test-ray: a fleet on a real 3-node Ray cluster on this machine (ray.cluster_utils): planned placement, exact tokens, a node killed mid-stream, a node joining (about 10 min)
 test-ray: model
