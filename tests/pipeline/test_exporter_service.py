@@ -260,6 +260,7 @@ def test_an_exporter_certificate_for_another_host_is_refused_naming_the_fix(int4
 
 def test_a_stage_certificate_cannot_act_as_the_exporter(int4_export, tmp_path):
     from pipeshard.errors import PermissionDenied
+    from pipeshard.revocation import revoke
     from pipeshard.shard.pull import pull_root_files
     from pipeshard.tls import HostCert, TlsConfig, make_host_bundles
 
@@ -292,6 +293,13 @@ def test_a_stage_certificate_cannot_act_as_the_exporter(int4_export, tmp_path):
             else:
                 pull_root_files(proc.address, target, tls=coordinator, token=TOKEN, connect_timeout_s=10)
                 assert (target / "manifest.json").is_file()
+                # `pipeshard certs revoke exporter`: the list beside the puller's certificates
+                # makes the same exporter refused (its process still holds the old key).
+                revoke(tmp_path / "certs", "exporter")
+                with pytest.raises(PermissionDenied, match=r"the exporter at .* certificate is revoked"):
+                    pull_root_files(
+                        proc.address, tmp_path / "again", tls=coordinator, token=TOKEN, connect_timeout_s=10
+                    )
         finally:
             proc.popen.terminate()
             proc.popen.wait(15)
