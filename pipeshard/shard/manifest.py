@@ -29,6 +29,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -340,6 +341,14 @@ class DraftInfo:
         return {"layers": self.layers, "vocab_ids": self.vocab_ids, "source_layers": self.source_layers}
 
 
+class KvLayout(StrEnum):
+    """How an export's stages hold the KV cache (manifest.json's ``kv_layout``): the kind a
+    stage's KV backend is chosen from (services/stage/backends.py)."""
+
+    STATEFUL = "stateful"  # KV as graph state: the stateful and paged backends run it
+    STATIC = "static"  # KV as inputs and outputs of static-shape models: the static backend
+
+
 @dataclass(frozen=True)
 class StaticLayout:
     """A static export's fixed shapes (``pipeshard export --static``): every inference runs
@@ -354,6 +363,21 @@ class StaticLayout:
 
     def to_dict(self) -> dict[str, Any]:
         return {"slots": self.slots, "chunk": self.chunk}
+
+
+def check_layout(where: Path, named: object, has_static: bool) -> None:
+    """A manifest's ``kv_layout`` (absent in stateful exports) is one this pipeshard reads and
+    agrees with its ``static`` block; otherwise FAILED_PRECONDITION naming the field."""
+    if named is None:
+        return
+    known = [str(kind) for kind in KvLayout]
+    if named not in known:
+        raise FailedPrecondition(
+            f"{where}: kv_layout is {named!r}; this pipeshard reads {' or '.join(known)} (a newer exporter?)"
+        )
+    if (named == KvLayout.STATIC) != has_static:
+        block = "there" if has_static else "missing"
+        raise FailedPrecondition(f"{where}: kv_layout is {named!r} but the `static` block is {block}")
 
 
 @dataclass(frozen=True)
@@ -378,9 +402,9 @@ class Manifest:
     static: StaticLayout | None = None  # stateless static-shape stages; None: stateful (KV as graph state)
 
     @property
-    def kv_layout(self) -> str:
-        """How the stages hold the KV cache: "static" (inputs and outputs) or "stateful"."""
-        return "static" if self.static is not None else "stateful"
+    def kv_layout(self) -> KvLayout:
+        """How the stages hold the KV cache: static (inputs and outputs) or stateful."""
+        return KvLayout.STATIC if self.static is not None else KvLayout.STATEFUL
 
     @property
     def num_stages(self) -> int:
@@ -393,6 +417,7 @@ class Manifest:
         try:
             draft = raw.get("draft")
             static = raw.get("static")
+            check_layout(where, raw.get("kv_layout"), static is not None)
             stages = tuple(StageEntry.from_dict(s) for s in raw["stages"])
             return cls(
                 export_dir=Path(export_dir),
@@ -439,7 +464,7 @@ class Manifest:
         if self.draft is not None:
             out["draft"] = self.draft.to_dict()
         if self.static is not None:
-            out["kv_layout"] = self.kv_layout
+            out["kv_layout"] = str(self.kv_layout)
             out["static"] = self.static.to_dict()
         return out
 

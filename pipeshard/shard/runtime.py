@@ -170,6 +170,10 @@ class StageShard:
         self.device = device
         self._props = compile_properties(precision, num_threads, num_streams)
 
+    def warmup(self) -> int:
+        """Runs the inferences a fresh compiled shard needs before it serves; returns how many."""
+        raise NotImplementedError
+
     def compile(self, model: ov.Model | str, compile_cache: str | Path | None) -> ov.CompiledModel:
         """Compile for the stage's device (checked, its properties adapted: device.py) through the
         compiled-model cache (compile_cache.py: "off" compiles every time, None or "" caches in the

@@ -31,25 +31,7 @@ import openvino as ov
 from pipeshard.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.shard.device import DEFAULT_DEVICE
-from pipeshard.shard.manifest import Manifest
 from pipeshard.shard.runtime import StageShard
-
-AUTO_KV = "auto"
-KV_BACKENDS = ("stateful", "paged", "static")
-
-
-def kv_backend(wanted: str, manifest: Manifest) -> str:
-    """The backend a stage runs: a static export's shards run only static (and ``auto`` picks it),
-    a stateful export's run paged (``auto``) or stateful."""
-    layout = manifest.kv_layout
-    if wanted == AUTO_KV:
-        return "static" if layout == "static" else "paged"
-    if (wanted == "static") != (layout == "static"):
-        raise InvalidArgument(
-            "kv",
-            f"is {wanted}, but {manifest.export_dir} is a {layout} export (--kv auto follows the manifest)",
-        )
-    return wanted
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ run's tokens.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,21 +26,25 @@ from pipeshard.errors import PipeshardError
 from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.coordinator.ring import Ring, StageFailed
 from pipeshard.services.coordinator.step_batcher import DEFAULT_STEP_TOKENS
+from pipeshard.services.stage.backends import (
+    AUTO_KV,
+    AnyBackend,
+    PagedBackend,
+    SessionLimits,
+    ShardSpec,
+    StageParts,
+    StatefulBackend,
+    StaticBackend,
+    choose_backend,
+)
 from pipeshard.services.stage.domain import Step
-from pipeshard.services.stage.engine import StageEngine
-from pipeshard.services.stage.kv import StageKv
-from pipeshard.services.stage.meters import StageMeters
-from pipeshard.services.stage.paged_engine import PagedEngine
 from pipeshard.services.stage.prefix_store import PrefixStore
-from pipeshard.services.stage.sessions import SessionTable
-from pipeshard.services.stage.static_engine import StaticEngine
 from pipeshard.services.stage.step_engine import RowEngine
 from pipeshard.services.stage.wire import result_from_output, stage_error, step_from_frame
 from pipeshard.shard import draft_heads
 from pipeshard.shard.manifest import input_port, load_manifest
-from pipeshard.shard.paged import DEFAULT_CACHE_BYTES, PagedShard
-from pipeshard.shard.runtime import ShardRunner
-from pipeshard.shard.static import StaticShard
+from pipeshard.shard.paged import DEFAULT_CACHE_BYTES
+from pipeshard.shard.runtime import StageShard
 from pipeshard.v1 import activation_pb2
 
 LOCAL_OWNER = "local"  # one process, one party: the operator running it
@@ -50,56 +54,24 @@ PREFIX_CACHE_BYTES = 512 * 1024 * 1024
 class InProcessStages:
     """Every stage's engine and KV service in this process, behind the ring's ``StageLink``."""
 
-    def __init__(self, export_dir: Path, shards: list, engines: Sequence[RowEngine], kv: list[StageKv]):
+    def __init__(self, export_dir: Path, backend: AnyBackend, parts: Sequence[StageParts]):
         manifest = load_manifest(export_dir)
         self.export_dir = export_dir
-        self.shards = shards  # ShardRunner (stateful), PagedShard (paged) or StaticShard, one per stage
-        self.engines = engines
-        self.kv = kv
-        self.kv_backend = engines[0].kv_backend
+        self.kv_backend = backend.name  # for messages and tests: nothing compares it
+        self.traits = backend.traits
+        self.shards = [p.shard for p in parts]  # one per stage, of the backend's shard class
+        self.engines = [p.engine for p in parts]
+        self.kv = [p.kv for p in parts]
         self.max_context = manifest.max_context
         self.vocab_size = manifest.model.vocab_size
-        self._threaded = self.kv_backend != "stateful"
+        self._chunk = parts[0].row_tokens  # rows of at most this many tokens (0: any)
         self._locks: list[asyncio.Lock] = []  # one step at a time per stage (made per event loop)
         self._locks_loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def stateful(
+    def of(
         cls,
-        export_dir: Path | str,
-        precision: str = DEFAULT_PRECISION,
-        num_threads: int | None = None,
-        *,
-        max_sessions: int = 64,
-        prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
-    ) -> InProcessStages:
-        export_dir = Path(export_dir)
-        core = ov.Core()
-        runners = [
-            ShardRunner(export_dir, i, precision, num_threads, core=core)
-            for i in range(load_manifest(export_dir).num_stages)
-        ]
-        engines = [
-            StageEngine(
-                SessionTable(r.new_session, max_sessions, idle_timeout_s=float("inf")),
-                is_first=r.is_first,
-                is_last=r.is_last,
-                hidden_size=r.hidden_size,
-                max_context=r.max_context,
-                vocab_size=r.vocab_size,
-                meters=StageMeters(r.stage_index),
-            )
-            for r in runners
-        ]
-        kv = [
-            StageKv(e.sessions, r.kv_source, PrefixStore(prefix_cache_bytes))
-            for e, r in zip(engines, runners, strict=True)
-        ]
-        return cls(export_dir, runners, engines, kv)
-
-    @classmethod
-    def paged(
-        cls,
+        backend: AnyBackend,
         export_dir: Path | str,
         precision: str = DEFAULT_PRECISION,
         num_threads: int | None = None,
@@ -109,15 +81,44 @@ class InProcessStages:
         prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
         core: ov.Core | None = None,
     ) -> InProcessStages:
-        """``core``: a Core carrying extra CPU properties (bench-precision-modes compares
-        compile settings through it); a fresh one by default."""
-        return cls._per_stage(
-            export_dir,
-            core,
-            lambda d, i, c: PagedShard(d, i, precision, num_threads, cache_bytes=cache_bytes, core=c),
-            lambda s: PagedEngine(s, max_sessions, idle_timeout_s=float("inf")),
-            lambda e: StageKv.paged(e, PrefixStore(prefix_cache_bytes, layout=e.shard.kv_source.blocks)),
-        )
+        """Every stage of the export on ``backend``, sharing one Core. ``core``: a Core carrying
+        extra CPU properties (bench-precision-modes compares compile settings through it)."""
+        export_dir = Path(export_dir)
+        core = core or ov.Core()
+        limits = SessionLimits(max_sessions)
+
+        def store(shard: StageShard) -> PrefixStore:
+            return PrefixStore(prefix_cache_bytes, layout=shard.kv_source.blocks)
+
+        parts = [
+            backend.load(
+                ShardSpec(export_dir, i, precision, num_threads, cache_bytes=cache_bytes, core=core),
+                limits,
+                store,
+            )
+            for i in range(load_manifest(export_dir).num_stages)
+        ]
+        return cls(export_dir, backend, parts)
+
+    @classmethod
+    def stateful(
+        cls,
+        export_dir: Path | str,
+        precision: str = DEFAULT_PRECISION,
+        num_threads: int | None = None,
+        **kw: Any,
+    ) -> InProcessStages:
+        return cls.of(StatefulBackend(), export_dir, precision, num_threads, **kw)
+
+    @classmethod
+    def paged(
+        cls,
+        export_dir: Path | str,
+        precision: str = DEFAULT_PRECISION,
+        num_threads: int | None = None,
+        **kw: Any,
+    ) -> InProcessStages:
+        return cls.of(PagedBackend(), export_dir, precision, num_threads, **kw)
 
     @classmethod
     def static(
@@ -125,50 +126,24 @@ class InProcessStages:
         export_dir: Path | str,
         precision: str = DEFAULT_PRECISION,
         num_threads: int | None = None,
-        *,
-        max_sessions: int = 64,
-        prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
-        core: ov.Core | None = None,
+        **kw: Any,
     ) -> InProcessStages:
         """Every stage of a static export (``pipeshard export --static``), a slot per session."""
-        return cls._per_stage(
-            export_dir,
-            core,
-            lambda d, i, c: StaticShard(d, i, precision, num_threads, core=c),
-            lambda s: StaticEngine(s, max_sessions, idle_timeout_s=float("inf")),
-            lambda e: StageKv.static(e, PrefixStore(prefix_cache_bytes)),
-        )
-
-    @classmethod
-    def _per_stage(
-        cls,
-        export_dir: Path | str,
-        core: ov.Core | None,
-        shard: Callable[[Path, int, ov.Core], Any],
-        engine: Callable[[Any], RowEngine],
-        kv: Callable[[Any], StageKv],
-    ) -> InProcessStages:
-        """A shard, its row engine and its KV service for every stage (the paged and static
-        backends differ only in these three), sharing one Core."""
-        export_dir = Path(export_dir)
-        core = core or ov.Core()
-        shards = [shard(export_dir, i, core) for i in range(load_manifest(export_dir).num_stages)]
-        engines = [engine(s) for s in shards]
-        return cls(export_dir, shards, engines, [kv(e) for e in engines])
+        return cls.of(StaticBackend(), export_dir, precision, num_threads, **kw)
 
     def ring(
         self, *, step_tokens: int = DEFAULT_STEP_TOKENS, gather_s: float = 0.002, inflight: int = 1
     ) -> Ring[InProcessStages]:
-        """The ring over these stages (paged and static: batching every session's steps, counted
-        by stage 0's session table; static: in rows of the export's chunk)."""
+        """The ring over these stages, built from what their backend implies (batching every
+        session's steps, counted by stage 0's session table; in rows of a fixed chunk)."""
         return Ring(
             self,
-            paged=self.kv_backend != "stateful",
+            paged=self.traits.batches_steps,
             sessions=lambda: len(self.engines[0].sessions),
             step_tokens=step_tokens,
             gather_s=gather_s,
             inflight=inflight,
-            prefill_chunk=self.shards[0].chunk if self.kv_backend == "static" else None,
+            prefill_chunk=self._chunk or None,
         )
 
     @property
@@ -250,7 +225,7 @@ class InProcessStages:
     async def _run_on(self, index: int, engine: RowEngine, step: Step) -> list:
         """Stateful stages inline; paged ones on a worker thread, one step at a time each (the
         event loop meanwhile takes the next frames)."""
-        if not self._threaded:
+        if not self.traits.batches_steps:  # a batched step runs off the event loop
             return engine.run_step(step)
         async with self._stage_lock(index):
             return await asyncio.to_thread(engine.run_step, step)
@@ -315,17 +290,8 @@ def batched_ring(
 ) -> Ring[InProcessStages]:
     """A ring over every stage of the export in this process on the paged backend (the static
     one for a static export), batching every running session's steps."""
-    if load_manifest(Path(export_dir)).static is not None:
-        static = InProcessStages.static(
-            export_dir,
-            precision,
-            num_threads,
-            max_sessions=max_sessions,
-            prefix_cache_bytes=prefix_cache_bytes,
-            core=core,
-        )
-        return static.ring(step_tokens=step_tokens, gather_s=gather_s, inflight=inflight)
-    stages = InProcessStages.paged(
+    stages = InProcessStages.of(
+        choose_backend(AUTO_KV, load_manifest(Path(export_dir))),
         export_dir,
         precision,
         num_threads,

@@ -61,9 +61,9 @@ class KvMirror:
 
     @classmethod
     def from_infos(cls, infos: Sequence[stage_pb2.GetStageInfoResponse]) -> KvMirror:
-        """The paged stages' budgets and current holdings; empty (no limit) for stateful stages
-        and for stages too old to report their pool (kv_cache_blocks unset)."""
-        paged = [info for info in infos if info.kv_backend == "paged" and info.kv_cache_blocks]
+        """The paged stages' budgets and current holdings (only a block pool reports
+        kv_cache_blocks); empty (no limit) for other backends and for stages too old to report."""
+        paged = [info for info in infos if info.kv_cache_blocks]
         return cls([StageBudget.from_info(i) for i in paged], [i.kv_owner_held_blocks for i in paged])
 
     def need(self, tokens: int | None) -> Need:

@@ -15,12 +15,12 @@ from pipeshard.errors import Internal, PipeshardError
 from pipeshard.logs import configure_logging
 from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.coordinator.generation import Generation, Summary
-from pipeshard.services.coordinator.in_process import batched_ring, local_ring
+from pipeshard.services.coordinator.in_process import InProcessStages
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
+from pipeshard.services.stage.backends import choose_backend
 from pipeshard.shard.manifest import load_manifest
 from pipeshard.shard.prompting import Prompter
-from pipeshard.shard.static import kv_backend
 
 
 def generate_local(args: argparse.Namespace, stream: bool) -> Summary:
@@ -29,8 +29,8 @@ def generate_local(args: argparse.Namespace, stream: bool) -> Summary:
     configure_logging(fmt="console", level="warning", stream=sys.stderr)
     prompter = Prompter.from_dir(args.local)
     precision = args.precision or DEFAULT_PRECISION
-    batched = kv_backend(args.kv, load_manifest(Path(args.local))) != "stateful"
-    ring = batched_ring(args.local, precision) if batched else local_ring(args.local, precision=precision)
+    backend = choose_backend(args.kv, load_manifest(Path(args.local)))
+    ring = InProcessStages.of(backend, args.local, precision).ring()
     heads = ring.stages.run_heads(args.draft_heads) if args.draft_heads else 0
     ring.stages.warmup()  # the first inference prepares kernels (0.5-2 s); keep it out of ttft
     generation = Generation(

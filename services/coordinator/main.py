@@ -22,6 +22,7 @@ from pipeshard.metrics import (
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.coordinator.failover import Failover
+from pipeshard.services.coordinator.fleet_kv import FleetKv
 from pipeshard.services.coordinator.fleet_promise import fleet_promise
 from pipeshard.services.coordinator.generation import DEFAULT_PREFILL_CHUNK, Chunk, Generation
 from pipeshard.services.coordinator.grammar import Grammars
@@ -36,6 +37,7 @@ from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.scheduler import Scheduler
 from pipeshard.services.coordinator.servicer import CoordinatorServicer
 from pipeshard.services.coordinator.speculation.sources import MODES, DraftSources, parse_named
+from pipeshard.services.stage.backends import KV_CHOICES
 from pipeshard.services.stage.main import StageSettings, build_node
 from pipeshard.services.stage.servicer import StageServicer
 from pipeshard.settings import LOOPBACK, ServerSettings, load_settings, setting
@@ -183,7 +185,7 @@ class CoordinatorSettings(ServerSettings):
         "the stages' KV backend: paged batches every running session into one plan frame per step, "
         "stateful runs each session's frames alone, static batches like paged in rows of the shards' "
         "chunk; auto follows what the stages report",
-        choices=("auto", "stateful", "paged", "static"),
+        choices=KV_CHOICES,
     )
     inflight: int = setting(
         1,
@@ -283,25 +285,6 @@ def stage_lanes(stages: list[str]) -> list[list[str]]:
     return [list(lane) for lane in zip(*replicas, strict=True)]
 
 
-def stage_kv_backend(wanted: str, stages: list[stage_pb2.GetStageInfoResponse]) -> str:
-    """The KV backend every stage runs (``auto``: whichever that is). Plan frames need paged stages
-    and a stateful stage refuses them, so a mixed fleet or a mismatch is refused at start."""
-    backends = sorted({info.kv_backend or "stateful" for info in stages})
-    if len(backends) > 1:
-        mixed = ", ".join(backends)
-        raise FailedPrecondition(f"the stages run different KV backends ({mixed}): start them alike")
-    if wanted not in ("auto", backends[0]):
-        raise InvalidArgument("kv", f"is {wanted} but the stages run {backends[0]} (--kv auto follows them)")
-    log.info("kv_backend", backend=backends[0])
-    return backends[0]
-
-
-def static_chunk(stages: list[stage_pb2.GetStageInfoResponse]) -> int | None:
-    """The tokens a row may carry on static stages (the smallest chunk of any); None elsewhere."""
-    chunks = [info.static_chunk for info in stages if info.static_chunk]
-    return min(chunks) if chunks else None
-
-
 @dataclass
 class Coordinator:
     """Everything one coordinator process holds; built inside the running event loop."""
@@ -334,8 +317,8 @@ class Coordinator:
         await self.stages.start()
         await self.stages.wait_ready(self.settings.ready_timeout_s)
         infos = await self.stages.stage_infos()
-        backend = stage_kv_backend(self.settings.kv, infos)
-        paged = backend in ("paged", "static")  # both batch steps and truncate on a rewind
+        fleet_kv = FleetKv.agreed(self.settings.kv, infos)  # what the stages say they run
+        log.info("kv_backend", backend=fleet_kv.backend, traits=fleet_kv.describe())
         promise = fleet_promise(infos)
         log.info("fleet_promise", precision=promise.precision, invariant=promise.invariant)
         prefix = self.settings.prefix_cache == "on"
@@ -343,17 +326,17 @@ class Coordinator:
         scheduler = self._scheduler(infos)
         self.ring = Ring(
             self.stages,
-            paged=paged,
+            paged=fleet_kv.batches_steps,
             sessions=lambda: scheduler.running,
             accounts=scheduler.accounts(),
             inflight=self.settings.inflight or None,
-            prefill_chunk=static_chunk(infos),
+            prefill_chunk=fleet_kv.row_tokens or None,
         )
         chunk = self.settings.prefill_chunk
-        if paged and chunk == DEFAULT_PREFILL_CHUNK:
+        if fleet_kv.batches_steps and chunk == DEFAULT_PREFILL_CHUNK:
             chunk = self.ring.prefill_chunk  # the same chunks as `generate --local --kv paged`
         max_k = self.settings.max_k
-        if backend == "static":  # a row holds at most the shards' chunk: prefill and verify fit in it
+        if fleet_kv.row_tokens:  # a row holds at most the shards' chunk: prefill and verify fit in it
             chunk = min(chunk, self.ring.prefill_chunk)
             max_k = max(1, min(max_k, self.ring.prefill_chunk - 1))
         drafts = DraftSources(
@@ -390,7 +373,7 @@ class Coordinator:
             grammars=grammars,
         )
         # Static stages run one shape whatever the prompt: one chunk warms every hop's frames.
-        warm_context = self.ring.prefill_chunk + 4 if backend == "static" else manifest.max_context
+        warm_context = self.ring.prefill_chunk + 4 if fleet_kv.row_tokens else manifest.max_context
         await self._warmup(generation, prompter, warm_context)
         COORDINATOR_RUNNING.set_function(lambda: scheduler.running)
         COORDINATOR_QUEUED.set_function(lambda: scheduler.queued)

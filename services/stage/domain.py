@@ -21,6 +21,14 @@ class ReturnMode(Enum):
     SAMPLED = "sampled"  # the final stage draws the tokens (pipeshard/sampling.py)
 
 
+class TreeForm(Enum):
+    """How a backend takes a draft tree in one row (what GetStageInfo reports as draft_tree_form)."""
+
+    NONE = "none"  # no draft trees (static stages)
+    CHAINS = "chains"  # root-to-leaf chains as batch rows (ShardSession.run_chains)
+    PARENTS = "parents"  # every node once, a tree mask over one sequence (tree_parents)
+
+
 class RowKind(Enum):
     """What a row is: the stages check it, the coordinator forms steps by it."""
 

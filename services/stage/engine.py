@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.services.stage.domain import Computed, ReturnMode, StepRow
+from pipeshard.services.stage.domain import Computed, ReturnMode, StepRow, TreeForm
 from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.services.stage.step_engine import Ready, RowEngine
@@ -27,8 +27,7 @@ class StageEngine(RowEngine[ShardSession]):
     """The stage's compute over per-session caches (one InferRequest per session)."""
 
     kv_backend = "stateful"
-    runs_trees = True
-    tree_form = "chains"
+    tree_form = TreeForm.CHAINS
 
     def __init__(
         self,

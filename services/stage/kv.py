@@ -5,38 +5,91 @@ before the session is touched, and a session that already held a sequence is rep
 backends capture the same backend-neutral arrays (pipeshard/shard/kvblob.py), so one prefix
 store and one blob format serve a stateful stage (graph state) and a paged one (block pools); a
 paged stage with quantized pools captures its blocks verbatim (KvSource.blocks); a static stage
-captures its slot's positions of its KV buffers.
+captures its slot's positions of its KV buffers. Each backend has its own access class (its
+``Backend.kv`` picks it: services/stage/backends.py).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Generic
 
-from pipeshard.errors import InvalidArgument, NotFound
-from pipeshard.services.stage.paged_engine import PagedEngine
+from pipeshard.errors import Internal, InvalidArgument, NotFound
+from pipeshard.services.stage.paged_engine import PagedEngine, PagedSession
 from pipeshard.services.stage.prefix_store import PrefixStore
-from pipeshard.services.stage.sessions import SessionTable
-from pipeshard.services.stage.static_engine import StaticEngine
+from pipeshard.services.stage.sessions import S, SessionTable
+from pipeshard.services.stage.static_engine import StaticEngine, StaticSession
 from pipeshard.shard.kvblob import KvBlob, KvSource, join_parts
-from pipeshard.shard.runtime import export_kv, import_kv
-from pipeshard.shard.static import StaticShard
+from pipeshard.shard.runtime import ShardSession, export_kv, import_kv
 
 
-class StatefulAccess:
+class SessionAccess(ABC, Generic[S]):
+    """One backend's reach into its sessions' KV; the snapshot and restore around it are shared."""
+
+    sessions: SessionTable[S]
+
+    @abstractmethod
+    def held(self, session: S) -> int:
+        """The positions a capture may take."""
+
+    @abstractmethod
+    def blob(
+        self, session: S, positions: int, token_ids: tuple[int, ...], checksum: bool, start: int = 0
+    ) -> KvBlob:
+        """The session's positions [start, positions) as a blob."""
+
+    @abstractmethod
+    def fresh(self, owner: str, session_id: str) -> S:
+        """The session emptied for a restore (opened when absent)."""
+
+    @abstractmethod
+    def load(self, session: S, blob: KvBlob) -> None:
+        """Writes a checked blob into an empty session."""
+
+    def snapshot(
+        self,
+        owner: str,
+        session_id: str,
+        token_ids: Sequence[int],
+        *,
+        start: int,
+        checksum: bool,
+        named: bool,
+    ) -> KvBlob:
+        """The first len(token_ids) positions (all it holds when none are named) from ``start`` on;
+        ``named``: the blob carries the token ids it holds."""
+        session = self.sessions.get(owner, session_id)
+        held = self.held(session)
+        if len(token_ids) > held:
+            raise InvalidArgument("token_ids", f"names {len(token_ids)} tokens; the session holds {held}")
+        ids = tuple(token_ids)[start:] if named else ()
+        return self.blob(session, len(token_ids) or held, ids, checksum, start)
+
+    def restore(self, owner: str, session_id: str, blob: KvBlob) -> None:
+        self.load(self.fresh(owner, session_id), blob)
+
+
+class StatefulAccess(SessionAccess[ShardSession]):
     """A stateful session's KV: its graph state, mask-valid positions only."""
 
-    def __init__(self, sessions: SessionTable):
+    def __init__(self, sessions: SessionTable[ShardSession]):
         self.sessions = sessions
 
-    def held(self, session) -> int:
+    def held(self, session: ShardSession) -> int:
         return session.valid_length
 
     def blob(
-        self, session, positions: int, token_ids: tuple[int, ...], checksum: bool, start: int = 0
+        self,
+        session: ShardSession,
+        positions: int,
+        token_ids: tuple[int, ...],
+        checksum: bool,
+        start: int = 0,
     ) -> KvBlob:
         return export_kv(session, positions=positions, token_ids=token_ids, checksum=checksum, start=start)
 
-    def fresh(self, owner: str, session_id: str):
+    def fresh(self, owner: str, session_id: str) -> ShardSession:
         try:
             session = self.sessions.get(owner, session_id)
         except NotFound:
@@ -44,32 +97,31 @@ class StatefulAccess:
         session.reset()
         return session
 
-    def load(self, session, blob: KvBlob) -> None:
+    def load(self, session: ShardSession, blob: KvBlob) -> None:
         import_kv(session, blob, verify_checksum=False)  # the caller checked the blob
 
 
-class PagedAccess:
+class PagedAccess(SessionAccess[PagedSession]):
     """A paged session's KV: the blocks it reserved in the shard's pools (a restore into a
-    session the coordinator has not opened reserves the export's whole context for it); or a
-    static session's: the positions its slot holds in the shard's buffers (the stateful blob
-    layout, f32 per layer; a restore into a session not opened takes a free slot)."""
+    session the coordinator has not opened reserves the export's whole context for it)."""
 
-    def __init__(self, engine: PagedEngine | StaticEngine):
+    def __init__(self, engine: PagedEngine):
         self.engine = engine
         self.sessions = engine.sessions
         self.shard = engine.shard
 
-    def held(self, session) -> int:
+    def held(self, session: PagedSession) -> int:
         return session.past_length
 
     def blob(
-        self, session, positions: int, token_ids: tuple[int, ...], checksum: bool, start: int = 0
+        self,
+        session: PagedSession,
+        positions: int,
+        token_ids: tuple[int, ...],
+        checksum: bool,
+        start: int = 0,
     ) -> KvBlob:
-        shard = self.shard  # the shard knows a static session by its slot, a paged one by its key
-        if isinstance(shard, StaticShard):
-            arrays = shard.export_kv(session.slot, positions, start)
-        else:
-            arrays = shard.export_kv(session.key, positions, start)
+        arrays = self.shard.export_kv(session.key, positions, start)
         return KvBlob.build(
             self.shard.kv_source,
             arrays,
@@ -79,57 +131,106 @@ class PagedAccess:
             start=start,
         )
 
-    def fresh(self, owner: str, session_id: str):
+    def fresh(self, owner: str, session_id: str) -> PagedSession:
         try:
             self.engine.reset(owner, session_id)
         except NotFound:
             self.engine.open(owner, session_id)
         return self.sessions.get(owner, session_id)
 
-    def load(self, session, blob: KvBlob) -> None:
-        shard = self.shard
-        if isinstance(shard, StaticShard):
-            shard.import_kv(session.slot, blob.arrays, blob.positions)
-        else:
-            shard.import_kv(session.key, blob.arrays, blob.positions)
+    def load(self, session: PagedSession, blob: KvBlob) -> None:
+        self.shard.import_kv(session.key, blob.arrays, blob.positions)
+
+
+class StaticAccess(SessionAccess[StaticSession]):
+    """A static session's KV: the positions its slot holds in the shard's buffers (the stateful
+    blob layout, f32 per layer; a restore into a session not opened takes a free slot)."""
+
+    def __init__(self, engine: StaticEngine):
+        self.engine = engine
+        self.sessions = engine.sessions
+        self.shard = engine.shard
+
+    def held(self, session: StaticSession) -> int:
+        return session.past_length
+
+    def blob(
+        self,
+        session: StaticSession,
+        positions: int,
+        token_ids: tuple[int, ...],
+        checksum: bool,
+        start: int = 0,
+    ) -> KvBlob:
+        arrays = self.shard.export_kv(session.slot, positions, start)
+        return KvBlob.build(
+            self.shard.kv_source,
+            arrays,
+            token_ids,
+            positions=positions - start,
+            checksum=checksum,
+            start=start,
+        )
+
+    def fresh(self, owner: str, session_id: str) -> StaticSession:
+        try:
+            self.engine.reset(owner, session_id)
+        except NotFound:
+            self.engine.open(owner, session_id)
+        return self.sessions.get(owner, session_id)
+
+    def load(self, session: StaticSession, blob: KvBlob) -> None:
+        self.shard.import_kv(session.slot, blob.arrays, blob.positions)
 
 
 class StageKv:
     def __init__(
         self,
-        sessions: SessionTable,
+        sessions: SessionTable[ShardSession] | None,
         source: KvSource,
         store: PrefixStore,
-        access: StatefulAccess | PagedAccess | None = None,
+        access: StatefulAccess | PagedAccess | StaticAccess | None = None,
     ):
-        self.sessions = sessions
+        """``sessions``: a stateful stage's, which its access reaches; another backend gives its
+        own ``access`` (``paged``, ``static``). Neither: blobs are only checked (:meth:`check`)."""
         self.source = source
         self.store = store
-        self.access = access or StatefulAccess(sessions)
+        if access is None and sessions is not None:
+            access = StatefulAccess(sessions)
+        self._access = access
 
     @classmethod
     def paged(cls, engine: PagedEngine, store: PrefixStore) -> StageKv:
-        return cls(engine.sessions, engine.shard.kv_source, store, PagedAccess(engine))
+        return cls(None, engine.shard.kv_source, store, PagedAccess(engine))
 
     @classmethod
     def static(cls, engine: StaticEngine, store: PrefixStore) -> StageKv:
-        return cls(engine.sessions, engine.shard.kv_source, store, PagedAccess(engine))
+        return cls(None, engine.shard.kv_source, store, StaticAccess(engine))
+
+    @property
+    def access(self) -> StatefulAccess | PagedAccess | StaticAccess:
+        if self._access is None:
+            raise Internal("this KV service was built without sessions")
+        return self._access
+
+    @property
+    def sessions(
+        self,
+    ) -> SessionTable[ShardSession] | SessionTable[PagedSession] | SessionTable[StaticSession]:
+        return self.access.sessions
 
     def capture(self, owner: str, session_id: str, token_ids: Sequence[int], start: int = 0) -> KvBlob:
         """The session's valid positions (the first len(token_ids) when given) as a checked blob;
         ``start`` > 0: only those from it on (a part; token_ids required, the part's own kept)."""
         if start and not token_ids:
             raise InvalidArgument("token_ids", "must name the captured tokens when from_position is set")
-        session = self._holding(owner, session_id, token_ids)
-        positions = len(token_ids) or self.access.held(session)
-        return self.access.blob(session, positions, tuple(token_ids)[start:], checksum=True, start=start)
+        return self.access.snapshot(owner, session_id, token_ids, start=start, checksum=True, named=True)
 
     def keep(self, owner: str, session_id: str, scope: str, token_ids: Sequence[int]) -> tuple[int, int]:
         """Capture into the prefix cache; returns (positions, bytes newly stored)."""
         if not token_ids:
             raise InvalidArgument("token_ids", "must name the captured tokens to keep them in the cache")
-        session = self._holding(owner, session_id, token_ids)
-        blob = self.access.blob(session, len(token_ids), (), checksum=False)
+        blob = self.access.snapshot(owner, session_id, token_ids, start=0, checksum=False, named=False)
         return blob.positions, self.store.put(owner, scope, token_ids, blob.arrays)
 
     def check(self, blob: KvBlob) -> None:
@@ -159,7 +260,7 @@ class StageKv:
         positions. ``checked``: the caller ran :meth:`check` on it."""
         if not checked:
             self.check(blob)
-        self.access.load(self.access.fresh(owner, session_id), blob)
+        self.access.restore(owner, session_id, blob)
         return blob.positions
 
     def restore_cached(
@@ -169,17 +270,10 @@ class StageKv:
         arrays = self.store.get(owner, scope, token_ids, positions)
         blob = KvBlob(self.source, (), tuple(arrays), "", positions)
         blob.check_for(self.source, verify_checksum=False)  # our own memory: nothing crossed a wire
-        self.access.load(self.access.fresh(owner, session_id), blob)
+        self.access.restore(owner, session_id, blob)
         return positions
 
     def dropped(self, owner: str) -> list[str]:
         """The keys of the owner's prefix cache blocks dropped since its last keep or restore
         reply, which this one carries (``evicted_blocks``)."""
         return self.store.take_dropped(owner)
-
-    def _holding(self, owner: str, session_id: str, token_ids: Sequence[int]):
-        session = self.sessions.get(owner, session_id)
-        held = self.access.held(session)
-        if len(token_ids) > held:
-            raise InvalidArgument("token_ids", f"names {len(token_ids)} tokens; the session holds {held}")
-        return session

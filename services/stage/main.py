@@ -14,18 +14,21 @@ from pipeshard.grpc_server import run_server
 from pipeshard.link_model import AUTO, CODEC_NAMES, CodecChooser, check_wire_dtype
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS, canonical, is_invariant
-from pipeshard.services.stage.engine import StageEngine
-from pipeshard.services.stage.kv import StageKv
-from pipeshard.services.stage.meters import StageMeters, kv_bytes_per_position
+from pipeshard.services.stage.backends import (
+    AUTO_KV,
+    KV_CHOICES,
+    AnyBackend,
+    SessionLimits,
+    ShardSpec,
+    StatefulBackend,
+    choose_backend,
+)
+from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.node import StageNode
-from pipeshard.services.stage.paged_engine import PagedEngine
 from pipeshard.services.stage.prefix_spill import PrefixSpill
 from pipeshard.services.stage.prefix_store import PrefixStore
 from pipeshard.services.stage.rawtcp import RawTcpStage
 from pipeshard.services.stage.servicer import StageServicer
-from pipeshard.services.stage.sessions import SessionTable
-from pipeshard.services.stage.static_engine import StaticEngine
-from pipeshard.services.stage.step_engine import RowEngine
 from pipeshard.services.stage.wire import DEFAULT_MAX_FRAME_TOKENS, WIRE_DTYPES
 from pipeshard.services.transport.hop import HopStream
 from pipeshard.settings import LOOPBACK, ServerSettings, load_settings, setting
@@ -33,11 +36,10 @@ from pipeshard.shard.compile_cache import OFF
 from pipeshard.shard.device import DEFAULT_DEVICE
 from pipeshard.shard.draft_heads import DraftHeads, check_target, read_meta
 from pipeshard.shard.manifest import load_manifest, verify_shard
-from pipeshard.shard.paged import DEFAULT_CACHE_BYTES, PagedShard
+from pipeshard.shard.paged import DEFAULT_CACHE_BYTES
 from pipeshard.shard.pull import pull_shard
-from pipeshard.shard.runtime import ShardRunner, StageShard
+from pipeshard.shard.runtime import StageShard
 from pipeshard.shard.serving import hold_serving_lock
-from pipeshard.shard.static import AUTO_KV, KV_BACKENDS, StaticShard, kv_backend
 from pipeshard.shard.weight_pages import WeightPages
 from pipeshard.tls import TlsConfig
 from pipeshard.topology import REPLICA_PORT_STRIDE, STAGE_PORT_BASE, Topology, fleet_ports
@@ -123,7 +125,7 @@ class StageSettings(ServerSettings):
         "KV backend: auto (static for a `pipeshard export --static` shard, else paged), paged (a shared "
         "block pool; plan frames run many sessions in one inference), stateful (one cache per session, "
         "one session per inference; the raw-TCP baseline needs it) or static (only a static export)",
-        choices=(AUTO_KV, *KV_BACKENDS),
+        choices=KV_CHOICES,
     )
     kv_cache_bytes: int = setting(DEFAULT_CACHE_BYTES, "byte budget of the paged KV block pool (--kv paged)")
     device: str = setting(
@@ -214,63 +216,45 @@ def prefix_store(settings: StageSettings, shard: StageShard) -> PrefixStore:
     return PrefixStore(settings.prefix_cache_bytes, spill, layout=shard.kv_source.blocks)
 
 
-def weight_folders(settings: StageSettings, backend: str) -> list[Path]:
+def weight_folders(settings: StageSettings, backend: AnyBackend) -> list[Path]:
     """Where the stage's weights are mapped from: the export, and a compile-cache root outside it."""
     folders = [settings.shards_dir]
-    if backend != "paged" and settings.compile_cache_dir.strip().lower() not in ("", OFF):
+    cached = settings.compile_cache_dir.strip().lower() not in ("", OFF)
+    if backend.traits.maps_compile_cache and cached:
         folders.append(Path(settings.compile_cache_dir))
     return folders
 
 
-def load_runner(
-    settings: StageSettings, backend: str, threads: int | None
-) -> StaticShard | PagedShard | ShardRunner:
-    """The stage's compiled shard of the chosen KV backend, checked against its place in the
-    pipeline and warmed up."""
-    runner: StaticShard | PagedShard | ShardRunner
-    if backend == "static":
-        runner = StaticShard(
-            settings.shards_dir,
-            settings.stage,
-            settings.precision,
-            threads,
-            device=settings.device,
-            compile_cache=settings.compile_cache_dir,
-        )
-    elif backend == "paged":
-        runner = PagedShard(
-            settings.shards_dir,
-            settings.stage,
-            settings.precision,
-            threads,
-            cache_bytes=settings.kv_cache_bytes,
-            device=settings.device,
-        )
-    else:
-        runner = ShardRunner(
-            settings.shards_dir,
-            settings.stage,
-            settings.precision,
-            threads,
-            num_streams=settings.num_streams or None,
-            device=settings.device,
-            compile_cache=settings.compile_cache_dir,
-        )
-    if runner.is_last == bool(settings.next_hop):
+def shard_spec(settings: StageSettings) -> ShardSpec:
+    """What loading the stage's shard takes, from its flags."""
+    return ShardSpec(
+        export_dir=settings.shards_dir,
+        stage=settings.stage,
+        precision=settings.precision,
+        num_threads=settings.num_threads or None,
+        device=settings.device,
+        compile_cache=settings.compile_cache_dir,
+        num_streams=settings.num_streams or None,
+        cache_bytes=settings.kv_cache_bytes,
+    )
+
+
+def warm(settings: StageSettings, shard: StageShard) -> None:
+    """The shard, checked against its place in the pipeline and warmed up."""
+    if shard.is_last == bool(settings.next_hop):
         raise InvalidArgument(
-            "next_hop", "must be set for every stage but the last" if not runner.is_last else "must be unset"
+            "next_hop", "must be set for every stage but the last" if not shard.is_last else "must be unset"
         )
     # Warm up before the server starts listening (so before health reports SERVING): the first
     # inferences of a fresh compiled model pay for allocation and kernel preparation.
     started = time.perf_counter()
-    inferences = runner.warmup()
+    inferences = shard.warmup()
     log.info(
         "warmup done",
         stage=settings.stage,
         inferences=inferences,
         seconds=round(time.perf_counter() - started, 3),
     )
-    return runner
 
 
 def load_heads(settings: StageSettings, num_stages: int) -> DraftHeads | None:
@@ -291,59 +275,27 @@ def load_heads(settings: StageSettings, num_stages: int) -> DraftHeads | None:
 
 
 def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageInfoResponse]:
-    threads = settings.num_threads or None
-    if settings.kv != "stateful" and settings.raw_tcp_port:
+    if settings.kv != StatefulBackend.name and settings.raw_tcp_port:
         raise InvalidArgument(
             "raw_tcp_port", "the raw-TCP baseline serves the stateful backend only (--kv stateful)"
         )
     check_wire_dtype(settings.codec, settings.wire_dtype)
     manifest = load_manifest(settings.shards_dir)
-    backend = kv_backend(settings.kv, manifest)
+    backend = choose_backend(settings.kv, manifest)  # the one choice: its object from here on
     heads = load_heads(settings, manifest.num_stages)  # before compiling: a refusal comes at once
     release = settings.weight_pages == RELEASE
-    with WeightPages(weight_folders(settings, backend)) if release else contextlib.nullcontext():
-        runner = load_runner(settings, backend, threads)
     meters = StageMeters(settings.stage)
-    # the runner's class is the backend from here on
-    engine: RowEngine
-    if isinstance(runner, StaticShard):
-        engine = StaticEngine(
-            runner,
-            settings.max_sessions,
-            settings.idle_timeout_s,
-            settings.max_sessions_per_owner,
+    limits = SessionLimits(settings.max_sessions, settings.idle_timeout_s, settings.max_sessions_per_owner)
+    with WeightPages(weight_folders(settings, backend)) if release else contextlib.nullcontext():
+        parts = backend.load(
+            shard_spec(settings),
+            limits,
+            lambda shard: prefix_store(settings, shard),
             meters=meters,
+            prepare=lambda shard: warm(settings, shard),
         )
-        meters.watch(engine.sessions, kv_bytes_per_position(runner))
-        kv = StageKv.static(engine, prefix_store(settings, runner))
-    elif isinstance(runner, PagedShard):
-        engine = PagedEngine(
-            runner,
-            settings.max_sessions,
-            settings.idle_timeout_s,
-            settings.max_sessions_per_owner,
-            meters=meters,
-        )
-        meters.watch(engine.sessions, runner.block_bytes // runner.block_tokens)
-        kv = StageKv.paged(engine, prefix_store(settings, runner))
-    else:
-        sessions = SessionTable(
-            runner.new_session,
-            settings.max_sessions,
-            settings.idle_timeout_s,
-            max_per_owner=settings.max_sessions_per_owner,
-        )
-        meters.watch(sessions, kv_bytes_per_position(runner))
-        engine = StageEngine(
-            sessions,
-            is_first=runner.is_first,
-            is_last=runner.is_last,
-            hidden_size=runner.hidden_size,
-            max_context=runner.max_context,
-            vocab_size=runner.vocab_size,
-            meters=meters,
-        )
-        kv = StageKv(sessions, runner.kv_source, prefix_store(settings, runner))
+    shard, engine, kv = parts.shard, parts.engine, parts.kv
+    meters.watch(engine.sessions, parts.bytes_per_position)
     engine.heads = heads
     delay_s = settings.hop_delay_ms / 1000.0
     hop = (
@@ -361,19 +313,18 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
     )
     info = stage_pb2.GetStageInfoResponse(
         stage_index=settings.stage,
-        num_stages=runner.num_stages,
-        layer_start=runner.entry.layer_start,
-        layer_end=runner.entry.layer_end,
-        model_fingerprint=runner.manifest.model.fingerprint,
-        max_context=runner.max_context,
+        num_stages=shard.num_stages,
+        layer_start=shard.entry.layer_start,
+        layer_end=shard.entry.layer_end,
+        model_fingerprint=shard.manifest.model.fingerprint,
+        max_context=shard.max_context,
         next_hop=settings.next_hop or "",
         precision=canonical(settings.precision),
         invariant=is_invariant(settings.precision),
-        device=runner.device,
+        device=shard.device,
         draft_heads=heads.heads if heads is not None else 0,
     )
-    if isinstance(runner, StaticShard):
-        info.static_slots, info.static_chunk = runner.slots, runner.chunk
+    info.MergeFrom(parts.facts)
     return node, info
 
 

@@ -26,11 +26,12 @@ import time
 from dataclasses import dataclass
 
 from pipeshard.errors import Internal, InvalidArgument, PipeshardError, ResourceExhausted
-from pipeshard.services.stage.domain import Computed, ReturnMode, StepRow
+from pipeshard.services.stage.domain import Computed, ReturnMode, StepRow, TreeForm
 from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.services.stage.step_engine import Ready, RowEngine, tail_rewound
 from pipeshard.shard.paged import PagedRow, PagedShard
+from pipeshard.v1 import stage_pb2
 
 _keys = itertools.count()
 
@@ -127,8 +128,18 @@ class PagedEngine(RowEngine[PagedSession]):
         self.vocab_size = shard.vocab_size
 
     kv_backend = "paged"
-    runs_trees = True
-    tree_form = "parents"
+    tree_form = TreeForm.PARENTS
+
+    def describe(self, info: stage_pb2.GetStageInfoResponse, owner: str | None) -> None:
+        """The block pool's use, and the caller's share of it and holding in it."""
+        usage = self.shard.usage()
+        info.kv_cache_budget_bytes = usage.budget_bytes
+        info.kv_cache_used_bytes = usage.bytes_used
+        info.kv_block_tokens = usage.block_tokens
+        info.kv_cache_blocks = usage.blocks_total
+        info.kv_owner_share_blocks = self.owner_blocks
+        if owner is not None:
+            info.kv_owner_held_blocks = self.held_blocks(owner)
 
     def held_blocks(self, owner: str) -> int:
         """The blocks ``owner``'s sessions hold."""

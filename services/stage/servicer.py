@@ -200,18 +200,6 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         info.CopyFrom(self._info)
         engine = self._node.engine
         info.live_sessions = len(engine.sessions)
-        info.kv_backend = engine.kv_backend
         info.max_sessions_per_owner = engine.sessions.max_per_owner
-        if engine.kv_backend == "static":
-            info.static_slots_used = engine.shard.slots_used
-        if engine.kv_backend == "paged":
-            usage = engine.shard.usage()
-            info.kv_cache_budget_bytes = usage.budget_bytes
-            info.kv_cache_used_bytes = usage.bytes_used
-            info.kv_block_tokens = usage.block_tokens
-            info.kv_cache_blocks = usage.blocks_total
-            info.kv_owner_share_blocks = engine.owner_blocks
-            owner = _caller_owner(context)
-            if owner is not None:
-                info.kv_owner_held_blocks = engine.held_blocks(owner)
+        engine.describe(info, _caller_owner(context))
         return info

@@ -27,6 +27,7 @@ from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.services.stage.step_engine import Ready, RowEngine, tail_rewound
 from pipeshard.shard.static import StaticRow, StaticShard
+from pipeshard.v1 import stage_pb2
 
 
 class StaticSession:
@@ -77,6 +78,10 @@ class StaticEngine(RowEngine[StaticSession]):
         self.hidden_size = shard.hidden_size
         self.max_context = shard.max_context
         self.vocab_size = shard.vocab_size
+
+    def describe(self, info: stage_pb2.GetStageInfoResponse, owner: str | None) -> None:
+        """The slots open sessions hold."""
+        info.static_slots_used = self.shard.slots_used
 
     def open(self, owner: str, session_id: str, capacity: int | None = None) -> None:
         """Opens a session on a free slot (every slot holds the export's whole context, so

@@ -27,12 +27,14 @@ from pipeshard.services.stage.domain import (
     Step,
     StepOutput,
     StepRow,
+    TreeForm,
     top1_of,
 )
 from pipeshard.services.stage.meters import StageMeters
 from pipeshard.services.stage.sessions import S, SessionTable
 from pipeshard.shard.draft_heads import MAX_WIDTH, DraftHeads
 from pipeshard.shard.runtime import check_activations, check_step
+from pipeshard.v1 import stage_pb2
 
 Answer: TypeAlias = StepOutput | Exception  # a row's error: a PipeshardError, or an internal failure
 
@@ -50,9 +52,8 @@ class Ready(Generic[S]):
 class RowEngine(Generic[S]):
     """What both backends share: the row checks, the run loop and the final stage's answers."""
 
-    kv_backend = ""
-    runs_trees = False
-    tree_form = ""  # "chains" (ShardSession.run_chains) or "parents" (a tree mask over one sequence)
+    kv_backend = ""  # the backend's name, for messages (services/stage/backends.py chooses it)
+    tree_form = TreeForm.NONE
     sessions: SessionTable[S]
     meters: StageMeters
     is_first: bool
@@ -93,13 +94,13 @@ class RowEngine(Generic[S]):
     def _check(self, row: StepRow, session: S) -> int:
         """The one set of row checks, before anything touches the cache; returns the length the
         row's cache starts from after its rewind."""
-        if (row.tree_chains > 1 or row.tree_keep >= 0) and self.tree_form != "chains":
+        if (row.tree_chains > 1 or row.tree_keep >= 0) and self.tree_form is not TreeForm.CHAINS:
             raise InvalidArgument(
                 "tree_chains",
                 f"draft trees as chains need stateful stages (--kv stateful); {self.kv_backend} "
                 "stages take a tree as tree_parents",
             )
-        if (row.tree_parents or row.tree_kept) and self.tree_form != "parents":
+        if (row.tree_parents or row.tree_kept) and self.tree_form is not TreeForm.PARENTS:
             raise InvalidArgument(
                 "tree_parents",
                 f"draft trees as one masked sequence need paged stages (--kv paged); {self.kv_backend} "
@@ -132,6 +133,10 @@ class RowEngine(Generic[S]):
     def open(self, owner: str, session_id: str, capacity: int | None = None) -> None:
         """Opens the session (a backend with a capacity reserves it here or refuses)."""
         raise NotImplementedError
+
+    def describe(self, info: stage_pb2.GetStageInfoResponse, owner: str | None) -> None:
+        """Fills the backend's live use into GetStageInfo (``owner``: the caller's, if it
+        presented one); nothing beyond the session count by default."""
 
     def _rewound(self, row: StepRow, session: S) -> int:
         """The cache length the row starts from once its ``invalidate`` ranges apply (raises on a

@@ -421,15 +421,3 @@ def test_static_sessions_hold_a_slot_each_up_to_the_shards_slots():
     e.sessions.release(OWNER, "a")
     e.open(OWNER, "e")
     assert e.sessions.get(OWNER, "e").slot == 0
-
-
-def test_the_backend_follows_the_manifest_and_a_mismatch_is_refused_by_name():
-    from pipeshard.shard.static import kv_backend
-
-    static = SimpleNamespace(kv_layout="static", export_dir="/x/static")
-    stateful = SimpleNamespace(kv_layout="stateful", export_dir="/x/plain")
-    assert [kv_backend(k, static) for k in ("auto", "static")] == ["static", "static"]
-    assert [kv_backend(k, stateful) for k in ("auto", "paged", "stateful")] == ["paged", "paged", "stateful"]
-    for wanted, manifest in (("paged", static), ("stateful", static), ("static", stateful)):
-        with pytest.raises(InvalidArgument, match=f"`kv` is {wanted}, but .* export"):
-            kv_backend(wanted, manifest)
