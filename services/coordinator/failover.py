@@ -28,6 +28,7 @@ from pipeshard.metrics import FAILOVERS
 from pipeshard.services.coordinator.kv_standby import KvStandby, StandbyCopy
 from pipeshard.services.coordinator.replicas import ReplicaLanes
 from pipeshard.services.coordinator.ring import RingLike, ShuttingDown
+from pipeshard.services.coordinator.step_batcher import StepSlot
 from pipeshard.v1 import activation_pb2
 
 log = structlog.get_logger(__name__)
@@ -59,9 +60,15 @@ class MovableRequest(Protocol):
     @property
     def cursor(self) -> RestoredCursor: ...
 
+    @property
+    def slot(self) -> StepSlot: ...
+
     def move_to(self, session_id: str) -> list[int]:
         """Starts over in a new, empty session; returns the tokens to prefill it with."""
         ...
+
+    def expedite(self) -> None:
+        """Its next step leaves at once, not after the steps in flight."""
 
     def replay_frames(self, tokens: list[int], chunk: int) -> Iterator[activation_pb2.ActivationFrame]:
         """Fill-only frames that bring the new session up to ``tokens``."""
@@ -130,11 +137,11 @@ class Failover:
                     kv_ready = time.perf_counter()
                     trace.mark("failover_restored", request.session_id, 0)
                     for frame in request.replay_frames(replay[restored:], prefill_chunk):
-                        await ring.step(frame)
+                        await ring.step(frame, request.slot)
                 except Unavailable as exc:
                     error = exc
                     continue
-                ring.expedite(request.session_id)  # the lost step, sent next, goes at once
+                request.expedite()  # the lost step, sent next, goes at once
                 FAILOVERS.inc()
                 log.warning(
                     "session_failed_over",
