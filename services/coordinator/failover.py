@@ -63,6 +63,9 @@ class MovableRequest(Protocol):
     @property
     def slot(self) -> StepSlot: ...
 
+    # Its standby copy: taken for the move, and the restored copy (or a new one) after it.
+    standby: StandbyCopy
+
     def move_to(self, session_id: str) -> list[int]:
         """Starts over in a new, empty session; returns the tokens to prefill it with."""
         ...
@@ -90,14 +93,15 @@ class Failover:
         """Whether a request failing with ``error`` may move: a lane failed and another serves."""
         return not isinstance(error, ShuttingDown) and bool(self._lanes.live_lanes())
 
-    def computed(self, session_id: str, tokens: Sequence[int]) -> None:
-        """Every stage holds ``tokens`` for the session (after a step's result): the standby copy follows."""
+    def computed(self, request: MovableRequest, tokens: Sequence[int]) -> None:
+        """Every stage holds ``tokens`` for the request's session (after a step's result): its
+        standby copy follows."""
         if self.standby is not None:
-            self.standby.computed(session_id, tokens)
+            self.standby.computed(request.standby, request.session_id, tokens)
 
-    def ended(self, session_id: str) -> None:
+    def ended(self, request: MovableRequest) -> None:
         if self.standby is not None:
-            self.standby.forget(session_id)
+            self.standby.drop(request.standby)
 
     async def resume(
         self,
@@ -113,7 +117,7 @@ class Failover:
         comes from the standby copy when it holds any, else ``warm`` restores what it can of the
         prompt from the prefix cache (the lane that kept it)."""
         started = time.perf_counter()
-        copy = self.standby.take(request.session_id) if self.standby is not None else None
+        copy = self.standby.take(request.standby) if self.standby is not None else None
         try:
             for _ in range(len(self._lanes.lanes) + 1):
                 if not self.applies(error):
@@ -163,7 +167,9 @@ class Failover:
             raise error
         finally:
             if self.standby is not None:
-                self.standby.drop(copy)  # still detached: restored nowhere
+                self.standby.drop(copy)  # still detached: restored nowhere (None once restored)
+                if not request.standby.attached:
+                    request.standby = StandbyCopy()  # the new session's, from its start
 
     async def _restore(
         self,
@@ -198,4 +204,5 @@ class Failover:
             await ring.open_session(request.session_id, capacity)
             return "none", None
         request.cursor.restored(positions)
+        request.standby = copy  # it follows the new session from where it stands
         return "standby", None

@@ -46,6 +46,7 @@ from pipeshard.sampling import accept_sampled, restore_rng, rng_state
 from pipeshard.services.coordinator.detokenizer import IncrementalDetokenizer
 from pipeshard.services.coordinator.engine import EngineCore, RequestId, RequestStatus, new_request_id
 from pipeshard.services.coordinator.grammar import Constraint, Grammars
+from pipeshard.services.coordinator.kv_standby import StandbyCopy
 from pipeshard.services.coordinator.prefix_cache import PrefixIndex
 from pipeshard.services.coordinator.ring import RingLike, StageFailed
 from pipeshard.services.coordinator.sampling import (
@@ -292,6 +293,7 @@ class _Request:
         self.status = RequestStatus.PREFILLING
         self.session_id = session_id
         self.slot = StepSlot(grouping)  # its place in the ring's step batcher, for its whole life
+        self.standby = StandbyCopy()  # its KV captured ahead of a failover (kv_standby.py), when on
         # Structured output, penalties, logit_bias: tokens are chosen here from shaped logits.
         self.constraint = constraint
         self.shaper = LogitShaper(params, constraint) if params.chooses_here else None
@@ -1038,7 +1040,7 @@ class Generation:
     def _computed(self, request: _Request, tokens: list[int]) -> None:
         """Every stage holds ``tokens`` for the request's session: its standby copy may follow."""
         if self._failover is not None:
-            self._failover.computed(request.session_id, tokens)
+            self._failover.computed(request, tokens)
 
     def _close(self, request: _Request, failure: str) -> None:
         """Frees the session on every stage in the background, even when the client went away
@@ -1049,7 +1051,7 @@ class Generation:
         if request.drafter is not None:
             request.drafter.close()
         if self._failover is not None:
-            self._failover.ended(request.session_id)
+            self._failover.ended(request)
         self._in_background(
             self._ring.abort_session(request.session_id, failure)
             if failure
