@@ -36,7 +36,7 @@ import structlog
 from pipeshard.errors import InvalidArgument, PipeshardError
 from pipeshard.link_model import parse_codec
 from pipeshard.services.coordinator.remote_stages import SESSION_CODEC
-from pipeshard.services.coordinator.step_batcher import JOB_GROUPING, Grouping
+from pipeshard.services.coordinator.step_batcher import Grouping
 from pipeshard.v1 import coordinator_pb2
 
 log = structlog.get_logger(__name__)
@@ -156,10 +156,6 @@ class MicroBatchControl:
     @property
     def current(self) -> int:
         return self.grouping.count
-
-    def enter(self) -> None:
-        """Puts the job's sessions stepped in this context (an item's task) under its grouping."""
-        JOB_GROUPING.set(self.grouping)
 
     @contextlib.asynccontextmanager
     async def applied(self) -> AsyncIterator[MicroBatchControl]:
@@ -294,7 +290,6 @@ class BatchJob:
 
     async def _worker(self, pending: asyncio.Queue, done: asyncio.Queue) -> None:
         SESSION_CODEC.set(self._codec)  # this worker task's own context: its items' sessions only
-        self._micro.enter()
         while not pending.empty():
             item = pending.get_nowait()
             response = await self._one(item)

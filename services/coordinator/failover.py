@@ -28,6 +28,7 @@ from pipeshard.metrics import FAILOVERS
 from pipeshard.services.coordinator.kv_standby import KvStandby, StandbyCopy
 from pipeshard.services.coordinator.replicas import ReplicaLanes
 from pipeshard.services.coordinator.ring import RingLike, ShuttingDown
+from pipeshard.services.coordinator.step_batcher import StepSlot
 from pipeshard.v1 import activation_pb2
 
 log = structlog.get_logger(__name__)
@@ -59,9 +60,18 @@ class MovableRequest(Protocol):
     @property
     def cursor(self) -> RestoredCursor: ...
 
+    @property
+    def slot(self) -> StepSlot: ...
+
+    # Its standby copy: taken for the move, and the restored copy (or a new one) after it.
+    standby: StandbyCopy
+
     def move_to(self, session_id: str) -> list[int]:
         """Starts over in a new, empty session; returns the tokens to prefill it with."""
         ...
+
+    def expedite(self) -> None:
+        """Its next step leaves at once, not after the steps in flight."""
 
     def replay_frames(self, tokens: list[int], chunk: int) -> Iterator[activation_pb2.ActivationFrame]:
         """Fill-only frames that bring the new session up to ``tokens``."""
@@ -83,14 +93,15 @@ class Failover:
         """Whether a request failing with ``error`` may move: a lane failed and another serves."""
         return not isinstance(error, ShuttingDown) and bool(self._lanes.live_lanes())
 
-    def computed(self, session_id: str, tokens: Sequence[int]) -> None:
-        """Every stage holds ``tokens`` for the session (after a step's result): the standby copy follows."""
+    def computed(self, request: MovableRequest, tokens: Sequence[int]) -> None:
+        """Every stage holds ``tokens`` for the request's session (after a step's result): its
+        standby copy follows."""
         if self.standby is not None:
-            self.standby.computed(session_id, tokens)
+            self.standby.computed(request.standby, request.session_id, tokens)
 
-    def ended(self, session_id: str) -> None:
+    def ended(self, request: MovableRequest) -> None:
         if self.standby is not None:
-            self.standby.forget(session_id)
+            self.standby.drop(request.standby)
 
     async def resume(
         self,
@@ -106,7 +117,7 @@ class Failover:
         comes from the standby copy when it holds any, else ``warm`` restores what it can of the
         prompt from the prefix cache (the lane that kept it)."""
         started = time.perf_counter()
-        copy = self.standby.take(request.session_id) if self.standby is not None else None
+        copy = self.standby.take(request.standby) if self.standby is not None else None
         try:
             for _ in range(len(self._lanes.lanes) + 1):
                 if not self.applies(error):
@@ -130,11 +141,11 @@ class Failover:
                     kv_ready = time.perf_counter()
                     trace.mark("failover_restored", request.session_id, 0)
                     for frame in request.replay_frames(replay[restored:], prefill_chunk):
-                        await ring.step(frame)
+                        await ring.step(frame, request.slot)
                 except Unavailable as exc:
                     error = exc
                     continue
-                ring.expedite(request.session_id)  # the lost step, sent next, goes at once
+                request.expedite()  # the lost step, sent next, goes at once
                 FAILOVERS.inc()
                 log.warning(
                     "session_failed_over",
@@ -156,7 +167,9 @@ class Failover:
             raise error
         finally:
             if self.standby is not None:
-                self.standby.drop(copy)  # still detached: restored nowhere
+                self.standby.drop(copy)  # still detached: restored nowhere (None once restored)
+                if not request.standby.attached:
+                    request.standby = StandbyCopy()  # the new session's, from its start
 
     async def _restore(
         self,
@@ -191,4 +204,5 @@ class Failover:
             await ring.open_session(request.session_id, capacity)
             return "none", None
         request.cursor.restored(positions)
+        request.standby = copy  # it follows the new session from where it stands
         return "standby", None

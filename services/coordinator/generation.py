@@ -44,7 +44,9 @@ from pipeshard.metrics import (
 )
 from pipeshard.sampling import accept_sampled, restore_rng, rng_state
 from pipeshard.services.coordinator.detokenizer import IncrementalDetokenizer
+from pipeshard.services.coordinator.engine import EngineCore, RequestId, RequestStatus, new_request_id
 from pipeshard.services.coordinator.grammar import Constraint, Grammars
+from pipeshard.services.coordinator.kv_standby import StandbyCopy
 from pipeshard.services.coordinator.prefix_cache import PrefixIndex
 from pipeshard.services.coordinator.ring import RingLike, StageFailed
 from pipeshard.services.coordinator.sampling import (
@@ -56,10 +58,11 @@ from pipeshard.services.coordinator.sampling import (
 )
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
-from pipeshard.services.coordinator.speculation.policy import BatchSteps, KPolicy, SourceMemory, TimingModel
+from pipeshard.services.coordinator.speculation.policy import KPolicy, SourceMemory, TimingModel
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.services.coordinator.speculation.tree import (
     ROOT,
+    TREE_AUTO,
     TREE_OFF,
     TreeChains,
     TreeChoice,
@@ -69,7 +72,7 @@ from pipeshard.services.coordinator.speculation.tree import (
     accept_tree_greedy,
     accept_tree_sampled,
 )
-from pipeshard.services.coordinator.step_batcher import DEFAULT_PREFILL_CHUNK, StepBatcher
+from pipeshard.services.coordinator.step_batcher import DEFAULT_PREFILL_CHUNK, Grouping, StepBatcher, StepSlot
 from pipeshard.services.stage.domain import RowKind, SamplingStep
 from pipeshard.services.stage.wire import head_candidates, token_frame
 from pipeshard.tensor_codec import decode
@@ -86,6 +89,17 @@ log = structlog.get_logger(__name__)
 # stall other streams. A thread hop per token cost 0.3 ms at the median and 2.8 ms at p90 of a
 # 1-user step (bench-latency's timeline, docs/BENCHMARKS.md).
 INLINE_DETOKENIZE_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """What a request asked of speculation, checked once (``Generation.check_speculative``) and
+    trusted from there on: the draft source (``none``: plain decoding), fixed K (0: adaptive) and
+    the tree choice."""
+
+    mode: str = "none"
+    k: int = 0
+    tree: TreeChoice = TREE_AUTO
 
 
 @dataclass
@@ -255,6 +269,7 @@ class _Request:
 
     def __init__(
         self,
+        request_id: RequestId,
         session_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
@@ -272,8 +287,13 @@ class _Request:
         truncates: bool = False,
         tree: TreeChoice = TREE_OFF,
         constraint: Constraint | None = None,
+        grouping: Grouping | None = None,
     ):
+        self.id = request_id  # for its whole life; its sessions change (failover, a failed restore)
+        self.status = RequestStatus.PREFILLING
         self.session_id = session_id
+        self.slot = StepSlot(grouping)  # its place in the ring's step batcher, for its whole life
+        self.standby = StandbyCopy()  # its KV captured ahead of a failover (kv_standby.py), when on
         # Structured output, penalties, logit_bias: tokens are chosen here from shaped logits.
         self.constraint = constraint
         self.shaper = LogitShaper(params, constraint) if params.chooses_here else None
@@ -324,9 +344,14 @@ class _Request:
             )
         self.pending = self.prompt_ids[self.cursor.logical :]
 
+    def expedite(self) -> None:
+        """Its next step leaves at once, not after the steps in flight (a failover's resend)."""
+        self.slot.expedited = True
+
     def move_to(self, session_id: str) -> list[int]:
         """Starts the request over in a new, empty session (failover.py); returns the tokens it
         must be prefilled with before the next step: everything the old session had seen."""
+        self.status = RequestStatus.MOVING
         if self.ahead is not None:
             self.ahead.cancel()
             if self.ahead.done() and not self.ahead.cancelled():
@@ -340,6 +365,10 @@ class _Request:
         if not self.generated:
             return []  # still prefilling: prefill_frames starts the prompt again
         return self.context[: len(self.context) - len(self.pending)]
+
+    def resumed(self) -> None:
+        """Its failover is done: it goes on where it stood."""
+        self.status = RequestStatus.DECODING if self.generated else RequestStatus.PREFILLING
 
     def replay_frames(self, tokens: list[int], chunk: int) -> Iterator[activation_pb2.ActivationFrame]:
         """Fill-only frames of all but the last chunk of ``tokens``, as a prompt's prefill; the last
@@ -590,6 +619,7 @@ class _Request:
                     SPECULATIVE_ACCEPTED.labels(source=self.progress.speculative).inc(kept)
         if not self.generated:
             self.first_at = time.perf_counter()
+            self.status = RequestStatus.DECODING  # its first token is in
 
     async def emit(self, new: list[int]) -> tuple[Chunk, bool]:
         """The chunk for the accepted tokens and whether the request is done (stop or length)."""
@@ -602,6 +632,8 @@ class _Request:
             self.finish = "stop"  # the grammar is complete and allows nothing more
             text += self.detok.delta(final=True)
         done = self.finish is not None
+        if done:
+            self.status = RequestStatus.FINISHED
         if self.metered:
             self._meter(len(emitted))
         if not done:
@@ -707,10 +739,11 @@ class Generation:
         self.timing = TimingModel()  # traversal cost by positions, learned across requests
         self._sources: dict[str, SourceMemory] = {}  # acceptance by draft source, across requests
         self._releases: set[asyncio.Task] = set()
+        self.engine: EngineCore[_Request] = EngineCore()  # the requests running, by their id
         # A ring that batches every step (paged) times its steps and knows what shares a request's
         # next one, which batch-aware K weighs (speculation/policy.py); ``batch_aware_k`` False
         # chooses K as if alone, from the request's own wall time per step (A/B).
-        self._steps: BatchSteps | None = ring.batch_steps if batch_aware_k else None
+        self._steps: StepBatcher | None = ring.batch_steps if batch_aware_k else None
 
     @property
     def step_batcher(self) -> StepBatcher | None:
@@ -725,17 +758,18 @@ class Generation:
         """Waits for the session releases still under way (before the ring closes)."""
         await asyncio.gather(*self._releases, return_exceptions=True)
 
-    def check_speculative(self, speculative: str, k: int, tree: str = "") -> str:
-        """The mode a request resolves to; InvalidArgument for an unknown source, K or tree."""
+    def check_speculative(self, speculative: str, k: int, tree: str = "") -> Speculation:
+        """What a request asked of speculation, as the typed value the rest trusts; InvalidArgument
+        for an unknown source, K or tree."""
         mode = speculative or self.default_speculative
         if not 0 <= k <= 32:
             raise InvalidArgument("k", f"must be 0 (adaptive) or 1..32, got {k}")
-        TreeChoice.parse(tree)
+        choice = TreeChoice.parse(tree)
         if mode != "none":
             if self._drafts is None:
                 raise InvalidArgument("speculative", "this coordinator has no draft sources")
             self._drafts.validate(mode)
-        return mode
+        return Speculation(mode, k, choice)
 
     async def check_grammar(self, params: SamplingParams) -> None:
         """InvalidArgument naming ``grammar`` when a request's grammar cannot be compiled (the
@@ -758,12 +792,35 @@ class Generation:
         cache: bool = True,
         tree: str = "",
     ) -> AsyncIterator[Chunk | Summary]:
+        """Checks the speculation a caller asked for by name (``tree``: draft trees, ``auto``
+        (default), ``off`` or ``WxD``), then runs it as :meth:`generate`."""
+        speculation = self.check_speculative(speculative, k, tree)
+        await self.check_grammar(params)
+        async for event in self.generate(
+            prompt_ids, params, speculation, metered=metered, scope=scope, cache=cache
+        ):
+            yield event
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        speculation: Speculation,
+        *,
+        metered: bool = True,
+        scope: str = "",
+        cache: bool = True,
+        reserved: int | None = None,
+        grouping: Grouping | None = None,
+    ) -> AsyncIterator[Chunk | Summary]:
         """Streams Chunks then one Summary; raises if nothing was streamed or a stage is
-        unreachable, and otherwise ends a failed generation with an "error" Summary. ``metered``
+        unreachable, and otherwise ends a failed generation with an "error" Summary. The
+        parameters were checked at the edge (the servicer, or :meth:`run`). ``metered``
         False keeps a generation (the coordinator's warm-up) out of the token metrics; ``scope``
         names whose prefix cache entries the request may use (its client); ``cache=False`` keeps
-        it out of the prefix cache; ``tree``: draft trees, ``auto`` (default), ``off`` or ``WxD``."""
-        request = await self._open(prompt_ids, params, speculative, k, metered, tree)
+        it out of the prefix cache; ``reserved``: the cache room admission counted for it
+        (None: :meth:`capacity`); ``grouping``: its batch job's micro-batches (batch_jobs.py)."""
+        request = await self._open(prompt_ids, params, speculation, metered, reserved, grouping)
         cache = cache and self.prefix is not None
         failure = ""  # why the generation failed on the ring, if it did
         try:
@@ -774,7 +831,7 @@ class Generation:
                 try:
                     if not request.generated:
                         for frame in request.prefill_frames(self._prefill_chunk):
-                            await self._ring.step(frame)
+                            await self._ring.step(frame, request.slot)
                             self._computed(request, request.prompt_ids[: request.cursor.logical])
                     while not done:
                         chunk, done = await self._step(request)
@@ -783,9 +840,10 @@ class Generation:
                 except Unavailable as exc:  # a replica failed: continue on another (failover.py)
                     if self._failover is None or not self._failover.applies(exc):
                         raise
-                    capacity = self.capacity(request.prompt_ids, request.params)
+                    capacity = request.reserved
                     warm = (lambda: self._warm(request, scope)) if cache else None
                     await self._failover.resume(self._ring, request, exc, capacity, self._prefill_chunk, warm)
+                    request.resumed()
             await request.settle_ahead()
             if cache:
                 await self._keep(request, scope)
@@ -808,29 +866,29 @@ class Generation:
         self,
         prompt_ids: list[int],
         params: SamplingParams,
-        speculative: str,
-        k: int,
+        speculation: Speculation,
         metered: bool,
-        tree: str = "",
+        reserved: int | None,
+        grouping: Grouping | None,
     ) -> _Request:
-        """Validates the request, opens its session on every stage and sets up its drafter and K policy."""
-        mode = self.check_speculative(speculative, k, tree)
+        """Opens the request's session on every stage and sets up its drafter and K policy."""
+        mode, k, tree = speculation.mode, speculation.k, speculation.tree
         constraint = None
         if params.grammar is not None:
-            await self.check_grammar(params)
             grammars = self._grammars
-            assert grammars is not None  # check_grammar refused the grammar otherwise
+            assert grammars is not None  # check_grammar refused the grammar at the edge otherwise
             constraint = await asyncio.to_thread(grammars.constraint, params.grammar)
         if params.shapes_logits:
             # Drafts are verified position by position on shaped rows: chains only, greedy only
             # (a sampled request draws each token from its shaped distribution).
-            tree = "off"
+            tree = TREE_OFF
             if not params.greedy:
                 mode = "none"
         # check_speculative refused any mode but "none" without draft sources
         factory = None if mode == "none" or self._drafts is None else await self._drafts.factory(mode)
-        session_id = uuid.uuid4().hex
-        reserved = self.capacity(prompt_ids, params)
+        request_id = new_request_id()
+        session_id = request_id  # its first session's id; later ones are new (failover, restore)
+        reserved = reserved or self.capacity(prompt_ids, params)
         max_context = await self._ring.open_session(session_id, reserved)
         drafter = factory() if factory else None
         memory = None if mode == "none" else self._sources.setdefault(mode, SourceMemory())
@@ -843,6 +901,7 @@ class Generation:
             times_steps=steps is None,
         )
         request = _Request(
+            request_id,
             session_id,
             prompt_ids,
             params,
@@ -859,11 +918,13 @@ class Generation:
             | (set() if params.ignore_eos and constraint is None else self._eos),
             metered=metered,
             truncates=self._ring.truncates_on_rewind,
-            tree=TreeChoice.parse(tree),
+            tree=tree,
             constraint=constraint,
+            grouping=grouping,
         )
         if steps is not None:
-            policy.load = lambda: steps.load(request.session_id)
+            policy.load = lambda: steps.load(request.slot)
+        self.engine.add(request)
         return request
 
     def capacity(self, prompt_ids: list[int], params: SamplingParams) -> int:
@@ -897,9 +958,7 @@ class Generation:
             # (opened once the old one is gone, so the two never hold the stages' KV together).
             await self._ring.abort_session(request.session_id, f"prefix restore failed: {reason}")
             request.session_id = request.cursor.session_id = uuid.uuid4().hex
-            await self._ring.open_session(
-                request.session_id, self.capacity(request.prompt_ids, request.params)
-            )
+            await self._ring.open_session(request.session_id, request.reserved)
             return
         except BaseException:  # cancelled (the client went away): the entry stays usable
             prefix.unpin(hit)
@@ -952,7 +1011,7 @@ class Generation:
             frame = request.frame(draft)
             step_id = frame.step_id
             trace.mark("gen_send", frame.session_id, step_id)
-            result = await self._ring.step(frame)
+            result = await self._ring.step(frame, request.slot)
         elapsed = time.perf_counter() - sent
         request.streaming_step = step_id
         trace.mark("gen_result", request.session_id, step_id)
@@ -964,7 +1023,7 @@ class Generation:
             request.pending = [new[-1]]
             frame = request.frame(Draft([], None, 0.0))
             trace.mark("gen_send", frame.session_id, frame.step_id)
-            request.ahead = asyncio.ensure_future(self._ring.step(frame))
+            request.ahead = asyncio.ensure_future(self._ring.step(frame, request.slot))
             await asyncio.sleep(0)  # the step starts on its way before this token is streamed
         chunk, done = await request.emit(new)
         trace.mark("emitted", request.session_id, step_id)
@@ -981,15 +1040,18 @@ class Generation:
     def _computed(self, request: _Request, tokens: list[int]) -> None:
         """Every stage holds ``tokens`` for the request's session: its standby copy may follow."""
         if self._failover is not None:
-            self._failover.computed(request.session_id, tokens)
+            self._failover.computed(request, tokens)
 
     def _close(self, request: _Request, failure: str) -> None:
         """Frees the session on every stage in the background, even when the client went away
         mid-stream; a failed generation aborts (each stage logs why) instead of releasing."""
+        request.status = RequestStatus.FINISHED
+        self.engine.remove(request)
+        request.slot.closed = True
         if request.drafter is not None:
             request.drafter.close()
         if self._failover is not None:
-            self._failover.ended(request.session_id)
+            self._failover.ended(request)
         self._in_background(
             self._ring.abort_session(request.session_id, failure)
             if failure

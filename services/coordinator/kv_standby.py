@@ -14,6 +14,9 @@ replayed. Parts are taken only of positions every stage has computed (the genera
 reports them after each step's result), one capture per session at a time; a capture that fails
 only leaves the copy shorter. Copies count against ``max_bytes`` (``--standby-kv-bytes``): past
 it no session gets further parts, and their failovers replay the rest.
+
+Each running request holds its own copy (a field of the request, not a table here keyed by session
+id), so the copy stays the request's when a failover gives it a new session.
 """
 
 from __future__ import annotations
@@ -36,15 +39,17 @@ log = structlog.get_logger(__name__)
 DEFAULT_PART_TOKENS = 32
 
 
-@dataclass
+@dataclass(eq=False)
 class StandbyCopy:
-    """One session's KV as captured so far: the token ids of its positions and, per part, one
-    serialized snapshot per stage."""
+    """One request's KV as captured so far from its session: the token ids of its positions and,
+    per part, one serialized snapshot per stage. ``attached``: it follows the request's session
+    (False once a failover took it, until it is restored into the new one)."""
 
     tokens: list[int] = field(default_factory=list)
     parts: list[list[SnapshotBytes]] = field(default_factory=list)
     nbytes: int = 0
     capturing: asyncio.Task | None = None
+    attached: bool = True
 
     @property
     def positions(self) -> int:
@@ -52,22 +57,22 @@ class StandbyCopy:
 
 
 class KvStandby:
-    """The standby copies of the sessions running on ``lanes``, by session id."""
+    """Captures and restores the standby copies of the requests running on ``lanes`` (each
+    request holds its own copy) and counts their bytes."""
 
     def __init__(self, lanes: ReplicaLanes, block_tokens: int, max_bytes: int):
         self._lanes = lanes
         self.block_tokens = block_tokens or DEFAULT_PART_TOKENS
         self.max_bytes = max_bytes
         self.nbytes = 0
-        self._copies: dict[str, StandbyCopy] = {}
         STANDBY_KV_BYTES.set_function(lambda: self.nbytes)
 
-    def computed(self, session_id: str, tokens: Sequence[int]) -> None:
+    def computed(self, copy: StandbyCopy, session_id: str, tokens: Sequence[int]) -> None:
         """Every stage of the session's lane holds ``tokens`` (its positions so far): captures
-        in the background the whole blocks its copy lacks, unless a capture is under way."""
-        copy = self._copies.setdefault(session_id, StandbyCopy())
+        into ``copy`` in the background the whole blocks it lacks, unless a capture is under way."""
         end = len(tokens) // self.block_tokens * self.block_tokens
-        if copy.capturing is not None or end <= copy.positions or self.nbytes >= self.max_bytes:
+        busy = copy.capturing is not None or not copy.attached
+        if busy or end <= copy.positions or self.nbytes >= self.max_bytes:
             return
         copy.capturing = asyncio.ensure_future(self._capture(session_id, copy, list(tokens[:end])))
 
@@ -79,40 +84,37 @@ class KvStandby:
             return
         finally:
             copy.capturing = None
-        if self._copies.get(session_id) is not copy:
-            return  # forgotten (ended) or taken (failing over) meanwhile
+        if not copy.attached:
+            return  # dropped (ended) or taken (failing over) meanwhile
         size = sum(blob.nbytes for blob in part)
         copy.parts.append(part)
         copy.tokens = tokens
         copy.nbytes += size
         self.nbytes += size
 
-    def take(self, session_id: str) -> StandbyCopy | None:
-        """Detaches the session's copy (its capture stopped): a failover restores it elsewhere."""
-        copy = self._copies.pop(session_id, None)
-        if copy is not None and copy.capturing is not None:
+    def take(self, copy: StandbyCopy) -> StandbyCopy:
+        """Detaches a request's copy (its capture stopped): a failover restores it elsewhere."""
+        copy.attached = False
+        if copy.capturing is not None:
             copy.capturing.cancel()
             copy.capturing = None
         return copy
 
-    def forget(self, session_id: str) -> None:
-        """The session ended: its copy goes."""
-        self.drop(self.take(session_id))
-
     def drop(self, copy: StandbyCopy | None) -> None:
-        """A detached copy restored nowhere: its bytes no longer count."""
+        """A copy restored nowhere, or its request ended: its bytes no longer count."""
         if copy is not None:
+            self.take(copy)
             self.nbytes -= copy.nbytes
             copy.nbytes, copy.parts, copy.tokens = 0, [], []
 
     async def restore(self, copy: StandbyCopy, session_id: str, timeout_s: float) -> int:
         """Restores ``copy`` into ``session_id`` (open, empty, on a healthy lane) on every stage,
-        and makes it that session's copy; returns the positions restored. Raises when a stage
+        where it follows that session from then on; returns the positions restored. Raises when a stage
         fails it (the session then holds who knows what: the caller replaces it)."""
         started = time.perf_counter()
         per_stage = [[part[k] for part in copy.parts] for k in range(len(copy.parts[0]))]
         await asyncio.wait_for(self._lanes.restore_parts(session_id, per_stage, timeout_s), timeout_s)
-        self._copies[session_id] = copy
+        copy.attached = True
         log.info(
             "standby_restored",
             session_id=session_id,

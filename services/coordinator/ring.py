@@ -25,6 +25,7 @@ from pipeshard.services.coordinator.step_batcher import (
     DEFAULT_STEP_TOKENS,
     PAGED_PREFILL_CHUNK,
     StepBatcher,
+    StepSlot,
 )
 from pipeshard.v1 import activation_pb2
 
@@ -89,9 +90,9 @@ class RingLike(Protocol):
 
     async def open_session(self, session_id: str, capacity: int | None = None) -> int: ...
 
-    async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult: ...
-
-    def expedite(self, session_id: str) -> None: ...
+    async def step(
+        self, frame: activation_pb2.ActivationFrame, slot: StepSlot | None = None
+    ) -> activation_pb2.StepResult: ...
 
     async def release_session(self, session_id: str) -> None: ...
 
@@ -131,7 +132,7 @@ class Ring(Generic[L]):
         self.truncates_on_rewind = paged
         self.prefill_chunk = prefill_chunk or (PAGED_PREFILL_CHUNK if paged else DEFAULT_PREFILL_CHUNK)
         self._accounts = accounts
-        # Step cost and load for batch-aware K (speculation/policy.py, ``BatchSteps``); None when
+        # Step cost and load for batch-aware K (speculation/policy.py); None when
         # each session's step travels alone.
         self.batch_steps: StepBatcher | None = None
         if paged:
@@ -148,20 +149,17 @@ class Ring(Generic[L]):
     async def start(self) -> None:
         await self.stages.start()
 
-    async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
-        """One step of one session: its frame's result, or the error for it raised."""
+    async def step(
+        self, frame: activation_pb2.ActivationFrame, slot: StepSlot | None = None
+    ) -> activation_pb2.StepResult:
+        """One step of one session: its frame's result, or the error for it raised. ``slot``: its
+        request's place in the batcher (a ring that does not batch sends every step at once)."""
         if self.batch_steps is not None:
-            return await self.batch_steps.step(frame)
+            return await self.batch_steps.step(frame, slot)
         (answer,) = await self.stages.run([frame])
         if isinstance(answer, BaseException):
             raise answer
         return answer
-
-    def expedite(self, session_id: str) -> None:
-        """The session's next step leaves at once, not after the steps in flight (a failover's
-        resend); a ring that does not batch sends every step at once anyway."""
-        if self.batch_steps is not None:
-            self.batch_steps.expedite(session_id)
 
     async def open_session(self, session_id: str, capacity: int | None = None) -> int:
         """Opens the session on every stage; returns the smallest max_context among them.
@@ -201,7 +199,5 @@ class Ring(Generic[L]):
         await self.stages.close()
 
     def _closed(self, session_id: str) -> None:
-        if self.batch_steps is not None:
-            self.batch_steps.forget(session_id)
         if self._accounts is not None:
             self._accounts.released(session_id)

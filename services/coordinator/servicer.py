@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import dataclass
 
 import structlog
 
@@ -26,11 +27,12 @@ from pipeshard.services.coordinator.batch_jobs import (
     MicroBatchMemory,
     Workload,
 )
-from pipeshard.services.coordinator.generation import Chunk, Generation
+from pipeshard.services.coordinator.generation import Chunk, Generation, Speculation
 from pipeshard.services.coordinator.grammar import GrammarSpec
 from pipeshard.services.coordinator.ring import ShuttingDown
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.scheduler import Scheduler
+from pipeshard.services.coordinator.step_batcher import Grouping
 from pipeshard.shard.prompting import Prompter
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -80,6 +82,18 @@ def _grammar(g: coordinator_pb2.Grammar) -> GrammarSpec:
     if kind is None:
         raise InvalidArgument("grammar", "must set one of json_schema, json_object or regex")
     return GrammarSpec(kind, "" if kind == "json_object" else getattr(g, kind))
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    """A request as the servicer checked and admitted it: the typed values the engine trusts."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    speculation: Speculation
+    client: str  # its identity's name
+    reserved: int  # the cache room admission counted for it
+    grouping: Grouping | None  # a batch job's micro-batches; None: an interactive request
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -162,7 +176,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             )
             job = BatchJob(
                 request.items,
-                lambda item: self._generate(item, context, identity=identity, batch=True),
+                lambda item: self._generate(item, context, identity=identity, grouping=micro.grouping),
                 concurrency,
                 micro,
                 codec=request.codec,
@@ -171,14 +185,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             async for response in job.results():
                 yield response
 
-    async def _generate(self, request, context, *, identity: Identity | None = None, batch: bool = False):
+    async def _generate(
+        self, request, context, *, identity: Identity | None = None, grouping: Grouping | None = None
+    ):
+        """``grouping``: a batch job's micro-batches (its items are batch requests, the lower class)."""
         # The request's own id names this generation in the logs (else the interceptor's).
         ids = {"request_id": request.request_id[:MAX_REQUEST_ID_CHARS]} if request.request_id else {}
         with structlog.contextvars.bound_contextvars(**ids):
-            async for response in self._admitted(request, context, identity, batch):
+            async for response in self._admitted(request, context, identity, grouping):
                 yield response
 
-    async def _admitted(self, request, context, identity: Identity | None, batch: bool):
+    async def _admitted(self, request, context, identity: Identity | None, grouping: Grouping | None):
         messages = [(m.role, m.content) for m in request.messages]
         self._prompter.check_size(request.prompt, messages, self._max_prompt_bytes)
         # Tokenizing runs on a worker thread: a long prompt must not stall the other streams.
@@ -187,27 +204,26 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         params.validate(
             prompt_tokens=len(prompt_ids), max_context=self._max_context, vocab_size=self._vocab_size
         )
-        self._generation.check_speculative(request.speculative, request.k, request.tree)
+        # Checked once, here: what follows trusts the typed values.
+        speculation = self._generation.check_speculative(request.speculative, request.k, request.tree)
         if params.grammar is not None:  # compiled (and cached) before the request queues
             await self._generation.check_grammar(params)
         if identity is None:
             identity = self._authenticator.identify(context) if context else Identity("")
         tokens = self._generation.capacity(prompt_ids, params)
         deadline = context.time_remaining() if context else None
-        async with self._scheduler.admit(identity, tokens, deadline, batch=batch):
+        async with self._scheduler.admit(identity, tokens, deadline, batch=grouping is not None):
             self._refuse_if_draining()  # queued while the drain began
-            async for response in self._stream(
-                prompt_ids, params, request.speculative, request.k, identity.name, request.tree
-            ):
+            admitted = _Admitted(prompt_ids, params, speculation, identity.name, tokens, grouping)
+            async for response in self._stream(admitted):
                 yield response
 
-    async def _stream(
-        self, prompt_ids: list[int], params: SamplingParams, speculative: str, k: int, client: str, tree: str
-    ):
+    async def _stream(self, admitted: _Admitted):
         token_ids: list[int] = []
         text: list[str] = []
+        prompt_ids = admitted.prompt_ids
         try:
-            async for response in self._responses(prompt_ids, params, speculative, k, client, tree):
+            async for response in self._responses(admitted):
                 if response.HasField("chunk"):
                     token_ids.extend(response.chunk.token_ids)
                     text.append(response.chunk.text)
@@ -224,14 +240,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 )
             )
 
-    async def _responses(
-        self, prompt_ids: list[int], params: SamplingParams, speculative: str, k: int, client: str, tree: str
-    ):
+    async def _responses(self, admitted: _Admitted):
         # The identity scopes its prefix cache entries (a hit's timing reveals a prompt) unless the
         # operator shares them (--prefix-cache-scope shared).
+        client = admitted.client
         scope = SHARED_PREFIX_SCOPE if self._shared_prefixes else client
-        events = self._generation.run(
-            prompt_ids, params, speculative=speculative, k=k, scope=scope, tree=tree
+        events = self._generation.generate(
+            admitted.prompt_ids,
+            admitted.params,
+            admitted.speculation,
+            scope=scope,
+            reserved=admitted.reserved,
+            grouping=admitted.grouping,
         )
         async for event in events:
             if isinstance(event, Chunk):

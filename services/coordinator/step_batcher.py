@@ -23,8 +23,8 @@ already, and behind the steps in flight (after a failover often the other moved 
 each carrying the replay tail its copy lacked) it waited up to two such steps more.
 
 Micro-batches of a batch job (batch_jobs.py): a job's sessions step under its :class:`Grouping`
-(``JOB_GROUPING``, set in each of its items' tasks), so a step takes at most ceil(the job's
-sessions / its ``count``) of their decode rows, and up to that many steps travel at once; the
+(their :class:`StepSlot`'s), so a step takes at most ceil(the job's sessions / its ``count``) of
+their decode rows, and up to that many steps travel at once; the
 other sessions keep their share of ``inflight`` groups, so a job's count never regroups
 interactive rows.
 
@@ -33,9 +33,14 @@ next frames, so they ride in the same next step instead of trickling into separa
 that completes the queue (a lone session's always does) launches its step at once, with no
 scheduler turn between.
 
-Batch-aware K (speculation/policy.py, ``BatchSteps``): the batcher times each step of decode rows
+Batch-aware K (speculation/policy.py): the batcher times each step of decode rows
 from send to result and fits its cost by rows and positions once for all sessions (``timing``), and
-tells a session what else rode in its last step (``load``): the step its next frame will join.
+tells a request what else rode in its last step (its slot's ``load``): the step its next frame
+will join.
+
+What the batcher knows of a request between its steps lives on the request's :class:`StepSlot`
+(its grouping, its last step's load, whether its next frame is expedited), not in maps keyed by
+session id: a failover gives the request a new session and keeps its slot.
 Steps carrying prefill chunks are not timed: a chunk's positions cost less each than a verify
 row's (the multi-row attention kernel), and K is chosen for decode steps.
 """
@@ -48,7 +53,6 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 from pipeshard import trace
@@ -87,9 +91,17 @@ class Grouping:
     launched_s: float = 0.0
 
 
-# The grouping of the sessions stepped in this context: a batch job's (each of its items' tasks
-# sets it), or None for every other session (grouped by the batcher's own ``inflight``).
-JOB_GROUPING: ContextVar[Grouping | None] = ContextVar("job_grouping", default=None)
+@dataclass(eq=False)
+class StepSlot:
+    """One request's place in the batcher for its whole life (across failovers): ``grouping`` its
+    batch job's micro-batches (None: the batcher's own groups), ``load`` what else rode in its
+    last step (batch-aware K's probe; None before its first), ``expedited`` its next frame leaves
+    at once, alone, and ``closed`` once the request ended (its grouping no longer counts it)."""
+
+    grouping: Grouping | None = None
+    load: StepLoad | None = None
+    expedited: bool = False
+    closed: bool = False
 
 
 @dataclass
@@ -100,7 +112,12 @@ class _Waiting:
     answer: asyncio.Future
     arrival: int  # order of arrival (ties between equally urgent frames go to the earlier)
     urgent: bool  # a session's first frame, or a chunk passed over once: goes before other chunks
-    grouping: Grouping | None  # its batch job's micro-batches; None: the batcher's own groups
+    slot: StepSlot  # its request's place in the batcher
+
+    @property
+    def grouping(self) -> Grouping | None:
+        """Its batch job's micro-batches; None: the batcher's own groups."""
+        return self.slot.grouping
 
 
 class StepBatcher:
@@ -127,23 +144,26 @@ class StepBatcher:
         self.last_step_tokens = 0
         self.timing = TimingModel()  # decode steps' cost by rows and positions, send to result
         self._clock = clock
-        self._loads: dict[str, StepLoad] = {}  # per session: the rest of its last step
         self._queue: list[_Waiting] = []
         self._rows_in_flight: Counter[Grouping | None] = Counter()  # by grouping
-        self._grouped: dict[str, Grouping] = {}  # batch jobs' sessions (the rest: interactive)
+        self._grouped: set[StepSlot] = set()  # batch jobs' requests that stepped (the rest: interactive)
         self._steps: set[asyncio.Task] = set()
         self._changed = asyncio.Event()  # made anew on the first step in each event loop
         self._task: asyncio.Task | None = None
         self._arrivals = itertools.count()
-        self._expedited: set[str] = set()  # sessions whose next frame leaves at once, alone
 
-    async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
+    async def step(
+        self, frame: activation_pb2.ActivationFrame, slot: StepSlot | None = None
+    ) -> activation_pb2.StepResult:
+        """The frame's result once a step carried it; ``slot``: its request's place (None: a
+        caller that keeps none, stepping as an interactive request with no memory)."""
         if self._task is None or self._task.done():  # first step, or a new event loop
             self._changed = asyncio.Event()
             self._queue = []
             self._steps = set()
             self._rows_in_flight = Counter()
             self._task = asyncio.create_task(self._schedule(), name="step-batcher")
+        slot = slot or StepSlot()
         waiting = _Waiting(
             frame,
             len(frame.positions),
@@ -151,12 +171,12 @@ class StepBatcher:
             asyncio.get_running_loop().create_future(),
             next(self._arrivals),
             urgent=frame.step_id == 0,
-            grouping=JOB_GROUPING.get(),
+            slot=slot,
         )
-        if waiting.grouping is not None:
-            self._grouped[frame.session_id] = waiting.grouping
-        if frame.session_id in self._expedited:
-            self._expedited.discard(frame.session_id)
+        if slot.grouping is not None:
+            self._grouped.add(slot)
+        if slot.expedited:
+            slot.expedited = False
             self._launch([waiting])
             return await waiting.answer
         self._queue.append(waiting)
@@ -176,31 +196,25 @@ class StepBatcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def load(self, session_id: str) -> StepLoad:
-        """The other rows and tokens of the session's last step (what its next frame will ride
-        with); the latest step's for a session that has not stepped yet."""
-        return self._loads.get(session_id) or StepLoad(self.last_step_rows, self.last_step_tokens)
+    def load(self, slot: StepSlot) -> StepLoad:
+        """The other rows and tokens of the request's last step (what its next frame will ride
+        with); the latest step's for a request that has not stepped yet."""
+        return slot.load or StepLoad(self.last_step_rows, self.last_step_tokens)
 
-    def expedite(self, session_id: str) -> None:
-        """The session's next frame leaves at once as a step of its own, past the limit of steps
-        in flight (a failover's resend: the stages compute in arrival order, so it waits at most
-        behind the step each is computing)."""
-        self._expedited.add(session_id)
-
-    def forget(self, session_id: str) -> None:
-        """The session has closed."""
-        self._loads.pop(session_id, None)
-        self._expedited.discard(session_id)
-        self._grouped.pop(session_id, None)
+    def _groups(self) -> list[Grouping]:
+        """The groupings of the batch jobs' requests still open (one entry per request)."""
+        self._grouped = {slot for slot in self._grouped if not slot.closed}
+        return [slot.grouping for slot in self._grouped if slot.grouping is not None]
 
     def _limit(self) -> int:
         """The most steps in flight: ``inflight``, or more while a batch job's count is higher."""
-        return max([self.inflight, *(g.count for g in self._grouped.values())])
+        return max([self.inflight, *(g.count for g in self._groups())])
 
     def _open(self) -> dict[Grouping | None, int]:
         """Open sessions by grouping (None: those of no batch job)."""
-        open_: Counter[Grouping | None] = Counter(self._grouped.values())
-        return {None: max(0, self._sessions() - len(self._grouped)), **open_}
+        groups = self._groups()
+        open_: Counter[Grouping | None] = Counter(groups)
+        return {None: max(0, self._sessions() - len(groups)), **open_}
 
     def _shares(self, open_: dict[Grouping | None, int]) -> dict[Grouping | None, int]:
         """Decode rows of each grouping one step may take: its sessions split over its groups."""
@@ -240,7 +254,7 @@ class StepBatcher:
         self.last_step_rows = len(batch)
         self.last_step_tokens = sum(w.tokens for w in batch)
         for w in batch:
-            self._loads[w.frame.session_id] = StepLoad(len(batch) - 1, self.last_step_tokens - w.tokens)
+            w.slot.load = StepLoad(len(batch) - 1, self.last_step_tokens - w.tokens)
             trace.mark("batched", w.frame.session_id, w.frame.step_id)
         self._rows_in_flight += Counter(w.grouping for w in batch)
         now = self._clock()

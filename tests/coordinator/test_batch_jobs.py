@@ -18,7 +18,7 @@ from pipeshard.services.coordinator.batch_jobs import (
     Workload,
 )
 from pipeshard.services.coordinator.remote_stages import SESSION_CODEC
-from pipeshard.services.coordinator.step_batcher import JOB_GROUPING, Grouping
+from pipeshard.services.coordinator.step_batcher import Grouping
 from pipeshard.v1 import coordinator_pb2
 
 
@@ -157,23 +157,23 @@ def test_every_item_answered_once_errors_per_item_and_at_most_the_running_limit_
 
 
 def test_a_fixed_count_is_the_grouping_of_the_jobs_items_only():
+    """The job's grouping is what its items' requests carry (the servicer hands each item's
+    generation ``control.grouping``); the batcher's own count, the other sessions', is untouched."""
     steps = FakeSteps({})
+    control = MicroBatchControl(steps, 3, MicroBatches(2), MicroBatchMemory())
     seen = []
 
     async def run(request):
-        seen.append(JOB_GROUPING.get().count)
+        seen.append(control.grouping.count)
         yield coordinator_pb2.GenerateResponse(summary=coordinator_pb2.GenerateSummary())
 
     async def scenario():
-        job = BatchJob(
-            items("a", "b"), run, 2, MicroBatchControl(steps, 3, MicroBatches(2), MicroBatchMemory())
-        )
-        results = [r async for r in job.results()]
-        return results, JOB_GROUPING.get()
+        job = BatchJob(items("a", "b"), run, 2, control)
+        return [r async for r in job.results()]
 
-    results, outside = asyncio.run(scenario())
+    results = asyncio.run(scenario())
     assert seen == [2, 2] and [r.micro_batches for r in results] == [2, 2]
-    assert outside is None and steps.inflight == 3  # other sessions' grouping untouched
+    assert steps.inflight == 3  # other sessions' grouping untouched
 
 
 async def _auto_job(steps: FakeSteps, memory: MicroBatchMemory, workload: Workload, steps_alive: int | None):

@@ -12,8 +12,9 @@ import numpy as np
 from pipeshard.errors import Unavailable
 from pipeshard.services.coordinator.failover import Failover
 from pipeshard.services.coordinator.generation import _Cursor, _Request
-from pipeshard.services.coordinator.kv_standby import KvStandby
+from pipeshard.services.coordinator.kv_standby import KvStandby, StandbyCopy
 from pipeshard.services.coordinator.ring import StageFailed
+from pipeshard.services.coordinator.step_batcher import StepSlot
 from pipeshard.shard.kvblob import KvBlob, KvSource, SnapshotBytes, snapshot_chunks, to_proto
 from pipeshard.v1 import activation_pb2
 
@@ -52,10 +53,6 @@ class _Ring:
         self.opened: list[str] = []
         self.aborted: list[str] = []
         self.steps: list[activation_pb2.ActivationFrame] = []
-        self.expedited: list[str] = []
-
-    def expedite(self, session_id: str) -> None:
-        self.expedited.append(session_id)
 
     async def open_session(self, session_id: str, capacity: int | None = None) -> int:
         self.opened.append(session_id)
@@ -64,7 +61,7 @@ class _Ring:
     async def abort_session(self, session_id: str, reason: str) -> None:
         self.aborted.append(session_id)
 
-    async def step(self, frame):
+    async def step(self, frame, slot=None):
         self.steps.append(frame)
 
 
@@ -73,6 +70,7 @@ class _Generating:
 
     move_to = _Request.move_to
     replay_frames = _Request.replay_frames
+    expedite = _Request.expedite
 
     def __init__(self):
         self.session_id = "old"
@@ -81,13 +79,15 @@ class _Generating:
         self.params = SimpleNamespace(greedy=True, logprobs=False)
         self.cursor = _Cursor("old", True, truncates=True)
         self.top1 = True  # a greedy request with nothing chosen on the coordinator
+        self.slot = StepSlot()  # its place in the batcher, kept across the move
+        self.standby = StandbyCopy()  # its KV captured ahead
 
 
 def _failover(refuse: bool) -> tuple[_Generating, _Ring, _Lanes, KvStandby]:
     async def main():
         lanes, ring, request = _Lanes(refuse), _Ring(), _Generating()
         standby = KvStandby(lanes, block_tokens=32, max_bytes=1 << 20)
-        standby.computed("old", CONTEXT[:69])  # the stages hold all but the pending token
+        standby.computed(request.standby, "old", CONTEXT[:69])  # the stages hold all but the pending token
         for _ in range(5):
             await asyncio.sleep(0)
         failover = Failover(lanes, standby)
@@ -103,8 +103,9 @@ def test_the_standby_copy_is_restored_and_the_tail_rides_with_the_resent_step():
     assert ring.aborted == ["old"] and ring.opened == [request.session_id] == lanes.restored
     assert request.cursor.logical == 64 and ring.steps == []  # two whole blocks; no fill step
     assert request.pending == CONTEXT[64:]  # the 5 tokens past the copy, then the lost step's
-    assert standby.take(request.session_id).positions == 64  # the copy follows the new session
-    assert ring.expedited == [request.session_id]  # the resent step goes at once
+    assert request.standby.attached and request.standby.positions == 64  # it follows the new session
+    assert standby.nbytes == request.standby.nbytes > 0  # still counted: the request's
+    assert request.slot.expedited  # the resent step goes at once
 
 
 def test_a_refused_copy_is_given_up_for_a_replay_in_a_fresh_session():
@@ -113,4 +114,5 @@ def test_a_refused_copy_is_given_up_for_a_replay_in_a_fresh_session():
     assert ring.aborted == ["old", first] and request.session_id == second
     assert len(ring.steps) == 2 and request.cursor.logical == 64  # 64 replayed in chunks of 32
     assert request.pending == CONTEXT[64:] and standby.nbytes == 0
-    assert ring.expedited == [second]
+    assert request.standby.attached and request.standby.positions == 0  # the new session's own copy
+    assert request.slot.expedited and request.session_id == second

@@ -9,7 +9,7 @@ import pytest
 import structlog
 
 from pipeshard.errors import Internal, PipeshardError, Unavailable
-from pipeshard.services.coordinator.generation import Chunk, Generation, Summary
+from pipeshard.services.coordinator.generation import Chunk, Generation, Speculation, Summary
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.scheduler import Scheduler
 from pipeshard.services.coordinator.servicer import CoordinatorServicer
@@ -35,7 +35,7 @@ class Ring:
         self.calls.append("open")
         return 64
 
-    async def step(self, frame):
+    async def step(self, frame, slot=None):
         self.steps += 1
         if self.steps - 1 == self.fail_at:
             raise self.error
@@ -99,12 +99,12 @@ class _Generation:
     """Reports the request id its log lines would carry."""
 
     def check_speculative(self, speculative, k, tree=""):
-        return "none"
+        return Speculation()
 
     def capacity(self, prompt_ids, params):
         return len(prompt_ids) + params.max_tokens
 
-    async def run(self, prompt_ids, params, *, speculative, k, scope="", tree=""):
+    async def generate(self, prompt_ids, params, speculation, *, scope="", reserved=None, grouping=None):
         yield Chunk(text=structlog.contextvars.get_contextvars().get("request_id", ""), token_ids=[])
 
 
@@ -149,7 +149,7 @@ def test_the_summary_reaches_the_client_result_field_for_field():
     )
 
     class Finished(_Generation):
-        async def run(self, prompt_ids, params, *, speculative, k, scope="", tree=""):
+        async def generate(self, prompt_ids, params, speculation, *, scope="", reserved=None, grouping=None):
             yield Chunk(text="<7><7>", token_ids=[7, 7], logprobs=[-0.5, -0.25], tokens=["<7>", "<7>"])
             yield summary
 

@@ -9,7 +9,7 @@ import asyncio
 import numpy as np
 
 from pipeshard.errors import Unavailable
-from pipeshard.services.coordinator.kv_standby import KvStandby
+from pipeshard.services.coordinator.kv_standby import KvStandby, StandbyCopy
 from pipeshard.shard.kvblob import (
     KvBlob,
     KvSource,
@@ -67,20 +67,21 @@ def test_copies_follow_whole_blocks_and_restore_as_the_captured_parts():
         lane = _Lane()
         standby = KvStandby(lane, block_tokens=4, max_bytes=1 << 20)
         tokens = list(range(100, 120))
-        standby.computed("s", tokens[:3])  # no whole block yet
+        mine = StandbyCopy()  # what the request holds
+        standby.computed(mine, "s", tokens[:3])  # no whole block yet
         await _settle()
         assert lane.captures == []
         lane.gate.clear()
-        standby.computed("s", tokens[:9])  # blocks 0-1
-        standby.computed("s", tokens[:13])  # a capture is under way: waits for the next report
+        standby.computed(mine, "s", tokens[:9])  # blocks 0-1
+        standby.computed(mine, "s", tokens[:13])  # a capture is under way: waits for the next report
         lane.gate.set()
         await _settle()
-        standby.computed("s", tokens[:13])  # block 2
+        standby.computed(mine, "s", tokens[:13])  # block 2
         await _settle()
         assert lane.captures == [("s", 0, 8), ("s", 8, 12)]
         assert standby.nbytes == lane.sent_bytes  # two parts on two stages, as serialized
 
-        copy = standby.take("s")
+        copy = standby.take(mine)
         assert copy.positions == 12 and copy.tokens == tokens[:12]
         assert await standby.restore(copy, "t", 5.0) == 12
         parts = lane.restored["t"]
@@ -88,10 +89,10 @@ def test_copies_follow_whole_blocks_and_restore_as_the_captured_parts():
         joined = _joined(parts[0])
         assert joined.start == 0 and joined.token_ids == tuple(tokens[:12])
         np.testing.assert_array_equal(joined.arrays[0].ravel(), np.arange(12))
-        standby.computed("t", tokens[:17])  # the copy follows the new session from where it stands
+        standby.computed(copy, "t", tokens[:17])  # the copy follows the new session from where it stands
         await _settle()
         assert lane.captures[-1] == ("t", 12, 16)
-        standby.forget("t")
+        standby.drop(copy)  # the request ended
         assert standby.nbytes == 0
 
     asyncio.run(main())
@@ -102,16 +103,17 @@ def test_a_failed_capture_leaves_the_copy_and_the_limit_stops_new_parts():
         lane = _Lane()
         standby = KvStandby(lane, block_tokens=4, max_bytes=1)  # reached by the first part
         lane.fail = True
-        standby.computed("s", list(range(8)))
+        failed, limited = StandbyCopy(), StandbyCopy()
+        standby.computed(failed, "s", list(range(8)))
         await _settle()
-        assert standby.nbytes == 0 and standby.take("s").positions == 0
+        assert standby.nbytes == 0 and standby.take(failed).positions == 0
         lane.fail = False
-        standby.computed("u", list(range(4)))
+        standby.computed(limited, "u", list(range(4)))
         await _settle()
-        standby.computed("u", list(range(8)))  # the limit is reached: no further part
+        standby.computed(limited, "u", list(range(8)))  # the limit is reached: no further part
         await _settle()
         assert standby.nbytes == lane.sent_bytes and lane.captures[-1] == ("u", 0, 4)
-        standby.drop(standby.take("u"))
+        standby.drop(standby.take(limited))
         assert standby.nbytes == 0
 
     asyncio.run(main())

@@ -103,7 +103,7 @@ class Ring:
         self.calls.append(("open", session_id))
         return 4096
 
-    async def step(self, frame):
+    async def step(self, frame, slot=None):
         self.frames.append((frame.session_id, list(frame.positions)))
         return activation_pb2.StepResult(top1=activation_pb2.Top1(token_ids=[7], probabilities=[1.0]))
 

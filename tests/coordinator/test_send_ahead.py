@@ -27,7 +27,7 @@ class Ring:
     async def open_session(self, session_id, capacity=None):
         return 64
 
-    async def step(self, frame):
+    async def step(self, frame, slot=None):
         self.sent += 1
         self.kinds.append(frame.plan.rows[0].kind)
         self.in_flight += 1

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from pipeshard.errors import InvalidArgument, NotFound
-from pipeshard.services.coordinator.generation import Generation
+from pipeshard.services.coordinator.generation import Generation, Speculation
 from pipeshard.services.coordinator.main import CoordinatorSettings, resolve
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.policy import StepLoad
-from pipeshard.services.coordinator.step_batcher import JOB_GROUPING, Grouping, StepBatcher
+from pipeshard.services.coordinator.step_batcher import Grouping, StepBatcher, StepSlot
 from pipeshard.services.stage.domain import ReturnMode, RowKind
 from pipeshard.services.stage.wire import plan_from_frames, step_from_frame, token_frame
 from pipeshard.v1 import activation_pb2
@@ -81,15 +81,16 @@ def test_an_expedited_session_s_next_frame_leaves_at_once_alone():
 
         batcher = StepBatcher(run, sessions=lambda: 3, gather_s=0.01, inflight=1)
         slow = asyncio.ensure_future(batcher.step(_frame("slow", 1)))
-        await asyncio.sleep(0.02)
+        while not seen:  # "slow" in flight (after the gather wait, however loaded the machine)
+            await asyncio.sleep(0.005)
         waiting = asyncio.ensure_future(batcher.step(_frame("other", 1)))
-        batcher.expedite("moved")
+        slot = StepSlot(expedited=True)  # what a failover's request.expedite() sets
         # answered while "slow" is still in flight (without expedite it would wait for ever)
-        moved = await asyncio.wait_for(batcher.step(_frame("moved", 20)), 30)
-        assert not slow.done() and not waiting.done()
+        moved = await asyncio.wait_for(batcher.step(_frame("moved", 20), slot), 30)
+        assert not slow.done() and not waiting.done() and not slot.expedited
         gate.set()
         await asyncio.gather(slow, waiting)
-        again = await batcher.step(_frame("moved", 1, step=1))
+        again = await batcher.step(_frame("moved", 1, step=1), slot)
         await batcher.close()
         return moved, again
 
@@ -161,9 +162,9 @@ def test_a_batch_jobs_count_groups_its_own_sessions_and_interactive_rows_keep_th
         return [activation_pb2.StepResult(session_id=f.session_id) for f in frames]
 
     async def session(batcher, name, grouping):
-        JOB_GROUPING.set(grouping)  # this task's context, as a job's item task sets it
+        slot = StepSlot(grouping)  # as a job's item's request holds it
         for step in range(5):
-            await batcher.step(_frame(name, 40 if step == 0 else 1, step))
+            await batcher.step(_frame(name, 40 if step == 0 else 1, step), slot)
 
     async def main():
         batcher = StepBatcher(run, sessions=lambda: 10, gather_s=0.05, inflight=2)
@@ -240,15 +241,15 @@ def test_the_batcher_times_decode_steps_by_their_positions_and_tells_each_sessio
         return [activation_pb2.StepResult(session_id=f.session_id) for f in frames]
 
     async def main():
+        slots = {s: StepSlot() for s in "abc"}
         batcher = StepBatcher(run, sessions=lambda: 3, gather_s=0.05, clock=lambda: now[0])
-        await asyncio.gather(*(batcher.step(_frame(s, 40)) for s in "abc"))  # prefill: not timed
+        await asyncio.gather(*(batcher.step(_frame(s, 40), slots[s]) for s in "abc"))  # prefill: not timed
         for step in range(1, 8):  # a verifies 1..7 positions beside b and c's decode rows
             sizes = {"a": step, "b": 1, "c": 1}
-            await asyncio.gather(*(batcher.step(_frame(s, n, step)) for s, n in sizes.items()))
-        loads = batcher.load("a"), batcher.load("b")
-        batcher.forget("a")
+            await asyncio.gather(*(batcher.step(_frame(s, n, step), slots[s]) for s, n in sizes.items()))
+        loads = batcher.load(slots["a"]), batcher.load(slots["b"])
         await batcher.close()
-        return batcher, loads, batcher.load("a")
+        return batcher, loads, batcher.load(StepSlot())
 
     batcher, (load_a, load_b), forgotten = asyncio.run(main())
     timed = [(s.rows, s.positions) for s in batcher.timing.steps]
@@ -256,7 +257,7 @@ def test_the_batcher_times_decode_steps_by_their_positions_and_tells_each_sessio
     assert batcher.timing.estimate(20, rows=3) == pytest.approx(0.030 + 0.004 * 20)
     assert (load_a.rows, load_a.tokens) == (2, 2)  # b and c beside a's 7 positions
     assert (load_b.rows, load_b.tokens) == (2, 8)
-    assert (forgotten.rows, forgotten.tokens) == (3, 9)  # a closed session: the latest step's
+    assert (forgotten.rows, forgotten.tokens) == (3, 9)  # a request not stepped yet: the latest step's
 
 
 def test_a_generation_on_a_batching_ring_takes_its_step_cost_and_load_from_the_batcher():
@@ -268,8 +269,10 @@ def test_a_generation_on_a_batching_ring_takes_its_step_cost_and_load_from_the_b
     )
 
     def policy(generation):
-        request = asyncio.run(generation._open([1, 2, 3], SamplingParams(max_tokens=4), "", 0, True))
-        ring.batch_steps._loads[request.session_id] = StepLoad(7, 9)  # the rest of its last step
+        request = asyncio.run(
+            generation._open([1, 2, 3], SamplingParams(max_tokens=4), Speculation(), True, None, None)
+        )
+        request.slot.load = StepLoad(7, 9)  # the rest of its last step
         return request.policy
 
     aware = policy(Generation(ring, None, set()))

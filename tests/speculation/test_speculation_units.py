@@ -14,7 +14,6 @@ from pipeshard.services.coordinator.sampling import Sampler, SamplingParams
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
 from pipeshard.services.coordinator.speculation.drafts import NgramDrafter
 from pipeshard.services.coordinator.speculation.policy import (
-    BatchSteps,
     KPolicy,
     SourceMemory,
     StepCost,
@@ -23,7 +22,7 @@ from pipeshard.services.coordinator.speculation.policy import (
     TimingModel,
     expected_tokens,
 )
-from pipeshard.services.coordinator.step_batcher import StepBatcher
+from pipeshard.services.coordinator.step_batcher import StepBatcher, StepSlot
 from pipeshard.services.stage.wire import token_frame
 from pipeshard.v1 import activation_pb2
 
@@ -185,7 +184,7 @@ def test_batch_aware_k_times_the_whole_step():
     assert timing.steps[-1] == StepTime(1, 4, 0.02)
 
 
-def _steps_of(users: int, fixed_s: float, per_position_s: float) -> BatchSteps:
+def _steps_of(users: int, fixed_s: float, per_position_s: float) -> tuple[StepBatcher, StepSlot]:
     """A step batcher after 12 steps of ``users`` sessions on a fake clock: each step costs
     ``fixed_s`` plus ``per_position_s`` per position; session 0 verifies 0..5 drafts."""
     now = [0.0]
@@ -194,27 +193,30 @@ def _steps_of(users: int, fixed_s: float, per_position_s: float) -> BatchSteps:
         now[0] += fixed_s + per_position_s * sum(len(f.positions) for f in frames)
         return [activation_pb2.StepResult() for _ in frames]
 
+    slots = [StepSlot() for _ in range(users)]
+
     async def main():
         batcher = StepBatcher(run, sessions=lambda: users, gather_s=0.05, clock=lambda: now[0])
         for step in range(12):
             sizes = [1 + step % 6] + [1] * (users - 1)
             await asyncio.gather(
                 *(
-                    batcher.step(token_frame(f"s{i}", step, [7] * n, 0, True, return_last=n))
+                    batcher.step(token_frame(f"s{i}", step, [7] * n, 0, True, return_last=n), slots[i])
                     for i, n in enumerate(sizes)
                 )
             )
         await batcher.close()
         return batcher
 
-    return asyncio.run(main())
+    return asyncio.run(main()), slots[0]
 
 
-def _batch_k(steps: BatchSteps, acceptance_quarter: bool = True) -> int:
+def _batch_k(batched: tuple[StepBatcher, StepSlot], acceptance_quarter: bool = True) -> int:
     """K that session 0 chooses from the batcher's timing and load, having kept one draft in
     four (or every draft) while each of its steps took 10 s of wall time (waiting included)."""
+    steps, slot = batched
     policy = KPolicy(
-        steps.timing, fixed_k=None, explore_every=1000, load=lambda: steps.load("s0"), times_steps=False
+        steps.timing, fixed_k=None, explore_every=1000, load=lambda: steps.load(slot), times_steps=False
     )
     fitted = list(steps.timing.steps)
     for kept in (1, 0, 0) * 10 if acceptance_quarter else (4,) * 30:

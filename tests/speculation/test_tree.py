@@ -160,7 +160,7 @@ class _PagedRing:
 def test_paged_stages_take_every_tree_value():
     generation = Generation(_PagedRing(), tokenizer=None, eos_ids=set())
     for value in ("auto", "off", "2x3"):
-        assert generation.check_speculative("none", 0, value) == "none"
+        assert generation.check_speculative("none", 0, value).mode == "none"
     with pytest.raises(InvalidArgument) as err:
         generation.check_speculative("none", 0, "2x")
     assert "tree" in str(err.value) and "'2x'" in str(err.value)

@@ -22,7 +22,7 @@ tokens per second, not the request's alone,
 
 where R and n are the other sessions' rows and tokens in the step (``StepLoad``) and ``T(rows,
 positions)`` the step's cost: the step keeps its rows whatever K is, a draft adds positions
-only. Both come from the ring's step batcher (``BatchSteps``): it times every step from send to
+only. Both come from the ring's step batcher (step_batcher.py): it times every step from send to
 result once for all sessions, so ``T`` is what a step costs, not a request's wall time per step
 (which in a batch includes waiting for the step under way: a flat line that made drafts look
 free). ``T`` is fitted over rows and positions apart (``TimingModel``): measured on the paged
@@ -54,7 +54,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
@@ -97,17 +96,6 @@ class StepLoad:
 
 # Where a request learns its step's load; a ring that steps alone has none.
 LoadProbe = Callable[[], StepLoad]
-
-
-class BatchSteps(Protocol):
-    """What a ring that batches every step (its ``StepBatcher``) tells adaptive K: the cost of its
-    steps by rows and positions, timed from send to result once for all sessions, and the rest of
-    the step a session's next frame joins."""
-
-    @property
-    def timing(self) -> TimingModel: ...
-
-    def load(self, session_id: str) -> StepLoad: ...
 
 
 def _alone() -> StepLoad:

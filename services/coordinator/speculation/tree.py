@@ -77,6 +77,7 @@ class TreeChoice:
 
 
 TREE_OFF = TreeChoice("off")
+TREE_AUTO = TreeChoice("auto")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,168 @@
+"""The engine core's request table: one id for a request's whole life, its status, and the table
+empty again on every way a request ends (finished, failed before or after output, its client gone,
+moved to another lane)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pipeshard.errors import Internal, Unavailable
+from pipeshard.services.coordinator.engine import EngineCore, RequestId, RequestStatus
+from pipeshard.services.coordinator.generation import Generation
+from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.v1 import activation_pb2
+
+
+class _Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids)
+
+
+class _Ring:
+    """Answers token 7 to every step; step ``fail_at`` (from 0) raises ``error``."""
+
+    truncates_on_rewind, batch_steps = False, None
+
+    def __init__(self, fail_at: int = 99, error: Exception | None = None):
+        self.fail_at, self.steps, self.sessions = fail_at, 0, []
+        self.error = error or Unavailable("stage 1 at 127.0.0.1:1 is not answering")
+        self.seen: list[dict[RequestId, RequestStatus]] = []  # the engine's table at each step
+        self.engine: EngineCore | None = None
+
+    async def open_session(self, session_id, capacity=None):
+        self.sessions.append(session_id)
+        return 64
+
+    async def step(self, frame, slot=None):
+        assert self.engine is not None
+        self.seen.append({i: r.status for i, r in self.engine.requests.items()})
+        self.steps += 1
+        if self.steps - 1 == self.fail_at:
+            raise self.error
+        return activation_pb2.StepResult(top1=activation_pb2.Top1(token_ids=[7], probabilities=[1.0]))
+
+    async def release_session(self, session_id):
+        pass
+
+    async def abort_session(self, session_id, reason):
+        pass
+
+
+def _generation(ring: _Ring) -> Generation:
+    generation = Generation(ring, _Tokenizer(), set())
+    ring.engine = generation.engine
+    return generation
+
+
+def test_a_request_is_tracked_under_one_id_from_prefill_to_finish():
+    ring = _Ring()
+    generation = _generation(ring)
+
+    async def main():
+        return [e async for e in generation.run([1, 2, 3], SamplingParams(max_tokens=3))]
+
+    events = asyncio.run(main())
+    assert events[-1].finish_reason == "length"
+    (first, *rest) = ring.seen
+    (request_id,) = first
+    assert first == {request_id: RequestStatus.PREFILLING}  # the prompt's step
+    assert rest == [{request_id: RequestStatus.DECODING}] * 2
+    assert ring.sessions == [request_id]  # its first session is named by it
+    assert generation.engine.requests == {}
+
+
+@pytest.mark.parametrize(
+    ("fail_at", "error", "raises"),
+    [
+        (0, Unavailable("stage 1 down"), True),  # before any output
+        (2, Unavailable("stage 1 down"), True),  # after output, a transport fault
+        (2, Internal("stage 1: the step failed"), False),  # after output: an error summary
+    ],
+)
+def test_every_failure_leaves_the_table_empty(fail_at, error, raises):
+    ring = _Ring(fail_at, error)
+    generation = _generation(ring)
+
+    async def main():
+        return [e async for e in generation.run([1, 2, 3], SamplingParams(max_tokens=5))]
+
+    if raises:
+        with pytest.raises(Unavailable):
+            asyncio.run(main())
+    else:
+        assert asyncio.run(main())[-1].finish_reason == "error"
+    assert len(ring.seen[-1]) == 1 and generation.engine.requests == {}
+
+
+def test_a_client_that_goes_away_mid_stream_leaves_the_table_empty():
+    ring = _Ring()
+    generation = _generation(ring)
+
+    async def main():
+        events = generation.run([1, 2, 3], SamplingParams(max_tokens=50))
+        await anext(events)
+        during = dict(generation.engine.requests)
+        await events.aclose()
+        return during
+
+    during = asyncio.run(main())
+    assert len(during) == 1 and generation.engine.requests == {}
+
+
+class _Tracked:
+    def __init__(self, request_id: str, status: RequestStatus):
+        self.id, self.status = RequestId(request_id), status
+
+
+def test_the_table_refuses_a_second_request_of_one_id_and_a_removal_before_it_ended():
+    engine: EngineCore[_Tracked] = EngineCore()
+    running = _Tracked("a", RequestStatus.DECODING)
+    engine.add(running)
+    with pytest.raises(ValueError, match="already running"):
+        engine.add(_Tracked("a", RequestStatus.PREFILLING))
+    with pytest.raises(ValueError, match="decoding, not finished"):
+        engine.remove(running)
+    engine.add(_Tracked("b", RequestStatus.MOVING))
+    assert [r.id for r in engine.with_status(RequestStatus.MOVING)] == ["b"]
+    running.status = RequestStatus.FINISHED
+    engine.remove(running)
+    assert list(engine.requests) == ["b"]
+
+
+class _Failover:
+    """Moves a failed request to a new session (as failover.py does, without the lanes)."""
+
+    def __init__(self):
+        self.moved: list[tuple[RequestId, RequestStatus, str]] = []
+
+    def applies(self, error) -> bool:
+        return True
+
+    async def resume(self, ring, request, error, capacity, prefill_chunk, warm=None):
+        request.move_to("moved-session")
+        self.moved.append((request.id, request.status, request.session_id))
+
+    def computed(self, session_id, tokens) -> None:
+        pass
+
+    def ended(self, session_id) -> None:
+        pass
+
+
+def test_a_moved_request_keeps_its_id_and_goes_on_decoding():
+    ring = _Ring(fail_at=2)
+    failover = _Failover()
+    generation = Generation(ring, _Tokenizer(), set(), failover=failover)
+    ring.engine = generation.engine
+
+    async def main():
+        return [e async for e in generation.run([1, 2, 3], SamplingParams(max_tokens=4))]
+
+    events = asyncio.run(main())
+    (request_id,) = ring.seen[0]
+    assert failover.moved == [(request_id, RequestStatus.MOVING, "moved-session")]
+    assert ring.seen[3:] == [{request_id: RequestStatus.DECODING}] * (len(ring.seen) - 3)
+    assert events[-1].finish_reason == "length" and events[-1].token_ids == [7] * 4
+    assert generation.engine.requests == {}
