@@ -274,6 +274,12 @@ test-ray: model
 test-deploy: model
 	$(VENV)/bin/pytest -q -m deploy tests/deploy
 
+## test-ui: the gateway's /ui page in headless Chromium (selenium) before a real 2-stage fleet: a prompt streamed, every stage in the fleet view (needs Debian's chromium and chromium-driver; PIPESHARD_UI_SCREENSHOTS=docs/img refreshes the docs' pictures)
+.PHONY: test-ui
+test-ui: model
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { echo "test-ui needs Chromium: apt-get install -y chromium chromium-driver" >&2; exit 1; }
+	$(VENV)/bin/pytest -q -m ui tests/ui
+
 ## test-fast: unit tests only
 test-fast: proto
 	$(VENV)/bin/pytest -q -m "not slow"

@@ -165,6 +165,7 @@ def run_up(args: argparse.Namespace) -> int:
         coordinator_port=topo.coordinator.port,
         exporter_port=topo.exporter.port,
         gateway_port=args.gateway_port,
+        extra_gateway_args=["--topology", str(TOPOLOGY.resolve())],  # the /ui page's fleet view
         metrics_ports={
             "exporter": topo.exporter.metrics_port,
             **{

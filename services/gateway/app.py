@@ -12,13 +12,14 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,6 +28,7 @@ from pipeshard.clients.client import Connection
 from pipeshard.metrics import counter
 from pipeshard.services.gateway.calls import failed, generate_call
 from pipeshard.services.gateway.errors import GatewayError
+from pipeshard.services.gateway.fleet import FleetWatch
 from pipeshard.services.gateway.guards import AuthGuard, BodyLimit
 from pipeshard.services.gateway.responses import Shaper
 from pipeshard.services.gateway.schema import (
@@ -48,6 +50,7 @@ REQUESTS = counter(
 COUNTED_PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
 T = TypeVar("T")
 END = grpc.aio.EOF
+UI_PAGE = Path(__file__).with_name("ui.html")
 
 
 def _sse(obj: dict | str) -> str:
@@ -92,6 +95,8 @@ class Gateway:
         self.auth = authenticator
         self.streams = StreamCaps(settings.max_streams_per_identity, settings.max_streams)
         self._proxies = parse_proxies(settings.trusted_proxies)
+        self.fleet = FleetWatch(settings.topology, settings.model_name)
+        self._page = UI_PAGE.read_text()
 
     def _identity(self, request: Request) -> str:
         return caller_identity(
@@ -122,6 +127,14 @@ class Gateway:
         if not serving:
             raise GatewayError(503, f"coordinator {self.settings.coordinator} is not serving")
         return JSONResponse({"status": "ok", "coordinator": self.settings.coordinator})
+
+    def page(self) -> HTMLResponse:
+        """The chat and fleet page: static, its key kept in the tab; it calls the API like any client."""
+        return HTMLResponse(self._page, headers={"Cache-Control": "no-cache"})
+
+    async def fleet_view(self) -> JSONResponse:
+        """Stages and lanes with their nodes, precision, step time, KV use; the coordinator's load."""
+        return JSONResponse(await self.fleet.read())
 
     def models(self) -> dict:
         return {"object": "list", "data": [self._model()]}
@@ -160,8 +173,28 @@ class Gateway:
                 exc.message = f"`{body.grammar_param}`: {exc.message.split('` ', 1)[-1]}"
             raise
 
+    async def _prefill(self, request: Request, rpc: coordinator_pb2.GenerateRequest) -> None:
+        """Computes the prompt once for ``n`` choices: a one-token generation of it, whose end
+        leaves the prompt's KV in the stages' prefix cache (the coordinator keeps a finished
+        sequence before its summary), so each choice restores it there instead of prefilling."""
+        warm = coordinator_pb2.GenerateRequest()
+        warm.CopyFrom(rpc)
+        warm.request_id = f"{rpc.request_id}-prefill"
+        warm.params.max_tokens = 1
+        for name in ("grammar", "seed", "temperature", "logprobs", "top_logprobs", "logit_bias"):
+            warm.params.ClearField(name)
+        call = self.stub.Generate(warm, metadata=_metadata(request), timeout=self.settings.request_timeout_s)
+        try:
+            summary, *_ = await _unless_gone(request, _collect(call), call)
+        finally:
+            call.cancel()
+        if (error := failed(summary)) is not None:
+            raise error
+
     async def _choices(self, request: Request, rpc: coordinator_pb2.GenerateRequest, n: int, shaper: Shaper):
-        """``n`` > 1 (not streamed): n Generate calls at once, choice i seeded ``seed + i``."""
+        """``n`` > 1 (not streamed): one prefill, then n Generate calls at once reusing it, choice
+        i seeded ``seed + i``."""
+        await self._prefill(request, rpc)
         calls = []
         for i in range(n):
             one = coordinator_pb2.GenerateRequest()
@@ -354,6 +387,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return JSONResponse(invalid_body(first).body(), status_code=400)
 
     app.get("/health")(gateway.health)
+    app.get("/", include_in_schema=False)(lambda: RedirectResponse("/ui"))
+    app.get("/ui", include_in_schema=False)(gateway.page)
+    app.get("/fleet")(gateway.fleet_view)
     app.get("/v1/models")(gateway.models)
     app.get("/v1/models/{model_id}")(gateway.model)
     app.post("/v1/chat/completions")(gateway.chat)

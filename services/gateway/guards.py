@@ -13,7 +13,7 @@ import json
 from pipeshard.auth import Authenticator
 from pipeshard.services.gateway.errors import GatewayError
 
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/", "/ui")  # the page holds no data: it asks for the key
 
 
 async def answer(send, error: GatewayError, *, close: bool = False) -> None:
@@ -35,7 +35,7 @@ def _header(scope, name: bytes) -> str | None:
 
 
 class AuthGuard:
-    """With a fleet token or key file, every route but /health needs a verified bearer key: the
+    """With a fleet token or key file, every route but /health and the page needs a verified bearer key: the
     coordinator then sees (and identifies) the same key, forwarded."""
 
     def __init__(self, app, authenticator: Authenticator):

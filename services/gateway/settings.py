@@ -20,6 +20,9 @@ class GatewaySettings:
         None, "fleet CA certificate of a TLS coordinator (unset: run/ca.pem if present, else plaintext)"
     )
     model_name: str = setting("pipeshard", "model id /v1/models names (requests may send any `model`)")
+    topology: Path | None = setting(
+        None, "the fleet's topology file (`make up` writes config/topology.yaml): the /ui page's fleet view"
+    )
     request_timeout_s: float | None = setting(
         None, "deadline of each Generate call in seconds (none = no limit)"
     )

@@ -47,8 +47,10 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("contract", "core", "format", "transport", "stage"),
     ),
     "clients": (("pipeshard.clients", "pipeshard.client"), ("contract",)),
+    # what `pipeshard top` and the gateway's page show: a topology's fleet read through public RPCs
+    "status": (("pipeshard.services.fleet_status",), ("contract", "core", "format")),
     # the OpenAI gateway is a client of the coordinator that serves HTTP
-    "gateway": (("pipeshard.services.gateway",), ("contract", "core", "clients")),
+    "gateway": (("pipeshard.services.gateway",), ("contract", "core", "clients", "format", "status")),
     "fleet": (
         (
             "pipeshard.services.launcher",
@@ -58,7 +60,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
             "pipeshard.services.wan",
             "pipeshard.services.top",
         ),
-        ("contract", "core", "format", "transport", "gateway"),
+        ("contract", "core", "format", "transport", "status", "gateway"),
     ),
     "profiling": (
         ("pipeshard.planning.profile", "pipeshard.planning.cli"),
@@ -84,6 +86,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
             "gateway",
             "planning",
             "profiling",
+            "status",
         ),
     ),
 }

@@ -134,11 +134,15 @@ def test_tools_are_rendered_and_required_calls_get_a_grammar(http, coordinator):
     assert not sent.params.HasField("grammar") and sent.messages[0].role == "user"
 
 
-def test_n_choices_are_n_generations_with_derived_seeds(http, coordinator):
+def test_n_choices_are_one_prefill_then_n_generations_with_derived_seeds(http, coordinator):
     before = len(coordinator[0].requests)
-    reply = chat(http, n=3, seed=10, temperature=0.5)
+    reply = chat(http, n=3, seed=10, temperature=0.5, logprobs=True)
     assert reply.status_code == 200, reply.text
-    sent = coordinator[0].requests[before:]
+    prefill, *sent = coordinator[0].requests[before:]
+    # The prompt once, one greedy token, nothing the choices' own sampling needs.
+    assert prefill.params.max_tokens == 1 and prefill.messages == sent[0].messages
+    assert not prefill.params.HasField("seed") and not prefill.params.logprobs
+    assert prefill.request_id == f"{sent[0].request_id}-prefill"
     assert sorted(r.params.seed for r in sent) == [10, 11, 12]
     body = reply.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
@@ -352,3 +356,52 @@ def test_invalid_json_and_unknown_routes_answer_in_openai_shape(http):
             "param",
             "code",
         }
+
+
+def test_the_page_is_open_and_the_root_leads_to_it(http):
+    root = http.get("/", follow_redirects=False)
+    assert root.status_code == 307 and root.headers["location"] == "/ui"
+    page = http.get("/ui")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    # The page streams chat completions and polls the fleet view, sending the key it was given.
+    for needle in ('fetch("/v1/chat/completions"', 'fetch("/fleet"', "Authorization", 'id="stages"'):
+        assert needle in page.text, needle
+
+
+def test_the_fleet_view_needs_a_topology(http):
+    reply = http.get("/fleet")
+    assert reply.status_code == 404 and reply.json()["error"]["param"] == "topology"
+
+
+def test_the_fleet_view_reads_the_topology_and_shows_what_answers(coordinator, tmp_path):
+    from pipeshard.topology import Endpoint, StageEndpoint, Topology
+
+    host, port = coordinator[1].rsplit(":", 1)
+    dead = [StageEndpoint("127.0.0.1", 1, 0, node="node-a"), StageEndpoint("127.0.0.1", 2, 0)]
+    Topology(
+        shards=str(tmp_path / "no-export"),
+        coordinator=Endpoint(host, int(port), 0),
+        exporter=Endpoint("127.0.0.1", 3, 0),
+        stages=dead,
+        replicas=[[StageEndpoint("127.0.0.1", 4, 0), StageEndpoint("127.0.0.1", 5, 0)]],
+    ).save(tmp_path / "topology.yaml")
+    settings = GatewaySettings(
+        coordinator=coordinator[1], model_name="m", topology=tmp_path / "topology.yaml"
+    )
+    with TestClient(create_app(settings)) as client:
+        fleet = client.get("/fleet").json()
+    assert fleet["model"]["name"] == "m" and fleet["lanes"] == 2
+    assert [s["label"] for s in fleet["stages"]] == ["0", "1", "0.r1", "1.r1"]
+    assert fleet["stages"][0]["node"] == "node-a" and fleet["stages"][0]["address"] == "127.0.0.1:1"
+    assert all(s["health"].startswith("down") for s in fleet["stages"])
+    assert fleet["coordinator"]["health"] == "serving"
+
+
+def test_a_keyed_gateway_serves_the_page_but_not_the_fleet_without_a_key(coordinator, tmp_path):
+    keys = tmp_path / "api-keys"
+    key = add_key(keys, "alice")
+    settings = GatewaySettings(coordinator=coordinator[1], api_keys=keys)
+    with TestClient(create_app(settings)) as client:
+        assert client.get("/ui").status_code == 200
+        assert client.get("/fleet").status_code == 401
+        assert client.get("/fleet", headers={"Authorization": f"Bearer {key}"}).status_code == 404

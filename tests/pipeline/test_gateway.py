@@ -34,20 +34,29 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def fleet(smollm2_export, fleet_factory):
+def fleet(smollm2_export, fleet_factory, tmp_path_factory):
     metrics = {name: _free_port() for name in ("stage0", "stage1", "coordinator", "gateway")}
     # A stalled reader's writes count as not draining after 4 KiB unsent, for 2 s (issue #37).
     drain = ["--drain-timeout-s", "2", "--write-buffer-bytes", "4096"]
     # Identities by name in /metrics (the operator's opt-in; by default only their kind shows).
     names = ["--metrics-identity-labels", "names"]
+    # The page's fleet view reads the topology at its first request: written once the ports are known.
+    topology = tmp_path_factory.mktemp("gateway-topology") / "topology.yaml"
+    shards = smollm2_export(2, "int4")
     started = fleet_factory(
-        smollm2_export(2, "int4"),
+        shards,
         2,
         gateway_port=0,
         metrics_ports=metrics,
-        extra_gateway_args=drain,
+        extra_gateway_args=[*drain, "--topology", str(topology)],
         extra_coordinator_args=names,
     )
+    Topology(
+        shards=str(shards),
+        coordinator=_endpoint(started.coordinator, metrics["coordinator"]),
+        exporter=_endpoint("127.0.0.1:1"),
+        stages=[_endpoint(a, metrics[f"stage{k}"]) for k, a in enumerate(started.stages)],
+    ).save(topology)
     started.metrics_ports = metrics
     return started
 
@@ -271,6 +280,58 @@ def test_every_service_serves_metrics_and_top_shows_the_fleet(fleet, api, tmp_pa
         assert address in out
     assert out.count("serving") == 4 and "0-14" in out and "15-29" in out
     assert "OK " in out  # the coordinator's finished Generate calls, from its /metrics
+
+
+def test_the_fleet_view_shows_every_stage_with_its_layers_precision_and_cache(fleet, api):
+    api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    view = httpx.get(f"http://{fleet.gateway}/fleet").json()
+    assert view["model"] == {
+        "name": MODEL,
+        "family": "llama",
+        "layers": 30,
+        "weights": "int4",
+        "max_context": view["model"]["max_context"],
+        "split": [15, 15],
+    }
+    assert [(s["label"], s["address"], s["layers"], s["health"]) for s in view["stages"]] == [
+        ("0", fleet.stages[0], "0-14", "serving"),
+        ("1", fleet.stages[1], "15-29", "serving"),
+    ]
+    for stage in view["stages"]:
+        assert stage["precision"].endswith("(invariant)") and stage["cache"].endswith("MiB"), stage
+        assert stage["step_ms"] not in ("-", "idle"), stage  # its /metrics answered
+    assert view["coordinator"]["health"] == "serving" and view["coordinator"]["generate_calls"]["OK"] >= 1
+
+
+def test_n_choices_come_from_one_prefill(fleet, api):
+    """n=4 computes the prompt once: the stages' computed rows and the choices' restored positions say so."""
+    stage0, coordinator = fleet.metrics_ports["stage0"], fleet.metrics_ports["coordinator"]
+    prompt = "Tell me about the sea. " + " ".join(f"Fact {i}: water is wet." for i in range(40))
+
+    def rows() -> float:
+        return metric(stage0, "pipeshard_stage_step_rows_sum", stage="0")
+
+    before_rows, before_cached = (
+        rows(),
+        metric(coordinator, "pipeshard_coordinator_identity_cached_tokens_total"),
+    )
+    reply = api.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=8,
+        n=4,
+        seed=5,
+        temperature=0.8,
+    )
+    computed = rows() - before_rows
+    cached = metric(coordinator, "pipeshard_coordinator_identity_cached_tokens_total") - before_cached
+    prompt_tokens = reply.usage.prompt_tokens
+    assert prompt_tokens > 200 and [c.index for c in reply.choices] == [0, 1, 2, 3]
+    # Each choice restores the whole prompt but its last block at most; four prefills would compute 4x.
+    assert cached >= 4 * (prompt_tokens - 32), (cached, prompt_tokens)
+    assert computed < prompt_tokens + 4 * (32 + 8), (computed, prompt_tokens)
+    texts = {c.message.content for c in reply.choices}
+    assert len(texts) > 1  # each choice samples its own stream (seed + i)
 
 
 def metric(port: int, name: str, **labels: str) -> float:

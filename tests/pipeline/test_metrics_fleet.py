@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from pipeshard.clients.client import GenerateResult, PipeshardClient, fold
-from pipeshard.services.top import Scrape, scrape
+from pipeshard.services.fleet_status import Scrape, scrape
 from tests.pipeline.stage_probe import sessions_after_release
 
 pytestmark = pytest.mark.slow

@@ -158,7 +158,7 @@ def test_a_prefix_a_stage_evicted_is_prefilled_cold_and_one_it_holds_is_restored
     """Stages whose prefix cache holds one chat: chat B's first turn evicts chat A's blocks and the
     stages report it, so A's next turn prefills cold without trying a restore (no failed restore,
     no stage miss) while B's next turn restores what the stages still hold."""
-    from pipeshard.services.top import scrape
+    from pipeshard.services.fleet_status import scrape
 
     port = _free_port()
     fleet = fleet_factory(
