@@ -4,7 +4,9 @@ A head and two nodes (``ray.cluster_utils.Cluster``, each with memory for two st
 default model's INT4 2-stage export, cached). Measured:
 
 - ``up_to_first_token_s``: from the start of ``up`` (exporter, two lanes of stage actors pulling
-  their shards, coordinator; the cluster already running) to the first token of a request;
+  their shards, coordinator; the cluster already running) to the first token of a request, and
+  ``up_phases``: where that time went, in seconds since the start of ``up`` (each service's actor
+  start and listening, and per stage its shard pull, compile and load, and warm-up, from its log);
 - decode tok/s of the Ray fleet over the launcher's fleet (``make up``'s ``start_fleet``, the same
   two lanes of two stages, on ephemeral ports so no default port is taken), both up at once and
   measured in turn (interleaved rounds) at 1 and 8 users: generated tokens over wall time of
@@ -20,6 +22,8 @@ noisy, ratios are what the run measured side by side.
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import tempfile
 import threading
@@ -39,8 +43,8 @@ from pipeshard.model.fetch import ensure_default_model
 from pipeshard.offline import set_offline_defaults
 from pipeshard.planning.cli import model_cost
 from pipeshard.services.launcher import start_fleet
-from pipeshard.services.raycluster.actors import NAMESPACE
-from pipeshard.services.raycluster.fleet import RaySpec, remove, up
+from pipeshard.services.raycluster.actors import NAMESPACE, ServiceInfo, node_run_dir
+from pipeshard.services.raycluster.fleet import RayFleet, RaySpec, remove, up
 from pipeshard.services.raycluster.keeper import start_keeper
 from pipeshard.services.raycluster.members import members
 from pipeshard.services.raycluster.placement import plan_fleet
@@ -94,6 +98,42 @@ def _first_token_s(address: str, since: float) -> float:
     raise RuntimeError("no token")
 
 
+def _events(log: Path) -> dict[str, dict]:
+    """A stage log's JSON events by name (the last of each), with their time as ``at``."""
+    found = {}
+    for line in log.read_text().splitlines():
+        if line.startswith("{"):
+            event = json.loads(line)
+            event["at"] = datetime.datetime.fromisoformat(event["timestamp"]).timestamp()
+            found[event["event"]] = event
+    return found
+
+
+def _phases(fleet: RayFleet, t0: float) -> dict:
+    """Seconds since ``t0`` (wall clock) of each phase of ``up``, per service."""
+
+    def since(at: float) -> float:
+        return round(at - t0, 1)
+
+    def service(info: ServiceInfo) -> dict:
+        return {"actor_start": since(info.started_at), "listening": since(info.listening_at)}
+
+    phases = {"exporter": service(fleet.exporter), "coordinator": service(fleet.coordinator)}
+    for lane in fleet.lanes:
+        for s in lane:
+            events = _events(node_run_dir(str(fleet.spec.work_dir), s.node_id) / f"{s.name}.log")
+            pulled = events.get("shard_pulled")
+            warm = events["warmup done"]
+            loaded_from = pulled["at"] if pulled else s.started_at
+            phases[s.name] = {
+                **service(s),
+                "shard_pull_s": pulled["seconds"] if pulled else 0.0,
+                "compile_and_load_s": round(warm["at"] - warm["seconds"] - loaded_from, 1),
+                "warmup_s": warm["seconds"],
+            }
+    return phases
+
+
 def _serving(address: str) -> bool:
     with grpc.insecure_channel(address) as channel:
         try:
@@ -118,9 +158,10 @@ def main() -> None:
     plain = None
     fleet = None
     try:
-        t_up = time.perf_counter()
+        t_up, t_wall = time.perf_counter(), time.time()
         fleet = up(spec, plan_fleet(members(), Path(shards), "int4", stages=2, profile=False))
         first_token = _first_token_s(fleet.coordinator.address, t_up)
+        phases = {**_phases(fleet, t_wall), "first_token": round(first_token, 1)}
         keeper = start_keeper(fleet)
         plain = start_fleet(shards, 2, work / "plain", replicas=2)
         rates: dict[str, dict[int, list[float]]] = {"ray": {}, "plain": {}}
@@ -182,6 +223,7 @@ def main() -> None:
             "tokens": TOKENS,
             "rounds": ROUNDS,
             "up_to_first_token_s": round(first_token, 1),
+            "up_phases": phases,
             "node_death_to_serving_s": None if back is None else round(back, 1),
             "stages_on_dead_node": lost,
             "failed_requests": failed,

@@ -156,7 +156,7 @@ def client_credentials(ca_cert: Path) -> grpc.ChannelCredentials:
 # ---------------------------------------------------------------- making certificates
 
 
-def _write_private(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
@@ -222,12 +222,12 @@ def _ca(folder: Path, now: datetime.datetime, days: int):
         )
         .sign(ca_key, hashes.SHA256())
     )
-    _write_private(folder / CA_KEY, ca_key.private_bytes(**_key_format()))
+    write_private(folder / CA_KEY, ca_key.private_bytes(**key_format()))
     (folder / CA_CERT).write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     return ca_key, ca_cert, [folder / CA_KEY, folder / CA_CERT]
 
 
-def _key_format() -> dict:
+def key_format() -> dict:
     from cryptography.hazmat.primitives import serialization
 
     return dict(
@@ -237,25 +237,24 @@ def _key_format() -> dict:
     )
 
 
-def _issue(
-    ca_key, ca_cert, folder: Path, node: str, sans: Iterable[str], days: int, role: str | None = None
-) -> list[Path]:
-    """Write ``node``.pem and ``node``.key in ``folder``, valid for exactly ``sans``."""
+def signed_certificate(
+    ca_key, ca_cert, public_key, node: str, sans: Iterable[str], days: int, role: str | None = None
+) -> bytes:
+    """A node certificate (PEM) for ``public_key``, valid for exactly ``sans``, naming ``role``:
+    the one shape of certificate the fleet CA signs, for keys made here or on another machine."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     now = datetime.datetime.now(datetime.UTC)
     subject = [x509.NameAttribute(NameOID.COMMON_NAME, node)]
     if role is not None:
         subject.append(x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role))
-    key = ec.generate_private_key(ec.SECP256R1())
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name(subject))
         .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
+        .public_key(public_key)
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=days))
@@ -263,7 +262,7 @@ def _issue(
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()), critical=False
         )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
         .add_extension(_san(sans), critical=False)
         .add_extension(
             x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
@@ -271,9 +270,19 @@ def _issue(
         )
         .sign(ca_key, hashes.SHA256())
     )
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def _issue(
+    ca_key, ca_cert, folder: Path, node: str, sans: Iterable[str], days: int, role: str | None = None
+) -> list[Path]:
+    """Write ``node``.pem and ``node``.key in ``folder``, valid for exactly ``sans``."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
     cert_path, key_path = folder / f"{node}.pem", folder / f"{node}.key"
-    _write_private(key_path, key.private_bytes(**_key_format()))
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    write_private(key_path, key.private_bytes(**key_format()))
+    cert_path.write_bytes(signed_certificate(ca_key, ca_cert, key.public_key(), node, sans, days, role))
     return [key_path, cert_path]
 
 
@@ -314,3 +323,9 @@ def make_host_bundles(folder: Path, certs: Iterable[HostCert], days: int = VALID
             (bundle / CA_CERT).write_bytes((folder / CA_CERT).read_bytes())
         _issue(ca_key, ca_cert, bundle, cert.name, [cert.host], days, cert.role)
     return bundles
+
+
+def fleet_ca(folder: Path):
+    """The fleet CA in ``folder`` (made if missing): its key and certificate."""
+    ca_key, ca_cert, _ = _ca(Path(folder), datetime.datetime.now(datetime.UTC), CA_VALID_DAYS)
+    return ca_key, ca_cert

@@ -4,20 +4,22 @@ The process is the same one the CLI starts (``python -m pipeshard.cli stage ...`
 launcher's ``spawn`` under ``setpriv --pdeathsig KILL``: when the actor's worker dies (its node
 died, or Ray killed it) the service dies with it, and when Ray restarts the actor (``max_restarts``)
 on a node with room, its constructor starts the service again there. The actor reports where the
-service listens; it never sees key material beyond the paths it is handed.
+service listens. In a secured fleet it first makes the service's key on its node and has the
+fleet's signer certify it (``certify``): nothing secret is in its arguments or its replies.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 import ray
 
 from pipeshard.services.launcher import Process, fleet_env, spawn
+from pipeshard.services.raycluster.certify import request_certificate
 
 # Kill the service when the actor's worker exits however it exits (setpriv execs, the pid stays).
 _DIE_WITH_ACTOR = ("setpriv", "--pdeathsig", "KILL")
@@ -34,6 +36,8 @@ class ServiceInfo:
     node_ip: str
     pid: int
     restarts: int  # how often Ray restarted this actor (0: first start)
+    started_at: float  # wall-clock time its actor began (before its certificate, pull and compile)
+    listening_at: float  # wall-clock time its service began to listen
 
 
 def node_run_dir(base: str, node_id: str) -> Path:
@@ -45,9 +49,8 @@ def node_run_dir(base: str, node_id: str) -> Path:
 class ServiceActor:
     """Starts ``pipeshard ARGS`` on this node, listening on the node's address.
 
-    ``args`` may hold ``{host}`` (this node's IP) and ``{run}`` (this node's run folder);
-    ``next_of`` names the actor of the next stage whose address is appended as ``--next-hop`` at
-    every start, so a stage restarted anywhere forwards to where its next stage is now."""
+    ``args`` may hold ``{host}`` (this node's IP), ``{run}`` (this node's run folder) and, with a
+    ``role``, ``{tls}`` (the folder of the key made here and its certificate from ``signer``)."""
 
     def __init__(
         self,
@@ -55,9 +58,11 @@ class ServiceActor:
         args: list[str],
         base_dir: str,
         env: dict[str, str] | None = None,
-        next_of: str | None = None,
         timeout_s: float = 300.0,
+        role: str | None = None,
+        signer=None,
     ):
+        self.started_at = time.time()
         context = ray.get_runtime_context()
         self.name = name
         self.node_id = context.get_node_id()
@@ -66,18 +71,25 @@ class ServiceActor:
         run_dir = node_run_dir(base_dir, self.node_id)
         run_dir.mkdir(parents=True, exist_ok=True)
         values = {"host": self.node_ip, "run": str(run_dir)}
+        env = {**fleet_env(), **(env or {})}
+        if role is not None:
+            tls = run_dir / "tls" / name
+            env.update(request_certificate(signer, tls, name, role, self.node_ip))
+            values["tls"] = str(tls)
         argv = [a.format(**values) for a in args]
-        if next_of is not None:
-            peer = ray.get_actor(next_of, namespace=NAMESPACE)
-            nxt = cast(ServiceInfo, ray.get(peer.info.remote(), timeout=timeout_s))
-            argv += ["--next-hop", nxt.address]
-        self.process: Process = spawn(
-            name, argv, run_dir, {**fleet_env(), **(env or {})}, timeout_s, prefix=_DIE_WITH_ACTOR
-        )
+        self.process: Process = spawn(name, argv, run_dir, env, timeout_s, prefix=_DIE_WITH_ACTOR)
+        self.listening_at = time.time()
 
     def info(self) -> ServiceInfo:
         return ServiceInfo(
-            self.name, self.process.address, self.node_id, self.node_ip, self.process.popen.pid, self.restarts
+            self.name,
+            self.process.address,
+            self.node_id,
+            self.node_ip,
+            self.process.popen.pid,
+            self.restarts,
+            self.started_at,
+            self.listening_at,
         )
 
     def log_tail(self, chars: int = 3000) -> str:

@@ -5,19 +5,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
 import ray
 
+from pipeshard.auth import load_or_create_token
 from pipeshard.errors import InvalidArgument, PipeshardError
-from pipeshard.paths import shards_dir
+from pipeshard.keys import default_key_file
+from pipeshard.paths import certs_dir, shards_dir
 from pipeshard.planning.cli import _model_dir
 from pipeshard.services.raycluster.actors import NAMESPACE
-from pipeshard.services.raycluster.fleet import RaySpec, remove, save_state, up
+from pipeshard.services.raycluster.fleet import (
+    RaySpec,
+    fleet_members,
+    remove,
+    save_state,
+    start_signer,
+    up,
+)
 from pipeshard.services.raycluster.keeper import KEEPER, keeper, start_keeper
-from pipeshard.services.raycluster.members import members
+from pipeshard.services.raycluster.members import Member, members
 from pipeshard.services.raycluster.placement import FleetPlan, plan_fleet
+from pipeshard.tls import CA_CERT, TOKEN_FILE, fleet_ca
 from pipeshard.topology import COORDINATOR_PORT, EXPORTER_PORT, STAGE_PORT_BASE
 
 
@@ -26,8 +37,8 @@ def connect(address: str) -> None:
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, ignore_reinit_error=True)
 
 
-def plan_here(args: argparse.Namespace) -> FleetPlan:
-    found = members()
+def plan_here(args: argparse.Namespace, found: list[Member] | None = None) -> FleetPlan:
+    found = members() if found is None else found
     model_dir = _model_dir(args.model)
     return plan_fleet(found, model_dir, args.weights, stages=args.stages, profile=not args.no_profile)
 
@@ -54,6 +65,15 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def secure_certs() -> Path:
+    """The fleet CA and token in certs/ on this (the head's) machine, made if missing: copy
+    ca.pem and token (never ca.key) to every machine that is to take stages."""
+    folder = certs_dir()
+    fleet_ca(folder)
+    load_or_create_token(folder / TOKEN_FILE)
+    return folder.resolve()
+
+
 def run_up(args: argparse.Namespace, run_dir: Path, topology: Path) -> int:
     state = run_dir / "ray.json"
     if state.exists() or (run_dir / "pids").exists():
@@ -74,10 +94,17 @@ def run_up(args: argparse.Namespace, run_dir: Path, topology: Path) -> int:
         exporter_port=EXPORTER_PORT,
         gateway_port=args.gateway_port,
         metrics=True,
+        certs=secure_certs() if args.secure else None,
+        api_keys=default_key_file().resolve() if args.secure else None,
     )
     try:
         connect(args.ray)
-        fp = plan_here(args)
+        if spec.secure:
+            start_signer(spec)
+        found, refused = fleet_members(spec)
+        for m in refused:
+            print(f"node {m.name} ({m.ip}) holds no fleet CA and token in its certs/: it takes no stage")
+        fp = plan_here(args, found)
         print_placement(fp)
         fleet = up(spec, fp)
     except PipeshardError as exc:
@@ -85,6 +112,14 @@ def run_up(args: argparse.Namespace, run_dir: Path, topology: Path) -> int:
         return 2 if isinstance(exc, InvalidArgument) else 1
     start_keeper(fleet)
     save_state(fleet, state, args.ray)
+    if spec.certs is not None:
+        shutil.copyfile(spec.certs / CA_CERT, run_dir / CA_CERT)  # where clients look by default
+        print(
+            f"secured: mutual TLS, each actor's key made on its node and certified by the CA in {spec.certs}"
+        )
+        print(f"clients use {run_dir / CA_CERT} and the token in {spec.certs / TOKEN_FILE}")
+    else:
+        print("plaintext on the nodes' addresses (`--secure` for mutual TLS and a token)")
     print(f"export {fleet.shards}; topology written to {topology}; node logs in {spec.work_dir}/")
     print(f"exporter listening on {fleet.exporter.address}")
     for r, lane in enumerate(fleet.lanes):
@@ -107,6 +142,7 @@ def run_down(run_dir: Path) -> list[str]:
     # every named actor of the namespace: lanes the keeper added since `up` as well
     stopped = remove([KEEPER, *state["actors"], *ray.util.list_named_actors()])
     state_file.unlink()
+    (run_dir / CA_CERT).unlink(missing_ok=True)
     return stopped
 
 

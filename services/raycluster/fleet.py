@@ -5,6 +5,8 @@ exports); every stage runs in its lane's placement group and pulls only its own 
 exporter into its node's folder. The coordinator reads a topology file written from the stage
 actors' reports, never by hand. Everything is a detached named actor in the ``pipeshard``
 namespace, so it outlives ``up``; ``pipeshard down`` removes exactly those (names in run/ray.json).
+With ``secure`` every link is mutual TLS as in ``make up SECURE=1``: a signer actor holding the
+fleet CA on the head certifies the key each actor makes on its node (``certify``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import ray
-from ray.util.placement_group import get_placement_group, placement_group_table, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from pipeshard.errors import InvalidArgument
@@ -23,7 +30,10 @@ from pipeshard.paths import DEFAULT_MODEL
 from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.launcher import stage_name
 from pipeshard.services.raycluster.actors import NAMESPACE, ServiceActor, ServiceInfo, free_port
-from pipeshard.services.raycluster.placement import FleetPlan, reserve_lane
+from pipeshard.services.raycluster.certify import SIGNER, Signer, verified
+from pipeshard.services.raycluster.members import Member, members
+from pipeshard.services.raycluster.placement import FleetPlan, choose_nodes, reserve_lane
+from pipeshard.tls import CA_CERT
 from pipeshard.topology import METRICS_OFFSET, REPLICA_PORT_STRIDE, Endpoint, StageEndpoint, Topology
 
 EXPORTER, COORDINATOR, GATEWAY = "exporter", "coordinator", "gateway"
@@ -52,6 +62,12 @@ class RaySpec:
     timeout_s: float = 300.0  # how long a service may take to start
     extra_stage_args: tuple[str, ...] = ()
     extra_coordinator_args: tuple[str, ...] = ()
+    certs: Path | None = None  # secured: the head's certs folder (fleet CA key, ca.pem, token)
+    api_keys: Path | None = None  # secured: the head's `pipeshard keys` file for the coordinator and gateway
+
+    @property
+    def secure(self) -> bool:
+        return self.certs is not None
 
 
 @dataclass
@@ -69,6 +85,7 @@ class RayFleet:
     @property
     def actor_names(self) -> list[str]:
         names = [EXPORTER, COORDINATOR, *([GATEWAY] if self.gateway else [])]
+        names += [SIGNER] if self.spec.secure else []
         return names + [s.name for lane in self.lanes for s in lane]
 
 
@@ -82,21 +99,24 @@ def _port(port: int) -> int:
 
 
 def _metered(spec: RaySpec, port: int) -> list[str]:
-    """Metrics on the node's address, where `pipeshard top` on another node reads them (the Ray
-    fleet is plaintext throughout until it is secured: docs/RAY.md, "Limits")."""
+    """Metrics on the node's address, where `pipeshard top` on another node reads them (plaintext
+    and unauthenticated, as with `make up`: docs/RAY.md, "Security")."""
     if not spec.metrics:
         return []
     return ["--metrics-port", str(port + METRICS_OFFSET), "--metrics-host", "{host}"]
 
 
 def _server_args(spec: RaySpec, port: int) -> list[str]:
-    """Every service listens on its node's address: plaintext there needs saying so."""
-    return ["--host", "{host}", "--port", str(port), "--allow-plaintext", *_metered(spec, port)]
+    """Every service listens on its node's address: TLS when secured, else plaintext said so."""
+    plain = [] if spec.secure else ["--allow-plaintext"]
+    return ["--host", "{host}", "--port", str(port), *plain, *_metered(spec, port)]
 
 
-def start_actor(
-    name: str, args: list[str], spec: RaySpec, strategy, *, next_of: str | None = None, restarts: int = 0
-):
+def launch_actor(name: str, args: list[str], spec: RaySpec, strategy, role: str, *, restarts: int = 0):
+    """Actor ``name`` starting ``pipeshard ARGS`` (not waited for); secured, with a certificate of
+    ``role``."""
+    signer = ray.get_actor(SIGNER, namespace=NAMESPACE) if spec.secure else None
+    keys = {"PIPESHARD_API_KEYS": str(spec.api_keys)} if spec.api_keys and role != "stage" else {}
     actor = ServiceActor.options(  # type: ignore[attr-defined]  # ray.remote returns an ActorClass; its stubs say the class
         name=name,
         namespace=NAMESPACE,
@@ -104,8 +124,31 @@ def start_actor(
         max_restarts=restarts,
         max_task_retries=-1 if restarts else 0,
         scheduling_strategy=strategy,
-    ).remote(name, args, str(spec.work_dir), None, next_of, spec.timeout_s)
+    ).remote(
+        name,
+        args,
+        str(spec.work_dir),
+        keys,
+        spec.timeout_s,
+        role if spec.secure else None,
+        signer,
+    )
+    return actor
+
+
+def start_actor(name: str, args: list[str], spec: RaySpec, strategy, role: str):
+    """``launch_actor`` and wait until its service listens: (handle, where it runs)."""
+    actor = launch_actor(name, args, spec, strategy, role)
     return actor, ray.get(actor.info.remote(), timeout=spec.timeout_s + 60)
+
+
+def start_signer(spec: RaySpec):
+    """The fleet CA's signer on this (the head's) node: it reads the CA key from ``spec.certs``."""
+    signer = Signer.options(  # type: ignore[attr-defined]  # ray.remote returns an ActorClass; its stubs say the class
+        name=SIGNER, namespace=NAMESPACE, lifetime="detached", scheduling_strategy=head_strategy()
+    ).remote(str(spec.certs))
+    ray.get(signer.prove.remote("ready"), timeout=spec.timeout_s)
+    return signer
 
 
 def stage_port(spec: RaySpec, k: int, r: int) -> int:
@@ -113,31 +156,67 @@ def stage_port(spec: RaySpec, k: int, r: int) -> int:
     return spec.stage_port_base + k + REPLICA_PORT_STRIDE * r if spec.stage_port_base else free_port()
 
 
-def start_lane(spec: RaySpec, fp: FleetPlan, shards: Path, exporter: str, r: int) -> list[ServiceInfo] | None:
-    """Lane ``r`` in its own placement group, last stage first (each asks the next's address);
+@dataclass
+class Launch:
+    """A lane whose actors are starting: its group, and each stage's actor in pipeline order."""
+
+    r: int
+    group: PlacementGroup
+    actors: list
+
+    def wait(self, spec: RaySpec) -> list[ServiceInfo]:
+        """Each stage's report once it listens; on a failure the lane is removed and it raises."""
+        try:
+            return ray.get([a.info.remote() for a in self.actors], timeout=spec.timeout_s + 60)
+        except BaseException:
+            for actor in self.actors:
+                ray.kill(actor, no_restart=True)
+            remove_placement_group(self.group)
+            raise
+
+
+def launch_lane(
+    spec: RaySpec,
+    fp: FleetPlan,
+    shards: Path,
+    exporter: str,
+    r: int,
+    alive: list[Member],
+    avoid: str | None = None,
+) -> Launch | None:
+    """Lane ``r`` in its own placement group pinned to nodes of ``alive`` (``choose_nodes``), every
+    stage started at once: each one's node and port, so its next hop, are known before any starts.
     None when the cluster has no room for it now."""
-    pg = reserve_lane(fp, f"{LANE_GROUP}{r}", spec.lane_timeout_s)
-    if pg is None:
+    nodes = choose_nodes(fp, alive, avoid)
+    pg = None if nodes is None else reserve_lane(fp, f"{LANE_GROUP}{r}", nodes, spec.lane_timeout_s)
+    if pg is None or nodes is None:
         return None
-    infos: list[ServiceInfo] = []
-    n = len(fp.plan.stages)
-    for k in reversed(range(n)):
-        args = [
-            "stage",
-            "--stage",
-            str(k),
-            "--shards",
-            f"{{run}}/shards/{shards.name}",
-            "--exporter",
-            exporter,
-        ]
-        args += ["--precision", spec.precision, "--log-format", "json", *spec.extra_stage_args]
-        args += _server_args(spec, stage_port(spec, k, r))
+    ip = {m.node_id: m.ip for m in alive}
+    ports = [stage_port(spec, k, r) for k in range(len(nodes))]
+    hops = [f"{ip[node]}:{port}" for node, port in zip(nodes, ports, strict=True)][1:]
+    actors = []
+    for k, port in enumerate(ports):
+        args = ["stage", "--stage", str(k), "--shards", f"{{run}}/shards/{shards.name}"]
+        args += ["--exporter", exporter, "--precision", spec.precision, "--log-format", "json"]
+        args += [*spec.extra_stage_args, *_server_args(spec, port)]
+        args += ["--next-hop", hops[k]] if k < len(hops) else []
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k)
-        nxt = stage_name(k + 1, r) if k + 1 < n else None
-        _, info = start_actor(stage_name(k, r), args, spec, strategy, next_of=nxt, restarts=-1)
-        infos.insert(0, info)
-    return infos
+        actors.append(launch_actor(stage_name(k, r), args, spec, strategy, "stage", restarts=-1))
+    return Launch(r, pg, actors)
+
+
+def start_lane(
+    spec: RaySpec,
+    fp: FleetPlan,
+    shards: Path,
+    exporter: str,
+    r: int,
+    alive: list[Member],
+    avoid: str | None = None,
+) -> list[ServiceInfo] | None:
+    """``launch_lane`` and wait for its stages; None when the cluster has no room for it now."""
+    launch = launch_lane(spec, fp, shards, exporter, r, alive, avoid)
+    return None if launch is None else launch.wait(spec)
 
 
 def endpoint(spec: RaySpec, host: str, port: int) -> Endpoint:
@@ -166,22 +245,27 @@ def ensure_export(spec: RaySpec, fp: FleetPlan, exporter) -> Path:
 
 
 def up(spec: RaySpec, fp: FleetPlan) -> RayFleet:
-    """Start the fleet of ``fp``; on any failure what was started is removed again."""
+    """Start the fleet of ``fp`` on its members; on any failure what was started is removed again."""
     names: list[str] = []
     try:
         head = head_strategy()
+        if spec.secure and not _alive(SIGNER):
+            start_signer(spec)
+            names.append(SIGNER)
         exporter_port = _port(spec.exporter_port)
         ex_args = ["exporter-service", "--shards-dir", str(spec.shards_root), "--log-format", "json"]
-        exporter, ex_info = start_actor(EXPORTER, ex_args + _server_args(spec, exporter_port), spec, head)
+        ex_args += _server_args(spec, exporter_port)
+        exporter, ex_info = start_actor(EXPORTER, ex_args, spec, head, "exporter")
         names.append(EXPORTER)
         shards = ensure_export(spec, fp, exporter)
-        lanes: list[list[ServiceInfo]] = []
-        while len(lanes) < spec.replicas:
-            lane = start_lane(spec, fp, shards, ex_info.address, len(lanes))
-            if lane is None:
+        launched: list[Launch] = []
+        while len(launched) < spec.replicas:  # every lane reserved, then all their stages start at once
+            launch = launch_lane(spec, fp, shards, ex_info.address, len(launched), list(fp.members))
+            if launch is None:
                 break
-            lanes.append(lane)
-            names += [s.name for s in lane]
+            launched.append(launch)
+            names += [stage_name(k, launch.r) for k in range(len(launch.actors))]
+        lanes = [launch.wait(spec) for launch in launched]
         if not lanes:
             raise InvalidArgument(
                 "ray", f"no room for a lane: its stages need {fp.stage_memory} bytes on distinct nodes"
@@ -198,20 +282,46 @@ def up(spec: RaySpec, fp: FleetPlan) -> RayFleet:
         topo.save(spec.topology)
         c_args = ["coordinator", "--topology", str(spec.topology.resolve()), "--log-format", "json"]
         c_args += [*spec.extra_coordinator_args, *_server_args(spec, c_port)]
-        _, c_info = start_actor(COORDINATOR, c_args, spec, head)
+        _, c_info = start_actor(COORDINATOR, c_args, spec, head, "coordinator")
         names.append(COORDINATOR)
         g_info = None
         if spec.gateway_port is not None:
             model_name = json.loads((shards / "manifest.json").read_text())["model"]["name"]
             g_args = ["serve-openai", "--coordinator", c_info.address, "--model-name", model_name]
             g_args += ["--host", "{host}", "--port", str(_port(spec.gateway_port)), "--log-format", "json"]
-            g_args += ["--allow-plaintext"]  # on the node's address, plaintext like the rest of this fleet
-            _, g_info = start_actor(GATEWAY, g_args, spec, head)
+            if spec.secure:  # HTTPS with the certificate the signer issued to it on this node
+                g_args += ["--tls-cert", "{tls}/gateway.pem", "--tls-key", "{tls}/gateway.key"]
+            else:  # on the node's address, plaintext like the rest of this fleet
+                g_args += ["--allow-plaintext"]
+            _, g_info = start_actor(GATEWAY, g_args, spec, head, "gateway")
             names.append(GATEWAY)
     except BaseException:
         remove(names)
         raise
     return RayFleet(spec, fp, shards, ex_info, c_info, g_info, lanes)
+
+
+def fleet_members(spec: RaySpec, trusted: set[str] | None = None) -> tuple[list[Member], list[Member]]:
+    """The alive nodes that may take stages, and those refused: secured, only the nodes that prove
+    they hold the fleet's CA and token (``certify``); those in ``trusted`` (node ids) proved it
+    before, and ``trusted`` gains the new ones."""
+    found = members()
+    if not spec.secure or spec.certs is None:
+        return found, []
+    known = trusted if trusted is not None else set()
+    signer = ray.get_actor(SIGNER, namespace=NAMESPACE)
+    ca_pem = (spec.certs / CA_CERT).read_bytes()
+    good, bad = verified(signer, [m for m in found if m.node_id not in known], ca_pem)
+    known.update(m.node_id for m in good)
+    return [m for m in found if m.node_id in known], bad
+
+
+def _alive(name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True
 
 
 def remove(names: list[str]) -> list[str]:

@@ -1,10 +1,13 @@
 """Membership changes of a Ray fleet, handled by one detached actor beside the coordinator.
 
-Ray restarts a dead node's stage actors on nodes with room (``max_restarts``, the lane's placement
-group rescheduled); the coordinator's failover carries the running requests meanwhile. The keeper
-only keeps the coordinator's lanes equal to where the actors now are (topology file + SIGHUP: a
-moved stage's lane is replaced), adds a lane when a joining node makes room for one (``--replicas
-auto``, or ``replan``), and drains a node's lanes. Each change is logged and counted
+Ray restarts a stage whose process died in place (``max_restarts``: its bundle is pinned to its
+node, so it keeps node and port). A lane with a stage on a node that died is placed again by the
+keeper on members with room, and the coordinator's failover carries the running requests
+meanwhile. A node counts as dead when Ray says so, or sooner when a stage there has neither
+answered its health check nor its actor a call for ``DEAD_AFTER_LOOKS`` looks in a row (Ray's own
+verdict waits for its node health checks). The keeper keeps the coordinator's lanes equal to where
+the actors are (topology file + SIGHUP), adds a lane when a joining node makes room for one
+(``--replicas auto``, or ``replan``), and drains a node's lanes. Each change is logged and counted
 (``pipeshard_ray_fleet_changes_total`` in Ray's metrics, on its dashboard).
 """
 
@@ -14,29 +17,35 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import cast
 
 import grpc
 import ray
 import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ray.util.placement_group import get_placement_group, remove_placement_group
 
 from pipeshard.services.launcher import stage_name
-from pipeshard.services.raycluster.actors import NAMESPACE, ServiceInfo
+from pipeshard.services.raycluster.actors import NAMESPACE, ServiceInfo, node_run_dir
+from pipeshard.services.raycluster.certify import SIGNER, request_certificate
 from pipeshard.services.raycluster.fleet import (
     COORDINATOR,
     LANE_GROUP,
     RayFleet,
     endpoint,
+    fleet_members,
     fleet_topology,
     head_strategy,
     start_lane,
 )
-from pipeshard.services.raycluster.members import members
+from pipeshard.services.raycluster.members import Member
+from pipeshard.tls import TlsConfig
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
 log = structlog.get_logger(__name__)
 KEEPER = "keeper"
+DEAD_AFTER_LOOKS = (
+    3  # looks (one a second) a stage and its actor may both be silent before its node counts as dead
+)
 
 
 @dataclass(frozen=True)
@@ -44,7 +53,7 @@ class Change:
     """One membership change, as the keeper logged and counted it."""
 
     at: float
-    kind: str  # stage_moved | stage_restarted | lane_added | lane_drained
+    kind: str  # stage_moved | lane_lost | lane_added | lane_drained
     detail: str
 
 
@@ -59,10 +68,27 @@ class Keeper:
         self.counter = Counter(
             "pipeshard_ray_fleet_changes", "membership changes of the Ray fleet", tag_keys=("kind",)
         )
-        self.nodes = len(members())
+        self.trusted: set[str] = set()
+        self.nodes = len(self._members())
+        self.silent: dict[str, int] = {}  # stage name -> looks in a row it did not answer
+        self.tls = self._identity()
         self.lock = threading.Lock()
         self.interval_s = interval_s
         threading.Thread(target=self._watch, daemon=True).start()
+
+    def _identity(self) -> TlsConfig | None:
+        """Secured: the keeper's own certificate (a coordinator's role: it reads stages' sessions)."""
+        spec = self.fleet.spec
+        if not spec.secure:
+            return None
+        node = ray.get_runtime_context().get_node_id()
+        folder = node_run_dir(str(spec.work_dir), node) / "tls" / KEEPER
+        host = ray.util.get_node_ip_address()
+        request_certificate(ray.get_actor(SIGNER, namespace=NAMESPACE), folder, KEEPER, "coordinator", host)
+        return TlsConfig.from_dir(folder, KEEPER)
+
+    def _members(self) -> list[Member]:
+        return fleet_members(self.fleet.spec, self.trusted)[0]
 
     def _record(self, kind: str, detail: str) -> None:
         self.changes.append(Change(time.time(), kind, detail))
@@ -92,48 +118,57 @@ class Keeper:
                 log.warning("ray_fleet_watch_failed", error=str(exc))
 
     def step(self) -> None:
+        alive = self._members()
+        ids = {m.node_id for m in alive}
         changed = False
         for r, lane in list(self.lanes.items()):
-            now: list[ServiceInfo] = []
-            for info in lane:
-                try:
-                    actor = ray.get_actor(info.name, namespace=NAMESPACE)
-                    now.append(cast(ServiceInfo, ray.get(actor.info.remote(), timeout=2)))
-                except Exception:
-                    now = []  # restarting: look again next time
-                    break
-            if not now:
-                continue
-            for old, new in zip(lane, now, strict=True):
-                if old.node_id != new.node_id:
-                    detail = f"{new.name} from node {old.node_id[:8]} to {new.node_id[:8]} at {new.address}"
-                    self._record("stage_moved", detail)
-            moved = [k for k in range(len(now)) if now[k].address != lane[k].address]
-            if moved:
+            gone = [s.node_id for s in lane if s.node_id not in ids or self._silent(s)]
+            if gone:
                 changed = True
-                # the stages before it forward to its old address: Ray restarts them (same ports),
-                # and each asks its next stage's actor where that is now
-                for j in reversed(range(max(moved))):
-                    ray.kill(ray.get_actor(stage_name(j, r), namespace=NAMESPACE), no_restart=False)
-                    self._record("stage_restarted", f"{stage_name(j, r)}: its next hop moved")
-            self.lanes[r] = now
-        alive = len(members())
-        if self.fleet.spec.auto_replicas and alive > self.nodes:
-            changed |= self._add_lane()
-        self.nodes = alive
+                self._place_again(r, lane, [m for m in alive if m.node_id not in gone])
+        if self.fleet.spec.auto_replicas and len(alive) > self.nodes:
+            changed |= self._add_lane(alive)
+        self.nodes = len(alive)
         if changed:
             self._publish()
 
-    def _add_lane(self, avoid: str | None = None) -> bool:
+    def _silent(self, stage: ServiceInfo) -> bool:
+        """True once neither the stage nor its actor answered for DEAD_AFTER_LOOKS looks."""
+        quiet = not _serving(stage.address, self.tls)
+        if quiet:
+            try:
+                actor = ray.get_actor(stage.name, namespace=NAMESPACE)
+                ray.get(actor.info.remote(), timeout=1)
+                quiet = False
+            except Exception:  # no answer: its node may be gone
+                pass
+        self.silent[stage.name] = self.silent.get(stage.name, 0) + 1 if quiet else 0
+        return self.silent[stage.name] >= DEAD_AFTER_LOOKS
+
+    def _place_again(self, r: int, lane: list[ServiceInfo], alive: list[Member]) -> None:
+        """Lane ``r`` lost a node: its actors and group go, and it starts again on ``alive``."""
+        f = self.fleet
+        self._remove_lane(r)
+        for s in lane:
+            self.silent.pop(s.name, None)
+        now = start_lane(f.spec, f.plan, f.shards, f.exporter.address, r, alive)
+        if now is None:
+            del self.lanes[r]
+            self._record("lane_lost", f"lane {r}: no room for it on the nodes left")
+            return
+        for old, new in zip(lane, now, strict=True):
+            if old.node_id != new.node_id:
+                detail = f"{new.name} from node {old.node_id[:8]} to {new.node_id[:8]} at {new.address}"
+                self._record("stage_moved", detail)
+        self.lanes[r] = now
+
+    def _add_lane(self, alive: list[Member], avoid: str | None = None) -> bool:
         """One more lane where the cluster has room; with ``avoid`` (a node id prefix), none that
         would have a stage there."""
         f = self.fleet
         r = max(self.lanes, default=-1) + 1
-        lane = start_lane(f.spec, f.plan, f.shards, f.exporter.address, r)
+        lane = start_lane(f.spec, f.plan, f.shards, f.exporter.address, r, alive, avoid)
         if lane is None:
-            return False
-        if avoid is not None and any(s.node_id.startswith(avoid) for s in lane):
-            self._remove_lane(r)
             return False
         self.lanes[r] = lane
         self._record("lane_added", f"lane {r} on nodes {', '.join(s.node_id[:8] for s in lane)}")
@@ -151,7 +186,7 @@ class Keeper:
         """Add lanes while the cluster has room for one; returns how many were added."""
         with self.lock:
             added = 0
-            while self._add_lane():
+            while self._add_lane(self._members()):
                 added += 1
             if added:
                 self._publish()
@@ -167,13 +202,13 @@ class Keeper:
             if not hit:
                 return []
             for _ in hit:
-                self._add_lane(avoid=node)
+                self._add_lane(self._members(), avoid=node)
             gone = [s.address for r in hit for s in self.lanes.pop(r)]
             for r in hit:
                 self._record("lane_drained", f"lane {r} off node {node}")
             self._publish()
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and any(_sessions(a) for a in gone):
+        while time.monotonic() < deadline and any(_sessions(a, self.tls) for a in gone):
             time.sleep(1.0)
         for r in hit:
             self._remove_lane(r)
@@ -186,9 +221,15 @@ class Keeper:
         return dict(self.lanes)
 
 
-def _sessions(address: str) -> int:
+def _channel(address: str, tls: TlsConfig | None) -> grpc.Channel:
+    if tls is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, tls.channel_credentials())
+
+
+def _sessions(address: str, tls: TlsConfig | None) -> int:
     """Sessions the stage at ``address`` holds (0 once it does not answer)."""
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address, tls) as channel:
         try:
             info = stage_pb2_grpc.StageServiceStub(channel).GetStageInfo(
                 stage_pb2.GetStageInfoRequest(), timeout=5
@@ -196,6 +237,15 @@ def _sessions(address: str) -> int:
         except grpc.RpcError:
             return 0
     return info.live_sessions
+
+
+def _serving(address: str, tls: TlsConfig | None) -> bool:
+    with _channel(address, tls) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def start_keeper(fleet: RayFleet):

@@ -1,9 +1,10 @@
 """Where a fleet's stages go: the DP planner over the cluster's members, one placement group per lane.
 
-The planner picks the layer ranges (or an even split of ``stages``); each lane reserves a bundle of
-the planner's memory for each of its stages, STRICT_SPREAD (one stage per node) when the cluster has
-a node per stage, so Ray puts a lane only where every stage has room and moves a stage whose node
-died to another node with room.
+The planner picks the layer ranges and the node of each stage (or an even split of ``stages``);
+each lane reserves a bundle of the planner's memory for each of its stages, every bundle pinned to
+the node chosen for it by Ray's node-id label (nodes of one machine share an IP, not a node id): the
+planner's node where it has room, else the member with the most room, one stage per node when the
+cluster has a node per stage. A lane whose node dies is placed again by the keeper.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    NODE_ID_LABEL_KEY,
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 
 from pipeshard.errors import InvalidArgument
 from pipeshard.exporter.export import resolve_split
@@ -99,11 +106,48 @@ def plan_fleet(
     return FleetPlan(plan, tuple(found))
 
 
-def reserve_lane(fp: FleetPlan, name: str, timeout_s: float) -> PlacementGroup | None:
-    """A placement group holding one lane's stages, or None when the cluster has no room for one
-    within ``timeout_s`` (then nothing stays reserved)."""
+def reserved_memory() -> dict[str, float]:
+    """Memory the cluster's live placement groups hold, by node id."""
+    held: dict[str, float] = {}
+    for pg in placement_group_table().values():
+        if pg.get("state") == "REMOVED":
+            continue
+        for index, node in pg.get("bundles_to_node_id", {}).items():
+            held[node] = held.get(node, 0.0) + pg["bundles"][index].get("memory", 0.0)
+    return held
+
+
+def choose_nodes(fp: FleetPlan, alive: list[Member], avoid: str | None = None) -> list[str] | None:
+    """A node id per stage of one more lane: the planner's node for the stage where it has room and
+    holds no other lane, else the member with the most room; distinct nodes when there are enough;
+    none on a node whose id starts with ``avoid``. None when some stage finds no room."""
+    held = reserved_memory()
+    free = {m.node_id: m.memory_bytes - held.get(m.node_id, 0.0) for m in alive}
+    if avoid is not None:
+        free = {n: room for n, room in free.items() if not n.startswith(avoid)}
+    spread = len(free) >= len(fp.plan.stages)
+    chosen: list[str] = []
+    for stage in fp.plan.stages:
+        fits = [n for n, room in free.items() if room >= stage.memory_bytes and not (spread and n in chosen)]
+        # the plan's node while no lane holds it yet: further lanes spread over the others
+        planned = [n for n in fits if stage.node and n.startswith(stage.node) and not held.get(n)]
+        if not fits:
+            return None
+        node = (planned or sorted(fits, key=lambda n: -free[n]))[0]
+        free[node] -= stage.memory_bytes
+        chosen.append(node)
+    return chosen
+
+
+def reserve_lane(fp: FleetPlan, name: str, nodes: list[str], timeout_s: float) -> PlacementGroup | None:
+    """A placement group holding one lane's stages, bundle k on node ``nodes[k]``, or None when it
+    is not placed within ``timeout_s`` (then nothing stays reserved)."""
     bundles = [{"memory": float(max(1, m))} for m in fp.stage_memory]
-    pg = placement_group(bundles, strategy=fp.strategy, name=name, lifetime="detached")
+    pins = [{NODE_ID_LABEL_KEY: node} for node in nodes]
+    strategy = "STRICT_SPREAD" if len(set(nodes)) == len(nodes) else "PACK"
+    pg = placement_group(
+        bundles, strategy=strategy, name=name, lifetime="detached", bundle_label_selector=pins
+    )
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:

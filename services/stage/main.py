@@ -197,6 +197,7 @@ def ensure_shard(settings: StageSettings) -> None:
         if not settings.exporter:
             raise
         log.info("pulling_shard", stage=settings.stage, exporter=settings.exporter, reason=str(exc))
+        started = time.perf_counter()
         pull_shard(
             settings.exporter,
             settings.shards_dir,
@@ -204,6 +205,7 @@ def ensure_shard(settings: StageSettings) -> None:
             tls=fleet_tls(settings),
             token=settings.token,
         )
+        log.info("shard_pulled", stage=settings.stage, seconds=round(time.perf_counter() - started, 3))
 
 
 def prefix_store(settings: StageSettings, shard: StageShard) -> PrefixStore:

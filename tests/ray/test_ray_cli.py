@@ -14,8 +14,8 @@ def test_up_parses_the_ray_options_and_a_plain_up_keeps_its_defaults():
     parser = build_parser()
     args = parser.parse_args(["up", "--ray", "--replicas", "auto", "--no-profile"])
     assert (args.ray, args.replicas, args.no_profile, args.stages) == ("auto", "auto", True, None)
-    args = parser.parse_args(["up", "--ray", "10.0.0.1:6379", "--stages", "3"])
-    assert (args.ray, args.stages) == ("10.0.0.1:6379", 3)
+    args = parser.parse_args(["up", "--ray", "10.0.0.1:6379", "--stages", "3", "--secure"])
+    assert (args.ray, args.stages, args.secure) == ("10.0.0.1:6379", 3, True)
     plain = parser.parse_args(["up"])
     assert (plain.ray, plain.replicas) == (None, 1)
     with pytest.raises(SystemExit):

@@ -1,10 +1,12 @@
-"""A fleet on a real 3-node Ray cluster on this machine (`make test-ray`): placed by the planner,
-its stages pulling their shards from the exporter actor, exact against an in-process run; a node
-killed mid-stream with two lanes fails no request and its stage serves again on another node; a
-node that joins adds a lane (``--replicas auto``); draining a node fails no request."""
+"""A fleet on a real 3-node Ray cluster on this machine (`make test-ray`): each stage on the node the
+plan named, its stages pulling their shards from the exporter actor, exact against an in-process
+run; a node killed mid-stream with two lanes fails no request and its stage serves again on another
+node; a node that joins adds a lane (``--replicas auto``); draining a node fails no request; a plan
+whose split no export has gets its export made once by the exporter actor, and reused."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import replace
@@ -19,7 +21,15 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.
 from pipeshard.clients.client import PipeshardClient  # noqa: E402
 from pipeshard.planning.cli import model_cost  # noqa: E402
 from pipeshard.services.raycluster.actors import NAMESPACE  # noqa: E402
-from pipeshard.services.raycluster.fleet import RaySpec, remove, up  # noqa: E402
+from pipeshard.services.raycluster.fleet import (  # noqa: E402
+    EXPORTER,
+    RaySpec,
+    ensure_export,
+    head_strategy,
+    remove,
+    start_actor,
+    up,
+)
 from pipeshard.services.raycluster.keeper import start_keeper  # noqa: E402
 from pipeshard.services.raycluster.members import members  # noqa: E402
 from pipeshard.services.raycluster.placement import plan_fleet  # noqa: E402
@@ -132,17 +142,27 @@ def test_ray_fleet_is_exact_survives_a_dead_node_and_grows_a_lane(
         auto_replicas=True,
         lane_timeout_s=10.0,
     )
-    fp = plan_fleet(members(), Path(shards), "int4", stages=2, profile=False)
+    found = members()
+    fp = plan_fleet(found, Path(shards), "int4", stages=2, profile=False)
+    # the plan names the last worker for stage 0 and the head for stage 1: not Ray's own order
+    named = [found[2], found[0]]
+    stages = tuple(replace(s, node=m.name) for s, m in zip(fp.plan.stages, named, strict=True))
+    fp = replace(fp, plan=replace(fp.plan, stages=stages))
     fleet = up(spec, fp)
     try:
+        assert [s.node_id for s in fleet.lanes[0]] == [m.node_id for m in named], "not where the plan said"
         keeper = start_keeper(fleet)
         nodes = [{s.node_id for s in lane} for lane in fleet.lanes]
         assert all(len(n) == 2 for n in nodes), "a lane's stages share a node"
-        # each stage pulled only its own shard into its node's folder
+        # each stage pulled only its own shard into its node's folder: a node holds the shards of
+        # exactly the stages placed on it
+        held: dict[str, set[str]] = {}
         for lane in fleet.lanes:
             for k, s in enumerate(lane):
-                pulled = next((tmp_path / "nodes").glob(f"node-{s.node_id[:12]}/shards/{shards.name}"))
-                assert (pulled / f"stage_{k}").is_dir() and not (pulled / f"stage_{1 - k}").exists()
+                held.setdefault(s.node_id, set()).add(f"stage_{k}")
+        for node, stages in held.items():
+            pulled = next((tmp_path / "nodes").glob(f"node-{node[:12]}/shards/{shards.name}"))
+            assert {p.name for p in pulled.glob("stage_*")} == stages
 
         results: dict[int, object] = {}
         _generate_all(fleet.coordinator.address, results)
@@ -203,3 +223,41 @@ def test_ray_fleet_is_exact_survives_a_dead_node_and_grows_a_lane(
         assert "lane_drained" in [ch.kind for ch in ray.get(keeper.history.remote())]
     finally:
         remove(["keeper", *fleet.actor_names, *ray.util.list_named_actors()])
+
+
+def test_a_plan_whose_split_no_export_has_is_exported_once_by_the_exporter_actor(
+    cluster, smollm2_dir, tmp_path
+):
+
+    cost = model_cost(smollm2_dir, "int4", None)
+    fp = plan_fleet(members(), smollm2_dir, "int4", stages=2, profile=False)
+    first = fp.plan.stages[0].layer_end - 2  # two layers off the even split
+    parts = (
+        replace(fp.plan.stages[0], layer_end=first),
+        replace(fp.plan.stages[1], layer_start=first),
+    )
+    fp = replace(fp, plan=replace(fp.plan, stages=parts))
+    spec = RaySpec(
+        shards_root=tmp_path / "shards",
+        work_dir=tmp_path / "nodes",
+        topology=tmp_path / "topology.yaml",
+        model=str(smollm2_dir),
+    )
+    exporter, _ = start_actor(
+        EXPORTER,
+        ["exporter-service", "--shards-dir", str(spec.shards_root)],
+        spec,
+        head_strategy(),
+        "exporter",
+    )
+    try:
+        shards = ensure_export(spec, fp, exporter)
+        assert shards.name == f"{smollm2_dir.name}-split0-{first}_{first}-{cost.num_layers}-int4"
+        manifest = shards / "manifest.json"
+        layers = [(s["layer_start"], s["layer_end"]) for s in json.loads(manifest.read_text())["stages"]]
+        assert layers == [(0, first), (first, cost.num_layers)]
+        made = manifest.stat().st_mtime_ns
+        assert ensure_export(spec, fp, exporter) == shards  # a second up: the same export, not made again
+        assert manifest.stat().st_mtime_ns == made
+    finally:
+        remove([EXPORTER])
