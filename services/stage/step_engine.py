@@ -1,10 +1,11 @@
 """The one step interface of every KV backend: ``run(rows) -> results``.
 
-Each row is checked on its own against its session (one set of checks for every backend), so
-a bad row is answered with its error in place while the others run. A backend supplies where
-a row's cache starts after its rewind, any room check of its own and the compute over the
-checked rows (the stateful engine one row after another, the paged one in one inference); the
-final stage's answer for each row (top-1, logits, drawn tokens or nothing) is formed here.
+Each row is checked on its own against its stage and its session (one set of checks for every
+backend), so a bad row is answered with its error in place while the others run; what a row
+carries on its own was checked once, where it was decoded (rows.py, with the checks below).
+A backend supplies where a row's cache starts after its rewind, any room check of its own and
+the compute over the checked rows (the stateful engine one row after another, the paged one in
+one inference); the final stage's answer for each row (top-1, logits, drawn tokens or nothing) is formed here.
 """
 
 from __future__ import annotations
@@ -111,10 +112,6 @@ class RowEngine(Generic[S]):
         check_range("positions", row.positions, self.max_context)
         if self.is_first:
             check_range("input_ids", row.activations, self.vocab_size)
-        check_kind(row)
-        check_tree(row)
-        if row.draft_heads:
-            check_heads(row)
         if self.is_last and row.return_mode is ReturnMode.SAMPLED:
             check_sampling(row, self.vocab_size)
         start = self._rewound(row, session)

@@ -10,37 +10,16 @@ from __future__ import annotations
 import math
 import time
 import zlib
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from pipeshard.errors import InvalidArgument, PipeshardError, ResourceExhausted
-from pipeshard.sampling import Distribution, check_rng_state
 from pipeshard.services.stage.domain import ReturnMode, RowKind, SamplingStep, Step, StepOutput, StepRow
+from pipeshard.services.stage.rows import plan_row, row_from_plan
 from pipeshard.shard.draft_heads import HeadCandidates
 from pipeshard.tensor_codec import Codec, decode, encode
 from pipeshard.v1 import activation_pb2, tensor_pb2
-
-_MODES = {
-    activation_pb2.RETURN_MODE_UNSPECIFIED: ReturnMode.TOP1,
-    activation_pb2.RETURN_MODE_TOP1: ReturnMode.TOP1,
-    activation_pb2.RETURN_MODE_LOGITS: ReturnMode.LOGITS,
-    activation_pb2.RETURN_MODE_NONE: ReturnMode.NONE,
-    activation_pb2.RETURN_MODE_SAMPLED: ReturnMode.SAMPLED,
-}
-_PB_MODES = {
-    ReturnMode.TOP1: activation_pb2.RETURN_MODE_TOP1,
-    ReturnMode.LOGITS: activation_pb2.RETURN_MODE_LOGITS,
-    ReturnMode.NONE: activation_pb2.RETURN_MODE_NONE,
-    ReturnMode.SAMPLED: activation_pb2.RETURN_MODE_SAMPLED,
-}
-_KINDS = {
-    activation_pb2.ROW_KIND_PREFILL: RowKind.PREFILL,
-    activation_pb2.ROW_KIND_DECODE: RowKind.DECODE,
-    activation_pb2.ROW_KIND_VERIFY: RowKind.VERIFY,
-}
-_PB_KINDS = {kind: pb for pb, kind in _KINDS.items()}
 
 WIRE_DTYPES = ("fp32", "fp16", "bf16")  # fp16 and bf16 are LOSSY opt-ins (docs/BENCHMARKS.md)
 
@@ -109,140 +88,14 @@ def step_from_frame(
     out, start = [], 0
     for row in rows:
         end = start + row.tokens
-        out.append(_row(row, positions[start:end], x[:, start:end], frame.owner))
+        out.append(row_from_plan(row, positions[start:end], x[:, start:end], frame.owner))
         start = end
     return Step(out, frame.owner, list(frame.stage_compute_micros), frame.sent_unix_nanos)
-
-
-def _row(row: activation_pb2.PlanRow, positions: np.ndarray, x: np.ndarray, owner: str) -> StepRow:
-    if not row.session_id:
-        raise InvalidArgument("plan.rows.session_id", "must not be empty")
-    if row.return_mode not in _MODES:
-        raise InvalidArgument("plan.rows.return_mode", f"unknown value {row.return_mode}")
-    if row.kind not in _KINDS:
-        raise InvalidArgument("plan.rows.kind", f"must be PREFILL, DECODE or VERIFY, got {row.kind}")
-    sampled = row.return_mode == activation_pb2.RETURN_MODE_SAMPLED
-    return StepRow(
-        session_id=row.session_id,
-        step_id=row.step_id,
-        kind=_KINDS[row.kind],
-        positions=positions,
-        activations=x,
-        owner=owner,
-        invalidate=tuple((r.start, r.end) for r in row.mask_update.invalidate),
-        return_mode=_MODES[row.return_mode],
-        return_last=row.return_last or 1,
-        sampling=_sampling_step(row) if sampled else None,
-        tree_chains=max(1, row.tree_chains),
-        tree_keep=row.tree_keep - 1,
-        tree_parents=tuple(row.tree_parents),
-        tree_kept=tuple(row.tree_kept),
-        top1_ids_only=row.top1_ids_only,
-        slot_id=row.slot_id,
-        prefix_reuse_length=row.prefix_reuse_length,
-        return_features=row.return_features,
-        draft_heads=row.draft_heads,
-        head_path_tokens=tuple(row.head_path_tokens),
-    )
 
 
 def _widen(x: np.ndarray) -> np.ndarray:
     """Hidden states sent as fp16 (``--wire-dtype fp16``, lossy) run as float32 like the rest."""
     return x.astype(np.float32) if x.dtype == np.float16 else x
-
-
-def _sampling_step(row: activation_pb2.PlanRow) -> SamplingStep:
-    if not row.HasField("sampling"):
-        raise InvalidArgument("plan.rows.sampling", "is required with RETURN_MODE_SAMPLED")
-    s = row.sampling
-    dist = Distribution(s.temperature, s.top_k, s.top_p)
-    dist.check("plan.rows.sampling.")
-    check_rng_state(s.rng_state, "plan.rows.sampling.rng_state")
-    return SamplingStep(dist, s.rng_state, list(s.draft_tokens))
-
-
-def _sampling_request(step: SamplingStep) -> activation_pb2.SamplingRequest:
-    d = step.distribution
-    return activation_pb2.SamplingRequest(
-        temperature=d.temperature,
-        top_k=d.top_k,
-        top_p=d.top_p,
-        rng_state=step.rng_state,
-        draft_tokens=step.draft_tokens,
-    )
-
-
-def _pb_plan_row(
-    *,
-    slot_id: int,
-    position: int,
-    session_id: str,
-    step_id: int,
-    tokens: int,
-    mode: ReturnMode,
-    return_last: int,
-    invalidate: Iterable[tuple[int, int]],
-    sampling: SamplingStep | None,
-    kind: RowKind,
-    chains: int,
-    keep: int,
-    parents: Sequence[int],
-    kept: Sequence[int],
-    top1_ids_only: bool,
-    return_features: bool,
-    draft_heads: int = 0,
-    head_path_tokens: Sequence[int] = (),
-    prefix_reuse_length: int = 0,
-) -> activation_pb2.PlanRow:
-    """The one place a row's fields become a PlanRow (a StepRow's in frame_from_step, the
-    coordinator's raw ones in token_frame)."""
-    return activation_pb2.PlanRow(
-        slot_id=slot_id,
-        position=position,
-        prefix_reuse_length=prefix_reuse_length,
-        session_id=session_id,
-        step_id=step_id,
-        tokens=tokens,
-        return_mode=_PB_MODES[mode],
-        return_last=return_last,
-        mask_update=activation_pb2.MaskUpdate(
-            invalidate=[activation_pb2.CacheRange(start=s, end=e) for s, e in invalidate]
-        ),
-        sampling=_sampling_request(sampling) if sampling is not None else None,
-        kind=_PB_KINDS[kind],
-        tree_chains=chains if chains > 1 else 0,
-        tree_keep=keep + 1,
-        tree_parents=parents,
-        tree_kept=kept,
-        top1_ids_only=top1_ids_only,
-        return_features=return_features,
-        draft_heads=draft_heads,
-        head_path_tokens=head_path_tokens,
-    )
-
-
-def _plan_row(row: StepRow) -> activation_pb2.PlanRow:
-    return _pb_plan_row(
-        slot_id=row.slot_id,
-        position=int(row.positions[0]) if len(row.positions) else 0,
-        prefix_reuse_length=row.prefix_reuse_length,
-        session_id=row.session_id,
-        step_id=row.step_id,
-        tokens=row.tokens,
-        mode=row.return_mode,
-        return_last=row.return_last,
-        invalidate=row.invalidate,
-        sampling=row.sampling,
-        kind=row.kind,
-        chains=row.tree_chains,
-        keep=row.tree_keep,
-        parents=row.tree_parents,
-        kept=row.tree_kept,
-        top1_ids_only=row.top1_ids_only,
-        return_features=row.return_features,
-        draft_heads=row.draft_heads,
-        head_path_tokens=row.head_path_tokens,
-    )
 
 
 def frame_from_step(
@@ -259,7 +112,7 @@ def frame_from_step(
         step_id=first.step_id,
         positions=np.concatenate([row.positions for row in step.rows]).tolist(),
         tensors=[tensor_pb2.NamedTensor(name=name, tensor=tensor)],
-        plan=activation_pb2.PlanFrame(rows=[_plan_row(row) for row in step.rows]),
+        plan=activation_pb2.PlanFrame(rows=[plan_row(row) for row in step.rows]),
         stage_compute_micros=step.compute_micros,
         sent_unix_nanos=step.sent_unix_nanos,
         owner=step.owner,
@@ -445,39 +298,39 @@ def token_frame(
             kind = RowKind.VERIFY
         else:
             kind = RowKind.PREFILL if fill_only or len(ids) > 1 else RowKind.DECODE
-    # Built as protobuf directly, not as a StepRow through frame_from_step (the same frame): the
-    # coordinator builds one per running session per step, and the StepRow, numpy and re-encoding
-    # path cost about 3x as much (docs/BENCHMARKS.md, bench-latency).
+    # Not through frame_from_step (the same frame): the coordinator builds one per running session
+    # per step, and its concatenating and re-encoding path cost about 3x as much (docs/BENCHMARKS.md,
+    # bench-latency); the row itself goes through the one encoder, plan_row.
     if parents:
         positions = tree_positions(start, parents).tolist()
     else:
         positions = list(range(start, start + len(ids) // chains)) * chains
-    row = _pb_plan_row(
-        slot_id=-1,
-        position=positions[0] if positions else 0,
+    x = np.asarray([ids], dtype=np.int64)
+    row = StepRow(
         session_id=session_id,
         step_id=step,
-        tokens=len(positions),
-        mode=mode,
-        return_last=return_last,
-        invalidate=invalidate or (),
-        sampling=sampling,
         kind=kind,
-        chains=chains,
-        keep=keep_chain,
-        parents=parents,
-        kept=kept,
+        positions=np.asarray(positions, dtype=np.int64),
+        activations=x,
+        invalidate=tuple(invalidate or ()),
+        return_mode=mode,
+        return_last=return_last,
+        sampling=sampling,
+        tree_chains=chains,
+        tree_keep=keep_chain,
+        tree_parents=parents,
+        tree_kept=kept,
         top1_ids_only=mode is ReturnMode.TOP1 and not probabilities,
         return_features=features and not fill_only,
         draft_heads=0 if fill_only else heads,
-        head_path_tokens=ids[len(ids) - return_last :] if heads and not fill_only else (),
+        head_path_tokens=tuple(ids[len(ids) - return_last :]) if heads and not fill_only else (),
     )
     return activation_pb2.ActivationFrame(
         session_id=session_id,
         step_id=step,
         positions=positions,
-        tensors=[tensor_pb2.NamedTensor(name="input_ids", tensor=encode(np.asarray([ids], dtype=np.int64)))],
-        plan=activation_pb2.PlanFrame(rows=[row]),
+        tensors=[tensor_pb2.NamedTensor(name="input_ids", tensor=encode(x))],
+        plan=activation_pb2.PlanFrame(rows=[plan_row(row)]),
         sent_unix_nanos=time.time_ns(),
     )
 

@@ -97,7 +97,6 @@ def test_step_applies_mask_update_before_running_and_returns_last_positions():
         ({"ids": [1, 2], "positions": [0]}, "`positions`"),
         ({"ids": [1], "positions": [0], "invalidate": ((0, 5),)}, "`mask_update`"),
         ({"ids": [1], "positions": [0], "return_last": 2}, "`return_last`"),
-        ({"ids": [1, 2], "positions": [0, 1], "return_mode": ReturnMode.NONE, "return_last": 2}, "`kind`"),
         ({"ids": [VOCAB], "positions": [0]}, r"`input_ids` must lie in \[0, 11\), got 11"),
         ({"ids": [-5], "positions": [0]}, "`input_ids`.*got -5"),
         ({"ids": [1], "positions": [16]}, r"`positions` must lie in \[0, 16\), got 16"),
