@@ -25,7 +25,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from pipeshard.errors import InvalidArgument
+from pipeshard.errors import FailedPrecondition, InvalidArgument
 from pipeshard.paths import DEFAULT_MODEL
 from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.launcher import stage_name
@@ -156,6 +156,14 @@ def stage_port(spec: RaySpec, k: int, r: int) -> int:
     return spec.stage_port_base + k + REPLICA_PORT_STRIDE * r if spec.stage_port_base else free_port()
 
 
+@dataclass(frozen=True)
+class Planned:
+    """Where a stage that is starting will listen, known before it starts."""
+
+    address: str
+    node_id: str
+
+
 @dataclass
 class Launch:
     """A lane whose actors are starting: its group, and each stage's actor in pipeline order."""
@@ -163,6 +171,7 @@ class Launch:
     r: int
     group: PlacementGroup
     actors: list
+    planned: list[Planned]  # where each stage will listen: its pinned node's address and its port
 
     def wait(self, spec: RaySpec) -> list[ServiceInfo]:
         """Each stage's report once it listens; on a failure the lane is removed and it raises."""
@@ -193,7 +202,8 @@ def launch_lane(
         return None
     ip = {m.node_id: m.ip for m in alive}
     ports = [stage_port(spec, k, r) for k in range(len(nodes))]
-    hops = [f"{ip[node]}:{port}" for node, port in zip(nodes, ports, strict=True)][1:]
+    planned = [Planned(f"{ip[node]}:{port}", node) for node, port in zip(nodes, ports, strict=True)]
+    hops = [p.address for p in planned[1:]]
     actors = []
     for k, port in enumerate(ports):
         args = ["stage", "--stage", str(k), "--shards", f"{{run}}/shards/{shards.name}"]
@@ -202,7 +212,7 @@ def launch_lane(
         args += ["--next-hop", hops[k]] if k < len(hops) else []
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k)
         actors.append(launch_actor(stage_name(k, r), args, spec, strategy, "stage", restarts=-1))
-    return Launch(r, pg, actors)
+    return Launch(r, pg, actors, planned)
 
 
 def start_lane(
@@ -224,9 +234,9 @@ def endpoint(spec: RaySpec, host: str, port: int) -> Endpoint:
 
 
 def fleet_topology(spec: RaySpec, shards: Path, coordinator: Endpoint, exporter: Endpoint, lanes) -> Topology:
-    """The coordinator's topology file from the stage actors' reports."""
+    """The coordinator's topology file from the stage actors' reports (or their planned places)."""
 
-    def end(info: ServiceInfo) -> StageEndpoint:
+    def end(info: ServiceInfo | Planned) -> StageEndpoint:
         host, _, port = info.address.rpartition(":")
         metrics = int(port) + METRICS_OFFSET if spec.metrics else 0
         return StageEndpoint(host, int(port), metrics, node=info.node_id)
@@ -265,25 +275,31 @@ def up(spec: RaySpec, fp: FleetPlan) -> RayFleet:
                 break
             launched.append(launch)
             names += [stage_name(k, launch.r) for k in range(len(launch.actors))]
-        lanes = [launch.wait(spec) for launch in launched]
-        if not lanes:
+        if not launched:
             raise InvalidArgument(
                 "ray", f"no room for a lane: its stages need {fp.stage_memory} bytes on distinct nodes"
             )
-        if len(lanes) < spec.replicas:
+        if len(launched) < spec.replicas:
             raise InvalidArgument(
-                "replicas", f"is {spec.replicas}, but the cluster has room for {len(lanes)} lane(s)"
+                "replicas", f"is {spec.replicas}, but the cluster has room for {len(launched)} lane(s)"
             )
+        # the coordinator starts beside the stages: it knows where they will listen and waits for them
         c_port = _port(spec.coordinator_port)
         ex_host = ex_info.address.rpartition(":")[0]
-        topo = fleet_topology(
-            spec, shards, endpoint(spec, ex_host, c_port), endpoint(spec, ex_host, exporter_port), lanes
-        )
-        topo.save(spec.topology)
+        ends = endpoint(spec, ex_host, c_port), endpoint(spec, ex_host, exporter_port)
+        fleet_topology(spec, shards, *ends, [launch.planned for launch in launched]).save(spec.topology)
         c_args = ["coordinator", "--topology", str(spec.topology.resolve()), "--log-format", "json"]
         c_args += [*spec.extra_coordinator_args, *_server_args(spec, c_port)]
-        _, c_info = start_actor(COORDINATOR, c_args, spec, head, "coordinator")
+        coordinator = launch_actor(COORDINATOR, c_args, spec, head, "coordinator")
         names.append(COORDINATOR)
+        lanes = [launch.wait(spec) for launch in launched]
+        for launch, lane in zip(launched, lanes, strict=True):
+            if [s.address for s in lane] != [p.address for p in launch.planned]:
+                raise FailedPrecondition(
+                    f"lane {launch.r} listens on {[s.address for s in lane]}, not where it was placed "
+                    f"({[p.address for p in launch.planned]}): Ray's node addresses disagree"
+                )
+        c_info = ray.get(coordinator.info.remote(), timeout=spec.timeout_s + 60)
         g_info = None
         if spec.gateway_port is not None:
             model_name = json.loads((shards / "manifest.json").read_text())["model"]["name"]
