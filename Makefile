@@ -28,7 +28,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: batch bench-commits bench-compile-cache bench-compress bench-deploy bench-failover bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-ray bench-spec bench-static bench-wan clean demo distil down export image image-base lint model model-gemma3 proto run-stage serve-openai setup soak test test-deploy test-docker test-exactness test-extended test-fast test-fuzz test-invariance test-ray typecheck up wan-down wan-up wheelhouse
+.PHONY: batch bench-commits bench-compile-cache bench-compress bench-deploy bench-failover bench-families bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-ray bench-spec bench-static bench-wan clean demo distil down export image image-base lint model model-gemma3 proto run-stage serve-openai setup soak test test-deploy test-docker test-exactness test-extended test-fast test-fuzz test-invariance test-ray typecheck up wan-down wan-up wheelhouse
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -234,6 +234,10 @@ distil: model
 ## bench-spec: speculative decoding on natural text (looping prompts dropped, repetition_rate), every draft source (prompt lookup, self, hf, the trained feature draft) as chains, trees and adaptive, single node, on 2-/3-stage rings for exactness and across the WAN emulator (flock /tmp/wan.lock; BENCH_QUICK=1: every key; bench/results/spec.json)
 bench-spec: model
 	$(PY) -m bench.spec
+
+## bench-families: the mixture-of-experts stage's decode step (Qwen3-30B-A3B shape, 1 layer), sparse form over the dense all-experts fallback at 1 and 8 users (bench/results/families.json)
+bench-families: $(STAMP)
+	$(PY) -m bench.families
 
 ## bench-prefix: TTFT of a chat's next turn, warm (prefix cache) vs cold, at 256/1024/2048 tokens of history on 2-stage fleets; KV capture/restore time and bytes per stage (bench/results/prefix.json)
 bench-prefix: model

@@ -20,18 +20,19 @@ EXPORT_FACTOR = 1.4
 EXPORT_BASE = 900 * 2**20
 
 
-def layer_params(spec: ModelSpec) -> int:
+def layer_params(spec: ModelSpec, layer: int) -> int:
+    """Parameters of one decoder layer; a MoE layer counts every expert (all are resident)."""
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     bias = (q + 2 * kv if spec.qkv_bias else 0) + (spec.hidden_size if spec.o_bias else 0)
     norms = 2 * spec.head_dim if spec.family.qk_norm else 0
-    return spec.hidden_size * (2 * q + 2 * kv) + 3 * spec.hidden_size * spec.intermediate_size + bias + norms
+    return spec.hidden_size * (2 * q + 2 * kv) + spec.mlp_params(layer) + bias + norms
 
 
 def stage_params(spec: ModelSpec, layer_start: int, layer_end: int) -> int:
     """Parameters one stage loads: its layers, the embedding (first), final norm and head (last)."""
     table = spec.vocab_size * spec.hidden_size
     first, last = layer_start == 0, layer_end == spec.num_layers
-    params = (layer_end - layer_start) * (layer_params(spec) + 2 * spec.hidden_size)
+    params = sum(layer_params(spec, i) + 2 * spec.hidden_size for i in range(layer_start, layer_end))
     if first:
         params += table
     if last:  # final norm, and the head unless it is stage 0's own (tied) embedding tensor

@@ -66,6 +66,8 @@ class CompressionPlan:
 def compressed_input_dims(spec: ModelSpec, head_precision: str = "int8") -> set[int]:
     """Input (reduction) dimensions of the matrices INT4 compression groups along."""
     dims = {spec.hidden_size, spec.num_heads * spec.head_dim, spec.intermediate_size}
+    if spec.moe is not None:
+        dims.add(spec.moe.intermediate_size)
     if head_precision == "int4":
         dims.add(spec.hidden_size)  # embedding rows and LM head columns are hidden_size long
     return dims

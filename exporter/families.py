@@ -7,9 +7,10 @@ are RMS-normed per head (QK-norm: Qwen3) and whether q/k/v and gate/up are store
 matrix each (Phi-3; the loader splits them by rows). Gemma 3 adds four norms per layer (the
 attention and MLP outputs normed before their residual adds), norms that scale by ``1 + w``, a
 GELU-tanh MLP, an embedding scaled by sqrt(hidden), its own query scale, and interleaved local
-(sliding-window, their own rotary base) and global layers. One ``Family`` value per model type
-describes that, and :func:`resolve_spec` turns a ``config.json`` into the plain numbers the
-stage module is built from.
+(sliding-window, their own rotary base) and global layers. Qwen3-MoE replaces the MLP of its
+sparse layers with a routed mixture of experts (softmax router, top-k, optionally renormalised).
+One ``Family`` value per model type describes that, and :func:`resolve_spec` turns a
+``config.json`` into the plain numbers the stage module is built from.
 """
 
 from __future__ import annotations
@@ -76,6 +77,13 @@ class Family:
     embed_scaled: bool = False  # token embeddings times sqrt(hidden_size) (Gemma)
     # The config class's tie_word_embeddings, which save_pretrained leaves out of config.json.
     tie_default: bool = False
+    # Mixture of experts: config fields of the expert count, experts per token and expert MLP
+    # width, and the tensor names of the router and of expert ``{e}``'s gate/up/down (None: no MoE).
+    num_experts: str | None = None
+    experts_per_token: str = "num_experts_per_tok"
+    moe_intermediate_size: str = "moe_intermediate_size"
+    router: str = "mlp.gate"
+    expert: str = "mlp.experts.{e}."
     # Real weights of this family that pipeshard installs (`pipeshard model list`); None: only
     # synthetic shapes (`pipeshard model synth`) or a folder the user brings.
     real_weights: str | None = None
@@ -104,6 +112,14 @@ FAMILIES: dict[str, Family] = {
         o_bias="attention_bias",
         q_norm="self_attn.q_norm",
         k_norm="self_attn.k_norm",
+    ),
+    "qwen3_moe": Family(
+        name="qwen3_moe",
+        qkv_bias="attention_bias",
+        o_bias="attention_bias",
+        q_norm="self_attn.q_norm",
+        k_norm="self_attn.k_norm",
+        num_experts="num_experts",
     ),
     "phi3": Family(name="phi3", qkv_proj="self_attn.qkv_proj", gate_up_proj="mlp.gate_up_proj"),
     "gemma3_text": Family(
@@ -182,6 +198,41 @@ def _rope_scaling(scaling: dict[str, Any] | None) -> Llama3Rope | None:
     )
 
 
+MOE_FORMS = ("sparse", "dense")
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """A routed mixture of experts in the MLP of ``layers`` (Qwen3-MoE).
+
+    ``form`` is how the stage graph computes it: ``sparse`` gathers the weights of the experts
+    any token of the step chose and runs only those (cost grows with the experts chosen, not with
+    ``num_experts``); ``dense`` runs every expert and zero-weights the unchosen ones (the
+    fallback the sparse form is measured against, ``make bench-families``).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    layers: frozenset[int]
+    form: str = "sparse"
+
+    def params(self, hidden_size: int) -> int:
+        """Parameters of one MoE layer's MLP: every expert's gate, up and down, and the router."""
+        return self.num_experts * (3 * hidden_size * self.intermediate_size + hidden_size)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "intermediate_size": self.intermediate_size,
+            "norm_topk_prob": self.norm_topk_prob,
+            "layers": sorted(self.layers),
+            "form": self.form,
+        }
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The numbers a stage module is built from, resolved from one config.json."""
@@ -211,6 +262,16 @@ class ModelSpec:
     # (a family's sliding_window then only caps the context, see export.resolve_max_context).
     local_layers: frozenset[int] = frozenset()
     local_rope_theta: float | None = None
+    moe: MoeSpec | None = None  # the routed experts, if any layer has them
+
+    def is_moe(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.layers
+
+    def mlp_params(self, layer: int) -> int:
+        """Parameters of ``layer``'s MLP: all experts of a MoE layer count (they are all resident)."""
+        if self.moe is not None and layer in self.moe.layers:
+            return self.moe.params(self.hidden_size)
+        return 3 * self.hidden_size * self.intermediate_size
 
     @property
     def kv_groups(self) -> int:
@@ -246,6 +307,7 @@ class ModelSpec:
             "query_scale": self.query_scale,
             "local_layers": sorted(self.local_layers),
             "local_rope_theta": self.local_rope_theta,
+            "moe": None if self.moe is None else self.moe.to_json(),
         }
 
 
@@ -283,7 +345,7 @@ def resolve_spec(config: dict[str, Any]) -> ModelSpec:
     if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
         raise InvalidArgument("model", "uses partial_rotary_factor != 1 (rotary on part of each head only)")
     window = config.get("sliding_window")
-    if family.name in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+    if family.name in ("qwen2", "qwen3", "qwen3_moe") and not config.get("use_sliding_window", False):
         window = None
     layers = int(_require(config, f.num_layers))
     local_layers: frozenset[int] = frozenset()
@@ -314,6 +376,28 @@ def resolve_spec(config: dict[str, Any]) -> ModelSpec:
         query_scale=float(config[f.query_scale]) if f.query_scale and config.get(f.query_scale) else None,
         local_layers=local_layers,
         local_rope_theta=float(config.get(f.local_rope_theta, 10000.0)) if local_layers else None,
+        moe=_moe(config, family, layers),
+    )
+
+
+def _moe(config: dict[str, Any], family: Family, layers: int) -> MoeSpec | None:
+    """The experts of a MoE config: every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``."""
+    experts = int(config.get(family.num_experts) or 0) if family.num_experts else 0
+    if not experts:
+        return None
+    top_k = int(_require(config, family.experts_per_token))
+    if not 1 <= top_k <= experts:
+        raise InvalidArgument("model", f"has {family.experts_per_token} {top_k}, not 1..{experts}")
+    if config.get("shared_expert_intermediate_size"):
+        raise InvalidArgument("model", "uses a shared expert, which the stage module does not implement")
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in config.get("mlp_only_layers") or ()}
+    return MoeSpec(
+        num_experts=experts,
+        top_k=top_k,
+        intermediate_size=int(_require(config, family.moe_intermediate_size)),
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        layers=frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
     )
 
 

@@ -45,6 +45,8 @@ def _features(family: Family) -> tuple[str, ...]:
         out.append("scaled embedding")
     if family.local_rope_theta:
         out.append("local/global layers")
+    if family.num_experts:
+        out.append("routed experts")
     return tuple(out)
 
 

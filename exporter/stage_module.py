@@ -125,15 +125,61 @@ class MLP(nn.Module):
         return self.down_proj(gate * self.up_proj(x))
 
 
+class SparseMoe(nn.Module):
+    """Routed experts (Qwen3-MoE): softmax router, top-k per token, optionally renormalised.
+
+    Experts are stacked: ``gate_up`` [E, hidden, 2 * inter] (gate columns first) and ``down``
+    [E, inter, hidden], already transposed so the graph multiplies without a Transpose. The
+    sparse form takes the experts any row of the step chose (NonZero over the routing mask),
+    Gathers only their weights and runs a batched MatMul over them: a decode step of one row
+    reads top_k experts of num_experts. The dense form is two plain matrix products over all
+    experts, each row's unchosen experts weighted 0.
+    """
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        moe = spec.moe
+        assert moe is not None
+        h, i, e = spec.hidden_size, moe.intermediate_size, moe.num_experts
+        self.num_experts, self.top_k, self.inter = e, moe.top_k, i
+        self.norm_topk_prob, self.dense = moe.norm_topk_prob, moe.form == "dense"
+        self.router = nn.Linear(h, e, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(e, h, 2 * i))
+        self.down = nn.Parameter(torch.empty(e, i, h))
+
+    def forward(self, x):
+        b, t, h = x.shape
+        x = x.reshape(b * t, h)
+        probs = F.softmax(self.router(x), dim=-1)
+        top, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        weights = torch.zeros_like(probs).scatter(1, chosen, top)  # [rows, E], 0 where unchosen
+        if self.dense:
+            gate_up = (x @ self.gate_up.permute(1, 0, 2).reshape(h, -1)).view(
+                b * t, self.num_experts, 2 * self.inter
+            )
+            act = F.silu(gate_up[..., : self.inter]) * gate_up[..., self.inter :] * weights[..., None]
+            out = act.reshape(b * t, -1) @ self.down.reshape(-1, h)
+        else:
+            hit = torch.zeros_like(probs).scatter(1, chosen, torch.ones_like(top)).sum(0) > 0
+            used = torch.nonzero(hit).squeeze(-1)  # [U]: experts some row chose
+            gate_up = x[None] @ self.gate_up[used]  # [U, rows, 2 * inter]
+            act = F.silu(gate_up[..., : self.inter]) * gate_up[..., self.inter :]
+            act = act * weights.transpose(0, 1)[used][..., None]
+            out = (act @ self.down[used]).sum(0)
+        return out.view(b, t, h)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, local: bool = False):
+    def __init__(self, spec: ModelSpec, local: bool = False, moe: bool = False):
         super().__init__()
         h = spec.hidden_size
         self.local = local  # a sliding-window layer: the local mask and rotary table
         self.input_layernorm = _norm(spec, h)
         self.self_attn = Attention(spec)
         self.post_attention_layernorm = _norm(spec, h)
-        self.mlp = MLP(spec)
+        self.mlp: nn.Module = SparseMoe(spec) if moe else MLP(spec)
         four = spec.family.pre_mlp_norm is not None
         self.pre_feedforward_layernorm = _norm(spec, h) if four else None
         self.post_feedforward_layernorm = _norm(spec, h) if four else None
@@ -162,7 +208,7 @@ class StageModule(nn.Module):
         if self.is_first:
             self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i in spec.local_layers) for i in range(layer_start, layer_end)
+            DecoderLayer(spec, i in spec.local_layers, spec.is_moe(i)) for i in range(layer_start, layer_end)
         )
         if self.is_last:
             self.norm = _norm(spec, spec.hidden_size)

@@ -5,7 +5,8 @@ final norm and the LM head (the embedding matrix again when embeddings are tied)
 single ``model.safetensors`` and a sharded ``model.safetensors.index.json`` are handled;
 ``safe_open`` maps the file, so tensors a stage does not name are never read. A family with
 fused projections (Phi-3's qkv_proj, gate_up_proj) is split here into the stage module's q/k/v
-and gate/up by rows, so one module serves every family.
+and gate/up by rows, so one module serves every family; a MoE layer's per-expert matrices are
+stacked here into the stage module's [experts, in, out] tensors.
 """
 
 from __future__ import annotations
@@ -57,8 +58,31 @@ class TensorRef:
     start: int | None = None
     stop: int | None = None
 
-    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    def build(self, loaded: dict[str, torch.Tensor]) -> torch.Tensor:
+        tensor = loaded[self.name]
         return tensor if self.start is None else tensor[self.start : self.stop]
+
+
+@dataclass(frozen=True)
+class StackedRef:
+    """Per-expert checkpoint matrices stacked into one [experts, in, out] tensor: expert e's
+    matrices in ``experts[e]``, each transposed ([out, in] -> [in, out]) and joined along out."""
+
+    experts: tuple[tuple[str, ...], ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for names in self.experts for n in names)
+
+    def build(self, loaded: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.stack([torch.cat([loaded[n].T for n in names], dim=1) for names in self.experts])
+
+
+WeightRef = TensorRef | StackedRef
 
 
 def _fused(name: str, sizes: list[int]) -> list[TensorRef]:
@@ -66,11 +90,27 @@ def _fused(name: str, sizes: list[int]) -> list[TensorRef]:
     return [TensorRef(name, a, b) for a, b in itertools.pairwise(bounds)]
 
 
-def layer_tensor_names(spec: ModelSpec, layer: int) -> dict[str, TensorRef]:
+def _expert_names(spec: ModelSpec, layer: int) -> dict[str, WeightRef]:
+    """A MoE layer's router and stacked experts (see stage_module.SparseMoe)."""
+    f, moe = spec.family, spec.moe
+    assert moe is not None
+
+    def part(e: int, name: str) -> str:
+        return f.layer_tensor(layer, f.expert.format(e=e) + name)
+
+    experts = range(moe.num_experts)
+    return {
+        "mlp.router.weight": TensorRef(f.layer_tensor(layer, f.router)),
+        "mlp.gate_up": StackedRef(tuple((part(e, "gate_proj"), part(e, "up_proj")) for e in experts)),
+        "mlp.down": StackedRef(tuple((part(e, "down_proj"),) for e in experts)),
+    }
+
+
+def layer_tensor_names(spec: ModelSpec, layer: int) -> dict[str, WeightRef]:
     """Module-relative name -> checkpoint tensor (or rows of one) for one decoder layer."""
     f = spec.family
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    parts: dict[str, TensorRef] = {}
+    parts: dict[str, WeightRef] = {}
     projections = (("q_proj", f.q_proj), ("k_proj", f.k_proj), ("v_proj", f.v_proj))
     if f.qkv_proj is None:
         for proj, name in projections:
@@ -88,13 +128,16 @@ def layer_tensor_names(spec: ModelSpec, layer: int) -> dict[str, TensorRef]:
     if f.q_norm is not None and f.k_norm is not None:
         parts["self_attn.q_norm.weight"] = TensorRef(f.layer_tensor(layer, f.q_norm))
         parts["self_attn.k_norm.weight"] = TensorRef(f.layer_tensor(layer, f.k_norm))
-    if f.gate_up_proj is None:
-        parts["mlp.gate_proj.weight"] = TensorRef(f.layer_tensor(layer, f.gate_proj))
-        parts["mlp.up_proj.weight"] = TensorRef(f.layer_tensor(layer, f.up_proj))
+    if spec.is_moe(layer):
+        parts.update(_expert_names(spec, layer))
     else:
-        gate, up = _fused(f.layer_tensor(layer, f.gate_up_proj), [spec.intermediate_size] * 2)
-        parts["mlp.gate_proj.weight"], parts["mlp.up_proj.weight"] = gate, up
-    parts["mlp.down_proj.weight"] = TensorRef(f.layer_tensor(layer, f.down_proj))
+        if f.gate_up_proj is None:
+            parts["mlp.gate_proj.weight"] = TensorRef(f.layer_tensor(layer, f.gate_proj))
+            parts["mlp.up_proj.weight"] = TensorRef(f.layer_tensor(layer, f.up_proj))
+        else:
+            gate, up = _fused(f.layer_tensor(layer, f.gate_up_proj), [spec.intermediate_size] * 2)
+            parts["mlp.gate_proj.weight"], parts["mlp.up_proj.weight"] = gate, up
+        parts["mlp.down_proj.weight"] = TensorRef(f.layer_tensor(layer, f.down_proj))
     parts["input_layernorm.weight"] = TensorRef(f.layer_tensor(layer, f.input_norm))
     parts["post_attention_layernorm.weight"] = TensorRef(f.layer_tensor(layer, f.post_attention_norm))
     if f.pre_mlp_norm is not None and f.post_mlp_norm is not None:
@@ -103,10 +146,10 @@ def layer_tensor_names(spec: ModelSpec, layer: int) -> dict[str, TensorRef]:
     return parts
 
 
-def stage_tensor_names(spec: ModelSpec, layer_start: int, layer_end: int) -> dict[str, TensorRef]:
+def stage_tensor_names(spec: ModelSpec, layer_start: int, layer_end: int) -> dict[str, WeightRef]:
     """Stage-module state-dict key -> checkpoint tensor for layers [layer_start, layer_end)."""
     f = spec.family
-    names: dict[str, TensorRef] = {}
+    names: dict[str, WeightRef] = {}
     if layer_start == 0:
         names["embed_tokens.weight"] = TensorRef(f.embed)
     for local, layer in enumerate(range(layer_start, layer_end)):
@@ -125,13 +168,14 @@ def load_stage_weights(
     model_dir = Path(model_dir)
     wanted = stage_tensor_names(spec, layer_start, layer_end)
     wmap = _weight_map(model_dir)
-    missing = sorted({t.name for t in wanted.values() if t.name not in wmap})
+    needed = {n for ref in wanted.values() for n in ref.names}
+    missing = sorted(n for n in needed if n not in wmap)
     if missing:
         raise InvalidArgument(
             "model", f"weights lack tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}"
         )
     by_file: dict[str, list[str]] = defaultdict(list)
-    for tensor in {t.name for t in wanted.values()}:
+    for tensor in needed:
         by_file[wmap[tensor]].append(tensor)
     loaded: dict[str, torch.Tensor] = {}
     for file, tensors in by_file.items():
@@ -139,4 +183,4 @@ def load_stage_weights(
             for t in tensors:
                 loaded[t] = f.get_tensor(t).to(torch.float32)
     # A tied LM head is the very same tensor object as the embedding (no second copy in memory).
-    return {key: ref.take(loaded[ref.name]) for key, ref in wanted.items()}
+    return {key: ref.build(loaded) for key, ref in wanted.items()}

@@ -1,7 +1,9 @@
 """Published architectures as typed data: what `pipeshard model synth --like NAME` reproduces.
 
 Numbers are those of each model's published ``config.json``; ``qk_norm`` (Qwen3) adds per-head
-query and key norms, ``fused`` (Phi-3) stores q/k/v and gate/up as one matrix each.
+query and key norms, ``fused`` (Phi-3) stores q/k/v and gate/up as one matrix each, ``experts``
+(Qwen3-MoE) replaces every layer's MLP by that many routed experts, ``experts_per_token`` of them
+per token, each ``moe_intermediate_size`` wide.
 ``test-llama3`` is not a published model: a few-megabyte Llama 3-style shape (llama3 rope scaling,
 GQA, untied head) for tests.
 """
@@ -22,7 +24,7 @@ class Shape:
     """One decoder-only architecture (Llama-style tensor names, RMSNorm, SwiGLU, rotary GQA)."""
 
     name: str
-    model_type: str  # llama | qwen2 | mistral | qwen3 | phi3
+    model_type: str  # llama | qwen2 | mistral | qwen3 | phi3 | qwen3_moe
     architecture: str
     num_layers: int
     hidden_size: int
@@ -40,6 +42,9 @@ class Shape:
     qk_norm: bool = False
     fused: bool = False
     sliding_window: int | None = None
+    experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
 
     def with_layers(self, layers: int | None) -> Shape:
         """The same shape cut to its first ``layers`` layers (tests, quick runs)."""
@@ -54,8 +59,10 @@ class Shape:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = q + 2 * kv if self.qkv_bias else 0
         norms = 2 * self.head_dim if self.qk_norm else 0
-        matrices = self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
-        return matrices + bias + norms
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        if self.experts:  # every expert's gate, up and down, and the router
+            mlp = self.experts * (3 * self.hidden_size * self.moe_intermediate_size + self.hidden_size)
+        return self.hidden_size * (2 * q + 2 * kv) + mlp + bias + norms
 
     @property
     def params(self) -> int:
@@ -100,6 +107,11 @@ SHAPES: dict[str, Shape] = {
         Shape(
             "qwen3-8b", "qwen3", "Qwen3ForCausalLM", 36, 4096, 12288, 32, 8, 128, 151936,
             1000000.0, 1e-6, 40960, tie_word_embeddings=False, qk_norm=True,
+        ),
+        Shape(
+            "qwen3-30b-a3b", "qwen3_moe", "Qwen3MoeForCausalLM", 48, 2048, 6144, 32, 4, 128, 151936,
+            1000000.0, 1e-6, 40960, tie_word_embeddings=False, qk_norm=True,
+            experts=128, experts_per_token=8, moe_intermediate_size=768,
         ),
         Shape(
             "phi-3-mini-4k", "phi3", "Phi3ForCausalLM", 32, 3072, 8192, 32, 32, 96, 32064,

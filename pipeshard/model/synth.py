@@ -57,7 +57,7 @@ class TensorSpec:
 
 def tensor_specs(shape: Shape) -> list[TensorSpec]:
     """Every tensor of the checkpoint, in file order (Llama-style names; Phi-3's fused q/k/v and
-    gate/up, Qwen3's q_norm and k_norm where the shape has them)."""
+    gate/up, Qwen3's q_norm and k_norm, Qwen3-MoE's router and experts where the shape has them)."""
     h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     inter = shape.intermediate_size
     specs = [TensorSpec("model.embed_tokens.weight", (shape.vocab_size, h), "table")]
@@ -79,14 +79,17 @@ def tensor_specs(shape: Shape) -> list[TensorSpec]:
                 TensorSpec(p + "self_attn.k_norm.weight", (shape.head_dim,), "ones"),
             ]
         specs.append(TensorSpec(p + "post_attention_layernorm.weight", (h,), "ones"))
-        if shape.fused:
+        if shape.experts:
+            specs += _expert_specs(shape, p)
+        elif shape.fused:
             specs.append(TensorSpec(p + "mlp.gate_up_proj.weight", (2 * inter, h), "normal"))
         else:
             specs += [
                 TensorSpec(p + "mlp.gate_proj.weight", (inter, h), "normal"),
                 TensorSpec(p + "mlp.up_proj.weight", (inter, h), "normal"),
             ]
-        specs.append(TensorSpec(p + "mlp.down_proj.weight", (h, inter), "normal"))
+        if not shape.experts:
+            specs.append(TensorSpec(p + "mlp.down_proj.weight", (h, inter), "normal"))
         if shape.qkv_bias:
             specs += [
                 TensorSpec(p + "self_attn.q_proj.bias", (q,), "zeros"),
@@ -96,6 +99,20 @@ def tensor_specs(shape: Shape) -> list[TensorSpec]:
     specs.append(TensorSpec("model.norm.weight", (h,), "ones"))
     if not shape.tie_word_embeddings:
         specs.append(TensorSpec("lm_head.weight", (shape.vocab_size, h), "table"))
+    return specs
+
+
+def _expert_specs(shape: Shape, prefix: str) -> list[TensorSpec]:
+    """A MoE layer's router [experts, hidden] and each expert's gate, up and down."""
+    h, inter = shape.hidden_size, shape.moe_intermediate_size
+    specs = [TensorSpec(prefix + "mlp.gate.weight", (shape.experts, h), "normal")]
+    for e in range(shape.experts):
+        p = f"{prefix}mlp.experts.{e}."
+        specs += [
+            TensorSpec(p + "gate_proj.weight", (inter, h), "normal"),
+            TensorSpec(p + "up_proj.weight", (inter, h), "normal"),
+            TensorSpec(p + "down_proj.weight", (h, inter), "normal"),
+        ]
     return specs
 
 
@@ -151,12 +168,21 @@ def config_json(shape: Shape, seed: int, bos: int, eos: int) -> dict:
         "pipeshard_like": shape.name,
         "pipeshard_seed": seed,
     }
-    if shape.model_type in ("llama", "qwen3"):
+    if shape.model_type in ("llama", "qwen3", "qwen3_moe"):
         config["attention_bias"] = False
     if shape.model_type == "qwen2":
         config.update(use_sliding_window=False, sliding_window=shape.max_positions)
-    if shape.model_type == "qwen3":
+    if shape.model_type in ("qwen3", "qwen3_moe"):
         config.update(use_sliding_window=False, sliding_window=None)
+    if shape.experts:
+        config.update(
+            num_experts=shape.experts,
+            num_experts_per_tok=shape.experts_per_token,
+            moe_intermediate_size=shape.moe_intermediate_size,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
     if shape.model_type == "phi3":
         config.update(
             sliding_window=shape.sliding_window,

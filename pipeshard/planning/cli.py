@@ -201,6 +201,7 @@ def model_cost(model_dir: Path, weights: str, context: int | None):
         weights=weights,
         context=resolve_max_context(spec, context),
         name=model_dir.name,
+        mlp_params=sum(spec.mlp_params(i) for i in range(spec.num_layers)) // spec.num_layers,
     )
 
 

@@ -118,12 +118,15 @@ class ModelCost:
         weights: str = "int4",
         context: int = 4096,
         name: str = "model",
+        mlp_params: int | None = None,
     ) -> ModelCost:
-        """Bytes from the parameter counts of a Llama-style decoder layer at the export format."""
+        """Bytes from the parameter counts of a Llama-style decoder layer at the export format;
+        ``mlp_params`` replaces the SwiGLU MLP's count (a MoE layer: every expert and the router)."""
         if weights not in BYTES_PER_WEIGHT:
             raise InvalidArgument("weights", f"must be one of {', '.join(BYTES_PER_WEIGHT)}, got {weights!r}")
         q, kv = num_heads * head_dim, num_kv_heads * head_dim
-        params = hidden_size * (2 * q + 2 * kv) + 3 * hidden_size * intermediate_size
+        mlp = 3 * hidden_size * intermediate_size if mlp_params is None else mlp_params
+        params = hidden_size * (2 * q + 2 * kv) + mlp
         table = vocab_size * hidden_size * HEAD_BYTES_PER_WEIGHT[weights]
         return cls(
             num_layers=num_layers,

@@ -6,7 +6,9 @@ Each family gets GQA ratios other than SmolLM2's 3 and at least one untied head:
 llama 4 heads / 2 KV (untied), qwen2 8 heads / 1 KV with q/k/v bias (tied),
 mistral 8 heads / 2 KV with head_dim 16 != hidden / heads (untied), qwen3 8 heads / 2 KV with
 QK-norm and head_dim 16 (tied), phi3 4 heads / 4 KV with fused qkv and gate-up (untied), gemma3_text
-4 heads / 1 KV, a window of 4 tokens on three of its four layers and a query scale != head_dim.
+4 heads / 1 KV, a window of 4 tokens on three of its four layers and a query scale != head_dim,
+qwen3_moe 8 heads / 2 KV with QK-norm, 8 experts of which 2 per token (renormalised) on three
+layers and a plain MLP on layer 1 (``mlp_only_layers``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,18 @@ TINY_CONFIGS = {
         pad_token_id=None,
         sliding_window=None,
     ),
+    "qwen3_moe": dict(
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
     "gemma3_text": dict(
         num_attention_heads=4,
         num_key_value_heads=1,
@@ -59,7 +73,7 @@ TINY_CONFIGS = {
 }
 # Families whose norm weights are drawn, not HF's ones, so a QK-norm or norm read from the wrong
 # tensor cannot pass.
-NORMS_DRAWN = ("qwen3", "phi3", "gemma3_text")
+NORMS_DRAWN = ("qwen3", "phi3", "gemma3_text", "qwen3_moe")
 COMMON = dict(
     vocab_size=256,
     hidden_size=64,
@@ -87,6 +101,8 @@ def build_tiny(family: str, folder: Path, max_shard_size: str | None = None):
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     classes = {
@@ -96,6 +112,7 @@ def build_tiny(family: str, folder: Path, max_shard_size: str | None = None):
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "phi3": (Phi3Config, Phi3ForCausalLM),
         "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }
     config_cls, model_cls = classes[family]
     torch.manual_seed(1234)

@@ -18,6 +18,7 @@ def test_list_shows_every_family_and_its_sources(capsys):
     assert "real weights: SmolLM2-135M-Instruct" in rows["llama"]
     assert "synthetic shapes: qwen3-0.6b, qwen3-8b" in rows["qwen3"] and "QK-norm" in rows["qwen3"]
     assert "phi-3-mini-4k" in rows["phi3"] and "fused qkv, gate-up" in rows["phi3"]
+    assert "qwen3-30b-a3b" in rows["qwen3_moe"] and "routed experts" in rows["qwen3_moe"]
     assert "real weights" not in rows["mistral"]
 
 

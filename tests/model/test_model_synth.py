@@ -15,7 +15,7 @@ from pipeshard.model.synth import config_json, make_tensor, plan_shards, synthes
 # Parameter counts as published (model cards), in billions, to two decimals.
 PUBLISHED_PARAMS = {"llama-3.2-3b": 3.21, "llama-3.1-8b": 8.03, "qwen2.5-3b": 3.09, "mistral-7b": 7.25}
 # Model cards that give one decimal only.
-PUBLISHED_PARAMS_1 = {"qwen3-0.6b": 0.6, "qwen3-8b": 8.2, "phi-3-mini-4k": 3.8}
+PUBLISHED_PARAMS_1 = {"qwen3-0.6b": 0.6, "qwen3-8b": 8.2, "phi-3-mini-4k": 3.8, "qwen3-30b-a3b": 30.5}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
@@ -27,7 +27,8 @@ def test_published_shapes_have_published_parameter_counts(name):
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS_1))
 def test_new_family_shapes_have_published_counts_and_hf_tensor_names(name):
-    """Qwen3's QK-norms and Phi-3's fused matrices: the names and shapes HF's own class has."""
+    """Qwen3's QK-norms, Phi-3's fused matrices, Qwen3-MoE's experts: the names and shapes HF's
+    own class has."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     shape = get_shape(name)
