@@ -46,6 +46,8 @@ KEEPER = "keeper"
 DEAD_AFTER_LOOKS = (
     3  # looks (one a second) a stage and its actor may both be silent before its node counts as dead
 )
+# looks a join keeps asking for a lane: a node is listed alive before all of its resources are
+JOIN_LOOKS = 10
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class Keeper:
         )
         self.trusted: set[str] = set()
         self.nodes = len(self._members())
+        self.join_looks = 0  # looks left in which a recent join may still make room for a lane
         self.silent: dict[str, int] = {}  # stage name -> looks in a row it did not answer
         self.tls = self._identity()
         self.lock = threading.Lock()
@@ -126,8 +129,12 @@ class Keeper:
             if gone:
                 changed = True
                 self._place_again(r, lane, [m for m in alive if m.node_id not in gone])
-        if self.fleet.spec.auto_replicas and len(alive) > self.nodes:
-            changed |= self._add_lane(alive)
+        if len(alive) > self.nodes:
+            self.join_looks = JOIN_LOOKS
+        if self.fleet.spec.auto_replicas and self.join_looks > 0:
+            added = self._add_lane(alive)
+            changed |= added
+            self.join_looks = 0 if added else self.join_looks - 1
         self.nodes = len(alive)
         if changed:
             self._publish()
