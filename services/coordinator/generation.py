@@ -22,10 +22,11 @@ restore that fails because a stage no longer holds the prefix is an exception, c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -89,6 +90,17 @@ log = structlog.get_logger(__name__)
 # stall other streams. A thread hop per token cost 0.3 ms at the median and 2.8 ms at p90 of a
 # 1-user step (bench-latency's timeline, docs/BENCHMARKS.md).
 INLINE_DETOKENIZE_TOKENS = 4
+
+
+# Events a request's decode loop may run ahead of its reader (tokens only; beyond them it waits).
+STREAM_EVENTS = 64
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """The error that ended a request's decode loop, handed to its reader to raise."""
+
+    error: Exception
 
 
 @dataclass(frozen=True)
@@ -821,6 +833,39 @@ class Generation:
         it out of the prefix cache; ``reserved``: the cache room admission counted for it
         (None: :meth:`capacity`); ``grouping``: its batch job's micro-batches (batch_jobs.py)."""
         request = await self._open(prompt_ids, params, speculation, metered, reserved, grouping)
+        events: asyncio.Queue[Chunk | Summary | _Failed] = asyncio.Queue(STREAM_EVENTS)
+        # The request's decode loop runs as its own task and only hands its events over, so a
+        # slow reader never holds up a step the other requests wait for.
+        task = asyncio.create_task(self._decode(request, events, scope, cache), name=f"request-{request.id}")
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, _Failed):
+                    raise event.error
+                yield event
+                if isinstance(event, Summary):
+                    return
+                trace.mark("streamed", request.session_id, request.streaming_step)
+        finally:
+            task.cancel()  # the reader went away (or the loop ended): the request ends with it
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _decode(
+        self, request: _Request, events: asyncio.Queue[Chunk | Summary | _Failed], scope: str, cache: bool
+    ) -> None:
+        """The request's decode loop: its chunks and then its Summary into ``events``, or the
+        error that ends it before anything streamed (or a stage is unreachable)."""
+        try:
+            async with contextlib.aclosing(self._steps_of(request, scope, cache)) as steps:
+                async for event in steps:
+                    if events.full():  # its reader is behind: the next step does not wait for it
+                        self._idle(request)
+                    await events.put(event)
+        except Exception as exc:
+            await events.put(_Failed(exc))
+
+    async def _steps_of(self, request: _Request, scope: str, cache: bool) -> AsyncGenerator[Chunk | Summary]:
+        """Streams Chunks then one Summary (see :meth:`generate`)."""
         cache = cache and self.prefix is not None
         failure = ""  # why the generation failed on the ring, if it did
         try:
@@ -836,7 +881,6 @@ class Generation:
                     while not done:
                         chunk, done = await self._step(request)
                         yield chunk
-                        trace.mark("streamed", request.session_id, request.streaming_step)
                 except Unavailable as exc:  # a replica failed: continue on another (failover.py)
                     if self._failover is None or not self._failover.applies(exc):
                         raise
@@ -845,6 +889,7 @@ class Generation:
                     await self._failover.resume(self._ring, request, exc, capacity, self._prefill_chunk, warm)
                     request.resumed()
             await request.settle_ahead()
+            self._idle(request)  # done stepping: keeping its KV takes no step
             if cache:
                 await self._keep(request, scope)
         except PipeshardError as exc:
@@ -1033,6 +1078,11 @@ class Generation:
                 top.tokens = await asyncio.to_thread(self._token_texts, list(top.token_ids))
         return chunk, done
 
+    def _idle(self, request: _Request) -> None:
+        """The request sends no step for a while: the ring's next step does not wait for it."""
+        if self._ring.batch_steps is not None:
+            self._ring.batch_steps.idle(request.slot)
+
     def _token_texts(self, token_ids: list[int]) -> list[str]:
         """Each token's own text (off the event loop: the tokenizer is slow per call)."""
         return [self._tok.decode([t]) for t in token_ids]
@@ -1047,7 +1097,8 @@ class Generation:
         mid-stream; a failed generation aborts (each stage logs why) instead of releasing."""
         request.status = RequestStatus.FINISHED
         self.engine.remove(request)
-        request.slot.closed = True
+        if self._ring.batch_steps is not None:
+            self._ring.batch_steps.leave(request.slot)
         if request.drafter is not None:
             request.drafter.close()
         if self._failover is not None:

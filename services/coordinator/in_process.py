@@ -131,9 +131,7 @@ class InProcessStages:
         """Every stage of a static export (``pipeshard export --static``), a slot per session."""
         return cls.of(StaticBackend(), export_dir, precision, num_threads, **kw)
 
-    def ring(
-        self, *, step_tokens: int = DEFAULT_STEP_TOKENS, gather_s: float = 0.002, inflight: int = 1
-    ) -> Ring[InProcessStages]:
+    def ring(self, *, step_tokens: int = DEFAULT_STEP_TOKENS, inflight: int = 1) -> Ring[InProcessStages]:
         """The ring over these stages, built from what their backend implies (batching every
         session's steps, counted by stage 0's session table; in rows of a fixed chunk)."""
         return Ring(
@@ -141,7 +139,6 @@ class InProcessStages:
             paged=self.traits.batches_steps,
             sessions=lambda: len(self.engines[0].sessions),
             step_tokens=step_tokens,
-            gather_s=gather_s,
             inflight=inflight,
             prefill_chunk=self._chunk or None,
         )
@@ -283,7 +280,6 @@ def batched_ring(
     cache_bytes: int = DEFAULT_CACHE_BYTES,
     max_sessions: int = 64,
     step_tokens: int = DEFAULT_STEP_TOKENS,
-    gather_s: float = 0.002,
     prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
     inflight: int = 1,
     core: ov.Core | None = None,
@@ -300,4 +296,4 @@ def batched_ring(
         prefix_cache_bytes=prefix_cache_bytes,
         core=core,
     )
-    return stages.ring(step_tokens=step_tokens, gather_s=gather_s, inflight=inflight)
+    return stages.ring(step_tokens=step_tokens, inflight=inflight)

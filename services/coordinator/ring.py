@@ -119,7 +119,6 @@ class Ring(Generic[L]):
         sessions: Callable[[], int] | None = None,
         accounts: SessionAccounts | None = None,
         step_tokens: int = DEFAULT_STEP_TOKENS,
-        gather_s: float = 0.002,
         inflight: int | None = None,
         prefill_chunk: int | None = None,
     ):
@@ -138,9 +137,7 @@ class Ring(Generic[L]):
         if paged:
             if sessions is None:
                 raise ValueError("a batching ring needs the count of sessions that may send steps")
-            self.batch_steps = StepBatcher(
-                stages.run, sessions, step_tokens, gather_s, inflight or stages.num_stages
-            )
+            self.batch_steps = StepBatcher(stages.run, sessions, step_tokens, inflight or stages.num_stages)
 
     @property
     def num_stages(self) -> int:

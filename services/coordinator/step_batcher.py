@@ -1,46 +1,43 @@
-"""Forms each step of continuous batching from the frames of every running session.
+"""Forms each step of continuous batching from the frames of every running request.
 
-Each ``Generation`` sends its frame (a plan of one row) and awaits its result as if it were
-alone; the batcher queues the frames and one scheduler task forms each step from them by what
-each row is (its ``RowKind``): decode and verify rows (the last token, plus drafts when the
-session speculates), then prefill chunks (a prompt's first rows) while the step's token
-budget lasts (a step never runs empty: its first frame always goes). The budget only picks
-which chunks run; their size is the generation's fixed prefill chunk, so a session's chunks
-never depend on its neighbours.
+Each ``Generation`` sends its frame (a plan of one row) and awaits its result; the batcher
+queues the frames and :meth:`StepBatcher.schedule` decides what the next step carries, as one
+typed :class:`StepPlan`, under one token budget (``step_tokens``) that counts every position the
+step computes: decode rows (one token), verify rows (the token plus its drafts or tree nodes)
+and prefill chunks (a prompt's first rows). Decode and verify rows go first, up to a share
+(below) and while the budget lasts; then prefill chunks while it lasts. A step never runs
+empty: its first row always goes. The chunk size is the generation's fixed prefill chunk, so a
+request's chunks never depend on its neighbours.
 
-Fair latency: a session's first frame and any chunk already passed over once go ahead of the
+When a step leaves is decided from the requests' states, not from a clock: each request's
+:class:`StepSlot` says whether it is *thinking* (answered, and about to send its next frame:
+accepting, emitting, drafting) or not (in flight, parked, ended). A step leaves once no thinking
+request could still join it: every grouping with a thinking request already has its share of
+rows queued. A request that stops stepping for a while (it finished, waits on its client, moves
+to another lane) says so (:meth:`StepBatcher.idle`, :meth:`StepBatcher.leave`), so nobody waits
+on it. A caller that passes no slot is never waited for.
+
+Fair latency: a request's first frame and any chunk already passed over once go ahead of the
 other chunks (in arrival order among them), so a newcomer's first chunk gets into the next step
 however many long prompts are being prefilled, and a passed-over chunk goes before any frame
 that arrived after it: nothing waits more than a few steps.
 
 No pipeline bubble: up to ``inflight`` steps travel at once (on a fleet of N stages, N: each
-stage works on a different step). Each session has at most one step in flight (its generation
-awaits the result before sending on), so the running sessions split into about ``inflight``
+stage works on a different step). Each request has at most one step in flight (its generation
+awaits the result before sending on), so the running requests split into about ``inflight``
 groups: a step takes at most its share, ceil(open sessions / inflight), of the decode rows.
 
-A failover's resend leaves at once (``expedite``): the moved session has waited through a restore
-already, and behind the steps in flight (after a failover often the other moved sessions' resends,
-each carrying the replay tail its copy lacked) it waited up to two such steps more.
+A failover's resend leaves at once (``expedite``): the moved request has waited through a restore
+already, and behind the steps in flight it would wait up to two such steps more.
 
-Micro-batches of a batch job (batch_jobs.py): a job's sessions step under its :class:`Grouping`
+Micro-batches of a batch job (batch_jobs.py): a job's requests step under its :class:`Grouping`
 (their :class:`StepSlot`'s), so a step takes at most ceil(the job's sessions / its ``count``) of
-their decode rows, and up to that many steps travel at once; the
-other sessions keep their share of ``inflight`` groups, so a job's count never regroups
-interactive rows.
+their decode rows, and up to that many steps travel at once; the other requests keep their share
+of ``inflight`` groups, so a job's count never regroups interactive rows.
 
-After a step the scheduler waits up to ``gather_s`` for the sessions just answered to send their
-next frames, so they ride in the same next step instead of trickling into separate ones. A frame
-that completes the queue (a lone session's always does) launches its step at once, with no
-scheduler turn between.
-
-Batch-aware K (speculation/policy.py): the batcher times each step of decode rows
-from send to result and fits its cost by rows and positions once for all sessions (``timing``), and
-tells a request what else rode in its last step (its slot's ``load``): the step its next frame
-will join.
-
-What the batcher knows of a request between its steps lives on the request's :class:`StepSlot`
-(its grouping, its last step's load, whether its next frame is expedited), not in maps keyed by
-session id: a failover gives the request a new session and keeps its slot.
+Batch-aware K (speculation/policy.py): the batcher times each step of decode rows from send to
+result and fits its cost by rows and positions once for all requests (``timing``), and tells a
+request what else rode in its last step (its slot's ``load``): the step its next frame will join.
 Steps carrying prefill chunks are not timed: a chunk's positions cost less each than a verify
 row's (the multi-row attention kernel), and K is chosen for decode steps.
 """
@@ -96,12 +93,33 @@ class StepSlot:
     """One request's place in the batcher for its whole life (across failovers): ``grouping`` its
     batch job's micro-batches (None: the batcher's own groups), ``load`` what else rode in its
     last step (batch-aware K's probe; None before its first), ``expedited`` its next frame leaves
-    at once, alone, and ``closed`` once the request ended (its grouping no longer counts it)."""
+    at once, alone, ``thinking`` it was answered and its next frame is on its way (the next step
+    waits for it), and ``closed`` once the request ended (its grouping no longer counts it)."""
 
     grouping: Grouping | None = None
     load: StepLoad | None = None
     expedited: bool = False
+    thinking: bool = False
     closed: bool = False
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step carries, as :meth:`StepBatcher.schedule` decided it: its decode and verify
+    rows (a request's next token, with any drafts or draft tree), then its prefill chunks, and
+    the positions of all of them (within the step's token budget, unless its first row alone
+    exceeds it)."""
+
+    decode: tuple[_Waiting, ...]
+    chunks: tuple[_Waiting, ...]
+
+    @property
+    def rows(self) -> tuple[_Waiting, ...]:
+        return self.decode + self.chunks
+
+    @property
+    def tokens(self) -> int:
+        return sum(w.tokens for w in self.rows)
 
 
 @dataclass
@@ -126,16 +144,14 @@ class StepBatcher:
         run: StepRunner,
         sessions: Callable[[], int],
         step_tokens: int = DEFAULT_STEP_TOKENS,
-        gather_s: float = 0.002,
         inflight: int = 1,
         clock: Callable[[], float] = time.perf_counter,
     ):
         if inflight < 1:
             raise ValueError(f"inflight must be at least 1, got {inflight}")
         self._run = run
-        self._sessions = sessions  # how many sessions are open (the most frames a step can wait for)
+        self._sessions = sessions  # how many sessions are open (what the decode rows split over)
         self.step_tokens = step_tokens
-        self.gather_s = gather_s
         self.inflight = inflight  # the most steps travelling at once
         self.steps_run = 0  # steps formed so far (benchmarks and tests read it)
         self.rows_run = 0
@@ -146,7 +162,7 @@ class StepBatcher:
         self._clock = clock
         self._queue: list[_Waiting] = []
         self._rows_in_flight: Counter[Grouping | None] = Counter()  # by grouping
-        self._grouped: set[StepSlot] = set()  # batch jobs' requests that stepped (the rest: interactive)
+        self._slots: set[StepSlot] = set()  # the running requests that stepped (not ended)
         self._steps: set[asyncio.Task] = set()
         self._changed = asyncio.Event()  # made anew on the first step in each event loop
         self._task: asyncio.Task | None = None
@@ -156,14 +172,17 @@ class StepBatcher:
         self, frame: activation_pb2.ActivationFrame, slot: StepSlot | None = None
     ) -> activation_pb2.StepResult:
         """The frame's result once a step carried it; ``slot``: its request's place (None: a
-        caller that keeps none, stepping as an interactive request with no memory)."""
+        caller that keeps none, stepping as an interactive request that is never waited for)."""
         if self._task is None or self._task.done():  # first step, or a new event loop
             self._changed = asyncio.Event()
             self._queue = []
             self._steps = set()
             self._rows_in_flight = Counter()
             self._task = asyncio.create_task(self._schedule(), name="step-batcher")
-        slot = slot or StepSlot()
+        if slot is not None and not slot.closed:
+            self._slots.add(slot)
+        slot = slot or StepSlot(closed=True)
+        slot.thinking = False
         waiting = _Waiting(
             frame,
             len(frame.positions),
@@ -173,20 +192,33 @@ class StepBatcher:
             urgent=frame.step_id == 0,
             slot=slot,
         )
-        if slot.grouping is not None:
-            self._grouped.add(slot)
         if slot.expedited:
             slot.expedited = False
-            self._launch([waiting])
+            alone = (waiting,)
+            self._launch(StepPlan(alone, ()) if waiting.decoding else StepPlan((), alone))
             return await waiting.answer
         self._queue.append(waiting)
         if len(self._steps) < self._limit() and self._complete():
-            # Every frame the next step could wait for is here (a lone session's always is): it
-            # leaves now, not one event-loop turn later from the scheduler task.
-            self._launch(self._pick())
+            # No request the next step could wait for is still thinking (a lone session's never
+            # is): it leaves now, not one event-loop turn later from the scheduler task.
+            self._launch(self.schedule())
         if self._queue:
             self._changed.set()
         return await waiting.answer
+
+    def idle(self, slot: StepSlot) -> None:
+        """The request will not send a frame for a while (it finished stepping, waits on its
+        client or on a restore): the next step does not wait for it."""
+        if slot.thinking:
+            slot.thinking = False
+            self._changed.set()
+
+    def leave(self, slot: StepSlot) -> None:
+        """The request ended: it is no longer counted nor waited for."""
+        slot.closed = True
+        self._slots.discard(slot)
+        self.idle(slot)
+        self._changed.set()
 
     async def close(self) -> None:
         tasks = [t for t in (self._task, *self._steps) if t is not None]
@@ -203,8 +235,7 @@ class StepBatcher:
 
     def _groups(self) -> list[Grouping]:
         """The groupings of the batch jobs' requests still open (one entry per request)."""
-        self._grouped = {slot for slot in self._grouped if not slot.closed}
-        return [slot.grouping for slot in self._grouped if slot.grouping is not None]
+        return [slot.grouping for slot in self._slots if slot.grouping is not None]
 
     def _limit(self) -> int:
         """The most steps in flight: ``inflight``, or more while a batch job's count is higher."""
@@ -221,38 +252,33 @@ class StepBatcher:
         return {g: max(1, -(-n // (self.inflight if g is None else g.count))) for g, n in open_.items()}
 
     def _complete(self) -> bool:
-        """The queue holds every frame the next step would wait for (up to a share of each grouping)."""
-        open_ = self._open()
+        """No thinking request could still join the next step: each grouping with one has its
+        share of rows queued already."""
+        thinking = Counter(s.grouping for s in self._slots if s.thinking)
+        if not thinking:
+            return True
         queued = Counter(w.grouping for w in self._queue)
-        return all(
-            queued[g] >= min(share, open_[g] - self._rows_in_flight[g])
-            for g, share in self._shares(open_).items()
-        )
+        shares = self._shares(self._open())
+        return all(queued[g] >= shares.get(g, 1) for g in thinking)
 
     async def _schedule(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await self._changed.wait()
             self._changed.clear()
-            if len(self._steps) >= self._limit() or not self._queue:
-                continue
-            # Wait a little for the sessions not in flight to send their frames (up to a share).
-            deadline = loop.time() + self.gather_s
-            while not self._complete() and loop.time() < deadline:
-                self._changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), deadline - loop.time())
-            batch = self._pick()
-            if batch:
-                self._launch(batch)
+            if len(self._steps) >= self._limit() or not self._queue or not self._complete():
+                continue  # a step's result, a frame, or a request going idle sets it again
+            plan = self.schedule()
+            if plan.rows:
+                self._launch(plan)
             if self._queue:
                 self._changed.set()
 
-    def _launch(self, batch: list[_Waiting]) -> None:
+    def _launch(self, plan: StepPlan) -> None:
+        batch = plan.rows
         self.steps_run += 1
         self.rows_run += len(batch)
         self.last_step_rows = len(batch)
-        self.last_step_tokens = sum(w.tokens for w in batch)
+        self.last_step_tokens = plan.tokens
         for w in batch:
             w.slot.load = StepLoad(len(batch) - 1, self.last_step_tokens - w.tokens)
             trace.mark("batched", w.frame.session_id, w.frame.step_id)
@@ -266,7 +292,7 @@ class StepBatcher:
                 w.grouping.decode_rows_run += w.decoding
                 if not w.decoding:
                     w.grouping.last_prefill_step = w.grouping.steps_run
-        task = asyncio.create_task(self._run_step(batch), name="batch-step")
+        task = asyncio.create_task(self._run_step(list(batch)), name="batch-step")
         self._steps.add(task)
         self.max_in_flight = max(self.max_in_flight, len(self._steps))
 
@@ -288,28 +314,34 @@ class StepBatcher:
             if isinstance(answer, BaseException):
                 waiting.answer.set_exception(answer)
             else:
+                # Its request accepts and sends its next frame: the next step waits for it.
+                waiting.slot.thinking = waiting.slot in self._slots
                 waiting.answer.set_result(answer)
 
-    def _pick(self) -> list[_Waiting]:
-        """The next step: decode rows up to a share, then prefill frames while the budget lasts,
-        urgent ones (first frames, chunks passed over before) first, each group in arrival order."""
+    def schedule(self) -> StepPlan:
+        """The next step: decode and verify rows up to each grouping's share, then prefill chunks,
+        urgent ones (first frames, chunks passed over before) first, each in arrival order, all
+        while the step's token budget lasts (its first row always goes)."""
         queue = [w for w in self._queue if not w.answer.done()]  # a cancelled caller's frame drops
         queue.sort(key=lambda w: (not w.urgent, w.arrival))
         room = self._shares(self._open())
-        step = []
-        for w in queue:
-            if w.decoding and room.get(w.grouping, 1) > 0:
-                step.append(w)
-                room[w.grouping] = room.get(w.grouping, 1) - 1
         budget = self.step_tokens
+        decode: list[_Waiting] = []
         for w in queue:
-            if not w.decoding and (w.tokens <= budget or not step):
-                step.append(w)
+            fits = w.tokens <= budget or not decode
+            if w.decoding and fits and room.get(w.grouping, 1) > 0:
+                decode.append(w)
+                room[w.grouping] = room.get(w.grouping, 1) - 1
                 budget -= w.tokens
-        taken = {id(w) for w in step}
+        chunks: list[_Waiting] = []
+        for w in queue:
+            if not w.decoding and (w.tokens <= budget or not (decode or chunks)):
+                chunks.append(w)
+                budget -= w.tokens
+        taken = {id(w) for w in (*decode, *chunks)}
         self._queue = [w for w in queue if id(w) not in taken]
         for w in self._queue:
             if not w.decoding:
                 w.urgent = True  # passed over once: ahead of everything that arrives later
         self._queue.sort(key=lambda w: w.arrival)
-        return step
+        return StepPlan(tuple(decode), tuple(chunks))

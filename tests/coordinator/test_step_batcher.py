@@ -16,7 +16,7 @@ from pipeshard.services.coordinator.main import CoordinatorSettings, resolve
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.policy import StepLoad
-from pipeshard.services.coordinator.step_batcher import Grouping, StepBatcher, StepSlot
+from pipeshard.services.coordinator.step_batcher import Grouping, StepBatcher, StepPlan, StepSlot
 from pipeshard.services.stage.domain import ReturnMode, RowKind
 from pipeshard.services.stage.wire import plan_from_frames, step_from_frame, token_frame
 from pipeshard.v1 import activation_pb2
@@ -30,25 +30,123 @@ def _frame(session: str, tokens: int, step: int = 0) -> activation_pb2.Activatio
     return token_frame(session, step, ids, 0, True, fill_only=True)
 
 
-def test_a_step_takes_every_decode_row_and_prefill_chunks_within_the_budget():
-    seen: list[list[str]] = []
+async def behind_a_held_step(batcher: StepBatcher, gate: asyncio.Event, sessions: list) -> list:
+    """Runs the ``sessions`` coroutines with their first frames queued behind a step in flight
+    (session "hold", whose runner waits for ``gate``), as the frames of requests that arrive
+    during a step: the next step forms from all of them. Returns each session's result."""
+    hold = asyncio.ensure_future(batcher.step(_frame("hold", 40)))
+    await asyncio.sleep(0.01)
+    tasks = [asyncio.ensure_future(s) for s in sessions]
+    await asyncio.sleep(0.01)  # every first frame queued
+    gate.set()
+    await hold
+    return await asyncio.gather(*tasks)
+
+
+def _recorder(seen: list[list[str]], gate: asyncio.Event | None = None, delay: float = 0.0):
+    """A fake step runner that records each step's rows as ``session:positions`` (the held
+    session "hold" waits for ``gate``)."""
 
     async def run(frames):
         seen.append([f"{f.session_id}:{len(f.positions)}" for f in frames])
+        if gate is not None and frames[0].session_id == "hold":
+            await gate.wait()
+        await asyncio.sleep(delay)
         return [activation_pb2.StepResult(session_id=f.session_id) for f in frames]
 
+    return run
+
+
+def test_one_budget_counts_decode_rows_and_chunks_and_decode_rows_go_first():
+    seen: list[list[str]] = []
+
     async def main():
-        batcher = StepBatcher(run, sessions=lambda: 5, step_tokens=300, gather_s=0.05)
+        gate = asyncio.Event()
+        batcher = StepBatcher(_recorder(seen, gate), sessions=lambda: 6, step_tokens=300)
         frames = [_frame("p1", 256), _frame("d1", 1), _frame("p2", 256), _frame("d2", 4), _frame("p3", 40)]
-        results = await asyncio.gather(*(batcher.step(f) for f in frames))
+        results = await behind_a_held_step(batcher, gate, [batcher.step(f) for f in frames])
         await batcher.close()
         return results, batcher
 
     results, batcher = asyncio.run(main())
     assert [r.session_id for r in results] == ["p1", "d1", "p2", "d2", "p3"]
-    # Decode rows first, then chunks in arrival order while 300 tokens last; p2 waits a step.
-    assert seen == [["d1:1", "d2:4", "p1:256", "p3:40"], ["p2:256"]]
-    assert (batcher.steps_run, batcher.rows_run) == (2, 5)
+    # Decode rows first (5 positions), then chunks in arrival order while 300 tokens last: p3's
+    # 40 would fit beside p1 alone (44 left) but not beside p1 and the decode rows (39).
+    assert seen[1:] == [["d1:1", "d2:4", "p1:256"], ["p2:256", "p3:40"]]
+    assert (batcher.steps_run, batcher.rows_run) == (3, 6)
+
+
+def test_speculative_positions_count_in_the_budget_and_a_row_that_does_not_fit_waits():
+    """A verify row of 32 drafts takes 33 positions of the budget: the next verify row and a
+    chunk that no longer fit wait for the next step; the first row of a step always goes."""
+    seen: list[list[str]] = []
+
+    async def main():
+        gate = asyncio.Event()
+        batcher = StepBatcher(_recorder(seen, gate), sessions=lambda: 6, step_tokens=40)
+        frames = [_frame("v1", 33), _frame("d", 1), _frame("v2", 10), _frame("p", 34), _frame("big", 33)]
+        await behind_a_held_step(batcher, gate, [batcher.step(f) for f in frames])
+        await batcher.close()
+
+    asyncio.run(main())
+    assert seen[1:] == [["v1:33", "d:1"], ["v2:10"], ["big:33"], ["p:34"]]
+
+
+def test_schedule_returns_a_typed_plan_of_decode_rows_then_chunks():
+    async def main():
+        gate = asyncio.Event()
+        plans = []
+        batcher = StepBatcher(_recorder([], gate), sessions=lambda: 3, step_tokens=64)
+        launch = batcher._launch
+
+        def record(plan):
+            plans.append(plan)
+            launch(plan)
+
+        batcher._launch = record
+        await behind_a_held_step(batcher, gate, [batcher.step(_frame("c", 40)), batcher.step(_frame("d", 3))])
+        await batcher.close()
+        return plans
+
+    plans = asyncio.run(main())
+    plan = plans[1]
+    assert isinstance(plan, StepPlan)
+    assert [w.frame.session_id for w in plan.decode] == ["d"]
+    assert [w.frame.session_id for w in plan.chunks] == ["c"]
+    assert plan.tokens == 43 and len(plan.rows) == 2
+
+
+def test_a_step_waits_for_a_thinking_request_and_never_for_an_idle_or_ended_one():
+    """No clock decides when a step leaves: it waits exactly for the requests that were answered
+    and have not sent again, and for none that said they will not send for a while."""
+    seen: list[list[str]] = []
+
+    async def main():
+        gate = asyncio.Event()
+        batcher = StepBatcher(_recorder(seen, gate), sessions=lambda: 3)
+        a, b, c = StepSlot(), StepSlot(), StepSlot()
+        await behind_a_held_step(
+            batcher, gate, [batcher.step(_frame(n, 1), s) for n, s in (("a", a), ("b", b))]
+        )
+        assert a.thinking and b.thinking  # answered: their next frames are awaited
+        first = seen[1:]
+        waiting = asyncio.ensure_future(batcher.step(_frame("a", 1, 1), a))
+        await asyncio.sleep(0.05)
+        held = not waiting.done()  # b is thinking: a's frame waits for b's
+        batcher.idle(b)  # b waits on something else (its client): the step goes without it
+        await asyncio.wait_for(waiting, 30)
+        again = asyncio.ensure_future(batcher.step(_frame("c", 1), c))
+        await asyncio.sleep(0.05)
+        held_by_a = not again.done()  # a is thinking again
+        batcher.leave(a)  # a ended
+        await asyncio.wait_for(again, 30)
+        await batcher.close()
+        return first, held, held_by_a, a, c
+
+    first, held, held_by_a, a, c = asyncio.run(main())
+    assert held and held_by_a
+    assert first == [["a:1", "b:1"]]
+    assert seen[-2:] == [["a:1"], ["c:1"]] and a.closed and not a.thinking and c.thinking
 
 
 def test_a_chunk_larger_than_the_budget_runs_alone_and_errors_reach_their_caller():
@@ -56,7 +154,7 @@ def test_a_chunk_larger_than_the_budget_runs_alone_and_errors_reach_their_caller
         return [NotFound("gone") if f.session_id == "bad" else activation_pb2.StepResult() for f in frames]
 
     async def main():
-        batcher = StepBatcher(run, sessions=lambda: 2, step_tokens=16, gather_s=0.05)
+        batcher = StepBatcher(run, sessions=lambda: 2, step_tokens=16)
         big, bad = batcher.step(_frame("big", 64)), batcher.step(_frame("bad", 1))
         out = await asyncio.gather(big, bad, return_exceptions=True)
         await batcher.close()
@@ -79,15 +177,16 @@ def test_an_expedited_session_s_next_frame_leaves_at_once_alone():
                 await gate.wait()
             return [activation_pb2.StepResult(session_id=f.session_id) for f in frames]
 
-        batcher = StepBatcher(run, sessions=lambda: 3, gather_s=0.01, inflight=1)
+        batcher = StepBatcher(run, sessions=lambda: 3, inflight=1)
         slow = asyncio.ensure_future(batcher.step(_frame("slow", 1)))
-        while not seen:  # "slow" in flight (after the gather wait, however loaded the machine)
+        while not seen:  # "slow" in flight
             await asyncio.sleep(0.005)
         waiting = asyncio.ensure_future(batcher.step(_frame("other", 1)))
         slot = StepSlot(expedited=True)  # what a failover's request.expedite() sets
         # answered while "slow" is still in flight (without expedite it would wait for ever)
         moved = await asyncio.wait_for(batcher.step(_frame("moved", 20), slot), 30)
         assert not slow.done() and not waiting.done() and not slot.expedited
+        batcher.idle(slot)  # it waits on the others before its next frame: not waited for
         gate.set()
         await asyncio.gather(slow, waiting)
         again = await batcher.step(_frame("moved", 1, step=1), slot)
@@ -129,14 +228,15 @@ def test_up_to_inflight_steps_travel_at_once_each_session_in_one_of_them():
         return [activation_pb2.StepResult(session_id=f.session_id, step_id=f.step_id) for f in frames]
 
     async def session(batcher, name):
-        got = []
+        got, slot = [], StepSlot()
         for step in range(6):
-            result = await batcher.step(_frame(name, 1, step))
+            result = await batcher.step(_frame(name, 1, step), slot)
             got.append((result.session_id, result.step_id))
+        batcher.leave(slot)  # as a generation ends
         return got
 
     async def main():
-        batcher = StepBatcher(run, sessions=lambda: 6, gather_s=0.005, inflight=3)
+        batcher = StepBatcher(run, sessions=lambda: 6, inflight=3)
         out = await asyncio.gather(*(session(batcher, f"s{i}") for i in range(6)))
         await batcher.close()
         return out, batcher
@@ -165,9 +265,10 @@ def test_a_batch_jobs_count_groups_its_own_sessions_and_interactive_rows_keep_th
         slot = StepSlot(grouping)  # as a job's item's request holds it
         for step in range(5):
             await batcher.step(_frame(name, 40 if step == 0 else 1, step), slot)
+        batcher.leave(slot)
 
     async def main():
-        batcher = StepBatcher(run, sessions=lambda: 10, gather_s=0.05, inflight=2)
+        batcher = StepBatcher(run, sessions=lambda: 10, inflight=2)
         job = Grouping(count)
         await asyncio.gather(
             *(session(batcher, f"i{i}", None) for i in range(4)),
@@ -188,26 +289,24 @@ def test_a_batch_jobs_count_groups_its_own_sessions_and_interactive_rows_keep_th
 def test_a_newcomers_first_chunk_goes_ahead_of_later_chunks_and_passed_over_chunks_come_next():
     seen: list[list[str]] = []
 
-    async def run(frames):
-        seen.append([f.session_id for f in frames])
-        await asyncio.sleep(0.01)
-        return [activation_pb2.StepResult(session_id=f.session_id) for f in frames]
-
     async def main():
-        batcher = StepBatcher(run, sessions=lambda: 4, step_tokens=300, gather_s=0.05)
+        gate = asyncio.Event()
+        batcher = StepBatcher(_recorder(seen, gate, delay=0.01), sessions=lambda: 4, step_tokens=300)
         # Two long prompts in the middle of their prefill, one decoding session, and a newcomer.
         first = [_frame("A", 256, 3), _frame("C", 256, 3), _frame("d", 1, 9), _frame("B", 256, 0)]
-        tasks = [asyncio.create_task(batcher.step(f)) for f in first]
-        while not seen:
-            await asyncio.sleep(0.001)
-        late = asyncio.create_task(batcher.step(_frame("E", 256, 0)))  # arrives during step 1
-        await asyncio.gather(*tasks, late)
+
+        async def late():  # arrives during the step after the held one
+            while len(seen) < 2:
+                await asyncio.sleep(0.001)
+            await batcher.step(_frame("E", 256, 0))
+
+        await behind_a_held_step(batcher, gate, [*(batcher.step(f) for f in first), late()])
         await batcher.close()
 
     asyncio.run(main())
     # B's first chunk rides in the next step ahead of A's and C's later chunks; those, passed over
     # once, go before the newcomer E that arrived after them: nobody waits indefinitely.
-    assert seen == [["d", "B"], ["A"], ["C"], ["E"]]
+    assert [[r.split(":")[0] for r in step] for step in seen[1:]] == [["d", "B"], ["A"], ["C"], ["E"]]
 
 
 def test_a_runner_that_raises_fails_the_rows_of_its_step():
@@ -236,17 +335,24 @@ def test_inflight_defaults_to_one_batch_per_stage_and_a_negative_setting_is_refu
 def test_the_batcher_times_decode_steps_by_their_positions_and_tells_each_session_its_load():
     now = [0.0]
 
+    gate = asyncio.Event()
+
     async def run(frames):  # a fake clock: 30 ms a step plus 4 ms a position
+        if frames[0].session_id == "hold":  # a prefill chunk: not timed either
+            await gate.wait()
         now[0] += 0.030 + 0.004 * sum(len(f.positions) for f in frames)
         return [activation_pb2.StepResult(session_id=f.session_id) for f in frames]
 
+    async def session(batcher, name, slot):
+        await batcher.step(_frame(name, 40), slot)  # prefill: not timed
+        for step in range(1, 8):  # a verifies 1..7 positions beside b and c's decode rows
+            await batcher.step(_frame(name, step if name == "a" else 1, step), slot)
+        batcher.idle(slot)
+
     async def main():
         slots = {s: StepSlot() for s in "abc"}
-        batcher = StepBatcher(run, sessions=lambda: 3, gather_s=0.05, clock=lambda: now[0])
-        await asyncio.gather(*(batcher.step(_frame(s, 40), slots[s]) for s in "abc"))  # prefill: not timed
-        for step in range(1, 8):  # a verifies 1..7 positions beside b and c's decode rows
-            sizes = {"a": step, "b": 1, "c": 1}
-            await asyncio.gather(*(batcher.step(_frame(s, n, step), slots[s]) for s, n in sizes.items()))
+        batcher = StepBatcher(run, sessions=lambda: 3, clock=lambda: now[0])
+        await behind_a_held_step(batcher, gate, [session(batcher, s, slots[s]) for s in "abc"])
         loads = batcher.load(slots["a"]), batcher.load(slots["b"])
         await batcher.close()
         return batcher, loads, batcher.load(StepSlot())

@@ -25,6 +25,7 @@ from pipeshard.services.coordinator.speculation.policy import (
 from pipeshard.services.coordinator.step_batcher import StepBatcher, StepSlot
 from pipeshard.services.stage.wire import token_frame
 from pipeshard.v1 import activation_pb2
+from tests.coordinator.test_step_batcher import behind_a_held_step
 
 
 def test_greedy_keeps_the_matching_prefix_and_the_targets_next_token():
@@ -189,22 +190,26 @@ def _steps_of(users: int, fixed_s: float, per_position_s: float) -> tuple[StepBa
     ``fixed_s`` plus ``per_position_s`` per position; session 0 verifies 0..5 drafts."""
     now = [0.0]
 
+    gate = asyncio.Event()
+
     async def run(frames):
+        if frames[0].session_id == "hold":  # a prefill chunk: not timed
+            await gate.wait()
         now[0] += fixed_s + per_position_s * sum(len(f.positions) for f in frames)
         return [activation_pb2.StepResult() for _ in frames]
 
     slots = [StepSlot() for _ in range(users)]
 
-    async def main():
-        batcher = StepBatcher(run, sessions=lambda: users, gather_s=0.05, clock=lambda: now[0])
+    async def session(batcher, i):
         for step in range(12):
-            sizes = [1 + step % 6] + [1] * (users - 1)
-            await asyncio.gather(
-                *(
-                    batcher.step(token_frame(f"s{i}", step, [7] * n, 0, True, return_last=n), slots[i])
-                    for i, n in enumerate(sizes)
-                )
-            )
+            n = 1 + step % 6 if i == 0 else 1
+            await batcher.step(token_frame(f"s{i}", step, [7] * n, 0, True, return_last=n), slots[i])
+        batcher.idle(slots[i])
+
+    async def main():
+        batcher = StepBatcher(run, sessions=lambda: users, clock=lambda: now[0])
+        # Every session's first frame queued behind one step: they step together from there.
+        await behind_a_held_step(batcher, gate, [session(batcher, i) for i in range(users)])
         await batcher.close()
         return batcher
 
