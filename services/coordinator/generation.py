@@ -73,10 +73,10 @@ from pipeshard.services.coordinator.speculation.tree import (
     accept_tree_greedy,
     accept_tree_sampled,
 )
+from pipeshard.services.coordinator.step_answer import StepAnswer, read_answer
 from pipeshard.services.coordinator.step_batcher import DEFAULT_PREFILL_CHUNK, Grouping, StepBatcher, StepSlot
 from pipeshard.services.stage.domain import RowKind, SamplingStep
-from pipeshard.services.stage.wire import head_candidates, token_frame
-from pipeshard.tensor_codec import decode
+from pipeshard.services.stage.wire import token_frame
 from pipeshard.v1 import activation_pb2
 
 if TYPE_CHECKING:
@@ -472,7 +472,7 @@ class _Request:
             return None
         return SamplingStep(self.sampler.distribution, rng_state(self.sampler.rng), list(draft.tokens))
 
-    def accept(self, draft: Draft | TreeChains | TreeNodes, result: activation_pb2.StepResult) -> list[int]:
+    def accept(self, draft: Draft | TreeChains | TreeNodes, result: StepAnswer) -> list[int]:
         """The tokens this step keeps: the agreed draft prefix plus the target's next token."""
         new = self._accept(draft, result)
         if self.drafter is not None and self.reads_features:
@@ -485,12 +485,12 @@ class _Request:
         self,
         drafter: Drafter,
         draft: Draft | TreeChains | TreeNodes,
-        result: activation_pb2.StepResult,
+        result: StepAnswer,
         new: list[int],
     ) -> None:
         """Hands the drafter the final stage's head candidates when they were computed where this
         acceptance ended (the row before the target's own token); otherwise none this step."""
-        candidates = head_candidates(result)
+        candidates = result.heads
         # Tree chains ask for no heads (the stage cannot tell padding from drafts).
         usable = (
             candidates is not None
@@ -503,17 +503,17 @@ class _Request:
         self,
         drafter: Drafter,
         draft: Draft | TreeChains | TreeNodes,
-        result: activation_pb2.StepResult,
+        result: StepAnswer,
         new: list[int],
     ) -> None:
         """Hands a feature draft the target's feature at the last position kept: the row before
         the target's own token (of a tree: the accepted path's last node's row)."""
-        if not result.HasField("features"):
+        if result.features is None:
             # A stage that cannot return them: the draft goes idle (a stale feature would draft
             # for a position the target has left), decoding stays exact.
             drafter.observe(None)
             return
-        drafter.observe(decode(result.features, field="features")[self._kept_row(draft, new)])
+        drafter.observe(result.features[self._kept_row(draft, new)])
 
     def _kept_row(self, draft: Draft | TreeChains | TreeNodes, new: list[int]) -> int:
         """The result row of the last position this step kept (the row before the target's own
@@ -531,33 +531,31 @@ class _Request:
             raise RuntimeError("a tree step's outcome was read before its acceptance")
         return self.outcome
 
-    def _accept(self, draft: Draft | TreeChains | TreeNodes, result: activation_pb2.StepResult) -> list[int]:
+    def _accept(self, draft: Draft | TreeChains | TreeNodes, result: StepAnswer) -> list[int]:
         if isinstance(draft, TreeChains | TreeNodes):
             return self._accept_tree(draft, result)
         if self.shaper is not None:
             return self._accept_shaped(draft, result, self.shaper)
         if self.sampler is None:
-            new = accept_greedy(draft.tokens, list(result.top1.token_ids))
+            new = accept_greedy(draft.tokens, result.top1)
             if self.params.logprobs:  # greedy keeps row i's argmax, whose probability Top1 carries
-                self.new_logprobs = [math.log(p) for p in result.top1.probabilities[: len(new)]]
+                self.new_logprobs = [math.log(p) for p in result.top1_probabilities[: len(new)]]
             return new
-        if result.HasField("sampled"):  # drawn on the final stage: continue from its generator
-            restore_rng(self.sampler.rng, result.sampled.rng_state, "sampled.rng_state")
-            return list(result.sampled.token_ids)
-        rows = decode(result.logits, field="logits")
+        if result.drawn is not None:  # drawn on the final stage: continue from its generator
+            restore_rng(self.sampler.rng, result.drawn.rng_state, "sampled.rng_state")
+            return result.drawn.token_ids
+        rows = result.rows()
         new = accept_sampled(draft.tokens, draft.probs, rows, self.sampler.probabilities, self.sampler.rng)
         if self.params.logprobs:  # token i was drawn (or kept) from row i
             self.new_logprobs = token_logprobs(rows, new)
         return new
 
-    def _accept_shaped(
-        self, draft: Draft, result: activation_pb2.StepResult, shaper: LogitShaper
-    ) -> list[int]:
+    def _accept_shaped(self, draft: Draft, result: StepAnswer, shaper: LogitShaper) -> list[int]:
         """Each position's token chosen from its shaped row (bias, penalties, the grammar's mask),
         in order: a greedy request keeps a draft while it equals the shaped argmax (so a draft
         that leaves the grammar is cut there, and the output equals plain decoding); a sampled one
         draws (no drafts)."""
-        rows = decode(result.logits, field="logits")
+        rows = result.rows()
         new: list[int] = []
         for i in range(len(draft.tokens) + 1):
             row = shaper.shaped(rows[i])
@@ -579,16 +577,16 @@ class _Request:
                 ]
         return new
 
-    def _accept_tree(self, chains: TreeChains | TreeNodes, result: activation_pb2.StepResult) -> list[int]:
+    def _accept_tree(self, chains: TreeChains | TreeNodes, result: StepAnswer) -> list[int]:
         if self.sampler is None:
-            self.outcome = accept_tree_greedy(chains, list(result.top1.token_ids))
+            self.outcome = accept_tree_greedy(chains, result.top1)
         else:
-            logits = decode(result.logits, field="logits")
+            logits = result.rows()
             self.outcome = accept_tree_sampled(chains, logits, self.sampler.probabilities, self.sampler.rng)
         if self.params.logprobs:  # token i came from the row after the i-th node of the path
             rows = [chains.row_of(node) for node in [ROOT, *self.outcome.path]]
             if self.sampler is None:
-                self.new_logprobs = [math.log(result.top1.probabilities[r]) for r in rows]
+                self.new_logprobs = [math.log(result.top1_probabilities[r]) for r in rows]
             else:
                 self.new_logprobs = token_logprobs(logits[rows], self.outcome.tokens)
         return self.outcome.tokens
@@ -1060,7 +1058,7 @@ class Generation:
         elapsed = time.perf_counter() - sent
         request.streaming_step = step_id
         trace.mark("gen_result", request.session_id, step_id)
-        new = request.accept(draft, result)
+        new = request.accept(draft, read_answer(result))
         request.record(draft, new, elapsed)
         # No step of this session is in flight here: every stage holds its settled positions.
         self._computed(request, (request.prompt_ids + request.generated + new)[: request.cursor.settled])
