@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
@@ -30,6 +30,9 @@ from pipeshard.services.coordinator.replicas import ReplicaLanes
 from pipeshard.services.coordinator.ring import RingLike, ShuttingDown
 from pipeshard.services.coordinator.step_batcher import StepSlot
 from pipeshard.v1 import activation_pb2
+
+if TYPE_CHECKING:
+    from pipeshard.services.coordinator.scheduler import ScheduledRequest
 
 log = structlog.get_logger(__name__)
 
@@ -62,6 +65,10 @@ class MovableRequest(Protocol):
 
     @property
     def slot(self) -> StepSlot: ...
+
+    @property
+    def admission(self) -> ScheduledRequest | None:
+        """The scheduler's admission, whose KV charge each new session takes over."""
 
     # Its standby copy: taken for the move, and the restored copy (or a new one) after it.
     standby: StandbyCopy
@@ -128,7 +135,7 @@ class Failover:
                 replay = request.move_to(uuid.uuid4().hex)
                 trace.mark("failover_begin", request.session_id, 0)
                 try:
-                    await ring.open_session(request.session_id, capacity)
+                    await ring.open_session(request.session_id, capacity, request.admission)
                     opened = time.perf_counter()
                     trace.mark("failover_opened", request.session_id, 0)
                     source, copy = await self._restore(
@@ -201,7 +208,7 @@ class Failover:
             self.standby.drop(copy)
             await ring.abort_session(request.session_id, f"standby KV restore failed: {reason}")
             request.move_to(uuid.uuid4().hex)
-            await ring.open_session(request.session_id, capacity)
+            await ring.open_session(request.session_id, capacity, request.admission)
             return "none", None
         request.cursor.restored(positions)
         request.standby = copy  # it follows the new session from where it stands

@@ -81,6 +81,7 @@ from pipeshard.v1 import activation_pb2
 
 if TYPE_CHECKING:
     from pipeshard.services.coordinator.failover import Failover
+    from pipeshard.services.coordinator.scheduler import ScheduledRequest
 
 log = structlog.get_logger(__name__)
 
@@ -300,10 +301,12 @@ class _Request:
         tree: TreeChoice = TREE_OFF,
         constraint: Constraint | None = None,
         grouping: Grouping | None = None,
+        admission: ScheduledRequest | None = None,
     ):
         self.id = request_id  # for its whole life; its sessions change (failover, a failed restore)
         self.status = RequestStatus.PREFILLING
         self.session_id = session_id
+        self.admission = admission  # the scheduler's: its sessions carry its KV charge
         self.slot = StepSlot(grouping)  # its place in the ring's step batcher, for its whole life
         self.standby = StandbyCopy()  # its KV captured ahead of a failover (kv_standby.py), when on
         # Structured output, penalties, logit_bias: tokens are chosen here from shaped logits.
@@ -822,6 +825,7 @@ class Generation:
         cache: bool = True,
         reserved: int | None = None,
         grouping: Grouping | None = None,
+        admission: ScheduledRequest | None = None,
     ) -> AsyncIterator[Chunk | Summary]:
         """Streams Chunks then one Summary; raises if nothing was streamed or a stage is
         unreachable, and otherwise ends a failed generation with an "error" Summary. The
@@ -829,8 +833,9 @@ class Generation:
         False keeps a generation (the coordinator's warm-up) out of the token metrics; ``scope``
         names whose prefix cache entries the request may use (its client); ``cache=False`` keeps
         it out of the prefix cache; ``reserved``: the cache room admission counted for it
-        (None: :meth:`capacity`); ``grouping``: its batch job's micro-batches (batch_jobs.py)."""
-        request = await self._open(prompt_ids, params, speculation, metered, reserved, grouping)
+        (None: :meth:`capacity`); ``grouping``: its batch job's micro-batches (batch_jobs.py);
+        ``admission``: the scheduler's admission, whose KV charge its sessions take over."""
+        request = await self._open(prompt_ids, params, speculation, metered, reserved, grouping, admission)
         events: asyncio.Queue[Chunk | Summary | _Failed] = asyncio.Queue(STREAM_EVENTS)
         # The request's decode loop runs as its own task and only hands its events over, so a
         # slow reader never holds up a step the other requests wait for.
@@ -913,6 +918,7 @@ class Generation:
         metered: bool,
         reserved: int | None,
         grouping: Grouping | None,
+        admission: ScheduledRequest | None = None,
     ) -> _Request:
         """Opens the request's session on every stage and sets up its drafter and K policy."""
         mode, k, tree = speculation.mode, speculation.k, speculation.tree
@@ -932,7 +938,7 @@ class Generation:
         request_id = new_request_id()
         session_id = request_id  # its first session's id; later ones are new (failover, restore)
         reserved = reserved or self.capacity(prompt_ids, params)
-        max_context = await self._ring.open_session(session_id, reserved)
+        max_context = await self._ring.open_session(session_id, reserved, admission)
         drafter = factory() if factory else None
         memory = None if mode == "none" else self._sources.setdefault(mode, SourceMemory())
         steps = self._steps
@@ -964,6 +970,7 @@ class Generation:
             tree=tree,
             constraint=constraint,
             grouping=grouping,
+            admission=admission,
         )
         if steps is not None:
             policy.load = lambda: steps.load(request.slot)
@@ -1001,7 +1008,7 @@ class Generation:
             # (opened once the old one is gone, so the two never hold the stages' KV together).
             await self._ring.abort_session(request.session_id, f"prefix restore failed: {reason}")
             request.session_id = request.cursor.session_id = uuid.uuid4().hex
-            await self._ring.open_session(request.session_id, request.reserved)
+            await self._ring.open_session(request.session_id, request.reserved, request.admission)
             return
         except BaseException:  # cancelled (the client went away): the entry stays usable
             prefix.unpin(hit)

@@ -30,7 +30,7 @@ from pipeshard.services.coordinator.step_batcher import (
 from pipeshard.v1 import activation_pb2
 
 if TYPE_CHECKING:
-    from pipeshard.services.coordinator.scheduler import SessionAccounts
+    from pipeshard.services.coordinator.scheduler import ScheduledRequest, SessionAccounts
 
 
 class StageFailed(PipeshardError):
@@ -88,7 +88,9 @@ class RingLike(Protocol):
     @property
     def num_stages(self) -> int: ...
 
-    async def open_session(self, session_id: str, capacity: int | None = None) -> int: ...
+    async def open_session(
+        self, session_id: str, capacity: int | None = None, admission: ScheduledRequest | None = None
+    ) -> int: ...
 
     async def step(
         self, frame: activation_pb2.ActivationFrame, slot: StepSlot | None = None
@@ -158,11 +160,15 @@ class Ring(Generic[L]):
             raise answer
         return answer
 
-    async def open_session(self, session_id: str, capacity: int | None = None) -> int:
+    async def open_session(
+        self, session_id: str, capacity: int | None = None, admission: ScheduledRequest | None = None
+    ) -> int:
         """Opens the session on every stage; returns the smallest max_context among them.
-        ``capacity``: the tokens the session may use (a paged stage reserves them or refuses)."""
+        ``capacity``: the tokens the session may use (a paged stage reserves them or refuses);
+        ``admission``: the scheduler's admission of the request it is for, whose KV charge the
+        session takes over (None: charged on its own)."""
         if self._accounts is not None:
-            self._accounts.opening(session_id, capacity)
+            self._accounts.opening(session_id, capacity, admission)
         try:
             return await self.stages.open_session(session_id, capacity)
         except BaseException:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import enum
 import itertools
 from collections import Counter, deque
@@ -100,12 +99,6 @@ def _queue_in_class(queue: deque[ScheduledRequest], request: ScheduledRequest) -
     queue.insert(first_batch, request)
 
 
-# The request whose generation is running in this task (read when its session opens).
-_CURRENT: contextvars.ContextVar[ScheduledRequest | None] = contextvars.ContextVar(
-    "scheduled_request", default=None
-)
-
-
 class Scheduler:
     def __init__(
         self,
@@ -149,18 +142,14 @@ class Scheduler:
         self, identity: Identity, tokens: int, timeout_s: float | None = None, *, batch: bool = False
     ) -> AsyncIterator[ScheduledRequest]:
         """Holds a running place for the body, for a request whose sessions hold ``tokens`` of
-        KV capacity; waits in the queue up to ``timeout_s``; ``batch``: the lower class."""
+        KV capacity; waits in the queue up to ``timeout_s``; ``batch``: the lower class. The
+        admission it yields goes with the request to the sessions it opens (their charge)."""
         self.kv.check_ever_fits(tokens)
         request = ScheduledRequest(identity, self.kv.need(tokens), next(self._seq), batch=batch)
         self._enqueue(request)
         try:
             await self._wait(request, timeout_s)
-            # Set, not reset by token: an abandoned stream is closed later from another context.
-            _CURRENT.set(request)
-            try:
-                yield request
-            finally:
-                _CURRENT.set(None)
+            yield request
         finally:
             self._finish(request)
 
@@ -334,8 +323,8 @@ class SessionAccounts:
         self._kv = kv
         self._sessions: dict[str, tuple[Need, ScheduledRequest | None]] = {}
 
-    def opening(self, session_id: str, capacity: int | None) -> None:
-        request = _CURRENT.get()
+    def opening(self, session_id: str, capacity: int | None, request: ScheduledRequest | None) -> None:
+        """``request``: the admission the session is opened for (None: charged on its own)."""
         if request is not None and request.charged:
             request.charged = False
             need = request.need

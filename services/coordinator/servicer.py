@@ -31,7 +31,7 @@ from pipeshard.services.coordinator.generation import Chunk, Generation, Specula
 from pipeshard.services.coordinator.grammar import GrammarSpec
 from pipeshard.services.coordinator.ring import ShuttingDown
 from pipeshard.services.coordinator.sampling import SamplingParams
-from pipeshard.services.coordinator.scheduler import Scheduler
+from pipeshard.services.coordinator.scheduler import ScheduledRequest, Scheduler
 from pipeshard.services.coordinator.step_batcher import Grouping
 from pipeshard.shard.prompting import Prompter
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -94,6 +94,7 @@ class _Admitted:
     client: str  # its identity's name
     reserved: int  # the cache room admission counted for it
     grouping: Grouping | None  # a batch job's micro-batches; None: an interactive request
+    admission: ScheduledRequest  # the scheduler's: its sessions take over its KV charge
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -212,9 +213,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             identity = self._authenticator.identify(context) if context else Identity("")
         tokens = self._generation.capacity(prompt_ids, params)
         deadline = context.time_remaining() if context else None
-        async with self._scheduler.admit(identity, tokens, deadline, batch=grouping is not None):
+        async with self._scheduler.admit(identity, tokens, deadline, batch=grouping is not None) as admission:
             self._refuse_if_draining()  # queued while the drain began
-            admitted = _Admitted(prompt_ids, params, speculation, identity.name, tokens, grouping)
+            admitted = _Admitted(prompt_ids, params, speculation, identity.name, tokens, grouping, admission)
             async for response in self._stream(admitted):
                 yield response
 
@@ -252,6 +253,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             scope=scope,
             reserved=admitted.reserved,
             grouping=admitted.grouping,
+            admission=admitted.admission,
         )
         async for event in events:
             if isinstance(event, Chunk):

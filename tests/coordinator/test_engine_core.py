@@ -31,7 +31,7 @@ class _Ring:
         self.seen: list[dict[RequestId, RequestStatus]] = []  # the engine's table at each step
         self.engine: EngineCore | None = None
 
-    async def open_session(self, session_id, capacity=None):
+    async def open_session(self, session_id, capacity=None, admission=None):
         self.sessions.append(session_id)
         return 64
 

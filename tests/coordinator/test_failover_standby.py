@@ -54,7 +54,7 @@ class _Ring:
         self.aborted: list[str] = []
         self.steps: list[activation_pb2.ActivationFrame] = []
 
-    async def open_session(self, session_id: str, capacity: int | None = None) -> int:
+    async def open_session(self, session_id: str, capacity: int | None = None, admission=None) -> int:
         self.opened.append(session_id)
         return 2048
 
@@ -81,6 +81,7 @@ class _Generating:
         self.top1 = True  # a greedy request with nothing chosen on the coordinator
         self.slot = StepSlot()  # its place in the batcher, kept across the move
         self.standby = StandbyCopy()  # its KV captured ahead
+        self.admission = None  # the scheduler's (none here: the ring charges nothing)
 
 
 def _failover(refuse: bool) -> tuple[_Generating, _Ring, _Lanes, KvStandby]:

@@ -31,7 +31,7 @@ class Ring:
         self.fail_at, self.steps, self.calls = fail_at, 0, []
         self.error = error or Unavailable("stage 1 at 127.0.0.1:1 is not answering")
 
-    async def open_session(self, session_id, capacity=None):
+    async def open_session(self, session_id, capacity=None, admission=None):
         self.calls.append("open")
         return 64
 
@@ -104,7 +104,9 @@ class _Generation:
     def capacity(self, prompt_ids, params):
         return len(prompt_ids) + params.max_tokens
 
-    async def generate(self, prompt_ids, params, speculation, *, scope="", reserved=None, grouping=None):
+    async def generate(
+        self, prompt_ids, params, speculation, *, scope="", reserved=None, grouping=None, admission=None
+    ):
         yield Chunk(text=structlog.contextvars.get_contextvars().get("request_id", ""), token_ids=[])
 
 
@@ -149,7 +151,9 @@ def test_the_summary_reaches_the_client_result_field_for_field():
     )
 
     class Finished(_Generation):
-        async def generate(self, prompt_ids, params, speculation, *, scope="", reserved=None, grouping=None):
+        async def generate(
+            self, prompt_ids, params, speculation, *, scope="", reserved=None, grouping=None, admission=None
+        ):
             yield Chunk(text="<7><7>", token_ids=[7, 7], logprobs=[-0.5, -0.25], tokens=["<7>", "<7>"])
             yield summary
 

@@ -99,7 +99,7 @@ class Ring:
     def __init__(self, restore: str = "ok"):
         self.restore, self.calls, self.frames = restore, [], []
 
-    async def open_session(self, session_id, capacity=None):
+    async def open_session(self, session_id, capacity=None, admission=None):
         self.calls.append(("open", session_id))
         return 4096
 

@@ -97,4 +97,3 @@ def test_requests_answered_together_step_together_again():
     # step until the first one ends.
     rows = [len(s) for s in stages.steps]
     assert sum(rows) == 48 and rows == [1] + [4] * 11 + [3]
-

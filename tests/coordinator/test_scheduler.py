@@ -115,8 +115,8 @@ def test_a_waiting_request_is_admitted_when_a_running_one_releases_its_session()
         second = asyncio.Event()
 
         async def first():
-            async with scheduler.admit(ALICE, 400):
-                await ring.open_session("s1", 400)
+            async with scheduler.admit(ALICE, 400) as admission:
+                await ring.open_session("s1", 400, admission)
             await ring.release_session("s1")
 
         async def waiting():
@@ -316,11 +316,11 @@ def test_a_reopened_session_keeps_its_requests_charge_and_other_sessions_are_cha
         assert kv.held == [10]
         await ring.release_session("warm-up")
         assert kv.held == [0]
-        async with scheduler.admit(ALICE, 300):
-            await ring.open_session("first", 300)
+        async with scheduler.admit(ALICE, 300) as admission:
+            await ring.open_session("first", 300, admission)
             await ring.abort_session("first", "prefix restore failed")  # the cold retry follows
             assert kv.held == [30]  # still the request's
-            await ring.open_session("retry", 300)
+            await ring.open_session("retry", 300, admission)
             assert kv.held == [30]
         assert kv.held == [30]  # the retry's session is not released yet
         await ring.release_session("retry")

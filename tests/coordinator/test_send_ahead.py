@@ -24,7 +24,7 @@ class Ring:
         self.sent, self.in_flight, self.in_flight_at_release = 0, 0, None
         self.kinds: list[int] = []  # each step's row kind, in order
 
-    async def open_session(self, session_id, capacity=None):
+    async def open_session(self, session_id, capacity=None, admission=None):
         return 64
 
     async def step(self, frame, slot=None):
