@@ -30,6 +30,7 @@ groups: a step takes at most its share, ceil(open sessions / inflight), of the d
 A failover's resend leaves at once (``expedite``): the moved request has waited through a restore
 already, and behind the steps in flight it would wait up to two such steps more.
 
+Batch jobs' rows are the lower class within a step too: interactive rows take the budget first.
 Micro-batches of a batch job (batch_jobs.py): a job's requests step under its :class:`Grouping`
 (their :class:`StepSlot`'s), so a step takes at most ceil(the job's sessions / its ``count``) of
 their decode rows, and up to that many steps travel at once; the other requests keep their share
@@ -320,10 +321,12 @@ class StepBatcher:
 
     def schedule(self) -> StepPlan:
         """The next step: decode and verify rows up to each grouping's share, then prefill chunks,
-        urgent ones (first frames, chunks passed over before) first, each in arrival order, all
-        while the step's token budget lasts (its first row always goes)."""
+        interactive rows before batch jobs' and urgent ones (first frames, chunks passed over
+        before) first, each in arrival order, all while the step's token budget lasts (its first
+        row always goes)."""
         queue = [w for w in self._queue if not w.answer.done()]  # a cancelled caller's frame drops
-        queue.sort(key=lambda w: (not w.urgent, w.arrival))
+        # Batch jobs' rows are the lower class: they take what budget interactive rows leave.
+        queue.sort(key=lambda w: (w.grouping is not None, not w.urgent, w.arrival))
         room = self._shares(self._open())
         budget = self.step_tokens
         decode: list[_Waiting] = []

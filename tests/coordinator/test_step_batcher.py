@@ -116,6 +116,29 @@ def test_schedule_returns_a_typed_plan_of_decode_rows_then_chunks():
     assert plan.tokens == 43 and len(plan.rows) == 2
 
 
+def test_batch_jobs_rows_are_the_lower_class_of_a_steps_budget():
+    """A job's rows that arrived first still leave the budget to an interactive row."""
+    seen: list[list[str]] = []
+
+    async def main():
+        gate = asyncio.Event()
+        batcher = StepBatcher(_recorder(seen, gate), sessions=lambda: 6, step_tokens=45)
+        job = Grouping(1)
+
+        async def once(name, tokens, grouping):
+            slot = StepSlot(grouping)
+            await batcher.step(_frame(name, tokens), slot)
+            batcher.leave(slot)  # as its generation ends
+
+        rows = [("j1", 20, job), ("j2", 20, job), ("i1", 20, None), ("p", 40, None)]
+        await behind_a_held_step(batcher, gate, [once(*row) for row in rows])
+        await batcher.close()
+
+    asyncio.run(main())
+    # Arrival order would have given [j1, j2], then [i1], then [p].
+    assert seen[1:] == [["i1:20", "j1:20"], ["j2:20"], ["p:40"]]
+
+
 def test_a_step_waits_for_a_thinking_request_and_never_for_an_idle_or_ended_one():
     """No clock decides when a step leaves: it waits exactly for the requests that were answered
     and have not sent again, and for none that said they will not send for a while."""
