@@ -12,9 +12,9 @@ import pytest
 
 from pipeshard.services.coordinator.generation import Generation, Summary
 from pipeshard.services.coordinator.grammar import Grammars, GrammarSpec
-from pipeshard.services.coordinator.in_process import InProcessStages
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.shard.prompting import Prompter
+from tests.coordinator.result_spy import ResultSpy
 from tests.pipeline.schema_check import violations
 
 pytestmark = pytest.mark.slow
@@ -30,29 +30,10 @@ SCHEMA = {
 }
 
 
-class _Spy(InProcessStages):
-    """Counts the results that came back as Top1 ids and as logits."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.kinds: list[str] = []
-
-    async def run(self, frames):
-        results = await super().run(frames)
-        for result in results:
-            if isinstance(result, Exception):
-                continue
-            if result.HasField("top1"):
-                self.kinds.append("top1")
-            elif result.HasField("logits"):
-                self.kinds.append("logits")
-        return results
-
-
 @pytest.mark.parametrize("backend", ["stateful", "paged"])
 def test_the_grammar_mask_is_applied_on_the_final_stage(smollm2_export, backend):
     export = smollm2_export(2, "int4")
-    ring = getattr(_Spy, backend)(export).ring()
+    ring = getattr(ResultSpy, backend)(export).ring()
     prompter = Prompter.from_dir(export)
     grammars = Grammars(prompter.tokenizer, len(prompter.tokenizer), prompter.eos_ids)
     gen = Generation(ring, prompter.tokenizer, prompter.eos_ids, grammars=grammars)
