@@ -162,6 +162,12 @@ STAGE_CACHE_POSITIONS = gauge(
     "KV cache positions written by the open sessions of a stage (valid or masked out).",
     ("stage",),
 )
+STAGE_KV_RESTORED_BLOCKS = counter(
+    "pipeshard_stage_kv_restored_blocks_total",
+    "KV blocks of prefix-cache restores on a paged stage: shared (a pinned pool block referenced, "
+    "nothing copied) or copied (written from the prefix store).",
+    ("stage", "how"),
+)
 STAGE_CACHE_BYTES = gauge(
     "pipeshard_stage_cache_bytes",
     "KV cache held by the open sessions of a stage, in bytes: positions x layers x 2 x KV heads x "

@@ -31,12 +31,22 @@ Memory: the block pools are allocated once from a byte budget; a sequence reserv
 for its whole capacity when it opens (admission), so nothing is evicted from under a running
 sequence and a step never fails for want of blocks. Rewind (the rejected drafts of speculation)
 shortens a sequence's length: the next step overwrites those cache slots, nothing is copied.
+
+Shared prefixes: a full block of a kept sequence can be *pinned* under its prefix key (``pin``,
+the prefix cache's keep), and a fresh sequence whose prompt starts with those blocks references
+them (``share``) instead of copying them: its own block for that slot goes back to the pool.
+Blocks are counted by reference, so n sequences on one prompt hold the prompt's full blocks
+once. A sequence only writes at or past its length, and every block from there on is its own;
+a rewind into blocks it shares first takes its own blocks back (copying the partial one), which
+needs free blocks then. Pinned blocks no sequence uses are the pool's cache: the first to go
+(least recently used first) when a sequence needs room.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -88,8 +98,9 @@ class CacheUsage:
     block_bytes: int
     block_tokens: int
     blocks_total: int
-    blocks_used: int
+    blocks_used: int  # referenced by some sequence (a shared block once)
     sequences: int
+    blocks_cached: int = 0  # pinned prefix blocks no sequence uses (given up for room on demand)
 
     @property
     def bytes_used(self) -> int:
@@ -97,6 +108,7 @@ class CacheUsage:
 
     @property
     def blocks_free(self) -> int:
+        """Blocks a new sequence may take: the free ones and the cached ones it would evict."""
         return self.blocks_total - self.blocks_used
 
 
@@ -235,6 +247,9 @@ class PagedShard(StageShard):
         ]
         self.kv_source = replace(self.kv_source, blocks=self._block_layout())
         self._free = list(range(self.blocks_total - 1, -1, -1))  # pop() hands out low ids first
+        self._refs = np.zeros(self.blocks_total, dtype=np.int32)  # sequences referencing each block
+        self._pinned = np.zeros(self.blocks_total, dtype=bool)
+        self._pins: OrderedDict[Hashable, int] = OrderedDict()  # prefix key -> block, oldest use first
         self._seqs: dict[Hashable, _Sequence] = {}
         self._lock = threading.Lock()
 
@@ -259,13 +274,7 @@ class PagedShard(StageShard):
         with self._lock:
             if seq in self._seqs:
                 raise InvalidArgument("seq", f"sequence {seq!r} is already open")
-            if need > len(self._free):
-                raise ResourceExhausted(
-                    f"the KV cache budget of {self.cache_bytes} bytes ({self.blocks_total} blocks of "
-                    f"{self.block_tokens} tokens) has {len(self._free)} blocks free; "
-                    f"{capacity} tokens need {need}"
-                )
-            blocks = np.array([self._free.pop() for _ in range(need)], dtype=np.int32)
+            blocks = self._take(need, f"{capacity} tokens")
             self._seqs[seq] = _Sequence(blocks=blocks, capacity=need * self.block_tokens)
 
     def free(self, seq: Hashable) -> bool:
@@ -274,8 +283,93 @@ class PagedShard(StageShard):
             state = self._seqs.pop(seq, None)
             if state is None:
                 return False
-            self._free.extend(int(b) for b in state.blocks[::-1])
+            self._release(state.blocks[::-1])
             return True
+
+    def pin(self, seq: Hashable, keys: Sequence[Hashable]) -> int:
+        """Keeps the sequence's leading full blocks in the pool under their prefix keys (one key
+        per block, in order), for ``share``; returns how many were newly pinned."""
+        with self._lock:
+            state = self._get(seq)
+            if len(keys) * self.block_tokens > state.length:
+                raise InvalidArgument(
+                    "keys", f"name {len(keys)} full blocks; sequence {seq!r} holds {state.length} tokens"
+                )
+            added = 0
+            for key, block in zip(keys, state.blocks, strict=False):
+                if key in self._pins:
+                    self._pins.move_to_end(key)
+                    continue
+                self._pins[key] = int(block)
+                self._pinned[block] = True
+                added += 1
+            return added
+
+    def share(self, seq: Hashable, keys: Sequence[Hashable]) -> int:
+        """An empty sequence references the pinned blocks of its leading prefix keys (up to the
+        first not pinned) instead of its own, which go back to the pool; its length becomes the
+        positions they hold. Returns the blocks shared."""
+        with self._lock:
+            state = self._get(seq)
+            if state.length:
+                raise InvalidArgument("seq", f"sequence {seq!r} must be empty to share a prefix")
+            shared = 0
+            for key in keys[: len(state.blocks)]:
+                block = self._pins.get(key)
+                if block is None:
+                    break
+                self._pins.move_to_end(key)
+                own = int(state.blocks[shared])
+                state.blocks[shared] = block
+                self._refs[block] += 1
+                self._release([own])
+                shared += 1
+            state.length = shared * self.block_tokens
+            return shared
+
+    def _take(self, n: int, purpose: str) -> np.ndarray:
+        """``n`` blocks for a sequence, evicting cached (pinned, unused) ones if the free ones are
+        too few; refuses naming the budget when even that is not enough."""
+        if n > len(self._free):
+            for key, block in list(self._pins.items()):
+                if len(self._free) >= n:
+                    break
+                if not self._refs[block]:
+                    del self._pins[key]
+                    self._pinned[block] = False
+                    self._free.append(block)
+        if n > len(self._free):
+            raise ResourceExhausted(
+                f"the KV cache budget of {self.cache_bytes} bytes ({self.blocks_total} blocks of "
+                f"{self.block_tokens} tokens) has {len(self._free)} blocks free; {purpose} need {n}"
+            )
+        blocks = np.array([self._free.pop() for _ in range(n)], dtype=np.int32)
+        self._refs[blocks] += 1
+        return blocks
+
+    def _release(self, blocks: Sequence[int] | np.ndarray) -> None:
+        for block in blocks:
+            self._refs[block] -= 1
+            if not self._refs[block] and not self._pinned[block]:
+                self._free.append(int(block))
+
+    def _own_from(self, state: _Sequence, index: int) -> None:
+        """Makes the sequence's blocks from ``index`` on its own (where it will write): each one
+        it shares is replaced by a new block, the first holding a copy (its leading positions
+        may still be in use)."""
+        tail = state.blocks[index:]
+        shared = np.nonzero((self._refs[tail] > 1) | self._pinned[tail])[0]
+        if not shared.size:
+            return
+        fresh = self._take(len(shared), "the blocks a rewound sequence shared")
+        for i, new in zip(shared, fresh, strict=True):
+            old = int(tail[i])
+            if i == 0:
+                for name in self._state_pools:
+                    pool = self._pool(name)
+                    pool[new] = pool[old]
+            tail[i] = new
+            self._release([old])
 
     def length(self, seq: Hashable) -> int:
         return self._get(seq).length
@@ -287,12 +381,15 @@ class PagedShard(StageShard):
     def rewind(self, seq: Hashable, length: int) -> None:
         """Shorten a sequence to its first ``length`` tokens (speculation's rejected drafts): the
         slots past it are simply overwritten by the next step; nothing moves or is copied."""
-        state = self._get(seq)
-        if not 0 <= length <= state.length:
-            raise InvalidArgument(
-                "length", f"must be in [0, {state.length}] for sequence {seq!r}, got {length}"
-            )
-        state.length = length
+        with self._lock:
+            state = self._get(seq)
+            if not 0 <= length <= state.length:
+                raise InvalidArgument(
+                    "length", f"must be in [0, {state.length}] for sequence {seq!r}, got {length}"
+                )
+            if length < state.length:
+                self._own_from(state, length // self.block_tokens)
+            state.length = length
 
     def move(self, seq: Hashable, start: int, kept: Sequence[int]) -> None:
         """The cache of the sequence's tokens at ``start + kept[i]`` moves to ``start + i`` (a
@@ -313,6 +410,7 @@ class PagedShard(StageShard):
                     "tree_kept", f"slot {start + kept[-1]} lies beyond the {state.length} tokens cached"
                 )
             bt = self.block_tokens
+            self._own_from(state, start // bt)
             src = start + np.asarray(kept, dtype=np.int64)
             dst = start + np.arange(len(kept), dtype=np.int64)
             src, dst = src[src != dst], dst[src != dst]
@@ -345,11 +443,16 @@ class PagedShard(StageShard):
                 for name in self._state_pools
             ]
 
-    def import_kv(self, seq: Hashable, arrays: Sequence[np.ndarray], positions: int) -> None:
-        """Write ``export_kv``'s arrays of ``positions`` tokens into an open sequence; its
-        length becomes ``positions``."""
+    def import_kv(self, seq: Hashable, arrays: Sequence[np.ndarray], positions: int, start: int = 0) -> None:
+        """Write ``export_kv``'s arrays of tokens [start, positions) into an open sequence that
+        holds ``start`` (a multiple of the block size); its length becomes ``positions``."""
         with self._lock:
             state = self._get(seq)
+            if start % self.block_tokens or not 0 <= start <= min(state.length, positions):
+                raise InvalidArgument(
+                    "start", f"must be a block boundary within the {state.length} tokens held, got {start}"
+                )
+            self._own_from(state, start // self.block_tokens)
             if len(arrays) != len(self._state_pools):
                 raise InvalidArgument(
                     "arrays", f"must hold {len(self._state_pools)} states, got {len(arrays)}"
@@ -358,8 +461,8 @@ class PagedShard(StageShard):
                 raise ResourceExhausted(
                     f"{positions} tokens of KV exceed the sequence's reservation of {state.capacity}"
                 )
-            blocks = state.blocks[: self.blocks_for(positions)]
-            want = self.kv_source.shapes_for(positions)
+            blocks = state.blocks[start // self.block_tokens : self.blocks_for(positions)]
+            want = self.kv_source.shapes_for(positions - start)
             for name, array, shape in zip(self._state_pools, arrays, want, strict=True):
                 if array.shape != shape:
                     raise InvalidArgument(
@@ -381,13 +484,15 @@ class PagedShard(StageShard):
 
     def usage(self) -> CacheUsage:
         with self._lock:
+            used = int(np.count_nonzero(self._refs))
             return CacheUsage(
                 budget_bytes=self.cache_bytes,
                 block_bytes=self.block_bytes,
                 block_tokens=self.block_tokens,
                 blocks_total=self.blocks_total,
-                blocks_used=self.blocks_total - len(self._free),
+                blocks_used=used,
                 sequences=len(self._seqs),
+                blocks_cached=self.blocks_total - len(self._free) - used,
             )
 
     def _get(self, seq: Hashable) -> _Sequence:

@@ -193,6 +193,7 @@ class _Cursor:
         parents: tuple[int, ...] = (),
         features: bool = False,
         heads: int = 0,
+        allowed: bytes = b"",
     ) -> activation_pb2.ActivationFrame:
         """``chains`` > 1: ``ids`` are a draft tree's chains, each advancing the cache alike;
         ``parents``: ``ids`` are a draft tree as one sequence (each id's parent among them);
@@ -217,6 +218,7 @@ class _Cursor:
             probabilities=self.probabilities,
             features=features,
             heads=heads,
+            allowed=allowed,
         )
         self._rejected = []
         self._keep_chain = -1
@@ -458,7 +460,16 @@ class _Request:
             kind=kind,
             features=self.reads_features,
             heads=self.heads,
+            allowed=self._allowed(draft),
         )
+
+    def _allowed(self, draft: Draft) -> bytes:
+        """The grammar's mask for the final stage to apply (its Top1 then is this step's token,
+        no logits shipped): a greedy step without drafts whose only shaping is the grammar."""
+        shaper = self.shaper
+        if shaper is None or not shaper.mask_only or not self.params.greedy or draft.tokens:
+            return b""
+        return b"" if self.params.logprobs else shaper.allowed_bits()
 
     def _sampling(self, draft: Draft) -> SamplingStep | None:
         """The final stage draws (with this request's generator) unless the drafts carry their
@@ -538,6 +549,10 @@ class _Request:
         if isinstance(draft, TreeChains | TreeNodes):
             return self._accept_tree(draft, result)
         if self.shaper is not None:
+            if result.HasField("top1"):  # the final stage applied the grammar's mask (_allowed)
+                token = int(result.top1.token_ids[0])
+                self.shaper.took(token)
+                return [token]
             return self._accept_shaped(draft, result, self.shaper)
         if self.sampler is None:
             new = accept_greedy(draft.tokens, result.top1)

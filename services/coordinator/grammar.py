@@ -76,6 +76,14 @@ class Constraint:
         self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._vocab].astype(bool)
 
+    def allowed_bits(self) -> bytes:
+        """The tokens the grammar allows next as a bitmask (bit t % 8 of byte t / 8, as the final
+        stage's ``allowed_tokens``); InvalidArgument naming ``grammar`` when it allows none."""
+        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        if not self._bits.any():
+            raise InvalidArgument("grammar", f"allows no token here ({self._matcher.get_error() or 'ended'})")
+        return self._bits.astype("<i4", copy=False).tobytes()
+
     def masked(self, logits: np.ndarray) -> np.ndarray:
         """``logits`` (one row) with every token the grammar forbids at -inf (a copy)."""
         allowed = self.allowed()

@@ -138,6 +138,18 @@ class LogitShaper:
             out[seen] -= p.presence_penalty + p.frequency_penalty * n
         return out if self.constraint is None else self.constraint.masked(out)
 
+    @property
+    def mask_only(self) -> bool:
+        """The grammar is the only shaping: the final stage can apply it (``allowed_bits``)."""
+        p = self.params
+        return self.constraint is not None and not (p.logit_bias or p.presence_penalty or p.frequency_penalty)
+
+    def allowed_bits(self) -> bytes:
+        """The grammar's mask of the next position as a little-endian bitmask (the stage's)."""
+        if self.constraint is None:
+            raise RuntimeError("no grammar to mask with")
+        return self.constraint.allowed_bits()
+
     def took(self, token: int) -> None:
         self.counts[token] = self.counts.get(token, 0) + 1
         if self.constraint is not None:

@@ -12,6 +12,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -157,15 +158,21 @@ class Gateway:
         self, request: Request, body: OpenAIRequest, rpc: coordinator_pb2.GenerateRequest, shaper: Shaper
     ):
         try:
-            if (body.n or 1) > 1:
-                return await self._choices(request, rpc, body.n or 1, shaper)
-            identity = self._identity(request) if body.stream else ""
-            if body.stream:
-                self.streams.open(identity)  # before the call: a refused stream takes no slot
-            call = self.stub.Generate(
-                rpc, metadata=_metadata(request), timeout=self.settings.request_timeout_s
-            )
-            return await self._started(request, body, call, shaper, identity)
+            n = body.n or 1
+            if not body.stream:
+                if n > 1:
+                    return await self._choices(request, rpc, n, shaper)
+                return await self._whole(request, self._calls(request, rpc, 1)[0], shaper)
+            identity = self._identity(request)
+            self.streams.open(identity)  # before the calls: a refused stream takes no slot
+            try:
+                if n > 1:
+                    await self._prefill(request, rpc)
+                calls = self._calls(request, rpc, n)
+            except BaseException:
+                self.streams.close(identity)
+                raise
+            return await self._streamed(request, body, calls, shaper, identity)
         except GatewayError as exc:
             # The coordinator names its own field; the client sent response_format (or guided_regex).
             if exc.param is not None and exc.param.split(".")[0] == "grammar":
@@ -191,19 +198,26 @@ class Gateway:
         if (error := failed(summary)) is not None:
             raise error
 
-    async def _choices(self, request: Request, rpc: coordinator_pb2.GenerateRequest, n: int, shaper: Shaper):
-        """``n`` > 1 (not streamed): one prefill, then n Generate calls at once reusing it, choice
-        i seeded ``seed + i``."""
-        await self._prefill(request, rpc)
+    def _calls(self, request: Request, rpc: coordinator_pb2.GenerateRequest, n: int) -> list:
+        """``n`` Generate calls at once, choice i seeded ``seed + i`` (one call: ``rpc`` itself)."""
         calls = []
         for i in range(n):
-            one = coordinator_pb2.GenerateRequest()
-            one.CopyFrom(rpc)
-            if rpc.params.HasField("seed"):
-                one.params.seed = (rpc.params.seed + i) % 2**64
+            one = rpc
+            if n > 1:
+                one = coordinator_pb2.GenerateRequest()
+                one.CopyFrom(rpc)
+                one.request_id = f"{rpc.request_id}-{i}"
+                if rpc.params.HasField("seed"):
+                    one.params.seed = (rpc.params.seed + i) % 2**64
             calls.append(
                 self.stub.Generate(one, metadata=_metadata(request), timeout=self.settings.request_timeout_s)
             )
+        return calls
+
+    async def _choices(self, request: Request, rpc: coordinator_pb2.GenerateRequest, n: int, shaper: Shaper):
+        """``n`` > 1 (not streamed): one prefill, then n Generate calls at once reusing it."""
+        await self._prefill(request, rpc)
+        calls = self._calls(request, rpc, n)
         try:
             results = await asyncio.gather(*(_unless_gone(request, _collect(c), c) for c in calls))
         finally:
@@ -214,22 +228,31 @@ class Gateway:
                 raise error
         return JSONResponse(shaper.completions(results))
 
-    async def _started(self, request: Request, body: OpenAIRequest, call, shaper: Shaper, identity: str):
+    async def _whole(self, request: Request, call, shaper: Shaper) -> JSONResponse:
+        """A generation answered whole (not streamed)."""
         try:
-            if not body.stream:
-                summary, tokens, logprobs, tops = await _unless_gone(request, _collect(call), call)
-                if (error := failed(summary)) is not None:
-                    raise error
-                return JSONResponse(shaper.completion(summary, tokens, logprobs, tops))
-            first = await _unless_gone(request, call.read(), call)
+            summary, tokens, logprobs, tops = await _unless_gone(request, _collect(call), call)
+        finally:
+            call.cancel()  # a no-op once the call has finished
+        if (error := failed(summary)) is not None:
+            raise error
+        return JSONResponse(shaper.completion(summary, tokens, logprobs, tops))
+
+    async def _streamed(
+        self, request: Request, body: OpenAIRequest, calls: list, shaper: Shaper, identity: str
+    ):
+        """The SSE response of one or more choices, once each call has answered (a refusal before
+        the first token is still an HTTP error)."""
+        try:
+            firsts = [await _unless_gone(request, call.read(), call) for call in calls]
         except BaseException:
-            call.cancel()
-            if body.stream:
-                self.streams.close(identity)
+            for call in calls:
+                call.cancel()
+            self.streams.close(identity)
             raise
         return _EventStream(
-            call,
-            _events(call, first, shaper, body.include_usage),
+            calls,
+            _events(calls, firsts, shaper, body.include_usage),
             on_end=lambda: self.streams.close(identity),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -237,19 +260,19 @@ class Gateway:
 
 
 class _EventStream(StreamingResponse):
-    """Cancels its Generate call however the response ends. When the client goes away (or is
+    """Cancels its Generate calls however the response ends. When the client goes away (or is
     aborted for not reading) Starlette cancels the streaming task, which leaves the event generator
-    suspended at a ``yield`` until garbage collection, its call (and coordinator slot) still live."""
+    suspended at a ``yield`` until garbage collection, its calls (and coordinator slots) still live."""
 
     def __init__(
         self,
-        call: grpc.aio.UnaryStreamCall,
+        calls: list[grpc.aio.UnaryStreamCall],
         events: AsyncIterator[str],
         on_end: Callable[[], None],
         **kwargs,
     ):
         super().__init__(events, **kwargs)
-        self._call = call
+        self._calls = calls
         self._on_end = on_end
         self._ended = False
 
@@ -260,7 +283,8 @@ class _EventStream(StreamingResponse):
             self._end()
 
     def _end(self) -> None:
-        self._call.cancel()  # a no-op once the call has finished
+        for call in self._calls:
+            call.cancel()  # a no-op once the call has finished
         if not self._ended:  # the stream's count, once however the response ends
             self._ended = True
             self._on_end()
@@ -290,52 +314,102 @@ async def _collect(
 
 
 async def _events(
-    call: grpc.aio.UnaryStreamCall, first, shaper: Shaper, include_usage: bool
+    calls: list[grpc.aio.UnaryStreamCall], firsts: list, shaper: Shaper, include_usage: bool
 ) -> AsyncIterator[str]:
-    """SSE lines: a role chunk (chat), text deltas, the finish chunk, the usage chunk, ``[DONE]``.
-    Cancelled by Starlette when the client disconnects; the call is cancelled with it."""
+    """SSE lines: each choice's role chunk (chat), text deltas and finish chunk (interleaved as
+    they come when n > 1, each with its ``index``), then the usage chunk and ``[DONE]``. Cancelled
+    by Starlette when the client disconnects; the calls are cancelled with it."""
+    summaries: dict[int, coordinator_pb2.GenerateSummary] = {}
+    shapers = [shaper] + [replace(shaper) for _ in calls[1:]]  # each choice's own text offsets
+    choices = [
+        _choice_events(call, first, one, include_usage, index, summaries)
+        for index, (call, first, one) in enumerate(zip(calls, firsts, shapers, strict=True))
+    ]
     try:
-        if shaper.chat:
-            yield _sse(shaper.chunk(None, role=True, with_usage=include_usage))
-        response = first
-        summary = None
-        held: list[str] = []  # an answer that may be a tool call, until it ends
-        while response is not END:
-            if response.HasField("chunk"):
-                chunk = response.chunk
-                if shaper.holds_text:
-                    held.append(chunk.text)
-                # A token that ends inside a UTF-8 character brings no text, but its logprob.
-                elif chunk.text or (shaper.logprobs and chunk.token_ids):
-                    logprobs = shaper.token_logprobs(chunk.tokens, chunk.logprobs, chunk.top_logprobs)
-                    yield _sse(shaper.chunk(chunk.text, with_usage=include_usage, logprobs=logprobs))
-            else:
-                summary = response.summary
-            response = await call.read()
-        if summary is None:
-            yield _sse(GatewayError(502, "no summary from coordinator").body())
-            return
-        error = failed(summary)
-        if error is not None:
-            yield _sse(error.body())
-            return
-        finish = "length" if summary.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH else "stop"
-        if held:
-            call = shaper.tool_call("".join(held)) if finish == "stop" else None
-            if call is not None:
-                finish = "tool_calls"
-                yield _sse(shaper.tool_call_chunk(call, include_usage))
-            else:
-                yield _sse(shaper.chunk("".join(held), with_usage=include_usage))
-        shaper.summarized(summary)
-        yield _sse(shaper.chunk(None, finish, with_usage=include_usage))
+        async for line in choices[0] if len(choices) == 1 else _merged(choices):
+            yield line
         if include_usage:
-            yield _sse(shaper.usage_chunk(summary))
+            yield _sse(shaper.usage_chunk([summaries[i] for i in range(len(calls))]))
         yield _sse("[DONE]")
+    except GatewayError as exc:
+        yield _sse(exc.body())
     except grpc.aio.AioRpcError as exc:
         yield _sse(GatewayError.from_rpc(exc).body())
     finally:
-        call.cancel()  # a no-op once the call has finished
+        for call in calls:
+            call.cancel()  # a no-op once the call has finished
+
+
+async def _choice_events(
+    call: grpc.aio.UnaryStreamCall,
+    response,
+    shaper: Shaper,
+    include_usage: bool,
+    index: int,
+    summaries: dict[int, coordinator_pb2.GenerateSummary],
+) -> AsyncIterator[str]:
+    """One choice's chunks, from its first response on; its summary goes into ``summaries``
+    (a failed generation raises its GatewayError)."""
+    if shaper.chat:
+        yield _sse(shaper.chunk(None, role=True, with_usage=include_usage, index=index))
+    summary = None
+    held: list[str] = []  # an answer that may be a tool call, until it ends
+    while response is not END:
+        if response.HasField("chunk"):
+            chunk = response.chunk
+            if shaper.holds_text:
+                held.append(chunk.text)
+            # A token that ends inside a UTF-8 character brings no text, but its logprob.
+            elif chunk.text or (shaper.logprobs and chunk.token_ids):
+                logprobs = shaper.token_logprobs(chunk.tokens, chunk.logprobs, chunk.top_logprobs)
+                yield _sse(shaper.chunk(chunk.text, with_usage=include_usage, logprobs=logprobs, index=index))
+        else:
+            summary = response.summary
+        response = await call.read()
+    if summary is None:
+        raise GatewayError(502, "no summary from coordinator")
+    error = failed(summary)
+    if error is not None:
+        raise error
+    finish = "length" if summary.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH else "stop"
+    if held:
+        tool = shaper.tool_call("".join(held)) if finish == "stop" else None
+        if tool is not None:
+            finish = "tool_calls"
+            yield _sse(shaper.tool_call_chunk(tool, include_usage, index=index))
+        else:
+            yield _sse(shaper.chunk("".join(held), with_usage=include_usage, index=index))
+    shaper.summarized(summary)
+    summaries[index] = summary
+    yield _sse(shaper.chunk(None, finish, with_usage=include_usage, index=index))
+
+
+async def _merged(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
+    """The lines of several streams as each comes; the first failure ends them all."""
+    queue: asyncio.Queue[str | Exception | None] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[str]) -> None:
+        try:
+            async for line in stream:
+                await queue.put(line)
+            await queue.put(None)
+        except Exception as exc:  # handed to the reader, which raises it
+            await queue.put(exc)
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:

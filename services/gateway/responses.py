@@ -15,13 +15,17 @@ FINISH = {
 }
 
 
-def usage(summary: coordinator_pb2.GenerateSummary) -> dict:
+def usage(summaries: Sequence[coordinator_pb2.GenerateSummary]) -> dict:
+    """The usage of one generation, or of n choices of one prompt: the prompt counted once (as
+    the first choice saw it), every choice's tokens."""
+    first = summaries[0]
+    completion = sum(s.completion_tokens for s in summaries)
     return {
-        "prompt_tokens": summary.prompt_tokens,
-        "completion_tokens": summary.completion_tokens,
-        "total_tokens": summary.prompt_tokens + summary.completion_tokens,
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
         # prompt tokens this caller's prefix cache restored (OpenAI's field of the same name)
-        "prompt_tokens_details": {"cached_tokens": summary.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
     }
 
 
@@ -130,7 +134,7 @@ class Shaper:
         if call is not None:
             choice["message"].update(content=None, tool_calls=[call.body()])
             choice["finish_reason"] = "tool_calls"
-        return {**self._envelope(chunk=False), "choices": [choice], "usage": usage(summary)}
+        return {**self._envelope(chunk=False), "choices": [choice], "usage": usage([summary])}
 
     def completions(self, results: Sequence[tuple]) -> dict:
         """One object of several choices, each from one generation's (summary, tokens, logprobs,
@@ -138,10 +142,7 @@ class Shaper:
         answers = [self.completion(*result) for result in results]
         out = answers[0]
         out["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
-        completion = sum(a["usage"]["completion_tokens"] for a in answers)
-        out["usage"].update(
-            completion_tokens=completion, total_tokens=out["usage"]["prompt_tokens"] + completion
-        )
+        out["usage"] = usage([result[0] for result in results])
         return out
 
     def chunk(
@@ -152,9 +153,11 @@ class Shaper:
         role: bool = False,
         with_usage: bool = False,
         logprobs: dict | None = None,
+        index: int = 0,
     ) -> dict:
-        """One streamed chunk; with ``include_usage`` every chunk carries ``"usage": null``."""
-        choice = self._choice(text, finish, delta=True, role=role, logprobs=logprobs)
+        """One streamed chunk of choice ``index``; with ``include_usage`` every chunk carries
+        ``"usage": null``."""
+        choice = {**self._choice(text, finish, delta=True, role=role, logprobs=logprobs), "index": index}
         out = {**self._envelope(chunk=True), "choices": [choice]}
         if with_usage:
             out["usage"] = None
@@ -168,13 +171,14 @@ class Shaper:
     def tool_call(self, text: str) -> ToolCall | None:
         return None if self.tools is None else self.tools.parse(text)
 
-    def tool_call_chunk(self, call: ToolCall, with_usage: bool) -> dict:
+    def tool_call_chunk(self, call: ToolCall, with_usage: bool, index: int = 0) -> dict:
         """The streamed delta of a whole call (OpenAI's ``delta.tool_calls`` with its index)."""
-        out = self.chunk(None, with_usage=with_usage)
+        out = self.chunk(None, with_usage=with_usage, index=index)
         out["choices"][0]["delta"] = {"tool_calls": [{"index": 0, **call.body()}]}
         return out
 
-    def usage_chunk(self, summary: coordinator_pb2.GenerateSummary) -> dict:
-        """The extra last chunk ``stream_options.include_usage`` asks for: no choices, the usage."""
-        self.summarized(summary)
-        return {**self._envelope(chunk=True), "choices": [], "usage": usage(summary)}
+    def usage_chunk(self, summaries: Sequence[coordinator_pb2.GenerateSummary]) -> dict:
+        """The extra last chunk ``stream_options.include_usage`` asks for: no choices, the usage
+        (of every choice)."""
+        self.summarized(summaries[0])
+        return {**self._envelope(chunk=True), "choices": [], "usage": usage(summaries)}

@@ -147,8 +147,6 @@ class OpenAIRequest(BaseModel):
         names = [k for k, v in (self.model_extra or {}).items() if v not in (None, [], {})]
         if (self.n or 1) > MAX_CHOICES:
             raise GatewayError(400, f"`n` must be at most {MAX_CHOICES}, got {self.n}", param="n")
-        if (self.n or 1) > 1 and self.stream:
-            raise GatewayError(400, "`n` > 1 is answered whole: not with stream", param="n")
         if self.stream_options is not None and not self.stream:
             names.append("stream_options")
         return names

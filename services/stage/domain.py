@@ -77,6 +77,7 @@ class StepRow:
     return_features: bool = False  # the final stage also returns its final normed hidden state
     draft_heads: int = 0  # >0: the final stage's heads return that many candidates each (greedy rows)
     head_path_tokens: tuple[int, ...] = ()  # with draft_heads: the ids at the returned positions
+    allowed_tokens: bytes = b""  # a grammar's bitmask over the vocabulary for the Top1 (b"": all)
 
     @property
     def tokens(self) -> int:

@@ -7,6 +7,11 @@ store and one blob format serve a stateful stage (graph state) and a paged one (
 paged stage with quantized pools captures its blocks verbatim (KvSource.blocks); a static stage
 captures its slot's positions of its KV buffers. Each backend has its own access class (its
 ``Backend.kv`` picks it: services/stage/backends.py).
+
+A paged stage also shares: a keep pins the sequence's full blocks in the pool under their prefix
+keys, and a restore from the prefix cache references those still pinned (not copied; counted in
+``pipeshard_stage_kv_restored_blocks_total``), copying from the store only the rest. Stateful
+and static stages copy every restored position into the session's own cache.
 """
 
 from __future__ import annotations
@@ -15,12 +20,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Generic
 
-from pipeshard.errors import Internal, InvalidArgument, NotFound
+from pipeshard.errors import Internal, InvalidArgument, NotFound, PipeshardError
 from pipeshard.services.stage.paged_engine import PagedEngine, PagedSession
 from pipeshard.services.stage.prefix_store import PrefixStore
 from pipeshard.services.stage.sessions import S, SessionTable
 from pipeshard.services.stage.static_engine import StaticEngine, StaticSession
 from pipeshard.shard.kvblob import KvBlob, KvSource, join_parts
+from pipeshard.shard.prefix_chain import BLOCK, block_chain
 from pipeshard.shard.runtime import ShardSession, export_kv, import_kv
 
 
@@ -68,6 +74,25 @@ class SessionAccess(ABC, Generic[S]):
 
     def restore(self, owner: str, session_id: str, blob: KvBlob) -> None:
         self.load(self.fresh(owner, session_id), blob)
+
+    def kept(self, owner: str, session_id: str, scope: str, token_ids: Sequence[int]) -> None:
+        """After the prefix store kept the session's tokens (a paged stage also pins them)."""
+
+    def restore_cached(
+        self,
+        owner: str,
+        session_id: str,
+        store: PrefixStore,
+        source: KvSource,
+        scope: str,
+        token_ids: Sequence[int],
+        positions: int,
+    ) -> None:
+        """Loads the first ``positions`` positions of a sequence kept in ``store`` (a copy)."""
+        arrays = store.get(owner, scope, token_ids, positions)
+        blob = KvBlob(source, (), tuple(arrays), "", positions)
+        blob.check_for(source, verify_checksum=False)  # our own memory: nothing crossed a wire
+        self.restore(owner, session_id, blob)
 
 
 class StatefulAccess(SessionAccess[ShardSession]):
@@ -140,6 +165,45 @@ class PagedAccess(SessionAccess[PagedSession]):
 
     def load(self, session: PagedSession, blob: KvBlob) -> None:
         self.shard.import_kv(session.key, blob.arrays, blob.positions)
+
+    def _keys(self, owner: str, scope: str, token_ids: Sequence[int]) -> list[tuple[str, str]]:
+        """The pool's keys of the full blocks of ``token_ids`` (none when the pool's blocks are
+        not the prefix cache's)."""
+        if self.shard.block_tokens != BLOCK:
+            return []
+        return [(owner, b.key) for b in block_chain(scope, token_ids) if b.end - b.start == BLOCK]
+
+    def kept(self, owner: str, session_id: str, scope: str, token_ids: Sequence[int]) -> None:
+        session = self.sessions.get(owner, session_id)
+        self.shard.pin(session.key, self._keys(owner, scope, token_ids))
+
+    def restore_cached(
+        self,
+        owner: str,
+        session_id: str,
+        store: PrefixStore,
+        source: KvSource,
+        scope: str,
+        token_ids: Sequence[int],
+        positions: int,
+    ) -> None:
+        """Shares the prefix's pinned blocks, copies the rest from ``store`` and pins what it
+        copied, so the next restore of this prefix shares it too."""
+        if not 0 < positions <= len(token_ids):
+            raise InvalidArgument("positions", f"must be in [1, {len(token_ids)}], got {positions}")
+        keys = self._keys(owner, scope, token_ids[:positions])
+        session = self.fresh(owner, session_id)
+        shared = self.shard.share(session.key, keys)
+        start = shared * BLOCK
+        if start < positions:
+            try:
+                arrays = store.get(owner, scope, token_ids, positions, start)
+                self.shard.import_kv(session.key, arrays, positions, start)
+            except PipeshardError:
+                self.engine.reset(owner, session_id)  # nothing half-restored stays
+                raise
+            self.shard.pin(session.key, keys)
+        self.engine.meters.restored(shared, self.shard.blocks_for(positions) - shared)
 
 
 class StaticAccess(SessionAccess[StaticSession]):
@@ -231,7 +295,9 @@ class StageKv:
         if not token_ids:
             raise InvalidArgument("token_ids", "must name the captured tokens to keep them in the cache")
         blob = self.access.snapshot(owner, session_id, token_ids, start=0, checksum=False, named=False)
-        return blob.positions, self.store.put(owner, scope, token_ids, blob.arrays)
+        added = self.store.put(owner, scope, token_ids, blob.arrays)
+        self.access.kept(owner, session_id, scope, token_ids)
+        return blob.positions, added
 
     def check(self, blob: KvBlob) -> None:
         """Refuses a blob this stage cannot restore (another model or layout, damaged, a part);
@@ -267,10 +333,7 @@ class StageKv:
         self, owner: str, session_id: str, scope: str, token_ids: Sequence[int], positions: int
     ) -> int:
         """Load the first ``positions`` positions of a sequence kept in the prefix cache."""
-        arrays = self.store.get(owner, scope, token_ids, positions)
-        blob = KvBlob(self.source, (), tuple(arrays), "", positions)
-        blob.check_for(self.source, verify_checksum=False)  # our own memory: nothing crossed a wire
-        self.access.restore(owner, session_id, blob)
+        self.access.restore_cached(owner, session_id, self.store, self.source, scope, token_ids, positions)
         return positions
 
     def dropped(self, owner: str) -> list[str]:

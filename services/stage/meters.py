@@ -12,6 +12,7 @@ from pipeshard.metrics import (
     STAGE_CACHE_BYTES,
     STAGE_CACHE_POSITIONS,
     STAGE_HEADS_SECONDS,
+    STAGE_KV_RESTORED_BLOCKS,
     STAGE_SESSIONS,
     STAGE_STEP_ROWS,
     STAGE_STEP_SECONDS,
@@ -57,6 +58,11 @@ class StageMeters:
     def heads(self, seconds: float) -> None:
         """One row's draft heads on the final stage (--draft-heads)."""
         self._heads.observe(seconds)
+
+    def restored(self, shared: int, copied: int) -> None:
+        """One prefix-cache restore on a paged stage: its blocks referenced in the pool, and copied."""
+        STAGE_KV_RESTORED_BLOCKS.labels(stage=self._label, how="shared").inc(shared)
+        STAGE_KV_RESTORED_BLOCKS.labels(stage=self._label, how="copied").inc(copied)
 
     def watch(self, sessions: SessionTable, bytes_per_position: int) -> None:
         """Serve the session and cache gauges from ``sessions`` at scrape time."""

@@ -81,16 +81,23 @@ class PrefixStore:
             self._evict()
         return added
 
-    def get(self, owner: str, scope: str, token_ids: Sequence[int], positions: int) -> list[np.ndarray]:
-        """The KV of the first ``positions`` tokens of a kept sequence, one array per state (as
-        a KV blob of ``positions`` positions holds it)."""
+    def get(
+        self, owner: str, scope: str, token_ids: Sequence[int], positions: int, start: int = 0
+    ) -> list[np.ndarray]:
+        """The KV of tokens [start, positions) of a kept sequence, one array per state (as a KV
+        blob of those positions holds it); ``start`` begins a block (a paged stage shares the
+        blocks before it)."""
         if not 0 < positions <= len(token_ids):
             raise InvalidArgument("positions", f"must be in [1, {len(token_ids)}], got {positions}")
+        if start % BLOCK or not 0 <= start < positions:
+            raise InvalidArgument("start", f"must be a multiple of {BLOCK} below {positions}, got {start}")
         slots = [
-            (start, (owner, key)) for start, _, key in block_chain(scope, token_ids) if start < positions
+            (first, (owner, key))
+            for first, _, key in block_chain(scope, token_ids)
+            if start <= first < positions
         ]
         blocks = []
-        for start, slot in slots:
+        for first, slot in slots:
             block = self._blocks.get(slot)
             if block is None and self.spill is not None:
                 block = self.spill.read(*slot)
@@ -98,14 +105,17 @@ class PrefixStore:
                     self._blocks[slot] = block
                     self.nbytes += sum(b.nbytes for b in block)
             if block is None:
-                raise NotFound(f"prefix cache has no block for positions from {start} (evicted?)")
+                raise NotFound(f"prefix cache has no block for positions from {first} (evicted?)")
             blocks.append(block)
         for _, slot in slots:
             self._blocks.move_to_end(slot)
         self._evict()
         if self.layout is not None:
             return [np.concatenate([b[i] for b in blocks]) for i in range(len(blocks[0]))]
-        return [np.concatenate([b[i] for b in blocks], axis=1)[:, :positions] for i in range(len(blocks[0]))]
+        return [
+            np.concatenate([b[i] for b in blocks], axis=1)[:, : positions - start]
+            for i in range(len(blocks[0]))
+        ]
 
     def take_dropped(self, owner: str) -> list[str]:
         """The keys of ``owner``'s blocks dropped since the last call and not held again (for

@@ -69,6 +69,10 @@ def row_from_plan(
             )
     if pb.head_path_tokens and not pb.draft_heads:
         raise InvalidArgument("plan.rows.head_path_tokens", "must be empty without draft_heads")
+    if pb.allowed_tokens and (pb.return_mode != activation_pb2.RETURN_MODE_TOP1 or pb.return_last > 1):
+        raise InvalidArgument(
+            "plan.rows.allowed_tokens", "masks one Top1 position: RETURN_MODE_TOP1 with return_last 1 only"
+        )
     sampled = pb.return_mode == activation_pb2.RETURN_MODE_SAMPLED
     row = StepRow(
         session_id=pb.session_id,
@@ -91,6 +95,7 @@ def row_from_plan(
         return_features=pb.return_features,
         draft_heads=pb.draft_heads,
         head_path_tokens=tuple(pb.head_path_tokens),
+        allowed_tokens=pb.allowed_tokens,
     )
     check_row(row)
     return row
@@ -121,6 +126,7 @@ def plan_row(row: StepRow) -> activation_pb2.PlanRow:
         return_features=row.return_features,
         draft_heads=row.draft_heads,
         head_path_tokens=row.head_path_tokens,
+        allowed_tokens=row.allowed_tokens,
     )
 
 

@@ -154,6 +154,8 @@ class RowEngine(Generic[S]):
             return StepOutput(row=row, hidden_states=out)
         features = computed.features if row.return_features else None
         if row.return_mode is ReturnMode.TOP1:
+            if row.allowed_tokens:
+                out = allowed_only(out, row.allowed_tokens)
             top1 = top1_of(out, probabilities=not row.top1_ids_only)
             candidates = self._head_candidates(row, top1.token_ids, computed.features)
             return StepOutput(row=row, top1=top1, features=features, head_candidates=candidates)
@@ -175,6 +177,17 @@ class RowEngine(Generic[S]):
         out = self.heads.candidates(features[end], row.draft_heads, end)
         self.meters.heads((time.perf_counter_ns() - started) / 1e9)
         return out
+
+
+def allowed_only(logits: np.ndarray, mask: bytes) -> np.ndarray:
+    """``logits`` [n, vocab] with every token the grammar's bitmask does not allow at -inf."""
+    bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
+    allowed = np.zeros(logits.shape[-1], dtype=bool)
+    n = min(allowed.size, bits.size)
+    allowed[:n] = bits[:n]
+    if not allowed.any():
+        raise InvalidArgument("allowed_tokens", "allows no token of the vocabulary")
+    return np.where(allowed, logits, np.float32(-np.inf))
 
 
 def greedy_path_end(row: StepRow, top1: np.ndarray) -> int:

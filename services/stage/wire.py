@@ -269,6 +269,7 @@ def token_frame(
     probabilities: bool = True,
     features: bool = False,
     heads: int = 0,
+    allowed: bytes = b"",
 ) -> activation_pb2.ActivationFrame:
     """The frame (a plan of one row) that carries one session's token ids into stage 0 at
     logical positions ``start...``.
@@ -286,13 +287,15 @@ def token_frame(
     ``probabilities`` False: a Top1 answer carries the ids only (no softmax on the final stage).
     ``features``: the final stage also returns its final normed hidden state at those ids.
     ``heads`` > 0: the final stage's draft heads return that many candidates each (greedy rows).
+    ``allowed``: a grammar's bitmask of the tokens allowed at the one returned position; the
+    final stage answers the Top1 among them.
     """
     if fill_only:
         mode, sampling = ReturnMode.NONE, None
     elif sampling is not None:
         mode = ReturnMode.SAMPLED
     else:
-        mode = ReturnMode.TOP1 if greedy else ReturnMode.LOGITS
+        mode = ReturnMode.TOP1 if greedy or allowed else ReturnMode.LOGITS
     if kind is None:
         if return_last > 1:
             kind = RowKind.VERIFY
@@ -324,6 +327,7 @@ def token_frame(
         return_features=features and not fill_only,
         draft_heads=0 if fill_only else heads,
         head_path_tokens=tuple(ids[len(ids) - return_last :]) if heads and not fill_only else (),
+        allowed_tokens=b"" if fill_only else allowed,
     )
     return activation_pb2.ActivationFrame(
         session_id=session_id,

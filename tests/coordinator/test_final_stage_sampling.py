@@ -11,13 +11,13 @@ import pytest
 from pipeshard.errors import InvalidArgument
 from pipeshard.sampling import Distribution, accept_sampled, restore_rng, rng_state, sample_step
 from pipeshard.services.coordinator.generation import Generation, Summary
-from pipeshard.services.coordinator.in_process import InProcessStages
 from pipeshard.services.coordinator.sampling import Sampler, SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.services.stage.domain import SamplingStep
 from pipeshard.services.stage.wire import step_from_frame, token_frame
 from pipeshard.shard.prompting import Prompter
 from pipeshard.v1 import activation_pb2
+from tests.coordinator.result_spy import ResultSpy
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, top_k=40, seed=11)
 
@@ -79,29 +79,10 @@ def test_sampled_mode_without_a_request_is_refused():
         step_from_frame(frame, "input_ids")
 
 
-class _Spy(InProcessStages):
-    """Counts the results that came back as drawn tokens and as logits."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.kinds: list[str] = []
-
-    async def run(self, frames):
-        results = await super().run(frames)
-        for result in results:
-            if isinstance(result, Exception):
-                continue
-            if result.HasField("sampled"):
-                self.kinds.append("sampled")
-            elif result.HasField("logits"):
-                self.kinds.append("logits")
-        return results
-
-
 @pytest.fixture(scope="module")
 def spy_ring(smollm2_export):
     export = smollm2_export(2, "int4")
-    return export, _Spy.stateful(export).ring()
+    return export, ResultSpy.stateful(export).ring()
 
 
 @pytest.mark.slow

@@ -51,6 +51,27 @@ def test_masked_random_logits_always_give_valid_json(grammars, seed):
     assert not violations(value, SCHEMA), value
 
 
+def test_the_final_stage_mask_chooses_as_the_coordinator_does(grammars):
+    """The bitmask sent to the final stage (``allowed_bits``) allows exactly the tokens the
+    coordinator's own mask keeps, so the stage's Top1 is the coordinator's masked argmax."""
+    from pipeshard.services.stage.step_engine import allowed_only
+
+    engine, prompter = grammars
+    constraint = engine.constraint(GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    rng = np.random.default_rng(5)
+    steps = 0
+    while not constraint.stopped and steps < 60:
+        logits = rng.standard_normal(len(prompter.tokenizer)).astype(np.float32)
+        here = constraint.masked(logits)
+        there = allowed_only(logits[None], constraint.allowed_bits())[0]
+        np.testing.assert_array_equal(np.isfinite(here), np.isfinite(there))
+        token = int(np.argmax(there))
+        assert token == int(np.argmax(here))
+        constraint.consume(token)
+        steps += 1
+    assert constraint.stopped
+
+
 def test_a_grammar_is_compiled_once_per_text(grammars):
     engine, _ = grammars
     spec = GrammarSpec("regex", "[0-9]{3}")

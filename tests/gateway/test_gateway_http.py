@@ -142,15 +142,37 @@ def test_n_choices_are_one_prefill_then_n_generations_with_derived_seeds(http, c
     # The prompt once, one greedy token, nothing the choices' own sampling needs.
     assert prefill.params.max_tokens == 1 and prefill.messages == sent[0].messages
     assert not prefill.params.HasField("seed") and not prefill.params.logprobs
-    assert prefill.request_id == f"{sent[0].request_id}-prefill"
+    base = prefill.request_id.removesuffix("-prefill")
+    assert sorted(r.request_id for r in sent) == [f"{base}-{i}" for i in range(3)]
     assert sorted(r.params.seed for r in sent) == [10, 11, 12]
     body = reply.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert all(c["message"]["content"] == "Hello world" for c in body["choices"])
     assert body["usage"]["completion_tokens"] == 6 and body["usage"]["prompt_tokens"] == 5
-    for extra in ({"n": 9}, {"n": 2, "stream": True}):
+    for extra in ({"n": 9}, {"n": 9, "stream": True}):
         refused = chat(http, **extra)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
+
+
+def test_streamed_n_choices_each_carry_their_index_and_finish(http, coordinator):
+    before = len(coordinator[0].requests)
+    reply = chat(http, n=3, seed=4, stream=True, stream_options={"include_usage": True})
+    assert reply.status_code == 200, reply.text
+    prefill, *sent = coordinator[0].requests[before:]
+    assert prefill.params.max_tokens == 1 and sorted(r.params.seed for r in sent) == [4, 5, 6]
+    events = _events(reply)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    *choice_chunks, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+    assert last["usage"]["prompt_tokens"] == 5
+    assert all(len(c["choices"]) == 1 and c["usage"] is None for c in choice_chunks)
+    for i in range(3):
+        own = [c["choices"][0] for c in choice_chunks if c["choices"][0]["index"] == i]
+        assert own[0]["delta"]["role"] == "assistant"
+        assert "".join(c["delta"].get("content", "") for c in own) == "Hello world"
+        assert own[-1]["finish_reason"] == "length"  # as the scripted coordinator says
+        assert all(c["finish_reason"] is None for c in own[:-1])
 
 
 def test_formats_penalties_and_biases_reach_the_coordinator(http, coordinator):

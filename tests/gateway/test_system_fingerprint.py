@@ -16,6 +16,6 @@ def test_objects_carry_the_summary_fingerprint():
     assert stream.chunk("h")["system_fingerprint"] is None  # before the summary: unknown
     stream.summarized(summary)
     assert stream.chunk(None, "stop")["system_fingerprint"] == "fp_0123456789ab"
-    assert stream.usage_chunk(summary)["system_fingerprint"] == "fp_0123456789ab"
+    assert stream.usage_chunk([summary])["system_fingerprint"] == "fp_0123456789ab"
     old = coordinator_pb2.GenerateSummary(finish_reason=coordinator_pb2.FINISH_REASON_STOP)
     assert Shaper("chatcmpl-3", "m", chat=True).completion(old)["system_fingerprint"] is None

@@ -304,34 +304,75 @@ def test_the_fleet_view_shows_every_stage_with_its_layers_precision_and_cache(fl
 
 
 def test_n_choices_come_from_one_prefill(fleet, api):
-    """n=4 computes the prompt once: the stages' computed rows and the choices' restored positions say so."""
+    """n=4 computes the prompt once and holds its KV once: the stages' computed rows, the choices'
+    restored positions and the paged stages' shared blocks say so; each choice's tokens are those
+    of a request of its own with its seed (seed + index)."""
     stage0, coordinator = fleet.metrics_ports["stage0"], fleet.metrics_ports["coordinator"]
+    stages = [fleet.metrics_ports[f"stage{k}"] for k in (0, 1)]
     prompt = "Tell me about the sea. " + " ".join(f"Fact {i}: water is wet." for i in range(40))
+    params = {"max_tokens": 8, "temperature": 0.8, "messages": [{"role": "user", "content": prompt}]}
 
     def rows() -> float:
         return metric(stage0, "pipeshard_stage_step_rows_sum", stage="0")
+
+    def restored(how: str) -> list[float]:
+        name = "pipeshard_stage_kv_restored_blocks_total"
+        return [metric(port, name, stage=str(k), how=how) for k, port in enumerate(stages)]
 
     before_rows, before_cached = (
         rows(),
         metric(coordinator, "pipeshard_coordinator_identity_cached_tokens_total"),
     )
-    reply = api.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": prompt}],
-        max_tokens=8,
-        n=4,
-        seed=5,
-        temperature=0.8,
-    )
+    before_shared, before_copied = restored("shared"), restored("copied")
+    reply = api.chat.completions.create(model=MODEL, n=4, seed=5, **params)
     computed = rows() - before_rows
     cached = metric(coordinator, "pipeshard_coordinator_identity_cached_tokens_total") - before_cached
+    shared = [a - b for a, b in zip(restored("shared"), before_shared, strict=True)]
+    copied = [a - b for a, b in zip(restored("copied"), before_copied, strict=True)]
     prompt_tokens = reply.usage.prompt_tokens
     assert prompt_tokens > 200 and [c.index for c in reply.choices] == [0, 1, 2, 3]
     # Each choice restores the whole prompt but its last block at most; four prefills would compute 4x.
     assert cached >= 4 * (prompt_tokens - 32), (cached, prompt_tokens)
     assert computed < prompt_tokens + 4 * (32 + 8), (computed, prompt_tokens)
-    texts = {c.message.content for c in reply.choices}
-    assert len(texts) > 1  # each choice samples its own stream (seed + i)
+    # Each choice references the prompt's full blocks (pinned by the one prefill) and copies at
+    # most the partial last one: the prompt's KV is held once, not four times.
+    positions = cached // 4
+    assert shared == [4 * (positions // 32)] * 2, (shared, positions)
+    assert copied == [4 * (-(-positions // 32) - positions // 32)] * 2, (copied, positions)
+    texts = [c.message.content for c in reply.choices]
+    assert len(set(texts)) > 1  # each choice samples its own stream (seed + i)
+    alone = [api.chat.completions.create(model=MODEL, seed=5 + i, **params) for i in range(4)]
+    assert [a.choices[0].message.content for a in alone] == texts
+
+
+def test_streamed_n_choices_equal_the_whole_answer(fleet, api):
+    """n=3 streamed: chunks per choice index, each choice its own finish_reason, the usage of all
+    three at the end; the texts equal the same request answered whole."""
+    params = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Name a colour. " * 30}],
+        "max_tokens": 12,
+        "n": 3,
+        "seed": 21,
+        "temperature": 0.9,
+    }
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    usage = None
+    for chunk in api.chat.completions.create(**params, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            assert not chunk.choices
+            usage = chunk.usage
+        for choice in chunk.choices:
+            assert choice.index not in finishes, "a chunk after its choice finished"
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason is not None:
+                finishes[choice.index] = choice.finish_reason
+    whole = api.chat.completions.create(**params)
+    assert sorted(texts) == sorted(finishes) == [0, 1, 2]
+    assert [texts[i] for i in range(3)] == [c.message.content for c in whole.choices]
+    assert [finishes[i] for i in range(3)] == [c.finish_reason for c in whole.choices]
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
 
 
 def metric(port: int, name: str, **labels: str) -> float:

@@ -52,6 +52,12 @@ MALFORMED = [
     (dict(draft_heads=2), "head_path_tokens", "must hold the row's 1 returned token ids"),
     (dict(tree_parents=[0]), "tree_parents", "entry 0 must name an earlier token"),
     (dict(tree_kept=[2, 1]), "tree_kept", "must be ascending"),
+    (dict(allowed_tokens=b"\x01", return_mode=pb.RETURN_MODE_LOGITS), "plan.rows.allowed_tokens", "Top1"),
+    (
+        dict(allowed_tokens=b"\x01", kind=pb.ROW_KIND_VERIFY, return_last=2),
+        "plan.rows.allowed_tokens",
+        "return_last 1 only",
+    ),
 ]
 
 
@@ -105,6 +111,21 @@ def test_plan_row_is_the_inverse_of_the_decoder_on_every_option():
     assert (again.top1_ids_only, again.draft_heads, again.head_path_tokens, again.tree_parents) == (
         True, 3, (1, 2), (-1, 0),
     )  # fmt: skip
+    masked = StepRow("s3", 2, RowKind.DECODE, np.array([7]), np.array([[1]]), allowed_tokens=b"\x05\x80")
+    assert row_from_plan(plan_row(masked), masked.positions, masked.activations, "").allowed_tokens == (
+        b"\x05\x80"
+    )
+
+
+def test_the_final_stage_takes_the_top1_among_the_allowed_tokens():
+    from pipeshard.services.stage.step_engine import allowed_only
+
+    logits = np.array([[5.0, 1.0, 3.0, 4.0, 9.0, 2.0, 0.0, 7.0, 8.0, 6.0]], dtype=np.float32)
+    masked = allowed_only(logits, bytes([0b00001100, 0b10]))  # tokens 2, 3 and 9; none past the mask
+    assert int(masked.argmax()) == 9 and np.isneginf(masked[0, [0, 1, 4, 5, 6, 7, 8]]).all()
+    assert masked[0, 3] == 4.0
+    with pytest.raises(InvalidArgument, match="`allowed_tokens`"):
+        allowed_only(logits, bytes(2))
 
 
 def test_a_tree_of_parents_is_checked_against_its_positions():
