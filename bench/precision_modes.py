@@ -270,6 +270,30 @@ KERNEL_CANDIDATES = (
 )
 
 
+def grid_candidates() -> dict[str, Candidate]:
+    """Issue 49's search: every combination of inference precision (bf16, f32), KV cache
+    precision (u8, f16, f32) and dynamic quantization of activations (0: off, d: the plugin's
+    default group), at the plugin's threads (what ``make up`` runs). Named ``<inf>_kv<kv>_dq<0|d>``."""
+    out = {}
+    for inf in ("bf16", "f32"):
+        for kv in ("u8", "f16", "f32"):
+            for dq in ("0", "d"):
+                props: dict = {"INFERENCE_PRECISION_HINT": inf}
+                if kv == "f16" and inf == "bf16":  # f16 asked for at bf16 inference compiles to bf16
+                    props |= {"KEY_CACHE_PRECISION": "bf16", "VALUE_CACHE_PRECISION": "bf16"}
+                elif kv == "u8":
+                    props |= {"KEY_CACHE_PRECISION": "u8", "VALUE_CACHE_PRECISION": "u8"}
+                else:
+                    props |= {"KEY_CACHE_PRECISION": kv, "VALUE_CACHE_PRECISION": kv, "KV_CACHE_PRECISION": kv}
+                if dq == "0":
+                    props["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
+                out[f"{inf}_kv{kv}_dq{dq}"] = Candidate("fast", props, None)
+    return out
+
+
+CANDIDATES |= grid_candidates()
+
+
 def kernel_checks(export, candidate: Candidate) -> dict:
     """Max |delta| of stage 0's hidden states between groupings that a row-independent kernel
     would compute alike (random token ids; the bits, not the text, matter here)."""
@@ -334,17 +358,76 @@ def kernel_checks(export, candidate: Candidate) -> dict:
     own = {k: delta(after_prefix(k, 1, 1)[0], whole[k]) for k in (1, 8, 31, 32, 33, 63)}
     own_padded = {k: delta(after_prefix(k, 1, 8)[0], whole[k]) for k in (1, 8, 31, 32, 33, 63)}
     verify = {pad: delta(after_prefix(20, 3, pad), whole[20:23]) for pad in (1, 8)}
-    s = next(names)
-    shard.open(s, 64)
-    shard.step([PagedRow(s, filler[:5])])
-    split = delta(shard.step([PagedRow(s, filler[5:64])])[0], whole[5:])
+    def split(at: int) -> float:
+        s = next(names)
+        shard.open(s, 64)
+        shard.step([PagedRow(s, filler[:at])])
+        out = delta(shard.step([PagedRow(s, filler[at:64])])[0], whole[at:])
+        shard.free(s)
+        return out
+
+    def two_token(k: int, beside: int) -> np.ndarray:
+        """Token k decoded as a two-token row (token k-1 re-fed, its slot rewritten) after its
+        prefix, beside another sequence's chunk of ``beside`` tokens: every row then takes the
+        multi-query attention path."""
+        s = next(names)
+        shard.open(s, 64)
+        shard.step([PagedRow(s, filler[:k])])
+        shard.rewind(s, k - 1)
+        rows = [PagedRow(s, filler[k - 1 : k + 1])]
+        pad = next(names) if beside else None
+        if pad is not None:
+            shard.open(pad, 300)
+            rows.append(PagedRow(pad, prompt[:beside] if beside <= len(prompt) else filler[:beside]))
+        out = shard.step(rows)[0][1]
+        for done in (s, pad) if pad is not None else (s,):
+            shard.free(done)
+        return out
+
+    two = {k: delta(two_token(k, 0), whole[k]) for k in (1, 8, 31, 32, 33, 63)}
+    two_beside = {m: delta(two_token(20, m), whole[20]) for m in (1, 2, 6, 14, 62, 254)}
     return {
         "decode_row_beside_m_tokens_vs_m2": beside,
         "decode_row_after_k_tokens_vs_first": after,
         "chunk_token_vs_decoded_alone": own,
         "chunk_token_vs_decoded_in_8_token_step": own_padded,
         "3_token_verify_vs_chunk_alone_and_in_8_token_step": verify,
-        "prompt_split_5_59_vs_whole": split,
+        "prompt_split_5_59_vs_whole": split(5),
+        "prompt_split_at_block_vs_whole": split(shard.block_tokens),
+        "two_token_decode_vs_chunk": two,
+        "two_token_decode_beside_m_tokens_vs_chunk": two_beside,
+        "block_tokens": shard.block_tokens,
+        "compiled": {k: _prop(shard.compiled, k) for k in REPORTED},
+    }
+
+
+def _prop(compiled, key: str) -> str | None:
+    try:
+        return str(compiled.get_property(key))
+    except RuntimeError:
+        return None
+
+
+def verdicts(r: dict) -> dict[str, float]:
+    """Per way of shaping rows, the largest |delta| of the columns it relies on (0: bit-invariant):
+    ``plain`` one-token decode rows; ``two_token`` decode rows fed as two tokens; ``padded_8``
+    every step padded to the 8+-token class; ``two_token_aligned`` two-token rows with prompt
+    chunks split at KV blocks only."""
+
+    def worst(*cells) -> float:
+        return max(max(c.values()) if isinstance(c, dict) else c for c in cells)
+
+    beside = r["decode_row_beside_m_tokens_vs_m2"]
+    verify = r["3_token_verify_vs_chunk_alone_and_in_8_token_step"]
+    return {
+        "plain": worst(beside, r["decode_row_after_k_tokens_vs_first"], r["chunk_token_vs_decoded_alone"],
+                       verify[1], r["prompt_split_5_59_vs_whole"]),
+        "padded_8": worst({m: d for m, d in beside.items() if m >= 8}, r["chunk_token_vs_decoded_in_8_token_step"],
+                          verify[8], r["prompt_split_5_59_vs_whole"]),
+        "two_token": worst(r["two_token_decode_vs_chunk"], r["two_token_decode_beside_m_tokens_vs_chunk"],
+                           verify[1], r["prompt_split_5_59_vs_whole"]),
+        "two_token_aligned": worst(r["two_token_decode_vs_chunk"], r["two_token_decode_beside_m_tokens_vs_chunk"],
+                                   verify[1], r["prompt_split_at_block_vs_whole"]),
     }
 
 
@@ -359,6 +442,7 @@ def kernels() -> None:
                 "threads": CANDIDATES[name].threads,
                 **kernel_checks(export, CANDIDATES[name]),
             }
+            out[name]["verdicts"] = verdicts(out[name])
         except RuntimeError as exc:
             out[name] = {"compile_error": str(exc).strip().splitlines()[-1]}
         print(name, out[name], file=sys.stderr, flush=True)
