@@ -284,7 +284,11 @@ def grid_candidates() -> dict[str, Candidate]:
                 elif kv == "u8":
                     props |= {"KEY_CACHE_PRECISION": "u8", "VALUE_CACHE_PRECISION": "u8"}
                 else:
-                    props |= {"KEY_CACHE_PRECISION": kv, "VALUE_CACHE_PRECISION": kv, "KV_CACHE_PRECISION": kv}
+                    props |= {
+                        "KEY_CACHE_PRECISION": kv,
+                        "VALUE_CACHE_PRECISION": kv,
+                        "KV_CACHE_PRECISION": kv,
+                    }
                 if dq == "0":
                     props["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
                 out[f"{inf}_kv{kv}_dq{dq}"] = Candidate("fast", props, None)
@@ -358,6 +362,7 @@ def kernel_checks(export, candidate: Candidate) -> dict:
     own = {k: delta(after_prefix(k, 1, 1)[0], whole[k]) for k in (1, 8, 31, 32, 33, 63)}
     own_padded = {k: delta(after_prefix(k, 1, 8)[0], whole[k]) for k in (1, 8, 31, 32, 33, 63)}
     verify = {pad: delta(after_prefix(20, 3, pad), whole[20:23]) for pad in (1, 8)}
+
     def split(at: int) -> float:
         s = next(names)
         shard.open(s, 64)
@@ -420,14 +425,31 @@ def verdicts(r: dict) -> dict[str, float]:
     beside = r["decode_row_beside_m_tokens_vs_m2"]
     verify = r["3_token_verify_vs_chunk_alone_and_in_8_token_step"]
     return {
-        "plain": worst(beside, r["decode_row_after_k_tokens_vs_first"], r["chunk_token_vs_decoded_alone"],
-                       verify[1], r["prompt_split_5_59_vs_whole"]),
-        "padded_8": worst({m: d for m, d in beside.items() if m >= 8}, r["chunk_token_vs_decoded_in_8_token_step"],
-                          verify[8], r["prompt_split_5_59_vs_whole"]),
-        "two_token": worst(r["two_token_decode_vs_chunk"], r["two_token_decode_beside_m_tokens_vs_chunk"],
-                           verify[1], r["prompt_split_5_59_vs_whole"]),
-        "two_token_aligned": worst(r["two_token_decode_vs_chunk"], r["two_token_decode_beside_m_tokens_vs_chunk"],
-                                   verify[1], r["prompt_split_at_block_vs_whole"]),
+        "plain": worst(
+            beside,
+            r["decode_row_after_k_tokens_vs_first"],
+            r["chunk_token_vs_decoded_alone"],
+            verify[1],
+            r["prompt_split_5_59_vs_whole"],
+        ),
+        "padded_8": worst(
+            {m: d for m, d in beside.items() if m >= 8},
+            r["chunk_token_vs_decoded_in_8_token_step"],
+            verify[8],
+            r["prompt_split_5_59_vs_whole"],
+        ),
+        "two_token": worst(
+            r["two_token_decode_vs_chunk"],
+            r["two_token_decode_beside_m_tokens_vs_chunk"],
+            verify[1],
+            r["prompt_split_5_59_vs_whole"],
+        ),
+        "two_token_aligned": worst(
+            r["two_token_decode_vs_chunk"],
+            r["two_token_decode_beside_m_tokens_vs_chunk"],
+            verify[1],
+            r["prompt_split_at_block_vs_whole"],
+        ),
     }
 
 

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,6 +31,9 @@ import numpy as np
 import openvino as ov
 import structlog
 
+from pipeshard.precision import Configuration
+from pipeshard.shard.compile_cache import OFF, cache_folder, writable_cache
+from pipeshard.shard.manifest import load_manifest
 from pipeshard.shard.paged import PagedRow, PagedShard
 
 log = structlog.get_logger(__name__)
@@ -198,3 +202,60 @@ def _write(path: Path, data: dict) -> None:
         tmp.replace(path)
     except OSError as exc:  # a read-only cache folder: the check runs again at the next start
         log.warning("self_check_not_cached", path=str(path), reason=f"{type(exc).__name__}: {exc}")
+
+
+@dataclass(frozen=True)
+class Proof:
+    """What a paged stage serves and why: the configuration it compiled, its self-check (None:
+    the precision promises nothing, so none ran) and the configurations that failed before it."""
+
+    configuration: str
+    check: SelfCheck | None
+    fallbacks: tuple[str, ...] = ()
+
+    @property
+    def invariant(self) -> bool:
+        return self.check is not None and self.check.passed
+
+    def describe_fallbacks(self) -> str:
+        return "; ".join(self.fallbacks)
+
+
+def prove(
+    load: Callable[[Configuration], PagedShard],
+    configurations: tuple[Configuration, ...],
+    cache_folder: Path | None,
+    *,
+    check: bool = True,
+) -> PagedShard:
+    """The first of ``configurations`` whose compiled shard passes its self-check (the last one
+    if none does, reported as not invariant), with its ``proof``; ``check`` False compiles the
+    first and checks nothing (a precision with no promise)."""
+    failed: list[str] = []
+    for i, config in enumerate(configurations):
+        shard = load(config)
+        if not check:
+            shard.proof = Proof(config.name, None)
+            return shard
+        result = self_check(shard, config.name, config.properties, config.tolerance, cache_folder)
+        last = i == len(configurations) - 1
+        if result.passed or last:
+            shard.proof = Proof(config.name, result, tuple(failed))
+            if failed:
+                log.warning(
+                    "invariant_fallback",
+                    stage=shard.stage_index,
+                    serving=config.name,
+                    failed="; ".join(failed),
+                )
+            return shard
+        failed.append(f"{config.name}: {result.describe()}")
+        del shard  # its compiled model and block pools go before the next compiles
+    raise ValueError("no configuration to try")
+
+
+def self_check_folder(export_dir: Path, compile_cache: str, device: str) -> Path | None:
+    """Where the cache file goes: the compile cache's folder for this export and device (its
+    default folder when compiled-model caching is off); None when it cannot be written."""
+    setting = "" if compile_cache.strip().lower() == OFF else compile_cache
+    return writable_cache(cache_folder(setting, load_manifest(export_dir), device))
