@@ -40,7 +40,6 @@ import threading
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import openvino as ov
@@ -55,9 +54,6 @@ from pipeshard.shard.features import FEATURES, add_features_output
 from pipeshard.shard.kvblob import BlockLayout
 from pipeshard.shard.manifest import ModelInfo
 from pipeshard.shard.runtime import StageShard
-
-if TYPE_CHECKING:
-    from pipeshard.shard.self_check import Proof
 
 # Default KV budget per stage: 256 MiB hold about 11,000 f32 tokens of a 15-layer SmolLM2 stage.
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
@@ -218,7 +214,6 @@ class PagedShard(StageShard):
             config=config,
         )
         self.two_token_rows = self.config.two_token_rows
-        self.proof: Proof | None = None  # set by self_check.prove: the configuration's self-check
         model = _prepare_model(
             self.core.read_model(str(self.export_dir / self.entry.model)), self.is_first, self.is_last
         )

@@ -27,7 +27,7 @@ import contextlib
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import openvino as ov
@@ -40,6 +40,9 @@ from pipeshard.shard.device import DEFAULT_DEVICE, device_properties
 from pipeshard.shard.features import FEATURES, add_features_output
 from pipeshard.shard.kvblob import KvBlob, KvSource
 from pipeshard.shard.manifest import load_manifest, verify_shard
+
+if TYPE_CHECKING:
+    from pipeshard.shard.self_check import Proof
 
 log = structlog.get_logger(__name__)
 
@@ -168,6 +171,7 @@ class StageShard:
         )
         self.device = device
         self.config = config or configuration(precision)
+        self.proof: Proof | None = None  # a paged stage's self-check (self_check.prove)
         self._props = compile_properties(precision, num_threads, num_streams, self.config)
 
     def warmup(self) -> int:
