@@ -255,6 +255,11 @@ class PagedShard(StageShard):
             f"{kind}.{i}" for i in range(len(cache_ports) // 2) for kind in ("key_cache", "value_cache")
         ]
         self.kv_source = replace(self.kv_source, blocks=self._block_layout())
+        # One value per slot (f32, f16, bf16 pools): a slot moves by copying it. A u8 pool keeps
+        # each token's scale and zero point in extra rows of its block, so its slots do not move.
+        self.moves_slots = all(
+            self._req.get_tensor(name).element_type != ov.Type.u8 for name in self._state_pools
+        )
         self._free = list(range(self.blocks_total - 1, -1, -1))  # pop() hands out low ids first
         self._seqs: dict[Hashable, _Sequence] = {}
         self._lock = threading.Lock()
@@ -318,16 +323,16 @@ class PagedShard(StageShard):
     def move(self, seq: Hashable, start: int, kept: Sequence[int]) -> None:
         """The cache of the sequence's tokens at ``start + kept[i]`` moves to ``start + i`` (a
         draft tree's accepted path, ascending, behind the cache), in every layer's pools; the
-        length is left to ``rewind``. Quantized pools keep scales per block, so only f32 pools
-        (``exact``, ``f32``) move."""
+        length is left to ``rewind``. A u8 pool keeps scales per token in its blocks, so only
+        pools of one value per slot (f32, f16, bf16: ``moves_slots``) move."""
         with self._lock:
             state = self._get(seq)
             if all(k == i for i, k in enumerate(kept)):
                 return
-            if self.kv_source.blocks is not None:
+            if not self.moves_slots:
                 raise InvalidArgument(
                     "tree_kept",
-                    "draft trees need f32 KV pools (precision exact or f32); this stage's are quantized",
+                    "draft trees need KV pools of one value per slot (f32, f16, bf16); this stage's are u8",
                 )
             if start + kept[-1] >= state.length:
                 raise InvalidArgument(
