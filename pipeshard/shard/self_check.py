@@ -6,7 +6,8 @@ give bit-identical rows on one instruction set and not on another. So every page
 this small version of bench-precision-modes' kernels check after its warm-up, on the shapes a
 fleet sends: a decode row alone (M = 1) and beside other sessions' chunks (M = 2, 8, 41), a
 prompt token decoded alone against the same token inside a prefill chunk, a 3-token verify row
-alone and beside a chunk, and a prompt split into two chunks against one. Each is compared with
+alone and beside a chunk, a prompt split into two chunks against one, and (where the pools let
+a draft tree's path move) the path of a draft tree with a side branch. Each is compared with
 the same tokens inside one whole chunk: hidden states on a middle stage, logits on the last.
 The largest difference must be within the configuration's tolerance (0 for a bit-identity
 promise) for the stage to report ``invariant``.
@@ -24,7 +25,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +40,7 @@ from pipeshard.shard.paged import PagedRow, PagedShard
 log = structlog.get_logger(__name__)
 
 CACHE_FILE = "self_check.json"
-VERSION = 1  # bump when the shapes checked change, so old cached results are not trusted
+VERSION = 2  # bump when the shapes checked change, so old cached results are not trusted
 _WHOLE = 48  # tokens of the reference chunk
 
 
@@ -114,8 +115,20 @@ def measure(shard: PagedShard) -> tuple[float, str]:
 
     def step(rows: list[PagedRow]) -> list[np.ndarray]:
         if shard.is_last:  # every token's logits, so each compares with the whole chunk's
-            rows = [PagedRow(r.seq, r.inputs, logits=len(r.inputs)) for r in rows]
+            rows = [replace(r, logits=len(r.inputs)) for r in rows]
         return shard.step(rows)
+
+    def tree(prefix: int) -> np.ndarray:
+        """A draft tree after ``prefix`` tokens: the sequence's next three tokens as the path
+        0 -> 2 -> 3 and another token as node 1, a sibling of node 2; the path's outputs."""
+        seq = open_seq(_WHOLE)
+        step([PagedRow(seq, seq_tokens[:prefix])])
+        nodes = np.concatenate(
+            [seq_tokens[prefix : prefix + 1], other[:1], seq_tokens[prefix + 1 : prefix + 3]]
+        )
+        positions = np.array([prefix, prefix + 1, prefix + 1, prefix + 2], dtype=np.int64)
+        out = step([PagedRow(seq, nodes, positions=positions, parents=(-1, 0, 0, 2))])[0]
+        return out[[0, 2, 3]]
 
     def run(prefix: int, n: int, beside: int) -> np.ndarray:
         """Tokens prefix..prefix+n of the sequence after its first ``prefix`` (one chunk), in a
@@ -148,6 +161,11 @@ def measure(shard: PagedShard) -> tuple[float, str]:
             delta = float(np.abs(run(start, n, beside) - whole[start : start + n]).max())
             if delta > worst:
                 worst, worst_name = delta, name
+        if shard.moves_slots:  # draft trees (adaptive speculation) run where a slot can move
+            shapes["draft tree's path"] = (16, 3, 0)
+            delta = float(np.abs(tree(16) - whole[16:19]).max())
+            if delta > worst:
+                worst, worst_name = delta, "draft tree's path"
         if worst == 0:
             worst_name = f"all {len(shapes)} shapes bit-identical"
         return worst, worst_name
