@@ -111,6 +111,19 @@ class _Sequence:
     fed_positions: np.ndarray | None = None
     fed_at: int = 0
 
+    def move_fed(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """The fed inputs follow their cache slots as a draft tree's path moves down (the next
+        one-token row re-feeds the path's last token); forgotten if the move leaves them."""
+        if self.fed is None or self.fed_positions is None:
+            return
+        s, d = src - self.fed_at, dst - self.fed_at
+        if min(s.min(), d.min()) < 0 or max(s.max(), d.max()) >= len(self.fed):
+            self.fed = None
+            return
+        self.fed, self.fed_positions = self.fed.copy(), self.fed_positions.copy()
+        self.fed[d] = self.fed[s]
+        self.fed_positions[d] = self.fed_positions[s]
+
     def previous(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The input and position of the token in the cache's last slot, when this stage fed it."""
         i = self.length - 1 - self.fed_at
@@ -347,7 +360,7 @@ class PagedShard(StageShard):
             for name in self._state_pools:
                 pool = self._pool(name)
                 pool[state.blocks[dst // bt], :, dst % bt] = pool[state.blocks[src // bt], :, src % bt]
-            state.fed = None
+            state.move_fed(src, dst)
 
     def export_kv(self, seq: Hashable, positions: int | None = None, start: int = 0) -> list[np.ndarray]:
         """The sequence's cached tokens [start, positions) (default: all), one array per state

@@ -7,7 +7,8 @@ this small version of bench-precision-modes' kernels check after its warm-up, on
 fleet sends: a decode row alone (M = 1) and beside other sessions' chunks (M = 2, 8, 41), a
 prompt token decoded alone against the same token inside a prefill chunk, a 3-token verify row
 alone and beside a chunk, a prompt split into two chunks against one, and (where the pools let
-a draft tree's path move) the path of a draft tree with a side branch. Each is compared with
+a draft tree's path move) the path of a draft tree with a side branch and the token decoded
+after it. Each is compared with
 the same tokens inside one whole chunk: hidden states on a middle stage, logits on the last.
 The largest difference must be within the configuration's tolerance (0 for a bit-identity
 promise) for the stage to report ``invariant``.
@@ -40,7 +41,7 @@ from pipeshard.shard.paged import PagedRow, PagedShard
 log = structlog.get_logger(__name__)
 
 CACHE_FILE = "self_check.json"
-VERSION = 2  # bump when the shapes checked change, so old cached results are not trusted
+VERSION = 3  # bump when the shapes checked change, so old cached results are not trusted
 _WHOLE = 48  # tokens of the reference chunk
 
 
@@ -120,7 +121,8 @@ def measure(shard: PagedShard) -> tuple[float, str]:
 
     def tree(prefix: int) -> np.ndarray:
         """A draft tree after ``prefix`` tokens: the sequence's next three tokens as the path
-        0 -> 2 -> 3 and another token as node 1, a sibling of node 2; the path's outputs."""
+        0 -> 2 -> 3 and another token as node 1, a sibling of node 2; the path's outputs, then
+        (the path accepted and moved down) the next token decoded alone."""
         seq = open_seq(_WHOLE)
         step([PagedRow(seq, seq_tokens[:prefix])])
         nodes = np.concatenate(
@@ -128,7 +130,10 @@ def measure(shard: PagedShard) -> tuple[float, str]:
         )
         positions = np.array([prefix, prefix + 1, prefix + 1, prefix + 2], dtype=np.int64)
         out = step([PagedRow(seq, nodes, positions=positions, parents=(-1, 0, 0, 2))])[0]
-        return out[[0, 2, 3]]
+        shard.move(seq, prefix, (0, 2, 3))
+        shard.rewind(seq, prefix + 3)
+        after = step([PagedRow(seq, seq_tokens[prefix + 3 : prefix + 4])])[0]
+        return np.concatenate([out[[0, 2, 3]], after])
 
     def run(prefix: int, n: int, beside: int) -> np.ndarray:
         """Tokens prefix..prefix+n of the sequence after its first ``prefix`` (one chunk), in a
@@ -162,8 +167,8 @@ def measure(shard: PagedShard) -> tuple[float, str]:
             if delta > worst:
                 worst, worst_name = delta, name
         if shard.moves_slots:  # draft trees (adaptive speculation) run where a slot can move
-            shapes["draft tree's path"] = (16, 3, 0)
-            delta = float(np.abs(tree(16) - whole[16:19]).max())
+            shapes["draft tree's path"] = (16, 4, 0)
+            delta = float(np.abs(tree(16) - whole[16:20]).max())
             if delta > worst:
                 worst, worst_name = delta, "draft tree's path"
         if worst == 0:
