@@ -13,7 +13,7 @@ PROTO_OUT := pipeshard/v1
 
 STAGES ?= 2
 WEIGHTS ?= int4
-# PRECISION: exact | fast | f32 (default: DEFAULT_PRECISION in pipeshard/precision.py, exact: the same answer under any load)
+# PRECISION: invariant | exact | fast | f32 (default: DEFAULT_PRECISION in pipeshard/precision.py, invariant: the same answer under any load, proven per stage)
 PRECISION ?=
 # DEVICE: the OpenVINO device of every stage of `make up` (CPU, GPU, GPU.1, NPU, AUTO:GPU,CPU, ...); unset: CPU
 DEVICE ?=

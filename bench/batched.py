@@ -83,11 +83,15 @@ class LocalUsers:
         threads: int | None,
         tokens: int,
         core: ov.Core | None = None,
+        ladder: str = "",
     ):
-        """``core`` (paged only): a Core with extra CPU properties, for bench.precision_modes."""
+        """``core`` (paged only): a Core with extra CPU properties, for bench.precision_modes;
+        ``ladder``: at precision ``invariant``, the configurations its stages try."""
         self.prompter = Prompter.from_dir(export)
         if paged:
-            self.ring = batched_ring(export, precision, threads, cache_bytes=128 << 20, core=core)
+            self.ring = batched_ring(
+                export, precision, threads, cache_bytes=128 << 20, core=core, invariant_ladder=ladder
+            )
             chunk = self.ring.prefill_chunk
         else:
             self.ring = local_ring(export, precision, threads)

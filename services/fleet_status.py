@@ -138,8 +138,21 @@ def stage_row(address: str) -> StageRow:
             return row
         row.layers = f"{info.layer_start}-{info.layer_end - 1}"
         row.sessions = str(info.live_sessions)
-        row.precision = f"{info.precision or '?'} ({'invariant' if info.invariant else 'load-dependent'})"
+        row.precision = precision_cell(info)
         return row
+
+
+def precision_cell(info: stage_pb2.GetStageInfoResponse) -> str:
+    """The precision, the configuration it compiled when that says more, the promise, and a
+    fallback when the stage could not prove a faster configuration on its CPU."""
+    cell = info.precision or "?"
+    if info.configuration and info.configuration != info.precision:
+        cell += f" {info.configuration}"
+    cell += f" ({'invariant' if info.invariant else 'load-dependent'})"
+    if info.invariant_fallback:
+        failed = ", ".join(f.split(":")[0] for f in info.invariant_fallback.split("; "))
+        cell += f", fell back: {failed} failed the self-check"
+    return cell
 
 
 def stage_figures(row: StageRow, now: Scrape | None, before: Scrape | None, stage: int) -> None:

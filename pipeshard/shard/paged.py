@@ -57,7 +57,7 @@ import openvino.opset13 as ops
 from openvino._offline_transformations import paged_attention_transformation
 
 from pipeshard.errors import InvalidArgument, NotFound, ResourceExhausted
-from pipeshard.precision import DEFAULT_PRECISION
+from pipeshard.precision import DEFAULT_PRECISION, Configuration
 from pipeshard.shard.compile_cache import OFF
 from pipeshard.shard.device import DEFAULT_DEVICE
 from pipeshard.shard.features import FEATURES, add_features_output
@@ -117,6 +117,31 @@ class _Sequence:
     blocks: np.ndarray  # int32 block ids reserved for the sequence's whole capacity
     capacity: int  # tokens the reservation holds
     length: int = 0  # tokens in the cache
+    # The last step's inputs and their logical positions, from cache slot ``fed_at`` on: what a
+    # two-token row re-feeds (None after an import, whose inputs the stage never saw).
+    fed: np.ndarray | None = None
+    fed_positions: np.ndarray | None = None
+    fed_at: int = 0
+
+    def move_fed(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """The fed inputs follow their cache slots as a draft tree's path moves down (the next
+        one-token row re-feeds the path's last token); forgotten if the move leaves them."""
+        if self.fed is None or self.fed_positions is None:
+            return
+        s, d = src - self.fed_at, dst - self.fed_at
+        if min(s.min(), d.min()) < 0 or max(s.max(), d.max()) >= len(self.fed):
+            self.fed = None
+            return
+        self.fed, self.fed_positions = self.fed.copy(), self.fed_positions.copy()
+        self.fed[d] = self.fed[s]
+        self.fed_positions[d] = self.fed_positions[s]
+
+    def previous(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The input and position of the token in the cache's last slot, when this stage fed it."""
+        i = self.length - 1 - self.fed_at
+        if self.fed is None or self.fed_positions is None or not 0 <= i < len(self.fed):
+            return None
+        return self.fed[i : i + 1], self.fed_positions[i : i + 1]
 
 
 def _prepare_model(model: ov.Model, is_first: bool, is_last: bool) -> ov.Model:
@@ -201,10 +226,19 @@ class PagedShard(StageShard):
         verify: bool = True,
         core: ov.Core | None = None,
         device: str = DEFAULT_DEVICE,
+        config: Configuration | None = None,
     ):
         super().__init__(
-            export_dir, stage_index, precision, num_threads, verify=verify, core=core, device=device
+            export_dir,
+            stage_index,
+            precision,
+            num_threads,
+            verify=verify,
+            core=core,
+            device=device,
+            config=config,
         )
+        self.two_token_rows = self.config.two_token_rows
         model = _prepare_model(
             self.core.read_model(str(self.export_dir / self.entry.model)), self.is_first, self.is_last
         )
@@ -246,6 +280,11 @@ class PagedShard(StageShard):
             f"{kind}.{i}" for i in range(len(cache_ports) // 2) for kind in ("key_cache", "value_cache")
         ]
         self.kv_source = replace(self.kv_source, blocks=self._block_layout())
+        # One value per slot (f32, f16, bf16 pools): a slot moves by copying it. A u8 pool keeps
+        # each token's scale and zero point in extra rows of its block, so its slots do not move.
+        self.moves_slots = all(
+            self._req.get_tensor(name).element_type != ov.Type.u8 for name in self._state_pools
+        )
         self._free = list(range(self.blocks_total - 1, -1, -1))  # pop() hands out low ids first
         self._refs = np.zeros(self.blocks_total, dtype=np.int32)  # sequences referencing each block
         self._pinned = np.zeros(self.blocks_total, dtype=bool)
@@ -394,16 +433,16 @@ class PagedShard(StageShard):
     def move(self, seq: Hashable, start: int, kept: Sequence[int]) -> None:
         """The cache of the sequence's tokens at ``start + kept[i]`` moves to ``start + i`` (a
         draft tree's accepted path, ascending, behind the cache), in every layer's pools; the
-        length is left to ``rewind``. Quantized pools keep scales per block, so only f32 pools
-        (``exact``, ``f32``) move."""
+        length is left to ``rewind``. A u8 pool keeps scales per token in its blocks, so only
+        pools of one value per slot (f32, f16, bf16: ``moves_slots``) move."""
         with self._lock:
             state = self._get(seq)
             if all(k == i for i, k in enumerate(kept)):
                 return
-            if self.kv_source.blocks is not None:
+            if not self.moves_slots:
                 raise InvalidArgument(
                     "tree_kept",
-                    "draft trees need f32 KV pools (precision exact or f32); this stage's are quantized",
+                    "draft trees need KV pools of one value per slot (f32, f16, bf16); this stage's are u8",
                 )
             if start + kept[-1] >= state.length:
                 raise InvalidArgument(
@@ -419,6 +458,7 @@ class PagedShard(StageShard):
             for name in self._state_pools:
                 pool = self._pool(name)
                 pool[state.blocks[dst // bt], :, dst % bt] = pool[state.blocks[src // bt], :, src % bt]
+            state.move_fed(src, dst)
 
     def export_kv(self, seq: Hashable, positions: int | None = None, start: int = 0) -> list[np.ndarray]:
         """The sequence's cached tokens [start, positions) (default: all), one array per state
@@ -478,6 +518,7 @@ class PagedShard(StageShard):
                     part = array[:, i * bt : (i + 1) * bt]
                     pool[block, :, : part.shape[1]] = part
             state.length = positions
+            state.fed = None  # the restored positions' inputs were never fed here
 
     def _pool(self, name: str) -> np.ndarray:
         return self._req.get_tensor(name).data
@@ -565,8 +606,13 @@ class PagedShard(StageShard):
         with self._lock:
             seen: set = set()
             checked = [self._check_row(row, seen) for row in rows]
+            refed = [self._refeed(row, c) for row, c in zip(rows, checked, strict=True)]
+            checked = [c if r is None else (c[0], *r) for c, r in zip(checked, refed, strict=True)]
+            extra = [0 if r is None else 1 for r in refed]
             lengths = [x.shape[0] for _, x, _ in checked]
-            past = np.array([s.length for s, _, _ in checked], dtype=np.int32)
+            past = np.array(
+                [s.length - e for (s, _, _), e in zip(checked, extra, strict=True)], dtype=np.int32
+            )
             ends = past + np.array(lengths, dtype=np.int32)
             begins = np.zeros(len(rows) + 1, dtype=np.int32)
             np.cumsum(lengths, out=begins[1:])
@@ -594,15 +640,34 @@ class PagedShard(StageShard):
                 req.set_tensor(name, ov.Tensor(np.ascontiguousarray(value), shared_memory=True))
             req.set_tensor("max_context_len", ov.Tensor(np.array(int(ends.max()), dtype=np.int32)))
             req.infer()
-            for (state, _, _), end in zip(checked, ends, strict=True):
+            for (state, x, pos), start, end in zip(checked, past, ends, strict=True):
                 state.length = int(end)
+                if self.two_token_rows:
+                    state.fed, state.fed_positions, state.fed_at = np.array(x), np.array(pos), int(start)
             out = req.get_output_tensor(0).data
             if not self.is_last:
-                return np.split(out.reshape(-1, self.hidden_size).copy(), begins[1:-1]), None
+                hidden = np.split(out.reshape(-1, self.hidden_size).copy(), begins[1:-1])
+                return [h[e:] for h, e in zip(hidden, extra, strict=True)], None
             splits = np.cumsum(wanted)[:-1]
             logits = out.reshape(-1, out.shape[-1])[: sum(wanted)]
             features = req.get_tensor(FEATURES).data.reshape(-1, self.hidden_size)[: sum(wanted)]
             return np.split(logits.copy(), splits), np.split(features.copy(), splits)
+
+    def _refeed(
+        self, row: PagedRow, checked: tuple[_Sequence, np.ndarray, np.ndarray]
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """A one-token row as two (``config.two_token_rows``): the token in the cache's last slot
+        is fed again before it, rewriting its slot with what it already holds, so the row takes
+        the multi-query attention path a chunk's tokens take (the single-query path rounds
+        differently). None: the row runs as it came (another shape, a tree row, or an unknown
+        previous input: the first token, or the first after an import)."""
+        state, x, pos = checked
+        if not self.two_token_rows or x.shape[0] != 1 or row.parents is not None:
+            return None
+        previous = state.previous()
+        if previous is None:
+            return None
+        return np.concatenate([previous[0], x]), np.concatenate([previous[1], pos])
 
     def warmup(self, prefill: int = 256, decode: int = 2) -> int:
         """A throwaway prefill and a few decode steps on a temporary sequence (the plugin prepares

@@ -27,19 +27,22 @@ import contextlib
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import openvino as ov
 import structlog
 
 from pipeshard.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from pipeshard.precision import DEFAULT_PRECISION, canonical
+from pipeshard.precision import DEFAULT_PRECISION, Configuration, configuration
 from pipeshard.shard.compile_cache import cache_config
 from pipeshard.shard.device import DEFAULT_DEVICE, device_properties
 from pipeshard.shard.features import FEATURES, add_features_output
 from pipeshard.shard.kvblob import KvBlob, KvSource
 from pipeshard.shard.manifest import load_manifest, verify_shard
+
+if TYPE_CHECKING:
+    from pipeshard.shard.self_check import Proof
 
 log = structlog.get_logger(__name__)
 
@@ -49,26 +52,24 @@ WARMUP_PREFILL = 1024
 
 
 def compile_properties(
-    precision: str = DEFAULT_PRECISION, num_threads: int | None = None, num_streams: int | None = None
+    precision: str = DEFAULT_PRECISION,
+    num_threads: int | None = None,
+    num_streams: int | None = None,
+    config: Configuration | None = None,
 ) -> dict[str, Any]:
-    """CPU compile properties: the LATENCY hint, and by precision (pipeshard/precision.py;
-    ``default`` is DEFAULT_PRECISION)
+    """CPU compile properties: the LATENCY hint, and the configuration's (``config``, else the
+    precision's: pipeshard/precision.py; ``default`` is DEFAULT_PRECISION)
       ``fast``   the plugin's own choice: on this hardware bf16 inference, a u8 KV cache and
                  activations quantized on the fly per group inside INT4/INT8 matmuls, which makes
                  a row's logits depend on the rows computed with it and on its prompt's chunking;
       ``f32``    f32 inference, an f32 KV cache and no dynamic quantization;
-      ``exact``  the precision that promises speculation, chunking, prefix reuse and batching
-                 never change a token: the smallest set bench-numerics found to keep every row's
-                 logits within 1e-3 of one-row decoding (1.4e-4 measured) is today the same as
-                 ``f32``; bf16 with a bf16 KV cache and every step padded to the 8+-row kernel was
-                 not enough (a one-token row's attention rounds differently from a chunk's;
-                 bench-precision-modes).
+      ``exact``  the same as ``f32``, with the promise that speculation, chunking, prefix reuse
+                 and batching never change a token (every row's logits within 1e-3 of one-row
+                 decoding, 1.4e-4 measured);
+      ``invariant`` on a paged stage, the ladder rung it proved (``config``); elsewhere ``exact``.
     Threads and streams left unset follow the hint (all cores, one stream)."""
     props: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY"}
-    if canonical(precision) in ("f32", "exact"):
-        props["INFERENCE_PRECISION_HINT"] = "f32"
-        props["KV_CACHE_PRECISION"] = "f32"
-        props["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
+    props |= (config or configuration(precision)).properties
     for field, value, key in (
         ("num_threads", num_threads, "INFERENCE_NUM_THREADS"),
         ("num_streams", num_streams, "NUM_STREAMS"),
@@ -141,6 +142,7 @@ class StageShard:
         core: ov.Core | None,
         device: str,
         num_streams: int | None = None,
+        config: Configuration | None = None,
     ):
         self.export_dir = Path(export_dir)
         manifest = verify_shard(self.export_dir, stage_index) if verify else load_manifest(self.export_dir)
@@ -168,7 +170,9 @@ class StageShard:
             head_dim=manifest.model.head_dim,
         )
         self.device = device
-        self._props = compile_properties(precision, num_threads, num_streams)
+        self.config = config or configuration(precision)
+        self.proof: Proof | None = None  # a paged stage's self-check (self_check.prove)
+        self._props = compile_properties(precision, num_threads, num_streams, self.config)
 
     def warmup(self) -> int:
         """Runs the inferences a fresh compiled shard needs before it serves; returns how many."""

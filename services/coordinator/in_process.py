@@ -80,9 +80,12 @@ class InProcessStages:
         max_sessions: int = 64,
         prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
         core: ov.Core | None = None,
+        invariant_ladder: str = "",
     ) -> InProcessStages:
         """Every stage of the export on ``backend``, sharing one Core. ``core``: a Core carrying
-        extra CPU properties (bench-precision-modes compares compile settings through it)."""
+        extra CPU properties (bench-precision-modes compares compile settings through it);
+        ``invariant_ladder``: at precision ``invariant``, the configurations to try
+        (``--invariant-ladder``)."""
         export_dir = Path(export_dir)
         core = core or ov.Core()
         limits = SessionLimits(max_sessions)
@@ -92,7 +95,15 @@ class InProcessStages:
 
         parts = [
             backend.load(
-                ShardSpec(export_dir, i, precision, num_threads, cache_bytes=cache_bytes, core=core),
+                ShardSpec(
+                    export_dir,
+                    i,
+                    precision,
+                    num_threads,
+                    cache_bytes=cache_bytes,
+                    core=core,
+                    invariant_ladder=invariant_ladder,
+                ),
                 limits,
                 store,
             )
@@ -283,6 +294,7 @@ def batched_ring(
     prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
     inflight: int = 1,
     core: ov.Core | None = None,
+    invariant_ladder: str = "",
 ) -> Ring[InProcessStages]:
     """A ring over every stage of the export in this process on the paged backend (the static
     one for a static export), batching every running session's steps."""
@@ -295,5 +307,6 @@ def batched_ring(
         max_sessions=max_sessions,
         prefix_cache_bytes=prefix_cache_bytes,
         core=core,
+        invariant_ladder=invariant_ladder,
     )
     return stages.ring(step_tokens=step_tokens, inflight=inflight)

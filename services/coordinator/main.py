@@ -320,7 +320,15 @@ class Coordinator:
         fleet_kv = FleetKv.agreed(self.settings.kv, infos)  # what the stages say they run
         log.info("kv_backend", backend=fleet_kv.backend, traits=fleet_kv.describe())
         promise = fleet_promise(infos)
-        log.info("fleet_promise", precision=promise.precision, invariant=promise.invariant)
+        log.info(
+            "fleet_promise",
+            precision=promise.precision,
+            invariant=promise.invariant,
+            configurations=list(promise.configurations),
+            summary=promise.describe(),
+        )
+        if promise.fallbacks:  # a stage could not prove a faster configuration on its CPU
+            log.warning("invariant_fallback", stages=list(promise.fallbacks))
         prefix = self.settings.prefix_cache == "on"
         log.info("prefix_cache", enabled=prefix)
         scheduler = self._scheduler(infos)

@@ -65,8 +65,11 @@ class PrefixIndex:
 
     def lookup(self, scope: str, prompt: list[int]) -> PrefixHit | None:
         """The longest reusable prefix of ``prompt`` (pinned until :meth:`unpin`), or None. At
-        least the prompt's last token is always left to prefill: its logits give the first token."""
-        usable = prompt[:-1]
+        least the prompt's last two tokens are always left to prefill: the last one's logits give
+        the first token, and a suffix of two or more runs as a chunk, the attention path every
+        row of an ``invariant`` stage takes (a one-token row after a restore cannot re-feed the
+        token before it: the stage never saw that token's input; pipeshard/shard/paged.py)."""
+        usable = prompt[:-2]
         chain = [b for b in block_chain(scope, usable) if b.end - b.start == BLOCK]
         full = next((i for i in range(len(chain) - 1, -1, -1) if chain[i].key in self._blocks), -1)
         keys = [b.key for b in chain[: full + 1]]

@@ -25,7 +25,14 @@ from typing import ClassVar, Generic, TypeVar
 import openvino as ov
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.precision import DEFAULT_PRECISION
+from pipeshard.precision import (
+    DEFAULT_PRECISION,
+    Configuration,
+    canonical,
+    configuration,
+    is_invariant,
+    ladder,
+)
 from pipeshard.services.stage.domain import TreeForm
 from pipeshard.services.stage.engine import StageEngine
 from pipeshard.services.stage.kv import StageKv
@@ -39,6 +46,7 @@ from pipeshard.shard.device import DEFAULT_DEVICE
 from pipeshard.shard.manifest import KvLayout, Manifest
 from pipeshard.shard.paged import DEFAULT_CACHE_BYTES, PagedShard
 from pipeshard.shard.runtime import ShardRunner, ShardSession, StageShard
+from pipeshard.shard.self_check import prove, self_check_folder
 from pipeshard.shard.static import StaticShard
 from pipeshard.v1 import stage_pb2
 
@@ -63,6 +71,7 @@ class ShardSpec:
     compile_cache: str = "off"  # "" caches in the export folder (compile_cache.py); stateful and static
     num_streams: int | None = None  # stateful only: CPU streams (None: the latency hint's one)
     cache_bytes: int = DEFAULT_CACHE_BYTES  # paged only: the block pool's byte budget
+    invariant_ladder: str = ""  # paged at `invariant`: the configurations to try (precision.ladder)
     core: ov.Core | None = None
 
 
@@ -222,15 +231,25 @@ class PagedBackend(Backend[PagedShard, PagedEngine]):
     session = PagedSession
 
     def load_shard(self, spec: ShardSpec) -> PagedShard:
-        return PagedShard(
-            spec.export_dir,
-            spec.stage,
-            spec.precision,
-            spec.num_threads,
-            cache_bytes=spec.cache_bytes,
-            core=spec.core,
-            device=spec.device,
-        )
+        """The shard at the precision's configuration; at ``invariant`` the first of the ladder
+        that passes its self-check, at ``exact`` checked against its tolerance (self_check.py)."""
+
+        def load(config: Configuration) -> PagedShard:
+            return PagedShard(
+                spec.export_dir,
+                spec.stage,
+                spec.precision,
+                spec.num_threads,
+                cache_bytes=spec.cache_bytes,
+                core=spec.core,
+                device=spec.device,
+                config=config,
+            )
+
+        precision = canonical(spec.precision)
+        configs = ladder(spec.invariant_ladder) if precision == "invariant" else (configuration(precision),)
+        folder = self_check_folder(spec.export_dir, spec.compile_cache, spec.device)
+        return prove(load, configs, folder, check=is_invariant(precision))
 
     def engine(
         self, shard: PagedShard, limits: SessionLimits, meters: StageMeters | None = None

@@ -13,7 +13,14 @@ from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound
 from pipeshard.grpc_server import run_server
 from pipeshard.link_model import AUTO, CODEC_NAMES, CodecChooser, check_wire_dtype
 from pipeshard.offline import set_offline_defaults
-from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS, canonical, is_invariant
+from pipeshard.precision import (
+    DEFAULT_PRECISION,
+    INVARIANT_LADDER,
+    PRECISIONS,
+    canonical,
+    is_invariant,
+    ladder,
+)
 from pipeshard.services.stage.backends import (
     AUTO_KV,
     KV_CHOICES,
@@ -70,6 +77,11 @@ class StageSettings(ServerSettings):
     shards: Path | None = setting(None, "export folder holding manifest.json and the stage folders")
     next_hop: str | None = setting(None, "address of the next stage (unset for the final stage)")
     precision: str = setting(DEFAULT_PRECISION, "inference precision", choices=PRECISIONS)
+    invariant_ladder: str = setting(
+        "",
+        "paged stages at --precision invariant: the configurations to try, fastest first, comma-separated "
+        f"(pipeshard/precision.py; default {','.join(INVARIANT_LADDER)})",
+    )
     num_threads: int = setting(0, "OpenVINO inference threads (0 = the plugin's choice)")
     num_streams: int = setting(
         0, "OpenVINO CPU streams (0 = the latency hint's one); a stage runs one inference at a time"
@@ -238,6 +250,7 @@ def shard_spec(settings: StageSettings) -> ShardSpec:
         compile_cache=settings.compile_cache_dir,
         num_streams=settings.num_streams or None,
         cache_bytes=settings.kv_cache_bytes,
+        invariant_ladder=settings.invariant_ladder,
     )
 
 
@@ -282,6 +295,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
             "raw_tcp_port", "the raw-TCP baseline serves the stateful backend only (--kv stateful)"
         )
     check_wire_dtype(settings.codec, settings.wire_dtype)
+    ladder(settings.invariant_ladder)  # an unknown configuration is refused before anything compiles
     manifest = load_manifest(settings.shards_dir)
     backend = choose_backend(settings.kv, manifest)  # the one choice: its object from here on
     heads = load_heads(settings, manifest.num_stages)  # before compiling: a refusal comes at once
@@ -325,7 +339,14 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         invariant=is_invariant(settings.precision),
         device=shard.device,
         draft_heads=heads.heads if heads is not None else 0,
+        configuration=shard.config.name,
     )
+    proof = shard.proof
+    if proof is not None and proof.check is not None:  # a paged stage's self-check decides
+        info.invariant = proof.invariant
+        info.self_check = proof.check.describe()
+        info.self_check_seconds = proof.check.seconds
+        info.invariant_fallback = proof.describe_fallbacks()
     info.MergeFrom(parts.facts)
     return node, info
 

@@ -196,10 +196,10 @@ class PagedEngine(RowEngine[PagedSession]):
         return length
 
     def _check_room(self, row: StepRow, session: PagedSession, start: int) -> None:
-        if row.tree_parents and self.shard.kv_source.blocks is not None:
+        if row.tree_parents and not self.shard.moves_slots:
             raise InvalidArgument(
                 "tree_parents",
-                "draft trees need f32 KV pools (precision exact or f32); this stage's are quantized",
+                "draft trees need KV pools of one value per slot (f32, f16, bf16); this stage's are u8",
             )
         room = self.shard.capacity(session.key)
         if start + row.tokens > room:

@@ -29,8 +29,9 @@ def test_index_finds_the_longest_shared_prefix_within_a_scope_only():
     assert hit.positions == 60 and hit.tokens == list(range(64))  # cut after the block it needs
     index.unpin(hit)
     assert index.lookup("bob", list(range(100))) is None  # another client's entries stay invisible
-    # The whole prompt matches: its last token is still prefilled (its logits give the first token).
-    assert index.lookup("alice", list(range(100))).positions == 99
+    # The whole prompt matches: its last two tokens are still prefilled (the last one's logits give
+    # the first token; two run as a chunk, the path an invariant stage's rows take).
+    assert index.lookup("alice", list(range(100))).positions == 98
     # A longer prompt reuses the whole kept sequence, its partial last block included.
     longer = index.lookup("alice", [*range(100), 5, 5])
     assert longer.positions == 100 and longer.tokens == list(range(100))
@@ -46,10 +47,10 @@ def test_shared_scope_is_one_scope_for_everyone_and_identities_stay_apart():
     index = PrefixIndex(min_tokens=4)
     index.add(SHARED_PREFIX_SCOPE, list(range(40)))
     index.add("alice", list(range(100, 140)))
-    assert index.lookup(SHARED_PREFIX_SCOPE, list(range(41))).positions == 40
-    assert index.lookup("alice", list(range(41))) is None
-    assert index.lookup("bob", list(range(100, 141))) is None
-    assert index.lookup("alice", list(range(100, 141))).positions == 40
+    assert index.lookup(SHARED_PREFIX_SCOPE, list(range(42))).positions == 40
+    assert index.lookup("alice", list(range(42))) is None
+    assert index.lookup("bob", list(range(100, 142))) is None
+    assert index.lookup("alice", list(range(100, 142))).positions == 40
 
 
 def test_an_eviction_report_drops_the_block_and_everything_chained_on_it():
@@ -60,10 +61,10 @@ def test_an_eviction_report_drops_the_block_and_everything_chained_on_it():
     index.add("s", two)
     assert len(index) == 2 + 2 * 2  # the system prompt's blocks are indexed once
     index.forget([block_chain("s", one)[2].key])  # one's third block: its fourth goes with it
-    assert index.lookup("s", [*one, 1]).positions == 2 * BLOCK
-    assert index.lookup("s", [*two, 1]).positions == len(two)
+    assert index.lookup("s", [*one, 1, 1]).positions == 2 * BLOCK
+    assert index.lookup("s", [*two, 1, 1]).positions == len(two)
     index.forget([block_chain("s", system)[1].key])  # the system prompt's second block
-    assert index.lookup("s", [*two, 1]).positions == BLOCK
+    assert index.lookup("s", [*two, 1, 1]).positions == BLOCK
     assert len(index) == 1
     index.forget(["not-a-key"])  # a block this index never had
     assert len(index) == 1

@@ -144,9 +144,19 @@ def test_top_shows_step_time_cache_users_and_tokens(fleet, tmp_path, capsys):
     out = capsys.readouterr().out
     for column in ("step ms", "rows/step", "cache", "users", "queue", "tok/s", "precision"):
         assert column in out
-    assert out.count("exact (invariant)") == 2  # the default precision, on both stages
+    assert out.count("invariant ") == 2 and out.count(" (invariant)") == 2  # the default, both stages
     assert out.count(" pos, ") == 2 and "MiB" in out  # cache use of both stages
     assert "OK " in out
+
+
+def stage_configuration(address: str) -> str:
+    import grpc
+
+    from pipeshard.v1 import stage_pb2, stage_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = stage_pb2_grpc.StageServiceStub(channel)
+        return stub.GetStageInfo(stage_pb2.GetStageInfoRequest(), timeout=10).configuration
 
 
 def test_gateway_answers_carry_the_fleets_system_fingerprint(fleet, smollm2_export):
@@ -159,7 +169,8 @@ def test_gateway_answers_carry_the_fleets_system_fingerprint(fleet, smollm2_expo
     from pipeshard.shard.manifest import load_manifest
 
     model = load_manifest(smollm2_export(2, "int4")).model.fingerprint
-    want = FleetPromise(model, "exact", True).system_fingerprint
+    configurations = tuple(stage_configuration(a) for a in fleet.stages)  # what each stage proved
+    want = FleetPromise(model, "invariant", True, configurations).system_fingerprint
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
     def post(extra: dict) -> bytes:

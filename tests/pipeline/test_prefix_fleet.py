@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from pipeshard.clients.client import PipeshardClient
-from pipeshard.precision import DEFAULT_PRECISION
+from pipeshard.precision import DEFAULT_PRECISION, is_invariant
 from pipeshard.services.launcher import spawn, stage_args
 
 pytestmark = pytest.mark.slow
@@ -23,10 +23,14 @@ SYSTEM = "You answer in short, precise sentences. " * 10
 
 @pytest.fixture(scope="module")
 def fleets(smollm2_export, fleet_factory, default_fleet):
-    """The session's default fleet (exact, its stages keep prefixes) and one whose stages keep none."""
-    assert DEFAULT_PRECISION == "exact", "warm == cold is promised at exact; the warm fleet is the default"
+    """The session's default fleet (invariant, its stages keep prefixes) and one whose stages keep
+    none, at the same precision (on one CPU both prove the same configuration)."""
+    assert is_invariant(DEFAULT_PRECISION), "warm == cold is promised at an invariant precision"
     cold = fleet_factory(
-        smollm2_export(2, "int4"), 2, precision="exact", extra_stage_args=["--prefix-cache-bytes", "0"]
+        smollm2_export(2, "int4"),
+        2,
+        precision=DEFAULT_PRECISION,
+        extra_stage_args=["--prefix-cache-bytes", "0"],
     )
     return default_fleet, cold
 

@@ -1,0 +1,87 @@
+"""A paged stage's self-check (pipeshard/shard/self_check.py) and the ladder ``invariant`` walks,
+on the INT4 2-stage SmolLM2 shards: a configuration that is not invariant fails it, the ladder
+falls back past it, results are cached per CPU, and two-token rows make a decoded token
+bit-identical to the same token inside a prompt chunk."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeshard.errors import InvalidArgument
+from pipeshard.precision import CONFIGURATIONS, INVARIANT_LADDER, ladder
+from pipeshard.shard.paged import PagedRow, PagedShard
+from pipeshard.shard.self_check import CACHE_FILE, measure, prove, self_check
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def export(smollm2_export):
+    return smollm2_export(2, "int4")
+
+
+def shard(export, stage: int, name: str) -> PagedShard:
+    return PagedShard(export, stage, "invariant", cache_bytes=32 << 20, config=CONFIGURATIONS[name])
+
+
+def test_the_ladder_ends_at_exact_and_refuses_unknown_names():
+    assert [c.name for c in ladder("")] == list(INVARIANT_LADDER) and INVARIANT_LADDER[-1] == "exact"
+    assert [c.name for c in ladder("bf16-kv8, exact")] == ["bf16-kv8", "exact"]
+    with pytest.raises(InvalidArgument) as err:
+        ladder("bf16-kv16,turbo")
+    assert err.value.field == "invariant_ladder" and "turbo" in str(err.value)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_configuration_that_is_not_invariant_fails_its_self_check(export, stage):
+    """bf16 with a u8 cache: a chunk attends its own tokens unquantized, the next chunk reads them
+    quantized, so a split prompt differs from a whole one (hidden states, or logits on the last
+    stage), and the bit-identity check fails."""
+    result = self_check(shard(export, stage, "bf16-kv8"), "bf16-kv8", {}, 0.0, None)
+    assert not result.passed and result.max_delta > 0.01 and "FAILED" in result.describe()
+
+
+def test_the_ladder_falls_back_past_a_failing_configuration_and_caches_per_cpu(export, tmp_path):
+    made = []
+
+    def load(config):
+        made.append(config.name)
+        return shard(export, 0, config.name)
+
+    served = prove(load, ladder("bf16-kv8,exact"), tmp_path)
+    assert made == ["bf16-kv8", "exact"]
+    assert served.config.name == "exact" and served.proof.configuration == "exact"
+    assert served.proof.invariant and served.proof.check.tolerance == 1e-3
+    assert served.proof.fallbacks[0].startswith("bf16-kv8: self-check FAILED")
+    assert (tmp_path / CACHE_FILE).exists()
+    made.clear()
+    again = prove(load, ladder("bf16-kv8,exact"), tmp_path)  # both results now come from the file
+    assert again.proof.check.cached and again.proof.fallbacks[0].endswith("(cached)")
+    assert made == ["bf16-kv8", "exact"]
+
+
+def test_the_first_configuration_is_bit_identical_on_this_cpu_or_the_ladder_says_which_is(export):
+    """Whatever this CPU proves, the ladder serves a configuration that passed, and a passing
+    configuration with a zero tolerance measured exactly zero."""
+    served = prove(lambda c: shard(export, 1, c.name), ladder(""), None)
+    assert served.proof.invariant
+    if served.proof.check.tolerance == 0:
+        assert measure(served)[0] == 0.0 and "bit-identical" in served.proof.check.worst
+
+
+def test_two_token_rows_make_a_decoded_token_equal_its_chunk(export):
+    """The token decoded alone (re-fed after its predecessor) and beside another session's chunk
+    gives the bits it had inside one whole chunk; without the re-feed it does not."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(100, 5000, 24)
+    for name, equal in (("f32-kv16", True), ("exact", False)):
+        paged = shard(export, 0, name)
+        paged.open("whole", 32)
+        whole = paged.step([PagedRow("whole", ids)])[0]
+        paged.open("decoded", 32)
+        paged.open("other", 32)
+        paged.step([PagedRow("decoded", ids[:20])])
+        got = paged.step([PagedRow("decoded", ids[20:21]), PagedRow("other", ids[:9])])[0]
+        assert got.shape == (1, paged.hidden_size)
+        assert np.array_equal(got[0], whole[20]) is equal, name
