@@ -50,6 +50,9 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.keepalive_time_ms", int(every_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+        # Any ping's ack, not only keepalive's: a keepalive waits behind a ping already in flight
+        # (gRPC's BDP probe), whose own timeout is otherwise a minute.
+        ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         # A hop that comes back is found within a second or two, whatever the start order.
