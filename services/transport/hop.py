@@ -14,9 +14,10 @@ next hop to acknowledge frames large enough to time plus one small frame in ``RT
 Each acknowledgement's delay since the write is a sample. Emulated ``delay_s`` is spent before
 the write, so it is not part of the measured link.
 
-``on_state(up, reason)`` hears each connect and each break (the stage reports its next hop's
-state on its health service, so the coordinator names a hop that broke or stalled: a stall is
-found by the channel's keepalive, channels.py).
+``on_state(up, reason)`` hears the hop come up (the first acknowledgement after a connect: a
+call can look connected while no byte crosses, as during a partition) and go down (its stream
+broke: a dead next stage, or a stall found by the channel's keepalive, channels.py). The stage
+reports it on its health service, so the coordinator names such a hop.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class HopStream:
         self._acks: dict[int, tuple[int, float, bool]] = {}  # ack id -> (bytes, write time, probe)
         self._train: list[tuple[int, float]] = []  # (bytes, ack time) of the probe train
         self.on_state: Callable[[bool, str], None] = lambda up, reason: None
+        self._up = False  # acknowledged since the last connect
 
     def start(self) -> None:
         if self._task is None:
@@ -123,7 +125,7 @@ class HopStream:
             self.connected,
             "hop",
             write=self._write,
-            on_state=lambda up, reason: self.on_state(up, reason),
+            on_state=lambda up, reason: None if up else self._report(False, reason),
             address=self.address,
         )
 
@@ -155,7 +157,13 @@ class HopStream:
         self._acks[request.ack_id] = (request.ByteSize(), time.perf_counter(), probe)
         await call.write(request)
 
+    def _report(self, up: bool, reason: str) -> None:
+        if up != self._up:
+            self._up = up
+            self.on_state(up, reason)
+
     def _on_ack(self, ack_id: int) -> None:
+        self._report(True, "acknowledged")
         sent = self._acks.pop(ack_id, None)
         if sent is None:
             return
