@@ -41,7 +41,7 @@ def stage_name(k: int, replica: int = 0) -> str:
 
 
 def link_name(k: int, replica: int = 0) -> str:
-    """The forwarder carrying replica ``replica`` of stage ``k``'s hop to the next stage (``faulty_links``)."""
+    """The forwarder on replica ``replica`` of stage ``k``'s hop to the next stage (``faulty_links``)."""
     return f"link{k}" if replica == 0 else f"link{k}.r{replica}"
 
 

@@ -114,8 +114,12 @@ def test_the_control_socket_switches_a_route_and_refuses_bad_commands_by_name(tm
         control = await serve_control(sock, {f"127.0.0.1:{port}": faults})
         await asyncio.to_thread(command, sock, f"stall 0 127.0.0.1:{port}")
         assert not faults.flowing.is_set()
-        for bad, named in (("shake 1", "command"), ("stall", "SECONDS"), ("stall -1", "SECONDS"),
-                           ("reset 1 10.0.0.1:1", "route")):
+        for bad, named in (
+            ("shake 1", "command"),
+            ("stall", "SECONDS"),
+            ("stall -1", "SECONDS"),
+            ("reset 1 10.0.0.1:1", "route"),
+        ):
             with pytest.raises(RuntimeError, match=named):
                 await asyncio.to_thread(command, sock, bad)
         assert not faults.flowing.is_set() and not faults.resetting  # left as it was

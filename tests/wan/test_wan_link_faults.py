@@ -87,9 +87,7 @@ def test_loss_drops_the_rate_asked_for_and_tcp_delivers_every_byte(link):
     reader.start()
     sender = f"import socket,sys; c=socket.create_connection(('{link.root_ip}',{PORT}),timeout=120); "
     sender += "c.sendall(sys.stdin.buffer.read()); c.close()"
-    subprocess.run(
-        [*link.exec_prefix, sys.executable, "-c", sender], input=payload, check=True, timeout=300
-    )
+    subprocess.run([*link.exec_prefix, sys.executable, "-c", sender], input=payload, check=True, timeout=300)
     reader.join(timeout=300)
     server.close()
     dropped, passed = netns.fault_counts(link)

@@ -37,29 +37,29 @@ def test_a_partitioned_hop_is_named_within_the_bound_and_serves_again_once_heale
     shards = smollm2_export(2, "int4")
     monkeypatch.setenv("PIPESHARD_KEEPALIVE_S", str(KEEPALIVE_S))
     monkeypatch.setenv("PIPESHARD_KEEPALIVE_TIMEOUT_S", str(KEEPALIVE_TIMEOUT_S))
-    with WanFleet(shards, 2, delay_ms=5, rate_mbit=None, run_dir=tmp_path) as fleet:
-        with PipeshardClient(fleet.coordinator, timeout_s=120) as client:
-            solo = client.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).token_ids
-            got: list[int] = []
-            began = None
-            with pytest.raises(grpc.RpcError) as failed:
-                for chunk in client.stream(PROMPT, max_tokens=TOKENS * 20, ignore_eos=True):
-                    got.extend(chunk.token_ids)
-                    if began is None and len(got) >= 4:
-                        fleet.link_fault(0, "partition")
-                        began = time.monotonic()
-            named_after = time.monotonic() - began
-            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "stage 1" in failed.value.details() and "next hop" in failed.value.details()
-            assert named_after <= BOUND_S + LOAD_SLACK_S, f"{named_after:.1f} s (bound {BOUND_S:g} s)"
-            assert got == solo[: len(got)]
-            fleet.heal(0)
-            deadline = time.monotonic() + 120
-            while True:  # the hop re-dials with backoff (at most 2 s) once packets pass again
-                try:
-                    again = client.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).token_ids
-                    break
-                except grpc.RpcError:
-                    assert time.monotonic() < deadline, "the healed hop never served again"
-                    time.sleep(0.5)
-            assert again == solo
+    fleet = WanFleet(shards, 2, delay_ms=5, rate_mbit=None, run_dir=tmp_path)
+    with fleet, PipeshardClient(fleet.coordinator, timeout_s=120) as client:
+        solo = client.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).token_ids
+        got: list[int] = []
+        began = None
+        with pytest.raises(grpc.RpcError) as failed:
+            for chunk in client.stream(PROMPT, max_tokens=TOKENS * 20, ignore_eos=True):
+                got.extend(chunk.token_ids)
+                if began is None and len(got) >= 4:
+                    fleet.link_fault(0, "partition")
+                    began = time.monotonic()
+        named_after = time.monotonic() - began
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "stage 1" in failed.value.details() and "next hop" in failed.value.details()
+        assert named_after <= BOUND_S + LOAD_SLACK_S, f"{named_after:.1f} s (bound {BOUND_S:g} s)"
+        assert got == solo[: len(got)]
+        fleet.heal(0)
+        deadline = time.monotonic() + 120
+        while True:  # the hop re-dials with backoff (at most 2 s) once packets pass again
+            try:
+                again = client.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).token_ids
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, "the healed hop never served again"
+                time.sleep(0.5)
+        assert again == solo
