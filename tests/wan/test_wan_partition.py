@@ -1,11 +1,14 @@
 """A kernel partition of a hop in the WAN emulator (nftables drops every packet of stage 0's hop
 to stage 1; no socket closes) is a dead hop within the stated bound: the running request ends
-UNAVAILABLE naming stage 1 as unreachable from stage 0's next hop. (One lane: with replicas it
-fails over instead, tests/pipeline/test_link_faults_fleet.py.) Healed, the fleet serves the same
-tokens again. Root and nft only."""
+UNAVAILABLE naming stage 1 as unreachable from stage 0's next hop, and it stays so while the
+partition lasts (a re-dialled call can look connected; the hop counts as up only once an
+acknowledgement crosses). One lane: with replicas it fails over instead
+(tests/pipeline/test_link_faults_fleet.py). Healed, the fleet serves the same tokens again.
+Root and nft only."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -31,6 +34,12 @@ PROMPT = "Write a short story about a lighthouse keeper."
 TOKENS = 24
 
 
+def _last_reachability(fleet: WanFleet, host: str) -> bool | None:
+    log = fleet.fleet.process("coordinator").log.read_text().splitlines()
+    events = [json.loads(line) for line in log if '"stage_reachability"' in line]
+    return next((e["up"] for e in reversed(events) if e["address"].startswith(host)), None)
+
+
 def test_a_partitioned_hop_is_named_within_the_bound_and_serves_again_once_healed(
     smollm2_export, tmp_path, monkeypatch
 ):
@@ -53,6 +62,8 @@ def test_a_partitioned_hop_is_named_within_the_bound_and_serves_again_once_heale
         assert "stage 1" in failed.value.details() and "next hop" in failed.value.details()
         assert named_after <= BOUND_S + LOAD_SLACK_S, f"{named_after:.1f} s (bound {BOUND_S:g} s)"
         assert got == solo[: len(got)]
+        time.sleep(2 * BOUND_S)  # re-dialled meanwhile: it must not count as up (nothing crosses)
+        assert _last_reachability(fleet, "10.77.1.1") is False
         fleet.heal(0)
         deadline = time.monotonic() + 120
         while True:  # the hop re-dials with backoff (at most 2 s) once packets pass again
