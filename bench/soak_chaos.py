@@ -18,8 +18,10 @@ the kinds taken in a shuffled cycle so a short run meets each:
 
 A fault waits until the last one's lane serves again, so one lane always serves. Keys:
 ``failed_requests`` (not counting those during a coordinator outage: goal 0),
-``failed_requests_coordinator`` (those), ``mismatches`` (finished answers against their reference,
-exact: goal 0), ``recovery_ms`` per fault kind (stage and link: from the fault to the token ending
+``failed_requests_coordinator`` (those: attempts refused while it was down, each client retrying
+every 0.5 s, and ``..._mid_stream`` the ones that had streamed tokens when it died),
+``mismatches`` (finished answers against their reference, exact: goal 0), ``recovery_ms`` per
+fault kind (stage and link: from the fault to the token ending
 each failed-over stream's longest stall after it; coordinator: from the kill to the next token
 any client gets; exporter: from the kill to it listening again), ``rss_growth_max`` (largest
 growth of a process that lived through the whole soak, from the first fault (after 20-30 s of
@@ -111,7 +113,7 @@ class Chaos:
         self.fleet, self.shards, self.reference = fleet, shards, reference
         self.rng = random.Random(SEED)
         self.outcomes: Counter[str] = Counter()
-        self.failures: list[tuple[float, str]] = []  # (wall time, code)
+        self.failures: list[tuple[float, bool]] = []  # (wall time, had streamed tokens)
         self.mismatches: list[dict] = []
         self.streams: dict[str, list[float]] = {}  # request id -> its tokens' wall times
         self.faults: list[dict] = []  # kind, target, at (wall), back (wall)
@@ -135,7 +137,7 @@ class Chaos:
                             out_at.append(time.time())
             except grpc.aio.AioRpcError as exc:  # counted: the goal is none outside a coordinator outage
                 self.outcomes[exc.code().name] += 1
-                self.failures.append((time.time(), exc.code().name))
+                self.failures.append((time.time(), bool(tokens)))
                 await asyncio.sleep(0.5)
                 continue
             self.outcomes["ok"] += 1
@@ -331,10 +333,11 @@ def main() -> int:
     finally:
         fleet.stop()
     outage = [(a, b + 2.0) for a, b in chaos.coordinator_down]  # clients back off 0.5 s
-    during = sum(1 for t, _ in chaos.failures if any(a <= t <= b for a, b in outage))
+    during = [streamed for t, streamed in chaos.failures if any(a <= t <= b for a, b in outage)]
     before = chaos.rss_start
     lived = {n: (b, after[n][1]) for n, (pid, b) in before.items() if n in after and after[n][0] == pid}
     growth = {n: round((end - start) / start, 4) for n, (start, end) in lived.items()}
+    rss_mib = {n: [round(start, 1), round(end, 1)] for n, (start, end) in lived.items()}
     restarted = {
         n: {"rss_back_mib": round(rss, 1), "rss_end_mib": round(after[n][1], 1)}
         for n, rss in chaos.rss_restarted.items()
@@ -347,14 +350,16 @@ def main() -> int:
         "fleet": f"{STAGES} stages x {LANES} replicas, 1 coordinator, 1 exporter, exact, INT4",
         "keepalive_s": [os.environ["PIPESHARD_KEEPALIVE_S"], os.environ["PIPESHARD_KEEPALIVE_TIMEOUT_S"]],
         "outcomes": dict(chaos.outcomes),
-        "failed_requests": len(chaos.failures) - during,
-        "failed_requests_coordinator": during,
+        "failed_requests": len(chaos.failures) - len(during),
+        "failed_requests_coordinator": len(during),
+        "failed_requests_coordinator_mid_stream": sum(during),
         "mismatches": len(chaos.mismatches),
         "mismatch_examples": chaos.mismatches[:3],
         "faults": [{k: v for k, v in f.items() if k in ("kind", "target", "seconds")} for f in chaos.faults],
         "failovers": len(_failovers(fleet.run_dir)),
         "recovery_ms": _recovery(chaos),
         "rss_growth": growth,
+        "rss_mib_start_end": rss_mib,
         "rss_growth_max": max(growth.values(), default=None),
         "rss_restarted": restarted,
         "sessions_left": sessions,
