@@ -46,10 +46,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.failover import _percentiles, _wall
-from bench.soak import PROMPTS, _live_sessions, _rss_mib
+from bench.failover import _percentiles, _rejoined, _wall
+from bench.soak import PROMPTS, _live_sessions, _rss_mib, _shards
 from bench.stats import command_with_knobs, write_result
-from pipeshard import paths
 from pipeshard.clients.client import AsyncPipeshardClient, PipeshardClient
 from pipeshard.offline import set_offline_defaults
 from pipeshard.services.launcher import (
@@ -88,18 +87,6 @@ KNOBS = (
     "SOAK_FAULTS",
 )
 COORDINATOR_PORT, EXPORTER_PORT = PORT_BASE + 50, PORT_BASE + 49
-
-
-def _shards() -> Path:
-    chosen = os.environ.get("SOAK_SHARDS")
-    if chosen:
-        return Path(chosen)
-    from pipeshard.exporter.export import export_model
-
-    out = paths.shards_dir() / paths.export_name(paths.DEFAULT_MODEL, STAGES, "int4")
-    if not (out / "manifest.json").exists():
-        export_model(paths.default_model_dir(), out, stages=STAGES, weights="int4")
-    return out
 
 
 def _port(k: int, r: int) -> int:
@@ -176,7 +163,7 @@ class Chaos:
         args = stage_args(k, self.shards, _port(k, r), "exact", "json", next_hop)
         proc = await asyncio.to_thread(spawn, name, args, self.fleet.run_dir, fleet_env(), 300)
         self._replace(victim, proc)
-        await _back(self.fleet, f"127.0.0.1:{_port(k, r)}")
+        await _rejoined(self.fleet, f"127.0.0.1:{_port(k, r)}", 300)
         self.rss_restarted[name] = _rss_mib(proc.popen.pid)
 
     async def _link(self, fault: dict, verb: str) -> None:
@@ -185,7 +172,7 @@ class Chaos:
         fault.update(target=link_name(k, r), seconds=seconds)
         await asyncio.to_thread(command, link_control(self.fleet.run_dir, k, r), f"{verb} {seconds}")
         await asyncio.sleep(seconds)
-        await _back(self.fleet, f"127.0.0.1:{_port(k + 1, r)}")
+        await _rejoined(self.fleet, f"127.0.0.1:{_port(k + 1, r)}", 300, unnamed_is_up=True)
 
     async def _link_stall(self, fault: dict) -> None:
         await self._link(fault, "stall")
@@ -233,22 +220,6 @@ async def _serving(address: str, timeout_s: float = 300) -> None:
                 pass
             await asyncio.sleep(0.2)
     raise RuntimeError(f"{address} did not serve within {timeout_s:g} s")
-
-
-async def _back(fleet: Fleet, address: str, timeout_s: float = 300) -> None:
-    """Waits until the coordinator's last word on ``address`` is not "down" (a link that stalled
-    for less than keepalive's bound was never reported), plus a moment for the lane's streams."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = None
-        for line in fleet.process("coordinator").log.read_text().splitlines():
-            if '"stage_reachability"' in line and address in line:
-                state = json.loads(line)["up"]
-        if state is not False:
-            await asyncio.sleep(0.5)
-            return
-        await asyncio.sleep(0.2)
-    raise RuntimeError(f"{address} was not back within {timeout_s:g} s")
 
 
 def _failovers(run_dir: Path) -> dict[str, float]:
@@ -308,7 +279,7 @@ def main() -> int:
     set_offline_defaults()
     os.environ.setdefault("PIPESHARD_KEEPALIVE_S", "1")
     os.environ.setdefault("PIPESHARD_KEEPALIVE_TIMEOUT_S", "2")
-    shards = _shards()
+    shards = _shards(STAGES)
     fleet = start_fleet(
         shards,
         STAGES,
