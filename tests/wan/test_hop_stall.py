@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 
+from pipeshard.errors import InvalidArgument
 from pipeshard.grpc_server import GrpcServer
+from pipeshard.services.transport.channels import channel_options
 from pipeshard.services.transport.hop import HopStream
 from pipeshard.services.wan.faults import LinkFaults
 from pipeshard.services.wan.forwarder import bound_address, serve
@@ -57,3 +60,15 @@ def test_a_stalled_hop_reports_down_stays_down_while_stalled_and_up_once_healed(
         await server.stop(0)
 
     asyncio.run(run())
+
+
+def test_keepalive_comes_from_the_environment_and_a_bad_value_is_named(monkeypatch):
+    monkeypatch.setenv("PIPESHARD_KEEPALIVE_S", "1.5")
+    monkeypatch.delenv("PIPESHARD_KEEPALIVE_TIMEOUT_S", raising=False)
+    options = dict(channel_options())
+    assert options["grpc.keepalive_time_ms"] == 1500
+    assert options["grpc.keepalive_timeout_ms"] == options["grpc.http2.ping_timeout_ms"] == 5000
+    for bad in ("soon", "0.1"):
+        monkeypatch.setenv("PIPESHARD_KEEPALIVE_TIMEOUT_S", bad)
+        with pytest.raises(InvalidArgument, match="PIPESHARD_KEEPALIVE_TIMEOUT_S"):
+            channel_options()
