@@ -166,9 +166,9 @@ bench-mbatch: model
 	$(PY) -m bench.mbatch
 	$(PY) -m bench.spec_batch
 
-## soak: 200 requests from 16 clients with random cancels while stage 1 is killed and restarted (not in `make test`; SOAK_SHARDS=DIR uses an existing 2-stage export; bench/results/soak.json); SOAK_MODE=failover: 2 stages x 2 lanes, 16 clients for SOAK_SECONDS (300) while a replica is killed every SOAK_KILL_EVERY (20) s and restarted: failed requests, mismatches, recovery p95 (bench/results/soak_failover.json); SOAK_MODE=hostile: SOAK_ROUNDS (6) rounds of the hostile-input attack mix beside 4 normal users, every process's RSS at the end within 10% of its start (bench/results/soak_hostile.json)
+## soak: 200 requests from 16 clients with random cancels while stage 1 is killed and restarted (not in `make test`; SOAK_SHARDS=DIR uses an existing 2-stage export; bench/results/soak.json); SOAK_MODE=failover: 2 stages x 2 lanes, 16 clients for SOAK_SECONDS (300) while a replica is killed every SOAK_KILL_EVERY (20) s and restarted: failed requests, mismatches, recovery p95 (bench/results/soak_failover.json); SOAK_MODE=hostile: SOAK_ROUNDS (6) rounds of the hostile-input attack mix beside 4 normal users, every process's RSS at the end within 10% of its start (bench/results/soak_hostile.json); SOAK_MODE=chaos: 3 stages x 2 replicas, 16 clients for SOAK_SECONDS (600; BENCH_QUICK=1: 120) while a random process is killed or a link between stages stalls or drops every 20-30 s: failed requests, mismatches, recovery per fault kind, RSS growth (bench/results/soak_chaos.json)
 soak: model
-	$(PY) -m bench.$(if $(filter failover,$(SOAK_MODE)),soak_failover,$(if $(filter hostile,$(SOAK_MODE)),soak_hostile,soak))
+	$(PY) -m bench.$(if $(filter failover,$(SOAK_MODE)),soak_failover,$(if $(filter hostile,$(SOAK_MODE)),soak_hostile,$(if $(filter chaos,$(SOAK_MODE)),soak_chaos,soak)))
 ## bench-compress: size (% of raw) and MB/s of every tensor codec on real SmolLM2 hidden states; fp16/bf16 wire token agreement (bench/results/compress.json)
 bench-compress: model
 	$(PY) -m bench.compress

@@ -115,16 +115,20 @@ def _percentiles(values: list[float]) -> dict:
     return {"p50": rank(0.50), "p95": rank(0.95), "samples": len(values)}
 
 
-async def _rejoined(fleet: Fleet, address: str, timeout_s: float = 120) -> None:
+async def _rejoined(
+    fleet: Fleet, address: str, timeout_s: float = 120, *, unnamed_is_up: bool = False
+) -> None:
     """Waits until the coordinator's watch has seen ``address`` serve again since its last
-    loss (the lane is back in rotation), so the next round spreads over both lanes."""
+    loss (the lane is back in rotation), so the next round spreads over both lanes.
+    ``unnamed_is_up``: an address the log never named counts as serving (a link stall shorter
+    than keepalive's bound is never reported)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         state = None
         for line in fleet.process("coordinator").log.read_text().splitlines():
             if '"stage_reachability"' in line and address in line:
                 state = json.loads(line)["up"]
-        if state:
+        if state or (unnamed_is_up and state is None):
             await asyncio.sleep(0.5)  # the lane's entry stream re-dials too
             return
         await asyncio.sleep(0.2)

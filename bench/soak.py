@@ -71,15 +71,16 @@ def _live_sessions(address: str) -> int:
         return stub.GetStageInfo(stage_pb2.GetStageInfoRequest(), timeout=5).live_sessions
 
 
-def _shards() -> Path:
+def _shards(stages: int = 2) -> Path:
+    """SOAK_SHARDS, or the default model's INT4 export in ``stages`` stages (made if missing)."""
     chosen = os.environ.get("SOAK_SHARDS")
     if chosen:
         return Path(chosen)
     from pipeshard.exporter.export import export_model
 
-    out = paths.shards_dir() / paths.export_name(paths.DEFAULT_MODEL, 2, "int4")
+    out = paths.shards_dir() / paths.export_name(paths.DEFAULT_MODEL, stages, "int4")
     if not (out / "manifest.json").exists():
-        export_model(paths.default_model_dir(), out, stages=2, weights="int4")
+        export_model(paths.default_model_dir(), out, stages=stages, weights="int4")
     return out
 
 

@@ -151,7 +151,7 @@ class GrpcServer:
         max_message_bytes: int = 64 * MIB,
         keepalive_time_ms: int = 30_000,
         keepalive_timeout_ms: int = 10_000,
-        min_ping_interval_ms: int = 5_000,
+        min_ping_interval_ms: int = 500,
         metrics_port: int = 0,
         metrics_host: str = "127.0.0.1",
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
@@ -175,7 +175,8 @@ class GrpcServer:
             ("grpc.keepalive_time_ms", keepalive_time_ms),
             ("grpc.keepalive_timeout_ms", keepalive_timeout_ms),
             ("grpc.keepalive_permit_without_calls", 1),
-            # Smallest interval at which clients may ping without data; clients keepalive at >= this.
+            # Smallest interval at which clients may ping without data; clients keepalive at >= this
+            # (services/transport/channels.py: as often as every 0.5 s, to find a stalled hop soon).
             ("grpc.http2.min_ping_interval_without_data_ms", min_ping_interval_ms),
             ("grpc.http2.max_pings_without_data", 0),
             # grpc sets SO_REUSEPORT by default, so a second process on the same port would start

@@ -40,6 +40,22 @@ def stage_name(k: int, replica: int = 0) -> str:
     return f"stage{k}" if replica == 0 else f"stage{k}.r{replica}"
 
 
+def link_name(k: int, replica: int = 0) -> str:
+    """The forwarder on replica ``replica`` of stage ``k``'s hop to the next stage (``faulty_links``)."""
+    return f"link{k}" if replica == 0 else f"link{k}.r{replica}"
+
+
+def link_control(run_dir: Path, k: int, replica: int = 0) -> Path:
+    """That forwarder's control socket (services/wan/faults.py: ``stall``, ``reset``, ``heal``)."""
+    return run_dir / f"{link_name(k, replica)}.sock"
+
+
+def spawn_link(run_dir: Path, k: int, replica: int, upstream: str, env: dict[str, str]) -> Process:
+    """A forwarder (no delay) in front of ``upstream``, whose faults ``link_control`` switches."""
+    args = ["--delay-ms", "0", "--control", str(link_control(run_dir, k, replica)), f"127.0.0.1:0={upstream}"]
+    return spawn(link_name(k, replica), args, run_dir, env, 30, module="pipeshard.services.wan.forwarder")
+
+
 @dataclass
 class Process:
     name: str
@@ -267,6 +283,7 @@ def start_fleet(
     api_keys: Path | None = None,
     replicas: int = 1,
     stage_memory_limit: int | None = None,
+    faulty_links: bool = False,
 ) -> Fleet:
     """Start ``num_stages`` stage processes and a coordinator on loopback; ports 0 = ephemeral.
 
@@ -284,7 +301,9 @@ def start_fleet(
     ``stage_ports`` are lane 0's, lane r adds 20r to each non-zero port; metrics likewise, by
     process name ``stage_name(k, r)``); the coordinator is given every lane.
     ``stage_memory_limit`` (bytes) runs every stage process in its own memory cgroup with that
-    limit (``pipeshard.services.memcap``); their paths go to ``<run_dir>/cgroups``."""
+    limit (``pipeshard.services.memcap``); their paths go to ``<run_dir>/cgroups``.
+    ``faulty_links`` sends every hop between stages through its own forwarder process
+    (``link_name``), so a test or the chaos soak can stall or reset one link (``link_control``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
 
     def metered(name: str, args: list[str]) -> list[str]:
@@ -342,6 +361,9 @@ def start_fleet(
                 )
                 fleet.processes.insert(1 if exporter_port is not None else 0, proc)
                 next_hop = proc.address
+                if faulty_links and k > 0:
+                    fleet.processes.append(spawn_link(run_dir, k - 1, r, proc.address, env))
+                    next_hop = fleet.processes[-1].address
         stages = [LANE_SEPARATOR.join(lane[k] for lane in fleet.lanes) for k in range(num_stages)]
         coordinator = spawn(
             "coordinator",

@@ -5,6 +5,12 @@ affected steps within moments instead of waiting out the step deadline. A stage 
 reports NOT_SERVING on the same stream. A frozen stage keeps its socket open, so the ring
 reports it via :meth:`StageWatch.mark_down` after a step deadline; the watch then probes it
 until it answers again.
+
+A stage also reports its next hop's stream on the health service ``NEXT_HOP_HEALTH`` (a second
+Watch per stage that has a next stage in this ring): when that stream breaks, for a dead next
+stage or a link that stalled without closing (found by keepalive, transport/channels.py), the
+next stage counts as unreachable *from its predecessor*, so the ring fails its steps and a
+replica lane leaves rotation, until the hop reconnects.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from collections.abc import Callable
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pipeshard.services.transport.hop import NEXT_HOP_HEALTH
 
 log = structlog.get_logger(__name__)
 
@@ -38,13 +46,24 @@ class StageWatch:
         self._on_change = on_change
         self._probe_interval_s = probe_interval_s
         self._probe_timeout_s = probe_timeout_s
-        self.down: dict[int, str] = {}  # stage index -> why it is unreachable
+        self._own: dict[int, str] = {}  # stage index -> why it is unreachable itself
+        self._hops: dict[int, str] = {}  # stage index -> why its predecessor's hop to it is down
         self._tasks: list[asyncio.Task] = []
         self._probes: dict[int, asyncio.Task] = {}
+
+    @property
+    def down(self) -> dict[int, str]:
+        """Stage index -> why it is unreachable (itself, or from the stage before it)."""
+        return {**self._hops, **self._own}
 
     def start(self) -> None:
         self._tasks = [
             asyncio.create_task(self._watch(i), name=f"watch-stage{i}") for i in sorted(self._stubs)
+        ]
+        self._tasks += [
+            asyncio.create_task(self._watch_hop(i), name=f"watch-hop{i}")
+            for i in sorted(self._stubs)
+            if i + 1 in self._stubs
         ]
 
     async def close(self) -> None:
@@ -64,12 +83,15 @@ class StageWatch:
         if index not in self._probes:
             self._probes[index] = asyncio.create_task(self._probe_until_up(index), name=f"probe-stage{index}")
 
-    def _set(self, index: int, up: bool, reason: str) -> None:
+    def _set(self, index: int, up: bool, reason: str, *, hop: bool = False) -> None:
         was_up = index not in self.down
+        causes = self._hops if hop else self._own
         if up:
-            self.down.pop(index, None)
+            causes.pop(index, None)
         else:
-            self.down[index] = reason
+            causes[index] = reason
+        up = index not in self.down
+        reason = self.down.get(index, reason)
         if up != was_up:
             log.warning(
                 "stage_reachability", stage=index, address=self._addresses[index], up=up, reason=reason
@@ -92,6 +114,24 @@ class StageWatch:
             finally:
                 call.cancel()
             self._set(index, False, reason)
+            await asyncio.sleep(0.2)
+
+    async def _watch_hop(self, index: int) -> None:
+        """Stage ``index``'s report of its hop to ``index + 1``; a stage that reports none (an
+        older stage: SERVICE_UNKNOWN) or that is itself gone leaves the next stage's state alone."""
+        stub, after = self._stubs[index], index + 1
+        while True:
+            call = stub.Watch(health_pb2.HealthCheckRequest(service=NEXT_HOP_HEALTH), wait_for_ready=True)
+            try:
+                async for response in call:
+                    lost = response.status == health_pb2.HealthCheckResponse.NOT_SERVING
+                    why = f"stage {index}'s next hop to it is down: broken or stalled"
+                    self._set(after, not lost, why if lost else "next hop up", hop=True)
+            except grpc.aio.AioRpcError:
+                pass
+            finally:
+                call.cancel()
+            self._set(after, True, "predecessor gone", hop=True)
             await asyncio.sleep(0.2)
 
     async def _probe_until_up(self, index: int) -> None:

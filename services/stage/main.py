@@ -10,7 +10,7 @@ from pathlib import Path
 import structlog
 
 from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound
-from pipeshard.grpc_server import run_server
+from pipeshard.grpc_server import GrpcServer, run_server
 from pipeshard.link_model import AUTO, CODEC_NAMES, CodecChooser, check_wire_dtype
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import (
@@ -37,7 +37,7 @@ from pipeshard.services.stage.prefix_store import PrefixStore
 from pipeshard.services.stage.rawtcp import RawTcpStage
 from pipeshard.services.stage.servicer import StageServicer
 from pipeshard.services.stage.wire import DEFAULT_MAX_FRAME_TOKENS, WIRE_DTYPES
-from pipeshard.services.transport.hop import HopStream
+from pipeshard.services.transport.hop import NEXT_HOP_HEALTH, HopStream
 from pipeshard.settings import LOOPBACK, ServerSettings, load_settings, setting
 from pipeshard.shard.compile_cache import OFF
 from pipeshard.shard.device import DEFAULT_DEVICE
@@ -374,6 +374,21 @@ def main(argv: list[str] | None = None) -> int:
         if "node" in holder:
             await holder["node"].close()
 
+    def report_next_hop(server: GrpcServer) -> None:
+        """The next hop's state on health service NEXT_HOP_HEALTH: SERVING until its stream breaks
+        (a dead or stalled next stage), again once it reconnects; the coordinator watches it."""
+        hop = holder["node"].next_hop
+        if hop is None:
+            return
+        server.set_serving(NEXT_HOP_HEALTH, True)
+
+        def report(up: bool, reason: str) -> None:
+            if not up:
+                log.warning("next_hop_lost", address=hop.address, reason=reason)
+            server.set_serving(NEXT_HOP_HEALTH, up)
+
+        hop.on_state = report
+
     return run_server(
         settings,
         services,
@@ -381,4 +396,5 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_hooks=[shutdown],
         peers="fleet",
         node_name=f"stage{settings.stage}",
+        on_started=report_next_hop,
     )

@@ -13,6 +13,11 @@ it sends an empty probe and a train of ``PROBE_TRAIN`` x ``PROBE_BYTES`` probes,
 next hop to acknowledge frames large enough to time plus one small frame in ``RTT_SAMPLE_EVERY``.
 Each acknowledgement's delay since the write is a sample. Emulated ``delay_s`` is spent before
 the write, so it is not part of the measured link.
+
+``on_state(up, reason)`` hears the hop come up (the first acknowledgement after a connect: a
+call can look connected while no byte crosses, as during a partition) and go down (its stream
+broke: a dead next stage, or a stall found by the channel's keepalive, channels.py). The stage
+reports it on its health service, so the coordinator names such a hop.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ UNREACHABLE_AFTER_S = 20.0  # a hop not connected this long is named in the log,
 PROBE_BYTES = 64 * 1024
 PROBE_TRAIN = 5
 RTT_SAMPLE_EVERY = 8
+# The grpc.health.v1 service name on which a stage reports its next hop's stream (up or broken).
+NEXT_HOP_HEALTH = "pipeshard.v1.StageService/next_hop"
 
 
 class HopStream:
@@ -71,6 +78,8 @@ class HopStream:
         self._ack_ids = itertools.count(1)
         self._acks: dict[int, tuple[int, float, bool]] = {}  # ack id -> (bytes, write time, probe)
         self._train: list[tuple[int, float]] = []  # (bytes, ack time) of the probe train
+        self.on_state: Callable[[bool, str], None] = lambda up, reason: None
+        self._up = False  # acknowledged since the last connect
 
     def start(self) -> None:
         if self._task is None:
@@ -116,6 +125,7 @@ class HopStream:
             self.connected,
             "hop",
             write=self._write,
+            on_state=lambda up, reason: None if up else self._report(False, reason),
             address=self.address,
         )
 
@@ -147,7 +157,13 @@ class HopStream:
         self._acks[request.ack_id] = (request.ByteSize(), time.perf_counter(), probe)
         await call.write(request)
 
+    def _report(self, up: bool, reason: str) -> None:
+        if up != self._up:
+            self._up = up
+            self.on_state(up, reason)
+
     def _on_ack(self, ack_id: int) -> None:
+        self._report(True, "acknowledged")
         sent = self._acks.pop(ack_id, None)
         if sent is None:
             return
@@ -174,25 +190,33 @@ async def keep_open(
     name: str,
     *,
     write: Callable[[Any], Coroutine[Any, Any, None]] | None = None,
+    on_state: Callable[[bool, str], None] | None = None,
     **log_fields: Any,
 ) -> None:
     """Hold one persistent streaming call open for good: (re)open it, mark ``connected`` while it
     is up, hand every message to ``on_message``, reopen 0.2 s after it breaks (until cancelled).
-    ``write(call)``, for a bidirectional call, runs as a task for the life of each call."""
+    ``write(call)``, for a bidirectional call, runs as a task for the life of each call;
+    ``on_state(up, reason)`` hears each connect and each break of a connected call."""
     while True:
         call = open_call()
         writer: asyncio.Task | None = None
+        reason = "stream ended"
         try:
             await call.wait_for_connection()
             connected.set()
             log.info(f"{name}_connected", **log_fields)
+            if on_state is not None:
+                on_state(True, "connected")
             if write is not None:
                 writer = asyncio.create_task(write(call), name=f"{name}-write")
             async for message in call:
                 on_message(message)
         except grpc.aio.AioRpcError as exc:
+            reason = f"{exc.code().name}: {exc.details()}"
             log.warning(f"{name}_stream_broken", code=exc.code().name, details=exc.details(), **log_fields)
         finally:
+            if connected.is_set() and on_state is not None:
+                on_state(False, reason)
             connected.clear()
             if writer is not None:
                 writer.cancel()

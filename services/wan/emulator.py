@@ -120,6 +120,17 @@ class WanFleet:
             "delayed_hops_per_token": len(self.links) + 1,
         }
 
+    def link_fault(self, k: int, kind: str, percent: float = 0.0) -> None:
+        """Stage ``k``'s hop to stage k+1 loses ``percent`` of its packets (``loss``), all of them
+        (``partition``: the hop stalls without closing) or is reset (``reset``), by nftables in
+        stage k's namespace, until :meth:`heal`; the coordinator's door to stage k is untouched."""
+        if not 0 <= k < len(self.links) - 1:
+            raise ValueError(f"k must name a stage with a next hop (0..{len(self.links) - 2}), got {k}")
+        netns.fault(self.links[k], kind, NEXT_HOP_PORT, percent)
+
+    def heal(self, k: int) -> None:
+        netns.heal(self.links[k])
+
     def _start_watchdog(self, detach: bool, ttl_s: float | None) -> subprocess.Popen:
         """Detached: it ends the fleet after ``ttl_s``. Owned: also when this process dies unannounced."""
         args = [sys.executable, "-m", "pipeshard.services.wan.watchdog", str(self.run_dir)]

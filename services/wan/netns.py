@@ -9,6 +9,7 @@ which ``require_free`` enforces.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -129,3 +130,66 @@ def destroy(names: list[str]) -> None:
             raise ValueError(f"{name!r} is not one of the WAN emulator's namespaces")
         subprocess.run(["ip", "link", "del", f"{name}-r"], capture_output=True)
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+# Packet faults by the kernel (nftables in the namespace; netem is absent on this kernel). They
+# touch one TCP port on the root side of the link: the emulator's NEXT_HOP_PORT is stage k's hop
+# to stage k+1, so the coordinator's door to stage k (the same veth) is left alone.
+FAULT_TABLE = "psw_faults"
+LINK_FAULTS = ("loss", "partition", "reset")
+
+
+def fault(link: Link, kind: str, port: int, percent: float = 0.0) -> None:
+    """Replaces the link's fault on ``port`` (both directions) by ``kind``: ``loss`` drops each
+    packet with probability ``percent``/100 (TCP retransmits: stalls of an RTO and more);
+    ``partition`` drops every packet (the connection stalls without closing: no RST, no FIN
+    reaches either side); ``reset`` answers the namespace's packets with an RST (a link that drops)."""
+    if kind not in LINK_FAULTS:
+        raise ValueError(f"kind must be one of {', '.join(LINK_FAULTS)}, got {kind!r}")
+    if kind == "loss" and not 0 < percent < 100:
+        raise ValueError(f"percent must be in (0, 100) for loss, got {percent:g}")
+    if shutil.which("nft") is None:
+        raise WanError("link faults need `nft` (nftables: `apt-get install nftables`), which is not on PATH")
+    match = f"numgen random mod 10000 < {round(percent * 100)} " if kind == "loss" else ""
+    verdict = "reject with tcp reset" if kind == "reset" else "drop"
+    inbound = "tcp flags & rst == 0 " if kind == "reset" else match  # let our own RSTs in
+    ruleset = f"""table inet {FAULT_TABLE} {{
+  chain out {{ type filter hook output priority 0; policy accept;
+    tcp dport {port} {match}counter {verdict}
+    tcp dport {port} counter
+  }}
+  chain in {{ type filter hook input priority 0; policy accept;
+    tcp sport {port} {inbound}counter drop
+    tcp sport {port} counter
+  }}
+}}
+"""
+    heal(link)
+    done = subprocess.run(
+        [*link.exec_prefix, "nft", "-f", "-"], input=ruleset, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise WanError(f"nft in {link.namespace} failed: {done.stderr.strip()}")
+
+
+def heal(link: Link) -> None:
+    """Removes the link's packet fault, if any."""
+    subprocess.run([*link.exec_prefix, "nft", "delete", "table", "inet", FAULT_TABLE], capture_output=True)
+
+
+def fault_counts(link: Link) -> tuple[int, int]:
+    """(packets the fault dropped or reset, packets it let through) since it was set, both ways."""
+    done = subprocess.run(
+        [*link.exec_prefix, "nft", "-j", "list", "table", "inet", FAULT_TABLE], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise WanError(f"no link fault in {link.namespace}: {done.stderr.strip()}")
+    hit, passed = 0, 0
+    for item in json.loads(done.stdout)["nftables"]:
+        expr = item.get("rule", {}).get("expr", [])
+        packets = next((e["counter"]["packets"] for e in expr if "counter" in e), 0)
+        if any("drop" in e or "reject" in e for e in expr):
+            hit += packets
+        else:
+            passed += packets
+    return hit, passed

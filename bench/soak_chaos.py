@@ -1,0 +1,345 @@
+"""`make soak SOAK_MODE=chaos`: 16 clients for minutes while processes die and links fail.
+
+A 3-stage INT4 loopback fleet with two lanes (replicas) at exact precision, an exporter and ONE
+coordinator (coordinators in a group do not exist yet: a coordinator kill is its own fault kind,
+whose failed requests are expected and counted apart). Every hop between stages passes through its
+own forwarder (``faulty_links``), and the fleet runs with keepalive every 1 s and a 2 s timeout
+(``PIPESHARD_KEEPALIVE_S``/``_TIMEOUT_S``), so a link that stalls longer than about 3 s is a dead
+hop. Each prompt's greedy answer is first taken undisturbed (its reference). Then SOAK_CLIENTS
+(16) clients send requests back to back (a random prompt, 8 to 48 tokens, eos ignored) for
+SOAK_SECONDS (600; BENCH_QUICK=1: 120) while every 20-30 s (SOAK_FAULT_EVERY) one fault strikes,
+the kinds taken in a shuffled cycle so a short run meets each:
+
+- ``stage``: a random stage replica is killed (SIGKILL) and restarted on its port;
+- ``link_stall`` / ``link_drop``: a random link between two stages of a random lane holds every
+  byte / resets every connection for 2-6 s, then heals by itself;
+- ``exporter``: the exporter is killed and restarted;
+- ``coordinator``: the coordinator is killed and restarted (requests in flight fail: expected).
+
+A fault waits until the last one's lane serves again, so one lane always serves. Keys:
+``failed_requests`` (not counting those during a coordinator outage: goal 0),
+``failed_requests_coordinator`` (those: attempts refused while it was down, each client retrying
+every 0.5 s, and ``..._mid_stream`` the ones that had streamed tokens when it died),
+``mismatches`` (finished answers against their reference, exact: goal 0), ``recovery_ms`` per
+fault kind (stage and link: from the fault to the token ending
+each failed-over stream's longest stall after it; coordinator: from the kill to the next token
+any client gets; exporter: from the kill to it listening again), ``rss_growth_max`` (largest
+growth of a process that lived through the whole soak, from the first fault (after 20-30 s of
+full load, so warm-up is not counted) to the end: goal <= 10%; restarted processes are reported
+from their restart apart), sessions left on stages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.failover import _percentiles, _rejoined, _wall
+from bench.soak import PROMPTS, _live_sessions, _rss_mib, _shards
+from bench.stats import command_with_knobs, write_result
+from pipeshard.clients.client import AsyncPipeshardClient, PipeshardClient
+from pipeshard.offline import set_offline_defaults
+from pipeshard.services.launcher import (
+    Fleet,
+    Process,
+    coordinator_args,
+    fleet_env,
+    link_control,
+    link_name,
+    spawn,
+    stage_args,
+    stage_name,
+    start_fleet,
+)
+from pipeshard.services.wan.faults import command
+from pipeshard.topology import LANE_SEPARATOR
+
+QUICK = os.environ.get("BENCH_QUICK") == "1"
+SECONDS = float(os.environ.get("SOAK_SECONDS", "120" if QUICK else "600"))
+CLIENTS = int(os.environ.get("SOAK_CLIENTS", "16"))
+FAULT_EVERY = tuple(float(s) for s in os.environ.get("SOAK_FAULT_EVERY", "20,30").split(","))
+PORT_BASE = int(os.environ.get("SOAK_PORT_BASE", "52300"))  # replica r of stage k: base + k + 20r
+SEED = int(os.environ.get("SOAK_SEED", "51"))
+RSS_TOLERANCE = float(os.environ.get("SOAK_RSS_TOLERANCE", "0.10"))
+KINDS = tuple(os.environ.get("SOAK_FAULTS", "stage,link_stall,link_drop,exporter,coordinator").split(","))
+STAGES, LANES, MAX_TOKENS = 3, 2, 48
+LINK_FAULT_S = (2.0, 6.0)
+KNOBS = (
+    "SOAK_MODE",
+    "BENCH_QUICK",
+    "SOAK_SECONDS",
+    "SOAK_CLIENTS",
+    "SOAK_FAULT_EVERY",
+    "SOAK_PORT_BASE",
+    "SOAK_SEED",
+    "SOAK_FAULTS",
+)
+COORDINATOR_PORT, EXPORTER_PORT = PORT_BASE + 50, PORT_BASE + 49
+
+
+def _port(k: int, r: int) -> int:
+    return PORT_BASE + k + 20 * r
+
+
+class Chaos:
+    """The fleet, its faults and what the clients saw."""
+
+    def __init__(self, fleet: Fleet, shards: Path, reference: dict[str, list[int]]):
+        self.fleet, self.shards, self.reference = fleet, shards, reference
+        self.rng = random.Random(SEED)
+        self.outcomes: Counter[str] = Counter()
+        self.failures: list[tuple[float, bool]] = []  # (wall time, had streamed tokens)
+        self.mismatches: list[dict] = []
+        self.streams: dict[str, list[float]] = {}  # request id -> its tokens' wall times
+        self.faults: list[dict] = []  # kind, target, at (wall), back (wall)
+        self.coordinator_down: list[tuple[float, float]] = []  # (killed, serving again) wall times
+        self.rss_restarted: dict[str, float] = {}  # process name -> RSS when it was back
+        self.rss_start: dict[str, tuple[int, float]] = {}  # name -> (pid, RSS) at the first fault
+
+    async def client(self, stop_at: float) -> None:
+        while time.time() < stop_at:
+            prompt, max_tokens = self.rng.choice(PROMPTS), self.rng.randint(8, MAX_TOKENS)
+            request_id = uuid.uuid4().hex
+            self.streams[request_id] = out_at = []
+            tokens: list[int] = []
+            try:
+                async with AsyncPipeshardClient(self.fleet.coordinator, timeout_s=300) as client:
+                    async for response in client.responses(
+                        prompt, max_tokens=max_tokens, ignore_eos=True, request_id=request_id
+                    ):
+                        if response.HasField("chunk"):
+                            tokens.extend(response.chunk.token_ids)
+                            out_at.append(time.time())
+            except grpc.aio.AioRpcError as exc:  # counted: the goal is none outside a coordinator outage
+                self.outcomes[exc.code().name] += 1
+                self.failures.append((time.time(), bool(tokens)))
+                await asyncio.sleep(0.5)
+                continue
+            self.outcomes["ok"] += 1
+            if tokens != self.reference[prompt][:max_tokens]:
+                self.mismatches.append({"prompt": prompt, "max_tokens": max_tokens, "got": tokens})
+
+    async def faulter(self, stop_at: float) -> None:
+        cycle: list[str] = []
+        while time.time() + FAULT_EVERY[0] < stop_at:
+            await asyncio.sleep(self.rng.uniform(*FAULT_EVERY))
+            if not cycle:
+                cycle = list(KINDS)
+                self.rng.shuffle(cycle)
+            kind = cycle.pop()
+            if not self.faults:  # after the first 20-30 s of full load: warm caches and KV pools
+                self.rss_start = _rss(self.fleet)
+            fault = {"kind": kind, "at": time.time()}
+            self.faults.append(fault)
+            await getattr(self, f"_{kind}")(fault)
+            fault["back"] = time.time()
+
+    def _replace(self, old: Process, new: Process) -> None:
+        self.fleet.processes[self.fleet.processes.index(old)] = new
+
+    async def _kill(self, name: str) -> Process:
+        victim = self.fleet.process(name)
+        victim.popen.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(victim.popen.wait)
+        return victim
+
+    async def _stage(self, fault: dict) -> None:
+        k, r = self.rng.randrange(STAGES), self.rng.randrange(LANES)
+        name = fault["target"] = stage_name(k, r)
+        victim = await self._kill(name)
+        next_hop = self.fleet.process(link_name(k, r)).address if k < STAGES - 1 else None
+        args = stage_args(k, self.shards, _port(k, r), "exact", "json", next_hop)
+        proc = await asyncio.to_thread(spawn, name, args, self.fleet.run_dir, fleet_env(), 300)
+        self._replace(victim, proc)
+        await _rejoined(self.fleet, f"127.0.0.1:{_port(k, r)}", 300)
+        self.rss_restarted[name] = _rss_mib(proc.popen.pid)
+
+    async def _link(self, fault: dict, verb: str) -> None:
+        k, r = self.rng.randrange(STAGES - 1), self.rng.randrange(LANES)
+        seconds = round(self.rng.uniform(*LINK_FAULT_S), 1)
+        fault.update(target=link_name(k, r), seconds=seconds)
+        await asyncio.to_thread(command, link_control(self.fleet.run_dir, k, r), f"{verb} {seconds}")
+        await asyncio.sleep(seconds)
+        await _rejoined(self.fleet, f"127.0.0.1:{_port(k + 1, r)}", 300, unnamed_is_up=True)
+
+    async def _link_stall(self, fault: dict) -> None:
+        await self._link(fault, "stall")
+
+    async def _link_drop(self, fault: dict) -> None:
+        await self._link(fault, "reset")
+
+    async def _exporter(self, fault: dict) -> None:
+        fault["target"] = "exporter"
+        victim = await self._kill("exporter")
+        args = ["exporter-service", "--shards-dir", str(self.shards.parent), "--port", str(EXPORTER_PORT)]
+        proc = await asyncio.to_thread(
+            spawn, "exporter", [*args, "--log-format", "json"], self.fleet.run_dir, fleet_env(), 120
+        )
+        self._replace(victim, proc)
+        fault["recovery_ms"] = round((time.time() - fault["at"]) * 1000, 1)
+        self.rss_restarted["exporter"] = _rss_mib(proc.popen.pid)
+
+    async def _coordinator(self, fault: dict) -> None:
+        fault["target"] = "coordinator"
+        victim = await self._kill("coordinator")
+        # The old log is kept (its failovers count): the new process's spawn truncates the name.
+        victim.log.rename(victim.log.with_suffix(f".{len(self.faults)}.log"))
+        lanes = self.fleet.lanes
+        stages = [LANE_SEPARATOR.join(lane[k] for lane in lanes) for k in range(STAGES)]
+        args = coordinator_args(stages, self.shards, COORDINATOR_PORT, "json")
+        proc = await asyncio.to_thread(spawn, "coordinator", args, self.fleet.run_dir, fleet_env(), 300)
+        self._replace(victim, proc)
+        await _serving(self.fleet.coordinator)
+        self.coordinator_down.append((fault["at"], time.time()))
+        self.rss_restarted["coordinator"] = _rss_mib(proc.popen.pid)
+
+
+async def _serving(address: str, timeout_s: float = 300) -> None:
+    """Waits until ``address`` reports SERVING on grpc.health.v1 (the coordinator: every stage reachable)."""
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                answer = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"{address} did not serve within {timeout_s:g} s")
+
+
+def _failovers(run_dir: Path) -> dict[str, float]:
+    """Request id -> when its (last) failover finished (wall), over every coordinator's log."""
+    ends = {}
+    for log in sorted(run_dir.glob("coordinator*.log")):
+        for line in log.read_text().splitlines():
+            if '"session_failed_over"' in line:
+                event = json.loads(line)
+                ends[event.get("request_id", "")] = _wall(event["timestamp"])
+    return ends
+
+
+def _recovery(chaos: Chaos) -> dict[str, dict]:
+    """Per fault kind, the recovery samples' p50/p95 (ms) and the faults' count (module doc)."""
+    samples: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    failovers = _failovers(chaos.fleet.run_dir)
+    for i, fault in enumerate(chaos.faults):
+        at = fault["at"]
+        until = chaos.faults[i + 1]["at"] if i + 1 < len(chaos.faults) else float("inf")
+        if fault["kind"] == "exporter":
+            samples["exporter"].append(fault["recovery_ms"])
+        elif fault["kind"] == "coordinator":
+            nxt = min((t for out in chaos.streams.values() for t in out if t > at), default=None)
+            if nxt is not None:
+                samples["coordinator"].append((nxt - at) * 1000)
+        else:
+            for request_id, end in failovers.items():
+                out_at = chaos.streams.get(request_id, [])
+                if not at <= end < until or not any(t < at for t in out_at):
+                    continue
+                after = [at, *(t for t in out_at if t > at)]
+                if len(after) > 1:
+                    resumed = max(range(1, len(after)), key=lambda j: after[j] - after[j - 1])
+                    samples[fault["kind"]].append((after[resumed] - at) * 1000)
+    counts = Counter(f["kind"] for f in chaos.faults)
+    return {kind: _percentiles(values) | {"faults": counts[kind]} for kind, values in samples.items()}
+
+
+def _rss(fleet: Fleet) -> dict[str, tuple[int, float]]:
+    """Every product process's (pid, RSS MiB); the link forwarders are the emulation's, not counted."""
+    product = [p for p in fleet.processes if not p.name.startswith("link")]
+    return {p.name: (p.popen.pid, _rss_mib(p.popen.pid)) for p in product}
+
+
+async def _run(fleet: Fleet, shards: Path, reference: dict[str, list[int]]) -> tuple[Chaos, float]:
+    chaos = Chaos(fleet, shards, reference)
+    started = time.time()
+    stop_at = started + SECONDS
+    faulter = asyncio.create_task(chaos.faulter(stop_at))
+    await asyncio.gather(*(chaos.client(stop_at) for _ in range(CLIENTS)))
+    await faulter  # a fault still healing finishes, so the fleet ends whole
+    return chaos, time.time() - started
+
+
+def main() -> int:
+    set_offline_defaults()
+    os.environ.setdefault("PIPESHARD_KEEPALIVE_S", "1")
+    os.environ.setdefault("PIPESHARD_KEEPALIVE_TIMEOUT_S", "2")
+    shards = _shards(STAGES)
+    fleet = start_fleet(
+        shards,
+        STAGES,
+        Path(tempfile.mkdtemp(prefix="pipeshard-soak-chaos-")),
+        stage_ports=[_port(k, 0) for k in range(STAGES)],
+        replicas=LANES,
+        coordinator_port=COORDINATOR_PORT,
+        exporter_port=EXPORTER_PORT,
+        faulty_links=True,
+        timeout_s=300,
+    )
+    try:
+        with PipeshardClient(fleet.coordinator, timeout_s=300) as client:
+            reference = {
+                p: client.generate(p, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids for p in PROMPTS
+            }
+        load_before = round(os.getloadavg()[0], 1)
+        chaos, seconds = asyncio.run(_run(fleet, shards, reference))
+        time.sleep(8)  # past the stages' lease grace: sessions of a killed coordinator are freed
+        after = _rss(fleet)
+        sessions = {p.name: _live_sessions(p.address) for p in fleet.processes if p.name.startswith("stage")}
+    finally:
+        fleet.stop()
+    outage = [(a, b + 2.0) for a, b in chaos.coordinator_down]  # clients back off 0.5 s
+    during = [streamed for t, streamed in chaos.failures if any(a <= t <= b for a, b in outage)]
+    before = chaos.rss_start
+    lived = {n: (b, after[n][1]) for n, (pid, b) in before.items() if n in after and after[n][0] == pid}
+    growth = {n: round((end - start) / start, 4) for n, (start, end) in lived.items()}
+    rss_mib = {n: [round(start, 1), round(end, 1)] for n, (start, end) in lived.items()}
+    restarted = {
+        n: {"rss_back_mib": round(rss, 1), "rss_end_mib": round(after[n][1], 1)}
+        for n, rss in chaos.rss_restarted.items()
+        if n in after
+    }
+    result = {
+        "seconds": round(seconds, 1),
+        "load_before_after": [load_before, round(os.getloadavg()[0], 1)],
+        "clients": CLIENTS,
+        "fleet": f"{STAGES} stages x {LANES} replicas, 1 coordinator, 1 exporter, exact, INT4",
+        "keepalive_s": [os.environ["PIPESHARD_KEEPALIVE_S"], os.environ["PIPESHARD_KEEPALIVE_TIMEOUT_S"]],
+        "outcomes": dict(chaos.outcomes),
+        "failed_requests": len(chaos.failures) - len(during),
+        "failed_requests_coordinator": len(during),
+        "failed_requests_coordinator_mid_stream": sum(during),
+        "mismatches": len(chaos.mismatches),
+        "mismatch_examples": chaos.mismatches[:3],
+        "faults": [{k: v for k, v in f.items() if k in ("kind", "target", "seconds")} for f in chaos.faults],
+        "failovers": len(_failovers(fleet.run_dir)),
+        "recovery_ms": _recovery(chaos),
+        "rss_growth": growth,
+        "rss_mib_start_end": rss_mib,
+        "rss_growth_max": max(growth.values(), default=None),
+        "rss_restarted": restarted,
+        "sessions_left": sessions,
+        "seed": SEED,
+    }
+    write_result("soak_chaos", result, command=command_with_knobs("soak", KNOBS))
+    ok = not result["failed_requests"] and not result["mismatches"] and not any(sessions.values())
+    return 0 if ok and (result["rss_growth_max"] or 0) <= RSS_TOLERANCE else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The coordinator's watch over each stage's report of its next hop (health service
+NEXT_HOP_HEALTH), against real grpc.health.v1 servers: a lost hop makes the next stage unreachable
+with a reason naming the hop, a restored hop brings it back unless the stage is down itself, and a
+stage that reports nothing (an older stage) changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pipeshard.grpc_server import GrpcServer
+from pipeshard.services.coordinator.stage_watch import StageWatch
+from pipeshard.services.transport.channels import open_channel
+from pipeshard.services.transport.hop import NEXT_HOP_HEALTH
+
+
+async def _until(condition, timeout_s: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "the watch never saw it"
+        await asyncio.sleep(0.05)
+
+
+async def _watched(reports_hop: bool = True):
+    servers = [GrpcServer([], port=0) for _ in range(2)]
+    for server in servers:
+        await server.start()
+    if reports_hop:
+        servers[0].set_serving(NEXT_HOP_HEALTH, True)
+    channels = [open_channel(s.address) for s in servers]
+    changes: list[tuple[int, bool, str]] = []
+    watch = StageWatch(dict(enumerate(channels)), [s.address for s in servers], lambda *c: changes.append(c))
+    watch.start()
+    return servers, channels, watch, changes
+
+
+async def _close(servers, channels, watch) -> None:
+    await watch.close()
+    for channel in channels:
+        await channel.close()
+    for server in servers:
+        await server.stop(0)
+
+
+def test_a_lost_hop_makes_the_next_stage_unreachable_until_it_is_back():
+    async def run() -> None:
+        servers, channels, watch, changes = await _watched()
+        await asyncio.sleep(0.5)
+        assert not watch.down
+        servers[0].set_serving(NEXT_HOP_HEALTH, False)
+        await _until(lambda: 1 in watch.down)
+        assert "stage 0's next hop to it is down" in watch.describe(1)
+        assert 0 not in watch.down
+        assert changes[-1][:2] == (1, False)
+        servers[0].set_serving(NEXT_HOP_HEALTH, True)
+        await _until(lambda: not watch.down)
+        assert changes[-1][:2] == (1, True)
+        await _close(servers, channels, watch)
+
+    asyncio.run(run())
+
+
+def test_a_restored_hop_does_not_bring_back_a_stage_that_is_down_itself():
+    async def run() -> None:
+        servers, channels, watch, changes = await _watched()
+        await asyncio.sleep(0.5)
+        servers[0].set_serving(NEXT_HOP_HEALTH, False)
+        await _until(lambda: 1 in watch.down)
+        servers[1].set_serving("", False)  # stage 1 drains: its own cause
+        await _until(lambda: "draining" in watch.down.get(1, ""))
+        servers[0].set_serving(NEXT_HOP_HEALTH, True)
+        await asyncio.sleep(0.5)
+        assert 1 in watch.down and "draining" in watch.describe(1)
+        assert [c for c in changes if c[0] == 1 and c[1]] == []  # never reported up meanwhile
+        await _close(servers, channels, watch)
+
+    asyncio.run(run())
+
+
+def test_a_stage_that_reports_no_hop_changes_nothing():
+    async def run() -> None:
+        servers, channels, watch, changes = await _watched(reports_hop=False)
+        await asyncio.sleep(1.0)
+        assert not watch.down and not changes
+        await _close(servers, channels, watch)
+
+    asyncio.run(run())
