@@ -27,6 +27,10 @@ class ShardSessionLike(Protocol):
 
 S = TypeVar("S", bound=ShardSessionLike)
 
+# Released sessions kept for reuse (a coordinator's default --max-running). Beyond them a burst of
+# sessions (32 opened by one owner, then released) is dropped, not held with its buffers for good.
+MAX_IDLE_SESSIONS = 16
+
 
 @dataclass
 class _Entry(Generic[S]):
@@ -52,7 +56,8 @@ class SessionTable(Generic[S]):
         self._entries: dict[tuple[str, str], _Entry[S]] = {}
         self._per_owner: dict[str, int] = {}
         # Released sessions are reset and reused: a fresh InferRequest pays for its buffers on its
-        # first (prefill) inference, which showed as tens of ms of TTFT per request.
+        # first (prefill) inference, which showed as tens of ms of TTFT per request. At most
+        # MAX_IDLE_SESSIONS are kept: each keeps the buffers of the largest step it ran.
         self._free: list[S] = []
 
     def __len__(self) -> int:
@@ -134,7 +139,8 @@ class SessionTable(Generic[S]):
         else:
             del self._per_owner[owner]
         entry.session.reset()
-        self._free.append(entry.session)
+        if len(self._free) < MAX_IDLE_SESSIONS:
+            self._free.append(entry.session)
 
     def reap_idle(self, now: float | None = None) -> list[str]:
         """Release sessions unused for longer than the idle timeout; returns their ids."""
