@@ -27,10 +27,6 @@ class ShardSessionLike(Protocol):
 
 S = TypeVar("S", bound=ShardSessionLike)
 
-# Released sessions kept for reuse (a coordinator's default --max-running). Beyond them a burst of
-# sessions (32 opened by one owner, then released) is dropped, not held with its buffers for good.
-MAX_IDLE_SESSIONS = 16
-
 
 @dataclass
 class _Entry(Generic[S]):
@@ -56,8 +52,7 @@ class SessionTable(Generic[S]):
         self._entries: dict[tuple[str, str], _Entry[S]] = {}
         self._per_owner: dict[str, int] = {}
         # Released sessions are reset and reused: a fresh InferRequest pays for its buffers on its
-        # first (prefill) inference, which showed as tens of ms of TTFT per request. At most
-        # MAX_IDLE_SESSIONS are kept: each keeps the buffers of the largest step it ran.
+        # first (prefill) inference, which showed as tens of ms of TTFT per request.
         self._free: list[S] = []
 
     def __len__(self) -> int:
@@ -139,8 +134,7 @@ class SessionTable(Generic[S]):
         else:
             del self._per_owner[owner]
         entry.session.reset()
-        if len(self._free) < MAX_IDLE_SESSIONS:
-            self._free.append(entry.session)
+        self._free.append(entry.session)
 
     def reap_idle(self, now: float | None = None) -> list[str]:
         """Release sessions unused for longer than the idle timeout; returns their ids."""
