@@ -6,7 +6,9 @@ truncation, invalid UTF-8), so both well-formed nonsense and undecodable bytes r
 No call may end INTERNAL or UNKNOWN, no process may exit, and each still serves afterwards.
 Generate is also fuzzed field by field on a servable prompt (so the sampling checks, grammars and
 the scheduler are reached, not only the first refusal), with every process's peak RSS held under
-a ceiling; PIPESHARD_FUZZ_EXAMPLES sets its examples (`make test-fuzz` runs the long profile).
+a ceiling; so are RunBatch's jobs, every stage RPC under an owner secret (so the calls pass the owner
+check and reach the session code) and the exporter's RPCs, field by field. PIPESHARD_FUZZ_EXAMPLES
+sets their examples (`make test-fuzz` runs the long profile).
 """
 
 from __future__ import annotations
