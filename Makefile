@@ -265,10 +265,13 @@ test-invariance: model
 test-extended: model
 	$(VENV)/bin/pytest -q -m extended
 
-## test-fuzz: the RPC and HTTP fuzz tests' long profile (hypothesis, 400 examples each: the stage's RPCs against a real stage, the coordinator's Generate fields against a real fleet, RSS ceilings; the gateway's bodies)
+## test-fuzz: the RPC and HTTP fuzz tests' long profile (hypothesis, 400 examples each: every stage RPC against a real stage, the coordinator's Generate and RunBatch fields, every stage RPC as an owner and the exporter's fields against a real fleet, RSS ceilings; the gateway's bodies)
 test-fuzz: model
 	PIPESHARD_FUZZ_EXAMPLES=400 $(VENV)/bin/pytest -q tests/stage/test_rpc_fuzz.py \
-		tests/pipeline/test_fuzz_services.py::test_fuzz_generate_fields tests/gateway/test_http_fuzz.py
+		tests/pipeline/test_fuzz_services.py::test_fuzz_generate_fields \
+		tests/pipeline/test_fuzz_services.py::test_fuzz_run_batch_fields \
+		tests/pipeline/test_fuzz_services.py::test_fuzz_stage_fields_as_an_owner \
+		tests/pipeline/test_fuzz_services.py::test_fuzz_exporter_fields tests/gateway/test_http_fuzz.py
 
 ## test-ray: a fleet on a real 3-node Ray cluster on this machine (ray.cluster_utils): planned placement, exact tokens, a node killed mid-stream, a node joining (about 10 min)
 test-ray: model

@@ -48,6 +48,7 @@ from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage
 ROUNDS = int(os.environ.get("SOAK_ROUNDS", "6"))
 TOLERANCE = float(os.environ.get("SOAK_RSS_TOLERANCE", "0.10"))
 SEED = int(os.environ.get("SOAK_SEED", "53"))
+SETTLE_S = float(os.environ.get("SOAK_SETTLE_S", "2"))
 USERS = 4
 REQUESTS_PER_USER = 4
 MAX_TOKENS = 16
@@ -234,6 +235,27 @@ def _users(fleet, solo: dict[str, list[int]], rng: random.Random) -> Counter:
     return outcomes
 
 
+def _idle_rss(fleet) -> dict[str, float]:
+    """Every process's RSS once the fleet is idle: no session left (at most 30 s), then SETTLE_S
+    more, in which an idle stage hands its free heap pages back (pipeshard/allocator.py)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_live_sessions(a) for a in fleet.stages):
+        time.sleep(0.2)
+    time.sleep(SETTLE_S)
+    return {p.name: _rss_mib(p.popen.pid) for p in fleet.processes}
+
+
+def _rss_parts(fleet) -> dict[str, dict[str, float]]:
+    """Each process's resident memory by kind (MiB): anonymous (its heap) and file-backed (mapped
+    files: the shard's weights, libraries), which the kernel drops and reloads under pressure."""
+    parts = {}
+    for p in fleet.processes:
+        status = Path(f"/proc/{p.popen.pid}/status").read_text().splitlines()
+        fields = dict(line.split(":", 1) for line in status if line.startswith(("RssAnon", "RssFile")))
+        parts[p.name] = {k: round(int(v.split()[0]) / 1024, 1) for k, v in fields.items()}
+    return parts
+
+
 def main() -> int:
     set_offline_defaults()
     shards = _shards()
@@ -255,16 +277,21 @@ def main() -> int:
                 except AssertionError as exc:
                     failures.append(str(exc))
                 users.update(normal.result())
-            rss = {p.name: _rss_mib(p.popen.pid) for p in fleet.processes}
-            rounds.append({"round": k + 1, "rss_mib": {n: round(v, 1) for n, v in rss.items()}})
-            print(f"round {k + 1}/{ROUNDS}: rss MiB {rounds[-1]['rss_mib']}", flush=True)
+            rss = _idle_rss(fleet)
+            rounds.append(
+                {
+                    "round": k + 1,
+                    "rss_mib": {n: round(v, 1) for n, v in rss.items()},
+                    "parts": _rss_parts(fleet),
+                }
+            )
+            print(
+                f"round {k + 1}/{ROUNDS}: rss MiB {rounds[-1]['rss_mib']} {rounds[-1]['parts']}", flush=True
+            )
             if k == 0:
                 start = rss
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(_live_sessions(a) for a in fleet.stages):
-            time.sleep(0.2)
+        end = _idle_rss(fleet)
         sessions_left = [_live_sessions(a) for a in fleet.stages]
-        end = {p.name: _rss_mib(p.popen.pid) for p in fleet.processes}
     finally:
         attacker.close()
         fleet.stop()

@@ -41,6 +41,10 @@ from pipeshard.v1 import coordinator_pb2
 
 log = structlog.get_logger(__name__)
 
+# A job's most requests (OpenAI's batch file limit): a 64 MiB message of tiny items would otherwise
+# queue millions of them. And the longest custom_id (echoed on every result).
+MAX_ITEMS = 50_000
+MAX_CUSTOM_ID_CHARS = 256
 # Rounds (M steps each) every candidate M runs for while ``auto`` measures it.
 PROBE_ROUNDS = 2
 # Tries at a window before one whose steps carried the job's prefill chunks is kept (items starting
@@ -237,13 +241,21 @@ class MicroBatchControl:
 
 
 def check_items(items: Sequence[coordinator_pb2.BatchJobItem]) -> None:
-    """InvalidArgument for an empty job, an empty custom_id or a repeated one (naming both items)."""
+    """InvalidArgument for an empty job or one over MAX_ITEMS (checked before any item is read), an
+    empty or overlong custom_id, or a repeated one (naming both items)."""
     if not items:
         raise InvalidArgument("items", "must hold at least one request, got none")
+    if len(items) > MAX_ITEMS:
+        raise InvalidArgument("items", f"holds {len(items)} requests, over the limit of {MAX_ITEMS}")
     seen: dict[str, int] = {}
     for i, item in enumerate(items):
         if not item.custom_id:
             raise InvalidArgument(f"items[{i}].custom_id", "must not be empty")
+        if len(item.custom_id) > MAX_CUSTOM_ID_CHARS:
+            raise InvalidArgument(
+                f"items[{i}].custom_id",
+                f"is {len(item.custom_id)} characters, over the {MAX_CUSTOM_ID_CHARS}-character limit",
+            )
         if item.custom_id in seen:
             raise InvalidArgument(
                 f"items[{i}].custom_id", f"{item.custom_id!r} repeats items[{seen[item.custom_id]}].custom_id"

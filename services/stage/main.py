@@ -9,6 +9,7 @@ from pathlib import Path
 
 import structlog
 
+from pipeshard import allocator
 from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound
 from pipeshard.grpc_server import GrpcServer, run_server
 from pipeshard.link_model import AUTO, CODEC_NAMES, CodecChooser, check_wire_dtype
@@ -353,6 +354,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
 
 def main(argv: list[str] | None = None) -> int:
     set_offline_defaults()
+    allocator.bound_heap()  # before gRPC's and OpenVINO's threads make arenas of their own
     settings = resolve(load_settings(StageSettings, argv, prog="pipeshard stage"))
     holder: dict = {}
 

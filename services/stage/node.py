@@ -15,7 +15,7 @@ import math
 
 import structlog
 
-from pipeshard import trace
+from pipeshard import allocator, trace
 from pipeshard.errors import InvalidArgument, NotFound, Unimplemented
 from pipeshard.link_model import CodecChooser, LinkEstimate, check_wire_dtype, parse_codec
 from pipeshard.services.stage.domain import Step, StepOutput
@@ -38,6 +38,8 @@ from pipeshard.shard.manifest import input_port
 from pipeshard.v1 import activation_pb2
 
 log = structlog.get_logger(__name__)
+
+IDLE_TRIM_S = 30.0  # how often an idle stage returns free heap pages (malloc_trim: a few ms)
 
 
 class StageNode:
@@ -220,14 +222,21 @@ class StageNode:
     def start_reaper(self, idle_timeout_s: float, lease_grace_s: float = 5.0) -> None:
         """Release sessions whose coordinator vanished without releasing them: all of an owner's
         sessions once it has held no Results subscription (its lease) for ``lease_grace_s``, and
-        any session idle for ``idle_timeout_s``."""
+        any session idle for ``idle_timeout_s``. When the last session has gone, and every
+        ``IDLE_TRIM_S`` while none is open, hand malloc's free pages back to the OS (what steps
+        and bursts of large messages left behind)."""
         detached: dict[str, float] = {}
 
         async def reap() -> None:
             loop = asyncio.get_running_loop()
+            trimmed, served = loop.time(), False
             while True:
                 await asyncio.sleep(min(1.0, max(0.1, lease_grace_s / 4)))
                 now = loop.time()
+                served = served or bool(len(self.engine.sessions))
+                if not len(self.engine.sessions) and (served or now - trimmed >= IDLE_TRIM_S):
+                    allocator.trim()
+                    trimmed, served = now, False
                 owners = self.engine.sessions.owners()
                 for owner in list(detached):
                     if owner not in owners or self.results.subscribed(owner):

@@ -32,6 +32,7 @@ log = structlog.get_logger(__name__)
 
 COORDINATOR = ("coordinator",)
 RING = ("coordinator", "stage")  # who may send frames: the coordinator, the previous stage
+MAX_REASON_CHARS = 512  # of an AbortSession's reason, as logged
 
 
 def _owner(context) -> str:
@@ -98,17 +99,23 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         return stage_pb2.OpenSessionResponse(max_context=self._node.engine.max_context)
 
     async def ResetSession(self, request, context):
-        self._node.engine.reset(_owner(context), request.session_id)
+        owner = _owner(context)
+        check_id("session_id", request.session_id)
+        self._node.engine.reset(owner, request.session_id)
         return stage_pb2.ResetSessionResponse()
 
     async def ReleaseSession(self, request, context):
+        owner = _owner(context)
+        check_id("session_id", request.session_id)
         return stage_pb2.ReleaseSessionResponse(
-            released=self._node.engine.sessions.release(_owner(context), request.session_id)
+            released=self._node.engine.sessions.release(owner, request.session_id)
         )
 
     async def AbortSession(self, request, context):
         owner = _owner(context)
-        log.info("session_aborted", session_id=request.session_id, reason=request.reason)
+        check_id("session_id", request.session_id)
+        # The reason is only logged: cut, so a caller cannot write megabytes to the log per call.
+        log.info("session_aborted", session_id=request.session_id, reason=request.reason[:MAX_REASON_CHARS])
         return stage_pb2.AbortSessionResponse(
             aborted=self._node.engine.sessions.release(owner, request.session_id)
         )

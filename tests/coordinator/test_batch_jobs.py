@@ -97,6 +97,19 @@ def test_empty_job_and_empty_or_repeated_custom_id_refused_naming_the_items():
         BatchJob(items("a", ""), run, 4, control)
 
 
+def test_a_jobs_size_and_its_custom_ids_are_bounded_by_name():
+    async def run(request):
+        yield coordinator_pb2.GenerateResponse()
+
+    control = MicroBatchControl(None, 2, MicroBatches(1), MicroBatchMemory())
+    flood = [coordinator_pb2.BatchJobItem()] * (batch_jobs.MAX_ITEMS + 1)
+    with pytest.raises(InvalidArgument, match=r"`items` holds 50001 requests, over the limit of 50000"):
+        BatchJob(flood, run, 4, control)
+    with pytest.raises(InvalidArgument, match=r"`items\[1\].custom_id` is 257 characters"):
+        BatchJob(items("a", "c" * 257), run, 4, control)
+    assert BatchJob(items("a", "c" * 256), run, 4, control) is not None
+
+
 def test_a_jobs_codec_reaches_its_items_sessions_only_and_an_unknown_one_is_refused():
     seen: dict[str, str] = {}
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 import pytest
 
 from pipeshard.errors import FailedPrecondition
 from pipeshard.services.launcher import spawn
-from pipeshard.shard.manifest import verify_shard
+from pipeshard.shard.manifest import file_sha256, load_manifest, verify_shard
 from pipeshard.shard.pull import pull_shard
 from pipeshard.v1 import exporter_pb2, exporter_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.exporter.tiny_models import build_tiny
@@ -159,6 +161,14 @@ def test_damaged_source_file_fails_the_pull(exporter, int4_export, tmp_path_fact
     try:
         with pytest.raises(FailedPrecondition, match="sha256"):
             pull_shard(proc.address, tmp_path_factory.mktemp("dest") / int4_export.name, 0)
+        # Served with the manifest's checksum, not one hashed again per pull (a read of the whole
+        # shard per call): the damaged file's own hash is never what the puller is told.
+        rel = "stage_0/openvino_model.bin"
+        with grpc.insecure_channel(proc.address) as channel:
+            request = exporter_pb2.FetchShardRequest(export_name=int4_export.name, stage_index=0)
+            chunks = exporter_pb2_grpc.ExporterServiceStub(channel).FetchShard(request, timeout=60)
+            served = next(c.file_sha256 for c in chunks if c.path == rel)
+        assert served == load_manifest(source).files[rel].sha256 != file_sha256(source / rel)
     finally:
         proc.popen.terminate()
         proc.popen.wait(15)
@@ -175,8 +185,28 @@ def test_a_forced_export_never_replaces_what_stages_pulled(exporter, stub, int4_
     assert "pulled" in info.value.details()
 
 
+def test_fetch_shard_serves_a_few_pulls_at_a_time(exporter, int4_export):
+    """MAX_CONCURRENT_FETCHES pulls that stop reading hold the exporter's pull slots (a 57 MB shard
+    does not fit gRPC's buffers); one more waits, unserved, until one of them goes."""
+    from pipeshard.exporter.service import MAX_CONCURRENT_FETCHES
+
+    request = exporter_pb2.FetchShardRequest(export_name=int4_export.name, stage_index=0)
+    with grpc.insecure_channel(exporter.address) as channel:
+        stub = exporter_pb2_grpc.ExporterServiceStub(channel)
+        held = [stub.FetchShard(request, timeout=120) for _ in range(MAX_CONCURRENT_FETCHES)]
+        for call in held:
+            next(call)  # in its slot; then never read again
+        extra = stub.FetchShard(request, timeout=120)
+        first = ThreadPoolExecutor(1).submit(next, extra)
+        with pytest.raises(FutureTimeout):
+            first.result(timeout=3)  # a wait, not a speed: it may not be served while the slots are held
+        held[0].cancel()
+        assert first.result(timeout=60).path  # the freed slot serves it
+        for call in [*held[1:], extra]:
+            call.cancel()
+
+
 def test_root_files_pull_brings_the_manifest_and_tokenizer_only(exporter, int4_export, tmp_path):
-    from pipeshard.shard.manifest import load_manifest
     from pipeshard.shard.pull import pull_root_files
 
     target = tmp_path / int4_export.name

@@ -6,7 +6,9 @@ truncation, invalid UTF-8), so both well-formed nonsense and undecodable bytes r
 No call may end INTERNAL or UNKNOWN, no process may exit, and each still serves afterwards.
 Generate is also fuzzed field by field on a servable prompt (so the sampling checks, grammars and
 the scheduler are reached, not only the first refusal), with every process's peak RSS held under
-a ceiling; PIPESHARD_FUZZ_EXAMPLES sets its examples (`make test-fuzz` runs the long profile).
+a ceiling; so are RunBatch's jobs, every stage RPC under an owner secret (so the calls pass the owner
+check and reach the session code) and the exporter's RPCs, field by field. PIPESHARD_FUZZ_EXAMPLES
+sets their examples (`make test-fuzz` runs the long profile).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeshard.clients.client import PipeshardClient
-from pipeshard.v1 import coordinator_pb2, exporter_pb2, stage_pb2
+from pipeshard.ownership import owner_metadata
+from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc, exporter_pb2, stage_pb2, stage_pb2_grpc
 from tests.pipeline.stage_probe import sessions_after_release
 
 pytestmark = pytest.mark.slow
@@ -119,22 +122,30 @@ def wire_bytes(draw, cls: type[Message]) -> bytes:
     return bytes(data)
 
 
-def _call(channel: grpc.Channel, path: str, kind: str, payload: bytes, timeout: float) -> None:
-    """Sends raw bytes; reads a few responses of a stream; fails on a forbidden status code."""
+def _call(
+    channel: grpc.Channel, path: str, kind: str, payload: bytes, timeout: float, metadata=None
+) -> list[bytes]:
+    """Sends raw bytes; reads a few responses of a stream; fails on a forbidden status code.
+    Returns the responses read (serialized)."""
     try:
         if kind == "unary":
-            channel.unary_unary(path)(payload, timeout=timeout)
-            return
+            return [channel.unary_unary(path)(payload, timeout=timeout, metadata=metadata)]
+        if kind == "client_stream":
+            return [channel.stream_unary(path)(iter([payload, payload]), timeout=timeout, metadata=metadata)]
         if kind == "server_stream":
-            call = channel.unary_stream(path)(payload, timeout=timeout)
+            call = channel.unary_stream(path)(payload, timeout=timeout, metadata=metadata)
         else:
-            call = channel.stream_stream(path)(iter([payload, payload]), timeout=timeout)
-        for i, _ in enumerate(call):
+            call = channel.stream_stream(path)(iter([payload, payload]), timeout=timeout, metadata=metadata)
+        read = []
+        for i, response in enumerate(call):
+            read.append(response)
             if i >= 8:
                 call.cancel()
                 break
+        return read
     except grpc.RpcError as exc:
         assert exc.code() not in FORBIDDEN, f"{path}: {exc.code().name} {exc.details()}"
+        return []
 
 
 _STAGE_RPCS = [
@@ -147,6 +158,8 @@ _STAGE_RPCS = [
     ("CaptureKv", "unary", stage_pb2.CaptureKvRequest),
     ("RestoreKv", "unary", stage_pb2.RestoreKvRequest),
     ("GetStageInfo", "unary", stage_pb2.GetStageInfoRequest),
+    ("CaptureKvStream", "server_stream", stage_pb2.CaptureKvStreamRequest),
+    ("RestoreKvStream", "client_stream", stage_pb2.RestoreKvStreamRequest),
 ]
 _EXPORTER_RPCS = [
     ("Export", "server_stream", exporter_pb2.ExportRequest),
@@ -251,6 +264,160 @@ def test_fuzz_generate_fields(fuzz_fleet):
     _still_serves(fuzz_fleet)
     grown = {p.name: peak_rss_bytes(p.popen.pid) - before[p.name] for p in fuzz_fleet.processes}
     assert all(g <= RSS_MARGIN for g in grown.values()), {n: g >> 20 for n, g in grown.items()}
+
+
+FIELD_SECRET = "fuzz-fields-owner-secret-0123456789"
+# Ids the drawn messages name: a session this owner opened, another owner's, none, and the extremes.
+_SESSION_IDS = st.sampled_from(["mine", "theirs", "", "x" * 257]) | st.text(max_size=12)
+
+
+@st.composite
+def owned_messages(draw, cls: type[Message]) -> Message:
+    """A drawn ``cls`` whose session ids mostly name a session of the fuzzing owner ("mine"), so the
+    calls reach the session code behind the id checks, not only the first refusal."""
+    message = draw(messages(cls))
+    for holder in (message, getattr(message, "capture", None)):
+        if holder is not None and "session_id" in holder.DESCRIPTOR.fields_by_name:
+            holder.session_id = draw(_SESSION_IDS)
+    return message
+
+
+@pytest.mark.parametrize(("method", "kind", "cls"), _STAGE_RPCS, ids=[r[0] for r in _STAGE_RPCS])
+def test_fuzz_stage_fields_as_an_owner(fuzz_fleet, method, kind, cls):
+    """Every stage RPC with drawn fields under an owner secret (the raw fuzz above mostly meets the
+    owner check): a named refusal or an answer, never INTERNAL or UNKNOWN, on both stages; each
+    stage's peak RSS within RSS_MARGIN of its peak before; a normal request answered after."""
+    metadata = owner_metadata(FIELD_SECRET)
+    before = {p.name: peak_rss_bytes(p.popen.pid) for p in fuzz_fleet.processes}
+    with (
+        grpc.insecure_channel(fuzz_fleet.stages[0]) as first,
+        grpc.insecure_channel(fuzz_fleet.stages[1]) as last,
+    ):
+        for channel in (first, last):
+            stub = stage_pb2_grpc.StageServiceStub(channel)
+            stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="mine", capacity=64), metadata=metadata)
+
+        @settings(max_examples=GENERATE_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(message=owned_messages(cls), final=st.booleans())
+        def run(message: Message, final: bool) -> None:
+            timeout = 0.5 if method == "Results" else 5.0
+            payload = message.SerializeToString()
+            path = f"/pipeshard.v1.StageService/{method}"
+            _call(last if final else first, path, kind, payload, timeout, metadata)
+
+        run()
+        for channel in (first, last):
+            stub = stage_pb2_grpc.StageServiceStub(channel)
+            stub.ReleaseSession(stage_pb2.ReleaseSessionRequest(session_id="mine"), metadata=metadata)
+    _still_serves(fuzz_fleet)
+    grown = {p.name: peak_rss_bytes(p.popen.pid) - before[p.name] for p in fuzz_fleet.processes}
+    assert all(g <= RSS_MARGIN for g in grown.values()), {n: g >> 20 for n, g in grown.items()}
+
+
+@st.composite
+def batch_requests(draw) -> coordinator_pb2.RunBatchRequest:
+    """A RunBatch job of drawn items (servable Generate requests with drawn fields, drawn ids that
+    may repeat, be empty or be too long), micro-batch setting and codec."""
+    request = coordinator_pb2.RunBatchRequest(
+        micro_batches=draw(st.sampled_from(["", "auto", "off", "1", "2", "0", "-1", "x", "9" * 20])),
+        codec=draw(st.sampled_from(["", "none", "zstd", "quantum_zstd", "auto", "bogus"])),
+    )
+    ids = st.sampled_from(["a", "b", "", "i" * 257]) | st.text(min_size=1, max_size=8)
+    for request_ in draw(st.lists(generate_requests(), min_size=0, max_size=3)):
+        request.items.add(custom_id=draw(ids)).request.CopyFrom(request_)
+    return request
+
+
+def test_fuzz_run_batch_fields(fuzz_fleet):
+    """RunBatch with drawn jobs: the call and every item's outcome a named refusal or an answer,
+    never INTERNAL or UNKNOWN; every process's peak RSS under its peak before + RSS_MARGIN; a
+    normal request answered after."""
+    before = {p.name: peak_rss_bytes(p.popen.pid) for p in fuzz_fleet.processes}
+    with grpc.insecure_channel(fuzz_fleet.coordinator) as channel:
+
+        @settings(max_examples=GENERATE_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(job=batch_requests())
+        def run(job: coordinator_pb2.RunBatchRequest) -> None:
+            path = "/pipeshard.v1.CoordinatorService/RunBatch"
+            for raw in _call(channel, path, "server_stream", job.SerializeToString(), 30.0):
+                result = coordinator_pb2.RunBatchResponse.FromString(raw)
+                assert result.error.code not in ("INTERNAL", "UNKNOWN"), result.error.message
+
+        run()
+    _still_serves(fuzz_fleet)
+    grown = {p.name: peak_rss_bytes(p.popen.pid) - before[p.name] for p in fuzz_fleet.processes}
+    assert all(g <= RSS_MARGIN for g in grown.values()), {n: g >> 20 for n, g in grown.items()}
+
+
+def test_a_run_batch_flood_is_refused_by_name_before_it_queues(fuzz_fleet):
+    """A job of 50,001 one-byte items (about 400 KB on the wire) and a 300-character custom_id:
+    INVALID_ARGUMENT naming `items` / the item's custom_id; the coordinator serves on."""
+    stub = coordinator_pb2_grpc.CoordinatorServiceStub(grpc.insecure_channel(fuzz_fleet.coordinator))
+    flood = coordinator_pb2.RunBatchRequest()
+    for i in range(50_001):
+        flood.items.add(custom_id=str(i)).request.prompt = "Hi"
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.RunBatch(flood, timeout=60))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "`items` holds 50001 requests, over the limit of 50000" in refused.value.details()
+    long_id = coordinator_pb2.RunBatchRequest()
+    long_id.items.add(custom_id="i" * 300).request.prompt = "Hi"
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.RunBatch(long_id, timeout=60))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "`items[0].custom_id` is 300 characters" in refused.value.details()
+    _still_serves(fuzz_fleet)
+
+
+_EXPORT_MODELS = st.sampled_from(["", "nope", "../models", "/etc", "/", ".", "..", "a/../../b"]) | st.text(
+    max_size=16
+)
+
+
+@st.composite
+def export_requests(draw) -> exporter_pb2.ExportRequest:
+    """Export requests naming no model of the models folder (a path, a traversal, a made-up name)
+    with drawn other fields: all refused before any export starts."""
+    request = draw(messages(exporter_pb2.ExportRequest))
+    request.model = draw(_EXPORT_MODELS.filter(lambda name: name != "smollm2-135m-instruct"))
+    return request
+
+
+@st.composite
+def fetch_requests(draw) -> exporter_pb2.FetchShardRequest:
+    """FetchShard of drawn export names (the real one, traversals, paths) and stage indexes."""
+    request = draw(messages(exporter_pb2.FetchShardRequest))
+    request.export_name = draw(
+        st.sampled_from(["smollm2-135m-instruct-2s-int4", "..", "../..", "/etc", "", "a/../b"])
+        | st.text(max_size=16)
+    )
+    return request
+
+
+@pytest.mark.parametrize(
+    ("method", "strategy"),
+    [("Export", export_requests), ("FetchShard", fetch_requests)],
+    ids=["Export", "FetchShard"],
+)
+def test_fuzz_exporter_fields(fuzz_fleet, method, strategy):
+    """The exporter's RPCs with drawn fields: named refusals or served files, never INTERNAL or
+    UNKNOWN, never a file from outside the export asked for; its peak RSS within RSS_MARGIN."""
+    exporter = fuzz_fleet.process("exporter")
+    before = peak_rss_bytes(exporter.popen.pid)
+    with grpc.insecure_channel(exporter.address) as channel:
+
+        @settings(max_examples=GENERATE_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(request=strategy())
+        def run(request) -> None:
+            path = f"/pipeshard.v1.ExporterService/{method}"
+            for raw in _call(channel, path, "server_stream", request.SerializeToString(), 10.0):
+                if method == "FetchShard":
+                    chunk = exporter_pb2.FetchShardResponse.FromString(raw)
+                    assert ".." not in Path(chunk.path).parts and not Path(chunk.path).is_absolute()
+
+        run()
+    _still_serves(fuzz_fleet)
+    assert peak_rss_bytes(exporter.popen.pid) - before <= RSS_MARGIN
 
 
 def _still_serves(fleet) -> None:

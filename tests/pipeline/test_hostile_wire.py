@@ -186,6 +186,16 @@ def test_ids_and_subscriptions_are_bounded(driver):
         lambda: driver.call("OpenSession", stage_pb2.OpenSessionRequest(session_id="s" * 10_000))
     )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in details, details
+    # The other session calls too (AbortSession logged its id: megabytes a call).
+    for method, request in (
+        ("ResetSession", stage_pb2.ResetSessionRequest(session_id="s" * 10_000)),
+        ("ReleaseSession", stage_pb2.ReleaseSessionRequest(session_id="s" * 10_000)),
+        ("AbortSession", stage_pb2.AbortSessionRequest(session_id="s" * 10_000, reason="r")),
+    ):
+        code, details = _refused(lambda m=method, r=request: driver.call(m, r))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "`session_id` is 10000 characters" in details, (
+            details
+        )
     streams = [
         driver.stub.Results(stage_pb2.ResultsRequest(subscriber_id=f"sub-{i}"), metadata=driver.metadata)
         for i in range(17)
