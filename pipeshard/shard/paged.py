@@ -18,7 +18,13 @@ Two graph edits make our export fit the pass and serve batches:
 
 A sliding-window layer (Gemma 3's local layers) gets its window as its PagedAttention's
 ``sliding_window`` input (the pass leaves 0, attend to everything, since it drops the export's
-in-graph window mask with the rest of the mask); global layers keep 0.
+in-graph window mask with the rest of the mask); global layers keep 0. Local layers also get
+their own block table (``local_block_indices``): a sequence's local-layer blocks are taken as
+its tokens arrive and given back once they lie wholly before the window of every token still
+to come (at a step's start, behind its first token's window), so a local layer holds about
+window + one block of tokens per sequence instead of the whole context. A dropped block's table
+entry points at a zeroed block the window masks out. A rewind into dropped blocks, and a capture
+of them, is refused by name; the global table still reserves the whole capacity at open.
 
 A third edit serves draft trees: every PagedAttention's query-to-query mask inputs (QQ_BIAS,
 QQ_BIAS_BEGINS, inputs 26 and 27 of the op, left as empty constants by the pass) become the
@@ -48,7 +54,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +77,8 @@ LOGITS_INDICES = "logits_indices"
 QQ_BIAS, QQ_BIAS_BEGINS = "qq_bias", "qq_bias_begins"
 _PA_QQ_BIAS = 26  # the PagedAttentionExtension inputs of the query-to-query mask (and 27, its begins)
 _PA_SLIDING_WINDOW = 10  # its sliding-window input: 0 attends to the whole cache
+_PA_BLOCK_INDICES = 7  # its block table (and 8, the table's per-sequence begins)
+LOCAL_BLOCK_INDICES, LOCAL_BLOCK_INDICES_BEGINS = "local_block_indices", "local_block_indices_begins"
 
 
 @dataclass(frozen=True)
@@ -95,16 +103,21 @@ class CacheUsage:
     """The block pool's budget and use, in bytes and blocks (GetStageInfo reports it)."""
 
     budget_bytes: int
-    block_bytes: int
+    block_bytes: int  # every layer's pools, per block
     block_tokens: int
     blocks_total: int
     blocks_used: int  # referenced by some sequence (a shared block once)
     sequences: int
     blocks_cached: int = 0  # pinned prefix blocks no sequence uses (given up for room on demand)
+    local_block_bytes: int = 0  # the local (sliding-window) layers' share of block_bytes
+    local_blocks_used: int = 0  # blocks the local layers hold (they give back what leaves the window)
 
     @property
     def bytes_used(self) -> int:
-        return self.blocks_used * self.block_bytes
+        return (
+            self.blocks_used * (self.block_bytes - self.local_block_bytes)
+            + self.local_blocks_used * self.local_block_bytes
+        )
 
     @property
     def blocks_free(self) -> int:
@@ -117,6 +130,8 @@ class _Sequence:
     blocks: np.ndarray  # int32 block ids reserved for the sequence's whole capacity
     capacity: int  # tokens the reservation holds
     length: int = 0  # tokens in the cache
+    local: list[int] = field(default_factory=list)  # local layers' block per logical block
+    dropped: int = 0  # local layers' logical blocks [0, dropped) given back (their entries: the null block)
     # The last step's inputs and their logical positions, from cache slot ``fed_at`` on: what a
     # two-token row re-feeds (None after an import, whose inputs the stage never saw).
     fed: np.ndarray | None = None
@@ -188,19 +203,31 @@ def _mask_inputs(model: ov.Model) -> None:
     model.add_parameters([bias, begins])
 
 
-def _window_inputs(model: ov.Model, layer_start: int, info: ModelInfo) -> None:
-    """Each local layer's PagedAttention attends within the model's sliding window. Its layer is
-    the stage's n-th (``key_cache.n``, numbered from the stage's first layer)."""
+def _window_inputs(model: ov.Model, layer_start: int, info: ModelInfo) -> set[int]:
+    """Each local layer's PagedAttention attends within the model's sliding window and reads its
+    own block table (``local_block_indices``); returns the stage's local layers, numbered from
+    its first layer as its pools are (``key_cache.n``)."""
     if not info.local_layers or info.sliding_window is None:
-        return
+        return set()
+    local: set[int] = set()
+    table = ops.parameter([-1], ov.Type.i32, name=LOCAL_BLOCK_INDICES)
+    begins = ops.parameter([-1], ov.Type.i32, name=LOCAL_BLOCK_INDICES_BEGINS)
+    for p in (table, begins):
+        p.get_output_tensor(0).set_names({p.get_friendly_name()})
     for node in model.get_ordered_ops():
         if node.get_type_name() != "PagedAttentionExtension":
             continue
-        cache = node.input(3).get_source_output().get_node().get_friendly_name()  # key_cache.n
-        if layer_start + int(cache.rsplit(".", 1)[1]) in info.local_layers:
+        n = int(node.input(3).get_source_output().get_node().get_friendly_name().rsplit(".", 1)[1])
+        if layer_start + n in info.local_layers:
+            local.add(n)
             window = ops.constant(np.array(info.sliding_window, dtype=np.int32))
             node.input(_PA_SLIDING_WINDOW).replace_source_output(window.output(0))
+            node.input(_PA_BLOCK_INDICES).replace_source_output(table.output(0))
+            node.input(_PA_BLOCK_INDICES + 1).replace_source_output(begins.output(0))
+    if local:
+        model.add_parameters([table, begins])
     model.validate_nodes_and_infer_types()
+    return local
 
 
 def ancestor_mask(parents: Sequence[int]) -> np.ndarray:
@@ -242,7 +269,8 @@ class PagedShard(StageShard):
         model = _prepare_model(
             self.core.read_model(str(self.export_dir / self.entry.model)), self.is_first, self.is_last
         )
-        _window_inputs(model, self.entry.layer_start, self.manifest.model)
+        local_layers = _window_inputs(model, self.entry.layer_start, self.manifest.model)
+        self.window = self.manifest.model.sliding_window if local_layers else None
         # No compiled-model cache here: OpenVINO 2026.4 writes a blob for this model transformed in
         # memory but never loads it (LOADED_FROM_CACHE stays false; each try cost 1-4 s more than
         # compiling on a SmolLM2 stage), and the transformed graph cannot be saved as IR to cache
@@ -271,14 +299,24 @@ class PagedShard(StageShard):
         self.block_bytes = block_bytes
         self.cache_bytes = cache_bytes
         self.blocks_total = cache_bytes // block_bytes
+        # Local layers' pools hold one more block, the null block their dropped entries point at.
+        self._null = self.blocks_total
+        self.local_block_bytes = 0
         for port, shape in zip(cache_ports, shapes, strict=True):
-            dims = [self.blocks_total] + [shape[i].get_length() for i in (1, 2, 3)]
+            name = port.get_any_name()
+            local = int(name.rsplit(".", 1)[1]) in local_layers
+            dims = [self.blocks_total + local] + [shape[i].get_length() for i in (1, 2, 3)]
             tensor = ov.Tensor(port.get_element_type(), dims)
-            self._req.set_tensor(port.get_any_name(), tensor)
+            if local:
+                tensor.data[self._null] = 0  # masked out by the window, but never NaN
+                self.local_block_bytes += tensor.byte_size // dims[0]
+            self._req.set_tensor(name, tensor)
         # The pools in the order of the KV blob's state variables: K, V of each layer.
         self._state_pools = [
             f"{kind}.{i}" for i in range(len(cache_ports) // 2) for kind in ("key_cache", "value_cache")
         ]
+        self._local_pools = {f"{kind}.{i}" for i in local_layers for kind in ("key_cache", "value_cache")}
+        self._local_free = list(range(self.blocks_total - 1, -1, -1))
         self.kv_source = replace(self.kv_source, blocks=self._block_layout())
         # One value per slot (f32, f16, bf16 pools): a slot moves by copying it. A u8 pool keeps
         # each token's scale and zero point in extra rows of its block, so its slots do not move.
@@ -323,13 +361,18 @@ class PagedShard(StageShard):
             if state is None:
                 return False
             self._release(state.blocks[::-1])
+            self._local_free.extend(b for b in state.local[::-1] if b != self._null)
             return True
 
     def pin(self, seq: Hashable, keys: Sequence[Hashable]) -> int:
         """Keeps the sequence's leading full blocks in the pool under their prefix keys (one key
-        per block, in order), for ``share``; returns how many were newly pinned."""
+        per block, in order), for ``share``; returns how many were newly pinned. A shard with
+        local (sliding-window) layers pins nothing: their blocks follow a table of their own that
+        sharing does not cover, so its restores copy."""
         with self._lock:
             state = self._get(seq)
+            if self._local_pools:
+                return 0
             if len(keys) * self.block_tokens > state.length:
                 raise InvalidArgument(
                     "keys", f"name {len(keys)} full blocks; sequence {seq!r} holds {state.length} tokens"
@@ -405,6 +448,8 @@ class PagedShard(StageShard):
             old = int(tail[i])
             if i == 0:
                 for name in self._state_pools:
+                    if name in self._local_pools:
+                        continue  # never shared (``pin``)
                     pool = self._pool(name)
                     pool[new] = pool[old]
             tail[i] = new
@@ -425,6 +470,17 @@ class PagedShard(StageShard):
             if not 0 <= length <= state.length:
                 raise InvalidArgument(
                     "length", f"must be in [0, {state.length}] for sequence {seq!r}, got {length}"
+                )
+            if length == 0:  # a fresh start: the local layers give back everything
+                self._local_free.extend(b for b in state.local[::-1] if b != self._null)
+                state.local, state.dropped = [], 0
+            elif self.window is not None and state.dropped * self.block_tokens > max(
+                0, length - self.window + 1
+            ):
+                raise InvalidArgument(
+                    "length",
+                    f"{length} would need tokens the local (sliding-window) layers of sequence {seq!r} gave "
+                    f"back: they keep tokens from {state.dropped * self.block_tokens} on",
                 )
             if length < state.length:
                 self._own_from(state, length // self.block_tokens)
@@ -456,8 +512,8 @@ class PagedShard(StageShard):
             # Ascending: every source lies past every destination (kept[i] >= i), so one gather
             # then one scatter per pool is the slot-by-slot move.
             for name in self._state_pools:
-                pool = self._pool(name)
-                pool[state.blocks[dst // bt], :, dst % bt] = pool[state.blocks[src // bt], :, src % bt]
+                pool, table = self._pool(name), self._table(state, name)
+                pool[table[dst // bt], :, dst % bt] = pool[table[src // bt], :, src % bt]
             state.move_fed(src, dst)
 
     def export_kv(self, seq: Hashable, positions: int | None = None, start: int = 0) -> list[np.ndarray]:
@@ -475,12 +531,20 @@ class PagedShard(StageShard):
                     "from_position",
                     f"must be a multiple of {self.block_tokens} (the block size) below {n}, got {start}",
                 )
-            blocks = state.blocks[start // self.block_tokens : self.blocks_for(n)]
-            if self.kv_source.blocks is not None:
-                return [self._pool(name)[blocks] for name in self._state_pools]  # fancy indexing copies
+            first = start // self.block_tokens
+            if self._local_pools and first < state.dropped:
+                raise InvalidArgument(
+                    "positions",
+                    f"the local (sliding-window) layers of sequence {seq!r} gave back its tokens before "
+                    f"{state.dropped * self.block_tokens}; a capture from {start} needs them",
+                )
+            span = slice(first, self.blocks_for(n))
+            tables = [self._table(state, name)[span] for name in self._state_pools]
+            if self.kv_source.blocks is not None:  # fancy indexing copies
+                return [self._pool(name)[t] for name, t in zip(self._state_pools, tables, strict=True)]
             return [
-                np.concatenate(list(self._pool(name)[blocks]), axis=1)[:, : n - start]
-                for name in self._state_pools
+                np.concatenate(list(self._pool(name)[t]), axis=1)[:, : n - start]
+                for name, t in zip(self._state_pools, tables, strict=True)
             ]
 
     def import_kv(self, seq: Hashable, arrays: Sequence[np.ndarray], positions: int, start: int = 0) -> None:
@@ -501,15 +565,24 @@ class PagedShard(StageShard):
                 raise ResourceExhausted(
                     f"{positions} tokens of KV exceed the sequence's reservation of {state.capacity}"
                 )
-            blocks = state.blocks[start // self.block_tokens : self.blocks_for(positions)]
             want = self.kv_source.shapes_for(positions - start)
             for name, array, shape in zip(self._state_pools, arrays, want, strict=True):
                 if array.shape != shape:
                     raise InvalidArgument(
                         "arrays", f"{name} has shape {list(array.shape)}, not {list(shape)}"
                     )
+            if state.dropped and start:
+                raise InvalidArgument(
+                    "start",
+                    f"the local (sliding-window) layers of sequence {seq!r} gave back tokens before {start}",
+                )
+            if state.dropped:  # the import replaces the sequence: the local layers start afresh
+                self._local_free.extend(b for b in state.local[::-1] if b != self._null)
+                state.local, state.dropped = [], 0
+            self._grow_local(state, self.blocks_for(positions))
             for name, array in zip(self._state_pools, arrays, strict=True):
                 pool = self._pool(name)
+                blocks = self._table(state, name)[start // self.block_tokens : self.blocks_for(positions)]
                 if self.kv_source.blocks is not None:
                     pool[blocks] = array
                     continue
@@ -523,6 +596,41 @@ class PagedShard(StageShard):
     def _pool(self, name: str) -> np.ndarray:
         return self._req.get_tensor(name).data
 
+    def _table(self, state: _Sequence, name: str) -> np.ndarray:
+        """The pool ``name``'s block id for each of the sequence's logical blocks."""
+        if name in self._local_pools:
+            return np.asarray(state.local, dtype=np.int32)
+        return state.blocks
+
+    def _grow_local(self, state: _Sequence, blocks: int) -> None:
+        """Local-layer blocks for the sequence's first ``blocks`` logical blocks. It never holds
+        more of them than its global reservation, and the local pools have as many blocks as the
+        global ones, so the free list cannot run dry."""
+        if self._local_pools:
+            state.local += [self._local_free.pop() for _ in range(blocks - len(state.local))]
+
+    def _drop_local(self, state: _Sequence) -> None:
+        """Gives back the local-layer blocks wholly before the window of the sequence's next token
+        (no token still to come, nor a rewind to it or past it, reads them)."""
+        if self.window is None or not self._local_pools:
+            return
+        drop = min(max(0, state.length - self.window + 1) // self.block_tokens, len(state.local))
+        for j in range(state.dropped, drop):
+            self._local_free.append(state.local[j])
+            state.local[j] = self._null
+        state.dropped = max(state.dropped, drop)
+
+    def held_bytes(self, seq: Hashable) -> int:
+        """The KV bytes the sequence holds now: its whole reservation in the global layers' pools,
+        the blocks its window still needs in the local layers'."""
+        with self._lock:
+            state = self._get(seq)
+            local = sum(b != self._null for b in state.local)
+            return (
+                len(state.blocks) * (self.block_bytes - self.local_block_bytes)
+                + local * self.local_block_bytes
+            )
+
     def usage(self) -> CacheUsage:
         with self._lock:
             used = int(np.count_nonzero(self._refs))
@@ -534,6 +642,8 @@ class PagedShard(StageShard):
                 blocks_used=used,
                 sequences=len(self._seqs),
                 blocks_cached=self.blocks_total - len(self._free) - used,
+                local_block_bytes=self.local_block_bytes,
+                local_blocks_used=self.blocks_total - len(self._local_free) if self._local_pools else 0,
             )
 
     def _get(self, seq: Hashable) -> _Sequence:
@@ -619,6 +729,9 @@ class PagedShard(StageShard):
             used = [self.blocks_for(int(e)) for e in ends]
             table_begins = np.zeros(len(rows) + 1, dtype=np.int32)
             np.cumsum(used, out=table_begins[1:])
+            for (state, _, _), n in zip(checked, used, strict=True):
+                self._drop_local(state)
+                self._grow_local(state, n)
             feed = {
                 self._input: np.concatenate([x for _, x, _ in checked]),
                 "position_ids": np.concatenate([p for _, _, p in checked]).astype(np.int64, copy=False),
@@ -630,6 +743,14 @@ class PagedShard(StageShard):
                 "block_indices_begins": table_begins,
             }
             feed.update(_tree_masks(rows))
+            if self._local_pools:
+                feed[LOCAL_BLOCK_INDICES] = np.concatenate(
+                    [
+                        np.asarray(s.local[:n], dtype=np.int32)
+                        for (s, _, _), n in zip(checked, used, strict=True)
+                    ]
+                )
+                feed[LOCAL_BLOCK_INDICES_BEGINS] = table_begins
             wanted = [row.logits for row in rows]
             if self.is_last:
                 picks = [np.arange(b - k, b, dtype=np.int64) for b, k in zip(begins[1:], wanted, strict=True)]

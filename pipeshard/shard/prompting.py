@@ -23,6 +23,15 @@ class Prompter:
 
         return cls(AutoTokenizer.from_pretrained(folder))
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def user_text(self, text: str) -> list[int]:
+        """``text`` as a user sends it: one chat message, or plain text to continue on a base model
+        (warm-ups and `generate --local` need no chat format to exist)."""
+        return self.encode("", [("user", text)]) if self.has_chat_template else self.encode(text, [])
+
     @staticmethod
     def check_size(prompt: str, messages: list[tuple[str, str]], max_bytes: int) -> None:
         """Refuses a prompt over ``max_bytes`` of UTF-8 before any tokenizing work is spent on it."""
@@ -44,7 +53,7 @@ class Prompter:
                     )
                 if not content:
                     raise InvalidArgument(f"messages[{i}].content", "must not be empty")
-            if not getattr(self.tokenizer, "chat_template", None):
+            if not self.has_chat_template:
                 raise InvalidArgument(
                     "messages",
                     "cannot be used with this model: it has no chat template (a base model); "

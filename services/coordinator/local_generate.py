@@ -40,7 +40,7 @@ def generate_local(args: argparse.Namespace, stream: bool) -> Summary:
         prefill_chunk=ring.prefill_chunk,
         drafts=DraftSources(args.local, self_draft=args.self_draft, heads=heads, allow_paths=True),
     )
-    ids = prompter.encode("", [("user", args.prompt)])
+    ids = prompter.user_text(args.prompt)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature or 0.0,

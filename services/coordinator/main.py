@@ -484,7 +484,7 @@ class Coordinator:
         first use here instead of in the first user's TTFT, at the stages' warm-up prompt length, so
         the hops' large frames are warmed too (stages warm their shards themselves)."""
         started = time.perf_counter()
-        text = prompter.encode("", [("user", "Warm up.")])
+        text = prompter.user_text("Warm up.")
         ids = (text * (WARMUP_PREFILL // len(text) + 1))[: min(WARMUP_PREFILL, max_context - 4)]
         tokens = 0
         warm = SamplingParams(max_tokens=2, ignore_eos=True)

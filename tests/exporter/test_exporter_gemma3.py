@@ -20,16 +20,12 @@ from pipeshard.errors import InvalidArgument
 from pipeshard.shard.chain import LocalChain
 from pipeshard.shard.paged import PagedRow, PagedShard
 from pipeshard.shard.prompting import Prompter
+from tests.conftest import GEMMA3_PROMPTS, GEMMA3_TOKENS, hf_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
-PROMPTS = (
-    "The history of the printing press begins",
-    "def fibonacci(n):\n    ",
-    "In a small village at the foot of the mountains,",
-    "Water boils at 100 degrees Celsius because",
-)
-NEW_TOKENS = 64
+PROMPTS = GEMMA3_PROMPTS
+NEW_TOKENS = GEMMA3_TOKENS
 # Q4_K_M weights dequantized to fp32, then compressed to INT4 again by the exporter (a second
 # 4-bit rounding of already 4-bit weights). Measured 2026-12-03 on these 4 prompts x 64 tokens
 # (292 positions): max |logit diff| 19.5 (HF's logits span about -44..39), top-1 agreement 0.753
@@ -39,18 +35,13 @@ INT4_TOP1 = 0.70
 
 
 @pytest.fixture(scope="module")
-def gemma_dir(tmp_path_factory):
-    from pipeshard import paths
-    from pipeshard.model.gemma3 import ensure_gemma3
-
-    return ensure_gemma3(paths.models_dir(), progress=lambda _: None)
+def gemma_dir(gemma3_dir):
+    return gemma3_dir
 
 
 @pytest.fixture(scope="module")
-def hf(gemma_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32).eval()
+def hf(gemma3_hf):
+    return gemma3_hf
 
 
 @pytest.fixture(scope="module")
@@ -59,23 +50,8 @@ def prompter(gemma_dir):
 
 
 @pytest.fixture(scope="module")
-def export(gemma_dir, tmp_path_factory):
-    from pipeshard.exporter.export import export_model
-
-    def get(weights: str):
-        out = tmp_path_factory.mktemp("gemma3") / f"2s-{weights}"
-        export_model(
-            gemma_dir,
-            out,
-            stages=2,
-            weights=weights,
-            isolate=False,
-            convert_tokenizer=False,
-            progress=lambda e: None,
-        )
-        return out
-
-    return get
+def export(gemma3_export):
+    return lambda weights: gemma3_export(2, weights)
 
 
 @pytest.fixture(scope="module")
@@ -84,15 +60,12 @@ def fp32_export(export):
 
 
 def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(ids) :].tolist()
+    return hf_greedy(hf, ids, n)
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(hf, prompter):
-    prompts = [prompter.encode(p, []) for p in PROMPTS]
-    return prompts, [_hf_greedy(hf, ids, NEW_TOKENS) for ids in prompts]
+def hf_greedy_4(gemma3_hf_greedy):
+    return gemma3_hf_greedy
 
 
 def test_prompts_start_with_bos_and_chat_is_refused(prompter):
@@ -102,8 +75,8 @@ def test_prompts_start_with_bos_and_chat_is_refused(prompter):
     assert err.value.field == "messages" and "chat template" in str(err.value)
 
 
-def test_fp32_greedy_equals_hf_on_the_stateful_backend(fp32_export, hf_greedy):
-    prompts, want = hf_greedy
+def test_fp32_greedy_equals_hf_on_the_stateful_backend(fp32_export, hf_greedy_4):
+    prompts, want = hf_greedy_4
     chain = LocalChain(fp32_export, "f32", 1)
     got = [chain.generate_greedy(ids, NEW_TOKENS, ignore_eos=True).token_ids for ids in prompts]
     assert got == want
@@ -129,8 +102,8 @@ def _paged_greedy(shards, prompt: list[int], n: int, chunk: int) -> list[int]:
     return out
 
 
-def test_fp32_greedy_equals_hf_on_the_paged_backend(fp32_export, hf_greedy, hf, prompter):
-    prompts, want = hf_greedy
+def test_fp32_greedy_equals_hf_on_the_paged_backend(fp32_export, hf_greedy_4, hf, prompter):
+    prompts, want = hf_greedy_4
     shards = [PagedShard(fp32_export, s, "f32", 1, cache_bytes=64 << 20) for s in (0, 1)]
     assert [_paged_greedy(shards, ids, NEW_TOKENS, chunk=len(ids)) for ids in prompts] == want
     # Past the window: 700 prompt tokens, prefilled in chunks of 256 (the paged chunk size).
@@ -146,9 +119,9 @@ def test_long_prompt_on_the_stateful_backend_equals_hf(fp32_export, hf, prompter
     assert chain.generate_greedy(long, 8, ignore_eos=True).token_ids == _hf_greedy(hf, long, 8)
 
 
-def test_int4_teacher_forced_logits_within_tolerance(export, hf, hf_greedy):
+def test_int4_teacher_forced_logits_within_tolerance(export, hf, hf_greedy_4):
     chain = LocalChain(export("int4"), "exact", 1)
-    prompts, want = hf_greedy
+    prompts, want = hf_greedy_4
     worst, agree, total = 0.0, 0, 0
     for ids, cont in zip(prompts, want, strict=True):
         seq = np.array([ids + cont[:-1]], dtype=np.int64)

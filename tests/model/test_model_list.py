@@ -19,6 +19,7 @@ def test_list_shows_every_family_and_its_sources(capsys):
     assert "synthetic shapes: qwen3-0.6b, qwen3-8b" in rows["qwen3"] and "QK-norm" in rows["qwen3"]
     assert "phi-3-mini-4k" in rows["phi3"] and "fused qkv, gate-up" in rows["phi3"]
     assert "qwen3-30b-a3b" in rows["qwen3_moe"] and "routed experts" in rows["qwen3_moe"]
+    assert "real weights: Gemma 3 270M" in rows["gemma3_text"] and "local/global" in rows["gemma3_text"]
     assert "real weights" not in rows["mistral"]
 
 
