@@ -61,6 +61,7 @@ class FakePagedShard:
     stage_index, hidden_size, max_context, vocab_size = 0, HIDDEN, MAX_CONTEXT, VOCAB
     block_tokens, blocks_total = 8, 64
     kv_source = SimpleNamespace(blocks=None)  # f32 pools: draft trees' paths can move
+    moves_slots = True
 
     def __init__(self, is_last: bool):
         self.is_first, self.is_last = True, is_last
@@ -363,12 +364,12 @@ def test_paged_tree_rows_are_checked_by_name():
     assert length(e, "a") == 6
 
 
-def test_paged_trees_need_f32_pools():
+def test_paged_trees_need_pools_of_one_value_per_slot():
     e = make_engine("paged")
-    e.shard.kv_source = SimpleNamespace(blocks=object())  # a quantized pool's block layout
+    e.shard.moves_slots = False  # a u8 pool: its blocks hold each token's scales too
     e.run([prefill("a", 6)])
     (out,) = e.run([_tree_row("a", 6)])
-    with pytest.raises(InvalidArgument, match=r"`tree_parents` .*f32 KV pools"):
+    with pytest.raises(InvalidArgument, match=r"`tree_parents` .*one value per slot .*u8"):
         raise out
 
 
