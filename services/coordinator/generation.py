@@ -549,8 +549,8 @@ class _Request:
         if isinstance(draft, TreeChains | TreeNodes):
             return self._accept_tree(draft, result)
         if self.shaper is not None:
-            if result.HasField("top1"):  # the final stage applied the grammar's mask (_allowed)
-                token = int(result.top1.token_ids[0])
+            if result.logits is None and result.top1:  # the final stage applied the grammar's mask
+                token = result.top1[0]
                 self.shaper.took(token)
                 return [token]
             return self._accept_shaped(draft, result, self.shaper)
