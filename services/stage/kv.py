@@ -192,6 +192,9 @@ class PagedAccess(SessionAccess[PagedSession]):
         if not 0 < positions <= len(token_ids):
             raise InvalidArgument("positions", f"must be in [1, {len(token_ids)}], got {positions}")
         keys = self._keys(owner, scope, token_ids[:positions])
+        # NOT_FOUND before a session opens when the prefix was never kept (or is gone): its last
+        # block is in the store whenever the prefix is.
+        store.get(owner, scope, token_ids, positions, (positions - 1) // BLOCK * BLOCK)
         session = self.fresh(owner, session_id)
         shared = self.shard.share(session.key, keys)
         start = shared * BLOCK
