@@ -195,7 +195,7 @@ bench-ray: model
 bench-gateway: model
 	$(PY) -m bench.gateway
 
-## report: run the quick benchmarks (it prints which; REPORT_BENCHES=gateway,tls picks some) and render docs/BENCHMARKS.md's generated blocks and docs/img/report-*.png from bench/results/*.json; RENDER_ONLY=1 only re-renders
+## report: run the quick benchmarks (it prints which; REPORT_BENCHES=gateway,tls picks some) and render docs/benchmarks-report.md's generated blocks and docs/img/report-*.png from bench/results/*.json; RENDER_ONLY=1 only re-renders
 .PHONY: report
 report: model
 	$(PY) -m bench.report $(if $(filter 1 yes true,$(RENDER_ONLY)),--render-only)

@@ -1,12 +1,12 @@
-"""`make report`: run the quick benchmarks, then render docs/BENCHMARKS.md's generated tables and
-the PNG plots from bench/results/*.json, so every generated figure has a command behind it.
+"""`make report`: run the quick benchmarks, then render docs/benchmarks-report.md's generated tables
+and the PNG plots from bench/results/*.json, so every generated figure has a command behind it.
 
     python -m bench.report                 # the quick benchmarks (listed as it starts), then render
     python -m bench.report --render-only   # re-render from the JSON already in bench/results
     REPORT_BENCHES=gateway python -m bench.report   # a subset of the quick benchmarks
 
 Rendering never touches the hand-written prose: each result NAME goes between the markers
-``<!-- report:NAME -->`` and ``<!-- /report:NAME -->`` (placed in its section of BENCHMARKS.md);
+``<!-- report:NAME -->`` and ``<!-- /report:NAME -->`` (placed wherever the page wants it);
 a result without markers gets a new marked block under "Generated from the JSON results" at the
 end. Every block names its JSON, the command that wrote it and its date. What is rendered, for
 any result shape: every series (a dict of configurations to numbers or to {median, min, max}),
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from bench.stats import RESULTS_DIR
 
-DOC = Path("docs/BENCHMARKS.md")
+DOC = Path("docs/benchmarks-report.md")  # generated; docs/BENCHMARKS.md is written by hand
 IMG_DIR = Path("docs/img")
 GENERATED_HEADING = "## Generated from the JSON results (`make report`)"
 

@@ -151,7 +151,7 @@ def test_plain_steps_probe_k1_rarely_and_more_rarely_with_history():
 
 def _paged_step_cost() -> TimingModel:
     """A paged step's cost by its total positions: 34 ms plus 3.5 ms per position (as measured on
-    the 2-stage INT4 stages, docs/BENCHMARKS.md, "Step cost against rows and tokens")."""
+    the 2-stage INT4 stages, docs/benchmarks-history.md, "Step cost against rows and tokens")."""
     timing = TimingModel()
     for n in (1, 2, 4, 8, 16, 32):
         timing.observe(n, 0.034 + 0.0035 * n)

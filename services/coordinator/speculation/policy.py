@@ -26,7 +26,7 @@ only. Both come from the ring's step batcher (step_batcher.py): it times every s
 result once for all sessions, so ``T`` is what a step costs, not a request's wall time per step
 (which in a batch includes waiting for the step under way: a flat line that made drafts look
 free). ``T`` is fitted over rows and positions apart (``TimingModel``): measured on the paged
-2-stage INT4 stages (docs/BENCHMARKS.md, bench.spec_batch, "step cost against rows and tokens")
+2-stage INT4 stages (docs/benchmarks-history.md, bench.spec_batch, "step cost against rows and tokens")
 a position costs about 2.5 ms of CPU and a row about 1.2 ms more on a fixed cost of about 29 ms,
 and a busy step's wall time adds per-row work on the coordinator (Python per session), which a
 line over positions alone charged to drafts; and a step with any row of more than one token
