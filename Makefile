@@ -15,6 +15,8 @@ STAGES ?= 2
 WEIGHTS ?= int4
 # PRECISION: invariant | exact | fast | f32 (default: DEFAULT_PRECISION in pipeshard/precision.py, invariant: the same answer under any load, proven per stage)
 PRECISION ?=
+# INVARIANT_LADDER: at PRECISION=invariant, the configurations every stage tries, fastest first (e.g. f32-kv16,exact)
+INVARIANT_LADDER ?=
 # DEVICE: the OpenVINO device of every stage of `make up` (CPU, GPU, GPU.1, NPU, AUTO:GPU,CPU, ...); unset: CPU
 DEVICE ?=
 STAGE ?= 0
@@ -77,7 +79,7 @@ export: model
 
 ## up: start a loopback fleet; RAY=auto|HEAD:6379: its services as actors on a Ray cluster, placed by the planner unless STAGES is given (docs/RAY.md) (exporter, STAGES stage processes (REPLICAS of each, default 1), coordinator, OpenAI gateway on 8080); prints `coordinator listening on HOST:PORT` and `openai gateway listening on HOST:PORT`; SECURE=1: mutual TLS + client token (docs/SECURITY.md)
 up: model
-	$(VENV)/bin/pipeshard up $(if $(RAY),--ray $(RAY) $(if $(filter command line environment,$(origin STAGES)),--stages $(STAGES)),--stages $(STAGES)) $(if $(REPLICAS),--replicas $(REPLICAS)) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(DEVICE),--device $(DEVICE)) $(if $(filter 1 yes true,$(SECURE)),--secure)
+	$(VENV)/bin/pipeshard up $(if $(RAY),--ray $(RAY) $(if $(filter command line environment,$(origin STAGES)),--stages $(STAGES)),--stages $(STAGES)) $(if $(REPLICAS),--replicas $(REPLICAS)) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(INVARIANT_LADDER),--invariant-ladder $(INVARIANT_LADDER)) $(if $(DEVICE),--device $(DEVICE)) $(if $(filter 1 yes true,$(SECURE)),--secure)
 
 ## down: stop exactly the processes `make up` started
 down:

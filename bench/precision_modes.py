@@ -20,6 +20,9 @@ prompts). For each:
 Top-level keys for #34: ``invariant_default`` (every cell of ``default`` identical: the 8 users
 and every timed 8-user round against solo, warm == cold, chunked and speculative == solo),
 ``default_over_fast_1user``, ``default_over_fast_8users``, ``ttft_default_over_fast_1024``.
+``python -m bench.precision_modes rows`` times a decode step of 8 and 16 users through both
+shards for the default's configuration, it with one-token rows, it with a u8 cache, and ``fast``
+(bench/results/precision_rows.json): which of the default's settings costs its tok/s.
 ``python -m bench.precision_modes kernels`` instead runs, per candidate, the stage-0 checks that
 say which kernel path moves a row (bench/results/precision_kernels.json; a minute in all): a
 decode row beside another sequence's chunk of M-1 tokens (M = 1..256) and after one of k tokens,
@@ -35,6 +38,7 @@ bench/results/precision_modes.json.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -48,6 +52,7 @@ from bench.prefix import history
 from bench.stats import command_with_knobs, interleaved, ratio_ci, summary, write_result
 from pipeshard import paths
 from pipeshard.offline import set_offline_defaults
+from pipeshard.precision import CONFIGURATIONS
 from pipeshard.services.coordinator.generation import Chunk, Generation, Summary
 from pipeshard.services.coordinator.prefix_cache import PrefixIndex
 from pipeshard.services.coordinator.sampling import SamplingParams
@@ -524,10 +529,76 @@ def kernels() -> None:
     )
 
 
+# What separates the default from `fast` at 8 and 16 users (``rows``): each setting the
+# default changes, alone, on the same paged shards.
+ROW_CONFIGURATIONS = {
+    "default": CONFIGURATIONS["bf16-kv16"],  # bf16, bf16 KV, two-token rows
+    "bf16_kv16_one_token": dataclasses.replace(CONFIGURATIONS["bf16-kv16"], two_token_rows=False),
+    "bf16_kv8_two_token": CONFIGURATIONS["bf16-kv8"],
+    "fast": CONFIGURATIONS["fast"],
+}
+ROW_CONTEXT = 128  # tokens each user holds before the timed decode steps
+
+
+def rows() -> None:
+    """Seconds per decode step of U users through both INT4 paged shards (U one-token rows; a
+    two-token configuration re-feeds each), per configuration of ROW_CONFIGURATIONS, in
+    interleaved rounds (BENCH_ROUNDS after one warm-up); ratios of fast's median over each's:
+    which of the default's settings costs its tok/s (bench/results/precision_rows.json)."""
+    export = export_dir()
+    rng = np.random.default_rng(0)
+    load_start = os.getloadavg()
+    shards = {
+        name: [PagedShard(export, k, "invariant", cache_bytes=256 << 20, config=c) for k in range(2)]
+        for name, c in ROW_CONFIGURATIONS.items()
+    }
+    for pair in shards.values():
+        for k, shard in enumerate(pair):
+            shard.warmup()
+            for users in (8, 16):
+                for i in range(users):
+                    shard.open((users, i), ROW_CONTEXT + 3 * (ROUNDS + 2))
+                    x = (
+                        rng.integers(100, 5000, ROW_CONTEXT)
+                        if k == 0
+                        else rng.standard_normal((ROW_CONTEXT, shard.hidden_size)).astype(np.float32)
+                    )
+                    shard.step([PagedRow((users, i), x, logits=1 if shard.is_last else 0)])
+
+    def step(name: str, users: int):
+        first, last = shards[name]
+
+        def run() -> float:
+            started = time.perf_counter()
+            for _ in range(3):
+                hidden = first.step([PagedRow((users, i), rng.integers(100, 5000, 1)) for i in range(users)])
+                last.step([PagedRow((users, i), h, logits=1) for i, h in enumerate(hidden)])
+            return (time.perf_counter() - started) / 3
+
+        return run
+
+    out: dict = {"load_start": load_start, "context": ROW_CONTEXT, "users": {}}
+    for users in (8, 16):
+        samples = interleaved({n: step(n, users) for n in ROW_CONFIGURATIONS}, ROUNDS, warmup=1)
+        out["users"][users] = {
+            name: {
+                "step_ms": summary([1000 * v for v in values]),
+                "tok_s_over_fast": ratio_ci(samples["fast"], values),
+            }
+            for name, values in samples.items()
+        }
+    out["load_end"] = os.getloadavg()
+    print(out, file=sys.stderr, flush=True)
+    write_result("precision_rows", out, f"BENCH_ROUNDS={ROUNDS} python -m bench.precision_modes rows")
+
+
 def main() -> None:
     set_offline_defaults()
     if sys.argv[1:] == ["kernels"]:
         kernels()
+        return
+    if sys.argv[1:] == ["rows"]:
+        rows()
         return
     unknown = [n for n in NAMES if n not in CANDIDATES]
     if unknown or not {"default", "fast"} <= set(NAMES):

@@ -18,9 +18,10 @@ from pathlib import Path
 
 from pipeshard.auth import load_or_create_token
 from pipeshard.certs_cli import node_names
+from pipeshard.errors import InvalidArgument
 from pipeshard.keys import default_key_file
 from pipeshard.paths import DEFAULT_MODEL, certs_dir, export_name, shards_dir
-from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
+from pipeshard.precision import DEFAULT_PRECISION, INVARIANT_LADDER, PRECISIONS, ladder
 from pipeshard.services.gateway.settings import GATEWAY_METRICS_PORT, GATEWAY_PORT
 from pipeshard.services.launcher import (
     draft_heads_args,
@@ -42,6 +43,16 @@ RUN_CA_CERT = RUN_DIR / "ca.pem"  # where the CLI and the Python client look for
 TOPOLOGY = Path("config/topology.yaml")
 
 
+def invariant_ladder(value: str) -> str:
+    """``--invariant-ladder``, refused by the parser when it names an unknown configuration
+    (before any stage starts to compile)."""
+    try:
+        ladder(value)
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="start a loopback fleet (exports shards first if missing)")
     up.add_argument("--stages", type=int, default=2)
@@ -54,6 +65,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     up.add_argument("--weights", choices=WEIGHT_FORMATS, default="int4")
     up.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION)
+    up.add_argument(
+        "--invariant-ladder",
+        type=invariant_ladder,
+        default="",
+        help="at --precision invariant: the configurations every paged stage tries, fastest first, "
+        f"comma-separated (default {','.join(INVARIANT_LADDER)})",
+    )
     up.add_argument("--model", default=DEFAULT_MODEL)
     up.add_argument(
         "--device",
@@ -160,6 +178,7 @@ def run_up(args: argparse.Namespace) -> int:
         args.stages,
         RUN_DIR,
         extra_coordinator_args=lanes_file + feature,
+        extra_stage_args=["--invariant-ladder", args.invariant_ladder] if args.invariant_ladder else [],
         final_stage_args=heads,
         stage_ports=[s.port for s in topo.stages],
         coordinator_port=topo.coordinator.port,

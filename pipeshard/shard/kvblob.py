@@ -82,6 +82,9 @@ class KvBlob:
     checksum: str
     positions: int  # T
     start: int = 0  # the first position held: more than 0 for a part (``join_parts``)
+    # The stage's input at the last position ([1] ids or [1, hidden]) when its last step fed it:
+    # what a two-token (``invariant``) stage re-feeds before the restored session's next row.
+    last_input: np.ndarray | None = None
 
     @classmethod
     def build(
@@ -93,6 +96,7 @@ class KvBlob:
         positions: int | None = None,
         checksum: bool = True,
         start: int = 0,
+        last_input: np.ndarray | None = None,
     ) -> KvBlob:
         """``positions`` defaults to the arrays' second axis (f32 layout); a block layout names it.
         ``start`` > 0: a part of a cache holding positions [start, start + positions)."""
@@ -101,8 +105,9 @@ class KvBlob:
         token_ids = tuple(token_ids)
         if positions is None:
             positions = int(owned[0].shape[1]) if owned and source.blocks is None else 0
-        digest = _checksum(source, token_ids, owned, positions, start) if checksum else ""
-        return cls(source, token_ids, owned, digest, positions, start)
+        last = None if last_input is None else np.array(last_input, copy=True)
+        digest = _checksum(source, token_ids, owned, positions, start, last) if checksum else ""
+        return cls(source, token_ids, owned, digest, positions, start, last)
 
     @property
     def nbytes(self) -> int:
@@ -147,7 +152,9 @@ class KvBlob:
 
     def verify_checksum(self) -> None:
         """Refuses a blob whose contents do not match its checksum (damaged on the way)."""
-        digest = _checksum(self.source, self.token_ids, self.arrays, self.positions, self.start)
+        digest = _checksum(
+            self.source, self.token_ids, self.arrays, self.positions, self.start, self.last_input
+        )
         if digest != self.checksum:
             raise InvalidArgument("snapshot.checksum", "does not match the snapshot's contents: corrupt")
 
@@ -158,6 +165,7 @@ def _checksum(
     arrays: tuple[np.ndarray, ...],
     positions: int,
     start: int = 0,
+    last_input: np.ndarray | None = None,
 ) -> str:
     digest = hashlib.sha256()
     part = f"from {start}|" if start else ""  # a whole cache's digest is what it always was
@@ -170,13 +178,19 @@ def _checksum(
     for name, a in zip(source.names, arrays, strict=True):
         digest.update(f"{name}|{a.dtype.str}|{list(a.shape)}\n".encode())
         digest.update(np.ascontiguousarray(a).data.cast("B"))
+    if last_input is not None:  # a blob without one keeps the digest it always had
+        digest.update(f"last_input|{last_input.dtype.str}|{list(last_input.shape)}\n".encode())
+        digest.update(np.ascontiguousarray(last_input).data.cast("B"))
     return "sha256:" + digest.hexdigest()
 
 
 # -- proto mapping ------------------------------------------------------------------------------
+LAST_INPUT_MAX_BYTES = 1 << 20  # one position's hidden state: 256k float32 values
+
+
 def to_proto(blob: KvBlob) -> kv_pb2.KvSnapshot:
     src = blob.source
-    return kv_pb2.KvSnapshot(
+    snapshot = kv_pb2.KvSnapshot(
         stage_index=src.stage_index,
         model_fingerprint=src.model_fingerprint,
         token_ids=blob.token_ids,
@@ -192,6 +206,9 @@ def to_proto(blob: KvBlob) -> kv_pb2.KvSnapshot:
         block_tokens=src.blocks.tokens if src.blocks else 0,
         start_position=blob.start,
     )
+    if blob.last_input is not None:
+        snapshot.last_input.CopyFrom(encode(blob.last_input, field="snapshot.last_input"))
+    return snapshot
 
 
 def check_declared(snapshot: kv_pb2.KvSnapshot, target: KvSource, max_positions: int) -> list[int]:
@@ -281,6 +298,14 @@ def from_proto(snapshot: kv_pb2.KvSnapshot, target: KvSource | None = None, max_
         head_dim=int(first.shape[2]),
         blocks=blocks,
     )
+    last_input = None
+    if snapshot.HasField("last_input"):
+        last_input = decode(
+            snapshot.last_input,
+            field="snapshot.last_input",
+            max_bytes=LAST_INPUT_MAX_BYTES,
+            limit="LAST_INPUT_MAX_BYTES",
+        )
     return KvBlob(
         source,
         tuple(snapshot.token_ids),
@@ -288,6 +313,7 @@ def from_proto(snapshot: kv_pb2.KvSnapshot, target: KvSource | None = None, max_
         snapshot.checksum,
         snapshot.positions,
         snapshot.start_position,
+        last_input,
     )
 
 
@@ -312,8 +338,9 @@ def join_parts(parts: list[KvBlob], *, checksum: bool = True) -> KvBlob:
     axis = 0 if source.blocks is not None else 1
     arrays = tuple(np.concatenate([p.arrays[i] for p in parts], axis=axis) for i in range(len(source.names)))
     token_ids = sum((p.token_ids for p in parts), ()) if all(p.token_ids for p in parts) else ()
-    digest = _checksum(source, token_ids, arrays, end) if checksum else ""
-    return KvBlob(source, token_ids, arrays, digest, end)
+    last = parts[-1].last_input  # the whole cache's last position is the last part's
+    digest = _checksum(source, token_ids, arrays, end, 0, last) if checksum else ""
+    return KvBlob(source, token_ids, arrays, digest, end, 0, last)
 
 
 # -- snapshots in chunks (CaptureKvStream / RestoreKvStream) -------------------------------------

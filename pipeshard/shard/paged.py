@@ -547,9 +547,32 @@ class PagedShard(StageShard):
                 for name, t in zip(self._state_pools, tables, strict=True)
             ]
 
-    def import_kv(self, seq: Hashable, arrays: Sequence[np.ndarray], positions: int, start: int = 0) -> None:
+    def last_input(self, seq: Hashable, positions: int) -> np.ndarray | None:
+        """The input this stage fed at the sequence's position ``positions - 1`` ([1] ids or
+        [1, hidden]) when its last step fed it (two-token rows keep it), for a capture to carry."""
+        with self._lock:
+            state = self._get(seq)
+            i = positions - 1 - state.fed_at
+            if state.fed is None or state.fed_positions is None or not 0 <= i < len(state.fed):
+                return None
+            if positions > state.length or state.fed_positions[i] != positions - 1:
+                return None
+            return np.array(state.fed[i : i + 1])
+
+    def import_kv(
+        self,
+        seq: Hashable,
+        arrays: Sequence[np.ndarray],
+        positions: int,
+        start: int = 0,
+        last_input: np.ndarray | None = None,
+    ) -> None:
         """Write ``export_kv``'s arrays of tokens [start, positions) into an open sequence that
-        holds ``start`` (a multiple of the block size); its length becomes ``positions``."""
+        holds ``start`` (a multiple of the block size); its length becomes ``positions``.
+        ``last_input`` (``last_input``'s answer on the stage captured): re-fed before the next
+        one-token row, as if this stage had fed it."""
+        if last_input is not None:
+            self._check_last_input(last_input)
         with self._lock:
             state = self._get(seq)
             if start % self.block_tokens or not 0 <= start <= min(state.length, positions):
@@ -591,7 +614,21 @@ class PagedShard(StageShard):
                     part = array[:, i * bt : (i + 1) * bt]
                     pool[block, :, : part.shape[1]] = part
             state.length = positions
-            state.fed = None  # the restored positions' inputs were never fed here
+            state.fed = None  # the restored positions' inputs were never fed here, but the last
+            if last_input is not None and self.two_token_rows:
+                fed = np.array(last_input, dtype=np.int64 if self.is_first else np.float32)
+                state.fed, state.fed_at = fed, positions - 1
+                state.fed_positions = np.array([positions - 1], dtype=np.int64)
+
+    def _check_last_input(self, x: np.ndarray) -> None:
+        if self.is_first:
+            ok = x.shape == (1,) and np.issubdtype(x.dtype, np.integer)
+            want = "int64 [1] (a token id)"
+        else:
+            ok = x.shape == (1, self.hidden_size) and x.dtype == np.float32
+            want = f"float32 [1, {self.hidden_size}] (a hidden state)"
+        if not ok:
+            raise InvalidArgument("snapshot.last_input", f"must be {want}, got {x.dtype} {list(x.shape)}")
 
     def _pool(self, name: str) -> np.ndarray:
         return self._req.get_tensor(name).data

@@ -8,9 +8,10 @@ standby copy (kv_standby.py: captured from the old lane ahead of the failure, bl
 else from the longest prefix of the prompt a serving lane kept in its prefix cache; what neither
 holds of the prompt and the tokens generated so far but the last is prefilled (replayed), and the
 next step sends the last. The client's stream goes on: the lost step is sent again, so no token
-repeats or goes missing, and in exact mode (a row's tokens independent of prompt chunking and of
-prefix reuse) the output equals an undisturbed run. A ring shutting down (:class:`ShuttingDown`)
-or no lane left ends the request as before.
+repeats or goes missing, and at `exact` and `invariant` (a row's tokens independent of prompt
+chunking and of prefix reuse) the output equals an undisturbed run: the session's first row after
+a restore always carries two tokens or more (a two-token stage's path for every row). A ring
+shutting down (:class:`ShuttingDown`) or no lane left ends the request as before.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ class RestoredCursor(Protocol):
 
     def restored(self, positions: int) -> None:
         """The session starts with ``positions`` positions restored on every stage."""
+
+    def reject(self, n: int) -> None:
+        """The last ``n`` positions are dropped by the next frame, which computes them again."""
 
 
 class MovableRequest(Protocol):
@@ -144,7 +148,7 @@ class Failover:
                     if not request.cursor.logical and warm is not None:
                         await warm()
                         source = "prefix_cache" if request.cursor.logical else source
-                    restored = request.cursor.logical
+                    restored = self._two_token_start(request, replay)
                     kv_ready = time.perf_counter()
                     trace.mark("failover_restored", request.session_id, 0)
                     for frame in request.replay_frames(replay[restored:], prefill_chunk):
@@ -177,6 +181,19 @@ class Failover:
                 self.standby.drop(copy)  # still detached: restored nowhere (None once restored)
                 if not request.standby.attached:
                     request.standby = StandbyCopy()  # the new session's, from its start
+
+    @staticmethod
+    def _two_token_start(request: MovableRequest, replay: list[int]) -> int:
+        """The restored positions the session keeps: all but the last when its first row would
+        otherwise be one token (nothing left to replay, or one prompt token left to prefill),
+        so that row is a chunk of two, the path every row of a two-token (`invariant`) stage
+        takes, whether or not the snapshot carried the input to re-feed."""
+        restored = request.cursor.logical
+        left = len(replay) + 1 if replay else len(request.prompt_ids)
+        if restored and left - restored == 1:
+            request.cursor.reject(1)
+            restored -= 1
+        return restored
 
     async def _restore(
         self,

@@ -154,6 +154,7 @@ class PagedAccess(SessionAccess[PagedSession]):
             positions=positions - start,
             checksum=checksum,
             start=start,
+            last_input=self.shard.last_input(session.key, positions),
         )
 
     def fresh(self, owner: str, session_id: str) -> PagedSession:
@@ -164,7 +165,7 @@ class PagedAccess(SessionAccess[PagedSession]):
         return self.sessions.get(owner, session_id)
 
     def load(self, session: PagedSession, blob: KvBlob) -> None:
-        self.shard.import_kv(session.key, blob.arrays, blob.positions)
+        self.shard.import_kv(session.key, blob.arrays, blob.positions, last_input=blob.last_input)
 
     def _keys(self, owner: str, scope: str, token_ids: Sequence[int]) -> list[tuple[str, str]]:
         """The pool's keys of the full blocks of ``token_ids`` (none when the pool's blocks are

@@ -84,11 +84,14 @@ class _Generating:
         self.admission = None  # the scheduler's (none here: the ring charges nothing)
 
 
-def _failover(refuse: bool) -> tuple[_Generating, _Ring, _Lanes, KvStandby]:
+def _failover(refuse: bool, computed: int = 69) -> tuple[_Generating, _Ring, _Lanes, KvStandby]:
     async def main():
         lanes, ring, request = _Lanes(refuse), _Ring(), _Generating()
+        if computed < 69:  # the request is earlier on: its last token pending, the rest computed
+            request.context, request.generated = CONTEXT[: computed + 1], CONTEXT[40 : computed + 1]
+            request.pending = CONTEXT[computed : computed + 1]
         standby = KvStandby(lanes, block_tokens=32, max_bytes=1 << 20)
-        standby.computed(request.standby, "old", CONTEXT[:69])  # the stages hold all but the pending token
+        standby.computed(request.standby, "old", CONTEXT[:computed])  # all but the pending token
         for _ in range(5):
             await asyncio.sleep(0)
         failover = Failover(lanes, standby)
@@ -117,3 +120,15 @@ def test_a_refused_copy_is_given_up_for_a_replay_in_a_fresh_session():
     assert request.pending == CONTEXT[64:] and standby.nbytes == 0
     assert request.standby.attached and request.standby.positions == 0  # the new session's own copy
     assert request.slot.expedited and request.session_id == second
+
+
+def test_a_copy_of_every_computed_position_keeps_all_but_the_last_so_the_first_row_is_two_tokens():
+    """The copy holds all 64 positions computed: the resent step alone would be a one-token row
+    right after the restore (the single-query path a two-token stage never takes undisturbed), so
+    the session keeps 63 and the resent step carries the 64th again, dropped first (invalidated)."""
+    request, ring, lanes, _ = _failover(refuse=False, computed=64)
+    assert lanes.restored == [request.session_id] and ring.steps == []
+    assert request.cursor.logical == 63 and request.pending == CONTEXT[63:65]
+    frame = request.cursor.frame(request.pending)
+    assert list(frame.positions) == [63, 64]
+    assert [(r.start, r.end) for r in frame.plan.rows[0].mask_update.invalidate] == [(63, 64)]

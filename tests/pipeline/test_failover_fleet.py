@@ -49,8 +49,9 @@ def _topology(shards: Path, lanes: list[int]) -> Topology:
 
 @pytest.fixture(scope="module")
 def replicated(smollm2_export, fleet_factory, tmp_path_factory):
-    """Two lanes of two stages, exact precision (the default); the coordinator also reads a
-    topology file listing both (re-read on SIGHUP)."""
+    """Two lanes of two stages at the default precision (`invariant`: a restored standby copy's
+    stages re-feed its last position's input, carried in the snapshot); the coordinator also
+    reads a topology file listing both (re-read on SIGHUP)."""
     shards = smollm2_export(2, "int4")
     topology = tmp_path_factory.mktemp("failover") / "topology.yaml"
     _topology(shards, [0, 1]).save(topology)

@@ -1,5 +1,7 @@
-"""CaptureKv / RestoreKv between real stage processes: a session captured on one stage process and
-restored on a second serving the same layers decodes what the original decodes; every refusal
+"""CaptureKv / RestoreKv between real stage processes at the default precision: a session captured
+on one stage process and restored on a second serving the same layers decodes what the original
+decodes, token for token (at `invariant` the snapshot carries the last position's input, which
+the restored stage re-feeds before its first one-token row, as the original does); every refusal
 answers with its own status code and leaves the target untouched."""
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import grpc
 import pytest
 
 from pipeshard.ownership import owner_key, owner_metadata
+from pipeshard.precision import CONFIGURATIONS, DEFAULT_PRECISION
 from pipeshard.services.stage.wire import token_frame
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
@@ -71,11 +74,9 @@ class Driver:
 
 @pytest.fixture(scope="module")
 def two_stage_processes(smollm2_export, fleet_factory):
-    """Two 1-stage INT4 fleets at exact: two stage processes serving the same layers."""
+    """Two 1-stage INT4 fleets at the default precision: two stage processes serving the same layers."""
     export = smollm2_export(1, "int4")
-    a = fleet_factory(export, 1, precision="exact")
-    b = fleet_factory(export, 1, precision="exact")
-    return a.stages[0], b.stages[0]
+    return fleet_factory(export, 1).stages[0], fleet_factory(export, 1).stages[0]
 
 
 def test_captured_session_continues_identically_on_another_process(two_stage_processes, chat_prompt_ids):
@@ -88,6 +89,12 @@ def test_captured_session_continues_identically_on_another_process(two_stage_pro
         held = [*prompt, first, *head[:-1]]  # what the cache holds: the last token is not fed yet
         captured = src.call("CaptureKv", stage_pb2.CaptureKvRequest(session_id="m", token_ids=held))
         assert captured.positions == len(held) and list(captured.snapshot.token_ids) == held
+        info = src.call("GetStageInfo", stage_pb2.GetStageInfoRequest())
+        two_token = CONFIGURATIONS[info.configuration].two_token_rows
+        assert info.precision == DEFAULT_PRECISION and two_token == (info.configuration != "exact")
+        assert captured.snapshot.HasField("last_input") is two_token  # the last step fed it
+        if two_token:
+            assert list(captured.snapshot.last_input.shape) == [1]  # a token id on the first stage
         restored = dst.call(
             "RestoreKv", stage_pb2.RestoreKvRequest(session_id="m", snapshot=captured.snapshot)
         )
@@ -158,12 +165,12 @@ def test_fast_precision_sessions_move_as_verbatim_blocks(
     smollm2_export, fleet_factory, two_stage_processes, chat_prompt_ids
 ):
     """At `fast` precision paged stages keep a u8 cache: the snapshot carries its blocks byte
-    for byte (block_tokens = 32), the restored session decodes what the original decodes, and an
-    exact stage (f32 pools) refuses the snapshot by its layout."""
+    for byte (block_tokens = 32), the restored session decodes what the original decodes, and a
+    stage at the default precision (bf16 or f32 pools) refuses the snapshot by its layout."""
     export = smollm2_export(1, "int4")
     a, b = fleet_factory(export, 1, precision="fast"), fleet_factory(export, 1, precision="fast")
     src, dst = Driver(a.stages[0], "src"), Driver(b.stages[0], "dst")
-    exact = Driver(two_stage_processes[1], "exact")
+    default = Driver(two_stage_processes[1], "default")
     try:
         prompt = chat_prompt_ids[1]
         src.call("OpenSession", stage_pb2.OpenSessionRequest(session_id="d"))
@@ -177,11 +184,11 @@ def test_fast_precision_sessions_move_as_verbatim_blocks(
         dst.call("RestoreKv", stage_pb2.RestoreKvRequest(session_id="d", snapshot=snapshot))
         assert dst.greedy("d", head[-1], len(held), 24) == src.greedy("d", head[-1], len(held), 24)
         with pytest.raises(grpc.RpcError) as err:
-            exact.call("RestoreKv", stage_pb2.RestoreKvRequest(session_id="d", snapshot=snapshot))
+            default.call("RestoreKv", stage_pb2.RestoreKvRequest(session_id="d", snapshot=snapshot))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "uint8 blocks of 32 positions" in err.value.details()
     finally:
-        for driver in (src, dst, exact):
+        for driver in (src, dst, default):
             driver.close()
 
 

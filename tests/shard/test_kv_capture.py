@@ -184,3 +184,27 @@ def test_a_stage_joins_the_parts_it_is_sent(tiny_export):
         kv.check_parts([parts[0], parts[2]])
     with pytest.raises(InvalidArgument, match="joined to the parts before it"):
         kv.check_parts([parts[2]])
+
+
+def test_the_last_input_travels_with_the_last_part_under_the_checksum(tiny_export):
+    """A capture's ``last_input`` (what a two-token stage re-feeds after a restore) survives the
+    proto, is covered by the checksum (changed, the blob is corrupt) and leaves a blob without it
+    hashed as before; joined parts carry the last part's."""
+    from pipeshard.shard.kvblob import join_parts
+
+    runner = ShardRunner(tiny_export("llama", 1), 0, "f32")
+    session = runner.new_session()
+    session.run(np.arange(10, 22)[None])
+    plain = export_kv(session)
+    last = np.array([21], dtype=np.int64)
+    blob = KvBlob.build(plain.source, list(plain.arrays), positions=12, last_input=last)
+    back = from_proto(to_proto(blob))
+    back.check_for(runner.kv_source)
+    assert back.last_input is not None and np.array_equal(back.last_input, last)
+    assert blob.checksum != plain.checksum and from_proto(to_proto(plain)).last_input is None
+    with pytest.raises(InvalidArgument, match="corrupt"):
+        dataclasses.replace(back, last_input=np.array([20], dtype=np.int64)).check_for(runner.kv_source)
+    parts = [export_kv(session, positions=6), export_kv(session, positions=12, start=6)]
+    parts[1] = KvBlob.build(parts[1].source, list(parts[1].arrays), start=6, last_input=last)
+    joined = join_parts(parts)
+    assert np.array_equal(joined.last_input, last) and joined.checksum == blob.checksum

@@ -10,6 +10,7 @@ import pytest
 
 from pipeshard.errors import InvalidArgument
 from pipeshard.precision import CONFIGURATIONS, INVARIANT_LADDER, ladder
+from pipeshard.shard.kvblob import KvBlob, from_proto, to_proto
 from pipeshard.shard.paged import PagedRow, PagedShard
 from pipeshard.shard.self_check import CACHE_FILE, measure, prove, self_check
 
@@ -85,3 +86,40 @@ def test_two_token_rows_make_a_decoded_token_equal_its_chunk(export):
         got = paged.step([PagedRow("decoded", ids[20:21]), PagedRow("other", ids[:9])])[0]
         assert got.shape == (1, paged.hidden_size)
         assert np.array_equal(got[0], whole[20]) is equal, name
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_restored_session_re_feeds_the_captured_last_input(export, stage):
+    """A session captured with its last position's input (the snapshot's ``last_input``, through
+    the proto) and restored into another sequence decodes the next token with the bits an
+    undisturbed session gets; restored without it, the row takes the single-query path and does
+    not. A last input of the wrong shape is refused before the sequence changes."""
+    rng = np.random.default_rng(1)
+    paged = shard(export, stage, "bf16-kv16")
+    if stage == 0:
+        xs = rng.integers(100, 5000, 24)
+    else:
+        xs = rng.standard_normal((24, paged.hidden_size)).astype(np.float32)
+    paged.open("undisturbed", 32)
+    paged.step([PagedRow("undisturbed", xs[:20])])
+    logits = 1 if paged.is_last else 0  # the last stage answers logits, the first hidden states
+    want = paged.step([PagedRow("undisturbed", xs[20:21], logits=logits)])[0]
+    paged.open("source", 32)
+    paged.step([PagedRow("source", xs[:20])])
+    arrays = paged.export_kv("source", 20)
+    last = paged.last_input("source", 20)
+    assert last is not None and np.array_equal(last, xs[19:20])
+    # Only the last step's inputs are kept: the undisturbed session's fed positions 19 and 20.
+    assert paged.last_input("undisturbed", 19) is None
+    sent = to_proto(KvBlob.build(paged.kv_source, arrays, positions=20, last_input=last))
+    blob = from_proto(sent, paged.kv_source, paged.max_context)
+    blob.check_for(paged.kv_source)
+    for name, carried in (("moved", blob.last_input), ("blind", None)):
+        paged.open(name, 32)
+        paged.import_kv(name, blob.arrays, blob.positions, last_input=carried)
+        got = paged.step([PagedRow(name, xs[20:21], logits=logits)])[0]
+        assert np.array_equal(got, want) is (carried is not None), name
+    paged.open("refused", 32)
+    with pytest.raises(InvalidArgument) as err:
+        paged.import_kv("refused", blob.arrays, blob.positions, last_input=np.zeros((1, 3), np.int32))
+    assert err.value.field == "snapshot.last_input" and paged.length("refused") == 0
