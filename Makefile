@@ -75,9 +75,9 @@ model-gemma3: proto
 export: model
 	$(VENV)/bin/pipeshard export --model $(MODEL) --stages $(STAGES) --weights $(WEIGHTS)
 
-## up: start a loopback fleet; RAY=auto|HEAD:6379: its services as actors on a Ray cluster, placed by the planner unless STAGES is given (docs/RAY.md) (exporter, STAGES stage processes (REPLICAS of each, default 1), coordinator, OpenAI gateway on 8080); prints `coordinator listening on HOST:PORT` and `openai gateway listening on HOST:PORT`; SECURE=1: mutual TLS + client token (docs/SECURITY.md)
+## up: start a loopback fleet; RAY=auto|HEAD:6379: its services as actors on a Ray cluster, placed by the planner unless STAGES is given (docs/RAY.md) (exporter, STAGES stage processes (REPLICAS of each, default 1), coordinator (COORDINATORS=2: a group of two on 50051 and 50052 that continue each other's streams, docs/RELIABILITY.md), OpenAI gateway on 8080); prints `coordinator listening on HOST:PORT` and `openai gateway listening on HOST:PORT`; SECURE=1: mutual TLS + client token (docs/SECURITY.md)
 up: model
-	$(VENV)/bin/pipeshard up $(if $(RAY),--ray $(RAY) $(if $(filter command line environment,$(origin STAGES)),--stages $(STAGES)),--stages $(STAGES)) $(if $(REPLICAS),--replicas $(REPLICAS)) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(DEVICE),--device $(DEVICE)) $(if $(filter 1 yes true,$(SECURE)),--secure)
+	$(VENV)/bin/pipeshard up $(if $(RAY),--ray $(RAY) $(if $(filter command line environment,$(origin STAGES)),--stages $(STAGES)),--stages $(STAGES)) $(if $(REPLICAS),--replicas $(REPLICAS)) $(if $(COORDINATORS),--coordinators $(COORDINATORS)) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(DEVICE),--device $(DEVICE)) $(if $(filter 1 yes true,$(SECURE)),--secure)
 
 ## down: stop exactly the processes `make up` started
 down:

@@ -316,8 +316,8 @@ def start_fleet(
     limit (``pipeshard.services.memcap``); their paths go to ``<run_dir>/cgroups``.
     ``faulty_links`` sends every hop between stages through its own forwarder process
     (``link_name``), so a test or the chaos soak can stall or reset one link (``link_control``).
-    ``coordinators`` of them start over the same stages, a group (``coordinator_name``; ports
-    after the first's are ephemeral); the gateway is given them all."""
+    ``coordinators`` of them start over the same stages, a group (``coordinator_name``; coordinator
+    c on ``coordinator_port`` + c, or an ephemeral port); the gateway is given them all."""
     run_dir.mkdir(parents=True, exist_ok=True)
 
     def metered(name: str, args: list[str]) -> list[str]:
@@ -381,7 +381,7 @@ def start_fleet(
         stages = [LANE_SEPARATOR.join(lane[k] for lane in fleet.lanes) for k in range(num_stages)]
         for c in range(coordinators):
             name = coordinator_name(c)
-            port = coordinator_port if c == 0 else 0
+            port = coordinator_port + c if coordinator_port else 0
             coordinator = spawn(
                 name,
                 metered(name, coordinator_args(stages, shards, port, log_format, extra_coordinator_args)),

@@ -213,6 +213,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         # A continuation of another coordinator's stream: its tokens so far join the context.
         params = params.resuming(request.resume_token_ids, self._vocab_size)
         prompt_ids += params.resumed
+        if params.resumed:
+            log.info("generation_resumed", resumed_tokens=len(params.resumed))
         # Checked once, here: what follows trusts the typed values.
         speculation = self._generation.check_speculative(request.speculative, request.k, request.tree)
         if params.grammar is not None:  # compiled (and cached) before the request queues
