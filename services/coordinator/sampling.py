@@ -126,10 +126,11 @@ class Sampler:
     distribution: Distribution = field(init=False)
 
     def __post_init__(self) -> None:
-        self.rng = np.random.default_rng(self.params.seed)
+        stream = np.random.PCG64(self.params.seed)  # default_rng's generator
         # Each token drawn without speculation takes one 64-bit output of the stream (one
         # ``random()`` in ``choice``), so a resumed request's stream is where it would have been.
-        self.rng.bit_generator.advance(len(self.params.resumed))
+        stream.advance(len(self.params.resumed))
+        self.rng = np.random.Generator(stream)
         self.distribution = Distribution(self.params.temperature, self.params.top_k, self.params.top_p)
 
     def probabilities(self, logits: np.ndarray) -> np.ndarray:

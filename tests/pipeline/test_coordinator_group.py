@@ -61,12 +61,11 @@ def _restart_killed(fleet: Fleet, shards, name: str) -> None:
     fleet.processes[fleet.processes.index(proc)] = spawn(name, args, fleet.run_dir, fleet_env(), 180)
 
 
-def _resumed(fleet: Fleet, name: str) -> int:
-    """Requests coordinator ``name`` took over from another (its generation_resumed log lines)."""
+def _resumed(fleet: Fleet, name: str) -> set[str]:
+    """The request ids coordinator ``name`` took over from another (its generation_resumed logs)."""
     lines = fleet.process(name).log.read_text().splitlines()
-    return sum(
-        json.loads(line).get("event") == "generation_resumed" for line in lines if line.startswith("{")
-    )
+    events = [json.loads(line) for line in lines if line.startswith("{")]
+    return {e["request_id"] for e in events if e.get("event") == "generation_resumed"}
 
 
 class KillWhenAllStream:
@@ -89,7 +88,9 @@ class KillWhenAllStream:
                 self.killed.set()
 
 
-def _in_threads(run) -> list[BaseException]:
+def _in_threads(run, streaming: threading.Event) -> list[BaseException]:
+    """Runs ``run(i)`` for every user in threads, the sampled (last) user first: the others start
+    once it is ``streaming``, so it went to a fresh group's first choice, the coordinator killed."""
     errors: list[BaseException] = []
 
     def guarded(i: int) -> None:
@@ -97,9 +98,12 @@ def _in_threads(run) -> list[BaseException]:
             run(i)
         except BaseException as exc:  # recorded: the test asserts there were none
             errors.append(exc)
+            streaming.set()
 
-    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(USERS)]
-    for t in threads:
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in reversed(range(USERS))]
+    threads[0].start()
+    streaming.wait(300)
+    for t in threads[1:]:
         t.start()
     for t in threads:
         t.join(timeout=600)
@@ -109,22 +113,25 @@ def _in_threads(run) -> list[BaseException]:
 def test_a_killed_coordinators_streams_finish_on_the_other_through_the_client(group, solo):
     shards, fleet = group
     _restart_killed(fleet, shards, "coordinator")
-    before = _resumed(fleet, "coordinator1")
     kill = KillWhenAllStream(fleet, "coordinator")
     results: list[list[int]] = [[] for _ in range(USERS)]
+    ids = [f"user{i}-{uuid.uuid4().hex[:8]}" for i in range(USERS)]
+    streaming = threading.Event()
     # One client of both addresses for all users: each request goes to the less busy one.
     with PipeshardClient(fleet.coordinators, timeout_s=300) as client:
 
         def run(i: int) -> None:
-            for chunk in client.stream(PROMPTS[i], **_params(i)):
+            for chunk in client.stream(PROMPTS[i], request_id=ids[i], **_params(i)):
                 results[i].extend(chunk.token_ids)
+                streaming.set()
                 kill.saw(i, len(chunk.token_ids))
             kill.saw(i, 0, ended=True)
 
-        errors = _in_threads(run)
+        errors = _in_threads(run, streaming)
     assert errors == []
     assert kill.killed.is_set()
-    assert _resumed(fleet, "coordinator1") > before  # some streams really moved
+    moved = _resumed(fleet, "coordinator1") & set(ids)
+    assert ids[USERS - 1] in moved and len(moved) > 1  # the sampled stream and others really moved
     for i in range(USERS):
         assert results[i] == solo[i].token_ids, f"user {i}"
 
@@ -132,10 +139,11 @@ def test_a_killed_coordinators_streams_finish_on_the_other_through_the_client(gr
 def test_a_killed_coordinators_streams_finish_on_the_other_through_the_gateway(group, solo):
     shards, fleet = group
     _restart_killed(fleet, shards, "coordinator")
-    before = _resumed(fleet, "coordinator1")
     kill = KillWhenAllStream(fleet, "coordinator")
     texts: list[str] = ["" for _ in range(USERS)]
     finishes: list[str | None] = [None] * USERS
+    ids = [""] * USERS  # each stream's request id: its chunks' id is chatcmpl-<request id>
+    streaming = threading.Event()
     with openai.OpenAI(
         base_url=f"http://{fleet.gateway}/v1", api_key="unused", max_retries=0, timeout=300
     ) as api:
@@ -152,6 +160,8 @@ def test_a_killed_coordinators_streams_finish_on_the_other_through_the_gateway(g
                 **sampled,
             )
             for event in stream:
+                ids[i] = event.id.removeprefix("chatcmpl-")
+                streaming.set()
                 choice = event.choices[0] if event.choices else None
                 if choice is not None:
                     texts[i] += choice.delta.content or ""
@@ -159,10 +169,11 @@ def test_a_killed_coordinators_streams_finish_on_the_other_through_the_gateway(g
                     kill.saw(i)
             kill.saw(i, 0, ended=True)
 
-        errors = _in_threads(run)
+        errors = _in_threads(run, streaming)
     assert errors == []
     assert kill.killed.is_set()
-    assert _resumed(fleet, "coordinator1") > before
+    moved = _resumed(fleet, "coordinator1") & set(ids)
+    assert ids[USERS - 1] in moved and len(moved) > 1
     for i in range(USERS):
         assert (texts[i], finishes[i]) == (solo[i].text, "length"), f"user {i}"
 
