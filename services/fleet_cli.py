@@ -144,6 +144,9 @@ def ensure_shards(model: str, stages: int, weights: str) -> Path:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    if args.coordinators < 1:
+        print(f"--coordinators must be at least 1, got {args.coordinators}", file=sys.stderr)
+        return 2
     if (RUN_DIR / "pids").exists():
         print("a fleet is already up (run `make down` first)", file=sys.stderr)
         return 1
