@@ -1,8 +1,10 @@
 """`make soak SOAK_MODE=chaos`: 16 clients for minutes while processes die and links fail.
 
-A 3-stage INT4 loopback fleet with two lanes (replicas) at exact precision, an exporter and ONE
-coordinator (coordinators in a group do not exist yet: a coordinator kill is its own fault kind,
-whose failed requests are expected and counted apart). Every hop between stages passes through its
+A 3-stage INT4 loopback fleet with two lanes (replicas) at exact precision, an exporter and
+SOAK_COORDINATORS (2) coordinators, a group: each client holds one client of every coordinator's
+address, so a stream whose coordinator is killed continues on another (docs/RELIABILITY.md,
+"Coordinators in a group"); with SOAK_COORDINATORS=1 a coordinator kill fails the requests in
+flight, which are counted apart. Every hop between stages passes through its
 own forwarder (``faulty_links``), and the fleet runs with keepalive every 1 s and a 2 s timeout
 (``PIPESHARD_KEEPALIVE_S``/``_TIMEOUT_S``), so a link that stalls longer than about 3 s is a dead
 hop. Each prompt's greedy answer is first taken undisturbed (its reference). Then SOAK_CLIENTS
@@ -14,7 +16,8 @@ the kinds taken in a shuffled cycle so a short run meets each:
 - ``link_stall`` / ``link_drop``: a random link between two stages of a random lane holds every
   byte / resets every connection for 2-6 s, then heals by itself;
 - ``exporter``: the exporter is killed and restarted;
-- ``coordinator``: the coordinator is killed and restarted (requests in flight fail: expected).
+- ``coordinator``: a random coordinator is killed and restarted on its port (its streams continue on
+  another; with one coordinator, requests in flight fail: expected).
 
 A fault waits until the last one's lane serves again, so one lane always serves. Keys:
 ``failed_requests`` (not counting those during a coordinator outage: goal 0),
@@ -23,7 +26,9 @@ every 0.5 s, and ``..._mid_stream`` the ones that had streamed tokens when it di
 ``mismatches`` (finished answers against their reference, exact: goal 0), ``recovery_ms`` per
 fault kind (stage and link: from the fault to the token ending
 each failed-over stream's longest stall after it; coordinator: from the kill to the next token
-any client gets; exporter: from the kill to it listening again), ``rss_growth_max`` (largest
+any client gets with one coordinator, and with a group from the kill to the next token of each
+stream another coordinator resumed; exporter: from the kill to it listening again),
+``rss_growth_max`` (largest
 growth of a process that lived through the whole soak, from the first fault (after 20-30 s of
 full load, so warm-up is not counted) to the end: goal <= 10%; restarted processes are reported
 from their restart apart), sessions left on stages.
@@ -55,6 +60,7 @@ from pipeshard.services.launcher import (
     Fleet,
     Process,
     coordinator_args,
+    coordinator_name,
     fleet_env,
     link_control,
     link_name,
@@ -74,6 +80,7 @@ PORT_BASE = int(os.environ.get("SOAK_PORT_BASE", "52300"))  # replica r of stage
 SEED = int(os.environ.get("SOAK_SEED", "51"))
 RSS_TOLERANCE = float(os.environ.get("SOAK_RSS_TOLERANCE", "0.10"))
 KINDS = tuple(os.environ.get("SOAK_FAULTS", "stage,link_stall,link_drop,exporter,coordinator").split(","))
+COORDINATORS = int(os.environ.get("SOAK_COORDINATORS", "2"))
 STAGES, LANES, MAX_TOKENS = 3, 2, 48
 LINK_FAULT_S = (2.0, 6.0)
 KNOBS = (
@@ -85,6 +92,7 @@ KNOBS = (
     "SOAK_PORT_BASE",
     "SOAK_SEED",
     "SOAK_FAULTS",
+    "SOAK_COORDINATORS",
 )
 COORDINATOR_PORT, EXPORTER_PORT = PORT_BASE + 50, PORT_BASE + 49
 
@@ -109,27 +117,30 @@ class Chaos:
         self.rss_start: dict[str, tuple[int, float]] = {}  # name -> (pid, RSS) at the first fault
 
     async def client(self, stop_at: float) -> None:
-        while time.time() < stop_at:
-            prompt, max_tokens = self.rng.choice(PROMPTS), self.rng.randint(8, MAX_TOKENS)
-            request_id = uuid.uuid4().hex
-            self.streams[request_id] = out_at = []
-            tokens: list[int] = []
-            try:
-                async with AsyncPipeshardClient(self.fleet.coordinator, timeout_s=300) as client:
-                    async for response in client.responses(
-                        prompt, max_tokens=max_tokens, ignore_eos=True, request_id=request_id
-                    ):
-                        if response.HasField("chunk"):
-                            tokens.extend(response.chunk.token_ids)
-                            out_at.append(time.time())
-            except grpc.aio.AioRpcError as exc:  # counted: the goal is none outside a coordinator outage
-                self.outcomes[exc.code().name] += 1
-                self.failures.append((time.time(), bool(tokens)))
-                await asyncio.sleep(0.5)
-                continue
-            self.outcomes["ok"] += 1
-            if tokens != self.reference[prompt][:max_tokens]:
-                self.mismatches.append({"prompt": prompt, "max_tokens": max_tokens, "got": tokens})
+        async with AsyncPipeshardClient(self.fleet.coordinators, timeout_s=300) as client:
+            while time.time() < stop_at:
+                await self._request(client)
+
+    async def _request(self, client: AsyncPipeshardClient) -> None:
+        prompt, max_tokens = self.rng.choice(PROMPTS), self.rng.randint(8, MAX_TOKENS)
+        request_id = uuid.uuid4().hex
+        self.streams[request_id] = out_at = []
+        tokens: list[int] = []
+        try:
+            async for response in client.responses(
+                prompt, max_tokens=max_tokens, ignore_eos=True, request_id=request_id
+            ):
+                if response.HasField("chunk"):
+                    tokens.extend(response.chunk.token_ids)
+                    out_at.append(time.time())
+        except grpc.aio.AioRpcError as exc:  # counted: the goal is none outside a coordinator outage
+            self.outcomes[exc.code().name] += 1
+            self.failures.append((time.time(), bool(tokens)))
+            await asyncio.sleep(0.5)
+            return
+        self.outcomes["ok"] += 1
+        if tokens != self.reference[prompt][:max_tokens]:
+            self.mismatches.append({"prompt": prompt, "max_tokens": max_tokens, "got": tokens})
 
     async def faulter(self, stop_at: float) -> None:
         cycle: list[str] = []
@@ -192,18 +203,19 @@ class Chaos:
         self.rss_restarted["exporter"] = _rss_mib(proc.popen.pid)
 
     async def _coordinator(self, fault: dict) -> None:
-        fault["target"] = "coordinator"
-        victim = await self._kill("coordinator")
+        c = self.rng.randrange(COORDINATORS)
+        name = fault["target"] = coordinator_name(c)
+        victim = await self._kill(name)
         # The old log is kept (its failovers count): the new process's spawn truncates the name.
         victim.log.rename(victim.log.with_suffix(f".{len(self.faults)}.log"))
         lanes = self.fleet.lanes
         stages = [LANE_SEPARATOR.join(lane[k] for lane in lanes) for k in range(STAGES)]
-        args = coordinator_args(stages, self.shards, COORDINATOR_PORT, "json")
-        proc = await asyncio.to_thread(spawn, "coordinator", args, self.fleet.run_dir, fleet_env(), 300)
+        args = coordinator_args(stages, self.shards, COORDINATOR_PORT + c, "json")
+        proc = await asyncio.to_thread(spawn, name, args, self.fleet.run_dir, fleet_env(), 300)
         self._replace(victim, proc)
-        await _serving(self.fleet.coordinator)
+        await _serving(proc.address)
         self.coordinator_down.append((fault["at"], time.time()))
-        self.rss_restarted["coordinator"] = _rss_mib(proc.popen.pid)
+        self.rss_restarted[name] = _rss_mib(proc.popen.pid)
 
 
 async def _serving(address: str, timeout_s: float = 300) -> None:
@@ -222,12 +234,13 @@ async def _serving(address: str, timeout_s: float = 300) -> None:
     raise RuntimeError(f"{address} did not serve within {timeout_s:g} s")
 
 
-def _failovers(run_dir: Path) -> dict[str, float]:
-    """Request id -> when its (last) failover finished (wall), over every coordinator's log."""
+def _failovers(run_dir: Path, event_name: str = "session_failed_over") -> dict[str, float]:
+    """Request id -> when its (last) ``event_name`` was logged (wall), over every coordinator's log:
+    a failover finished, or (generation_resumed) a stream taken over from a killed coordinator."""
     ends = {}
     for log in sorted(run_dir.glob("coordinator*.log")):
         for line in log.read_text().splitlines():
-            if '"session_failed_over"' in line:
+            if f'"{event_name}"' in line:
                 event = json.loads(line)
                 ends[event.get("request_id", "")] = _wall(event["timestamp"])
     return ends
@@ -237,15 +250,22 @@ def _recovery(chaos: Chaos) -> dict[str, dict]:
     """Per fault kind, the recovery samples' p50/p95 (ms) and the faults' count (module doc)."""
     samples: dict[str, list[float]] = {kind: [] for kind in KINDS}
     failovers = _failovers(chaos.fleet.run_dir)
+    resumed = _failovers(chaos.fleet.run_dir, "generation_resumed")
     for i, fault in enumerate(chaos.faults):
         at = fault["at"]
         until = chaos.faults[i + 1]["at"] if i + 1 < len(chaos.faults) else float("inf")
         if fault["kind"] == "exporter":
             samples["exporter"].append(fault["recovery_ms"])
-        elif fault["kind"] == "coordinator":
+        elif fault["kind"] == "coordinator" and COORDINATORS == 1:
             nxt = min((t for out in chaos.streams.values() for t in out if t > at), default=None)
             if nxt is not None:
                 samples["coordinator"].append((nxt - at) * 1000)
+        elif fault["kind"] == "coordinator":  # each resumed stream: the kill to its next token
+            for request_id, when in resumed.items():
+                out_at = chaos.streams.get(request_id, [])
+                nxt = min((t for t in out_at if t > at), default=None)
+                if at <= when < until and nxt is not None and any(t < at for t in out_at):
+                    samples["coordinator"].append((nxt - at) * 1000)
         else:
             for request_id, end in failovers.items():
                 out_at = chaos.streams.get(request_id, [])
@@ -290,6 +310,7 @@ def main() -> int:
         exporter_port=EXPORTER_PORT,
         faulty_links=True,
         timeout_s=300,
+        coordinators=COORDINATORS,
     )
     try:
         with PipeshardClient(fleet.coordinator, timeout_s=300) as client:
@@ -303,7 +324,8 @@ def main() -> int:
         sessions = {p.name: _live_sessions(p.address) for p in fleet.processes if p.name.startswith("stage")}
     finally:
         fleet.stop()
-    outage = [(a, b + 2.0) for a, b in chaos.coordinator_down]  # clients back off 0.5 s
+    # With one coordinator its outages fail requests by construction; a group's must not.
+    outage = [(a, b + 2.0) for a, b in chaos.coordinator_down] if COORDINATORS == 1 else []  # back off 0.5 s
     during = [streamed for t, streamed in chaos.failures if any(a <= t <= b for a, b in outage)]
     before = chaos.rss_start
     lived = {n: (b, after[n][1]) for n, (pid, b) in before.items() if n in after and after[n][0] == pid}
@@ -318,7 +340,7 @@ def main() -> int:
         "seconds": round(seconds, 1),
         "load_before_after": [load_before, round(os.getloadavg()[0], 1)],
         "clients": CLIENTS,
-        "fleet": f"{STAGES} stages x {LANES} replicas, 1 coordinator, 1 exporter, exact, INT4",
+        "fleet": f"{STAGES} stages x {LANES} replicas, {COORDINATORS} coordinators, 1 exporter, INT4",
         "keepalive_s": [os.environ["PIPESHARD_KEEPALIVE_S"], os.environ["PIPESHARD_KEEPALIVE_TIMEOUT_S"]],
         "outcomes": dict(chaos.outcomes),
         "failed_requests": len(chaos.failures) - len(during),
@@ -328,6 +350,7 @@ def main() -> int:
         "mismatch_examples": chaos.mismatches[:3],
         "faults": [{k: v for k, v in f.items() if k in ("kind", "target", "seconds")} for f in chaos.faults],
         "failovers": len(_failovers(fleet.run_dir)),
+        "resumed_on_another_coordinator": len(_failovers(fleet.run_dir, "generation_resumed")),
         "recovery_ms": _recovery(chaos),
         "rss_growth": growth,
         "rss_mib_start_end": rss_mib,

@@ -1,6 +1,6 @@
 """Python client of CoordinatorService.Generate, sync and asyncio.
 
-with PipeshardClient("127.0.0.1:50051") as client:
+with PipeshardClient("127.0.0.1:50051") as client:   # or ["127.0.0.1:50051", "127.0.0.1:50052"]
     for chunk in client.stream("What is the capital of France?"):
         print(chunk.text, end="")
     result = client.generate("Hello", max_tokens=16)
@@ -14,12 +14,13 @@ PIPESHARD_TOKEN, else ``certs/token``).
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import grpc
 
+from pipeshard.clients.group import AsyncResumingCall, Coordinators, ResumingCall, parse_addresses
 from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 # Where `make up SECURE=1` leaves the fleet's CA certificate and client token (docs/SECURITY.md).
@@ -172,13 +173,17 @@ def fold(result: GenerateResult, response: coordinator_pb2.GenerateResponse) -> 
 
 
 class _Client:
-    """The connection both clients share; they differ only in the kind of channel."""
+    """The connection both clients share; they differ only in the kind of channel.
+
+    ``address``: one coordinator, or several of one fleet (a sequence or ``"a:1,b:2"``): then each
+    request goes to the one with the fewest outstanding and a stream whose coordinator goes away
+    continues on another (clients/group.py)."""
 
     _aio = False
 
     def __init__(
         self,
-        address: str,
+        address: str | Sequence[str],
         *,
         timeout_s: float | None = None,
         token: str | None = None,
@@ -186,9 +191,22 @@ class _Client:
     ):
         self._connection = Connection.resolve(ca_cert, token)
         channel = self._connection.aio_channel if self._aio else self._connection.channel
-        self._channel = channel(address)
+        self._channels = [channel(a) for a in parse_addresses(address)]
+        self._channel = self._channels[0]
         self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+        self._group = Coordinators([coordinator_pb2_grpc.CoordinatorServiceStub(c) for c in self._channels])
         self._timeout = timeout_s
+
+    def _call(self, stub, request: coordinator_pb2.GenerateRequest):
+        return stub.Generate(request, timeout=self._timeout, metadata=self._connection.metadata)
+
+    def _generate(
+        self, request: coordinator_pb2.GenerateRequest, resuming: type[ResumingCall | AsyncResumingCall]
+    ):
+        """One coordinator's own call, or a group's call that resumes on another."""
+        if len(self._channels) == 1:
+            return self._call(self._stub, request)
+        return resuming(self._group, request, self._call)
 
 
 class PipeshardClient(_Client):
@@ -199,13 +217,12 @@ class PipeshardClient(_Client):
         self.close()
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     def responses(self, prompt: str | None = None, **kwargs):
         """The streaming call: iterate it for responses, ``cancel()`` it to stop the generation."""
-        return self._stub.Generate(
-            build_request(prompt, **kwargs), timeout=self._timeout, metadata=self._connection.metadata
-        )
+        return self._generate(build_request(prompt, **kwargs), ResumingCall)
 
     def stream(self, prompt: str | None = None, **kwargs) -> Iterator[coordinator_pb2.TokenChunk]:
         for response in self.responses(prompt, **kwargs):
@@ -229,14 +246,13 @@ class AsyncPipeshardClient(_Client):
         await self.close()
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     async def responses(
         self, prompt: str | None = None, **kwargs
     ) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
-        async for response in self._stub.Generate(
-            build_request(prompt, **kwargs), timeout=self._timeout, metadata=self._connection.metadata
-        ):
+        async for response in self._generate(build_request(prompt, **kwargs), AsyncResumingCall):
             yield response
 
     async def generate(self, prompt: str | None = None, **kwargs) -> GenerateResult:

@@ -24,6 +24,7 @@ from pipeshard.paths import DEFAULT_MODEL, certs_dir, export_name, shards_dir
 from pipeshard.precision import DEFAULT_PRECISION, INVARIANT_LADDER, PRECISIONS, ladder
 from pipeshard.services.gateway.settings import GATEWAY_METRICS_PORT, GATEWAY_PORT
 from pipeshard.services.launcher import (
+    coordinator_name,
     draft_heads_args,
     feature_draft_args,
     process_start_time,
@@ -62,6 +63,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=1,
         help="processes per stage, one lane each (replica r of stage k on port 50061+k+20r); the "
         "coordinator spreads sessions over the lanes and moves them off a failed one",
+    )
+    up.add_argument(
+        "--coordinators",
+        type=int,
+        default=1,
+        help="coordinators over the same stages, a group (coordinator c on port 50051+c); the gateway "
+        "spreads requests over them and continues a dead one's streams on another",
     )
     up.add_argument("--weights", choices=WEIGHT_FORMATS, default="int4")
     up.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION)
@@ -154,6 +162,9 @@ def ensure_shards(model: str, stages: int, weights: str) -> Path:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    if args.coordinators < 1:
+        print(f"--coordinators must be at least 1, got {args.coordinators}", file=sys.stderr)
+        return 2
     if (RUN_DIR / "pids").exists():
         print("a fleet is already up (run `make down` first)", file=sys.stderr)
         return 1
@@ -192,7 +203,7 @@ def run_up(args: argparse.Namespace) -> int:
                 for r, lane in enumerate(topo.lanes)
                 for k, s in enumerate(lane)
             },
-            "coordinator": topo.coordinator.metrics_port,
+            **{coordinator_name(c): topo.coordinator.metrics_port + c for c in range(args.coordinators)},
             "gateway": GATEWAY_METRICS_PORT,
         },
         detach=True,
@@ -203,6 +214,7 @@ def run_up(args: argparse.Namespace) -> int:
         api_keys=default_key_file() if args.secure else None,
         replicas=args.replicas,
         stage_memory_limit=limit,
+        coordinators=args.coordinators,
     )
     if tls_dir is not None:
         shutil.copyfile(tls_dir / CA_CERT, RUN_CA_CERT)  # where clients look by default
@@ -219,9 +231,11 @@ def run_up(args: argparse.Namespace) -> int:
     for r, lane in enumerate(fleet.lanes):
         for k, address in enumerate(lane):
             print(f"stage {k} listening on {address}" + (f" (replica {r})" if r else ""))
-    print(f"coordinator listening on {fleet.coordinator}")
+    for c, address in enumerate(fleet.coordinators):
+        print(f"coordinator listening on {address}" + (f" (coordinator {c} of the group)" if c else ""))
     metrics = [topo.exporter.metrics_port, *(s.metrics_port for lane in topo.lanes for s in lane)]
-    metrics += [topo.coordinator.metrics_port, GATEWAY_METRICS_PORT]
+    metrics += [topo.coordinator.metrics_port + c for c in range(args.coordinators)]
+    metrics += [GATEWAY_METRICS_PORT]
     print(f"/metrics on ports {', '.join(map(str, metrics))}; watch the fleet with `pipeshard top`")
     print(f"openai gateway listening on {fleet.gateway}", flush=True)
     return 0

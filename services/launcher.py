@@ -33,11 +33,17 @@ from pipeshard.topology import LANE_SEPARATOR, REPLICA_PORT_STRIDE
 
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
 _STAGE_NAME = re.compile(r"stage(\d+)(?:\.r(\d+))?")
+_COORDINATOR_NAME = re.compile(r"coordinator\d*")
 
 
 def stage_name(k: int, replica: int = 0) -> str:
     """The process name of replica ``replica`` of stage ``k``: ``stage1``, ``stage1.r2``."""
     return f"stage{k}" if replica == 0 else f"stage{k}.r{replica}"
+
+
+def coordinator_name(c: int) -> str:
+    """Process name of coordinator ``c`` of a group: the first is ``coordinator``, then ``coordinator1``..."""
+    return f"coordinator{c}" if c else "coordinator"
 
 
 def link_name(k: int, replica: int = 0) -> str:
@@ -75,6 +81,11 @@ class Fleet:
     @property
     def coordinator(self) -> str:
         return next(p.address for p in self.processes if p.name == "coordinator")
+
+    @property
+    def coordinators(self) -> list[str]:
+        """Every coordinator's address, the first (``coordinator``) first (``coordinator_name``)."""
+        return [p.address for p in self.processes if _COORDINATOR_NAME.fullmatch(p.name)]
 
     @property
     def gateway(self) -> str:
@@ -284,6 +295,7 @@ def start_fleet(
     replicas: int = 1,
     stage_memory_limit: int | None = None,
     faulty_links: bool = False,
+    coordinators: int = 1,
 ) -> Fleet:
     """Start ``num_stages`` stage processes and a coordinator on loopback; ports 0 = ephemeral.
 
@@ -303,7 +315,9 @@ def start_fleet(
     ``stage_memory_limit`` (bytes) runs every stage process in its own memory cgroup with that
     limit (``pipeshard.services.memcap``); their paths go to ``<run_dir>/cgroups``.
     ``faulty_links`` sends every hop between stages through its own forwarder process
-    (``link_name``), so a test or the chaos soak can stall or reset one link (``link_control``)."""
+    (``link_name``), so a test or the chaos soak can stall or reset one link (``link_control``).
+    ``coordinators`` of them start over the same stages, a group (``coordinator_name``; coordinator
+    c on ``coordinator_port`` + c, or an ephemeral port); the gateway is given them all."""
     run_dir.mkdir(parents=True, exist_ok=True)
 
     def metered(name: str, args: list[str]) -> list[str]:
@@ -365,25 +379,25 @@ def start_fleet(
                     fleet.processes.append(spawn_link(run_dir, k - 1, r, proc.address, env))
                     next_hop = fleet.processes[-1].address
         stages = [LANE_SEPARATOR.join(lane[k] for lane in fleet.lanes) for k in range(num_stages)]
-        coordinator = spawn(
-            "coordinator",
-            metered(
-                "coordinator",
-                coordinator_args(stages, shards, coordinator_port, log_format, extra_coordinator_args),
-            ),
-            run_dir,
-            env,
-            timeout_s,
-            detach=detach,
-        )
-        fleet.processes.append(coordinator)
+        for c in range(coordinators):
+            name = coordinator_name(c)
+            port = coordinator_port + c if coordinator_port else 0
+            coordinator = spawn(
+                name,
+                metered(name, coordinator_args(stages, shards, port, log_format, extra_coordinator_args)),
+                run_dir,
+                env,
+                timeout_s,
+                detach=detach,
+            )
+            fleet.processes.append(coordinator)
         if gateway_port is not None:
             gateway = spawn(
                 "gateway",
                 metered(
                     "gateway",
                     [
-                        *gateway_args(coordinator.address, shards, gateway_port, log_format),
+                        *gateway_args(",".join(fleet.coordinators), shards, gateway_port, log_format),
                         *extra_gateway_args,
                     ],
                 ),

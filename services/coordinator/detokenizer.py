@@ -7,7 +7,7 @@ difference only when it does not end in U+FFFD (an incomplete byte sequence).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -23,7 +23,10 @@ def ids_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), streamed: Sequence[int] = ()):
+        """``streamed``: tokens whose text a caller already has (a resumed request's): decoded and
+        marked streamed, so what follows, a stop string across the seam included, comes out as if
+        the stream had never changed hands (held-back text included)."""
         self._decode = ids_decoder(tokenizer)
         self._ids: list[int] = []
         self._prefix = 0
@@ -33,6 +36,9 @@ class IncrementalDetokenizer:
         self.text = ""  # all decoded text
         self._emitted = 0  # characters of ``text`` already streamed
         self.stopped = False
+        for token in streamed:
+            self.add(token)
+        self.delta()
 
     def add(self, token_id: int) -> None:
         self._ids.append(token_id)

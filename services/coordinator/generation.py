@@ -976,7 +976,7 @@ class Generation:
             final_stage_sampling=self.final_stage_sampling,
             prune=self.tree_prune,
             policy=policy,
-            detok=IncrementalDetokenizer(self._tok, params.stop),
+            detok=IncrementalDetokenizer(self._tok, params.stop, params.resumed),
             # A grammar ends at end-of-sequence, whatever ignore_eos says.
             stop_ids=set(params.stop_token_ids)
             | (set() if params.ignore_eos and constraint is None else self._eos),

@@ -7,7 +7,9 @@ seeded generator, so a seed reproduces its output: the final stage draws with it
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +37,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     top_logprobs: int = 0  # with logprobs: this many most likely tokens per position
+    # Completion tokens another coordinator already streamed (GenerateRequest.resume_token_ids):
+    # they are counted out of max_tokens, and the draw, penalties and grammar continue after them.
+    resumed: tuple[int, ...] = ()
 
     @property
     def chooses_here(self) -> bool:
@@ -55,6 +60,23 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def resuming(self, token_ids: Sequence[int], vocab_size: int) -> SamplingParams:
+        """These parameters continuing after ``token_ids`` (already streamed by another
+        coordinator): the tokens left of max_tokens. InvalidArgument names resume_token_ids."""
+        if not token_ids:
+            return self
+        if len(token_ids) >= self.max_tokens:
+            raise InvalidArgument(
+                "resume_token_ids",
+                f"must be fewer than max_tokens ({self.max_tokens}), got {len(token_ids)} tokens",
+            )
+        for t in token_ids:
+            if not 0 <= t < vocab_size:
+                raise InvalidArgument("resume_token_ids", f"{t} is not a token id (vocabulary {vocab_size})")
+        return dataclasses.replace(
+            self, max_tokens=self.max_tokens - len(token_ids), resumed=(*self.resumed, *token_ids)
+        )
 
     def validate(self, *, prompt_tokens: int, max_context: int, vocab_size: int) -> None:
         """Raise InvalidArgument naming the first parameter that is out of range."""
@@ -104,7 +126,11 @@ class Sampler:
     distribution: Distribution = field(init=False)
 
     def __post_init__(self) -> None:
-        self.rng = np.random.default_rng(self.params.seed)
+        stream = np.random.PCG64(self.params.seed)  # default_rng's generator
+        # Each token drawn without speculation takes one 64-bit output of the stream (one
+        # ``random()`` in ``choice``), so a resumed request's stream is where it would have been.
+        stream.advance(len(self.params.resumed))
+        self.rng = np.random.Generator(stream)
         self.distribution = Distribution(self.params.temperature, self.params.top_k, self.params.top_p)
 
     def probabilities(self, logits: np.ndarray) -> np.ndarray:
@@ -124,6 +150,8 @@ class LogitShaper:
         self.params = params
         self.constraint = constraint
         self.counts: dict[int, int] = {}  # generated tokens and how often each came
+        for token in params.resumed:  # streamed before a coordinator change: generated all the same
+            self.took(token)
 
     def shaped(self, row: np.ndarray) -> np.ndarray:
         """A shaped copy of ``row`` (the input stays as it came)."""

@@ -96,6 +96,11 @@ class _Admitted:
     grouping: Grouping | None  # a batch job's micro-batches; None: an interactive request
     admission: ScheduledRequest  # the scheduler's: its sessions take over its KV charge
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The caller's prompt (``prompt_ids`` ends with the tokens a resumed request had streamed)."""
+        return len(self.prompt_ids) - len(self.params.resumed)
+
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def __init__(
@@ -205,6 +210,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         params.validate(
             prompt_tokens=len(prompt_ids), max_context=self._max_context, vocab_size=self._vocab_size
         )
+        # A continuation of another coordinator's stream: its tokens so far join the context.
+        params = params.resuming(request.resume_token_ids, self._vocab_size)
+        prompt_ids += params.resumed
+        if params.resumed:
+            log.info("generation_resumed", resumed_tokens=len(params.resumed))
         # Checked once, here: what follows trusts the typed values.
         speculation = self._generation.check_speculative(request.speculative, request.k, request.tree)
         if params.grammar is not None:  # compiled (and cached) before the request queues
@@ -220,9 +230,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 yield response
 
     async def _stream(self, admitted: _Admitted):
-        token_ids: list[int] = []
+        token_ids: list[int] = list(admitted.params.resumed)
         text: list[str] = []
-        prompt_ids = admitted.prompt_ids
         try:
             async for response in self._responses(admitted):
                 if response.HasField("chunk"):
@@ -233,7 +242,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             yield coordinator_pb2.GenerateResponse(
                 summary=coordinator_pb2.GenerateSummary(
                     finish_reason=coordinator_pb2.FINISH_REASON_CANCELLED,
-                    prompt_tokens=len(prompt_ids),
+                    prompt_tokens=admitted.prompt_tokens,
                     completion_tokens=len(token_ids),
                     text="".join(text),
                     error=str(exc),
@@ -276,6 +285,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 IDENTITY_REQUESTS.labels(identity=label, finish_reason=event.finish_reason).inc()
                 IDENTITY_CACHED_TOKENS.labels(identity=label).inc(event.cached_tokens)
                 copied = {name: getattr(event, name) for name in _SUMMARY_FIELDS}
+                # The whole completion's counts, a resumed request's earlier tokens included.
+                copied["prompt_tokens"] = admitted.prompt_tokens
+                copied["completion_tokens"] += len(admitted.params.resumed)
                 yield coordinator_pb2.GenerateResponse(
                     summary=coordinator_pb2.GenerateSummary(
                         finish_reason=_FINISH[event.finish_reason],

@@ -1,4 +1,6 @@
-"""The FastAPI app: OpenAI routes over one gRPC channel to the coordinator.
+"""The FastAPI app: OpenAI routes over gRPC channels to the coordinator, or to a group of them
+(``--coordinator a,b``: each request goes to the one with the fewest outstanding, and a stream whose
+coordinator dies continues on another, clients/group.py).
 
 Each HTTP request is one Generate call. The first response is awaited before answering, so
 refusals (bad parameter, full queue, stage down) get their HTTP status even when streaming; a
@@ -26,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeshard.auth import Authenticator
 from pipeshard.clients.client import Connection
+from pipeshard.clients.group import AsyncResumingCall, Coordinators, parse_addresses
 from pipeshard.metrics import counter
 from pipeshard.services.gateway.calls import failed, generate_call
 from pipeshard.services.gateway.errors import GatewayError
@@ -92,7 +95,7 @@ class Gateway:
 
     def __init__(self, settings: GatewaySettings, authenticator: Authenticator):
         self.settings = settings
-        self.channel: grpc.aio.Channel | None = None
+        self.channels: list[grpc.aio.Channel] = []
         self.auth = authenticator
         self.streams = StreamCaps(settings.max_streams_per_identity, settings.max_streams)
         self._proxies = parse_proxies(settings.trusted_proxies)
@@ -110,24 +113,38 @@ class Gateway:
 
     async def open(self) -> None:
         # TLS to a secured coordinator; the token is each HTTP request's own (see _metadata).
-        self.channel = Connection.resolve(self.settings.ca_cert).aio_channel(self.settings.coordinator)
-        self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
-        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        connection = Connection.resolve(self.settings.ca_cert)
+        self.addresses = parse_addresses(self.settings.coordinator)
+        self.channels = [connection.aio_channel(a) for a in self.addresses]
+        self.group = Coordinators([coordinator_pb2_grpc.CoordinatorServiceStub(c) for c in self.channels])
 
     async def close(self) -> None:
-        if self.channel is not None:
-            await self.channel.close()
+        for channel in self.channels:
+            await channel.close()
+
+    def _generate(self, request: Request, rpc: coordinator_pb2.GenerateRequest):
+        """One Generate call: to the coordinator, or over the group (resumed on another if one dies)."""
+
+        def call(stub, one: coordinator_pb2.GenerateRequest):
+            return stub.Generate(one, metadata=_metadata(request), timeout=self.settings.request_timeout_s)
+
+        if len(self.channels) == 1:
+            return call(self.group.stubs[0], rpc)
+        return AsyncResumingCall(self.group, rpc, call)
 
     async def health(self) -> JSONResponse:
-        try:
-            reply = await self.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
-            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError as exc:
-            where = self.settings.coordinator
-            raise GatewayError(503, f"coordinator {where} unreachable: {exc.details()}") from None
-        if not serving:
-            raise GatewayError(503, f"coordinator {self.settings.coordinator} is not serving")
-        return JSONResponse({"status": "ok", "coordinator": self.settings.coordinator})
+        """Serving while any coordinator of the group serves (each one's state is in the body)."""
+        states = await asyncio.gather(*(_serving(c) for c in self.channels))
+        if not any(state == "serving" for state in states):
+            detail = "; ".join(f"{a} {state}" for a, state in zip(self.addresses, states, strict=True))
+            raise GatewayError(503, f"no coordinator serves: {detail}")
+        return JSONResponse(
+            {
+                "status": "ok",
+                "coordinator": self.settings.coordinator,
+                "coordinators": dict(zip(self.addresses, states, strict=True)),
+            }
+        )
 
     def page(self) -> HTMLResponse:
         """The chat and fleet page: static, its key kept in the tab; it calls the API like any client."""
@@ -190,7 +207,7 @@ class Gateway:
         warm.params.max_tokens = 1
         for name in ("grammar", "seed", "temperature", "logprobs", "top_logprobs", "logit_bias"):
             warm.params.ClearField(name)
-        call = self.stub.Generate(warm, metadata=_metadata(request), timeout=self.settings.request_timeout_s)
+        call = self._generate(request, warm)
         try:
             summary, *_ = await _unless_gone(request, _collect(call), call)
         finally:
@@ -209,9 +226,7 @@ class Gateway:
                 one.request_id = f"{rpc.request_id}-{i}"
                 if rpc.params.HasField("seed"):
                     one.params.seed = (rpc.params.seed + i) % 2**64
-            calls.append(
-                self.stub.Generate(one, metadata=_metadata(request), timeout=self.settings.request_timeout_s)
-            )
+            calls.append(self._generate(request, one))
         return calls
 
     async def _choices(self, request: Request, rpc: coordinator_pb2.GenerateRequest, n: int, shaper: Shaper):
@@ -257,6 +272,15 @@ class Gateway:
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+
+
+async def _serving(channel: grpc.aio.Channel) -> str:
+    """One coordinator's health: "serving", "not serving" or "unreachable: <why>"."""
+    try:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+    except grpc.aio.AioRpcError as exc:
+        return f"unreachable: {exc.details()}"
+    return "serving" if reply.status == health_pb2.HealthCheckResponse.SERVING else "not serving"
 
 
 class _EventStream(StreamingResponse):

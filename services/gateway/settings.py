@@ -15,7 +15,11 @@ GATEWAY_METRICS_PORT = 9180  # `make up`; the gRPC services' metrics ports are 9
 class GatewaySettings:
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(GATEWAY_PORT, "HTTP port (0 = an ephemeral port, printed at start)")
-    coordinator: str = setting("127.0.0.1:50051", "coordinator gRPC address")
+    coordinator: str = setting(
+        "127.0.0.1:50051",
+        "coordinator gRPC address; several of one fleet, comma-separated, are a group: requests go to the "
+        "least busy and a stream whose coordinator dies continues on another",
+    )
     ca_cert: str | None = setting(
         None, "fleet CA certificate of a TLS coordinator (unset: run/ca.pem if present, else plaintext)"
     )

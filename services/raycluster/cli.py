@@ -56,6 +56,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     def run_up(args: argparse.Namespace) -> int:
         if args.ray:
+            if args.coordinators != 1:
+                print(
+                    "--coordinators: a Ray fleet has one coordinator (a group is for plain processes)",
+                    file=sys.stderr,
+                )
+                return 2
             return _commands().run_up(args, RUN_DIR, TOPOLOGY)
         if args.replicas == "auto":
             print("--replicas auto needs --ray", file=sys.stderr)

@@ -61,3 +61,26 @@ def test_the_bundled_tokenizer_streams_what_its_own_decode_gives(smollm2_dir):
     assert "".join(deltas) == detok.text == tok.decode(ids, skip_special_tokens=True)
     assert "<|im_end|>" not in detok.text and "東京 🙂" in detok.text
     assert all("\ufffd" not in d for d in deltas)
+
+
+def test_a_resumed_stream_continues_the_text_as_if_undisturbed():
+    """Another coordinator continues after the tokens a caller already has: it streams exactly
+    what the undisturbed stream would have, the held-back tail and a stop string across the seam
+    included."""
+    text = "Grüße. The answer is 42.\nUser: more"
+    stop = ("\nUser:",)
+    for seam in range(1, len(text.encode()) - 8):
+        detok = IncrementalDetokenizer(ByteTokenizer(), stop)
+        streamed: list[str] = []
+        data = text.encode()
+        for b in data[:seam]:
+            detok.add(b)
+            streamed.append(detok.delta())
+        resumed = IncrementalDetokenizer(ByteTokenizer(), stop, streamed=list(data[:seam]))
+        for b in data[seam:]:
+            resumed.add(b)
+            streamed.append(resumed.delta())
+            if resumed.stopped:
+                break
+        streamed.append(resumed.delta(final=True))
+        assert "".join(streamed) == "Grüße. The answer is 42." == resumed.text, seam

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.services.coordinator.sampling import Sampler, SamplingParams
+from pipeshard.services.coordinator.sampling import LogitShaper, Sampler, SamplingParams
 
 OK = {"prompt_tokens": 10, "max_context": 200, "vocab_size": 50}
 
@@ -66,3 +66,43 @@ def test_same_seed_same_draws_and_distribution_is_followed():
         / 3000
     )
     np.testing.assert_allclose(counts, [0.6, 0.3, 0.1], atol=0.03)
+
+
+def test_resuming_counts_the_streamed_tokens_out_of_max_tokens():
+    resumed = SamplingParams(max_tokens=10).resuming([3, 4, 5], vocab_size=50)
+    assert (resumed.max_tokens, resumed.resumed) == (7, (3, 4, 5))
+    assert SamplingParams(max_tokens=10).resuming([], vocab_size=50) == SamplingParams(max_tokens=10)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "text"),
+    [
+        ([1] * 10, "fewer than max_tokens (10), got 10"),
+        ([1, 50], "50 is not a token id"),
+        ([-1], "-1 is not"),
+    ],
+)
+def test_resume_tokens_too_many_or_out_of_vocabulary_name_the_field(tokens, text):
+    with pytest.raises(InvalidArgument, match="`resume_token_ids`") as info:
+        SamplingParams(max_tokens=10).resuming(tokens, vocab_size=50)
+    assert text in str(info.value)
+
+
+def test_a_resumed_seeded_sampler_draws_what_the_undisturbed_one_would_next():
+    """Each token drawn takes one output of the seeded stream: a sampler resumed after n tokens
+    continues it where the undisturbed one is after drawing n."""
+    rng = np.random.default_rng(0)
+    rows = [rng.normal(size=50).astype(np.float32) for _ in range(12)]
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=1234, max_tokens=12)
+    whole = Sampler(params)
+    tokens = [whole.sample(row) for row in rows]
+    resumed = Sampler(params.resuming(tokens[:5], vocab_size=50))
+    assert [resumed.sample(row) for row in rows[5:]] == tokens[5:]
+    assert [Sampler(params).sample(row) for row in rows[5:]] != tokens[5:]  # the position matters
+
+
+def test_a_resumed_shaper_counts_the_streamed_tokens_as_generated():
+    params = SamplingParams(presence_penalty=1.0, frequency_penalty=0.5, max_tokens=8)
+    shaper = LogitShaper(params.resuming([2, 2, 7], vocab_size=10))
+    shaped = shaper.shaped(np.zeros(10, dtype=np.float32))
+    assert shaped[2] == pytest.approx(-2.0) and shaped[7] == pytest.approx(-1.5) and shaped[0] == 0.0
