@@ -1,6 +1,6 @@
 """`make soak SOAK_MODE=chaos`: 16 clients for minutes while processes die and links fail.
 
-A 3-stage INT4 loopback fleet with two lanes (replicas) at exact precision, an exporter and
+A 3-stage INT4 loopback fleet with two lanes (replicas) at the default precision, an exporter and
 SOAK_COORDINATORS (2) coordinators, a group: each client holds one client of every coordinator's
 address, so a stream whose coordinator is killed continues on another (docs/RELIABILITY.md,
 "Coordinators in a group"); with SOAK_COORDINATORS=1 a coordinator kill fails the requests in
@@ -56,6 +56,7 @@ from bench.soak import PROMPTS, _live_sessions, _rss_mib, _shards
 from bench.stats import command_with_knobs, write_result
 from pipeshard.clients.client import AsyncPipeshardClient, PipeshardClient
 from pipeshard.offline import set_offline_defaults
+from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.launcher import (
     Fleet,
     Process,
@@ -171,7 +172,7 @@ class Chaos:
         name = fault["target"] = stage_name(k, r)
         victim = await self._kill(name)
         next_hop = self.fleet.process(link_name(k, r)).address if k < STAGES - 1 else None
-        args = stage_args(k, self.shards, _port(k, r), "exact", "json", next_hop)
+        args = stage_args(k, self.shards, _port(k, r), DEFAULT_PRECISION, "json", next_hop)
         proc = await asyncio.to_thread(spawn, name, args, self.fleet.run_dir, fleet_env(), 300)
         self._replace(victim, proc)
         await _rejoined(self.fleet, f"127.0.0.1:{_port(k, r)}", 300)
