@@ -18,12 +18,25 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pipeshard.errors import InvalidArgument
+from pipeshard.services.coordinator.number_bounds import bounded
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 # Compiled grammars kept, by their text (a schema sent again starts from its cached matcher).
 CACHED_GRAMMARS = 256
+# Any JSON object (json_object): its values any JSON, so that their numbers are bounded too.
+ANY_OBJECT = {
+    "type": "object",
+    "additionalProperties": {"$ref": "#/$defs/value"},
+    "$defs": {
+        "value": {
+            "type": ["null", "boolean", "number", "string", "array", "object"],
+            "items": {"$ref": "#/$defs/value"},
+            "additionalProperties": {"$ref": "#/$defs/value"},
+        }
+    },
+}
 # JSON as models write it, with no free whitespace: a flexible grammar lets a small model (or any
 # model sampling) fill its tokens with blanks between keys. An unimplemented keyword is an error.
 JSON_OPTIONS: JsonCompileOptions = {
@@ -46,7 +59,7 @@ class GrammarSpec:
         import llguidance
 
         if self.kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(bounded(ANY_OBJECT), JSON_OPTIONS)
         if self.kind == "json_schema":
             try:
                 schema = json.loads(self.text)
@@ -55,7 +68,7 @@ class GrammarSpec:
             if not isinstance(schema, dict):
                 raise InvalidArgument("grammar.json_schema", "must be a JSON object")
             try:
-                return llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS)
+                return llguidance.LLMatcher.grammar_from_json_schema(bounded(schema), JSON_OPTIONS)
             except ValueError as exc:
                 raise InvalidArgument("grammar.json_schema", f"cannot be compiled: {exc}") from None
         if self.kind == "regex":

@@ -189,10 +189,14 @@ PROMPT = "Answer in JSON. Describe a fictional {name} briefly."
 
 @pytest.fixture(scope="module")
 def fleet(smollm2_export, fleet_factory):
-    # `exact`, not the default: at `invariant` (bf16) SmolLM2-135M's greedy answer to the nested
-    # schema runs a longitude's digits on to max_tokens (valid so far, finish `length`), a limit
-    # of the model that JSON Schema cannot bound; these checks are of the grammar, at any precision.
-    return fleet_factory(smollm2_export(2, "int4"), 2, precision="exact", gateway_port=0)
+    """At the default precision (`invariant`): the grammar bounds a number's digits, so every
+    schema's greedy answer ends."""
+    return fleet_factory(smollm2_export(2, "int4"), 2, gateway_port=0)
+
+
+@pytest.fixture(scope="module")
+def exact_fleet(smollm2_export, fleet_factory):
+    return fleet_factory(smollm2_export(2, "int4"), 2, precision="exact")
 
 
 @pytest.fixture(scope="module")
@@ -312,9 +316,11 @@ def _grpc_tokens(fleet, schema: dict, prompt: str, **kwargs) -> list[int]:
     return ids, summary
 
 
-def test_speculative_structured_output_equals_plain(fleet):
+@pytest.mark.parametrize("precision", ["exact", "default"])
+def test_speculative_structured_output_equals_plain(request, precision):
     """Prompt-lookup drafts copy the prompt's own JSON-ish text, much of which leaves the grammar:
     each draft is cut where the masked target disagrees, and the tokens equal plain decoding."""
+    fleet = request.getfixturevalue("exact_fleet" if precision == "exact" else "fleet")
     schema = SCHEMAS["nested"]
     prompt = 'Fill {"city": "...", "location": {"lat": 0, "lon": 0}} for Paris: {"city": "Paris"}'
     plain, _ = _grpc_tokens(fleet, schema, prompt, speculative="none")
