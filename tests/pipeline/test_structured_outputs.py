@@ -300,6 +300,34 @@ def test_a_schema_the_engine_cannot_compile_is_a_400_naming_response_format(api,
     assert ok.choices[0].message.content
 
 
+# Each bad input of the OpenAI surface and the parameter its 400 names.
+BAD_INPUT = [
+    ({"response_format": _schema_format("uniq", {"type": "array", "uniqueItems": True})}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0].function.parameters"),
+    ({"n": 9}, "n"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logit_bias": {"49152": 5}}, "logit_bias"),
+]
+
+
+def test_bad_input_is_a_400_naming_it_while_a_stream_runs_on(api):
+    """Every bad input is refused by name while another user's stream is open, and that stream's
+    text is its text alone."""
+    messages = [{"role": "user", "content": "Name three rivers of Europe."}]
+    alone = _chat(api, messages[0]["content"]).message.content
+    stream = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, stream=True)
+    chunks = iter(stream)
+    parts = [next(chunks).choices[0].delta.content or ""]  # the stream is running
+    for extra, param in BAD_INPUT:
+        with pytest.raises(openai.BadRequestError) as info:
+            api.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **extra)
+        assert info.value.status_code == 400 and info.value.param == param, (extra, info.value.message)
+    parts.extend(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "".join(parts) == alone
+
+
 def _grpc_tokens(fleet, schema: dict, prompt: str, **kwargs) -> list[int]:
     request = build_request(prompt, max_tokens=TOKENS, **kwargs)
     request.params.grammar.CopyFrom(coordinator_pb2.Grammar(json_schema=json.dumps(schema)))
