@@ -496,3 +496,82 @@ def test_tool_calls_round_trip_streamed_and_not(api, choice):
     assert (
         final.message.content and not final.message.tool_calls and final.finish_reason in ("stop", "length")
     )
+
+
+def _weather_call(i: int, city: str) -> dict:
+    arguments = json.dumps({"city": city, "unit": "C"})
+    return {
+        "id": f"call_{i}",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": arguments},
+    }
+
+
+def _asked_before(cities: list[str]) -> list[dict]:
+    """Earlier turns in which the assistant answered each weather question with a call."""
+    out: list[dict] = []
+    for i, city in enumerate(cities):
+        out.append({"role": "user", "content": f"What is the weather in {city}?"})
+        out.append({"role": "assistant", "tool_calls": [_weather_call(i, city)]})
+        out.append(
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": json.dumps({"temperature": 10 + i})}
+        )
+    return out
+
+
+def _streamed(api, **kwargs) -> tuple[str, list, str | None]:
+    """(text, tool call deltas, finish) of one streamed answer."""
+    text, calls, finish = [], [], None
+    for chunk in api.chat.completions.create(stream=True, **kwargs):
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            calls.extend(chunk.choices[0].delta.tool_calls or [])
+            finish = chunk.choices[0].finish_reason or finish
+    return "".join(text), calls, finish
+
+
+def test_auto_tool_choice_round_trip(api):
+    """`tool_choice: auto` with no grammar: SmolLM2-135M never calls on a first question (asked
+    plainly, or even told the call to write), but after three turns answered by calls it answers
+    the fourth question with one: parsed into tool_calls, streamed as a delta, and after the tool's
+    result it answers in text."""
+    messages = [
+        *_asked_before(["Rome", "Oslo", "Lima"]),
+        {"role": "user", "content": "What is the weather in Paris?"},
+    ]
+    kwargs = dict(model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice="auto", max_tokens=64)
+    answer = api.chat.completions.create(**kwargs).choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.content is None, answer
+    (call,) = answer.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and arguments["city"] == "Paris", call
+    assert not violations(arguments, WEATHER["function"]["parameters"]), arguments
+    text, calls, finish = _streamed(api, **kwargs)
+    assert finish == "tool_calls" and not text and [c.function.name for c in calls] == ["get_weather"]
+    assert json.loads(calls[0].function.arguments) == arguments
+    follow = [
+        *messages,
+        {"role": "assistant", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})},
+        {"role": "user", "content": "Thanks. Is that warm?"},
+    ]
+    final = api.chat.completions.create(**{**kwargs, "messages": follow}).choices[0]
+    assert final.message.content and not final.message.tool_calls, final
+    assert final.finish_reason in ("stop", "length")
+
+
+def test_auto_tool_choice_answers_text_when_the_model_writes_text(api):
+    """A first question under `auto`: the model's real answer is text, held back while streaming
+    (it might have been a call) and then sent as the same text."""
+    kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER, TIME],
+        tool_choice="auto",
+        max_tokens=48,
+    )
+    answer = api.chat.completions.create(**kwargs).choices[0]
+    assert answer.message.content and answer.message.tool_calls is None
+    assert answer.finish_reason in ("stop", "length")
+    text, calls, finish = _streamed(api, **kwargs)
+    assert (text, calls, finish) == (answer.message.content, [], answer.finish_reason)
