@@ -49,7 +49,8 @@ JSON_OPTIONS: JsonCompileOptions = {
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request's text must follow: ``kind`` json_schema (``text`` the schema as JSON),
-    json_object or regex (``text`` the expression)."""
+    json_object, regex (``text`` the expression) or lark (``text`` a grammar in llguidance's Lark
+    syntax)."""
 
     kind: str
     text: str = ""
@@ -73,6 +74,8 @@ class GrammarSpec:
                 raise InvalidArgument("grammar.json_schema", f"cannot be compiled: {exc}") from None
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.text)
+        if self.kind == "lark":
+            return llguidance.LLMatcher.grammar_from_lark(self.text)
         raise InvalidArgument("grammar", f"has an unknown kind {self.kind!r}")
 
 
