@@ -1,6 +1,6 @@
 """Structured outputs, penalties, logit_bias and top_logprobs through the OpenAI gateway on a real
 fleet, with the official `openai` client: JSON schemas of different shapes answered with JSON that
-validates, streamed and not; json_object and guided_regex; max_tokens inside the JSON says
+validates, streamed and not; json_object, guided_regex and guided_grammar; max_tokens inside the JSON says
 "length"; an uncompilable schema is a 400 naming response_format; a constrained row leaves its
 batch neighbours' tokens as they are alone; and with speculation (prompt lookup) the constrained
 tokens equal plain ones."""
@@ -250,7 +250,7 @@ def test_twenty_json_schemas_are_answered_with_valid_json(api):
     _check_schemas(api, SCHEMAS | EXTENDED)
 
 
-def test_json_object_completions_and_guided_regex(api):
+def test_json_object_completions_guided_regex_and_guided_grammar(api):
     text = api.completions.create(
         model=MODEL,
         prompt='Cats as JSON:\n{"name": "Tom", "age": 3}\n{"name": "Kit", "age": 5}\n',
@@ -266,6 +266,21 @@ def test_json_object_completions_and_guided_regex(api):
         extra_body={"guided_regex": pattern},
     ).choices[0]
     assert re.fullmatch(pattern, answer.message.content) and answer.finish_reason == "stop", answer
+    grammar = 'start: answer ", " colour "."\nanswer: "yes" | "no"\ncolour: /[a-z]{2,6}/'
+    answer = api.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Is the sky blue?"}],
+        max_tokens=32,
+        extra_body={"guided_grammar": grammar},
+    ).choices[0]
+    assert re.fullmatch(pattern, answer.message.content) and answer.finish_reason == "stop", answer
+    with pytest.raises(openai.BadRequestError) as info:
+        api.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            extra_body={"guided_grammar": "start: missing_rule"},
+        )
+    assert info.value.param == "guided_grammar", info.value.message
 
 
 def test_max_tokens_inside_the_json_is_length(api):
