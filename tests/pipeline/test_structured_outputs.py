@@ -259,21 +259,15 @@ def test_json_object_completions_guided_regex_and_guided_grammar(api):
     ).choices[0]
     assert isinstance(json.loads(text.text), dict) and text.finish_reason == "stop", text.text
     pattern = r"(yes|no), [a-z]{2,6}\."
-    answer = api.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Is the sky blue?"}],
-        max_tokens=32,
-        extra_body={"guided_regex": pattern},
-    ).choices[0]
-    assert re.fullmatch(pattern, answer.message.content) and answer.finish_reason == "stop", answer
     grammar = 'start: answer ", " colour "."\nanswer: "yes" | "no"\ncolour: /[a-z]{2,6}/'
-    answer = api.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Is the sky blue?"}],
-        max_tokens=32,
-        extra_body={"guided_grammar": grammar},
-    ).choices[0]
-    assert re.fullmatch(pattern, answer.message.content) and answer.finish_reason == "stop", answer
+    for guide in ({"guided_regex": pattern}, {"guided_grammar": grammar}):  # the same language
+        answer = api.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Is the sky blue?"}],
+            max_tokens=32,
+            extra_body=guide,
+        ).choices[0]
+        assert re.fullmatch(pattern, answer.message.content) and answer.finish_reason == "stop", answer
     with pytest.raises(openai.BadRequestError) as info:
         api.chat.completions.create(
             model=MODEL,
