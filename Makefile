@@ -193,7 +193,7 @@ bench-failover: model
 bench-ray: model
 	$(PY) -m bench.ray
 
-## bench-gateway: tok/s and TTFT through the OpenAI gateway vs the gRPC client, 1 and 8 users (bench/results/gateway.json)
+## bench-gateway: tok/s and TTFT through the OpenAI gateway vs the gRPC client, 1 and 8 users; a JSON schema and top_logprobs 20 over plain; the grammar engine per token (bench/results/gateway.json)
 bench-gateway: model
 	$(PY) -m bench.gateway
 

@@ -12,6 +12,10 @@ Structured outputs: a third path sends the same request through the gateway with
 ``schema_over_plain_{1user,8users}`` is its tok/s over the plain gateway's (goal >= 0.9), its
 TTFT the first-token time of a schema request (compiled once, then cached). ``grammar`` times the
 engine alone on the tokenizer: a schema's compile, and the mask plus advance per token.
+
+Top logprobs: a fourth path asks for ``logprobs`` with ``top_logprobs: 20`` (the final stage then
+returns its logits for the coordinator to rank): ``top_logprobs_over_plain_{1user,8users}`` is
+its cost as tok/s over the plain gateway's.
 """
 
 from __future__ import annotations
@@ -58,7 +62,15 @@ async def _grpc_user(address: str) -> tuple[float, int]:
         return ttft * 1000, tokens
 
 
-async def _gateway_user(api: openai.AsyncOpenAI, schema: bool = False) -> tuple[float, int]:
+# What each gateway path adds to the plain request.
+EXTRA: dict[str, dict] = {
+    "gateway": {},
+    "schema": {"response_format": FORMAT},
+    "logprobs": {"logprobs": True, "top_logprobs": 20},
+}
+
+
+async def _gateway_user(api: openai.AsyncOpenAI, path: str) -> tuple[float, int]:
     t0 = time.perf_counter()
     ttft, tokens = None, 0
     stream = await api.chat.completions.create(
@@ -67,7 +79,7 @@ async def _gateway_user(api: openai.AsyncOpenAI, schema: bool = False) -> tuple[
         max_tokens=TOKENS,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True, **({"response_format": FORMAT} if schema else {})},
+        extra_body={"ignore_eos": True, **EXTRA[path]},
     )
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content and ttft is None:
@@ -141,8 +153,8 @@ def main() -> int:
             async def one_round():
                 if name.startswith("grpc"):
                     return await asyncio.gather(*(_grpc_user(fleet.coordinator) for _ in range(users)))
-                schema = name.startswith("schema")
-                return await asyncio.gather(*(_gateway_user(api, schema) for _ in range(users)))
+                path = name.rsplit("_", 1)[0]
+                return await asyncio.gather(*(_gateway_user(api, path) for _ in range(users)))
 
             start = time.perf_counter()
             results = loop.run_until_complete(one_round())
@@ -155,7 +167,7 @@ def main() -> int:
         return run
 
     try:
-        paths_ = ("grpc", "gateway", "schema")
+        paths_ = ("grpc", "gateway", "schema", "logprobs")
         configs = {f"{path}_{u}": config(f"{path}_{u}", u) for path in paths_ for u in USERS}
         samples = interleaved(configs, RUNS, WARMUP)
     finally:
@@ -178,6 +190,9 @@ def main() -> int:
         ratio, ci = ratio_ci(samples[f"schema_{u}"], samples[f"gateway_{u}"])
         result[f"schema_over_plain_{u}{suffix}"] = ratio
         result[f"schema_over_plain_{u}{suffix}_ci95"] = ci
+        ratio, ci = ratio_ci(samples[f"logprobs_{u}"], samples[f"gateway_{u}"])
+        result[f"top_logprobs_over_plain_{u}{suffix}"] = ratio
+        result[f"top_logprobs_over_plain_{u}{suffix}_ci95"] = ci
     result["grammar"] = _grammar_cost(shards)
     write_result("gateway", result, command=f"make bench-gateway  # BENCH_RUNS={RUNS} BENCH_TOKENS={TOKENS}")
     return 0

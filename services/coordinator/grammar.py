@@ -18,12 +18,25 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pipeshard.errors import InvalidArgument
+from pipeshard.services.coordinator.number_bounds import bounded
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 # Compiled grammars kept, by their text (a schema sent again starts from its cached matcher).
 CACHED_GRAMMARS = 256
+# Any JSON object (json_object): its values any JSON, so that their numbers are bounded too.
+ANY_OBJECT = {
+    "type": "object",
+    "additionalProperties": {"$ref": "#/$defs/value"},
+    "$defs": {
+        "value": {
+            "type": ["null", "boolean", "number", "string", "array", "object"],
+            "items": {"$ref": "#/$defs/value"},
+            "additionalProperties": {"$ref": "#/$defs/value"},
+        }
+    },
+}
 # JSON as models write it, with no free whitespace: a flexible grammar lets a small model (or any
 # model sampling) fill its tokens with blanks between keys. An unimplemented keyword is an error.
 JSON_OPTIONS: JsonCompileOptions = {
@@ -36,7 +49,8 @@ JSON_OPTIONS: JsonCompileOptions = {
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request's text must follow: ``kind`` json_schema (``text`` the schema as JSON),
-    json_object or regex (``text`` the expression)."""
+    json_object, regex (``text`` the expression) or lark (``text`` a grammar in llguidance's Lark
+    syntax)."""
 
     kind: str
     text: str = ""
@@ -46,7 +60,7 @@ class GrammarSpec:
         import llguidance
 
         if self.kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(bounded(ANY_OBJECT), JSON_OPTIONS)
         if self.kind == "json_schema":
             try:
                 schema = json.loads(self.text)
@@ -55,11 +69,13 @@ class GrammarSpec:
             if not isinstance(schema, dict):
                 raise InvalidArgument("grammar.json_schema", "must be a JSON object")
             try:
-                return llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS)
+                return llguidance.LLMatcher.grammar_from_json_schema(bounded(schema), JSON_OPTIONS)
             except ValueError as exc:
                 raise InvalidArgument("grammar.json_schema", f"cannot be compiled: {exc}") from None
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.text)
+        if self.kind == "lark":
+            return llguidance.LLMatcher.grammar_from_lark(self.text)
         raise InvalidArgument("grammar", f"has an unknown kind {self.kind!r}")
 
 

@@ -80,7 +80,7 @@ def params_from_proto(p: coordinator_pb2.SamplingParams, default_max_tokens: int
 def _grammar(g: coordinator_pb2.Grammar) -> GrammarSpec:
     kind = g.WhichOneof("kind")
     if kind is None:
-        raise InvalidArgument("grammar", "must set one of json_schema, json_object or regex")
+        raise InvalidArgument("grammar", "must set one of json_schema, json_object, regex or lark")
     return GrammarSpec(kind, "" if kind == "json_object" else getattr(g, kind))
 
 

@@ -191,7 +191,7 @@ class Gateway:
                 raise
             return await self._streamed(request, body, calls, shaper, identity)
         except GatewayError as exc:
-            # The coordinator names its own field; the client sent response_format (or guided_regex).
+            # The coordinator names its own field; the client sent response_format (or a guided_*).
             if exc.param is not None and exc.param.split(".")[0] == "grammar":
                 exc.param = body.grammar_param
                 exc.message = f"`{body.grammar_param}`: {exc.message.split('` ', 1)[-1]}"

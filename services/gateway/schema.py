@@ -76,27 +76,41 @@ class OpenAIRequest(BaseModel):
     response_format: ResponseFormat | None = None
     # vLLM's extension: the whole answer matches this regular expression
     guided_regex: str | None = Field(None, min_length=1, max_length=4096)
+    # vLLM's extension: the whole answer matches this context-free grammar (llguidance's Lark
+    # syntax, whose rule `start` is the answer)
+    guided_grammar: str | None = Field(None, min_length=1, max_length=65536)
 
     def tool_plan(self) -> ToolPlan | None:
         return None
 
     def grammar(self) -> coordinator_pb2.Grammar | None:
-        """The coordinator's grammar for a required or named tool call, ``response_format`` or
-        ``guided_regex`` (None: free text)."""
+        """The coordinator's grammar for a required or named tool call, ``response_format``,
+        ``guided_regex`` or ``guided_grammar`` (None: free text)."""
         plan = self.tool_plan()
         fmt = self.response_format
+        formats = [
+            name
+            for name, value in (
+                ("response_format", fmt is not None and fmt.type != "text"),
+                ("guided_regex", self.guided_regex is not None),
+                ("guided_grammar", self.guided_grammar is not None),
+            )
+            if value
+        ]
         if plan is not None and plan.schema() is not None:
-            if (fmt is not None and fmt.type != "text") or self.guided_regex is not None:
+            if formats:
                 raise GatewayError(
-                    400, "`tool_choice` required or named excludes response_format", param="tool_choice"
+                    400, f"`tool_choice` required or named excludes {formats[0]}", param="tool_choice"
                 )
             return coordinator_pb2.Grammar(json_schema=json.dumps(plan.schema()))
-        if fmt is not None and fmt.type != "text" and self.guided_regex is not None:
+        if len(formats) > 1:
             raise GatewayError(
-                400, "`guided_regex` and `response_format` are exclusive: set one", param="guided_regex"
+                400, f"`{formats[1]}` and `{formats[0]}` are exclusive: set one", param=formats[1]
             )
         if self.guided_regex is not None:
             return coordinator_pb2.Grammar(regex=self.guided_regex)
+        if self.guided_grammar is not None:
+            return coordinator_pb2.Grammar(lark=self.guided_grammar)
         if fmt is None or fmt.type == "text":
             return None
         if fmt.type == "json_object":
@@ -124,7 +138,9 @@ class OpenAIRequest(BaseModel):
     @property
     def grammar_param(self) -> str:
         """The parameter a grammar the coordinator refuses came from."""
-        return "guided_regex" if self.guided_regex is not None else "response_format"
+        if self.guided_regex is not None:
+            return "guided_regex"
+        return "guided_grammar" if self.guided_grammar is not None else "response_format"
 
     @field_validator("stop")
     @classmethod

@@ -4,6 +4,7 @@ compiles cached per grammar text, and errors that name the parameter."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -86,6 +87,7 @@ def test_a_grammar_is_compiled_once_per_text(grammars):
         (GrammarSpec("json_schema", "{not json"), "grammar.json_schema"),
         (GrammarSpec("json_schema", "[1, 2]"), "grammar.json_schema"),
         (GrammarSpec("regex", "(("), "grammar"),
+        (GrammarSpec("lark", "start: undefined_rule"), "grammar"),
     ],
 )
 def test_an_uncompilable_grammar_names_the_parameter(grammars, spec, field):
@@ -93,3 +95,18 @@ def test_an_uncompilable_grammar_names_the_parameter(grammars, spec, field):
     with pytest.raises(InvalidArgument) as info:
         engine.compile(spec)
     assert info.value.field == field
+
+
+def test_a_lark_grammar_holds_the_text_to_its_rules(grammars):
+    """``guided_grammar``: whatever the logits say, the text is a sentence of the grammar."""
+    engine, prompter = grammars
+    grammar = 'start: answer ", " colour "."\nanswer: "yes" | "no"\ncolour: /[a-z]{2,6}/'
+    constraint = engine.constraint(GrammarSpec("lark", grammar))
+    rng = np.random.default_rng(3)
+    tokens: list[int] = []
+    while not constraint.stopped and len(tokens) < 40:
+        token = int(np.argmax(constraint.masked(rng.standard_normal(len(prompter.tokenizer)))))
+        constraint.consume(token)
+        tokens.append(token)
+    text = prompter.tokenizer.decode(tokens, skip_special_tokens=True)
+    assert constraint.stopped and re.fullmatch(r"(yes|no), [a-z]{2,6}\.", text), text

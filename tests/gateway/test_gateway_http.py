@@ -188,6 +188,8 @@ def test_formats_penalties_and_biases_reach_the_coordinator(http, coordinator):
     assert coordinator[0].requests[-1].params.grammar.json_object
     assert chat(http, guided_regex="[a-z]+").status_code == 200
     assert coordinator[0].requests[-1].params.grammar.regex == "[a-z]+"
+    assert chat(http, guided_grammar='start: "a"+').status_code == 200
+    assert coordinator[0].requests[-1].params.grammar.lark == 'start: "a"+'
     assert chat(http, response_format={"type": "text"}).status_code == 200
     assert not coordinator[0].requests[-1].params.HasField("grammar")
 
@@ -201,6 +203,8 @@ def test_formats_penalties_and_biases_reach_the_coordinator(http, coordinator):
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"guided_regex": "a", "guided_grammar": 'start: "a"'}, "guided_grammar"),
+        ({"guided_grammar": ""}, "guided_grammar"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0].function.parameters"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),

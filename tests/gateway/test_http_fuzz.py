@@ -27,8 +27,8 @@ FIELDS = (
     "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "top_k", "ignore_eos", "speculative", "k", "tree", "seed", "stop", "n", "user",
     "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "guided_regex",
-    "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "echo", "best_of",
-    "suffix", "prompt", "messages", "unknown_field",
+    "guided_grammar", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "echo",
+    "best_of", "suffix", "prompt", "messages", "unknown_field",
 )  # fmt: skip
 ROUTES = {
     "/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": "Hi"}]},

@@ -1,6 +1,6 @@
 """Structured outputs, penalties, logit_bias and top_logprobs through the OpenAI gateway on a real
 fleet, with the official `openai` client: JSON schemas of different shapes answered with JSON that
-validates, streamed and not; json_object and guided_regex; max_tokens inside the JSON says
+validates, streamed and not; json_object, guided_regex and guided_grammar; max_tokens inside the JSON says
 "length"; an uncompilable schema is a 400 naming response_format; a constrained row leaves its
 batch neighbours' tokens as they are alone; and with speculation (prompt lookup) the constrained
 tokens equal plain ones."""
@@ -189,10 +189,14 @@ PROMPT = "Answer in JSON. Describe a fictional {name} briefly."
 
 @pytest.fixture(scope="module")
 def fleet(smollm2_export, fleet_factory):
-    # `exact`, not the default: at `invariant` (bf16) SmolLM2-135M's greedy answer to the nested
-    # schema runs a longitude's digits on to max_tokens (valid so far, finish `length`), a limit
-    # of the model that JSON Schema cannot bound; these checks are of the grammar, at any precision.
-    return fleet_factory(smollm2_export(2, "int4"), 2, precision="exact", gateway_port=0)
+    """At the default precision (`invariant`): the grammar bounds a number's digits, so every
+    schema's greedy answer ends."""
+    return fleet_factory(smollm2_export(2, "int4"), 2, gateway_port=0)
+
+
+@pytest.fixture(scope="module")
+def exact_fleet(smollm2_export, fleet_factory):
+    return fleet_factory(smollm2_export(2, "int4"), 2, precision="exact")
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +250,7 @@ def test_twenty_json_schemas_are_answered_with_valid_json(api):
     _check_schemas(api, SCHEMAS | EXTENDED)
 
 
-def test_json_object_completions_and_guided_regex(api):
+def test_json_object_completions_guided_regex_and_guided_grammar(api):
     text = api.completions.create(
         model=MODEL,
         prompt='Cats as JSON:\n{"name": "Tom", "age": 3}\n{"name": "Kit", "age": 5}\n',
@@ -255,13 +259,22 @@ def test_json_object_completions_and_guided_regex(api):
     ).choices[0]
     assert isinstance(json.loads(text.text), dict) and text.finish_reason == "stop", text.text
     pattern = r"(yes|no), [a-z]{2,6}\."
-    answer = api.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Is the sky blue?"}],
-        max_tokens=32,
-        extra_body={"guided_regex": pattern},
-    ).choices[0]
-    assert re.fullmatch(pattern, answer.message.content) and answer.finish_reason == "stop", answer
+    grammar = 'start: answer ", " colour "."\nanswer: "yes" | "no"\ncolour: /[a-z]{2,6}/'
+    for guide in ({"guided_regex": pattern}, {"guided_grammar": grammar}):  # the same language
+        answer = api.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Is the sky blue?"}],
+            max_tokens=32,
+            extra_body=guide,
+        ).choices[0]
+        assert re.fullmatch(pattern, answer.message.content) and answer.finish_reason == "stop", answer
+    with pytest.raises(openai.BadRequestError) as info:
+        api.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            extra_body={"guided_grammar": "start: missing_rule"},
+        )
+    assert info.value.param == "guided_grammar", info.value.message
 
 
 def test_max_tokens_inside_the_json_is_length(api):
@@ -296,6 +309,34 @@ def test_a_schema_the_engine_cannot_compile_is_a_400_naming_response_format(api,
     assert ok.choices[0].message.content
 
 
+# Each bad input of the OpenAI surface and the parameter its 400 names.
+BAD_INPUT = [
+    ({"response_format": _schema_format("uniq", {"type": "array", "uniqueItems": True})}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0].function.parameters"),
+    ({"n": 9}, "n"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logit_bias": {"49152": 5}}, "logit_bias"),
+]
+
+
+def test_bad_input_is_a_400_naming_it_while_a_stream_runs_on(api):
+    """Every bad input is refused by name while another user's stream is open, and that stream's
+    text is its text alone."""
+    messages = [{"role": "user", "content": "Name three rivers of Europe."}]
+    alone = _chat(api, messages[0]["content"]).message.content
+    stream = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, stream=True)
+    chunks = iter(stream)
+    parts = [next(chunks).choices[0].delta.content or ""]  # the stream is running
+    for extra, param in BAD_INPUT:
+        with pytest.raises(openai.BadRequestError) as info:
+            api.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **extra)
+        assert info.value.status_code == 400 and info.value.param == param, (extra, info.value.message)
+    parts.extend(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "".join(parts) == alone
+
+
 def _grpc_tokens(fleet, schema: dict, prompt: str, **kwargs) -> list[int]:
     request = build_request(prompt, max_tokens=TOKENS, **kwargs)
     request.params.grammar.CopyFrom(coordinator_pb2.Grammar(json_schema=json.dumps(schema)))
@@ -312,9 +353,11 @@ def _grpc_tokens(fleet, schema: dict, prompt: str, **kwargs) -> list[int]:
     return ids, summary
 
 
-def test_speculative_structured_output_equals_plain(fleet):
+@pytest.mark.parametrize("precision", ["exact", "default"])
+def test_speculative_structured_output_equals_plain(request, precision):
     """Prompt-lookup drafts copy the prompt's own JSON-ish text, much of which leaves the grammar:
     each draft is cut where the masked target disagrees, and the tokens equal plain decoding."""
+    fleet = request.getfixturevalue("exact_fleet" if precision == "exact" else "fleet")
     schema = SCHEMAS["nested"]
     prompt = 'Fill {"city": "...", "location": {"lat": 0, "lon": 0}} for Paris: {"city": "Paris"}'
     plain, _ = _grpc_tokens(fleet, schema, prompt, speculative="none")
@@ -462,3 +505,82 @@ def test_tool_calls_round_trip_streamed_and_not(api, choice):
     assert (
         final.message.content and not final.message.tool_calls and final.finish_reason in ("stop", "length")
     )
+
+
+def _weather_call(i: int, city: str) -> dict:
+    arguments = json.dumps({"city": city, "unit": "C"})
+    return {
+        "id": f"call_{i}",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": arguments},
+    }
+
+
+def _asked_before(cities: list[str]) -> list[dict]:
+    """Earlier turns in which the assistant answered each weather question with a call."""
+    out: list[dict] = []
+    for i, city in enumerate(cities):
+        out.append({"role": "user", "content": f"What is the weather in {city}?"})
+        out.append({"role": "assistant", "tool_calls": [_weather_call(i, city)]})
+        out.append(
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": json.dumps({"temperature": 10 + i})}
+        )
+    return out
+
+
+def _streamed(api, **kwargs) -> tuple[str, list, str | None]:
+    """(text, tool call deltas, finish) of one streamed answer."""
+    text, calls, finish = [], [], None
+    for chunk in api.chat.completions.create(stream=True, **kwargs):
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            calls.extend(chunk.choices[0].delta.tool_calls or [])
+            finish = chunk.choices[0].finish_reason or finish
+    return "".join(text), calls, finish
+
+
+def test_auto_tool_choice_round_trip(api):
+    """`tool_choice: auto` with no grammar: SmolLM2-135M never calls on a first question (asked
+    plainly, or even told the call to write), but after three turns answered by calls it answers
+    the fourth question with one: parsed into tool_calls, streamed as a delta; the tool's result
+    is accepted on the next turn, which answers in text."""
+    messages = [
+        *_asked_before(["Rome", "Oslo", "Lima"]),
+        {"role": "user", "content": "What is the weather in Paris?"},
+    ]
+    kwargs = dict(model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice="auto", max_tokens=64)
+    answer = api.chat.completions.create(**kwargs).choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.content is None, answer
+    (call,) = answer.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and arguments["city"] == "Paris", call
+    assert not violations(arguments, WEATHER["function"]["parameters"]), arguments
+    text, calls, finish = _streamed(api, **kwargs)
+    assert finish == "tool_calls" and not text and [c.function.name for c in calls] == ["get_weather"]
+    assert json.loads(calls[0].function.arguments) == arguments
+    follow = [
+        *messages,
+        {"role": "assistant", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})},
+    ]
+    # `none` for the final answer: under `auto` the model, three calls into the pattern, calls again
+    final = api.chat.completions.create(**{**kwargs, "messages": follow, "tool_choice": "none"}).choices[0]
+    assert final.message.content and not final.message.tool_calls, final
+    assert final.finish_reason in ("stop", "length")
+
+
+def test_auto_tool_choice_answers_text_when_the_model_writes_text(api):
+    """A first question under `auto`: the model's real answer is text, held back while streaming
+    (it might have been a call) and then sent as the same text."""
+    kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER, TIME],
+        tool_choice="auto",
+        max_tokens=48,
+    )
+    answer = api.chat.completions.create(**kwargs).choices[0]
+    assert answer.message.content and answer.message.tool_calls is None
+    assert answer.finish_reason in ("stop", "length")
+    text, calls, finish = _streamed(api, **kwargs)
+    assert (text, calls, finish) == (answer.message.content, [], answer.finish_reason)
