@@ -245,15 +245,38 @@ def _idle_rss(fleet) -> dict[str, float]:
     return {p.name: _rss_mib(p.popen.pid) for p in fleet.processes}
 
 
-def _rss_parts(fleet) -> dict[str, dict[str, float]]:
-    """Each process's resident memory by kind (MiB): anonymous (its heap) and file-backed (mapped
-    files: the shard's weights, libraries), which the kernel drops and reloads under pressure."""
-    parts = {}
-    for p in fleet.processes:
-        status = Path(f"/proc/{p.popen.pid}/status").read_text().splitlines()
-        fields = dict(line.split(":", 1) for line in status if line.startswith(("RssAnon", "RssFile")))
-        parts[p.name] = {k: round(int(v.split()[0]) / 1024, 1) for k, v in fields.items()}
-    return parts
+def _rss_regions(pid: int) -> dict[str, float]:
+    """A process's resident memory by region (MiB), from /proc/PID/smaps: ``heap`` (the main
+    malloc arena, brk), ``anon`` (other anonymous mappings: mmap'd allocations such as a paged
+    stage's KV pool, other malloc arenas, Python's arenas, thread stacks), ``largest_anon`` (the
+    largest of those: on a stage, the KV pool, whose pages are resident once a session has
+    written them) and ``file`` (mapped files: weights, libraries, which the kernel drops and
+    reloads under pressure)."""
+    regions = {"heap": 0, "anon": 0, "largest_anon": 0, "file": 0}
+    name = ""
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and not head[0].endswith(":"):
+            name = head[5] if len(head) > 5 else ""
+        elif head[0] == "Rss:":
+            kib = int(head[1])
+            if name == "[heap]":
+                regions["heap"] += kib
+            elif name.startswith("/"):
+                regions["file"] += kib
+            else:
+                regions["anon"] += kib
+                regions["largest_anon"] = max(regions["largest_anon"], kib)
+    return {k: round(v / 1024, 1) for k, v in regions.items()}
+
+
+def _slope(series: list[float]) -> float:
+    """MiB a round over the second half of the rounds (least squares): about 0 once memory has
+    levelled off, the leak's rate if it has not."""
+    half = series[len(series) // 2 :]
+    if len(half) < 2:
+        return 0.0
+    return round(float(np.polyfit(np.arange(len(half)), half, 1)[0]), 2)
 
 
 def main() -> int:
@@ -282,11 +305,12 @@ def main() -> int:
                 {
                     "round": k + 1,
                     "rss_mib": {n: round(v, 1) for n, v in rss.items()},
-                    "parts": _rss_parts(fleet),
+                    "regions_mib": {p.name: _rss_regions(p.popen.pid) for p in fleet.processes},
                 }
             )
             print(
-                f"round {k + 1}/{ROUNDS}: rss MiB {rounds[-1]['rss_mib']} {rounds[-1]['parts']}", flush=True
+                f"round {k + 1}/{ROUNDS}: rss MiB {rounds[-1]['rss_mib']} {rounds[-1]['regions_mib']}",
+                flush=True,
             )
             if k == 0:
                 start = rss
@@ -296,6 +320,7 @@ def main() -> int:
         attacker.close()
         fleet.stop()
     change = {n: round(end[n] / start[n] - 1, 4) for n in start}
+    slope = {n: _slope([r["rss_mib"][n] for r in rounds]) for n in start}
     if users["mismatch"] or users["ok"] != ROUNDS * USERS * REQUESTS_PER_USER:
         failures.append(f"normal requests: {dict(users)}")
     if any(sessions_left):
@@ -310,6 +335,7 @@ def main() -> int:
         "rss_start_mib": {n: round(v, 1) for n, v in start.items()},
         "rss_end_mib": {n: round(v, 1) for n, v in end.items()},
         "rss_change": change,
+        "rss_slope_mib_per_round": slope,
         "per_round": rounds,
         "sessions_left": sessions_left,
         "seed": SEED,
@@ -317,7 +343,8 @@ def main() -> int:
         "passed": not failures,
     }
     write_result("soak_hostile", result, command="make soak SOAK_MODE=hostile")
-    print(json.dumps({k: result[k] for k in ("rss_change", "normal_requests", "failures")}), flush=True)
+    shown = ("rss_change", "rss_slope_mib_per_round", "normal_requests", "failures")
+    print(json.dumps({k: result[k] for k in shown}), flush=True)
     for failure in failures:
         print(f"soak FAILED: {failure}", file=sys.stderr)
     return 1 if failures else 0
