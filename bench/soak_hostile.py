@@ -12,8 +12,11 @@ never-read streams through the gateway. Checked, and the run fails (exit 1) othe
   * no attack is answered INTERNAL or UNKNOWN (or 5xx by the gateway);
   * no session is left on any stage afterwards;
   * each process's resident memory (VmRSS) at the end is within SOAK_RSS_TOLERANCE (10%) of its
-    start. The start is taken after the first round, so one-time allocations of every path the
-    mix reaches (allocator arenas, compiled kernels, grammar caches) count as the start.
+    start, and so is its anonymous part (heap and other anonymous mappings) at most that much
+    above: a host short of memory drops file-backed pages (weights, libraries), which lowers RSS
+    and would hide anonymous growth. The start is taken after the first round, so one-time
+    allocations of every path the mix reaches (allocator arenas, compiled kernels, grammar
+    caches) count as the start.
 Figures go to bench/results/soak_hostile.json.
 """
 
@@ -270,6 +273,11 @@ def _rss_regions(pid: int) -> dict[str, float]:
     return {k: round(v / 1024, 1) for k, v in regions.items()}
 
 
+def _anonymous(regions: dict[str, float]) -> float:
+    """Anonymous resident memory (MiB): what a host short of memory cannot drop without swap."""
+    return round(regions["heap"] + regions["anon"], 1)
+
+
 def _slope(series: list[float]) -> float:
     """MiB a round over the second half of the rounds (least squares): about 0 once memory has
     levelled off, the leak's rate if it has not."""
@@ -315,18 +323,24 @@ def main() -> int:
             if k == 0:
                 start = rss
         end = _idle_rss(fleet)
+        end_regions = {p.name: _rss_regions(p.popen.pid) for p in fleet.processes}
         sessions_left = [_live_sessions(a) for a in fleet.stages]
     finally:
         attacker.close()
         fleet.stop()
     change = {n: round(end[n] / start[n] - 1, 4) for n in start}
     slope = {n: _slope([r["rss_mib"][n] for r in rounds]) for n in start}
+    anon_start = {n: _anonymous(r) for n, r in rounds[0]["regions_mib"].items()}
+    anon_end = {n: _anonymous(r) for n, r in end_regions.items()}
+    anon_change = {n: round(anon_end[n] / anon_start[n] - 1, 4) for n in anon_start}
     if users["mismatch"] or users["ok"] != ROUNDS * USERS * REQUESTS_PER_USER:
         failures.append(f"normal requests: {dict(users)}")
     if any(sessions_left):
         failures.append(f"sessions left on the stages: {sessions_left}")
     if any(abs(c) > TOLERANCE for c in change.values()):
         failures.append(f"RSS at the end not within {TOLERANCE:.0%} of the start: {change}")
+    if any(c > TOLERANCE for c in anon_change.values()):
+        failures.append(f"anonymous memory at the end over {TOLERANCE:.0%} above the start: {anon_change}")
     result = {
         "rounds": ROUNDS,
         "seconds": round(time.monotonic() - started, 1),
@@ -336,6 +350,9 @@ def main() -> int:
         "rss_end_mib": {n: round(v, 1) for n, v in end.items()},
         "rss_change": change,
         "rss_slope_mib_per_round": slope,
+        "anon_start_mib": anon_start,
+        "anon_end_mib": anon_end,
+        "anon_change": anon_change,
         "per_round": rounds,
         "sessions_left": sessions_left,
         "seed": SEED,
@@ -343,7 +360,7 @@ def main() -> int:
         "passed": not failures,
     }
     write_result("soak_hostile", result, command="make soak SOAK_MODE=hostile")
-    shown = ("rss_change", "rss_slope_mib_per_round", "normal_requests", "failures")
+    shown = ("rss_change", "anon_change", "rss_slope_mib_per_round", "normal_requests", "failures")
     print(json.dumps({k: result[k] for k in shown}), flush=True)
     for failure in failures:
         print(f"soak FAILED: {failure}", file=sys.stderr)
