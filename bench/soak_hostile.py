@@ -12,8 +12,11 @@ never-read streams through the gateway. Checked, and the run fails (exit 1) othe
   * no attack is answered INTERNAL or UNKNOWN (or 5xx by the gateway);
   * no session is left on any stage afterwards;
   * each process's resident memory (VmRSS) at the end is within SOAK_RSS_TOLERANCE (10%) of its
-    start. The start is taken after the first round, so one-time allocations of every path the
-    mix reaches (allocator arenas, compiled kernels, grammar caches) count as the start.
+    start, and so is its anonymous part (heap and other anonymous mappings) at most that much
+    above: a host short of memory drops file-backed pages (weights, libraries), which lowers RSS
+    and would hide anonymous growth. The start is taken after the first round, so one-time
+    allocations of every path the mix reaches (allocator arenas, compiled kernels, grammar
+    caches) count as the start.
 Figures go to bench/results/soak_hostile.json.
 """
 
@@ -245,15 +248,43 @@ def _idle_rss(fleet) -> dict[str, float]:
     return {p.name: _rss_mib(p.popen.pid) for p in fleet.processes}
 
 
-def _rss_parts(fleet) -> dict[str, dict[str, float]]:
-    """Each process's resident memory by kind (MiB): anonymous (its heap) and file-backed (mapped
-    files: the shard's weights, libraries), which the kernel drops and reloads under pressure."""
-    parts = {}
-    for p in fleet.processes:
-        status = Path(f"/proc/{p.popen.pid}/status").read_text().splitlines()
-        fields = dict(line.split(":", 1) for line in status if line.startswith(("RssAnon", "RssFile")))
-        parts[p.name] = {k: round(int(v.split()[0]) / 1024, 1) for k, v in fields.items()}
-    return parts
+def _rss_regions(pid: int) -> dict[str, float]:
+    """A process's resident memory by region (MiB), from /proc/PID/smaps: ``heap`` (the main
+    malloc arena, brk), ``anon`` (other anonymous mappings: mmap'd allocations such as a paged
+    stage's KV pool, other malloc arenas, Python's arenas, thread stacks), ``largest_anon`` (the
+    largest of those: on a stage, the KV pool, whose pages are resident once a session has
+    written them) and ``file`` (mapped files: weights, libraries, which the kernel drops and
+    reloads under pressure)."""
+    regions = {"heap": 0, "anon": 0, "largest_anon": 0, "file": 0}
+    name = ""
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and not head[0].endswith(":"):
+            name = head[5] if len(head) > 5 else ""
+        elif head[0] == "Rss:":
+            kib = int(head[1])
+            if name == "[heap]":
+                regions["heap"] += kib
+            elif name.startswith("/"):
+                regions["file"] += kib
+            else:
+                regions["anon"] += kib
+                regions["largest_anon"] = max(regions["largest_anon"], kib)
+    return {k: round(v / 1024, 1) for k, v in regions.items()}
+
+
+def _anonymous(regions: dict[str, float]) -> float:
+    """Anonymous resident memory (MiB): what a host short of memory cannot drop without swap."""
+    return round(regions["heap"] + regions["anon"], 1)
+
+
+def _slope(series: list[float]) -> float:
+    """MiB a round over the second half of the rounds (least squares): about 0 once memory has
+    levelled off, the leak's rate if it has not."""
+    half = series[len(series) // 2 :]
+    if len(half) < 2:
+        return 0.0
+    return round(float(np.polyfit(np.arange(len(half)), half, 1)[0]), 2)
 
 
 def main() -> int:
@@ -282,26 +313,34 @@ def main() -> int:
                 {
                     "round": k + 1,
                     "rss_mib": {n: round(v, 1) for n, v in rss.items()},
-                    "parts": _rss_parts(fleet),
+                    "regions_mib": {p.name: _rss_regions(p.popen.pid) for p in fleet.processes},
                 }
             )
             print(
-                f"round {k + 1}/{ROUNDS}: rss MiB {rounds[-1]['rss_mib']} {rounds[-1]['parts']}", flush=True
+                f"round {k + 1}/{ROUNDS}: rss MiB {rounds[-1]['rss_mib']} {rounds[-1]['regions_mib']}",
+                flush=True,
             )
             if k == 0:
                 start = rss
         end = _idle_rss(fleet)
+        end_regions = {p.name: _rss_regions(p.popen.pid) for p in fleet.processes}
         sessions_left = [_live_sessions(a) for a in fleet.stages]
     finally:
         attacker.close()
         fleet.stop()
     change = {n: round(end[n] / start[n] - 1, 4) for n in start}
+    slope = {n: _slope([r["rss_mib"][n] for r in rounds]) for n in start}
+    anon_start = {n: _anonymous(r) for n, r in rounds[0]["regions_mib"].items()}
+    anon_end = {n: _anonymous(r) for n, r in end_regions.items()}
+    anon_change = {n: round(anon_end[n] / anon_start[n] - 1, 4) for n in anon_start}
     if users["mismatch"] or users["ok"] != ROUNDS * USERS * REQUESTS_PER_USER:
         failures.append(f"normal requests: {dict(users)}")
     if any(sessions_left):
         failures.append(f"sessions left on the stages: {sessions_left}")
     if any(abs(c) > TOLERANCE for c in change.values()):
         failures.append(f"RSS at the end not within {TOLERANCE:.0%} of the start: {change}")
+    if any(c > TOLERANCE for c in anon_change.values()):
+        failures.append(f"anonymous memory at the end over {TOLERANCE:.0%} above the start: {anon_change}")
     result = {
         "rounds": ROUNDS,
         "seconds": round(time.monotonic() - started, 1),
@@ -310,6 +349,10 @@ def main() -> int:
         "rss_start_mib": {n: round(v, 1) for n, v in start.items()},
         "rss_end_mib": {n: round(v, 1) for n, v in end.items()},
         "rss_change": change,
+        "rss_slope_mib_per_round": slope,
+        "anon_start_mib": anon_start,
+        "anon_end_mib": anon_end,
+        "anon_change": anon_change,
         "per_round": rounds,
         "sessions_left": sessions_left,
         "seed": SEED,
@@ -317,7 +360,8 @@ def main() -> int:
         "passed": not failures,
     }
     write_result("soak_hostile", result, command="make soak SOAK_MODE=hostile")
-    print(json.dumps({k: result[k] for k in ("rss_change", "normal_requests", "failures")}), flush=True)
+    shown = ("rss_change", "anon_change", "rss_slope_mib_per_round", "normal_requests", "failures")
+    print(json.dumps({k: result[k] for k in shown}), flush=True)
     for failure in failures:
         print(f"soak FAILED: {failure}", file=sys.stderr)
     return 1 if failures else 0
