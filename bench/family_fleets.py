@@ -15,7 +15,7 @@ sent to continue (no chat template: Gemma 3 270M is a base model), the same toke
   against openvino_genai.ContinuousBatchingPipeline (what LLMPipeline runs with its default
   paged-attention backend) given the 8 prompts at once.
 Paired, interleaved rounds (BENCH_RUNS, default 10, after BENCH_WARMUP, default 2); ratio of
-medians with a 95% bootstrap interval; BENCH_TOKENS new tokens (default 128), eos ignored. The
+medians with a 95% bootstrap interval; 128 new tokens (bench/latency.py's), eos ignored. The
 result is rewritten after each family, so a cut run keeps the families it finished.
 """
 
@@ -24,28 +24,23 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-import grpc
-
-from bench.latency import COORDINATOR_ARGS, Continuous
+from bench.latency import COORDINATOR_ARGS, NEW_TOKENS, Continuous, FleetClient
 from bench.reference import GenAIPipeline, optimum_export
 from bench.stats import command_with_knobs, interleaved, ratio_ci, summary, write_result
 from pipeshard import paths
 from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION
-from pipeshard.v1 import coordinator_pb2, coordinator_pb2_grpc
+from pipeshard.v1 import coordinator_pb2
 
 FAMILIES = os.environ.get("BENCH_FAMILIES", "smollm2,gemma3,qwen3,phi3").split(",")
 SYNTH_LAYERS = int(os.environ.get("BENCH_SYNTH_LAYERS", "4"))
 RUNS = int(os.environ.get("BENCH_RUNS", "10"))
 WARMUP = int(os.environ.get("BENCH_WARMUP", "2"))
-NEW_TOKENS = int(os.environ.get("BENCH_TOKENS", "128"))
 USERS = 8
 STAGES = 2
-KNOBS = ("BENCH_FAMILIES", "BENCH_SYNTH_LAYERS", "BENCH_RUNS", "BENCH_WARMUP", "BENCH_TOKENS")
+KNOBS = ("BENCH_FAMILIES", "BENCH_SYNTH_LAYERS", "BENCH_RUNS", "BENCH_WARMUP")
 SYNTH_LIKE = {"qwen3": "qwen3-0.6b", "phi3": "phi-3-mini-4k"}
 PROMPTS = [
     "The history of the printing press begins",
@@ -87,40 +82,15 @@ def our_export(family: str, source: Path) -> Path:
     return out
 
 
-class Completions:
-    """Raw-text generations through a running fleet's coordinator (one channel)."""
+class Completions(FleetClient):
+    """Raw-text generations (continued, no chat template) through a running fleet's coordinator."""
 
-    def __init__(self, address: str):
-        self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(grpc.insecure_channel(address))
+    prompts = PROMPTS
 
-    def run(self, prompt: str) -> dict:
-        request = coordinator_pb2.GenerateRequest(
-            prompt=prompt, params=coordinator_pb2.SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    def request(self, prompt: str, tokens: int) -> coordinator_pb2.GenerateRequest:
+        return coordinator_pb2.GenerateRequest(
+            prompt=prompt, params=coordinator_pb2.SamplingParams(max_tokens=tokens, ignore_eos=True)
         )
-        t0 = time.perf_counter()
-        first, last, ids = None, t0, []
-        for response in self.stub.Generate(request, timeout=900):
-            if response.HasField("chunk") and response.chunk.token_ids:
-                last = time.perf_counter()
-                first = first or last
-                ids.extend(response.chunk.token_ids)
-        first = first or last
-        rate = (len(ids) - 1) / (last - first) if len(ids) > 1 and last > first else 0.0
-        return {"tok_s": rate, "tokens": ids}
-
-    def aggregate(self, users: int) -> float:
-        counts = [0] * users
-
-        def one(i: int) -> None:
-            counts[i] = len(self.run(PROMPTS[i % len(PROMPTS)])["tokens"])
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(users)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return sum(counts) / (time.perf_counter() - t0)
 
 
 def measure(family: str, work: Path) -> dict:
@@ -139,7 +109,7 @@ def measure(family: str, work: Path) -> dict:
         last: dict[str, list[int]] = {}
 
         def one_fleet() -> float:
-            out = client.run(PROMPTS[next(turn) % len(PROMPTS)])
+            out = client.run(PROMPTS[next(turn) % len(PROMPTS)], NEW_TOKENS)
             last["fleet"] = out["tokens"]
             return out["tok_s"]
 
@@ -156,7 +126,7 @@ def measure(family: str, work: Path) -> dict:
             WARMUP,
         )
         # the same prompt for both: does the fleet's INT4 export greedy-decode as optimum's does?
-        same_prompt = client.run(PROMPTS[0])["tokens"] == genai.run(ids[0], NEW_TOKENS)["tokens"]
+        same_prompt = client.run(PROMPTS[0], NEW_TOKENS)["tokens"] == genai.run(ids[0], NEW_TOKENS)["tokens"]
     finally:
         fleet.stop()
     r1, ci1 = ratio_ci(one["fleet"], one["llm_pipeline"])

@@ -16,11 +16,12 @@ import pytest
 from pipeshard.clients.client import GenerateResult, PipeshardClient
 from tests.conftest import GEMMA3_PROMPTS, GEMMA3_TOKENS, hf_greedy
 
-# The first run fetches the model into models/ and exports it at 2 stages fp32 into the test shards
-# (both kept for later runs). `make test` runs the check (2 stages paged, 4 prompts x 64
-# tokens); the other splits and modes, each another export or fleet, run in `make test-extended`
-# and `make test-gemma3`.
-pytestmark = [pytest.mark.slow]
+# The first run fetches the model into models/ (.ci/run does it first: `make model-gemma3`) and
+# exports it at 2 stages fp32 into the test shards (both kept for later runs). `make test` runs the
+# issue's check (2 stages paged, 4 prompts x 64 tokens); the other splits and modes, each another
+# export or fleet, run in `make test-extended` and `make test-gemma3`. The timeout covers a first
+# run's fetch, export and transformers reference on a loaded machine (15 min there, 2026-12-05).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 LONG_TOKENS = 16
 
