@@ -237,9 +237,10 @@ distil: model
 bench-spec: model
 	$(PY) -m bench.spec
 
-## bench-families: the mixture-of-experts stage's decode step (Qwen3-30B-A3B shape, 1 layer), sparse form over the dense all-experts fallback at 1 and 8 users (bench/results/families.json)
-bench-families: $(STAMP)
+## bench-families: the mixture-of-experts stage's decode step (Qwen3-30B-A3B shape, 1 layer), sparse form over the dense all-experts fallback at 1 and 8 users, and Gemma 3's window-bounded KV at 4k (bench/results/families.json); each family's 2-stage fleet (SmolLM2, Gemma 3 270M, synthetic Qwen3 and Phi-3) over openvino_genai on the unsplit optimum-intel INT4 export at 1 and 8 users (bench/results/family_fleets.json)
+bench-families: model
 	$(PY) -m bench.families
+	$(PY) -m bench.family_fleets
 
 ## bench-prefix: TTFT of a chat's next turn, warm (prefix cache) vs cold, at 256/1024/2048 tokens of history on 2-stage fleets; KV capture/restore time and bytes per stage (bench/results/prefix.json)
 bench-prefix: model
@@ -269,7 +270,7 @@ test-extended: model
 
 ## test-gemma3: Gemma 3 270M with real weights (its `extended` tests): through real fleets at 1, 2 and 3 stages, paged and stateful, a prompt past the window chunked and whole, prefix reuse and prompt lookup, all equal to transformers' fp32 greedy; in process, INT4 teacher-forced logits and the repaired tokenizer (fetches the model on first run: about 2.5 min quiet)
 test-gemma3: model
-	$(VENV)/bin/pytest -q -m extended tests/pipeline/test_gemma3_fleet.py tests/exporter/test_exporter_gemma3.py
+	$(VENV)/bin/pytest -q -m "slow or extended" tests/pipeline/test_gemma3_fleet.py tests/exporter/test_exporter_gemma3.py
 
 ## test-fuzz: the RPC and HTTP fuzz tests' long profile (hypothesis, 400 examples each: every stage RPC against a real stage, the coordinator's Generate and RunBatch fields, every stage RPC as an owner and the exporter's fields against a real fleet, RSS ceilings; the gateway's bodies)
 test-fuzz: model

@@ -110,14 +110,19 @@ def request(prompt: str, tokens: int = NEW_TOKENS) -> coordinator_pb2.GenerateRe
 class FleetClient:
     """Generations through a running fleet's coordinator (one channel, as a client keeps)."""
 
+    prompts = PROMPTS  # what `aggregate`'s users send, in turn
+
     def __init__(self, address: str):
         self.channel = grpc.insecure_channel(address)
         self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
 
+    def request(self, prompt: str, tokens: int) -> coordinator_pb2.GenerateRequest:
+        return request(prompt, tokens)
+
     def run(self, prompt: str, tokens: int = NEW_TOKENS) -> dict:
         t0 = time.perf_counter()
         first, last, ids = None, t0, []
-        for response in self.stub.Generate(request(prompt, tokens), timeout=600):
+        for response in self.stub.Generate(self.request(prompt, tokens), timeout=600):
             if response.HasField("chunk") and response.chunk.token_ids:
                 last = time.perf_counter()
                 first = first or last
@@ -131,7 +136,7 @@ class FleetClient:
         counts = [0] * users
 
         def one(i: int) -> None:
-            counts[i] = len(self.run(PROMPTS[i % len(PROMPTS)])["tokens"])
+            counts[i] = len(self.run(self.prompts[i % len(self.prompts)])["tokens"])
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(users)]
         t0 = time.perf_counter()

@@ -147,7 +147,9 @@ def gemma3_export(gemma3_dir: Path):
     return get
 
 
-@pytest.fixture(scope="session")
+# Module scope: the fp32 model (about 1.1 GB, most of it the 262k-row embedding) is let go when
+# the module that needed it ends, not held through the rest of the suite.
+@pytest.fixture(scope="module")
 def gemma3_hf(gemma3_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM
@@ -164,7 +166,7 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gemma3_hf_greedy(gemma3_dir: Path, gemma3_hf) -> tuple[list[list[int]], list[list[int]]]:
     """The held-out prompts' ids (``<bos>`` first) and transformers' fp32 greedy 64 tokens of each."""
     from pipeshard.shard.prompting import Prompter

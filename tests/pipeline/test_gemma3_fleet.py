@@ -2,7 +2,7 @@
 shards at the f32 precision, prompts sent as text to continue (a base model):
 
 - 1, 2 and 3 stages paged, and 2 stages stateful: greedy 64 tokens on 4 held-out prompts equal
-  transformers' fp32 greedy;
+  transformers' fp32 greedy (2 stages paged in `make test`, the rest in `make test-extended`);
 - a 700-token prompt (past the 512-token window of the local layers) prefilled in 256-token chunks
   and whole, on the paged and the stateful backend: transformers' greedy;
 - a prompt extending an earlier request's sequence restores its prefix on every stage and gives
@@ -16,10 +16,12 @@ import pytest
 from pipeshard.clients.client import GenerateResult, PipeshardClient
 from tests.conftest import GEMMA3_PROMPTS, GEMMA3_TOKENS, hf_greedy
 
-# The first run fetches the model (about 2.5 min quiet) and exports it (about 2 min a split): with
-# the reference and the fleets, more than `make test`'s budget leaves, so `make test-extended` and
-# `make test-gemma3` run these; `make test` covers the tiny synthetic Gemma 3.
-pytestmark = [pytest.mark.slow, pytest.mark.extended]
+# The first run fetches the model into models/ (.ci/run does it first: `make model-gemma3`) and
+# exports it at 2 stages fp32 into the test shards (both kept for later runs). `make test` runs the
+# issue's check (2 stages paged, 4 prompts x 64 tokens); the other splits and modes, each another
+# export or fleet, run in `make test-extended` and `make test-gemma3`. The timeout covers a first
+# run's fetch, export and transformers reference on a loaded machine (15 min there, 2026-12-05).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 LONG_TOKENS = 16
 
@@ -42,10 +44,10 @@ def _fleet(fleet_factory, gemma3_export, stages: int, *stage_args: str, coordina
 @pytest.mark.parametrize(
     ("stages", "kv"),
     [
-        (1, "paged"),
+        pytest.param(1, "paged", marks=pytest.mark.extended),
         (2, "paged"),
-        (2, "stateful"),
-        (3, "paged"),
+        pytest.param(2, "stateful", marks=pytest.mark.extended),
+        pytest.param(3, "paged", marks=pytest.mark.extended),
     ],
 )
 def test_fleet_greedy_equals_hf(stages, kv, fleet_factory, gemma3_export, gemma3_hf_greedy):
@@ -68,6 +70,7 @@ def long_prompt(gemma3_dir, gemma3_hf):
     return text, hf_greedy(gemma3_hf, ids, LONG_TOKENS)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(
     ("kv", "chunk"),
     [("paged", 0), ("paged", 1024), ("stateful", 0), ("stateful", 100)],
@@ -82,6 +85,7 @@ def test_a_prompt_past_the_window_gives_hf_greedy(kv, chunk, fleet_factory, gemm
     assert _complete(fleet.coordinator, text, LONG_TOKENS).token_ids == want
 
 
+@pytest.mark.extended
 def test_prefix_reuse_and_prompt_lookup_give_hf_greedy(fleet_factory, gemma3_export, gemma3_dir, gemma3_hf):
     """A request, then one whose prompt extends its whole sequence: the second restores the first's
     KV on every stage (a prefix cache hit in the coordinator's log) and continues as transformers
