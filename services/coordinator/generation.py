@@ -22,11 +22,10 @@ restore that fails because a stage no longer holds the prefix is an exception, c
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -344,6 +343,8 @@ class _Request:
         self.emitted_at = self.started  # when the last tokens were handed out
         self.new_logprobs: list[float] = []  # of the tokens the last step accepted, when asked
         self.ahead: asyncio.Task | None = None  # the next step, sent before this one's token streams
+        # Its output stream: chunks, then its Summary (or the error that ended it), for its reader.
+        self.output: asyncio.Queue[Chunk | Summary | _Failed] = asyncio.Queue(STREAM_EVENTS)
         self.streaming_step = 0  # the step whose tokens are streaming (the trace's key)
 
     @property
@@ -851,13 +852,12 @@ class Generation:
         (None: :meth:`capacity`); ``grouping``: its batch job's micro-batches (batch_jobs.py);
         ``admission``: the scheduler's admission, whose KV charge its sessions take over."""
         request = await self._open(prompt_ids, params, speculation, metered, reserved, grouping, admission)
-        events: asyncio.Queue[Chunk | Summary | _Failed] = asyncio.Queue(STREAM_EVENTS)
         # The request's decode loop runs as its own task and only hands its events over, so a
         # slow reader never holds up a step the other requests wait for.
-        task = asyncio.create_task(self._decode(request, events, scope, cache), name=f"request-{request.id}")
+        task = asyncio.create_task(self._drive(request, scope, cache), name=f"request-{request.id}")
         try:
             while True:
-                event = await events.get()
+                event = await request.output.get()
                 if isinstance(event, _Failed):
                     raise event.error
                 yield event
@@ -868,22 +868,26 @@ class Generation:
             task.cancel()  # the reader went away (or the loop ended): the request ends with it
             await asyncio.gather(task, return_exceptions=True)
 
-    async def _decode(
-        self, request: _Request, events: asyncio.Queue[Chunk | Summary | _Failed], scope: str, cache: bool
-    ) -> None:
-        """The request's decode loop: its chunks and then its Summary into ``events``, or the
-        error that ends it before anything streamed (or a stage is unreachable)."""
+    async def _drive(self, request: _Request, scope: str, cache: bool) -> None:
+        """The request's decode loop: its steps (whose results :meth:`update` streams), then its
+        Summary into its output stream, or the error that ends it before anything streamed (or a
+        stage is unreachable)."""
         try:
-            async with contextlib.aclosing(self._steps_of(request, scope, cache)) as steps:
-                async for event in steps:
-                    if events.full():  # its reader is behind: the next step does not wait for it
-                        self._idle(request)
-                    await events.put(event)
+            await self._run_request(request, scope, cache)
+            await self._stream(request, request.summary())
         except Exception as exc:
-            await events.put(_Failed(exc))
+            await request.output.put(_Failed(exc))
 
-    async def _steps_of(self, request: _Request, scope: str, cache: bool) -> AsyncGenerator[Chunk | Summary]:
-        """Streams Chunks then one Summary (see :meth:`generate`)."""
+    async def _stream(self, request: _Request, event: Chunk | Summary) -> None:
+        """Hands an event to the request's reader; a reader that is behind holds up this request
+        only (the next step does not wait for it)."""
+        if request.output.full():
+            self._idle(request)
+        await request.output.put(event)
+
+    async def _run_request(self, request: _Request, scope: str, cache: bool) -> None:
+        """Warms, prefills and steps the request until it ends; releases it on every way out (a
+        failure after output streamed ends it with an "error" Summary, see :meth:`generate`)."""
         cache = cache and self.prefix is not None
         failure = ""  # why the generation failed on the ring, if it did
         try:
@@ -897,8 +901,7 @@ class Generation:
                             await self._ring.step(frame, request.slot)
                             self._computed(request, request.prompt_ids[: request.cursor.logical])
                     while not done:
-                        chunk, done = await self._step(request)
-                        yield chunk
+                        done = await self._step(request)
                 except Unavailable as exc:  # a replica failed: continue on another (failover.py)
                     if self._failover is None or not self._failover.applies(exc):
                         raise
@@ -923,7 +926,6 @@ class Generation:
             if request.ahead is not None:  # the client went away or the generation failed
                 request.ahead.cancel()
             self._close(request, failure)
-        yield request.summary()
 
     async def _open(
         self,
@@ -1061,10 +1063,9 @@ class Generation:
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def _step(self, request: _Request) -> tuple[Chunk, bool]:
-        """One traversal: the last token plus any drafts through every stage, then acceptance.
-        A plain decode sends its next step before detokenizing and streaming this one's token, so
-        the stages compute while this process streams (``_Request.sends_ahead``)."""
+    async def _step(self, request: _Request) -> bool:
+        """One traversal: the last token plus any drafts through every stage, its result through
+        :meth:`update`; whether the request is done."""
         sent = time.perf_counter()
         draft: Draft | TreeChains | TreeNodes
         if request.ahead is not None:
@@ -1077,10 +1078,20 @@ class Generation:
             step_id = frame.step_id
             trace.mark("gen_send", frame.session_id, step_id)
             result = await self._ring.step(frame, request.slot)
-        elapsed = time.perf_counter() - sent
         request.streaming_step = step_id
         trace.mark("gen_result", request.session_id, step_id)
-        new = request.accept(draft, read_answer(result))
+        return await self.update(request, draft, read_answer(result), time.perf_counter() - sent)
+
+    async def update(
+        self, request: _Request, draft: Draft | TreeChains | TreeNodes, answer: StepAnswer, elapsed: float
+    ) -> bool:
+        """Every decode step's result goes through here: acceptance, the K policy and the cache's
+        bookkeeping, then emission (detokenizing, stop strings, stop tokens, the length limit)
+        into the request's output stream; whether the request is done (its release follows on
+        every way out, :meth:`_run_request`). A plain decode sends its next step before this one's
+        tokens are detokenized and streamed, so the stages compute while this process streams
+        (``_Request.sends_ahead``)."""
+        new = request.accept(draft, answer)
         request.record(draft, new, elapsed)
         # No step of this session is in flight here: every stage holds its settled positions.
         self._computed(request, (request.prompt_ids + request.generated + new)[: request.cursor.settled])
@@ -1091,12 +1102,13 @@ class Generation:
             request.ahead = asyncio.ensure_future(self._ring.step(frame, request.slot))
             await asyncio.sleep(0)  # the step starts on its way before this token is streamed
         chunk, done = await request.emit(new)
-        trace.mark("emitted", request.session_id, step_id)
+        trace.mark("emitted", request.session_id, request.streaming_step)
         if request.params.logprobs:  # each token's own text, for OpenAI's logprobs objects
             chunk.tokens = await asyncio.to_thread(self._token_texts, list(chunk.token_ids))
             for top in chunk.top:
                 top.tokens = await asyncio.to_thread(self._token_texts, list(top.token_ids))
-        return chunk, done
+        await self._stream(request, chunk)
+        return done
 
     def _idle(self, request: _Request) -> None:
         """The request sends no step for a while: the ring's next step does not wait for it."""

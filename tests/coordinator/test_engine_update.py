@@ -1,0 +1,91 @@
+"""``Generation.update``: every decode step's result goes through it (acceptance, then emission
+with the stop checks into the request's output stream), and the request is released on every way
+it ends there (the length limit, a stop string, a stop token)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pipeshard.services.coordinator.generation import Generation
+from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.v1 import activation_pb2
+
+
+class _Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids)
+
+
+class _Ring:
+    """Answers 10, 11, 12, ... to its steps in order; keeps the sessions it released."""
+
+    truncates_on_rewind, batch_steps = False, None
+
+    def __init__(self):
+        self.steps = 0
+        self.released: list[str] = []
+
+    async def open_session(self, session_id, capacity=None, admission=None):
+        return 64
+
+    async def step(self, frame, slot=None):
+        self.steps += 1
+        token = 9 + self.steps
+        return activation_pb2.StepResult(top1=activation_pb2.Top1(token_ids=[token], probabilities=[1.0]))
+
+    async def release_session(self, session_id):
+        self.released.append(session_id)
+
+    async def abort_session(self, session_id, reason):
+        raise AssertionError(f"a request that ended well was aborted: {reason}")
+
+
+def _run(params: SamplingParams):
+    """The events of one request, what ``update`` accepted at each call, and the ring."""
+    ring = _Ring()
+    generation = Generation(ring, _Tokenizer(), set())
+    accepted: list[list[int]] = []
+    update = generation.update
+
+    async def spy(request, draft, answer, elapsed):
+        accepted.append(list(answer.top1))
+        return await update(request, draft, answer, elapsed)
+
+    generation.update = spy  # type: ignore[method-assign]
+
+    async def main():
+        events = [e async for e in generation.run([1, 2, 3], params)]
+        await generation.released()
+        return events
+
+    events = asyncio.run(main())
+    assert generation.engine.requests == {}
+    return events, accepted, ring
+
+
+def test_every_step_result_goes_through_update_into_the_stream():
+    events, accepted, ring = _run(SamplingParams(max_tokens=4, ignore_eos=True))
+    *chunks, summary = events
+    assert accepted == [[10], [11], [12], [13]]
+    assert [c.token_ids for c in chunks] == accepted  # each update streamed its tokens, in order
+    assert summary.finish_reason == "length" and summary.token_ids == [10, 11, 12, 13]
+    assert len(ring.released) == 1
+
+
+@pytest.mark.parametrize(
+    ("params", "tokens", "text"),
+    [
+        (SamplingParams(max_tokens=20, stop=("<12>",)), [10, 11, 12], "<10><11>"),
+        (SamplingParams(max_tokens=20, stop_token_ids=(11,)), [10, 11], "<10>"),
+    ],
+    ids=["stop string", "stop token"],
+)
+def test_a_stop_found_in_update_ends_and_releases_the_request(params, tokens, text):
+    events, accepted, ring = _run(params)
+    summary = events[-1]
+    assert summary.finish_reason == "stop"
+    assert summary.token_ids == tokens and summary.text == text
+    assert accepted == [[t] for t in tokens]  # nothing after the stop was accepted
+    assert len(ring.released) == 1  # released, not aborted
