@@ -133,6 +133,21 @@ class _Resuming:
             self._done = True
             self._group.give(self._index)
 
+    def _failed(self, exc: grpc.RpcError) -> None:
+        """A failed read: returns when the call went on elsewhere, else ends it and raises ``exc``."""
+        if self._resumes(exc):
+            return
+        self._finish()
+        raise exc
+
+    def _delivers(self, response: coordinator_pb2.GenerateResponse) -> bool:
+        """Whether ``response`` goes to the caller (counted as streamed); False when the server
+        stopped the stream and it went on elsewhere."""
+        if stopped_by_server(response) and self._move():
+            return False
+        self._state.saw(response)
+        return True
+
 
 class ResumingCall(_Resuming):
     """A Generate stream over a group (the sync client's): iterate it, ``cancel()`` it."""
@@ -147,14 +162,10 @@ class ResumingCall(_Resuming):
             except StopIteration:
                 break
             except grpc.RpcError as exc:
-                if self._resumes(exc):
-                    continue
-                self._finish()
-                raise
-            if stopped_by_server(response) and self._move():
+                self._failed(exc)
                 continue
-            self._state.saw(response)
-            return response
+            if self._delivers(response):
+                return response
         self._finish()
         raise StopIteration
 
@@ -173,16 +184,12 @@ class AsyncResumingCall(_Resuming):
             try:
                 response = await self._current.read()
             except grpc.RpcError as exc:
-                if self._resumes(exc):
-                    continue
-                self._finish()
-                raise
+                self._failed(exc)
+                continue
             if response is grpc.aio.EOF:
                 break
-            if stopped_by_server(response) and self._move():
-                continue
-            self._state.saw(response)
-            return response
+            if self._delivers(response):
+                return response
         self._finish()
         return grpc.aio.EOF
 
