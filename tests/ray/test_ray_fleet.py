@@ -33,8 +33,7 @@ from pipeshard.services.raycluster.fleet import (  # noqa: E402
 from pipeshard.services.raycluster.keeper import start_keeper  # noqa: E402
 from pipeshard.services.raycluster.members import members  # noqa: E402
 from pipeshard.services.raycluster.placement import plan_fleet  # noqa: E402
-from pipeshard.shard.chain import LocalChain  # noqa: E402
-from pipeshard.shard.prompting import Prompter  # noqa: E402
+from tests.ray.reference import greedy_reference  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -72,15 +71,7 @@ def cluster(stage_bytes):
 
 @pytest.fixture(scope="module")
 def reference(smollm2_export):
-    shards = smollm2_export(2, "int4")
-    chain = LocalChain(shards)
-    prompter = Prompter.from_dir(shards)
-    tokens = [
-        chain.generate_greedy(prompter.encode("", [("user", p)]), MAX_TOKENS, ignore_eos=True).token_ids
-        for p in PROMPTS
-    ]
-    del chain
-    return tokens
+    return greedy_reference(smollm2_export(2, "int4"), PROMPTS, MAX_TOKENS)
 
 
 def _serving(address: str) -> bool:

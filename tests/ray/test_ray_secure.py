@@ -27,9 +27,8 @@ from pipeshard.services.raycluster import fleet as ray_fleet  # noqa: E402
 from pipeshard.services.raycluster.actors import NAMESPACE, node_run_dir  # noqa: E402
 from pipeshard.services.raycluster.fleet import RaySpec, fleet_members, remove, start_actor, start_signer, up  # noqa: E402
 from pipeshard.services.raycluster.placement import plan_fleet  # noqa: E402
-from pipeshard.shard.chain import LocalChain  # noqa: E402
-from pipeshard.shard.prompting import Prompter  # noqa: E402
 from pipeshard.tls import CA_CERT, CA_KEY, TOKEN_FILE, certificate_role, fleet_ca  # noqa: E402
+from tests.ray.reference import greedy_reference  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -79,15 +78,7 @@ def cluster(smollm2_dir, credentials):
 
 @pytest.fixture(scope="module")
 def reference(smollm2_export):
-    shards = smollm2_export(2, "int4")
-    chain = LocalChain(shards)
-    prompter = Prompter.from_dir(shards)
-    tokens = [
-        chain.generate_greedy(prompter.encode("", [("user", p)]), MAX_TOKENS, ignore_eos=True).token_ids
-        for p in PROMPTS
-    ]
-    del chain
-    return tokens
+    return greedy_reference(smollm2_export(2, "int4"), PROMPTS, MAX_TOKENS)
 
 
 def _secrets(head: Path) -> list[bytes]:
