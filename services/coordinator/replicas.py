@@ -145,11 +145,16 @@ class ReplicaLanes:
         return lanes[0]
 
     async def add_lane(self, lane: RemoteStages, timeout_s: float) -> None:
-        """Starts a new lane and puts it in rotation once it answers and its replicas agree with a
-        serving lane's; a lane that does not is closed and the error raised."""
+        """Starts a new lane and puts it in rotation once it answers, its health watch has heard every
+        stage and hop serving (a stage may still be reconnecting to a restarted next stage) and its
+        replicas agree with a serving lane's; a lane that does not is closed and the error raised."""
         try:
             await lane.start()
             await lane.wait_ready(timeout_s)
+            try:
+                await lane.watch.wait_serving(timeout_s)
+            except TimeoutError as exc:
+                raise Unavailable(f"the new lane is not serving: {exc}") from None
             reference = (self.live_lanes() or self.lanes)[0]
             infos = await asyncio.gather(reference.stage_infos(), lane.stage_infos())
             check_replicas_agree(list(infos), [reference.addresses, lane.addresses])

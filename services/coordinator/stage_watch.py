@@ -50,6 +50,11 @@ class StageWatch:
         self._hops: dict[int, str] = {}  # stage index -> why its predecessor's hop to it is down
         self._tasks: list[asyncio.Task] = []
         self._probes: dict[int, asyncio.Task] = {}
+        self._streams = {("stage", i) for i in self._stubs} | {
+            ("hop", i) for i in self._stubs if i + 1 in self._stubs
+        }
+        self._heard: set[tuple[str, int]] = set()  # streams that have answered at least once
+        self._changed = asyncio.Event()
 
     @property
     def down(self) -> dict[int, str]:
@@ -71,6 +76,27 @@ class StageWatch:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def wait_serving(self, timeout_s: float) -> None:
+        """Waits until every stream has answered once and no stage is down: a fresh watch knows
+        nothing yet, and a stage may still report its next hop reconnecting. Raises
+        :class:`TimeoutError` naming what is still down or silent."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self._heard != self._streams or self.down:
+                    self._changed.clear()
+                    await self._changed.wait()
+        except TimeoutError:
+            down = [self.describe(i) for i in sorted(self.down)]
+            silent = [
+                f"{kind} {i} has not answered its health watch"
+                for kind, i in sorted(self._streams - self._heard)
+            ]
+            raise TimeoutError("; ".join(down + silent)) from None
+
+    def _hear(self, stream: tuple[str, int]) -> None:
+        self._heard.add(stream)
+        self._changed.set()
 
     def describe(self, index: int) -> str:
         return f"stage {index} at {self._addresses[index]} is unreachable ({self.down[index]})"
@@ -97,6 +123,7 @@ class StageWatch:
                 "stage_reachability", stage=index, address=self._addresses[index], up=up, reason=reason
             )
             self._on_change(index, up, reason)
+        self._changed.set()
 
     async def _watch(self, index: int) -> None:
         stub = self._stubs[index]
@@ -105,6 +132,7 @@ class StageWatch:
             call = stub.Watch(health_pb2.HealthCheckRequest(service=""), wait_for_ready=True)
             try:
                 async for response in call:
+                    self._hear(("stage", index))
                     serving = response.status == _SERVING
                     if serving and index in self._probes:
                         continue  # frozen-then-thawed is confirmed by the probe, not the stream
@@ -127,6 +155,7 @@ class StageWatch:
                     lost = response.status == health_pb2.HealthCheckResponse.NOT_SERVING
                     why = f"stage {index}'s next hop to it is down: broken or stalled"
                     self._set(after, not lost, why if lost else "next hop up", hop=True)
+                    self._hear(("hop", index))
             except grpc.aio.AioRpcError:
                 pass
             finally:

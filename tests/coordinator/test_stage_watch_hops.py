@@ -84,3 +84,42 @@ def test_a_stage_that_reports_no_hop_changes_nothing():
         await _close(servers, channels, watch)
 
     asyncio.run(run())
+
+
+def test_wait_serving_waits_for_a_hop_still_reconnecting_and_names_it_on_timeout():
+    """What a lane added at run time waits for: a stage reporting its next hop down keeps the
+    new lane out of rotation until the hop is back (a fresh watch has heard nothing yet)."""
+
+    async def run() -> None:
+        servers = [GrpcServer([], port=0) for _ in range(2)]
+        for server in servers:
+            await server.start()
+        servers[0].set_serving(NEXT_HOP_HEALTH, False)  # reconnecting to a restarted stage 1
+        channels = [open_channel(s.address) for s in servers]
+        watch = StageWatch(dict(enumerate(channels)), [s.address for s in servers], lambda *c: None)
+        watch.start()
+        try:
+            await watch.wait_serving(1.0)
+        except TimeoutError as exc:
+            assert "stage 1" in str(exc) and "next hop" in str(exc)
+        else:
+            raise AssertionError("wait_serving returned while stage 0's hop was down")
+        waiter = asyncio.ensure_future(watch.wait_serving(20.0))
+        await asyncio.sleep(0.3)
+        assert not waiter.done()
+        servers[0].set_serving(NEXT_HOP_HEALTH, True)
+        await asyncio.wait_for(waiter, 20.0)
+        assert not watch.down
+        await _close(servers, channels, watch)
+
+    asyncio.run(run())
+
+
+def test_wait_serving_returns_for_a_stage_that_reports_no_hop():
+    async def run() -> None:
+        servers, channels, watch, _ = await _watched(reports_hop=False)
+        await watch.wait_serving(20.0)
+        assert not watch.down
+        await _close(servers, channels, watch)
+
+    asyncio.run(run())
