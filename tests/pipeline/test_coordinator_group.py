@@ -219,3 +219,44 @@ def test_resume_tokens_out_of_range_are_refused_naming_the_field(group):
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "`resume_token_ids`" in refused.value.details() and text in refused.value.details()
         assert client.generate("Hi", max_tokens=2).completion_tokens == 2  # it keeps serving
+
+
+_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "legs": {"type": "integer"}},
+    "required": ["name", "legs"],
+    "additionalProperties": False,
+}
+
+
+def test_a_structured_stream_resumed_anywhere_continues_its_grammar(group):
+    """A continuation's grammar starts where the cut stream's stood (the resumed tokens advance it):
+    resumed after any prefix, the rest is the undisturbed run's, and the whole text is valid JSON."""
+    _, fleet = group
+
+    def request(resume: list[int]):
+        sent = build_request("Describe a cat as JSON with its name and legs.", max_tokens=48)
+        sent.params.grammar.json_schema = json.dumps(_SCHEMA)
+        sent.resume_token_ids.extend(resume)
+        return sent
+
+    def streamed(stub, sent) -> tuple[list[int], str, str]:
+        tokens, text, finish = [], "", ""
+        for response in stub.Generate(sent, timeout=300):
+            if response.HasField("chunk"):
+                tokens += response.chunk.token_ids
+                text += response.chunk.text
+            else:
+                finish = response.summary.finish_reason
+        return tokens, text, finish
+
+    with PipeshardClient(fleet.coordinators[1], timeout_s=300) as client:
+        whole, text, finish = streamed(client._stub, request([]))
+        answer = json.loads(text)
+        assert set(answer) == {"name", "legs"} and isinstance(answer["legs"], int)
+        assert len(whole) > 6
+        for cut in (1, 3, len(whole) // 2, len(whole) - 1):
+            rest, rest_text, rest_finish = streamed(client._stub, request(whole[:cut]))
+            assert rest == whole[cut:], f"resumed after {cut} tokens"
+            assert rest_finish == finish
+            assert text.endswith(rest_text)
