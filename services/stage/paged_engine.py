@@ -151,6 +151,16 @@ class PagedEngine(RowEngine[PagedSession]):
         session.tree = None
         self.shard.rewind(session.key, 0)
 
+    def keep_positions(self, owner: str, session_id: str, positions: int) -> None:
+        """Shortens the session to ``positions`` (at most what it holds: named otherwise)."""
+        session = self.sessions.get(owner, session_id)
+        if positions > session.past_length:
+            raise InvalidArgument(
+                "keep_positions", f"{positions} is more than the {session.past_length} the session holds"
+            )
+        session.tree = None
+        self.shard.rewind(session.key, positions)
+
     def open(self, owner: str, session_id: str, capacity: int | None = None) -> None:
         """Opens a session and reserves room for ``capacity`` tokens (the export's max_context
         when None); refuses with RESOURCE_EXHAUSTED naming the budget when it cannot fit."""

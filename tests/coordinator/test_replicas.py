@@ -26,7 +26,9 @@ def test_loopback_topology_places_replica_r_twenty_ports_up_and_round_trips(tmp_
     assert [[s.port for s in lane] for lane in topo.lanes] == [[50061, 50062], [50081, 50082]]
     assert [s.metrics_port for s in topo.replicas[0]] == [9181, 9182]
     assert topo.stage_addresses() == ["127.0.0.1:50061|127.0.0.1:50081", "127.0.0.1:50062|127.0.0.1:50082"]
-    assert (topo.next_hop(0, 1), topo.next_hop(1, 1)) == ("127.0.0.1:50082", None)
+    # every replica of the next stage, its own lane's first (per-hop routing)
+    assert (topo.next_hop(0, 1), topo.next_hop(1, 1)) == ("127.0.0.1:50082,127.0.0.1:50062", None)
+    assert topo.next_hop(0, 0) == "127.0.0.1:50062,127.0.0.1:50082"
     assert topo.stage(1, 1).port == 50082
     with pytest.raises(InvalidArgument, match="replica"):
         topo.stage(0, 2)
@@ -82,6 +84,7 @@ class _Lane:
         self.on_health = lambda serving: None
         self.fail_plans = False
         self.addresses = ["x:1", "x:2"]
+        self.num_stages = 2
         self.closed = False
 
         self.aborted: list[str] = []
@@ -90,7 +93,7 @@ class _Lane:
     async def close(self):
         self.closed = True
 
-    async def abort_session(self, session_id, reason):
+    async def abort_session(self, session_id, reason, stages=None):
         self.aborted.append(session_id)
 
     async def keep_kv(self, session_id, scope, token_ids):
@@ -111,7 +114,7 @@ class _Lane:
     async def release_session(self, session_id):
         pass
 
-    async def run(self, frames):
+    async def run(self, frames, checked=True):
         self.rows += [f.session_id for f in frames]
         if self.fail_plans:
             raise Unavailable("stage 1 is unreachable")
