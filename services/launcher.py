@@ -296,6 +296,7 @@ def start_fleet(
     stage_memory_limit: int | None = None,
     faulty_links: bool = False,
     coordinators: int = 1,
+    fixed_lanes: bool = False,
 ) -> Fleet:
     """Start ``num_stages`` stage processes and a coordinator on loopback; ports 0 = ephemeral.
 
@@ -311,7 +312,8 @@ def start_fleet(
     ``devices`` gives each stage its OpenVINO device (``--device``; empty: the stage's default).
     ``replicas`` lanes of stages start (replica r of each stage forwards to every replica of the
     next, replica r first, so the coordinator routes each session per stage; with ``faulty_links``
-    to replica r's only, through its forwarder;
+    to replica r's only, through its forwarder, and with ``fixed_lanes`` to replica r's only: the
+    lanes of a fleet before per-hop routing, which bench-failover compares with;
     ``stage_ports`` are lane 0's, lane r adds 20r to each non-zero port; metrics likewise, by
     process name ``stage_name(k, r)``); the coordinator is given every lane.
     ``stage_memory_limit`` (bytes) runs every stage process in its own memory cgroup with that
@@ -365,7 +367,7 @@ def start_fleet(
             for r in range(replicas):
                 # every replica of the next stage, its own lane's first (per-hop routing); through
                 # forwarders only its own lane's, so each link of a lane is the one a fault hits
-                hops = after[r:] + after[:r] if not faulty_links else after[r : r + 1]
+                hops = after[r : r + 1] if faulty_links or fixed_lanes else after[r:] + after[:r]
                 port = ports[k] + REPLICA_PORT_STRIDE * r if ports[k] else 0
                 next_hop = ",".join(hops) or None
                 args = stage_args(k, shards, port, precision, log_format, next_hop, extra_stage_args)

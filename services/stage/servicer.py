@@ -216,6 +216,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         trace.mark("restore_checked", session_id, 0)
         positions = self._node.kv.restore(owner, session_id, blob, checked=True)
         trace.mark("restore_loaded", session_id, 0)
+        log.info("kv_restored", session_id=session_id, positions=positions, parts=len(parts))
         return stage_pb2.RestoreKvStreamResponse(positions=positions)
 
     async def GetStageInfo(self, request, context):

@@ -186,3 +186,75 @@ def test_a_restore_moves_an_empty_session_to_the_lane_that_kept_the_prefix_while
         assert b.restored == ["t"] and "t" not in a.opened
 
     asyncio.run(run())
+
+
+class _StageLane(_Lane):
+    """A lane whose replicas are also called one stage at a time (routes across lanes)."""
+
+    def __init__(self, name: str, other: str):
+        super().__init__()
+        self.addresses = [f"{name}0:1", f"{name}1:1"]
+        self.next_hops = [f"{name}1:1", f"{other}1:1"]  # its own lane's first, as the launcher starts it
+        self.calls: list[tuple] = []
+
+    async def stage_infos(self):
+        return [_info(next_hops=self.next_hops), _info()]
+
+    async def open_stage(self, k, session_id, capacity, next_hop):
+        self.calls.append(("open", k, session_id, next_hop))
+        return 100
+
+    async def route_stage(self, k, session_id, next_hop, keep_positions):
+        self.calls.append(("route", k, session_id, next_hop, keep_positions))
+        return keep_positions
+
+    async def abort_session(self, session_id, reason, stages=None):
+        self.calls.append(("abort", stages, session_id))
+
+
+def test_with_no_whole_lane_a_session_is_routed_across_lanes_over_the_live_replicas():
+    async def run():
+        a, b = _StageLane("a", "b"), _StageLane("b", "a")
+        ring = ReplicaLanes([a, b])
+        await ring.stage_infos()
+        a.watch.down[1] = "connection lost"
+        b.watch.down[0] = "connection lost"
+        assert ring.healthy and not ring.live_lanes()
+        await ring.open_session("s")
+        assert ring.route_of("s") == [0, 1]
+        assert a.calls == [("open", 0, "s", 1)] and b.calls == [("open", 1, "s", None)]
+        # Stage 0's replica of lane b down and stage 0's replica of lane a unable to reach lane
+        # b's stage 1 (an older stage listing its own lane's next hop only): no route at all.
+        a.next_hops = a.next_hops[:1]
+        await ring.stage_infos()
+        assert not ring.healthy
+        with pytest.raises(Unavailable, match="stage"):
+            await ring.open_session("t")
+
+    asyncio.run(run())
+
+
+def test_a_dead_replica_moves_only_its_stage_and_fails_only_the_steps_routed_through_it():
+    async def run():
+        a, b = _StageLane("a", "b"), _StageLane("b", "a")
+        ring = ReplicaLanes([a, b])
+        await ring.stage_infos()
+        await ring.open_session("t")  # lane a, whole: the lane's own open
+        await ring.open_session("u")  # lane b
+        assert (a.opened, b.opened) == (["t"], ["u"])
+        a.watch.down[1] = "connection lost"
+        # A's stage 1 lost: only "t" passes through it.
+        assert a.routes_through("t", 1) and not a.routes_through("u", 1) and not b.routes_through("t", 1)
+        assert ring.broken("t") == [1] and ring.broken("u") == []
+        await ring.move_stages("t", [1], "moved to another replica of its stage")
+        assert ring.route_of("t") == [0, 1]
+        assert a.calls == [("abort", [1], "t")] and b.calls == [("open", 1, "t", None)]
+        await ring.reroute("t", [1], 64)
+        assert a.calls[-1] == ("route", 0, "t", 1, 64)  # cut back, forwarding to lane b's stage 1
+        assert a.routes_through("t", 0) and b.routes_through("t", 1) and not a.routes_through("t", 1)
+        # Stage 1 has no other live replica: the move is refused naming the stage.
+        b.watch.down[1] = "connection lost"
+        with pytest.raises(Unavailable, match="no other replica of stage 1"):
+            await ring.move_stages("u", [1], "moved")
+
+    asyncio.run(run())
