@@ -70,7 +70,9 @@ class StageSettings(ServerSettings):
     )
     stage: int = setting(0, "index of this stage in the pipeline")
     replica: int = setting(
-        0, "with --topology: which replica (lane) of the stage this is; it forwards to that lane's next stage"
+        0,
+        "with --topology: which replica (lane) of the stage this is; it forwards to every replica "
+        "of the next stage, that lane's first",
     )
     topology: Path | None = setting(
         None, "topology file (config/topology.yaml) giving port, shards and next hop"
