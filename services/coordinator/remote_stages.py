@@ -403,9 +403,9 @@ class RemoteStages:
         for subscribed in self._subscribed:
             await asyncio.wait_for(subscribed.wait(), max(0.1, deadline - asyncio.get_running_loop().time()))
 
-    async def stage_infos(self) -> list[stage_pb2.GetStageInfoResponse]:
-        """Every stage's GetStageInfo answer, in pipeline order."""
-        return await self._on_all("GetStageInfo", stage_pb2.GetStageInfoRequest())
+    async def stage_infos(self, stages: list[int] | None = None) -> list[stage_pb2.GetStageInfoResponse]:
+        """Every stage's (or ``stages``') GetStageInfo answer, in pipeline order."""
+        return await self._on_all("GetStageInfo", stage_pb2.GetStageInfoRequest(), stages=stages)
 
     async def _on_all(
         self,

@@ -105,10 +105,25 @@ class ReplicaLanes:
             self._join(lane)
 
     def _join(self, lane: RemoteStages) -> None:
-        lane.on_health = lambda _serving: self.on_health(self.healthy)
+        lane.on_health = lambda _serving: self._changed(lane)
         # A replica lost fails the pending steps of the sessions routed through it, not its lane's.
         lane.routes_through = lambda session_id, k: self._passes(session_id, k, lane)
         self.lanes.append(lane)
+
+    def _changed(self, lane: RemoteStages) -> None:
+        """A replica of ``lane`` went or came back: the coordinator's health follows, and what the
+        lane's stages forward to is asked again (a replica restarted with other next hops)."""
+        self.on_health(self.healthy)
+        self._in_background(self._relearn(lane))
+
+    async def _relearn(self, lane: RemoteStages) -> None:
+        up = [k for k in range(self.num_stages - 1) if k not in lane.watch.down]
+        try:
+            infos = await lane.stage_infos(stages=up)
+        except PipeshardError:
+            return  # down again: asked when it is back
+        for k, info in zip(up, infos, strict=True):
+            self._learn_stage(lane, k, info)
 
     def _passes(self, session_id: str, k: int, lane: RemoteStages) -> bool:
         route = self._route.get(session_id)
@@ -148,12 +163,15 @@ class ReplicaLanes:
         """Which replicas of the next stage each of ``lane``'s stages forwards to, from the addresses
         its GetStageInfo lists (``next_hops``) matched against the lanes' addresses."""
         for k, info in enumerate(infos[:-1]):
-            hops = {lane: 0}
-            for index, address in enumerate(info.next_hops):
-                for other in self.lanes:
-                    if other.addresses[k + 1] == address:
-                        hops[other] = index
-            self._hops[(k, lane)] = hops
+            self._learn_stage(lane, k, info)
+
+    def _learn_stage(self, lane: RemoteStages, k: int, info: stage_pb2.GetStageInfoResponse) -> None:
+        hops = {lane: 0}
+        for index, address in enumerate(info.next_hops):
+            for other in self.lanes:
+                if other.addresses[k + 1] == address:
+                    hops[other] = index
+        self._hops[(k, lane)] = hops
 
     def _crossing(self) -> Iterator[Route]:
         """Routes across lanes over each stage's live replicas, least loaded first at each stage,

@@ -197,8 +197,9 @@ class _StageLane(_Lane):
         self.next_hops = [f"{name}1:1", f"{other}1:1"]  # its own lane's first, as the launcher starts it
         self.calls: list[tuple] = []
 
-    async def stage_infos(self):
-        return [_info(next_hops=self.next_hops), _info()]
+    async def stage_infos(self, stages=None):
+        infos = [_info(next_hops=self.next_hops), _info()]
+        return infos if stages is None else [infos[k] for k in stages]
 
     async def open_stage(self, k, session_id, capacity, next_hop):
         self.calls.append(("open", k, session_id, next_hop))
@@ -223,10 +224,12 @@ def test_with_no_whole_lane_a_session_is_routed_across_lanes_over_the_live_repli
         await ring.open_session("s")
         assert ring.route_of("s") == [0, 1]
         assert a.calls == [("open", 0, "s", 1)] and b.calls == [("open", 1, "s", None)]
-        # Stage 0's replica of lane b down and stage 0's replica of lane a unable to reach lane
-        # b's stage 1 (an older stage listing its own lane's next hop only): no route at all.
+        # Stage 0's replica of lane a restarted knowing its own lane's next hop only (its health
+        # changes: the ring asks again what it forwards to), lane b's stage 0 still down: no route.
         a.next_hops = a.next_hops[:1]
-        await ring.stage_infos()
+        a.on_health(True)
+        for _ in range(5):
+            await asyncio.sleep(0)
         assert not ring.healthy
         with pytest.raises(Unavailable, match="stage"):
             await ring.open_session("t")
