@@ -261,3 +261,22 @@ def test_a_dead_replica_moves_only_its_stage_and_fails_only_the_steps_routed_thr
             await ring.move_stages("u", [1], "moved")
 
     asyncio.run(run())
+
+
+def test_a_moved_stage_0_part_makes_its_new_replica_the_sessions_entry():
+    async def run():
+        a, b = _StageLane("a", "b"), _StageLane("b", "a")
+        ring = ReplicaLanes([a, b])
+        await ring.stage_infos()
+        await ring.open_session("t")  # lane a
+        a.watch.down[0] = "connection lost"
+        frame = activation_pb2.ActivationFrame(session_id="t")
+        (answer,) = await ring.run([frame])
+        assert isinstance(answer, Unavailable) and not a.rows  # its route is down: not sent
+        await ring.move_stages("t", [0], "moved")
+        assert b.calls == [("open", 0, "t", 1)]  # lane b's stage 0, forwarding to lane a's stage 1
+        await ring.reroute("t", [0], 32)
+        assert a.calls[-1] == ("route", 1, "t", None, 32)  # the final stage: cut back only
+        assert await ring.run([frame]) == ["t"] and b.rows == ["t"] and not a.rows
+
+    asyncio.run(run())
