@@ -7,9 +7,8 @@ opened on another replica of the same stage, that stage's parts of the copy are 
 the route's other stages cut the session back to the copy's positions (``RouteSession``: they keep
 their KV, no restore, no reopen) and the stage before it forwards to the new replica; what the copy
 does not hold is computed again, as below. Without a usable copy, or when the per-hop move fails,
-the whole session moves, as on lanes:
-its session is aborted on the old
-route, a new one opens through the ring (so the scheduler's KV mirror moves the request's
+the whole session moves, as replicas riding fixed lanes always did: its session is aborted on the
+old route, a new one opens through the ring (so the scheduler's KV mirror moves the request's
 reservation to it) on the least loaded healthy lane, and the session's KV comes back: from its
 standby copy (kv_standby.py: captured from the old lane ahead of the failure, block by block),
 else from the longest prefix of the prompt a serving lane kept in its prefix cache; what neither

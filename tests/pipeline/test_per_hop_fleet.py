@@ -17,6 +17,7 @@ from pipeshard.clients.client import PipeshardClient
 from pipeshard.ownership import new_secret, owner_metadata
 from pipeshard.services.launcher import Fleet, stage_name
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
+from tests.pipeline.concurrent_streams import concurrently, stream_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -44,33 +45,12 @@ def _stage_log(fleet: Fleet, k: int, r: int) -> Path:
     return fleet.process(stage_name(k, r)).log
 
 
-def _tokens(client: PipeshardClient, prompt: str, on_first=None) -> list[int]:
-    tokens: list[int] = []
-    for chunk in client.stream(prompt, max_tokens=TOKENS, ignore_eos=True):
-        tokens.extend(chunk.token_ids)
-        if on_first is not None and len(tokens) >= KILL_AFTER:
-            on_first()
-            on_first = None
-    return tokens
+def _tokens(client: PipeshardClient, prompt: str) -> list[int]:
+    return stream_tokens(client, prompt, TOKENS)
 
 
-def _concurrently(address: str, on_first=None) -> tuple[list[list[int]], list[BaseException]]:
-    results: list[list[int]] = [[] for _ in PROMPTS]
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            with PipeshardClient(address, timeout_s=300) as client:
-                results[i] = _tokens(client, PROMPTS[i], on_first)
-        except BaseException as exc:  # recorded: the test asserts there were none
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    return results, errors
+def _concurrently(address: str, on_out=None) -> tuple[list[list[int]], list[BaseException]]:
+    return concurrently(address, PROMPTS, TOKENS, on_out, KILL_AFTER)
 
 
 def _kill_mid_stream(fleet: Fleet, k: int, r: int) -> tuple[list[list[int]], list[BaseException]]:
@@ -79,7 +59,7 @@ def _kill_mid_stream(fleet: Fleet, k: int, r: int) -> tuple[list[list[int]], lis
     victim = fleet.process(stage_name(k, r))
     killer = threading.Thread(target=lambda: (started.wait(timeout=300), victim.popen.kill()))
     killer.start()
-    results = _concurrently(fleet.coordinator, on_first=lambda: started.wait(timeout=300))
+    results = _concurrently(fleet.coordinator, on_out=lambda: started.wait(timeout=300))
     killer.join()
     assert victim.popen.wait(timeout=10) is not None
     return results
