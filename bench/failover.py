@@ -1,8 +1,9 @@
 """`make bench-failover`: recovery of running requests when a replica is killed mid-generation.
 
-Two 2-stage INT4 fleets with two lanes (replicas) each at the default (exact) precision, up at
-once: the default one, whose coordinator keeps each running session's KV captured from its lane
-block by block (a standby copy, services/coordinator/kv_standby.py), and one with that off
+Two 2-stage INT4 fleets with two replicas of each stage at the default precision, up at
+once: the default one, whose coordinator keeps each running session's KV captured from its
+replicas block by block (a standby copy, services/coordinator/kv_standby.py) and routes each
+session per stage (a dead replica moves only its stage's part), and one with copies off
 (``--standby-kv-bytes 0``: every failover replays). Per point (1 and 8 users, about 128 and
 1,024 prompt tokens) and round on the default fleet, and at 8 users x 1,024 on the other: every
 user streams a greedy request (eos ignored) with its own request id; once each has a few tokens
@@ -21,6 +22,14 @@ a standby copy, ``replay`` samples restored nothing (``recovery_ms_p95_1024_repl
 the fleet without copies). What the copies cost while nothing fails: undisturbed rounds at 8
 users x 1,024 tokens on the two fleets, interleaved (BENCH_COST_RUNS after one warm-up), as the
 ratio of medians of generated tokens per second and of TTFT, on over off, with 95% intervals.
+
+Per hop against lanes (``per_hop``): the default fleet against a third one whose replicas ride
+fixed lanes (each stage forwards to its own lane's next replica only, as before per-hop routing:
+a failover restores the session's copy on every stage of another lane), kill rounds at 8 users x
+1,024 tokens interleaved after one warm-up pair. Per round the median ``restore_ms`` of the
+failovers that restored a copy (per hop: the dead stage's parts restored, the others cut back and
+re-pointed; lanes: every stage's parts) and the median recovery; the ratio per hop over lanes of
+their medians with a 95% interval (goal: restore <= 0.6). ``BENCH_PART=hops`` runs only this part.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from bench.stats import command_with_knobs, median, ratio_ci, write_result
 from pipeshard import paths
 from pipeshard.clients.client import AsyncPipeshardClient
 from pipeshard.offline import set_offline_defaults
+from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.launcher import Fleet, spawn, stage_args, stage_name, start_fleet
 from pipeshard.shard.prompting import Prompter
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
@@ -52,9 +62,11 @@ TOKENS = int(os.environ.get("BENCH_TOKENS", "32"))
 PORT_BASE = int(os.environ.get("BENCH_PORT_BASE", "52500"))
 USERS = (1, 8)
 CONTEXTS = (128, 1024)
-# BENCH_PART=default: only the default fleet's kill rounds (no fleet without copies, no cost rounds),
-# for a machine too loaded for the whole run.
-DEFAULT_ONLY = os.environ.get("BENCH_PART") == "default"
+# BENCH_PART=default: only the default fleet's kill rounds (no fleet without copies, no cost rounds,
+# no lanes), for a machine too loaded for the whole run; BENCH_PART=hops: only per hop against lanes.
+PART = os.environ.get("BENCH_PART", "")
+DEFAULT_ONLY = PART == "default"
+HOPS_POINT = (8, 1024)  # users x context of the per-hop against lanes rounds
 # A reduced run names its points (users x context, comma-separated): BENCH_POINTS=8x1024.
 POINTS = [tuple(int(n) for n in p.split("x")) for p in os.environ.get("BENCH_POINTS", "").split(",") if p]
 # One failover, kill to next token: the watch sees the loss (detect), the request's failed step
@@ -222,7 +234,7 @@ async def _round(fleet: Fleet, shards: Path, base: int, prompts: list[str], kill
                 phase["wait_ms"] = (began_at - (lost or killed_wall)) * 1000
                 phase["resend_ms"] = ms - (event["_end"] - killed_wall) * 1000
                 phases.append(phase)
-        args = stage_args(1, shards, port, "exact", "json", None)
+        args = stage_args(1, shards, port, DEFAULT_PRECISION, "json", None)  # the fleet's precision
         fleet.processes[fleet.processes.index(victim)] = spawn(
             victim.name, args, fleet.run_dir, dict(os.environ), 180
         )
@@ -240,7 +252,7 @@ async def _round(fleet: Fleet, shards: Path, base: int, prompts: list[str], kill
     }
 
 
-def _start(shards: Path, base: int, coordinator_args: list[str]) -> Fleet:
+def _start(shards: Path, base: int, coordinator_args: list[str], fixed_lanes: bool = False) -> Fleet:
     return start_fleet(
         shards,
         2,
@@ -249,7 +261,56 @@ def _start(shards: Path, base: int, coordinator_args: list[str]) -> Fleet:
         replicas=2,
         coordinator_port=base + 50,
         extra_coordinator_args=coordinator_args,
+        fixed_lanes=fixed_lanes,
     )
+
+
+def _hops_against_lanes(loop, fleets: dict[str, tuple[Fleet, int]], shards: Path, prompts: list[str]) -> dict:
+    """Kill rounds on the per-hop fleet and the fixed-lane one, interleaved after a warm-up pair:
+    per round the median restore of the failovers that restored a copy and the median recovery;
+    ratios per hop over lanes of their medians with 95% intervals, and the failed requests and
+    mismatches against each fleet's undisturbed run."""
+    reference = {
+        name: loop.run_until_complete(_round(fleet, shards, base, prompts, kill=False))["tokens"]
+        for name, (fleet, base) in fleets.items()
+    }
+    samples: dict[str, dict[str, list[float]]] = {
+        name: {"restore_ms": [], "recovery_ms": []} for name in fleets
+    }
+    moved: dict[str, list[int]] = {name: [] for name in fleets}  # stages each failover restored
+    failed = mismatches = 0
+    for i in range(ROUNDS + 1):
+        names = list(fleets) if i % 2 else list(reversed(fleets))
+        for name in names:
+            fleet, base = fleets[name]
+            result = loop.run_until_complete(_round(fleet, shards, base, prompts, kill=True))
+            failed += result["errors"]
+            mismatches += sum(a != b for a, b in zip(result["tokens"], reference[name], strict=True))
+            restores = [p["restore_ms"] for p in result["phases"] if p.get("kv_from") == "standby"]
+            if i and restores:
+                samples[name]["restore_ms"].append(median(restores))
+                samples[name]["recovery_ms"].append(median([ms for ms, _ in result["recovery_ms"]]))
+                moved[name] += [len(p.get("moved_stages") or [0, 1]) for p in result["phases"]]
+        print(f"hops round {i}: {samples}", flush=True)
+    paired = min(len(samples["per_hop"]["restore_ms"]), len(samples["lanes"]["restore_ms"]))
+    figures: dict = {
+        "samples": samples,
+        "rounds_paired": paired,
+        "failed_requests": failed,
+        "mismatches": mismatches,
+    }
+    for name in fleets:
+        figures[f"{name}_stages_restored_per_failover"] = round(
+            sum(moved[name]) / max(1, len(moved[name])), 2
+        )
+        for key in ("restore_ms", "recovery_ms"):
+            figures[f"{name}_{key}_p50"] = round(median(samples[name][key] or [0.0]), 1)
+    if paired:
+        for key in ("restore_ms", "recovery_ms"):
+            ratio, ci = ratio_ci(samples["per_hop"][key][:paired], samples["lanes"][key][:paired])
+            figures[f"per_hop_over_lanes_{key.removesuffix('_ms')}"] = round(ratio, 3)
+            figures[f"per_hop_over_lanes_{key.removesuffix('_ms')}_ci"] = [round(x, 3) for x in ci]
+    return figures
 
 
 def _measure(loop, fleet: Fleet, shards: Path, base: int, prompts_for, points: list[tuple[int, int]]):
@@ -324,7 +385,23 @@ def main() -> int:
     loop = asyncio.new_event_loop()
     on = _start(shards, PORT_BASE, [])
     cost, replay, failed_off, mismatches_off = {}, {"8users_1024": {"replay": {"p95": None}}}, 0, 0
+    hops: dict = {}
+    points: dict = {}
+    failed = mismatches = 0
     try:
+        if PART in ("", "hops"):
+            lanes = _start(shards, PORT_BASE + 4, [], fixed_lanes=True)
+            try:
+                users, context = HOPS_POINT
+                fleets = {"per_hop": (on, PORT_BASE), "lanes": (lanes, PORT_BASE + 4)}
+                hops = _hops_against_lanes(
+                    loop, fleets, shards, [prompts_for(u, context) for u in range(users)]
+                )
+            finally:
+                lanes.stop()
+        if PART == "hops":
+            write_result("failover_hops", hops, command=command_with_knobs("bench-failover", KNOBS))
+            return 0
         if not DEFAULT_ONLY:
             off = _start(shards, PORT_BASE + 2, ["--standby-kv-bytes", "0"])
             try:
@@ -345,8 +422,9 @@ def main() -> int:
     result["recovery_ms_p95_1024_replay"] = replay["8users_1024"]["replay"]["p95"]
     result["recovery_ms_p95_1024_restore"] = points["8users_1024"]["restore"]["p95"]
     result["standby_cost"] = cost
-    result["failed_requests"] = failed + failed_off
-    result["mismatches"] = mismatches + mismatches_off
+    result["per_hop"] = hops
+    result["failed_requests"] = failed + failed_off + hops.get("failed_requests", 0)
+    result["mismatches"] = mismatches + mismatches_off + hops.get("mismatches", 0)
     write_result("failover", result, command=command_with_knobs("bench-failover", KNOBS))
     return 0
 

@@ -1,6 +1,6 @@
 """`make soak SOAK_MODE=failover`: many clients for minutes while replicas are killed and restarted.
 
-A 2-stage INT4 loopback fleet with two lanes (replicas) at the default (exact) precision. Each
+A 2-stage INT4 loopback fleet with two replicas of each stage at the default precision. Each
 prompt's greedy answer is first taken undisturbed (its reference). Then SOAK_CLIENTS concurrent
 clients (default 16) send requests back to back (a random prompt and 8 to 48 tokens, eos
 ignored) for SOAK_SECONDS (default 300), while every SOAK_KILL_EVERY seconds (default 20) one
@@ -35,6 +35,7 @@ from bench.soak import PROMPTS, _shards
 from bench.stats import command_with_knobs, write_result
 from pipeshard.clients.client import AsyncPipeshardClient, PipeshardClient
 from pipeshard.offline import set_offline_defaults
+from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.launcher import fleet_env, spawn, stage_args, stage_name, start_fleet
 
 SECONDS = float(os.environ.get("SOAK_SECONDS", "300"))
@@ -95,8 +96,10 @@ async def _soak(fleet, shards: Path, reference: dict[str, list[int]]) -> dict:
             victim.popen.send_signal(signal.SIGKILL)
             kills.append((time.perf_counter(), name, f"127.0.0.1:{port}", datetime.now(UTC)))
             await asyncio.to_thread(victim.popen.wait)
-            next_hop = f"127.0.0.1:{PORT_BASE + 1 + 20 * r}" if k == 0 else None
-            args = stage_args(k, shards, port, "exact", "json", next_hop)
+            # stage 0 forwards to both stage 1 replicas, its own lane's first (as the launcher starts it)
+            hops = [f"127.0.0.1:{PORT_BASE + 1 + 20 * lane}" for lane in (r, 1 - r)]
+            next_hop = ",".join(hops) if k == 0 else None
+            args = stage_args(k, shards, port, DEFAULT_PRECISION, "json", next_hop)  # the fleet's precision
             proc = await asyncio.to_thread(spawn, name, args, fleet.run_dir, fleet_env(), 180)
             fleet.processes[fleet.processes.index(victim)] = proc
             await _rejoined(fleet, f"127.0.0.1:{port}")

@@ -5,8 +5,9 @@
 offset. Each stage may name its OpenVINO device (``device``, default CPU).
 
 Replicas: ``replicas`` lists further lanes, each one process per stage (replica r of stage k on
-50061 + k + 20r by default). Replica r of a stage forwards to replica r of the next (fixed lanes,
-docs/ARCHITECTURE.md), so a lane is a whole ring and ``stages`` is lane 0.
+50061 + k + 20r by default); ``stages`` is lane 0. Replica r of a stage may forward to every
+replica of the next, its own lane's first (per-hop routing: the coordinator routes each session
+per stage, docs/ARCHITECTURE.md), so a lane is only the route sessions start on.
 """
 
 from __future__ import annotations
@@ -104,10 +105,13 @@ class Topology:
         return [LANE_SEPARATOR.join(lane[k].address for lane in self.lanes) for k in range(len(self.stages))]
 
     def next_hop(self, stage: int, replica: int = 0) -> str | None:
-        """Where replica ``replica`` of ``stage`` forwards: the same lane's next stage."""
+        """Where replica ``replica`` of ``stage`` forwards (``--next-hop``): every replica of the
+        next stage, comma-separated, the same lane's first; None for the final stage."""
         self.stage(stage, replica)  # both in range
-        lane = self.lanes[replica]
-        return lane[stage + 1].address if stage + 1 < len(lane) else None
+        if stage + 1 >= len(self.stages):
+            return None
+        lanes = [self.lanes[replica], *(lane for r, lane in enumerate(self.lanes) if r != replica)]
+        return ",".join(lane[stage + 1].address for lane in lanes)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -61,8 +61,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--replicas",
         type=int,
         default=1,
-        help="processes per stage, one lane each (replica r of stage k on port 50061+k+20r); the "
-        "coordinator spreads sessions over the lanes and moves them off a failed one",
+        help="processes per stage (replica r of stage k on port 50061+k+20r), each forwarding to every "
+        "replica of the next; the coordinator spreads sessions over the lanes (replica r of each "
+        "stage) and moves only a failed replica's stage of the sessions routed through it",
     )
     up.add_argument(
         "--coordinators",

@@ -296,6 +296,7 @@ def start_fleet(
     stage_memory_limit: int | None = None,
     faulty_links: bool = False,
     coordinators: int = 1,
+    fixed_lanes: bool = False,
 ) -> Fleet:
     """Start ``num_stages`` stage processes and a coordinator on loopback; ports 0 = ephemeral.
 
@@ -309,7 +310,10 @@ def start_fleet(
     names (exporter, stage0, ..., coordinator, gateway) to the port each serves Prometheus /metrics on.
     ``final_stage_args`` go to the final stage only (``--draft-heads DIR``, which others refuse).
     ``devices`` gives each stage its OpenVINO device (``--device``; empty: the stage's default).
-    ``replicas`` lanes of stages start (replica r of each stage forwards to replica r of the next;
+    ``replicas`` lanes of stages start (replica r of each stage forwards to every replica of the
+    next, replica r first, so the coordinator routes each session per stage; with ``faulty_links``
+    to replica r's only, through its forwarder, and with ``fixed_lanes`` to replica r's only: the
+    lanes of a fleet before per-hop routing, which bench-failover compares with;
     ``stage_ports`` are lane 0's, lane r adds 20r to each non-zero port; metrics likewise, by
     process name ``stage_name(k, r)``); the coordinator is given every lane.
     ``stage_memory_limit`` (bytes) runs every stage process in its own memory cgroup with that
@@ -357,10 +361,15 @@ def start_fleet(
             )
             fleet.processes.append(exporter)
             extra_stage_args = [*extra_stage_args, "--exporter", exporter.address]
-        for r in range(replicas):
-            next_hop: str | None = None
-            for k in reversed(range(num_stages)):
+        after: list[str] = []  # the next stage's hop addresses, one per lane
+        for k in reversed(range(num_stages)):
+            here: list[str] = []
+            for r in range(replicas):
+                # every replica of the next stage, its own lane's first (per-hop routing); through
+                # forwarders only its own lane's, so each link of a lane is the one a fault hits
+                hops = after[r : r + 1] if faulty_links or fixed_lanes else after[r:] + after[:r]
                 port = ports[k] + REPLICA_PORT_STRIDE * r if ports[k] else 0
+                next_hop = ",".join(hops) or None
                 args = stage_args(k, shards, port, precision, log_format, next_hop, extra_stage_args)
                 args += ["--device", devices[k]] if devices else []
                 args += list(final_stage_args) if k == num_stages - 1 else []
@@ -374,10 +383,11 @@ def start_fleet(
                     name, metered(name, args), run_dir, env, timeout_s, detach=detach, memory_cap=cap
                 )
                 fleet.processes.insert(1 if exporter_port is not None else 0, proc)
-                next_hop = proc.address
+                here.append(proc.address)
                 if faulty_links and k > 0:
                     fleet.processes.append(spawn_link(run_dir, k - 1, r, proc.address, env))
-                    next_hop = fleet.processes[-1].address
+                    here[-1] = fleet.processes[-1].address
+            after = here
         stages = [LANE_SEPARATOR.join(lane[k] for lane in fleet.lanes) for k in range(num_stages)]
         for c in range(coordinators):
             name = coordinator_name(c)

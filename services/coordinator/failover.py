@@ -1,8 +1,14 @@
-"""Failover of running requests: a session whose lane failed continues on a healthy one.
+"""Failover of running requests: a session whose replica failed continues on a healthy one.
 
-When a step fails with UNAVAILABLE (a stage of the session's lane died, stopped answering or
-drains) and another lane serves, the generation is not ended: its session is aborted on the old
-lane, a new one opens through the ring (so the scheduler's KV mirror moves the request's
+Per hop first: when a step fails with UNAVAILABLE because a replica on the session's route died,
+stopped answering or drains, and the request's standby copy holds its KV, only that stage's part
+of the session moves (replicas.py routes sessions per stage): it is aborted on the dead replica,
+opened on another replica of the same stage, that stage's parts of the copy are restored there,
+the route's other stages cut the session back to the copy's positions (``RouteSession``: they keep
+their KV, no restore, no reopen) and the stage before it forwards to the new replica; what the copy
+does not hold is computed again, as below. Without a usable copy, or when the per-hop move fails,
+the whole session moves, as replicas riding fixed lanes always did: its session is aborted on the
+old route, a new one opens through the ring (so the scheduler's KV mirror moves the request's
 reservation to it) on the least loaded healthy lane, and the session's KV comes back: from its
 standby copy (kv_standby.py: captured from the old lane ahead of the failure, block by block),
 else from the longest prefix of the prompt a serving lane kept in its prefix cache; what neither
@@ -102,7 +108,7 @@ class Failover:
 
     def applies(self, error: Unavailable) -> bool:
         """Whether a request failing with ``error`` may move: a lane failed and another serves."""
-        return not isinstance(error, ShuttingDown) and bool(self._lanes.live_lanes())
+        return not isinstance(error, ShuttingDown) and self._lanes.healthy
 
     def computed(self, request: MovableRequest, tokens: Sequence[int]) -> None:
         """Every stage holds ``tokens`` for the request's session (after a step's result): its
@@ -130,6 +136,9 @@ class Failover:
         started = time.perf_counter()
         copy = self.standby.take(request.standby) if self.standby is not None else None
         try:
+            if copy is not None and await self._move_hop(ring, request, copy, error, prefill_chunk, started):
+                copy = None  # the session's again
+                return
             for _ in range(len(self._lanes.lanes) + 1):
                 if not self.applies(error):
                     raise error
@@ -182,6 +191,82 @@ class Failover:
                 if not request.standby.attached:
                     request.standby = StandbyCopy()  # the new session's, from its start
 
+    async def _move_hop(
+        self,
+        ring: RingLike,
+        request: MovableRequest,
+        copy: StandbyCopy,
+        error: Unavailable,
+        prefill_chunk: int,
+        started: float,
+    ) -> bool:
+        """Moves only the broken stages' part of the request's session (the module's first path);
+        False, with the session as it was or half moved, when it cannot (no usable copy, every
+        stage broken, no replica to take a part, a call failed): the whole session moves then."""
+        sid, broken = request.session_id, self._lanes.broken(request.session_id)
+        if (
+            self.standby is None
+            or not self.applies(error)
+            or not broken
+            or len(broken) == self._lanes.num_stages
+        ):
+            return False
+        replay = request.move_to(sid)  # the same session, its cursor restarted: its step ids go on
+        if not copy.positions or not self._usable(request, copy, replay or request.prompt_ids):
+            return False
+        from_route = self._lanes.route_of(sid)
+        trace.mark("failover_begin", sid, 0)
+        try:
+            await self._lanes.move_stages(sid, broken, f"moved to another replica of its stage: {error}")
+            opened = time.perf_counter()
+            positions = await self.standby.restore(copy, sid, self.restore_timeout_s, stages=broken)
+            await self._lanes.reroute(sid, broken, positions)
+        except (PipeshardError, TimeoutError) as exc:
+            self.standby.take(copy)  # restored or not, the whole session's move takes it from here
+            log.warning(
+                "hop_move_failed", session_id=sid, stages=broken, reason=str(exc) or type(exc).__name__
+            )
+            return False
+        kv_ready = time.perf_counter()
+        trace.mark("failover_restored", sid, 0)
+        request.cursor.restored(positions)
+        request.standby = copy
+        restored = self._two_token_start(request, replay)
+        try:
+            for frame in request.replay_frames(replay[restored:], prefill_chunk):
+                await ring.step(frame, request.slot)
+        except Unavailable as exc:  # another replica went meanwhile: the whole session moves
+            self.standby.take(copy)
+            log.warning("hop_move_failed", session_id=sid, stages=broken, reason=str(exc))
+            return False
+        request.expedite()
+        FAILOVERS.inc()
+        log.warning(
+            "session_failed_over",
+            old_session=sid,
+            session_id=sid,
+            moved_stages=broken,
+            from_route=from_route,
+            to_route=self._lanes.route_of(sid),
+            kv_from="standby",
+            restored_tokens=min(restored, len(replay)) if replay else restored,
+            replayed_tokens=max(0, len(replay) - restored),
+            open_ms=round((opened - started) * 1000, 1),
+            restore_ms=round((kv_ready - opened) * 1000, 1),
+            replay_ms=round((time.perf_counter() - kv_ready) * 1000, 1),
+            seconds=round(time.perf_counter() - started, 3),
+            reason=str(error),
+        )
+        return True
+
+    @staticmethod
+    def _usable(request: MovableRequest, copy: StandbyCopy, seen: list[int]) -> bool:
+        """Whether ``copy`` holds a prefix of the positions ``seen`` that leaves something to
+        compute (short of the whole prompt while still prefilling, which needs a last chunk)."""
+        return copy.tokens == seen[: copy.positions] and (
+            bool(request.generated) or copy.positions < len(request.prompt_ids)
+        )
+
     @staticmethod
     def _two_token_start(request: MovableRequest, replay: list[int]) -> int:
         """The restored positions the session keeps: all but the last when its first row would
@@ -210,10 +295,7 @@ class Failover:
         replaced by an empty one, and the request replays."""
         if self.standby is None or copy is None or not copy.positions:
             return "none", copy
-        usable = copy.tokens == seen[: copy.positions] and (
-            request.generated or copy.positions < len(request.prompt_ids)
-        )
-        if not usable:
+        if not self._usable(request, copy, seen):
             return "none", copy
         try:
             positions = await self.standby.restore(copy, request.session_id, self.restore_timeout_s)

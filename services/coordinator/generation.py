@@ -368,18 +368,22 @@ class _Request:
 
     def move_to(self, session_id: str) -> list[int]:
         """Starts the request over in a new, empty session (failover.py); returns the tokens it
-        must be prefilled with before the next step: everything the old session had seen."""
+        must be prefilled with before the next step: everything the old session had seen. The
+        same session id (a per-hop failover: the session is cut back, not replaced) keeps its step
+        count, so no late answer of a lost step is taken for a new one."""
         self.status = RequestStatus.MOVING
         if self.ahead is not None:
             self.ahead.cancel()
             if self.ahead.done() and not self.ahead.cancelled():
                 self.ahead.exception()  # the failed step that brought us here: seen, not lost
             self.ahead = None
+        step = self.cursor.step if session_id == self.session_id else 0
         self.session_id = session_id
         params = self.params
         self.cursor = _Cursor(
             session_id, self.top1, truncates=self.cursor.truncates, probabilities=params.logprobs
         )
+        self.cursor.step = step
         if not self.generated:
             return []  # still prefilling: prefill_frames starts the prompt again
         return self.context[: len(self.context) - len(self.pending)]

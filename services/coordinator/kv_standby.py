@@ -1,6 +1,6 @@
 """Running sessions' KV captured ahead of a failure, so a failover restores it instead of replaying it.
 
-A replica lane that dies takes its sessions' KV with it, and replaying a session's context on
+A replica that dies takes its sessions' KV with it, and replaying a session's context on
 another lane costs a prefill of all of it (bench-failover: about 9 s for 8 users at 1,024 tokens
 on this machine). So while a session runs on a replica lane, the coordinator copies its KV from
 every stage of that lane in the background, a part at a time (``CaptureKvRequest.from_position``:
@@ -107,20 +107,31 @@ class KvStandby:
             self.nbytes -= copy.nbytes
             copy.nbytes, copy.parts, copy.tokens = 0, [], []
 
-    async def restore(self, copy: StandbyCopy, session_id: str, timeout_s: float) -> int:
+    async def restore(
+        self, copy: StandbyCopy, session_id: str, timeout_s: float, stages: list[int] | None = None
+    ) -> int:
         """Restores ``copy`` into ``session_id`` (open, empty, on a healthy lane) on every stage,
-        where it follows that session from then on; returns the positions restored. Raises when a stage
+        or only on ``stages`` (a per-hop failover: the session's other stages kept theirs), where it
+        follows that session from then on; returns the positions restored. Raises when a stage
         fails it (the session then holds who knows what: the caller replaces it)."""
         started = time.perf_counter()
         per_stage = [[part[k] for part in copy.parts] for k in range(len(copy.parts[0]))]
-        await asyncio.wait_for(self._lanes.restore_parts(session_id, per_stage, timeout_s), timeout_s)
+        await asyncio.wait_for(
+            self._lanes.restore_parts(session_id, per_stage, timeout_s, stages=stages), timeout_s
+        )
         copy.attached = True
         log.info(
             "standby_restored",
             session_id=session_id,
             positions=copy.positions,
             parts=len(copy.parts),
-            nbytes=copy.nbytes,
+            stages=stages if stages is not None else "all",
+            nbytes=sum(
+                blob.nbytes
+                for part in copy.parts
+                for k, blob in enumerate(part)
+                if stages is None or k in stages
+            ),
             load_ms=round((time.perf_counter() - started) * 1000, 1),
         )
         return copy.positions

@@ -19,8 +19,8 @@ class LocalEntry:
 
     def start(self) -> None:
         """Dials the hosted stage 0's next hop now, so its link is probed while nothing computes."""
-        if self.node.next_hop is not None:
-            self.node.next_hop.start()
+        for hop in self.node.next_hops:
+            hop.start()
 
     async def send(self, frame) -> None:
         await self.node.handle(frame)  # failures travel the ring as error frames

@@ -20,6 +20,7 @@ from pipeshard.metrics import (
     set_identity_labels,
 )
 from pipeshard.offline import set_offline_defaults
+from pipeshard.ownership import new_secret
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.coordinator.failover import Failover
 from pipeshard.services.coordinator.fleet_kv import FleetKv
@@ -30,7 +31,7 @@ from pipeshard.services.coordinator.kv_mirror import KvMirror
 from pipeshard.services.coordinator.kv_standby import KvStandby
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
 from pipeshard.services.coordinator.prefix_cache import PrefixIndex
-from pipeshard.services.coordinator.remote_stages import RemoteStages
+from pipeshard.services.coordinator.remote_stages import PendingSteps, RemoteStages
 from pipeshard.services.coordinator.replicas import ReplicaLanes
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
@@ -296,6 +297,10 @@ class Coordinator:
     ring: Ring = field(init=False)
     _reloads: set[asyncio.Task] = field(init=False, default_factory=set)  # SIGHUP topology reloads
     servicer: CoordinatorServicer = field(init=False)
+    # Every lane's: one owner on every replica, so a session routed across lanes is one owner's,
+    # and one table of pending steps, which any final replica's results resolve.
+    _secret: str = field(init=False, default_factory=new_secret)
+    _pending: PendingSteps = field(init=False, default_factory=PendingSteps)
 
     async def start(self) -> None:
         self._serving = hold_serving_lock(self.settings.shards_dir)  # see pipeshard.shard.serving
@@ -418,6 +423,8 @@ class Coordinator:
             local_stage0=local,
             hop_delay_s=self.settings.hop_delay_ms / 1000.0,
             tls=self._tls(),
+            secret=self._secret,
+            pending=self._pending,
         )
 
     def watch_topology(self) -> None:

@@ -11,6 +11,13 @@ when one breaks, every pending step fails at once with UNAVAILABLE naming the st
 deadline remains for a stage that freezes: then the ring asks each stage for its info and names
 the first that does not answer). Releases a stage missed while unreachable are sent again as
 aborts when it answers again.
+
+Replicas (replicas.py) run one of these per lane, all sharing one owner secret and one table of
+pending steps (:class:`PendingSteps`): a session routed across lanes (per-hop routing) is opened
+on each of its stages by that stage's lane, under the same owner, enters at its stage 0 replica's
+lane and is answered through its final replica's lane's subscription. The per-stage calls
+(``stages=``, ``open_stage``, ``route_stage``, ``capture_stage``, ``restore_stage``) serve such
+routes; a lane's own sessions use the whole-lane calls.
 """
 
 from __future__ import annotations
@@ -59,6 +66,31 @@ _MAX_UNRELEASED = 4096  # sessions remembered per unreachable stage, to abort wh
 SESSION_CODEC: ContextVar[str] = ContextVar("session_codec", default="")
 
 
+class PendingSteps:
+    """The steps awaiting their results, by (session id, step id): one table for every lane of a
+    coordinator, since a session's final replica may sit in another lane than its entry."""
+
+    def __init__(self) -> None:
+        self._futures: dict[tuple[str, int], asyncio.Future] = {}
+
+    def add(self, keys: list[tuple[str, int]], futures: list[asyncio.Future]) -> None:
+        self._futures.update(zip(keys, futures, strict=True))
+
+    def pop(self, key: tuple[str, int]) -> None:
+        self._futures.pop(key, None)
+
+    def resolve(self, result: activation_pb2.StepResult) -> None:
+        future = self._futures.get((result.session_id, result.step_id))
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    def fail(self, error: PipeshardError, affected: Callable[[str], bool] = lambda session_id: True) -> None:
+        """Fails the pending steps of the sessions ``affected`` names (every one by default)."""
+        for (session_id, _), future in list(self._futures.items()):
+            if not future.done() and affected(session_id):
+                future.set_exception(error)
+
+
 class RemoteStages:
     def __init__(
         self,
@@ -69,15 +101,19 @@ class RemoteStages:
         local_stage0: tuple[LocalEntry, LocalStageStub] | None = None,
         hop_delay_s: float = 0.0,
         tls: TlsConfig | None = None,
+        secret: str | None = None,
+        pending: PendingSteps | None = None,
     ):
         """``stage_addresses`` lists every remote stage in order; with ``local_stage0`` they are
         stages 1..N-1 and stage 0 runs in this process. ``hop_delay_s`` delays the frames sent to
-        stage 0 (emulated latency; a hosted stage 0 gets it on its own next hop instead)."""
+        stage 0 (emulated latency; a hosted stage 0 gets it on its own next hop instead).
+        ``secret`` and ``pending``: the owner secret and the pending steps this transport shares
+        with the other lanes of its coordinator (its own by default)."""
         if not stage_addresses:
             raise ValueError("a ring needs at least one remote stage")
         self.step_timeout_s = step_timeout_s
         self.control_timeout_s = control_timeout_s
-        secret = new_secret()
+        secret = secret or new_secret()
         self._owner = owner_key(secret)
         self._metadata = owner_metadata(secret)
         self._channels = [open_channel(a, tls) for a in stage_addresses]
@@ -97,7 +133,10 @@ class RemoteStages:
             self.addresses = ["in-process", *stage_addresses]
             self._entry, stub0 = local_stage0
             self._stubs.insert(0, stub0)
-        self._pending: dict[tuple[str, int], asyncio.Future] = {}
+        self._pending = pending or PendingSteps()
+        # Whether a session's steps pass through this transport's stage i (replicas.py routes
+        # sessions across lanes; alone, all of them do): a stage lost fails only those.
+        self.routes_through: Callable[[str, int], bool] = lambda session_id, i: True
         self._subscriber_id = f"coordinator-{uuid.uuid4().hex[:8]}"
         self._remote = self._stubs[self.num_stages - len(stage_addresses) :]
         self._subscriptions: list[asyncio.Task] = []
@@ -146,17 +185,18 @@ class RemoteStages:
     def num_stages(self) -> int:
         return len(self.addresses)
 
-    async def run(self, frames: list[activation_pb2.ActivationFrame]) -> list:
+    async def run(self, frames: list[activation_pb2.ActivationFrame], *, checked: bool = True) -> list:
         """Send a step (one session's frame, or many sessions' frames as one plan frame) around
-        the stages; answers each frame with its StepResult or the error to raise for it."""
+        the stages; answers each frame with its StepResult or the error to raise for it.
+        ``checked=False``: the caller checked the sessions' routes (some may leave this lane)."""
         if self._stopped is not None:
             return [self._stopped] * len(frames)
-        if self.watch.down:
+        if checked and self.watch.down:
             return [Unavailable(self.watch.describe(min(self.watch.down)))] * len(frames)
         loop = asyncio.get_running_loop()
         keys = [(f.session_id, f.step_id) for f in frames]
         futures = [loop.create_future() for _ in frames]
-        self._pending.update(zip(keys, futures, strict=True))
+        self._pending.add(keys, futures)
         try:
             trace.mark("plan_build", frames[0].session_id, frames[0].step_id)
             plan = frames[0] if len(frames) == 1 else plan_from_frames(frames)
@@ -172,7 +212,7 @@ class RemoteStages:
                 return [f.result() if f in done else error for f in futures]
         finally:
             for key in keys:
-                self._pending.pop(key, None)
+                self._pending.pop(key)
         results = [f.result() for f in futures]
         return [StageFailed(r.error) if r.HasField("error") else r for r in results]
 
@@ -181,15 +221,23 @@ class RemoteStages:
         is one long step, which must not read as a dead stage."""
         return self.step_timeout_s * max(1, -(-rows // TIMEOUT_ROWS))
 
-    async def open_session(self, session_id: str, capacity: int | None = None) -> int:
-        """Open the session on every stage; returns the smallest max_context among them.
-        ``capacity``: the tokens the session may use (a paged stage reserves them or refuses)."""
+    def _open_request(
+        self, session_id: str, capacity: int | None, next_hop: int | None = None
+    ) -> stage_pb2.OpenSessionRequest:
         request = stage_pb2.OpenSessionRequest(
             session_id=session_id,
             capacity=capacity or 0,
             results_link_bandwidth_bytes_per_second=self.results_link.bandwidth_bytes_s or 0.0,
             codec=SESSION_CODEC.get(),
         )
+        if next_hop is not None:
+            request.next_hop = next_hop
+        return request
+
+    async def open_session(self, session_id: str, capacity: int | None = None) -> int:
+        """Open the session on every stage; returns the smallest max_context among them.
+        ``capacity``: the tokens the session may use (a paged stage reserves them or refuses)."""
+        request = self._open_request(session_id, capacity)
         try:
             responses = await self._on_all("OpenSession", request)
         except BaseException:
@@ -198,34 +246,68 @@ class RemoteStages:
             raise
         return min(r.max_context for r in responses)
 
-    async def release_session(self, session_id: str) -> None:
-        """Release on every stage, tolerating stages that are down: each is sent an abort for it
-        again when it answers again (a frozen stage still holds the session then)."""
+    async def open_stage(self, i: int, session_id: str, capacity: int | None, next_hop: int | None) -> int:
+        """Opens the session on stage ``i`` alone, forwarding to its next hop ``next_hop`` (an
+        index into the stage's next hops; None: its first); returns its max_context. The caller
+        releases it if the rest of the route fails."""
+        request = self._open_request(session_id, capacity, next_hop)
+        (response,) = await self._on_all("OpenSession", request, stages=[i])
+        return response.max_context
+
+    async def route_stage(self, i: int, session_id: str, next_hop: int | None, keep_positions: int) -> int:
+        """Re-points the session on stage ``i`` (RouteSession): its next hop (None: unchanged) and
+        the positions its cache keeps; returns the positions it holds."""
+        request = stage_pb2.RouteSessionRequest(session_id=session_id, keep_positions=keep_positions)
+        if next_hop is not None:
+            request.next_hop = next_hop
+        (response,) = await self._on_all("RouteSession", request, stages=[i])
+        return response.positions
+
+    async def release_session(self, session_id: str, stages: list[int] | None = None) -> None:
+        """Release on every stage (or ``stages``), tolerating stages that are down: each is sent an
+        abort for it again when it answers again (a frozen stage still holds the session then)."""
+        stages = list(range(self.num_stages)) if stages is None else stages
         responses = await self._on_all(
-            "ReleaseSession", stage_pb2.ReleaseSessionRequest(session_id=session_id), tolerate=True
+            "ReleaseSession",
+            stage_pb2.ReleaseSessionRequest(session_id=session_id),
+            tolerate=True,
+            stages=stages,
         )
-        for i, response in enumerate(responses):
+        for i, response in zip(stages, responses, strict=True):
             missed = self._unreleased.setdefault(i, set())
             if response is None and len(missed) < _MAX_UNRELEASED:
                 missed.add(session_id)  # beyond the cap (a long outage) the stage's reaper frees them
 
-    async def abort_session(self, session_id: str, reason: str) -> None:
-        """Abort on every stage after a failed generation (logged there with the reason); frees
-        the state like a release, tolerating stages that are down."""
+    async def abort_session(self, session_id: str, reason: str, stages: list[int] | None = None) -> None:
+        """Abort on every stage (or ``stages``) after a failed generation (logged there with the
+        reason); frees the state like a release, tolerating stages that are down."""
         await self._on_all(
-            "AbortSession", stage_pb2.AbortSessionRequest(session_id=session_id, reason=reason), tolerate=True
+            "AbortSession",
+            stage_pb2.AbortSessionRequest(session_id=session_id, reason=reason),
+            tolerate=True,
+            stages=stages,
         )
 
-    async def keep_kv(self, session_id: str, scope: str, token_ids: list[int]) -> set[str]:
-        """Every stage keeps the session's KV of ``token_ids`` in its prefix cache; returns the
-        block keys any stage reports dropped (the prefix index forgets them)."""
+    async def keep_kv(
+        self, session_id: str, scope: str, token_ids: list[int], stages: list[int] | None = None
+    ) -> set[str]:
+        """Every stage (or ``stages``) keeps the session's KV of ``token_ids`` in its prefix cache;
+        returns the block keys any stage reports dropped (the prefix index forgets them)."""
         request = stage_pb2.CaptureKvRequest(
             session_id=session_id, token_ids=token_ids, keep_in_cache=True, cache_scope=scope
         )
-        return {key for r in await self._on_all("CaptureKv", request) for key in r.evicted_blocks}
+        return {
+            key for r in await self._on_all("CaptureKv", request, stages=stages) for key in r.evicted_blocks
+        }
 
     async def restore_kv(
-        self, session_id: str, scope: str, token_ids: list[int], positions: int, timeout_s: float
+        self,
+        session_id: str,
+        scope: str,
+        token_ids: list[int],
+        positions: int,
+        timeout_s: float,
+        stages: list[int] | None = None,
     ) -> set[str]:
         """Restore the first ``positions`` positions of a cached sequence on every stage within
         ``timeout_s``; raises if any stage fails (the caller then discards the session). Returns
@@ -233,36 +315,40 @@ class RemoteStages:
         request = stage_pb2.RestoreKvRequest(
             session_id=session_id, cache_scope=scope, cached_token_ids=token_ids, positions=positions
         )
-        responses = await self._on_all("RestoreKv", request, timeout=timeout_s)  # a late stage: UNAVAILABLE
+        # a late stage: UNAVAILABLE
+        responses = await self._on_all("RestoreKv", request, timeout=timeout_s, stages=stages)
         return {key for r in responses for key in r.evicted_blocks}
 
     async def capture_part(self, session_id: str, token_ids: list[int], start: int) -> list[SnapshotBytes]:
         """Every stage's KV of the session's positions [start, len(token_ids)), a part each, kept
         serialized as it arrived (no decoding here: the stage that restores it checks it);
         raises as a control call."""
+        stages = range(self.num_stages)
+        return list(
+            await asyncio.gather(*(self.capture_stage(i, session_id, token_ids, start) for i in stages))
+        )
 
-        async def capture(i: int) -> SnapshotBytes:
-            request = stage_pb2.CaptureKvStreamRequest(
-                capture=stage_pb2.CaptureKvRequest(
-                    session_id=session_id, token_ids=token_ids, from_position=start
-                )
+    async def capture_stage(self, i: int, session_id: str, token_ids: list[int], start: int) -> SnapshotBytes:
+        """Stage ``i``'s part of ``capture_part``."""
+        request = stage_pb2.CaptureKvStreamRequest(
+            capture=stage_pb2.CaptureKvRequest(
+                session_id=session_id, token_ids=token_ids, from_position=start
             )
-            chunks, positions = [], 0
-            try:
-                call = self._stubs[i].CaptureKvStream(
-                    request, timeout=self.step_timeout_s, metadata=self._metadata
-                )
-                async for chunk in call:
-                    chunks.append(chunk.snapshot_chunk)
-                    positions = chunk.positions
-            except grpc.aio.AioRpcError as exc:
-                limit = f"{self.step_timeout_s:g} s (--step-timeout-s)"
-                raise _stage_rpc_error(i, self.addresses[i], exc, "CaptureKvStream", limit) from None
-            if not chunks:
-                raise Unavailable(f"stage {i} at {self.addresses[i]} sent no snapshot")
-            return SnapshotBytes(tuple(chunks), positions)
-
-        return list(await asyncio.gather(*(capture(i) for i in range(self.num_stages))))
+        )
+        chunks, positions = [], 0
+        try:
+            call = self._stubs[i].CaptureKvStream(
+                request, timeout=self.step_timeout_s, metadata=self._metadata
+            )
+            async for chunk in call:
+                chunks.append(chunk.snapshot_chunk)
+                positions = chunk.positions
+        except grpc.aio.AioRpcError as exc:
+            limit = f"{self.step_timeout_s:g} s (--step-timeout-s)"
+            raise _stage_rpc_error(i, self.addresses[i], exc, "CaptureKvStream", limit) from None
+        if not chunks:
+            raise Unavailable(f"stage {i} at {self.addresses[i]} sent no snapshot")
+        return SnapshotBytes(tuple(chunks), positions)
 
     async def restore_parts(
         self, session_id: str, parts: list[list[SnapshotBytes]], timeout_s: float
@@ -270,28 +356,33 @@ class RemoteStages:
         """Restores stage i's consecutive parts ``parts[i]`` (as captured) into the session on
         every stage at once, streamed chunk by chunk; the stage joins them. Raises if any stage
         fails (the caller discards the session)."""
-
-        async def restore(i: int) -> None:
-            requests = (
-                stage_pb2.RestoreKvStreamRequest(
-                    session_id=session_id if p == 0 and j == 0 else "",
-                    snapshot_chunk=chunk,
-                    snapshot_bytes=part.nbytes,
-                    next_part=p > 0 and j == 0,
-                )
-                for p, part in enumerate(parts[i])
-                for j, chunk in enumerate(part.chunks)
-            )
-            try:
-                await self._stubs[i].RestoreKvStream(requests, timeout=timeout_s, metadata=self._metadata)
-            except grpc.aio.AioRpcError as exc:
-                limit = f"{timeout_s:g} s"
-                raise _stage_rpc_error(i, self.addresses[i], exc, "RestoreKvStream", limit) from None
-
-        results = await asyncio.gather(*(restore(i) for i in range(self.num_stages)), return_exceptions=True)
+        stages = range(self.num_stages)
+        results = await asyncio.gather(
+            *(self.restore_stage(i, session_id, parts[i], timeout_s) for i in stages), return_exceptions=True
+        )
         for result in results:
             if isinstance(result, BaseException):
                 raise result
+
+    async def restore_stage(
+        self, i: int, session_id: str, parts: list[SnapshotBytes], timeout_s: float
+    ) -> None:
+        """Stage ``i``'s part of ``restore_parts``: its consecutive ``parts``."""
+        requests = (
+            stage_pb2.RestoreKvStreamRequest(
+                session_id=session_id if p == 0 and j == 0 else "",
+                snapshot_chunk=chunk,
+                snapshot_bytes=part.nbytes,
+                next_part=p > 0 and j == 0,
+            )
+            for p, part in enumerate(parts)
+            for j, chunk in enumerate(part.chunks)
+        )
+        try:
+            await self._stubs[i].RestoreKvStream(requests, timeout=timeout_s, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            limit = f"{timeout_s:g} s"
+            raise _stage_rpc_error(i, self.addresses[i], exc, "RestoreKvStream", limit) from None
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Wait until every stage answers and the result subscription is live."""
@@ -312,13 +403,20 @@ class RemoteStages:
         for subscribed in self._subscribed:
             await asyncio.wait_for(subscribed.wait(), max(0.1, deadline - asyncio.get_running_loop().time()))
 
-    async def stage_infos(self) -> list[stage_pb2.GetStageInfoResponse]:
-        """Every stage's GetStageInfo answer, in pipeline order."""
-        return await self._on_all("GetStageInfo", stage_pb2.GetStageInfoRequest())
+    async def stage_infos(self, stages: list[int] | None = None) -> list[stage_pb2.GetStageInfoResponse]:
+        """Every stage's (or ``stages``') GetStageInfo answer, in pipeline order."""
+        return await self._on_all("GetStageInfo", stage_pb2.GetStageInfoRequest(), stages=stages)
 
     async def _on_all(
-        self, method: str, request, *, tolerate: bool = False, timeout: float | None = None
+        self,
+        method: str,
+        request,
+        *,
+        tolerate: bool = False,
+        timeout: float | None = None,
+        stages: list[int] | None = None,
     ) -> list:
+        """``method`` on every stage (or ``stages``), answers in that order."""
         limit = timeout or self.control_timeout_s
 
         async def call(i: int):
@@ -338,7 +436,8 @@ class RemoteStages:
 
         # Every call is waited for before an error is raised: a release that overtook a still
         # running open would leave that stage's session behind.
-        results = await asyncio.gather(*(call(i) for i in range(self.num_stages)), return_exceptions=True)
+        stages = list(range(self.num_stages)) if stages is None else stages
+        results = await asyncio.gather(*(call(i) for i in stages), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
@@ -362,17 +461,16 @@ class RemoteStages:
         return DeadlineExceeded(f"no result from the pipeline within {self.step_timeout_s:g} s")
 
     def _fail_pending(self, error: PipeshardError) -> None:
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(error)
+        self._pending.fail(error)
 
     def _on_reachability(self, index: int, up: bool, reason: str) -> None:
         if up:
             sessions = self._unreleased.pop(index, set())
             if sessions:
                 self._in_background(self._abort_on(index, sessions), f"abort-on-stage{index}")
-        else:
-            self._fail_pending(Unavailable(self.watch.describe(index)))
+        else:  # the steps of the sessions routed through it
+            error = Unavailable(self.watch.describe(index))
+            self._pending.fail(error, lambda session_id: self.routes_through(session_id, index))
         self.on_health(self.healthy)
 
     def _in_background(self, coro, name: str) -> None:
@@ -406,11 +504,8 @@ class RemoteStages:
         def on_response(response: stage_pb2.ResultsResponse) -> None:
             results = response.results or (response.result,)  # a step's rows, or its one row
             trace.mark("result_recv", results[0].session_id, results[0].step_id)
-            pending = self._pending
             for result in results:
-                future = pending.get((result.session_id, result.step_id))
-                if future is not None and not future.done():
-                    future.set_result(result)
+                self._pending.resolve(result)
 
         final = index == len(self._remote) - 1
         train: list[tuple[int, float]] = []

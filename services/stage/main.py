@@ -70,13 +70,20 @@ class StageSettings(ServerSettings):
     )
     stage: int = setting(0, "index of this stage in the pipeline")
     replica: int = setting(
-        0, "with --topology: which replica (lane) of the stage this is; it forwards to that lane's next stage"
+        0,
+        "with --topology: which replica (lane) of the stage this is; it forwards to every replica "
+        "of the next stage, that lane's first",
     )
     topology: Path | None = setting(
         None, "topology file (config/topology.yaml) giving port, shards and next hop"
     )
     shards: Path | None = setting(None, "export folder holding manifest.json and the stage folders")
-    next_hop: str | None = setting(None, "address of the next stage (unset for the final stage)")
+    next_hop: str | None = setting(
+        None,
+        "address of the next stage (unset for the final stage); several, comma-separated: every "
+        "replica of the next stage, this replica's own lane's first (per-hop routing: each session "
+        "forwarded to the replica its coordinator routes it to)",
+    )
     precision: str = setting(DEFAULT_PRECISION, "inference precision", choices=PRECISIONS)
     invariant_ladder: str = setting(
         "",
@@ -193,6 +200,11 @@ def resolve(settings: StageSettings) -> StageSettings:
     settings.precision = topo.precision if settings.precision == DEFAULT_PRECISION else settings.precision
     settings.device = me.device if settings.device == DEFAULT_DEVICE else settings.device
     return settings
+
+
+def next_hops(value: str | None) -> list[str]:
+    """``--next-hop``'s addresses in order (comma-separated; none for the final stage)."""
+    return [address.strip() for address in (value or "").split(",") if address.strip()]
 
 
 def fleet_tls(settings: StageSettings) -> TlsConfig | None:
@@ -315,14 +327,12 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
     meters.watch(engine.sessions, parts.bytes_per_position)
     engine.heads = heads
     delay_s = settings.hop_delay_ms / 1000.0
-    hop = (
-        HopStream(settings.next_hop, delay_s=delay_s, tls=fleet_tls(settings)) if settings.next_hop else None
-    )
+    hops = [HopStream(a, delay_s=delay_s, tls=fleet_tls(settings)) for a in next_hops(settings.next_hop)]
     node = StageNode(
         engine,
         settings.stage,
-        next_hop=hop,
-        codec=CodecChooser(settings.codec, hop.link if hop is not None else None),
+        next_hops=hops,
+        codec=CodecChooser(settings.codec, hops[0].link if hops else None),
         wire_dtype=settings.wire_dtype,
         results_delay_s=delay_s,
         kv=kv,
@@ -335,7 +345,8 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         layer_end=shard.entry.layer_end,
         model_fingerprint=shard.manifest.model.fingerprint,
         max_context=shard.max_context,
-        next_hop=settings.next_hop or "",
+        next_hop=hops[0].address if hops else "",
+        next_hops=[hop.address for hop in hops],
         precision=canonical(settings.precision),
         invariant=is_invariant(settings.precision),
         device=shard.device,
@@ -364,8 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         node, info = build_node(settings)
         holder["node"] = node
         node.start_reaper(settings.idle_timeout_s, settings.lease_grace_s)
-        if node.next_hop is not None:
-            node.next_hop.start()  # dial (and probe the link) now, while no frame is computing
+        for hop in node.next_hops:
+            hop.start()  # dial (and probe the link) now, while no frame is computing
         if settings.raw_tcp_port:
             host, _, port = (settings.raw_tcp_next_hop or "").rpartition(":")
             raw = RawTcpStage(node.engine, (host, int(port)) if port else None)
@@ -378,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def report_next_hop(server: GrpcServer) -> None:
         """The next hop's state on health service NEXT_HOP_HEALTH: SERVING until its stream breaks
-        (a dead or stalled next stage), again once it reconnects; the coordinator watches it."""
+        (a dead or stalled next stage), again once it reconnects; the coordinator watches it. With
+        several next hops, the first's (this replica's own lane's): a broken link to another
+        replica is found by the step deadline of the sessions routed over it."""
         hop = holder["node"].next_hop
         if hop is None:
             return

@@ -3,7 +3,9 @@
 Every frame is a step of one or more rows, run by one engine call whatever the KV backend.
 Inference runs on the event-loop thread itself (the CPU is the bottleneck, so one frame at a
 time; frames arriving meanwhile wait in gRPC's buffers). A non-final stage forwards hidden
-states to its next hop; the final stage publishes results to the coordinator's subscription.
+states to the next hop of each row's session (one of its ``next_hops``, the replicas of the next
+stage: per-hop routing; a step whose rows go to several hops leaves as one frame per hop); the
+final stage publishes results to the coordinator's subscription.
 A failure becomes a StageError that travels the rest
 of the ring, so the coordinator learns which stage failed and why.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Sequence
 
 import structlog
 
@@ -48,7 +51,7 @@ class StageNode:
         engine: RowEngine,
         stage_index: int,
         *,
-        next_hop: HopStream | None,
+        next_hops: Sequence[HopStream] = (),
         codec: CodecChooser | None = None,
         wire_dtype: str = "fp32",
         results_delay_s: float = 0.0,
@@ -57,15 +60,18 @@ class StageNode:
     ):
         """``codec`` picks the compression of each frame sent on (fixed or measured per link);
         ``wire_dtype`` fp16/bf16 narrows hidden states on the wire (lossy, opt-in);
-        ``max_frame_tokens``: the most positions one frame may carry (refused before decoding)."""
-        if engine.is_last != (next_hop is None):
+        ``max_frame_tokens``: the most positions one frame may carry (refused before decoding).
+        ``next_hops``: the replicas of the next stage a session may be routed to (OpenSession's
+        ``next_hop`` indexes them), the first this replica's own lane's; ``codec`` measures its link."""
+        if engine.is_last != (not next_hops):
             raise ValueError("exactly the final stage has no next hop")
         self.engine = engine
         self.stage_index = stage_index
-        self.next_hop = next_hop
+        self.next_hops = list(next_hops)
         self.results = ResultBroker(results_delay_s)
         self._codec = codec or CodecChooser("none", None)
-        self._hop_codecs: dict[str, CodecChooser] = {self._codec.mode: self._codec}  # mode -> chooser
+        # (hop, mode) -> chooser: every mode of a hop shares that hop's measured link
+        self._hop_codecs: dict[tuple[int, str], CodecChooser] = {(0, self._codec.mode): self._codec}
         self._results_links: dict[str, LinkEstimate] = {}  # owner -> its return link
         self._results_codecs: dict[tuple[str, str], CodecChooser] = {}  # (owner, mode) -> chooser
         self._wire_dtype = wire_dtype
@@ -73,6 +79,11 @@ class StageNode:
         self._port = input_port(engine.is_first)
         self._limits = FrameLimits(engine.hidden_size, max_frame_tokens)
         self._reaper: asyncio.Task | None = None
+
+    @property
+    def next_hop(self) -> HopStream | None:
+        """This replica's own lane's next hop (the first), whose state its health reports."""
+        return self.next_hops[0] if self.next_hops else None
 
     @property
     def kv_service(self) -> StageKv:
@@ -113,19 +124,24 @@ class StageNode:
                 first_error = first_error or error
             else:
                 good.append(out)
-        if self.next_hop is None:
+        if not self.next_hops:
             if good:  # the step's rows in one message
                 self.results.publish([self._result(out, step, frame.owner) for out in good], frame.owner)
             trace.mark("published", frame.session_id, frame.step_id)
         elif good:
-            # One tensor for the whole step: its first row's session names the codec.
-            chooser = self._hop_chooser(frame.owner, good[0].row.session_id)
-            codec = chooser.choose(good[0].hidden)
-            sent = frame_from_outputs(step, good, codec, self._wire_dtype, received=frame)
-            tensor = sent.tensors[0].tensor
-            chooser.sent(tensor.raw_size, len(tensor.data), codec)
-            trace.mark("encoded", frame.session_id, frame.step_id)
-            await self.next_hop.send(sent)
+            by_hop: dict[int, list[StepOutput]] = {}
+            for out in good:
+                by_hop.setdefault(self.engine.sessions.hop(frame.owner, out.row.session_id), []).append(out)
+            for hop, sending in by_hop.items():
+                # One tensor per hop: its first row's session names the codec. Every row to one
+                # hop (lanes, or a fleet whose routes agree): the frame goes on as it came.
+                chooser = self._hop_chooser(hop, frame.owner, sending[0].row.session_id)
+                codec = chooser.choose(sending[0].hidden)
+                sent = frame_from_outputs(step, sending, codec, self._wire_dtype, received=frame)
+                tensor = sent.tensors[0].tensor
+                chooser.sent(tensor.raw_size, len(tensor.data), codec)
+                trace.mark("encoded", frame.session_id, frame.step_id)
+                await self.next_hops[hop].send(sent)
         await asyncio.sleep(0)  # let the output leave before the next frame's compute starts
         return first_error
 
@@ -156,28 +172,69 @@ class StageNode:
             raise InvalidArgument(
                 "results_link_bandwidth_bytes_per_second", f"must be finite and >= 0, got {bandwidth_bytes_s}"
             )
-        if self.next_hop is None and bandwidth_bytes_s > 0:
+        if not self.next_hops and bandwidth_bytes_s > 0:
             self._results_link(owner).observe_rate(bandwidth_bytes_s)
 
-    def open_session(self, owner: str, session_id: str, capacity: int | None, codec: str) -> None:
+    def open_session(
+        self, owner: str, session_id: str, capacity: int | None, codec: str, next_hop: int | None = None
+    ) -> None:
         """Opens a session with the codec it asked for (empty: the stage's own ``--codec``); the
         frames and results this stage sends for it use it, so one fleet can compare codecs request
-        by request. The codec is checked before the session opens, so a bad one opens nothing."""
+        by request. ``next_hop``: the index of the next stage's replica its frames go to (None: the
+        first). Both are checked before the session opens, so a bad one opens nothing."""
         if codec:
             parse_codec(codec)
             check_wire_dtype(codec, self._wire_dtype)
+        hop = self._check_hop(next_hop)
         self.engine.open(owner, session_id, capacity)
         self.engine.sessions.set_codec(owner, session_id, codec)
+        self.engine.sessions.set_hop(owner, session_id, hop)
+
+    def route_session(
+        self, owner: str, session_id: str, next_hop: int | None, keep_positions: int | None
+    ) -> int:
+        """Re-points one of ``owner``'s sessions (a per-hop failover moved another stage's part of
+        it): frames computed from now on go to ``next_hop`` (None: unchanged), and its cache keeps
+        at most ``keep_positions`` positions (None: unchanged). Returns the positions it holds.
+        Frames already computed went to the hop they were computed for: a step runs whole on the
+        event loop before this call can."""
+        hop = None if next_hop is None else self._check_hop(next_hop)
+        self.engine.sessions.get(owner, session_id)  # another owner's session: as unknown as none
+        if keep_positions is not None:
+            self.engine.keep_positions(owner, session_id, keep_positions)
+        if hop is not None:
+            self.engine.sessions.set_hop(owner, session_id, hop)
+        return self.engine.sessions.get(owner, session_id).past_length
+
+    def _check_hop(self, next_hop: int | None) -> int:
+        """A session's next hop as an index into ``next_hops``, never a free address."""
+        if next_hop is None:
+            return 0
+        if not self.next_hops:
+            raise InvalidArgument(
+                "next_hop", f"stage {self.stage_index} is the final stage: it has no next hop"
+            )
+        if not 0 <= next_hop < len(self.next_hops):
+            known = ", ".join(f"{i}: {hop.address}" for i, hop in enumerate(self.next_hops))
+            raise InvalidArgument(
+                "next_hop",
+                f"{next_hop} names no replica of stage {self.stage_index + 1} "
+                f"(this stage forwards to {known})",
+            )
+        return next_hop
 
     def _session_mode(self, owner: str, session_id: str) -> str:
         return self.engine.sessions.codec(owner, session_id) or self._codec.mode
 
-    def _hop_chooser(self, owner: str, session_id: str) -> CodecChooser:
-        """The next hop's chooser for this session's codec mode; every mode shares the hop's link."""
+    def _hop_chooser(self, hop: int, owner: str, session_id: str) -> CodecChooser:
+        """Next hop ``hop``'s chooser for this session's codec mode; every mode shares the hop's link."""
         mode = self._session_mode(owner, session_id)
-        chooser = self._hop_codecs.get(mode)
+        chooser = self._hop_codecs.get((hop, mode))
         if chooser is None:
-            chooser = self._hop_codecs[mode] = self._codec.with_mode(mode)
+            chooser = self._codec.with_mode(mode)
+            if hop:
+                chooser = chooser.for_link(self.next_hops[hop].link)
+            self._hop_codecs[(hop, mode)] = chooser
         return chooser
 
     def _results_link(self, owner: str) -> LinkEstimate:
@@ -214,10 +271,11 @@ class StageNode:
         return result
 
     async def _pass_on_error(self, row, error: activation_pb2.StageError, owner: str) -> None:
-        if self.next_hop is None:
+        if not self.next_hops:
             self.results.publish([error_result(row, error)], owner)
         else:
-            await self.next_hop.send(error_frame(row, error, owner))
+            hop = self.engine.sessions.hop(owner, row.session_id)
+            await self.next_hops[hop].send(error_frame(row, error, owner))
 
     def start_reaper(self, idle_timeout_s: float, lease_grace_s: float = 5.0) -> None:
         """Release sessions whose coordinator vanished without releasing them: all of an owner's
@@ -259,5 +317,5 @@ class StageNode:
         if self._reaper is not None:
             self._reaper.cancel()
         self.results.close()
-        if self.next_hop is not None:
-            await self.next_hop.close()
+        for hop in self.next_hops:
+            await hop.close()

@@ -75,6 +75,7 @@ class PagedSession:
         self._owner = ""
         self._blocks = 0
         self.tree: TreeStep | None = None  # the last row, when it was a tree row
+        self.cut: int | None = None  # the length RouteSession cut it to, until the next row starts there
 
     @property
     def past_length(self) -> int:
@@ -89,6 +90,7 @@ class PagedSession:
     def reset(self) -> None:
         """Gives the session's blocks back (the table calls it on release and reaping)."""
         self.tree = None
+        self.cut = None
         if self.reserved:
             self.shard.free(self.key)
             self.reserved = False
@@ -151,6 +153,17 @@ class PagedEngine(RowEngine[PagedSession]):
         session.tree = None
         self.shard.rewind(session.key, 0)
 
+    def keep_positions(self, owner: str, session_id: str, positions: int) -> None:
+        """Shortens the session to ``positions`` (at most what it holds: named otherwise)."""
+        session = self.sessions.get(owner, session_id)
+        if positions > session.past_length:
+            raise InvalidArgument(
+                "keep_positions", f"{positions} is more than the {session.past_length} the session holds"
+            )
+        session.tree = None
+        self.shard.rewind(session.key, positions)
+        session.cut = positions
+
     def open(self, owner: str, session_id: str, capacity: int | None = None) -> None:
         """Opens a session and reserves room for ``capacity`` tokens (the export's max_context
         when None); refuses with RESOURCE_EXHAUSTED naming the budget when it cannot fit."""
@@ -201,6 +214,16 @@ class PagedEngine(RowEngine[PagedSession]):
                 "tree_parents",
                 "draft trees need KV pools of one value per slot (f32, f16, bf16); this stage's are u8",
             )
+        if session.cut is not None:
+            if len(row.positions) and int(row.positions[0]) != start:
+                # A frame computed for the session before it was cut back (RouteSession, a
+                # per-hop failover) and still on its way: refused, never written.
+                raise InvalidArgument(
+                    "positions",
+                    f"start at {int(row.positions[0])}, but session {row.session_id!r} was cut back "
+                    f"to {session.cut} positions and holds {start}",
+                )
+            session.cut = None  # the first row after the cut is the caller's own
         room = self.shard.capacity(session.key)
         if start + row.tokens > room:
             raise ResourceExhausted(

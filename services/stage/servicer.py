@@ -95,8 +95,26 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         owner = _owner(context)
         check_id("session_id", request.session_id)
         self._node.note_results_link(owner, request.results_link_bandwidth_bytes_per_second)
-        self._node.open_session(owner, request.session_id, request.capacity or None, request.codec)
+        next_hop = request.next_hop if request.HasField("next_hop") else None
+        self._node.open_session(owner, request.session_id, request.capacity or None, request.codec, next_hop)
         return stage_pb2.OpenSessionResponse(max_context=self._node.engine.max_context)
+
+    async def RouteSession(self, request, context):
+        owner = _owner(context)
+        check_id("session_id", request.session_id)
+        positions = self._node.route_session(
+            owner,
+            request.session_id,
+            request.next_hop if request.HasField("next_hop") else None,
+            request.keep_positions if request.HasField("keep_positions") else None,
+        )
+        log.info(
+            "session_routed",
+            session_id=request.session_id,
+            next_hop=request.next_hop if request.HasField("next_hop") else None,
+            positions=positions,
+        )
+        return stage_pb2.RouteSessionResponse(positions=positions)
 
     async def ResetSession(self, request, context):
         owner = _owner(context)
@@ -198,6 +216,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         trace.mark("restore_checked", session_id, 0)
         positions = self._node.kv.restore(owner, session_id, blob, checked=True)
         trace.mark("restore_loaded", session_id, 0)
+        log.info("kv_restored", session_id=session_id, positions=positions, parts=len(parts))
         return stage_pb2.RestoreKvStreamResponse(positions=positions)
 
     async def GetStageInfo(self, request, context):

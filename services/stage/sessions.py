@@ -33,6 +33,7 @@ class _Entry(Generic[S]):
     session: S
     last_used: float = field(default_factory=time.monotonic)
     codec: str = ""  # the wire codec mode the session asked for at OpenSession ("": the stage's own)
+    hop: int = 0  # which next hop its frames go to (per-hop routing; 0: this replica's own lane's)
 
 
 class SessionTable(Generic[S]):
@@ -106,6 +107,15 @@ class SessionTable(Generic[S]):
         """The session's codec mode; "" for the stage's own (or a session no longer open)."""
         entry = self._entries.get((owner, session_id))
         return "" if entry is None else entry.codec
+
+    def set_hop(self, owner: str, session_id: str, hop: int) -> None:
+        """Keeps the session's next hop (an index the node has checked) on its entry."""
+        self._entry(owner, session_id).hop = hop
+
+    def hop(self, owner: str, session_id: str) -> int:
+        """The session's next hop; 0 (the first) for a session no longer open."""
+        entry = self._entries.get((owner, session_id))
+        return 0 if entry is None else entry.hop
 
     def _entry(self, owner: str, session_id: str) -> _Entry[S]:
         entry = self._entries.get((owner, session_id))

@@ -18,7 +18,7 @@ from typing import Generic, TypeAlias
 
 import numpy as np
 
-from pipeshard.errors import Internal, InvalidArgument, PipeshardError
+from pipeshard.errors import Internal, InvalidArgument, PipeshardError, Unimplemented
 from pipeshard.sampling import sample_step
 from pipeshard.services.stage.domain import (
     Computed,
@@ -130,6 +130,14 @@ class RowEngine(Generic[S]):
     def open(self, owner: str, session_id: str, capacity: int | None = None) -> None:
         """Opens the session (a backend with a capacity reserves it here or refuses)."""
         raise NotImplementedError
+
+    def keep_positions(self, owner: str, session_id: str, positions: int) -> None:
+        """Cuts the session's cache to its first ``positions`` positions (RouteSession: a per-hop
+        failover gave another stage's part of the session back fewer). Only a cache that rewinds
+        by shortening can; the others refuse."""
+        raise Unimplemented(
+            f"keep_positions needs a paged stage (--kv paged); this stage runs {self.kv_backend}"
+        )
 
     def describe(self, info: stage_pb2.GetStageInfoResponse, owner: str | None) -> None:
         """Fills the backend's live use into GetStageInfo (``owner``: the caller's, if it

@@ -1,6 +1,7 @@
 """Failover without processes: a standby copy restores the session and only its tail rides with
-the resent step; a copy a stage refuses is given up for a full replay in a fresh session (the real
-kill runs in tests/pipeline/test_failover_fleet.py)."""
+the resent step; a copy a stage refuses is given up for a full replay in a fresh session; a
+broken replica moves only its stage's part of the session (the real kills run in
+tests/pipeline/test_failover_fleet.py and test_per_hop_fleet.py)."""
 
 from __future__ import annotations
 
@@ -24,16 +25,34 @@ CONTEXT = list(range(1000, 1070))  # a 40-token prompt and 30 generated tokens
 
 class _Lanes:
     lanes = ("lane 0", "lane 1")
+    num_stages = 2
+    healthy = True
 
-    def __init__(self, refuse: bool = False):
+    def __init__(self, refuse: bool = False, broken: list[int] | None = None, move_fails: bool = False):
         self.refuse = refuse
         self.restored: list[str] = []
-
-    def live_lanes(self) -> list[str]:
-        return ["lane 1"]
+        self.restored_stages: list[list[int] | None] = []
+        self._broken = broken or []
+        self.move_fails = move_fails
+        self.moved: list[tuple[str, list[int]]] = []
+        self.rerouted: list[tuple[str, list[int], int]] = []
 
     def lane_of(self, session_id: str) -> int:
         return 1
+
+    def route_of(self, session_id: str) -> list[int]:
+        return [0, 1]
+
+    def broken(self, session_id: str) -> list[int]:
+        return self._broken
+
+    async def move_stages(self, session_id: str, stages: list[int], reason: str) -> None:
+        if self.move_fails:
+            raise Unavailable("no other replica of stage 1 can take its sessions")
+        self.moved.append((session_id, stages))
+
+    async def reroute(self, session_id: str, moved: list[int], keep_positions: int) -> None:
+        self.rerouted.append((session_id, moved, keep_positions))
 
     async def capture_part(self, session_id: str, token_ids: list[int], start: int) -> list[SnapshotBytes]:
         values = np.zeros((1, len(token_ids) - start, 1), np.float32)
@@ -41,11 +60,16 @@ class _Lanes:
         return [SnapshotBytes(tuple(snapshot_chunks(to_proto(blob))[1]), blob.positions)] * 2
 
     async def restore_parts(
-        self, session_id: str, parts: list[list[SnapshotBytes]], timeout_s: float
+        self,
+        session_id: str,
+        parts: list[list[SnapshotBytes]],
+        timeout_s: float,
+        stages: list[int] | None = None,
     ) -> None:
         if self.refuse:
             raise StageFailed(activation_pb2.StageError(stage_index=1, code="INVALID_ARGUMENT", message="no"))
         self.restored.append(session_id)
+        self.restored_stages.append(stages)
 
 
 class _Ring:
@@ -84,21 +108,25 @@ class _Generating:
         self.admission = None  # the scheduler's (none here: the ring charges nothing)
 
 
-def _failover(refuse: bool, computed: int = 69) -> tuple[_Generating, _Ring, _Lanes, KvStandby]:
+def _failover(
+    refuse: bool, computed: int = 69, lanes: _Lanes | None = None
+) -> tuple[_Generating, _Ring, _Lanes, KvStandby]:
     async def main():
-        lanes, ring, request = _Lanes(refuse), _Ring(), _Generating()
+        ring, request = _Ring(), _Generating()
+        request.cursor.step = 9  # the steps it ran before the failure
         if computed < 69:  # the request is earlier on: its last token pending, the rest computed
             request.context, request.generated = CONTEXT[: computed + 1], CONTEXT[40 : computed + 1]
             request.pending = CONTEXT[computed : computed + 1]
-        standby = KvStandby(lanes, block_tokens=32, max_bytes=1 << 20)
+        standby = KvStandby(moving, block_tokens=32, max_bytes=1 << 20)
         standby.computed(request.standby, "old", CONTEXT[:computed])  # all but the pending token
         for _ in range(5):
             await asyncio.sleep(0)
-        failover = Failover(lanes, standby)
+        failover = Failover(moving, standby)
         error = Unavailable("stage 1 at x is unreachable")
         await failover.resume(ring, request, error, capacity=2048, prefill_chunk=32)
-        return request, ring, lanes, standby
+        return request, ring, moving, standby
 
+    moving = lanes or _Lanes(refuse)
     return asyncio.run(main())
 
 
@@ -132,3 +160,24 @@ def test_a_copy_of_every_computed_position_keeps_all_but_the_last_so_the_first_r
     frame = request.cursor.frame(request.pending)
     assert list(frame.positions) == [63, 64]
     assert [(r.start, r.end) for r in frame.plan.rows[0].mask_update.invalidate] == [(63, 64)]
+
+
+def test_a_broken_replica_moves_only_its_stage_and_the_session_stays_with_its_step_count():
+    """Stage 1's replica is down: its part moves (the others are cut back to the copy's 64
+    positions and re-pointed, not reopened), only stage 1's parts of the copy are restored, and the
+    session keeps its id and step count (a late answer of a lost step cannot pass for a new one)."""
+    request, ring, lanes, standby = _failover(refuse=False, lanes=_Lanes(broken=[1]))
+    assert request.session_id == "old" and ring.opened == [] and ring.aborted == []
+    assert lanes.moved == [("old", [1])] and lanes.rerouted == [("old", [1], 64)]
+    assert lanes.restored == ["old"] and lanes.restored_stages == [[1]]
+    assert request.cursor.logical == 64 and request.cursor.step == 9 and ring.steps == []
+    assert request.pending == CONTEXT[64:]  # the tail past the copy rides with the resent step
+    assert request.standby.attached and request.standby.positions == 64 and standby.nbytes > 0
+    assert request.slot.expedited
+
+
+def test_a_per_hop_move_that_finds_no_replica_falls_back_to_moving_the_whole_session():
+    request, ring, lanes, _ = _failover(refuse=False, lanes=_Lanes(broken=[1], move_fails=True))
+    assert ring.aborted == ["old"] and ring.opened == [request.session_id] != "old"
+    assert lanes.restored_stages == [None]  # every stage's parts, on the new session
+    assert request.cursor.logical == 64 and request.cursor.step == 0

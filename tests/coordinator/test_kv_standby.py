@@ -47,7 +47,11 @@ class _Lane:
         return [part] * 2
 
     async def restore_parts(
-        self, session_id: str, parts: list[list[SnapshotBytes]], timeout_s: float
+        self,
+        session_id: str,
+        parts: list[list[SnapshotBytes]],
+        timeout_s: float,
+        stages: list[int] | None = None,
     ) -> None:
         self.restored[session_id] = parts
 

@@ -26,7 +26,9 @@ def test_loopback_topology_places_replica_r_twenty_ports_up_and_round_trips(tmp_
     assert [[s.port for s in lane] for lane in topo.lanes] == [[50061, 50062], [50081, 50082]]
     assert [s.metrics_port for s in topo.replicas[0]] == [9181, 9182]
     assert topo.stage_addresses() == ["127.0.0.1:50061|127.0.0.1:50081", "127.0.0.1:50062|127.0.0.1:50082"]
-    assert (topo.next_hop(0, 1), topo.next_hop(1, 1)) == ("127.0.0.1:50082", None)
+    # every replica of the next stage, its own lane's first (per-hop routing)
+    assert (topo.next_hop(0, 1), topo.next_hop(1, 1)) == ("127.0.0.1:50082,127.0.0.1:50062", None)
+    assert topo.next_hop(0, 0) == "127.0.0.1:50062,127.0.0.1:50082"
     assert topo.stage(1, 1).port == 50082
     with pytest.raises(InvalidArgument, match="replica"):
         topo.stage(0, 2)
@@ -82,6 +84,7 @@ class _Lane:
         self.on_health = lambda serving: None
         self.fail_plans = False
         self.addresses = ["x:1", "x:2"]
+        self.num_stages = 2
         self.closed = False
 
         self.aborted: list[str] = []
@@ -90,7 +93,7 @@ class _Lane:
     async def close(self):
         self.closed = True
 
-    async def abort_session(self, session_id, reason):
+    async def abort_session(self, session_id, reason, stages=None):
         self.aborted.append(session_id)
 
     async def keep_kv(self, session_id, scope, token_ids):
@@ -111,7 +114,7 @@ class _Lane:
     async def release_session(self, session_id):
         pass
 
-    async def run(self, frames):
+    async def run(self, frames, checked=True):
         self.rows += [f.session_id for f in frames]
         if self.fail_plans:
             raise Unavailable("stage 1 is unreachable")
@@ -181,5 +184,99 @@ def test_a_restore_moves_an_empty_session_to_the_lane_that_kept_the_prefix_while
         a.watch.down[0] = "connection lost"  # the holder is out: restored where the session is
         await ring.restore_kv("t", "me", prefix, 64, 1.0)
         assert b.restored == ["t"] and "t" not in a.opened
+
+    asyncio.run(run())
+
+
+class _StageLane(_Lane):
+    """A lane whose replicas are also called one stage at a time (routes across lanes)."""
+
+    def __init__(self, name: str, other: str):
+        super().__init__()
+        self.addresses = [f"{name}0:1", f"{name}1:1"]
+        self.next_hops = [f"{name}1:1", f"{other}1:1"]  # its own lane's first, as the launcher starts it
+        self.calls: list[tuple] = []
+
+    async def stage_infos(self, stages=None):
+        infos = [_info(next_hops=self.next_hops), _info()]
+        return infos if stages is None else [infos[k] for k in stages]
+
+    async def open_stage(self, k, session_id, capacity, next_hop):
+        self.calls.append(("open", k, session_id, next_hop))
+        return 100
+
+    async def route_stage(self, k, session_id, next_hop, keep_positions):
+        self.calls.append(("route", k, session_id, next_hop, keep_positions))
+        return keep_positions
+
+    async def abort_session(self, session_id, reason, stages=None):
+        self.calls.append(("abort", stages, session_id))
+
+
+def test_with_no_whole_lane_a_session_is_routed_across_lanes_over_the_live_replicas():
+    async def run():
+        a, b = _StageLane("a", "b"), _StageLane("b", "a")
+        ring = ReplicaLanes([a, b])
+        await ring.stage_infos()
+        a.watch.down[1] = "connection lost"
+        b.watch.down[0] = "connection lost"
+        assert ring.healthy and not ring.live_lanes()
+        await ring.open_session("s")
+        assert ring.route_of("s") == [0, 1]
+        assert a.calls == [("open", 0, "s", 1)] and b.calls == [("open", 1, "s", None)]
+        # Stage 0's replica of lane a restarted knowing its own lane's next hop only (its health
+        # changes: the ring asks again what it forwards to), lane b's stage 0 still down: no route.
+        a.next_hops = a.next_hops[:1]
+        a.on_health(True)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not ring.healthy
+        with pytest.raises(Unavailable, match="stage"):
+            await ring.open_session("t")
+
+    asyncio.run(run())
+
+
+def test_a_dead_replica_moves_only_its_stage_and_fails_only_the_steps_routed_through_it():
+    async def run():
+        a, b = _StageLane("a", "b"), _StageLane("b", "a")
+        ring = ReplicaLanes([a, b])
+        await ring.stage_infos()
+        await ring.open_session("t")  # lane a, whole: the lane's own open
+        await ring.open_session("u")  # lane b
+        assert (a.opened, b.opened) == (["t"], ["u"])
+        a.watch.down[1] = "connection lost"
+        # A's stage 1 lost: only "t" passes through it.
+        assert a.routes_through("t", 1) and not a.routes_through("u", 1) and not b.routes_through("t", 1)
+        assert ring.broken("t") == [1] and ring.broken("u") == []
+        await ring.move_stages("t", [1], "moved to another replica of its stage")
+        assert ring.route_of("t") == [0, 1]
+        assert a.calls == [("abort", [1], "t")] and b.calls == [("open", 1, "t", None)]
+        await ring.reroute("t", [1], 64)
+        assert a.calls[-1] == ("route", 0, "t", 1, 64)  # cut back, forwarding to lane b's stage 1
+        assert a.routes_through("t", 0) and b.routes_through("t", 1) and not a.routes_through("t", 1)
+        # Stage 1 has no other live replica: the move is refused naming the stage.
+        b.watch.down[1] = "connection lost"
+        with pytest.raises(Unavailable, match="no other replica of stage 1"):
+            await ring.move_stages("u", [1], "moved")
+
+    asyncio.run(run())
+
+
+def test_a_moved_stage_0_part_makes_its_new_replica_the_sessions_entry():
+    async def run():
+        a, b = _StageLane("a", "b"), _StageLane("b", "a")
+        ring = ReplicaLanes([a, b])
+        await ring.stage_infos()
+        await ring.open_session("t")  # lane a
+        a.watch.down[0] = "connection lost"
+        frame = activation_pb2.ActivationFrame(session_id="t")
+        (answer,) = await ring.run([frame])
+        assert isinstance(answer, Unavailable) and not a.rows  # its route is down: not sent
+        await ring.move_stages("t", [0], "moved")
+        assert b.calls == [("open", 0, "t", 1)]  # lane b's stage 0, forwarding to lane a's stage 1
+        await ring.reroute("t", [0], 32)
+        assert a.calls[-1] == ("route", 1, "t", None, 32)  # the final stage: cut back only
+        assert await ring.run([frame]) == ["t"] and b.rows == ["t"] and not a.rows
 
     asyncio.run(run())

@@ -18,6 +18,7 @@ import pytest
 from pipeshard.clients.client import PipeshardClient
 from pipeshard.services.launcher import Fleet, spawn, stage_name
 from pipeshard.topology import Endpoint, StageEndpoint, Topology
+from tests.pipeline.concurrent_streams import concurrently, stream_tokens
 from tests.pipeline.stage_probe import live_sessions
 
 pytestmark = pytest.mark.slow
@@ -91,35 +92,14 @@ def _logged(fleet: Fleet, event: str, timeout_s: float = 60) -> bool:
     return True
 
 
-def _tokens(client: PipeshardClient, prompt: str, on_first=None) -> list[int]:
-    tokens: list[int] = []
-    for chunk in client.stream(prompt, max_tokens=TOKENS, ignore_eos=True):
-        tokens.extend(chunk.token_ids)
-        if on_first is not None and len(tokens) >= KILL_AFTER:
-            on_first()
-            on_first = None
-    return tokens
+def _tokens(client: PipeshardClient, prompt: str) -> list[int]:
+    return stream_tokens(client, prompt, TOKENS)
 
 
 def _concurrently(
     address: str, on_first=None, prompts: list[str] = PROMPTS
 ) -> tuple[list[list[int]], list[BaseException]]:
-    results: list[list[int]] = [[] for _ in prompts]
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            with PipeshardClient(address, timeout_s=300) as client:
-                results[i] = _tokens(client, prompts[i], on_first)
-        except BaseException as exc:  # recorded: the test asserts there were none
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    return results, errors
+    return concurrently(address, prompts, TOKENS, on_first, KILL_AFTER)
 
 
 def test_killed_replica_fails_over_then_all_gone_then_rejoins(replicated):

@@ -66,7 +66,7 @@ def _result_codec(mode: str, bandwidth_bytes_s: float | None) -> tuple[int, np.n
     # machine cannot flip the choice.
     ticks = iter(range(10**6))
     chooser = CodecChooser(mode, None, clock=lambda: next(ticks) * 1e-6)
-    node = StageNode(FinalEngine(logits), 1, next_hop=None, codec=chooser)
+    node = StageNode(FinalEngine(logits), 1, codec=chooser)
 
     async def run():
         subscription = node.results.subscribe("owner-a", "sub")
@@ -102,7 +102,7 @@ def test_a_fixed_codec_applies_to_the_results_link_too():
 
 @pytest.mark.parametrize("bandwidth", [float("nan"), float("inf"), -1.0])
 def test_a_nonsense_return_link_measurement_names_its_field(bandwidth):
-    node = StageNode(FinalEngine(np.zeros((1, 4), np.float32)), 1, next_hop=None)
+    node = StageNode(FinalEngine(np.zeros((1, 4), np.float32)), 1)
     with pytest.raises(InvalidArgument, match="`results_link_bandwidth_bytes_per_second`"):
         node.note_results_link("owner-a", bandwidth)
 
@@ -119,7 +119,7 @@ async def _logits_codec(node: StageNode, subscription, session: str) -> int:
 def _final_node(stage_mode: str) -> tuple[StageNode, object]:
     """A final stage whose own ``--codec`` is ``stage_mode``, and owner-a's results subscription."""
     logits = (np.random.default_rng(0).standard_normal((1, VOCAB)) * 3).astype(np.float32)
-    node = StageNode(FinalEngine(logits), 1, next_hop=None, codec=CodecChooser(stage_mode, None))
+    node = StageNode(FinalEngine(logits), 1, codec=CodecChooser(stage_mode, None))
     return node, node.results.subscribe("owner-a", "sub")
 
 
@@ -169,13 +169,13 @@ def test_a_session_codec_lives_and_dies_with_its_session():
 
 @pytest.mark.parametrize("mode", ["gzip", "AUTO", "on"])
 def test_an_unknown_session_codec_names_its_field_and_opens_nothing(mode):
-    node = StageNode(FinalEngine(np.zeros((1, 4), np.float32)), 1, next_hop=None)
+    node = StageNode(FinalEngine(np.zeros((1, 4), np.float32)), 1)
     with pytest.raises(InvalidArgument, match="`codec`"):
         node.open_session("owner-a", "s", None, mode)
     assert len(node.engine.sessions) == 0
 
 
 def test_a_session_asking_quantum_over_a_narrow_wire_is_refused():
-    node = StageNode(FinalEngine(np.zeros((1, 4), np.float32)), 1, next_hop=None, wire_dtype="bf16")
+    node = StageNode(FinalEngine(np.zeros((1, 4), np.float32)), 1, wire_dtype="bf16")
     with pytest.raises(InvalidArgument, match=r"`codec` quantum_zstd takes fp32 .* not --wire-dtype bf16"):
         node.open_session("owner-a", "s", None, "quantum_zstd")

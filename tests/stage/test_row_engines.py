@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pipeshard.errors import InvalidArgument, NotFound, PipeshardError
+from pipeshard.errors import InvalidArgument, NotFound, PipeshardError, Unimplemented
 from pipeshard.sampling import Distribution, rng_state
 from pipeshard.services.stage.domain import ReturnMode, RowKind, SamplingStep, Step, StepRow
 from pipeshard.services.stage.engine import StageEngine
@@ -411,3 +411,23 @@ def test_static_sessions_hold_a_slot_each_up_to_the_shards_slots():
     e.sessions.release(OWNER, "a")
     e.open(OWNER, "e")
     assert e.sessions.get(OWNER, "e").slot == 0
+
+
+def test_a_paged_session_cut_back_refuses_a_frame_computed_before_the_cut():
+    """RouteSession's keep_positions (a per-hop failover): the session is shortened; a frame of
+    the old steps still on its way starts past the cut and is refused, never written, and the
+    caller's own next row, starting at the cut, runs."""
+    e = make_engine("paged")
+    (out,) = e.run([prefill("a", 6)])
+    assert not isinstance(out, Exception)
+    e.keep_positions(OWNER, "a", 4)
+    assert e.sessions.get(OWNER, "a").past_length == 4
+    (stale,) = e.run([row("a", RowKind.DECODE, [1], 6)])
+    assert isinstance(stale, InvalidArgument) and "positions" in str(stale) and "cut back" in str(stale)
+    assert e.sessions.get(OWNER, "a").past_length == 4
+    (own,) = e.run([row("a", RowKind.DECODE, [1], 4)])
+    assert not isinstance(own, Exception) and e.sessions.get(OWNER, "a").past_length == 5
+    with pytest.raises(InvalidArgument, match="keep_positions"):
+        e.keep_positions(OWNER, "a", 9)
+    with pytest.raises(Unimplemented, match="paged"):
+        make_engine("stateful").keep_positions(OWNER, "a", 0)

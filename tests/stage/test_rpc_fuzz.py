@@ -240,6 +240,16 @@ control_calls = st.one_of(
             results_link_bandwidth_bytes_per_second=st.floats(allow_nan=True, allow_infinity=True),
             codec=st.sampled_from(["", "none", "zstd", "quantum_zstd", "auto", "bogus"])
             | st.text(max_size=8),
+            next_hop=st.none() | st.integers(0, 2**32 - 1) | st.integers(0, 2),
+        ),
+    ),
+    st.tuples(
+        st.just("RouteSession"),
+        st.builds(
+            stage_pb2.RouteSessionRequest,
+            session_id=control_ids | st.just("ok"),
+            next_hop=st.none() | st.integers(0, 2**32 - 1) | st.integers(0, 2),
+            keep_positions=st.none() | st.integers(0, 2**32 - 1) | st.integers(0, 8),
         ),
     ),
     st.tuples(st.just("ResetSession"), st.builds(stage_pb2.ResetSessionRequest, session_id=control_ids)),
