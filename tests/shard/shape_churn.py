@@ -19,16 +19,13 @@ import numpy as np
 from pipeshard.shard.paged import PagedRow, PagedShard
 from pipeshard.shard.shape_cache import bounded_core
 
+MALLINFO2 = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+
 
 class MallInfo2(ctypes.Structure):
-    """glibc's ``struct mallinfo2``."""
+    """glibc's ``struct mallinfo2``: ten size_t fields."""
 
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
-        )
-    ]
+    _fields_ = [(name, ctypes.c_size_t) for name in MALLINFO2.split(" ")]
 
 
 def bytes_in_use() -> int:
