@@ -19,8 +19,8 @@ from pipeshard.errors import InvalidArgument
 
 log = structlog.get_logger(__name__)
 
-# 64 of each: flat from about 400 random long steps on, and no slower than the defaults
-# (bench-commits, docs/RELIABILITY.md "Hostile soak").
+# 64 of each: malloc's bytes in use flat from about 400 random long steps on (docs/RELIABILITY.md
+# "Hostile soak"), and decoding no slower than with the defaults within noise (bench-commits).
 SHAPE_CACHE_ENTRIES = 64
 ONEDNN_CAPACITY = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"  # read by oneDNN once, when the plugin first runs
 
