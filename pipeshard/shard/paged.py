@@ -62,7 +62,7 @@ import openvino as ov
 import openvino.opset13 as ops
 from openvino._offline_transformations import paged_attention_transformation
 
-from pipeshard.errors import InvalidArgument, NotFound, ResourceExhausted
+from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from pipeshard.precision import DEFAULT_PRECISION, Configuration
 from pipeshard.shard.compile_cache import OFF
 from pipeshard.shard.device import DEFAULT_DEVICE
@@ -826,6 +826,20 @@ class PagedShard(StageShard):
         if previous is None:
             return None
         return np.concatenate([previous[0], x]), np.concatenate([previous[1], pos])
+
+    def pool_bytes(self) -> int:
+        return sum(self._req.get_tensor(name).byte_size for name in self._state_pools)
+
+    def reserve(self) -> None:
+        """Writes every page of the block pool (zeros), before any sequence holds a block. Left
+        alone, the pool is paged in block by block as sessions first write blocks, so a serving
+        stage's memory creeps up to its budget over hours (the hostile soak's growth once the
+        plugin's caches were bounded); reserved, it holds the budget from the start. The stage
+        service reserves; in-process shards (tests, the coordinator's ring) leave it paged in."""
+        if self._seqs or self._pins:
+            raise FailedPrecondition("the KV pool is reserved before any sequence holds a block")
+        for name in self._state_pools:
+            self._req.get_tensor(name).data.view(np.uint8)[...] = 0
 
     def warmup(self, prefill: int = 256, decode: int = 2) -> int:
         """A throwaway prefill and a few decode steps on a temporary sequence (the plugin prepares

@@ -178,6 +178,14 @@ class StageShard:
         """Runs the inferences a fresh compiled shard needs before it serves; returns how many."""
         raise NotImplementedError
 
+    def pool_bytes(self) -> int:
+        """Bytes of a KV pool the shard allocates up front and ``reserve`` writes; 0: none (a
+        stateful shard's caches come and go with its sessions)."""
+        return 0
+
+    def reserve(self) -> None:
+        """Makes the up-front KV pool resident (``pool_bytes``); nothing without one."""
+
     def compile(self, model: ov.Model | str, compile_cache: str | Path | None) -> ov.CompiledModel:
         """Compile for the stage's device (checked, its properties adapted: device.py) through the
         compiled-model cache (compile_cache.py: "off" compiles every time, None or "" caches in the

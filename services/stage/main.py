@@ -7,9 +7,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import openvino as ov
 import structlog
 
-from pipeshard import allocator
+from pipeshard import allocator, headroom
 from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound
 from pipeshard.grpc_server import GrpcServer, run_server
 from pipeshard.link_model import AUTO, CODEC_NAMES, CodecChooser, check_wire_dtype
@@ -39,7 +40,7 @@ from pipeshard.services.stage.rawtcp import RawTcpStage
 from pipeshard.services.stage.servicer import StageServicer
 from pipeshard.services.stage.wire import DEFAULT_MAX_FRAME_TOKENS, WIRE_DTYPES
 from pipeshard.services.transport.hop import NEXT_HOP_HEALTH, HopStream
-from pipeshard.settings import LOOPBACK, ServerSettings, load_settings, setting
+from pipeshard.settings import LOOPBACK, MIB, ServerSettings, load_settings, setting
 from pipeshard.shard.compile_cache import OFF
 from pipeshard.shard.device import DEFAULT_DEVICE
 from pipeshard.shard.draft_heads import DraftHeads, check_target, read_meta
@@ -48,6 +49,7 @@ from pipeshard.shard.paged import DEFAULT_CACHE_BYTES
 from pipeshard.shard.pull import pull_shard
 from pipeshard.shard.runtime import StageShard
 from pipeshard.shard.serving import hold_serving_lock
+from pipeshard.shard.shape_cache import SHAPE_CACHE_ENTRIES, bounded_core
 from pipeshard.shard.weight_pages import WeightPages
 from pipeshard.tls import TlsConfig
 from pipeshard.topology import REPLICA_PORT_STRIDE, STAGE_PORT_BASE, Topology, fleet_ports
@@ -147,7 +149,17 @@ class StageSettings(ServerSettings):
         "one session per inference; the raw-TCP baseline needs it) or static (only a static export)",
         choices=KV_CHOICES,
     )
-    kv_cache_bytes: int = setting(DEFAULT_CACHE_BYTES, "byte budget of the paged KV block pool (--kv paged)")
+    kv_cache_bytes: int = setting(
+        DEFAULT_CACHE_BYTES,
+        "byte budget of the paged KV block pool (--kv paged), held from the start: a stage that "
+        "cannot hold it is refused at start",
+    )
+    shape_cache_entries: int = setting(
+        SHAPE_CACHE_ENTRIES,
+        "step shapes the CPU plugin keeps prepared (its runtime cache, and oneDNN's primitive cache "
+        "unless ONEDNN_PRIMITIVE_CACHE_CAPACITY is set), so native memory stays flat under ever new "
+        "long-context shapes; 0: the plugin's defaults (5,000 and 1,024, which grow for hours)",
+    )
     device: str = setting(
         DEFAULT_DEVICE,
         "OpenVINO device to compile for: CPU, GPU, GPU.1, NPU, AUTO:GPU,CPU, HETERO:GPU,CPU, ...; "
@@ -252,8 +264,8 @@ def weight_folders(settings: StageSettings, backend: AnyBackend) -> list[Path]:
     return folders
 
 
-def shard_spec(settings: StageSettings) -> ShardSpec:
-    """What loading the stage's shard takes, from its flags."""
+def shard_spec(settings: StageSettings, core: ov.Core) -> ShardSpec:
+    """What loading the stage's shard takes, from its flags (``core``: the stage's, bounded_core)."""
     return ShardSpec(
         export_dir=settings.shards_dir,
         stage=settings.stage,
@@ -264,7 +276,26 @@ def shard_spec(settings: StageSettings) -> ShardSpec:
         num_streams=settings.num_streams or None,
         cache_bytes=settings.kv_cache_bytes,
         invariant_ladder=settings.invariant_ladder,
+        core=core,
     )
+
+
+def reserve_pool(shard: StageShard) -> None:
+    """The KV pool made resident now, so the stage holds its budget from the start and one that
+    cannot is refused here, naming the flag, not killed by the kernel under load."""
+    need, room = shard.pool_bytes(), headroom.available_bytes()
+    if need > room:
+        raise InvalidArgument(
+            "kv_cache_bytes",
+            f"needs a KV pool of {need / MIB:.0f} MiB, but this machine (or the stage's memory cgroup) "
+            f"has {room / MIB:.0f} MiB available: give a smaller --kv-cache-bytes or free memory",
+        )
+    started = time.perf_counter()
+    shard.reserve()
+    if need:
+        log.info(
+            "kv_pool_reserved", mib=round(need / MIB, 1), seconds=round(time.perf_counter() - started, 3)
+        )
 
 
 def warm(settings: StageSettings, shard: StageShard) -> None:
@@ -273,6 +304,7 @@ def warm(settings: StageSettings, shard: StageShard) -> None:
         raise InvalidArgument(
             "next_hop", "must be set for every stage but the last" if not shard.is_last else "must be unset"
         )
+    reserve_pool(shard)
     # Warm up before the server starts listening (so before health reports SERVING): the first
     # inferences of a fresh compiled model pay for allocation and kernel preparation.
     started = time.perf_counter()
@@ -307,6 +339,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
         raise InvalidArgument(
             "raw_tcp_port", "the raw-TCP baseline serves the stateful backend only (--kv stateful)"
         )
+    core = bounded_core(settings.shape_cache_entries)  # before anything runs the CPU plugin
     check_wire_dtype(settings.codec, settings.wire_dtype)
     ladder(settings.invariant_ladder)  # an unknown configuration is refused before anything compiles
     manifest = load_manifest(settings.shards_dir)
@@ -317,7 +350,7 @@ def build_node(settings: StageSettings) -> tuple[StageNode, stage_pb2.GetStageIn
     limits = SessionLimits(settings.max_sessions, settings.idle_timeout_s, settings.max_sessions_per_owner)
     with WeightPages(weight_folders(settings, backend)) if release else contextlib.nullcontext():
         parts = backend.load(
-            shard_spec(settings),
+            shard_spec(settings, core),
             limits,
             lambda shard: prefix_store(settings, shard),
             meters=meters,

@@ -6,14 +6,17 @@ service's denylist refuses it once the file changes."""
 from __future__ import annotations
 
 import argparse
+import datetime
 
 import pytest
+from cryptography import x509
 
-from pipeshard.certs_cli import run_revoke
+from pipeshard.certs_cli import run, run_revoke
 from pipeshard.errors import PermissionDenied
 from pipeshard.revocation import REVOKED_FILE, Denylist, certificate_serial, read_serials
 from pipeshard.services.stage.servicer import COORDINATOR, RING
 from pipeshard.tls import HostCert, make_certs, make_host_bundles, require_role
+from pipeshard.topology import Topology
 
 
 class PeerContext:
@@ -82,3 +85,30 @@ def test_a_broken_list_keeps_the_serials_read_before(tmp_path):
     assert denylist.serials() == {0xAB12}
     path.write_text("not hex\n")
     assert denylist.serials() == {0xAB12}
+
+
+def lifetime(pem: bytes) -> datetime.timedelta:
+    cert = x509.load_pem_x509_certificate(pem)
+    return cert.not_valid_after_utc - cert.not_valid_before_utc
+
+
+@pytest.mark.parametrize("per_host", [False, True], ids=["one-machine", "host-bundles"])
+def test_pipeshard_certs_issues_node_certificates_for_90_days_unless_told(tmp_path, per_host):
+    topology = None
+    if per_host:
+        topology = tmp_path / "topology.yaml"
+        Topology.loopback("shards/x", 2).save(topology)
+    issued = {}
+    for days in (None, 7):
+        folder = tmp_path / f"certs-{days}"
+        args = argparse.Namespace(dir=folder, stages=2, nodes="", hosts="", topology=topology, days=days)
+        assert run(args) == 0
+        nodes = [p for p in folder.rglob("*.pem") if p.name != "ca.pem"]
+        assert len(nodes) >= 4  # exporter, coordinator, stage0, stage1 (and the gateway per host)
+        issued[days] = {lifetime(p.read_bytes()) for p in nodes}
+        assert lifetime((folder / "ca.pem").read_bytes()) == datetime.timedelta(days=365, minutes=5)
+    # not_valid_before is 5 minutes back, for clocks a little behind
+    assert issued == {
+        None: {datetime.timedelta(days=90, minutes=5)},
+        7: {datetime.timedelta(days=7, minutes=5)},
+    }

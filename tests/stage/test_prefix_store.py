@@ -74,6 +74,19 @@ def test_dropped_blocks_are_reported_to_their_owner_once():
     assert tiny.put("o", "s", c, kv(c)) == 0 and tiny.take_dropped("o") == keys
 
 
+def test_a_departed_owners_dropped_keys_are_forgotten_and_others_kept():
+    """An owner whose lease ran out takes no more replies: its dropped keys are not kept for it."""
+    per_block = BLOCK * 2 * (2 * 3 * 4)
+    store = PrefixStore(per_block)
+    a, b, c = (list(range(n, n + BLOCK)) for n in (0, 100, 200))
+    store.put("gone", "s", a, kv(a))
+    store.put("other", "s", b, kv(b))  # a is dropped, for "gone"
+    store.put("gone", "s", c, kv(c))  # b is dropped, for "other"
+    store.forget_owner("gone")
+    assert store.take_dropped("gone") == []
+    assert store.take_dropped("other") == [block_chain("s", b)[0].key]
+
+
 def test_a_block_evicted_from_memory_is_reported_only_when_its_spill_file_goes_too(tmp_path):
     from pipeshard.services.stage.prefix_spill import PrefixSpill
 

@@ -29,8 +29,8 @@ EXAMPLES = int(os.environ.get("PIPESHARD_FUZZ_EXAMPLES", "25"))
 SECRET = "fuzzing-owner-secret-of-the-rpc-fuzz-test"
 OWNER = owner_key(SECRET)
 HIDDEN = 576
-# The ceiling: the stage's peak after its warm-up, plus its KV pool's budget (touched block by
-# block as sessions come and go), plus this margin for a few steps' working memory.
+# The ceiling: the stage's peak after its warm-up (its KV pool reserved, so resident, by then),
+# plus this margin for a few steps' working memory.
 RSS_MARGIN = 192 << 20
 FUZZ = settings(
     max_examples=EXAMPLES,
@@ -69,7 +69,7 @@ class Stage:
         self.step = 0
         self.call("OpenSession", stage_pb2.OpenSessionRequest(session_id="ok", capacity=64))
         self.normal_step()
-        self.ceiling = peak_rss() + node.engine.shard.usage().budget_bytes + RSS_MARGIN
+        self.ceiling = peak_rss() + RSS_MARGIN
 
     def run(self, coroutine):
         return self.loop.run_until_complete(coroutine)
