@@ -11,10 +11,11 @@ never-read streams through the gateway. Checked, and the run fails (exit 1) othe
   * every normal request is answered and equals its solo run;
   * no attack is answered INTERNAL or UNKNOWN (or 5xx by the gateway);
   * no session is left on any stage afterwards;
-  * each process's resident memory (VmRSS) at the end is within SOAK_RSS_TOLERANCE (10%) of its
-    start, and so is its anonymous part (heap and other anonymous mappings) at most that much
-    above: a host short of memory drops file-backed pages (weights, libraries), which lowers RSS
-    and would hide anonymous growth. The start is taken after the first round, so one-time
+  * each process's resident memory (VmRSS) at the end is at most SOAK_RSS_TOLERANCE (10%) above
+    its start, and so is its anonymous part (heap and other anonymous mappings): a host short of
+    memory drops file-backed pages (weights, libraries), which lowers RSS (a fall is reported,
+    not failed: it is the host's doing, and the per-round regions show which pages went) and
+    would hide anonymous growth. The start is taken after the first round, so one-time
     allocations of every path the mix reaches (allocator arenas, compiled kernels, grammar
     caches) count as the start.
 Figures go to bench/results/soak_hostile.json.
@@ -337,8 +338,8 @@ def main() -> int:
         failures.append(f"normal requests: {dict(users)}")
     if any(sessions_left):
         failures.append(f"sessions left on the stages: {sessions_left}")
-    if any(abs(c) > TOLERANCE for c in change.values()):
-        failures.append(f"RSS at the end not within {TOLERANCE:.0%} of the start: {change}")
+    if any(c > TOLERANCE for c in change.values()):
+        failures.append(f"RSS at the end over {TOLERANCE:.0%} above the start: {change}")
     if any(c > TOLERANCE for c in anon_change.values()):
         failures.append(f"anonymous memory at the end over {TOLERANCE:.0%} above the start: {anon_change}")
     result = {
