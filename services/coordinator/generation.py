@@ -74,8 +74,8 @@ from pipeshard.services.coordinator.speculation.tree import (
 )
 from pipeshard.services.coordinator.step_answer import StepAnswer, read_answer
 from pipeshard.services.coordinator.step_batcher import DEFAULT_PREFILL_CHUNK, Grouping, StepBatcher, StepSlot
-from pipeshard.services.stage.domain import RowKind, SamplingStep
-from pipeshard.services.stage.wire import token_frame
+from pipeshard.services.stage.domain import RowKind, SamplingStep, Step
+from pipeshard.services.stage.wire import frame_from_step, token_row
 from pipeshard.v1 import activation_pb2
 
 if TYPE_CHECKING:
@@ -199,7 +199,7 @@ class _Cursor:
         ``features``: the final stage returns its final hidden state too (a feature draft's);
         ``heads``: the final stage's draft heads return that many candidates each."""
         self._tree_base = self.logical
-        frame = token_frame(
+        row = token_row(
             self.session_id,
             self.step,
             ids,
@@ -219,6 +219,7 @@ class _Cursor:
             heads=heads,
             allowed=allowed,
         )
+        frame = frame_from_step(Step([row], sent_unix_nanos=time.time_ns()))
         self._rejected = []
         self._keep_chain = -1
         self._kept = ()

@@ -11,6 +11,7 @@ import math
 import time
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -104,13 +105,17 @@ def frame_from_step(
     """The frame of a step: every row's activations concatenated (token ids into stage 0, hidden
     states onwards, narrowed to ``wire_dtype``) and one plan row each."""
     first = step.rows[0]
-    x = np.concatenate([row.activations for row in step.rows], axis=1)
+    if len(step.rows) == 1:  # a coordinator's token row: nothing to join
+        x, positions = first.activations, first.positions
+    else:
+        x = np.concatenate([row.activations for row in step.rows], axis=1)
+        positions = np.concatenate([row.positions for row in step.rows])
     name = "input_ids" if x.dtype == np.int64 else "hidden_states"
     tensor = encode(x, codec, as_fp16=wire_dtype == "fp16", as_bf16=wire_dtype == "bf16")
     return activation_pb2.ActivationFrame(
         session_id=first.session_id,
         step_id=first.step_id,
-        positions=np.concatenate([row.positions for row in step.rows]).tolist(),
+        positions=positions.tolist(),
         tensors=[tensor_pb2.NamedTensor(name=name, tensor=tensor)],
         plan=activation_pb2.PlanFrame(rows=[plan_row(row) for row in step.rows]),
         stage_compute_micros=step.compute_micros,
@@ -167,7 +172,7 @@ def plan_from_frames(frames: list[activation_pb2.ActivationFrame]) -> activation
 
 def _joined_ids(tensors: list[tensor_pb2.Tensor]) -> tensor_pb2.Tensor:
     """Token frames' input_ids [1, T_i] as one [1, sum T_i]: their raw int64 bytes joined (what
-    :func:`token_frame` writes), or decoded and joined when a frame was written otherwise."""
+    :func:`frame_from_step` writes of a token row), or decoded and joined when written otherwise."""
     if all(_raw_ids_row(t) for t in tensors):
         data = b"".join(t.data for t in tensors)
         return tensor_pb2.Tensor(
@@ -250,7 +255,7 @@ def error_result(row, error: activation_pb2.StageError) -> activation_pb2.StepRe
     return activation_pb2.StepResult(session_id=row.session_id, step_id=row.step_id, error=error)
 
 
-def token_frame(
+def token_row(
     session_id: str,
     step: int,
     ids: list[int],
@@ -270,9 +275,10 @@ def token_frame(
     features: bool = False,
     heads: int = 0,
     allowed: bytes = b"",
-) -> activation_pb2.ActivationFrame:
-    """The frame (a plan of one row) that carries one session's token ids into stage 0 at
-    logical positions ``start...``.
+) -> StepRow:
+    """The typed row that carries one session's token ids into stage 0 at logical positions
+    ``start...``: every option of a coordinator's row is decided here, once; the frame is
+    written from it by :func:`frame_from_step`, the one translation.
 
     ``fill_only``: a prefill chunk, no result; otherwise the final stage answers for the last
     ``return_last`` ids (the last token and the drafts after it): Top1 when ``greedy``, drawn
@@ -301,20 +307,16 @@ def token_frame(
             kind = RowKind.VERIFY
         else:
             kind = RowKind.PREFILL if fill_only or len(ids) > 1 else RowKind.DECODE
-    # Not through frame_from_step (the same frame): the coordinator builds one per running session
-    # per step, and its concatenating and re-encoding path cost about 3x as much (docs/BENCHMARKS.md,
-    # bench-latency); the row itself goes through the one encoder, plan_row.
     if parents:
         positions = tree_positions(start, parents).tolist()
     else:
         positions = list(range(start, start + len(ids) // chains)) * chains
-    x = np.asarray([ids], dtype=np.int64)
-    row = StepRow(
+    return StepRow(
         session_id=session_id,
         step_id=step,
         kind=kind,
         positions=np.asarray(positions, dtype=np.int64),
-        activations=x,
+        activations=np.asarray([ids], dtype=np.int64),
         invalidate=tuple(invalidate or ()),
         return_mode=mode,
         return_last=return_last,
@@ -329,14 +331,15 @@ def token_frame(
         head_path_tokens=tuple(ids[len(ids) - return_last :]) if heads and not fill_only else (),
         allowed_tokens=b"" if fill_only else allowed,
     )
-    return activation_pb2.ActivationFrame(
-        session_id=session_id,
-        step_id=step,
-        positions=positions,
-        tensors=[tensor_pb2.NamedTensor(name="input_ids", tensor=encode(x))],
-        plan=activation_pb2.PlanFrame(rows=[plan_row(row)]),
-        sent_unix_nanos=time.time_ns(),
-    )
+
+
+def token_frame(
+    session_id: str, step: int, ids: list[int], start: int, greedy: bool, **options: Any
+) -> activation_pb2.ActivationFrame:
+    """The frame of one :func:`token_row` (its arguments), stamped as sent now: the row built
+    and translated by the one builder and the one translation."""
+    row = token_row(session_id, step, ids, start, greedy, **options)
+    return frame_from_step(Step([row], sent_unix_nanos=time.time_ns()))
 
 
 def tree_positions(start: int, parents: tuple[int, ...]) -> np.ndarray:
