@@ -55,6 +55,7 @@ def test_stateful_stages_fall_back_on_their_own_ladder_and_say_so(smollm2_export
         2,
         precision="invariant",
         extra_stage_args=["--kv", "stateful", "--invariant-ladder", "bf16-kv16-single,exact"],
+        timeout_s=600,  # two compiles and checks per stage, the stages one after another
     )
     for address in fleet.stages:
         info = stage_info(address)
@@ -75,7 +76,7 @@ def test_static_stages_prove_their_configuration_and_keep_each_users_tokens(
     """At the default precision a static stage walks the single-row ladder and reports what it
     proved; when that is a bit-identity promise (on this CPU: bf16 rows as they come), three users
     sharing every step get the tokens each gets alone."""
-    fleet = fleet_factory(smollm2_static_export(2), 2, extra_stage_args=["--num-threads", "1"])
+    fleet = fleet_factory(smollm2_static_export(2), 2, extra_stage_args=["--num-threads", "1"], timeout_s=600)
     infos = [stage_info(address) for address in fleet.stages]
     for info in infos:
         assert info.kv_backend == "static" and info.precision == "invariant" and info.invariant
