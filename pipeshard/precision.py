@@ -4,8 +4,9 @@ configurations behind them, and which of them promise invariance.
 ``invariant`` (the default, issue 49) is the fastest configuration that proves, on the CPU it
 runs on, that a row's tokens do not depend on the rows sharing its step, on speculation, on how
 its prompt was chunked or on prefix reuse (docs/ARCHITECTURE.md, "Precision and exactness"): a
-paged stage walks INVARIANT_LADDER, compiling each configuration and running its self-check
-(pipeshard/shard/self_check.py), and serves the first that passes, ending at ``exact``.
+stage walks its backend's ladder (INVARIANT_LADDER, SINGLE_ROW_LADDER), compiling each
+configuration and running its self-check (pipeshard/shard/self_check.py), and serves the first
+that passes, ending at ``exact``.
 ``exact`` is f32 with an f32 KV cache and no dynamic quantization (issue 34's invariant mode: a
 row within 1e-3 of one-row decoding); ``fast`` is the CPU plugin's own choice (bf16 where the
 CPU has it, a u8 KV cache, activations quantized on the fly inside INT4/INT8-weight matmuls),
@@ -67,6 +68,18 @@ CONFIGURATIONS = {
             {"INFERENCE_PRECISION_HINT": "f32", "KEY_CACHE_PRECISION": "f16", "VALUE_CACHE_PRECISION": "f16"},
             two_token_rows=True,
         ),
+        # bf16 with a bf16 cache, rows fed as they come: for stages that cannot re-feed a token
+        # (stateful, static). Bit-identical on a static stage of this AMD EPYC (its KV buffers are
+        # f32 inputs, so the cache properties do not apply); a stateful stage fails it (a split
+        # prompt: 1.2-2.2), a paged one too (a decode row beside another: 0.6-1.05)
+        Configuration(
+            "bf16-kv16-single",
+            {
+                "INFERENCE_PRECISION_HINT": "bf16",
+                "KEY_CACHE_PRECISION": "bf16",
+                "VALUE_CACHE_PRECISION": "bf16",
+            },
+        ),
         # `fast`'s u8 cache with two-token rows: not invariant (a chunk attends its own tokens
         # unquantized), so it fails its self-check; for tests and the bench, never a default rung
         Configuration(
@@ -77,8 +90,11 @@ CONFIGURATIONS = {
     )
 }
 # What ``invariant`` tries, fastest first; ``exact`` ends it (a stage that fails even that
-# reports itself load-dependent).
+# reports itself load-dependent). Paged stages feed two-token rows; stateful and static stages
+# cannot (a stateful cache only appends, a static step packs what it is sent), so they skip the
+# rungs that need them and walk SINGLE_ROW_LADDER by default.
 INVARIANT_LADDER = ("bf16-kv16", "f32-kv16", "exact")
+SINGLE_ROW_LADDER = ("bf16-kv16-single", "exact")
 
 
 def canonical(precision: str) -> str:
@@ -94,19 +110,25 @@ def is_invariant(precision: str) -> bool:
     return canonical(precision) in INVARIANT_PRECISIONS
 
 
-def ladder(names: str | None = None) -> tuple[Configuration, ...]:
+def ladder(names: str | None = None, *, two_token_rows: bool = True) -> tuple[Configuration, ...]:
     """The configurations ``invariant`` tries, from a comma-separated list (``--invariant-ladder``;
-    empty: INVARIANT_LADDER); every name must be a configuration."""
-    picked = tuple(n.strip() for n in (names or "").split(",") if n.strip()) or INVARIANT_LADDER
+    empty: INVARIANT_LADDER, or SINGLE_ROW_LADDER for a backend that cannot feed two-token rows);
+    every name must be a configuration. Such a backend skips the rungs that need two-token rows,
+    and tries ``exact`` when none is left."""
+    default = INVARIANT_LADDER if two_token_rows else SINGLE_ROW_LADDER
+    picked = tuple(n.strip() for n in (names or "").split(",") if n.strip()) or default
     unknown = [n for n in picked if n not in CONFIGURATIONS]
     if unknown:
         choices = ", ".join(CONFIGURATIONS)
         raise InvalidArgument("invariant_ladder", f"names {', '.join(unknown)}; choose from {choices}")
-    return tuple(CONFIGURATIONS[n] for n in picked)
+    configs = tuple(CONFIGURATIONS[n] for n in picked)
+    if two_token_rows:
+        return configs
+    return tuple(c for c in configs if not c.two_token_rows) or (CONFIGURATIONS["exact"],)
 
 
 def configuration(precision: str) -> Configuration:
-    """The one configuration a precision compiles where no self-check runs (stateful and static
-    stages, profiles): ``invariant`` is then its last rung, ``exact``."""
+    """The one configuration a precision compiles where no self-check runs (profiles, benches,
+    local chains): ``invariant`` is then its last rung, ``exact``."""
     name = canonical(precision)
     return CONFIGURATIONS[INVARIANT_LADDER[-1] if name == "invariant" else name]

@@ -2,7 +2,9 @@
 
 ``make up`` writes it; ``make run-stage STAGE=k`` and the coordinator read it. Default ports
 (docs/SERVICES.md): coordinator 50051, stage k 50061+k, exporter 50071; metrics 9100 + the same
-offset. Each stage may name its OpenVINO device (``device``, default CPU).
+offset. Each stage may name its OpenVINO device (``device``, default CPU). ``invariant_ladder``
+(optional, empty: each backend's default) is what every stage at ``invariant`` tries, fastest
+first (``pipeshard up --invariant-ladder``), so a stage started from the file alone gets it too.
 
 Replicas: ``replicas`` lists further lanes, each one process per stage (replica r of stage k on
 50061 + k + 20r by default); ``stages`` is lane 0. Replica r of a stage may forward to every
@@ -18,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.precision import DEFAULT_PRECISION
+from pipeshard.precision import DEFAULT_PRECISION, ladder
 from pipeshard.shard.device import DEFAULT_DEVICE
 
 COORDINATOR_PORT = 50051
@@ -67,6 +69,7 @@ class Topology:
     stages: list[StageEndpoint] = field(default_factory=list)
     precision: str = DEFAULT_PRECISION
     replicas: list[list[StageEndpoint]] = field(default_factory=list)  # lanes 1.., each one per stage
+    invariant_ladder: str = ""  # the configurations stages at `invariant` try (precision.ladder)
 
     @classmethod
     def loopback(
@@ -78,6 +81,7 @@ class Topology:
         device: str = DEFAULT_DEVICE,
         replicas: int = 1,
         stage_port_base: int = STAGE_PORT_BASE,
+        invariant_ladder: str = "",
     ):
         if replicas < 1:
             raise InvalidArgument("replicas", f"must be at least 1, got {replicas}")
@@ -93,6 +97,7 @@ class Topology:
             stages=lane(0),
             precision=precision,
             replicas=[lane(r) for r in range(1, replicas)],
+            invariant_ladder=invariant_ladder,
         )
 
     @property
@@ -130,9 +135,11 @@ class Topology:
                 stages=[StageEndpoint(**s) for s in raw["stages"]],
                 precision=raw.get("precision", DEFAULT_PRECISION),
                 replicas=[[StageEndpoint(**s) for s in lane] for lane in raw.get("replicas", [])],
+                invariant_ladder=str(raw.get("invariant_ladder") or ""),
             )
         except (KeyError, TypeError) as exc:
             raise InvalidArgument("topology", f"{path} is malformed ({exc})") from None
+        ladder(topo.invariant_ladder)  # an unknown configuration is refused, naming invariant_ladder
         for r, lane in enumerate(topo.replicas, start=1):
             if len(lane) != len(topo.stages):
                 raise InvalidArgument(

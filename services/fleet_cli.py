@@ -176,7 +176,12 @@ def run_up(args: argparse.Namespace) -> int:
     )
     shards = ensure_shards(args.model, args.stages, args.weights)
     topo = Topology.loopback(
-        str(shards), args.stages, args.precision, device=args.device, replicas=args.replicas
+        str(shards),
+        args.stages,
+        args.precision,
+        device=args.device,
+        replicas=args.replicas,
+        invariant_ladder=args.invariant_ladder,
     )
     topo.save(TOPOLOGY)
     tls_dir, token = secure_setup(args.stages) if args.secure else (None, None)

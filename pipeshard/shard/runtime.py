@@ -171,7 +171,7 @@ class StageShard:
         )
         self.device = device
         self.config = config or configuration(precision)
-        self.proof: Proof | None = None  # a paged stage's self-check (self_check.prove)
+        self.proof: Proof | None = None  # the stage's self-check (self_check.prove)
         self._props = compile_properties(precision, num_threads, num_streams, self.config)
 
     def warmup(self) -> int:
@@ -217,6 +217,7 @@ class ShardRunner(StageShard):
         core: ov.Core | None = None,
         device: str = DEFAULT_DEVICE,
         compile_cache: str | Path | None = "off",
+        config: Configuration | None = None,
     ):
         super().__init__(
             export_dir,
@@ -227,6 +228,7 @@ class ShardRunner(StageShard):
             core=core,
             device=device,
             num_streams=num_streams,
+            config=config,
         )
         model: ov.Model | str = str(self.export_dir / self.entry.model)
         if self.is_last:  # the final hidden state beside the logits, for feature-reading drafts

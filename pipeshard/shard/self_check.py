@@ -1,20 +1,23 @@
-"""A paged stage's proof, on the CPU it runs on, that its compiled shard computes a row alike
-whatever shares its step and however its sequence was cut into steps (issue 49).
+"""A stage's proof, on the CPU it runs on, that its compiled shard computes a row alike whatever
+shares its step and however its sequence was cut into steps (issue 49).
 
 Invariance is a property of the CPU plugin's kernels, not of a setting: the same properties
-give bit-identical rows on one instruction set and not on another. So every paged stage runs
-this small version of bench-precision-modes' kernels check after its warm-up, on the shapes a
-fleet sends: a decode row alone (M = 1) and beside other sessions' chunks (M = 2, 8, 41), a
-prompt token decoded alone against the same token inside a prefill chunk, a 3-token verify row
-alone and beside a chunk, a prompt split into two chunks against one, and (where the pools let
-a draft tree's path move) the path of a draft tree with a side branch and the token decoded
-after it. Each is compared with
-the same tokens inside one whole chunk: hidden states on a middle stage, logits on the last.
-The largest difference must be within the configuration's tolerance (0 for a bit-identity
-promise) for the stage to report ``invariant``.
+give bit-identical rows on one instruction set and not on another, and on one backend and not
+on another (a static stage's KV buffers are f32 inputs, a stateful stage's cache is graph
+state). So every stage at ``invariant`` or ``exact`` runs this small version of
+bench-precision-modes' kernels check as it loads, on the shapes a fleet sends its backend (a
+probe per backend runs them): a decode row alone (M = 1) and, where rows of other sessions share
+the inference (paged, static), beside their chunks (M = 2, 8, 41), a prompt token decoded alone
+against the same token inside a prefill chunk, a 3-token verify row alone and beside a chunk, a
+prompt split into two chunks against one, and the path of a draft tree with a side branch and
+the token decoded after it (as one masked sequence on a paged stage whose pools let the path
+move, as two chains on a stateful one; static stages run no trees). Each is compared with the
+same tokens inside one whole chunk (48 tokens, a static stage's chunk if shorter): hidden states
+on a middle stage, logits on the last. The largest difference must be within the configuration's
+tolerance (0 for a bit-identity promise) for the stage to report ``invariant``.
 
 A result is cached in ``self_check.json`` beside the compile cache (compile_cache.py), keyed by
-the export, stage, device, configuration, OpenVINO build and the CPU's name and flags, so a
+the export, stage, backend, device, configuration, OpenVINO build and the CPU's name and flags, so a
 restart on the same machine does not run it again and a move to another CPU does.
 """
 
@@ -25,9 +28,11 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import numpy as np
 import openvino as ov
@@ -37,11 +42,13 @@ from pipeshard.precision import Configuration
 from pipeshard.shard.compile_cache import OFF, cache_folder, writable_cache
 from pipeshard.shard.manifest import load_manifest
 from pipeshard.shard.paged import PagedRow, PagedShard
+from pipeshard.shard.runtime import ShardRunner, ShardSession, StageShard
+from pipeshard.shard.static import StaticRow, StaticShard
 
 log = structlog.get_logger(__name__)
 
 CACHE_FILE = "self_check.json"
-VERSION = 3  # bump when the shapes checked change, so old cached results are not trusted
+VERSION = 4  # bump when the shapes checked change, so old cached results are not trusted
 _WHOLE = 48  # tokens of the reference chunk
 
 
@@ -80,12 +87,13 @@ def cpu_identity(core: ov.Core, device: str) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def cache_key(shard: PagedShard, configuration: str, properties: dict) -> str:
-    """One cached result per export, stage, device, configuration and CPU."""
+def cache_key(shard: StageShard, configuration: str, properties: dict) -> str:
+    """One cached result per export, stage, backend, device, configuration and CPU."""
     fields = [
         f"v{VERSION}",
         shard.manifest.export_id or shard.manifest.model.fingerprint,
         str(shard.stage_index),
+        type(shard).__name__,
         configuration,
         json.dumps(properties, sort_keys=True, default=str),
         cpu_identity(shard.core, shard.device),
@@ -93,94 +101,232 @@ def cache_key(shard: PagedShard, configuration: str, properties: dict) -> str:
     return hashlib.sha256("|".join(fields).encode()).hexdigest()[:24]
 
 
-def _inputs(shard: PagedShard, rng: np.random.Generator, n: int) -> np.ndarray:
+def _inputs(shard: StageShard, rng: np.random.Generator, n: int) -> np.ndarray:
     if shard.is_first:
         return rng.integers(100, min(5000, shard.vocab_size), n).astype(np.int64)
     return rng.standard_normal((n, shard.hidden_size)).astype(np.float32)
 
 
-def measure(shard: PagedShard) -> tuple[float, str]:
-    """The largest |difference| between a row's outputs in the fleet's shapes and the same tokens
-    inside one whole chunk, and which shape gave it."""
-    rng = np.random.default_rng(49)
-    seq_tokens = _inputs(shard, rng, _WHOLE)
-    other = _inputs(shard, rng, 64)
-    names = iter(range(10**6))
-    opened: list = []
+K = TypeVar("K", bound=Hashable)  # how a probe names an open sequence
 
-    def open_seq(capacity: int) -> tuple:
-        key = ("__self_check__", next(names))
-        shard.open(key, capacity)
-        opened.append(key)
+
+class _Probe(ABC, Generic[K]):
+    """How the check runs sequences on one backend's shard: open one, run a step of rows (one per
+    sequence, every token's outputs back), run a draft tree the way that backend runs it."""
+
+    kind: str
+    batches = True  # other sequences' rows share the inference (else "beside" shapes are moot)
+
+    def __init__(self, shard) -> None:
+        self.shard = shard
+        self.whole = _WHOLE
+        self.splits: tuple[int, ...] = (5,)
+
+    @abstractmethod
+    def open(self) -> K: ...
+
+    @abstractmethod
+    def step(self, rows: list[tuple[K, np.ndarray]]) -> list[np.ndarray]: ...
+
+    @abstractmethod
+    def free(self, seq: K) -> None: ...
+
+    def tree(self, seq: K, path: np.ndarray, side: np.ndarray, prefix: int) -> np.ndarray | None:
+        """The outputs of a draft tree's path (``path``, 3 tokens after ``prefix``, with ``side``
+        branching off its first node), then the next token (``path[3]``) decoded alone once the
+        path is accepted; None where this backend runs no draft trees."""
+        return None
+
+
+class _PagedProbe(_Probe[Hashable]):
+    kind = "paged"
+
+    def __init__(self, shard: PagedShard) -> None:
+        super().__init__(shard)
+        self.splits = tuple(sorted({5, shard.block_tokens}))
+        self._names = iter(range(10**6))
+
+    def open(self) -> Hashable:
+        key = ("__self_check__", next(self._names))
+        self.shard.open(key, self.whole)
         return key
 
-    def step(rows: list[PagedRow]) -> list[np.ndarray]:
-        if shard.is_last:  # every token's logits, so each compares with the whole chunk's
-            rows = [replace(r, logits=len(r.inputs)) for r in rows]
-        return shard.step(rows)
+    def step(self, rows: list[tuple[Hashable, np.ndarray]]) -> list[np.ndarray]:
+        logits = self.shard.is_last  # every token's logits, so each compares with the whole chunk's
+        return self.shard.step([PagedRow(k, x, logits=len(x) if logits else 0) for k, x in rows])
 
-    def tree(prefix: int) -> np.ndarray:
-        """A draft tree after ``prefix`` tokens: the sequence's next three tokens as the path
-        0 -> 2 -> 3 and another token as node 1, a sibling of node 2; the path's outputs, then
-        (the path accepted and moved down) the next token decoded alone."""
-        seq = open_seq(_WHOLE)
-        step([PagedRow(seq, seq_tokens[:prefix])])
-        nodes = np.concatenate(
-            [seq_tokens[prefix : prefix + 1], other[:1], seq_tokens[prefix + 1 : prefix + 3]]
-        )
+    def free(self, seq: Hashable) -> None:
+        self.shard.free(seq)
+
+    def tree(self, seq: Hashable, path: np.ndarray, side: np.ndarray, prefix: int) -> np.ndarray | None:
+        """The path 0 -> 2 -> 3 with node 1 a sibling of node 2: one masked sequence."""
+        if not self.shard.moves_slots:  # draft trees (adaptive speculation) run where a slot can move
+            return None
+        nodes = np.concatenate([path[:1], side[:1], path[1:3]])
         positions = np.array([prefix, prefix + 1, prefix + 1, prefix + 2], dtype=np.int64)
-        out = step([PagedRow(seq, nodes, positions=positions, parents=(-1, 0, 0, 2))])[0]
-        shard.move(seq, prefix, (0, 2, 3))
-        shard.rewind(seq, prefix + 3)
-        after = step([PagedRow(seq, seq_tokens[prefix + 3 : prefix + 4])])[0]
-        return np.concatenate([out[[0, 2, 3]], after])
+        row = PagedRow(seq, nodes, positions=positions, parents=(-1, 0, 0, 2))
+        if self.shard.is_last:
+            row = replace(row, logits=4)
+        out = self.shard.step([row])[0]
+        self.shard.move(seq, prefix, (0, 2, 3))
+        self.shard.rewind(seq, prefix + 3)
+        return np.concatenate([out[[0, 2, 3]], self.step([(seq, path[3:4])])[0]])
+
+
+class _StatefulProbe(_Probe[int]):
+    """One InferRequest per session: a step's rows run one after another."""
+
+    kind = "stateful"
+    batches = False
+
+    def __init__(self, shard: ShardRunner) -> None:
+        super().__init__(shard)
+        self._sessions: dict[int, ShardSession] = {}
+
+    def open(self) -> int:
+        key = len(self._sessions)
+        self._sessions[key] = self.shard.new_session()
+        return key
+
+    def step(self, rows: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
+        return [self._run(self._sessions[k], x) for k, x in rows]
+
+    def _run(self, session: ShardSession, x: np.ndarray) -> np.ndarray:
+        return session.run(x[None], return_last=len(x) if self.shard.is_last else 1)[0]
+
+    def free(self, seq: int) -> None:
+        self._sessions.pop(seq).reset()
+
+    def tree(self, seq: int, path: np.ndarray, side: np.ndarray, prefix: int) -> np.ndarray | None:
+        """Root-to-leaf chains as batch rows: the path, and the first node with two side tokens."""
+        if not self.shard.has_beam_idx:
+            return None
+        session = self._sessions[seq]
+        chains = np.concatenate([path[:3], path[:1], side[:2]])
+        positions = np.tile(np.arange(prefix, prefix + 3, dtype=np.int64), 2)
+        out = session.run_chains(chains[None], positions, 2, return_last=3 if self.shard.is_last else 1)[0]
+        session.keep_chain(0)
+        return np.concatenate([out[:3], self._run(session, path[3:4])])
+
+
+class _StaticProbe(_Probe[int]):
+    """Slots of at most ``chunk`` rows; single-token steps run the decode twin."""
+
+    kind = "static"
+
+    def __init__(self, shard: StaticShard) -> None:
+        super().__init__(shard)
+        self.whole = min(_WHOLE, shard.chunk)
+
+    def open(self) -> int:
+        return self.shard.acquire()
+
+    def step(self, rows: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
+        shard = self.shard
+        return shard.step(
+            [
+                StaticRow(
+                    k,
+                    shard.length(k),
+                    x,
+                    np.arange(shard.length(k), shard.length(k) + len(x), dtype=np.int64),
+                    logits=len(x) if shard.is_last else 0,
+                )
+                for k, x in rows
+            ]
+        )
+
+    def free(self, seq: int) -> None:
+        self.shard.release(seq)
+
+
+def probe(shard: StageShard) -> _Probe:
+    """The check's runner for this backend's shard."""
+    if isinstance(shard, PagedShard):
+        return _PagedProbe(shard)
+    if isinstance(shard, StaticShard):
+        return _StaticProbe(shard)
+    if isinstance(shard, ShardRunner):
+        return _StatefulProbe(shard)
+    raise TypeError(f"no self-check for {type(shard).__name__}")
+
+
+def measure(shard: StageShard) -> tuple[float, str]:
+    """The largest |difference| between a row's outputs in the fleet's shapes and the same tokens
+    inside one whole chunk, and which shape gave it."""
+    runner = probe(shard)
+    whole_n = runner.whole
+    rng = np.random.default_rng(49)
+    seq_tokens = _inputs(shard, rng, whole_n)
+    other = _inputs(shard, rng, 64)
+    opened: list = []
+
+    def open_seq() -> Hashable:
+        opened.append(runner.open())
+        return opened[-1]
+
+    def close() -> None:
+        while opened:  # at once: a static shard has a few slots
+            runner.free(opened.pop())
 
     def run(prefix: int, n: int, beside: int) -> np.ndarray:
         """Tokens prefix..prefix+n of the sequence after its first ``prefix`` (one chunk), in a
         step with another session's chunk of ``beside`` tokens."""
-        seq = open_seq(_WHOLE)
+        seq = open_seq()
         if prefix:
-            step([PagedRow(seq, seq_tokens[:prefix])])
-        rows = [PagedRow(seq, seq_tokens[prefix : prefix + n])]
+            runner.step([(seq, seq_tokens[:prefix])])
+        rows = [(seq, seq_tokens[prefix : prefix + n])]
         if beside:
-            rows.append(PagedRow(open_seq(beside), other[:beside]))
-        return step(rows)[0]
+            rows.append((open_seq(), other[:beside]))
+        try:
+            return runner.step(rows)[0]
+        finally:
+            close()
 
     try:
-        whole = run(0, _WHOLE, 0)
-        # name -> (the first token's index in the whole chunk, prefix, tokens, tokens beside)
+        whole = run(0, whole_n, 0)
+        # name -> (the first token's index in the whole chunk, tokens, tokens beside); at 48
+        # tokens: tokens 8 and 33 alone, a decode row at 20, a verify row at 12
+        one, late, mid, verify = whole_n // 6, whole_n * 2 // 3 + 1, whole_n * 5 // 12, whole_n // 4
         shapes: dict[str, tuple[int, int, int]] = {
-            "token 8 decoded alone": (8, 1, 0),
-            "token 33 decoded alone": (33, 1, 0),
-            "decode row beside a 1-token row": (20, 1, 1),
-            "decode row beside a 7-token chunk": (20, 1, 7),
-            "decode row beside a 40-token chunk": (20, 1, 40),
-            "3-token verify row": (12, 3, 0),
-            "3-token verify row beside an 8-token chunk": (12, 3, 8),
+            f"token {one} decoded alone": (one, 1, 0),
+            f"token {late} decoded alone": (late, 1, 0),
+            "3-token verify row": (verify, 3, 0),
         }
-        for at in sorted({5, shard.block_tokens}):
-            if 0 < at < _WHOLE:
-                shapes[f"prompt split {at}+{_WHOLE - at}"] = (at, _WHOLE - at, 0)
+        if runner.batches:
+            wide = min(40, whole_n - 1)
+            shapes |= {
+                "decode row beside a 1-token row": (mid, 1, 1),
+                "decode row beside a 7-token chunk": (mid, 1, 7),
+                f"decode row beside a {wide}-token chunk": (mid, 1, wide),
+                "3-token verify row beside an 8-token chunk": (verify, 3, 8),
+            }
+        for at in runner.splits:
+            if 0 < at < whole_n:
+                shapes[f"prompt split {at}+{whole_n - at}"] = (at, whole_n - at, 0)
         worst, worst_name = -1.0, "none"
         for name, (start, n, beside) in shapes.items():
             delta = float(np.abs(run(start, n, beside) - whole[start : start + n]).max())
             if delta > worst:
                 worst, worst_name = delta, name
-        if shard.moves_slots:  # draft trees (adaptive speculation) run where a slot can move
-            shapes["draft tree's path"] = (16, 4, 0)
-            delta = float(np.abs(tree(16) - whole[16:20]).max())
+        at = whole_n // 3  # a draft tree after 16 of 48 tokens
+        seq = open_seq()
+        runner.step([(seq, seq_tokens[:at])])
+        path = runner.tree(seq, seq_tokens[at : at + 4], other, at)
+        if path is not None:
+            shapes["draft tree's path"] = (at, 4, 0)
+            delta = float(np.abs(path - whole[at : at + 4]).max())
             if delta > worst:
                 worst, worst_name = delta, "draft tree's path"
         if worst == 0:
             worst_name = f"all {len(shapes)} shapes bit-identical"
         return worst, worst_name
     finally:
-        for key in opened:
-            shard.free(key)
+        close()
 
 
 def self_check(
-    shard: PagedShard,
+    shard: StageShard,
     configuration: str,
     properties: dict,
     tolerance: float,
@@ -231,7 +377,7 @@ def _write(path: Path, data: dict) -> None:
 
 @dataclass(frozen=True)
 class Proof:
-    """What a paged stage serves and why: the configuration it compiled, its self-check (None:
+    """What a stage serves and why: the configuration it compiled, its self-check (None:
     the precision promises nothing, so none ran) and the configurations that failed before it."""
 
     configuration: str
@@ -246,13 +392,16 @@ class Proof:
         return "; ".join(self.fallbacks)
 
 
+S = TypeVar("S", bound=StageShard)
+
+
 def prove(
-    load: Callable[[Configuration], PagedShard],
+    load: Callable[[Configuration], S],
     configurations: tuple[Configuration, ...],
     cache_folder: Path | None,
     *,
     check: bool = True,
-) -> PagedShard:
+) -> S:
     """The first of ``configurations`` whose compiled shard passes its self-check (the last one
     if none does, reported as not invariant), with its ``proof``; ``check`` False compiles the
     first and checks nothing (a precision with no promise)."""
@@ -275,7 +424,7 @@ def prove(
                 )
             return shard
         failed.append(f"{config.name}: {result.describe()}")
-        del shard  # its compiled model and block pools go before the next compiles
+        del shard  # its compiled model and KV buffers go before the next compiles
     raise ValueError("no configuration to try")
 
 

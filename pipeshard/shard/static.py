@@ -29,7 +29,7 @@ import numpy as np
 import openvino as ov
 
 from pipeshard.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from pipeshard.precision import DEFAULT_PRECISION
+from pipeshard.precision import DEFAULT_PRECISION, Configuration
 from pipeshard.shard.device import DEFAULT_DEVICE
 from pipeshard.shard.runtime import StageShard
 
@@ -98,9 +98,17 @@ class StaticShard(StageShard):
         core: ov.Core | None = None,
         device: str = DEFAULT_DEVICE,
         compile_cache: str | Path | None = "off",
+        config: Configuration | None = None,
     ):
         super().__init__(
-            export_dir, stage_index, precision, num_threads, verify=verify, core=core, device=device
+            export_dir,
+            stage_index,
+            precision,
+            num_threads,
+            verify=verify,
+            core=core,
+            device=device,
+            config=config,
         )
         layout = self.manifest.static
         if layout is None:

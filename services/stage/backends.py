@@ -1,10 +1,13 @@
 """The stage's KV backends as types: chosen once, from the export's manifest and ``--kv``.
 
-A backend is one class that knows its whole family: how its shard loads (``load_shard``), the
-session type its shard hands out (``session``), its row engine (``engine``), its KV capture and
-restore (``kv``), and what follows from it for a coordinator (``traits``, reported in
-GetStageInfo). Nothing downstream compares a backend's name: the stage (main.py) and the
-in-process ring (services/coordinator/in_process.py) ask the chosen object.
+A backend is one class that knows its whole family: how its shard compiles (``compile``, which
+``load_shard`` runs for each configuration it tries), the session type its shard hands out
+(``session``), its row engine (``engine``), its KV capture and restore (``kv``), and what follows
+from it for a coordinator (``traits``, reported in GetStageInfo). Nothing downstream compares a
+backend's name: the stage (main.py) and the in-process ring (services/coordinator/in_process.py)
+ask the chosen object. Every backend proves ``invariant`` by the same self-check
+(pipeshard/shard/self_check.py); only paged feeds two-token rows, so the others walk the ladder
+without those rungs.
 
 - stateful: one compiled InferRequest per session, its cache as graph state; a step's rows run
   one after another; rewinds mask positions out; draft trees as chains.
@@ -71,7 +74,7 @@ class ShardSpec:
     compile_cache: str = "off"  # "" caches in the export folder (compile_cache.py); stateful and static
     num_streams: int | None = None  # stateful only: CPU streams (None: the latency hint's one)
     cache_bytes: int = DEFAULT_CACHE_BYTES  # paged only: the block pool's byte budget
-    invariant_ladder: str = ""  # paged at `invariant`: the configurations to try (precision.ladder)
+    invariant_ladder: str = ""  # at `invariant`: the configurations to try (precision.ladder)
     core: ov.Core | None = None
 
 
@@ -118,10 +121,24 @@ class Backend(ABC, Generic[Sh, E]):
     name: ClassVar[str]
     traits: ClassVar[Traits]
     session: ClassVar[type]
+    two_token_rows: ClassVar[bool] = False  # may feed a one-token row as two (precision.Configuration)
+
+    def load_shard(self, spec: ShardSpec) -> Sh:
+        """The stage's compiled shard (not yet warmed up) at the precision's configuration: at
+        ``invariant`` the first of the backend's ladder that passes its self-check, at ``exact``
+        checked against its tolerance (pipeshard/shard/self_check.py)."""
+        precision = canonical(spec.precision)
+        if precision == "invariant":
+            configs = ladder(spec.invariant_ladder, two_token_rows=self.two_token_rows)
+        else:
+            configs = (configuration(precision),)
+        folder = self_check_folder(spec.export_dir, spec.compile_cache, spec.device)
+        check = is_invariant(precision)
+        return prove(lambda config: self.compile(spec, config), configs, folder, check=check)
 
     @abstractmethod
-    def load_shard(self, spec: ShardSpec) -> Sh:
-        """The stage's compiled shard (not yet warmed up)."""
+    def compile(self, spec: ShardSpec, config: Configuration) -> Sh:
+        """The stage's shard compiled in one configuration."""
 
     @abstractmethod
     def engine(self, shard: Sh, limits: SessionLimits, meters: StageMeters | None = None) -> E:
@@ -184,7 +201,7 @@ class StatefulBackend(Backend[ShardRunner, StageEngine]):
     )
     session = ShardSession
 
-    def load_shard(self, spec: ShardSpec) -> ShardRunner:
+    def compile(self, spec: ShardSpec, config: Configuration) -> ShardRunner:
         return ShardRunner(
             spec.export_dir,
             spec.stage,
@@ -194,6 +211,7 @@ class StatefulBackend(Backend[ShardRunner, StageEngine]):
             core=spec.core,
             device=spec.device,
             compile_cache=spec.compile_cache,
+            config=config,
         )
 
     def engine(
@@ -229,27 +247,19 @@ class PagedBackend(Backend[PagedShard, PagedEngine]):
         maps_compile_cache=False,
     )
     session = PagedSession
+    two_token_rows = True
 
-    def load_shard(self, spec: ShardSpec) -> PagedShard:
-        """The shard at the precision's configuration; at ``invariant`` the first of the ladder
-        that passes its self-check, at ``exact`` checked against its tolerance (self_check.py)."""
-
-        def load(config: Configuration) -> PagedShard:
-            return PagedShard(
-                spec.export_dir,
-                spec.stage,
-                spec.precision,
-                spec.num_threads,
-                cache_bytes=spec.cache_bytes,
-                core=spec.core,
-                device=spec.device,
-                config=config,
-            )
-
-        precision = canonical(spec.precision)
-        configs = ladder(spec.invariant_ladder) if precision == "invariant" else (configuration(precision),)
-        folder = self_check_folder(spec.export_dir, spec.compile_cache, spec.device)
-        return prove(load, configs, folder, check=is_invariant(precision))
+    def compile(self, spec: ShardSpec, config: Configuration) -> PagedShard:
+        return PagedShard(
+            spec.export_dir,
+            spec.stage,
+            spec.precision,
+            spec.num_threads,
+            cache_bytes=spec.cache_bytes,
+            core=spec.core,
+            device=spec.device,
+            config=config,
+        )
 
     def engine(
         self, shard: PagedShard, limits: SessionLimits, meters: StageMeters | None = None
@@ -276,7 +286,7 @@ class StaticBackend(Backend[StaticShard, StaticEngine]):
     )
     session = StaticSession
 
-    def load_shard(self, spec: ShardSpec) -> StaticShard:
+    def compile(self, spec: ShardSpec, config: Configuration) -> StaticShard:
         return StaticShard(
             spec.export_dir,
             spec.stage,
@@ -285,6 +295,7 @@ class StaticBackend(Backend[StaticShard, StaticEngine]):
             core=spec.core,
             device=spec.device,
             compile_cache=spec.compile_cache,
+            config=config,
         )
 
     def engine(

@@ -19,6 +19,7 @@ from pipeshard.precision import (
     DEFAULT_PRECISION,
     INVARIANT_LADDER,
     PRECISIONS,
+    SINGLE_ROW_LADDER,
     canonical,
     is_invariant,
     ladder,
@@ -89,8 +90,10 @@ class StageSettings(ServerSettings):
     precision: str = setting(DEFAULT_PRECISION, "inference precision", choices=PRECISIONS)
     invariant_ladder: str = setting(
         "",
-        "paged stages at --precision invariant: the configurations to try, fastest first, comma-separated "
-        f"(pipeshard/precision.py; default {','.join(INVARIANT_LADDER)})",
+        "at --precision invariant: the configurations to try, fastest first, comma-separated "
+        f"(pipeshard/precision.py; default {','.join(INVARIANT_LADDER)}; stateful and static stages "
+        f"skip rungs that need two-token rows, default {','.join(SINGLE_ROW_LADDER)}); unset: the "
+        "topology file's invariant_ladder",
     )
     num_threads: int = setting(0, "OpenVINO inference threads (0 = the plugin's choice)")
     num_streams: int = setting(
@@ -210,6 +213,7 @@ def resolve(settings: StageSettings) -> StageSettings:
     settings.port = me.port if settings.port is None else settings.port
     settings.metrics_port = me.metrics_port if settings.metrics_port is None else settings.metrics_port
     settings.precision = topo.precision if settings.precision == DEFAULT_PRECISION else settings.precision
+    settings.invariant_ladder = settings.invariant_ladder or topo.invariant_ladder
     settings.device = me.device if settings.device == DEFAULT_DEVICE else settings.device
     return settings
 

@@ -1,7 +1,7 @@
-"""A paged stage's self-check (pipeshard/shard/self_check.py) and the ladder ``invariant`` walks,
-on the INT4 2-stage SmolLM2 shards: a configuration that is not invariant fails it, the ladder
-falls back past it, results are cached per CPU, and two-token rows make a decoded token
-bit-identical to the same token inside a prompt chunk."""
+"""A stage's self-check (pipeshard/shard/self_check.py) and the ladder ``invariant`` walks, on the
+INT4 2-stage SmolLM2 shards (paged, stateful and static): a configuration that is not invariant
+fails it, the ladder falls back past it, results are cached per CPU and backend, and two-token
+rows make a decoded token bit-identical to the same token inside a prompt chunk."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.precision import CONFIGURATIONS, INVARIANT_LADDER, ladder
+from pipeshard.precision import CONFIGURATIONS, INVARIANT_LADDER, SINGLE_ROW_LADDER, Configuration, ladder
 from pipeshard.shard.kvblob import KvBlob, from_proto, to_proto
 from pipeshard.shard.paged import PagedRow, PagedShard
+from pipeshard.shard.runtime import ShardRunner
 from pipeshard.shard.self_check import CACHE_FILE, measure, prove, self_check
+from pipeshard.shard.static import StaticShard
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +34,81 @@ def test_the_ladder_ends_at_exact_and_refuses_unknown_names():
     with pytest.raises(InvalidArgument) as err:
         ladder("bf16-kv16,turbo")
     assert err.value.field == "invariant_ladder" and "turbo" in str(err.value)
+
+
+def test_a_backend_without_two_token_rows_skips_those_rungs():
+    """Stateful and static stages cannot re-feed a token: their default ladder has no rung that
+    needs it, a given ladder loses those rungs, and one left empty ends at exact."""
+    single = ladder("", two_token_rows=False)
+    assert [c.name for c in single] == list(SINGLE_ROW_LADDER) and SINGLE_ROW_LADDER[-1] == "exact"
+    assert not any(c.two_token_rows for c in single)
+    assert [c.name for c in ladder("bf16-kv16,bf16-kv16-single,exact", two_token_rows=False)] == [
+        "bf16-kv16-single",
+        "exact",
+    ]
+    assert [c.name for c in ladder("bf16-kv16,f32-kv16", two_token_rows=False)] == ["exact"]
+    with pytest.raises(InvalidArgument) as err:
+        ladder("turbo", two_token_rows=False)
+    assert err.value.field == "invariant_ladder"
+
+
+@pytest.fixture(scope="module")
+def static_export(smollm2_static_export):
+    return smollm2_static_export(2)
+
+
+def other_shard(kind: str, export, static_export, stage: int, config: Configuration):
+    if kind == "stateful":
+        return ShardRunner(export, stage, "invariant", config=config)
+    return StaticShard(static_export, stage, "invariant", config=config)
+
+
+# What the check tells apart on this CPU (AMD EPYC, Zen 4): a stateful stage in bf16 differs
+# between a split prompt and a whole one (1.2-2.2); a static stage in f32 with activations
+# quantized on the fly (not `exact`: it turns that off) differs there too (0.6-0.95).
+NOT_INVARIANT = {
+    "stateful": CONFIGURATIONS["bf16-kv16-single"],
+    "static": Configuration("f32-quantized", {"INFERENCE_PRECISION_HINT": "f32"}),
+}
+
+
+@pytest.mark.parametrize("kind", ["stateful", "static"])
+@pytest.mark.parametrize("stage", [0, 1])
+def test_stateful_and_static_stages_fail_a_configuration_that_is_not_invariant(
+    kind, stage, export, static_export
+):
+    config = NOT_INVARIANT[kind]
+    result = self_check(
+        other_shard(kind, export, static_export, stage, config), config.name, config.properties, 0.0, None
+    )
+    assert not result.passed and result.max_delta > 0.01 and "prompt split" in result.worst
+
+
+@pytest.mark.parametrize("kind", ["stateful", "static"])
+def test_stateful_and_static_stages_walk_their_ladder_and_prove_what_they_serve(
+    kind, export, static_export, tmp_path
+):
+    """The single-row ladder, forced to start at a configuration this CPU fails: the stage falls
+    back, says why, and serves a configuration whose check passed; the result is cached under
+    this backend (a paged stage of the same export and configuration is measured anew)."""
+    made = []
+
+    def load(config):
+        made.append(config.name)
+        return other_shard(kind, export, static_export, 1, config)
+
+    failing = NOT_INVARIANT[kind]
+    served = prove(load, (failing, *ladder("", two_token_rows=False)), tmp_path)
+    assert made[0] == failing.name and served.config.name == made[-1] != failing.name
+    assert served.proof.invariant
+    assert served.proof.fallbacks[0].startswith(f"{failing.name}: self-check FAILED")
+    if served.proof.check.tolerance == 0:  # a bit-identity promise measured exactly zero
+        assert measure(served)[0] == 0.0 and "bit-identical" in served.proof.check.worst
+    else:
+        assert served.config.name == "exact" and served.proof.check.max_delta <= 1e-3
+    exact = CONFIGURATIONS["exact"]
+    paged = self_check(shard(export, 1, "exact"), "exact", exact.properties, exact.tolerance, tmp_path)
+    assert not paged.cached
 
 
 @pytest.mark.parametrize("stage", [0, 1])

@@ -79,7 +79,7 @@ def test_each_backend_names_its_family():
     }
     for backend, (shard, session) in family.items():
         assert backend.session is session
-        assert backend.load_shard.__annotations__["return"] == shard.__name__
+        assert backend.compile.__annotations__["return"] == shard.__name__
     limits = SessionLimits(8, 60.0, 4)
     paged = PagedBackend().engine(FakePagedShard(True), limits)
     static_shard = FakeStaticShard(True)
