@@ -173,7 +173,10 @@ class RemoteStages:
                 if not all(f.done() and f.exception() is None for f in futures):
                     return [f.result() if f in done else error for f in futures]
             if all(f.exception() is None for f in futures):
-                self.deadline.observe(rows, loop.time() - sent)
+                seconds = loop.time() - sent
+                self.deadline.observe(rows, seconds)
+                if seconds > self.deadline.floor(rows):  # a fixed budget would have failed it
+                    log.info("step_slow", rows=rows, seconds=round(seconds, 1), deadline_s=round(timeout, 1))
         finally:
             for key in keys:
                 self._pending.pop(key, None)

@@ -52,6 +52,10 @@ class StepDeadline:
         """The slowest time per row among the recent large steps (0 before the first)."""
         return max(self._per_row, default=0.0)
 
+    def floor(self, rows: int) -> float:
+        """``step_timeout_s`` per started block of TIMEOUT_ROWS rows."""
+        return self.step_timeout_s * max(1, -(-rows // TIMEOUT_ROWS))
+
     def for_rows(self, rows: int) -> float:
-        floor = self.step_timeout_s * max(1, -(-rows // TIMEOUT_ROWS))
+        floor = self.floor(rows)
         return min(max(floor, SLACK * rows * self.seconds_per_row), MAX_STRETCH * floor)
