@@ -82,7 +82,9 @@ class CoordinatorSettings(ServerSettings):
         "with --topology, the topology's exporter",
     )
     step_timeout_s: float = setting(
-        30.0, "a step with no result after this long fails as UNAVAILABLE (per 256 rows of a prefill)"
+        30.0,
+        "a step with no result after this long fails as UNAVAILABLE (per 256 rows of a prefill; "
+        "longer when the ring's measured time per row asks for it, docs/RELIABILITY.md)",
     )
     control_timeout_s: float = setting(
         30.0,

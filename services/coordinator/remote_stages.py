@@ -38,6 +38,7 @@ from pipeshard.ownership import new_secret, owner_key, owner_metadata
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
 from pipeshard.services.coordinator.ring import ShuttingDown, StageFailed
 from pipeshard.services.coordinator.stage_watch import StageWatch
+from pipeshard.services.coordinator.step_deadline import StepDeadline
 from pipeshard.services.stage.wire import plan_from_frames
 from pipeshard.services.transport.channels import open_channel
 from pipeshard.services.transport.hop import PROBE_TRAIN, HopStream, keep_open
@@ -50,11 +51,6 @@ log = structlog.get_logger(__name__)
 # A control call slower than this is logged (``stage_control_slow``): a stage answering late, long
 # before ``control_timeout_s`` fails it.
 SLOW_CONTROL_S = 1.0
-
-# Rows of a step that ``step_timeout_s`` covers; a longer step (a one-pass prefill) gets that much
-# time per started block of this many rows.
-TIMEOUT_ROWS = 256
-
 
 _MAX_UNRELEASED = 4096  # sessions remembered per unreachable stage, to abort when it returns
 
@@ -112,6 +108,7 @@ class RemoteStages:
         if not stage_addresses:
             raise ValueError("a ring needs at least one remote stage")
         self.step_timeout_s = step_timeout_s
+        self.deadline = StepDeadline(step_timeout_s)
         self.control_timeout_s = control_timeout_s
         secret = secret or new_secret()
         self._owner = owner_key(secret)
@@ -205,11 +202,21 @@ class RemoteStages:
                 for _ in frames:
                     trace.mark("plan_row", plan.session_id, plan.step_id)
             plan.owner = self._owner
+            sent = loop.time()
             await self._entry.send(plan)
-            done, _ = await asyncio.wait(futures, timeout=self.timeout_for(len(plan.positions)))
+            rows = len(plan.positions)
+            timeout = self.timeout_for(rows)
+            done, _ = await asyncio.wait(futures, timeout=timeout)
             if len(done) < len(futures):
-                error = await self._diagnose()  # a stage named here fails the other steps too
-                return [f.result() if f in done else error for f in futures]
+                error = await self._diagnose(timeout)  # a stage named here fails the other steps too
+                # A step that finished while its stages were asked was slow, not lost.
+                if not all(f.done() and f.exception() is None for f in futures):
+                    return [f.result() if f in done else error for f in futures]
+            if all(f.exception() is None for f in futures):
+                seconds = loop.time() - sent
+                self.deadline.observe(rows, seconds)
+                if seconds > self.deadline.floor(rows):  # a fixed budget would have failed it
+                    log.info("step_slow", rows=rows, seconds=round(seconds, 1), deadline_s=round(timeout, 1))
         finally:
             for key in keys:
                 self._pending.pop(key)
@@ -217,9 +224,9 @@ class RemoteStages:
         return [StageFailed(r.error) if r.HasField("error") else r for r in results]
 
     def timeout_for(self, rows: int) -> float:
-        """``step_timeout_s`` per started block of TIMEOUT_ROWS rows: a prompt prefilled in one pass
-        is one long step, which must not read as a dead stage."""
-        return self.step_timeout_s * max(1, -(-rows // TIMEOUT_ROWS))
+        """How long a step of ``rows`` rows may take before the stages are asked whether one froze
+        (step_deadline.py: by its rows and this ring's measured time per row)."""
+        return self.deadline.for_rows(rows)
 
     def _open_request(
         self, session_id: str, capacity: int | None, next_hop: int | None = None
@@ -443,7 +450,7 @@ class RemoteStages:
                 raise result
         return results
 
-    async def _diagnose(self) -> PipeshardError:
+    async def _diagnose(self, waited_s: float) -> PipeshardError:
         async def probe(i: int) -> str | None:
             try:
                 await self._stubs[i].GetStageInfo(
@@ -458,7 +465,7 @@ class RemoteStages:
             if code is not None:
                 self.watch.mark_down(i, f"not answering: {code}")
                 return Unavailable(f"stage {i} at {self.addresses[i]} is not answering ({code})")
-        return DeadlineExceeded(f"no result from the pipeline within {self.step_timeout_s:g} s")
+        return DeadlineExceeded(f"no result from the pipeline within {round(waited_s, 1):g} s")
 
     def _fail_pending(self, error: PipeshardError) -> None:
         self._pending.fail(error)

@@ -1,5 +1,6 @@
-"""The remote stages' timeouts: the step timeout grows with the rows of a step (a one-pass prefill
-is not a dead stage); the control-call timeout is the coordinator's setting (flag and environment)
+"""The remote stages' timeouts: the step deadline grows with the rows of a step and with the time a
+row has taken on this ring (a one-pass prefill on a slow machine or at f32 is not a dead stage);
+the control-call timeout is the coordinator's setting (flag and environment)
 and, when it expires, the error names the stage and the call."""
 
 from __future__ import annotations
@@ -12,7 +13,15 @@ import pytest
 from pipeshard.auth import Authenticator
 from pipeshard.errors import Unavailable
 from pipeshard.services.coordinator.main import Coordinator, CoordinatorSettings
-from pipeshard.services.coordinator.remote_stages import TIMEOUT_ROWS, RemoteStages
+from pipeshard.services.coordinator.remote_stages import RemoteStages
+from pipeshard.services.coordinator.step_deadline import (
+    MAX_STRETCH,
+    MIN_SAMPLE_ROWS,
+    SAMPLES,
+    SLACK,
+    TIMEOUT_ROWS,
+    StepDeadline,
+)
 from pipeshard.settings import load_settings
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
@@ -24,6 +33,44 @@ def test_step_timeout_is_per_started_block_of_rows():
         return [stages.timeout_for(n) for n in rows]
 
     assert asyncio.run(check()) == [2.0, 2.0, 4.0, 2.0 * 16]
+
+
+def test_the_deadline_follows_the_rings_measured_time_per_row():
+    """Session 20's case: a 700-row f32 prefill on a loaded machine got 3 x 30 s whatever a row
+    had been seen to cost. Once a large step has shown the ring's time per row, a step gets SLACK
+    times its rows at that rate when that is more than the floor, up to MAX_STRETCH floors."""
+    deadline = StepDeadline(30.0)
+    assert deadline.for_rows(700) == 90.0  # nothing measured yet: 30 s per started 256 rows
+    deadline.observe(1024, 20.48)  # the warm-up prefill: 20 ms a row (f32, loaded)
+    assert deadline.seconds_per_row == 0.02
+    assert deadline.for_rows(700) == SLACK * 700 * 0.02  # 112 s, beyond the 90 s floor
+    assert deadline.for_rows(1) == 30.0  # a decode step keeps the floor
+    deadline.observe(256, 256 * 0.5)  # a step that stalled: the stretch is capped
+    assert deadline.for_rows(700) == MAX_STRETCH * 90.0
+
+
+def test_small_steps_do_not_teach_the_deadline_and_old_slow_steps_are_forgotten():
+    deadline = StepDeadline(2.0)
+    deadline.observe(MIN_SAMPLE_ROWS - 1, 60.0)  # a decode step's time is mostly fixed cost
+    assert deadline.seconds_per_row == 0.0 and deadline.for_rows(4000) == 2.0 * 16
+    deadline.observe(MIN_SAMPLE_ROWS, MIN_SAMPLE_ROWS * 0.005)  # slow: 5 ms a row
+    assert deadline.for_rows(512) == SLACK * 512 * 0.005
+    for _ in range(SAMPLES - 1):
+        deadline.observe(256, 256 * 0.0005)
+    assert deadline.seconds_per_row == 0.005  # still among the recent steps
+    deadline.observe(256, 256 * 0.0005)
+    assert deadline.seconds_per_row == 0.0005  # pushed out: the floor rules again
+    assert deadline.for_rows(512) == 4.0
+
+
+def test_the_remote_stages_step_timeout_is_their_learned_deadline():
+    async def check() -> tuple[float, float]:
+        stages = RemoteStages(["127.0.0.1:9"], step_timeout_s=10.0)
+        before = stages.timeout_for(512)
+        stages.deadline.observe(512, 512 * 0.01)
+        return before, stages.timeout_for(512)
+
+    assert asyncio.run(check()) == (20.0, SLACK * 512 * 0.01)
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from pipeshard.clients.client import GenerateResult, PipeshardClient
+from pipeshard.services.launcher import Fleet, start_fleet
 from tests.conftest import GEMMA3_PROMPTS, GEMMA3_TOKENS, hf_greedy
 
 # The first run fetches the model into models/ (.ci/run does it first: `make model-gemma3`) and
@@ -31,14 +32,29 @@ def _complete(address: str, text: str, max_tokens: int, **kwargs) -> GenerateRes
         return client.generate(text, max_tokens=max_tokens, ignore_eos=True, complete=True, **kwargs)
 
 
-def _fleet(fleet_factory, gemma3_export, stages: int, *stage_args: str, coordinator_args=()):
-    return fleet_factory(
-        gemma3_export(stages, "fp32"),
-        stages,
-        precision="f32",
-        extra_stage_args=list(stage_args),
-        extra_coordinator_args=list(coordinator_args),
-    )
+@pytest.fixture
+def gemma3_fleet(tmp_path, gemma3_export):
+    """Factory: a Gemma 3 fleet of fp32 shards at f32, stopped when its test ends. An fp32 fleet
+    holds about 2.5 GB (the coordinator 1.1, stage 1 with the 262k-row head 1.0); kept to the end
+    of the module (as the shared fleet_factory keeps its fleets), this file's fleets held about
+    15 GB by its sixth test, and on a shared 24 GB machine a stage stalled past the step deadline."""
+    fleets: list[Fleet] = []
+
+    def start(stages: int, *stage_args: str, coordinator_args=()) -> Fleet:
+        fleet = start_fleet(
+            gemma3_export(stages, "fp32"),
+            stages,
+            tmp_path / f"fleet-{len(fleets)}",
+            precision="f32",
+            extra_stage_args=list(stage_args),
+            extra_coordinator_args=list(coordinator_args),
+        )
+        fleets.append(fleet)
+        return fleet
+
+    yield start
+    for fleet in fleets:
+        fleet.stop()
 
 
 @pytest.mark.parametrize(
@@ -50,9 +66,9 @@ def _fleet(fleet_factory, gemma3_export, stages: int, *stage_args: str, coordina
         pytest.param(3, "paged", marks=pytest.mark.extended),
     ],
 )
-def test_fleet_greedy_equals_hf(stages, kv, fleet_factory, gemma3_export, gemma3_hf_greedy):
+def test_fleet_greedy_equals_hf(stages, kv, gemma3_fleet, gemma3_hf_greedy):
     _, want = gemma3_hf_greedy
-    fleet = _fleet(fleet_factory, gemma3_export, stages, "--kv", kv)
+    fleet = gemma3_fleet(stages, "--kv", kv)
     got = [_complete(fleet.coordinator, text, GEMMA3_TOKENS) for text in GEMMA3_PROMPTS]
     assert [r.token_ids for r in got] == want
     assert all(r.prompt_tokens == len(ids) for r, ids in zip(got, gemma3_hf_greedy[0], strict=True))
@@ -76,24 +92,24 @@ def long_prompt(gemma3_dir, gemma3_hf):
     [("paged", 0), ("paged", 1024), ("stateful", 0), ("stateful", 100)],
     ids=["paged-chunks-256", "paged-whole", "stateful-whole", "stateful-chunks-100"],
 )
-def test_a_prompt_past_the_window_gives_hf_greedy(kv, chunk, fleet_factory, gemma3_export, long_prompt):
+def test_a_prompt_past_the_window_gives_hf_greedy(kv, chunk, gemma3_fleet, long_prompt):
     """The local layers see only their window, chunked or not (on paged stages they give back the
     blocks behind it as they go); the global layers see the whole prompt."""
     text, want = long_prompt
     coordinator = ("--prefill-chunk", str(chunk)) if chunk else ()
-    fleet = _fleet(fleet_factory, gemma3_export, 2, "--kv", kv, coordinator_args=coordinator)
+    fleet = gemma3_fleet(2, "--kv", kv, coordinator_args=coordinator)
     assert _complete(fleet.coordinator, text, LONG_TOKENS).token_ids == want
 
 
 @pytest.mark.extended
-def test_prefix_reuse_and_prompt_lookup_give_hf_greedy(fleet_factory, gemma3_export, gemma3_dir, gemma3_hf):
+def test_prefix_reuse_and_prompt_lookup_give_hf_greedy(gemma3_fleet, gemma3_dir, gemma3_hf):
     """A request, then one whose prompt extends its whole sequence: the second restores the first's
     KV on every stage (a prefix cache hit in the coordinator's log) and continues as transformers
     does; prompt lookup (n-gram drafts from the prompt) verifies drafts and changes no token."""
     from pipeshard.shard.prompting import Prompter
 
     prompter = Prompter.from_dir(gemma3_dir)
-    fleet = _fleet(fleet_factory, gemma3_export, 2, coordinator_args=("--prefix-min-tokens", "16"))
+    fleet = gemma3_fleet(2, coordinator_args=("--prefix-min-tokens", "16"))
     first_text = " ".join(GEMMA3_PROMPTS[:2])
     first = _complete(fleet.coordinator, first_text, 48)
     assert first.token_ids == hf_greedy(gemma3_hf, prompter.encode(first_text, []), 48)
