@@ -25,7 +25,9 @@ from pipeshard.errors import InvalidArgument
 from pipeshard.shard.draft_folder import WEIGHTS, DraftFolder
 
 META = "feature_draft.json"
-KINDS = ("eagle",)
+# ``eagle``: one MLP block over the last feature (this module's model); ``eagle-decoder``: a
+# decoder layer attending over every accepted position's (pipeshard/shard/feature_decoder.py).
+KINDS = ("eagle", "eagle-decoder")
 # The arrays of a draft, with their shapes in terms of H (hidden), I (MLP), V (vocab), S (slice).
 ARRAYS = (
     "embed",  # [V, H] the target's input embedding (fp16 on disk)
@@ -40,7 +42,15 @@ ARRAYS = (
     "down",  # [H, I]
     "norm_out",  # [H]
 )
+# The decoder kind's attention on top of those: [H, H] each (heads x 64 wide).
+DECODER_ARRAYS = (*ARRAYS, "norm_attn", "q", "k", "v", "o")
 FOLDER = DraftFolder("feature draft", "feature_draft", META, ARRAYS)
+DECODER_FOLDER = DraftFolder("feature draft", "feature_draft", META, DECODER_ARRAYS)
+
+
+def folder_of(kind: str) -> DraftFolder:
+    """The arrays a draft of ``kind`` holds."""
+    return DECODER_FOLDER if kind == "eagle-decoder" else FOLDER
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,8 @@ class FeatureDraftMeta:
     intermediate_size: int
     rms_eps: float
     training: dict = field(default_factory=dict)  # texts, positions, minutes, agreement (reported)
+    heads: int = 0  # the decoder kind's attention heads
+    rope_theta: float = 10000.0  # the decoder kind's rotary base (positions count from the draft's first)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,6 +81,8 @@ class FeatureDraftMeta:
             intermediate_size=int(raw["intermediate_size"]),
             rms_eps=float(raw["rms_eps"]),
             training=dict(raw.get("training", {})),
+            heads=int(raw.get("heads", 0)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
         )
 
 
@@ -81,7 +95,7 @@ def read_meta(folder: Path) -> FeatureDraftMeta:
 
 
 def write(folder: Path, meta: FeatureDraftMeta, arrays: dict[str, np.ndarray]) -> None:
-    FOLDER.write(folder, meta.to_dict(), arrays)
+    folder_of(meta.kind).write(folder, meta.to_dict(), arrays)
 
 
 def check_target(meta: FeatureDraftMeta, target_export: Path, folder: Path) -> None:
@@ -89,7 +103,7 @@ def check_target(meta: FeatureDraftMeta, target_export: Path, folder: Path) -> N
     FOLDER.check_target(folder, meta.model_fingerprint, meta.hidden_size, meta.vocab_size, target_export)
 
 
-def _rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+def rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
 
 
@@ -117,10 +131,10 @@ class FeatureDraftModel:
     def step(self, features: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``features`` [B, H] at position t and the tokens [B] at t + 1: the predicted features
         at t + 1 [B, H] and their head-slice logits [B, S] (column i is token ``head_ids[i]``)."""
-        e = _rms(self.embed[np.asarray(tokens, dtype=np.int64)].astype(np.float32), self.norm_embed, self.eps)
+        e = rms(self.embed[np.asarray(tokens, dtype=np.int64)].astype(np.float32), self.norm_embed, self.eps)
         z = e @ self.fc_embed_t + np.asarray(features, dtype=np.float32) @ self.fc_feature_t + self.fc_bias
-        gu = _rms(z, self.norm_mlp, self.eps) @ self.gate_up_t
+        gu = rms(z, self.norm_mlp, self.eps) @ self.gate_up_t
         gate, up = np.split(gu, 2, axis=-1)
         h = z + (gate / (1.0 + np.exp(-gate)) * up) @ self.down_t
-        out = _rms(h, self.norm_out, self.eps)
+        out = rms(h, self.norm_out, self.eps)
         return out, out @ self.head_t
