@@ -521,14 +521,19 @@ class _Request:
         result: StepAnswer,
         new: list[int],
     ) -> None:
-        """Hands a feature draft the target's feature at the last position kept: the row before
-        the target's own token (of a tree: the accepted path's last node's row)."""
+        """Hands a feature draft the target's features at the positions this step kept, in order:
+        the pending token's and each accepted draft's (of a tree: the root's and the accepted
+        path's rows), the last being the row before the target's own token."""
         if result.features is None:
             # A stage that cannot return them: the draft goes idle (a stale feature would draft
             # for a position the target has left), decoding stays exact.
             drafter.observe(None)
             return
-        drafter.observe(result.features[self._kept_row(draft, new)])
+        if isinstance(draft, TreeChains | TreeNodes):
+            rows = [draft.row_of(node) for node in [ROOT, *self._tree_outcome.path]]
+        else:
+            rows = list(range(len(new)))
+        drafter.observe(result.features[rows])
 
     def _kept_row(self, draft: Draft | TreeChains | TreeNodes, new: list[int]) -> int:
         """The result row of the last position this step kept (the row before the target's own

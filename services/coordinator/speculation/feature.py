@@ -24,49 +24,34 @@ from pipeshard.shard.feature_decoder import FeatureDecoderModel, attend
 from pipeshard.shard.feature_draft import FeatureDraftModel
 
 
-class FeatureDrafter:
-    """One request's use of a feature draft of kind ``eagle``: the target's latest feature,
-    nothing else. Chains and trees are built from two steps a subclass may change: the root's
-    (the output at the last position the target kept) and a level's (drafted nodes)."""
+class _FeatureDrafting:
+    """Chains and trees of a feature draft, built from two steps each kind defines: the root's
+    (the prediction after the last position the target kept) and a level's (drafted nodes)."""
 
     auto_tree_width = 3  # a level of any width is one batched draft step; the policy prices it
     reads_features = True
     head_candidates = 0
 
-    def __init__(self, model: FeatureDraftModel | FeatureDecoderModel):
-        self._model = model
-        self._feature: np.ndarray | None = None  # the target's, at the last position it kept
-
-    def observe(self, feature: np.ndarray | None) -> None:
-        """The target's final normed hidden states at the positions the last step kept, in order
-        [n, H] (from the position of the token before the first one it added to that of the token
-        before its own); None: the step returned none (idle until one). This draft reads the last."""
-        self._feature = (
-            None
-            if feature is None
-            else np.asarray(feature, dtype=np.float32).reshape(-1, self._model.meta.hidden_size)[-1:]
-        )
+    def __init__(self, vocab_size: int, head_ids: np.ndarray):
+        self._vocab_size = vocab_size
+        self._head_ids = head_ids  # the token id of each logits column
 
     def _root(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
         """The predicted feature [1, H] and logits [1, S] after the last kept position (None: idle)."""
-        if self._feature is None:
-            return None
-        return self._model.step(self._feature, np.asarray([context[-1]], dtype=np.int64))
+        raise NotImplementedError
 
     def _level(
         self, parents: list[int], features: np.ndarray, tokens: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """Drafted nodes' predictions from their parents' predicted features and their tokens,
         and the nodes' ids (a later level's ``parents``; -1 is the root)."""
-        out, logits = self._model.step(features, tokens)
-        return out, logits, [-1] * len(parents)
+        raise NotImplementedError
 
     def propose(self, context: Sequence[int], k: int, sample) -> Draft:
         started = time.perf_counter()
         root = self._root(context) if k >= 1 else None
         if root is None:
             return Draft([], None, time.perf_counter() - started)
-        model = self._model
         feature, logits = root
         node, token = -1, np.asarray([context[-1]], dtype=np.int64)
         tokens: list[int] = []
@@ -81,10 +66,10 @@ class FeatureDrafter:
                 probabilities, rng = sample
                 sliced = probabilities(logits[0])
                 column = int(rng.choice(sliced.size, p=sliced))
-                full = np.zeros(model.meta.vocab_size, dtype=sliced.dtype)
-                full[model.head_ids] = sliced
+                full = np.zeros(self._vocab_size, dtype=sliced.dtype)
+                full[self._head_ids] = sliced
                 probs.append(full)
-            token = model.head_ids[[column]]
+            token = self._head_ids[[column]]
             tokens.append(int(token[0]))
         return Draft(tokens, probs, time.perf_counter() - started)
 
@@ -100,7 +85,7 @@ class FeatureDrafter:
         root = self._root(context)
         if root is None:
             return tree
-        model, width = self._model, shape.width
+        width = shape.width
         # Scored candidates: (path probability, parent candidate or -1, token, own probability).
         scored: list[tuple[float, int, int, float]] = []
         frontier = [-1]  # candidates whose children the next level scores (-1: the root)
@@ -115,7 +100,7 @@ class FeatureDrafter:
                 columns = range(q.shape[1]) if top is None else top[b]
                 for column in columns:
                     p = float(q[b, column])
-                    scored.append((base * p, parent, int(model.head_ids[column]), p))
+                    scored.append((base * p, parent, int(self._head_ids[column]), p))
                     children.append((len(scored) - 1, b))
             if level == shape.depth - 1:
                 break
@@ -146,11 +131,40 @@ class FeatureDrafter:
     def observe_heads(self, candidates: HeadCandidates | None) -> None:
         pass  # asks for no head candidates
 
+
+class FeatureDrafter(_FeatureDrafting):
+    """One request's use of a feature draft of kind ``eagle``: the target's latest feature,
+    nothing else."""
+
+    def __init__(self, model: FeatureDraftModel):
+        super().__init__(model.meta.vocab_size, model.head_ids)
+        self._model = model
+        self._feature: np.ndarray | None = None  # the target's, at the last position it kept
+
+    def observe(self, feature: np.ndarray | None) -> None:
+        """The target's final normed hidden states at the positions the last step kept, in order
+        [n, H]; None: the step returned none (idle until one). This kind reads the last."""
+        if feature is None:
+            self._feature = None
+            return
+        self._feature = np.asarray(feature, dtype=np.float32).reshape(-1, self._model.meta.hidden_size)[-1:]
+
+    def _root(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        if self._feature is None:
+            return None
+        return self._model.step(self._feature, np.asarray([context[-1]], dtype=np.int64))
+
+    def _level(
+        self, parents: list[int], features: np.ndarray, tokens: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        out, logits = self._model.step(features, tokens)
+        return out, logits, [-1] * len(parents)
+
     def close(self) -> None:
         self._feature = None
 
 
-class DecoderFeatureDrafter(FeatureDrafter):
+class DecoderFeatureDrafter(_FeatureDrafting):
     """A feature draft of kind ``eagle-decoder``: its attention reads every position the target
     kept since the request's first step, from a cache of their keys and values held here (one
     request's: a few KB a position). A proposal first runs the positions observed since the
@@ -158,7 +172,7 @@ class DecoderFeatureDrafter(FeatureDrafter):
     own ancestors (a tree mask) and are dropped when the next proposal starts."""
 
     def __init__(self, model: FeatureDecoderModel):
-        super().__init__(model)
+        super().__init__(model.meta.vocab_size, model.head_ids)
         self._decoder = model
         self._unfed: list[np.ndarray] = []  # observed features whose positions are not cached yet
         h = model.meta.hidden_size
