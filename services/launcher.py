@@ -230,6 +230,19 @@ def feature_draft_args(shards: Path, choice: str = "auto") -> list[str]:
     return []
 
 
+def default_speculation(feature_args: list[str]) -> tuple[list[str], str]:
+    """(the coordinator arguments, a line saying which) of the best draft source a fleet has,
+    used by requests that do not choose: the trained feature draft (``feature_draft_args``), else
+    prompt lookup. Both run under adaptive K, which drafts nothing where drafting does not pay,
+    and both are greedy-exact; a request's ``speculative`` still overrides (``none``: plain)."""
+    if feature_args:
+        return feature_args, f"speculation: the feature draft {feature_args[1]} by default (adaptive K)"
+    return ["--speculative", "ngram"], (
+        "speculation: prompt lookup (ngram) by default (adaptive K); no feature draft for these "
+        "weights (`make distil KIND=eagle` trains one)"
+    )
+
+
 def draft_heads_args(shards: Path, choice: str = "auto") -> list[str]:
     """The final stage's arguments that run trained draft heads (``pipeshard distil --kind
     medusa``), so the coordinator offers ``medusa``. ``auto``: heads in the shards folder trained

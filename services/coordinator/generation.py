@@ -41,6 +41,7 @@ from pipeshard.metrics import (
     SPECULATIVE_ACCEPTED,
     SPECULATIVE_DRAFTED,
     TIME_TO_FIRST_TOKEN,
+    TOKENS_PER_TRAVERSAL,
 )
 from pipeshard.sampling import accept_sampled, restore_rng, rng_state
 from pipeshard.services.coordinator.detokenizer import IncrementalDetokenizer
@@ -148,6 +149,7 @@ class Summary:
     accepted_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)  # per generated token, when asked
     cached_tokens: int = 0  # prompt positions restored from the prefix cache instead of prefilled
+    kept_per_traversal: list[int] = field(default_factory=list)  # [i]: decode steps that kept i + 1
 
 
 @dataclass
@@ -160,6 +162,15 @@ class Progress:
     accepted_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)  # per generated token, when asked
     cached_tokens: int = 0  # prompt positions restored from the prefix cache
+    kept_per_traversal: list[int] = field(default_factory=list)  # [i]: decode steps that kept i + 1
+
+    def kept(self, tokens: int) -> None:
+        """A decode traversal kept ``tokens`` tokens."""
+        grow = tokens - len(self.kept_per_traversal)
+        if grow > 0:
+            self.kept_per_traversal.extend([0] * grow)
+        self.kept_per_traversal[tokens - 1] += 1
+
     error: str = ""
 
 
@@ -651,6 +662,10 @@ class _Request:
                 if self.metered:
                     SPECULATIVE_DRAFTED.labels(source=self.progress.speculative).inc(proposed)
                     SPECULATIVE_ACCEPTED.labels(source=self.progress.speculative).inc(kept)
+        if self.generated and new:
+            self.progress.kept(len(new))
+            if self.metered:
+                TOKENS_PER_TRAVERSAL.labels(source=self.progress.speculative).observe(len(new))
         if not self.generated:
             self.first_at = time.perf_counter()
             self.status = RequestStatus.DECODING  # its first token is in
@@ -729,6 +744,7 @@ class _Request:
             verify_steps=p.verify_steps,
             draft_tokens=p.draft_tokens,
             accepted_tokens=p.accepted_tokens,
+            kept_per_traversal=list(p.kept_per_traversal),
             logprobs=p.logprobs,
             cached_tokens=p.cached_tokens,
         )

@@ -300,6 +300,18 @@ def test_fleets_offer_the_draft_trained_for_their_weights_only(smollm2_export, t
     assert feature_draft_args(export, "off") == []
 
 
+def test_a_fleet_speculates_by_default_with_the_best_source_it_has():
+    """`make up` / `make wan-up`: the trained draft when there is one, else prompt lookup; the
+    line printed at start names it."""
+    from pipeshard.services.launcher import default_speculation
+
+    given = ["--feature-draft", "shards/d", "--speculative", "feature"]
+    args, said = default_speculation(given)
+    assert args == given and "shards/d" in said
+    args, said = default_speculation([])
+    assert args == ["--speculative", "ngram"] and "prompt lookup" in said and "KIND=eagle" in said
+
+
 def test_training_stops_at_its_time_budget_with_the_rate_annealed():
     """A step that takes longer than planned shortens training instead of overrunning
     ``--train-minutes``, and the learning rate still ends at zero."""

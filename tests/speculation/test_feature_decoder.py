@@ -21,17 +21,17 @@ from pipeshard.services.coordinator.speculation.tree import TreeShape
 from pipeshard.shard import feature_draft
 from pipeshard.shard.feature_decoder import FeatureDecoderModel
 
-H, V, S, I = 128, 64, 24, 32  # two heads of 64
+H, V, S, MLP = 128, 64, 24, 32  # two heads of 64
 
 
 def random_decoder(folder: Path, seed: int = 0) -> DecoderDraft:
     torch.manual_seed(seed)
     embed = torch.randn(V, H).half().float()  # the file keeps fp16 rows
-    draft = DecoderDraft(embed, torch.randn(S, H), torch.arange(0, V, V // S)[:S], 1e-5, I)
+    draft = DecoderDraft(embed, torch.randn(S, H), torch.arange(0, V, V // S)[:S], 1e-5, MLP)
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    meta = feature_draft.FeatureDraftMeta("eagle-decoder", "sha256:test", H, V, I, 1e-5, heads=draft.heads)
+    meta = feature_draft.FeatureDraftMeta("eagle-decoder", "sha256:test", H, V, MLP, 1e-5, heads=draft.heads)
     feature_draft.write(folder, meta, draft.arrays())
     return draft
 
@@ -138,7 +138,7 @@ def test_training_raises_the_held_out_chain(one_thread):
         argmax.append(np.append(seq_a[1:], 0))
     data = FeatureTexts(ids, features, argmax)
     torch.manual_seed(0)
-    draft = DecoderDraft(torch.as_tensor(table), torch.as_tensor(table[:S]), torch.arange(S), 1e-5, I)
+    draft = DecoderDraft(torch.as_tensor(table), torch.as_tensor(table[:S]), torch.arange(S), 1e-5, MLP)
     before = chain_kept(draft, Sequences(data), 3)
     train_decoder(draft, data, epochs=40, lr=1e-2, batch=8, seed=0, report=lambda *a: None)
     after = chain_kept(draft, Sequences(data), 3)
