@@ -47,6 +47,23 @@ class _FeatureDrafting:
         and the nodes' ids (a later level's ``parents``; -1 is the root)."""
         raise NotImplementedError
 
+    def follow(self, context: Sequence[int], tokens: Sequence[int]) -> list[int]:
+        """The draft's greedy guess at each level of a chain fed ``tokens`` (teacher forcing:
+        guess l is for ``tokens[l]``, which level l + 1 is fed): a chain keeps its drafts up to
+        the first guess that differs from the target's token."""
+        root = self._root(context)
+        if root is None:
+            return []
+        out, logits = root
+        node, guesses = -1, []
+        for level, token in enumerate(tokens):
+            guesses.append(int(self._head_ids[int(np.argmax(logits[0]))]))
+            if level == len(tokens) - 1:
+                break
+            out, logits, nodes = self._level([node], out, np.asarray([token], dtype=np.int64))
+            node = nodes[0]
+        return guesses
+
     def propose(self, context: Sequence[int], k: int, sample) -> Draft:
         started = time.perf_counter()
         root = self._root(context) if k >= 1 else None
