@@ -11,6 +11,7 @@ greedy over 128 tokens on 1 and 2 stages; sampling with it follows the target's 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
 
@@ -298,6 +299,13 @@ def test_fleets_offer_the_draft_trained_for_their_weights_only(smollm2_export, t
     ours = str(tmp_path / f"{model.name}-eagle-v8192")
     assert feature_draft_args(export) == ["--feature-draft", ours, "--speculative", "feature"]
     assert feature_draft_args(export, "off") == []
+    # Of two drafts for these weights, the one whose held-out chain kept more.
+    better = tmp_path / f"{model.name}-eagle-x-v8192"
+    draft = _random_draft(better, fingerprint=model.fingerprint)
+    meta = feature_draft.read_meta(better)
+    trained = {"held_out_chain_of_3": 1.5}
+    feature_draft.write(better, dataclasses.replace(meta, training=trained), draft.arrays())
+    assert feature_draft_args(export)[1] == str(better)
 
 
 def test_a_fleet_speculates_by_default_with_the_best_source_it_has():

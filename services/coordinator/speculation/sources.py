@@ -145,15 +145,13 @@ class DraftSources:
         if folder is None or meta is None:
             raise InvalidArgument("speculative", "this coordinator has no feature draft (--feature-draft)")
         async with self._lock:
-            model = self._feature_model
-            if model is None:
+            if self._feature_model is None:
                 kind = (
                     FeatureDecoderModel if meta.kind == "eagle-decoder" else feature_draft.FeatureDraftModel
                 )
-                model = await asyncio.to_thread(kind, folder, meta)
-                self._feature_model = model
+                self._feature_model = await asyncio.to_thread(kind, folder, meta)
                 log.info("feature_draft_loaded", folder=str(folder), kind=meta.kind)
-            return model
+            return self._feature_model
 
     async def _load(self, folder: Path) -> DraftModel:
         async with self._lock:
