@@ -145,13 +145,12 @@ class DraftSources:
         if folder is None or meta is None:
             raise InvalidArgument("speculative", "this coordinator has no feature draft (--feature-draft)")
         async with self._lock:
-            if self._feature_model is None:
-                kind = (
-                    FeatureDecoderModel if meta.kind == "eagle-decoder" else feature_draft.FeatureDraftModel
-                )
-                self._feature_model = await asyncio.to_thread(kind, folder, meta)
+            model = self._feature_model
+            if model is None:
+                model = await asyncio.to_thread(_feature_model, folder, meta)
+                self._feature_model = model
                 log.info("feature_draft_loaded", folder=str(folder), kind=meta.kind)
-            return self._feature_model
+            return model
 
     async def _load(self, folder: Path) -> DraftModel:
         async with self._lock:
@@ -166,3 +165,12 @@ class DraftSources:
         runner.warmup()
         log.info("draft_loaded", folder=str(folder), export=str(export), sliced=runner.vocab_ids is not None)
         return DraftModel(runner, runner.vocab_ids, runner.vocab_size)
+
+
+def _feature_model(
+    folder: Path, meta: feature_draft.FeatureDraftMeta
+) -> feature_draft.FeatureDraftModel | FeatureDecoderModel:
+    """The forward pass of the draft's kind."""
+    if meta.kind == "eagle-decoder":
+        return FeatureDecoderModel(folder, meta)
+    return feature_draft.FeatureDraftModel(folder, meta)
