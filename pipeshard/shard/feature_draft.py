@@ -1,13 +1,15 @@
-"""A feature-reading draft (kind ``eagle``) as a folder both sides share: the exporter's
-``pipeshard distil --kind eagle`` writes it, the coordinator's ``feature`` source runs it.
+"""A feature-reading draft as a folder both sides share: the exporter's ``pipeshard distil --kind
+eagle`` writes it, the coordinator's ``feature`` source runs it. Two kinds: ``eagle``, this
+module's model, and ``eagle-decoder``, which adds attention over the accepted positions
+(pipeshard/shard/feature_decoder.py); they share the meta file and every array of this one.
 
 The draft reads the target's final normed hidden state at position t (pipeshard/shard/
 features.py) and the embedding of the token at t + 1, and predicts the target's normed state at
 t + 1, which the target's own LM head (its rows of a vocabulary slice) scores into the token at
-t + 2; fed its own prediction, it drafts on. It is one fused input projection and one gated MLP
-block (a decoder layer without attention, so a tree's nodes need no cache and a level of any
-width is one batched matmul), in numpy: at 576 wide with an 8192-token head about 8 M
-multiply-adds per drafted token, 6% of SmolLM2-135M's per-token cost.
+t + 2; fed its own prediction, it drafts on. The ``eagle`` kind is one fused input projection
+and one gated MLP block (a decoder layer without attention, so a tree's nodes need no cache and
+a level of any width is one batched matmul), in numpy: at 576 wide with an 8192-token head about
+8 M multiply-adds per drafted token, 6% of SmolLM2-135M's per-token cost.
 
 Files: ``feature_draft.json`` (kind, the target's model fingerprint, sizes, how it was trained)
 and ``weights.npz``. A draft belongs to the target's weights, not to a split: its fingerprint is
