@@ -48,10 +48,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--heads", type=int, default=None, help="--kind medusa: how many heads (default 4)")
     p.add_argument(
         "--arch",
-        default="decoder",
+        default="mlp",
         choices=("decoder", "mlp"),
-        help="--kind eagle: decoder, a decoder layer attending over the accepted positions' features "
-        "(EAGLE's); mlp, one MLP block over the last position's feature only",
+        help="--kind eagle: mlp (default), one MLP block over the last position's feature; decoder, a "
+        "decoder layer attending over the accepted positions' features (EAGLE's; slower to train)",
     )
     p.add_argument(
         "--layers", type=int, default=None, help="the token draft keeps the model's first K layers (required)"

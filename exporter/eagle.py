@@ -280,14 +280,14 @@ def distil_eagle(
     texts: Path | None = None,
     train_minutes: float | None = TRAIN_MINUTES,
     report: Report | None = None,
-    arch: str = "decoder",
+    arch: str = "mlp",
 ) -> EagleResult:
     """Train (or reuse) an eagle draft of ``target_export`` into ``out_dir``: a trained draft there
     whose fingerprint matches the target's is reused unless ``force``. The target's texts are kept
     in ``texts`` (default ``out_dir/texts.npz``) and reused from there when they match; training
-    stops short of ``epochs`` where ``train_minutes`` would not hold them. ``arch``: ``decoder``
-    (kind ``eagle-decoder``: attention over the accepted positions, exporter/eagle_decoder.py) or
-    ``mlp`` (kind ``eagle``: the last position's feature only)."""
+    stops short of ``epochs`` where ``train_minutes`` would not hold them. ``arch``: ``mlp``
+    (kind ``eagle``: the last position's feature only) or ``decoder`` (kind ``eagle-decoder``:
+    attention over the accepted positions, exporter/eagle_decoder.py)."""
     import torch
     from transformers import AutoModelForCausalLM
 

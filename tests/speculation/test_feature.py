@@ -136,9 +136,19 @@ def test_a_draft_for_other_weights_is_refused_naming_both_fingerprints(smollm2_e
 
 @pytest.fixture(scope="session")
 def eagle_draft(smollm2_dir, smollm2_export) -> Path:
-    """A feature draft trained briefly on the 1-stage INT4 target (reused from the test cache)."""
+    """A feature draft trained briefly on the 1-stage INT4 target (reused from the test cache): the
+    decoder kind, whose per-request cache and tree mask the exactness tests then cover."""
     out = shards_root() / "smollm2-eagle-test"
-    distil_eagle(smollm2_dir, smollm2_export(1, "int4"), out, prompts=12, max_tokens=40, epochs=8, batch=64)
+    distil_eagle(
+        smollm2_dir,
+        smollm2_export(1, "int4"),
+        out,
+        prompts=12,
+        max_tokens=40,
+        epochs=8,
+        batch=64,
+        arch="decoder",
+    )
     return out
 
 
