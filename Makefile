@@ -25,6 +25,7 @@ DELAY_MS ?= 50
 RATE_MBIT ?= 100
 DRAFT_LAYERS ?= 2
 DRAFT_VOCAB ?= 8192
+DRAFT_ARCH ?= mlp
 DISTIL_PROMPTS ?= 400
 
 export HF_HUB_OFFLINE ?= 1
@@ -221,12 +222,12 @@ batch: proto
 	@test -n "$(IN)" -a -n "$(OUT)" || { echo "usage: make batch IN=input.jsonl OUT=output.jsonl [COORDINATOR=$(COORDINATOR)] [MICRO_BATCHES=auto] [CODEC=MODE]"; exit 2; }
 	$(VENV)/bin/pipeshard batch $(IN) --out $(OUT) --coordinator $(COORDINATOR) --micro-batches $(MICRO_BATCHES) $(if $(CODEC),--codec $(CODEC))
 
-## distil: (DISTIL_PROMPTS texts, DISTIL_EPOCHS passes) train a DRAFT_LAYERS-layer draft on the 1-stage target's answers to synthetic prompts and export it (shards/<model>-distil<K>-v<N>; generating the answers at ~45 tokens/s dominates); KIND=eagle: a draft reading the target's features (shards/<model>-eagle-v<N>, reused when it matches; 2048 answers to its own questions with their features, ~16 min, then ~9 min of training (at most 25); `make up` offers it as `feature`); KIND=medusa: draft heads for the final stage (shards/<model>-medusa4-v<N>, reused when they match; TEXTS_FILE=: the target's texts both kinds share, default beside the export; run the final stage with --draft-heads)
+## distil: (DISTIL_PROMPTS texts, DISTIL_EPOCHS passes) train a DRAFT_LAYERS-layer draft on the 1-stage target's answers to synthetic prompts and export it (shards/<model>-distil<K>-v<N>; generating the answers at ~45 tokens/s dominates); KIND=eagle: a draft reading the target's features (shards/<model>-eagle-v<N>, reused when it matches; DRAFT_ARCH=mlp (default: the last position only) or decoder (a decoder layer attending over the accepted positions); 2048 answers to its own questions with their features, ~16 min, then ~9 min of training (at most 25); `make up` offers it as `feature`); KIND=medusa: draft heads for the final stage (shards/<model>-medusa4-v<N>, reused when they match; TEXTS_FILE=: the target's texts both kinds share, default beside the export; run the final stage with --draft-heads)
 KIND ?= token
 distil: model
 	test -f shards/$(MODEL)-1s-$(WEIGHTS)/manifest.json || $(VENV)/bin/pipeshard export --model $(MODEL) --stages 1 --weights $(WEIGHTS)
 	if [ "$(KIND)" = eagle ]; then \
-	  $(VENV)/bin/pipeshard distil --kind eagle --model $(MODEL) --target shards/$(MODEL)-1s-$(WEIGHTS) --vocab $(DRAFT_VOCAB) $(if $(filter command line,$(origin DISTIL_PROMPTS)),--prompts $(DISTIL_PROMPTS)) $(if $(DISTIL_EPOCHS),--epochs $(DISTIL_EPOCHS)); \
+	  $(VENV)/bin/pipeshard distil --kind eagle --arch $(DRAFT_ARCH) --model $(MODEL) --target shards/$(MODEL)-1s-$(WEIGHTS) --vocab $(DRAFT_VOCAB) $(if $(filter command line,$(origin DISTIL_PROMPTS)),--prompts $(DISTIL_PROMPTS)) $(if $(DISTIL_EPOCHS),--epochs $(DISTIL_EPOCHS)); \
 	elif [ "$(KIND)" = medusa ]; then \
 	  $(VENV)/bin/pipeshard distil --kind medusa --model $(MODEL) --target shards/$(MODEL)-1s-$(WEIGHTS) --vocab $(DRAFT_VOCAB) $(if $(filter command line,$(origin DISTIL_PROMPTS)),--prompts $(DISTIL_PROMPTS)) $(if $(DISTIL_EPOCHS),--epochs $(DISTIL_EPOCHS)) $(if $(TEXTS_FILE),--texts-file $(TEXTS_FILE)); \
 	else \

@@ -4,6 +4,7 @@ to the final stage's return link."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -72,14 +73,18 @@ def feature_bytes(target: Path, ks: tuple[int, ...] = (0, 4, 10)) -> dict:
 
 
 def feature_draft_cost(target: Path, draft: Path, reps: int = 200) -> dict:
-    """Milliseconds per drafted token (one chain step) of the served numpy forward, against the
-    target's one-token decode step (every stage in this process): #31 bounds it at a quarter."""
+    """Milliseconds per drafted token (a 5-token chain after 128 kept positions) of the served
+    numpy drafter, against the target's one-token decode step (every stage in this process):
+    #31 bounds it at a quarter."""
+    from pipeshard.services.coordinator.speculation.sources import DraftSources
     from pipeshard.shard.chain import LocalChain
-    from pipeshard.shard.feature_draft import FeatureDraftModel
+    from pipeshard.shard.manifest import load_manifest
 
-    model = FeatureDraftModel(draft)
-    f = np.random.default_rng(0).standard_normal((1, model.meta.hidden_size)).astype(np.float32)
-    numpy_ms = _timed_ms(lambda: model.step(f, np.array([42])), reps)
+    drafter = asyncio.run(DraftSources(target, feature=draft).factory("feature"))()
+    hidden = load_manifest(target).model.hidden_size
+    drafter.observe(np.random.default_rng(0).standard_normal((128, hidden)).astype(np.float32))
+    context = [42] * 129
+    numpy_ms = _timed_ms(lambda: drafter.propose(context, 5, None), reps) / 5
     chain = LocalChain(target)
     chain.step(np.asarray([[1] * 64]))
     target_ms = _timed_ms(lambda: chain.step(np.asarray([[42]])), 100)
@@ -119,29 +124,34 @@ def feature_agreement(
     the draft's head slice (``outside_slice``, which no draft can be right on). It separates what
     a draft predicts from what serving does with it."""
     from pipeshard.exporter.target_texts import generate_features
-    from pipeshard.shard.feature_draft import FeatureDraftModel
+    from pipeshard.services.coordinator.speculation.sources import DraftSources
+    from pipeshard.shard.draft_folder import WEIGHTS
+    from pipeshard.shard.feature_draft import read_meta
 
-    model = FeatureDraftModel(draft)
+    make = asyncio.run(DraftSources(target, feature=draft).factory("feature"))
+    meta = read_meta(draft)
     data = generate_features(target, prompts, tokens, lambda *a: None, batch=len(prompts))
-    sliced = np.zeros(model.meta.vocab_size, dtype=bool)
-    sliced[model.head_ids] = True
+    sliced = np.zeros(meta.vocab_size, dtype=bool)
+    with np.load(draft / WEIGHTS) as weights:
+        sliced[weights["head_ids"]] = True
     out: dict = {}
     for i, kind in enumerate(kinds):
-        ids, top = data.ids[i], data.argmax[i]
-        starts = np.arange(data.answer_start(i), len(ids) - 3)
+        ids, top, features = data.ids[i], data.argmax[i], data.features[i].astype(np.float32)
+        start = data.answer_start(i)
+        starts = np.arange(start, len(ids) - 3)
         if not len(starts):
             continue
-        feature = data.features[i][starts].astype(np.float32)
-        alive, hits = np.ones(len(starts), dtype=bool), []
-        for j in range(3):
-            feature, logits = model.step(feature, ids[starts + j + 1])
-            hit = model.head_ids[logits.argmax(-1)] == top[starts + j + 1]
-            alive &= hit
-            hits.append(alive.sum())
+        hits = np.zeros(3)
+        for r in starts:  # the served drafter, its cache holding the answer's kept positions to r
+            drafter = make()
+            drafter.observe(features[start : r + 1])
+            guesses = drafter.follow(ids[: r + 2], ids[r + 2 : r + 5])
+            agree = np.cumprod([g == t for g, t in zip(guesses, top[r + 1 : r + 4], strict=False)])
+            hits[: len(agree)] += agree
         out[kind] = {
             "positions": len(starts),
             "first": float(hits[0] / len(starts)),
-            "chain3": float(sum(hits) / len(starts)),
+            "chain3": float(hits.sum() / len(starts)),
             "outside_slice": float((~sliced[top[starts + 1]]).mean()),
         }
     out["mean_first"] = float(np.mean([v["first"] for v in out.values()]))

@@ -101,12 +101,16 @@ class GenerateResult:
     accepted_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the prefix cache restored instead of prefilling
     logprobs: list[float] = field(default_factory=list)  # per generated token, with logprobs=True
+    # [i]: decode traversals that kept i + 1 tokens (accepted drafts plus the target's own)
+    kept_per_traversal: list[int] = field(default_factory=list)
 
 
 # Summary fields a GenerateResult takes over as they are (finish_reason is mapped, token_ids and
-# logprobs are collected from the chunks).
+# logprobs are collected from the chunks, kept_per_traversal is copied into a list).
 _SUMMARY_FIELDS = tuple(
-    f.name for f in fields(GenerateResult) if f.name not in ("finish_reason", "token_ids", "logprobs")
+    f.name
+    for f in fields(GenerateResult)
+    if f.name not in ("finish_reason", "token_ids", "logprobs", "kept_per_traversal")
 )
 
 
@@ -169,6 +173,7 @@ def fold(result: GenerateResult, response: coordinator_pb2.GenerateResponse) -> 
         result.finish_reason = _FINISH.get(s.finish_reason, "error")
         for name in _SUMMARY_FIELDS:
             setattr(result, name, getattr(s, name))
+        result.kept_per_traversal = list(s.kept_per_traversal)
     return result
 
 

@@ -47,6 +47,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--heads", type=int, default=None, help="--kind medusa: how many heads (default 4)")
     p.add_argument(
+        "--arch",
+        default="mlp",
+        choices=("decoder", "mlp"),
+        help="--kind eagle: mlp (default), one MLP block over the last position's feature; decoder, a "
+        "decoder layer attending over the accepted positions' features (EAGLE's; slower to train)",
+    )
+    p.add_argument(
         "--layers", type=int, default=None, help="the token draft keeps the model's first K layers (required)"
     )
     p.add_argument(
@@ -178,13 +185,14 @@ def _run_eagle(args: argparse.Namespace, model_dir: Path) -> int:
         texts=_texts_file(args),
         train_minutes=args.train_minutes or TRAIN_MINUTES,
         report=_Report(),
+        arch=args.arch,
     )
     t = result.meta.training
     verb = "reused" if result.reused else "trained"
     print(
-        f"{verb} an eagle draft in {result.folder}: {t.get('texts')} texts, {t.get('positions')} positions, "
-        f"{t.get('minutes')} minutes; held-out agreement with the target {t.get('held_out_agreement')}, "
-        f"accepted of a 3-token chain {t.get('held_out_chain_of_3')}"
+        f"{verb} an {result.meta.kind} draft in {result.folder}: {t.get('texts')} texts, "
+        f"{t.get('positions')} positions, {t.get('minutes')} minutes; held-out agreement with the target "
+        f"{t.get('held_out_agreement')}, accepted of a 3-token chain {t.get('held_out_chain_of_3')}"
     )
     return 0
 

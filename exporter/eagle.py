@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -169,9 +170,7 @@ def train(
     clock: Callable[[], float] = time.perf_counter,
 ) -> int:
     """Trains ``epochs`` passes (each a fresh shuffle of the samples), or until ``minutes`` have
-    passed: the schedule follows whichever is further along, steps or time, so a step that
-    slows down as training goes on (or a machine that gets busier) shortens training rather than
-    overrunning the budget, and the learning rate still ends annealed. Returns the steps taken."""
+    passed (``optimise``). Returns the steps taken."""
     torch = draft.torch
     torch.manual_seed(seed)
     ids, feats, top, starts = _samples(data)
@@ -179,24 +178,55 @@ def train(
     feats_t = torch.as_tensor(feats, dtype=torch.float32)
     scale = float(feats_t.pow(2).mean())  # the regression in units of the features' own power
     batch = min(batch, len(starts))
-    steps = max(1, round(epochs * len(starts) / batch))
-    budget = None if minutes is None else minutes * 60.0
-    rng = np.random.default_rng(seed)
-    order = np.empty(0, dtype=np.int64)
-    opt = torch.optim.AdamW(draft.parameters(), lr=lr * schedule(0.0), weight_decay=0.0)
-    started, step, progress = clock(), 0, 0.0
-    while progress < 1.0:
-        if len(order) < batch:
-            order = np.concatenate([order, rng.permutation(starts)])
-        pick, order = torch.as_tensor(order[:batch]), order[batch:]
-        f, loss = feats_t[pick], 0.0
+    picks = shuffled(starts, batch, seed)
+
+    def loss():
+        pick = torch.as_tensor(next(picks))
+        f, total = feats_t[pick], 0.0
         for j in range(UNROLL):
             f, logits = draft.step(f, ids_t[pick + j + 1])
             label = draft.column[top_t[pick + j + 1]]
-            loss = loss + torch.nn.functional.smooth_l1_loss(f, feats_t[pick + j + 1]) / scale
-            loss = loss + torch.nn.functional.cross_entropy(logits, label, ignore_index=-100)
+            total = total + torch.nn.functional.smooth_l1_loss(f, feats_t[pick + j + 1]) / scale
+            total = total + torch.nn.functional.cross_entropy(logits, label, ignore_index=-100)
+        return total
+
+    steps = max(1, round(epochs * len(starts) / batch))
+    return optimise(draft, loss, steps, epochs=epochs, lr=lr, report=report, minutes=minutes, clock=clock)
+
+
+def shuffled(items: np.ndarray, batch: int, seed: int) -> Iterator[np.ndarray]:
+    """Endless batches of ``items``, each pass a fresh seeded shuffle."""
+    rng = np.random.default_rng(seed)
+    order = np.empty(0, dtype=items.dtype)
+    while True:
+        if len(order) < batch:
+            order = np.concatenate([order, rng.permutation(items)])
+        pick, order = order[:batch], order[batch:]
+        yield pick
+
+
+def optimise(
+    draft: EagleDraft,
+    loss: Callable[[], Any],
+    steps: int,
+    *,
+    epochs: float,
+    lr: float,
+    report: Report,
+    minutes: float | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> int:
+    """AdamW on ``loss()`` (a fresh batch's) for ``steps`` steps or until ``minutes`` have passed:
+    the schedule follows whichever is further along, steps or time, so a step that slows down as
+    training goes on (or a machine that gets busier) shortens training rather than overrunning the
+    budget, and the learning rate still ends annealed. Returns the steps taken."""
+    budget = None if minutes is None else minutes * 60.0
+    opt = draft.torch.optim.AdamW(draft.parameters(), lr=lr * schedule(0.0), weight_decay=0.0)
+    started, step, progress = clock(), 0, 0.0
+    while progress < 1.0:
+        total = loss()
         opt.zero_grad()
-        loss.backward()
+        total.backward()
         opt.step()
         step += 1
         progress = step / steps if budget is None else max(step / steps, (clock() - started) / budget)
@@ -205,9 +235,25 @@ def train(
         report(
             "train",
             min(1.0, progress),
-            f"step {step} ({step / steps:.0%} of {epochs:g} epochs) loss {loss.item():.3f}",
+            f"step {step} ({step / steps:.0%} of {epochs:g} epochs) loss {total.item():.3f}",
         )
     return step
+
+
+ARCHS = {"decoder": "eagle-decoder", "mlp": "eagle"}  # --arch -> the folder's kind
+BATCH = {"decoder": 16, "mlp": 256}  # sequences a step, positions a step
+
+
+def _draft_kind(arch: str, embed, head, head_ids, eps: float):
+    """(the untrained draft, its held-out measure, its training loop) for ``arch``."""
+    if arch == "mlp":
+        return EagleDraft(embed, head, head_ids, eps), agreement, train
+    from pipeshard.exporter.eagle_decoder import DecoderDraft, Sequences, chain_kept, train_decoder
+
+    def measure(draft, data):
+        return chain_kept(draft, Sequences(data), UNROLL)
+
+    return DecoderDraft(embed, head, head_ids, eps, INTERMEDIATE), measure, train_decoder
 
 
 @dataclass(frozen=True)
@@ -227,18 +273,21 @@ def distil_eagle(
     max_tokens: int = 128,
     epochs: float = 2.0,
     lr: float = 2e-3,
-    batch: int = 256,
+    batch: int | None = None,
     held_out: float = 0.1,
     seed: int = 0,
     force: bool = False,
     texts: Path | None = None,
     train_minutes: float | None = TRAIN_MINUTES,
     report: Report | None = None,
+    arch: str = "mlp",
 ) -> EagleResult:
     """Train (or reuse) an eagle draft of ``target_export`` into ``out_dir``: a trained draft there
     whose fingerprint matches the target's is reused unless ``force``. The target's texts are kept
     in ``texts`` (default ``out_dir/texts.npz``) and reused from there when they match; training
-    stops short of ``epochs`` where ``train_minutes`` would not hold them."""
+    stops short of ``epochs`` where ``train_minutes`` would not hold them. ``arch``: ``mlp``
+    (kind ``eagle``: the last position's feature only) or ``decoder`` (kind ``eagle-decoder``:
+    attention over the accepted positions, exporter/eagle_decoder.py)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -247,12 +296,15 @@ def distil_eagle(
     target = load_manifest(target_export).model
     if feature_draft.is_feature_draft(out_dir) and not force:
         meta = feature_draft.read_meta(out_dir)
-        if meta.model_fingerprint == target.fingerprint:
+        if meta.model_fingerprint == target.fingerprint and meta.kind == ARCHS[arch]:
             report("reuse", 1.0, f"{out_dir} already holds a draft for {target.fingerprint}")
             return EagleResult(out_dir, True, meta)
     if not 0 < held_out < 1:
         raise InvalidArgument("held_out", f"must be in (0, 1), got {held_out}")
+    if arch not in ARCHS:
+        raise InvalidArgument("arch", f"must be one of {', '.join(ARCHS)}, got {arch!r}")
     plan_draft(model_dir, 1, vocab)  # refuses a bad slice before the texts are generated
+    batch = batch or BATCH[arch]
     started = time.perf_counter()
     data, reused_texts = target_texts(
         target_export,
@@ -270,18 +322,19 @@ def distil_eagle(
     head_ids = torch.as_tensor(
         plan.vocab_ids if plan.vocab_ids is not None else range(embed.shape[0]), dtype=torch.long
     )
-    draft = EagleDraft(embed, head_all[head_ids].clone(), head_ids, float(hf.config.rms_norm_eps))
+    eps = float(hf.config.rms_norm_eps)
+    draft, measure, fit = _draft_kind(arch, embed, head_all[head_ids].clone(), head_ids, eps)
     del hf
-    before = agreement(draft, evaluation)
+    before = measure(draft, evaluation)
     report("train", 0.0, f"held-out agreement before {before[0]:.3f} (chain of {UNROLL}: {before[1]:.2f})")
-    steps = train(
+    steps = fit(
         draft, training, epochs=epochs, lr=lr, batch=batch, seed=seed, report=report, minutes=train_minutes
     )
-    after = agreement(draft, evaluation)
+    after = measure(draft, evaluation)
     minutes = (time.perf_counter() - started) / 60.0
     report("train", 1.0, f"held-out agreement after {after[0]:.3f} (chain of {UNROLL}: {after[1]:.2f})")
     meta = feature_draft.FeatureDraftMeta(
-        kind="eagle",
+        kind=ARCHS[arch],
         model_fingerprint=target.fingerprint,
         hidden_size=int(embed.shape[1]),
         vocab_size=int(embed.shape[0]),
@@ -303,7 +356,10 @@ def distil_eagle(
             "held_out_agreement_before": round(before[0], 4),
             "held_out_agreement": round(after[0], 4),
             "held_out_chain_of_3": round(after[1], 3),
+            # a chain of 3 drafts: the tokens a traversal keeps, its target token included
+            "held_out_tokens_per_traversal": round(1.0 + after[1], 3),
         },
+        heads=getattr(draft, "heads", 0),
     )
     feature_draft.write(out_dir, meta, draft.arrays())
     return EagleResult(out_dir, False, meta)

@@ -231,6 +231,13 @@ SPECULATIVE_DRAFTED = counter(
     "Draft tokens proposed for verification, by draft source.",
     ("source",),
 )
+TOKENS_PER_TRAVERSAL = histogram(
+    "pipeshard_tokens_per_traversal",
+    "Tokens a decode traversal of the stages kept (accepted drafts plus the target's own), by "
+    "draft source (none: always 1).",
+    ("source",),
+    buckets=tuple(range(1, 17)),
+)
 SPECULATIVE_ACCEPTED = counter(
     "pipeshard_speculative_accepted_tokens_total",
     "Draft tokens the target accepted, by draft source.",

@@ -25,6 +25,7 @@ from pipeshard.precision import DEFAULT_PRECISION, INVARIANT_LADDER, PRECISIONS,
 from pipeshard.services.gateway.settings import GATEWAY_METRICS_PORT, GATEWAY_PORT
 from pipeshard.services.launcher import (
     coordinator_name,
+    default_speculation,
     draft_heads_args,
     feature_draft_args,
     process_start_time,
@@ -188,7 +189,7 @@ def run_up(args: argparse.Namespace) -> int:
     # With replicas the coordinator reads the topology too, so `pipeshard fleet drain|add` and a
     # SIGHUP change its lanes at run time.
     lanes_file = ["--topology", str(TOPOLOGY)] if args.replicas > 1 else []
-    feature = feature_draft_args(shards, args.feature_draft)
+    feature, speculation = default_speculation(feature_draft_args(shards, args.feature_draft))
     heads = draft_heads_args(shards, args.draft_heads)
     fleet = start_fleet(
         shards,
@@ -228,8 +229,7 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"API keys: {default_key_file()} (re-read on change; `pipeshard keys add NAME` makes one)")
     else:
         print("plaintext on loopback (`make up SECURE=1` for TLS and a token)")
-    if feature:
-        print(f"speculation: the feature draft {feature[1]} by default (adaptive K)")
+    print(speculation)
     if heads:
         print(f"draft heads: {heads[1]} on the final stage (speculative `medusa`)")
     print(f"topology written to {TOPOLOGY}; logs in {RUN_DIR}/")

@@ -217,17 +217,38 @@ def stage_args(
 def feature_draft_args(shards: Path, choice: str = "auto") -> list[str]:
     """The coordinator arguments that offer a trained feature draft (``pipeshard distil --kind
     eagle``) as ``feature`` and make it the default speculation (adaptive K: none where it does
-    not pay). ``auto``: the draft in the shards folder trained for these weights, if any; ``off``:
+    not pay). ``auto``: the draft in the shards folder trained for these weights, if any (of
+    several, the one with the best held-out chain); ``off``:
     none; else a folder, checked by the coordinator against the export's fingerprint."""
     if choice == "off":
         return []
     if choice != "auto":
         return ["--feature-draft", choice, "--speculative", "feature"]
     model = load_manifest(shards).model
-    for folder in sorted(Path(shards).parent.glob(f"{model.name}-eagle*")):
-        if is_feature_draft(folder) and read_meta(folder).model_fingerprint == model.fingerprint:
-            return ["--feature-draft", str(folder), "--speculative", "feature"]
-    return []
+    ours = [
+        (read_meta(folder), folder)
+        for folder in sorted(Path(shards).parent.glob(f"{model.name}-eagle*"))
+        if is_feature_draft(folder)
+    ]
+    ours = [(meta, folder) for meta, folder in ours if meta.model_fingerprint == model.fingerprint]
+    if not ours:
+        return []
+    # Of several (architectures, trainings), the one whose held-out chain kept the most.
+    _, best = max(ours, key=lambda m: float(m[0].training.get("held_out_chain_of_3", 0.0)))
+    return ["--feature-draft", str(best), "--speculative", "feature"]
+
+
+def default_speculation(feature_args: list[str]) -> tuple[list[str], str]:
+    """(the coordinator arguments, a line saying which) of the best draft source a fleet has,
+    used by requests that do not choose: the trained feature draft (``feature_draft_args``), else
+    prompt lookup. Both run under adaptive K, which drafts nothing where drafting does not pay,
+    and both are greedy-exact; a request's ``speculative`` still overrides (``none``: plain)."""
+    if feature_args:
+        return feature_args, f"speculation: the feature draft {feature_args[1]} by default (adaptive K)"
+    return ["--speculative", "ngram"], (
+        "speculation: prompt lookup (ngram) by default (adaptive K); no feature draft for these "
+        "weights (`make distil KIND=eagle` trains one)"
+    )
 
 
 def draft_heads_args(shards: Path, choice: str = "auto") -> list[str]:

@@ -1,13 +1,15 @@
-"""A feature-reading draft (kind ``eagle``) as a folder both sides share: the exporter's
-``pipeshard distil --kind eagle`` writes it, the coordinator's ``feature`` source runs it.
+"""A feature-reading draft as a folder both sides share: the exporter's ``pipeshard distil --kind
+eagle`` writes it, the coordinator's ``feature`` source runs it. Two kinds: ``eagle``, this
+module's model, and ``eagle-decoder``, which adds attention over the accepted positions
+(pipeshard/shard/feature_decoder.py); they share the meta file and every array of this one.
 
 The draft reads the target's final normed hidden state at position t (pipeshard/shard/
 features.py) and the embedding of the token at t + 1, and predicts the target's normed state at
 t + 1, which the target's own LM head (its rows of a vocabulary slice) scores into the token at
-t + 2; fed its own prediction, it drafts on. It is one fused input projection and one gated MLP
-block (a decoder layer without attention, so a tree's nodes need no cache and a level of any
-width is one batched matmul), in numpy: at 576 wide with an 8192-token head about 8 M
-multiply-adds per drafted token, 6% of SmolLM2-135M's per-token cost.
+t + 2; fed its own prediction, it drafts on. The ``eagle`` kind is one fused input projection
+and one gated MLP block (a decoder layer without attention, so a tree's nodes need no cache and
+a level of any width is one batched matmul), in numpy: at 576 wide with an 8192-token head about
+8 M multiply-adds per drafted token, 6% of SmolLM2-135M's per-token cost.
 
 Files: ``feature_draft.json`` (kind, the target's model fingerprint, sizes, how it was trained)
 and ``weights.npz``. A draft belongs to the target's weights, not to a split: its fingerprint is
@@ -25,7 +27,9 @@ from pipeshard.errors import InvalidArgument
 from pipeshard.shard.draft_folder import WEIGHTS, DraftFolder
 
 META = "feature_draft.json"
-KINDS = ("eagle",)
+# ``eagle``: one MLP block over the last feature (this module's model); ``eagle-decoder``: a
+# decoder layer attending over every accepted position's (pipeshard/shard/feature_decoder.py).
+KINDS = ("eagle", "eagle-decoder")
 # The arrays of a draft, with their shapes in terms of H (hidden), I (MLP), V (vocab), S (slice).
 ARRAYS = (
     "embed",  # [V, H] the target's input embedding (fp16 on disk)
@@ -40,7 +44,15 @@ ARRAYS = (
     "down",  # [H, I]
     "norm_out",  # [H]
 )
+# The decoder kind's attention on top of those: [H, H] each (heads x 64 wide).
+DECODER_ARRAYS = (*ARRAYS, "norm_attn", "q", "k", "v", "o")
 FOLDER = DraftFolder("feature draft", "feature_draft", META, ARRAYS)
+DECODER_FOLDER = DraftFolder("feature draft", "feature_draft", META, DECODER_ARRAYS)
+
+
+def folder_of(kind: str) -> DraftFolder:
+    """The arrays a draft of ``kind`` holds."""
+    return DECODER_FOLDER if kind == "eagle-decoder" else FOLDER
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,8 @@ class FeatureDraftMeta:
     intermediate_size: int
     rms_eps: float
     training: dict = field(default_factory=dict)  # texts, positions, minutes, agreement (reported)
+    heads: int = 0  # the decoder kind's attention heads
+    rope_theta: float = 10000.0  # the decoder kind's rotary base (positions count from the draft's first)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,6 +83,8 @@ class FeatureDraftMeta:
             intermediate_size=int(raw["intermediate_size"]),
             rms_eps=float(raw["rms_eps"]),
             training=dict(raw.get("training", {})),
+            heads=int(raw.get("heads", 0)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
         )
 
 
@@ -81,7 +97,7 @@ def read_meta(folder: Path) -> FeatureDraftMeta:
 
 
 def write(folder: Path, meta: FeatureDraftMeta, arrays: dict[str, np.ndarray]) -> None:
-    FOLDER.write(folder, meta.to_dict(), arrays)
+    folder_of(meta.kind).write(folder, meta.to_dict(), arrays)
 
 
 def check_target(meta: FeatureDraftMeta, target_export: Path, folder: Path) -> None:
@@ -89,7 +105,7 @@ def check_target(meta: FeatureDraftMeta, target_export: Path, folder: Path) -> N
     FOLDER.check_target(folder, meta.model_fingerprint, meta.hidden_size, meta.vocab_size, target_export)
 
 
-def _rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+def rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
 
 
@@ -117,10 +133,10 @@ class FeatureDraftModel:
     def step(self, features: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``features`` [B, H] at position t and the tokens [B] at t + 1: the predicted features
         at t + 1 [B, H] and their head-slice logits [B, S] (column i is token ``head_ids[i]``)."""
-        e = _rms(self.embed[np.asarray(tokens, dtype=np.int64)].astype(np.float32), self.norm_embed, self.eps)
+        e = rms(self.embed[np.asarray(tokens, dtype=np.int64)].astype(np.float32), self.norm_embed, self.eps)
         z = e @ self.fc_embed_t + np.asarray(features, dtype=np.float32) @ self.fc_feature_t + self.fc_bias
-        gu = _rms(z, self.norm_mlp, self.eps) @ self.gate_up_t
+        gu = rms(z, self.norm_mlp, self.eps) @ self.gate_up_t
         gate, up = np.split(gu, 2, axis=-1)
         h = z + (gate / (1.0 + np.exp(-gate)) * up) @ self.down_t
-        out = _rms(h, self.norm_out, self.eps)
+        out = rms(h, self.norm_out, self.eps)
         return out, out @ self.head_t

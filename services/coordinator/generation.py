@@ -41,6 +41,7 @@ from pipeshard.metrics import (
     SPECULATIVE_ACCEPTED,
     SPECULATIVE_DRAFTED,
     TIME_TO_FIRST_TOKEN,
+    TOKENS_PER_TRAVERSAL,
 )
 from pipeshard.sampling import accept_sampled, restore_rng, rng_state
 from pipeshard.services.coordinator.detokenizer import IncrementalDetokenizer
@@ -148,6 +149,7 @@ class Summary:
     accepted_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)  # per generated token, when asked
     cached_tokens: int = 0  # prompt positions restored from the prefix cache instead of prefilled
+    kept_per_traversal: list[int] = field(default_factory=list)  # [i]: decode steps that kept i + 1
 
 
 @dataclass
@@ -160,6 +162,15 @@ class Progress:
     accepted_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)  # per generated token, when asked
     cached_tokens: int = 0  # prompt positions restored from the prefix cache
+    kept_per_traversal: list[int] = field(default_factory=list)  # [i]: decode steps that kept i + 1
+
+    def kept(self, tokens: int) -> None:
+        """A decode traversal kept ``tokens`` tokens."""
+        grow = tokens - len(self.kept_per_traversal)
+        if grow > 0:
+            self.kept_per_traversal.extend([0] * grow)
+        self.kept_per_traversal[tokens - 1] += 1
+
     error: str = ""
 
 
@@ -526,14 +537,19 @@ class _Request:
         result: StepAnswer,
         new: list[int],
     ) -> None:
-        """Hands a feature draft the target's feature at the last position kept: the row before
-        the target's own token (of a tree: the accepted path's last node's row)."""
+        """Hands a feature draft the target's features at the positions this step kept, in order:
+        the pending token's and each accepted draft's (of a tree: the root's and the accepted
+        path's rows), the last being the row before the target's own token."""
         if result.features is None:
             # A stage that cannot return them: the draft goes idle (a stale feature would draft
             # for a position the target has left), decoding stays exact.
             drafter.observe(None)
             return
-        drafter.observe(result.features[self._kept_row(draft, new)])
+        if isinstance(draft, TreeChains | TreeNodes):
+            rows = [draft.row_of(node) for node in [ROOT, *self._tree_outcome.path]]
+        else:
+            rows = list(range(len(new)))
+        drafter.observe(result.features[rows])
 
     def _kept_row(self, draft: Draft | TreeChains | TreeNodes, new: list[int]) -> int:
         """The result row of the last position this step kept (the row before the target's own
@@ -651,6 +667,10 @@ class _Request:
                 if self.metered:
                     SPECULATIVE_DRAFTED.labels(source=self.progress.speculative).inc(proposed)
                     SPECULATIVE_ACCEPTED.labels(source=self.progress.speculative).inc(kept)
+        if self.generated and new:
+            self.progress.kept(len(new))
+            if self.metered:
+                TOKENS_PER_TRAVERSAL.labels(source=self.progress.speculative).observe(len(new))
         if not self.generated:
             self.first_at = time.perf_counter()
             self.status = RequestStatus.DECODING  # its first token is in
@@ -729,6 +749,7 @@ class _Request:
             verify_steps=p.verify_steps,
             draft_tokens=p.draft_tokens,
             accepted_tokens=p.accepted_tokens,
+            kept_per_traversal=list(p.kept_per_traversal),
             logprobs=p.logprobs,
             cached_tokens=p.cached_tokens,
         )

@@ -14,7 +14,7 @@ from pathlib import Path
 from pipeshard.paths import DEFAULT_MODEL
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
 from pipeshard.services.fleet_cli import ensure_shards
-from pipeshard.services.launcher import draft_heads_args, feature_draft_args
+from pipeshard.services.launcher import default_speculation, draft_heads_args, feature_draft_args
 from pipeshard.services.wan import netns, state
 from pipeshard.services.wan.emulator import WanFleet
 from pipeshard.services.wan.netns import WanError
@@ -56,6 +56,7 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         netns.require_root(bool(args.rate_mbit))
         shards = ensure_shards(args.model, args.stages, args.weights)
+        speculation, said = default_speculation(feature_draft_args(shards, args.feature_draft))
         fleet = WanFleet(
             shards,
             args.stages,
@@ -66,7 +67,7 @@ def run_up(args: argparse.Namespace) -> int:
             coordinator_port=args.port,
             detach=True,
             ttl_s=args.ttl_s,
-            extra_coordinator_args=feature_draft_args(shards, args.feature_draft),
+            extra_coordinator_args=speculation,
             final_stage_args=draft_heads_args(shards, args.draft_heads),
         )
     except WanError as exc:
@@ -75,6 +76,7 @@ def run_up(args: argparse.Namespace) -> int:
     cap = f"{args.rate_mbit:g} mbit" if args.rate_mbit else "no rate cap"
     print(f"WAN emulator: {args.delay_ms:g} ms one way per hop, {cap}; logs in {RUN_DIR}/")
     print(f"stops by itself in {args.ttl_s:g} s unless `pipeshard wan down` runs first")
+    print(said)
     for link in fleet.links:
         print(f"stage {link.index} in namespace {link.namespace} on {link.ns_ip}")
     print(f"coordinator listening on {fleet.coordinator}", flush=True)

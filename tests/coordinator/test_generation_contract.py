@@ -147,7 +147,20 @@ def test_the_summary_reaches_the_client_result_field_for_field():
     from pipeshard.clients.client import GenerateResult, fold
 
     summary = Summary(
-        "error", 3, 2, 12.5, 40.0, "<7><7>", [7, 7], "stage 1 failed", "ngram", 1, 2, 1, [-0.5, -0.25]
+        "error",
+        3,
+        2,
+        12.5,
+        40.0,
+        "<7><7>",
+        [7, 7],
+        "stage 1 failed",
+        "ngram",
+        1,
+        2,
+        1,
+        [-0.5, -0.25],
+        kept_per_traversal=[0, 1],
     )
 
     class Finished(_Generation):

@@ -105,6 +105,7 @@ def test_speculative_drafted_and_accepted_match_the_summary(fleet):
         result = client.generate(
             "Repeat exactly: one two three four one two three four one two three four",
             max_tokens=24,
+            ignore_eos=True,
             speculative="ngram",
             k=3,
         )
@@ -113,6 +114,14 @@ def test_speculative_drafted_and_accepted_match_the_summary(fleet):
     accepted = delta(after, before, "pipeshard_speculative_accepted_tokens_total", source="ngram")
     assert drafted == result.draft_tokens > 0
     assert accepted == result.accepted_tokens
+    # Per traversal: every decode step's kept tokens, the summary's histogram and the metric's.
+    kept = result.kept_per_traversal
+    assert len(kept) > 1 and kept[1:] != [0] * (len(kept) - 1), kept  # some traversal kept drafts
+    assert sum(i * n for i, n in enumerate(kept)) == result.accepted_tokens
+    assert sum((i + 1) * n for i, n in enumerate(kept)) == result.completion_tokens - 1
+    traversals = "pipeshard_tokens_per_traversal"
+    assert delta(after, before, f"{traversals}_count", source="ngram") == sum(kept)
+    assert delta(after, before, f"{traversals}_sum", source="ngram") == result.completion_tokens - 1
 
 
 def test_top_shows_step_time_cache_users_and_tokens(fleet, tmp_path, capsys):

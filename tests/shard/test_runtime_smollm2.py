@@ -128,3 +128,4 @@ def test_generate_cli_json(smollm2_export, capsys):
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["completion_tokens"] == 8 and out["finish_reason"] == "length"
+    assert out["kept_per_traversal"] == [7]  # without speculation each step after the first keeps one

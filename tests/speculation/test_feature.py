@@ -11,6 +11,7 @@ greedy over 128 tokens on 1 and 2 stages; sampling with it follows the target's 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
 
@@ -135,9 +136,19 @@ def test_a_draft_for_other_weights_is_refused_naming_both_fingerprints(smollm2_e
 
 @pytest.fixture(scope="session")
 def eagle_draft(smollm2_dir, smollm2_export) -> Path:
-    """A feature draft trained briefly on the 1-stage INT4 target (reused from the test cache)."""
+    """A feature draft trained briefly on the 1-stage INT4 target (reused from the test cache): the
+    decoder kind, whose per-request cache and tree mask the exactness tests then cover."""
     out = shards_root() / "smollm2-eagle-test"
-    distil_eagle(smollm2_dir, smollm2_export(1, "int4"), out, prompts=12, max_tokens=40, epochs=8, batch=64)
+    distil_eagle(
+        smollm2_dir,
+        smollm2_export(1, "int4"),
+        out,
+        prompts=12,
+        max_tokens=40,
+        epochs=8,
+        batch=64,
+        arch="decoder",
+    )
     return out
 
 
@@ -298,6 +309,25 @@ def test_fleets_offer_the_draft_trained_for_their_weights_only(smollm2_export, t
     ours = str(tmp_path / f"{model.name}-eagle-v8192")
     assert feature_draft_args(export) == ["--feature-draft", ours, "--speculative", "feature"]
     assert feature_draft_args(export, "off") == []
+    # Of two drafts for these weights, the one whose held-out chain kept more.
+    better = tmp_path / f"{model.name}-eagle-x-v8192"
+    draft = _random_draft(better, fingerprint=model.fingerprint)
+    meta = feature_draft.read_meta(better)
+    trained = {"held_out_chain_of_3": 1.5}
+    feature_draft.write(better, dataclasses.replace(meta, training=trained), draft.arrays())
+    assert feature_draft_args(export)[1] == str(better)
+
+
+def test_a_fleet_speculates_by_default_with_the_best_source_it_has():
+    """`make up` / `make wan-up`: the trained draft when there is one, else prompt lookup; the
+    line printed at start names it."""
+    from pipeshard.services.launcher import default_speculation
+
+    given = ["--feature-draft", "shards/d", "--speculative", "feature"]
+    args, said = default_speculation(given)
+    assert args == given and "shards/d" in said
+    args, said = default_speculation([])
+    assert args == ["--speculative", "ngram"] and "prompt lookup" in said and "KIND=eagle" in said
 
 
 def test_training_stops_at_its_time_budget_with_the_rate_annealed():

@@ -58,8 +58,9 @@ class Drafter(Protocol):
         ``main`` chain)."""
 
     def observe(self, feature: np.ndarray | None) -> None:
-        """The target's feature at the last position a step kept (steps send it only when
-        ``reads_features``; None: the step returned none)."""
+        """The target's features [n, H] at the positions a step kept, in order, the last being the
+        row before the target's own token (steps send them only when ``reads_features``; None:
+        the step returned none)."""
 
     def observe_heads(self, candidates: HeadCandidates | None) -> None:
         """The final stage's head candidates after a step (only when ``head_candidates``; None:

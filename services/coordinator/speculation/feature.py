@@ -20,45 +20,73 @@ import numpy as np
 from pipeshard.services.coordinator.speculation.drafts import Draft
 from pipeshard.services.coordinator.speculation.tree import ROOT, DraftTree, TreeShape
 from pipeshard.shard.draft_heads import HeadCandidates
+from pipeshard.shard.feature_decoder import FeatureDecoderModel, attend
 from pipeshard.shard.feature_draft import FeatureDraftModel
 
 
-class FeatureDrafter:
-    """One request's use of a feature draft: the target's latest feature, nothing else."""
+class _FeatureDrafting:
+    """Chains and trees of a feature draft, built from two steps each kind defines: the root's
+    (the prediction after the last position the target kept) and a level's (drafted nodes)."""
 
     auto_tree_width = 3  # a level of any width is one batched draft step; the policy prices it
     reads_features = True
     head_candidates = 0
 
-    def __init__(self, model: FeatureDraftModel):
-        self._model = model
-        self._feature: np.ndarray | None = None  # the target's, at the last position it kept
+    def __init__(self, vocab_size: int, head_ids: np.ndarray):
+        self._vocab_size = vocab_size
+        self._head_ids = head_ids  # the token id of each logits column
 
-    def observe(self, feature: np.ndarray | None) -> None:
-        """The target's final normed hidden state at the last position it kept (the position of
-        the token before the one it just added); None: the step returned none (idle until one)."""
-        self._feature = None if feature is None else np.asarray(feature, dtype=np.float32).reshape(1, -1)
+    def _root(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        """The predicted feature [1, H] and logits [1, S] after the last kept position (None: idle)."""
+        raise NotImplementedError
+
+    def _level(
+        self, parents: list[int], features: np.ndarray, tokens: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Drafted nodes' predictions from their parents' predicted features and their tokens,
+        and the nodes' ids (a later level's ``parents``; -1 is the root)."""
+        raise NotImplementedError
+
+    def follow(self, context: Sequence[int], tokens: Sequence[int]) -> list[int]:
+        """The draft's greedy guess at each level of a chain fed ``tokens`` (teacher forcing:
+        guess l is for ``tokens[l]``, which level l + 1 is fed): a chain keeps its drafts up to
+        the first guess that differs from the target's token."""
+        root = self._root(context)
+        if root is None:
+            return []
+        out, logits = root
+        node, guesses = -1, []
+        for level, token in enumerate(tokens):
+            guesses.append(int(self._head_ids[int(np.argmax(logits[0]))]))
+            if level == len(tokens) - 1:
+                break
+            out, logits, nodes = self._level([node], out, np.asarray([token], dtype=np.int64))
+            node = nodes[0]
+        return guesses
 
     def propose(self, context: Sequence[int], k: int, sample) -> Draft:
         started = time.perf_counter()
-        if self._feature is None or k < 1:
+        root = self._root(context) if k >= 1 else None
+        if root is None:
             return Draft([], None, time.perf_counter() - started)
-        model = self._model
-        feature, token = self._feature, np.asarray([context[-1]], dtype=np.int64)
+        feature, logits = root
+        node, token = -1, np.asarray([context[-1]], dtype=np.int64)
         tokens: list[int] = []
         probs: list[np.ndarray] | None = [] if sample else None
-        for _ in range(k):
-            feature, logits = model.step(feature, token)
+        for level in range(k):
+            if level:
+                feature, logits, nodes = self._level([node], feature, token)
+                node = nodes[0]
             if sample is None or probs is None:  # probs: a list whenever it draws
                 column = int(np.argmax(logits[0]))
             else:
                 probabilities, rng = sample
                 sliced = probabilities(logits[0])
                 column = int(rng.choice(sliced.size, p=sliced))
-                full = np.zeros(model.meta.vocab_size, dtype=sliced.dtype)
-                full[model.head_ids] = sliced
+                full = np.zeros(self._vocab_size, dtype=sliced.dtype)
+                full[self._head_ids] = sliced
                 probs.append(full)
-            token = model.head_ids[[column]]
+            token = self._head_ids[[column]]
             tokens.append(int(token[0]))
         return Draft(tokens, probs, time.perf_counter() - started)
 
@@ -71,16 +99,16 @@ class FeatureDrafter:
         chain as far as the tree holds it."""
         started = time.perf_counter()
         tree = DraftTree()
-        if self._feature is None:
+        root = self._root(context)
+        if root is None:
             return tree
-        model, width = self._model, shape.width
+        width = shape.width
         # Scored candidates: (path probability, parent candidate or -1, token, own probability).
         scored: list[tuple[float, int, int, float]] = []
         frontier = [-1]  # candidates whose children the next level scores (-1: the root)
-        features = self._feature
-        tokens = np.asarray([context[-1]], dtype=np.int64)
+        nodes = [-1]  # the draft's node of each frontier row (-1: the root)
+        out, logits = root
         for level in range(shape.depth):
-            out, logits = model.step(features, tokens)
             q = _softmax(logits)
             top = np.argpartition(-q, width - 1, axis=-1)[:, :width] if q.shape[1] > width else None
             children = []
@@ -89,15 +117,15 @@ class FeatureDrafter:
                 columns = range(q.shape[1]) if top is None else top[b]
                 for column in columns:
                     p = float(q[b, column])
-                    scored.append((base * p, parent, int(model.head_ids[column]), p))
+                    scored.append((base * p, parent, int(self._head_ids[column]), p))
                     children.append((len(scored) - 1, b))
             if level == shape.depth - 1:
                 break
             children.sort(key=lambda c: scored[c[0]][0], reverse=True)
             kept = children[:width]
             frontier = [c for c, _ in kept]
-            features = out[[b for _, b in kept]]
             tokens = np.asarray([scored[c][2] for c in frontier], dtype=np.int64)
+            out, logits, nodes = self._level([nodes[b] for _, b in kept], out[[b for _, b in kept]], tokens)
         best = sorted(range(len(scored)), key=lambda i: scored[i][0], reverse=True)
         chosen = set(best[: width * shape.depth])
         index = {-1: ROOT}
@@ -115,13 +143,117 @@ class FeatureDrafter:
         return tree
 
     def commit(self, kept: int) -> None:
-        """Nothing to realign: the next ``observe`` replaces the feature."""
+        """Nothing to realign: the next ``observe`` brings the kept positions' features."""
 
     def observe_heads(self, candidates: HeadCandidates | None) -> None:
         pass  # asks for no head candidates
 
+
+class FeatureDrafter(_FeatureDrafting):
+    """One request's use of a feature draft of kind ``eagle``: the target's latest feature,
+    nothing else."""
+
+    def __init__(self, model: FeatureDraftModel):
+        super().__init__(model.meta.vocab_size, model.head_ids)
+        self._model = model
+        self._feature: np.ndarray | None = None  # the target's, at the last position it kept
+
+    def observe(self, feature: np.ndarray | None) -> None:
+        """The target's final normed hidden states at the positions the last step kept, in order
+        [n, H]; None: the step returned none (idle until one). This kind reads the last."""
+        if feature is None:
+            self._feature = None
+            return
+        self._feature = np.asarray(feature, dtype=np.float32).reshape(-1, self._model.meta.hidden_size)[-1:]
+
+    def _root(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        if self._feature is None:
+            return None
+        return self._model.step(self._feature, np.asarray([context[-1]], dtype=np.int64))
+
+    def _level(
+        self, parents: list[int], features: np.ndarray, tokens: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        out, logits = self._model.step(features, tokens)
+        return out, logits, [-1] * len(parents)
+
     def close(self) -> None:
         self._feature = None
+
+
+class DecoderFeatureDrafter(_FeatureDrafting):
+    """A feature draft of kind ``eagle-decoder``: its attention reads every position the target
+    kept since the request's first step, from a cache of their keys and values held here (one
+    request's: a few KB a position). A proposal first runs the positions observed since the
+    last one (the root's row is the last of them); drafted nodes attend to the cache plus their
+    own ancestors (a tree mask) and are dropped when the next proposal starts."""
+
+    def __init__(self, model: FeatureDecoderModel):
+        super().__init__(model.meta.vocab_size, model.head_ids)
+        self._decoder = model
+        self._unfed: list[np.ndarray] = []  # observed features whose positions are not cached yet
+        h = model.meta.hidden_size
+        self._keys = np.zeros((0, model.heads, h // model.heads), dtype=np.float32)
+        self._values = self._keys
+        self._last: tuple[np.ndarray, np.ndarray] | None = None  # the root's prediction
+        # This proposal's drafted nodes: keys, values, parent node (-1: the root), depth.
+        self._node_keys: list[np.ndarray] = []
+        self._node_values: list[np.ndarray] = []
+        self._node_parent: list[int] = []
+        self._node_depth: list[int] = []
+
+    def observe(self, feature: np.ndarray | None) -> None:
+        if feature is None:  # a gap in the positions: start over from the next features
+            self.close()
+            return
+        self._unfed.append(np.asarray(feature, dtype=np.float32).reshape(-1, self._decoder.meta.hidden_size))
+
+    def _root(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        self._node_keys, self._node_values, self._node_parent, self._node_depth = [], [], [], []
+        if self._unfed:
+            model = self._decoder
+            features = np.concatenate(self._unfed)
+            self._unfed = []
+            m, n = len(features), len(self._keys)
+            z = model.inputs(features, np.asarray(context[-m:], dtype=np.int64))
+            q, k, v = model.qkv(z, np.arange(n, n + m))
+            self._keys = np.concatenate([self._keys, k])
+            self._values = np.concatenate([self._values, v])
+            mask = np.arange(n + m)[None, :] <= np.arange(n, n + m)[:, None]  # causal
+            out, logits = model.finish(z, attend(q, self._keys, self._values, mask))
+            self._last = out[-1:], logits[-1:]
+        return self._last
+
+    def _level(
+        self, parents: list[int], features: np.ndarray, tokens: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        model = self._decoder
+        depth = [1 if p < 0 else self._node_depth[p] + 1 for p in parents]
+        root = len(self._keys) - 1
+        z = model.inputs(features, tokens)
+        q, k, v = model.qkv(z, root + np.asarray(depth))
+        first = len(self._node_parent)
+        ids = list(range(first, first + len(parents)))
+        self._node_keys.extend(k)
+        self._node_values.extend(v)
+        self._node_parent.extend(parents)
+        self._node_depth.extend(depth)
+        # Each row sees the cache, its ancestors and itself.
+        mask = np.zeros((len(ids), len(self._keys) + len(self._node_parent)), dtype=bool)
+        mask[:, : len(self._keys)] = True
+        for row, node in enumerate(ids):
+            while node >= 0:
+                mask[row, len(self._keys) + node] = True
+                node = self._node_parent[node]
+        keys = np.concatenate([self._keys, np.stack(self._node_keys)])
+        values = np.concatenate([self._values, np.stack(self._node_values)])
+        out, logits = model.finish(z, attend(q, keys, values, mask))
+        return out, logits, ids
+
+    def close(self) -> None:
+        self._unfed, self._last = [], None
+        self._keys = self._values = self._keys[:0]
+        self._node_keys, self._node_values, self._node_parent, self._node_depth = [], [], [], []
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:

@@ -18,10 +18,11 @@ import structlog
 
 from pipeshard.errors import InvalidArgument
 from pipeshard.services.coordinator.speculation.drafts import Drafter, DraftModel, NgramDrafter
-from pipeshard.services.coordinator.speculation.feature import FeatureDrafter
+from pipeshard.services.coordinator.speculation.feature import DecoderFeatureDrafter, FeatureDrafter
 from pipeshard.services.coordinator.speculation.medusa import MedusaDrafter
 from pipeshard.shard import feature_draft
 from pipeshard.shard.drafts import check_same_tokenizer, resolve_draft
+from pipeshard.shard.feature_decoder import FeatureDecoderModel
 from pipeshard.shard.runtime import ShardRunner
 
 log = structlog.get_logger(__name__)
@@ -73,7 +74,7 @@ class DraftSources:
         if self.feature is not None:
             self._feature_meta = feature_draft.read_meta(self.feature)
             feature_draft.check_target(self._feature_meta, self.target_shards, self.feature)
-        self._feature_model: feature_draft.FeatureDraftModel | None = None
+        self._feature_model: feature_draft.FeatureDraftModel | FeatureDecoderModel | None = None
         self.heads = heads
         self.named = dict(named or {})
         self.allow_paths = allow_paths
@@ -130,6 +131,8 @@ class DraftSources:
             return lambda: MedusaDrafter(self.heads)
         if mode == "feature":
             feature = await self._feature_draft()
+            if isinstance(feature, FeatureDecoderModel):
+                return lambda: DecoderFeatureDrafter(feature)
             return lambda: FeatureDrafter(feature)
         folder = self.self_draft if mode == "self" else self.named.get(mode, Path(mode))
         if folder is None:
@@ -137,14 +140,14 @@ class DraftSources:
         model = await self._load(Path(folder).resolve())
         return model.drafter
 
-    async def _feature_draft(self) -> feature_draft.FeatureDraftModel:
+    async def _feature_draft(self) -> feature_draft.FeatureDraftModel | FeatureDecoderModel:
         folder, meta = self.feature, self._feature_meta
         if folder is None or meta is None:
             raise InvalidArgument("speculative", "this coordinator has no feature draft (--feature-draft)")
         async with self._lock:
             model = self._feature_model
             if model is None:
-                model = await asyncio.to_thread(feature_draft.FeatureDraftModel, folder, meta)
+                model = await asyncio.to_thread(_feature_model, folder, meta)
                 self._feature_model = model
                 log.info("feature_draft_loaded", folder=str(folder), kind=meta.kind)
             return model
@@ -162,3 +165,12 @@ class DraftSources:
         runner.warmup()
         log.info("draft_loaded", folder=str(folder), export=str(export), sliced=runner.vocab_ids is not None)
         return DraftModel(runner, runner.vocab_ids, runner.vocab_size)
+
+
+def _feature_model(
+    folder: Path, meta: feature_draft.FeatureDraftMeta
+) -> feature_draft.FeatureDraftModel | FeatureDecoderModel:
+    """The forward pass of the draft's kind."""
+    if meta.kind == "eagle-decoder":
+        return FeatureDecoderModel(folder, meta)
+    return feature_draft.FeatureDraftModel(folder, meta)
