@@ -20,6 +20,7 @@ import pytest
 from pipeshard.clients.client import PipeshardClient
 from pipeshard.services.launcher import Fleet, link_control, link_name, stage_name
 from pipeshard.services.wan.faults import command
+from tests.pipeline.concurrent_streams import concurrently
 
 pytestmark = pytest.mark.slow
 
@@ -52,28 +53,16 @@ def _events(fleet: Fleet, name: str, event: str) -> list[dict]:
 def _streams_with_fault(fleet: Fleet, fault: str) -> tuple[list[list[int]], list[BaseException], datetime]:
     """Every prompt streamed at once; ``fault`` is sent to lane 0's link once the first stream
     has FAULT_AFTER tokens. Returns the tokens, the errors and when the fault began."""
-    results: list[list[int]] = [[] for _ in PROMPTS]
-    errors: list[BaseException] = []
     began: list[datetime] = []
     lock = threading.Lock()
 
-    def run(i: int) -> None:
-        try:
-            with PipeshardClient(fleet.coordinator, timeout_s=300) as client:
-                for chunk in client.stream(PROMPTS[i], max_tokens=TOKENS, ignore_eos=True):
-                    results[i].extend(chunk.token_ids)
-                    with lock:
-                        if not began and len(results[i]) >= FAULT_AFTER:
-                            began.append(datetime.now(UTC))
-                            command(link_control(fleet.run_dir, 0, 0), fault)
-        except BaseException as exc:  # recorded: the test asserts there were none
-            errors.append(exc)
+    def strike() -> None:
+        with lock:
+            if not began:
+                began.append(datetime.now(UTC))
+                command(link_control(fleet.run_dir, 0, 0), fault)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
+    results, errors = concurrently(fleet.coordinator, PROMPTS, TOKENS, on_out=strike, after=FAULT_AFTER)
     assert began, "no stream reached the fault"
     return results, errors, began[0]
 
