@@ -238,10 +238,10 @@ distil: model
 bench-spec: model
 	$(PY) -m bench.spec
 
-## bench-families: the mixture-of-experts stage's decode step (Qwen3-30B-A3B shape, 1 layer), sparse form over the dense all-experts fallback at 1 and 8 users, and Gemma 3's window-bounded KV at 4k (bench/results/families.json); each family's 2-stage fleet (SmolLM2, Gemma 3 270M, synthetic Qwen3 and Phi-3) over openvino_genai on the unsplit optimum-intel INT4 export at 1 and 8 users (bench/results/family_fleets.json)
+## bench-families: the mixture-of-experts stage's decode step (Qwen3-30B-A3B shape, 1 layer), sparse form over the dense all-experts fallback at 1 and 8 users, and Gemma 3's window-bounded KV at 4k (bench/results/families.json); each family's 2-stage fleet (SmolLM2, Gemma 3 270M, synthetic Qwen3 and Phi-3; BENCH_FAMILIES=phi3 picks families) over openvino_genai on the unsplit optimum-intel INT4 export at 1 and 8 users (bench/results/family_fleets.json); BENCH_PART=step runs only the first part, BENCH_PART=fleets only the fleets
 bench-families: model
-	$(PY) -m bench.families
-	$(PY) -m bench.family_fleets
+	@if [ "$(BENCH_PART)" != fleets ]; then $(PY) -m bench.families; fi
+	@if [ "$(BENCH_PART)" != step ]; then $(PY) -m bench.family_fleets; fi
 
 ## bench-prefix: TTFT of a chat's next turn, warm (prefix cache) vs cold, at 256/1024/2048 tokens of history on 2-stage fleets; KV capture/restore time and bytes per stage (bench/results/prefix.json)
 bench-prefix: model

@@ -49,6 +49,7 @@ THREADS = int(os.environ.get("BENCH_THREADS", "0"))
 WINDOW_CONTEXT = int(os.environ.get("BENCH_WINDOW_CONTEXT", "4096"))
 SHAPE = "qwen3-30b-a3b"
 KNOBS = (
+    "BENCH_PART",
     "BENCH_RUNS",
     "BENCH_WARMUP",
     "BENCH_LAYERS",

@@ -40,7 +40,7 @@ RUNS = int(os.environ.get("BENCH_RUNS", "10"))
 WARMUP = int(os.environ.get("BENCH_WARMUP", "2"))
 USERS = 8
 STAGES = 2
-KNOBS = ("BENCH_FAMILIES", "BENCH_SYNTH_LAYERS", "BENCH_RUNS", "BENCH_WARMUP")
+KNOBS = ("BENCH_PART", "BENCH_FAMILIES", "BENCH_SYNTH_LAYERS", "BENCH_RUNS", "BENCH_WARMUP")
 SYNTH_LIKE = {"qwen3": "qwen3-0.6b", "phi3": "phi-3-mini-4k"}
 PROMPTS = [
     "The history of the printing press begins",
