@@ -31,7 +31,7 @@ DISTIL_PROMPTS ?= 400
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: batch bench-commits bench-compile-cache bench-compress bench-deploy bench-failover bench-families bench-gateway bench-latency bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-ray bench-spec bench-static bench-wan clean demo distil down export image image-base lint model model-gemma3 proto run-stage serve-openai setup soak test test-deploy test-docker test-exactness test-extended test-fast test-fuzz test-gemma3 test-invariance test-ray typecheck up wan-down wan-up wheelhouse
+.PHONY: batch bench-commits bench-compile-cache bench-compress bench-deploy bench-failover bench-families bench-gateway bench-latency bench-llamacpp bench-mbatch bench-numerics bench-parity bench-pipeline bench-planner bench-precision-modes bench-prefill bench-prefix bench-ray bench-spec bench-static bench-wan clean demo distil down export image image-base lint model model-gemma3 proto run-stage serve-openai setup soak test test-deploy test-docker test-exactness test-extended test-fast test-fuzz test-gemma3 test-invariance test-ray typecheck up wan-down wan-up wheelhouse
 
 ## setup: create .venv with the pinned stack (torch CPU first, so no CUDA build is pulled); idempotent
 setup: $(STAMP)
@@ -242,6 +242,12 @@ bench-spec: model
 bench-families: model
 	@if [ "$(BENCH_PART)" != fleets ]; then $(PY) -m bench.families; fi
 	@if [ "$(BENCH_PART)" != step ]; then $(PY) -m bench.family_fleets; fi
+
+## bench-llamacpp: Gemma 3 270M's greedy 128 tokens on the held-out prompts from llama.cpp on the Q4_K_M GGUF against transformers' fp32 and our fp32 and INT4 2-stage fleets: tokens in common before the first difference, and llama.cpp's teacher-forced logits against transformers' (bench/results/llamacpp.json). First run: builds llama-cpp-python's vendored llama.cpp from source (about 30 min on 2 cores; no prebuilt wheel on the index runs on this glibc)
+LLAMACPP_PY := llama-cpp-python==0.3.36
+bench-llamacpp: model
+	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" $(PIP) install '$(LLAMACPP_PY)'
+	$(PY) -m bench.llamacpp
 
 ## bench-prefix: TTFT of a chat's next turn, warm (prefix cache) vs cold, at 256/1024/2048 tokens of history on 2-stage fleets; KV capture/restore time and bytes per stage (bench/results/prefix.json)
 bench-prefix: model

@@ -5,7 +5,10 @@ not depend on what the weights say, so a real-size model can be made here withou
 one. Weights are seeded normal(0, 0.02) (norms 1, biases 0), each tensor drawn from its own seed
 (its name and ``--seed``), written one safetensors shard at a time: at most one shard is ever in
 memory. The tokenizer is the bundled model's; embedding and LM head rows past its vocabulary are
-zero, so a random model's argmax never picks a token the tokenizer cannot decode. config.json
+zero, so a random model's argmax never picks a token the tokenizer cannot decode. A shape with a
+smaller vocabulary than the tokenizer's (Phi-3's 32,064 against 49,152) gets the tokenizer cut to
+its ids: the tokens and the merges that make them are dropped, so text still tokenizes (into shorter
+pieces) and never into an id the model lacks. config.json
 carries ``pipeshard_synthetic: true``, which the exporter copies into every manifest.
 """
 
@@ -34,6 +37,8 @@ TOKENIZER_FILES = (
     "merges.txt",
     "generation_config.json",
 )
+# Not written for a cut tokenizer: tokenizer.json alone describes it.
+SLOW_TOKENIZER_FILES = ("vocab.json", "merges.txt")
 STD = 0.02
 SHARD_BYTES = 2 * 2**30
 DTYPE = torch.bfloat16
@@ -206,6 +211,31 @@ def _tokenizer_vocab(folder: Path) -> int:
     return max(ids) + 1
 
 
+def _cut_tokenizer(folder: Path, vocab: int) -> None:
+    """Keep the byte-level BPE's ids below ``vocab``: tokens, merges that make a kept token from kept
+    tokens, and added tokens; everything else in the files is left as it was."""
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text())
+    model = data["model"]
+    model["vocab"] = {token: i for token, i in model["vocab"].items() if i < vocab}
+    kept = model["vocab"]
+
+    def parts(merge: str | list[str]) -> list[str]:
+        return merge.split(" ", 1) if isinstance(merge, str) else merge
+
+    model["merges"] = [
+        m for m in model["merges"] if all(p in kept for p in parts(m)) and "".join(parts(m)) in kept
+    ]
+    data["added_tokens"] = [t for t in data.get("added_tokens", []) if t["id"] < vocab]
+    path.write_text(json.dumps(data, ensure_ascii=False))
+    config_path = folder / "tokenizer_config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text())
+        decoder = config.get("added_tokens_decoder", {})
+        config["added_tokens_decoder"] = {i: t for i, t in decoder.items() if int(i) < vocab}
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
 def _shard_stream(
     shape: Shape, seed: int, tokenizer_vocab: int
 ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
@@ -229,9 +259,12 @@ def synthesize(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
+        cut = vocab < _tokenizer_vocab(source)
         for name in TOKENIZER_FILES:
-            if (source / name).is_file():
+            if (source / name).is_file() and not (cut and name in SLOW_TOKENIZER_FILES):
                 shutil.copy2(source / name, tmp / name)
+        if cut:
+            _cut_tokenizer(tmp, vocab)
         config = config_json(shape, seed, int(gen.get("bos_token_id", 1)), int(gen.get("eos_token_id", 2)))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         weight_map: dict[str, str] = {}

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 from safetensors import safe_open
 
+from pipeshard import paths
 from pipeshard.errors import InvalidArgument
 from pipeshard.model.shapes import SHAPES, get_shape
 from pipeshard.model.synth import config_json, make_tensor, plan_shards, synthesize, tensor_specs
@@ -89,3 +91,17 @@ def test_existing_folder_is_not_replaced_without_force(synth_folder):
 
     with pytest.raises(FailedPrecondition, match="exists"):
         synthesize(get_shape("test-llama3"), synth_folder)
+
+
+def test_a_vocabulary_smaller_than_the_tokenizers_cuts_the_tokenizer_to_it(tmp_path):
+    from transformers import AutoTokenizer
+
+    shape = replace(get_shape("test-llama3").with_layers(1), vocab_size=1000)
+    folder = synthesize(shape, tmp_path / "m", progress=lambda _: None)
+    text = "The history of the printing press begins, Ünïcödé 🤗 1234567"
+    bundled = AutoTokenizer.from_pretrained(paths.default_model_dir())
+    assert max(bundled(text)["input_ids"]) >= 1000  # the uncut tokenizer would give ids the model lacks
+    cut = AutoTokenizer.from_pretrained(folder)
+    ids = cut(text)["input_ids"]
+    assert len(cut) == 1000 and max(ids) < 1000 and cut.decode(ids) == text
+    assert not (folder / "vocab.json").exists()  # no slow tokenizer that would disagree
