@@ -8,7 +8,8 @@ of its logits, as ours is. The GGUF is assembled again from the installed chunk 
 checked).
 
 For each held-out prompt (tests/conftest.py's GEMMA3_PROMPTS, ``<bos>`` first, the same ids to
-all four) and BENCH_TOKENS new tokens (default 128, eos ignored): the tokens each pair has in
+all four) and BENCH_TOKENS new tokens (default 128, eos ignored; BENCH_THREADS llama.cpp threads,
+default 1): the tokens each pair has in
 common before its first difference. Then, teacher-forced over transformers' greedy continuation,
 llama.cpp's logits against transformers' fp32 ones: max |diff| and how often the top token agrees,
 which says how far apart the two numerics are. No timing: nothing here depends on load.
@@ -32,8 +33,11 @@ from pipeshard import paths
 from pipeshard.offline import set_offline_defaults
 
 NEW_TOKENS = int(os.environ.get("BENCH_TOKENS", "128"))
+# llama.cpp's threads spin while they wait: on a shared, loaded machine one thread was 4x faster
+# than two (the tokens are the same either way).
+THREADS = int(os.environ.get("BENCH_THREADS", "1"))
 STAGES = 2
-KNOBS = ("BENCH_TOKENS",)
+KNOBS = ("BENCH_TOKENS", "BENCH_THREADS")
 # The held-out prompts of Gemma 3's parity tests (tests/conftest.py GEMMA3_PROMPTS).
 PROMPTS = (
     "The history of the printing press begins",
@@ -131,7 +135,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="pipeshard-llamacpp-"))
     source = ensure_gemma3()
     ids = [Prompter.from_dir(source).encode(p, []) for p in PROMPTS]
-    llama = LlamaCpp(gguf_file(work), n_ctx=512, threads=os.cpu_count() or 1)
+    llama = LlamaCpp(gguf_file(work), n_ctx=512, threads=THREADS)
     hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     runs: dict[str, list[list[int]]] = {"llama_cpp": [llama.greedy(p, NEW_TOKENS) for p in ids]}
     runs["hf_fp32"] = [hf_greedy(hf, p) for p in ids]
