@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeshard import allocator
 from pipeshard.errors import InvalidArgument
 
 _ROLES = ("system", "user", "assistant")
@@ -19,9 +20,14 @@ class Prompter:
 
     @classmethod
     def from_dir(cls, folder: Path) -> Prompter:
+        """The folder's tokenizer. Parsing its tokenizer.json frees most of what it allocated, but
+        malloc keeps those pages: about 200 MB for Gemma 3's (262,144 pieces, 513,511 merges), 15 MB
+        for SmolLM2's. They are handed back, so a coordinator does not hold them for its lifetime."""
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(folder))
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        allocator.trim()
+        return cls(tokenizer)
 
     @property
     def has_chat_template(self) -> bool:
