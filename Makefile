@@ -246,7 +246,8 @@ bench-families: model
 ## bench-llamacpp: Gemma 3 270M's greedy 128 tokens on the held-out prompts from llama.cpp on the Q4_K_M GGUF against transformers' fp32 and our fp32 and INT4 2-stage fleets: tokens in common before the first difference, and llama.cpp's teacher-forced logits against transformers' (bench/results/llamacpp.json). First run: builds llama-cpp-python's vendored llama.cpp from source (about 30 min on 2 cores; no prebuilt wheel on the index runs on this glibc)
 LLAMACPP_PY := llama-cpp-python==0.3.36
 bench-llamacpp: model
-	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" $(PIP) install '$(LLAMACPP_PY)'
+	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" $(PIP) install --no-deps --force-reinstall '$(LLAMACPP_PY)'
+	$(PIP) install -q '$(LLAMACPP_PY)'
 	$(PY) -m bench.llamacpp
 
 ## bench-prefix: TTFT of a chat's next turn, warm (prefix cache) vs cold, at 256/1024/2048 tokens of history on 2-stage fleets; KV capture/restore time and bytes per stage (bench/results/prefix.json)
