@@ -46,6 +46,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
@@ -248,8 +249,13 @@ def _failovers(run_dir: Path, event_name: str = "session_failed_over") -> dict[s
 
 
 def _recovery(chaos: Chaos) -> dict[str, dict]:
-    """Per fault kind, the recovery samples' p50/p95 (ms) and the faults' count (module doc)."""
+    """Per fault kind, the recovery samples' p50/p95 (ms) and the faults' count (module doc). A
+    group's coordinator recovery is also split where it goes: ``kill_to_resumed`` (the caller sees
+    the stream break and sends it on; the survivor logs ``generation_resumed``) and
+    ``resumed_to_token`` (the survivor admits it, opens its sessions, prefills prompt + tokens so
+    far and steps to its next token)."""
     samples: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    split: dict[str, list[float]] = {"kill_to_resumed": [], "resumed_to_token": []}
     failovers = _failovers(chaos.fleet.run_dir)
     resumed = _failovers(chaos.fleet.run_dir, "generation_resumed")
     for i, fault in enumerate(chaos.faults):
@@ -267,6 +273,8 @@ def _recovery(chaos: Chaos) -> dict[str, dict]:
                 nxt = min((t for t in out_at if t > at), default=None)
                 if at <= when < until and nxt is not None and any(t < at for t in out_at):
                     samples["coordinator"].append((nxt - at) * 1000)
+                    split["kill_to_resumed"].append((when - at) * 1000)
+                    split["resumed_to_token"].append((nxt - when) * 1000)
         else:
             for request_id, end in failovers.items():
                 out_at = chaos.streams.get(request_id, [])
@@ -274,10 +282,38 @@ def _recovery(chaos: Chaos) -> dict[str, dict]:
                     continue
                 after = [at, *(t for t in out_at if t > at)]
                 if len(after) > 1:
-                    resumed = max(range(1, len(after)), key=lambda j: after[j] - after[j - 1])
-                    samples[fault["kind"]].append((after[resumed] - at) * 1000)
+                    longest = max(range(1, len(after)), key=lambda j: after[j] - after[j - 1])
+                    samples[fault["kind"]].append((after[longest] - at) * 1000)
     counts = Counter(f["kind"] for f in chaos.faults)
-    return {kind: _percentiles(values) | {"faults": counts[kind]} for kind, values in samples.items()}
+    out = {kind: _percentiles(values) | {"faults": counts[kind]} for kind, values in samples.items()}
+    if "coordinator" in out and COORDINATORS > 1:
+        out["coordinator"]["split"] = {part: _percentiles(values) for part, values in split.items()}
+    return out
+
+
+def _links_noticed(chaos: Chaos) -> dict[str, list[int]]:
+    """Per link fault kind, [noticed, struck]: the faults some coordinator's watch named (a hop's
+    next stage unreachable from it, ``stage_reachability``) between the fault and 5 s after it
+    healed. A stall shorter than keepalive's bound (about 3 s) may pass unnoticed, by design."""
+    downs = []
+    for log in sorted(chaos.fleet.run_dir.glob("coordinator*.log")):
+        for line in log.read_text().splitlines():
+            if '"stage_reachability"' in line and "next hop" in line:
+                event = json.loads(line)
+                if not event["up"]:
+                    downs.append(_wall(event["timestamp"]))
+    out: dict[str, list[int]] = {}
+    for fault in chaos.faults:
+        if fault["kind"].startswith("link"):
+            end = fault["at"] + fault["seconds"] + 5
+            counts = out.setdefault(fault["kind"], [0, 0])
+            counts[0] += any(fault["at"] <= t <= end for t in downs)
+            counts[1] += 1
+    return out
+
+
+def _iso(wall: float) -> str:
+    return datetime.fromtimestamp(wall, UTC).isoformat(timespec="milliseconds")
 
 
 def _rss(fleet: Fleet) -> dict[str, tuple[int, float]]:
@@ -325,6 +361,8 @@ def main() -> int:
         sessions = {p.name: _live_sessions(p.address) for p in fleet.processes if p.name.startswith("stage")}
     finally:
         fleet.stop()
+    raw = {"faults": chaos.faults, "streams": chaos.streams, "failures": chaos.failures}
+    (fleet.run_dir / "soak_chaos_raw.json").write_text(json.dumps(raw))  # kept if the analysis fails
     # With one coordinator its outages fail requests by construction; a group's must not.
     outage = [(a, b + 2.0) for a, b in chaos.coordinator_down] if COORDINATORS == 1 else []  # back off 0.5 s
     during = [streamed for t, streamed in chaos.failures if any(a <= t <= b for a, b in outage)]
@@ -349,10 +387,14 @@ def main() -> int:
         "failed_requests_coordinator_mid_stream": sum(during),
         "mismatches": len(chaos.mismatches),
         "mismatch_examples": chaos.mismatches[:3],
-        "faults": [{k: v for k, v in f.items() if k in ("kind", "target", "seconds")} for f in chaos.faults],
+        "faults": [
+            {k: v for k, v in f.items() if k in ("kind", "target", "seconds")} | {"at": _iso(f["at"])}
+            for f in chaos.faults
+        ],
         "failovers": len(_failovers(fleet.run_dir)),
         "resumed_on_another_coordinator": len(_failovers(fleet.run_dir, "generation_resumed")),
         "recovery_ms": _recovery(chaos),
+        "link_faults_noticed": _links_noticed(chaos),
         "rss_growth": growth,
         "rss_mib_start_end": rss_mib,
         "rss_growth_max": max(growth.values(), default=None),
