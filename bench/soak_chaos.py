@@ -103,6 +103,20 @@ def _port(k: int, r: int) -> int:
     return PORT_BASE + k + 20 * r
 
 
+class _Timed(AsyncPipeshardClient):
+    """The group's client, noting when it sends a broken stream on to another coordinator (a
+    request with ``resume_token_ids``): where the caller's detection ends."""
+
+    def __init__(self, addresses: list[str], resent: dict[str, float], **kwargs):
+        super().__init__(addresses, **kwargs)
+        self._resent = resent
+
+    def _call(self, stub, request):
+        if request.resume_token_ids:
+            self._resent[request.request_id] = time.time()
+        return super()._call(stub, request)
+
+
 class Chaos:
     """The fleet, its faults and what the clients saw."""
 
@@ -117,9 +131,10 @@ class Chaos:
         self.coordinator_down: list[tuple[float, float]] = []  # (killed, serving again) wall times
         self.rss_restarted: dict[str, float] = {}  # process name -> RSS when it was back
         self.rss_start: dict[str, tuple[int, float]] = {}  # name -> (pid, RSS) at the first fault
+        self.resent: dict[str, float] = {}  # request id -> when the client last sent it on (wall)
 
     async def client(self, stop_at: float) -> None:
-        async with AsyncPipeshardClient(self.fleet.coordinators, timeout_s=300) as client:
+        async with _Timed(self.fleet.coordinators, self.resent, timeout_s=300) as client:
             while time.time() < stop_at:
                 await self._request(client)
 
@@ -250,12 +265,12 @@ def _failovers(run_dir: Path, event_name: str = "session_failed_over") -> dict[s
 
 def _recovery(chaos: Chaos) -> dict[str, dict]:
     """Per fault kind, the recovery samples' p50/p95 (ms) and the faults' count (module doc). A
-    group's coordinator recovery is also split where it goes: ``kill_to_resumed`` (the caller sees
-    the stream break and sends it on; the survivor logs ``generation_resumed``) and
-    ``resumed_to_token`` (the survivor admits it, opens its sessions, prefills prompt + tokens so
-    far and steps to its next token)."""
+    group's coordinator recovery is also split where it goes: ``kill_to_resent`` (the caller sees
+    the stream break and sends it on), ``resent_to_resumed`` (the survivor takes the call and
+    tokenizes it: it logs ``generation_resumed``) and ``resumed_to_token`` (it admits it, opens its
+    sessions, prefills prompt + tokens so far and steps to its next token)."""
     samples: dict[str, list[float]] = {kind: [] for kind in KINDS}
-    split: dict[str, list[float]] = {"kill_to_resumed": [], "resumed_to_token": []}
+    split: dict[str, list[float]] = {"kill_to_resent": [], "resent_to_resumed": [], "resumed_to_token": []}
     failovers = _failovers(chaos.fleet.run_dir)
     resumed = _failovers(chaos.fleet.run_dir, "generation_resumed")
     for i, fault in enumerate(chaos.faults):
@@ -270,10 +285,14 @@ def _recovery(chaos: Chaos) -> dict[str, dict]:
         elif fault["kind"] == "coordinator":  # each resumed stream: the kill to its next token
             for request_id, when in resumed.items():
                 out_at = chaos.streams.get(request_id, [])
-                nxt = min((t for t in out_at if t > at), default=None)
+                # the continuation's first token: one read after the kill may still be the dead
+                # coordinator's, sent before it died and read late by a busy client
+                nxt = min((t for t in out_at if t > when), default=None)
                 if at <= when < until and nxt is not None and any(t < at for t in out_at):
                     samples["coordinator"].append((nxt - at) * 1000)
-                    split["kill_to_resumed"].append((when - at) * 1000)
+                    resent = chaos.resent.get(request_id, when)
+                    split["kill_to_resent"].append((resent - at) * 1000)
+                    split["resent_to_resumed"].append((when - resent) * 1000)
                     split["resumed_to_token"].append((nxt - when) * 1000)
         else:
             for request_id, end in failovers.items():
@@ -361,7 +380,12 @@ def main() -> int:
         sessions = {p.name: _live_sessions(p.address) for p in fleet.processes if p.name.startswith("stage")}
     finally:
         fleet.stop()
-    raw = {"faults": chaos.faults, "streams": chaos.streams, "failures": chaos.failures}
+    raw = {
+        "faults": chaos.faults,
+        "streams": chaos.streams,
+        "failures": chaos.failures,
+        "resent": chaos.resent,
+    }
     (fleet.run_dir / "soak_chaos_raw.json").write_text(json.dumps(raw))  # kept if the analysis fails
     # With one coordinator its outages fail requests by construction; a group's must not.
     outage = [(a, b + 2.0) for a, b in chaos.coordinator_down] if COORDINATORS == 1 else []  # back off 0.5 s
