@@ -1,6 +1,7 @@
 """`make soak SOAK_MODE=chaos`: 16 clients for minutes while processes die and links fail.
 
-A 3-stage INT4 loopback fleet with two lanes (replicas) at the default precision, an exporter and
+A 3-stage INT4 loopback fleet with two lanes (replicas) at SOAK_PRECISION (the default precision,
+``invariant``; ``exact`` as well), an exporter and
 SOAK_COORDINATORS (2) coordinators, a group: each client holds one client of every coordinator's
 address, so a stream whose coordinator is killed continues on another (docs/RELIABILITY.md,
 "Coordinators in a group"); with SOAK_COORDINATORS=1 a coordinator kill fails the requests in
@@ -83,6 +84,7 @@ SEED = int(os.environ.get("SOAK_SEED", "51"))
 RSS_TOLERANCE = float(os.environ.get("SOAK_RSS_TOLERANCE", "0.10"))
 KINDS = tuple(os.environ.get("SOAK_FAULTS", "stage,link_stall,link_drop,exporter,coordinator").split(","))
 COORDINATORS = int(os.environ.get("SOAK_COORDINATORS", "2"))
+PRECISION = os.environ.get("SOAK_PRECISION", DEFAULT_PRECISION)
 STAGES, LANES, MAX_TOKENS = 3, 2, 48
 LINK_FAULT_S = (2.0, 6.0)
 KNOBS = (
@@ -95,6 +97,7 @@ KNOBS = (
     "SOAK_SEED",
     "SOAK_FAULTS",
     "SOAK_COORDINATORS",
+    "SOAK_PRECISION",
 )
 COORDINATOR_PORT, EXPORTER_PORT = PORT_BASE + 50, PORT_BASE + 49
 
@@ -188,7 +191,7 @@ class Chaos:
         name = fault["target"] = stage_name(k, r)
         victim = await self._kill(name)
         next_hop = self.fleet.process(link_name(k, r)).address if k < STAGES - 1 else None
-        args = stage_args(k, self.shards, _port(k, r), DEFAULT_PRECISION, "json", next_hop)
+        args = stage_args(k, self.shards, _port(k, r), PRECISION, "json", next_hop)
         proc = await asyncio.to_thread(spawn, name, args, self.fleet.run_dir, fleet_env(), 300)
         self._replace(victim, proc)
         await _rejoined(self.fleet, f"127.0.0.1:{_port(k, r)}", 300)
@@ -366,6 +369,7 @@ def main() -> int:
         exporter_port=EXPORTER_PORT,
         faulty_links=True,
         timeout_s=300,
+        precision=PRECISION,
         coordinators=COORDINATORS,
     )
     try:
@@ -404,6 +408,7 @@ def main() -> int:
         "load_before_after": [load_before, round(os.getloadavg()[0], 1)],
         "clients": CLIENTS,
         "fleet": f"{STAGES} stages x {LANES} replicas, {COORDINATORS} coordinators, 1 exporter, INT4",
+        "precision": PRECISION,
         "keepalive_s": [os.environ["PIPESHARD_KEEPALIVE_S"], os.environ["PIPESHARD_KEEPALIVE_TIMEOUT_S"]],
         "outcomes": dict(chaos.outcomes),
         "failed_requests": len(chaos.failures) - len(during),
