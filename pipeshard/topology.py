@@ -10,6 +10,10 @@ Replicas: ``replicas`` lists further lanes, each one process per stage (replica 
 50061 + k + 20r by default); ``stages`` is lane 0. Replica r of a stage may forward to every
 replica of the next, its own lane's first (per-hop routing: the coordinator routes each session
 per stage, docs/ARCHITECTURE.md), so a lane is only the route sessions start on.
+
+Coordinators in a group: ``group`` lists the coordinators after the first (``coordinator``), each
+over the same stages (coordinator c on 50051 + c by default, metrics beside it); ``pipeshard top``
+and the gateway's /ui list every one (``coordinators``).
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class Topology:
     precision: str = DEFAULT_PRECISION
     replicas: list[list[StageEndpoint]] = field(default_factory=list)  # lanes 1.., each one per stage
     invariant_ladder: str = ""  # the configurations stages at `invariant` try (precision.ladder)
+    group: list[Endpoint] = field(default_factory=list)  # the group's coordinators 1.. (docs/RELIABILITY.md)
 
     @classmethod
     def loopback(
@@ -82,9 +87,12 @@ class Topology:
         replicas: int = 1,
         stage_port_base: int = STAGE_PORT_BASE,
         invariant_ladder: str = "",
+        coordinators: int = 1,
     ):
         if replicas < 1:
             raise InvalidArgument("replicas", f"must be at least 1, got {replicas}")
+        if coordinators < 1:
+            raise InvalidArgument("coordinators", f"must be at least 1, got {coordinators}")
 
         def lane(r: int) -> list[StageEndpoint]:
             ports = [stage_port_base + k + REPLICA_PORT_STRIDE * r for k in range(num_stages)]
@@ -98,7 +106,13 @@ class Topology:
             precision=precision,
             replicas=[lane(r) for r in range(1, replicas)],
             invariant_ladder=invariant_ladder,
+            group=[_endpoint(host, COORDINATOR_PORT + c) for c in range(1, coordinators)],
         )
+
+    @property
+    def coordinators(self) -> list[Endpoint]:
+        """Every coordinator of the group, the first (``coordinator``) first."""
+        return [self.coordinator, *self.group]
 
     @property
     def lanes(self) -> list[list[StageEndpoint]]:
@@ -136,6 +150,7 @@ class Topology:
                 precision=raw.get("precision", DEFAULT_PRECISION),
                 replicas=[[StageEndpoint(**s) for s in lane] for lane in raw.get("replicas", [])],
                 invariant_ladder=str(raw.get("invariant_ladder") or ""),
+                group=[Endpoint(**c) for c in raw.get("group") or []],
             )
         except (KeyError, TypeError) as exc:
             raise InvalidArgument("topology", f"{path} is malformed ({exc})") from None

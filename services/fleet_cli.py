@@ -183,6 +183,7 @@ def run_up(args: argparse.Namespace) -> int:
         device=args.device,
         replicas=args.replicas,
         invariant_ladder=args.invariant_ladder,
+        coordinators=args.coordinators,
     )
     topo.save(TOPOLOGY)
     tls_dir, token = secure_setup(args.stages) if args.secure else (None, None)
@@ -210,7 +211,7 @@ def run_up(args: argparse.Namespace) -> int:
                 for r, lane in enumerate(topo.lanes)
                 for k, s in enumerate(lane)
             },
-            **{coordinator_name(c): topo.coordinator.metrics_port + c for c in range(args.coordinators)},
+            **{coordinator_name(c): e.metrics_port for c, e in enumerate(topo.coordinators)},
             "gateway": GATEWAY_METRICS_PORT,
         },
         detach=True,
@@ -240,7 +241,7 @@ def run_up(args: argparse.Namespace) -> int:
     for c, address in enumerate(fleet.coordinators):
         print(f"coordinator listening on {address}" + (f" (coordinator {c} of the group)" if c else ""))
     metrics = [topo.exporter.metrics_port, *(s.metrics_port for lane in topo.lanes for s in lane)]
-    metrics += [topo.coordinator.metrics_port + c for c in range(args.coordinators)]
+    metrics += [e.metrics_port for e in topo.coordinators]
     metrics += [GATEWAY_METRICS_PORT]
     print(f"/metrics on ports {', '.join(map(str, metrics))}; watch the fleet with `pipeshard top`")
     print(f"openai gateway listening on {fleet.gateway}", flush=True)

@@ -1,7 +1,7 @@
 """What `pipeshard top` and the gateway's /ui page show: the fleet of a topology file, read now.
 
-Each read asks every stage for GetStageInfo and grpc.health, the coordinator for its health, and
-every stage and the coordinator for their /metrics (step time, rows per step, cache use; users,
+Each read asks every stage for GetStageInfo and grpc.health, every coordinator of the group for
+its health, and every stage and coordinator for their /metrics (step time, rows per step, cache use; users,
 queue, tokens). Rates (step time, tok/s) are taken since the previous read. Everything is read
 through the services' public interfaces; a part that does not answer shows as down (or its
 figures as "-").
@@ -88,6 +88,7 @@ class StageRow:
 class CoordinatorRow:
     address: str
     health: str
+    index: int = 0  # its place in the group (the topology's ``coordinators``)
     generate_calls: dict[str, int] = field(default_factory=dict)
     users: str = "-"
     queue: str = "-"
@@ -110,11 +111,11 @@ class StageView:
 
 @dataclass
 class FleetSnapshot:
-    """What one refresh reads: every stage of every lane, then the coordinator (``pipeshard top``
-    renders it; the gateway's /fleet serves it)."""
+    """What one refresh reads: every stage of every lane, then every coordinator of the group
+    (``pipeshard top`` renders it; the gateway's /fleet serves it)."""
 
     stages: list[StageView]
-    coordinator: CoordinatorRow
+    coordinators: list[CoordinatorRow]
 
 
 def _health(channel: grpc.Channel) -> str:
@@ -180,9 +181,9 @@ def _generate_calls(now: Scrape | None) -> dict[str, int]:
     return calls
 
 
-def coordinator_row(topo: Topology, now: Scrape | None, before: Scrape | None) -> CoordinatorRow:
-    with grpc.insecure_channel(topo.coordinator.address) as channel:
-        row = CoordinatorRow(topo.coordinator.address, _health(channel))
+def coordinator_row(address: str, index: int, now: Scrape | None, before: Scrape | None) -> CoordinatorRow:
+    with grpc.insecure_channel(address) as channel:
+        row = CoordinatorRow(address, _health(channel), index)
     row.generate_calls = _generate_calls(now)
     if now is not None:
         row.users = f"{now.value(_name(COORDINATOR_RUNNING)):.0f}"
@@ -214,8 +215,10 @@ class FleetReader:
         return StageView(k, r, endpoint.node, row)
 
     def snapshot(self) -> FleetSnapshot:
-        """Every stage of every lane and the coordinator, read now (rates since the last call)."""
+        """Every stage of every lane and every coordinator, read now (rates since the last call)."""
         stages = [self._stage(k, r, e) for r, lane in enumerate(self.topo.lanes) for k, e in enumerate(lane)]
-        c = self.topo.coordinator
-        coordinator = coordinator_row(self.topo, *self._scrape("coordinator", c.host, c.metrics_port))
-        return FleetSnapshot(stages, coordinator)
+        coordinators = [
+            coordinator_row(e.address, c, *self._scrape(f"coordinator{c}", e.host, e.metrics_port))
+            for c, e in enumerate(self.topo.coordinators)
+        ]
+        return FleetSnapshot(stages, coordinators)

@@ -1,6 +1,6 @@
 """``pipeshard top``: the fleet in config/topology.yaml, live in the terminal (rich).
 
-Each refresh reads the fleet (fleet_status.py: stages, lanes, coordinator; rates over the last
+Each refresh reads the fleet (fleet_status.py: stages, lanes, every coordinator; rates over the last
 refresh interval) and the gateway's /health; a part that does not answer shows as down (or its
 figures as "-") and the view keeps refreshing.
 """
@@ -66,20 +66,21 @@ class View(FleetReader):
                 row.sessions,
                 row.cache,
             )
-        coordinator = snapshot.coordinator
         front = Table(title="front", title_justify="left")
         for column in ("service", "address", "health", "users", "queue", "tok/s", "Generate calls by code"):
             front.add_column(column)
-        calls = ", ".join(f"{code} {n}" for code, n in sorted(coordinator.generate_calls.items())) or "-"
-        front.add_row(
-            "coordinator",
-            coordinator.address,
-            coordinator.health,
-            coordinator.users,
-            coordinator.queue,
-            coordinator.tok_s,
-            calls,
-        )
+        group = len(snapshot.coordinators) > 1
+        for coordinator in snapshot.coordinators:
+            calls = ", ".join(f"{code} {n}" for code, n in sorted(coordinator.generate_calls.items())) or "-"
+            front.add_row(
+                f"coordinator {coordinator.index}" if group else "coordinator",
+                coordinator.address,
+                coordinator.health,
+                coordinator.users,
+                coordinator.queue,
+                coordinator.tok_s,
+                calls,
+            )
         if self.gateway:
             front.add_row("openai gateway", self.gateway, gateway_health(self.gateway), "", "", "", "")
         return Group(stages, front)
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("top", help="show the fleet live: stages, coordinator, gateway (Ctrl-C to quit)")
+    p = sub.add_parser("top", help="show the fleet live: stages, coordinators, gateway (Ctrl-C to quit)")
     p.add_argument("--topology", type=Path, default=Path("config/topology.yaml"))
     p.add_argument("--gateway", default="http://127.0.0.1:8080", help="gateway URL ('' to leave it out)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")

@@ -11,6 +11,12 @@ Watch per stage that has a next stage in this ring): when that stream breaks, fo
 stage or a link that stalled without closing (found by keepalive, transport/channels.py), the
 next stage counts as unreachable *from its predecessor*, so the ring fails its steps and a
 replica lane leaves rotation, until the hop reconnects.
+
+With per-hop routing a stage forwards to every replica of the next stage, and reports each of its
+next hops on its own service (``next_hop_health(j)``, j indexing its GetStageInfo ``next_hops``).
+The watch follows each of them (:attr:`StageWatch.hops_down`), so a route is down by the hop that
+is down (:meth:`StageWatch.route_blocked`): a partition between one replica and one replica of the
+next stage takes out the routes over that link only, not the next stage.
 """
 
 from __future__ import annotations
@@ -22,11 +28,12 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pipeshard.services.transport.hop import NEXT_HOP_HEALTH
+from pipeshard.services.transport.hop import NEXT_HOP_HEALTH, next_hop_health
 
 log = structlog.get_logger(__name__)
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
+_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 
 
 class StageWatch:
@@ -40,7 +47,10 @@ class StageWatch:
         *,
         probe_interval_s: float = 1.0,
         probe_timeout_s: float = 2.0,
+        on_hop_change: Callable[[int, int, bool, str], None] = lambda index, hop, up, reason: None,
     ):
+        """``on_hop_change(index, hop, up, reason)`` hears stage ``index``'s next hop ``hop`` (an
+        index into its ``next_hops``) go down or come back."""
         self._stubs = {i: health_pb2_grpc.HealthStub(c) for i, c in channels.items()}
         self._addresses = addresses
         self._on_change = on_change
@@ -48,6 +58,8 @@ class StageWatch:
         self._probe_timeout_s = probe_timeout_s
         self._own: dict[int, str] = {}  # stage index -> why it is unreachable itself
         self._hops: dict[int, str] = {}  # stage index -> why its predecessor's hop to it is down
+        self._on_hop_change = on_hop_change
+        self._links: dict[tuple[int, int], str] = {}  # (stage, its next hop) -> why that hop is down
         self._tasks: list[asyncio.Task] = []
         self._probes: dict[int, asyncio.Task] = {}
         self._streams = {("stage", i) for i in self._stubs} | {
@@ -58,8 +70,29 @@ class StageWatch:
 
     @property
     def down(self) -> dict[int, str]:
-        """Stage index -> why it is unreachable (itself, or from the stage before it)."""
+        """Stage index -> why it is unreachable (itself, or from the stage before it over this
+        ring's own hop: its lane)."""
         return {**self._hops, **self._own}
+
+    @property
+    def hops_down(self) -> dict[tuple[int, int], str]:
+        """(stage index, next-hop index) -> why that stage's hop to that replica of the next stage
+        is down (broken or stalled), for every next hop of every watched stage."""
+        return dict(self._links)
+
+    def route_blocked(self, index: int, hop: int | None) -> str | None:
+        """Why a session that runs on stage ``index`` and forwards over its next hop ``hop`` (None:
+        the final stage) cannot step now, or None: the stage itself is unreachable, or that one
+        hop is down. Another hop of the same stage being down does not block it."""
+        if index in self._own:
+            return self.describe_own(index)
+        if hop is not None and (index, hop) in self._links:
+            why = self._links[index, hop]
+            return f"stage {index} at {self._addresses[index]}: its next hop {hop} is down ({why})"
+        return None
+
+    def describe_own(self, index: int) -> str:
+        return f"stage {index} at {self._addresses[index]} is unreachable ({self._own[index]})"
 
     def start(self) -> None:
         self._tasks = [
@@ -69,6 +102,9 @@ class StageWatch:
             asyncio.create_task(self._watch_hop(i), name=f"watch-hop{i}")
             for i in sorted(self._stubs)
             if i + 1 in self._stubs
+        ]
+        self._tasks += [
+            asyncio.create_task(self._watch_link(i, 0), name=f"watch-link{i}.0") for i in sorted(self._stubs)
         ]
 
     async def close(self) -> None:
@@ -162,6 +198,53 @@ class StageWatch:
                 call.cancel()
             self._set(after, True, "predecessor gone", hop=True)
             await asyncio.sleep(0.2)
+
+    async def _watch_link(self, index: int, hop: int) -> None:
+        """Stage ``index``'s report of its next hop ``hop``; the first report of a hop that exists
+        starts the watch of the one after it (a stage without it answers SERVICE_UNKNOWN: the final
+        stage, a stage with fewer next hops, or an older stage that reports its first only)."""
+        stub, key, followed = self._stubs[index], (index, hop), False
+        service = next_hop_health(hop)
+        while True:
+            call = stub.Watch(health_pb2.HealthCheckRequest(service=service), wait_for_ready=True)
+            try:
+                async for response in call:
+                    if response.status == _UNKNOWN:
+                        self._set_link(key, True, "no such next hop")
+                        continue
+                    if not followed:
+                        followed = True
+                        self._tasks.append(
+                            asyncio.create_task(
+                                self._watch_link(index, hop + 1), name=f"watch-link{index}.{hop + 1}"
+                            )
+                        )
+                    up = response.status == _SERVING
+                    self._set_link(key, up, "next hop up" if up else "broken or stalled")
+            except grpc.aio.AioRpcError:
+                pass
+            finally:
+                call.cancel()
+            self._set_link(key, True, "stage gone: its own watch names it")
+            await asyncio.sleep(0.2)
+
+    def _set_link(self, key: tuple[int, int], up: bool, reason: str) -> None:
+        was_up = key not in self._links
+        if up:
+            self._links.pop(key, None)
+        else:
+            self._links[key] = reason
+        if up != was_up:
+            index, hop = key
+            log.warning(
+                "next_hop_reachability",
+                stage=index,
+                address=self._addresses[index],
+                hop=hop,
+                up=up,
+                reason=reason,
+            )
+            self._on_hop_change(index, hop, up, reason)
 
     async def _probe_until_up(self, index: int) -> None:
         try:

@@ -85,7 +85,7 @@ class FleetWatch:
                 {"label": s.label, "stage": s.stage, "lane": s.lane, "node": s.node, **asdict(s.row)}
                 for s in snapshot.stages
             ],
-            "coordinator": asdict(snapshot.coordinator),
+            "coordinators": [asdict(c) for c in snapshot.coordinators],
         }
 
     async def read(self) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,7 @@ from pipeshard.services.stage.prefix_store import PrefixStore
 from pipeshard.services.stage.rawtcp import RawTcpStage
 from pipeshard.services.stage.servicer import StageServicer
 from pipeshard.services.stage.wire import DEFAULT_MAX_FRAME_TOKENS, WIRE_DTYPES
-from pipeshard.services.transport.hop import NEXT_HOP_HEALTH, HopStream
+from pipeshard.services.transport.hop import NEXT_HOP_HEALTH, HopStream, next_hop_health
 from pipeshard.settings import LOOPBACK, MIB, ServerSettings, load_settings, setting
 from pipeshard.shard.compile_cache import OFF
 from pipeshard.shard.device import DEFAULT_DEVICE
@@ -424,22 +425,22 @@ def main(argv: list[str] | None = None) -> int:
         if "node" in holder:
             await holder["node"].close()
 
-    def report_next_hop(server: GrpcServer) -> None:
-        """The next hop's state on health service NEXT_HOP_HEALTH: SERVING until its stream breaks
-        (a dead or stalled next stage), again once it reconnects; the coordinator watches it. With
-        several next hops, the first's (this replica's own lane's): a broken link to another
-        replica is found by the step deadline of the sessions routed over it."""
-        hop = holder["node"].next_hop
-        if hop is None:
-            return
-        server.set_serving(NEXT_HOP_HEALTH, True)
+    def report_next_hops(server: GrpcServer) -> None:
+        """Each next hop's state on its health service ``next_hop_health(i)`` (the first's also on
+        NEXT_HOP_HEALTH, the lane's own, as before): SERVING until its stream breaks (a dead or
+        stalled replica of the next stage), again once it reconnects; the coordinator watches them
+        and GetStageInfo lists them (``next_hop_states``), so a broken link names its own route."""
+        for index, hop in enumerate(holder["node"].next_hops):
+            services = [next_hop_health(index), *([NEXT_HOP_HEALTH] if index == 0 else [])]
+            for service in services:
+                server.set_serving(service, True)
+            hop.on_state = functools.partial(report, server, hop, services)
 
-        def report(up: bool, reason: str) -> None:
-            if not up:
-                log.warning("next_hop_lost", address=hop.address, reason=reason)
-            server.set_serving(NEXT_HOP_HEALTH, up)
-
-        hop.on_state = report
+    def report(server: GrpcServer, hop: HopStream, services: list[str], up: bool, reason: str) -> None:
+        if not up:
+            log.warning("next_hop_lost", address=hop.address, reason=reason)
+        for service in services:
+            server.set_serving(service, up)
 
     return run_server(
         settings,
@@ -448,5 +449,5 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_hooks=[shutdown],
         peers="fleet",
         node_name=f"stage{settings.stage}",
-        on_started=report_next_hop,
+        on_started=report_next_hops,
     )

@@ -226,6 +226,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         info.CopyFrom(self._info)
         engine = self._node.engine
         info.live_sessions = len(engine.sessions)
+        info.next_hop_states.extend(
+            stage_pb2.NextHopState(address=hop.address, up=hop.up, reason=hop.reason)
+            for hop in self._node.next_hops
+        )
         info.max_sessions_per_owner = engine.sessions.max_per_owner
         engine.describe(info, _caller_owner(context))
         return info

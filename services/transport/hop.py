@@ -17,7 +17,8 @@ the write, so it is not part of the measured link.
 ``on_state(up, reason)`` hears the hop come up (the first acknowledgement after a connect: a
 call can look connected while no byte crosses, as during a partition) and go down (its stream
 broke: a dead next stage, or a stall found by the channel's keepalive, channels.py). The stage
-reports it on its health service, so the coordinator names such a hop.
+reports each next hop on its own health service (``next_hop_health``) and in GetStageInfo's
+``next_hop_states``, so the coordinator names the hop that is down, not the whole next stage.
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ PROBE_TRAIN = 5
 RTT_SAMPLE_EVERY = 8
 # The grpc.health.v1 service name on which a stage reports its next hop's stream (up or broken).
 NEXT_HOP_HEALTH = "pipeshard.v1.StageService/next_hop"
+
+
+def next_hop_health(index: int) -> str:
+    """The health service name on which a stage reports its next hop ``index`` (an index into its
+    GetStageInfo ``next_hops``); NEXT_HOP_HEALTH alone is the first's, as before per-hop routes."""
+    return f"{NEXT_HOP_HEALTH}/{index}"
 
 
 class HopStream:
@@ -80,6 +87,7 @@ class HopStream:
         self._train: list[tuple[int, float]] = []  # (bytes, ack time) of the probe train
         self.on_state: Callable[[bool, str], None] = lambda up, reason: None
         self._up = False  # acknowledged since the last connect
+        self.reason = "not yet connected"  # why the hop is in its state (GetStageInfo's next_hop_states)
 
     def start(self) -> None:
         if self._task is None:
@@ -157,9 +165,14 @@ class HopStream:
         self._acks[request.ack_id] = (request.ByteSize(), time.perf_counter(), probe)
         await call.write(request)
 
+    @property
+    def up(self) -> bool:
+        """Whether frames reach the hop now: acknowledged since its stream last connected."""
+        return self._up
+
     def _report(self, up: bool, reason: str) -> None:
         if up != self._up:
-            self._up = up
+            self._up, self.reason = up, reason
             self.on_state(up, reason)
 
     def _on_ack(self, ack_id: int) -> None:

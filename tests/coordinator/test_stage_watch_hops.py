@@ -1,7 +1,8 @@
 """The coordinator's watch over each stage's report of its next hop (health service
 NEXT_HOP_HEALTH), against real grpc.health.v1 servers: a lost hop makes the next stage unreachable
 with a reason naming the hop, a restored hop brings it back unless the stage is down itself, and a
-stage that reports nothing (an older stage) changes nothing."""
+stage that reports nothing (an older stage) changes nothing. Each next hop of a stage with several
+(next_hop_health(j)) is watched on its own and blocks only the routes over it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import asyncio
 from pipeshard.grpc_server import GrpcServer
 from pipeshard.services.coordinator.stage_watch import StageWatch
 from pipeshard.services.transport.channels import open_channel
-from pipeshard.services.transport.hop import NEXT_HOP_HEALTH
+from pipeshard.services.transport.hop import NEXT_HOP_HEALTH, next_hop_health
 
 
 async def _until(condition, timeout_s: float = 20.0) -> None:
@@ -20,7 +21,7 @@ async def _until(condition, timeout_s: float = 20.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def _watched(reports_hop: bool = True):
+async def _watched(reports_hop: bool = True, **options):
     servers = [GrpcServer([], port=0) for _ in range(2)]
     for server in servers:
         await server.start()
@@ -28,7 +29,9 @@ async def _watched(reports_hop: bool = True):
         servers[0].set_serving(NEXT_HOP_HEALTH, True)
     channels = [open_channel(s.address) for s in servers]
     changes: list[tuple[int, bool, str]] = []
-    watch = StageWatch(dict(enumerate(channels)), [s.address for s in servers], lambda *c: changes.append(c))
+    watch = StageWatch(
+        dict(enumerate(channels)), [s.address for s in servers], lambda *c: changes.append(c), **options
+    )
     watch.start()
     return servers, channels, watch, changes
 
@@ -120,6 +123,46 @@ def test_wait_serving_returns_for_a_stage_that_reports_no_hop():
         servers, channels, watch, _ = await _watched(reports_hop=False)
         await watch.wait_serving(20.0)
         assert not watch.down
+        await _close(servers, channels, watch)
+
+    asyncio.run(run())
+
+
+def test_each_next_hop_is_watched_on_its_own_and_blocks_only_its_routes():
+    """Per-hop routes: stage 0 forwards to two replicas of stage 1 (next_hop_health(0) and (1));
+    hop 1 down blocks the routes over it only, the next stage and hop 0's routes stay up."""
+
+    async def run() -> None:
+        hop_changes: list[tuple[int, int, bool]] = []
+        servers, channels, watch, _ = await _watched(
+            on_hop_change=lambda index, hop, up, reason: hop_changes.append((index, hop, up))
+        )
+        for j in (0, 1):
+            servers[0].set_serving(next_hop_health(j), True)
+        await asyncio.sleep(0.5)
+        assert not watch.hops_down
+        servers[0].set_serving(next_hop_health(1), False)
+        await _until(lambda: (0, 1) in watch.hops_down)
+        assert list(watch.hops_down) == [(0, 1)]
+        assert watch.route_blocked(0, 0) is None and watch.route_blocked(1, None) is None
+        assert "its next hop 1 is down" in (watch.route_blocked(0, 1) or "")
+        assert not watch.down  # not the whole next stage: hop 0, its lane's, is up
+        assert hop_changes == [(0, 1, False)]
+        servers[0].set_serving(next_hop_health(1), True)
+        await _until(lambda: not watch.hops_down)
+        assert hop_changes[-1] == (0, 1, True)
+        await _close(servers, channels, watch)
+
+    asyncio.run(run())
+
+
+def test_a_stage_down_itself_blocks_every_route_through_it():
+    async def run() -> None:
+        servers, channels, watch, _ = await _watched()
+        servers[1].set_serving("", False)
+        await _until(lambda: 1 in watch.down)
+        assert "draining" in (watch.route_blocked(1, None) or "")
+        assert watch.route_blocked(0, 0) is None
         await _close(servers, channels, watch)
 
     asyncio.run(run())

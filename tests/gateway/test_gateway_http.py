@@ -399,7 +399,9 @@ def test_the_fleet_view_needs_a_topology(http):
     assert reply.status_code == 404 and reply.json()["error"]["param"] == "topology"
 
 
-def test_the_fleet_view_reads_the_topology_and_shows_what_answers(coordinator, tmp_path):
+def test_the_fleet_view_reads_the_topology_and_shows_what_answers_every_coordinator_too(
+    coordinator, tmp_path
+):
     from pipeshard.topology import Endpoint, StageEndpoint, Topology
 
     host, port = coordinator[1].rsplit(":", 1)
@@ -410,6 +412,7 @@ def test_the_fleet_view_reads_the_topology_and_shows_what_answers(coordinator, t
         exporter=Endpoint("127.0.0.1", 3, 0),
         stages=dead,
         replicas=[[StageEndpoint("127.0.0.1", 4, 0), StageEndpoint("127.0.0.1", 5, 0)]],
+        group=[Endpoint("127.0.0.1", 6, 0)],  # a second coordinator of the group, not answering
     ).save(tmp_path / "topology.yaml")
     settings = GatewaySettings(
         coordinator=coordinator[1], model_name="m", topology=tmp_path / "topology.yaml"
@@ -420,7 +423,12 @@ def test_the_fleet_view_reads_the_topology_and_shows_what_answers(coordinator, t
     assert [s["label"] for s in fleet["stages"]] == ["0", "1", "0.r1", "1.r1"]
     assert fleet["stages"][0]["node"] == "node-a" and fleet["stages"][0]["address"] == "127.0.0.1:1"
     assert all(s["health"].startswith("down") for s in fleet["stages"])
-    assert fleet["coordinator"]["health"] == "serving"
+    assert [(c["index"], c["address"]) for c in fleet["coordinators"]] == [
+        (0, coordinator[1]),
+        (1, "127.0.0.1:6"),
+    ]
+    assert fleet["coordinators"][0]["health"] == "serving"
+    assert fleet["coordinators"][1]["health"].startswith("down")
 
 
 def test_a_keyed_gateway_serves_the_page_but_not_the_fleet_without_a_key(coordinator, tmp_path):

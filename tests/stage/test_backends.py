@@ -101,7 +101,7 @@ def test_each_backend_names_its_family():
 def _info(backend, engine, shard, owner_metadata=()):
     facts = stage_pb2.GetStageInfoResponse(stage_index=0)
     backend.describe(shard, facts)
-    servicer = StageServicer(SimpleNamespace(engine=engine), facts)
+    servicer = StageServicer(SimpleNamespace(engine=engine, next_hops=[]), facts)
     context = SimpleNamespace(invocation_metadata=lambda: owner_metadata)
     return asyncio.run(servicer.GetStageInfo(stage_pb2.GetStageInfoRequest(), context))
 

@@ -122,7 +122,8 @@ def test_stage_info_gives_the_caller_its_share_and_the_coordinators_mirror_follo
     )
     engine = PagedEngine(pool, max_sessions=8, idle_timeout_s=60, max_per_owner=4)
     servicer = StageServicer(
-        SimpleNamespace(engine=engine), stage_pb2.GetStageInfoResponse(stage_index=0, max_context=4096)
+        SimpleNamespace(engine=engine, next_hops=[]),
+        stage_pb2.GetStageInfoResponse(stage_index=0, max_context=4096),
     )
     secret = "s" * 32
     mine = owner_metadata(secret)

@@ -166,7 +166,7 @@ def test_a_prompt_streams_its_answer_and_the_fleet_view_shows_every_stage(fleet,
 
     def live():
         """the coordinator's finished calls in the fleet view"""
-        return "OK" in find(By.CSS_SELECTOR, '#coordinator dd[data-field="Generate calls"]').text
+        return "OK" in find(By.CSS_SELECTOR, '#coordinators td[data-field="Generate calls"]').text
 
     _until(live)
     _screenshot(find(By.ID, "fleet"), tmp_path, "fleet")
