@@ -78,9 +78,9 @@ model-gemma3: proto
 export: model
 	$(VENV)/bin/pipeshard export --model $(MODEL) --stages $(STAGES) --weights $(WEIGHTS)
 
-## up: start a loopback fleet; RAY=auto|HEAD:6379: its services as actors on a Ray cluster, placed by the planner unless STAGES is given (docs/RAY.md) (exporter, STAGES stage processes (REPLICAS of each, default 1), coordinator (COORDINATORS=2: a group of two on 50051 and 50052 that continue each other's streams, docs/RELIABILITY.md), OpenAI gateway on 8080); prints `coordinator listening on HOST:PORT` and `openai gateway listening on HOST:PORT`; SECURE=1: mutual TLS + client token (docs/SECURITY.md)
+## up: start a loopback fleet; RAY=auto|HEAD:6379: its services as actors on a Ray cluster, placed by the planner unless STAGES is given (docs/RAY.md) (exporter, STAGES stage processes (REPLICAS of each, default 1), coordinator (COORDINATORS=2: a group of two on 50051 and 50052 that continue each other's streams, docs/RELIABILITY.md), OpenAI gateway on 8080); prints `coordinator listening on HOST:PORT` and `openai gateway listening on HOST:PORT`; SECURE=1: mutual TLS + client token (docs/SECURITY.md); with no feature draft for the export's weights it starts training one in the background at nice 19 and says so (DRAFT_TRAINING=off: not)
 up: model
-	$(VENV)/bin/pipeshard up $(if $(RAY),--ray $(RAY) $(if $(filter command line environment,$(origin STAGES)),--stages $(STAGES)),--stages $(STAGES)) $(if $(REPLICAS),--replicas $(REPLICAS)) $(if $(COORDINATORS),--coordinators $(COORDINATORS)) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(INVARIANT_LADDER),--invariant-ladder $(INVARIANT_LADDER)) $(if $(DEVICE),--device $(DEVICE)) $(if $(filter 1 yes true,$(SECURE)),--secure)
+	$(VENV)/bin/pipeshard up $(if $(RAY),--ray $(RAY) $(if $(filter command line environment,$(origin STAGES)),--stages $(STAGES)),--stages $(STAGES)) $(if $(REPLICAS),--replicas $(REPLICAS)) $(if $(COORDINATORS),--coordinators $(COORDINATORS)) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(INVARIANT_LADDER),--invariant-ladder $(INVARIANT_LADDER)) $(if $(DEVICE),--device $(DEVICE)) $(if $(filter 1 yes true,$(SECURE)),--secure) $(if $(DRAFT_TRAINING),--draft-training $(DRAFT_TRAINING))
 
 ## down: stop exactly the processes `make up` started
 down:
@@ -104,9 +104,9 @@ wheelhouse: proto
 image: wheelhouse
 	docker/build-images.sh
 
-## wan-up: (root) STAGES stages in network namespaces, DELAY_MS one way per hop, RATE_MBIT tbf cap (0 = none); stops itself after an hour
+## wan-up: (root) STAGES stages in network namespaces, DELAY_MS one way per hop, RATE_MBIT tbf cap (0 = none); stops itself after an hour; trains a missing feature draft in the background as `up` does (DRAFT_TRAINING=off: not)
 wan-up: model
-	$(VENV)/bin/pipeshard wan up --stages $(STAGES) --delay-ms $(DELAY_MS) --rate-mbit $(RATE_MBIT) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION))
+	$(VENV)/bin/pipeshard wan up --stages $(STAGES) --delay-ms $(DELAY_MS) --rate-mbit $(RATE_MBIT) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(DRAFT_TRAINING),--draft-training $(DRAFT_TRAINING))
 
 ## wan-down: stop exactly what `make wan-up` started and delete its namespaces and veths
 wan-down:
