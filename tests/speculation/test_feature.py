@@ -316,6 +316,11 @@ def test_fleets_offer_the_draft_trained_for_their_weights_only(smollm2_export, t
     trained = {"held_out_chain_of_3": 1.5}
     feature_draft.write(better, dataclasses.replace(meta, training=trained), draft.arrays())
     assert feature_draft_args(export)[1] == str(better)
+    # A draft trained on texts of several kinds is compared on its greedy answers' chain.
+    mixed = tmp_path / f"{model.name}-eagle-mixed-v8192"
+    trained = {"held_out_chain_of_3": 1.2, "held_out_chain_of_3_by_kind": {"greedy": 1.6, "sampled": 0.8}}
+    feature_draft.write(mixed, dataclasses.replace(meta, training=trained), draft.arrays())
+    assert feature_draft_args(export)[1] == str(mixed)
 
 
 def test_a_fleet_speculates_by_default_with_the_best_source_it_has():
