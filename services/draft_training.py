@@ -10,6 +10,7 @@ A marker beside the folder names the running trainer, so a second start does not
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -45,6 +46,18 @@ class Training:
             f"nice {NICE}, pid {self.pid}, about 45 minutes on 2 cores; log {self.log}); the next "
             f"fleet start offers it ({self.folder})"
         )
+
+
+def add_flag(parser: argparse.ArgumentParser) -> None:
+    """``--draft-training`` of `pipeshard up` and `pipeshard wan up`."""
+    parser.add_argument(
+        "--draft-training",
+        choices=MODES,
+        default=None,
+        help="background (default, or $PIPESHARD_DRAFT_TRAINING): with no feature draft for this "
+        "export's weights, train one in the background at nice 19 (about 45 minutes on 2 cores); "
+        "the next fleet start offers it",
+    )
 
 
 def default_mode() -> str:

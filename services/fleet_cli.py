@@ -22,7 +22,7 @@ from pipeshard.errors import InvalidArgument
 from pipeshard.keys import default_key_file
 from pipeshard.paths import DEFAULT_MODEL, certs_dir, export_name, shards_dir
 from pipeshard.precision import DEFAULT_PRECISION, INVARIANT_LADDER, PRECISIONS, ladder
-from pipeshard.services.draft_training import default_mode, start_background_training
+from pipeshard.services.draft_training import add_flag, default_mode, start_background_training
 from pipeshard.services.gateway.settings import GATEWAY_METRICS_PORT, GATEWAY_PORT
 from pipeshard.services.launcher import (
     coordinator_name,
@@ -102,14 +102,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="auto: offer a feature draft trained for this export's weights (`make distil KIND=eagle`) "
         "as the default speculation; off; or a draft folder",
     )
-    up.add_argument(
-        "--draft-training",
-        choices=("background", "off"),
-        default=None,
-        help="background (default, or $PIPESHARD_DRAFT_TRAINING): with no feature draft for this "
-        "export's weights, train one in the background at nice 19 (about 45 minutes on 2 cores); "
-        "the next fleet start offers it",
-    )
+    add_flag(up)
     up.add_argument(
         "--draft-heads",
         default="auto",

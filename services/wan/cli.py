@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pipeshard.paths import DEFAULT_MODEL
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
-from pipeshard.services.draft_training import default_mode, start_background_training
+from pipeshard.services.draft_training import add_flag, default_mode, start_background_training
 from pipeshard.services.fleet_cli import ensure_shards
 from pipeshard.services.launcher import default_speculation, draft_heads_args, feature_draft_args
 from pipeshard.services.wan import netns, state
@@ -42,14 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="auto: offer a feature draft trained for this export's weights as the default "
         "speculation; off; or a draft folder",
     )
-    up.add_argument(
-        "--draft-training",
-        choices=("background", "off"),
-        default=None,
-        help="background (default, or $PIPESHARD_DRAFT_TRAINING): with no feature draft for this "
-        "export's weights, train one in the background at nice 19 (about 45 minutes on 2 cores); "
-        "the next fleet start offers it",
-    )
+    add_flag(up)
     up.add_argument(
         "--draft-heads",
         default="auto",
