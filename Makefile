@@ -234,7 +234,7 @@ distil: model
 	  $(VENV)/bin/pipeshard distil --model $(MODEL) --target shards/$(MODEL)-1s-$(WEIGHTS) --layers $(DRAFT_LAYERS) --vocab $(DRAFT_VOCAB) --prompts $(DISTIL_PROMPTS) $(if $(DISTIL_EPOCHS),--epochs $(DISTIL_EPOCHS)); \
 	fi
 
-## bench-spec: speculative decoding on natural text (looping prompts dropped, repetition_rate), every draft source (prompt lookup, self, hf, the trained feature draft) as chains, trees and adaptive, single node, on 2-/3-stage rings for exactness and across the WAN emulator (flock /tmp/wan.lock; BENCH_QUICK=1: every key; bench/results/spec.json)
+## bench-spec: speculative decoding on natural text (looping prompts dropped, repetition_rate), every draft source (prompt lookup, self, hf, the trained feature draft) as chains, trees and adaptive, single node, on 2-/3-stage rings for exactness and across the WAN emulator, with 8 users at once at 3 stages and 100 ms (pipelined_speedup_at_100ms, batch8_spec_over_plain_at_100ms, per prompt kind; flock /tmp/wan.lock; BENCH_QUICK=1: every key; bench/results/spec.json)
 bench-spec: model
 	$(PY) -m bench.spec
 
