@@ -78,9 +78,9 @@ model-gemma3: proto
 export: model
 	$(VENV)/bin/pipeshard export --model $(MODEL) --stages $(STAGES) --weights $(WEIGHTS)
 
-## up: start a loopback fleet; RAY=auto|HEAD:6379: its services as actors on a Ray cluster, placed by the planner unless STAGES is given (docs/RAY.md) (exporter, STAGES stage processes (REPLICAS of each, default 1), coordinator (COORDINATORS=2: a group of two on 50051 and 50052 that continue each other's streams, docs/RELIABILITY.md), OpenAI gateway on 8080); prints `coordinator listening on HOST:PORT` and `openai gateway listening on HOST:PORT`; SECURE=1: mutual TLS + client token (docs/SECURITY.md)
+## up: start a loopback fleet; RAY=auto|HEAD:6379: its services as actors on a Ray cluster, placed by the planner unless STAGES is given (docs/RAY.md) (exporter, STAGES stage processes (REPLICAS of each, default 1), coordinator (COORDINATORS=2: a group of two on 50051 and 50052 that continue each other's streams, docs/RELIABILITY.md), OpenAI gateway on 8080); prints `coordinator listening on HOST:PORT` and `openai gateway listening on HOST:PORT`; SECURE=1: mutual TLS + client token (docs/SECURITY.md); with no feature draft for the export's weights it starts training one in the background at nice 19 and says so (DRAFT_TRAINING=off: not)
 up: model
-	$(VENV)/bin/pipeshard up $(if $(RAY),--ray $(RAY) $(if $(filter command line environment,$(origin STAGES)),--stages $(STAGES)),--stages $(STAGES)) $(if $(REPLICAS),--replicas $(REPLICAS)) $(if $(COORDINATORS),--coordinators $(COORDINATORS)) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(INVARIANT_LADDER),--invariant-ladder $(INVARIANT_LADDER)) $(if $(DEVICE),--device $(DEVICE)) $(if $(filter 1 yes true,$(SECURE)),--secure)
+	$(VENV)/bin/pipeshard up $(if $(RAY),--ray $(RAY) $(if $(filter command line environment,$(origin STAGES)),--stages $(STAGES)),--stages $(STAGES)) $(if $(REPLICAS),--replicas $(REPLICAS)) $(if $(COORDINATORS),--coordinators $(COORDINATORS)) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(INVARIANT_LADDER),--invariant-ladder $(INVARIANT_LADDER)) $(if $(DEVICE),--device $(DEVICE)) $(if $(filter 1 yes true,$(SECURE)),--secure) $(if $(DRAFT_TRAINING),--draft-training $(DRAFT_TRAINING))
 
 ## down: stop exactly the processes `make up` started
 down:
@@ -104,9 +104,9 @@ wheelhouse: proto
 image: wheelhouse
 	docker/build-images.sh
 
-## wan-up: (root) STAGES stages in network namespaces, DELAY_MS one way per hop, RATE_MBIT tbf cap (0 = none); stops itself after an hour
+## wan-up: (root) STAGES stages in network namespaces, DELAY_MS one way per hop, RATE_MBIT tbf cap (0 = none); stops itself after an hour; trains a missing feature draft in the background as `up` does (DRAFT_TRAINING=off: not)
 wan-up: model
-	$(VENV)/bin/pipeshard wan up --stages $(STAGES) --delay-ms $(DELAY_MS) --rate-mbit $(RATE_MBIT) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION))
+	$(VENV)/bin/pipeshard wan up --stages $(STAGES) --delay-ms $(DELAY_MS) --rate-mbit $(RATE_MBIT) --weights $(WEIGHTS) $(if $(PRECISION),--precision $(PRECISION)) $(if $(DRAFT_TRAINING),--draft-training $(DRAFT_TRAINING))
 
 ## wan-down: stop exactly what `make wan-up` started and delete its namespaces and veths
 wan-down:
@@ -234,7 +234,7 @@ distil: model
 	  $(VENV)/bin/pipeshard distil --model $(MODEL) --target shards/$(MODEL)-1s-$(WEIGHTS) --layers $(DRAFT_LAYERS) --vocab $(DRAFT_VOCAB) --prompts $(DISTIL_PROMPTS) $(if $(DISTIL_EPOCHS),--epochs $(DISTIL_EPOCHS)); \
 	fi
 
-## bench-spec: speculative decoding on natural text (looping prompts dropped, repetition_rate), every draft source (prompt lookup, self, hf, the trained feature draft) as chains, trees and adaptive, single node, on 2-/3-stage rings for exactness and across the WAN emulator (flock /tmp/wan.lock; BENCH_QUICK=1: every key; bench/results/spec.json)
+## bench-spec: speculative decoding on natural text (looping prompts dropped, repetition_rate), every draft source (prompt lookup, self, hf, the trained feature draft) as chains, trees and adaptive, single node, on 2-/3-stage rings for exactness and across the WAN emulator, with 8 users at once at 3 stages and 100 ms (pipelined_speedup_at_100ms, batch8_spec_over_plain_at_100ms, per prompt kind; flock /tmp/wan.lock; BENCH_QUICK=1: every key; bench/results/spec.json)
 bench-spec: model
 	$(PY) -m bench.spec
 

@@ -36,6 +36,14 @@ plain greedy's, INT4 at ``exact``), ``repetition_rate``; (#31) ``feature_speedup
 ``feature_teacher_forced`` (per kind, the draft's agreement with the target on its own answers);
 ``medusa_single_node_speedup``, ``medusa_tokens_per_traversal``, ``draft_heads_cost``, and from the WAN
 sweep ``medusa_speedup_at_100ms``, ``medusa_tokens_per_traversal_at_100ms``.
+(#48, with one traversal in flight per request, as today) ``pipelined_speedup_at_100ms`` (the best
+configuration of any source at 3 stages, 100 ms, against plain; ``pipelined_source_at_100ms`` names
+it), ``best_tokens_per_traversal_at_100ms`` (the most tokens per traversal any source's best
+configuration kept there), ``best_single_node_speedup`` (any source), ``batch8_spec_over_plain_at_100ms``
+(BATCH_USERS users at once, each its own kind's prompt, every one speculating with the fleet's best
+source under adaptive K against every one plain: ratio of median aggregate tok/s over interleaved
+rounds, at 3 stages and 100 ms), and ``by_kind_at_100ms`` (per prompt kind: that configuration's
+speedup and tokens per traversal, each source's best).
 
 BENCH_QUICK=1: 2 rounds single node, 1 WAN round, each after a few tokens per configuration, 24
 tokens, K 5, tree 3x4, sources ngram and feature (and self when BENCH_SELF_DRAFT is given), the
@@ -66,9 +74,9 @@ from bench.spec_costs import (
     token_draft_costs,
     trim_cost,
 )
-from bench.stats import RESULTS_DIR, interleaved, mean_ratio_ci, median, write_result
+from bench.stats import RESULTS_DIR, interleaved, mean_ratio_ci, median, ratio_ci, write_result
 from pipeshard import paths
-from pipeshard.clients.client import PipeshardClient
+from pipeshard.clients.client import AsyncPipeshardClient, PipeshardClient
 from pipeshard.offline import set_offline_defaults
 from pipeshard.services.coordinator.generation import Generation, Summary
 from pipeshard.services.coordinator.in_process import batched_ring, local_ring
@@ -105,6 +113,7 @@ FEATURE_VOCAB = 8192
 SINGLE_KV = os.environ.get("BENCH_SINGLE_KV", "paged")  # paged | stateful
 DRAFT_HEADS = os.environ.get("BENCH_DRAFT_HEADS")  # a folder, "off", or unset: the default one if trained
 MAX_REPEATS = 3  # an answer with a 4-gram more often than this loops: not natural text
+BATCH_USERS = 8  # users at once for batch8_spec_over_plain_at_100ms
 QUICK_WARMUP_TOKENS = 4
 KNOBS = (
     "BENCH_QUICK",
@@ -453,9 +462,16 @@ def wan_sweep(
                     configs, generate, prompts, WAN_TOKENS, WAN_RUNS, warmup=0 if QUICK else 1
                 )
                 client.close()
+                batch = None
+                if stages == 3 and delay == 100:
+                    batch = batch_users(
+                        fleet.coordinator, prompts, "feature" if "feature" in sources else sources[0]
+                    )
                 emulation = fleet.emulation
             rows = table(configs, samples, per_prompt, last, kinds)
             point: dict = {"stages": stages, "delay_ms": delay, "emulation": emulation, "configs": rows}
+            if batch is not None:
+                point["batch"] = batch
             for source in sources:
                 names = [n for n in configs if configs[n][0] == source]
                 best_fixed = max((n for n in names if is_fixed(configs[n])), key=lambda n: rows[n]["speedup"])
@@ -469,6 +485,82 @@ def wan_sweep(
             key = f"{stages}s-{delay:g}ms"
             out[key] = point
             print(f"wan {key}: { ({n: round(r['tok_s'], 2) for n, r in rows.items()}) }", file=sys.stderr)
+    return out
+
+
+def batch_users(coordinator: str, prompts: list[str], source: str, users: int = BATCH_USERS) -> dict:
+    """``users`` requests at once (user i asks prompt i modulo their count), all plain against all
+    speculating with ``source`` (adaptive K, tree auto): aggregate tok/s (every user's tokens over
+    the round's wall time) in interleaved rounds, the ratio of medians with its 95% interval, and
+    whether every speculative answer equals its plain one."""
+    import time
+
+    asked = [prompts[i % len(prompts)] for i in range(users)]
+    answers: dict[str, list[list[int]]] = {}
+
+    def runner(name: str, speculative: str):
+        request = {"max_tokens": WAN_TOKENS, "ignore_eos": True, "speculative": speculative, "k": 0}
+
+        def run() -> float:
+            async def every_user():
+                async with AsyncPipeshardClient(coordinator, timeout_s=600) as client:
+                    return await asyncio.gather(*(client.generate(p, tree="auto", **request) for p in asked))
+
+            started = time.perf_counter()
+            results = asyncio.run(every_user())
+            wall = time.perf_counter() - started
+            answers[name] = [list(r.token_ids) for r in results]
+            return sum(r.completion_tokens for r in results) / wall
+
+        return run
+
+    samples = interleaved(
+        {"plain": runner("plain", "none"), "spec": runner("spec", source)}, WAN_RUNS, warmup=0 if QUICK else 1
+    )
+    ratio, ci = ratio_ci(samples["spec"], samples["plain"])
+    return {
+        "users": users,
+        "source": source,
+        "plain_tok_s": median(samples["plain"]),
+        "spec_tok_s": median(samples["spec"]),
+        "spec_over_plain": ratio,
+        "spec_over_plain_ci95": ci,
+        "identical_to_plain": sum(a == b for a, b in zip(answers["spec"], answers["plain"], strict=True)),
+    }
+
+
+def pipelined_keys(wan: dict, sources: tuple[str, ...]) -> dict:
+    """#48's keys at 3 stages and 100 ms per hop, one traversal in flight per request (today's
+    speculation): the best configuration of any source against plain, the most tokens per
+    traversal, 8 users speculating against plain, and per prompt kind each source's best."""
+    at_100 = wan.get("3s-100ms")
+    if at_100 is None:
+        return {}
+    rows = at_100["configs"]
+    best = max((at_100[s]["best"] for s in sources), key=lambda n: rows[n]["speedup"])
+    out: dict = {
+        "pipelined_speedup_at_100ms": rows[best]["speedup"],
+        "pipelined_speedup_at_100ms_ci95": rows[best]["speedup_ci95"],
+        "pipelined_source_at_100ms": best,
+        "best_tokens_per_traversal_at_100ms": max(
+            rows[at_100[s]["best"]]["tokens_per_verify"] or 0.0 for s in sources
+        ),
+        "by_kind_at_100ms": {
+            s: {
+                "config": at_100[s]["best"],
+                "speedup": {
+                    kind: tok_s / rows["plain"]["tok_s_by_kind"][kind]
+                    for kind, tok_s in rows[at_100[s]["best"]]["tok_s_by_kind"].items()
+                },
+                "tokens_per_traversal": rows[at_100[s]["best"]]["tokens_per_traversal_by_kind"],
+            }
+            for s in sources
+        },
+    }
+    if "batch" in at_100:
+        out["batch8_spec_over_plain_at_100ms"] = at_100["batch"]["spec_over_plain"]
+        out["batch8_spec_over_plain_at_100ms_ci95"] = at_100["batch"]["spec_over_plain_ci95"]
+        out["batch8_source_at_100ms"] = at_100["batch"]["source"]
     return out
 
 
@@ -603,6 +695,10 @@ def main() -> int:
             "single_node_speedup_ci95": configs[single["best"]]["speedup_ci95"],
             "single_node": single,
         }
+        best_any = best_of(configs, spec_configs(all_sources, KS), all_sources)
+        if best_any is not None:
+            result["best_single_node_speedup"] = configs[best_any]["speedup"]
+            result["best_single_node_config"] = best_any
         if single["feature_best"]:
             result["feature_single_node_speedup"] = configs[single["feature_best"]]["speedup"]
             result["feature_single_node_speedup_ci95"] = configs[single["feature_best"]]["speedup_ci95"]
@@ -641,6 +737,8 @@ def main() -> int:
         for point in wan.values():
             plain = len(texts)
             exact.append(all(r["identical_to_plain"] == plain for r in point["configs"].values()))
+            if "batch" in point:
+                exact.append(point["batch"]["identical_to_plain"] == point["batch"]["users"])
         if len(DELAYS_MS) > 1:  # the docs' plot from the whole sweep only
             full = WAN_STAGES == (2, 3) and DELAYS_MS == (0, 10, 50, 100)
             plot_path = Path("docs/img/bench-spec-wan.png") if full else RESULTS_DIR / "spec-wan.png"
@@ -652,6 +750,7 @@ def main() -> int:
             "wan_kinds": kinds[: len(texts)],
             "wan_source": token_source,
             **wan_keys(wan, token_source, wan_sources[1:]),
+            **pipelined_keys(wan, wan_sources),
             "wan": wan,
         }
     result["bit_exact"] = all(exact) if exact else None

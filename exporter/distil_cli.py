@@ -94,6 +94,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--lr", type=float, default=None, help="peak learning rate (token 1e-3, eagle 2e-3, medusa 1e-3)"
     )
+    p.add_argument(
+        "--soft-weight",
+        type=float,
+        default=None,
+        help="--kind eagle: the share of the token loss on the target's top-k probabilities "
+        "(soft targets; default 0.5, 0: its argmax only)",
+    )
     p.add_argument("--weights", default="int4", choices=WEIGHT_FORMATS)
     p.add_argument(
         "--out", type=Path, default=None, help="output folder (default SHARDS_DIR/<model>-distil<K>[-v<N>])"
@@ -165,7 +172,7 @@ def _texts_file(args: argparse.Namespace) -> Path:
 
 
 def _run_eagle(args: argparse.Namespace, model_dir: Path) -> int:
-    from pipeshard.exporter.eagle import TRAIN_MINUTES, distil_eagle
+    from pipeshard.exporter.eagle import SOFT_WEIGHT, TRAIN_MINUTES, distil_eagle
     from pipeshard.exporter.target_texts import PROMPTS
 
     if args.texts is not None:
@@ -186,6 +193,7 @@ def _run_eagle(args: argparse.Namespace, model_dir: Path) -> int:
         train_minutes=args.train_minutes or TRAIN_MINUTES,
         report=_Report(),
         arch=args.arch,
+        soft=SOFT_WEIGHT if args.soft_weight is None else args.soft_weight,
     )
     t = result.meta.training
     verb = "reused" if result.reused else "trained"

@@ -24,6 +24,7 @@ from pipeshard.errors import InvalidArgument
 from pipeshard.exporter.draft import plan_draft
 from pipeshard.exporter.target_texts import (
     PROMPTS,
+    TEXT_KINDS,
     TEXTS,
     FeatureTexts,
     Report,
@@ -38,6 +39,9 @@ UNROLL = 3  # draft steps trained per sample, each on the previous step's predic
 # 2 quiet cores), a draft is ready within 45 minutes.
 TRAIN_MINUTES = 25.0
 INTERMEDIATE = 1536  # the MLP block's width (SmolLM2-135M's own layers use 1536)
+# The share of the token loss taken from the target's top-k probabilities (soft targets) where the
+# texts hold them; the rest is cross-entropy on its argmax.
+SOFT_WEIGHT = 0.5
 
 
 class EagleDraft:
@@ -108,6 +112,26 @@ class EagleDraft:
         }
 
 
+def soft_loss(draft: EagleDraft, logits, soft_ids, soft_probs):
+    """Cross-entropy of the head-slice ``logits`` [N, S] against the target's top-k distribution
+    (``soft_ids`` [N, k], ``soft_probs`` [N, k]), renormalised over the ids the slice scores."""
+    torch = draft.torch
+    cols = draft.column[soft_ids.long()]
+    keep = cols >= 0
+    q = soft_probs.float() * keep
+    q = q / q.sum(-1, keepdim=True).clamp_min(1e-6)
+    logp = torch.log_softmax(logits, -1).gather(-1, cols.clamp_min(0))
+    return -(q * logp).sum(-1).mean()
+
+
+def token_loss(draft: EagleDraft, logits, label, soft_ids=None, soft_probs=None, soft: float = 0.0):
+    """The token loss: cross-entropy on the target's argmax, ``soft`` of it from its top-k."""
+    hard = draft.torch.nn.functional.cross_entropy(logits, label, ignore_index=-100)
+    if not soft or soft_ids is None:
+        return hard
+    return (1.0 - soft) * hard + soft * soft_loss(draft, logits, soft_ids, soft_probs)
+
+
 def _samples(data: FeatureTexts) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Flat ids, features, argmax and the start indices t with UNROLL steps inside one text's
     answer (where serving drafts: the prompts' own positions are another distribution, and
@@ -168,13 +192,19 @@ def train(
     report: Report,
     minutes: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    soft: float = 0.0,
 ) -> int:
     """Trains ``epochs`` passes (each a fresh shuffle of the samples), or until ``minutes`` have
-    passed (``optimise``). Returns the steps taken."""
+    passed (``optimise``); ``soft``: the share of the token loss on the target's top-k
+    probabilities (where ``data`` holds them). Returns the steps taken."""
     torch = draft.torch
     torch.manual_seed(seed)
     ids, feats, top, starts = _samples(data)
     ids_t, top_t = torch.as_tensor(ids), torch.as_tensor(top)
+    soft_ids = soft_probs = None
+    if soft and data.soft_ids is not None and data.soft_probs is not None:
+        soft_ids = torch.as_tensor(np.concatenate(data.soft_ids))
+        soft_probs = torch.as_tensor(np.concatenate(data.soft_probs))
     feats_t = torch.as_tensor(feats, dtype=torch.float32)
     scale = float(feats_t.pow(2).mean())  # the regression in units of the features' own power
     batch = min(batch, len(starts))
@@ -185,9 +215,13 @@ def train(
         f, total = feats_t[pick], 0.0
         for j in range(UNROLL):
             f, logits = draft.step(f, ids_t[pick + j + 1])
-            label = draft.column[top_t[pick + j + 1]]
-            total = total + torch.nn.functional.smooth_l1_loss(f, feats_t[pick + j + 1]) / scale
-            total = total + torch.nn.functional.cross_entropy(logits, label, ignore_index=-100)
+            at = pick + j + 1
+            label = draft.column[top_t[at]]
+            total = total + torch.nn.functional.smooth_l1_loss(f, feats_t[at]) / scale
+            if soft_ids is None:
+                total = total + token_loss(draft, logits, label)
+            else:
+                total = total + token_loss(draft, logits, label, soft_ids[at], soft_probs[at], soft)
         return total
 
     steps = max(1, round(epochs * len(starts) / batch))
@@ -281,13 +315,15 @@ def distil_eagle(
     train_minutes: float | None = TRAIN_MINUTES,
     report: Report | None = None,
     arch: str = "mlp",
+    soft: float = SOFT_WEIGHT,
 ) -> EagleResult:
     """Train (or reuse) an eagle draft of ``target_export`` into ``out_dir``: a trained draft there
     whose fingerprint matches the target's is reused unless ``force``. The target's texts are kept
     in ``texts`` (default ``out_dir/texts.npz``) and reused from there when they match; training
     stops short of ``epochs`` where ``train_minutes`` would not hold them. ``arch``: ``mlp``
     (kind ``eagle``: the last position's feature only) or ``decoder`` (kind ``eagle-decoder``:
-    attention over the accepted positions, exporter/eagle_decoder.py)."""
+    attention over the accepted positions, exporter/eagle_decoder.py). ``soft``: the share of the
+    token loss on the target's top-k probabilities."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -301,6 +337,8 @@ def distil_eagle(
             return EagleResult(out_dir, True, meta)
     if not 0 < held_out < 1:
         raise InvalidArgument("held_out", f"must be in (0, 1), got {held_out}")
+    if not 0 <= soft <= 1:
+        raise InvalidArgument("soft", f"must be in [0, 1], got {soft}")
     if arch not in ARCHS:
         raise InvalidArgument("arch", f"must be one of {', '.join(ARCHS)}, got {arch!r}")
     plan_draft(model_dir, 1, vocab)  # refuses a bad slice before the texts are generated
@@ -328,10 +366,20 @@ def distil_eagle(
     before = measure(draft, evaluation)
     report("train", 0.0, f"held-out agreement before {before[0]:.3f} (chain of {UNROLL}: {before[1]:.2f})")
     steps = fit(
-        draft, training, epochs=epochs, lr=lr, batch=batch, seed=seed, report=report, minutes=train_minutes
+        draft,
+        training,
+        epochs=epochs,
+        lr=lr,
+        batch=batch,
+        seed=seed,
+        report=report,
+        minutes=train_minutes,
+        soft=soft if data.soft else 0.0,
     )
     after = measure(draft, evaluation)
     minutes = (time.perf_counter() - started) / 60.0
+    parts = {k: evaluation.of_kind(k) for k in TEXT_KINDS}
+    by_kind = {k: round(measure(draft, part)[1], 3) for k, part in parts.items() if part.ids}
     report("train", 1.0, f"held-out agreement after {after[0]:.3f} (chain of {UNROLL}: {after[1]:.2f})")
     meta = feature_draft.FeatureDraftMeta(
         kind=ARCHS[arch],
@@ -348,6 +396,7 @@ def distil_eagle(
             "max_tokens": max_tokens,
             "epochs": epochs,
             "steps": steps,
+            "soft_weight": soft if data.soft else 0.0,
             "batch": batch,
             "minutes": round(minutes, 2),  # this run's: without generating when the texts were reused
             "texts_reused": reused_texts,
@@ -356,6 +405,7 @@ def distil_eagle(
             "held_out_agreement_before": round(before[0], 4),
             "held_out_agreement": round(after[0], 4),
             "held_out_chain_of_3": round(after[1], 3),
+            "held_out_chain_of_3_by_kind": by_kind,
             # a chain of 3 drafts: the tokens a traversal keeps, its target token included
             "held_out_tokens_per_traversal": round(1.0 + after[1], 3),
         },

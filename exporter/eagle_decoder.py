@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pipeshard.exporter.eagle import UNROLL, EagleDraft, optimise, shuffled
+from pipeshard.exporter.eagle import UNROLL, EagleDraft, optimise, shuffled, token_loss
 from pipeshard.exporter.target_texts import FeatureTexts, Report
 from pipeshard.shard.feature_decoder import HEAD_DIM
 
@@ -137,10 +137,14 @@ class DecoderDraft(EagleDraft):
 
 class Sequences:
     """Every text's answer as one sequence: inputs (the feature at t, the id at t + 1) and labels
-    (the feature and the target's argmax at t + 1), from its answer's start on."""
+    (the feature, the target's argmax and, with ``soft``, its top-k probabilities at t + 1), from
+    its answer's start on."""
 
-    def __init__(self, data: FeatureTexts):
+    def __init__(self, data: FeatureTexts, soft: bool = False):
         self.features, self.tokens, self.next_features, self.next_top = [], [], [], []
+        self.soft = soft and data.soft_ids is not None and data.soft_probs is not None
+        self.soft_ids: list[np.ndarray] = []
+        self.soft_probs: list[np.ndarray] = []
         for i, ids in enumerate(data.ids):
             s = data.answer_start(i)
             if len(ids) - s < 2:
@@ -149,6 +153,9 @@ class Sequences:
             self.tokens.append(ids[s + 1 :])
             self.next_features.append(data.features[i][s + 1 :])
             self.next_top.append(data.argmax[i][s + 1 :])
+            if self.soft:
+                self.soft_ids.append(data.soft_ids[i][s + 1 :])  # type: ignore[index]
+                self.soft_probs.append(data.soft_probs[i][s + 1 :])  # type: ignore[index]
         self.lengths = np.asarray([len(t) for t in self.tokens], dtype=np.int64)
 
     def __len__(self) -> int:
@@ -156,7 +163,8 @@ class Sequences:
 
     def batch(self, draft: DecoderDraft, pick: np.ndarray):
         """Padded tensors of the sequences ``pick``: features, tokens, lengths, next features, the
-        next argmax's head column (-100 where padded or out of the slice)."""
+        next argmax's head column (-100 where padded or out of the slice), and with soft targets
+        the next top-k ids and probabilities (None without)."""
         torch = draft.torch
         t = int(self.lengths[pick].max())
         h = self.features[0].shape[1]
@@ -164,10 +172,15 @@ class Sequences:
         nxt = np.zeros((len(pick), t, h), dtype=np.float32)
         tokens = np.zeros((len(pick), t), dtype=np.int64)
         top = np.full((len(pick), t), -1, dtype=np.int64)
+        k = self.soft_ids[0].shape[1] if self.soft else 0
+        soft_ids = np.zeros((len(pick), t, k), dtype=np.int64)
+        soft_probs = np.zeros((len(pick), t, k), dtype=np.float32)
         for row, i in enumerate(pick):
             n = self.lengths[i]
             feats[row, :n], nxt[row, :n] = self.features[i], self.next_features[i]
             tokens[row, :n], top[row, :n] = self.tokens[i], self.next_top[i]
+            if self.soft:
+                soft_ids[row, :n], soft_probs[row, :n] = self.soft_ids[i], self.soft_probs[i]
         label = torch.full(top.shape, -100, dtype=torch.long)
         known = torch.as_tensor(top >= 0)
         label[known] = draft.column[torch.as_tensor(top)[known]]
@@ -177,18 +190,23 @@ class Sequences:
             torch.as_tensor(self.lengths[pick]),
             torch.as_tensor(nxt),
             label,
+            (torch.as_tensor(soft_ids), torch.as_tensor(soft_probs)) if self.soft else None,
         )
 
 
-def loss(draft: DecoderDraft, batch, scale: float):
-    """Every pass's feature regression (in units of the features' power) and cross-entropy on the
-    target's argmax, over the positions where that pass's root exists."""
+def loss(draft: DecoderDraft, batch, scale: float, soft: float = 0.0):
+    """Every pass's feature regression (in units of the features' power) and token loss
+    (eagle.token_loss: ``soft`` of it on the target's top-k), over the positions where that
+    pass's root exists."""
     torch = draft.torch
-    feats, tokens, lengths, nxt, label = batch
+    feats, tokens, lengths, nxt, label, targets = batch
     total = 0.0
     for out, logits, mask in draft.passes(feats, tokens, lengths, UNROLL):
         reg = torch.nn.functional.smooth_l1_loss(out[mask], nxt[mask]) / scale
-        ce = torch.nn.functional.cross_entropy(logits[mask], label[mask], ignore_index=-100)
+        if targets is None:
+            ce = token_loss(draft, logits[mask], label[mask])
+        else:
+            ce = token_loss(draft, logits[mask], label[mask], targets[0][mask], targets[1][mask], soft)
         total = total + reg + ce
     return total
 
@@ -202,7 +220,7 @@ def chain_kept(draft: DecoderDraft, seqs: Sequences, depth: int, batch: int = 32
     with torch.no_grad():
         for at in range(0, len(seqs), batch):
             pick = np.arange(at, min(at + batch, len(seqs)))
-            feats, tokens, lengths, _, label = seqs.batch(draft, pick)
+            feats, tokens, lengths, _, label, _ = seqs.batch(draft, pick)
             t = feats.shape[1]
             positions = torch.arange(t)
             # Roots whose whole chain lies inside the text (as eagle.agreement counts them).
@@ -231,18 +249,19 @@ def train_decoder(
     report: Report,
     minutes: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    soft: float = 0.0,
 ) -> int:
     """Trains ``epochs`` passes over the texts, ``batch`` sequences a step, or until ``minutes``
-    have passed (eagle.optimise). Returns the steps taken."""
+    have passed (eagle.optimise); ``soft`` as in eagle.train. Returns the steps taken."""
     draft.torch.manual_seed(seed)
-    seqs = Sequences(data)
+    seqs = Sequences(data, soft=bool(soft))
     scale = float(np.mean([np.mean(np.square(f, dtype=np.float32)) for f in seqs.next_features]))
     batch = min(batch, len(seqs))
     picks = shuffled(np.arange(len(seqs)), batch, seed)
     steps = max(1, round(epochs * len(seqs) / batch))
 
     def step_loss():
-        return loss(draft, seqs.batch(draft, next(picks)), scale)
+        return loss(draft, seqs.batch(draft, next(picks)), scale, soft)
 
     return optimise(
         draft, step_loss, steps, epochs=epochs, lr=lr, report=report, minutes=minutes, clock=clock

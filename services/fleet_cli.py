@@ -22,6 +22,7 @@ from pipeshard.errors import InvalidArgument
 from pipeshard.keys import default_key_file
 from pipeshard.paths import DEFAULT_MODEL, certs_dir, export_name, shards_dir
 from pipeshard.precision import DEFAULT_PRECISION, INVARIANT_LADDER, PRECISIONS, ladder
+from pipeshard.services.draft_training import add_flag, default_mode, start_background_training
 from pipeshard.services.gateway.settings import GATEWAY_METRICS_PORT, GATEWAY_PORT
 from pipeshard.services.launcher import (
     coordinator_name,
@@ -101,6 +102,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="auto: offer a feature draft trained for this export's weights (`make distil KIND=eagle`) "
         "as the default speculation; off; or a draft folder",
     )
+    add_flag(up)
     up.add_argument(
         "--draft-heads",
         default="auto",
@@ -224,6 +226,7 @@ def run_up(args: argparse.Namespace) -> int:
         stage_memory_limit=limit,
         coordinators=args.coordinators,
     )
+    training = start_background_training(shards, args.draft_training or default_mode(), feature)
     if tls_dir is not None:
         shutil.copyfile(tls_dir / CA_CERT, RUN_CA_CERT)  # where clients look by default
         print(f"secured: mutual TLS with the CA in {tls_dir}; clients use {RUN_DIR / 'ca.pem'} and the token")
@@ -231,6 +234,8 @@ def run_up(args: argparse.Namespace) -> int:
     else:
         print("plaintext on loopback (`make up SECURE=1` for TLS and a token)")
     print(speculation)
+    if training is not None:
+        print(training.said())
     if heads:
         print(f"draft heads: {heads[1]} on the final stage (speculative `medusa`)")
     print(f"topology written to {TOPOLOGY}; logs in {RUN_DIR}/")

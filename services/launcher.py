@@ -234,8 +234,16 @@ def feature_draft_args(shards: Path, choice: str = "auto") -> list[str]:
     if not ours:
         return []
     # Of several (architectures, trainings), the one whose held-out chain kept the most.
-    _, best = max(ours, key=lambda m: float(m[0].training.get("held_out_chain_of_3", 0.0)))
+    _, best = max(ours, key=lambda m: held_out_chain(m[0].training))
     return ["--feature-draft", str(best), "--speculative", "feature"]
+
+
+def held_out_chain(training: dict) -> float:
+    """What a draft's held-out 3-token chain kept on the target's greedy answers: drafts trained on
+    texts of several kinds record it per kind (their whole held-out set mixes in sampled text, which
+    keeps less), earlier ones on greedy answers only."""
+    by_kind = training.get("held_out_chain_of_3_by_kind") or {}
+    return float(by_kind.get("greedy", training.get("held_out_chain_of_3", 0.0)))
 
 
 def default_speculation(feature_args: list[str]) -> tuple[list[str], str]:

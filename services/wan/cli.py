@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pipeshard.paths import DEFAULT_MODEL
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
+from pipeshard.services.draft_training import add_flag, default_mode, start_background_training
 from pipeshard.services.fleet_cli import ensure_shards
 from pipeshard.services.launcher import default_speculation, draft_heads_args, feature_draft_args
 from pipeshard.services.wan import netns, state
@@ -41,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="auto: offer a feature draft trained for this export's weights as the default "
         "speculation; off; or a draft folder",
     )
+    add_flag(up)
     up.add_argument(
         "--draft-heads",
         default="auto",
@@ -56,7 +58,8 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         netns.require_root(bool(args.rate_mbit))
         shards = ensure_shards(args.model, args.stages, args.weights)
-        speculation, said = default_speculation(feature_draft_args(shards, args.feature_draft))
+        feature = feature_draft_args(shards, args.feature_draft)
+        speculation, said = default_speculation(feature)
         fleet = WanFleet(
             shards,
             args.stages,
@@ -70,6 +73,7 @@ def run_up(args: argparse.Namespace) -> int:
             extra_coordinator_args=speculation,
             final_stage_args=draft_heads_args(shards, args.draft_heads),
         )
+        training = start_background_training(shards, args.draft_training or default_mode(), feature)
     except WanError as exc:
         print(f"wan up: {exc}", file=sys.stderr)
         return 1
@@ -77,6 +81,8 @@ def run_up(args: argparse.Namespace) -> int:
     print(f"WAN emulator: {args.delay_ms:g} ms one way per hop, {cap}; logs in {RUN_DIR}/")
     print(f"stops by itself in {args.ttl_s:g} s unless `pipeshard wan down` runs first")
     print(said)
+    if training is not None:
+        print(training.said())
     for link in fleet.links:
         print(f"stage {link.index} in namespace {link.namespace} on {link.ns_ip}")
     print(f"coordinator listening on {fleet.coordinator}", flush=True)

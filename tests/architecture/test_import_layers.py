@@ -54,6 +54,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "fleet": (
         (
             "pipeshard.services.launcher",
+            "pipeshard.services.draft_training",  # a fleet start trains its missing draft
             "pipeshard.services.memcap",
             "pipeshard.services.fleet_cli",
             "pipeshard.certs_cli",  # a topology's hosts get their certificates

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.spec import TREES, is_fixed, loops, repetition_rate, spec_configs, wan_keys
+from bench.spec import TREES, is_fixed, loops, pipelined_keys, repetition_rate, spec_configs, wan_keys
 
 
 def test_repetition_rate_counts_answers_that_loop():
@@ -36,9 +36,19 @@ def _point(stages, delay, ngram, feature):
             "adaptive_over_plain": over_plain,
         }
 
+    def row(speedup, per_traversal, by_kind):
+        return {
+            "speedup": speedup,
+            "speedup_ci95": [speedup, speedup],
+            "tokens_per_verify": per_traversal,
+            "tok_s_by_kind": by_kind,
+            "tokens_per_traversal_by_kind": {"chat": per_traversal, "code": (per_traversal or 0) + 1},
+        }
+
     configs = {
-        "ngram-k5": {"speedup": ngram, "speedup_ci95": [ngram, ngram], "tokens_per_verify": 1.5},
-        "feature-auto": {"speedup": feature, "speedup_ci95": [feature, feature], "tokens_per_verify": 2.5},
+        "plain": row(1.0, None, {"chat": 2.0, "code": 4.0}),
+        "ngram-k5": row(ngram, 1.5, {"chat": 2.0 * ngram, "code": 4.0}),
+        "feature-auto": row(feature, 2.5, {"chat": 3.0, "code": 4.0 * feature}),
     }
     return {
         "stages": stages,
@@ -60,3 +70,19 @@ def test_wan_keys_take_each_sources_best_at_100ms_and_the_worst_adaptive_point()
     assert "feature_speedup_at_100ms" not in without and without["adaptive_over_plain_min"] == pytest.approx(
         1.1
     )
+
+
+def test_pipelined_keys_take_the_best_source_at_100ms_per_kind_and_the_batch():
+    wan = {"3s-0ms": _point(3, 0.0, 1.0, 1.1), "3s-100ms": _point(3, 100.0, 1.4, 2.2)}
+    keys = pipelined_keys(wan, ("ngram", "feature"))
+    assert keys["pipelined_speedup_at_100ms"] == 2.2 and keys["pipelined_source_at_100ms"] == "feature-auto"
+    assert keys["best_tokens_per_traversal_at_100ms"] == 2.5
+    assert keys["by_kind_at_100ms"]["ngram"]["speedup"] == {"chat": pytest.approx(1.4), "code": 1.0}
+    assert keys["by_kind_at_100ms"]["feature"]["speedup"] == {"chat": 1.5, "code": pytest.approx(2.2)}
+    assert keys["by_kind_at_100ms"]["feature"]["tokens_per_traversal"] == {"chat": 2.5, "code": 3.5}
+    assert "batch8_spec_over_plain_at_100ms" not in keys  # no batch measured at that point
+    batch = {"spec_over_plain": 1.3, "spec_over_plain_ci95": [1.1, 1.5], "source": "feature"}
+    wan["3s-100ms"]["batch"] = batch
+    keys = pipelined_keys(wan, ("ngram",))
+    assert keys["pipelined_speedup_at_100ms"] == 1.4 and keys["batch8_spec_over_plain_at_100ms"] == 1.3
+    assert pipelined_keys({"3s-0ms": wan["3s-0ms"]}, ("ngram",)) == {}

@@ -316,6 +316,11 @@ def test_fleets_offer_the_draft_trained_for_their_weights_only(smollm2_export, t
     trained = {"held_out_chain_of_3": 1.5}
     feature_draft.write(better, dataclasses.replace(meta, training=trained), draft.arrays())
     assert feature_draft_args(export)[1] == str(better)
+    # A draft trained on texts of several kinds is compared on its greedy answers' chain.
+    mixed = tmp_path / f"{model.name}-eagle-mixed-v8192"
+    trained = {"held_out_chain_of_3": 1.2, "held_out_chain_of_3_by_kind": {"greedy": 1.6, "sampled": 0.8}}
+    feature_draft.write(mixed, dataclasses.replace(meta, training=trained), draft.arrays())
+    assert feature_draft_args(export)[1] == str(mixed)
 
 
 def test_a_fleet_speculates_by_default_with_the_best_source_it_has():
@@ -362,3 +367,26 @@ def test_distil_progress_prints_every_tenth_of_a_phase(capsys):
         report("train", step / 1356, f"step {step}")
     lines = capsys.readouterr().err.splitlines()
     assert [line.split()[2] for line in lines] == [f"{10 * t}%" for t in range(11)]
+
+
+def test_soft_targets_are_the_targets_top_k_over_the_head_slice():
+    """A one-hot soft target is the argmax's cross-entropy; probability on ids the head slice does
+    not score is dropped (the rest renormalised); ``soft`` mixes the two losses."""
+    from pipeshard.exporter.eagle import soft_loss, token_loss
+
+    torch.manual_seed(0)
+    head_ids = torch.arange(0, V, V // S)[:S]
+    draft = EagleDraft(torch.randn(V, H), torch.randn(S, H), head_ids, 1e-5, 32)
+    logits = torch.randn(4, S)
+    label = torch.tensor([0, 3, 5, 7])
+    hard = torch.nn.functional.cross_entropy(logits, label)
+    one_hot_ids = head_ids[label][:, None].repeat(1, 2)
+    one_hot_ids[:, 1] = 1  # 1 is off the slice (every V // S-th id is on it)
+    probs = torch.tensor([[0.6, 0.4]]).repeat(4, 1).half()
+    assert torch.allclose(soft_loss(draft, logits, one_hot_ids, probs), hard, atol=1e-4)
+    spread_ids = torch.stack([head_ids[label], head_ids[(label + 1) % S]], 1)
+    spread = soft_loss(draft, logits, spread_ids, torch.tensor([[0.5, 0.5]]).repeat(4, 1))
+    assert not torch.allclose(spread, hard)
+    assert torch.allclose(token_loss(draft, logits, label), hard)
+    mixed = token_loss(draft, logits, label, spread_ids, torch.tensor([[0.5, 0.5]]).repeat(4, 1), 0.25)
+    assert torch.allclose(mixed, 0.75 * hard + 0.25 * spread)

@@ -143,3 +143,34 @@ def test_training_raises_the_held_out_chain(one_thread):
     train_decoder(draft, data, epochs=40, lr=1e-2, batch=8, seed=0, report=lambda *a: None)
     after = chain_kept(draft, Sequences(data), 3)
     assert after[1] > before[1] + 0.5, (before, after)
+
+
+def test_soft_targets_reach_every_pass_where_the_texts_hold_them(tmp_path):
+    """With soft targets the decoder's batches carry the target's top-k at t + 1 (padded like the
+    rest) and its loss mixes them in; without them (or at weight 0) the loss is the argmax's."""
+    from pipeshard.exporter.eagle_decoder import loss
+
+    draft = random_decoder(tmp_path)
+    rng = np.random.default_rng(2)
+    lengths = (7, 5)
+    ids = [rng.integers(0, V, n) for n in lengths]
+    data = FeatureTexts(
+        ids,
+        [rng.standard_normal((n, H)).astype(np.float16) for n in lengths],
+        [np.append(i[1:], 0) for i in ids],  # all answer
+        soft_ids=[rng.integers(0, V, (n, 3)).astype(np.int32) for n in lengths],
+        soft_probs=[rng.random((n, 3)).astype(np.float16) for n in lengths],
+    )
+    soft = Sequences(data, soft=True)
+    batch = soft.batch(draft, np.arange(2))
+    top_ids, top_probs = batch[-1]
+    assert top_ids.shape == (2, 6, 3) and top_probs.shape == (2, 6, 3)
+    assert top_ids[1, :4].tolist() == data.soft_ids[1][1:].tolist()  # t + 1's, from the answer's start
+    assert not top_probs[1, 4:].any()  # padding
+    plain = Sequences(data).batch(draft, np.arange(2))
+    assert plain[-1] is None
+    with torch.no_grad():
+        hard = loss(draft, plain, 1.0)
+        assert torch.allclose(loss(draft, batch, 1.0, 0.0), hard)
+        mixed = loss(draft, batch, 1.0, 0.5)
+    assert torch.isfinite(mixed) and not torch.allclose(mixed, hard)
