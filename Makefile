@@ -116,10 +116,10 @@ wan-down:
 run-stage: proto
 	$(VENV)/bin/pipeshard stage --topology config/topology.yaml --stage $(STAGE) $(if $(REPLICA),--replica $(REPLICA)) --log-format console
 
-## demo: set up, fetch the model, export, start the fleet, stream one answer, stop
+## demo: set up, fetch the model, export, start the fleet, stream one answer, stop (no background draft training: a demo leaves nothing running; DRAFT_TRAINING=background to start it)
 demo: model
 	$(MAKE) --no-print-directory down
-	$(MAKE) --no-print-directory up
+	$(MAKE) --no-print-directory up DRAFT_TRAINING=$(or $(DRAFT_TRAINING),off)
 	$(VENV)/bin/pipeshard generate --stream "What is the capital of France? Answer in one sentence." ; \
 	  status=$$?; $(MAKE) --no-print-directory down; exit $$status
 
