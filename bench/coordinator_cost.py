@@ -69,7 +69,7 @@ def child(users: int) -> float:
 
         async def close(self) -> None: ...
 
-    ring = Ring(Instant(), paged=True, sessions=lambda: users)
+    ring = Ring(Instant(), paged=True)
     generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, prefill_chunk=256)
 
     async def one() -> int:

@@ -148,7 +148,6 @@ class InProcessStages:
         return Ring(
             self,
             paged=self.traits.batches_steps,
-            sessions=lambda: len(self.engines[0].sessions),
             step_tokens=step_tokens,
             inflight=inflight,
             prefill_chunk=self._chunk or None,
