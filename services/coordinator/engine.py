@@ -12,7 +12,8 @@ step's answer came back, a request arrived, a failover finished) it:
 1. forms steps (:meth:`EngineCore.schedule`) from the ready requests under one token budget:
    decode and verify rows up to each group's share, ceil(open / inflight), so about ``inflight``
    steps keep the pipeline full; then prefill chunks (rows of prefilling requests) while the
-   budget lasts; a request's first row and a chunk passed over once go first; batch jobs' rows
+   budget lasts; a request's first row and a chunk passed over once go first; identities take
+   turns (fair share); batch jobs' rows
    are the lower class, split by their job's micro-batches; a failover's resend goes at once,
    alone. Drafting happens here, per planned row, with the load of the step being formed and the
    budget it leaves (batch-aware K, speculation/policy.py), so a request that does not fit waits;
@@ -258,10 +259,18 @@ class EngineCore(Generic[S]):
             row = self._row(request, StepLoad(), budget)
             return StepPlan(() if row is None else ((request, row),))
         upcoming = {r.id: r.upcoming(self.prefill_chunk) for r in ready}
+        # Fair share: each identity's rows take turns with the others' (its first ready row, then
+        # its second, ...), so one client's many rows do not fill a step before another's one.
+        seen: Counter[str] = Counter()
+        turn: dict[RequestId, int] = {}
+        for r in sorted(ready, key=lambda r: self._arrival[r.id]):
+            turn[r.id] = seen[r.slot.identity]
+            seen[r.slot.identity] += 1
         ready.sort(
             key=lambda r: (
                 r.slot.grouping is not None,
                 not (upcoming[r.id].first or r.slot.passed_over),
+                turn[r.id],
                 self._arrival[r.id],
             )
         )

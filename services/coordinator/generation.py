@@ -332,7 +332,8 @@ class _Request:
         self.status = RequestStatus.PREFILLING
         self.session_id = session_id
         self.admission = admission  # the scheduler's: its sessions carry its KV charge
-        self.slot = StepSlot(grouping)  # its place in the engine's batching, for its whole life
+        # Its place in the engine's batching, for its whole life.
+        self.slot = StepSlot(grouping, identity="" if admission is None else admission.identity.name)
         self.standby = StandbyCopy()  # its KV captured ahead of a failover (kv_standby.py), when on
         # Structured output, penalties, logit_bias: tokens are chosen here from shaped logits.
         self.constraint = constraint

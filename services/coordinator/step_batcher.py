@@ -49,11 +49,13 @@ class StepSlot:
     """One request's place in the batching for its whole life (across failovers): ``grouping`` its
     batch job's micro-batches (None: the engine's own groups), ``expedited`` its next row leaves
     at once, alone (a failover's resend), ``passed_over`` a prefill chunk of it was left out of a
-    step once (it goes ahead of rows that became ready later)."""
+    step once (it goes ahead of rows that became ready later), ``identity`` whose request it is
+    (rows that cannot all ride take turns across identities)."""
 
     grouping: Grouping | None = None
     expedited: bool = False
     passed_over: bool = False
+    identity: str = ""
 
 
 @dataclass
