@@ -1098,10 +1098,13 @@ class Generation:
     async def _answered(self, rows: Sequence[tuple[_Request, Row]], answers: list, elapsed: float) -> None:
         """A step's answers, each to its request (the engine calls this): the rows' updates run
         side by side, so every request of the step is ready again before the next is formed."""
-        alone = len(rows) == 1
+        if len(rows) == 1:  # alone: no task of its own needed
+            (request, row), (answer,) = rows[0], answers
+            await self._answer(request, row, answer, elapsed, alone=True)
+            return
         await asyncio.gather(
             *(
-                self._answer(request, row, answer, elapsed, alone)
+                self._answer(request, row, answer, elapsed, alone=False)
                 for (request, row), answer in zip(rows, answers, strict=True)
             )
         )
