@@ -21,7 +21,8 @@ step's answer came back, a request arrived, a failover finished) it:
    the ring): up to ``inflight`` steps travel at once (a batch queue as deep as the pipeline);
 3. as a step's answer comes back, hands each row's answer to the request's update (acceptance,
    emission into its non-blocking output queue, stop checks): the requests of one answered step
-   become ready together and form the next step at once; a finished request leaves; an
+   become ready together (no step forms until all of its rows are updated) and form the next
+   step at once; a finished request leaves; an
    Unavailable answer marks it MOVING while its failover runs as a task of its own, which puts it
    back ready under the same id.
 
@@ -179,6 +180,7 @@ class EngineCore(Generic[S]):
         self._arrival: dict[RequestId, int] = {}
         self._arrivals = itertools.count()
         self._in_flight: set[asyncio.Task] = set()
+        self._answering = 0  # steps of several rows whose answers are being taken (no step forms)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -211,6 +213,7 @@ class EngineCore(Generic[S]):
         if self._task is None or self._task.done():  # first request, or a new event loop
             self._wake = asyncio.Event()
             self._in_flight = set()
+            self._answering = 0
             self._task = asyncio.create_task(self.run(), name="engine-core")
         self._wake.set()
 
@@ -233,7 +236,11 @@ class EngineCore(Generic[S]):
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def pump(self) -> int:
-        """Launches steps while requests are ready and the batch queue has room; how many."""
+        """Launches steps while requests are ready and the batch queue has room; how many. None
+        while a step's rows are still being updated: they become ready together and form the
+        next step (one whose update waits on a worker thread is not left behind by the others)."""
+        if self._answering:
+            return 0
         launched = 0
         while self._ready:
             expedited = any(r.slot.expedited for r in self._ready.values())
@@ -384,8 +391,12 @@ class EngineCore(Generic[S]):
                 request.steps_in_flight -= 1
                 if not request.steps_in_flight:
                     request.landed.set()
+        held = len(plan.rows) > 1
+        self._answering += held
         try:
             await self._answered(plan.rows, answers, elapsed)
         except Exception:  # a bug in an update: logged, and the loop goes on
             log.exception("step_answers_failed", rows=len(plan.rows))
+        finally:
+            self._answering -= held
         self.pump()

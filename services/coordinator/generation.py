@@ -369,6 +369,7 @@ class _Request:
         self.new_logprobs: list[float] = []  # of the tokens the last step accepted, when asked
         # Its output stream: chunks, then the end, for its reader (never blocks the engine).
         self.output: asyncio.Queue[Chunk | _Ended] = asyncio.Queue()
+        self.outbox: list[Chunk] = []  # chunks of the step just answered, handed over once the next left
         self.parked = False  # its reader is STREAM_EVENTS behind: not planned until it catches up
         self.streaming_step = 0  # the step whose tokens are streaming (the trace's key)
         self.steps_in_flight = 0  # the engine's: its steps travelling (more than one: sent ahead)
@@ -1101,13 +1102,24 @@ class Generation:
         if len(rows) == 1:  # alone: no task of its own needed
             (request, row), (answer,) = rows[0], answers
             await self._answer(request, row, answer, elapsed, alone=True)
-            return
-        await asyncio.gather(
-            *(
-                self._answer(request, row, answer, elapsed, alone=False)
-                for (request, row), answer in zip(rows, answers, strict=True)
+        else:
+            await asyncio.gather(
+                *(
+                    self._answer(request, row, answer, elapsed, alone=False)
+                    for (request, row), answer in zip(rows, answers, strict=True)
+                )
             )
-        )
+        # The readers get the chunks once the next step (formed right after this) is on its way,
+        # so their streaming overlaps the stages' work instead of delaying its start.
+        asyncio.get_running_loop().call_soon(self._deliver, [request for request, _ in rows])
+
+    @staticmethod
+    def _deliver(requests: list[_Request]) -> None:
+        """Hands the requests' new chunks to their readers."""
+        for request in requests:
+            for chunk in request.outbox:
+                request.output.put_nowait(chunk)
+            request.outbox.clear()
 
     async def _answer(self, request: _Request, row: Row, answer, elapsed: float, alone: bool) -> None:
         """One row's answer: a failure ends or moves the request, a chunk only filled its cache,
@@ -1162,7 +1174,7 @@ class Generation:
             chunk.tokens = await asyncio.to_thread(self._token_texts, list(chunk.token_ids))
             for top in chunk.top:
                 top.tokens = await asyncio.to_thread(self._token_texts, list(top.token_ids))
-        request.output.put_nowait(chunk)
+        request.outbox.append(chunk)
         if done:
             self.engine.withdraw(request)  # a step sent ahead of a stop string goes unused
         return done
@@ -1196,7 +1208,7 @@ class Generation:
 
     def _ready(self, request: _Request) -> None:
         """Back to the engine, unless its reader is behind (then its reader hands it back)."""
-        if request.output.qsize() >= STREAM_EVENTS:
+        if request.output.qsize() + len(request.outbox) >= STREAM_EVENTS:
             request.parked = True
         else:
             self.engine.ready(request)
@@ -1212,6 +1224,7 @@ class Generation:
         if request.status is not RequestStatus.FINISHED or error is None:
             request.status = RequestStatus.FINISHED
             self.engine.withdraw(request)
+            self._deliver([request])
             request.output.put_nowait(_Ended(error))
 
     def _token_texts(self, token_ids: list[int]) -> list[str]:
