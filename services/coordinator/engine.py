@@ -223,11 +223,15 @@ class EngineCore(Generic[S]):
         self._arrival.pop(request.id, None)
 
     async def run(self) -> None:
-        """The engine task: forms and launches steps whenever requests become ready."""
+        """The engine task: forms and launches steps whenever requests become ready; it ends
+        once no request runs (the next one starts it again), so none is left pending when its
+        event loop closes."""
         while True:
             await self._wake.wait()
             self._wake.clear()
             self.pump()
+            if not (self.requests or self._ready or self._in_flight):
+                return
 
     async def close(self) -> None:
         tasks = [t for t in (self._task, *self._in_flight) if t is not None]
