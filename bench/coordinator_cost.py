@@ -2,7 +2,7 @@
 
 ``python -m bench.coordinator_cost [--before REV] [--users 16] [--runs 6]``: USERS greedy 128-token
 generations of the bundled model's tokenizer through the coordinator's real ``Generation``,
-``Ring`` and ``StepBatcher`` over a transport that answers every step at once (a fixed token per
+``Ring`` and engine loop over a transport that answers every step at once (a fixed token per
 step, no stages, no gRPC), so the process CPU time per generated token is the coordinator's own
 per-row work: token frames, the plan frame, acceptance, detokenizing, the event loop. With
 ``--before``, that commit runs the same loop in its own process (checked out as bench-commits
@@ -69,7 +69,7 @@ def child(users: int) -> float:
 
         async def close(self) -> None: ...
 
-    ring = Ring(Instant(), paged=True, sessions=lambda: users)
+    ring = Ring(Instant(), paged=True)
     generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, prefill_chunk=256)
 
     async def one() -> int:

@@ -1,18 +1,66 @@
-"""The coordinator's engine core: every running request under one id that never changes.
+"""The coordinator's engine core: every running request under one id, and the one loop that
+decides every step.
+
+A request is state, not a coroutine that steps itself. Its caller (``Generation.generate``, the
+servicer's path) opens it (sessions, prefix restore: per-request async work stays in the
+caller's coroutine), hands it to the engine as ready (:meth:`EngineCore.ready`) and from then on
+only reads its output queue; when the engine says it ended, the caller keeps and releases it.
+
+One engine task (:meth:`EngineCore.run`) per coordinator; each time requests become ready (a
+step's answer came back, a request arrived, a failover finished) it:
+
+1. forms steps (:meth:`EngineCore.schedule`) from the ready requests under one token budget:
+   decode and verify rows up to each group's share, ceil(open / inflight), so about ``inflight``
+   steps keep the pipeline full; then prefill chunks (rows of prefilling requests) while the
+   budget lasts; a request's first row and a chunk passed over once go first; identities take
+   turns (fair share); batch jobs' rows
+   are the lower class, split by their job's micro-batches; a failover's resend goes at once,
+   alone. Drafting happens here, per planned row, with the load of the step being formed and the
+   budget it leaves (batch-aware K, speculation/policy.py), so a request that does not fit waits;
+2. launches each step (the rows' frames, built by ``wire.token_row``, as one plan frame through
+   the ring): up to ``inflight`` steps travel at once (a batch queue as deep as the pipeline);
+3. as a step's answer comes back, hands each row's answer to the request's update (acceptance,
+   emission into its non-blocking output queue, stop checks): the requests of one answered step
+   become ready together (no step forms until all of its rows are updated) and form the next
+   step at once; a finished request leaves; an
+   Unavailable answer marks it MOVING while its failover runs as a task of its own, which puts it
+   back ready under the same id.
+
+A ring that does not batch (stateful stages) sends each ready request's row alone, at once.
 
 A request's sessions on the stages change (a prefix restore that fails opens a fresh one, a
 failover opens one on another lane); its :class:`RequestId` does not, so what the coordinator
 knows of a request is found by that id, and its sessions are a field of the request. The table
 (``EngineCore.requests``) holds each request from the moment its sessions open until they are
-released or aborted, whatever way it ends (finished, failed, cancelled by its client), and each
-request's :class:`RequestStatus` says where it is in its life.
+released or aborted, whatever way it ends, and each request's :class:`RequestStatus` says where
+it is in its life.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import itertools
+import time
 import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Generic, NewType, Protocol, TypeVar
+
+import structlog
+
+from pipeshard import trace
+from pipeshard.services.coordinator.speculation.drafts import Draft
+from pipeshard.services.coordinator.speculation.policy import StepLoad
+from pipeshard.services.coordinator.speculation.tree import TreeChains, TreeNodes
+from pipeshard.services.coordinator.step_batcher import BatchSteps, Grouping, StepSlot
+from pipeshard.v1 import activation_pb2
+
+log = structlog.get_logger(__name__)
+
+# Draft positions a row may add on a ring that sends each row alone (no step budget to share).
+ALONE_BUDGET = 1 << 20
 
 RequestId = NewType("RequestId", str)
 
@@ -30,7 +78,7 @@ class RequestStatus(enum.Enum):
 
 
 class Tracked(Protocol):
-    """What the engine needs of a request it tracks."""
+    """What the engine's table needs of a request."""
 
     @property
     def id(self) -> RequestId: ...
@@ -39,26 +87,320 @@ class Tracked(Protocol):
     def status(self) -> RequestStatus: ...
 
 
-R = TypeVar("R", bound=Tracked)
+@dataclass(frozen=True)
+class Upcoming:
+    """A ready request's next row before it is built: its positions without drafts, whether it is
+    a decode or verify row (else a prompt's chunk) and whether it is the request's first row."""
+
+    tokens: int
+    decoding: bool
+    first: bool
 
 
-class EngineCore(Generic[R]):
-    """The requests running on this coordinator, by their id."""
+@dataclass(frozen=True)
+class Row:
+    """One planned row: its frame, whether it decodes (else a prompt's chunk), and what the
+    request's update needs back with its answer (the draft or tree it carries; None: a chunk
+    that only fills the cache)."""
 
-    def __init__(self) -> None:
-        self.requests: dict[RequestId, R] = {}
+    frame: activation_pb2.ActivationFrame
+    decoding: bool
+    draft: Draft | TreeChains | TreeNodes | None = None
 
-    def add(self, request: R) -> None:
+    @property
+    def tokens(self) -> int:
+        return len(self.frame.positions)
+
+
+class Steppable(Tracked, Protocol):
+    """What the engine loop needs of a request: its place in the batching, its next row, and
+    where it counts its steps in flight (``landed`` is set while none is)."""
+
+    slot: StepSlot
+    steps_in_flight: int
+    landed: asyncio.Event
+
+    def upcoming(self, chunk: int) -> Upcoming: ...
+
+    def next_row(self, chunk: int, load: StepLoad, budget: int) -> Row:
+        """Its next row, drafted for a step carrying ``load`` besides it, with at most ``budget``
+        positions for drafts."""
+        ...
+
+
+S = TypeVar("S", bound=Steppable)
+
+# Runs one step's frames; answers each with its StepResult or the exception for it.
+StepRunner = Callable[[list[activation_pb2.ActivationFrame]], Awaitable[list]]
+# Takes a step's answers: each planned row with its StepResult or exception, and the step's time.
+Answered = Callable[[Sequence[tuple[S, Row]], list, float], Awaitable[None]]
+# Ends a request whose next row could not be built (the error is its end).
+Failed = Callable[[S, Exception], None]
+
+
+@dataclass(frozen=True)
+class StepPlan(Generic[S]):
+    """What one step carries, as :meth:`EngineCore.schedule` decided it: its decode and verify
+    rows, then its prefill chunks (within the step's token budget, unless its first row alone
+    exceeds it)."""
+
+    rows: tuple[tuple[S, Row], ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(row.tokens for _, row in self.rows)
+
+
+class EngineCore(Generic[S]):
+    """The requests running on this coordinator, by their id, and the loop that steps them.
+
+    ``run``: carries one step's frames to the stages; ``answered``: takes a step's answers (the
+    requests' updates); ``failed``: ends a request whose row could not be built; ``steps``: a
+    batching ring's settings and counters (None: each row goes alone); ``prefill_chunk``: prompt
+    tokens per chunk row."""
+
+    def __init__(
+        self,
+        run: StepRunner | None = None,
+        answered: Answered | None = None,
+        failed: Failed | None = None,
+        *,
+        steps: BatchSteps | None = None,
+        prefill_chunk: int = 1,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.requests: dict[RequestId, S] = {}
+        self.steps = steps
+        self.prefill_chunk = prefill_chunk
+        self._run = run
+        self._answered = answered
+        self._failed = failed
+        self._clock = clock
+        self._ready: dict[RequestId, S] = {}  # by arrival order
+        self._arrival: dict[RequestId, int] = {}
+        self._arrivals = itertools.count()
+        self._in_flight: set[asyncio.Task] = set()
+        self._answering = 0  # steps of several rows whose answers are being taken (no step forms)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    # The table.
+
+    def add(self, request: S) -> None:
         """Tracks a request whose sessions just opened; its id must be new."""
         if request.id in self.requests:
             raise ValueError(f"request {request.id} is already running")
         self.requests[request.id] = request
 
-    def remove(self, request: R) -> None:
+    def remove(self, request: S) -> None:
         """The request has ended (every exit path comes here once its sessions are let go)."""
         if request.status is not RequestStatus.FINISHED:
             raise ValueError(f"request {request.id} is {request.status.value}, not finished")
         self.requests.pop(request.id, None)
+        self.withdraw(request)
 
-    def with_status(self, status: RequestStatus) -> list[R]:
+    def with_status(self, status: RequestStatus) -> list[S]:
         return [r for r in self.requests.values() if r.status is status]
+
+    # The loop.
+
+    def ready(self, request: S) -> None:
+        """The request's next row may be planned (it was answered, arrived or moved)."""
+        if request.id in self._ready or request.status is RequestStatus.FINISHED:
+            return
+        self._ready[request.id] = request
+        self._arrival[request.id] = next(self._arrivals)
+        if self._task is None or self._task.done():  # first request, or a new event loop
+            self._wake = asyncio.Event()
+            self._in_flight = set()
+            self._answering = 0
+            self._task = asyncio.create_task(self.run(), name="engine-core")
+        self._wake.set()
+
+    def withdraw(self, request: S) -> None:
+        """The request is not to be planned (it ended, or waits on its reader)."""
+        self._ready.pop(request.id, None)
+        self._arrival.pop(request.id, None)
+
+    async def run(self) -> None:
+        """The engine task: forms and launches steps whenever requests become ready; it ends
+        once no request runs (the next one starts it again), so none is left pending when its
+        event loop closes."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            self.pump()
+            if not (self.requests or self._ready or self._in_flight):
+                return
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._task, *self._in_flight) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def pump(self) -> int:
+        """Launches steps while requests are ready and the batch queue has room; how many. None
+        while a step's rows are still being updated: they become ready together and form the
+        next step (one whose update waits on a worker thread is not left behind by the others)."""
+        if self._answering:
+            return 0
+        launched = 0
+        while self._ready:
+            expedited = any(r.slot.expedited for r in self._ready.values())
+            if not expedited and self.steps is not None and len(self._in_flight) >= self._limit():
+                break
+            self._launch(self.schedule())
+            launched += 1
+        return launched
+
+    def schedule(self) -> StepPlan[S]:
+        """The next step from the ready requests (module docstring): decode and verify rows up to
+        each grouping's share, then prefill chunks, interactive rows before batch jobs' and urgent
+        ones (first rows, chunks passed over before) first, each in arrival order, all while the
+        step's token budget lasts (its first row always goes); drafts are chosen per decode row
+        with this step's load and the budget its rows leave."""
+        ready = list(self._ready.values())
+        first = next((r for r in ready if r.slot.expedited), None)
+        if first is not None or self.steps is None:
+            request = first or ready[0]
+            request.slot.expedited = False
+            self.withdraw(request)
+            budget = self.steps.step_tokens if self.steps is not None else ALONE_BUDGET
+            row = self._row(request, StepLoad(), budget)
+            return StepPlan(() if row is None else ((request, row),))
+        upcoming = {r.id: r.upcoming(self.prefill_chunk) for r in ready}
+        # Fair share: each identity's rows take turns with the others' (its first ready row, then
+        # its second, ...), so one client's many rows do not fill a step before another's one.
+        seen: Counter[str] = Counter()
+        turn: dict[RequestId, int] = {}
+        for r in sorted(ready, key=lambda r: self._arrival[r.id]):
+            turn[r.id] = seen[r.slot.identity]
+            seen[r.slot.identity] += 1
+        ready.sort(
+            key=lambda r: (
+                r.slot.grouping is not None,
+                not (upcoming[r.id].first or r.slot.passed_over),
+                turn[r.id],
+                self._arrival[r.id],
+            )
+        )
+        room = self._shares()
+        budget = self.steps.step_tokens
+        decode: list[S] = []
+        for r in ready:
+            up, group = upcoming[r.id], r.slot.grouping
+            if up.decoding and (up.tokens <= budget or not decode) and room.get(group, 1) > 0:
+                decode.append(r)
+                room[group] = room.get(group, 1) - 1
+                budget -= up.tokens
+        chunks: list[S] = []
+        for r in ready:
+            up = upcoming[r.id]
+            if not up.decoding and (up.tokens <= budget or not (decode or chunks)):
+                chunks.append(r)
+                budget -= up.tokens
+        taken = {r.id for r in (*decode, *chunks)}
+        for r in ready:
+            if r.id not in taken and not upcoming[r.id].decoding:
+                r.slot.passed_over = True  # ahead of everything that becomes ready later
+        for r in (*decode, *chunks):
+            self.withdraw(r)
+            r.slot.passed_over = False
+        rows_total = len(taken)
+        tokens_total = sum(upcoming[i].tokens for i in taken)
+        planned: list[tuple[S, Row]] = []
+        for r in (*decode, *chunks):
+            base = upcoming[r.id].tokens
+            load = StepLoad(rows_total - 1, tokens_total - base)
+            row = self._row(r, load, max(0, budget) if upcoming[r.id].decoding else 0)
+            if row is not None:
+                budget -= row.tokens - base
+                tokens_total += row.tokens - base
+                planned.append((r, row))
+        return StepPlan(tuple(planned))
+
+    def _row(self, request: S, load: StepLoad, budget: int) -> Row | None:
+        """The request's next row, or None when it cannot be built (the request ends with it)."""
+        try:
+            return request.next_row(self.prefill_chunk, load, budget)
+        except Exception as exc:
+            if self._failed is None:
+                raise
+            self._failed(request, exc)
+            return None
+
+    def _groupings(self) -> list[Grouping]:
+        """The groupings of the batch jobs' requests running (one entry per request)."""
+        return [r.slot.grouping for r in self.requests.values() if r.slot.grouping is not None]
+
+    def _limit(self) -> int:
+        """The most steps in flight: ``inflight``, or more while a batch job's count is higher."""
+        assert self.steps is not None
+        return max([self.steps.inflight, *(g.count for g in self._groupings())])
+
+    def _shares(self) -> dict[Grouping | None, int]:
+        """Decode rows of each grouping one step may take: its requests split over its groups."""
+        assert self.steps is not None
+        groups = self._groupings()
+        open_: dict[Grouping | None, int] = {None: max(0, len(self.requests) - len(groups))}
+        open_.update(Counter(groups))
+        inflight = self.steps.inflight
+        return {g: max(1, -(-n // (inflight if g is None else g.count))) for g, n in open_.items()}
+
+    def _launch(self, plan: StepPlan[S]) -> None:
+        if not plan.rows:
+            return
+        steps = self.steps
+        if steps is not None:
+            steps.steps_run += 1
+            steps.rows_run += len(plan.rows)
+            steps.last_step_rows = len(plan.rows)
+            steps.last_step_tokens = plan.tokens
+        now = self._clock()
+        groupings = {r.slot.grouping for r, _ in plan.rows if r.slot.grouping is not None}
+        for grouping in groupings:
+            grouping.steps_run += 1
+            grouping.launched_s = now
+        for request, row in plan.rows:
+            request.steps_in_flight += 1
+            request.landed.clear()
+            trace.mark("batched", row.frame.session_id, row.frame.step_id)
+            job = request.slot.grouping
+            if job is not None:
+                job.decode_rows_run += row.decoding
+                if not row.decoding:
+                    job.last_prefill_step = job.steps_run
+        task = asyncio.create_task(self._step(plan), name="engine-step")
+        self._in_flight.add(task)
+        if steps is not None:
+            steps.max_in_flight = max(steps.max_in_flight, len(self._in_flight))
+
+    async def _step(self, plan: StepPlan[S]) -> None:
+        """One step through the ring, then its answers to the requests' updates."""
+        assert self._run is not None and self._answered is not None
+        sent = self._clock()
+        try:
+            try:
+                answers = await self._run([row.frame for _, row in plan.rows])
+            except Exception as exc:  # a runner that raises fails every row of its step
+                answers = [exc] * len(plan.rows)
+            elapsed = self._clock() - sent
+            timed = all(row.decoding for _, row in plan.rows)
+            if self.steps is not None and timed and not any(isinstance(a, BaseException) for a in answers):
+                self.steps.timing.observe(plan.tokens, elapsed, rows=len(plan.rows))
+        finally:
+            self._in_flight.discard(asyncio.current_task())
+            for request, _ in plan.rows:
+                request.steps_in_flight -= 1
+                if not request.steps_in_flight:
+                    request.landed.set()
+        held = len(plan.rows) > 1
+        self._answering += held
+        try:
+            await self._answered(plan.rows, answers, elapsed)
+        except Exception:  # a bug in an update: logged, and the loop goes on
+            log.exception("step_answers_failed", rows=len(plan.rows))
+        finally:
+            self._answering -= held
+        self.pump()

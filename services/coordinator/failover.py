@@ -35,7 +35,6 @@ from pipeshard.metrics import FAILOVERS
 from pipeshard.services.coordinator.kv_standby import KvStandby, StandbyCopy
 from pipeshard.services.coordinator.replicas import ReplicaLanes
 from pipeshard.services.coordinator.ring import RingLike, ShuttingDown
-from pipeshard.services.coordinator.step_batcher import StepSlot
 from pipeshard.v1 import activation_pb2
 
 if TYPE_CHECKING:
@@ -72,9 +71,6 @@ class MovableRequest(Protocol):
 
     @property
     def cursor(self) -> RestoredCursor: ...
-
-    @property
-    def slot(self) -> StepSlot: ...
 
     @property
     def admission(self) -> ScheduledRequest | None:
@@ -130,9 +126,9 @@ class Failover:
         warm: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Rebuilds ``request``'s session on a healthy lane through ``ring`` (the generation's, with
-        its accounting and batching); tries each lane once, then raises the last error. The KV
-        comes from the standby copy when it holds any, else ``warm`` restores what it can of the
-        prompt from the prefix cache (the lane that kept it)."""
+        its accounting; the replay's rows go alone, at once); tries each lane once, then raises
+        the last error. The KV comes from the standby copy when it holds any, else ``warm``
+        restores what it can of the prompt from the prefix cache (the lane that kept it)."""
         started = time.perf_counter()
         copy = self.standby.take(request.standby) if self.standby is not None else None
         try:
@@ -161,7 +157,7 @@ class Failover:
                     kv_ready = time.perf_counter()
                     trace.mark("failover_restored", request.session_id, 0)
                     for frame in request.replay_frames(replay[restored:], prefill_chunk):
-                        await ring.step(frame, request.slot)
+                        await ring.step(frame)
                 except Unavailable as exc:
                     error = exc
                     continue
@@ -234,7 +230,7 @@ class Failover:
         restored = self._two_token_start(request, replay)
         try:
             for frame in request.replay_frames(replay[restored:], prefill_chunk):
-                await ring.step(frame, request.slot)
+                await ring.step(frame)
         except Unavailable as exc:  # another replica went meanwhile: the whole session moves
             self.standby.take(copy)
             log.warning("hop_move_failed", session_id=sid, stages=broken, reason=str(exc))

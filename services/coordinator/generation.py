@@ -1,7 +1,11 @@
-"""The decode loop of one request: open a session on every stage, prefill, decode, release.
+"""A request's life on the coordinator: open a session on every stage, prefill, decode, release.
 
 Each request owns its session (its own KV state on every stage), so any number run
-concurrently on one ring; the ring interleaves their frames.
+concurrently on one ring. A request is state (``_Request``), not a coroutine that steps itself:
+the caller's coroutine (:meth:`Generation.generate`) opens it and hands it to the engine loop
+(engine.py), which plans its rows into steps with the others' and hands each answer to
+:meth:`Generation.update` (acceptance, emission into its output queue, stop checks); the caller
+only reads that queue, then keeps and releases the request once it ended.
 
 Decoding is speculative when the request asks for a draft source: each step sends the last
 token plus K drafted tokens through the pipeline in one traversal (K = 0 is a plain step) and
@@ -25,7 +29,7 @@ import asyncio
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,7 +49,14 @@ from pipeshard.metrics import (
 )
 from pipeshard.sampling import accept_sampled, restore_rng, rng_state
 from pipeshard.services.coordinator.detokenizer import IncrementalDetokenizer
-from pipeshard.services.coordinator.engine import EngineCore, RequestId, RequestStatus, new_request_id
+from pipeshard.services.coordinator.engine import (
+    EngineCore,
+    RequestId,
+    RequestStatus,
+    Row,
+    Upcoming,
+    new_request_id,
+)
 from pipeshard.services.coordinator.grammar import Constraint, Grammars
 from pipeshard.services.coordinator.kv_standby import StandbyCopy
 from pipeshard.services.coordinator.prefix_cache import PrefixIndex
@@ -59,7 +70,7 @@ from pipeshard.services.coordinator.sampling import (
 )
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
-from pipeshard.services.coordinator.speculation.policy import KPolicy, SourceMemory, TimingModel
+from pipeshard.services.coordinator.speculation.policy import KPolicy, SourceMemory, StepLoad, TimingModel
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.services.coordinator.speculation.tree import (
     ROOT,
@@ -74,7 +85,7 @@ from pipeshard.services.coordinator.speculation.tree import (
     accept_tree_sampled,
 )
 from pipeshard.services.coordinator.step_answer import StepAnswer, read_answer
-from pipeshard.services.coordinator.step_batcher import DEFAULT_PREFILL_CHUNK, Grouping, StepBatcher, StepSlot
+from pipeshard.services.coordinator.step_batcher import DEFAULT_PREFILL_CHUNK, BatchSteps, Grouping, StepSlot
 from pipeshard.services.stage.domain import RowKind, SamplingStep, Step
 from pipeshard.services.stage.wire import frame_from_step, token_row
 from pipeshard.v1 import activation_pb2
@@ -93,15 +104,16 @@ log = structlog.get_logger(__name__)
 INLINE_DETOKENIZE_TOKENS = 4
 
 
-# Events a request's decode loop may run ahead of its reader (tokens only; beyond them it waits).
+# Chunks a request may run ahead of its reader: beyond them it is not planned until its reader
+# takes one (a slow reader holds up its own request only).
 STREAM_EVENTS = 64
 
 
 @dataclass(frozen=True)
-class _Failed:
-    """The error that ended a request's decode loop, handed to its reader to raise."""
+class _Ended:
+    """The engine is done with the request (finished, or the error that ended it, for its reader)."""
 
-    error: Exception
+    error: Exception | None = None
 
 
 @dataclass(frozen=True)
@@ -320,7 +332,8 @@ class _Request:
         self.status = RequestStatus.PREFILLING
         self.session_id = session_id
         self.admission = admission  # the scheduler's: its sessions carry its KV charge
-        self.slot = StepSlot(grouping)  # its place in the ring's step batcher, for its whole life
+        # Its place in the engine's batching, for its whole life.
+        self.slot = StepSlot(grouping, identity="" if admission is None else admission.identity.name)
         self.standby = StandbyCopy()  # its KV captured ahead of a failover (kv_standby.py), when on
         # Structured output, penalties, logit_bias: tokens are chosen here from shaped logits.
         self.constraint = constraint
@@ -354,25 +367,53 @@ class _Request:
         self.pending: list[int] = []  # tokens the stages have not seen yet
         self.emitted_at = self.started  # when the last tokens were handed out
         self.new_logprobs: list[float] = []  # of the tokens the last step accepted, when asked
-        self.ahead: asyncio.Task | None = None  # the next step, sent before this one's token streams
-        # Its output stream: chunks, then its Summary (or the error that ended it), for its reader.
-        self.output: asyncio.Queue[Chunk | Summary | _Failed] = asyncio.Queue(STREAM_EVENTS)
+        # Its output stream: chunks, then the end, for its reader (never blocks the engine).
+        self.output: asyncio.Queue[Chunk | _Ended] = asyncio.Queue()
+        self.outbox: list[Chunk] = []  # chunks of the step just answered, handed over once the next left
+        self.parked = False  # its reader is STREAM_EVENTS behind: not planned until it catches up
         self.streaming_step = 0  # the step whose tokens are streaming (the trace's key)
+        self.steps_in_flight = 0  # the engine's: its steps travelling (more than one: sent ahead)
+        self.landed = asyncio.Event()  # set while none is
+        self.landed.set()
+        self.turn = asyncio.Lock()  # one answer's update at a time, in order
+        self.rode_alone = False  # its last step carried its row only (it may send ahead)
+        self.sent_ahead = False  # its update sent its next step already
+        self.batch_aware = True  # K for the load of the step being formed (else as if alone)
+        self.scope = ""  # whose prefix cache entries it may use, and whether it uses them
+        self.cache = False
+        self.moving: asyncio.Task | None = None  # its failover, while it runs
 
     @property
     def top1(self) -> bool:
         """The final stage answers with its argmax (greedy, unconstrained); else with logits or draws."""
         return self.params.greedy and self.shaper is None
 
-    def prefill_frames(self, chunk: int) -> Iterator[activation_pb2.ActivationFrame]:
-        """Fill-only frames for all of the prompt but its last chunk, so other sessions' decode
-        steps interleave with a long prompt. The chunk size is fixed per server, never chosen by
-        load, so a request's output cannot depend on its neighbours."""
-        while len(self.prompt_ids) - self.cursor.logical > chunk:
-            yield self.cursor.frame(
-                self.prompt_ids[self.cursor.logical : self.cursor.logical + chunk], fill_only=True
-            )
-        self.pending = self.prompt_ids[self.cursor.logical :]
+    def upcoming(self, chunk: int) -> Upcoming:
+        """Its next row before drafting: a chunk of the prompt while it prefills (the last one
+        returns its first token), else its pending tokens."""
+        if self.status is RequestStatus.PREFILLING:
+            left = len(self.prompt_ids) - self.cursor.logical
+            return Upcoming(min(left, chunk), decoding=False, first=self.cursor.step == 0)
+        return Upcoming(len(self.pending), decoding=True, first=False)
+
+    def next_row(self, chunk: int, load: StepLoad, budget: int) -> Row:
+        """Its next row (the engine's schedule calls it for each row it plans): a fill-only chunk
+        of all of the prompt but its last chunk, so other sessions' decode steps interleave with a
+        long prompt (the chunk size is fixed per server, never chosen by load, so a request's
+        output cannot depend on its neighbours); then the pending tokens plus any drafts, K
+        chosen for ``load`` (the rest of the step) within ``budget`` positions."""
+        prefilling = self.status is RequestStatus.PREFILLING  # (DECODING once its first token is in)
+        if prefilling:
+            start = self.cursor.logical
+            if len(self.prompt_ids) - start > chunk:
+                frame = self.cursor.frame(self.prompt_ids[start : start + chunk], fill_only=True)
+                trace.mark("gen_send", frame.session_id, frame.step_id)
+                return Row(frame, decoding=False)
+            self.pending = self.prompt_ids[start:]
+        draft = self.draft(load if self.batch_aware else StepLoad(), budget)
+        frame = self.frame(draft)
+        trace.mark("gen_send", frame.session_id, frame.step_id)
+        return Row(frame, decoding=not prefilling, draft=draft)
 
     def expedite(self) -> None:
         """Its next step leaves at once, not after the steps in flight (a failover's resend)."""
@@ -384,11 +425,6 @@ class _Request:
         same session id (a per-hop failover: the session is cut back, not replaced) keeps its step
         count, so no late answer of a lost step is taken for a new one."""
         self.status = RequestStatus.MOVING
-        if self.ahead is not None:
-            self.ahead.cancel()
-            if self.ahead.done() and not self.ahead.cancelled():
-                self.ahead.exception()  # the failed step that brought us here: seen, not lost
-            self.ahead = None
         step = self.cursor.step if session_id == self.session_id else 0
         self.session_id = session_id
         params = self.params
@@ -397,7 +433,7 @@ class _Request:
         )
         self.cursor.step = step
         if not self.generated:
-            return []  # still prefilling: prefill_frames starts the prompt again
+            return []  # still prefilling: next_row starts the prompt again
         return self.context[: len(self.context) - len(self.pending)]
 
     def resumed(self) -> None:
@@ -413,14 +449,15 @@ class _Request:
             yield self.cursor.frame(tokens[start : start + chunk], fill_only=True)
         self.pending = tokens[last:] + self.pending
 
-    def draft(self) -> Draft | TreeChains | TreeNodes:
-        """Chooses K (or the tree's shape) and drafts (none on the first step or without a
-        drafter); a tree with one path goes as a chain."""
+    def draft(self, load: StepLoad, budget: int) -> Draft | TreeChains | TreeNodes:
+        """Chooses K (or the tree's shape) for a row joining ``load`` with at most ``budget``
+        draft positions, and drafts (none on the first step or without a drafter); a tree with
+        one path goes as a chain."""
         if self.drafter is None or not self.generated:
             return Draft([], None, 0.0)
         remaining = self.params.max_tokens - len(self.generated)
         # Rejected drafts use cache room too: always leave room to finish plainly.
-        limit = min(remaining - 1, self.max_context - self.cursor.physical - remaining)
+        limit = min(remaining - 1, self.max_context - self.cursor.physical - remaining, budget)
         floor = 0.0
         if self.tree.shape is not None:
             shape = TreeShape(self.tree.shape.width, min(self.tree.shape.depth, limit))
@@ -428,7 +465,7 @@ class _Request:
             # auto: greedy requests only; a sampled tree step ships every chain's logits back
             # where a chain's draw happens on the final stage (a few token ids)
             auto = self.tree.mode == "auto" and self.sampler is None
-            paths, k_step = self.policy.choose_shape(limit, self.drafter.auto_tree_width if auto else 1)
+            paths, k_step = self.policy.choose_shape(limit, self.drafter.auto_tree_width if auto else 1, load)
             if paths == 1 or not k_step:
                 if not k_step:
                     return Draft([], None, 0.0)
@@ -439,7 +476,7 @@ class _Request:
             return Draft([], None, 0.0)
         tree = self.drafter.propose_tree(self.context, shape).pruned(floor)
         if self.cursor.truncates:  # one sequence of every node: it must fit the session's room
-            tree = tree.first(self.reserved - self.cursor.physical - len(self.pending))
+            tree = tree.first(min(self.reserved - self.cursor.physical - len(self.pending), budget))
         if len(tree.leaves()) > 1:  # paged stages (truncating rewinds) take the one-sequence form
             return TreeNodes(tree) if self.cursor.truncates else tree.chains()
         return Draft([n.token for n in tree.nodes], None, tree.seconds)
@@ -714,20 +751,17 @@ class _Request:
 
     def sends_ahead(self, new: list[int]) -> bool:
         """Whether the next step may go before this one's tokens are detokenized and streamed: a
-        plain decode (no drafter, whose drafts need the context) that neither a stop token nor the
-        length limit ends. Only a stop string can still end it; that step is then dropped."""
+        plain decode (no drafter, whose drafts need the context) that rode alone (a step of many
+        rows is formed again from all of them at once), that neither a stop token nor the length
+        limit ends, and whose reader keeps up. Only a stop string can still end it; that step is
+        then dropped."""
         return (
             self.drafter is None
+            and self.rode_alone
             and len(self.generated) + len(new) < self.params.max_tokens
             and not self.stop_ids.intersection(new)
+            and self.output.qsize() < STREAM_EVENTS
         )
-
-    async def settle_ahead(self) -> None:
-        """Waits out a step sent ahead of a stop string's end (its result is not used), so the
-        stages hold nothing of this session in flight when it is kept or released."""
-        if self.ahead is not None:
-            await asyncio.gather(self.ahead, return_exceptions=True)
-            self.ahead = None
 
     def summary(self) -> Summary:
         """The final Summary of an ended request: finish reason, counts and timings."""
@@ -794,15 +828,22 @@ class Generation:
         self.timing = TimingModel()  # traversal cost by positions, learned across requests
         self._sources: dict[str, SourceMemory] = {}  # acceptance by draft source, across requests
         self._releases: set[asyncio.Task] = set()
-        self.engine: EngineCore[_Request] = EngineCore()  # the requests running, by their id
-        # A ring that batches every step (paged) times its steps and knows what shares a request's
-        # next one, which batch-aware K weighs (speculation/policy.py); ``batch_aware_k`` False
-        # chooses K as if alone, from the request's own wall time per step (A/B).
-        self._steps: StepBatcher | None = ring.batch_steps if batch_aware_k else None
+        # The requests running, by their id, and the loop that plans their rows into steps.
+        self.engine: EngineCore[_Request] = EngineCore(
+            self._run_step,
+            self._answered,
+            self._end,
+            steps=ring.batch_steps,
+            prefill_chunk=prefill_chunk,
+        )
+        # A ring that batches every step (paged) times its steps, and the engine drafts for the
+        # step it is forming, which batch-aware K weighs (speculation/policy.py); ``batch_aware_k``
+        # False chooses K as if alone, from the request's own wall time per step (A/B).
+        self._steps: BatchSteps | None = ring.batch_steps if batch_aware_k else None
 
     @property
-    def step_batcher(self) -> StepBatcher | None:
-        """The ring's step batcher (paged backend), whose group count a batch job sets; else None."""
+    def step_batcher(self) -> BatchSteps | None:
+        """The ring's batching settings (paged backend), whose ``inflight`` a batch job reads."""
         return self._ring.batch_steps
 
     @property
@@ -878,66 +919,23 @@ class Generation:
         (None: :meth:`capacity`); ``grouping``: its batch job's micro-batches (batch_jobs.py);
         ``admission``: the scheduler's admission, whose KV charge its sessions take over."""
         request = await self._open(prompt_ids, params, speculation, metered, reserved, grouping, admission)
-        # The request's decode loop runs as its own task and only hands its events over, so a
-        # slow reader never holds up a step the other requests wait for.
-        task = asyncio.create_task(self._drive(request, scope, cache), name=f"request-{request.id}")
-        try:
-            while True:
-                event = await request.output.get()
-                if isinstance(event, _Failed):
-                    raise event.error
-                yield event
-                if isinstance(event, Summary):
-                    return
-                trace.mark("streamed", request.session_id, request.streaming_step)
-        finally:
-            task.cancel()  # the reader went away (or the loop ended): the request ends with it
-            await asyncio.gather(task, return_exceptions=True)
-
-    async def _drive(self, request: _Request, scope: str, cache: bool) -> None:
-        """The request's decode loop: its steps (whose results :meth:`update` streams), then its
-        Summary into its output stream, or the error that ends it before anything streamed (or a
-        stage is unreachable)."""
-        try:
-            await self._run_request(request, scope, cache)
-            await self._stream(request, request.summary())
-        except Exception as exc:
-            await request.output.put(_Failed(exc))
-
-    async def _stream(self, request: _Request, event: Chunk | Summary) -> None:
-        """Hands an event to the request's reader; a reader that is behind holds up this request
-        only (the next step does not wait for it)."""
-        if request.output.full():
-            self._idle(request)
-        await request.output.put(event)
-
-    async def _run_request(self, request: _Request, scope: str, cache: bool) -> None:
-        """Warms, prefills and steps the request until it ends; releases it on every way out (a
-        failure after output streamed ends it with an "error" Summary, see :meth:`generate`)."""
-        cache = cache and self.prefix is not None
+        request.scope, request.cache = scope, cache and self.prefix is not None
         failure = ""  # why the generation failed on the ring, if it did
         try:
-            if cache:
+            if request.cache:
                 await self._warm(request, scope)
-            done = False
-            while not done:
-                try:
-                    if not request.generated:
-                        for frame in request.prefill_frames(self._prefill_chunk):
-                            await self._ring.step(frame, request.slot)
-                            self._computed(request, request.prompt_ids[: request.cursor.logical])
-                    while not done:
-                        done = await self._step(request)
-                except Unavailable as exc:  # a replica failed: continue on another (failover.py)
-                    if self._failover is None or not self._failover.applies(exc):
-                        raise
-                    capacity = request.reserved
-                    warm = (lambda: self._warm(request, scope)) if cache else None
-                    await self._failover.resume(self._ring, request, exc, capacity, self._prefill_chunk, warm)
-                    request.resumed()
-            await request.settle_ahead()
-            self._idle(request)  # done stepping: keeping its KV takes no step
-            if cache:
+            self.engine.ready(request)  # from here the engine steps it; this coroutine reads
+            while True:
+                event = await request.output.get()
+                if isinstance(event, _Ended):
+                    break
+                self._unpark(request)
+                yield event
+                trace.mark("streamed", request.session_id, request.streaming_step)
+            await request.landed.wait()  # a step sent ahead of a stop string's end: waited out
+            if event.error is not None:
+                raise event.error
+            if request.cache:
                 await self._keep(request, scope)
         except PipeshardError as exc:
             failure = str(exc) or type(exc).__name__
@@ -949,9 +947,8 @@ class Generation:
             log.warning("generation_failed", session_id=request.session_id, code=exc.code, error=failure)
             request.finish, request.progress.error = "error", failure
         finally:
-            if request.ahead is not None:  # the client went away or the generation failed
-                request.ahead.cancel()
-            self._close(request, failure)
+            self._close(request, failure)  # on every way out, the client's going away included
+        yield request.summary()
 
     async def _open(
         self,
@@ -1015,8 +1012,7 @@ class Generation:
             grouping=grouping,
             admission=admission,
         )
-        if steps is not None:
-            policy.load = lambda: steps.load(request.slot)
+        request.batch_aware = steps is not None
         self.engine.add(request)
         return request
 
@@ -1089,24 +1085,69 @@ class Generation:
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def _step(self, request: _Request) -> bool:
-        """One traversal: the last token plus any drafts through every stage, its result through
-        :meth:`update`; whether the request is done."""
-        sent = time.perf_counter()
-        draft: Draft | TreeChains | TreeNodes
-        if request.ahead is not None:
-            draft, ahead, request.ahead = Draft([], None, 0.0), request.ahead, None
-            step_id = request.cursor.step - 1
-            result = await ahead
+    async def _run_step(self, frames: list[activation_pb2.ActivationFrame]) -> list:
+        """Carries one step the engine formed: through a batching ring as one plan, else the one
+        row alone."""
+        if self._ring.batch_steps is not None:
+            return await self._ring.run(frames)
+        (frame,) = frames
+        try:
+            return [await self._ring.step(frame)]
+        except Exception as exc:
+            return [exc]
+
+    async def _answered(self, rows: Sequence[tuple[_Request, Row]], answers: list, elapsed: float) -> None:
+        """A step's answers, each to its request (the engine calls this): the rows' updates run
+        side by side, so every request of the step is ready again before the next is formed."""
+        if len(rows) == 1:  # alone: no task of its own needed
+            (request, row), (answer,) = rows[0], answers
+            await self._answer(request, row, answer, elapsed, alone=True)
         else:
-            draft = request.draft()
-            frame = request.frame(draft)
-            step_id = frame.step_id
-            trace.mark("gen_send", frame.session_id, step_id)
-            result = await self._ring.step(frame, request.slot)
-        request.streaming_step = step_id
-        trace.mark("gen_result", request.session_id, step_id)
-        return await self.update(request, draft, read_answer(result), time.perf_counter() - sent)
+            await asyncio.gather(
+                *(
+                    self._answer(request, row, answer, elapsed, alone=False)
+                    for (request, row), answer in zip(rows, answers, strict=True)
+                )
+            )
+        # The readers get the chunks once the next step (formed right after this) is on its way,
+        # so their streaming overlaps the stages' work instead of delaying its start.
+        asyncio.get_running_loop().call_soon(self._deliver, [request for request, _ in rows])
+
+    @staticmethod
+    def _deliver(requests: list[_Request]) -> None:
+        """Hands the requests' new chunks to their readers."""
+        for request in requests:
+            for chunk in request.outbox:
+                request.output.put_nowait(chunk)
+            request.outbox.clear()
+
+    async def _answer(self, request: _Request, row: Row, answer, elapsed: float, alone: bool) -> None:
+        """One row's answer: a failure ends or moves the request, a chunk only filled its cache,
+        a decode row goes through :meth:`update`; then the request is ready again or ends."""
+        async with request.turn:  # after the update of the step before (sent ahead of it)
+            if request.status is RequestStatus.FINISHED:
+                return  # ended meanwhile (a stop string, its client gone): the answer is not used
+            if isinstance(answer, BaseException):
+                self._step_failed(request, answer)
+                return
+            try:
+                if row.draft is None:  # a prompt's chunk: the cache holds it now
+                    self._computed(request, request.prompt_ids[: request.cursor.logical])
+                    done = False
+                else:
+                    request.streaming_step = row.frame.step_id
+                    trace.mark("gen_result", request.session_id, row.frame.step_id)
+                    request.rode_alone = alone
+                    done = await self.update(request, row.draft, read_answer(answer), elapsed)
+            except Exception as exc:
+                self._end(request, exc)
+                return
+        if done:
+            self._end(request)
+        elif request.sent_ahead:
+            request.sent_ahead = False
+        else:
+            self._ready(request)
 
     async def update(
         self, request: _Request, draft: Draft | TreeChains | TreeNodes, answer: StepAnswer, elapsed: float
@@ -1114,32 +1155,77 @@ class Generation:
         """Every decode step's result goes through here: acceptance, the K policy and the cache's
         bookkeeping, then emission (detokenizing, stop strings, stop tokens, the length limit)
         into the request's output stream; whether the request is done (its release follows on
-        every way out, :meth:`_run_request`). A plain decode sends its next step before this one's
-        tokens are detokenized and streamed, so the stages compute while this process streams
-        (``_Request.sends_ahead``)."""
+        every way out, :meth:`generate`). A plain decode that rode alone has its next step sent
+        before this one's tokens are detokenized and streamed, so the stages compute while this
+        process streams (``_Request.sends_ahead``)."""
         new = request.accept(draft, answer)
         request.record(draft, new, elapsed)
         # No step of this session is in flight here: every stage holds its settled positions.
         self._computed(request, (request.prompt_ids + request.generated + new)[: request.cursor.settled])
         if request.sends_ahead(new):
             request.pending = [new[-1]]
-            frame = request.frame(Draft([], None, 0.0))
-            trace.mark("gen_send", frame.session_id, frame.step_id)
-            request.ahead = asyncio.ensure_future(self._ring.step(frame, request.slot))
-            await asyncio.sleep(0)  # the step starts on its way before this token is streamed
+            request.sent_ahead = True
+            self.engine.ready(request)
+            if self.engine.pump():
+                await asyncio.sleep(0)  # the step starts on its way before this token is streamed
         chunk, done = await request.emit(new)
         trace.mark("emitted", request.session_id, request.streaming_step)
         if request.params.logprobs:  # each token's own text, for OpenAI's logprobs objects
             chunk.tokens = await asyncio.to_thread(self._token_texts, list(chunk.token_ids))
             for top in chunk.top:
                 top.tokens = await asyncio.to_thread(self._token_texts, list(top.token_ids))
-        await self._stream(request, chunk)
+        request.outbox.append(chunk)
+        if done:
+            self.engine.withdraw(request)  # a step sent ahead of a stop string goes unused
         return done
 
-    def _idle(self, request: _Request) -> None:
-        """The request sends no step for a while: the ring's next step does not wait for it."""
-        if self._ring.batch_steps is not None:
-            self._ring.batch_steps.idle(request.slot)
+    def _step_failed(self, request: _Request, error: BaseException) -> None:
+        """A step failed for the request: it moves to a healthy lane when its replica failed and
+        another serves (failover.py, as a task of its own), else it ends with the error."""
+        if not isinstance(error, Exception):
+            raise error
+        failover = self._failover
+        if isinstance(error, Unavailable) and failover is not None and failover.applies(error):
+            request.status = RequestStatus.MOVING
+            request.moving = asyncio.create_task(self._move(request, failover, error), name="failover")
+            return
+        self._end(request, error)
+
+    async def _move(self, request: _Request, failover: Failover, error: Unavailable) -> None:
+        """Reopens, restores and replays the request on a healthy lane, then hands it back to the
+        engine under the same id (its resent step goes first, alone)."""
+        scope = request.scope
+        warm = (lambda: self._warm(request, scope)) if request.cache else None
+        try:
+            await failover.resume(self._ring, request, error, request.reserved, self._prefill_chunk, warm)
+        except Exception as exc:
+            self._end(request, exc)
+            return
+        finally:
+            request.moving = None
+        request.resumed()
+        self._ready(request)
+
+    def _ready(self, request: _Request) -> None:
+        """Back to the engine, unless its reader is behind (then its reader hands it back)."""
+        if request.output.qsize() + len(request.outbox) >= STREAM_EVENTS:
+            request.parked = True
+        else:
+            self.engine.ready(request)
+
+    def _unpark(self, request: _Request) -> None:
+        """Its reader took a chunk: a request parked on a slow reader is planned again."""
+        if request.parked and request.output.qsize() < STREAM_EVENTS:
+            request.parked = False
+            self.engine.ready(request)
+
+    def _end(self, request: _Request, error: Exception | None = None) -> None:
+        """The engine is done with the request: out of its plans; its reader ends it."""
+        if request.status is not RequestStatus.FINISHED or error is None:
+            request.status = RequestStatus.FINISHED
+            self.engine.withdraw(request)
+            self._deliver([request])
+            request.output.put_nowait(_Ended(error))
 
     def _token_texts(self, token_ids: list[int]) -> list[str]:
         """Each token's own text (off the event loop: the tokenizer is slow per call)."""
@@ -1155,8 +1241,8 @@ class Generation:
         mid-stream; a failed generation aborts (each stage logs why) instead of releasing."""
         request.status = RequestStatus.FINISHED
         self.engine.remove(request)
-        if self._ring.batch_steps is not None:
-            self._ring.batch_steps.leave(request.slot)
+        if request.moving is not None:  # the client went away while it moved
+            request.moving.cancel()
         if request.drafter is not None:
             request.drafter.close()
         if self._failover is not None:

@@ -5,7 +5,7 @@ Frames go through the same wire decoding and the same engines as in a stage serv
 ``pipeshard generate --local``, the exactness matrix and single-node benchmarks use it.
 
 Stateful stages run a step inline on the event loop. Paged stages run each step of every
-session at once (the ring's ``StepBatcher`` forms it), each stage on a worker thread taking one
+session at once (the engine loop forms it, engine.py), each stage on a worker thread taking one
 step at a time (a stage's lock), so with ``inflight`` > 1 stage 0 starts the next step while
 stage 1 runs the last one; the default is 1: here the stages share the machine's cores
 (docs/BENCHMARKS.md, bench-mbatch). In exact mode at one thread a row's result does not depend
@@ -148,7 +148,6 @@ class InProcessStages:
         return Ring(
             self,
             paged=self.traits.batches_steps,
-            sessions=lambda: len(self.engines[0].sessions),
             step_tokens=step_tokens,
             inflight=inflight,
             prefill_chunk=self._chunk or None,

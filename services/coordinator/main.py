@@ -342,7 +342,6 @@ class Coordinator:
         self.ring = Ring(
             self.stages,
             paged=fleet_kv.batches_steps,
-            sessions=lambda: scheduler.running,
             accounts=scheduler.accounts(),
             inflight=self.settings.inflight or None,
             prefill_chunk=fleet_kv.row_tokens or None,

@@ -87,6 +87,16 @@ class PendingSteps:
                 future.set_exception(error)
 
 
+def _answer(future: asyncio.Future):
+    """A frame's answer from its settled future: its StepResult, or the exception for it (a
+    stage's error answer, or the failure ``PendingSteps.fail`` set), each row its own."""
+    error = future.exception()
+    if error is not None:
+        return error
+    result = future.result()
+    return StageFailed(result.error) if result.HasField("error") else result
+
+
 class RemoteStages:
     def __init__(
         self,
@@ -211,7 +221,7 @@ class RemoteStages:
                 error = await self._diagnose(timeout)  # a stage named here fails the other steps too
                 # A step that finished while its stages were asked was slow, not lost.
                 if not all(f.done() and f.exception() is None for f in futures):
-                    return [f.result() if f in done else error for f in futures]
+                    return [_answer(f) if f in done else error for f in futures]
             if all(f.exception() is None for f in futures):
                 seconds = loop.time() - sent
                 self.deadline.observe(rows, seconds)
@@ -220,8 +230,12 @@ class RemoteStages:
         finally:
             for key in keys:
                 self._pending.pop(key)
-        results = [f.result() for f in futures]
-        return [StageFailed(r.error) if r.HasField("error") else r for r in results]
+            for future in futures:  # each failed one's exception retrieved, whatever way this ends
+                if future.done():
+                    future.exception()
+                else:
+                    future.cancel()
+        return [_answer(f) for f in futures]
 
     def timeout_for(self, rows: int) -> float:
         """How long a step of ``rows`` rows may take before the stages are asked whether one froze

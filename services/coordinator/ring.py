@@ -2,10 +2,10 @@
 
 One class for stage services (``RemoteStages``, remote_stages.py: gRPC streams) and for stages
 in this process (``InProcessStages``, in_process.py); they differ only in that transport (its
-``StageLink``). On paged stages the ring batches: a ``StepBatcher`` forms each step from every
-running session's row (step_batcher.py) and the transport carries it as one plan frame, so
-each ``Generation`` sends its frame and awaits its result as if it were alone. On stateful
-stages each session's step travels alone (a plan of one row).
+``StageLink``). On paged stages the ring batches: the coordinator's engine loop (engine.py)
+forms each step from the running requests' rows and :meth:`Ring.run` carries it as one plan
+frame, under the settings and counters of ``batch_steps`` (step_batcher.py). On stateful stages
+each session's step travels alone (a plan of one row).
 
 Paged stages rewind by shortening a session, so a generation's cursor keeps physical ==
 logical positions there (``truncates_on_rewind``). Sessions open with the capacity they may use,
@@ -16,7 +16,6 @@ budget until every stage has released it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from pipeshard.errors import PipeshardError, Unavailable
@@ -24,8 +23,7 @@ from pipeshard.services.coordinator.step_batcher import (
     DEFAULT_PREFILL_CHUNK,
     DEFAULT_STEP_TOKENS,
     PAGED_PREFILL_CHUNK,
-    StepBatcher,
-    StepSlot,
+    BatchSteps,
 )
 from pipeshard.v1 import activation_pb2
 
@@ -81,8 +79,8 @@ class RingLike(Protocol):
     truncates_on_rewind: bool
 
     @property
-    def batch_steps(self) -> StepBatcher | None:
-        """A ring that batches every step: its step cost and load, for batch-aware K (None: alone)."""
+    def batch_steps(self) -> BatchSteps | None:
+        """A ring that batches every step: its settings and counters (None: each row alone)."""
         ...
 
     @property
@@ -92,9 +90,12 @@ class RingLike(Protocol):
         self, session_id: str, capacity: int | None = None, admission: ScheduledRequest | None = None
     ) -> int: ...
 
-    async def step(
-        self, frame: activation_pb2.ActivationFrame, slot: StepSlot | None = None
-    ) -> activation_pb2.StepResult: ...
+    async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult: ...
+
+    async def run(self, frames: list[activation_pb2.ActivationFrame]) -> list:
+        """One step of these sessions' frames (a batching ring's): each one's StepResult or the
+        exception for it."""
+        ...
 
     async def release_session(self, session_id: str) -> None: ...
 
@@ -118,28 +119,24 @@ class Ring(Generic[L]):
         stages: L,
         *,
         paged: bool,
-        sessions: Callable[[], int] | None = None,
         accounts: SessionAccounts | None = None,
         step_tokens: int = DEFAULT_STEP_TOKENS,
         inflight: int | None = None,
         prefill_chunk: int | None = None,
     ):
         """``paged``: the stages' KV backend is paged or static (steps are batched, a rewind
-        truncates). ``sessions``: how many sessions may send steps (the scheduler's count; a
-        batching ring needs it). ``inflight``: the most batched steps travelling at once (None:
+        truncates). ``inflight``: the most batched steps travelling at once (None:
         one per stage). ``prefill_chunk``: prompt tokens per frame when the stages fix it (a
         static shard's chunk); None: the backend's default."""
         self.stages = stages
         self.truncates_on_rewind = paged
         self.prefill_chunk = prefill_chunk or (PAGED_PREFILL_CHUNK if paged else DEFAULT_PREFILL_CHUNK)
         self._accounts = accounts
-        # Step cost and load for batch-aware K (speculation/policy.py); None when
-        # each session's step travels alone.
-        self.batch_steps: StepBatcher | None = None
+        # The batching's settings and counters (step cost for batch-aware K, speculation/policy.py);
+        # None when each session's step travels alone.
+        self.batch_steps: BatchSteps | None = None
         if paged:
-            if sessions is None:
-                raise ValueError("a batching ring needs the count of sessions that may send steps")
-            self.batch_steps = StepBatcher(stages.run, sessions, step_tokens, inflight or stages.num_stages)
+            self.batch_steps = BatchSteps(step_tokens, inflight or stages.num_stages)
 
     @property
     def num_stages(self) -> int:
@@ -148,13 +145,14 @@ class Ring(Generic[L]):
     async def start(self) -> None:
         await self.stages.start()
 
-    async def step(
-        self, frame: activation_pb2.ActivationFrame, slot: StepSlot | None = None
-    ) -> activation_pb2.StepResult:
-        """One step of one session: its frame's result, or the error for it raised. ``slot``: its
-        request's place in the batcher (a ring that does not batch sends every step at once)."""
-        if self.batch_steps is not None:
-            return await self.batch_steps.step(frame, slot)
+    async def run(self, frames: list[activation_pb2.ActivationFrame]) -> list:
+        """One step of these sessions' frames through every stage, as one plan: each frame's
+        StepResult or the exception for it."""
+        return await self.stages.run(frames)
+
+    async def step(self, frame: activation_pb2.ActivationFrame) -> activation_pb2.StepResult:
+        """One step of one session alone, at once: its frame's result, or the error for it raised
+        (the engine's rows on a ring that does not batch; a failover's replay)."""
         (answer,) = await self.stages.run([frame])
         if isinstance(answer, BaseException):
             raise answer
@@ -197,8 +195,6 @@ class Ring(Generic[L]):
         return await self.stages.restore_kv(session_id, scope, token_ids, positions, timeout_s)
 
     async def close(self) -> None:
-        if self.batch_steps is not None:
-            await self.batch_steps.close()
         await self.stages.close()
 
     def _closed(self, session_id: str) -> None:

@@ -1,7 +1,8 @@
 """The servicer -> ring call path runs one way: the modules that carry a step to the stages (the
-ring, its step batcher and transports) import nothing of the request side (the decode loop, the
-engine's table, failover, the servicer), so a step's way down can never call back into a request's
-decode loop; what the batcher keeps of a request (its ``StepSlot``) is plain data, no callbacks."""
+ring, its batching settings and transports) import nothing of the request side (generation, the
+engine loop, failover, the servicer), so a step's way down can never call back into a request;
+what the engine keeps of a request's place in the batching (its ``StepSlot``) is plain data, no
+callbacks."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import dataclasses
 from pipeshard.services.coordinator.step_batcher import StepSlot
 from tests.architecture.test_coordinator_imports import PACKAGE, import_graph
 
-# The way a step goes down: the ring, its batcher, its transports and what they use.
+# The way a step goes down: the ring, its batching settings, its transports and what they use.
 RING_SIDE = ("ring", "step_batcher", "remote_stages", "in_process", "replicas", "local_stage", "stage_watch")
-# The request side: whatever holds or drives a request's decode loop.
+# The request side: whatever holds or steps a request.
 REQUEST_SIDE = ("generation", "engine", "failover", "servicer", "batch_jobs", "main", "local_generate")
 
 

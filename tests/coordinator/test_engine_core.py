@@ -166,3 +166,66 @@ def test_a_moved_request_keeps_its_id_and_goes_on_decoding():
     assert ring.seen[3:] == [{request_id: RequestStatus.DECODING}] * (len(ring.seen) - 3)
     assert events[-1].finish_reason == "length" and events[-1].token_ids == [7] * 4
     assert generation.engine.requests == {}
+
+
+class _HeldFailover(_Failover):
+    """A failover that waits for ``release`` before the request goes on (a slow restore)."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = asyncio.Event()
+        self.started = asyncio.Event()
+
+    async def resume(self, ring, request, error, capacity, prefill_chunk, warm=None):
+        self.started.set()
+        await self.release.wait()
+        await super().resume(ring, request, error, capacity, prefill_chunk, warm)
+
+
+class _OneFailing(_Ring):
+    """Fails the first step of the first session opened, once; answers 7 otherwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.failed: set[str] = set()
+        self.victim: str | None = None
+
+    async def open_session(self, session_id, capacity=None, admission=None):
+        self.victim = self.victim or session_id  # the first request's session
+        return await super().open_session(session_id, capacity, admission)
+
+    async def step(self, frame, slot=None):
+        if frame.session_id == self.victim and self.victim not in self.failed:
+            self.failed.add(self.victim)
+            raise self.error
+        return await super().step(frame)
+
+
+def test_a_failover_is_an_engine_event_the_other_requests_do_not_wait_for():
+    """The first request's step fails: it is MOVING in the table while its failover runs as a task
+    of its own, and the second request decodes to its end meanwhile; then the moved request comes
+    back under the same id and finishes."""
+    ring = _OneFailing()
+    failover = _HeldFailover()
+    generation = Generation(ring, _Tokenizer(), set(), failover=failover)
+    ring.engine = generation.engine
+
+    async def main():
+        moving = asyncio.ensure_future(_events(generation, SamplingParams(max_tokens=4)))
+        await failover.started.wait()
+        (moved_id,) = [i for i, r in generation.engine.requests.items() if r.status is RequestStatus.MOVING]
+        other = await asyncio.wait_for(_events(generation, SamplingParams(max_tokens=6)), 30)
+        still = {i: r.status for i, r in generation.engine.requests.items()}
+        failover.release.set()
+        return moved_id, other, still, await asyncio.wait_for(moving, 30)
+
+    moved_id, other, still, moved = asyncio.run(main())
+    assert other[-1].finish_reason == "length" and other[-1].token_ids == [7] * 6
+    assert still == {moved_id: RequestStatus.MOVING}  # the other ended while this one moved
+    assert failover.moved == [(moved_id, RequestStatus.MOVING, "moved-session")]
+    assert moved[-1].finish_reason == "length" and moved[-1].token_ids == [7] * 4
+    assert generation.engine.requests == {}
+
+
+async def _events(generation: Generation, params: SamplingParams) -> list:
+    return [e async for e in generation.run([1, 2, 3], params)]

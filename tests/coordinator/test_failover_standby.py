@@ -85,7 +85,7 @@ class _Ring:
     async def abort_session(self, session_id: str, reason: str) -> None:
         self.aborted.append(session_id)
 
-    async def step(self, frame, slot=None):
+    async def step(self, frame):
         self.steps.append(frame)
 
 
@@ -99,11 +99,11 @@ class _Generating:
     def __init__(self):
         self.session_id = "old"
         self.prompt_ids, self.generated = CONTEXT[:40], CONTEXT[40:]
-        self.context, self.pending, self.ahead = list(CONTEXT), CONTEXT[-1:], None
+        self.context, self.pending = list(CONTEXT), CONTEXT[-1:]
         self.params = SimpleNamespace(greedy=True, logprobs=False)
         self.cursor = _Cursor("old", True, truncates=True)
         self.top1 = True  # a greedy request with nothing chosen on the coordinator
-        self.slot = StepSlot()  # its place in the batcher, kept across the move
+        self.slot = StepSlot()  # its place in the engine's batching, kept across the move
         self.standby = StandbyCopy()  # its KV captured ahead
         self.admission = None  # the scheduler's (none here: the ring charges nothing)
 

@@ -55,7 +55,7 @@ class _Stages:
 
 def test_a_reader_that_stops_reading_holds_up_no_other_request():
     stages = _Stages()
-    ring = Ring(stages, paged=True, sessions=lambda: len(stages.open), inflight=1)
+    ring = Ring(stages, paged=True, inflight=1)
     generation = Generation(ring, _Tokenizer(), set())
     long_tokens = STREAM_EVENTS * 3
 
@@ -79,7 +79,7 @@ def test_requests_answered_together_step_together_again():
     """Four requests that start together share every step after their first: each step waits
     for the requests it answered (no clock), so none trickles into a step of its own."""
     stages = _Stages()
-    ring = Ring(stages, paged=True, sessions=lambda: len(stages.open), inflight=1)
+    ring = Ring(stages, paged=True, inflight=1)
     generation = Generation(ring, _Tokenizer(), set())
 
     async def one(prompt):
@@ -92,8 +92,8 @@ def test_requests_answered_together_step_together_again():
 
     out = asyncio.run(asyncio.wait_for(main(), 120))
     assert all(events[-1].completion_tokens == 12 for events in out)
-    # 4 x 12 rows (the prompt's row gives the first token): the first request's prompt leaves
-    # alone as it arrives, the others' join its next step, and from there all four go in each
-    # step until the first one ends.
+    # 4 x 12 rows (the prompt's row gives the first token): the four arrive together, so the
+    # engine plans their prompts' rows into one step, and from there all four go in each step
+    # (the requests of one answered step form the next) until they end together.
     rows = [len(s) for s in stages.steps]
-    assert sum(rows) == 48 and rows == [1] + [4] * 11 + [3]
+    assert sum(rows) == 48 and rows == [4] * 12

@@ -6,6 +6,7 @@ and, when it expires, the error names the stage and the call."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import grpc
 import pytest
@@ -22,8 +23,9 @@ from pipeshard.services.coordinator.step_deadline import (
     TIMEOUT_ROWS,
     StepDeadline,
 )
+from pipeshard.services.stage.wire import token_frame
 from pipeshard.settings import load_settings
-from pipeshard.v1 import stage_pb2, stage_pb2_grpc
+from pipeshard.v1 import activation_pb2, stage_pb2, stage_pb2_grpc
 
 
 def test_step_timeout_is_per_started_block_of_rows():
@@ -118,3 +120,30 @@ def test_an_expired_control_call_names_the_stage_the_call_and_the_setting():
     message = asyncio.run(scenario())
     assert "stage 0 at 127.0.0.1:" in message
     assert "did not answer OpenSession within 0.3 s (--control-timeout-s)" in message
+
+
+def test_a_failed_row_answers_alone_and_every_failed_step_future_is_retrieved():
+    """Two rows of a step fail (their route lost a stage) while a third is answered: each row gets
+    its own answer, and no failed future is left for asyncio to log as never retrieved."""
+
+    async def check():
+        stages = RemoteStages(["127.0.0.1:9"], step_timeout_s=5.0)
+
+        class Entry:  # stage 0's stream: the step is sent, one row answered, two failed
+            async def send(self, plan):
+                stages._pending.resolve(activation_pb2.StepResult(session_id="ok", step_id=0))
+                stages._pending.fail(Unavailable("stage 1 is gone"), lambda s: s.startswith("bad"))
+
+        stages._entry = Entry()
+        logged: list[str] = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: logged.append(ctx["message"]))
+        frames = [token_frame(s, 0, [1], 0, True) for s in ("ok", "bad1", "bad2")]
+        answers = await stages.run(frames)
+        gc.collect()
+        await asyncio.sleep(0)
+        return answers, logged
+
+    (ok, bad1, bad2), logged = asyncio.run(check())
+    assert isinstance(ok, activation_pb2.StepResult) and ok.session_id == "ok"
+    assert isinstance(bad1, Unavailable) and isinstance(bad2, Unavailable)
+    assert not [m for m in logged if "never retrieved" in m]

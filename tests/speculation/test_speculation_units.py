@@ -22,10 +22,9 @@ from pipeshard.services.coordinator.speculation.policy import (
     TimingModel,
     expected_tokens,
 )
-from pipeshard.services.coordinator.step_batcher import StepBatcher, StepSlot
-from pipeshard.services.stage.wire import token_frame
+from pipeshard.services.coordinator.step_batcher import BatchSteps
 from pipeshard.v1 import activation_pb2
-from tests.coordinator.test_step_batcher import behind_a_held_step
+from tests.coordinator.engine_fakes import FakeRequest, drive
 
 
 def test_greedy_keeps_the_matching_prefix_and_the_targets_next_token():
@@ -159,10 +158,10 @@ def _paged_step_cost() -> TimingModel:
 
 
 def _k_under(load: StepLoad, accepted: int = 3) -> int:
-    policy = KPolicy(_paged_step_cost(), fixed_k=None, max_k=10, explore_every=1000, load=lambda: load)
+    policy = KPolicy(_paged_step_cost(), fixed_k=None, max_k=10, explore_every=1000)
     for _ in range(30):
         policy.observe(5, accepted, policy.timing.estimate(6), 0.0)  # keeps the cost line as it is
-    return policy.choose(limit=100)
+    return policy.choose(limit=100, load=load)
 
 
 def test_batch_aware_k_shrinks_as_the_step_fills():
@@ -175,8 +174,8 @@ def test_batch_aware_k_shrinks_as_the_step_fills():
 def test_batch_aware_k_times_the_whole_step():
     timing = TimingModel()
     load = StepLoad(rows=4, tokens=260)  # a decode row beside a prefill chunk and three others
-    policy = KPolicy(timing, fixed_k=3, load=lambda: load)
-    assert policy.choose(limit=100) == 3
+    policy = KPolicy(timing, fixed_k=3)
+    assert policy.choose(limit=100, load=load) == 3
     policy.observe(3, 2, 0.05, 0.001)
     assert list(timing.steps) == [StepTime(5, 264, 0.05)]  # all of the step's rows and positions
     alone = KPolicy(timing, fixed_k=3)
@@ -185,49 +184,40 @@ def test_batch_aware_k_times_the_whole_step():
     assert timing.steps[-1] == StepTime(1, 4, 0.02)
 
 
-def _steps_of(users: int, fixed_s: float, per_position_s: float) -> tuple[StepBatcher, StepSlot]:
-    """A step batcher after 12 steps of ``users`` sessions on a fake clock: each step costs
-    ``fixed_s`` plus ``per_position_s`` per position; session 0 verifies 0..5 drafts."""
+def _steps_of(users: int, fixed_s: float, per_position_s: float) -> tuple[BatchSteps, StepLoad]:
+    """The engine's step timing after 12 steps of ``users`` requests on a fake clock (each step
+    costs ``fixed_s`` plus ``per_position_s`` per position; request 0 verifies 0..5 drafts), and
+    the load request 0's last row was drafted for (the rest of its step)."""
     now = [0.0]
 
-    gate = asyncio.Event()
-
     async def run(frames):
-        if frames[0].session_id == "hold":  # a prefill chunk: not timed
-            await gate.wait()
         now[0] += fixed_s + per_position_s * sum(len(f.positions) for f in frames)
         return [activation_pb2.StepResult() for _ in frames]
 
-    slots = [StepSlot() for _ in range(users)]
+    requests = [FakeRequest(f"s{i}", [(1, True)] * 12) for i in range(users)]
+    row = requests[0].next_row
 
-    async def session(batcher, i):
-        for step in range(12):
-            n = 1 + step % 6 if i == 0 else 1
-            await batcher.step(token_frame(f"s{i}", step, [7] * n, 0, True, return_last=n), slots[i])
-        batcher.idle(slots[i])
+    def verifying(chunk, load, budget):  # request 0's k-th row carries k % 6 drafts
+        requests[0].drafts = requests[0].at % 6
+        return row(chunk, load, budget)
 
-    async def main():
-        batcher = StepBatcher(run, sessions=lambda: users, clock=lambda: now[0])
-        # Every session's first frame queued behind one step: they step together from there.
-        await behind_a_held_step(batcher, gate, [session(batcher, i) for i in range(users)])
-        await batcher.close()
-        return batcher
-
-    return asyncio.run(main()), slots[0]
+    requests[0].next_row = verifying  # type: ignore[method-assign]
+    steps = BatchSteps(512, 1)
+    asyncio.run(drive(requests, run, steps, clock=lambda: now[0]))
+    return steps, requests[0].loads[-1][0]
 
 
-def _batch_k(batched: tuple[StepBatcher, StepSlot], acceptance_quarter: bool = True) -> int:
-    """K that session 0 chooses from the batcher's timing and load, having kept one draft in
-    four (or every draft) while each of its steps took 10 s of wall time (waiting included)."""
-    steps, slot = batched
-    policy = KPolicy(
-        steps.timing, fixed_k=None, explore_every=1000, load=lambda: steps.load(slot), times_steps=False
-    )
+def _batch_k(batched: tuple[BatchSteps, StepLoad], acceptance_quarter: bool = True) -> int:
+    """K that request 0 chooses from the engine's timing for the load of its step, having kept one
+    draft in four (or every draft) while each of its steps took 10 s of wall time (waiting
+    included)."""
+    steps, load = batched
+    policy = KPolicy(steps.timing, fixed_k=None, explore_every=1000, times_steps=False)
     fitted = list(steps.timing.steps)
     for kept in (1, 0, 0) * 10 if acceptance_quarter else (4,) * 30:
         policy.observe(4, kept, 10.0, 0.0)
-    assert list(steps.timing.steps) == fitted  # a request's wall time does not feed the batcher's
-    return policy.choose(limit=100)
+    assert list(steps.timing.steps) == fitted  # a request's wall time does not feed the engine's
+    return policy.choose(limit=100, load=load)
 
 
 def test_batch_aware_k_falls_to_plain_in_a_full_compute_bound_step():
@@ -289,11 +279,11 @@ def test_step_cost_takes_the_prior_per_position_when_every_row_is_one_position()
 
 def _k_from(timing: TimingModel, load: StepLoad) -> int:
     """K chosen under ``load`` having kept one draft in five (four verifies of which one kept 1)."""
-    policy = KPolicy(timing, fixed_k=None, explore_every=1000, load=lambda: load, times_steps=False)
+    policy = KPolicy(timing, fixed_k=None, explore_every=1000, times_steps=False)
     for kept in (1, 0, 0, 0) * 10:
         policy.observe(4, kept, 0.0, 0.0)
     assert 0.15 < policy.acceptance < 0.25
-    return policy.choose(limit=100)
+    return policy.choose(limit=100, load=load)
 
 
 def test_k_stays_on_alone_when_rows_not_drafts_made_busy_steps_dear():

@@ -22,8 +22,9 @@ tokens per second, not the request's alone,
 
 where R and n are the other sessions' rows and tokens in the step (``StepLoad``) and ``T(rows,
 positions)`` the step's cost: the step keeps its rows whatever K is, a draft adds positions
-only. Both come from the ring's step batcher (step_batcher.py): it times every step from send to
-result once for all sessions, so ``T`` is what a step costs, not a request's wall time per step
+only. Both come from the engine loop (engine.py): it times every step from send to result once
+for all sessions, and drafts for a row knowing the rest of the step it is forming; so ``T`` is
+what a step costs, not a request's wall time per step
 (which in a batch includes waiting for the step under way: a flat line that made drafts look
 free). ``T`` is fitted over rows and positions apart (``TimingModel``): measured on the paged
 2-stage INT4 stages (docs/benchmarks-history.md, bench.spec_batch, "step cost against rows and tokens")
@@ -52,7 +53,6 @@ step's tokens per second; a slow hop's floor is low (nothing pruned), a fast one
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -88,18 +88,11 @@ def decayed_counts(kept: float, tried: float, decay: float, k: int, accepted: in
 
 @dataclass(frozen=True)
 class StepLoad:
-    """The rest of the step a request's next frame joins: the other sessions' rows and tokens."""
+    """The rest of the step a request's next row joins (the step the engine is forming): the
+    other sessions' rows and tokens."""
 
     rows: int = 0
     tokens: int = 0
-
-
-# Where a request learns its step's load; a ring that steps alone has none.
-LoadProbe = Callable[[], StepLoad]
-
-
-def _alone() -> StepLoad:
-    return StepLoad()
 
 
 @dataclass(frozen=True)
@@ -262,13 +255,11 @@ class KPolicy:
         initial_k: int = 4,
         explore_every: int = 8,
         memory: SourceMemory | None = None,
-        load: LoadProbe = _alone,
         times_steps: bool = True,
     ):
-        """``times_steps`` False: ``timing`` is fed by whoever runs the steps (the step batcher),
+        """``times_steps`` False: ``timing`` is fed by whoever runs the steps (the engine loop),
         not from this request's wall time per step."""
         self.timing = timing
-        self.load = load
         self.times_steps = times_steps
         self.fixed_k = fixed_k
         self.max_k = max_k
@@ -292,22 +283,23 @@ class KPolicy:
     def acceptance(self) -> float:
         return self._kept / self._tried
 
-    def choose(self, limit: int) -> int:
-        """K for the next step, at most ``limit`` (remaining tokens and cache room)."""
+    def choose(self, limit: int, load: StepLoad = StepLoad()) -> int:
+        """K for the next step, at most ``limit`` (remaining tokens, cache room, the step's budget
+        left), for a row joining ``load`` (the rest of the step being formed)."""
         limit = max(0, limit)
-        self._load = self.load()
+        self._load = load
         k = min(self.fixed_k if self.fixed_k is not None else self._adaptive(), limit)
         self._steps += 1
         return k
 
-    def choose_shape(self, limit: int, width: int) -> tuple[int, int]:
+    def choose_shape(self, limit: int, width: int, load: StepLoad = StepLoad()) -> tuple[int, int]:
         """(paths, depth) for the next step of a request whose source offers trees of up to
         ``width`` paths: the best of a chain and a tree of ``width`` (module docstring); a fixed
         K keeps its chains. Now and then the other width is tried at the same depth, so both
         acceptances stay measured."""
         if width <= 1 or self.fixed_k is not None:
-            return 1, self.choose(limit)
-        self._load = self.load()
+            return 1, self.choose(limit, load)
+        self._load = load
         if not self.timing.steps:
             paths, k = width, self.initial_k
         else:
