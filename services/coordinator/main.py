@@ -10,6 +10,7 @@ from pathlib import Path
 
 import structlog
 
+from pipeshard import allocator
 from pipeshard.auth import Authenticator
 from pipeshard.errors import FailedPrecondition, InvalidArgument, NotFound, PipeshardError
 from pipeshard.grpc_server import GrpcServer, run_server
@@ -556,6 +557,7 @@ class Coordinator:
 
 def main(argv: list[str] | None = None) -> int:
     set_offline_defaults()
+    allocator.bound_heap()  # before gRPC's threads make malloc arenas of their own, as the stage does
     settings = resolve(load_settings(CoordinatorSettings, argv, prog="pipeshard coordinator"))
     authenticator = Authenticator.from_settings(settings.token, settings.api_keys)
     coordinator = Coordinator(settings, authenticator)
