@@ -300,7 +300,8 @@ def test_the_fleet_view_shows_every_stage_with_its_layers_precision_and_cache(fl
     for stage in view["stages"]:
         assert stage["precision"].endswith("(invariant)") and stage["cache"].endswith("MiB"), stage
         assert stage["step_ms"] not in ("-", "idle"), stage  # its /metrics answered
-    assert view["coordinator"]["health"] == "serving" and view["coordinator"]["generate_calls"]["OK"] >= 1
+    (coordinator,) = view["coordinators"]
+    assert coordinator["health"] == "serving" and coordinator["generate_calls"]["OK"] >= 1
 
 
 def test_n_choices_come_from_one_prefill(fleet, api):
