@@ -39,6 +39,7 @@ it is in its life.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import enum
 import itertools
 import time
@@ -214,7 +215,9 @@ class EngineCore(Generic[S]):
             self._wake = asyncio.Event()
             self._in_flight = set()
             self._answering = 0
-            self._task = asyncio.create_task(self.run(), name="engine-core")
+            # Its own empty context, not that of the request that woke it (its request id, its
+            # batch job's session codec): a request's own work runs in the request's context.
+            self._task = asyncio.create_task(self.run(), name="engine-core", context=contextvars.Context())
         self._wake.set()
 
     def withdraw(self, request: S) -> None:

@@ -26,6 +26,7 @@ restore that fails because a stage no longer holds the prefix is an exception, c
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import math
 import time
 import uuid
@@ -382,6 +383,9 @@ class _Request:
         self.scope = ""  # whose prefix cache entries it may use, and whether it uses them
         self.cache = False
         self.moving: asyncio.Task | None = None  # its failover, while it runs
+        # Its caller's context (the RPC's request id in its logs, a batch job's session codec):
+        # made while the caller opens it, and where its failover runs.
+        self.caller = contextvars.copy_context()
 
     @property
     def top1(self) -> bool:
@@ -1187,7 +1191,9 @@ class Generation:
         failover = self._failover
         if isinstance(error, Unavailable) and failover is not None and failover.applies(error):
             request.status = RequestStatus.MOVING
-            request.moving = asyncio.create_task(self._move(request, failover, error), name="failover")
+            request.moving = asyncio.create_task(
+                self._move(request, failover, error), name="failover", context=request.caller.copy()
+            )
             return
         self._end(request, error)
 
