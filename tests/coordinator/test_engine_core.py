@@ -11,6 +11,7 @@ import pytest
 from pipeshard.errors import Internal, Unavailable
 from pipeshard.services.coordinator.engine import EngineCore, RequestId, RequestStatus
 from pipeshard.services.coordinator.generation import Generation
+from pipeshard.services.coordinator.remote_stages import SESSION_CODEC
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.v1 import activation_pb2
 
@@ -229,3 +230,54 @@ def test_a_failover_is_an_engine_event_the_other_requests_do_not_wait_for():
 
 async def _events(generation: Generation, params: SamplingParams) -> list:
     return [e async for e in generation.run([1, 2, 3], params)]
+
+
+class _SecondFailing(_OneFailing):
+    """Fails the first step of the second session opened, once."""
+
+    def __init__(self):
+        super().__init__()
+        self.opened = 0
+
+    async def open_session(self, session_id, capacity=None, admission=None):
+        self.opened += 1
+        if self.opened == 2:
+            self.victim = session_id
+        return await _Ring.open_session(self, session_id, capacity, admission)
+
+
+class _CodecFailover(_Failover):
+    """Records the session codec its reopen would ask the stages for (its task's context)."""
+
+    def __init__(self):
+        super().__init__()
+        self.codecs: list[str] = []
+
+    async def resume(self, ring, request, error, capacity, prefill_chunk, warm=None):
+        self.codecs.append(SESSION_CODEC.get())
+        await super().resume(ring, request, error, capacity, prefill_chunk, warm)
+
+
+def test_a_failover_runs_in_its_callers_context_not_that_of_the_request_that_woke_the_engine():
+    """A batch job's session codec (and an RPC's request id in the logs) live in the caller's
+    context: the second request, moved, reopens with its own codec, not with the first's, whose
+    arrival started the engine."""
+    ring = _SecondFailing()
+    failover = _CodecFailover()
+    generation = Generation(ring, _Tokenizer(), set(), failover=failover)
+    ring.engine = generation.engine
+
+    async def with_codec(codec: str, tokens: int) -> list:
+        SESSION_CODEC.set(codec)
+        return await _events(generation, SamplingParams(max_tokens=tokens))
+
+    async def main():
+        first = asyncio.ensure_future(with_codec("zstd", 8))
+        while not ring.sessions:
+            await asyncio.sleep(0)
+        second = await asyncio.wait_for(with_codec("", 4), 30)
+        return await asyncio.wait_for(first, 30), second
+
+    first, second = asyncio.run(main())
+    assert failover.codecs == [""]
+    assert first[-1].token_ids == [7] * 8 and second[-1].token_ids == [7] * 4
