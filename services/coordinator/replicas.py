@@ -4,19 +4,20 @@ A lane is one replica of every stage, chained as the launcher starts them (repli
 forwards first to replica r of stage k+1), so each lane is a whole :class:`RemoteStages` with its
 own health watch, entry stream and results subscription; every lane shares the coordinator's one
 owner secret and one table of pending steps. :class:`ReplicaLanes` is the ring's transport (a
-``StageLink``: ``Generation``, the ring's step batcher and the scheduler see one ring, and a
-batched step's rows are split by entry lane). Each session has a **route**, the replica of each
-stage it lives on: a new session opens on the least loaded healthy lane (the route r, r, ..., r,
-whose calls are the lane's own), or, when no lane has every stage up, across lanes over the live
-replicas of each stage that can forward to each other (a stage lists the replicas of the next it
-forwards to in GetStageInfo's ``next_hops``; a session's frames go to the one OpenSession's
-``next_hop`` names). When a replica dies only the sessions routed through it are failed, and
-``failover.Failover`` moves only that stage's part of each (``broken``, ``move_stages``,
-``reroute``): the other stages keep their sessions. Lanes may be added and drained at run time
-(the coordinator re-reads its topology on SIGHUP): a draining lane's replicas take no new session
-parts and it closes once no route uses it. Prefix caching stays per lane (each lane's stages keep
-their own KV): a restore goes to the lane that kept the prefix, unless that lane already runs
-PREFIX_SKEW sessions more than the one chosen by load.
+``StageLink``: ``Generation``, the ring's step batcher and the scheduler see one ring, and a batched
+step's rows are split by entry lane). Each session has a **route**, the replica of each stage it
+lives on: a new session opens on the least loaded healthy lane (the route r, r, ..., r, whose calls
+are the lane's own), or, when no lane has every stage up, across lanes over the live replicas of
+each stage that can forward to each other (a stage lists the replicas of the next it forwards to in
+GetStageInfo's ``next_hops``; a session's frames go to the one OpenSession's ``next_hop`` names).
+When a replica dies only the sessions routed through it are failed, and ``failover.Failover`` moves
+only that stage's part of each (``broken``, ``move_stages``, ``reroute``): the other stages keep
+their sessions. A link between two replicas that is down (``StageWatch.hops_down``) blocks the
+routes over it only: the part after it moves. Lanes may be added and drained at run time (the
+coordinator re-reads its topology on SIGHUP): a draining lane's replicas take no new session parts
+and it closes once no route uses it. Prefix caching stays per lane (each lane's stages keep their
+own KV): a restore goes to the lane that kept the prefix, unless that lane already runs PREFIX_SKEW
+sessions more than the one chosen by load.
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ class ReplicaLanes:
         lane.on_health = lambda _serving: self._changed(lane)
         # A replica lost fails the pending steps of the sessions routed through it, not its lane's.
         lane.routes_through = lambda session_id, k: self._passes(session_id, k, lane)
+        # A link between two replicas broken or healed changes which routes exist.
+        lane.watch.on_hop_change = lambda _index, _hop, _up, _reason: self.on_health(self.healthy)
         self.lanes.append(lane)
 
     def _changed(self, lane: RemoteStages) -> None:
@@ -148,8 +151,9 @@ class ReplicaLanes:
         return sorted(live, key=lambda lane: (self._sessions_on(lane), self.lanes.index(lane)))
 
     def _live(self, k: int, lane: RemoteStages) -> bool:
-        """Whether ``lane``'s replica of stage ``k`` may take session parts."""
-        return k not in lane.watch.down and lane not in self.draining
+        """Whether ``lane``'s replica of stage ``k`` may take session parts (reachable itself: which
+        replicas of the stage before reach it is each hop's question, ``_forwards``)."""
+        return k not in lane.watch.unreachable and lane not in self.draining
 
     def _load(self, k: int, lane: RemoteStages) -> int:
         return sum(1 for route in self._route.values() if route[k] is lane)
@@ -158,6 +162,12 @@ class ReplicaLanes:
         """Where ``lane``'s replica of stage ``k`` forwards: each reachable lane's replica of stage
         k + 1 and its next-hop index. Its own lane's always (the first next hop: what lanes ride)."""
         return self._hops.get((k, lane)) or {lane: 0}
+
+    def _forwards(self, k: int, lane: RemoteStages) -> dict[RemoteStages, int]:
+        """``hops_of`` less the hops that are down (a partitioned link blocks the routes over it
+        only: the replicas on either side stay usable on other routes)."""
+        down = lane.watch.hops_down
+        return {other: j for other, j in self.hops_of(k, lane).items() if (k, j) not in down}
 
     def _learn_hops(self, lane: RemoteStages, infos: list[stage_pb2.GetStageInfoResponse]) -> None:
         """Which replicas of the next stage each of ``lane``'s stages forwards to, from the addresses
@@ -184,7 +194,7 @@ class ReplicaLanes:
                     yield route
                 return
             k = len(route)
-            reachable = self.hops_of(k - 1, route[-1]) if k else None
+            reachable = self._forwards(k - 1, route[-1]) if k else None
             options = [
                 lane
                 for lane in self.lanes
@@ -349,9 +359,9 @@ class ReplicaLanes:
         answers: list = [None] * len(frames)
         for i, frame in enumerate(frames):
             route = self._route_or_lane(frame.session_id)
-            down = [(k, lane) for k, lane in enumerate(route) if k in lane.watch.down]
-            if down:
-                answers[i] = Unavailable(down[0][1].watch.describe(down[0][0]))
+            blocked = self._blocked(route)
+            if blocked is not None:
+                answers[i] = Unavailable(blocked)
             else:
                 groups.setdefault(route[0], []).append(i)
         results = await asyncio.gather(
@@ -366,6 +376,19 @@ class ReplicaLanes:
             for i, answer in zip(rows, lane_answers, strict=True):
                 answers[i] = answer
         return answers
+
+    def _blocked(self, route: Route) -> str | None:
+        """Why ``route`` cannot step now (a replica on it unreachable, or the hop it uses between
+        two of them down), or None. A replica down itself is named first: a dead stage also
+        breaks the hop into it."""
+        for k, lane in enumerate(route):
+            if k in lane.watch.unreachable:
+                return lane.watch.describe_own(k)
+        for k, lane in enumerate(route):
+            why = lane.watch.route_blocked(k, self._next_hop(route, k))
+            if why is not None:
+                return why
+        return None
 
     def timeout_for(self, rows: int) -> float:
         return self.lanes[0].timeout_for(rows)
@@ -480,9 +503,15 @@ class ReplicaLanes:
                 raise result
 
     def broken(self, session_id: str) -> list[int]:
-        """The stages whose replica on the session's route is down: the parts a failover moves."""
+        """The parts a failover moves: the stages whose replica on the session's route is
+        unreachable, and the stage after each hop of the route that is down (its new replica is
+        one the stage before reaches over a live hop)."""
         route = self._route.get(session_id, ())
-        return [k for k, lane in enumerate(route) if k in lane.watch.down]
+        moving = {k for k, lane in enumerate(route) if k in lane.watch.unreachable}
+        for k in range(len(route) - 1):
+            if (k, self._next_hop(route, k)) in route[k].watch.hops_down:
+                moving.add(k + 1)
+        return sorted(moving)
 
     async def move_stages(self, session_id: str, stages: list[int], reason: str) -> None:
         """Moves the session's part at each of ``stages`` to another live replica of that stage
@@ -506,15 +535,16 @@ class ReplicaLanes:
         for lane in self.lanes:
             if lane is route[k] or not self._live(k, lane):
                 continue
-            if k and lane not in self.hops_of(k - 1, route[k - 1]):
+            if k and lane not in self._forwards(k - 1, route[k - 1]):
                 continue
-            if k + 1 < len(route) and k + 1 not in moving and route[k + 1] not in self.hops_of(k, lane):
+            if k + 1 < len(route) and k + 1 not in moving and route[k + 1] not in self._forwards(k, lane):
                 continue
             options.append(lane)
         if not options:
-            raise Unavailable(
-                f"{route[k].watch.describe(k)}; no other replica of stage {k} can take its sessions"
+            why = route[k].watch.route_blocked(k, None) or (
+                f"the hop from stage {k - 1} to stage {k} at {route[k].addresses[k]} is down"
             )
+            raise Unavailable(f"{why}; no other replica of stage {k} can take its sessions")
         return min(options, key=lambda lane: (self._load(k, lane), self.lanes.index(lane)))
 
     async def reroute(self, session_id: str, moved: list[int], keep_positions: int) -> None:

@@ -58,7 +58,7 @@ class StageWatch:
         self._probe_timeout_s = probe_timeout_s
         self._own: dict[int, str] = {}  # stage index -> why it is unreachable itself
         self._hops: dict[int, str] = {}  # stage index -> why its predecessor's hop to it is down
-        self._on_hop_change = on_hop_change
+        self.on_hop_change = on_hop_change  # settable: the replica lanes' routing hears it
         self._links: dict[tuple[int, int], str] = {}  # (stage, its next hop) -> why that hop is down
         self._tasks: list[asyncio.Task] = []
         self._probes: dict[int, asyncio.Task] = {}
@@ -73,6 +73,12 @@ class StageWatch:
         """Stage index -> why it is unreachable (itself, or from the stage before it over this
         ring's own hop: its lane)."""
         return {**self._hops, **self._own}
+
+    @property
+    def unreachable(self) -> dict[int, str]:
+        """Stage index -> why the stage itself is unreachable (whether a replica of the stage
+        before reaches it is a hop's question: :attr:`hops_down`)."""
+        return dict(self._own)
 
     @property
     def hops_down(self) -> dict[tuple[int, int], str]:
@@ -244,7 +250,7 @@ class StageWatch:
                 up=up,
                 reason=reason,
             )
-            self._on_hop_change(index, hop, up, reason)
+            self.on_hop_change(index, hop, up, reason)
 
     async def _probe_until_up(self, index: int) -> None:
         try:

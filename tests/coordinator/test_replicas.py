@@ -67,11 +67,29 @@ def test_replicas_that_disagree_are_refused_naming_both():
 
 
 class _Watch:
+    """What a StageWatch knows, as a test sets it: stages unreachable themselves, and the hops
+    (stage, next-hop index) that are down."""
+
     def __init__(self):
         self.down: dict[int, str] = {}
+        self.hops_down: dict[tuple[int, int], str] = {}
+        self.on_hop_change = lambda index, hop, up, reason: None
+
+    @property
+    def unreachable(self) -> dict[int, str]:
+        return self.down
 
     def describe(self, index: int) -> str:
         return f"stage {index} is unreachable ({self.down[index]})"
+
+    describe_own = describe
+
+    def route_blocked(self, index: int, hop: int | None) -> str | None:
+        if index in self.down:
+            return self.describe(index)
+        if hop is not None and (index, hop) in self.hops_down:
+            return f"stage {index}: its next hop {hop} is down ({self.hops_down[index, hop]})"
+        return None
 
 
 class _Lane:
@@ -105,7 +123,7 @@ class _Lane:
 
     @property
     def healthy(self) -> bool:
-        return not self.watch.down
+        return not self.watch.down and not self.watch.hops_down
 
     async def open_session(self, session_id, capacity=None):
         self.opened.append(session_id)
@@ -278,5 +296,47 @@ def test_a_moved_stage_0_part_makes_its_new_replica_the_sessions_entry():
         await ring.reroute("t", [0], 32)
         assert a.calls[-1] == ("route", 1, "t", None, 32)  # the final stage: cut back only
         assert await ring.run([frame]) == ["t"] and b.rows == ["t"] and not a.rows
+
+    asyncio.run(run())
+
+
+def test_a_partitioned_hop_blocks_only_the_routes_over_it_and_moves_the_part_after_it():
+    """Lane a's link from its stage 0 to its stage 1 stalls, both replicas alive: only the routes
+    over that link stop; the session on it moves its stage 1 part to the replica stage 0 reaches
+    over its other hop, and a new session may still use both of lane a's replicas on other routes."""
+
+    async def run():
+        a, b = _StageLane("a", "b"), _StageLane("b", "a")
+        ring = ReplicaLanes([a, b])
+        health: list[bool] = []
+        ring.on_health = health.append
+        await ring.stage_infos()
+        await ring.open_session("t")  # lane a, whole: a0 -> a1 over a0's hop 0
+        await ring.open_session("u")  # lane b
+        a.watch.hops_down[0, 0] = "broken or stalled"
+        a.watch.on_hop_change(0, 0, False, "broken or stalled")
+        assert health == [True]  # b0 -> b1 and a0 -> b1 remain
+        t, u = (activation_pb2.ActivationFrame(session_id=s) for s in ("t", "u"))
+        blocked, answered = await ring.run([t, u])
+        assert isinstance(blocked, Unavailable) and "next hop 0 is down" in str(blocked)
+        assert answered == "u" and a.rows == [] and b.rows == ["u"]  # not sent over the stalled link
+        assert ring.broken("t") == [1] and ring.broken("u") == []
+        await ring.move_stages("t", ring.broken("t"), "moved to another replica of its stage")
+        assert ring.route_of("t") == [0, 1]  # a0 -> b1, over a0's hop 1
+        assert b.calls == [("open", 1, "t", None)]
+        await ring.reroute("t", [1], 64)
+        assert a.calls[-1] == ("route", 0, "t", 1, 64)
+        assert await ring.run([t]) == ["t"]
+        # With b's stage 0 gone too, a new session crosses from a0 to b1, never over the stalled link.
+        b.watch.down[0] = "connection lost"
+        await ring.open_session("w")
+        assert ring.route_of("w") == [0, 1] and a.calls[-1] == ("open", 0, "w", 1)
+        # a0's other hop stalls as well: no route is left, and a move says which hop is down.
+        a.watch.hops_down[0, 1] = "broken or stalled"
+        assert not ring.healthy
+        with pytest.raises(Unavailable, match="the hop from stage 0 to stage 1 at b1:1 is down"):
+            await ring.move_stages("w", [1], "moved")
+        with pytest.raises(Unavailable):
+            await ring.open_session("x")
 
     asyncio.run(run())
