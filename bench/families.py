@@ -79,7 +79,7 @@ def _module() -> StageModule:
 def _compile(module: StageModule, form: str) -> ov.CompiledModel:
     """The same module and weights traced in ``form`` (SparseMoe reads its form at trace time)."""
     for layer in module.layers:
-        layer.mlp.dense = form == "dense"
+        layer.mlp.form = form
     config = {"INFERENCE_PRECISION_HINT": "f32"}
     if THREADS:
         config["INFERENCE_NUM_THREADS"] = str(THREADS)
