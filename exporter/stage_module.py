@@ -132,17 +132,17 @@ def _experts_sparse(x, weights, chosen, gate_up, down, inter: int):
     rows, h = x.shape[0], x.shape[1]
     hit = torch.zeros_like(weights).scatter(1, chosen, torch.ones_like(weights)).sum(0) > 0
     used = torch.nonzero(hit).squeeze(-1)  # [U]
-    gu = (x @ gate_up.index_select(1, used).reshape(h, -1)).view(rows, -1, 2 * inter)  # [rows, U, 2i]
+    gu = (x @ gate_up.index_select(0, used).reshape(-1, h).t()).view(rows, -1, 2 * inter)  # [rows, U, 2i]
     act = F.silu(gu[..., :inter]) * gu[..., inter:] * weights.index_select(1, used)[..., None]
-    return act.reshape(rows, -1) @ down.index_select(0, used).reshape(-1, h)
+    return act.reshape(rows, -1) @ down.index_select(1, used).reshape(h, -1).t()
 
 
 def _experts_dense(x, weights, gate_up, down, inter: int):
     """Every expert, the unchosen weighted 0: [rows, hidden] -> [rows, hidden]."""
     rows, h = x.shape[0], x.shape[1]
-    gu = (x @ gate_up.reshape(h, -1)).view(rows, -1, 2 * inter)  # [rows, E, 2 * inter]
+    gu = (x @ gate_up.reshape(-1, h).t()).view(rows, -1, 2 * inter)  # [rows, E, 2 * inter]
     act = F.silu(gu[..., :inter]) * gu[..., inter:] * weights[..., None]
-    return act.reshape(rows, -1) @ down.reshape(-1, h)
+    return act.reshape(rows, -1) @ down.reshape(h, -1).t()
 
 
 def _experts_by_rows(x, weights, chosen, gate_up, down, inter: int, sparse_rows: int):
@@ -162,8 +162,9 @@ def _by_rows():
 class SparseMoe(nn.Module):
     """Routed experts (Qwen3-MoE): softmax router, top-k per token, optionally renormalised.
 
-    Experts are stacked so both forms read the same tensors without a copy: ``gate_up``
-    [hidden, E, 2 * inter] (gate columns first) and ``down`` [E, inter, hidden]. The sparse
+    Experts are stacked in the checkpoint's [out, in] orientation so both forms multiply by the
+    same bytes (each weight transposed, as a Linear's): ``gate_up`` [E, 2 * inter, hidden] (gate
+    rows first) and ``down`` [hidden, E, inter]. The sparse
     form Gathers the experts any row of the step chose (NonZero over the routing mask) and
     multiplies by those only: a decode step of one row reads top_k experts of num_experts. The
     dense form is two plain matrix products over every expert, each row's unchosen experts
@@ -178,8 +179,8 @@ class SparseMoe(nn.Module):
         self.top_k, self.inter, self.sparse_rows = moe.top_k, i, moe.sparse_rows
         self.norm_topk_prob, self.form = moe.norm_topk_prob, moe.form
         self.router = nn.Linear(h, e, bias=False)
-        self.gate_up = nn.Parameter(torch.empty(h, e, 2 * i))
-        self.down = nn.Parameter(torch.empty(e, i, h))
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down = nn.Parameter(torch.empty(h, e, i))
 
     def forward(self, x):
         b, t, h = x.shape
