@@ -31,7 +31,6 @@ int4, default fp32).
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -131,7 +130,9 @@ def _rss_probe(path: str) -> None:
     compiled = ov.Core().compile_model(path, "CPU", _config())
     for b in USERS:
         compiled(_inputs(_spec(), b))
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    # VmHWM, not ru_maxrss: ru_maxrss keeps the parent's RSS at the fork across exec
+    status = Path("/proc/self/status").read_text()
+    print(int(status.split("VmHWM:")[1].split()[0]) / 1024)
 
 
 def _inputs(s: ModelSpec, batch: int) -> list[np.ndarray]:
