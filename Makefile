@@ -238,7 +238,7 @@ distil: model
 bench-spec: model
 	$(PY) -m bench.spec
 
-## bench-families: the mixture-of-experts stage's decode step (Qwen3-30B-A3B shape, 1 layer), sparse form over the dense all-experts fallback at 1 and 8 users, and Gemma 3's window-bounded KV at 4k (bench/results/families.json); each family's 2-stage fleet (SmolLM2, Gemma 3 270M, synthetic Qwen3 and Phi-3; BENCH_FAMILIES=phi3 picks families) over openvino_genai on the unsplit optimum-intel INT4 export at 1 and 8 users (bench/results/family_fleets.json); BENCH_PART=step runs only the first part, BENCH_PART=fleets only the fleets
+## bench-families: the mixture-of-experts stage's decode step (Qwen3-30B-A3B shape, 1 layer) in each form (sparse, by_rows) over the dense one at 1 and 8 users, with each form's compile time, IR size and peak RSS (BENCH_MOE_WEIGHTS=int4: compressed as an int4 export; bench/results/families-int4.json), and Gemma 3's window-bounded KV at 4k (bench/results/families.json); each family's 2-stage fleet (SmolLM2, Gemma 3 270M, synthetic Qwen3, Phi-3 and Qwen3-MoE with BENCH_MOE_EXPERTS experts, default 32; BENCH_FAMILIES=phi3 picks families) over openvino_genai on the unsplit optimum-intel INT4 export at 1 and 8 users (bench/results/family_fleets.json); BENCH_PART=step runs only the first part, BENCH_PART=fleets only the fleets
 bench-families: model
 	@if [ "$(BENCH_PART)" != fleets ]; then $(PY) -m bench.families; fi
 	@if [ "$(BENCH_PART)" != step ]; then $(PY) -m bench.family_fleets; fi

@@ -2,8 +2,11 @@
 unsplit optimum-intel export of the same model folder (bench/family_fleets.json).
 
 Families (BENCH_FAMILIES, default all): ``smollm2`` (Llama, the bundled model), ``gemma3`` (Gemma 3
-270M, real weights), ``qwen3`` and ``phi3`` (`pipeshard model synth --like qwen3-0.6b` and
-``phi-3-mini-4k``, seeded random weights, BENCH_SYNTH_LAYERS decoder layers, default 4). For each:
+270M, real weights), ``qwen3``, ``phi3`` and ``qwen3_moe`` (`pipeshard model synth --like
+qwen3-0.6b`, ``phi-3-mini-4k`` and ``qwen3-30b-a3b``, seeded random weights, BENCH_SYNTH_LAYERS
+decoder layers, default 4; the MoE shape keeps BENCH_MOE_EXPERTS of its 128 experts, default 32,
+8 per token, so it fits this machine). Our int4 export runs the MoE layers in the dense form
+(exporter/families.py moe_form); optimum-intel's runs Hugging Face's per-expert loop. For each:
 our INT4 export at 2 stages (shards/<name>-2s-int4) served by a real fleet (stage processes, a
 coordinator, gRPC) at the default precision, and ``optimum-cli export openvino`` INT4 of the same
 folder (bench/reference.py's arguments, shards/optimum-int4-<name>). The same raw-text prompts,
@@ -24,6 +27,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from bench.latency import COORDINATOR_ARGS, NEW_TOKENS, Continuous, FleetClient
@@ -34,14 +38,22 @@ from pipeshard.offline import set_offline_defaults
 from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.v1 import coordinator_pb2
 
-FAMILIES = os.environ.get("BENCH_FAMILIES", "smollm2,gemma3,qwen3,phi3").split(",")
+FAMILIES = os.environ.get("BENCH_FAMILIES", "smollm2,gemma3,qwen3,phi3,qwen3_moe").split(",")
 SYNTH_LAYERS = int(os.environ.get("BENCH_SYNTH_LAYERS", "4"))
+MOE_EXPERTS = int(os.environ.get("BENCH_MOE_EXPERTS", "32"))
 RUNS = int(os.environ.get("BENCH_RUNS", "10"))
 WARMUP = int(os.environ.get("BENCH_WARMUP", "2"))
 USERS = 8
 STAGES = 2
-KNOBS = ("BENCH_PART", "BENCH_FAMILIES", "BENCH_SYNTH_LAYERS", "BENCH_RUNS", "BENCH_WARMUP")
-SYNTH_LIKE = {"qwen3": "qwen3-0.6b", "phi3": "phi-3-mini-4k"}
+KNOBS = (
+    "BENCH_PART",
+    "BENCH_FAMILIES",
+    "BENCH_SYNTH_LAYERS",
+    "BENCH_MOE_EXPERTS",
+    "BENCH_RUNS",
+    "BENCH_WARMUP",
+)
+SYNTH_LIKE = {"qwen3": "qwen3-0.6b", "phi3": "phi-3-mini-4k", "qwen3_moe": "qwen3-30b-a3b"}
 PROMPTS = [
     "The history of the printing press begins",
     "A bicycle works by turning the pedals, which",
@@ -66,9 +78,13 @@ def model_dir(family: str) -> Path:
     from pipeshard.model.shapes import get_shape
     from pipeshard.model.synth import synthesize
 
-    out = paths.models_dir() / f"synth-{SYNTH_LIKE[family]}-{SYNTH_LAYERS}l"
+    shape = get_shape(SYNTH_LIKE[family]).with_layers(SYNTH_LAYERS)
+    experts = f"-{MOE_EXPERTS}e" if shape.experts else ""
+    if shape.experts:
+        shape = replace(shape, experts=MOE_EXPERTS)
+    out = paths.models_dir() / f"synth-{SYNTH_LIKE[family]}-{SYNTH_LAYERS}l{experts}"
     if not (out / "config.json").exists():
-        synthesize(get_shape(SYNTH_LIKE[family]).with_layers(SYNTH_LAYERS), out, force=True)
+        synthesize(shape, out, force=True)
     return out
 
 
@@ -134,6 +150,7 @@ def measure(family: str, work: Path) -> dict:
     return {
         "model": str(source.name),
         "synthetic_layers": SYNTH_LAYERS if family in SYNTH_LIKE else None,
+        "synthetic_experts": MOE_EXPERTS if family == "qwen3_moe" else None,
         "tok_s_1user": {n: summary(v) for n, v in one.items()},
         "fleet_over_llm_pipeline_1user": r1,
         "fleet_over_llm_pipeline_1user_ci95": ci1,

@@ -31,7 +31,7 @@ from pipeshard.errors import FailedPrecondition, InvalidArgument
 from pipeshard.exporter import EXPORTER_VERSION
 from pipeshard.exporter.budget import check_export_memory
 from pipeshard.exporter.compress import CompressionPlan, make_plan
-from pipeshard.exporter.families import ModelSpec, cut_config, load_config, resolve_spec
+from pipeshard.exporter.families import ModelSpec, cut_config, load_config, moe_form, resolve_spec
 from pipeshard.exporter.weights import weight_files
 from pipeshard.shard.manifest import (
     ExportStats,
@@ -221,7 +221,7 @@ def export_stage(job: StageJob, progress: ProgressFn) -> StageEntry:
 
     t0 = time.perf_counter()
     i = job.index
-    spec = resolve_spec(job.config)
+    spec = moe_form(resolve_spec(job.config), job.plan.weights)
 
     def phase(name: str, fraction: float, message: str = "") -> None:
         progress(ProgressEvent(i, name, fraction, message))
@@ -516,6 +516,7 @@ def plan_export(
     layers = resolve_split(spec.num_layers, stages, split)
     check_export_memory(spec, layers, max_stage_memory)
     compression = make_plan(spec, weights, group_size, head_precision, int8_sym)
+    spec = moe_form(spec, weights)
     context = resolve_max_context(spec, max_context)
     if static is not None:
         check_static(static, context, draft is not None)

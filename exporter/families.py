@@ -16,7 +16,7 @@ One ``Family`` value per model type describes that, and :func:`resolve_spec` tur
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -198,7 +198,8 @@ def _rope_scaling(scaling: dict[str, Any] | None) -> Llama3Rope | None:
     )
 
 
-MOE_FORMS = ("sparse", "dense")
+MOE_FORMS = ("sparse", "dense", "by_rows")
+COMPRESSED_WEIGHTS = ("int4", "int8")
 
 
 @dataclass(frozen=True)
@@ -207,8 +208,9 @@ class MoeSpec:
 
     ``form`` is how the stage graph computes it: ``sparse`` gathers the weights of the experts
     any token of the step chose and runs only those (cost grows with the experts chosen, not with
-    ``num_experts``); ``dense`` runs every expert and zero-weights the unchosen ones (the
-    fallback the sparse form is measured against, ``make bench-families``).
+    ``num_experts``); ``dense`` runs every expert and zero-weights the unchosen ones; ``by_rows``
+    holds both over the same weights and picks per step, in the graph: sparse while the step has
+    at most ``sparse_rows`` rows (tokens), dense above (see ``moe_form``).
     """
 
     num_experts: int
@@ -217,6 +219,14 @@ class MoeSpec:
     norm_topk_prob: bool
     layers: frozenset[int]
     form: str = "sparse"
+
+    @property
+    def sparse_rows(self) -> int:
+        """The most rows a ``by_rows`` step runs sparse. Gathering the experts a step chose pays
+        while they are a small share of all (rows x top_k <= experts / 5; at least 1 row): on
+        Qwen3-30B-A3B (128 experts, 8 per token) the sparse step is 0.46 of the dense one at 1
+        row and 1.64 at 8 (`make bench-families`), about even near 4, so up to 3 rows."""
+        return max(1, self.num_experts // (5 * self.top_k))
 
     def params(self, hidden_size: int) -> int:
         """Parameters of one MoE layer's MLP: every expert's gate, up and down, and the router."""
@@ -230,6 +240,7 @@ class MoeSpec:
             "norm_topk_prob": self.norm_topk_prob,
             "layers": sorted(self.layers),
             "form": self.form,
+            "sparse_rows": self.sparse_rows,
         }
 
 
@@ -399,6 +410,21 @@ def _moe(config: dict[str, Any], family: Family, layers: int) -> MoeSpec | None:
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
         layers=frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
     )
+
+
+def moe_form(spec: ModelSpec, weights: str) -> ModelSpec:
+    """``spec`` with its experts in the form an export at ``weights`` precision runs.
+
+    Compressed weights (int4, int8) take the dense form: the CPU plugin runs every expert as one
+    matrix product over the compressed weights, decompressing as it multiplies, which at int4
+    beat the sparse form at 1 to 8 rows (NNCF compresses a gathered expert tensor like an
+    embedding, per expert in int8, and the plugin then unpacks it to f32 at compile), and NNCF
+    does not compress weights inside the ``by_rows`` form's If bodies. fp16 and fp32 take
+    ``by_rows``: sparse for a step of few rows, dense above."""
+    if spec.moe is None:
+        return spec
+    form = "dense" if weights in COMPRESSED_WEIGHTS else "by_rows"
+    return replace(spec, moe=replace(spec.moe, form=form))
 
 
 def _local_layers(config: dict[str, Any], layers: int) -> frozenset[int]:

@@ -32,6 +32,8 @@ drops this mask; pipeshard.shard.paged gives those layers' PagedAttention the wi
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -125,15 +127,48 @@ class MLP(nn.Module):
         return self.down_proj(gate * self.up_proj(x))
 
 
+def _experts_sparse(x, weights, chosen, gate_up, down, inter: int):
+    """The experts some row chose, gathered: [rows, hidden] -> [rows, hidden]."""
+    rows, h = x.shape[0], x.shape[1]
+    hit = torch.zeros_like(weights).scatter(1, chosen, torch.ones_like(weights)).sum(0) > 0
+    used = torch.nonzero(hit).squeeze(-1)  # [U]
+    gu = (x @ gate_up.index_select(0, used).reshape(-1, h).t()).view(rows, -1, 2 * inter)  # [rows, U, 2i]
+    act = F.silu(gu[..., :inter]) * gu[..., inter:] * weights.index_select(1, used)[..., None]
+    return act.reshape(rows, -1) @ down.index_select(1, used).reshape(h, -1).t()
+
+
+def _experts_dense(x, weights, gate_up, down, inter: int):
+    """Every expert, the unchosen weighted 0: [rows, hidden] -> [rows, hidden]."""
+    rows, h = x.shape[0], x.shape[1]
+    gu = (x @ gate_up.reshape(-1, h).t()).view(rows, -1, 2 * inter)  # [rows, E, 2 * inter]
+    act = F.silu(gu[..., :inter]) * gu[..., inter:] * weights[..., None]
+    return act.reshape(rows, -1) @ down.reshape(h, -1).t()
+
+
+def _experts_by_rows(x, weights, chosen, gate_up, down, inter: int, sparse_rows: int):
+    """Sparse while the step has at most ``sparse_rows`` rows, dense above: scripted, so the
+    branch is an If in the graph and each step runs one form."""
+    if x.shape[0] <= sparse_rows:
+        return _experts_sparse(x, weights, chosen, gate_up, down, inter)
+    return _experts_dense(x, weights, gate_up, down, inter)
+
+
+@functools.cache
+def _by_rows():
+    """``_experts_by_rows`` scripted, on first use: only an export of a MoE stage pays for it."""
+    return torch.jit.script(_experts_by_rows)
+
+
 class SparseMoe(nn.Module):
     """Routed experts (Qwen3-MoE): softmax router, top-k per token, optionally renormalised.
 
-    Experts are stacked: ``gate_up`` [E, hidden, 2 * inter] (gate columns first) and ``down``
-    [E, inter, hidden], already transposed so the graph multiplies without a Transpose. The
-    sparse form takes the experts any row of the step chose (NonZero over the routing mask),
-    Gathers only their weights and runs a batched MatMul over them: a decode step of one row
-    reads top_k experts of num_experts. The dense form is two plain matrix products over all
-    experts, each row's unchosen experts weighted 0.
+    Experts are stacked in the checkpoint's [out, in] orientation so both forms multiply by the
+    same bytes (each weight transposed, as a Linear's): ``gate_up`` [E, 2 * inter, hidden] (gate
+    rows first) and ``down`` [hidden, E, inter]. The sparse
+    form Gathers the experts any row of the step chose (NonZero over the routing mask) and
+    multiplies by those only: a decode step of one row reads top_k experts of num_experts. The
+    dense form is two plain matrix products over every expert, each row's unchosen experts
+    weighted 0. ``by_rows`` (MoeSpec.form) picks one of them per step by its row count.
     """
 
     def __init__(self, spec: ModelSpec):
@@ -141,11 +176,11 @@ class SparseMoe(nn.Module):
         moe = spec.moe
         assert moe is not None
         h, i, e = spec.hidden_size, moe.intermediate_size, moe.num_experts
-        self.num_experts, self.top_k, self.inter = e, moe.top_k, i
-        self.norm_topk_prob, self.dense = moe.norm_topk_prob, moe.form == "dense"
+        self.top_k, self.inter, self.sparse_rows = moe.top_k, i, moe.sparse_rows
+        self.norm_topk_prob, self.form = moe.norm_topk_prob, moe.form
         self.router = nn.Linear(h, e, bias=False)
-        self.gate_up = nn.Parameter(torch.empty(e, h, 2 * i))
-        self.down = nn.Parameter(torch.empty(e, i, h))
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down = nn.Parameter(torch.empty(h, e, i))
 
     def forward(self, x):
         b, t, h = x.shape
@@ -155,19 +190,12 @@ class SparseMoe(nn.Module):
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
         weights = torch.zeros_like(probs).scatter(1, chosen, top)  # [rows, E], 0 where unchosen
-        if self.dense:
-            gate_up = (x @ self.gate_up.permute(1, 0, 2).reshape(h, -1)).view(
-                b * t, self.num_experts, 2 * self.inter
-            )
-            act = F.silu(gate_up[..., : self.inter]) * gate_up[..., self.inter :] * weights[..., None]
-            out = act.reshape(b * t, -1) @ self.down.reshape(-1, h)
+        if self.form == "dense":
+            out = _experts_dense(x, weights, self.gate_up, self.down, self.inter)
+        elif self.form == "sparse":
+            out = _experts_sparse(x, weights, chosen, self.gate_up, self.down, self.inter)
         else:
-            hit = torch.zeros_like(probs).scatter(1, chosen, torch.ones_like(top)).sum(0) > 0
-            used = torch.nonzero(hit).squeeze(-1)  # [U]: experts some row chose
-            gate_up = x[None] @ self.gate_up[used]  # [U, rows, 2 * inter]
-            act = F.silu(gate_up[..., : self.inter]) * gate_up[..., self.inter :]
-            act = act * weights.transpose(0, 1)[used][..., None]
-            out = (act @ self.down[used]).sum(0)
+            out = _by_rows()(x, weights, chosen, self.gate_up, self.down, self.inter, self.sparse_rows)
         return out.view(b, t, h)
 
 

@@ -69,17 +69,19 @@ class TensorRef:
 
 @dataclass(frozen=True)
 class StackedRef:
-    """Per-expert checkpoint matrices stacked into one [experts, in, out] tensor: expert e's
-    matrices in ``experts[e]``, each transposed ([out, in] -> [in, out]) and joined along out."""
+    """Per-expert checkpoint matrices ([out, in] each, as stored) stacked into one tensor: expert
+    e's matrices in ``experts[e]``, joined along out, the experts stacked on ``axis``: 0 gives
+    [experts, out, in], 1 gives [out, experts, in]."""
 
     experts: tuple[tuple[str, ...], ...]
+    axis: int = 0
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(n for names in self.experts for n in names)
 
     def build(self, loaded: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.stack([torch.cat([loaded[n].T for n in names], dim=1) for names in self.experts])
+        return torch.stack([torch.cat([loaded[n] for n in names]) for names in self.experts], dim=self.axis)
 
 
 WeightRef = TensorRef | StackedRef
@@ -102,7 +104,7 @@ def _expert_names(spec: ModelSpec, layer: int) -> dict[str, WeightRef]:
     return {
         "mlp.router.weight": TensorRef(f.layer_tensor(layer, f.router)),
         "mlp.gate_up": StackedRef(tuple((part(e, "gate_proj"), part(e, "up_proj")) for e in experts)),
-        "mlp.down": StackedRef(tuple((part(e, "down_proj"),) for e in experts)),
+        "mlp.down": StackedRef(tuple((part(e, "down_proj"),) for e in experts), axis=1),
     }
 
 
