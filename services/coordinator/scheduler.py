@@ -68,6 +68,9 @@ class ScheduledRequest:
     need: Need  # blocks it holds on each paged stage while it runs
     seq: int  # arrival order
     batch: bool = False  # an offline batch job's request: admitted only when no interactive one waits
+    # The codec its sessions ask every stage for (OpenSession's codec: a batch job's; empty: each
+    # stage's own --codec), on its first session and on each one a failover or move reopens.
+    codec: str = ""
     status: RequestStatus = RequestStatus.QUEUED
     admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     # True while the mirror's charge for ``need`` is this request's (from its admission, and again
@@ -145,13 +148,20 @@ class Scheduler:
 
     @contextlib.asynccontextmanager
     async def admit(
-        self, identity: Identity, tokens: int, timeout_s: float | None = None, *, batch: bool = False
+        self,
+        identity: Identity,
+        tokens: int,
+        timeout_s: float | None = None,
+        *,
+        batch: bool = False,
+        codec: str = "",
     ) -> AsyncIterator[ScheduledRequest]:
         """Holds a running place for the body, for a request whose sessions hold ``tokens`` of
-        KV capacity; waits in the queue up to ``timeout_s``; ``batch``: the lower class. The
-        admission it yields goes with the request to the sessions it opens (their charge)."""
+        KV capacity; waits in the queue up to ``timeout_s``; ``batch``: the lower class;
+        ``codec``: its sessions' codec (checked by the caller). The admission it yields goes with
+        the request to the sessions it opens (their charge and codec)."""
         self.kv.check_ever_fits(tokens)
-        request = ScheduledRequest(identity, self.kv.need(tokens), next(self._seq), batch=batch)
+        request = ScheduledRequest(identity, self.kv.need(tokens), next(self._seq), batch=batch, codec=codec)
         self._enqueue(request)
         try:
             await self._wait(request, timeout_s)

@@ -105,7 +105,7 @@ def test_a_waiting_request_is_admitted_when_a_running_one_releases_its_session()
         session_released = asyncio.Event()
 
         class Stages:
-            async def open_session(self, session_id, capacity=None):
+            async def open_session(self, session_id, terms=None):
                 return 10_000
 
             async def release_session(self, session_id):
@@ -363,7 +363,7 @@ def test_a_reopened_session_keeps_its_requests_charge_and_other_sessions_are_cha
         scheduler = Scheduler(max_running=8, max_queue=8, kv=kv)
 
         class Stages:
-            async def open_session(self, session_id, capacity=None):
+            async def open_session(self, session_id, terms=None):
                 return 10_000
 
             async def release_session(self, session_id):
