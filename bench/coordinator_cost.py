@@ -60,7 +60,7 @@ def child(users: int) -> float:
                 out.append(result)
             return out
 
-        async def open_session(self, session_id: str, capacity: int | None = None) -> int:
+        async def open_session(self, session_id: str, terms: object = None) -> int:
             return 8192
 
         async def release_session(self, session_id: str) -> None: ...

@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from bench.latency import COORDINATOR_ARGS, NEW_TOKENS, Continuous, FleetClient
+from bench.latency import NEW_TOKENS, Continuous, FleetClient
 from bench.reference import GenAIPipeline, optimum_export
 from bench.stats import command_with_knobs, interleaved, ratio_ci, summary, write_result
 from pipeshard import paths
@@ -118,7 +118,7 @@ def measure(family: str, work: Path) -> dict:
     reference = optimum_export(source, paths.shards_dir() / f"optimum-int4-{source.name}")
     prompter = Prompter.from_dir(shards)
     ids = [prompter.encode(p, []) for p in PROMPTS]
-    fleet = start_fleet(shards, STAGES, work / f"run-{family}", extra_coordinator_args=COORDINATOR_ARGS)
+    fleet = start_fleet(shards, STAGES, work / f"run-{family}")
     try:
         client, genai, cb = Completions(fleet.coordinator), GenAIPipeline(reference), Continuous(reference)
         turn = iter(range(10**9))

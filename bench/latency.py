@@ -13,7 +13,8 @@
    aggregate against ContinuousBatchingPipeline; 8 users against the fleet of BENCH_BEFORE
    (default e2242a2, checked out and served as bench/commits.py does).
 3. BENCH_PROFILE=1: a py-spy sampling profile (``py-spy record --format raw``) of every fleet
-   process during a 1-user and a 16-user run; the top frames per process go into the result.
+   process during a 1-user run (part ``1user``) and a 16-user run (part ``16users``); the top
+   frames per process go into the result.
 
 Runtime: about 25 minutes in full on 2 quiet cores (2026-12-02: 24 min with BENCH_PROFILE=1; the
 16users part alone 5 min). BENCH_QUICK=1: 3 rounds after 1 warm-up (under 10 minutes on 2 loaded
@@ -57,11 +58,6 @@ PROMPTS = [
 ]
 # About 30 tokens once chat-templated (the TTFT of a short prompt).
 SHORT_PROMPT = "Hi, what is the capital of France?"
-# The benchmark's users all connect from loopback, so without API keys they are one identity
-# (pipeshard/auth.py: the peer's host), which --max-running-per-identity (12 by default) would cap
-# below the 16 users compared with ContinuousBatchingPipeline; 16 users on 16 machines are 16
-# identities, each under the cap.
-COORDINATOR_ARGS = ["--max-running-per-identity", "16"]
 # The order one decode step's events happen in (process, event); the timeline's segments join them.
 TIMELINE = [
     ("coordinator", "gen_send"),
@@ -222,7 +218,9 @@ def start(shards: Path, stages: int, run_dir: Path, precision: str | None = None
     os.environ.update(env or {})
     try:
         kwargs = {"precision": precision} if precision else {}
-        return start_fleet(shards, stages, run_dir, extra_coordinator_args=COORDINATOR_ARGS, **kwargs)
+        # The default open fleet: its users all connect from loopback, one identity (pipeshard/
+        # auth.py), which runs all 16 at once since no other identity waits (scheduler.py).
+        return start_fleet(shards, stages, run_dir, **kwargs)
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -396,12 +394,13 @@ def main() -> int:
             one_user(result, clients, local, Local(shards3), GenAIPipeline(reference), cb)
         if "16users" in parts:
             sixteen_users(result, clients["fleet"], local, cb)
-            if os.environ.get("BENCH_PROFILE") == "1":
-                out = Path("bench/results/profiles")
-                out.mkdir(parents=True, exist_ok=True)
-                result["profile"] = {
-                    f"{users}u": profile(fleets["fleet"], clients["fleet"], users, out) for users in (1, 16)
-                }
+        profiled = [users for users, part in ((1, "1user"), (16, "16users")) if part in parts]
+        if os.environ.get("BENCH_PROFILE") == "1" and profiled:
+            out = Path("bench/results/profiles")
+            out.mkdir(parents=True, exist_ok=True)
+            result["profile"] = {
+                f"{users}u": profile(fleets["fleet"], clients["fleet"], users, out) for users in profiled
+            }
         for name in ("fleet_fast", "fleet3"):
             if name in fleets:
                 fleets.pop(name).stop()

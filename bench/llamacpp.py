@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 
 from bench.family_fleets import Completions
-from bench.latency import COORDINATOR_ARGS
 from bench.stats import command_with_knobs, write_result
 from pipeshard import paths
 from pipeshard.offline import set_offline_defaults
@@ -113,9 +112,7 @@ def fleet_greedy(source: Path, weights: str, precision: str, work: Path) -> list
     shards = paths.shards_dir() / paths.export_name(source.name, STAGES, weights)
     if not (shards / "manifest.json").exists():
         export_model(source, shards, stages=STAGES, weights=weights)
-    fleet = start_fleet(
-        shards, STAGES, work / f"run-{weights}", precision=precision, extra_coordinator_args=COORDINATOR_ARGS
-    )
+    fleet = start_fleet(shards, STAGES, work / f"run-{weights}", precision=precision)
     try:
         client = Completions(fleet.coordinator)
         return [client.run(p, NEW_TOKENS)["tokens"] for p in PROMPTS]

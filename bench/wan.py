@@ -35,11 +35,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.stats import RESULTS_DIR, interleaved, median, ratio_ci, write_result
+from pipeshard.identity import Identity
 from pipeshard.offline import set_offline_defaults
 from pipeshard.services.coordinator.generation import Generation, Summary
-from pipeshard.services.coordinator.remote_stages import SESSION_CODEC, RemoteStages
+from pipeshard.services.coordinator.remote_stages import RemoteStages
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.scheduler import Scheduler
 from pipeshard.services.wan.emulator import CONTROL_PORT, WanFleet
 from pipeshard.shard.prompting import Prompter
 
@@ -101,12 +103,14 @@ class Driver:
         gen = self.gens[mode != "sampled_logits"]
 
         async def go() -> Summary:
-            events = [e async for e in gen.run(self.ids, params)]
+            # The codec rides on the request's admission (what its sessions ask every stage for).
+            async with Scheduler(1, 0).admit(Identity(""), 0, codec=codec) as admission:
+                plain = gen.check_speculative("", 0)
+                events = [e async for e in gen.generate(self.ids, params, plain, admission=admission)]
             return events[-1]
 
         def run() -> float:
             self._mode = f"{codec}/{mode}"
-            SESSION_CODEC.set(codec)  # the generation task below copies this context
             self.steps.setdefault(self._mode, []).append([])
             summary = self.loop.run_until_complete(go())
             if summary.completion_tokens != TOKENS:

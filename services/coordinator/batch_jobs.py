@@ -4,8 +4,9 @@ A job keeps at most its identity's running limit of items in the scheduler at on
 queue limits never refuse it) and streams each item's result the moment it finishes; an item
 that fails answers its error and the job goes on. Items are batch requests: the scheduler admits
 them only when no interactive request waits (scheduler.py). A job may name the codec its
-sessions ask every stage for (``SESSION_CODEC``, set in each item's task), so one fleet can run
-jobs with and without compression side by side.
+sessions ask every stage for (:func:`job_codec`; each item's admission carries it to the sessions
+its request opens, a failover's included), so one fleet can run jobs with and without
+compression side by side.
 
 Micro-batches: on a paged fleet every running session's rows go through the step batcher
 (step_batcher.py), which steps a job's sessions under the job's own :class:`Grouping`: their
@@ -35,7 +36,6 @@ import structlog
 
 from pipeshard.errors import InvalidArgument, PipeshardError
 from pipeshard.link_model import parse_codec
-from pipeshard.services.coordinator.remote_stages import SESSION_CODEC
 from pipeshard.services.coordinator.step_batcher import Grouping
 from pipeshard.v1 import coordinator_pb2
 
@@ -263,9 +263,14 @@ def check_items(items: Sequence[coordinator_pb2.BatchJobItem]) -> None:
         seen[item.custom_id] = i
 
 
+def job_codec(codec: str) -> str:
+    """The codec a job's sessions ask every stage for, checked (InvalidArgument naming ``codec``);
+    empty: the stages' own."""
+    return parse_codec(codec) if codec else ""
+
+
 class BatchJob:
-    """Runs ``items`` through ``run`` with at most ``concurrency`` at once; yields each result.
-    ``codec``: what the items' sessions ask every stage for (empty: the stages' own)."""
+    """Runs ``items`` through ``run`` with at most ``concurrency`` at once; yields each result."""
 
     def __init__(
         self,
@@ -273,10 +278,8 @@ class BatchJob:
         run: ItemRunner,
         concurrency: int,
         micro: MicroBatchControl,
-        codec: str = "",
     ):
         check_items(items)
-        self._codec = parse_codec(codec) if codec else ""
         self._items = list(items)
         self._run = run
         self._concurrency = max(1, min(concurrency, len(self._items)))
@@ -301,7 +304,6 @@ class BatchJob:
                 await asyncio.gather(*workers, return_exceptions=True)
 
     async def _worker(self, pending: asyncio.Queue, done: asyncio.Queue) -> None:
-        SESSION_CODEC.set(self._codec)  # this worker task's own context: its items' sessions only
         while not pending.empty():
             item = pending.get_nowait()
             response = await self._one(item)

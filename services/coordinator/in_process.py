@@ -24,7 +24,7 @@ import openvino as ov
 
 from pipeshard.errors import PipeshardError
 from pipeshard.precision import DEFAULT_PRECISION
-from pipeshard.services.coordinator.ring import Ring, StageFailed
+from pipeshard.services.coordinator.ring import PLAIN, Ring, SessionTerms, StageFailed
 from pipeshard.services.coordinator.step_batcher import DEFAULT_STEP_TOKENS
 from pipeshard.services.stage.backends import (
     AUTO_KV,
@@ -175,12 +175,13 @@ class InProcessStages:
     async def close(self) -> None:
         """Nothing to disconnect in one process."""
 
-    async def open_session(self, session_id: str, capacity: int | None = None) -> int:
-        """Opens on every stage, all or nothing (a paged stage may refuse the capacity)."""
+    async def open_session(self, session_id: str, terms: SessionTerms = PLAIN) -> int:
+        """Opens on every stage, all or nothing (a paged stage may refuse the capacity); its codec
+        has no wire to apply to here."""
         opened = []
         try:
             for engine in self.engines:
-                engine.open(LOCAL_OWNER, session_id, capacity)
+                engine.open(LOCAL_OWNER, session_id, terms.capacity)
                 opened.append(engine)
         except PipeshardError:
             for engine in opened:

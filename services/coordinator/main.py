@@ -103,8 +103,9 @@ class CoordinatorSettings(ServerSettings):
     max_queue: int = setting(128, "requests waiting for a slot, all identities; beyond it RESOURCE_EXHAUSTED")
     max_running_per_identity: int = setting(
         12,
-        "generations one identity runs at once (below --max-running, so another identity is served "
-        "without waiting for a slot); an API key's own max_running overrides it",
+        "generations one identity runs at once while another waits (its share); alone it may run up "
+        "to --max-running, and gives the excess back as its requests end; an API key's own "
+        "max_running overrides it and is a hard limit",
     )
     max_queued_per_identity: int = setting(
         32,

@@ -26,7 +26,6 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
-from contextvars import ContextVar
 
 import grpc
 import structlog
@@ -36,7 +35,7 @@ from pipeshard.errors import DeadlineExceeded, PipeshardError, Unavailable
 from pipeshard.link_model import LinkEstimate, train_rate
 from pipeshard.ownership import new_secret, owner_key, owner_metadata
 from pipeshard.services.coordinator.local_stage import LocalEntry, LocalStageStub
-from pipeshard.services.coordinator.ring import ShuttingDown, StageFailed
+from pipeshard.services.coordinator.ring import PLAIN, SessionTerms, ShuttingDown, StageFailed
 from pipeshard.services.coordinator.stage_watch import StageWatch
 from pipeshard.services.coordinator.step_deadline import StepDeadline
 from pipeshard.services.stage.wire import plan_from_frames
@@ -53,13 +52,6 @@ log = structlog.get_logger(__name__)
 SLOW_CONTROL_S = 1.0
 
 _MAX_UNRELEASED = 4096  # sessions remembered per unreachable stage, to abort when it returns
-
-# The codec every stage uses for the sessions opened in this context (OpenSession's codec; empty:
-# each stage's own --codec). A context, not a ring setting, so a batch job's sessions (each item's
-# task sets it) and a benchmark's requests choose theirs while every other session keeps the
-# stages' own; a session reopened on another lane (failover, prefix moves) runs in its
-# generation's task and keeps it.
-SESSION_CODEC: ContextVar[str] = ContextVar("session_codec", default="")
 
 
 class PendingSteps:
@@ -243,22 +235,22 @@ class RemoteStages:
         return self.deadline.for_rows(rows)
 
     def _open_request(
-        self, session_id: str, capacity: int | None, next_hop: int | None = None
+        self, session_id: str, terms: SessionTerms, next_hop: int | None = None
     ) -> stage_pb2.OpenSessionRequest:
         request = stage_pb2.OpenSessionRequest(
             session_id=session_id,
-            capacity=capacity or 0,
+            capacity=terms.capacity or 0,
             results_link_bandwidth_bytes_per_second=self.results_link.bandwidth_bytes_s or 0.0,
-            codec=SESSION_CODEC.get(),
+            codec=terms.codec,
         )
         if next_hop is not None:
             request.next_hop = next_hop
         return request
 
-    async def open_session(self, session_id: str, capacity: int | None = None) -> int:
+    async def open_session(self, session_id: str, terms: SessionTerms = PLAIN) -> int:
         """Open the session on every stage; returns the smallest max_context among them.
-        ``capacity``: the tokens the session may use (a paged stage reserves them or refuses)."""
-        request = self._open_request(session_id, capacity)
+        ``terms``: the tokens it may use (a paged stage reserves them or refuses) and its codec."""
+        request = self._open_request(session_id, terms)
         try:
             responses = await self._on_all("OpenSession", request)
         except BaseException:
@@ -267,11 +259,11 @@ class RemoteStages:
             raise
         return min(r.max_context for r in responses)
 
-    async def open_stage(self, i: int, session_id: str, capacity: int | None, next_hop: int | None) -> int:
+    async def open_stage(self, i: int, session_id: str, terms: SessionTerms, next_hop: int | None) -> int:
         """Opens the session on stage ``i`` alone, forwarding to its next hop ``next_hop`` (an
         index into the stage's next hops; None: its first); returns its max_context. The caller
         releases it if the rest of the route fails."""
-        request = self._open_request(session_id, capacity, next_hop)
+        request = self._open_request(session_id, terms, next_hop)
         (response,) = await self._on_all("OpenSession", request, stages=[i])
         return response.max_context
 

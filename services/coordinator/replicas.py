@@ -31,6 +31,7 @@ import structlog
 
 from pipeshard.errors import FailedPrecondition, PipeshardError, Unavailable
 from pipeshard.services.coordinator.remote_stages import RemoteStages
+from pipeshard.services.coordinator.ring import PLAIN, SessionTerms
 from pipeshard.shard.kvblob import SnapshotBytes
 from pipeshard.shard.prefix_chain import block_chain
 from pipeshard.v1 import activation_pb2, stage_pb2
@@ -95,7 +96,7 @@ class ReplicaLanes:
             raise ValueError("a lane ring needs at least one lane")
         self.lanes: list[RemoteStages] = []
         self._route: dict[str, Route] = {}  # session id -> its route
-        self._capacity: dict[str, int | None] = {}  # session id -> the capacity it opened with
+        self._terms: dict[str, SessionTerms] = {}  # session id -> what it opened with
         # (stage k, its replica's lane) -> {lane of stage k+1: that replica's index among its next hops}
         self._hops: dict[tuple[int, RemoteStages], dict[RemoteStages, int]] = {}
         self._kept = KeptBlocks()
@@ -306,40 +307,38 @@ class ReplicaLanes:
         """The lane ``route`` rides whole, if it is one (its calls are the lane's own)."""
         return route[0] if all(lane is route[0] for lane in route) else None
 
-    async def open_session(self, session_id: str, capacity: int | None = None) -> int:
+    async def open_session(self, session_id: str, terms: SessionTerms = PLAIN) -> int:
         """Opens on the least loaded healthy lane, else across lanes; a route that fails the open
         is skipped for the next."""
         error: Unavailable | None = None
-        self._capacity[session_id] = capacity
+        self._terms[session_id] = terms
         lanes = [(lane,) * self.num_stages for lane in self.live_lanes()]
         for route in [*lanes, *itertools.islice(self._crossing(), CROSSING_TRIES)]:
             self._route[session_id] = route
             try:
-                return await self._open_on(route, session_id, capacity)
+                return await self._open_on(route, session_id, terms)
             except Unavailable as exc:
                 self._route.pop(session_id, None)
                 error = exc
                 continue
             except BaseException:
                 self._route.pop(session_id, None)
-                self._capacity.pop(session_id, None)
+                self._terms.pop(session_id, None)
                 raise
-        self._capacity.pop(session_id, None)
+        self._terms.pop(session_id, None)
         raise error or Unavailable(self.down_reason())
 
-    async def _open_on(self, route: Route, session_id: str, capacity: int | None) -> int:
+    async def _open_on(self, route: Route, session_id: str, terms: SessionTerms) -> int:
         lane = self._lane_route(route)
         if lane is not None:
-            return await lane.open_session(session_id, capacity)
-        return await self._open_parts(route, session_id, capacity, list(range(len(route))))
+            return await lane.open_session(session_id, terms)
+        return await self._open_parts(route, session_id, terms, list(range(len(route))))
 
-    async def _open_parts(
-        self, route: Route, session_id: str, capacity: int | None, stages: list[int]
-    ) -> int:
+    async def _open_parts(self, route: Route, session_id: str, terms: SessionTerms, stages: list[int]) -> int:
         """Opens the session on ``stages`` of ``route``, each forwarding to the route's next
         replica; all or nothing (what opened is released when another fails)."""
         results = await asyncio.gather(
-            *(route[k].open_stage(k, session_id, capacity, self._next_hop(route, k)) for k in stages),
+            *(route[k].open_stage(k, session_id, terms, self._next_hop(route, k)) for k in stages),
             return_exceptions=True,
         )
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -403,7 +402,7 @@ class ReplicaLanes:
                 await self._release_parts(route, session_id, list(range(len(route))))
         finally:
             self._route.pop(session_id, None)
-            self._capacity.pop(session_id, None)
+            self._terms.pop(session_id, None)
 
     async def abort_session(self, session_id: str, reason: str) -> None:
         route = self._route_or_lane(session_id)
@@ -411,7 +410,7 @@ class ReplicaLanes:
             await self._abort_on(route, session_id, reason)
         finally:
             self._route.pop(session_id, None)
-            self._capacity.pop(session_id, None)
+            self._terms.pop(session_id, None)
 
     async def _abort_on(
         self, route: Route, session_id: str, reason: str, stages: list[int] | None = None
@@ -526,7 +525,7 @@ class ReplicaLanes:
             route[k] = self._replacement(route, k, stages)
         await self._abort_on(old, session_id, reason, stages=stages)
         self._route[session_id] = tuple(route)  # counted there at once
-        await self._open_parts(tuple(route), session_id, self._capacity.get(session_id), stages)
+        await self._open_parts(tuple(route), session_id, self._terms.get(session_id, PLAIN), stages)
 
     def _replacement(self, route: list[RemoteStages], k: int, moving: list[int]) -> RemoteStages:
         """The least loaded live replica of stage ``k`` but the route's own that the route's
@@ -571,14 +570,14 @@ class ReplicaLanes:
         return self._sessions_on(holder) < self._sessions_on(own) + PREFIX_SKEW
 
     async def _move_empty(self, session_id: str, lane: RemoteStages) -> None:
-        """Reopens a session that holds nothing yet on ``lane`` (same id and capacity)."""
+        """Reopens a session that holds nothing yet on ``lane`` (same id and terms)."""
         old = self._route_or_lane(session_id)
         self._route[session_id] = (
             lane,
         ) * self.num_stages  # counted there at once: concurrent moves see the skew
         await self._abort_on(old, session_id, "moved to the lane holding its prefix")
         try:
-            await lane.open_session(session_id, self._capacity.get(session_id))
+            await lane.open_session(session_id, self._terms.get(session_id, PLAIN))
         except BaseException:
             self._route.pop(session_id, None)
             raise

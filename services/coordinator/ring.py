@@ -16,6 +16,7 @@ budget until every stage has released it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from pipeshard.errors import PipeshardError, Unavailable
@@ -44,6 +45,17 @@ class ShuttingDown(Unavailable):
     """The coordinator stopped the generations still running at the end of its shutdown grace."""
 
 
+@dataclass(frozen=True)
+class SessionTerms:
+    """What a session is opened with on every stage, kept so a move reopens it alike."""
+
+    capacity: int | None = None  # the tokens it may use (a paged stage reserves them or refuses)
+    codec: str = ""  # OpenSession's codec for its frames and results (empty: each stage's --codec)
+
+
+PLAIN = SessionTerms()  # no capacity asked, the stages' own codec
+
+
 class StageLink(Protocol):
     """A ring's transport: what differs between stage services and stages in this process."""
 
@@ -57,7 +69,7 @@ class StageLink(Protocol):
         the exception to raise for it (raising fails every frame)."""
         ...
 
-    async def open_session(self, session_id: str, capacity: int | None = None) -> int: ...
+    async def open_session(self, session_id: str, terms: SessionTerms = PLAIN) -> int: ...
 
     async def release_session(self, session_id: str) -> None: ...
 
@@ -164,11 +176,13 @@ class Ring(Generic[L]):
         """Opens the session on every stage; returns the smallest max_context among them.
         ``capacity``: the tokens the session may use (a paged stage reserves them or refuses);
         ``admission``: the scheduler's admission of the request it is for, whose KV charge the
-        session takes over (None: charged on its own)."""
+        session takes over (None: charged on its own) and whose session codec it asks for (a
+        batch job's), on its first session and on every one a move reopens it in."""
         if self._accounts is not None:
             self._accounts.opening(session_id, capacity, admission)
+        terms = SessionTerms(capacity, admission.codec if admission is not None else "")
         try:
-            return await self.stages.open_session(session_id, capacity)
+            return await self.stages.open_session(session_id, terms)
         except BaseException:
             self._closed(session_id)
             raise

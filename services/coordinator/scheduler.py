@@ -1,7 +1,7 @@
 """The coordinator's scheduler: one queue, admission against the stages' KV budget, fair share.
 
 A request is admitted when a running slot is free (``max_running``, capped by the sessions each
-stage lets this coordinator hold), its identity runs fewer than its running limit, and every
+stage lets this coordinator hold), its identity may run another (its share, below), and every
 paged stage's block pool, as mirrored here (kv_mirror.py), has room for what that stage will
 reserve for it; so a stage never refuses an admitted request for space. Otherwise it waits.
 
@@ -16,10 +16,15 @@ a short request is not stuck behind long ones its own identity queued (never-rea
 2000 tokens held a normal chat request of the same host in the queue for minutes). No
 preemption: a running request keeps what it reserved (the stages reserve a session's whole
 capacity when it opens, as TGI does, so a step never fails for space).
-Another identity is served promptly because one identity runs at most
-``max_running_per_identity`` requests (below ``max_running`` by default), and when the KV pool
-is the limit it gets the next room that frees up, since its turn comes before the busy
-identity's next one.
+Running share, work-conserving: an identity's share is ``max_running_per_identity`` requests
+running at once (an API key's own ``max_running`` is a hard limit instead). While no other
+identity waits, an identity may run beyond its share, up to ``max_running``: slots nobody else
+asks for are not left idle (16 users behind one address, one identity, all run at once). It
+gives the excess back as others arrive: while any identity below its share waits, no identity
+at or above its share is admitted, so every freed slot goes to those below it until each has
+its share (no preemption: a borrowed slot returns when its request ends). When the KV pool is
+the limit another identity gets the next room that frees up, since its turn comes before the
+busy identity's next one.
 
 Batch requests (RunBatch, batch_jobs.py) are a lower class: they fill idle capacity. An
 identity's interactive requests queue ahead of its batch ones, and a lane whose next request is a
@@ -63,6 +68,9 @@ class ScheduledRequest:
     need: Need  # blocks it holds on each paged stage while it runs
     seq: int  # arrival order
     batch: bool = False  # an offline batch job's request: admitted only when no interactive one waits
+    # The codec its sessions ask every stage for (OpenSession's codec: a batch job's; empty: each
+    # stage's own --codec), on its first session and on each one a failover or move reopens.
+    codec: str = ""
     status: RequestStatus = RequestStatus.QUEUED
     admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     # True while the mirror's charge for ``need`` is this request's (from its admission, and again
@@ -129,7 +137,8 @@ class Scheduler:
         self._running_by_label: Counter[str] = Counter()  # what the per-identity gauge shows
 
     def running_limit(self, identity: Identity) -> int:
-        """The most requests ``identity`` may run at once (a batch job keeps no more in the queue)."""
+        """The requests ``identity`` may run at once whoever else waits, its share (a batch job
+        keeps no more in the queue)."""
         own = identity.max_running
         return min(self.max_running, self.max_running_per_identity if own is None else own)
 
@@ -139,13 +148,20 @@ class Scheduler:
 
     @contextlib.asynccontextmanager
     async def admit(
-        self, identity: Identity, tokens: int, timeout_s: float | None = None, *, batch: bool = False
+        self,
+        identity: Identity,
+        tokens: int,
+        timeout_s: float | None = None,
+        *,
+        batch: bool = False,
+        codec: str = "",
     ) -> AsyncIterator[ScheduledRequest]:
         """Holds a running place for the body, for a request whose sessions hold ``tokens`` of
-        KV capacity; waits in the queue up to ``timeout_s``; ``batch``: the lower class. The
-        admission it yields goes with the request to the sessions it opens (their charge)."""
+        KV capacity; waits in the queue up to ``timeout_s``; ``batch``: the lower class;
+        ``codec``: its sessions' codec (checked by the caller). The admission it yields goes with
+        the request to the sessions it opens (their charge and codec)."""
         self.kv.check_ever_fits(tokens)
-        request = ScheduledRequest(identity, self.kv.need(tokens), next(self._seq), batch=batch)
+        request = ScheduledRequest(identity, self.kv.need(tokens), next(self._seq), batch=batch, codec=codec)
         self._enqueue(request)
         try:
             await self._wait(request, timeout_s)
@@ -190,9 +206,23 @@ class Scheduler:
             return lane.identity.max_queued, "max_queued"
         return self.max_queued_per_identity, "max_queued_per_identity"
 
-    def _running_limit(self, lane: _Lane) -> int:
+    def _share(self, lane: _Lane) -> int:
+        """What ``lane`` runs whoever else waits: its key's own max_running, else the default share."""
         own = lane.identity.max_running
         return self.max_running_per_identity if own is None else own
+
+    def _ceiling(self, lane: _Lane) -> int:
+        """What ``lane`` may run while no identity below its share waits: a key's own max_running
+        is a hard limit; the default share may be exceeded up to ``max_running``."""
+        own = lane.identity.max_running
+        return self.max_running if own is None else own
+
+    def _admissible(self) -> list[_Lane]:
+        """The waiting lanes that may be admitted now: those below their share, or when there are
+        none, those below their ceiling (work-conserving, module docstring)."""
+        waiting = [lane for lane in self._lanes.values() if lane.queue]
+        below = [lane for lane in waiting if lane.running < self._share(lane)]
+        return below or [lane for lane in waiting if lane.running < self._ceiling(lane)]
 
     async def _wait(self, request: ScheduledRequest, timeout_s: float | None) -> None:
         if request.status is RequestStatus.RUNNING:
@@ -269,8 +299,7 @@ class Scheduler:
         limit = sum(head.need)
         candidates = [
             (request, lane)
-            for lane in self._lanes.values()
-            if lane.running < self._running_limit(lane)
+            for lane in self._admissible()
             for request in lane.queue
             if request is not head and not request.batch
         ]
@@ -296,11 +325,8 @@ class Scheduler:
         request.admitted.set_result(None)
 
     def _next_lane(self) -> _Lane | None:
-        ready = [
-            lane for lane in self._lanes.values() if lane.queue and lane.running < self._running_limit(lane)
-        ]
         return min(
-            ready,
+            self._admissible(),
             key=lambda lane: (lane.queue[0].batch, lane.passed + _stride(lane), lane.queue[0].seq),
             default=None,
         )

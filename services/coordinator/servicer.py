@@ -26,6 +26,7 @@ from pipeshard.services.coordinator.batch_jobs import (
     MicroBatches,
     MicroBatchMemory,
     Workload,
+    job_codec,
 )
 from pipeshard.services.coordinator.generation import Chunk, Generation, Speculation
 from pipeshard.services.coordinator.grammar import GrammarSpec
@@ -172,36 +173,47 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def RunBatch(self, request, context):
         with self._counted():
             identity = self._authenticator.identify(context) if context else Identity("")
+            codec = job_codec(request.codec)
             concurrency = min(self._scheduler.running_limit(identity), len(request.items))
             micro = MicroBatchControl(
                 self._generation.step_batcher,
                 self._generation.num_stages,
                 MicroBatches.parse(request.micro_batches),
                 self._micro_batches,
-                Workload.of(request.codec, concurrency),
+                Workload.of(codec, concurrency),
             )
             job = BatchJob(
                 request.items,
-                lambda item: self._generate(item, context, identity=identity, grouping=micro.grouping),
+                lambda item: self._generate(
+                    item, context, identity=identity, grouping=micro.grouping, codec=codec
+                ),
                 concurrency,
                 micro,
-                codec=request.codec,
             )
             log.info("batch_job", items=len(request.items), identity=identity.name)
             async for response in job.results():
                 yield response
 
     async def _generate(
-        self, request, context, *, identity: Identity | None = None, grouping: Grouping | None = None
+        self,
+        request,
+        context,
+        *,
+        identity: Identity | None = None,
+        grouping: Grouping | None = None,
+        codec: str = "",
     ):
-        """``grouping``: a batch job's micro-batches (its items are batch requests, the lower class)."""
+        """``grouping``: a batch job's micro-batches (its items are batch requests, the lower class);
+        ``codec``: its sessions' codec (the job's, checked)."""
         # The request's own id names this generation in the logs (else the interceptor's).
         ids = {"request_id": request.request_id[:MAX_REQUEST_ID_CHARS]} if request.request_id else {}
         with structlog.contextvars.bound_contextvars(**ids):
-            async for response in self._admitted(request, context, identity, grouping):
+            async for response in self._admitted(request, context, identity, grouping, codec):
                 yield response
 
-    async def _admitted(self, request, context, identity: Identity | None, grouping: Grouping | None):
+    async def _admitted(
+        self, request, context, identity: Identity | None, grouping: Grouping | None, codec: str
+    ):
         messages = [(m.role, m.content) for m in request.messages]
         self._prompter.check_size(request.prompt, messages, self._max_prompt_bytes)
         # Tokenizing runs on a worker thread: a long prompt must not stall the other streams.
@@ -223,7 +235,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             identity = self._authenticator.identify(context) if context else Identity("")
         tokens = self._generation.capacity(prompt_ids, params)
         deadline = context.time_remaining() if context else None
-        async with self._scheduler.admit(identity, tokens, deadline, batch=grouping is not None) as admission:
+        batch = grouping is not None
+        async with self._scheduler.admit(identity, tokens, deadline, batch=batch, codec=codec) as admission:
             self._refuse_if_draining()  # queued while the drain began
             admitted = _Admitted(prompt_ids, params, speculation, identity.name, tokens, grouping, admission)
             async for response in self._stream(admitted):

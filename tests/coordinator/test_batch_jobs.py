@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from pipeshard.errors import InvalidArgument, ResourceExhausted
+from pipeshard.identity import Identity
 from pipeshard.services.coordinator import batch_jobs
 from pipeshard.services.coordinator.batch_jobs import (
     BatchJob,
@@ -16,8 +17,10 @@ from pipeshard.services.coordinator.batch_jobs import (
     MicroBatches,
     MicroBatchMemory,
     Workload,
+    job_codec,
 )
-from pipeshard.services.coordinator.remote_stages import SESSION_CODEC
+from pipeshard.services.coordinator.ring import PLAIN, Ring, SessionTerms
+from pipeshard.services.coordinator.scheduler import Scheduler
 from pipeshard.services.coordinator.step_batcher import Grouping
 from pipeshard.v1 import coordinator_pb2
 
@@ -110,27 +113,47 @@ def test_a_jobs_size_and_its_custom_ids_are_bounded_by_name():
     assert BatchJob(items("a", "c" * 256), run, 4, control) is not None
 
 
-def test_a_jobs_codec_reaches_its_items_sessions_only_and_an_unknown_one_is_refused():
-    seen: dict[str, str] = {}
+class _OpenedStages:
+    """A transport that records what each session was opened with."""
 
-    async def run(request):
-        seen[request.prompt] = SESSION_CODEC.get()  # what the item's OpenSession would ask for
-        yield coordinator_pb2.GenerateResponse(summary=coordinator_pb2.GenerateSummary())
+    num_stages = 2
+
+    def __init__(self):
+        self.opened: dict[str, SessionTerms] = {}
+
+    async def open_session(self, session_id, terms=PLAIN):
+        self.opened[session_id] = terms
+        return 4096
+
+
+def test_a_jobs_codec_reaches_its_items_sessions_only_and_an_unknown_one_is_refused():
+    """The codec rides on each item's admission: every session its request opens (a failover's
+    reopen passes the same admission) asks the stages for it; other requests' sessions and one
+    opened outside a request ask for none."""
+    stages = _OpenedStages()
+    ring = Ring(stages, paged=False)
 
     async def scenario():
-        control = MicroBatchControl(None, 2, MicroBatches(1), MicroBatchMemory())
-        on = BatchJob(items("a", "b"), run, 2, control, codec="lane_blocks_zstd")
-        default = BatchJob(items("c"), run, 1, control)
-        await asyncio.gather(*(_drain(job) for job in (on, default)))
-        return SESSION_CODEC.get()
+        scheduler = Scheduler(max_running=4, max_queue=4)
+        codec = job_codec("lane_blocks_zstd")
+        async with scheduler.admit(Identity("a"), 10, batch=True, codec=codec) as item:
+            await ring.open_session("item", 10, item)
+            await ring.open_session("item-moved", 10, item)
+        async with scheduler.admit(Identity("a"), 10) as interactive:
+            await ring.open_session("interactive", 10, interactive)
+        await ring.open_session("warm-up", 5)
 
-    async def _drain(job):
-        return [r async for r in job.results()]
-
-    assert asyncio.run(scenario()) == ""  # the caller's own context is untouched
-    assert seen == {"p-a": "lane_blocks_zstd", "p-b": "lane_blocks_zstd", "p-c": ""}
+    asyncio.run(scenario())
+    job = SessionTerms(10, "lane_blocks_zstd")
+    assert stages.opened == {
+        "item": job,
+        "item-moved": job,
+        "interactive": SessionTerms(10, ""),
+        "warm-up": SessionTerms(5, ""),
+    }
+    assert job_codec("") == ""
     with pytest.raises(InvalidArgument, match=r"`codec` must be one of .*'gzip'"):
-        BatchJob(items("a"), run, 1, MicroBatchControl(None, 2, MicroBatches(1), MicroBatchMemory()), "gzip")
+        job_codec("gzip")
 
 
 def test_every_item_answered_once_errors_per_item_and_at_most_the_running_limit_at_once():

@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import structlog
 
 from pipeshard.errors import Internal, Unavailable
+from pipeshard.identity import Identity
 from pipeshard.services.coordinator.engine import EngineCore, RequestId, RequestStatus
 from pipeshard.services.coordinator.generation import Generation
-from pipeshard.services.coordinator.remote_stages import SESSION_CODEC
 from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.scheduler import Scheduler
 from pipeshard.v1 import activation_pb2
 
 
@@ -233,45 +235,52 @@ async def _events(generation: Generation, params: SamplingParams) -> list:
 
 
 class _SecondFailing(_OneFailing):
-    """Fails the first step of the second session opened, once."""
+    """Fails the first step of the second session opened, once; records each open's codec."""
 
     def __init__(self):
         super().__init__()
-        self.opened = 0
+        self.opened: list[tuple[str, str]] = []  # (session id, the codec its admission names)
 
     async def open_session(self, session_id, capacity=None, admission=None):
-        self.opened += 1
-        if self.opened == 2:
+        self.opened.append((session_id, admission.codec if admission is not None else ""))
+        if len(self.opened) == 2:
             self.victim = session_id
         return await _Ring.open_session(self, session_id, capacity, admission)
 
 
-class _CodecFailover(_Failover):
-    """Records the session codec its reopen would ask the stages for (its task's context)."""
+class _ReopeningFailover(_Failover):
+    """Reopens the moved request's session as failover.py does: with the request's admission;
+    records the request id its logs would carry (its task's context)."""
 
     def __init__(self):
         super().__init__()
-        self.codecs: list[str] = []
+        self.logged_as: list[str] = []
 
     async def resume(self, ring, request, error, capacity, prefill_chunk, warm=None):
-        self.codecs.append(SESSION_CODEC.get())
+        self.logged_as.append(structlog.contextvars.get_contextvars().get("request_id", ""))
         await super().resume(ring, request, error, capacity, prefill_chunk, warm)
+        await ring.open_session(request.session_id, capacity, request.admission)
 
 
-def test_a_failover_runs_in_its_callers_context_not_that_of_the_request_that_woke_the_engine():
-    """A batch job's session codec (and an RPC's request id in the logs) live in the caller's
-    context: the second request, moved, reopens with its own codec, not with the first's, whose
-    arrival started the engine."""
+def test_a_moved_request_reopens_with_its_own_session_codec_not_that_of_the_request_that_woke_the_engine():
+    """A batch job's session codec is its request's (the admission's), not a context: the second
+    request, moved, reopens with its own codec, not with the first's, whose arrival started the
+    engine; and its failover runs in its caller's context (its request id in the logs)."""
     ring = _SecondFailing()
-    failover = _CodecFailover()
+    failover = _ReopeningFailover()
     generation = Generation(ring, _Tokenizer(), set(), failover=failover)
     ring.engine = generation.engine
 
-    async def with_codec(codec: str, tokens: int) -> list:
-        SESSION_CODEC.set(codec)
-        return await _events(generation, SamplingParams(max_tokens=tokens))
-
     async def main():
+        scheduler = Scheduler(max_running=4, max_queue=4)
+
+        async def with_codec(codec: str, tokens: int) -> list:
+            params, plain = SamplingParams(max_tokens=tokens), generation.check_speculative("", 0)
+            with structlog.contextvars.bound_contextvars(request_id=codec or "plain"):
+                async with scheduler.admit(Identity("job"), 10, batch=bool(codec), codec=codec) as admission:
+                    events = generation.generate([1, 2, 3], params, plain, admission=admission)
+                    return [e async for e in events]
+
         first = asyncio.ensure_future(with_codec("zstd", 8))
         while not ring.sessions:
             await asyncio.sleep(0)
@@ -279,5 +288,7 @@ def test_a_failover_runs_in_its_callers_context_not_that_of_the_request_that_wok
         return await asyncio.wait_for(first, 30), second
 
     first, second = asyncio.run(main())
-    assert failover.codecs == [""]
+    first_session, second_session = ring.opened[0][0], ring.opened[1][0]
+    assert ring.opened == [(first_session, "zstd"), (second_session, ""), ("moved-session", "")]
+    assert failover.logged_as == ["plain"]
     assert first[-1].token_ids == [7] * 8 and second[-1].token_ids == [7] * 4

@@ -10,6 +10,7 @@ import pytest
 from pipeshard.errors import FailedPrecondition, InvalidArgument, Unavailable
 from pipeshard.services.coordinator.main import stage_lanes
 from pipeshard.services.coordinator.replicas import ReplicaLanes, check_replicas_agree
+from pipeshard.services.coordinator.ring import SessionTerms
 from pipeshard.topology import Topology
 from pipeshard.v1 import activation_pb2, stage_pb2
 
@@ -125,7 +126,7 @@ class _Lane:
     def healthy(self) -> bool:
         return not self.watch.down and not self.watch.hops_down
 
-    async def open_session(self, session_id, capacity=None):
+    async def open_session(self, session_id, terms=None):
         self.opened.append(session_id)
         return 100
 
@@ -193,7 +194,7 @@ def test_a_restore_moves_an_empty_session_to_the_lane_that_kept_the_prefix_while
         await ring.open_session("kept")  # a
         await ring.keep_kv("kept", "me", prefix)
         await ring.open_session("busy")  # b
-        await ring.open_session("new", 200)  # a: one each, the first lane wins the tie
+        await ring.open_session("new", SessionTerms(200))  # a: one each, the first lane wins the tie
         await ring.release_session("busy")
         await ring.open_session("s")  # b, the least loaded
         await ring.restore_kv("s", "me", prefix, 64, 1.0)
@@ -219,7 +220,7 @@ class _StageLane(_Lane):
         infos = [_info(next_hops=self.next_hops), _info()]
         return infos if stages is None else [infos[k] for k in stages]
 
-    async def open_stage(self, k, session_id, capacity, next_hop):
+    async def open_stage(self, k, session_id, terms, next_hop):
         self.calls.append(("open", k, session_id, next_hop))
         return 100
 

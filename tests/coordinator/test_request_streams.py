@@ -39,7 +39,7 @@ class _Stages:
             for f in frames
         ]
 
-    async def open_session(self, session_id, capacity=None):
+    async def open_session(self, session_id, terms=None):
         self.open.add(session_id)
         return 4096
 

@@ -105,7 +105,7 @@ def test_a_waiting_request_is_admitted_when_a_running_one_releases_its_session()
         session_released = asyncio.Event()
 
         class Stages:
-            async def open_session(self, session_id, capacity=None):
+            async def open_session(self, session_id, terms=None):
                 return 10_000
 
             async def release_session(self, session_id):
@@ -188,19 +188,80 @@ def test_one_identitys_burst_does_not_starve_anothers_single_request():
     asyncio.run(scenario())
 
 
-def test_the_per_identity_running_limit_keeps_a_slot_for_another_identity():
+def test_one_identity_alone_runs_beyond_its_share_up_to_max_running():
+    """Work-conserving: the default fleet's 16 users behind one address (one identity) all run at
+    once; a key's own max_running stays a hard limit."""
+
+    from pipeshard.services.coordinator.main import CoordinatorSettings
+
+    defaults = CoordinatorSettings()
+    assert (defaults.max_running, defaults.max_running_per_identity) == (16, 12)
+
     async def scenario():
-        scheduler = Scheduler(max_running=3, max_queue=16, max_running_per_identity=2)
+        scheduler = Scheduler(
+            defaults.max_running,
+            defaults.max_queue,
+            max_running_per_identity=defaults.max_running_per_identity,
+            max_queued_per_identity=defaults.max_queued_per_identity,
+        )
         users = Users(scheduler)
-        for i in range(5):
+        for i in range(18):
+            users.start(f"a{i}")
+        capped = Identity("key:capped", max_running=2)
+        for i in range(3):
+            users.start(f"c{i}", capped)
+        await settle()
+        running = (scheduler.running_of(ALICE.name), scheduler.running_of(capped.name))
+        for name in [*(f"a{i}" for i in range(18)), "c0", "c1", "c2"]:
+            await users.finish(name)
+        return running
+
+    # alice took 16 before carol's key queued; carol's own limit is never borrowed past
+    assert asyncio.run(scenario()) == (16, 0)
+
+    async def capped_alone():
+        scheduler = Scheduler(max_running=16, max_queue=64, max_running_per_identity=12)
+        users = Users(scheduler)
+        capped = Identity("key:capped", max_running=2)
+        for i in range(4):
+            users.start(f"c{i}", capped)
+        await settle()
+        running = scheduler.running_of(capped.name)
+        for i in range(4):
+            await users.finish(f"c{i}")
+        return running
+
+    assert asyncio.run(capped_alone()) == 2
+
+
+def test_an_identity_arriving_gets_every_freed_slot_until_it_has_its_share():
+    """The identity that borrowed beyond its share gives it back as its requests end: while
+    another waits below its share, the borrower is not admitted again, and neither starves."""
+
+    async def scenario():
+        scheduler = Scheduler(max_running=4, max_queue=16, max_running_per_identity=2)
+        users = Users(scheduler)
+        for i in range(6):
             users.start(f"a{i}")
         await settle()
-        assert users.order == ["a0", "a1"] and scheduler.running_of(ALICE.name) == 2
-        users.start("bob", BOB)
+        assert users.order == ["a0", "a1", "a2", "a3"]  # nobody else waits: alice uses every slot
+        for i in range(3):
+            users.start(f"b{i}", BOB)
         await settle()
-        assert users.order[-1] == "bob"  # served at once, no release needed
-        for name in ["a0", "a1", "a2", "a3", "a4", "bob"]:
+        assert scheduler.running_of(BOB.name) == 0  # no preemption: bob waits for a slot to free
+        await users.finish("a0")
+        await users.finish("a1")
+        assert users.order[4:] == ["b0", "b1"]  # alice at 2 (her share) while bob was below his
+        assert (scheduler.running_of(ALICE.name), scheduler.running_of(BOB.name)) == (2, 2)
+        await users.finish("a2")
+        assert users.order[6] == "a4"  # alice below her share again: her turn
+        await users.finish("b0")
+        await users.finish("a3")
+        await users.finish("b1")
+        for name in ["a4", "a5", "b2"]:
             await users.finish(name)
+        assert sorted(users.order) == sorted([*(f"a{i}" for i in range(6)), "b0", "b1", "b2"])
+        assert (scheduler.running, scheduler.queued) == (0, 0)
 
     asyncio.run(scenario())
 
@@ -302,7 +363,7 @@ def test_a_reopened_session_keeps_its_requests_charge_and_other_sessions_are_cha
         scheduler = Scheduler(max_running=8, max_queue=8, kv=kv)
 
         class Stages:
-            async def open_session(self, session_id, capacity=None):
+            async def open_session(self, session_id, terms=None):
                 return 10_000
 
             async def release_session(self, session_id):

@@ -13,10 +13,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeshard.clients.client import PipeshardClient
+from pipeshard.identity import Identity
 from pipeshard.services.coordinator.generation import Generation, Summary
-from pipeshard.services.coordinator.remote_stages import SESSION_CODEC, RemoteStages
-from pipeshard.services.coordinator.ring import Ring, StageFailed
+from pipeshard.services.coordinator.remote_stages import RemoteStages
+from pipeshard.services.coordinator.ring import Ring, SessionTerms, StageFailed
 from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.scheduler import Scheduler
 from pipeshard.shard.prompting import Prompter
 
 pytestmark = pytest.mark.slow
@@ -144,15 +146,16 @@ def test_each_session_sends_with_the_codec_it_opened_with(fleet, shards):
             ):
                 stage, link = ("stage0", "") if kind == "greedy" else ("stage1", "results-")
                 for codec in ("none", "lane_blocks_zstd"):
-                    SESSION_CODEC.set(codec)
                     before = _frames_by_codec(fleet, stage, link)
-                    events = [e async for e in gen.run(ids, params)]
+                    # The codec rides on the request's admission, as a batch job's items' does.
+                    async with Scheduler(1, 0).admit(Identity(""), 0, codec=codec) as admission:
+                        plain = gen.check_speculative("", 0)
+                        events = [e async for e in gen.generate(ids, params, plain, admission=admission)]
                     after = _frames_by_codec(fleet, stage, link)
                     tokens[(kind, codec)] = events[-1].token_ids
                     sent[(kind, codec)] = {c: n - before.get(c, 0.0) for c, n in after.items()}
-            SESSION_CODEC.set("gzip")
             with pytest.raises(StageFailed) as bad:
-                await ring.open_session("bad-codec")
+                await ring.stages.open_session("bad-codec", SessionTerms(codec="gzip"))
             assert bad.value.code == "INVALID_ARGUMENT" and "`codec`" in str(bad.value)
             await gen.released()
         finally:
