@@ -438,11 +438,12 @@ class _Request:
             self.pending = self.prompt_ids[start:]
         load = load if self.batch_aware else StepLoad()
         logical = self.cursor.logical
+        draft: Draft | TreeChains | TreeNodes
         if self.flights:  # built on the rows in flight being accepted whole
-            guess, draft = self._continue(load, budget)
-            frame = self.frame(draft, pending=[guess])
-            self.ahead += [guess, *draft.tokens]
-            flight = _Flight(draft, True, logical, 1 + len(draft.tokens))
+            guess, chain = self._continue(load, budget)
+            draft, frame = chain, self.frame(chain, pending=[guess])
+            self.ahead += [guess, *chain.tokens]
+            flight = _Flight(chain, True, logical, 1 + len(chain.tokens))
         else:
             draft = self.draft(load, budget)
             frame = self.frame(draft)

@@ -101,7 +101,9 @@ class StatefulStage:
 async def _generate(stage: StatefulStage, depth: int, tokens: int, speculative: str = "ngram", k: int = 0):
     generation = Generation(stage, Tokenizer(), set(), drafts=DraftSources(Path(".")), spec_depth=depth)
     out, summary = [], None
-    async for event in generation.run(PROMPT, SamplingParams(max_tokens=tokens), speculative=speculative, k=k):
+    async for event in generation.run(
+        PROMPT, SamplingParams(max_tokens=tokens), speculative=speculative, k=k
+    ):
         if isinstance(event, Chunk):
             out.extend(event.token_ids)
         elif isinstance(event, Summary):

@@ -30,6 +30,7 @@ class InFlightDepth:
     compute_s: float = 0.0
     observed: int = 0
     stages: int = 0  # stages that reported compute in the latest answer
+
     def __post_init__(self) -> None:
         if not 0 <= self.fixed <= MAX_DEPTH:
             raise ValueError(f"spec_depth must be 0 (auto) or 1..{MAX_DEPTH}, got {self.fixed}")
