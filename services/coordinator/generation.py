@@ -514,7 +514,6 @@ class _Request:
         same session id (a per-hop failover: the session is cut back, not replaced) keeps its step
         count, so no late answer of a lost step is taken for a new one."""
         self.status = RequestStatus.MOVING
-        self.drop_flights()
         step = self.cursor.step if session_id == self.session_id else 0
         self.session_id = session_id
         params = self.params

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeshard.errors import Unavailable
 from pipeshard.services.coordinator.generation import Chunk, Generation, Summary
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.depth import InFlightDepth
@@ -151,3 +152,69 @@ def test_auto_depth_is_the_round_trip_over_compute_and_one_on_one_node():
     assert InFlightDepth(fixed=3).depth() == 3
     with pytest.raises(ValueError, match="spec_depth"):
         InFlightDepth(fixed=99)
+
+
+class FailingStage(StatefulStage):
+    """Its first session's lane dies after ``rows`` rows: every later row of it is Unavailable."""
+
+    def __init__(self, rows: int):
+        super().__init__()
+        self.rows, self.victim, self.seen = rows, "", 0
+        self.in_flight_at_failure = 0
+
+    async def open_session(self, session_id, capacity=None, admission=None):
+        self.victim = self.victim or session_id
+        return await super().open_session(session_id, capacity, admission)
+
+    def _run(self, row) -> activation_pb2.StepResult:
+        if row.session_id == self.victim:
+            self.seen += 1
+            if self.seen > self.rows:
+                self.in_flight_at_failure = max(self.in_flight_at_failure, self.in_flight[self.victim])
+                raise Unavailable("stage 1 at test is unreachable")
+        return super()._run(row)
+
+
+class Failover:
+    """Moves a failed request to a new session and replays what it had (as failover.py does,
+    without lanes or standby copies)."""
+
+    def __init__(self):
+        self.moves = 0
+
+    def applies(self, error) -> bool:
+        return True
+
+    async def resume(self, ring, request, error, capacity, prefill_chunk, warm=None):
+        self.moves += 1
+        replay = request.move_to(f"moved-{self.moves}")
+        await ring.open_session(request.session_id)
+        for frame in request.replay_frames(replay, 8):  # chunks, the last one with the resent step
+            await ring.step(frame)
+        request.expedite()
+
+    def computed(self, request, tokens) -> None:
+        pass
+
+    def ended(self, request) -> None:
+        pass
+
+
+def test_a_failover_with_steps_in_flight_drops_them_and_keeps_the_tokens():
+    stage, failover = FailingStage(rows=12), Failover()
+
+    async def main():
+        generation = Generation(
+            stage, Tokenizer(), set(), drafts=DraftSources(Path(".")), spec_depth=3, failover=failover
+        )
+        events = [
+            e async for e in generation.run(PROMPT, SamplingParams(max_tokens=64), speculative="ngram", k=3)
+        ]
+        await generation.released()
+        return events
+
+    events = asyncio.run(main())
+    summary = events[-1]
+    assert failover.moves == 1 and stage.in_flight_at_failure > 1  # it failed with steps in flight
+    assert summary.finish_reason == "length" and summary.token_ids == greedy(PROMPT, 64)
+    assert [t for e in events if isinstance(e, Chunk) for t in e.token_ids] == summary.token_ids
