@@ -36,16 +36,16 @@ plain greedy's, INT4 at ``exact``), ``repetition_rate``; (#31) ``feature_speedup
 ``feature_teacher_forced`` (per kind, the draft's agreement with the target on its own answers);
 ``medusa_single_node_speedup``, ``medusa_tokens_per_traversal``, ``draft_heads_cost``, and from the WAN
 sweep ``medusa_speedup_at_100ms``, ``medusa_tokens_per_traversal_at_100ms``.
-(#48, the coordinator choosing each request's traversals in flight: ``--spec-depth`` auto, D > 1
-for prompt lookup's chains over slow hops) ``pipelined_speedup_at_100ms`` (the best configuration of
-any source at 3 stages, 100 ms, against plain; ``pipelined_source_at_100ms`` names it),
+(#48, the coordinator choosing each request's traversals in flight: ``--spec-depth`` auto, D > 1 for
+prompt lookup's chains over slow hops) ``pipelined_speedup_at_100ms`` (the best configuration of any
+source at 3 stages, 100 ms, against plain; ``pipelined_source_at_100ms`` names it),
 ``dropped_steps_share`` (of that configuration's steps sent, those dropped after a rejection),
-``pipelined_speedup_at_25ms`` (the same at 25 ms), ``best_tokens_per_traversal_at_100ms`` (the
-most tokens per traversal any source's best configuration kept there), ``best_single_node_speedup``
-(any source), ``batch8_spec_over_plain_at_100ms`` (BATCH_USERS users at once, each its own kind's prompt, every one speculating with the fleet's best
-source under adaptive K against every one plain: ratio of median aggregate tok/s over interleaved
-rounds, at 3 stages and 100 ms), and ``by_kind_at_100ms`` (per prompt kind: that configuration's
-speedup and tokens per traversal, each source's best).
+``pipelined_speedup_at_25ms`` (the same at 25 ms), ``best_tokens_per_traversal_at_100ms`` (the most
+tokens per traversal any source's best configuration kept there), ``best_single_node_speedup`` (any
+source), ``batch8_spec_over_plain_at_100ms`` (BATCH_USERS users at once, each its own kind's prompt,
+every one speculating with the fleet's best source under adaptive K against every one plain: ratio
+of median aggregate tok/s over interleaved rounds, at 3 stages and 100 ms), and ``by_kind_at_100ms``
+(per prompt kind: that configuration's speedup and tokens per traversal, each source's best).
 
 BENCH_QUICK=1: 2 rounds single node, 1 WAN round, each after a few tokens per configuration, 24
 tokens, K 5, tree 3x4, sources ngram and feature (and self when BENCH_SELF_DRAFT is given), the
