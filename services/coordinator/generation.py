@@ -399,6 +399,7 @@ class _Request:
         self.flights: list[_Flight] = []  # its rows carrying its next tokens in flight, oldest first
         self.ahead: list[int] = []  # the tokens they add if each is accepted whole (guesses included)
         self.depth: InFlightDepth | None = None  # its speculative rows' in-flight depth (None: 1)
+        self.refeed = False  # rows in flight were dropped: the next row re-feeds the last kept token
         self.rode_alone = False  # its last step carried its row only (it may send ahead)
         self.sent_ahead = False  # its update sent its next step already
         self.batch_aware = True  # K for the load of the step being formed (else as if alone)
@@ -775,7 +776,11 @@ class _Request:
             return 0
         positions = sum(f.positions for f in self.flights)
         self.drop_flights()
-        return positions
+        # The next row also feeds the last accepted token again (its slot is rewound too): a stage
+        # that runs one-token rows as two (invariant paged stages re-feed the input of the cache's
+        # last slot from their last step) last saw a dropped row, so the row brings that input.
+        self.refeed = True
+        return positions + 1
 
     def drop_flights(self) -> None:
         """Its rows in flight are not to be used (a rejection under them, a failover, its end)."""
@@ -859,7 +864,8 @@ class _Request:
             self._meter(len(emitted))
         if not done:
             self.context.extend(new)
-            self.pending = [new[-1]]
+            self.pending = self.context[-2:] if self.refeed else [new[-1]]
+        self.refeed = False
         chunk = Chunk(text=text, token_ids=emitted)
         if self.params.logprobs:
             chunk.logprobs = self.new_logprobs[: len(emitted)]

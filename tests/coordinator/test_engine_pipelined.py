@@ -15,6 +15,7 @@ from pipeshard.services.coordinator.generation import Chunk, Generation, Summary
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.depth import InFlightDepth
 from pipeshard.services.coordinator.speculation.sources import DraftSources
+from pipeshard.services.stage.domain import ReturnMode
 from pipeshard.services.stage.wire import step_from_frame
 from pipeshard.v1 import activation_pb2
 
@@ -83,7 +84,7 @@ class StatefulStage:
         for i, token in enumerate(tokens):
             cache.append([token, True])
             valid.append(token)
-            if i >= len(tokens) - row.return_last:
+            if row.return_mode is not ReturnMode.NONE and i >= len(tokens) - row.return_last:
                 answers.append(target(valid))
         return activation_pb2.StepResult(
             session_id=row.session_id,
@@ -189,7 +190,7 @@ class Failover:
         self.moves += 1
         replay = request.move_to(f"moved-{self.moves}")
         await ring.open_session(request.session_id)
-        for frame in request.replay_frames(replay, 8):  # chunks, the last one with the resent step
+        for frame in request.replay_frames(replay, 1):  # the last token goes with the resent step
             await ring.step(frame)
         request.expedite()
 

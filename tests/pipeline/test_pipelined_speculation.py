@@ -14,6 +14,8 @@ import pytest
 
 from pipeshard.clients.client import PipeshardClient
 from pipeshard.precision import DEFAULT_PRECISION
+from pipeshard.services.launcher import stage_name
+from tests.pipeline.concurrent_streams import concurrently
 
 pytestmark = pytest.mark.slow
 
@@ -115,3 +117,31 @@ def test_eight_users_mixed_speculative_and_plain_equal_their_solo_runs(shared_fl
         assert results[i].token_ids == solo[prompt], (
             f"user {i} ({speculative}): differs at {_first_diff(results[i].token_ids, solo[prompt])}"
         )
+
+
+def test_a_failover_mid_stream_with_steps_in_flight_keeps_the_tokens(smollm2_export, fleet_factory):
+    """Two lanes, every request speculating with prompt lookup at D = 3 (the coordinator's
+    default); the final stage of lane 1 is killed once every stream has tokens out: the streams on
+    it fail over with steps in flight (dropped, resumed from the committed tokens) and end with
+    the undisturbed run's tokens."""
+    fleet = fleet_factory(
+        smollm2_export(2, "int4"),
+        2,
+        replicas=2,
+        extra_coordinator_args=["--speculative", "ngram", "--spec-depth", "3"],
+    )
+    prompts = [PROMPTS[0], PROMPTS[1]] * 2
+    undisturbed, errors = concurrently(fleet.coordinator, prompts, 64)
+    assert not errors, errors
+    started = threading.Barrier(len(prompts) + 1)
+    victim = fleet.process(stage_name(1, 1))
+    killer = threading.Thread(target=lambda: (started.wait(timeout=300), victim.popen.kill()))
+    killer.start()
+    disturbed, errors = concurrently(
+        fleet.coordinator, prompts, 64, on_out=lambda: started.wait(timeout=300), after=8
+    )
+    killer.join()
+    assert victim.popen.wait(timeout=10) is not None
+    assert not errors, errors
+    assert disturbed == undisturbed
+    assert '"session_failed_over"' in fleet.process("coordinator").log.read_text()
