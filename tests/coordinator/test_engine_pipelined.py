@@ -147,6 +147,9 @@ def test_auto_depth_is_the_round_trip_over_compute_and_one_on_one_node():
     for _ in range(30):  # compute comes to fill the round trip: one step at a time again
         depth.observe(0.070, [20_000, 20_000, 20_000])
     assert depth.depth() == 1
+    near = InFlightDepth()
+    near.observe(0.015, [2_000, 2_000, 2_000])  # a fleet on one machine: 9 ms waiting, not worth it
+    assert near.depth() == 1
     one_node = InFlightDepth()
     one_node.observe(0.300, [20_000])
     assert one_node.depth() == 1

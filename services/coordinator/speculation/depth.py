@@ -3,8 +3,9 @@
 While a request's step t (its draft) travels the stages, its step t+1 may go, drafted on the
 assumption that t's draft is accepted whole; up to D of them travel at once. That pays when a
 step's round trip is mostly waiting (hops), not compute: D is the round trip over the stages'
-compute per step, measured on the answers of decode steps (D = 1 on one node, or whenever the
-stages' compute fills the round trip, which is plain speculation). An operator may fix D
+compute per step, measured on the answers of decode steps (D = 1 on one node, whenever the stages'
+compute fills the round trip, which is plain speculation, and while a step waits less than
+``MIN_WAIT_S`` beyond its compute). An operator may fix D
 (``--spec-depth``); 0 chooses it from the measurements, at most ``AUTO_MAX_DEPTH``.
 """
 
@@ -16,6 +17,9 @@ from dataclasses import dataclass
 AUTO_MAX_DEPTH = 4
 # The largest depth an operator may fix.
 MAX_DEPTH = 8
+# Auto depth stays 1 while a step waits less than this beyond the stages' compute (a fleet on one
+# machine or a LAN: the coordinator's and gRPC's own time is not worth a dropped step's work).
+MIN_WAIT_S = 0.020
 # Weight of the newest observation in the running averages.
 _NEWEST = 0.2
 
@@ -52,6 +56,6 @@ class InFlightDepth:
         round trip (1 before any measurement, and on one node)."""
         if self.fixed:
             return self.fixed
-        if not self.observed or self.stages <= 1:
+        if not self.observed or self.stages <= 1 or self.round_trip_s - self.compute_s < MIN_WAIT_S:
             return 1
         return max(1, min(AUTO_MAX_DEPTH, int(self.round_trip_s / self.compute_s)))
