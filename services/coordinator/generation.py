@@ -792,6 +792,12 @@ class _Request:
             if self.metered:
                 SPECULATIVE_DROPPED_STEPS.labels(source=self.progress.speculative).inc(dropped)
 
+    @property
+    def written(self) -> int:
+        """Positions every stage holds for the accepted tokens: the settled ones before its first
+        row in flight."""
+        return self.flights[0].logical if self.flights else self.cursor.settled
+
     def carries(self, row: Row) -> bool:
         """Whether the row is one of its rows in flight (not dropped)."""
         return any(f.draft is row.draft for f in self.flights)
@@ -1317,9 +1323,9 @@ class Generation:
         new = request.accept(draft, answer)
         beyond = request.settle(new)
         request.record(draft, new, elapsed, beyond)
-        # Every stage holds the settled positions of what is accepted so far (rows in flight write
-        # only past them).
-        self._computed(request, (request.prompt_ids + request.generated + new)[: request.cursor.settled])
+        # Every stage holds the settled positions of what is accepted so far, short of the rows
+        # still in flight (theirs may not be written yet).
+        self._computed(request, (request.prompt_ids + request.generated + new)[: request.written])
         if request.sends_ahead(new):
             request.pending = [new[-1]]
             request.sent_ahead = True
