@@ -147,7 +147,7 @@ class CoordinatorSettings(ServerSettings):
         0,
         "speculative steps of one request in flight at once (each built on the one before it being "
         "accepted whole): 0 chooses it from the measured round trip over the stages' compute "
-        f"(1 on one node, at most {AUTO_MAX_DEPTH}); 1 sends one at a time",
+        f"(at most {AUTO_MAX_DEPTH}; 1 on one node or a LAN); 1 sends one at a time",
     )
     final_stage_sampling: bool = setting(
         True, "temperature > 0: the final stage draws the tokens (ids back, not 49152 logits per position)"
