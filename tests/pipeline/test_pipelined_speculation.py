@@ -69,9 +69,8 @@ def test_pipelined_speculation_equals_plain_greedy(
         for i, prompt in enumerate(PROMPTS):
             plain = client.generate(prompt, max_tokens=MAX_TOKENS, ignore_eos=True, speculative="none")
             assert plain.dropped_steps == 0 and len(plain.token_ids) == MAX_TOKENS
-            # Adaptive K and a fixed one; tree=auto drafts chains at D > 1; an explicit tree rides
-            # one step at a time on the same fleet.
-            for k, tree in ((0, ""), (4, ""), (0, "2x3")):
+            # Adaptive K (tree=auto drafts chains at D > 1) and a fixed one.
+            for k, tree in ((0, ""), (4, "")):
                 got = client.generate(
                     prompt, max_tokens=MAX_TOKENS, ignore_eos=True, speculative="ngram", k=k, tree=tree
                 )
@@ -80,8 +79,6 @@ def test_pipelined_speculation_equals_plain_greedy(
                     f"{_first_diff(got.token_ids, plain.token_ids)}"
                 )
                 assert sum(got.kept_per_traversal) > 0
-                if tree:
-                    assert got.dropped_steps == 0  # explicit trees: one step at a time
                 dropped += got.dropped_steps
     # Steps went while earlier ones travelled, and rejections dropped some of them.
     assert dropped > 0
