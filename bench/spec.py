@@ -552,7 +552,7 @@ def pipelined_keys(wan: dict, sources: tuple[str, ...]) -> dict:
         "pipelined_speedup_at_100ms": rows[best]["speedup"],
         "pipelined_speedup_at_100ms_ci95": rows[best]["speedup_ci95"],
         "pipelined_source_at_100ms": best,
-        "dropped_steps_share": rows[best]["dropped_steps_share"],
+        "dropped_steps_share": rows[best].get("dropped_steps_share"),
         "best_tokens_per_traversal_at_100ms": max(
             rows[at_100[s]["best"]]["tokens_per_verify"] or 0.0 for s in sources
         ),
