@@ -543,7 +543,9 @@ class _Request:
         """Chooses K (or the tree's shape) for a row joining ``load`` with at most ``budget``
         draft positions, and drafts (none on the first step or without a drafter); a tree with
         one path goes as a chain."""
-        if self.drafter is None or not self.generated:
+        if self.drafter is None or not self.generated or self.cursor.logical < len(self.prompt_ids):
+            # (a row that still carries prompt tokens, after a failover's replay, is a prompt's
+            # chunk: it returns its last position only)
             return Draft([], None, 0.0)
         remaining = self.params.max_tokens - len(self.generated)
         # Rejected drafts use cache room too: always leave room to finish plainly.

@@ -51,13 +51,13 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
     ("stages", "depth", "kv", "precision"),
     [
         (2, 2, "paged", DEFAULT_PRECISION),
-        (3, 3, "stateful", DEFAULT_PRECISION),
+        (3, 3, "paged", DEFAULT_PRECISION),
         pytest.param(1, 2, "paged", DEFAULT_PRECISION, marks=pytest.mark.extended),
         pytest.param(1, 3, "stateful", DEFAULT_PRECISION, marks=pytest.mark.extended),
+        pytest.param(3, 3, "stateful", DEFAULT_PRECISION, marks=pytest.mark.extended),
         pytest.param(2, 3, "stateful", "exact", marks=pytest.mark.extended),
         pytest.param(2, 2, "paged", "exact", marks=pytest.mark.extended),
-        pytest.param(3, 2, "paged", DEFAULT_PRECISION, marks=pytest.mark.extended),
-        pytest.param(3, 3, "paged", "exact", marks=pytest.mark.extended),
+        pytest.param(3, 2, "paged", "exact", marks=pytest.mark.extended),
     ],
 )
 def test_pipelined_speculation_equals_plain_greedy(
