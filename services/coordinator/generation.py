@@ -1351,6 +1351,7 @@ class Generation:
         if not isinstance(error, Exception):
             raise error
         request.drop_flights()  # the rows after it fail too, or answer a session that moved
+        self.engine.withdraw(request)  # ready again for a row built on it: not on this session
         failover = self._failover
         if isinstance(error, Unavailable) and failover is not None and failover.applies(error):
             request.status = RequestStatus.MOVING
