@@ -36,22 +36,24 @@ plain greedy's, INT4 at ``exact``), ``repetition_rate``; (#31) ``feature_speedup
 ``feature_teacher_forced`` (per kind, the draft's agreement with the target on its own answers);
 ``medusa_single_node_speedup``, ``medusa_tokens_per_traversal``, ``draft_heads_cost``, and from the WAN
 sweep ``medusa_speedup_at_100ms``, ``medusa_tokens_per_traversal_at_100ms``.
-(#48, with one traversal in flight per request, as today) ``pipelined_speedup_at_100ms`` (the best
-configuration of any source at 3 stages, 100 ms, against plain; ``pipelined_source_at_100ms`` names
-it), ``best_tokens_per_traversal_at_100ms`` (the most tokens per traversal any source's best
-configuration kept there), ``best_single_node_speedup`` (any source), ``batch8_spec_over_plain_at_100ms``
-(BATCH_USERS users at once, each its own kind's prompt, every one speculating with the fleet's best
-source under adaptive K against every one plain: ratio of median aggregate tok/s over interleaved
-rounds, at 3 stages and 100 ms), and ``by_kind_at_100ms`` (per prompt kind: that configuration's
-speedup and tokens per traversal, each source's best).
+(#48, the coordinator choosing each request's traversals in flight: ``--spec-depth`` auto, D > 1 for
+prompt lookup's chains over slow hops) ``pipelined_speedup_at_100ms`` (the best configuration of any
+source at 3 stages, 100 ms, against plain; ``pipelined_source_at_100ms`` names it),
+``dropped_steps_share`` (of that configuration's steps sent, those dropped after a rejection),
+``pipelined_speedup_at_25ms`` (the same at 25 ms), ``best_tokens_per_traversal_at_100ms`` (the most
+tokens per traversal any source's best configuration kept there), ``best_single_node_speedup`` (any
+source), ``batch8_spec_over_plain_at_100ms`` (BATCH_USERS users at once, each its own kind's prompt,
+every one speculating with the fleet's best source under adaptive K against every one plain: ratio
+of median aggregate tok/s over interleaved rounds, at 3 stages and 100 ms), and ``by_kind_at_100ms``
+(per prompt kind: that configuration's speedup and tokens per traversal, each source's best).
 
 BENCH_QUICK=1: 2 rounds single node, 1 WAN round, each after a few tokens per configuration, 24
 tokens, K 5, tree 3x4, sources ngram and feature (and self when BENCH_SELF_DRAFT is given), the
-WAN sweep at 3 stages, 0 and 100 ms, the exact part on 2 and 3 stages. Runtime on 2 quiet cores
+WAN sweep at 3 stages, 0, 25 and 100 ms, the exact part on 2 and 3 stages. Runtime on 2 quiet cores
 (2026-12-02): 10 minutes with prompt lookup alone, 25-27 with the eagle draft and the heads
 too (their training not included: `make distil KIND=eagle|medusa`).
 Sizes: BENCH_RUNS, BENCH_TOKENS (128; quick 24), BENCH_WAN_TOKENS (same), BENCH_KS (1,3,5,8,10; empty:
-adaptive only), BENCH_TREES (3x4,2x3), BENCH_WAN_STAGES (2,3), BENCH_WAN_DELAYS (0,10,50,100),
+adaptive only), BENCH_TREES (3x4,2x3), BENCH_WAN_STAGES (2,3), BENCH_WAN_DELAYS (0,10,25,50,100),
 BENCH_WAN_KS (5,10), BENCH_WAN_SOURCE (ngram|self|hf; default the best single-node token source),
 BENCH_PROMPTS (single and exact) and BENCH_WAN_PROMPTS: the first N kept kinds (default every one).
 """
@@ -100,7 +102,7 @@ WAN_KS = tuple(int(k) for k in os.environ.get("BENCH_WAN_KS", "5" if QUICK else 
 EXACT_KS = (5,) if QUICK else (1, 5, 10)
 EXACT_STAGES = (2, 3)
 DELAYS_MS = tuple(
-    float(d) for d in os.environ.get("BENCH_WAN_DELAYS", "0,100" if QUICK else "0,10,50,100").split(",")
+    float(d) for d in os.environ.get("BENCH_WAN_DELAYS", "0,25,100" if QUICK else "0,10,25,50,100").split(",")
 )
 WAN_STAGES = tuple(int(n) for n in os.environ.get("BENCH_WAN_STAGES", "3" if QUICK else "2,3").split(","))
 WAN_SOURCE = os.environ.get("BENCH_WAN_SOURCE")  # default: the best single-node token source
@@ -282,14 +284,20 @@ def _fold(summaries: list) -> dict:
             (s.accepted_tokens + s.verify_steps) / s.verify_steps if s.verify_steps else None
             for s in summaries
         ],
+        # decode traversals whose answers were used, and those sent while an earlier one travelled
+        # and dropped after it rejected a draft they were built on (in-flight depth > 1)
+        "traversals": sum(sum(s.kept_per_traversal) for s in summaries),
+        "dropped_steps": sum(s.dropped_steps for s in summaries),
     }
 
 
 def spec_stats(last: dict) -> dict:
     verify, drafted, kept = last["verify_steps"], last["draft_tokens"], last["accepted_tokens"]
+    sent = last["traversals"] + last["dropped_steps"]
     return {
         "acceptance": kept / drafted if drafted else None,
         "tokens_per_verify": (kept + verify) / verify if verify else None,
+        "dropped_steps_share": last["dropped_steps"] / sent if sent else None,
     }
 
 
@@ -530,9 +538,11 @@ def batch_users(coordinator: str, prompts: list[str], source: str, users: int = 
 
 
 def pipelined_keys(wan: dict, sources: tuple[str, ...]) -> dict:
-    """#48's keys at 3 stages and 100 ms per hop, one traversal in flight per request (today's
-    speculation): the best configuration of any source against plain, the most tokens per
-    traversal, 8 users speculating against plain, and per prompt kind each source's best."""
+    """#48's keys at 3 stages and 100 ms per hop, the coordinator choosing each request's
+    traversals in flight (``--spec-depth`` auto; prompt lookup's chains go several at once, the
+    feature draft and the heads one at a time): the best configuration of any source against plain
+    and its share of dropped steps, the same at 25 ms, the most tokens per traversal, 8 users
+    speculating against plain, and per prompt kind each source's best."""
     at_100 = wan.get("3s-100ms")
     if at_100 is None:
         return {}
@@ -542,6 +552,7 @@ def pipelined_keys(wan: dict, sources: tuple[str, ...]) -> dict:
         "pipelined_speedup_at_100ms": rows[best]["speedup"],
         "pipelined_speedup_at_100ms_ci95": rows[best]["speedup_ci95"],
         "pipelined_source_at_100ms": best,
+        "dropped_steps_share": rows[best].get("dropped_steps_share"),
         "best_tokens_per_traversal_at_100ms": max(
             rows[at_100[s]["best"]]["tokens_per_verify"] or 0.0 for s in sources
         ),
@@ -557,6 +568,12 @@ def pipelined_keys(wan: dict, sources: tuple[str, ...]) -> dict:
             for s in sources
         },
     }
+    at_25 = wan.get("3s-25ms")
+    if at_25 is not None:
+        best_25 = max((at_25[s]["best"] for s in sources), key=lambda n: at_25["configs"][n]["speedup"])
+        out["pipelined_speedup_at_25ms"] = at_25["configs"][best_25]["speedup"]
+        out["pipelined_speedup_at_25ms_ci95"] = at_25["configs"][best_25]["speedup_ci95"]
+        out["pipelined_source_at_25ms"] = best_25
     if "batch" in at_100:
         out["batch8_spec_over_plain_at_100ms"] = at_100["batch"]["spec_over_plain"]
         out["batch8_spec_over_plain_at_100ms_ci95"] = at_100["batch"]["spec_over_plain_ci95"]
@@ -740,7 +757,7 @@ def main() -> int:
             if "batch" in point:
                 exact.append(point["batch"]["identical_to_plain"] == point["batch"]["users"])
         if len(DELAYS_MS) > 1:  # the docs' plot from the whole sweep only
-            full = WAN_STAGES == (2, 3) and DELAYS_MS == (0, 10, 50, 100)
+            full = WAN_STAGES == (2, 3) and DELAYS_MS == (0, 10, 25, 50, 100)
             plot_path = Path("docs/img/bench-spec-wan.png") if full else RESULTS_DIR / "spec-wan.png"
             plot(wan, plot_path)
             result["plot"] = str(plot_path)

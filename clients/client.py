@@ -103,6 +103,8 @@ class GenerateResult:
     logprobs: list[float] = field(default_factory=list)  # per generated token, with logprobs=True
     # [i]: decode traversals that kept i + 1 tokens (accepted drafts plus the target's own)
     kept_per_traversal: list[int] = field(default_factory=list)
+    # steps sent while an earlier one travelled (in-flight depth > 1), dropped after a rejection
+    dropped_steps: int = 0
 
 
 # Summary fields a GenerateResult takes over as they are (finish_reason is mapped, token_ids and

@@ -243,3 +243,10 @@ SPECULATIVE_ACCEPTED = counter(
     "Draft tokens the target accepted, by draft source.",
     ("source",),
 )
+SPECULATIVE_DROPPED_STEPS = counter(
+    "pipeshard_speculative_dropped_steps_total",
+    "Steps sent while an earlier step of the same request travelled (in-flight depth > 1) that "
+    "were dropped unused: the earlier step rejected a draft they were built on, or a failover "
+    "came first; by draft source.",
+    ("source",),
+)

@@ -18,7 +18,10 @@ step's answer came back, a request arrived, a failover finished) it:
    alone. Drafting happens here, per planned row, with the load of the step being formed and the
    budget it leaves (batch-aware K, speculation/policy.py), so a request that does not fit waits;
 2. launches each step (the rows' frames, built by ``wire.token_row``, as one plan frame through
-   the ring): up to ``inflight`` steps travel at once (a batch queue as deep as the pipeline);
+   the ring): up to ``inflight`` steps travel at once (a batch queue as deep as the pipeline, and
+   at least as deep as a request's in-flight depth); a request whose row was just launched is
+   ready again at once when it pipelines (its next speculative row, built on this one's draft
+   accepted whole, may travel beside it: speculation/depth.py);
 3. as a step's answer comes back, hands each row's answer to the request's update (acceptance,
    emission into its non-blocking output queue, stop checks): the requests of one answered step
    become ready together (no step forms until all of its rows are updated) and form the next
@@ -128,6 +131,11 @@ class Steppable(Tracked, Protocol):
         positions for drafts."""
         ...
 
+    def pipelines(self) -> bool:
+        """Whether another row of it may be planned while the rows just launched travel (its
+        in-flight depth, speculation/depth.py, is not used up)."""
+        ...
+
 
 S = TypeVar("S", bound=Steppable)
 
@@ -172,6 +180,7 @@ class EngineCore(Generic[S]):
     ) -> None:
         self.requests: dict[RequestId, S] = {}
         self.steps = steps
+        self.depth = 1  # the most steps of one request in flight (its owner sets it as it is chosen)
         self.prefill_chunk = prefill_chunk
         self._run = run
         self._answered = answered
@@ -338,9 +347,10 @@ class EngineCore(Generic[S]):
         return [r.slot.grouping for r in self.requests.values() if r.slot.grouping is not None]
 
     def _limit(self) -> int:
-        """The most steps in flight: ``inflight``, or more while a batch job's count is higher."""
+        """The most steps in flight: ``inflight``, or more while a batch job's count or a request's
+        in-flight depth is higher."""
         assert self.steps is not None
-        return max([self.steps.inflight, *(g.count for g in self._groupings())])
+        return max([self.steps.inflight, self.depth, *(g.count for g in self._groupings())])
 
     def _shares(self) -> dict[Grouping | None, int]:
         """Decode rows of each grouping one step may take: its requests split over its groups."""
@@ -375,6 +385,10 @@ class EngineCore(Generic[S]):
                 if not row.decoding:
                     job.last_prefill_step = job.steps_run
         task = asyncio.create_task(self._step(plan), name="engine-step")
+        for request, row in plan.rows:
+            # Its next step may go while this one travels (built on this one's draft accepted whole).
+            if row.decoding and request.pipelines():
+                self.ready(request)
         self._in_flight.add(task)
         if steps is not None:
             steps.max_in_flight = max(steps.max_in_flight, len(self._in_flight))

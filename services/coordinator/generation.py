@@ -45,6 +45,7 @@ from pipeshard.metrics import (
     PREFIX_STAGE_MISSES,
     SPECULATIVE_ACCEPTED,
     SPECULATIVE_DRAFTED,
+    SPECULATIVE_DROPPED_STEPS,
     TIME_TO_FIRST_TOKEN,
     TOKENS_PER_TRAVERSAL,
 )
@@ -70,6 +71,7 @@ from pipeshard.services.coordinator.sampling import (
     top_logprobs,
 )
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
+from pipeshard.services.coordinator.speculation.depth import InFlightDepth
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
 from pipeshard.services.coordinator.speculation.policy import KPolicy, SourceMemory, StepLoad, TimingModel
 from pipeshard.services.coordinator.speculation.sources import DraftSources
@@ -163,6 +165,7 @@ class Summary:
     logprobs: list[float] = field(default_factory=list)  # per generated token, when asked
     cached_tokens: int = 0  # prompt positions restored from the prefix cache instead of prefilled
     kept_per_traversal: list[int] = field(default_factory=list)  # [i]: decode steps that kept i + 1
+    dropped_steps: int = 0  # steps sent while an earlier one travelled, dropped unused
 
 
 @dataclass
@@ -176,6 +179,7 @@ class Progress:
     logprobs: list[float] = field(default_factory=list)  # per generated token, when asked
     cached_tokens: int = 0  # prompt positions restored from the prefix cache
     kept_per_traversal: list[int] = field(default_factory=list)  # [i]: decode steps that kept i + 1
+    dropped_steps: int = 0  # steps sent while an earlier one travelled, dropped unused
 
     def kept(self, tokens: int) -> None:
         """A decode traversal kept ``tokens`` tokens."""
@@ -185,6 +189,20 @@ class Progress:
         self.kept_per_traversal[tokens - 1] += 1
 
     error: str = ""
+
+
+@dataclass(eq=False)
+class _Flight:
+    """A row of the request that carries its next token (a decode or verify row, or the prompt's
+    last chunk) from the moment it is built until its answer is taken or it is dropped:
+    ``guessed`` its first token is a guess (the bonus token of the step before it, taken from the
+    draft's continuation of that step's proposal), ``logical`` the cursor's logical length before
+    it, ``positions`` the cache positions it writes."""
+
+    draft: Draft | TreeChains | TreeNodes
+    guessed: bool
+    logical: int
+    positions: int
 
 
 class _Cursor:
@@ -376,7 +394,12 @@ class _Request:
         self.steps_in_flight = 0  # the engine's: its steps travelling (more than one: sent ahead)
         self.landed = asyncio.Event()  # set while none is
         self.landed.set()
-        self.turn = asyncio.Lock()  # one answer's update at a time, in order
+        # One answer's update at a time, in the order its rows were sent.
+        self.turn = asyncio.Condition()
+        self.flights: list[_Flight] = []  # its rows carrying its next tokens in flight, oldest first
+        self.ahead: list[int] = []  # the tokens they add if each is accepted whole (guesses included)
+        self.depth: InFlightDepth | None = None  # its speculative rows' in-flight depth (None: 1)
+        self.refeed = False  # rows in flight were dropped: the next row re-feeds the last kept token
         self.rode_alone = False  # its last step carried its row only (it may send ahead)
         self.sent_ahead = False  # its update sent its next step already
         self.batch_aware = True  # K for the load of the step being formed (else as if alone)
@@ -414,10 +437,73 @@ class _Request:
                 trace.mark("gen_send", frame.session_id, frame.step_id)
                 return Row(frame, decoding=False)
             self.pending = self.prompt_ids[start:]
-        draft = self.draft(load if self.batch_aware else StepLoad(), budget)
-        frame = self.frame(draft)
+        load = load if self.batch_aware else StepLoad()
+        logical = self.cursor.logical
+        draft: Draft | TreeChains | TreeNodes
+        if self.flights:  # built on the rows in flight being accepted whole
+            guess, chain = self._continue(load, budget)
+            draft, frame = chain, self.frame(chain, pending=[guess])
+            self.ahead += [guess, *chain.tokens]
+            flight = _Flight(chain, True, logical, 1 + len(chain.tokens))
+        else:
+            draft = self.draft(load, budget)
+            frame = self.frame(draft)
+            if isinstance(draft, Draft):
+                self.ahead = list(draft.tokens)
+            flight = _Flight(draft, False, logical, self.cursor.logical - logical)
+        self.flights.append(flight)
         trace.mark("gen_send", frame.session_id, frame.step_id)
         return Row(frame, decoding=not prefilling, draft=draft)
+
+    @property
+    def pipelining(self) -> bool:
+        """Whether its rows may travel several at once (speculation/depth.py): greedy, unshaped
+        chains from a draft that continues its own proposals. Sampled rows go one at a time (their
+        acceptance draws from each step's distributions: D = 1 keeps it exact simply), and so do
+        explicit trees, feature drafts and draft heads (each drafts from the last step's answer)."""
+        drafter = self.drafter
+        return (
+            self.depth is not None
+            and drafter is not None
+            and drafter.pipelines
+            and self.top1
+            and self.tree.shape is None
+            and self.depth.depth() > 1
+        )
+
+    def pipelines(self) -> bool:
+        """Whether its next row may go while its rows in flight travel: it decodes with fewer than
+        D rows in flight, the latest a chain, the reader keeps up, the rows in flight leave it
+        tokens to make and cache room, and its draft has a guess of their bonus token."""
+        if not (self.flights and self.status is RequestStatus.DECODING and self.pipelining):
+            return False
+        assert self.depth is not None and self.drafter is not None
+        if len(self.flights) >= self.depth.depth() or not isinstance(self.flights[-1].draft, Draft):
+            return False
+        if self.output.qsize() + len(self.outbox) >= STREAM_EVENTS or self._pipelined_room() < 0:
+            return False
+        return bool(self.drafter.propose(self.context + self.ahead, 1, None).tokens)
+
+    def _pipelined_room(self) -> int:
+        """Drafts a row built on the rows in flight may carry besides its guessed first token:
+        the tokens left past those they add (and the guess's own bonus), and the cache room left
+        once the request may still finish plainly (negative: no such row)."""
+        remaining = self.params.max_tokens - len(self.generated)
+        tokens = remaining - len(self.ahead) - 2
+        room = self.max_context - self.cursor.physical - remaining - 1
+        return min(tokens, room)
+
+    def _continue(self, load: StepLoad, budget: int) -> tuple[int, Draft]:
+        """A row built on the rows in flight: the guessed bonus token of the latest one (its
+        draft's next proposal) and the drafts after it, K chosen for ``load`` within ``budget``."""
+        assert self.drafter is not None
+        limit = min(self._pipelined_room(), budget)
+        k = self.policy.choose(limit, load) if limit > 0 else 0
+        proposal = self.drafter.propose(self.context + self.ahead, k + 1, None)
+        if not proposal.tokens:
+            raise RuntimeError("a row was planned on the rows in flight without a guess to continue from")
+        guess, *tokens = proposal.tokens
+        return guess, Draft(tokens, None, proposal.seconds)
 
     def expedite(self) -> None:
         """Its next step leaves at once, not after the steps in flight (a failover's resend)."""
@@ -457,7 +543,9 @@ class _Request:
         """Chooses K (or the tree's shape) for a row joining ``load`` with at most ``budget``
         draft positions, and drafts (none on the first step or without a drafter); a tree with
         one path goes as a chain."""
-        if self.drafter is None or not self.generated:
+        if self.drafter is None or not self.generated or self.cursor.logical < len(self.prompt_ids):
+            # (a row that still carries prompt tokens, after a failover's replay, is a prompt's
+            # chunk: it returns its last position only)
             return Draft([], None, 0.0)
         remaining = self.params.max_tokens - len(self.generated)
         # Rejected drafts use cache room too: always leave room to finish plainly.
@@ -466,9 +554,9 @@ class _Request:
         if self.tree.shape is not None:
             shape = TreeShape(self.tree.shape.width, min(self.tree.shape.depth, limit))
         else:
-            # auto: greedy requests only; a sampled tree step ships every chain's logits back
-            # where a chain's draw happens on the final stage (a few token ids)
-            auto = self.tree.mode == "auto" and self.sampler is None
+            # auto: greedy requests only (a sampled tree step ships every chain's logits back); at
+            # D > 1, chains (the rows in flight take a tree's place)
+            auto = self.tree.mode == "auto" and self.sampler is None and not self.pipelining
             paths, k_step = self.policy.choose_shape(limit, self.drafter.auto_tree_width if auto else 1, load)
             if paths == 1 or not k_step:
                 if not k_step:
@@ -485,11 +573,14 @@ class _Request:
             return TreeNodes(tree) if self.cursor.truncates else tree.chains()
         return Draft([n.token for n in tree.nodes], None, tree.seconds)
 
-    def frame(self, draft: Draft | TreeChains | TreeNodes) -> activation_pb2.ActivationFrame:
+    def frame(
+        self, draft: Draft | TreeChains | TreeNodes, pending: list[int] | None = None
+    ) -> activation_pb2.ActivationFrame:
         """The step's frame: the pending tokens plus the draft, returning a row per draft token + 1
         (of a tree: per chain, the pending token and the chain's padded path). A row that still
         carries prompt tokens is the prompt's last chunk; then a decode row, or a verify row with
-        drafts (a tree's chains are one verify row, and so are its nodes)."""
+        drafts (a tree's chains are one verify row, and so are its nodes). ``pending``: a row
+        built on the rows in flight starts from its guess instead."""
         if isinstance(draft, TreeNodes):
             return self.cursor.frame(
                 draft.token_ids(self.pending),
@@ -512,7 +603,7 @@ class _Request:
         else:
             kind = RowKind.VERIFY if draft.tokens else RowKind.DECODE
         return self.cursor.frame(
-            self.pending + draft.tokens,
+            (self.pending if pending is None else pending) + draft.tokens,
             return_last=len(draft.tokens) + 1,
             sampling=self._sampling(draft),
             kind=kind,
@@ -672,8 +763,56 @@ class _Request:
                 self.new_logprobs = token_logprobs(logits[rows], self.outcome.tokens)
         return self.outcome.tokens
 
-    def record(self, draft: Draft | TreeChains | TreeNodes, new: list[int], elapsed: float) -> None:
-        """Masks rejected drafts out of the cache and feeds the K policy and the summary counters."""
+    def settle(self, new: list[int]) -> int:
+        """Takes the answered row off its rows in flight. When its answer breaks what the later
+        ones assumed (a rejected draft, or another bonus token than the next one's guess) they are
+        dropped: nothing of them is used, and their positions (the cache's tail) are rewound with
+        the rejected drafts by the next row's mask; how many positions that is."""
+        answered = self.flights.pop(0)
+        if not self.flights:
+            self.ahead = []
+            return 0
+        whole = isinstance(answered.draft, Draft) and len(new) == len(answered.draft.tokens) + 1
+        if whole and new == self.ahead[: len(new)]:
+            self.ahead = self.ahead[len(new) :]
+            return 0
+        positions = sum(f.positions for f in self.flights)
+        self.drop_flights()
+        # The next row also feeds the last accepted token again (its slot is rewound too): a stage
+        # that runs one-token rows as two (invariant paged stages re-feed the input of the cache's
+        # last slot from their last step) last saw a dropped row, so the row brings that input.
+        self.refeed = True
+        return positions + 1
+
+    def drop_flights(self) -> None:
+        """Its rows in flight are not to be used (a rejection under them, a failover, its end)."""
+        dropped = sum(f.guessed for f in self.flights)
+        self.flights = []
+        self.ahead = []
+        if dropped:
+            self.progress.dropped_steps += dropped
+            if self.metered:
+                SPECULATIVE_DROPPED_STEPS.labels(source=self.progress.speculative).inc(dropped)
+
+    @property
+    def written(self) -> int:
+        """Positions every stage holds for the accepted tokens: the settled ones before its first
+        row in flight."""
+        return self.flights[0].logical if self.flights else self.cursor.settled
+
+    def carries(self, row: Row) -> bool:
+        """Whether the row is one of its rows in flight (not dropped)."""
+        return any(f.draft is row.draft for f in self.flights)
+
+    def waits(self, row: Row) -> bool:
+        """Whether an earlier row of it in flight has not been answered yet."""
+        return self.carries(row) and self.flights[0].draft is not row.draft
+
+    def record(
+        self, draft: Draft | TreeChains | TreeNodes, new: list[int], elapsed: float, beyond: int = 0
+    ) -> None:
+        """Masks rejected drafts out of the cache (and ``beyond`` positions of dropped rows after
+        them) and feeds the K policy and the summary counters."""
         kept = len(new) - 1
         if isinstance(draft, TreeChains | TreeNodes):
             outcome = self._tree_outcome
@@ -693,7 +832,7 @@ class _Request:
             depth, proposed, seconds = draft.depth, len(draft.tree.nodes), draft.tree.seconds
             width = draft.width
         else:
-            self.cursor.reject(len(draft.tokens) - kept)
+            self.cursor.reject(len(draft.tokens) - kept + beyond)
             fed = kept
             depth = proposed = len(draft.tokens)
             seconds, positions = draft.seconds, None
@@ -733,7 +872,8 @@ class _Request:
             self._meter(len(emitted))
         if not done:
             self.context.extend(new)
-            self.pending = [new[-1]]
+            self.pending = self.context[-2:] if self.refeed else [new[-1]]
+        self.refeed = False
         chunk = Chunk(text=text, token_ids=emitted)
         if self.params.logprobs:
             chunk.logprobs = self.new_logprobs[: len(emitted)]
@@ -788,6 +928,7 @@ class _Request:
             draft_tokens=p.draft_tokens,
             accepted_tokens=p.accepted_tokens,
             kept_per_traversal=list(p.kept_per_traversal),
+            dropped_steps=p.dropped_steps,
             logprobs=p.logprobs,
             cached_tokens=p.cached_tokens,
         )
@@ -813,9 +954,13 @@ class Generation:
         batch_aware_k: bool = True,
         failover: Failover | None = None,
         grammars: Grammars | None = None,
+        spec_depth: int = 0,
     ):
         """``failover``: moves a running request off a failed replica lane instead of failing it;
-        ``grammars``: compiles structured outputs' grammars (None: refused)."""
+        ``grammars``: compiles structured outputs' grammars (None: refused); ``spec_depth``: the
+        most speculative steps of one request in flight at once (0: chosen from the measured round
+        trip and compute, speculation/depth.py; 1: one at a time)."""
+        self.depth = InFlightDepth(spec_depth)
         self._ring = ring
         self._grammars = grammars
         self._failover = failover
@@ -840,6 +985,7 @@ class Generation:
             steps=ring.batch_steps,
             prefill_chunk=prefill_chunk,
         )
+        self.engine.depth = self.depth.depth()
         # A ring that batches every step (paged) times its steps, and the engine drafts for the
         # step it is forming, which batch-aware K weighs (speculation/policy.py); ``batch_aware_k``
         # False chooses K as if alone, from the request's own wall time per step (A/B).
@@ -924,6 +1070,7 @@ class Generation:
         ``admission``: the scheduler's admission, whose KV charge its sessions take over."""
         request = await self._open(prompt_ids, params, speculation, metered, reserved, grouping, admission)
         request.scope, request.cache = scope, cache and self.prefix is not None
+        request.depth = self.depth
         failure = ""  # why the generation failed on the ring, if it did
         try:
             if request.cache:
@@ -1128,30 +1275,43 @@ class Generation:
     async def _answer(self, request: _Request, row: Row, answer, elapsed: float, alone: bool) -> None:
         """One row's answer: a failure ends or moves the request, a chunk only filled its cache,
         a decode row goes through :meth:`update`; then the request is ready again or ends."""
-        async with request.turn:  # after the update of the step before (sent ahead of it)
-            if request.status is RequestStatus.FINISHED:
-                return  # ended meanwhile (a stop string, its client gone): the answer is not used
-            if isinstance(answer, BaseException):
-                self._step_failed(request, answer)
-                return
+        async with request.turn:  # one update at a time, in the order the rows were sent
             try:
-                if row.draft is None:  # a prompt's chunk: the cache holds it now
-                    self._computed(request, request.prompt_ids[: request.cursor.logical])
-                    done = False
-                else:
-                    request.streaming_step = row.frame.step_id
-                    trace.mark("gen_result", request.session_id, row.frame.step_id)
-                    request.rode_alone = alone
-                    done = await self.update(request, row.draft, read_answer(answer), elapsed)
-            except Exception as exc:
-                self._end(request, exc)
-                return
+                await request.turn.wait_for(lambda: not request.waits(row))
+                if request.status is RequestStatus.FINISHED:
+                    return  # ended meanwhile (a stop string, its client gone): the answer is not used
+                if row.draft is not None and not request.carries(row):
+                    return  # dropped: built on a draft its step before rejected, or failed over
+                if isinstance(answer, BaseException):
+                    self._step_failed(request, answer)
+                    return
+                try:
+                    if row.draft is None:  # a prompt's chunk: the cache holds it now
+                        self._computed(request, request.prompt_ids[: request.cursor.logical])
+                        done = False
+                    else:
+                        request.streaming_step = row.frame.step_id
+                        trace.mark("gen_result", request.session_id, row.frame.step_id)
+                        request.rode_alone = alone
+                        if row.decoding:
+                            self._measured(elapsed, answer)
+                        done = await self.update(request, row.draft, read_answer(answer), elapsed)
+                except Exception as exc:
+                    self._end(request, exc)
+                    return
+            finally:
+                request.turn.notify_all()
         if done:
             self._end(request)
         elif request.sent_ahead:
             request.sent_ahead = False
-        else:
+        elif not request.flights or request.pipelines():  # else the rows in flight answer first
             self._ready(request)
+
+    def _measured(self, elapsed: float, answer: activation_pb2.StepResult) -> None:
+        """A decode step's round trip and the stages' compute in it: what auto depth is chosen from."""
+        self.depth.observe(elapsed, list(answer.stage_compute_micros))
+        self.engine.depth = self.depth.depth()
 
     async def update(
         self, request: _Request, draft: Draft | TreeChains | TreeNodes, answer: StepAnswer, elapsed: float
@@ -1163,9 +1323,11 @@ class Generation:
         before this one's tokens are detokenized and streamed, so the stages compute while this
         process streams (``_Request.sends_ahead``)."""
         new = request.accept(draft, answer)
-        request.record(draft, new, elapsed)
-        # No step of this session is in flight here: every stage holds its settled positions.
-        self._computed(request, (request.prompt_ids + request.generated + new)[: request.cursor.settled])
+        beyond = request.settle(new)
+        request.record(draft, new, elapsed, beyond)
+        # Every stage holds the settled positions of what is accepted so far, short of the rows
+        # still in flight (theirs may not be written yet).
+        self._computed(request, (request.prompt_ids + request.generated + new)[: request.written])
         if request.sends_ahead(new):
             request.pending = [new[-1]]
             request.sent_ahead = True
@@ -1188,6 +1350,8 @@ class Generation:
         another serves (failover.py, as a task of its own), else it ends with the error."""
         if not isinstance(error, Exception):
             raise error
+        request.drop_flights()  # the rows after it fail too, or answer a session that moved
+        self.engine.withdraw(request)  # ready again for a row built on it: not on this session
         failover = self._failover
         if isinstance(error, Unavailable) and failover is not None and failover.applies(error):
             request.status = RequestStatus.MOVING
@@ -1229,6 +1393,7 @@ class Generation:
         """The engine is done with the request: out of its plans; its reader ends it."""
         if request.status is not RequestStatus.FINISHED or error is None:
             request.status = RequestStatus.FINISHED
+            request.drop_flights()
             self.engine.withdraw(request)
             self._deliver([request])
             request.output.put_nowait(_Ended(error))

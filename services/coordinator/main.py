@@ -38,6 +38,7 @@ from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.scheduler import Scheduler
 from pipeshard.services.coordinator.servicer import CoordinatorServicer
+from pipeshard.services.coordinator.speculation.depth import AUTO_MAX_DEPTH, MAX_DEPTH
 from pipeshard.services.coordinator.speculation.sources import MODES, DraftSources, parse_named
 from pipeshard.services.stage.backends import KV_CHOICES
 from pipeshard.services.stage.main import StageSettings, build_node
@@ -143,6 +144,12 @@ class CoordinatorSettings(ServerSettings):
         None, "where Hugging Face draft folders are exported on first use (default: <shards>/../.drafts)"
     )
     max_k: int = setting(10, "largest draft length adaptive K may choose")
+    spec_depth: int = setting(
+        0,
+        "speculative steps of one request in flight at once (each built on the one before it being "
+        "accepted whole): 0 chooses it from the measured round trip over the stages' compute "
+        f"(at most {AUTO_MAX_DEPTH}; 1 on one node or a LAN); 1 sends one at a time",
+    )
     final_stage_sampling: bool = setting(
         True, "temperature > 0: the final stage draws the tokens (ids back, not 49152 logits per position)"
     )
@@ -243,6 +250,8 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
         )
     if not 1 <= settings.max_k <= 32:
         raise InvalidArgument("max_k", f"must be in 1..32, got {settings.max_k}")
+    if not 0 <= settings.spec_depth <= MAX_DEPTH:
+        raise InvalidArgument("spec_depth", f"must be 0 (auto) or 1..{MAX_DEPTH}, got {settings.spec_depth}")
     if settings.speculative == "self" and settings.self_draft is None:
         raise InvalidArgument("speculative", "self needs --self-draft DIR")
     if settings.speculative == "feature" and settings.feature_draft is None:
@@ -387,6 +396,7 @@ class Coordinator:
             restore_timeout_s=self.settings.prefix_restore_timeout_s,
             failover=self._failover(infos),
             grammars=grammars,
+            spec_depth=self.settings.spec_depth,
         )
         # Static stages run one shape whatever the prompt: one chunk warms every hop's frames.
         warm_context = self.ring.prefill_chunk + 4 if fleet_kv.row_tokens else manifest.max_context

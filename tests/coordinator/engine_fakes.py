@@ -38,6 +38,10 @@ class FakeRequest:
         self.at = 0  # rows planned so far
         self.loads: list[tuple[StepLoad, int]] = []  # what each row was drafted for
         self.answers: list = []
+        self.depth = 1  # its rows in flight at once (more: the engine plans it again as one leaves)
+
+    def pipelines(self) -> bool:
+        return self.steps_in_flight < self.depth and self.at < len(self.script)
 
     def upcoming(self, chunk: int) -> Upcoming:
         tokens, decoding = self.script[self.at]

@@ -313,3 +313,23 @@ def test_a_generation_on_a_batching_ring_takes_its_step_cost_from_the_ring_and_i
     blind = request_of(Generation(ring, None, set(), batch_aware_k=False))
     assert blind.policy.timing is not ring.batch_steps.timing and blind.policy.times_steps
     assert not blind.batch_aware
+
+
+@pytest.mark.parametrize(("depth", "travelling"), [(1, 1), (2, 2), (3, 3)])
+def test_a_pipelining_requests_next_row_goes_while_its_row_travels(depth, travelling):
+    """A request that pipelines (speculation/depth.py) is ready again as soon as its row leaves, so
+    its next row is planned into the next step while the first travels, up to its depth; one that
+    does not waits for its answer."""
+    request = FakeRequest("a", [(1, DECODE)] * 6)
+    request.depth = depth
+    seen: list[int] = []
+
+    async def run(frames):
+        seen.append(request.steps_in_flight)
+        await asyncio.sleep(0.005)
+        return [activation_pb2.StepResult()] * len(frames)
+
+    steps = BatchSteps(64, 4)
+    asyncio.run(drive([request], run, steps))
+    assert max(seen) == travelling and steps.max_in_flight == travelling
+    assert request.at == 6 and len(request.answers) == 6

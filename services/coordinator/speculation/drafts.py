@@ -43,6 +43,10 @@ class Drafter(Protocol):
     # none): greedy steps then ask for them and hand the drafter each result's through
     # ``observe_heads``.
     head_candidates: int
+    # Whether its proposals depend on the context passed alone (no state that ``commit`` or
+    # ``observe`` advance): a draft may then continue from its own unconfirmed proposal, so a
+    # request's next step can go while this one travels (speculation/depth.py).
+    pipelines: bool
 
     def propose(
         self, context: Sequence[int], k: int, sample: tuple[Probabilities, np.random.Generator] | None
@@ -76,6 +80,7 @@ class NgramDrafter:
     auto_tree_width = 3  # alternative continuations cost nothing to find
     reads_features = False
     head_candidates = 0
+    pipelines = True
 
     def __init__(self, max_ngram: int = 3):
         self.max_ngram = max_ngram
@@ -164,6 +169,7 @@ class ModelDrafter:
     auto_tree_width = 1
     reads_features = False
     head_candidates = 0
+    pipelines = False  # its cache holds what it fed, committed step by step
 
     def __init__(
         self,

@@ -31,6 +31,7 @@ class _FeatureDrafting:
     auto_tree_width = 3  # a level of any width is one batched draft step; the policy prices it
     reads_features = True
     head_candidates = 0
+    pipelines = False  # it drafts from the target's features at the kept positions
 
     def __init__(self, vocab_size: int, head_ids: np.ndarray):
         self._vocab_size = vocab_size

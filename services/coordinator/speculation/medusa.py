@@ -33,6 +33,7 @@ class MedusaDrafter:
 
     auto_tree_width = 3
     reads_features = False
+    pipelines = False  # it drafts from the last step's head candidates
 
     def __init__(self, levels: int, candidates: int = CANDIDATES):
         self.levels = levels  # the fleet's heads: the deepest draft they make
