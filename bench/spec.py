@@ -67,6 +67,8 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
+
 from bench.pipeline import ensure_export
 from bench.spec_costs import (
     draft_heads_cost,
@@ -86,6 +88,7 @@ from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.shard.chain import LocalChain
 from pipeshard.shard.prompting import Prompter
+from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
 QUICK = os.environ.get("BENCH_QUICK") == "1"
 RUNS = int(os.environ.get("BENCH_RUNS", "2" if QUICK else "10"))
@@ -247,18 +250,28 @@ def natural_kinds(target: Path, prompts: list[list[int]], tokens: int) -> tuple[
     return [i for i, a in enumerate(answers) if not loops(a)], answers
 
 
-def spec_configs(sources: tuple[str, ...], ks: tuple[int, ...]) -> dict[str, Config]:
+def spec_configs(sources: tuple[str, ...], ks: tuple[int, ...], trees: bool = True) -> dict[str, Config]:
     """name -> (draft source, K (0: adaptive), tree): plain, each source's chains at every K and
-    adaptive, its trees at every BENCH_TREES shape, and adaptive K with ``tree=auto``."""
+    adaptive, its trees at every BENCH_TREES shape (where the stages verify trees: ``trees``), and
+    adaptive K with ``tree=auto``."""
     configs: dict[str, Config] = {"plain": ("none", 0, "off")}
     for source in sources:
         for k in ks:
             configs[f"{source}-k{k}"] = (source, k, "off")
         configs[f"{source}-chain-auto"] = (source, 0, "off")
-        for shape in TREES:
+        for shape in TREES if trees else ():
             configs[f"{source}-tree{shape}"] = (source, 0, shape)
         configs[f"{source}-auto"] = (source, 0, "auto")
     return configs
+
+
+def verifies_trees(stage: str) -> bool:
+    """Whether a fleet's stages verify draft trees (GetStageInfo's ``draft_tree_form``): paged
+    stages at the default precision promise bit-identical rows and verify none."""
+    with grpc.insecure_channel(stage) as channel:
+        stub = stage_pb2_grpc.StageServiceStub(channel)
+        info = stub.GetStageInfo(stage_pb2.GetStageInfoRequest(), timeout=30)
+    return info.draft_tree_form != stage_pb2.DRAFT_TREE_FORM_UNSPECIFIED
 
 
 def is_fixed(config: Config) -> bool:
@@ -392,7 +405,7 @@ def single_node(
         ring.stages.run_heads(heads)
     ring.stages.warmup()
     generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, drafts=drafts)
-    configs = spec_configs(sources, KS)
+    configs = spec_configs(sources, KS, trees=ring.verifies_trees)
     samples, per_prompt, last = measure(
         configs, in_process_generate(loop, generation), prompts, TOKENS, RUNS, warmup=0 if QUICK else 1
     )
@@ -448,9 +461,6 @@ def wan_sweep(
     final stage running ``heads`` for the ``medusa`` source)."""
     from pipeshard.services.wan.emulator import WanFleet
 
-    configs: dict[str, Config] = {}
-    for source in sources:
-        configs |= spec_configs((source,), WAN_KS)
     out: dict[str, dict] = {}
     for stages in WAN_STAGES:
         shards = ensure_export(stages)
@@ -460,6 +470,10 @@ def wan_sweep(
             fleet_args = {"extra_coordinator_args": extra, "final_stage_args": final}
             with WanFleet(shards, stages, delay, RATE_MBIT, run_dir, **fleet_args) as fleet:
                 client = PipeshardClient(fleet.coordinator, timeout_s=600)
+                trees = verifies_trees(fleet.fleet.lanes[0][0])
+                configs: dict[str, Config] = {}
+                for source in sources:
+                    configs |= spec_configs((source,), WAN_KS, trees=trees)
 
                 def generate(prompt, tokens, source, k, tree, client=client):
                     return client.generate(

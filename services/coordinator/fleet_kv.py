@@ -65,6 +65,11 @@ class FleetKv:
             )
         return fleet
 
+    @property
+    def verifies_trees(self) -> bool:
+        """The stages take a draft tree in one row (chains or parents); else requests draft chains."""
+        return self.tree_form != stage_pb2.DRAFT_TREE_FORM_UNSPECIFIED
+
     def describe(self) -> str:
         """The traits in a few words (what a refusal names when two stages differ only there)."""
         form = stage_pb2.DraftTreeForm.Name(self.tree_form)

@@ -1011,6 +1011,13 @@ class Generation:
         if not 0 <= k <= 32:
             raise InvalidArgument("k", f"must be 0 (adaptive) or 1..32, got {k}")
         choice = TreeChoice.parse(tree)
+        if choice.shape is not None and not self._ring.verifies_trees:
+            raise InvalidArgument(
+                "tree",
+                f"is {tree!r} but this fleet's stages verify no draft trees (paged stages at a precision "
+                "that promises bit-identical rows, static shards or u8 KV pools): use tree=auto or off, "
+                "which draft chains",
+            )
         if mode != "none":
             if self._drafts is None:
                 raise InvalidArgument("speculative", "this coordinator has no draft sources")
@@ -1118,6 +1125,8 @@ class Generation:
             grammars = self._grammars
             assert grammars is not None  # check_grammar refused the grammar at the edge otherwise
             constraint = await asyncio.to_thread(grammars.constraint, params.grammar)
+        if not self._ring.verifies_trees:
+            tree = TREE_OFF  # the stages take chains only (an explicit shape was refused at the edge)
         if params.shapes_logits:
             # Drafts are verified position by position on shaped rows: chains only, greedy only
             # (a sampled request draws each token from its shaped distribution).

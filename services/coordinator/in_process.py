@@ -37,7 +37,7 @@ from pipeshard.services.stage.backends import (
     StaticBackend,
     choose_backend,
 )
-from pipeshard.services.stage.domain import Step
+from pipeshard.services.stage.domain import Step, TreeForm
 from pipeshard.services.stage.prefix_store import PrefixStore
 from pipeshard.services.stage.step_engine import RowEngine
 from pipeshard.services.stage.wire import result_from_output, stage_error, step_from_frame
@@ -151,6 +151,7 @@ class InProcessStages:
             step_tokens=step_tokens,
             inflight=inflight,
             prefill_chunk=self._chunk or None,
+            trees=all(engine.tree_form is not TreeForm.NONE for engine in self.engines),
         )
 
     @property

@@ -356,6 +356,7 @@ class Coordinator:
             accounts=scheduler.accounts(),
             inflight=self.settings.inflight or None,
             prefill_chunk=fleet_kv.row_tokens or None,
+            trees=fleet_kv.verifies_trees,
         )
         chunk = self.settings.prefill_chunk
         if fleet_kv.batches_steps and chunk == DEFAULT_PREFILL_CHUNK:

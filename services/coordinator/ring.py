@@ -89,6 +89,8 @@ class RingLike(Protocol):
 
     # The ring rewinds by shortening a session's cache (paged): the cursor keeps no holes.
     truncates_on_rewind: bool
+    # The stages verify a draft tree in one row (else requests draft chains).
+    verifies_trees: bool
 
     @property
     def batch_steps(self) -> BatchSteps | None:
@@ -135,13 +137,16 @@ class Ring(Generic[L]):
         step_tokens: int = DEFAULT_STEP_TOKENS,
         inflight: int | None = None,
         prefill_chunk: int | None = None,
+        trees: bool = True,
     ):
         """``paged``: the stages' KV backend is paged or static (steps are batched, a rewind
-        truncates). ``inflight``: the most batched steps travelling at once (None:
+        truncates). ``trees``: the stages verify a draft tree in one row (GetStageInfo's
+        ``draft_tree_form``). ``inflight``: the most batched steps travelling at once (None:
         one per stage). ``prefill_chunk``: prompt tokens per frame when the stages fix it (a
         static shard's chunk); None: the backend's default."""
         self.stages = stages
         self.truncates_on_rewind = paged
+        self.verifies_trees = trees
         self.prefill_chunk = prefill_chunk or (PAGED_PREFILL_CHUNK if paged else DEFAULT_PREFILL_CHUNK)
         self._accounts = accounts
         # The batching's settings and counters (step cost for batch-aware K, speculation/policy.py);

@@ -156,6 +156,10 @@ class Backend(ABC, Generic[Sh, E]):
         """The most tokens one row may carry when the shapes fix it; 0: no such limit."""
         return 0
 
+    def tree_form(self, shard: Sh) -> TreeForm:
+        """How this stage takes a draft tree in one row (NONE: it verifies none)."""
+        return self.traits.tree_form
+
     def load(
         self,
         spec: ShardSpec,
@@ -187,7 +191,7 @@ class Backend(ABC, Generic[Sh, E]):
         info.batches_steps = self.traits.batches_steps
         info.truncates_on_rewind = self.traits.truncates_on_rewind
         info.prefix_reuse = self.traits.prefix_reuse
-        info.draft_tree_form = _TREE_FORMS[self.traits.tree_form]
+        info.draft_tree_form = _TREE_FORMS[self.tree_form(shard)]
 
 
 class StatefulBackend(Backend[ShardRunner, StageEngine]):
@@ -265,8 +269,24 @@ class PagedBackend(Backend[PagedShard, PagedEngine]):
         self, shard: PagedShard, limits: SessionLimits, meters: StageMeters | None = None
     ) -> PagedEngine:
         return PagedEngine(
-            shard, limits.max_sessions, limits.idle_timeout_s, limits.max_per_owner, meters=meters
+            shard,
+            limits.max_sessions,
+            limits.idle_timeout_s,
+            limits.max_per_owner,
+            meters=meters,
+            tree_form=self.tree_form(shard),
         )
+
+    def tree_form(self, shard: PagedShard) -> TreeForm:
+        """Trees as one masked sequence where a path's cache slots can move (not u8 pools) and the
+        configuration does not promise bit-identical rows. A tree row's masked keys change how
+        the attention kernel accumulates: at bf16 a path's logits were found 0.74 away from the
+        same tokens decoded as a chain (beyond what the self-check's random tree probe shows), so
+        at a bit-identity promise (``invariant``'s bf16 configurations) the stage verifies no
+        trees and the coordinator drafts chains; ``exact`` promises a tolerance, which trees keep."""
+        check = shard.proof.check if shard.proof is not None else None
+        bit_identity = check is not None and check.tolerance == 0
+        return TreeForm.PARENTS if shard.moves_slots and not bit_identity else TreeForm.NONE
 
     def kv(self, shard: PagedShard, engine: PagedEngine, store: PrefixStore) -> StageKv:
         return StageKv.paged(engine, store)

@@ -112,8 +112,12 @@ class PagedEngine(RowEngine[PagedSession]):
         max_per_owner=None,
         *,
         meters: StageMeters | None = None,
+        tree_form: TreeForm = TreeForm.PARENTS,
     ):
+        """``tree_form``: NONE where this stage's configuration verifies no draft trees
+        (``PagedBackend.tree_form``)."""
         self.shard = shard
+        self.tree_form = tree_form
         self.meters = meters or StageMeters(shard.stage_index)
         self._held: dict[str, int] = {}  # owner -> the blocks its sessions hold
         self.sessions = SessionTable(
@@ -130,7 +134,6 @@ class PagedEngine(RowEngine[PagedSession]):
         self.vocab_size = shard.vocab_size
 
     kv_backend = "paged"
-    tree_form = TreeForm.PARENTS
 
     def describe(self, info: stage_pb2.GetStageInfoResponse, owner: str | None) -> None:
         """The block pool's use, and the caller's share of it and holding in it."""

@@ -92,19 +92,30 @@ class RowEngine(Generic[S]):
         step.compute_micros.append((time.perf_counter_ns() - started) // 1000)
         return answers
 
+    def _no_trees(self) -> str:
+        """Why this stage takes no draft tree at all ("" when it takes one form)."""
+        if self.tree_form is not TreeForm.NONE:
+            return ""
+        return (
+            f"this {self.kv_backend} stage verifies no draft trees (a static shard, u8 KV pools, or a "
+            "configuration that promises bit-identical rows): send chains"
+        )
+
     def _check(self, row: StepRow, session: S) -> int:
         """The one set of row checks, before anything touches the cache; returns the length the
         row's cache starts from after its rewind."""
         if (row.tree_chains > 1 or row.tree_keep >= 0) and self.tree_form is not TreeForm.CHAINS:
             raise InvalidArgument(
                 "tree_chains",
-                f"draft trees as chains need stateful stages (--kv stateful); {self.kv_backend} "
+                self._no_trees()
+                or f"draft trees as chains need stateful stages (--kv stateful); {self.kv_backend} "
                 "stages take a tree as tree_parents",
             )
         if (row.tree_parents or row.tree_kept) and self.tree_form is not TreeForm.PARENTS:
             raise InvalidArgument(
                 "tree_parents",
-                f"draft trees as one masked sequence need paged stages (--kv paged); {self.kv_backend} "
+                self._no_trees()
+                or f"draft trees as one masked sequence need paged stages (--kv paged); {self.kv_backend} "
                 "stages take a tree as tree_chains",
             )
         check_activations(row.activations, is_first=self.is_first, hidden_size=self.hidden_size)

@@ -27,6 +27,7 @@ class _Ring:
     """Answers token 7 to every step; step ``fail_at`` (from 0) raises ``error``."""
 
     truncates_on_rewind, batch_steps = False, None
+    verifies_trees = True
 
     def __init__(self, fail_at: int = 99, error: Exception | None = None):
         self.fail_at, self.steps, self.sessions = fail_at, 0, []

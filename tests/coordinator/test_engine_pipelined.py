@@ -47,6 +47,7 @@ class StatefulStage:
     each after a short compute, so a request's later rows travel while earlier ones compute."""
 
     truncates_on_rewind, batch_steps = False, None  # a stateful ring's, stepping alone
+    verifies_trees = True
 
     def __init__(self):
         self.caches: dict[str, list[list]] = {}

@@ -22,6 +22,7 @@ class _Ring:
     """Answers 10, 11, 12, ... to its steps in order; keeps the sessions it released."""
 
     truncates_on_rewind, batch_steps = False, None
+    verifies_trees = True
 
     def __init__(self):
         self.steps = 0

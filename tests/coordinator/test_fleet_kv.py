@@ -16,7 +16,7 @@ from pipeshard.v1 import stage_pb2
 
 def _info(backend, stage: int) -> stage_pb2.GetStageInfoResponse:
     info = stage_pb2.GetStageInfoResponse(stage_index=stage)
-    backend.describe(SimpleNamespace(slots=4, chunk=16), info)
+    backend.describe(SimpleNamespace(slots=4, chunk=16, proof=None, moves_slots=True), info)
     return info
 
 

@@ -26,6 +26,7 @@ class Ring:
     """Answers token 7 to every step until step ``fail_at`` (counted from 0), which raises ``error``."""
 
     truncates_on_rewind, batch_steps = False, None  # a stateful ring's, stepping alone
+    verifies_trees = True
 
     def __init__(self, fail_at: int, error: PipeshardError | None = None):
         self.fail_at, self.steps, self.calls = fail_at, 0, []

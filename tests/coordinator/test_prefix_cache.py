@@ -96,6 +96,7 @@ class Ring:
     """Answers token 7 to every step; records what happens to sessions; restores as told."""
 
     truncates_on_rewind, batch_steps = False, None  # a stateful ring's, stepping alone
+    verifies_trees = True
 
     def __init__(self, restore: str = "ok"):
         self.restore, self.calls, self.frames = restore, [], []

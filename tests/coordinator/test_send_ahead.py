@@ -19,6 +19,7 @@ class Ring:
     """Answers token 7 to every step after a short compute; counts steps sent and in flight."""
 
     truncates_on_rewind, batch_steps = False, None  # a stateful ring's, stepping alone
+    verifies_trees = True
 
     def __init__(self):
         self.sent, self.in_flight, self.in_flight_at_release = 0, 0, None

@@ -154,6 +154,7 @@ def test_prompt_lookup_tree_holds_every_earlier_continuation():
 
 class _PagedRing:
     truncates_on_rewind = True
+    verifies_trees = True
     batch_steps = None
 
 
@@ -164,6 +165,21 @@ def test_paged_stages_take_every_tree_value():
     with pytest.raises(InvalidArgument) as err:
         generation.check_speculative("none", 0, "2x")
     assert "tree" in str(err.value) and "'2x'" in str(err.value)
+
+
+class _ChainsOnlyRing(_PagedRing):
+    verifies_trees = False  # paged stages at a bit-identity precision (PagedBackend.tree_form)
+
+
+def test_stages_that_verify_no_trees_refuse_a_tree_shape_by_name_and_take_auto_and_off():
+    generation = Generation(_ChainsOnlyRing(), tokenizer=None, eos_ids=set())
+    for value in ("auto", "off", ""):
+        assert generation.check_speculative("none", 0, value).mode == "none"
+    with pytest.raises(InvalidArgument) as err:
+        generation.check_speculative("none", 0, "2x3")
+    assert (
+        err.value.field == "tree" and "'2x3'" in str(err.value) and "verify no draft trees" in str(err.value)
+    )
 
 
 def test_a_tree_step_is_timed_by_the_positions_it_computed():

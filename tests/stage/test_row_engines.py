@@ -11,11 +11,13 @@ import pytest
 
 from pipeshard.errors import InvalidArgument, NotFound, PipeshardError, Unimplemented
 from pipeshard.sampling import Distribution, rng_state
-from pipeshard.services.stage.domain import ReturnMode, RowKind, SamplingStep, Step, StepRow
+from pipeshard.services.stage.backends import PagedBackend
+from pipeshard.services.stage.domain import ReturnMode, RowKind, SamplingStep, Step, StepRow, TreeForm
 from pipeshard.services.stage.engine import StageEngine
 from pipeshard.services.stage.paged_engine import PagedEngine
 from pipeshard.services.stage.sessions import SessionTable
 from pipeshard.services.stage.static_engine import StaticEngine
+from pipeshard.shard.self_check import Proof, SelfCheck
 from pipeshard.shard.static import StaticShard
 
 VOCAB, HIDDEN, MAX_CONTEXT = 11, 4, 64
@@ -62,6 +64,7 @@ class FakePagedShard:
     block_tokens, blocks_total = 8, 64
     kv_source = SimpleNamespace(blocks=None)  # f32 pools: draft trees' paths can move
     moves_slots = True
+    proof = None  # no self-check ran (a precision with no promise)
 
     def __init__(self, is_last: bool):
         self.is_first, self.is_last = True, is_last
@@ -371,6 +374,27 @@ def test_paged_trees_need_pools_of_one_value_per_slot():
     (out,) = e.run([_tree_row("a", 6)])
     with pytest.raises(InvalidArgument, match=r"`tree_parents` .*one value per slot .*u8"):
         raise out
+
+
+def test_a_paged_stage_at_a_bit_identity_promise_verifies_no_trees():
+    """A tree row's masked keys change how the attention kernel accumulates, so a paged stage whose
+    configuration promises bit-identical rows takes no tree (it reports none, a tree row is refused
+    by name); one that promises a tolerance (``exact``) or nothing takes them where slots move."""
+    shard = FakePagedShard(True)
+    for tolerance, form in ((0.0, TreeForm.NONE), (1e-3, TreeForm.PARENTS)):
+        shard.proof = Proof("x", SelfCheck(True, 0.0, tolerance, "all shapes", 0.1))
+        assert PagedBackend().tree_form(shard) is form
+    shard.proof = None
+    assert PagedBackend().tree_form(shard) is TreeForm.PARENTS
+    shard.moves_slots = False
+    assert PagedBackend().tree_form(shard) is TreeForm.NONE
+    e = make_engine("paged")
+    e.tree_form = TreeForm.NONE
+    e.run([prefill("a", 6)])
+    (out,) = e.run([_tree_row("a", 6)])
+    with pytest.raises(InvalidArgument, match=r"`tree_parents` this paged stage verifies no draft trees"):
+        raise out
+    assert length(e, "a") == 6
 
 
 def test_static_rows_name_their_slot_and_bad_slots_chunks_and_positions_are_refused_by_name():
