@@ -106,4 +106,8 @@ def test_an_unavailable_during_the_replay_moves_the_request_again_under_the_same
     assert fleet.rows_of[fleet.opened[1]] == 2  # one chunk answered, the next failed
     assert len({row.request for step in fleet.steps for row in step}) == 1
     replay = [row for _, row in _rows(fleet, RequestStatus.REPLAYING)]
-    assert len(replay) == 2 + 4  # two chunks on the second session, all four on the third
+    # Two chunks on the second session; on the third, the 16 positions before its pending tokens
+    # (the first replay's tail rides there): three chunks, the fourth with the lost step.
+    assert len(replay) == 2 + 3
+    resend = next(s for s in fleet.steps if s[0].status is RequestStatus.DECODING and s[0].tokens > 1)
+    assert [row.tokens for row in resend] == [4 + 2]
