@@ -7,33 +7,27 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from pipeshard.errors import Unavailable
 from pipeshard.services.coordinator.engine import EngineCore, RequestId, RequestStatus, Row, Upcoming
 from pipeshard.services.coordinator.fleet_kv import FleetKv
 from pipeshard.services.coordinator.speculation.policy import StepLoad
 from pipeshard.services.coordinator.step_batcher import BatchSteps, Grouping, StepSlot
+from pipeshard.services.stage.backends import AnyBackend, PagedBackend, StatefulBackend
 from pipeshard.services.stage.domain import ReturnMode
 from pipeshard.services.stage.wire import step_from_frame, token_frame
 from pipeshard.v1 import activation_pb2, stage_pb2
 
-# What stages of the paged and the stateful backend report (services/stage/backends.py's traits).
-PAGED_KV = FleetKv(
-    backend="paged",
-    batches_steps=True,
-    truncates_on_rewind=True,
-    prefix_reuse=True,
-    tree_form=stage_pb2.DRAFT_TREE_FORM_PARENTS,
-    row_tokens=0,
-)
-STATEFUL_KV = FleetKv(
-    backend="stateful",
-    batches_steps=False,
-    truncates_on_rewind=False,
-    prefix_reuse=False,
-    tree_form=stage_pb2.DRAFT_TREE_FORM_CHAINS,
-    row_tokens=0,
-)
+
+def reported(backend: AnyBackend) -> FleetKv:
+    """What stages of ``backend`` report of it in GetStageInfo, as the coordinator reads it."""
+    info = stage_pb2.GetStageInfoResponse()
+    backend.describe(SimpleNamespace(slots=4, chunk=16, proof=None, moves_slots=True), info)
+    return FleetKv.of(info)
+
+
+PAGED_KV, STATEFUL_KV = reported(PagedBackend()), reported(StatefulBackend())
 
 
 class FakeRequest:
