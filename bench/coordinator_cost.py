@@ -30,12 +30,13 @@ ANSWER = " the bicycle is a machine with two wheels and pedals"  # the tokens th
 def child(users: int) -> float:
     """One round in this process: CPU microseconds per generated token (row) of ``users`` generations."""
     from pipeshard import paths
+    from pipeshard.services.coordinator.fleet_kv import FleetKv
     from pipeshard.services.coordinator.generation import Chunk, Generation
     from pipeshard.services.coordinator.ring import Ring
     from pipeshard.services.coordinator.sampling import SamplingParams
     from pipeshard.services.stage.wire import plan_from_frames
     from pipeshard.shard.prompting import Prompter
-    from pipeshard.v1 import activation_pb2
+    from pipeshard.v1 import activation_pb2, stage_pb2
 
     export = paths.shards_dir() / paths.export_name(paths.DEFAULT_MODEL, 2, "int4")
     prompter = Prompter.from_dir(export)
@@ -69,7 +70,9 @@ def child(users: int) -> float:
 
         async def close(self) -> None: ...
 
-    ring = Ring(Instant(), paged=True)
+    # What paged stages report (GetStageInfo): every step batched, a rewind truncates.
+    paged = FleetKv("paged", True, True, True, stage_pb2.DRAFT_TREE_FORM_PARENTS, 0)
+    ring = Ring(Instant(), paged)
     generation = Generation(ring, prompter.tokenizer, prompter.eos_ids, prefill_chunk=256)
 
     async def one() -> int:

@@ -160,7 +160,7 @@ def _failed_over(fleet: Fleet) -> dict[str, dict]:
     replayed, the milliseconds spent aborting, opening, restoring and replaying, and (``_end``,
     wall-clock seconds) when it finished; with a standby copy, the restore's split into joining
     the parts (``join_ms``) and sending and loading them (``load_ms``)."""
-    events, restored = {}, {}
+    events, restored, replayed = {}, {}, {}
     for line in fleet.process("coordinator").log.read_text().splitlines():
         if '"session_failed_over"' in line:
             event = json.loads(line)
@@ -169,9 +169,13 @@ def _failed_over(fleet: Fleet) -> dict[str, dict]:
         elif '"standby_restored"' in line:
             event = json.loads(line)
             restored[event["session_id"]] = event
+        elif '"failover_replayed"' in line:  # the replay's rows, which the engine plans after it
+            event = json.loads(line)
+            replayed[event["session_id"]] = event
     for event in events.values():
         split = restored.get(event["session_id"], {})
         event["join_ms"], event["load_ms"] = split.get("join_ms"), split.get("load_ms")
+        event["replay_ms"] = replayed.get(event["session_id"], {}).get("replay_ms")
     return events
 
 
@@ -232,7 +236,8 @@ async def _round(fleet: Fleet, shards: Path, base: int, prompts: list[str], kill
                 phase = {k: event.get(k) for k in PHASE_KEYS if k in event}
                 phase["detect_ms"] = (lost - killed_wall) * 1000 if lost is not None else None
                 phase["wait_ms"] = (began_at - (lost or killed_wall)) * 1000
-                phase["resend_ms"] = ms - (event["_end"] - killed_wall) * 1000
+                # after the failover's log line: its replay (the engine's rows), then the resend
+                phase["resend_ms"] = ms - (event["_end"] - killed_wall) * 1000 - (event["replay_ms"] or 0.0)
                 phases.append(phase)
         args = stage_args(1, shards, port, DEFAULT_PRECISION, "json", None)  # the fleet's precision
         fleet.processes[fleet.processes.index(victim)] = spawn(

@@ -182,6 +182,11 @@ class Local:
     def run(self, prompt: str, tokens: int = NEW_TOKENS) -> dict:
         return self.loop.run_until_complete(self._one(prompt, tokens))
 
+    def close(self) -> None:
+        """Ends the generation's engine task, then this loop: no task is left pending."""
+        self.loop.run_until_complete(self.generation.close())
+        self.loop.close()
+
 
 class Continuous:
     """openvino_genai.ContinuousBatchingPipeline on the unsplit export: 1 or N generations at once."""
@@ -386,12 +391,17 @@ def main() -> int:
         # the default fleet runs `exact`; the issue's "default" baseline is today's `fast`
         fleets["fleet_fast"] = start(shards, 2, work / "run-fast", precision="fast")
         fleets["fleet3"] = start(shards3, 3, work / "run-fleet3")
+    local: Local | None = None
     try:
         clients = {name: FleetClient(f.coordinator) for name, f in fleets.items()}
         local = Local(shards)
         cb = Continuous(reference)
         if "1user" in parts:
-            one_user(result, clients, local, Local(shards3), GenAIPipeline(reference), cb)
+            local3 = Local(shards3)
+            try:
+                one_user(result, clients, local, local3, GenAIPipeline(reference), cb)
+            finally:
+                local3.close()
         if "16users" in parts:
             sixteen_users(result, clients["fleet"], local, cb)
         profiled = [users for users, part in ((1, "1user"), (16, "16users")) if part in parts]
@@ -407,6 +417,8 @@ def main() -> int:
         if "8users" in parts:
             eight_users(result, clients["fleet"], shards, work)
     finally:
+        if local is not None:
+            local.close()
         for fleet in fleets.values():
             fleet.stop()
     part = f"BENCH_PART={os.environ['BENCH_PART']} " if "BENCH_PART" in os.environ else ""

@@ -28,6 +28,7 @@ from pipeshard import paths
 from pipeshard.clients.client import PipeshardClient
 from pipeshard.offline import set_offline_defaults
 from pipeshard.ownership import owner_metadata
+from pipeshard.services.coordinator.fleet_kv import AUTO, FleetKv
 from pipeshard.services.coordinator.remote_stages import RemoteStages
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.launcher import Fleet, spawn, start_fleet
@@ -126,12 +127,10 @@ class RingDriver:
 
     @staticmethod
     async def _start(addresses: list[str]) -> Ring:
-        ring = Ring(
-            RemoteStages(addresses, step_timeout_s=60), paged=False
-        )  # grpc.aio objects bind to the running loop
-        await ring.start()
-        await ring.stages.wait_ready(60)
-        return ring
+        stages = RemoteStages(addresses, step_timeout_s=60)  # grpc.aio objects bind to the running loop
+        await stages.start()
+        await stages.wait_ready(60)
+        return Ring(stages, FleetKv.agreed(AUTO, await stages.stage_infos()))
 
     def decode(self, ids: list[int], record: bool = False) -> dict:
         return self.loop.run_until_complete(self._decode(ids, record))

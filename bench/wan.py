@@ -32,11 +32,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from bench.stats import RESULTS_DIR, interleaved, median, ratio_ci, write_result
 from pipeshard.identity import Identity
 from pipeshard.offline import set_offline_defaults
+from pipeshard.services.coordinator.fleet_kv import AUTO, FleetKv
 from pipeshard.services.coordinator.generation import Generation, Summary
 from pipeshard.services.coordinator.remote_stages import RemoteStages
 from pipeshard.services.coordinator.ring import Ring
@@ -65,13 +67,10 @@ class Driver:
     def __init__(self, wan: WanFleet, shards: Path):
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)  # grpc.aio binds channels to the current loop
-        self.ring = Ring(
-            RemoteStages([f"{link.root_ip}:{CONTROL_PORT}" for link in wan.links], step_timeout_s=120),
-            paged=False,
-        )
+        stages = RemoteStages([f"{link.root_ip}:{CONTROL_PORT}" for link in wan.links], step_timeout_s=120)
+        self.ring = self.loop.run_until_complete(self._start(stages))
         prompter = Prompter.from_dir(shards)
         self.ids = prompter.encode("", [("user", PROMPT)])
-        self.loop.run_until_complete(self._start())
         self.gens = {
             on: Generation(self.ring, prompter.tokenizer, prompter.eos_ids, final_stage_sampling=on)
             for on in (True, False)
@@ -92,9 +91,14 @@ class Driver:
 
         self.ring.step = timed_step
 
-    async def _start(self) -> None:
-        await self.ring.start()
-        await self.ring.stages.wait_ready(120)
+    @staticmethod
+    async def _start(stages: RemoteStages) -> Ring[RemoteStages]:
+        """The ring over the stages, each row sent alone (not batched, whatever the stages'
+        backend), so every step goes through ``ring.step`` and is timed."""
+        await stages.start()
+        await stages.wait_ready(120)
+        kv = FleetKv.agreed(AUTO, await stages.stage_infos())
+        return Ring(stages, replace(kv, batches_steps=False, truncates_on_rewind=False))
 
     def runner(self, codec: str, mode: str) -> Callable[[], float]:
         """One generation in ``mode`` whose session asks every stage for ``codec``."""

@@ -14,7 +14,8 @@ step's answer came back, a request arrived, a failover finished) it:
    steps keep the pipeline full; then prefill chunks (rows of prefilling requests) while the
    budget lasts; a request's first row and a chunk passed over once go first; identities take
    turns (fair share); batch jobs' rows
-   are the lower class, split by their job's micro-batches; a failover's resend goes at once,
+   are the lower class, split by their job's micro-batches; a failover's replay (a REPLAYING
+   request's chunks) is planned as urgent chunks, and its resend of the lost step goes at once,
    alone. Drafting happens here, per planned row, with the load of the step being formed and the
    budget it leaves (batch-aware K, speculation/policy.py), so a request that does not fit waits;
 2. launches each step (the rows' frames, built by ``wire.token_row``, as one plan frame through
@@ -26,8 +27,9 @@ step's answer came back, a request arrived, a failover finished) it:
    emission into its non-blocking output queue, stop checks): the requests of one answered step
    become ready together (no step forms until all of its rows are updated) and form the next
    step at once; a finished request leaves; an
-   Unavailable answer marks it MOVING while its failover runs as a task of its own, which puts it
-   back ready under the same id.
+   Unavailable answer marks it MOVING while its failover (abort, open, restore) runs as a task of
+   its own, which puts it back ready under the same id, REPLAYING: its replay's rows are planned
+   here like any prompt's chunks (an Unavailable among them moves it again).
 
 A ring that does not batch (stateful stages) sends each ready request's row alone, at once.
 
@@ -77,7 +79,8 @@ def new_request_id() -> RequestId:
 class RequestStatus(enum.Enum):
     PREFILLING = "prefilling"  # its prompt is going through the stages
     DECODING = "decoding"  # producing tokens
-    MOVING = "moving"  # its lane failed: reopened, restored and replayed on another
+    MOVING = "moving"  # its lane failed: its failover reopens and restores it on another
+    REPLAYING = "replaying"  # moved: its rows bring the new session up to what it had seen
     FINISHED = "finished"  # ended (stop, length, error or cancelled); its sessions are let go
 
 
@@ -160,6 +163,12 @@ class StepPlan(Generic[S]):
         return sum(row.tokens for _, row in self.rows)
 
 
+def _expedited(request: Steppable) -> bool:
+    """Whether its next row leaves at once, alone: a failover's lost step, once replayed (its
+    replay's chunks are planned as urgent chunks beside other rows)."""
+    return request.slot.expedited and request.status is not RequestStatus.REPLAYING
+
+
 class EngineCore(Generic[S]):
     """The requests running on this coordinator, by their id, and the loop that steps them.
 
@@ -208,6 +217,8 @@ class EngineCore(Generic[S]):
             raise ValueError(f"request {request.id} is {request.status.value}, not finished")
         self.requests.pop(request.id, None)
         self.withdraw(request)
+        if not self.requests:
+            self._wake.set()  # the engine task ends once its steps are in (run)
 
     def with_status(self, status: RequestStatus) -> list[S]:
         return [r for r in self.requests.values() if r.status is status]
@@ -245,11 +256,21 @@ class EngineCore(Generic[S]):
             if not (self.requests or self._ready or self._in_flight):
                 return
 
-    async def close(self) -> None:
-        tasks = [t for t in (self._task, *self._in_flight) if t is not None]
+    async def close(self, error: Exception | None = None) -> None:
+        """Stops the engine task and the steps in flight, and ends each request still running
+        with ``error`` (through ``failed``: its reader gets that error, it does not wait). The
+        engine's owner calls this before its event loop ends, so no task of it is left pending."""
+        tasks = [t for t in (self._task, *self._in_flight) if t is not None and not t.done()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
+        self._in_flight = set()
+        self._answering = 0
+        if error is not None and self._failed is not None:
+            for request in list(self.requests.values()):
+                if request.status is not RequestStatus.FINISHED:
+                    self._failed(request, error)
 
     def pump(self) -> int:
         """Launches steps while requests are ready and the batch queue has room; how many. None
@@ -259,7 +280,7 @@ class EngineCore(Generic[S]):
             return 0
         launched = 0
         while self._ready:
-            expedited = any(r.slot.expedited for r in self._ready.values())
+            expedited = any(_expedited(r) for r in self._ready.values())
             if not expedited and self.steps is not None and len(self._in_flight) >= self._limit():
                 break
             self._launch(self.schedule())
@@ -273,7 +294,7 @@ class EngineCore(Generic[S]):
         step's token budget lasts (its first row always goes); drafts are chosen per decode row
         with this step's load and the budget its rows leave."""
         ready = list(self._ready.values())
-        first = next((r for r in ready if r.slot.expedited), None)
+        first = next((r for r in ready if _expedited(r)), None)
         if first is not None or self.steps is None:
             request = first or ready[0]
             request.slot.expedited = False
@@ -292,7 +313,7 @@ class EngineCore(Generic[S]):
         ready.sort(
             key=lambda r: (
                 r.slot.grouping is not None,
-                not (upcoming[r.id].first or r.slot.passed_over),
+                not (upcoming[r.id].first or r.slot.passed_over or r.status is RequestStatus.REPLAYING),
                 turn[r.id],
                 self._arrival[r.id],
             )
@@ -421,3 +442,5 @@ class EngineCore(Generic[S]):
         finally:
             self._answering -= held
         self.pump()
+        if not (self.requests or self._in_flight):
+            self._wake.set()  # nothing left: the engine task ends (run)

@@ -12,19 +12,23 @@ old route, a new one opens through the ring (so the scheduler's KV mirror moves 
 reservation to it) on the least loaded healthy lane, and the session's KV comes back: from its
 standby copy (kv_standby.py: captured from the old lane ahead of the failure, block by block),
 else from the longest prefix of the prompt a serving lane kept in its prefix cache; what neither
-holds of the prompt and the tokens generated so far but the last is prefilled (replayed), and the
-next step sends the last. The client's stream goes on: the lost step is sent again, so no token
-repeats or goes missing, and at `exact` and `invariant` (a row's tokens independent of prompt
-chunking and of prefix reuse) the output equals an undisturbed run: the session's first row after
-a restore always carries two tokens or more (a two-token stage's path for every row). A ring
-shutting down (:class:`ShuttingDown`) or no lane left ends the request as before.
+holds of the prompt and the tokens generated so far but the last is prefilled again (replayed), and
+the next step sends the last. The failover does only the per-request async work (abort, open,
+restore) in its own task; the replay is the engine's: the request comes back under its id as
+REPLAYING, its rows the replay's chunks, which ``EngineCore.schedule`` plans like a prompt's, under
+the step's token budget beside other requests' rows, and then the lost step goes at once, alone.
+The client's stream goes on: the lost step is sent again, so no token repeats or goes missing, and
+at `exact` and `invariant` (a row's tokens independent of prompt chunking and of prefix reuse) the
+output equals an undisturbed run: the session's first row after a restore always carries two
+tokens or more (a two-token stage's path for every row). A ring shutting down
+(:class:`ShuttingDown`) or no lane left ends the request as before.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import structlog
@@ -35,7 +39,6 @@ from pipeshard.metrics import FAILOVERS
 from pipeshard.services.coordinator.kv_standby import KvStandby, StandbyCopy
 from pipeshard.services.coordinator.replicas import ReplicaLanes
 from pipeshard.services.coordinator.ring import RingLike, ShuttingDown
-from pipeshard.v1 import activation_pb2
 
 if TYPE_CHECKING:
     from pipeshard.services.coordinator.scheduler import ScheduledRequest
@@ -84,11 +87,11 @@ class MovableRequest(Protocol):
         ...
 
     def expedite(self) -> None:
-        """Its next step leaves at once, not after the steps in flight."""
+        """Its next decode step (the lost one) leaves at once, not after the steps in flight."""
 
-    def replay_frames(self, tokens: list[int], chunk: int) -> Iterator[activation_pb2.ActivationFrame]:
-        """Fill-only frames that bring the new session up to ``tokens``."""
-        ...
+    def replay(self, tokens: list[int], chunk: int) -> None:
+        """Its new session is to be brought up to ``tokens``: the engine plans the chunks (the
+        request's rows while it replays), the last one riding with the lost step."""
 
 
 class Failover:
@@ -126,13 +129,14 @@ class Failover:
         warm: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Rebuilds ``request``'s session on a healthy lane through ``ring`` (the generation's, with
-        its accounting; the replay's rows go alone, at once); tries each lane once, then raises
-        the last error. The KV comes from the standby copy when it holds any, else ``warm``
-        restores what it can of the prompt from the prefix cache (the lane that kept it)."""
+        its accounting) and hands the request back with its replay to run (``request.replay``:
+        the engine's rows); tries each lane once, then raises the last error. The KV comes from
+        the standby copy when it holds any, else ``warm`` restores what it can of the prompt from
+        the prefix cache (the lane that kept it)."""
         started = time.perf_counter()
         copy = self.standby.take(request.standby) if self.standby is not None else None
         try:
-            if copy is not None and await self._move_hop(ring, request, copy, error, prefill_chunk, started):
+            if copy is not None and await self._move_hop(request, copy, error, prefill_chunk, started):
                 copy = None  # the session's again
                 return
             for _ in range(len(self._lanes.lanes) + 1):
@@ -156,12 +160,11 @@ class Failover:
                     restored = self._two_token_start(request, replay)
                     kv_ready = time.perf_counter()
                     trace.mark("failover_restored", request.session_id, 0)
-                    for frame in request.replay_frames(replay[restored:], prefill_chunk):
-                        await ring.step(frame)
                 except Unavailable as exc:
                     error = exc
                     continue
-                request.expedite()  # the lost step, sent next, goes at once
+                request.replay(replay[restored:], prefill_chunk)  # the engine's rows from here
+                request.expedite()  # the lost step, once replayed, goes at once
                 FAILOVERS.inc()
                 log.warning(
                     "session_failed_over",
@@ -175,7 +178,6 @@ class Failover:
                     abort_ms=round((aborted - started) * 1000, 1),
                     open_ms=round((opened - aborted) * 1000, 1),
                     restore_ms=round((kv_ready - opened) * 1000, 1),
-                    replay_ms=round((time.perf_counter() - kv_ready) * 1000, 1),
                     seconds=round(time.perf_counter() - started, 3),
                     reason=str(error),
                 )
@@ -189,7 +191,6 @@ class Failover:
 
     async def _move_hop(
         self,
-        ring: RingLike,
         request: MovableRequest,
         copy: StandbyCopy,
         error: Unavailable,
@@ -228,13 +229,7 @@ class Failover:
         request.cursor.restored(positions)
         request.standby = copy
         restored = self._two_token_start(request, replay)
-        try:
-            for frame in request.replay_frames(replay[restored:], prefill_chunk):
-                await ring.step(frame)
-        except Unavailable as exc:  # another replica went meanwhile: the whole session moves
-            self.standby.take(copy)
-            log.warning("hop_move_failed", session_id=sid, stages=broken, reason=str(exc))
-            return False
+        request.replay(replay[restored:], prefill_chunk)  # the engine's rows from here
         request.expedite()
         FAILOVERS.inc()
         log.warning(
@@ -249,7 +244,6 @@ class Failover:
             replayed_tokens=max(0, len(replay) - restored),
             open_ms=round((opened - started) * 1000, 1),
             restore_ms=round((kv_ready - opened) * 1000, 1),
-            replay_ms=round((time.perf_counter() - kv_ready) * 1000, 1),
             seconds=round(time.perf_counter() - started, 3),
             reason=str(error),
         )

@@ -30,7 +30,7 @@ import contextvars
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -62,7 +62,7 @@ from pipeshard.services.coordinator.engine import (
 from pipeshard.services.coordinator.grammar import Constraint, Grammars
 from pipeshard.services.coordinator.kv_standby import StandbyCopy
 from pipeshard.services.coordinator.prefix_cache import PrefixIndex
-from pipeshard.services.coordinator.ring import RingLike, StageFailed
+from pipeshard.services.coordinator.ring import RingLike, ShuttingDown, StageFailed
 from pipeshard.services.coordinator.sampling import (
     LogitShaper,
     Sampler,
@@ -406,6 +406,8 @@ class _Request:
         self.scope = ""  # whose prefix cache entries it may use, and whether it uses them
         self.cache = False
         self.moving: asyncio.Task | None = None  # its failover, while it runs
+        self.replaying: list[list[int]] = []  # a failover's replay: its chunks still to send
+        self.replay_started = 0.0  # when its replay was handed to the engine (perf_counter)
         # Its caller's context (the RPC's request id in its logs, a batch job's session codec):
         # made while the caller opens it, and where its failover runs.
         self.caller = contextvars.copy_context()
@@ -421,6 +423,8 @@ class _Request:
         if self.status is RequestStatus.PREFILLING:
             left = len(self.prompt_ids) - self.cursor.logical
             return Upcoming(min(left, chunk), decoding=False, first=self.cursor.step == 0)
+        if self.status is RequestStatus.REPLAYING:
+            return Upcoming(len(self.replaying[0]), decoding=False, first=False)
         return Upcoming(len(self.pending), decoding=True, first=False)
 
     def next_row(self, chunk: int, load: StepLoad, budget: int) -> Row:
@@ -429,6 +433,10 @@ class _Request:
         long prompt (the chunk size is fixed per server, never chosen by load, so a request's
         output cannot depend on its neighbours); then the pending tokens plus any drafts, K
         chosen for ``load`` (the rest of the step) within ``budget`` positions."""
+        if self.status is RequestStatus.REPLAYING:  # a failover's replay: a chunk of what it had seen
+            frame = self.cursor.frame(self.replaying.pop(0), fill_only=True)
+            trace.mark("gen_send", frame.session_id, frame.step_id)
+            return Row(frame, decoding=False)
         prefilling = self.status is RequestStatus.PREFILLING  # (DECODING once its first token is in)
         if prefilling:
             start = self.cursor.logical
@@ -522,22 +530,30 @@ class _Request:
             session_id, self.top1, truncates=self.cursor.truncates, probabilities=params.logprobs
         )
         self.cursor.step = step
+        self.replaying = []
         if not self.generated:
             return []  # still prefilling: next_row starts the prompt again
         return self.context[: len(self.context) - len(self.pending)]
 
-    def resumed(self) -> None:
-        """Its failover is done: it goes on where it stood."""
-        self.status = RequestStatus.DECODING if self.generated else RequestStatus.PREFILLING
-
-    def replay_frames(self, tokens: list[int], chunk: int) -> Iterator[activation_pb2.ActivationFrame]:
-        """Fill-only frames of all but the last chunk of ``tokens``, as a prompt's prefill; the last
-        chunk goes ahead of the pending tokens, so the next step (the one that failed, sent again)
-        replays it too and one step less stands between the failover and the next token."""
+    def replay(self, tokens: list[int], chunk: int) -> None:
+        """Its new session is to be brought up to ``tokens`` (what a restore did not bring back):
+        all but their last chunk become its rows while it is REPLAYING, fill-only chunks the engine
+        plans like a prompt's; the last chunk goes ahead of the pending tokens, so the next step
+        (the one that failed, sent again) replays it too and one step less stands between the
+        failover and the next token."""
         last = len(tokens) - (len(tokens) % chunk or min(chunk, len(tokens)))
-        for start in range(0, last, chunk):
-            yield self.cursor.frame(tokens[start : start + chunk], fill_only=True)
+        self.replaying = [tokens[start : start + chunk] for start in range(0, last, chunk)]
         self.pending = tokens[last:] + self.pending
+        if self.replaying:
+            self.status = RequestStatus.REPLAYING
+            self.replay_started = time.perf_counter()
+        else:
+            self.resumed()
+
+    def resumed(self) -> None:
+        """Its failover is done (or its replay's last chunk answered): it goes on where it stood."""
+        if self.status in (RequestStatus.MOVING, RequestStatus.REPLAYING) and not self.replaying:
+            self.status = RequestStatus.DECODING if self.generated else RequestStatus.PREFILLING
 
     def draft(self, load: StepLoad, budget: int) -> Draft | TreeChains | TreeNodes:
         """Chooses K (or the tree's shape) for a row joining ``load`` with at most ``budget``
@@ -1004,6 +1020,17 @@ class Generation:
         """Waits for the session releases still under way (before the ring closes)."""
         await asyncio.gather(*self._releases, return_exceptions=True)
 
+    async def close(self, reason: str = "the coordinator's engine closed") -> None:
+        """Stops the engine this generation started (its task, its steps in flight, the
+        failovers under way) before the event loop ends; a request still running ends with
+        :class:`ShuttingDown` naming ``reason``, which its reader raises or ends its summary with."""
+        moving = [r.moving for r in self.engine.requests.values() if r.moving is not None]
+        for task in moving:
+            task.cancel()
+        await asyncio.gather(*moving, return_exceptions=True)
+        await self.engine.close(ShuttingDown(reason))
+        await self.released()
+
     def check_speculative(self, speculative: str, k: int, tree: str = "") -> Speculation:
         """What a request asked of speculation, as the typed value the rest trusts; InvalidArgument
         for an unknown source, K or tree."""
@@ -1295,8 +1322,17 @@ class Generation:
                     self._step_failed(request, answer)
                     return
                 try:
-                    if row.draft is None:  # a prompt's chunk: the cache holds it now
-                        self._computed(request, request.prompt_ids[: request.cursor.logical])
+                    if row.draft is None:  # a prompt's or a replay's chunk: the cache holds it now
+                        self._computed(request, request.context[: request.cursor.logical])
+                        if request.status is RequestStatus.REPLAYING:
+                            request.resumed()  # after its replay's last chunk, the lost step
+                            if request.status is not RequestStatus.REPLAYING:
+                                log.info(
+                                    "failover_replayed",
+                                    session_id=request.session_id,
+                                    positions=request.cursor.logical,
+                                    replay_ms=round((time.perf_counter() - request.replay_started) * 1000, 1),
+                                )
                         done = False
                     else:
                         request.streaming_step = row.frame.step_id

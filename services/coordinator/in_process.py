@@ -24,6 +24,7 @@ import openvino as ov
 
 from pipeshard.errors import PipeshardError
 from pipeshard.precision import DEFAULT_PRECISION
+from pipeshard.services.coordinator.fleet_kv import AUTO, FleetKv
 from pipeshard.services.coordinator.ring import PLAIN, Ring, SessionTerms, StageFailed
 from pipeshard.services.coordinator.step_batcher import DEFAULT_STEP_TOKENS
 from pipeshard.services.stage.backends import (
@@ -37,7 +38,7 @@ from pipeshard.services.stage.backends import (
     StaticBackend,
     choose_backend,
 )
-from pipeshard.services.stage.domain import Step, TreeForm
+from pipeshard.services.stage.domain import Step
 from pipeshard.services.stage.prefix_store import PrefixStore
 from pipeshard.services.stage.step_engine import RowEngine
 from pipeshard.services.stage.wire import result_from_output, stage_error, step_from_frame
@@ -58,13 +59,13 @@ class InProcessStages:
         manifest = load_manifest(export_dir)
         self.export_dir = export_dir
         self.kv_backend = backend.name  # for messages and tests: nothing compares it
-        self.traits = backend.traits
+        # What the stages do, from their own GetStageInfo facts, as a fleet's coordinator asks.
+        self.fleet_kv = FleetKv.agreed(AUTO, [p.facts for p in parts])
         self.shards = [p.shard for p in parts]  # one per stage, of the backend's shard class
         self.engines = [p.engine for p in parts]
         self.kv = [p.kv for p in parts]
         self.max_context = manifest.max_context
         self.vocab_size = manifest.model.vocab_size
-        self._chunk = parts[0].row_tokens  # rows of at most this many tokens (0: any)
         self._locks: list[asyncio.Lock] = []  # one step at a time per stage (made per event loop)
         self._locks_loop: asyncio.AbstractEventLoop | None = None
 
@@ -143,16 +144,9 @@ class InProcessStages:
         return cls.of(StaticBackend(), export_dir, precision, num_threads, **kw)
 
     def ring(self, *, step_tokens: int = DEFAULT_STEP_TOKENS, inflight: int = 1) -> Ring[InProcessStages]:
-        """The ring over these stages, built from what their backend implies (batching every
-        session's steps, counted by stage 0's session table; in rows of a fixed chunk)."""
-        return Ring(
-            self,
-            paged=self.traits.batches_steps,
-            step_tokens=step_tokens,
-            inflight=inflight,
-            prefill_chunk=self._chunk or None,
-            trees=all(engine.tree_form is not TreeForm.NONE for engine in self.engines),
-        )
+        """The ring over these stages, built from what they report of their backend (batching
+        every session's steps, counted by stage 0's session table; in rows of a fixed chunk)."""
+        return Ring(self, self.fleet_kv, step_tokens=step_tokens, inflight=inflight)
 
     @property
     def num_stages(self) -> int:
@@ -234,7 +228,7 @@ class InProcessStages:
     async def _run_on(self, index: int, engine: RowEngine, step: Step) -> list:
         """Stateful stages inline; paged ones on a worker thread, one step at a time each (the
         event loop meanwhile takes the next frames)."""
-        if not self.traits.batches_steps:  # a batched step runs off the event loop
+        if not self.fleet_kv.batches_steps:  # a batched step runs off the event loop
             return engine.run_step(step)
         async with self._stage_lock(index):
             return await asyncio.to_thread(engine.run_step, step)

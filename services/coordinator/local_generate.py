@@ -56,13 +56,16 @@ def generate_local(args: argparse.Namespace, stream: bool) -> Summary:
             prompt_tokens=len(ids), max_context=ring.stages.max_context, vocab_size=ring.stages.vocab_size
         )
         summary = None
-        async for event in generation.run(
-            ids, params, speculative=args.speculative, k=args.k, tree=args.tree
-        ):
-            if isinstance(event, Summary):
-                summary = event
-            elif stream:
-                print(event.text, end="", flush=True)
+        try:
+            async for event in generation.run(
+                ids, params, speculative=args.speculative, k=args.k, tree=args.tree
+            ):
+                if isinstance(event, Summary):
+                    summary = event
+                elif stream:
+                    print(event.text, end="", flush=True)
+        finally:
+            await generation.close()  # its engine task ends with this event loop
         if summary is None:
             raise Internal("the generation ended without a summary")
         return summary

@@ -310,6 +310,7 @@ class Coordinator:
     ring: Ring = field(init=False)
     _reloads: set[asyncio.Task] = field(init=False, default_factory=set)  # SIGHUP topology reloads
     servicer: CoordinatorServicer = field(init=False)
+    generation: Generation = field(init=False)  # its engine task ends with close()
     # Every lane's: one owner on every replica, so a session routed across lanes is one owner's,
     # and one table of pending steps, which any final replica's results resolve.
     _secret: str = field(init=False, default_factory=new_secret)
@@ -352,11 +353,9 @@ class Coordinator:
         scheduler = self._scheduler(infos)
         self.ring = Ring(
             self.stages,
-            paged=fleet_kv.batches_steps,
+            fleet_kv,
             accounts=scheduler.accounts(),
             inflight=self.settings.inflight or None,
-            prefill_chunk=fleet_kv.row_tokens or None,
-            trees=fleet_kv.verifies_trees,
         )
         chunk = self.settings.prefill_chunk
         if fleet_kv.batches_steps and chunk == DEFAULT_PREFILL_CHUNK:
@@ -379,7 +378,7 @@ class Coordinator:
         grammars = Grammars(prompter.tokenizer, manifest.model.vocab_size, prompter.eos_ids)
         # The grammar engine's view of the vocabulary takes seconds: built while the fleet warms up.
         self._grammar_ready = asyncio.get_running_loop().run_in_executor(None, grammars.prepare)
-        generation = Generation(
+        self.generation = generation = Generation(
             self.ring,
             prompter.tokenizer,
             prompter.eos_ids,
@@ -561,6 +560,7 @@ class Coordinator:
                 )
                 await self.servicer.drain(5.0)  # their final messages go out
             await self.servicer.released()
+            await self.generation.close("the coordinator shut down")  # its engine task ends
         if hasattr(self, "ring"):
             await self.ring.close()  # its batcher, then the stages
         elif hasattr(self, "stages"):

@@ -7,8 +7,11 @@ forms each step from the running requests' rows and :meth:`Ring.run` carries it 
 frame, under the settings and counters of ``batch_steps`` (step_batcher.py). On stateful stages
 each session's step travels alone (a plan of one row).
 
-Paged stages rewind by shortening a session, so a generation's cursor keeps physical ==
-logical positions there (``truncates_on_rewind``). Sessions open with the capacity they may use,
+The ring is not told which backend the stages run: it is given what they said they do, the
+typed :class:`FleetKv` (fleet_kv.py) a fleet's GetStageInfo answers agree on (in one process: the
+stages' own answers), and batches, rewinds and drafts trees by it. Paged stages rewind by
+shortening a session, so a generation's cursor keeps physical == logical positions there
+(``truncates_on_rewind``). Sessions open with the capacity they may use,
 which every paged stage reserves (or refuses) at once; ``accounts`` (the scheduler's
 ``SessionAccounts``) counts each reservation in the coordinator's mirror of the stages' KV
 budget until every stage has released it.
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from pipeshard.errors import PipeshardError, Unavailable
+from pipeshard.services.coordinator.fleet_kv import FleetKv
 from pipeshard.services.coordinator.step_batcher import (
     DEFAULT_PREFILL_CHUNK,
     DEFAULT_STEP_TOKENS,
@@ -131,28 +135,28 @@ class Ring(Generic[L]):
     def __init__(
         self,
         stages: L,
+        kv: FleetKv,
         *,
-        paged: bool,
         accounts: SessionAccounts | None = None,
         step_tokens: int = DEFAULT_STEP_TOKENS,
         inflight: int | None = None,
-        prefill_chunk: int | None = None,
-        trees: bool = True,
     ):
-        """``paged``: the stages' KV backend is paged or static (steps are batched, a rewind
-        truncates). ``trees``: the stages verify a draft tree in one row (GetStageInfo's
-        ``draft_tree_form``). ``inflight``: the most batched steps travelling at once (None:
-        one per stage). ``prefill_chunk``: prompt tokens per frame when the stages fix it (a
-        static shard's chunk); None: the backend's default."""
+        """``kv``: what the stages' KV backend does (whether steps are batched, a rewind
+        truncates, a draft tree travels in one row, rows have a fixed chunk). ``inflight``: the
+        most batched steps travelling at once (None: one per stage)."""
         self.stages = stages
-        self.truncates_on_rewind = paged
-        self.verifies_trees = trees
-        self.prefill_chunk = prefill_chunk or (PAGED_PREFILL_CHUNK if paged else DEFAULT_PREFILL_CHUNK)
+        self.kv = kv
+        self.truncates_on_rewind = kv.truncates_on_rewind
+        self.verifies_trees = kv.verifies_trees
+        # Prompt tokens per frame: the stages' fixed chunk (a static shard's), else the backend's.
+        self.prefill_chunk = kv.row_tokens or (
+            PAGED_PREFILL_CHUNK if kv.batches_steps else DEFAULT_PREFILL_CHUNK
+        )
         self._accounts = accounts
         # The batching's settings and counters (step cost for batch-aware K, speculation/policy.py);
         # None when each session's step travels alone.
         self.batch_steps: BatchSteps | None = None
-        if paged:
+        if kv.batches_steps:
             self.batch_steps = BatchSteps(step_tokens, inflight or stages.num_stages)
 
     @property

@@ -1,14 +1,33 @@
-"""Fake requests for the engine loop's unit tests: each plays a script of rows, records the load and
-budget the engine drafted its rows for, and takes as many drafts as the step leaves room for."""
+"""Fakes for the engine loop's unit tests: requests that each play a script of rows, record the load
+and budget the engine drafted their rows for, and take as many drafts as the step leaves room for;
+and a batching ring over a toy target whose lanes die on cue (failover as engine events)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
+from dataclasses import dataclass
+from types import SimpleNamespace
 
+from pipeshard.errors import Unavailable
 from pipeshard.services.coordinator.engine import EngineCore, RequestId, RequestStatus, Row, Upcoming
+from pipeshard.services.coordinator.fleet_kv import FleetKv
 from pipeshard.services.coordinator.speculation.policy import StepLoad
 from pipeshard.services.coordinator.step_batcher import BatchSteps, Grouping, StepSlot
-from pipeshard.services.stage.wire import token_frame
+from pipeshard.services.stage.backends import AnyBackend, PagedBackend, StatefulBackend
+from pipeshard.services.stage.domain import ReturnMode
+from pipeshard.services.stage.wire import step_from_frame, token_frame
+from pipeshard.v1 import activation_pb2, stage_pb2
+
+
+def reported(backend: AnyBackend) -> FleetKv:
+    """What stages of ``backend`` report of it in GetStageInfo, as the coordinator reads it."""
+    info = stage_pb2.GetStageInfoResponse()
+    backend.describe(SimpleNamespace(slots=4, chunk=16, proof=None, moves_slots=True), info)
+    return FleetKv.of(info)
+
+
+PAGED_KV, STATEFUL_KV = reported(PagedBackend()), reported(StatefulBackend())
 
 
 class FakeRequest:
@@ -123,3 +142,125 @@ async def drive(
     await asyncio.wait_for(done.wait(), 30)
     await engine.close()
     return engine
+
+
+VOCAB = 13
+
+
+def target(context: list[int]) -> int:
+    """The toy target's greedy next token."""
+    return (context[-1] * 7 + context[-2] * 3 + 1) % VOCAB
+
+
+def greedy(prompt: list[int], tokens: int) -> list[int]:
+    context = list(prompt)
+    for _ in range(tokens):
+        context.append(target(context))
+    return context[len(prompt) :]
+
+
+@dataclass(frozen=True)
+class SeenRow:
+    """One row of a step the toy fleet ran: whose (the request's id and status as the engine's
+    table had them), its positions, and whether it only filled the cache."""
+
+    request: RequestId
+    status: RequestStatus
+    tokens: int
+    fill_only: bool
+
+
+class ToyFleet:
+    """A batching ring of one stage holding the toy target: each session's cache by slot (token,
+    valid), masked by the rows' invalidate ranges. The ``n``-th session opened answers Unavailable
+    (its lane died) to every row after its first ``dies_after[n]``, and from step ``lane_dies_at``
+    (counted from 1) on every session opened before it does; each step's rows are recorded with the
+    request each belongs to (``engine``: the generation's, set by the test)."""
+
+    truncates_on_rewind, verifies_trees, num_stages = False, True, 1
+
+    def __init__(
+        self,
+        dies_after: dict[int, int] | None = None,
+        *,
+        lane_dies_at: int = 0,
+        step_tokens: int = 512,
+        inflight: int = 1,
+    ):
+        self.batch_steps = BatchSteps(step_tokens, inflight)
+        self.dies_after = dies_after or {}
+        self.lane_dies_at = lane_dies_at
+        self.dead: set[str] = set()
+        self.caches: dict[str, list[list]] = {}
+        self.opened: list[str] = []
+        self.aborted: list[str] = []
+        self.rows_of: Counter[str] = Counter()
+        self.steps: list[list[SeenRow]] = []
+        self.engine: EngineCore | None = None
+
+    async def open_session(self, session_id, capacity=None, admission=None) -> int:
+        self.opened.append(session_id)
+        self.caches[session_id] = []
+        return 4096
+
+    async def run(self, frames: list[activation_pb2.ActivationFrame]) -> list:
+        assert self.engine is not None
+        owners = {r.session_id: (r.id, r.status) for r in self.engine.requests.values()}
+        await asyncio.sleep(0)  # the step travels
+        if len(self.steps) + 1 == self.lane_dies_at:
+            self.dead.update(self.opened)
+        seen, answers = [], []
+        for frame in frames:
+            (row,) = step_from_frame(frame, "input_ids").rows
+            owner, status = owners[row.session_id]
+            fill = row.return_mode is ReturnMode.NONE
+            seen.append(SeenRow(owner, status, len(row.positions), fill))
+            self.rows_of[row.session_id] += 1
+            limit = self.dies_after.get(self.opened.index(row.session_id))
+            if row.session_id in self.dead or (limit is not None and self.rows_of[row.session_id] > limit):
+                answers.append(Unavailable(f"stage 0 serving {row.session_id} is unreachable"))
+            else:
+                answers.append(self._run(row))
+        self.steps.append(seen)
+        return answers
+
+    def _run(self, row) -> activation_pb2.StepResult:
+        cache = self.caches[row.session_id]
+        for start, end in row.invalidate:
+            for slot in cache[start:end]:
+                slot[1] = False
+        valid = [token for token, ok in cache if ok]
+        assert int(row.positions[0]) == len(valid), (row.positions.tolist(), len(valid))
+        tokens = row.activations[0].tolist()
+        answers = []
+        for i, token in enumerate(tokens):
+            cache.append([token, True])
+            valid.append(token)
+            if row.return_mode is not ReturnMode.NONE and i >= len(tokens) - row.return_last:
+                answers.append(target(valid))
+        return activation_pb2.StepResult(
+            session_id=row.session_id,
+            step_id=row.step_id,
+            top1=activation_pb2.Top1(token_ids=answers, probabilities=[1.0] * len(answers)),
+        )
+
+    async def release_session(self, session_id) -> None:
+        self.caches.pop(session_id, None)
+
+    async def abort_session(self, session_id, reason="") -> None:
+        self.aborted.append(session_id)
+        self.caches.pop(session_id, None)
+
+
+class TwoLanes:
+    """What a failover reads of the replica lanes: two, both healthy, no per-hop parts."""
+
+    lanes = ("lane 0", "lane 1")
+    healthy = True
+    num_stages = 1
+
+    def lane_of(self, session_id: str) -> int:
+        return 0
+
+    def broken(self, session_id: str) -> list[int]:
+        return []

@@ -23,6 +23,7 @@ from pipeshard.services.coordinator.ring import PLAIN, Ring, SessionTerms
 from pipeshard.services.coordinator.scheduler import Scheduler
 from pipeshard.services.coordinator.step_batcher import Grouping
 from pipeshard.v1 import coordinator_pb2
+from tests.coordinator.engine_fakes import STATEFUL_KV
 
 
 def items(*ids: str) -> list[coordinator_pb2.BatchJobItem]:
@@ -131,7 +132,7 @@ def test_a_jobs_codec_reaches_its_items_sessions_only_and_an_unknown_one_is_refu
     reopen passes the same admission) asks the stages for it; other requests' sessions and one
     opened outside a request ask for none."""
     stages = _OpenedStages()
-    ring = Ring(stages, paged=False)
+    ring = Ring(stages, STATEFUL_KV)
 
     async def scenario():
         scheduler = Scheduler(max_running=4, max_queue=4)

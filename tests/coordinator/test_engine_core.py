@@ -1,6 +1,6 @@
 """The engine core's request table: one id for a request's whole life, its status, and the table
 empty again on every way a request ends (finished, failed before or after output, its client gone,
-moved to another lane)."""
+moved to another lane); and its task, which ends with its last request or its owner's close."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pipeshard.errors import Internal, Unavailable
 from pipeshard.identity import Identity
 from pipeshard.services.coordinator.engine import EngineCore, RequestId, RequestStatus
 from pipeshard.services.coordinator.generation import Generation
+from pipeshard.services.coordinator.ring import ShuttingDown
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.scheduler import Scheduler
 from pipeshard.v1 import activation_pb2
@@ -293,3 +294,57 @@ def test_a_moved_request_reopens_with_its_own_session_codec_not_that_of_the_requ
     assert ring.opened == [(first_session, "zstd"), (second_session, ""), ("moved-session", "")]
     assert failover.logged_as == ["plain"]
     assert first[-1].token_ids == [7] * 8 and second[-1].token_ids == [7] * 4
+
+
+class _Holding(_Ring):
+    """Answers its first ``answered`` steps, then holds every later one (a stage gone quiet)."""
+
+    def __init__(self, answered: int):
+        super().__init__()
+        self.answered = answered
+        self.holding = asyncio.Event()
+
+    async def step(self, frame, slot=None):
+        if self.steps >= self.answered:
+            self.holding.set()
+            await asyncio.Event().wait()
+        return await super().step(frame)
+
+
+def _engine_tasks() -> list[str]:
+    return [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("engine")]
+
+
+def test_the_engine_task_ends_by_itself_once_the_last_request_left():
+    generation = _generation(_Ring())
+
+    async def main():
+        events = await _events(generation, SamplingParams(max_tokens=3))
+        during = _engine_tasks()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return events, during, _engine_tasks()
+
+    events, during, after = asyncio.run(main())
+    assert events[-1].token_ids == [7] * 3
+    assert during == ["engine-core"] and after == []  # nothing pending when the loop closes
+
+
+@pytest.mark.parametrize("answered", [0, 3])  # a request held before any output, and mid-stream
+def test_closing_a_generation_ends_its_engine_tasks_and_a_request_in_flight_gets_a_clear_error(answered):
+    ring = _Holding(answered)
+    generation = _generation(ring)
+
+    async def main():
+        reader = asyncio.ensure_future(_events(generation, SamplingParams(max_tokens=50)))
+        await asyncio.wait_for(ring.holding.wait(), 30)
+        during = sorted(_engine_tasks())
+        await generation.close()
+        after = _engine_tasks()
+        with pytest.raises(ShuttingDown, match="engine closed"):
+            await asyncio.wait_for(reader, 30)  # an error, not a hang
+        return during, after
+
+    during, after = asyncio.run(main())
+    assert during == ["engine-core", "engine-step"] and after == []
+    assert generation.engine.requests == {}

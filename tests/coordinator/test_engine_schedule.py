@@ -22,7 +22,7 @@ from pipeshard.services.coordinator.step_batcher import BatchSteps, Grouping
 from pipeshard.services.stage.domain import ReturnMode, RowKind
 from pipeshard.services.stage.wire import plan_from_frames, step_from_frame, token_frame
 from pipeshard.v1 import activation_pb2
-from tests.coordinator.engine_fakes import FakeRequest, drive, names, plans_of
+from tests.coordinator.engine_fakes import PAGED_KV, FakeRequest, drive, names, plans_of
 
 CHUNK, DECODE = False, True
 
@@ -288,8 +288,8 @@ def test_plan_frames_carry_each_rows_tokens_and_return_mode():
 
 def test_inflight_defaults_to_one_batch_per_stage_and_a_negative_setting_is_refused_by_name():
     stages = SimpleNamespace(num_stages=3, run=None)
-    assert Ring(stages, paged=True).batch_steps.inflight == 3
-    assert Ring(stages, paged=True, inflight=1).batch_steps.inflight == 1
+    assert Ring(stages, PAGED_KV).batch_steps.inflight == 3
+    assert Ring(stages, PAGED_KV, inflight=1).batch_steps.inflight == 1
     with pytest.raises(InvalidArgument, match="`inflight`"):
         resolve(CoordinatorSettings(stages=["127.0.0.1:1"], shards=Path("x"), inflight=-1))
     with pytest.raises(ValueError, match="inflight"):
@@ -300,7 +300,7 @@ def test_a_generation_on_a_batching_ring_takes_its_step_cost_from_the_ring_and_i
     async def open_session(session_id, capacity):
         return 1024
 
-    ring = Ring(SimpleNamespace(num_stages=2, run=None, open_session=open_session), paged=True)
+    ring = Ring(SimpleNamespace(num_stages=2, run=None, open_session=open_session), PAGED_KV)
 
     def request_of(generation):
         return asyncio.run(

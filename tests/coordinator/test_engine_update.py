@@ -1,13 +1,16 @@
 """``Generation.update``: every decode step's result goes through it (acceptance, then emission
 with the stop checks into the request's output stream), and the request is released on every way
-it ends there (the length limit, a stop string, a stop token)."""
+it ends there (the length limit, a stop string, a stop token), and let go once on every other
+(an error before or after output, a stage unreachable, its client gone or cancelled)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
+from pipeshard.errors import Internal, Unavailable
 from pipeshard.services.coordinator.generation import Generation
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.v1 import activation_pb2
@@ -90,3 +93,71 @@ def test_a_stop_found_in_update_ends_and_releases_the_request(params, tokens, te
     assert summary.token_ids == tokens and summary.text == text
     assert accepted == [[t] for t in tokens]  # nothing after the stop was accepted
     assert len(ring.released) == 1  # released, not aborted
+
+
+class _Failing(_Ring):
+    """Fails its step ``fail_at`` (from 1) with ``error``; keeps the sessions it aborted."""
+
+    def __init__(self, fail_at: int, error: Exception):
+        super().__init__()
+        self.fail_at, self.error = fail_at, error
+        self.aborted: list[str] = []
+        self.opened: list[str] = []
+
+    async def open_session(self, session_id, capacity=None, admission=None):
+        self.opened.append(session_id)
+        return 64
+
+    async def step(self, frame, slot=None):
+        if self.steps + 1 == self.fail_at:
+            self.steps += 1
+            raise self.error
+        return await super().step(frame)
+
+    async def abort_session(self, session_id, reason):
+        self.aborted.append(session_id)
+
+
+@pytest.mark.parametrize(
+    ("exit_path", "fail_at", "error", "released"),
+    [
+        ("length", 0, None, True),
+        ("stop", 0, None, True),
+        ("error before output", 1, Internal("stage 1: the step failed"), False),
+        ("error after output", 3, Internal("stage 1: the step failed"), False),
+        ("unreachable", 3, Unavailable("stage 1 is unreachable"), False),
+        ("client gone", 0, None, True),
+        ("cancelled", 0, None, True),
+    ],
+)
+def test_the_request_is_let_go_on_every_exit_path_once(exit_path, fail_at, error, released):
+    """Whatever way a request ends, its session is released (or, after a failure, aborted) on the
+    ring exactly once, and the engine's table is empty."""
+    ring = _Failing(fail_at, error or Internal("unused"))
+    generation = Generation(ring, _Tokenizer(), set())
+    params = SamplingParams(max_tokens=20, stop=("<13>",) if exit_path == "stop" else ())
+    if exit_path == "length":
+        params = SamplingParams(max_tokens=4)
+
+    async def main():
+        events = generation.run([1, 2, 3], params)
+        if exit_path == "client gone":  # the reader stops reading and closes the stream
+            await anext(events)
+            await events.aclose()
+        elif exit_path == "cancelled":  # the reader's task is cancelled mid-stream
+            task = asyncio.ensure_future(anext(events))
+            await task
+            reader = asyncio.ensure_future(anext(events))
+            await asyncio.sleep(0)
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            await events.aclose()
+        else:
+            with contextlib.suppress(Internal, Unavailable):  # raised when nothing was streamed
+                [e async for e in events]
+        await generation.released()
+
+    asyncio.run(main())
+    (session,) = ring.opened
+    assert (ring.released, ring.aborted) == (([session], []) if released else ([], [session]))
+    assert generation.engine.requests == {}

@@ -1,7 +1,7 @@
 """Failover without processes: a standby copy restores the session and only its tail rides with
-the resent step; a copy a stage refuses is given up for a full replay in a fresh session; a
-broken replica moves only its stage's part of the session (the real kills run in
-tests/pipeline/test_failover_fleet.py and test_per_hop_fleet.py)."""
+the resent step; a copy a stage refuses is given up for a full replay in a fresh session (rows
+the engine plans); a broken replica moves only its stage's part of the session (the real kills
+run in tests/pipeline/test_failover_fleet.py and test_per_hop_fleet.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from pipeshard.errors import Unavailable
+from pipeshard.services.coordinator.engine import RequestStatus
 from pipeshard.services.coordinator.failover import Failover
 from pipeshard.services.coordinator.generation import _Cursor, _Request
 from pipeshard.services.coordinator.kv_standby import KvStandby, StandbyCopy
@@ -93,7 +94,8 @@ class _Generating:
     """The parts of a generation's request a failover touches, with the real move and replay."""
 
     move_to = _Request.move_to
-    replay_frames = _Request.replay_frames
+    replay = _Request.replay
+    resumed = _Request.resumed
     expedite = _Request.expedite
 
     def __init__(self):
@@ -144,7 +146,9 @@ def test_a_refused_copy_is_given_up_for_a_replay_in_a_fresh_session():
     request, ring, _, standby = _failover(refuse=True)
     first, second = ring.opened
     assert ring.aborted == ["old", first] and request.session_id == second
-    assert len(ring.steps) == 2 and request.cursor.logical == 64  # 64 replayed in chunks of 32
+    # 64 to replay in chunks of 32: the engine's rows (REPLAYING), none sent by the failover
+    assert ring.steps == [] and request.replaying == [CONTEXT[:32], CONTEXT[32:64]]
+    assert request.status is RequestStatus.REPLAYING and request.cursor.logical == 0
     assert request.pending == CONTEXT[64:] and standby.nbytes == 0
     assert request.standby.attached and request.standby.positions == 0  # the new session's own copy
     assert request.slot.expedited and request.session_id == second

@@ -10,6 +10,8 @@ import pytest
 
 from pipeshard.errors import FailedPrecondition, InvalidArgument
 from pipeshard.services.coordinator.fleet_kv import FleetKv
+from pipeshard.services.coordinator.ring import Ring
+from pipeshard.services.coordinator.step_batcher import DEFAULT_PREFILL_CHUNK, PAGED_PREFILL_CHUNK
 from pipeshard.services.stage.backends import PagedBackend, StatefulBackend, StaticBackend
 from pipeshard.v1 import stage_pb2
 
@@ -41,6 +43,26 @@ def test_the_ring_follows_what_the_stages_answer():
         True, True, True, 16,
     )  # fmt: skip
     assert static.tree_form == stage_pb2.DRAFT_TREE_FORM_UNSPECIFIED
+
+
+@pytest.mark.parametrize(
+    ("backend", "batches", "truncates", "trees", "chunk"),
+    [
+        (StatefulBackend(), False, False, True, DEFAULT_PREFILL_CHUNK),
+        (PagedBackend(), True, True, True, PAGED_PREFILL_CHUNK),
+        (StaticBackend(), True, True, False, 16),
+    ],
+    ids=["stateful", "paged", "static"],
+)
+def test_the_ring_is_given_what_the_fleet_reports_not_a_flag(backend, batches, truncates, trees, chunk):
+    """``Ring(stages, kv)``: whether it batches steps, truncates on rewind, drafts trees and how
+    long its prefill rows are all follow the stages' answers."""
+    kv = FleetKv.agreed("auto", _fleet(backend, backend))
+    ring = Ring(SimpleNamespace(num_stages=2), kv)
+    assert (ring.batch_steps is not None, ring.truncates_on_rewind) == (batches, truncates)
+    assert (ring.verifies_trees, ring.prefill_chunk, ring.kv) == (trees, chunk, kv)
+    if batches:
+        assert ring.batch_steps is not None and ring.batch_steps.inflight == 2  # one per stage
 
 
 def test_a_fleet_of_different_backends_is_refused_naming_its_stages():

@@ -10,6 +10,7 @@ from pipeshard.services.coordinator.generation import STREAM_EVENTS, Generation,
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.v1 import activation_pb2
+from tests.coordinator.engine_fakes import PAGED_KV
 
 
 class _Tokenizer:
@@ -55,7 +56,7 @@ class _Stages:
 
 def test_a_reader_that_stops_reading_holds_up_no_other_request():
     stages = _Stages()
-    ring = Ring(stages, paged=True, inflight=1)
+    ring = Ring(stages, PAGED_KV, inflight=1)
     generation = Generation(ring, _Tokenizer(), set())
     long_tokens = STREAM_EVENTS * 3
 
@@ -79,7 +80,7 @@ def test_requests_answered_together_step_together_again():
     """Four requests that start together share every step after their first: each step waits
     for the requests it answered (no clock), so none trickles into a step of its own."""
     stages = _Stages()
-    ring = Ring(stages, paged=True, inflight=1)
+    ring = Ring(stages, PAGED_KV, inflight=1)
     generation = Generation(ring, _Tokenizer(), set())
 
     async def one(prompt):

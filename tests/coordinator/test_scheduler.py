@@ -12,6 +12,7 @@ from pipeshard.identity import Identity
 from pipeshard.services.coordinator.kv_mirror import KvMirror, StageBudget
 from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.scheduler import RequestStatus, Scheduler
+from tests.coordinator.engine_fakes import STATEFUL_KV
 
 ALICE, BOB = Identity("key:alice"), Identity("key:bob")
 
@@ -111,7 +112,7 @@ def test_a_waiting_request_is_admitted_when_a_running_one_releases_its_session()
             async def release_session(self, session_id):
                 await session_released.wait()  # the stages still hold it meanwhile
 
-        ring = Ring(Stages(), paged=False, accounts=scheduler.accounts())
+        ring = Ring(Stages(), STATEFUL_KV, accounts=scheduler.accounts())
         second = asyncio.Event()
 
         async def first():
@@ -372,7 +373,7 @@ def test_a_reopened_session_keeps_its_requests_charge_and_other_sessions_are_cha
             async def abort_session(self, session_id, reason):
                 pass
 
-        ring = Ring(Stages(), paged=False, accounts=scheduler.accounts())
+        ring = Ring(Stages(), STATEFUL_KV, accounts=scheduler.accounts())
         await ring.open_session("warm-up", 100)  # no request: charged on its own
         assert kv.held == [10]
         await ring.release_session("warm-up")

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeshard.clients.client import PipeshardClient
 from pipeshard.identity import Identity
+from pipeshard.services.coordinator.fleet_kv import AUTO, FleetKv
 from pipeshard.services.coordinator.generation import Generation, Summary
 from pipeshard.services.coordinator.remote_stages import RemoteStages
 from pipeshard.services.coordinator.ring import Ring, SessionTerms, StageFailed
@@ -70,6 +71,14 @@ def test_loopback_fleet_measures_its_hop_and_picks_none(fleet):
     assert {c["codec"] for c in choices} == {"CODEC_NONE"}
 
 
+async def _ring(fleet) -> Ring[RemoteStages]:
+    """A ring over the fleet's stages, batching (or not) as they report their backend does."""
+    stages = RemoteStages(fleet.stages)
+    await stages.start()
+    await stages.wait_ready(60)
+    return Ring(stages, FleetKv.agreed(AUTO, await stages.stage_infos()))
+
+
 def _coordinator_side(fleet, shards, params: SamplingParams) -> tuple[list[int], float | None]:
     """The same request through the same stages, sampled here from shipped logits (as before);
     also the return link's bandwidth as this ring measured it."""
@@ -77,10 +86,8 @@ def _coordinator_side(fleet, shards, params: SamplingParams) -> tuple[list[int],
     ids = prompter.encode("", [("user", PROMPT)])
 
     async def run() -> tuple[list[int], float | None]:
-        ring = Ring(RemoteStages(fleet.stages), paged=False)
-        await ring.start()
+        ring = await _ring(fleet)
         try:
-            await ring.stages.wait_ready(60)
             gen = Generation(ring, prompter.tokenizer, prompter.eos_ids, final_stage_sampling=False)
             events = [e async for e in gen.run(ids, params)]
             await gen.released()
@@ -135,10 +142,8 @@ def test_each_session_sends_with_the_codec_it_opened_with(fleet, shards):
     sent: dict[tuple[str, str], dict[str, float]] = {}
 
     async def run() -> None:
-        ring = Ring(RemoteStages(fleet.stages), paged=False)
-        await ring.start()
+        ring = await _ring(fleet)
         try:
-            await ring.stages.wait_ready(60)
             gen = Generation(ring, prompter.tokenizer, prompter.eos_ids, final_stage_sampling=False)
             for kind, params in (
                 ("greedy", SamplingParams(max_tokens=6, ignore_eos=True)),
