@@ -1004,6 +1004,13 @@ class Generation:
         """Waits for the session releases still under way (before the ring closes)."""
         await asyncio.gather(*self._releases, return_exceptions=True)
 
+    def offer_drafts(self, drafts: DraftSources, default_speculative: str) -> None:
+        """New draft sources and default for requests from now on (a feature draft whose training
+        finished while the fleet ran, draft_watch.py); requests already admitted keep the source
+        they resolved and the drafter they hold."""
+        self._drafts = drafts
+        self.default_speculative = default_speculative
+
     def check_speculative(self, speculative: str, k: int, tree: str = "") -> Speculation:
         """What a request asked of speculation, as the typed value the rest trusts; InvalidArgument
         for an unknown source, K or tree."""
