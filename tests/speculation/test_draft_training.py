@@ -23,7 +23,7 @@ from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.services.coordinator.draft_watch import DraftWatch, expected_shapes
+from pipeshard.services.coordinator.draft_watch import DraftWatch, expected_shapes, say_default
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.services.draft_training import (
     ENV,
@@ -175,6 +175,7 @@ def _refusal(watch: DraftWatch) -> str:
 def test_the_running_coordinator_refuses_bad_drafts_by_name_and_picks_up_a_whole_one(export, tmp_path):
     folder = tmp_path / "draft"
     watch, generation = _watch(export, folder)
+    say_default("ngram")  # what the coordinator's start says
     assert not asyncio.run(watch.poll())  # nothing there yet
     meta, arrays = _draft_arrays(export)
 
