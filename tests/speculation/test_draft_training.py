@@ -221,3 +221,38 @@ def test_a_fleet_started_without_a_draft_watches_the_folder_its_training_writes(
     assert draft_watch_args(export, []) == ["--feature-draft-watch", str(draft_folder(export))]
     assert draft_watch_args(export, ["--feature-draft", "d", "--speculative", "feature"]) == []
     assert draft_watch_args(export, [], "off") == []
+
+
+def test_make_up_without_a_draft_trains_it_and_its_coordinator_watches_for_it(export, monkeypatch, tmp_path):
+    """`pipeshard up` with no draft: the coordinator speculates with prompt lookup and watches the
+    folder the training writes, and the training is launched (it was not: the start passed the
+    coordinator's speculation arguments where the draft's belonged)."""
+    import argparse
+
+    from pipeshard.services import fleet_cli
+
+    monkeypatch.chdir(tmp_path)
+    seen: dict = {}
+
+    def start_fleet(shards, stages, run_dir, **kwargs):
+        seen["coordinator"] = kwargs["extra_coordinator_args"]
+        return object()
+
+    def start_training(shards, mode, draft_args):
+        seen["draft_args"] = draft_args
+        raise RuntimeError("stop before anything prints")
+
+    monkeypatch.setattr(fleet_cli, "ensure_shards", lambda model, stages, weights: export)
+    monkeypatch.setattr(fleet_cli, "start_fleet", start_fleet)
+    monkeypatch.setattr(fleet_cli, "start_background_training", start_training)
+    root = argparse.ArgumentParser()
+    fleet_cli.register(root.add_subparsers())
+    with pytest.raises(RuntimeError, match="stop before"):
+        fleet_cli.run_up(root.parse_args(["up"]))
+    assert seen["draft_args"] == []  # no draft: the training starts
+    assert seen["coordinator"] == [
+        "--speculative",
+        "ngram",
+        "--feature-draft-watch",
+        str(draft_folder(export)),
+    ]
