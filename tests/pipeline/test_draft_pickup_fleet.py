@@ -23,7 +23,9 @@ from pipeshard.clients.client import GenerateResult, PipeshardClient, fold
 from pipeshard.services.launcher import Fleet, default_speculation
 from pipeshard.shard.draft_folder import WEIGHTS
 from pipeshard.shard.feature_draft import META
-from tests.speculation.test_feature import eagle_draft  # noqa: F401 (the trained test draft, a fixture)
+from tests.speculation import test_feature
+
+eagle_draft = test_feature.eagle_draft  # the trained test draft (its folder is reused once trained)
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +75,7 @@ def test_a_running_fleet_refuses_a_damaged_draft_then_picks_up_a_whole_one(
     fleet,
     watched,
     eagle_draft,
-    prompts,  # noqa: F811
+    prompts,
 ):
     with PipeshardClient(fleet.coordinator, timeout_s=900) as client:
         before = client.generate(prompts[0], max_tokens=TOKENS, ignore_eos=True)
