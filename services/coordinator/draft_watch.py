@@ -24,27 +24,19 @@ import numpy as np
 import structlog
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.metrics import gauge
+from pipeshard.metrics import SPECULATION_DEFAULT
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.shard import feature_draft
 from pipeshard.shard.draft_folder import WEIGHTS
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_SOURCE = gauge(
-    "pipeshard_speculation_default",
-    "1 for the draft source that requests which do not choose one speculate with (the "
-    "coordinator's default), 0 for one it replaced: a feature draft trained in the background "
-    "is picked up while the fleet runs.",
-    ("source",),
-)
-
 
 def say_default(source: str, replaced: str | None = None) -> None:
     """The default source in the metrics (the start-up's log line says it too)."""
     if replaced is not None and replaced != source:
-        DEFAULT_SOURCE.labels(source=replaced).set(0)
-    DEFAULT_SOURCE.labels(source=source).set(1)
+        SPECULATION_DEFAULT.labels(source=replaced).set(0)
+    SPECULATION_DEFAULT.labels(source=source).set(1)
 
 
 class TakesDrafts(Protocol):

@@ -256,3 +256,21 @@ def test_make_up_without_a_draft_trains_it_and_its_coordinator_watches_for_it(ex
         "--feature-draft-watch",
         str(draft_folder(export)),
     ]
+
+
+def test_pipeshard_top_shows_the_source_the_coordinators_gauge_says():
+    from pipeshard.services.fleet_status import Scrape, speculation_source
+
+    def scrape(default: str, replaced: str) -> Scrape:
+        name = "pipeshard_speculation_default"
+        return Scrape(
+            at=0.0,
+            samples={
+                (name, frozenset({("source", default)})): 1.0,
+                (name, frozenset({("source", replaced)})): 0.0,
+            },
+        )
+
+    assert speculation_source(scrape("ngram", "feature")) == "ngram"
+    assert speculation_source(scrape("feature", "ngram")) == "feature"  # after the pick-up
+    assert speculation_source(None) == "-"
