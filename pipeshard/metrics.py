@@ -243,6 +243,13 @@ SPECULATIVE_ACCEPTED = counter(
     "Draft tokens the target accepted, by draft source.",
     ("source",),
 )
+SPECULATION_DEFAULT = gauge(
+    "pipeshard_speculation_default",
+    "1 for the draft source that requests which do not choose one speculate with (the "
+    "coordinator's default), 0 for one it replaced: a feature draft trained in the background "
+    "is picked up while the fleet runs.",
+    ("source",),
+)
 SPECULATIVE_DROPPED_STEPS = counter(
     "pipeshard_speculative_dropped_steps_total",
     "Steps sent while an earlier step of the same request travelled (in-flight depth > 1) that "

@@ -4,8 +4,10 @@ A fleet with no draft for its weights speculates with prompt lookup; the draft t
 (`pipeshard distil --kind eagle`) takes about 45 minutes on 2 cores, a step a user would have to
 know about. So the fleet's start launches that training itself, once per export: detached (it
 outlives the command and `make down`), at the lowest CPU priority (nice 19, so serving keeps the
-cores), into the folder `launcher.feature_draft_args` looks in. The next fleet start offers it.
-A marker beside the folder names the running trainer, so a second start does not launch another.
+cores), into the folder `launcher.feature_draft_args` looks in. The running coordinator watches
+that folder (``--feature-draft-watch``, services/coordinator/draft_watch.py) and makes the draft
+its default once it is written whole; later fleet starts offer it from the start. A marker beside
+the folder names the running trainer, so a second start does not launch another.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ class Training:
         when = "started now" if self.started_now else "already running"
         return (
             f"draft training: a feature draft for these weights is training in the background ({when}, "
-            f"nice {NICE}, pid {self.pid}, about 45 minutes on 2 cores; log {self.log}); the next "
-            f"fleet start offers it ({self.folder})"
+            f"nice {NICE}, pid {self.pid}, about 45 minutes on 2 cores; log {self.log}); the running "
+            f"fleet switches new requests to it once it is written ({self.folder})"
         )
 
 
@@ -56,7 +58,7 @@ def add_flag(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="background (default, or $PIPESHARD_DRAFT_TRAINING): with no feature draft for this "
         "export's weights, train one in the background at nice 19 (about 45 minutes on 2 cores); "
-        "the next fleet start offers it",
+        "the running fleet picks it up when it is written",
     )
 
 
@@ -71,6 +73,15 @@ def draft_folder(shards: Path) -> Path:
     """Where the background training writes the draft: beside the export, under the name
     `launcher.feature_draft_args` looks for."""
     return Path(shards).parent / paths.feature_draft_name(load_manifest(shards).model.name, VOCAB)
+
+
+def draft_watch_args(shards: Path, feature_args: Sequence[str], choice: str = "auto") -> list[str]:
+    """The coordinator arguments that watch for the draft of a fleet started without one
+    (``feature_args`` empty, ``--feature-draft auto``): the folder the background training (or
+    a hand-run `pipeshard distil --kind eagle` into it) writes."""
+    if feature_args or choice != "auto":
+        return []
+    return ["--feature-draft-watch", str(draft_folder(shards))]
 
 
 def trainer_command(shards: Path, folder: Path) -> list[str]:

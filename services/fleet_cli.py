@@ -22,7 +22,12 @@ from pipeshard.errors import InvalidArgument
 from pipeshard.keys import default_key_file
 from pipeshard.paths import DEFAULT_MODEL, certs_dir, export_name, shards_dir
 from pipeshard.precision import DEFAULT_PRECISION, INVARIANT_LADDER, PRECISIONS, ladder
-from pipeshard.services.draft_training import add_flag, default_mode, start_background_training
+from pipeshard.services.draft_training import (
+    add_flag,
+    default_mode,
+    draft_watch_args,
+    start_background_training,
+)
 from pipeshard.services.gateway.settings import GATEWAY_METRICS_PORT, GATEWAY_PORT
 from pipeshard.services.launcher import (
     coordinator_name,
@@ -192,13 +197,15 @@ def run_up(args: argparse.Namespace) -> int:
     # With replicas the coordinator reads the topology too, so `pipeshard fleet drain|add` and a
     # SIGHUP change its lanes at run time.
     lanes_file = ["--topology", str(TOPOLOGY)] if args.replicas > 1 else []
-    feature, speculation = default_speculation(feature_draft_args(shards, args.feature_draft))
+    feature = feature_draft_args(shards, args.feature_draft)
+    speculation, said = default_speculation(feature)
+    watch = draft_watch_args(shards, feature, args.feature_draft)
     heads = draft_heads_args(shards, args.draft_heads)
     fleet = start_fleet(
         shards,
         args.stages,
         RUN_DIR,
-        extra_coordinator_args=lanes_file + feature,
+        extra_coordinator_args=lanes_file + speculation + watch,
         extra_stage_args=["--invariant-ladder", args.invariant_ladder] if args.invariant_ladder else [],
         final_stage_args=heads,
         stage_ports=[s.port for s in topo.stages],
@@ -233,7 +240,7 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"API keys: {default_key_file()} (re-read on change; `pipeshard keys add NAME` makes one)")
     else:
         print("plaintext on loopback (`make up SECURE=1` for TLS and a token)")
-    print(speculation)
+    print(said)
     if training is not None:
         print(training.said())
     if heads:

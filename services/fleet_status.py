@@ -21,6 +21,7 @@ from pipeshard.metrics import (
     COORDINATOR_QUEUED,
     COORDINATOR_RUNNING,
     GENERATED_TOKENS,
+    SPECULATION_DEFAULT,
     STAGE_CACHE_BYTES,
     STAGE_CACHE_POSITIONS,
     STAGE_STEP_ROWS,
@@ -93,6 +94,7 @@ class CoordinatorRow:
     users: str = "-"
     queue: str = "-"
     tok_s: str = "-"
+    speculation: str = "-"  # the draft source of requests that do not choose one
 
 
 @dataclass
@@ -181,10 +183,21 @@ def _generate_calls(now: Scrape | None) -> dict[str, int]:
     return calls
 
 
+def speculation_source(now: Scrape | None) -> str:
+    """The draft source the coordinator's requests that do not choose one speculate with (its
+    `pipeshard_speculation_default` gauge; it changes when a draft trained in the background is
+    picked up)."""
+    for (name, labels), value in (now.samples if now else {}).items():
+        if name == _name(SPECULATION_DEFAULT) and value == 1:
+            return dict(labels).get("source", "-")
+    return "-"
+
+
 def coordinator_row(address: str, index: int, now: Scrape | None, before: Scrape | None) -> CoordinatorRow:
     with grpc.insecure_channel(address) as channel:
         row = CoordinatorRow(address, _health(channel), index)
     row.generate_calls = _generate_calls(now)
+    row.speculation = speculation_source(now)
     if now is not None:
         row.users = f"{now.value(_name(COORDINATOR_RUNNING)):.0f}"
         row.queue = f"{now.value(_name(COORDINATOR_QUEUED)):.0f}"

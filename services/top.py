@@ -67,7 +67,16 @@ class View(FleetReader):
                 row.cache,
             )
         front = Table(title="front", title_justify="left")
-        for column in ("service", "address", "health", "users", "queue", "tok/s", "Generate calls by code"):
+        for column in (
+            "service",
+            "address",
+            "health",
+            "users",
+            "queue",
+            "tok/s",
+            "speculation",
+            "Generate calls by code",
+        ):
             front.add_column(column)
         group = len(snapshot.coordinators) > 1
         for coordinator in snapshot.coordinators:
@@ -79,10 +88,11 @@ class View(FleetReader):
                 coordinator.users,
                 coordinator.queue,
                 coordinator.tok_s,
+                coordinator.speculation,
                 calls,
             )
         if self.gateway:
-            front.add_row("openai gateway", self.gateway, gateway_health(self.gateway), "", "", "", "")
+            front.add_row("openai gateway", self.gateway, gateway_health(self.gateway), "", "", "", "", "")
         return Group(stages, front)
 
 

@@ -8,6 +8,7 @@ weight format) of the same weights.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,9 +45,16 @@ class DraftFolder:
             raise InvalidArgument(self.parameter, f"missing arrays: {', '.join(missing)}")
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        # numpy's stubs type the named arrays as if one could be the ``allow_pickle`` flag
-        np.savez(folder / WEIGHTS, **{name: arrays[name] for name in self.arrays})  # type: ignore[arg-type]
-        (folder / self.meta_file).write_text(json.dumps(meta, indent=2) + "\n")
+        # Each file lands whole by a rename, the meta file last: a reader that sees the meta file
+        # (a running coordinator watching for a draft trained in the background) sees whole weights.
+        partial = folder / f".{WEIGHTS}.partial"
+        with partial.open("wb") as out:
+            # numpy's stubs type the named arrays as if one could be the ``allow_pickle`` flag
+            np.savez(out, **{name: arrays[name] for name in self.arrays})  # type: ignore[arg-type]
+        os.replace(partial, folder / WEIGHTS)
+        partial = folder / f".{self.meta_file}.partial"
+        partial.write_text(json.dumps(meta, indent=2) + "\n")
+        os.replace(partial, folder / self.meta_file)
 
     def check_target(
         self, folder: Path, fingerprint: str, hidden_size: int, vocab_size: int, target_export: Path

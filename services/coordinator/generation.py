@@ -1031,6 +1031,13 @@ class Generation:
         await self.engine.close(ShuttingDown(reason))
         await self.released()
 
+    def offer_drafts(self, drafts: DraftSources, default_speculative: str) -> None:
+        """New draft sources and default for requests from now on (a feature draft whose training
+        finished while the fleet ran, draft_watch.py); requests already admitted keep the source
+        they resolved and the drafter they hold."""
+        self._drafts = drafts
+        self.default_speculative = default_speculative
+
     def check_speculative(self, speculative: str, k: int, tree: str = "") -> Speculation:
         """What a request asked of speculation, as the typed value the rest trusts; InvalidArgument
         for an unknown source, K or tree."""

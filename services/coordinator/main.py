@@ -23,6 +23,7 @@ from pipeshard.metrics import (
 from pipeshard.offline import set_offline_defaults
 from pipeshard.ownership import new_secret
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
+from pipeshard.services.coordinator.draft_watch import DraftWatch, say_default
 from pipeshard.services.coordinator.failover import Failover
 from pipeshard.services.coordinator.fleet_kv import FleetKv
 from pipeshard.services.coordinator.fleet_promise import fleet_promise
@@ -140,6 +141,14 @@ class CoordinatorSettings(ServerSettings):
         "trained feature draft (pipeshard distil --kind eagle) offered as `feature`; refused at start "
         "when trained for other weights",
     )
+    feature_draft_watch: Path | None = setting(
+        None,
+        "a folder a feature draft is being trained into (`make up`'s background training): once "
+        "the trainer has written it whole it is checked against these weights, loaded and made "
+        "the default of new requests (running ones keep theirs); a draft failing a check is "
+        "refused with a log naming why",
+    )
+    feature_draft_poll_s: float = setting(10.0, "seconds between looks at --feature-draft-watch")
     draft_cache: Path | None = setting(
         None, "where Hugging Face draft folders are exported on first use (default: <shards>/../.drafts)"
     )
@@ -256,6 +265,10 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
         raise InvalidArgument("speculative", "self needs --self-draft DIR")
     if settings.speculative == "feature" and settings.feature_draft is None:
         raise InvalidArgument("speculative", "feature needs --feature-draft DIR")
+    if settings.feature_draft_watch is not None and settings.feature_draft is not None:
+        raise InvalidArgument("feature_draft_watch", "is for a coordinator started without --feature-draft")
+    if settings.feature_draft_poll_s <= 0:
+        raise InvalidArgument("feature_draft_poll_s", f"must be above 0, got {settings.feature_draft_poll_s}")
     set_identity_labels(settings.metrics_identity_labels)
     named = parse_named(settings.draft)
     if settings.speculative not in (*MODES, *named):
@@ -309,6 +322,7 @@ class Coordinator:
     stages: RemoteStages | ReplicaLanes = field(init=False)
     ring: Ring = field(init=False)
     _reloads: set[asyncio.Task] = field(init=False, default_factory=set)  # SIGHUP topology reloads
+    _draft_watch: asyncio.Task | None = field(init=False, default=None)  # --feature-draft-watch
     servicer: CoordinatorServicer = field(init=False)
     generation: Generation = field(init=False)  # its engine task ends with close()
     # Every lane's: one owner on every replica, so a session routed across lanes is one owner's,
@@ -364,15 +378,21 @@ class Coordinator:
         if fleet_kv.row_tokens:  # a row holds at most the shards' chunk: prefill and verify fit in it
             chunk = min(chunk, self.ring.prefill_chunk)
             max_k = max(1, min(max_k, self.ring.prefill_chunk - 1))
-        drafts = DraftSources(
-            self.settings.shards_dir,
-            self_draft=self.settings.self_draft,
-            feature=self.settings.feature_draft,
-            heads=infos[-1].draft_heads,
-            named=parse_named(self.settings.draft),
-            draft_cache=self.settings.draft_cache,
-        )
+        heads = infos[-1].draft_heads
+
+        def draft_sources(feature: Path | None) -> DraftSources:
+            return DraftSources(
+                self.settings.shards_dir,
+                self_draft=self.settings.self_draft,
+                feature=feature,
+                heads=heads,
+                named=parse_named(self.settings.draft),
+                draft_cache=self.settings.draft_cache,
+            )
+
+        drafts = draft_sources(self.settings.feature_draft)
         log.info("draft_sources", offered=drafts.names, default=self.settings.speculative)
+        say_default(self.settings.speculative)
         if self.settings.speculative != "none":
             drafts.validate(self.settings.speculative)  # medusa: only once the final stage has heads
         grammars = Grammars(prompter.tokenizer, manifest.model.vocab_size, prompter.eos_ids)
@@ -398,6 +418,15 @@ class Coordinator:
             grammars=grammars,
             spec_depth=self.settings.spec_depth,
         )
+        if self.settings.feature_draft_watch is not None:
+            watch = DraftWatch(
+                self.settings.feature_draft_watch,
+                self.settings.shards_dir,
+                generation,
+                draft_sources,
+                self.settings.feature_draft_poll_s,
+            )
+            self._draft_watch = asyncio.get_running_loop().create_task(watch.run(), name="draft-watch")
         # Static stages run one shape whatever the prompt: one chunk warms every hop's frames.
         warm_context = self.ring.prefill_chunk + 4 if fleet_kv.row_tokens else manifest.max_context
         await self._warmup(generation, prompter, warm_context)
@@ -552,6 +581,8 @@ class Coordinator:
     async def close(self) -> None:
         """Graceful stop: no new requests, running ones get the grace period, the rest are ended
         with a final CANCELLED summary; then the ring closes with no session left on a stage."""
+        if self._draft_watch is not None:
+            self._draft_watch.cancel()
         if hasattr(self, "servicer"):  # started
             grace = self.settings.grace_seconds
             if not await self.servicer.drain(grace):

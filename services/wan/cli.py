@@ -13,7 +13,12 @@ from pathlib import Path
 
 from pipeshard.paths import DEFAULT_MODEL
 from pipeshard.precision import DEFAULT_PRECISION, PRECISIONS
-from pipeshard.services.draft_training import add_flag, default_mode, start_background_training
+from pipeshard.services.draft_training import (
+    add_flag,
+    default_mode,
+    draft_watch_args,
+    start_background_training,
+)
 from pipeshard.services.fleet_cli import ensure_shards
 from pipeshard.services.launcher import default_speculation, draft_heads_args, feature_draft_args
 from pipeshard.services.wan import netns, state
@@ -70,7 +75,7 @@ def run_up(args: argparse.Namespace) -> int:
             coordinator_port=args.port,
             detach=True,
             ttl_s=args.ttl_s,
-            extra_coordinator_args=speculation,
+            extra_coordinator_args=speculation + draft_watch_args(shards, feature, args.feature_draft),
             final_stage_args=draft_heads_args(shards, args.draft_heads),
         )
         training = start_background_training(shards, args.draft_training or default_mode(), feature)

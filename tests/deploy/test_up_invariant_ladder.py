@@ -47,6 +47,7 @@ def test_the_ladder_goes_to_every_stage(given, sent, monkeypatch, tmp_path):
     monkeypatch.setattr(fleet_cli, "start_fleet", start_fleet)
     monkeypatch.setattr(fleet_cli, "feature_draft_args", lambda shards, choice: [])
     monkeypatch.setattr(fleet_cli, "draft_heads_args", lambda shards, choice: [])
+    monkeypatch.setattr(fleet_cli, "draft_watch_args", lambda shards, feature, choice: [])
     args = up_parser().parse_args(["up", "--precision", "invariant", "--invariant-ladder", given])
     with pytest.raises(RuntimeError, match="stop before"):
         fleet_cli.run_up(args)

@@ -9,22 +9,33 @@ the one the next fleet start offers.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
+from prometheus_client import REGISTRY
+from structlog.testing import capture_logs
 
 from pipeshard.errors import InvalidArgument
+from pipeshard.services.coordinator.draft_watch import DraftWatch, expected_shapes, say_default
+from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.services.draft_training import (
     ENV,
     draft_folder,
+    draft_watch_args,
     start_background_training,
     trainer_command,
 )
 from pipeshard.services.launcher import feature_draft_args
+from pipeshard.shard import feature_draft
+from pipeshard.shard.draft_folder import WEIGHTS
+from pipeshard.shard.feature_draft import FeatureDraftMeta
 from pipeshard.shard.manifest import load_manifest
 
 
@@ -116,3 +127,150 @@ def test_the_background_draft_is_offered_by_the_next_fleet_start(smollm2_export,
     _, status = os.waitpid(training.pid, 0)
     assert status == 0, training.log.read_text()[-3000:]
     assert feature_draft_args(export) == ["--feature-draft", str(training.folder), "--speculative", "feature"]
+
+
+# -- the running coordinator picks the draft up (services/coordinator/draft_watch.py) -------------
+
+
+class _Generation:
+    """What the watch changes on the coordinator's Generation: its sources and default."""
+
+    def __init__(self) -> None:
+        self.default_speculative = "ngram"
+        self.offered: list[tuple[list[str], str]] = []
+
+    def offer_drafts(self, drafts, default_speculative: str) -> None:
+        self.offered.append((drafts.names, default_speculative))
+        self.default_speculative = default_speculative
+
+
+def _draft_arrays(export: Path, **changes) -> tuple[FeatureDraftMeta, dict[str, np.ndarray]]:
+    """A random feature draft with the target's sizes and fingerprint (``changes`` replace arrays)."""
+    model = load_manifest(export).model
+    h, i, v, s = model.hidden_size, 32, model.vocab_size, 64
+    meta = FeatureDraftMeta("eagle", model.fingerprint, h, v, i, 1e-5)
+    rng = np.random.default_rng(0)
+    ids = np.arange(s, dtype=np.int64)
+    arrays = {
+        name: rng.standard_normal(shape).astype(np.float16 if name == "embed" else np.float32) * 0.02
+        for name, shape in expected_shapes(meta, s).items()
+        if name != "head_ids"
+    }
+    return meta, {**arrays, "head_ids": ids, **changes}
+
+
+def _watch(export: Path, folder: Path) -> tuple[DraftWatch, _Generation]:
+    generation = _Generation()
+    return DraftWatch(folder, export, generation, lambda f: DraftSources(export, feature=f)), generation
+
+
+def _refusal(watch: DraftWatch) -> str:
+    with capture_logs() as logs:
+        assert not asyncio.run(watch.poll())
+    refused = [e for e in logs if e["event"] == "feature_draft_refused"]
+    assert len(refused) == 1 and refused[0]["default"] == "ngram", logs
+    return refused[0]["reason"]
+
+
+def test_the_running_coordinator_refuses_bad_drafts_by_name_and_picks_up_a_whole_one(export, tmp_path):
+    folder = tmp_path / "draft"
+    watch, generation = _watch(export, folder)
+    say_default("ngram")  # what the coordinator's start says
+    assert not asyncio.run(watch.poll())  # nothing there yet
+    meta, arrays = _draft_arrays(export)
+
+    feature_draft.write(folder, replace(meta, model_fingerprint="sha256:" + "1" * 64), arrays)
+    assert "trained for model fingerprint" in _refusal(watch)
+    with capture_logs() as logs:  # the same files are not tried again
+        assert not asyncio.run(watch.poll())
+    assert logs == []
+
+    feature_draft.write(folder, meta, {**arrays, "fc_bias": arrays["fc_bias"][:-1]})
+    assert "fc_bias" in _refusal(watch)
+    feature_draft.write(folder, meta, {**arrays, "down": arrays["down"] * np.float32("nan")})
+    reason = _refusal(watch)
+    assert "down" in reason and "not finite" in reason
+    (folder / WEIGHTS).write_bytes((folder / WEIGHTS).read_bytes()[:4096])  # a truncated file
+    assert WEIGHTS in _refusal(watch)
+    assert generation.offered == [] and generation.default_speculative == "ngram"
+    assert _gauge("ngram") == 1.0
+
+    feature_draft.write(folder, meta, arrays)
+    with capture_logs() as logs:
+        assert asyncio.run(watch.poll())
+    assert [e["event"] for e in logs][-1] == "feature_draft_picked_up", logs
+    assert generation.offered == [(["none", "ngram", "feature"], "feature")]
+    assert _gauge("feature") == 1.0 and _gauge("ngram") == 0.0
+
+
+def _gauge(source: str) -> float | None:
+    return REGISTRY.get_sample_value("pipeshard_speculation_default", {"source": source})
+
+
+def test_a_draft_lands_whole_weights_first_then_its_meta_file(export, tmp_path, monkeypatch):
+    meta, arrays = _draft_arrays(export)
+    renamed: list[str] = []
+    real = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (renamed.append(Path(b).name), real(a, b))[1])
+    feature_draft.write(tmp_path / "d", meta, arrays)
+    assert renamed == [WEIGHTS, feature_draft.META]
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == sorted(renamed)  # no partial file left
+
+
+def test_a_fleet_started_without_a_draft_watches_the_folder_its_training_writes(export):
+    assert draft_watch_args(export, []) == ["--feature-draft-watch", str(draft_folder(export))]
+    assert draft_watch_args(export, ["--feature-draft", "d", "--speculative", "feature"]) == []
+    assert draft_watch_args(export, [], "off") == []
+
+
+def test_make_up_without_a_draft_trains_it_and_its_coordinator_watches_for_it(export, monkeypatch, tmp_path):
+    """`pipeshard up` with no draft: the coordinator speculates with prompt lookup and watches the
+    folder the training writes, and the training is launched (it was not: the start passed the
+    coordinator's speculation arguments where the draft's belonged)."""
+    import argparse
+
+    from pipeshard.services import fleet_cli
+
+    monkeypatch.chdir(tmp_path)
+    seen: dict = {}
+
+    def start_fleet(shards, stages, run_dir, **kwargs):
+        seen["coordinator"] = kwargs["extra_coordinator_args"]
+        return object()
+
+    def start_training(shards, mode, draft_args):
+        seen["draft_args"] = draft_args
+        raise RuntimeError("stop before anything prints")
+
+    monkeypatch.setattr(fleet_cli, "ensure_shards", lambda model, stages, weights: export)
+    monkeypatch.setattr(fleet_cli, "start_fleet", start_fleet)
+    monkeypatch.setattr(fleet_cli, "start_background_training", start_training)
+    root = argparse.ArgumentParser()
+    fleet_cli.register(root.add_subparsers())
+    with pytest.raises(RuntimeError, match="stop before"):
+        fleet_cli.run_up(root.parse_args(["up"]))
+    assert seen["draft_args"] == []  # no draft: the training starts
+    assert seen["coordinator"] == [
+        "--speculative",
+        "ngram",
+        "--feature-draft-watch",
+        str(draft_folder(export)),
+    ]
+
+
+def test_pipeshard_top_shows_the_source_the_coordinators_gauge_says():
+    from pipeshard.services.fleet_status import Scrape, speculation_source
+
+    def scrape(default: str, replaced: str) -> Scrape:
+        name = "pipeshard_speculation_default"
+        return Scrape(
+            at=0.0,
+            samples={
+                (name, frozenset({("source", default)})): 1.0,
+                (name, frozenset({("source", replaced)})): 0.0,
+            },
+        )
+
+    assert speculation_source(scrape("ngram", "feature")) == "ngram"
+    assert speculation_source(scrape("feature", "ngram")) == "feature"  # after the pick-up
+    assert speculation_source(None) == "-"

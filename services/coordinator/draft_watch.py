@@ -1,0 +1,170 @@
+"""A feature draft picked up by the running coordinator once its background training finishes.
+
+`make up` / `make wan-up` without a draft for the export's weights serve with prompt lookup and
+train the draft in the background (services/draft_training.py), into a folder the coordinator is
+told to watch (``--feature-draft-watch``). One stat of the draft's meta file per interval: the
+trainer writes the weights and then the meta file, each by an atomic rename
+(pipeshard/shard/draft_folder.py), so a meta file there means a whole draft. It is checked against
+the target's weights (fingerprint and sizes) and its arrays against the sizes its meta declares,
+loaded, and made the default source of new requests; requests already admitted keep theirs. A
+draft that fails any check is refused with a log naming why, the fleet keeps what it serves with,
+and the watch tries again only once the files change (a new training writes them anew).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import structlog
+
+from pipeshard.errors import InvalidArgument
+from pipeshard.metrics import SPECULATION_DEFAULT
+from pipeshard.services.coordinator.speculation.sources import DraftSources
+from pipeshard.shard import feature_draft
+from pipeshard.shard.draft_folder import WEIGHTS
+
+log = structlog.get_logger(__name__)
+
+
+def say_default(source: str, replaced: str | None = None) -> None:
+    """The default source in the metrics (the start-up's log line says it too)."""
+    if replaced is not None and replaced != source:
+        SPECULATION_DEFAULT.labels(source=replaced).set(0)
+    SPECULATION_DEFAULT.labels(source=source).set(1)
+
+
+class TakesDrafts(Protocol):
+    """What the watch changes: the generation's draft sources and its default (generation.py)."""
+
+    default_speculative: str
+
+    def offer_drafts(self, drafts: DraftSources, default_speculative: str) -> None: ...
+
+
+def expected_shapes(meta: feature_draft.FeatureDraftMeta, slice_rows: int) -> dict[str, tuple[int, ...]]:
+    """Every array a draft of ``meta``'s kind holds, with the shape its sizes give (the head slice's
+    rows are what its ``head_ids`` say)."""
+    h, i, v = meta.hidden_size, meta.intermediate_size, meta.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed": (v, h),
+        "head_ids": (slice_rows,),
+        "head": (slice_rows, h),
+        "norm_embed": (h,),
+        "fc_weight": (h, 2 * h),
+        "fc_bias": (h,),
+        "norm_mlp": (h,),
+        "gate": (i, h),
+        "up": (i, h),
+        "down": (h, i),
+        "norm_out": (h,),
+    }
+    if meta.kind == "eagle-decoder":
+        shapes.update(norm_attn=(h,), q=(h, h), k=(h, h), v=(h, h), o=(h, h))
+    return shapes
+
+
+def check_weights(folder: Path, meta: feature_draft.FeatureDraftMeta) -> None:
+    """InvalidArgument naming ``feature_draft`` unless every array is there, of its shape, finite,
+    and the head slice's ids are token ids (a truncated or foreign file fails here, not mid-request)."""
+    try:
+        with np.load(Path(folder) / WEIGHTS, allow_pickle=False) as z:
+            arrays = {name: z[name] for name in z.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # truncated, damaged, not a zip
+        raise InvalidArgument("feature_draft", f"{folder}: {WEIGHTS} cannot be read ({exc})") from exc
+    ids = arrays.get("head_ids", np.zeros((0, 0)))
+    for name, shape in expected_shapes(meta, ids.shape[0] if ids.ndim == 1 else -1).items():
+        if name not in arrays:
+            raise InvalidArgument("feature_draft", f"{folder}: {WEIGHTS} has no {name}")
+        if arrays[name].shape != shape:
+            raise InvalidArgument(
+                "feature_draft", f"{folder}: {name} is {arrays[name].shape}, its meta's sizes say {shape}"
+            )
+        if not np.isfinite(arrays[name]).all():
+            raise InvalidArgument("feature_draft", f"{folder}: {name} holds values that are not finite")
+    if ids.size and (ids.min() < 0 or ids.max() >= meta.vocab_size):
+        raise InvalidArgument("feature_draft", f"{folder}: head_ids reach outside the vocabulary")
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+class DraftWatch:
+    """Watches ``folder`` for a whole feature draft and hands it to ``generation`` as the default
+    of new requests; ``sources`` builds the coordinator's draft sources with that draft offered."""
+
+    def __init__(
+        self,
+        folder: Path,
+        target_shards: Path,
+        generation: TakesDrafts,
+        sources: Callable[[Path], DraftSources],
+        interval_s: float = 10.0,
+    ):
+        self.folder = Path(folder)
+        self.target_shards = Path(target_shards)
+        self._generation = generation
+        self._sources = sources
+        self.interval_s = interval_s
+        self._tried: tuple | None = None  # the files' stamps last tried (refused): not tried again
+        self.picked_up = False
+
+    def _files(self) -> tuple | None:
+        """The meta and weights files' (mtime, size), once the meta file (written last) is there."""
+        meta = _stamp(self.folder / feature_draft.META)
+        return None if meta is None else (meta, _stamp(self.folder / WEIGHTS))
+
+    async def poll(self) -> bool:
+        """One look: True once a draft is picked up (now or before)."""
+        if self.picked_up:
+            return True
+        files = self._files()
+        if files is None or files == self._tried:
+            return False
+        self._tried = files
+        try:
+            drafts = await self._checked()
+        except Exception as exc:  # any failure of a file written outside this process refuses it
+            log.warning(
+                "feature_draft_refused",
+                folder=str(self.folder),
+                reason=f"{type(exc).__name__}: {exc}",
+                default=self._generation.default_speculative,
+            )
+            return False
+        replaced = self._generation.default_speculative
+        self._generation.offer_drafts(drafts, "feature")
+        say_default("feature", replaced)
+        self.picked_up = True
+        log.info(
+            "feature_draft_picked_up",
+            folder=str(self.folder),
+            default="feature",
+            replaced=replaced,
+            note="new requests that do not choose speculate with it; running ones keep theirs",
+        )
+        return True
+
+    async def _checked(self) -> DraftSources:
+        meta = feature_draft.read_meta(self.folder)
+        feature_draft.check_target(meta, self.target_shards, self.folder)
+        await asyncio.to_thread(check_weights, self.folder, meta)
+        drafts = self._sources(self.folder)
+        await drafts.factory("feature")  # loads it now, not on a request
+        return drafts
+
+    async def run(self) -> None:
+        """Polls until a draft is picked up (a task the coordinator cancels at shutdown)."""
+        log.info("feature_draft_watch", folder=str(self.folder), interval_s=self.interval_s)
+        while not await self.poll():
+            await asyncio.sleep(self.interval_s)
