@@ -8,6 +8,11 @@ draft keeps no cache: a chain feeds each predicted feature to the next level, an
 the children of a level's likeliest nodes in one batched numpy step and keeps the likeliest
 nodes overall (EAGLE-2), so a wider tree costs the coordinator a wider matmul, not more round
 trips. Both KV backends return the features of tree rows (paged stages: the masked sequence's).
+
+With traversals in flight (speculation/depth.py) a request drafts its next step before the one
+travelling is answered: the proposal starts from the last answered position and chains over the
+guesses in flight on its own predicted features, as EAGLE chains over its own drafts; when the
+answer comes, ``observe`` brings the real features and later proposals start from them.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ class _FeatureDrafting:
     auto_tree_width = 3  # a level of any width is one batched draft step; the policy prices it
     reads_features = True
     head_candidates = 0
-    pipelines = False  # it drafts from the target's features at the kept positions
+    pipelines = True  # over guesses in flight it chains on its own predicted features
 
     def __init__(self, vocab_size: int, head_ids: np.ndarray):
         self._vocab_size = vocab_size
@@ -65,13 +70,22 @@ class _FeatureDrafting:
             node = nodes[0]
         return guesses
 
-    def propose(self, context: Sequence[int], k: int, sample) -> Draft:
+    def propose(self, context: Sequence[int], k: int, sample, guessed: int = 0) -> Draft:
+        """Up to ``k`` tokens after ``context``. Its last ``guessed`` tokens are guesses in flight
+        (a pipelined request's rows not answered yet): the root is the last answered position and
+        the chain runs over the guesses on its own predicted features (as it runs over its own
+        drafts), so a step can be drafted while the one before it travels; the next ``observe``
+        brings the target's real features and later proposals start from them."""
         started = time.perf_counter()
-        root = self._root(context) if k >= 1 else None
+        root = self._root(context[: len(context) - guessed]) if k >= 1 else None
         if root is None:
             return Draft([], None, time.perf_counter() - started)
         feature, logits = root
-        node, token = -1, np.asarray([context[-1]], dtype=np.int64)
+        node = -1
+        for token in context[len(context) - guessed :]:  # teacher-forced over the guesses
+            feature, logits, nodes = self._level([node], feature, np.asarray([token], dtype=np.int64))
+            node = nodes[0]
+        token = np.asarray([context[-1]], dtype=np.int64)
         tokens: list[int] = []
         probs: list[np.ndarray] | None = [] if sample else None
         for level in range(k):
