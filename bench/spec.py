@@ -37,8 +37,8 @@ plain greedy's, INT4 at ``exact``), ``repetition_rate``; (#31) ``feature_speedup
 ``medusa_single_node_speedup``, ``medusa_tokens_per_traversal``, ``draft_heads_cost``, and from the WAN
 sweep ``medusa_speedup_at_100ms``, ``medusa_tokens_per_traversal_at_100ms``.
 (#48, the coordinator choosing each request's traversals in flight: ``--spec-depth`` auto, D > 1 for
-prompt lookup's and the feature draft's chains over slow hops) ``pipelined_speedup_at_100ms`` (the best configuration of any
-source at 3 stages, 100 ms, against plain; ``pipelined_source_at_100ms`` names it),
+prompt lookup's and the feature draft's chains over slow hops) ``pipelined_speedup_at_100ms`` (the
+best configuration of any source at 3 stages, 100 ms, against plain; ``pipelined_source_at_100ms`` names it),
 ``dropped_steps_share`` (of that configuration's steps sent, those dropped after a rejection),
 ``pipelined_speedup_at_25ms`` (the same at 25 ms), ``best_tokens_per_traversal_at_100ms`` (the most
 tokens per traversal any source's best configuration kept there), ``best_single_node_speedup`` (any

@@ -125,8 +125,9 @@ class CoordinatorSettings(ServerSettings):
     precision: str = setting(DEFAULT_PRECISION, "inference precision of a hosted stage 0", choices=PRECISIONS)
     speculative: str = setting(
         "none",
-        "speculation of requests that do not choose: none, ngram, self, feature, medusa (the final "
-        "stage's --draft-heads) or a --draft name",
+        "speculation of requests that do not choose: none, ngram, self, feature, mix (prompt lookup "
+        "where it finds a match, else the feature draft), medusa (the final stage's --draft-heads) "
+        "or a --draft name",
     )
     draft: list[str] = setting(
         default_factory=list,
@@ -254,13 +255,13 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
         raise InvalidArgument("spec_depth", f"must be 0 (auto) or 1..{MAX_DEPTH}, got {settings.spec_depth}")
     if settings.speculative == "self" and settings.self_draft is None:
         raise InvalidArgument("speculative", "self needs --self-draft DIR")
-    if settings.speculative == "feature" and settings.feature_draft is None:
-        raise InvalidArgument("speculative", "feature needs --feature-draft DIR")
+    if settings.speculative in ("feature", "mix") and settings.feature_draft is None:
+        raise InvalidArgument("speculative", f"{settings.speculative} needs --feature-draft DIR")
     set_identity_labels(settings.metrics_identity_labels)
     named = parse_named(settings.draft)
     if settings.speculative not in (*MODES, *named):
         raise InvalidArgument(
-            "speculative", "must be none, ngram, self, feature, medusa or a name given with --draft"
+            "speculative", "must be none, ngram, self, feature, mix, medusa or a name given with --draft"
         )
     return settings
 

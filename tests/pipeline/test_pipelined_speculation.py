@@ -96,10 +96,10 @@ def test_pipelined_speculation_equals_plain_greedy(
 def test_pipelined_feature_draft_equals_plain_greedy(
     shared_fleet,
     smollm2_export,
-    eagle_draft,
+    eagle_draft,  # noqa: F811 (the imported fixture)
     stages,
     depth,
-    precision,  # noqa: F811
+    precision,
 ):
     fleet = shared_fleet(
         smollm2_export(stages, "int4"),
