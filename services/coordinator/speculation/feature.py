@@ -82,8 +82,8 @@ class _FeatureDrafting:
             return Draft([], None, time.perf_counter() - started)
         feature, logits = root
         node = -1
-        for token in context[len(context) - guessed :]:  # teacher-forced over the guesses
-            feature, logits, nodes = self._level([node], feature, np.asarray([token], dtype=np.int64))
+        for guess in context[len(context) - guessed :]:  # teacher-forced over the guesses
+            feature, logits, nodes = self._level([node], feature, np.asarray([guess], dtype=np.int64))
             node = nodes[0]
         token = np.asarray([context[-1]], dtype=np.int64)
         tokens: list[int] = []

@@ -132,8 +132,7 @@ class DraftSources:
         if mode == "medusa":
             return lambda: MedusaDrafter(self.heads)
         if mode in ("feature", "mix"):
-            model = await self._feature_draft()
-            drafter = _feature_drafter(model)
+            drafter = _feature_drafter(await self._feature_draft())
             if mode == "mix":
                 return lambda: MixedDrafter(drafter())
             return drafter
