@@ -758,7 +758,8 @@ def main() -> int:
                 sources,
                 key=lambda s: max(rows[n]["tokens_per_verify"] or 0 for n in rows if n.startswith(f"{s}-")),
             )
-        wan_sources = (token_source,) + (("feature",) if feature else ()) + (("medusa",) if heads else ())
+        mixed = ("feature", "mix") if feature else ()  # mix: lookup where it matches, else the feature draft
+        wan_sources = (token_source, *mixed) + (("medusa",) if heads else ())
         extra = ["--step-timeout-s", "120"]
         extra += ["--self-draft", str(self_draft)] if self_draft else []
         extra += ["--draft", f"hf={hf}"] if hf else []
