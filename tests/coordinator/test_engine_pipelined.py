@@ -165,6 +165,7 @@ class ToyFeatureDraft(_FeatureDrafting):
         self._feature: np.ndarray | None = None
 
     def observe(self, feature: np.ndarray | None) -> None:
+        self._forget()
         self._feature = None if feature is None else np.asarray(feature, dtype=np.float32).reshape(-1, 1)[-1:]
 
     def _root(self, context):
@@ -184,6 +185,7 @@ class ToyFeatureDraft(_FeatureDrafting):
         return tokens.astype(np.float32).reshape(-1, 1), np.eye(VOCAB, dtype=np.float32)[nxt]
 
     def close(self) -> None:
+        self._forget()
         self._feature = None
 
 
