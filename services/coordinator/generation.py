@@ -71,7 +71,7 @@ from pipeshard.services.coordinator.sampling import (
     top_logprobs,
 )
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
-from pipeshard.services.coordinator.speculation.depth import InFlightDepth
+from pipeshard.services.coordinator.speculation.depth import InFlightDepth, worth_sending
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
 from pipeshard.services.coordinator.speculation.policy import KPolicy, SourceMemory, StepLoad, TimingModel
 from pipeshard.services.coordinator.speculation.sources import DraftSources
@@ -475,13 +475,16 @@ class _Request:
     def pipelines(self) -> bool:
         """Whether its next row may go while its rows in flight travel: it decodes with fewer than
         D rows in flight, the latest a chain, the reader keeps up, the rows in flight leave it
-        tokens to make and cache room, and its draft has a guess of their bonus token."""
+        tokens to make and cache room, the row is likely enough to stand when other requests share
+        its steps (speculation/depth.py), and its draft has a guess of their bonus token."""
         if not (self.flights and self.status is RequestStatus.DECODING and self.pipelining):
             return False
         assert self.depth is not None and self.drafter is not None
         if len(self.flights) >= self.depth.depth() or not isinstance(self.flights[-1].draft, Draft):
             return False
         if self.output.qsize() + len(self.outbox) >= STREAM_EVENTS or self._pipelined_room() < 0:
+            return False
+        if not worth_sending(self.policy.acceptance, len(self.ahead), not self.rode_alone):
             return False
         return bool(self.drafter.propose(self.context + self.ahead, 1, None, len(self.ahead)).tokens)
 

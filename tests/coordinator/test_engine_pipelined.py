@@ -14,7 +14,7 @@ import pytest
 from pipeshard.errors import Unavailable
 from pipeshard.services.coordinator.generation import Chunk, Generation, Summary
 from pipeshard.services.coordinator.sampling import SamplingParams
-from pipeshard.services.coordinator.speculation.depth import InFlightDepth
+from pipeshard.services.coordinator.speculation.depth import InFlightDepth, worth_sending
 from pipeshard.services.coordinator.speculation.feature import _FeatureDrafting
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.services.stage.domain import ReturnMode
@@ -245,6 +245,12 @@ def test_auto_depth_is_the_round_trip_over_compute_and_one_on_one_node():
     assert InFlightDepth(fixed=3).depth() == 3
     with pytest.raises(ValueError, match="spec_depth"):
         InFlightDepth(fixed=99)
+
+
+def test_a_row_goes_ahead_of_shared_steps_only_while_likely_to_stand():
+    assert worth_sending(0.25, 8, shared=False)  # alone, its step waits on the hops anyway
+    assert not worth_sending(0.25, 1, shared=True)  # 1/16 to stand: it would delay the others
+    assert worth_sending(0.9, 5, shared=True) and not worth_sending(0.9, 30, shared=True)
 
 
 class FailingStage(StatefulStage):
