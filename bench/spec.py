@@ -37,8 +37,8 @@ plain greedy's, INT4 at ``exact``), ``repetition_rate``; (#31) ``feature_speedup
 ``medusa_single_node_speedup``, ``medusa_tokens_per_traversal``, ``draft_heads_cost``, and from the WAN
 sweep ``medusa_speedup_at_100ms``, ``medusa_tokens_per_traversal_at_100ms``.
 (#48, the coordinator choosing each request's traversals in flight: ``--spec-depth`` auto, D > 1 for
-prompt lookup's chains over slow hops) ``pipelined_speedup_at_100ms`` (the best configuration of any
-source at 3 stages, 100 ms, against plain; ``pipelined_source_at_100ms`` names it),
+prompt lookup's and the feature draft's chains over slow hops) ``pipelined_speedup_at_100ms`` (the
+best configuration of any source at 3 stages, 100 ms, against plain; ``pipelined_source_at_100ms`` names it),
 ``dropped_steps_share`` (of that configuration's steps sent, those dropped after a rejection),
 ``pipelined_speedup_at_25ms`` (the same at 25 ms), ``best_tokens_per_traversal_at_100ms`` (the most
 tokens per traversal any source's best configuration kept there), ``best_single_node_speedup`` (any
@@ -553,8 +553,8 @@ def batch_users(coordinator: str, prompts: list[str], source: str, users: int = 
 
 def pipelined_keys(wan: dict, sources: tuple[str, ...]) -> dict:
     """#48's keys at 3 stages and 100 ms per hop, the coordinator choosing each request's
-    traversals in flight (``--spec-depth`` auto; prompt lookup's chains go several at once, the
-    feature draft and the heads one at a time): the best configuration of any source against plain
+    traversals in flight (``--spec-depth`` auto; prompt lookup's and the feature draft's chains go
+    several at once, the heads one at a time): the best configuration of any source against plain
     and its share of dropped steps, the same at 25 ms, the most tokens per traversal, 8 users
     speculating against plain, and per prompt kind each source's best."""
     at_100 = wan.get("3s-100ms")
@@ -758,7 +758,8 @@ def main() -> int:
                 sources,
                 key=lambda s: max(rows[n]["tokens_per_verify"] or 0 for n in rows if n.startswith(f"{s}-")),
             )
-        wan_sources = (token_source,) + (("feature",) if feature else ()) + (("medusa",) if heads else ())
+        mixed = ("feature", "mix") if feature else ()  # mix: lookup where it matches, else the feature draft
+        wan_sources = (token_source, *mixed) + (("medusa",) if heads else ())
         extra = ["--step-timeout-s", "120"]
         extra += ["--self-draft", str(self_draft)] if self_draft else []
         extra += ["--draft", f"hf={hf}"] if hf else []

@@ -71,7 +71,7 @@ from pipeshard.services.coordinator.sampling import (
     top_logprobs,
 )
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
-from pipeshard.services.coordinator.speculation.depth import InFlightDepth
+from pipeshard.services.coordinator.speculation.depth import InFlightDepth, worth_sending
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
 from pipeshard.services.coordinator.speculation.policy import KPolicy, SourceMemory, StepLoad, TimingModel
 from pipeshard.services.coordinator.speculation.sources import DraftSources
@@ -466,9 +466,10 @@ class _Request:
     @property
     def pipelining(self) -> bool:
         """Whether its rows may travel several at once (speculation/depth.py): greedy, unshaped
-        chains from a draft that continues its own proposals. Sampled rows go one at a time (their
-        acceptance draws from each step's distributions: D = 1 keeps it exact simply), and so do
-        explicit trees, feature drafts and draft heads (each drafts from the last step's answer)."""
+        chains from a draft that continues its own proposals (prompt lookup; a feature draft, over
+        its own predicted features). Sampled rows go one at a time (their acceptance draws from
+        each step's distributions: D = 1 keeps it exact simply), and so do explicit trees, draft
+        models and draft heads (each drafts from the last step's answer or its own cache)."""
         drafter = self.drafter
         return (
             self.depth is not None
@@ -482,7 +483,8 @@ class _Request:
     def pipelines(self) -> bool:
         """Whether its next row may go while its rows in flight travel: it decodes with fewer than
         D rows in flight, the latest a chain, the reader keeps up, the rows in flight leave it
-        tokens to make and cache room, and its draft has a guess of their bonus token."""
+        tokens to make and cache room, the row is likely enough to stand when other requests share
+        its steps (speculation/depth.py), and its draft has a guess of their bonus token."""
         if not (self.flights and self.status is RequestStatus.DECODING and self.pipelining):
             return False
         assert self.depth is not None and self.drafter is not None
@@ -490,7 +492,9 @@ class _Request:
             return False
         if self.output.qsize() + len(self.outbox) >= STREAM_EVENTS or self._pipelined_room() < 0:
             return False
-        return bool(self.drafter.propose(self.context + self.ahead, 1, None).tokens)
+        if not worth_sending(self.policy.acceptance, len(self.ahead), not self.rode_alone):
+            return False
+        return bool(self.drafter.propose(self.context + self.ahead, 1, None, len(self.ahead)).tokens)
 
     def _pipelined_room(self) -> int:
         """Drafts a row built on the rows in flight may carry besides its guessed first token:
@@ -507,7 +511,7 @@ class _Request:
         assert self.drafter is not None
         limit = min(self._pipelined_room(), budget)
         k = self.policy.choose(limit, load) if limit > 0 else 0
-        proposal = self.drafter.propose(self.context + self.ahead, k + 1, None)
+        proposal = self.drafter.propose(self.context + self.ahead, k + 1, None, len(self.ahead))
         if not proposal.tokens:
             raise RuntimeError("a row was planned on the rows in flight without a guess to continue from")
         guess, *tokens = proposal.tokens

@@ -126,8 +126,9 @@ class CoordinatorSettings(ServerSettings):
     precision: str = setting(DEFAULT_PRECISION, "inference precision of a hosted stage 0", choices=PRECISIONS)
     speculative: str = setting(
         "none",
-        "speculation of requests that do not choose: none, ngram, self, feature, medusa (the final "
-        "stage's --draft-heads) or a --draft name",
+        "speculation of requests that do not choose: none, ngram, self, feature, mix (prompt lookup "
+        "where it finds a match, else the feature draft), medusa (the final stage's --draft-heads) "
+        "or a --draft name",
     )
     draft: list[str] = setting(
         default_factory=list,
@@ -263,8 +264,8 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
         raise InvalidArgument("spec_depth", f"must be 0 (auto) or 1..{MAX_DEPTH}, got {settings.spec_depth}")
     if settings.speculative == "self" and settings.self_draft is None:
         raise InvalidArgument("speculative", "self needs --self-draft DIR")
-    if settings.speculative == "feature" and settings.feature_draft is None:
-        raise InvalidArgument("speculative", "feature needs --feature-draft DIR")
+    if settings.speculative in ("feature", "mix") and settings.feature_draft is None:
+        raise InvalidArgument("speculative", f"{settings.speculative} needs --feature-draft DIR")
     if settings.feature_draft_watch is not None and settings.feature_draft is not None:
         raise InvalidArgument("feature_draft_watch", "is for a coordinator started without --feature-draft")
     if settings.feature_draft_poll_s <= 0:
@@ -273,7 +274,7 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
     named = parse_named(settings.draft)
     if settings.speculative not in (*MODES, *named):
         raise InvalidArgument(
-            "speculative", "must be none, ngram, self, feature, medusa or a name given with --draft"
+            "speculative", "must be none, ngram, self, feature, mix, medusa or a name given with --draft"
         )
     return settings
 

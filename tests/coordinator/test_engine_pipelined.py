@@ -8,15 +8,18 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pipeshard.errors import Unavailable
 from pipeshard.services.coordinator.generation import Chunk, Generation, Summary
 from pipeshard.services.coordinator.sampling import SamplingParams
-from pipeshard.services.coordinator.speculation.depth import InFlightDepth
+from pipeshard.services.coordinator.speculation.depth import InFlightDepth, worth_sending
+from pipeshard.services.coordinator.speculation.feature import _FeatureDrafting
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.services.stage.domain import ReturnMode
 from pipeshard.services.stage.wire import step_from_frame
+from pipeshard.tensor_codec import encode
 from pipeshard.v1 import activation_pb2
 
 VOCAB = 13
@@ -101,8 +104,16 @@ class StatefulStage:
         self.caches.pop(session_id, None)
 
 
-async def _generate(stage: StatefulStage, depth: int, tokens: int, speculative: str = "ngram", k: int = 0):
-    generation = Generation(stage, Tokenizer(), set(), drafts=DraftSources(Path(".")), spec_depth=depth)
+async def _generate(
+    stage: StatefulStage,
+    depth: int,
+    tokens: int,
+    speculative: str = "ngram",
+    k: int = 0,
+    drafts: DraftSources | None = None,
+):
+    drafts = drafts or DraftSources(Path("."))
+    generation = Generation(stage, Tokenizer(), set(), drafts=drafts, spec_depth=depth)
     out, summary = [], None
     async for event in generation.run(
         PROMPT, SamplingParams(max_tokens=tokens), speculative=speculative, k=k
@@ -133,6 +144,83 @@ def test_pipelined_prompt_lookup_equals_the_targets_greedy_sequence(depth):
         assert sum(summary.kept_per_traversal[1:]) > 0  # and later ones kept several tokens
 
 
+class FeatureStage(StatefulStage):
+    """Returns features when a row asks: a position's feature is its token (the toy target's next
+    token follows from the last two, so a feature and the next token are all a draft needs)."""
+
+    def _run(self, row) -> activation_pb2.StepResult:
+        result = super()._run(row)
+        if row.return_features:
+            returned = np.asarray(row.activations[0][-row.return_last :], dtype=np.float32)
+            result.features.CopyFrom(encode(returned.reshape(-1, 1), as_fp16=True, field="features"))
+        return result
+
+
+class ToyFeatureDraft(_FeatureDrafting):
+    """A feature draft of the toy target: from a position's feature (its token) and the next token
+    it predicts the target's token after them, wrongly where the two sum to a multiple of 7."""
+
+    def __init__(self):
+        super().__init__(VOCAB, np.arange(VOCAB))
+        self._feature: np.ndarray | None = None
+
+    def observe(self, feature: np.ndarray | None) -> None:
+        self._forget()
+        self._feature = None if feature is None else np.asarray(feature, dtype=np.float32).reshape(-1, 1)[-1:]
+
+    def _root(self, context):
+        if self._feature is None:
+            return None
+        return self._predict(self._feature, np.asarray([context[-1]]))
+
+    def _level(self, parents, features, tokens):
+        out, logits = self._predict(features, tokens)
+        return out, logits, [-1] * len(parents)
+
+    @staticmethod
+    def _predict(features: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        before = np.rint(features[:, 0]).astype(np.int64)
+        nxt = (tokens * 7 + before * 3 + 1) % VOCAB
+        nxt = np.where((before + tokens) % 7 == 0, (nxt + 1) % VOCAB, nxt)
+        return tokens.astype(np.float32).reshape(-1, 1), np.eye(VOCAB, dtype=np.float32)[nxt]
+
+    def close(self) -> None:
+        self._forget()
+        self._feature = None
+
+
+class ToyFeatureSources(DraftSources):
+    """``feature`` is the toy target's feature draft."""
+
+    def __init__(self):
+        super().__init__(Path("."))
+        self.feature = Path(".")
+
+    async def factory(self, mode: str):
+        return ToyFeatureDraft if mode == "feature" else await super().factory(mode)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_pipelined_feature_draft_equals_the_targets_greedy_sequence(depth):
+    """A feature draft drafts a step while the one before it travels, over the guesses on its own
+    predicted features; the real features correct it when the answer comes."""
+    stage = FeatureStage()
+    out, summary = asyncio.run(_generate(stage, depth, 64, "feature", 3, ToyFeatureSources()))
+    assert out == greedy(PROMPT, 64)
+    assert summary.token_ids == out and summary.finish_reason == "length"
+    # The toy draft is right unless a pair sums to a multiple of 7: it keeps most of its drafts.
+    steps = summary.kept_per_traversal  # [i]: steps that kept i + 1 tokens
+    assert sum((i + 1) * n for i, n in enumerate(steps)) / sum(steps) > 2.5, steps
+    if depth == 1:
+        assert stage.most_in_flight == 1 and summary.dropped_steps == 0
+    else:
+        assert depth <= stage.most_in_flight <= 2 * depth - 1
+        # Its wrong guesses dropped the steps built on them, but chained over the right features
+        # (the guesses' predicted ones, then the answered ones) most steps sent ahead stand;
+        # drafting each from the answered feature and the last guess drops about all of them.
+        assert 0 < summary.dropped_steps <= summary.verify_steps * (depth - 1) // 2
+
+
 def test_plain_decoding_keeps_one_step_in_flight_whatever_the_depth():
     stage = StatefulStage()
     out, summary = asyncio.run(_generate(stage, 3, 16, speculative="none"))
@@ -157,6 +245,12 @@ def test_auto_depth_is_the_round_trip_over_compute_and_one_on_one_node():
     assert InFlightDepth(fixed=3).depth() == 3
     with pytest.raises(ValueError, match="spec_depth"):
         InFlightDepth(fixed=99)
+
+
+def test_a_row_goes_ahead_of_shared_steps_only_while_likely_to_stand():
+    assert worth_sending(0.25, 8, shared=False)  # alone, its step waits on the hops anyway
+    assert not worth_sending(0.25, 1, shared=True)  # 1/16 to stand: it would delay the others
+    assert worth_sending(0.9, 5, shared=True) and not worth_sending(0.9, 30, shared=True)
 
 
 class FailingStage(StatefulStage):

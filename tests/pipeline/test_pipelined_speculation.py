@@ -3,8 +3,11 @@ next speculative step goes while its step travels, built on that step's draft ac
 is dropped (its positions rewound by the next row's mask) when the step rejects; the output is the
 fleet's plain greedy, token for token, on INT4 shards, on paged and stateful stages.
 
-make test runs the 2-stage case, the 8 users and the failover; the long matrix (1/2/3 stages,
-D = 2..3, both backends, `exact`) is marked extended (make test-extended)."""
+The feature draft pipelines too: a step drafted while the one before it travels chains over the
+guesses on the draft's own predicted features.
+
+make test runs the 2-stage case, the feature draft's, the 8 users and the failover; the long matrix
+(1/2/3 stages, D = 2..3, both backends, `exact`) is marked extended (make test-extended)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from pipeshard.clients.client import PipeshardClient
 from pipeshard.precision import DEFAULT_PRECISION
 from pipeshard.services.launcher import stage_name
 from tests.pipeline.concurrent_streams import concurrently
+from tests.speculation.test_feature import eagle_draft  # noqa: F401 (the trained feature draft)
 
 pytestmark = pytest.mark.slow
 
@@ -82,6 +86,43 @@ def test_pipelined_speculation_equals_plain_greedy(
                 dropped += got.dropped_steps
     # Steps went while earlier ones travelled, and rejections dropped some of them.
     assert dropped > 0
+
+
+@pytest.mark.timeout(3600)  # the first run trains the test's draft (a few minutes, more when loaded)
+@pytest.mark.parametrize(
+    ("stages", "depth", "precision"),
+    [(2, 2, DEFAULT_PRECISION), pytest.param(2, 3, "exact", marks=pytest.mark.extended)],
+)
+def test_pipelined_feature_draft_equals_plain_greedy(
+    shared_fleet,
+    smollm2_export,
+    eagle_draft,  # noqa: F811 (the imported fixture)
+    stages,
+    depth,
+    precision,
+):
+    fleet = shared_fleet(
+        smollm2_export(stages, "int4"),
+        stages,
+        precision=precision,
+        extra_stage_args=("--kv", "paged"),
+        extra_coordinator_args=("--spec-depth", str(depth), "--feature-draft", str(eagle_draft)),
+    )
+    dropped = kept = 0
+    with PipeshardClient(fleet.coordinator, timeout_s=600) as client:
+        for i, prompt in enumerate(PROMPTS):
+            plain = client.generate(prompt, max_tokens=MAX_TOKENS, ignore_eos=True, speculative="none")
+            for k in (0, 4):
+                got = client.generate(
+                    prompt, max_tokens=MAX_TOKENS, ignore_eos=True, speculative="feature", k=k
+                )
+                assert got.token_ids == plain.token_ids, (
+                    f"prompt {i}, K={k or 'auto'}: differs at {_first_diff(got.token_ids, plain.token_ids)}"
+                )
+                dropped += got.dropped_steps
+                kept += sum(got.kept_per_traversal[1:])  # steps that kept a draft
+    # Its drafts were kept, steps went while earlier ones travelled, and rejections dropped some.
+    assert kept > 0 and dropped > 0
 
 
 @pytest.mark.parametrize("depth", [3])

@@ -91,6 +91,34 @@ def test_drafter_waits_for_a_feature_then_drafts_chains_and_trees(tmp_path):
     assert not drafter.propose_tree([1, 2], TreeShape(3, 4)).nodes
 
 
+def test_a_chain_continued_over_its_own_guesses_is_its_longer_chain(tmp_path):
+    """Traversals in flight: a step drafted while the one before it travels starts from the last
+    answered position and chains over the guesses on its own predicted features, so continuing
+    from the draft's own proposal gives what one longer proposal gives."""
+    _random_draft(tmp_path)
+    drafter = FeatureDrafter(feature_draft.FeatureDraftModel(tmp_path))
+    context = [1, 2]
+    assert drafter.propose([*context, 5, 6], 3, None, guessed=2).tokens == []  # no feature yet
+    drafter.observe(np.ones(H, dtype=np.float32))
+    chain = drafter.propose(context, 8, None).tokens
+    for n in range(1, 5):
+        assert drafter.propose(context + chain[:n], 3, None, guessed=n).tokens == chain[n : n + 3]
+    # Levels computed since the last observe are reused: a row built on the rows in flight
+    # computes only its own (the level fed its last guess and its drafts after the first).
+    levels = []
+    real_level = drafter._level
+    drafter._level = lambda *args: levels.append(1) or real_level(*args)  # type: ignore[method-assign]
+    assert len(drafter.propose(context + chain[:8], 3, None, guessed=8).tokens) == 3
+    assert len(levels) == 3  # chain[7]'s level, then two drafts
+    drafter.observe(np.ones(H, dtype=np.float32))  # new features: the chain starts over
+    levels.clear()
+    assert drafter.propose(context + chain[:2], 1, None, guessed=2).tokens == chain[2:3]
+    assert len(levels) == 2
+    # The root is the answered position, not the last guess: other guesses, other continuations.
+    other = [t for t in range(V) if t != chain[0]][:1]
+    assert drafter.propose(context + other, 3, None, guessed=1).tokens != chain[1:4]
+
+
 def test_generated_texts_are_reused_only_under_the_key_that_made_them(tmp_path):
     rng = np.random.default_rng(0)
     lengths = (5, 3, 7)

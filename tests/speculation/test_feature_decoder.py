@@ -112,6 +112,23 @@ def test_decoder_drafter_chains_trees_and_gaps(tmp_path):
     assert together.propose(context, 4, None).tokens == fresh.propose(context, 4, None).tokens
 
 
+def test_decoder_chain_continued_over_its_own_guesses_is_its_longer_chain(tmp_path):
+    """Traversals in flight: over guesses the target has not answered, the drafted nodes attend
+    to the cache of answered positions and to the guesses as their ancestors, so continuing from
+    the draft's own proposal gives what one longer proposal gives."""
+    random_decoder(tmp_path)
+    model = FeatureDecoderModel(tmp_path)
+    drafter = DecoderFeatureDrafter(model)
+    feats, tokens = _sequence(3)
+    drafter.observe(feats)
+    context = [0, *tokens]
+    chain = drafter.propose(context, 8, None).tokens
+    for n in range(1, 5):
+        assert drafter.propose(context + chain[:n], 3, None, guessed=n).tokens == chain[n : n + 3]
+    # The answered positions stay the cache's: a continuation does not add the guesses to it.
+    assert drafter.propose(context, 8, None).tokens == chain
+
+
 @pytest.fixture
 def one_thread():
     """Small torch steps on a loaded 2-core machine: two threads' barriers cost more than they give."""

@@ -37,6 +37,16 @@ def test_a_slow_link_takes_a_wide_deep_tree():
     assert paths == 3 and depth >= 6
 
 
+@pytest.mark.parametrize("acceptance", [0.5, 0.7, 0.9])
+def test_the_same_drafts_go_wide_over_a_slow_link_and_as_a_chain_on_one_node(acceptance):
+    """Tree width by latency: a tree's extra positions cost little against 100 ms hops, and on
+    one node they cost about what the tree's extra tokens bring."""
+    slow, fast = _policy(SLOW, acceptance), _policy(FAST, acceptance)
+    assert slow.choose_shape(32, 3)[0] == 3
+    paths, depth = fast.choose_shape(32, 3)
+    assert paths == 1 and depth > 0
+
+
 def test_a_fast_link_with_poor_drafts_decodes_plainly():
     policy = _policy(FAST, 0.1)
     assert policy.choose_shape(32, 3)[1] == 0

@@ -43,15 +43,22 @@ class Drafter(Protocol):
     # none): greedy steps then ask for them and hand the drafter each result's through
     # ``observe_heads``.
     head_candidates: int
-    # Whether its proposals depend on the context passed alone (no state that ``commit`` or
-    # ``observe`` advance): a draft may then continue from its own unconfirmed proposal, so a
-    # request's next step can go while this one travels (speculation/depth.py).
+    # Whether it can continue from its own unconfirmed proposal (``propose``'s ``guessed``), so a
+    # request's next step can go while this one travels (speculation/depth.py): prompt lookup
+    # reads the context alone; a feature draft chains over the guesses on its own predicted
+    # features. A draft model's cache holds what it fed, committed step by step: it cannot.
     pipelines: bool
 
     def propose(
-        self, context: Sequence[int], k: int, sample: tuple[Probabilities, np.random.Generator] | None
+        self,
+        context: Sequence[int],
+        k: int,
+        sample: tuple[Probabilities, np.random.Generator] | None,
+        guessed: int = 0,
     ) -> Draft:
-        """Up to ``k`` tokens to follow ``context``; ``sample`` draws instead of taking argmax."""
+        """Up to ``k`` tokens to follow ``context``; ``sample`` draws instead of taking argmax.
+        ``guessed``: how many of the context's last tokens are guesses in flight, which the target
+        has not answered yet (only for sources that ``pipelines``)."""
 
     def propose_tree(self, context: Sequence[int], shape: TreeShape) -> DraftTree:
         """Deterministic candidates after ``context``: up to ``shape.width`` paths of up to
@@ -85,8 +92,8 @@ class NgramDrafter:
     def __init__(self, max_ngram: int = 3):
         self.max_ngram = max_ngram
 
-    def propose(self, context, k, sample) -> Draft:
-        started = time.perf_counter()
+    def propose(self, context, k, sample, guessed: int = 0) -> Draft:
+        started = time.perf_counter()  # (guesses read as any context: lookup has no state)
         ctx = np.asarray(context, dtype=np.int64)
         tokens: list[int] = []
         for n in range(min(self.max_ngram, len(ctx) - 1), 0, -1):
@@ -186,8 +193,8 @@ class ModelDrafter:
         self._proposed = 0  # tokens of the last proposal
         self._spec_start = 0  # physical index of the first draft token fed back
 
-    def propose(self, context, k, sample) -> Draft:
-        started = time.perf_counter()
+    def propose(self, context, k, sample, guessed: int = 0) -> Draft:
+        started = time.perf_counter()  # (``guessed`` is always 0: it does not pipeline)
         session = self._session
         room = session.runner.max_context - session.past_length - (len(context) - self._cached)
         k = min(k, max(0, room))

@@ -8,12 +8,18 @@ draft keeps no cache: a chain feeds each predicted feature to the next level, an
 the children of a level's likeliest nodes in one batched numpy step and keeps the likeliest
 nodes overall (EAGLE-2), so a wider tree costs the coordinator a wider matmul, not more round
 trips. Both KV backends return the features of tree rows (paged stages: the masked sequence's).
+
+With traversals in flight (speculation/depth.py) a request drafts its next step before the one
+travelling is answered: the proposal starts from the last answered position and chains over the
+guesses in flight on its own predicted features, as EAGLE chains over its own drafts; when the
+answer comes, ``observe`` brings the real features and later proposals start from them.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -31,11 +37,12 @@ class _FeatureDrafting:
     auto_tree_width = 3  # a level of any width is one batched draft step; the policy prices it
     reads_features = True
     head_candidates = 0
-    pipelines = False  # it drafts from the target's features at the kept positions
+    pipelines = True  # over guesses in flight it chains on its own predicted features
 
     def __init__(self, vocab_size: int, head_ids: np.ndarray):
         self._vocab_size = vocab_size
         self._head_ids = head_ids  # the token id of each logits column
+        self._memo: _Chain | None = None  # the chain proposals since the last observe went along
 
     def _root(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
         """The predicted feature [1, H] and logits [1, S] after the last kept position (None: idle)."""
@@ -52,6 +59,7 @@ class _FeatureDrafting:
         """The draft's greedy guess at each level of a chain fed ``tokens`` (teacher forcing:
         guess l is for ``tokens[l]``, which level l + 1 is fed): a chain keeps its drafts up to
         the first guess that differs from the target's token."""
+        self._forget()
         root = self._root(context)
         if root is None:
             return []
@@ -65,19 +73,26 @@ class _FeatureDrafting:
             node = nodes[0]
         return guesses
 
-    def propose(self, context: Sequence[int], k: int, sample) -> Draft:
+    def propose(self, context: Sequence[int], k: int, sample, guessed: int = 0) -> Draft:
+        """Up to ``k`` tokens after ``context``. Its last ``guessed`` tokens are guesses in flight
+        (a pipelined request's rows not answered yet): the root is the last answered position and
+        the chain runs over the guesses on its own predicted features (as it runs over its own
+        drafts), so a step can be drafted while the one before it travels; the next ``observe``
+        brings the target's real features and later proposals start from them. Levels computed
+        since the last ``observe`` are reused (a row built on the rows in flight drafts only its
+        own levels)."""
         started = time.perf_counter()
-        root = self._root(context) if k >= 1 else None
-        if root is None:
+        chain = self._chain(context[: len(context) - guessed]) if k >= 1 else None
+        if chain is None:
             return Draft([], None, time.perf_counter() - started)
-        feature, logits = root
-        node, token = -1, np.asarray([context[-1]], dtype=np.int64)
+        for depth, guess in enumerate(context[len(context) - guessed :]):  # over the guesses
+            chain.advance(self, depth, int(guess))
         tokens: list[int] = []
         probs: list[np.ndarray] | None = [] if sample else None
         for level in range(k):
             if level:
-                feature, logits, nodes = self._level([node], feature, token)
-                node = nodes[0]
+                chain.advance(self, guessed + level - 1, tokens[-1])
+            logits = chain.states[guessed + level][1]
             if sample is None or probs is None:  # probs: a list whenever it draws
                 column = int(np.argmax(logits[0]))
             else:
@@ -87,9 +102,23 @@ class _FeatureDrafting:
                 full = np.zeros(self._vocab_size, dtype=sliced.dtype)
                 full[self._head_ids] = sliced
                 probs.append(full)
-            token = self._head_ids[[column]]
-            tokens.append(int(token[0]))
+            tokens.append(int(self._head_ids[column]))
         return Draft(tokens, probs, time.perf_counter() - started)
+
+    def _chain(self, answered: Sequence[int]) -> _Chain | None:
+        """The chain from the last answered position (``answered``: the context up to it), kept
+        until the next ``observe`` (None: idle)."""
+        base = (len(answered), int(answered[-1]))
+        if self._memo is None or self._memo.base != base:
+            root = self._root(answered)
+            if root is None:
+                return None
+            self._memo = _Chain(base, [], [(root[0], root[1], -1)])
+        return self._memo
+
+    def _forget(self) -> None:
+        """New features (or none): the kept chain started from an older position."""
+        self._memo = None
 
     def propose_tree(self, context: Sequence[int], shape: TreeShape) -> DraftTree:
         """The ``shape.width * shape.depth`` likeliest nodes (EAGLE-2's reranked tree): level by
@@ -100,6 +129,7 @@ class _FeatureDrafting:
         chain as far as the tree holds it."""
         started = time.perf_counter()
         tree = DraftTree()
+        self._forget()  # (the decoder kind's root drops the drafted nodes the chain refers to)
         root = self._root(context)
         if root is None:
             return tree
@@ -162,6 +192,7 @@ class FeatureDrafter(_FeatureDrafting):
     def observe(self, feature: np.ndarray | None) -> None:
         """The target's final normed hidden states at the positions the last step kept, in order
         [n, H]; None: the step returned none (idle until one). This kind reads the last."""
+        self._forget()
         if feature is None:
             self._feature = None
             return
@@ -179,6 +210,7 @@ class FeatureDrafter(_FeatureDrafting):
         return out, logits, [-1] * len(parents)
 
     def close(self) -> None:
+        self._forget()
         self._feature = None
 
 
@@ -204,6 +236,7 @@ class DecoderFeatureDrafter(_FeatureDrafting):
         self._node_depth: list[int] = []
 
     def observe(self, feature: np.ndarray | None) -> None:
+        self._forget()
         if feature is None:  # a gap in the positions: start over from the next features
             self.close()
             return
@@ -252,9 +285,31 @@ class DecoderFeatureDrafter(_FeatureDrafting):
         return out, logits, ids
 
     def close(self) -> None:
+        self._forget()
         self._unfed, self._last = [], None
         self._keys = self._values = self._keys[:0]
         self._node_keys, self._node_values, self._node_parent, self._node_depth = [], [], [], []
+
+
+@dataclass
+class _Chain:
+    """A feature draft's chain from the last answered position along one path of tokens (the
+    guesses in flight, then its own drafts): each level's predicted feature, logits and node."""
+
+    base: tuple[int, int]  # the answered context it starts from: its length and last token
+    path: list[int]
+    states: list[tuple[np.ndarray, np.ndarray, int]]  # [i]: after the root and path[:i]
+
+    def advance(self, drafting: _FeatureDrafting, depth: int, token: int) -> None:
+        """Makes ``states[depth + 1]`` the level fed ``token`` after ``path[:depth]``: kept when
+        the path goes on with it, else computed (the path cut there)."""
+        if len(self.path) > depth and self.path[depth] == token:
+            return
+        del self.path[depth:], self.states[depth + 1 :]
+        feature, _, node = self.states[depth]
+        out, logits, nodes = drafting._level([node], feature, np.asarray([token], dtype=np.int64))
+        self.path.append(token)
+        self.states.append((out, logits, nodes[0]))
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:

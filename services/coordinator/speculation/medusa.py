@@ -45,8 +45,8 @@ class MedusaDrafter:
         """The heads' candidates after the last step (None: none usable this time)."""
         self._candidates = candidates
 
-    def propose(self, context: Sequence[int], k: int, sample) -> Draft:
-        c = self._candidates
+    def propose(self, context: Sequence[int], k: int, sample, guessed: int = 0) -> Draft:
+        c = self._candidates  # (``guessed`` is always 0: it does not pipeline)
         if c is None or sample is not None:
             return self._lookup.propose(context, k, sample)
         started = time.perf_counter()

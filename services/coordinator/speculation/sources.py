@@ -2,7 +2,8 @@
 
 A client only picks a name: the operator decides at start-up which draft folders exist
 (``--draft NAME=DIR``, plus ``self``: the ``--self-draft`` export, ``feature``: the
-``--feature-draft`` folder, a draft reading the target's features, and ``medusa``: the final
+``--feature-draft`` folder, a draft reading the target's features, ``mix``: prompt lookup where
+it finds a match, else that feature draft, and ``medusa``: the final
 stage's draft heads, when its GetStageInfo reports them), so a request can never make
 the coordinator read, export or keep in memory a folder it chose, nor learn which folders exist.
 """
@@ -20,6 +21,7 @@ from pipeshard.errors import InvalidArgument
 from pipeshard.services.coordinator.speculation.drafts import Drafter, DraftModel, NgramDrafter
 from pipeshard.services.coordinator.speculation.feature import DecoderFeatureDrafter, FeatureDrafter
 from pipeshard.services.coordinator.speculation.medusa import MedusaDrafter
+from pipeshard.services.coordinator.speculation.mixed import MixedDrafter
 from pipeshard.shard import feature_draft
 from pipeshard.shard.drafts import check_same_tokenizer, resolve_draft
 from pipeshard.shard.feature_decoder import FeatureDecoderModel
@@ -27,7 +29,7 @@ from pipeshard.shard.runtime import ShardRunner
 
 log = structlog.get_logger(__name__)
 
-MODES = ("none", "self", "ngram", "feature", "medusa")
+MODES = ("none", "self", "ngram", "feature", "mix", "medusa")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -90,7 +92,7 @@ class DraftSources:
             "none",
             "ngram",
             *(["self"] if self.self_draft is not None else []),
-            *(["feature"] if self.feature is not None else []),
+            *(["feature", "mix"] if self.feature is not None else []),
             *(["medusa"] if self.heads else []),
             *sorted(self.named),
         ]
@@ -104,7 +106,7 @@ class DraftSources:
                 "speculative",
                 "self-draft is not configured on this coordinator (start it with --self-draft DIR)",
             )
-        if mode == "feature":
+        if mode in ("feature", "mix"):
             raise InvalidArgument(
                 "speculative",
                 "no feature draft is configured on this coordinator (train one with "
@@ -129,11 +131,11 @@ class DraftSources:
             return NgramDrafter
         if mode == "medusa":
             return lambda: MedusaDrafter(self.heads)
-        if mode == "feature":
-            feature = await self._feature_draft()
-            if isinstance(feature, FeatureDecoderModel):
-                return lambda: DecoderFeatureDrafter(feature)
-            return lambda: FeatureDrafter(feature)
+        if mode in ("feature", "mix"):
+            drafter = _feature_drafter(await self._feature_draft())
+            if mode == "mix":
+                return lambda: MixedDrafter(drafter())
+            return drafter
         folder = self.self_draft if mode == "self" else self.named.get(mode, Path(mode))
         if folder is None:
             raise InvalidArgument("speculative", "this coordinator has no self-draft")
@@ -165,6 +167,15 @@ class DraftSources:
         runner.warmup()
         log.info("draft_loaded", folder=str(folder), export=str(export), sliced=runner.vocab_ids is not None)
         return DraftModel(runner, runner.vocab_ids, runner.vocab_size)
+
+
+def _feature_drafter(
+    model: feature_draft.FeatureDraftModel | FeatureDecoderModel,
+) -> Callable[[], FeatureDrafter | DecoderFeatureDrafter]:
+    """A request's drafter of the draft's kind."""
+    if isinstance(model, FeatureDecoderModel):
+        return lambda: DecoderFeatureDrafter(model)
+    return lambda: FeatureDrafter(model)
 
 
 def _feature_model(
