@@ -159,6 +159,34 @@ def greedy(prompt: list[int], tokens: int) -> list[int]:
     return context[len(prompt) :]
 
 
+def answer_on_cache(
+    cache: list[list], row, compute_micros: tuple[int, ...] = ()
+) -> activation_pb2.StepResult:
+    """One row on a session's cache of (token, valid) slots: its invalidate ranges masked, its
+    tokens appended at the next logical position, the toy target's answers for the positions it
+    returns."""
+    for start, end in row.invalidate:
+        assert 0 <= start <= end <= len(cache), (start, end, len(cache))
+        for slot in cache[start:end]:
+            slot[1] = False
+    valid = [token for token, ok in cache if ok]
+    # Positions are logical: a row continues the valid sequence, wherever its slots are.
+    assert int(row.positions[0]) == len(valid), (row.positions.tolist(), len(valid))
+    tokens = row.activations[0].tolist()
+    answers = []
+    for i, token in enumerate(tokens):
+        cache.append([token, True])
+        valid.append(token)
+        if row.return_mode is not ReturnMode.NONE and i >= len(tokens) - row.return_last:
+            answers.append(target(valid))
+    return activation_pb2.StepResult(
+        session_id=row.session_id,
+        step_id=row.step_id,
+        top1=activation_pb2.Top1(token_ids=answers, probabilities=[1.0] * len(answers)),
+        stage_compute_micros=list(compute_micros),
+    )
+
+
 @dataclass(frozen=True)
 class SeenRow:
     """One row of a step the toy fleet ran: whose (the request's id and status as the engine's
@@ -225,24 +253,7 @@ class ToyFleet:
         return answers
 
     def _run(self, row) -> activation_pb2.StepResult:
-        cache = self.caches[row.session_id]
-        for start, end in row.invalidate:
-            for slot in cache[start:end]:
-                slot[1] = False
-        valid = [token for token, ok in cache if ok]
-        assert int(row.positions[0]) == len(valid), (row.positions.tolist(), len(valid))
-        tokens = row.activations[0].tolist()
-        answers = []
-        for i, token in enumerate(tokens):
-            cache.append([token, True])
-            valid.append(token)
-            if row.return_mode is not ReturnMode.NONE and i >= len(tokens) - row.return_last:
-                answers.append(target(valid))
-        return activation_pb2.StepResult(
-            session_id=row.session_id,
-            step_id=row.step_id,
-            top1=activation_pb2.Top1(token_ids=answers, probabilities=[1.0] * len(answers)),
-        )
+        return answer_on_cache(self.caches[row.session_id], row)
 
     async def release_session(self, session_id) -> None:
         self.caches.pop(session_id, None)

@@ -17,26 +17,13 @@ from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.depth import InFlightDepth, worth_sending
 from pipeshard.services.coordinator.speculation.feature import _FeatureDrafting
 from pipeshard.services.coordinator.speculation.sources import DraftSources
-from pipeshard.services.stage.domain import ReturnMode
 from pipeshard.services.stage.wire import step_from_frame
 from pipeshard.tensor_codec import encode
 from pipeshard.v1 import activation_pb2
+from tests.coordinator.engine_fakes import VOCAB, answer_on_cache, greedy
 
-VOCAB = 13
 # Repeats some of its n-grams with other successors, so prompt lookup guesses wrong at first.
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 9, 4, 5, 6]
-
-
-def target(context: list[int]) -> int:
-    """The toy target's greedy next token: eventually periodic, so drafts start wrong, end right."""
-    return (context[-1] * 7 + context[-2] * 3 + 1) % VOCAB
-
-
-def greedy(prompt: list[int], tokens: int) -> list[int]:
-    context = list(prompt)
-    for _ in range(tokens):
-        context.append(target(context))
-    return context[len(prompt) :]
 
 
 class Tokenizer:
@@ -75,27 +62,7 @@ class StatefulStage:
             self.in_flight[session] -= 1
 
     def _run(self, row) -> activation_pb2.StepResult:
-        cache = self.caches[row.session_id]
-        for start, end in row.invalidate:
-            assert 0 <= start <= end <= len(cache), (start, end, len(cache))
-            for slot in cache[start:end]:
-                slot[1] = False
-        valid = [token for token, ok in cache if ok]
-        # Positions are logical: a row continues the valid sequence, wherever its slots are.
-        assert int(row.positions[0]) == len(valid), (row.positions.tolist(), len(valid))
-        tokens = row.activations[0].tolist()
-        answers = []
-        for i, token in enumerate(tokens):
-            cache.append([token, True])
-            valid.append(token)
-            if row.return_mode is not ReturnMode.NONE and i >= len(tokens) - row.return_last:
-                answers.append(target(valid))
-        return activation_pb2.StepResult(
-            session_id=row.session_id,
-            step_id=row.step_id,
-            top1=activation_pb2.Top1(token_ids=answers, probabilities=[1.0] * len(answers)),
-            stage_compute_micros=[100],
-        )
+        return answer_on_cache(self.caches[row.session_id], row, compute_micros=(100,))
 
     async def release_session(self, session_id):
         self.caches.pop(session_id, None)
