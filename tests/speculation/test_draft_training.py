@@ -199,7 +199,7 @@ def test_the_running_coordinator_refuses_bad_drafts_by_name_and_picks_up_a_whole
     with capture_logs() as logs:
         assert asyncio.run(watch.poll())
     assert [e["event"] for e in logs][-1] == "feature_draft_picked_up", logs
-    assert generation.offered == [(["none", "ngram", "feature"], "feature")]
+    assert generation.offered == [(["none", "ngram", "feature", "mix"], "feature")]
     assert _gauge("feature") == 1.0 and _gauge("ngram") == 0.0
 
 
