@@ -18,6 +18,7 @@ the manifest's model fingerprint, the same for every export of the same weights.
 
 from __future__ import annotations
 
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -103,6 +104,50 @@ def write(folder: Path, meta: FeatureDraftMeta, arrays: dict[str, np.ndarray]) -
 def check_target(meta: FeatureDraftMeta, target_export: Path, folder: Path) -> None:
     """Refused for any weights but those it was trained on, naming both fingerprints."""
     FOLDER.check_target(folder, meta.model_fingerprint, meta.hidden_size, meta.vocab_size, target_export)
+
+
+def expected_shapes(meta: FeatureDraftMeta, slice_rows: int) -> dict[str, tuple[int, ...]]:
+    """Every array a draft of ``meta``'s kind holds, with the shape its sizes give (the head slice's
+    rows are what its ``head_ids`` say)."""
+    h, i, v = meta.hidden_size, meta.intermediate_size, meta.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed": (v, h),
+        "head_ids": (slice_rows,),
+        "head": (slice_rows, h),
+        "norm_embed": (h,),
+        "fc_weight": (h, 2 * h),
+        "fc_bias": (h,),
+        "norm_mlp": (h,),
+        "gate": (i, h),
+        "up": (i, h),
+        "down": (h, i),
+        "norm_out": (h,),
+    }
+    if meta.kind == "eagle-decoder":
+        shapes.update(norm_attn=(h,), q=(h, h), k=(h, h), v=(h, h), o=(h, h))
+    return shapes
+
+
+def check_weights(folder: Path, meta: FeatureDraftMeta) -> None:
+    """InvalidArgument naming ``feature_draft`` unless every array is there, of its shape, finite,
+    and the head slice's ids are token ids (a truncated or foreign file fails here, not mid-request)."""
+    try:
+        with np.load(Path(folder) / WEIGHTS, allow_pickle=False) as z:
+            arrays = {name: z[name] for name in z.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # truncated, damaged, not a zip
+        raise InvalidArgument("feature_draft", f"{folder}: {WEIGHTS} cannot be read ({exc})") from exc
+    ids = arrays.get("head_ids", np.zeros((0, 0)))
+    for name, shape in expected_shapes(meta, ids.shape[0] if ids.ndim == 1 else -1).items():
+        if name not in arrays:
+            raise InvalidArgument("feature_draft", f"{folder}: {WEIGHTS} has no {name}")
+        if arrays[name].shape != shape:
+            raise InvalidArgument(
+                "feature_draft", f"{folder}: {name} is {arrays[name].shape}, its meta's sizes say {shape}"
+            )
+        if not np.isfinite(arrays[name]).all():
+            raise InvalidArgument("feature_draft", f"{folder}: {name} holds values that are not finite")
+    if ids.size and (ids.min() < 0 or ids.max() >= meta.vocab_size):
+        raise InvalidArgument("feature_draft", f"{folder}: head_ids reach outside the vocabulary")
 
 
 def rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

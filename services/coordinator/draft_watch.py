@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
 import structlog
 
-from pipeshard.errors import InvalidArgument
 from pipeshard.metrics import SPECULATION_DEFAULT
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.shard import feature_draft
@@ -45,50 +42,6 @@ class TakesDrafts(Protocol):
     default_speculative: str
 
     def offer_drafts(self, drafts: DraftSources, default_speculative: str) -> None: ...
-
-
-def expected_shapes(meta: feature_draft.FeatureDraftMeta, slice_rows: int) -> dict[str, tuple[int, ...]]:
-    """Every array a draft of ``meta``'s kind holds, with the shape its sizes give (the head slice's
-    rows are what its ``head_ids`` say)."""
-    h, i, v = meta.hidden_size, meta.intermediate_size, meta.vocab_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "embed": (v, h),
-        "head_ids": (slice_rows,),
-        "head": (slice_rows, h),
-        "norm_embed": (h,),
-        "fc_weight": (h, 2 * h),
-        "fc_bias": (h,),
-        "norm_mlp": (h,),
-        "gate": (i, h),
-        "up": (i, h),
-        "down": (h, i),
-        "norm_out": (h,),
-    }
-    if meta.kind == "eagle-decoder":
-        shapes.update(norm_attn=(h,), q=(h, h), k=(h, h), v=(h, h), o=(h, h))
-    return shapes
-
-
-def check_weights(folder: Path, meta: feature_draft.FeatureDraftMeta) -> None:
-    """InvalidArgument naming ``feature_draft`` unless every array is there, of its shape, finite,
-    and the head slice's ids are token ids (a truncated or foreign file fails here, not mid-request)."""
-    try:
-        with np.load(Path(folder) / WEIGHTS, allow_pickle=False) as z:
-            arrays = {name: z[name] for name in z.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # truncated, damaged, not a zip
-        raise InvalidArgument("feature_draft", f"{folder}: {WEIGHTS} cannot be read ({exc})") from exc
-    ids = arrays.get("head_ids", np.zeros((0, 0)))
-    for name, shape in expected_shapes(meta, ids.shape[0] if ids.ndim == 1 else -1).items():
-        if name not in arrays:
-            raise InvalidArgument("feature_draft", f"{folder}: {WEIGHTS} has no {name}")
-        if arrays[name].shape != shape:
-            raise InvalidArgument(
-                "feature_draft", f"{folder}: {name} is {arrays[name].shape}, its meta's sizes say {shape}"
-            )
-        if not np.isfinite(arrays[name]).all():
-            raise InvalidArgument("feature_draft", f"{folder}: {name} holds values that are not finite")
-    if ids.size and (ids.min() < 0 or ids.max() >= meta.vocab_size):
-        raise InvalidArgument("feature_draft", f"{folder}: head_ids reach outside the vocabulary")
 
 
 def _stamp(path: Path) -> tuple[int, int] | None:
@@ -158,7 +111,7 @@ class DraftWatch:
     async def _checked(self) -> DraftSources:
         meta = feature_draft.read_meta(self.folder)
         feature_draft.check_target(meta, self.target_shards, self.folder)
-        await asyncio.to_thread(check_weights, self.folder, meta)
+        await asyncio.to_thread(feature_draft.check_weights, self.folder, meta)
         drafts = self._sources(self.folder)
         await drafts.factory("feature")  # loads it now, not on a request
         return drafts

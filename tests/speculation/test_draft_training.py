@@ -23,7 +23,7 @@ from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 
 from pipeshard.errors import InvalidArgument
-from pipeshard.services.coordinator.draft_watch import DraftWatch, expected_shapes, say_default
+from pipeshard.services.coordinator.draft_watch import DraftWatch, say_default
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.services.draft_training import (
     ENV,
@@ -153,7 +153,7 @@ def _draft_arrays(export: Path, **changes) -> tuple[FeatureDraftMeta, dict[str, 
     ids = np.arange(s, dtype=np.int64)
     arrays = {
         name: rng.standard_normal(shape).astype(np.float16 if name == "embed" else np.float32) * 0.02
-        for name, shape in expected_shapes(meta, s).items()
+        for name, shape in feature_draft.expected_shapes(meta, s).items()
         if name != "head_ids"
     }
     return meta, {**arrays, "head_ids": ids, **changes}
