@@ -47,7 +47,7 @@ every one speculating with the fleet's best source under adaptive K against ever
 of median aggregate tok/s over interleaved rounds, at 3 stages and 100 ms), and ``by_kind_at_100ms``
 (per prompt kind: that configuration's speedup and tokens per traversal, each source's best).
 (#48, the default: the WAN fleets run ``--speculative auto`` and the ``default`` configuration sends
-requests that do not choose, last in each round) ``default_speedup_at_<delay>`` (against plain, 3
+requests that do not choose, shuffled among the rest) ``default_speedup_at_<delay>`` (against plain, 3
 stages), ``default_over_best_source_at_<delay>`` (against the best configuration of any single
 source there, named by ``best_source_at_<delay>``) and ``default_sources_at_<delay>`` (the sources
 its answers name).
@@ -482,8 +482,9 @@ def wan_sweep(
                 configs: dict[str, Config] = {}
                 for source in sources:
                     configs |= spec_configs((source,), WAN_KS, trees=trees)
-                # what a request that does not choose gets (the fleet runs ``--speculative auto``):
-                # last in each round, so auto chooses from what this fleet measured, as a warmed one does
+                # what a request that does not choose gets (the fleet runs ``--speculative auto``),
+                # in the shuffled rounds beside the rest: auto chooses from what this fleet measured
+                # so far, the other configurations' adaptive requests included
                 configs["default"] = ("", 0, "auto")
 
                 def generate(prompt, tokens, source, k, tree, client=client):
