@@ -128,9 +128,12 @@ def test_a_default_request_under_auto_names_the_source_it_used_and_feeds_the_cho
         StatefulStage(), Tokenizer(), set(), drafts=DraftSources(Path(".")), default_speculative="auto"
     )
 
+    learnt = []
+
     async def requests():
         first = await _generate(generation)
         second = await _generate(generation)
+        learnt.append(generation._sources["ngram"].tried)
         fixed = await _generate(generation, "ngram", k=3)  # a client's own choice wins
         return first, second, fixed
 
@@ -144,3 +147,6 @@ def test_a_default_request_under_auto_names_the_source_it_used_and_feeds_the_cho
     # the two default requests measured their arms; the fixed K request is no evidence for auto
     assert rates["ngram"] == pytest.approx(first.tok_s) and rates[PLAIN] == pytest.approx(second.tok_s)
     assert generation.choice.chosen == 2
+    # adaptive K's memory of a source is learnt from adaptive requests only (a fixed K's deep
+    # drafts keep less per draft)
+    assert learnt[0] > 0 and generation._sources["ngram"].tried == learnt[0]

@@ -46,7 +46,7 @@ def among(offered: Sequence[str]) -> list[str]:
 
 @dataclass
 class Arm:
-    """One source's (or plain's) measured decode rates and when it was last handed out."""
+    """One source's (or plain's) measured decode rates and when it was last handed out or measured."""
 
     rates: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     seen: int = -1  # the choice's count when it was last handed out or measured (-1: never)
