@@ -112,8 +112,10 @@ def test_only_adaptive_requests_long_enough_and_of_a_candidate_count():
 
 
 async def _generate(generation: Generation, speculative: str = "", k: int = 0) -> tuple[list[int], Summary]:
+    """One request on the fake stateful stage, chains only (the fake verifies no tree rows)."""
     out, summary = [], None
-    async for event in generation.run(PROMPT, SamplingParams(max_tokens=24), speculative=speculative, k=k):
+    params = SamplingParams(max_tokens=24)
+    async for event in generation.run(PROMPT, params, speculative=speculative, k=k, tree="off"):
         if isinstance(event, Chunk):
             out.extend(event.token_ids)
         elif isinstance(event, Summary):

@@ -16,7 +16,8 @@ ran one of them under adaptive K (its own or a client's choice) adds its decode 
 window. A new default request gets, in order: an arm neither handed out nor measured yet (each is
 measured once); every ``explore_every``-th request, the arm handed out or measured longest ago (so
 a source the link or the text made slow is probed again now and then); else the arm with the best
-mean rate over its window (before any is measured, the first candidate). Plain as the best arm
+mean rate over its window, recent rates weighing more (before any is measured, the first
+candidate). Plain as the best arm
 means no source pays for itself on this fleet now: the request decodes plainly, K = 0 for every
 row, and the probes tell when that changes. Within a speculating request adaptive K still drops to
 K = 0 wherever its text defeats the draft.
@@ -37,6 +38,8 @@ MIN_TOKENS = 8
 # Requests whose rates each arm's mean is taken over (several of each kind of prompt).
 WINDOW = 16
 EXPLORE_EVERY = 8
+# Default requests after which a measured rate weighs half (see ``Arm.rate``).
+HALF_LIFE = 16
 
 
 def among(offered: Sequence[str]) -> list[str]:
@@ -46,14 +49,19 @@ def among(offered: Sequence[str]) -> list[str]:
 
 @dataclass
 class Arm:
-    """One source's (or plain's) measured decode rates and when it was last handed out or measured."""
+    """One source's (or plain's) measured decode rates, each with the choice's count when it came
+    in, and when the arm was last handed out or measured."""
 
-    rates: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    rates: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=WINDOW))
     seen: int = -1  # the choice's count when it was last handed out or measured (-1: never)
 
-    @property
-    def rate(self) -> float | None:
-        return sum(self.rates) / len(self.rates) if self.rates else None
+    def rate(self, now: int) -> float | None:
+        """The mean rate, a sample's weight halving every ``HALF_LIFE`` choices since it came in (a
+        rate from before the link or the load changed fades though the arm is seldom tried)."""
+        if not self.rates:
+            return None
+        weights = [0.5 ** ((now - at) / HALF_LIFE) for _, at in self.rates]
+        return sum(w * r for w, (r, _) in zip(weights, self.rates, strict=True)) / sum(weights)
 
 
 @dataclass
@@ -70,13 +78,14 @@ class SourceChoice:
         for name in arms:
             self.arms.setdefault(name, Arm())
         fresh = [a for a in arms if self.arms[a].seen < 0]
-        measured = [a for a in arms if self.arms[a].rate is not None]
+        rates = {a: self.arms[a].rate(self.chosen) for a in arms}
+        measured = [a for a in arms if rates[a] is not None]
         if fresh:
             pick = fresh[0]
         elif measured and self.chosen % self.explore_every == self.explore_every - 1:
             pick = min(arms, key=lambda a: self.arms[a].seen)
         elif measured:
-            pick = max(measured, key=lambda a: self.arms[a].rate or 0.0)
+            pick = max(measured, key=lambda a: rates[a] or 0.0)
         else:
             pick = arms[0]
         self.arms[pick].seen = self.chosen
@@ -89,9 +98,9 @@ class SourceChoice:
         counted."""
         if source in (*CANDIDATES, PLAIN) and tokens >= MIN_TOKENS and tok_s > 0.0:
             arm = self.arms.setdefault(source, Arm())
-            arm.rates.append(tok_s)
+            arm.rates.append((tok_s, self.chosen))
             arm.seen = self.chosen
 
     def rates(self) -> dict[str, float | None]:
         """Each arm's mean measured rate (None: not measured yet), for logs and tests."""
-        return {name: arm.rate for name, arm in self.arms.items()}
+        return {name: arm.rate(self.chosen) for name, arm in self.arms.items()}
