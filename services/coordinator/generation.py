@@ -1166,7 +1166,8 @@ class Generation:
         """Opens the request's session on every stage and sets up its drafter and K policy."""
         mode, k, tree = speculation.mode, speculation.k, speculation.tree
         if mode == AUTO:  # the source measured fastest on this fleet (speculation/choice.py)
-            mode = self.choice.choose(self._drafts.names if self._drafts is not None else [])
+            offered = self._drafts.names if self._drafts is not None else []
+            mode = self.choice.choose(offered, peek=not metered)  # the warm-up leaves it as it was
         constraint = None
         if params.grammar is not None:
             grammars = self._grammars

@@ -72,8 +72,9 @@ class SourceChoice:
     arms: dict[str, Arm] = field(default_factory=dict)
     chosen: int = 0  # default requests given a source so far
 
-    def choose(self, offered: Sequence[str]) -> str:
-        """The source (or ``none``) for the next request that did not choose."""
+    def choose(self, offered: Sequence[str], peek: bool = False) -> str:
+        """The source (or ``none``) for the next request that did not choose; ``peek``: for one
+        that does not count (the coordinator's warm-up), leaving the choice as it was."""
         arms = among(offered)
         for name in arms:
             self.arms.setdefault(name, Arm())
@@ -88,8 +89,9 @@ class SourceChoice:
             pick = max(measured, key=lambda a: rates[a] or 0.0)
         else:
             pick = arms[0]
-        self.arms[pick].seen = self.chosen
-        self.chosen += 1
+        if not peek:
+            self.arms[pick].seen = self.chosen
+            self.chosen += 1
         return pick
 
     def observe(self, source: str, tokens: int, tok_s: float) -> None:
