@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeshard.services.coordinator.generation import Chunk, Generation, Summary
-from pipeshard.services.coordinator.sampling import SamplingParams
+from pipeshard.services.coordinator.generation import Generation, Summary
 from pipeshard.services.coordinator.speculation.choice import EXPLORE_EVERY, PLAIN, SourceChoice, among
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from tests.coordinator.engine_fakes import greedy
-from tests.coordinator.test_engine_pipelined import PROMPT, StatefulStage, Tokenizer
+from tests.coordinator.test_engine_pipelined import PROMPT, StatefulStage, Tokenizer, collect
 
 COMPUTE_S = 0.030  # the stages' compute of a plain step; a verify step costs twice that
 
@@ -114,16 +113,7 @@ def test_only_adaptive_requests_long_enough_and_of_a_candidate_count():
 
 async def _generate(generation: Generation, speculative: str = "", k: int = 0) -> tuple[list[int], Summary]:
     """One request on the fake stateful stage, chains only (the fake verifies no tree rows)."""
-    out, summary = [], None
-    params = SamplingParams(max_tokens=24)
-    async for event in generation.run(PROMPT, params, speculative=speculative, k=k, tree="off"):
-        if isinstance(event, Chunk):
-            out.extend(event.token_ids)
-        elif isinstance(event, Summary):
-            summary = event
-    await generation.released()
-    assert summary is not None
-    return out, summary
+    return await collect(generation, 24, speculative=speculative, k=k, tree="off")
 
 
 def test_a_default_request_under_auto_names_the_source_it_used_and_feeds_the_choice():
