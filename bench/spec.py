@@ -46,6 +46,11 @@ source), ``batch8_spec_over_plain_at_100ms`` (BATCH_USERS users at once, each it
 every one speculating with the fleet's best source under adaptive K against every one plain: ratio
 of median aggregate tok/s over interleaved rounds, at 3 stages and 100 ms), and ``by_kind_at_100ms``
 (per prompt kind: that configuration's speedup and tokens per traversal, each source's best).
+(#48, the default: the WAN fleets run ``--speculative auto`` and the ``default`` configuration sends
+requests that do not choose, shuffled among the rest) ``default_speedup_at_<delay>`` (against plain, 3
+stages), ``default_over_best_source_at_<delay>`` (against the best configuration of any single
+source there, named by ``best_source_at_<delay>``) and ``default_sources_at_<delay>`` (the sources
+its answers name).
 
 BENCH_QUICK=1: 2 rounds single node, 1 WAN round, each after a few tokens per configuration, 24
 tokens, K 5, tree 3x4, sources ngram and feature (and self when BENCH_SELF_DRAFT is given), the
@@ -314,6 +319,8 @@ def _fold(summaries: list) -> dict:
         # and dropped after it rejected a draft they were built on (in-flight depth > 1)
         "traversals": sum(sum(s.kept_per_traversal) for s in summaries),
         "dropped_steps": sum(s.dropped_steps for s in summaries),
+        # the source each answer names (``default``: what auto chose per request)
+        "speculative": dict(Counter(s.speculative for s in summaries)),
     }
 
 
@@ -377,6 +384,7 @@ def table(
                 zip(kinds, result["per_prompt_tokens_per_traversal"], strict=True)
             ),
             "identical_to_plain": sum(a == b for a, b in zip(result["tokens"], plain, strict=True)),
+            "sources_used": result["speculative"],
             **spec_stats(result),
         }
     return rows
@@ -489,6 +497,10 @@ def wan_sweep(
                 configs: dict[str, Config] = {}
                 for source in sources:
                     configs |= spec_configs((source,), WAN_KS, trees=trees)
+                # what a request that does not choose gets (the fleet runs ``--speculative auto``),
+                # in the shuffled rounds beside the rest: auto chooses from what this fleet measured
+                # so far, the other configurations' adaptive requests included
+                configs["default"] = ("", 0, "auto")
 
                 def generate(prompt, tokens, source, k, tree, client=client):
                     return client.generate(
@@ -607,6 +619,24 @@ def pipelined_keys(wan: dict, sources: tuple[str, ...]) -> dict:
         out["batch8_spec_over_plain_at_100ms"] = at_100["batch"]["spec_over_plain"]
         out["batch8_spec_over_plain_at_100ms_ci95"] = at_100["batch"]["spec_over_plain_ci95"]
         out["batch8_source_at_100ms"] = at_100["batch"]["source"]
+    return out
+
+
+def default_keys(wan: dict, sources: tuple[str, ...]) -> dict:
+    """The fleet's default (``auto``, speculation/choice.py) at 3 stages at each delay: its speedup
+    over plain, over the best single source's configuration there, and which sources it used."""
+    out: dict = {}
+    for point in wan.values():
+        rows = point["configs"]
+        if point["stages"] != 3 or "default" not in rows:
+            continue
+        delay = f"{point['delay_ms']:g}ms"
+        best = max((point[s]["best"] for s in sources), key=lambda n: rows[n]["speedup"])
+        out[f"default_speedup_at_{delay}"] = rows["default"]["speedup"]
+        out[f"default_speedup_at_{delay}_ci95"] = rows["default"]["speedup_ci95"]
+        out[f"default_over_best_source_at_{delay}"] = rows["default"]["speedup"] / rows[best]["speedup"]
+        out[f"best_source_at_{delay}"] = best
+        out[f"default_sources_at_{delay}"] = rows["default"]["sources_used"]
     return out
 
 
@@ -775,7 +805,7 @@ def main() -> int:
             )
         mixed = ("feature", "mix") if feature else ()  # mix: lookup where it matches, else the feature draft
         wan_sources = (token_source, *mixed) + (("medusa",) if heads else ())
-        extra = ["--step-timeout-s", "120"]
+        extra = ["--step-timeout-s", "120", "--speculative", "auto"]
         extra += ["--self-draft", str(self_draft)] if self_draft else []
         extra += ["--draft", f"hf={hf}"] if hf else []
         extra += ["--feature-draft", str(feature)] if feature else []
@@ -798,6 +828,7 @@ def main() -> int:
             "wan_source": token_source,
             **wan_keys(wan, token_source, wan_sources[1:]),
             **pipelined_keys(wan, wan_sources),
+            **default_keys(wan, wan_sources),
             "wan": wan,
         }
     result["bit_exact"] = all(exact) if exact else None

@@ -46,9 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--speculative",
         default="",
         metavar="NAME",
-        help="draft source for speculative decoding: none, ngram, self or a name the coordinator was "
-        "started with (--draft NAME=DIR); with --local also a draft folder (default: the "
-        "coordinator's; none with --local)",
+        help="draft source for speculative decoding: auto (the source measured fastest, or plain), "
+        "none, ngram, self, feature, mix, medusa or a name the coordinator was started with "
+        "(--draft NAME=DIR); with --local also a draft folder (default: the coordinator's; none "
+        "with --local); --json's speculative names the one used",
     )
     p.add_argument("--k", type=_k, default=0, metavar="N|auto", help="drafts per verify step (default auto)")
     p.add_argument(

@@ -46,7 +46,7 @@ class Training:
         return (
             f"draft training: a feature draft for these weights is training in the background ({when}, "
             f"nice {NICE}, pid {self.pid}, about 45 minutes on 2 cores; log {self.log}); the running "
-            f"fleet switches new requests to it once it is written ({self.folder})"
+            f"fleet offers it to new requests once it is written ({self.folder})"
         )
 
 

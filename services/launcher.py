@@ -247,15 +247,17 @@ def held_out_chain(training: dict) -> float:
 
 
 def default_speculation(feature_args: list[str]) -> tuple[list[str], str]:
-    """(the coordinator arguments, a line saying which) of the best draft source a fleet has,
-    used by requests that do not choose: the trained feature draft (``feature_draft_args``), else
-    prompt lookup. Both run under adaptive K, which drafts nothing where drafting does not pay,
-    and both are greedy-exact; a request's ``speculative`` still overrides (``none``: plain)."""
+    """(the coordinator arguments, a line saying which) of the speculation requests that do not
+    choose get: ``auto``, the source measured fastest on this fleet per request (the trained
+    feature draft ``feature_draft_args`` offers, alone or as ``mix``, or prompt lookup), or plain
+    where none pays (speculation/choice.py); each runs under adaptive K and is greedy-exact. A
+    request's ``speculative`` still overrides (``none``: plain)."""
+    among = "mix (prompt lookup, else the feature draft), feature, ngram" if feature_args else "ngram"
+    said = f"speculation: auto by default: the fastest measured of {among} or plain, per request"
     if feature_args:
-        return feature_args, f"speculation: the feature draft {feature_args[1]} by default (adaptive K)"
-    return ["--speculative", "ngram"], (
-        "speculation: prompt lookup (ngram) by default (adaptive K); no feature draft for these "
-        "weights (`make distil KIND=eagle` trains one)"
+        return [*feature_args[:2], "--speculative", "auto"], f"{said}; the feature draft {feature_args[1]}"
+    return ["--speculative", "auto"], (
+        f"{said}; no feature draft for these weights yet (`make distil KIND=eagle` trains one)"
     )
 
 

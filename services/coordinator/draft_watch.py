@@ -6,7 +6,8 @@ told to watch (``--feature-draft-watch``). One stat of the draft's meta file per
 trainer writes the weights and then the meta file, each by an atomic rename
 (pipeshard/shard/draft_folder.py), so a meta file there means a whole draft. It is checked against
 the target's weights (fingerprint and sizes) and its arrays against the sizes its meta declares,
-loaded, and made the default source of new requests; requests already admitted keep theirs. A
+loaded, and offered to new requests (under ``auto``, the default `make up` starts with, as one more
+source to choose among; else as the default source); requests already admitted keep theirs. A
 draft that fails any check is refused with a log naming why, the fleet keeps what it serves with,
 and the watch tries again only once the files change (a new training writes them anew).
 """
@@ -22,6 +23,7 @@ from typing import Protocol
 import structlog
 
 from pipeshard.metrics import SPECULATION_DEFAULT
+from pipeshard.services.coordinator.speculation.choice import AUTO
 from pipeshard.services.coordinator.speculation.sources import DraftSources
 from pipeshard.shard import feature_draft
 from pipeshard.shard.draft_folder import WEIGHTS
@@ -96,15 +98,18 @@ class DraftWatch:
             )
             return False
         replaced = self._generation.default_speculative
-        self._generation.offer_drafts(drafts, "feature")
-        say_default("feature", replaced)
+        # auto stays the default and chooses among the draft's sources too (speculation/choice.py)
+        default = AUTO if replaced == AUTO else "feature"
+        self._generation.offer_drafts(drafts, default)
+        say_default(default, replaced)
         self.picked_up = True
         log.info(
             "feature_draft_picked_up",
             folder=str(self.folder),
-            default="feature",
+            default=default,
             replaced=replaced,
-            note="new requests that do not choose speculate with it; running ones keep theirs",
+            offered=drafts.names,
+            note="new requests that do not choose may speculate with it; running ones keep theirs",
         )
         return True
 

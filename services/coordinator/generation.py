@@ -71,6 +71,7 @@ from pipeshard.services.coordinator.sampling import (
     top_logprobs,
 )
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
+from pipeshard.services.coordinator.speculation.choice import AUTO, SourceChoice
 from pipeshard.services.coordinator.speculation.depth import InFlightDepth, worth_sending
 from pipeshard.services.coordinator.speculation.drafts import Draft, Drafter
 from pipeshard.services.coordinator.speculation.policy import KPolicy, SourceMemory, StepLoad, TimingModel
@@ -122,8 +123,8 @@ class _Ended:
 @dataclass(frozen=True)
 class Speculation:
     """What a request asked of speculation, checked once (``Generation.check_speculative``) and
-    trusted from there on: the draft source (``none``: plain decoding), fixed K (0: adaptive) and
-    the tree choice."""
+    trusted from there on: the draft source (``none``: plain decoding; ``auto``: the one measured
+    fastest, chosen as the request opens), fixed K (0: adaptive) and the tree choice."""
 
     mode: str = "none"
     k: int = 0
@@ -996,6 +997,7 @@ class Generation:
         self.tree_prune = tree_prune  # tree=auto: prune nodes that do not pay (policy.prune_floor)
         self.timing = TimingModel()  # traversal cost by positions, learned across requests
         self._sources: dict[str, SourceMemory] = {}  # acceptance by draft source, across requests
+        self.choice = SourceChoice()  # ``auto``: the source each default request gets, by measurement
         self._releases: set[asyncio.Task] = set()
         # The requests running, by their id, and the loop that plans their rows into steps.
         self.engine: EngineCore[_Request] = EngineCore(
@@ -1056,7 +1058,7 @@ class Generation:
                 "that promises bit-identical rows, static shards or u8 KV pools): use tree=auto or off, "
                 "which draft chains",
             )
-        if mode != "none":
+        if mode not in ("none", AUTO):  # auto without draft sources chooses plain
             if self._drafts is None:
                 raise InvalidArgument("speculative", "this coordinator has no draft sources")
             self._drafts.validate(mode)
@@ -1144,7 +1146,12 @@ class Generation:
             request.finish, request.progress.error = "error", failure
         finally:
             self._close(request, failure)  # on every way out, the client's going away included
-        yield request.summary()
+        summary = request.summary()
+        adaptive = speculation.k == 0 and speculation.tree.shape is None
+        if adaptive and metered and summary.finish_reason != "error":
+            # what its source (or plain) measured on this fleet under adaptive K: auto's evidence
+            self.choice.observe(summary.speculative, summary.completion_tokens, summary.tok_s)
+        yield summary
 
     async def _open(
         self,
@@ -1158,6 +1165,9 @@ class Generation:
     ) -> _Request:
         """Opens the request's session on every stage and sets up its drafter and K policy."""
         mode, k, tree = speculation.mode, speculation.k, speculation.tree
+        if mode == AUTO:  # the source measured fastest on this fleet (speculation/choice.py)
+            offered = self._drafts.names if self._drafts is not None else []
+            mode = self.choice.choose(offered, peek=not metered)  # the warm-up leaves it as it was
         constraint = None
         if params.grammar is not None:
             grammars = self._grammars
@@ -1178,7 +1188,10 @@ class Generation:
         reserved = reserved or self.capacity(prompt_ids, params)
         max_context = await self._ring.open_session(session_id, reserved, admission)
         drafter = factory() if factory else None
-        memory = None if mode == "none" else self._sources.setdefault(mode, SourceMemory())
+        # What adaptive K learnt of the source, from adaptive requests only: a fixed K's deep drafts
+        # keep less per draft (the feature draft: 0.10 at K = 5 against 0.27 adaptive, quick
+        # bench-spec at 25 ms), which would pull the source's adaptive requests toward K = 0.
+        memory = None if mode == "none" or k else self._sources.setdefault(mode, SourceMemory())
         steps = self._steps
         policy = KPolicy(
             self.timing if steps is None else steps.timing,

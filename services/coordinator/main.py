@@ -39,6 +39,7 @@ from pipeshard.services.coordinator.ring import Ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.scheduler import Scheduler
 from pipeshard.services.coordinator.servicer import CoordinatorServicer
+from pipeshard.services.coordinator.speculation.choice import AUTO, among
 from pipeshard.services.coordinator.speculation.depth import AUTO_MAX_DEPTH, MAX_DEPTH
 from pipeshard.services.coordinator.speculation.sources import MODES, DraftSources, parse_named
 from pipeshard.services.stage.backends import KV_CHOICES
@@ -126,9 +127,10 @@ class CoordinatorSettings(ServerSettings):
     precision: str = setting(DEFAULT_PRECISION, "inference precision of a hosted stage 0", choices=PRECISIONS)
     speculative: str = setting(
         "none",
-        "speculation of requests that do not choose: none, ngram, self, feature, mix (prompt lookup "
-        "where it finds a match, else the feature draft), medusa (the final stage's --draft-heads) "
-        "or a --draft name",
+        "speculation of requests that do not choose: auto (each request gets the source measured "
+        "fastest on this fleet, or plain: mix, feature and ngram as offered), none, ngram, self, "
+        "feature, mix (prompt lookup where it finds a match, else the feature draft), medusa (the "
+        "final stage's --draft-heads) or a --draft name",
     )
     draft: list[str] = setting(
         default_factory=list,
@@ -274,7 +276,8 @@ def resolve(settings: CoordinatorSettings) -> CoordinatorSettings:
     named = parse_named(settings.draft)
     if settings.speculative not in (*MODES, *named):
         raise InvalidArgument(
-            "speculative", "must be none, ngram, self, feature, mix, medusa or a name given with --draft"
+            "speculative",
+            "must be auto, none, ngram, self, feature, mix, medusa or a name given with --draft",
         )
     return settings
 
@@ -392,7 +395,8 @@ class Coordinator:
             )
 
         drafts = draft_sources(self.settings.feature_draft)
-        log.info("draft_sources", offered=drafts.names, default=self.settings.speculative)
+        auto = {"auto_among": among(drafts.names)} if self.settings.speculative == AUTO else {}
+        log.info("draft_sources", offered=drafts.names, default=self.settings.speculative, **auto)
         say_default(self.settings.speculative)
         if self.settings.speculative != "none":
             drafts.validate(self.settings.speculative)  # medusa: only once the final stage has heads

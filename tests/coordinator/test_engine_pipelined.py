@@ -71,6 +71,20 @@ class StatefulStage:
         self.caches.pop(session_id, None)
 
 
+async def collect(generation: Generation, tokens: int, **asked) -> tuple[list[int], Summary]:
+    """One request for PROMPT's next ``tokens`` (``asked``: run's speculative, k, tree): the tokens
+    streamed and its summary."""
+    out, summary = [], None
+    async for event in generation.run(PROMPT, SamplingParams(max_tokens=tokens), **asked):
+        if isinstance(event, Chunk):
+            out.extend(event.token_ids)
+        elif isinstance(event, Summary):
+            summary = event
+    await generation.released()
+    assert summary is not None
+    return out, summary
+
+
 async def _generate(
     stage: StatefulStage,
     depth: int,
@@ -81,17 +95,7 @@ async def _generate(
 ):
     drafts = drafts or DraftSources(Path("."))
     generation = Generation(stage, Tokenizer(), set(), drafts=drafts, spec_depth=depth)
-    out, summary = [], None
-    async for event in generation.run(
-        PROMPT, SamplingParams(max_tokens=tokens), speculative=speculative, k=k
-    ):
-        if isinstance(event, Chunk):
-            out.extend(event.token_ids)
-        elif isinstance(event, Summary):
-            summary = event
-    await generation.released()
-    assert summary is not None
-    return out, summary
+    return await collect(generation, tokens, speculative=speculative, k=k)
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])

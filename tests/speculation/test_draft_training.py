@@ -203,6 +203,23 @@ def test_the_running_coordinator_refuses_bad_drafts_by_name_and_picks_up_a_whole
     assert _gauge("feature") == 1.0 and _gauge("ngram") == 0.0
 
 
+def test_under_auto_a_picked_up_draft_joins_the_sources_auto_chooses_among(export, tmp_path):
+    """`make up` starts with ``auto``: the draft is offered (as ``feature`` and ``mix``) and auto
+    stays the default, the gauge naming it before and after."""
+    folder = tmp_path / "draft"
+    watch, generation = _watch(export, folder)
+    generation.default_speculative = "auto"
+    say_default("auto")
+    meta, arrays = _draft_arrays(export)
+    feature_draft.write(folder, meta, arrays)
+    with capture_logs() as logs:
+        assert asyncio.run(watch.poll())
+    picked = [e for e in logs if e["event"] == "feature_draft_picked_up"]
+    assert picked and picked[0]["default"] == "auto" and picked[0]["replaced"] == "auto", logs
+    assert generation.offered == [(["none", "ngram", "feature", "mix"], "auto")]
+    assert _gauge("auto") == 1.0  # a switch to "feature" would have set it to 0
+
+
 def _gauge(source: str) -> float | None:
     return REGISTRY.get_sample_value("pipeshard_speculation_default", {"source": source})
 
@@ -252,7 +269,7 @@ def test_make_up_without_a_draft_trains_it_and_its_coordinator_watches_for_it(ex
     assert seen["draft_args"] == []  # no draft: the training starts
     assert seen["coordinator"] == [
         "--speculative",
-        "ngram",
+        "auto",
         "--feature-draft-watch",
         str(draft_folder(export)),
     ]

@@ -352,15 +352,17 @@ def test_fleets_offer_the_draft_trained_for_their_weights_only(smollm2_export, t
 
 
 def test_a_fleet_speculates_by_default_with_the_best_source_it_has():
-    """`make up` / `make wan-up`: the trained draft when there is one, else prompt lookup; the
-    line printed at start names it."""
+    """`make up` / `make wan-up`: ``auto``, offering the trained draft when there is one, else
+    prompt lookup alone; the line printed at start names the policy and what it chooses among."""
     from pipeshard.services.launcher import default_speculation
 
     given = ["--feature-draft", "shards/d", "--speculative", "feature"]
     args, said = default_speculation(given)
-    assert args == given and "shards/d" in said
+    assert args == ["--feature-draft", "shards/d", "--speculative", "auto"]
+    assert "auto" in said and "mix" in said and "shards/d" in said
     args, said = default_speculation([])
-    assert args == ["--speculative", "ngram"] and "prompt lookup" in said and "KIND=eagle" in said
+    assert args == ["--speculative", "auto"] and "ngram" in said and "mix" not in said
+    assert "KIND=eagle" in said
 
 
 def test_training_stops_at_its_time_budget_with_the_rate_annealed():

@@ -4,7 +4,8 @@ A client only picks a name: the operator decides at start-up which draft folders
 (``--draft NAME=DIR``, plus ``self``: the ``--self-draft`` export, ``feature``: the
 ``--feature-draft`` folder, a draft reading the target's features, ``mix``: prompt lookup where
 it finds a match, else that feature draft, and ``medusa``: the final
-stage's draft heads, when its GetStageInfo reports them), so a request can never make
+stage's draft heads, when its GetStageInfo reports them; ``auto`` is no source but the choice
+among them by measurement, speculation/choice.py), so a request can never make
 the coordinator read, export or keep in memory a folder it chose, nor learn which folders exist.
 """
 
@@ -29,7 +30,7 @@ from pipeshard.shard.runtime import ShardRunner
 
 log = structlog.get_logger(__name__)
 
-MODES = ("none", "self", "ngram", "feature", "mix", "medusa")
+MODES = ("none", "auto", "self", "ngram", "feature", "mix", "medusa")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -98,8 +99,9 @@ class DraftSources:
         ]
 
     def validate(self, mode: str) -> None:
-        """Cheap checks at request time, before any slot or session is taken."""
-        if mode in self.names or (self.allow_paths and mode not in MODES and Path(mode).is_dir()):
+        """Cheap checks at request time, before any slot or session is taken (``auto``, a policy
+        over the sources offered, is always valid)."""
+        if mode in (*self.names, "auto") or (self.allow_paths and mode not in MODES and Path(mode).is_dir()):
             return
         if mode == "self":
             raise InvalidArgument(
