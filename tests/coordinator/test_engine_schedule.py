@@ -333,3 +333,37 @@ def test_a_pipelining_requests_next_row_goes_while_its_row_travels(depth, travel
     asyncio.run(drive([request], run, steps))
     assert max(seen) == travelling and steps.max_in_flight == travelling
     assert request.at == 6 and len(request.answers) == 6
+
+
+def test_a_rows_drafts_are_chosen_knowing_the_rows_of_the_steps_in_flight():
+    """The engine drafts on the coordinator's one loop, so a row is drafted knowing the rows of
+    the steps already travelling (``StepLoad.waiting``), whose answers its drafting holds up: of
+    4 requests split over 2 steps in flight, the second step's rows know the first's 2."""
+
+    async def main():
+        release = asyncio.Event()
+
+        async def run(frames):
+            await release.wait()
+            return [activation_pb2.StepResult(session_id=f.session_id) for f in frames]
+
+        async def answered(rows, answers, elapsed):
+            pass
+
+        engine: EngineCore[FakeRequest] = EngineCore(run, answered, steps=BatchSteps(512, 2))
+        requests = [FakeRequest(n, [(1, DECODE)], drafts=2) for n in "abcd"]
+        for request in requests:
+            engine.add(request)
+            engine.ready(request)
+        await asyncio.sleep(0)  # the engine task forms both steps
+        release.set()
+        await engine.close()
+        return requests
+
+    requests = asyncio.run(main())
+    assert [r.loads[0][0] for r in requests] == [
+        StepLoad(1, 1, waiting=0),
+        StepLoad(1, 3, waiting=0),  # a's drafts counted
+        StepLoad(1, 1, waiting=2),
+        StepLoad(1, 3, waiting=2),
+    ]
