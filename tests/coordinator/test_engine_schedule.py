@@ -367,3 +367,38 @@ def test_a_rows_drafts_are_chosen_knowing_the_rows_of_the_steps_in_flight():
         StepLoad(1, 1, waiting=2),
         StepLoad(1, 3, waiting=2),
     ]
+
+
+def test_a_request_with_nothing_in_flight_does_not_wait_behind_rows_sent_ahead():
+    """The steps in flight are at the limit, and one of them carries a row sent ahead (it may be
+    dropped): a request with nothing in flight goes at once, its row sure to stand. Without rows
+    ahead in flight, the limit holds (plain requests batch up behind it)."""
+
+    async def main(ahead: bool):
+        release = asyncio.Event()
+
+        async def run(frames):
+            await release.wait()
+            return [activation_pb2.StepResult(session_id=f.session_id) for f in frames]
+
+        async def answered(rows, answers, elapsed):
+            pass
+
+        engine: EngineCore[FakeRequest] = EngineCore(run, answered, steps=BatchSteps(512, 1))
+        engine.depth = pipelining_depth = 2 if ahead else 1  # the limit: that many steps in flight
+        pipelining = FakeRequest("p", [(1, DECODE)] * 4)
+        pipelining.depth = pipelining_depth
+        engine.add(pipelining)
+        engine.ready(pipelining)
+        await asyncio.sleep(0)  # p's row, then (ahead) its row sent ahead: two steps travel
+        late = FakeRequest("late", [(1, DECODE)])
+        engine.add(late)
+        engine.ready(late)
+        await asyncio.sleep(0)
+        launched = engine.steps.steps_run
+        release.set()
+        await engine.close()
+        return launched, late.at
+
+    assert asyncio.run(main(ahead=True)) == (3, 1)  # late's row went as a third step
+    assert asyncio.run(main(ahead=False)) == (1, 0)  # the limit of 1 held: late waits for p's answer
