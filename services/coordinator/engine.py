@@ -22,7 +22,8 @@ step's answer came back, a request arrived, a failover finished) it:
    the ring): up to ``inflight`` steps travel at once (a batch queue as deep as the pipeline, and
    at least as deep as a request's in-flight depth); a request whose row was just launched is
    ready again at once when it pipelines (its next speculative row, built on this one's draft
-   accepted whole, may travel beside it: speculation/depth.py);
+   accepted whole, may travel beside it: speculation/depth.py); while rows sent ahead hold
+   slots, a request with nothing in flight goes beyond the limit (its row stands for sure);
 3. as a step's answer comes back, hands each row's answer to the request's update (acceptance,
    emission into its non-blocking output queue, stop checks): the requests of one answered step
    become ready together (no step forms until all of its rows are updated) and form the next
