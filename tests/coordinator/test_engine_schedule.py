@@ -335,22 +335,27 @@ def test_a_pipelining_requests_next_row_goes_while_its_row_travels(depth, travel
     assert request.at == 6 and len(request.answers) == 6
 
 
+def _held_engine(inflight: int) -> tuple[EngineCore[FakeRequest], asyncio.Event]:
+    """An engine whose steps travel until the event is set (their answers then go nowhere)."""
+    release = asyncio.Event()
+
+    async def run(frames):
+        await release.wait()
+        return [activation_pb2.StepResult(session_id=f.session_id) for f in frames]
+
+    async def answered(rows, answers, elapsed):
+        pass
+
+    return EngineCore(run, answered, steps=BatchSteps(512, inflight)), release
+
+
 def test_a_rows_drafts_are_chosen_knowing_the_rows_of_the_steps_in_flight():
     """The engine drafts on the coordinator's one loop, so a row is drafted knowing the rows of
     the steps already travelling (``StepLoad.waiting``), whose answers its drafting holds up: of
     4 requests split over 2 steps in flight, the second step's rows know the first's 2."""
 
     async def main():
-        release = asyncio.Event()
-
-        async def run(frames):
-            await release.wait()
-            return [activation_pb2.StepResult(session_id=f.session_id) for f in frames]
-
-        async def answered(rows, answers, elapsed):
-            pass
-
-        engine: EngineCore[FakeRequest] = EngineCore(run, answered, steps=BatchSteps(512, 2))
+        engine, release = _held_engine(inflight=2)
         requests = [FakeRequest(n, [(1, DECODE)], drafts=2) for n in "abcd"]
         for request in requests:
             engine.add(request)
@@ -375,16 +380,7 @@ def test_a_request_with_nothing_in_flight_does_not_wait_behind_rows_sent_ahead()
     ahead in flight, the limit holds (plain requests batch up behind it)."""
 
     async def main(ahead: bool):
-        release = asyncio.Event()
-
-        async def run(frames):
-            await release.wait()
-            return [activation_pb2.StepResult(session_id=f.session_id) for f in frames]
-
-        async def answered(rows, answers, elapsed):
-            pass
-
-        engine: EngineCore[FakeRequest] = EngineCore(run, answered, steps=BatchSteps(512, 1))
+        engine, release = _held_engine(inflight=1)
         engine.depth = pipelining_depth = 2 if ahead else 1  # the limit: that many steps in flight
         pipelining = FakeRequest("p", [(1, DECODE)] * 4)
         pipelining.depth = pipelining_depth
