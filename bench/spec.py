@@ -44,7 +44,9 @@ best configuration of any source at 3 stages, 100 ms, against plain; ``pipelined
 tokens per traversal any source's best configuration kept there), ``best_single_node_speedup`` (any
 source), ``batch8_spec_over_plain_at_100ms`` (BATCH_USERS users at once, each its own kind's prompt,
 every one speculating with the fleet's best source under adaptive K against every one plain: ratio
-of median aggregate tok/s over interleaved rounds, at 3 stages and 100 ms), and ``by_kind_at_100ms``
+of median aggregate tok/s over interleaved rounds, at 3 stages and 100 ms; the slowest user sets a
+round's wall time), ``batch8_steady_spec_over_plain_at_100ms`` (the same rounds' tokens per second
+while all the users are still generating: up to the first one's finish), and ``by_kind_at_100ms``
 (per prompt kind: that configuration's speedup and tokens per traversal, each source's best).
 (#48, the default: the WAN fleets run ``--speculative auto`` and the ``default`` configuration sends
 requests that do not choose, shuffled among the rest) ``default_speedup_at_<delay>`` (against plain, 3
@@ -71,6 +73,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -86,7 +89,7 @@ from bench.spec_costs import (
 )
 from bench.stats import RESULTS_DIR, interleaved, mean_ratio_ci, median, ratio_ci, write_result
 from pipeshard import paths
-from pipeshard.clients.client import AsyncPipeshardClient, PipeshardClient
+from pipeshard.clients.client import AsyncPipeshardClient, GenerateResult, PipeshardClient, fold
 from pipeshard.offline import set_offline_defaults
 from pipeshard.services.coordinator.generation import Generation, Summary
 from pipeshard.services.coordinator.in_process import batched_ring, local_ring
@@ -537,36 +540,88 @@ def wan_sweep(
     return out
 
 
+@dataclass
+class UserRound:
+    """One user's request in a batch round: when each streamed chunk came (seconds from the
+    round's start, with its token count) and the answer's speculation counts."""
+
+    arrivals: list[tuple[float, int]]
+    result: GenerateResult
+
+    @property
+    def finished_s(self) -> float:
+        return self.arrivals[-1][0] if self.arrivals else 0.0
+
+    def tokens_by(self, t: float) -> int:
+        return sum(n for at, n in self.arrivals if at <= t)
+
+
+def steady_tok_s(users: list[UserRound]) -> float:
+    """Tokens per second while every user is still generating: all users' tokens streamed until
+    the first one finished, over that time (the round's wall time is set by the slowest user;
+    this is what the fleet serves while its batch is full)."""
+    first = min(u.finished_s for u in users)
+    return sum(u.tokens_by(first) for u in users) / first if first > 0 else 0.0
+
+
 def batch_users(coordinator: str, prompts: list[str], source: str, users: int = BATCH_USERS) -> dict:
     """``users`` requests at once (user i asks prompt i modulo their count), all plain against all
-    speculating with ``source`` (adaptive K, tree auto): aggregate tok/s (every user's tokens over
-    the round's wall time) in interleaved rounds, the ratio of medians with its 95% interval, and
-    whether every speculative answer equals its plain one."""
+    speculating with ``source`` (adaptive K, tree auto), in interleaved rounds: aggregate tok/s
+    (every user's tokens over the round's wall time) and steady-state tok/s (:func:`steady_tok_s`),
+    each a ratio of medians with its 95% interval; per user (of the last round) the finish time,
+    tokens per traversal and dropped steps; and whether every speculative answer equals its plain one."""
     import time
 
     asked = [prompts[i % len(prompts)] for i in range(users)]
-    answers: dict[str, list[list[int]]] = {}
+    rounds: dict[str, list[UserRound]] = {}
+    steady: dict[str, list[float]] = {"plain": [], "spec": []}
 
     def runner(name: str, speculative: str):
         request = {"max_tokens": WAN_TOKENS, "ignore_eos": True, "speculative": speculative, "k": 0}
 
         def run() -> float:
+            async def one(client: AsyncPipeshardClient, prompt: str, started: float) -> UserRound:
+                user = UserRound([], GenerateResult())
+                async for response in client.responses(prompt, tree="auto", **request):
+                    fold(user.result, response)
+                    if response.HasField("chunk") and response.chunk.token_ids:
+                        user.arrivals.append((time.perf_counter() - started, len(response.chunk.token_ids)))
+                return user
+
             async def every_user():
                 async with AsyncPipeshardClient(coordinator, timeout_s=600) as client:
-                    return await asyncio.gather(*(client.generate(p, tree="auto", **request) for p in asked))
+                    started = time.perf_counter()
+                    return await asyncio.gather(*(one(client, p, started) for p in asked)), started
 
-            started = time.perf_counter()
-            results = asyncio.run(every_user())
+            results, started = asyncio.run(every_user())
             wall = time.perf_counter() - started
-            answers[name] = [list(r.token_ids) for r in results]
-            return sum(r.completion_tokens for r in results) / wall
+            rounds[name] = results
+            steady[name].append(steady_tok_s(results))
+            return sum(u.result.completion_tokens for u in results) / wall
 
         return run
 
     samples = interleaved(
         {"plain": runner("plain", "none"), "spec": runner("spec", source)}, WAN_RUNS, warmup=0 if QUICK else 1
     )
+    runs = len(samples["plain"])
+    steady = {name: values[-runs:] for name, values in steady.items()}  # the warm-up rounds left out
     ratio, ci = ratio_ci(samples["spec"], samples["plain"])
+    steady_ratio, steady_ci = ratio_ci(steady["spec"], steady["plain"])
+    answers = {name: [u.result.token_ids for u in results] for name, results in rounds.items()}
+
+    def per_user(results: list[UserRound]) -> list[dict]:
+        return [
+            {
+                "finished_s": u.finished_s,
+                "tokens": u.result.completion_tokens,
+                "traversals": sum(u.result.kept_per_traversal),
+                "tokens_per_traversal": u.result.completion_tokens / max(1, sum(u.result.kept_per_traversal)),
+                "dropped_steps": u.result.dropped_steps,
+            }
+            for u in results
+        ]
+
     return {
         "users": users,
         "source": source,
@@ -574,6 +629,11 @@ def batch_users(coordinator: str, prompts: list[str], source: str, users: int = 
         "spec_tok_s": median(samples["spec"]),
         "spec_over_plain": ratio,
         "spec_over_plain_ci95": ci,
+        "plain_steady_tok_s": median(steady["plain"]),
+        "spec_steady_tok_s": median(steady["spec"]),
+        "steady_spec_over_plain": steady_ratio,
+        "steady_spec_over_plain_ci95": steady_ci,
+        "per_user_last_round": {name: per_user(results) for name, results in rounds.items()},
         "identical_to_plain": sum(a == b for a, b in zip(answers["spec"], answers["plain"], strict=True)),
     }
 
@@ -619,6 +679,8 @@ def pipelined_keys(wan: dict, sources: tuple[str, ...]) -> dict:
         out["batch8_spec_over_plain_at_100ms"] = at_100["batch"]["spec_over_plain"]
         out["batch8_spec_over_plain_at_100ms_ci95"] = at_100["batch"]["spec_over_plain_ci95"]
         out["batch8_source_at_100ms"] = at_100["batch"]["source"]
+        out["batch8_steady_spec_over_plain_at_100ms"] = at_100["batch"]["steady_spec_over_plain"]
+        out["batch8_steady_spec_over_plain_at_100ms_ci95"] = at_100["batch"]["steady_spec_over_plain_ci95"]
     return out
 
 

@@ -22,7 +22,8 @@ step's answer came back, a request arrived, a failover finished) it:
    the ring): up to ``inflight`` steps travel at once (a batch queue as deep as the pipeline, and
    at least as deep as a request's in-flight depth); a request whose row was just launched is
    ready again at once when it pipelines (its next speculative row, built on this one's draft
-   accepted whole, may travel beside it: speculation/depth.py);
+   accepted whole, may travel beside it: speculation/depth.py); while rows sent ahead hold
+   slots, a request with nothing in flight goes beyond the limit (its row stands for sure);
 3. as a step's answer comes back, hands each row's answer to the request's update (acceptance,
    emission into its non-blocking output queue, stop checks): the requests of one answered step
    become ready together (no step forms until all of its rows are updated) and form the next
@@ -47,6 +48,7 @@ import asyncio
 import contextvars
 import enum
 import itertools
+import logging
 import time
 import uuid
 from collections import Counter
@@ -163,6 +165,12 @@ class StepPlan(Generic[S]):
         return sum(row.tokens for _, row in self.rows)
 
 
+def _debugging() -> bool:
+    """Whether the per-step debug line is logged (``--log-level debug``: what a step carried,
+    how long it took and its planning, for a benchmark's trace)."""
+    return logging.getLogger(__name__).isEnabledFor(logging.DEBUG)
+
+
 def _expedited(request: Steppable) -> bool:
     """Whether its next row leaves at once, alone: a failover's lost step, once replayed (its
     replay's chunks are planned as urgent chunks beside other rows)."""
@@ -199,6 +207,8 @@ class EngineCore(Generic[S]):
         self._arrival: dict[RequestId, int] = {}
         self._arrivals = itertools.count()
         self._in_flight: set[asyncio.Task] = set()
+        self._rows_in_flight = 0  # rows of the steps in flight (drafts are priced against them too)
+        self._ahead_in_flight = 0  # of them, rows sent ahead of another row of their request
         self._answering = 0  # steps of several rows whose answers are being taken (no step forms)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -234,6 +244,7 @@ class EngineCore(Generic[S]):
         if self._task is None or self._task.done():  # first request, or a new event loop
             self._wake = asyncio.Event()
             self._in_flight = set()
+            self._rows_in_flight = self._ahead_in_flight = 0
             self._answering = 0
             # Its own empty context, not that of the request that woke it (its request id, its
             # batch job's session codec): a request's own work runs in the request's context.
@@ -266,6 +277,7 @@ class EngineCore(Generic[S]):
         await asyncio.gather(*tasks, return_exceptions=True)
         self._task = None
         self._in_flight = set()
+        self._rows_in_flight = self._ahead_in_flight = 0
         self._answering = 0
         if error is not None and self._failed is not None:
             for request in list(self.requests.values()):
@@ -281,9 +293,12 @@ class EngineCore(Generic[S]):
         launched = 0
         while self._ready:
             expedited = any(_expedited(r) for r in self._ready.values())
-            if not expedited and self.steps is not None and len(self._in_flight) >= self._limit():
+            full = self.steps is not None and len(self._in_flight) >= self._limit()
+            if full and not expedited and not self._passes_rows_ahead():
                 break
-            self._launch(self.schedule())
+            started = self._clock()
+            plan = self.schedule()
+            self._launch(plan, self._clock() - started)
             launched += 1
         return launched
 
@@ -345,7 +360,7 @@ class EngineCore(Generic[S]):
         planned: list[tuple[S, Row]] = []
         for r in (*decode, *chunks):
             base = upcoming[r.id].tokens
-            load = StepLoad(rows_total - 1, tokens_total - base)
+            load = StepLoad(rows_total - 1, tokens_total - base, self._rows_in_flight)
             row = self._row(r, load, max(0, budget) if upcoming[r.id].decoding else 0)
             if row is not None:
                 budget -= row.tokens - base
@@ -362,6 +377,13 @@ class EngineCore(Generic[S]):
                 raise
             self._failed(request, exc)
             return None
+
+    def _passes_rows_ahead(self) -> bool:
+        """Whether a step may go beyond the limit: the steps in flight hold rows sent ahead
+        (speculative, each may be dropped) and a ready request has nothing in flight, so its row
+        stands whatever comes back; waiting for a slot the rows ahead took would only delay it (8
+        users at 100 ms: the users the draft does not guess finished 11% after plain's)."""
+        return self._ahead_in_flight > 0 and any(r.steps_in_flight == 0 for r in self._ready.values())
 
     def _groupings(self) -> list[Grouping]:
         """The groupings of the batch jobs' requests running (one entry per request)."""
@@ -382,7 +404,8 @@ class EngineCore(Generic[S]):
         inflight = self.steps.inflight
         return {g: max(1, -(-n // (inflight if g is None else g.count))) for g, n in open_.items()}
 
-    def _launch(self, plan: StepPlan[S]) -> None:
+    def _launch(self, plan: StepPlan[S], planned_s: float = 0.0) -> None:
+        """Sends the step; ``planned_s``: the time its planning (the rows' drafting) took."""
         if not plan.rows:
             return
         steps = self.steps
@@ -396,6 +419,9 @@ class EngineCore(Generic[S]):
         for grouping in groupings:
             grouping.steps_run += 1
             grouping.launched_s = now
+        self._rows_in_flight += len(plan.rows)
+        ahead = sum(request.steps_in_flight > 0 for request, _ in plan.rows)
+        self._ahead_in_flight += ahead
         for request, row in plan.rows:
             request.steps_in_flight += 1
             request.landed.clear()
@@ -405,7 +431,8 @@ class EngineCore(Generic[S]):
                 job.decode_rows_run += row.decoding
                 if not row.decoding:
                     job.last_prefill_step = job.steps_run
-        task = asyncio.create_task(self._step(plan), name="engine-step")
+        step = self._step(plan, planned_s, len(self._in_flight), ahead)
+        task = asyncio.create_task(step, name="engine-step")
         for request, row in plan.rows:
             # Its next step may go while this one travels (built on this one's draft accepted whole).
             if row.decoding and request.pipelines():
@@ -414,8 +441,12 @@ class EngineCore(Generic[S]):
         if steps is not None:
             steps.max_in_flight = max(steps.max_in_flight, len(self._in_flight))
 
-    async def _step(self, plan: StepPlan[S]) -> None:
-        """One step through the ring, then its answers to the requests' updates."""
+    async def _step(
+        self, plan: StepPlan[S], planned_s: float = 0.0, travelling: int = 0, ahead: int = 0
+    ) -> None:
+        """One step through the ring, then its answers to the requests' updates (``planned_s``: its
+        planning time and ``travelling``: the steps in flight when it left, for the debug log;
+        ``ahead``: its rows sent ahead of another of their request's rows)."""
         assert self._run is not None and self._answered is not None
         sent = self._clock()
         try:
@@ -427,8 +458,25 @@ class EngineCore(Generic[S]):
             timed = all(row.decoding for _, row in plan.rows)
             if self.steps is not None and timed and not any(isinstance(a, BaseException) for a in answers):
                 self.steps.timing.observe(plan.tokens, elapsed, rows=len(plan.rows))
+            if _debugging():
+                first = answers[0] if answers else None
+                compute = first.stage_compute_micros if isinstance(first, activation_pb2.StepResult) else ()
+                log.debug(
+                    "engine_step",
+                    rows=len(plan.rows),
+                    positions=plan.tokens,
+                    decoding=sum(row.decoding for _, row in plan.rows),
+                    ahead=ahead,
+                    travelling=travelling,
+                    step_ms=round(elapsed * 1000, 2),
+                    plan_ms=round(planned_s * 1000, 2),
+                    compute_ms=[round(micros / 1000, 2) for micros in compute],
+                    sessions=[row.frame.session_id[:8] for _, row in plan.rows],
+                )
         finally:
             self._in_flight.discard(asyncio.current_task())
+            self._rows_in_flight -= len(plan.rows)
+            self._ahead_in_flight -= ahead
             for request, _ in plan.rows:
                 request.steps_in_flight -= 1
                 if not request.steps_in_flight:

@@ -794,6 +794,8 @@ class _Request:
             self.ahead = []
             return 0
         whole = isinstance(answered.draft, Draft) and len(new) == len(answered.draft.tokens) + 1
+        if whole:  # its drafts all kept: the next row's guess of the bonus token is tested
+            self.policy.observe_guess(new == self.ahead[: len(new)])
         if whole and new == self.ahead[: len(new)]:
             self.ahead = self.ahead[len(new) :]
             return 0

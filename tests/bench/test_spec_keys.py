@@ -85,7 +85,19 @@ def test_pipelined_keys_take_the_best_source_at_100ms_per_kind_and_the_batch():
     assert keys["by_kind_at_100ms"]["feature"]["tokens_per_traversal"] == {"chat": 2.5, "code": 3.5}
     assert "batch8_spec_over_plain_at_100ms" not in keys  # no batch measured at that point
     batch = {"spec_over_plain": 1.3, "spec_over_plain_ci95": [1.1, 1.5], "source": "feature"}
+    batch |= {"steady_spec_over_plain": 1.6, "steady_spec_over_plain_ci95": [1.2, 1.9]}
     wan["3s-100ms"]["batch"] = batch
     keys = pipelined_keys(wan, ("ngram",))
     assert keys["pipelined_speedup_at_100ms"] == 1.4 and keys["batch8_spec_over_plain_at_100ms"] == 1.3
+    assert keys["batch8_steady_spec_over_plain_at_100ms"] == 1.6
     assert pipelined_keys({"3s-0ms": wan["3s-0ms"]}, ("ngram",)) == {}
+
+
+def test_steady_tok_s_counts_every_users_tokens_until_the_first_one_finishes():
+    from bench.spec import UserRound, steady_tok_s
+    from pipeshard.clients.client import GenerateResult
+
+    fast = UserRound([(0.5, 1), (1.0, 4), (2.0, 5)], GenerateResult())  # done at 2 s
+    slow = UserRound([(0.5, 1), (1.5, 1), (2.5, 1), (4.0, 7)], GenerateResult())
+    assert steady_tok_s([fast, slow]) == (10 + 2) / 2.0  # slow's tokens by 2 s only
+    assert fast.finished_s == 2.0 and slow.tokens_by(2.5) == 3

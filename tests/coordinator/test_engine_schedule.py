@@ -333,3 +333,68 @@ def test_a_pipelining_requests_next_row_goes_while_its_row_travels(depth, travel
     asyncio.run(drive([request], run, steps))
     assert max(seen) == travelling and steps.max_in_flight == travelling
     assert request.at == 6 and len(request.answers) == 6
+
+
+def _held_engine(inflight: int) -> tuple[EngineCore[FakeRequest], asyncio.Event]:
+    """An engine whose steps travel until the event is set (their answers then go nowhere)."""
+    release = asyncio.Event()
+
+    async def run(frames):
+        await release.wait()
+        return [activation_pb2.StepResult(session_id=f.session_id) for f in frames]
+
+    async def answered(rows, answers, elapsed):
+        pass
+
+    return EngineCore(run, answered, steps=BatchSteps(512, inflight)), release
+
+
+def test_a_rows_drafts_are_chosen_knowing_the_rows_of_the_steps_in_flight():
+    """The engine drafts on the coordinator's one loop, so a row is drafted knowing the rows of
+    the steps already travelling (``StepLoad.waiting``), whose answers its drafting holds up: of
+    4 requests split over 2 steps in flight, the second step's rows know the first's 2."""
+
+    async def main():
+        engine, release = _held_engine(inflight=2)
+        requests = [FakeRequest(n, [(1, DECODE)], drafts=2) for n in "abcd"]
+        for request in requests:
+            engine.add(request)
+            engine.ready(request)
+        await asyncio.sleep(0)  # the engine task forms both steps
+        release.set()
+        await engine.close()
+        return requests
+
+    requests = asyncio.run(main())
+    assert [r.loads[0][0] for r in requests] == [
+        StepLoad(1, 1, waiting=0),
+        StepLoad(1, 3, waiting=0),  # a's drafts counted
+        StepLoad(1, 1, waiting=2),
+        StepLoad(1, 3, waiting=2),
+    ]
+
+
+def test_a_request_with_nothing_in_flight_does_not_wait_behind_rows_sent_ahead():
+    """The steps in flight are at the limit, and one of them carries a row sent ahead (it may be
+    dropped): a request with nothing in flight goes at once, its row sure to stand. Without rows
+    ahead in flight, the limit holds (plain requests batch up behind it)."""
+
+    async def main(ahead: bool):
+        engine, release = _held_engine(inflight=1)
+        engine.depth = pipelining_depth = 2 if ahead else 1  # the limit: that many steps in flight
+        pipelining = FakeRequest("p", [(1, DECODE)] * 4)
+        pipelining.depth = pipelining_depth
+        engine.add(pipelining)
+        engine.ready(pipelining)
+        await asyncio.sleep(0)  # p's row, then (ahead) its row sent ahead: two steps travel
+        late = FakeRequest("late", [(1, DECODE)])
+        engine.add(late)
+        engine.ready(late)
+        await asyncio.sleep(0)
+        launched = engine.steps.steps_run
+        release.set()
+        await engine.close()
+        return launched, late.at
+
+    assert asyncio.run(main(ahead=True)) == (3, 1)  # late's row went as a third step
+    assert asyncio.run(main(ahead=False)) == (1, 0)  # the limit of 1 held: late waits for p's answer

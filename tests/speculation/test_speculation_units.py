@@ -12,6 +12,7 @@ from pipeshard.sampling import accept_sampled
 from pipeshard.services.coordinator.generation import _Cursor
 from pipeshard.services.coordinator.sampling import Sampler, SamplingParams
 from pipeshard.services.coordinator.speculation.acceptance import accept_greedy
+from pipeshard.services.coordinator.speculation.depth import worth_sending
 from pipeshard.services.coordinator.speculation.drafts import NgramDrafter
 from pipeshard.services.coordinator.speculation.policy import (
     KPolicy,
@@ -363,3 +364,44 @@ def test_draft_sources_offer_only_operator_names_and_echo_no_path(tmp_path):
     ):
         with pytest.raises(InvalidArgument, match="`draft`"):
             parse_named(bad)
+
+
+def _drafting_at_100ms(kept: tuple[int, ...]) -> KPolicy:
+    """A request over 100 ms hops (450 ms steps, 0.5 ms a position) whose draft costs 10 ms a
+    token on the coordinator and keeps, of 4 drafts a step, ``kept`` in turn."""
+    timing = TimingModel()
+    for rows, positions in ((3, 3), (4, 9), (2, 12), (5, 20), (3, 7), (4, 16)):
+        timing.observe(positions, 0.450 + 0.0005 * positions, rows=rows)
+    policy = KPolicy(timing, fixed_k=None, max_k=10, explore_every=1000, times_steps=False)
+    for step in range(30):
+        policy.observe(4, kept[step % len(kept)], 0.45, 0.040)
+    return policy
+
+
+def test_drafts_are_priced_against_the_rows_in_flight_their_drafting_holds_up():
+    """The coordinator drafts on its one loop: every row of the steps in flight waits on it, so
+    a row beside many in flight drafts less, and a weak draft nothing, where alone it drafts."""
+    weak = _drafting_at_100ms(kept=(0, 1))  # a third of its drafts kept
+    beside = StepLoad(rows=3, tokens=3)
+    assert weak.choose(limit=10, load=beside) >= 1  # 3 rows beside it, nothing in flight
+    assert weak.choose(limit=10, load=StepLoad(3, 3, waiting=12)) == 0  # two more steps travel
+    strong = _drafting_at_100ms(kept=(3,))  # three quarters
+    alone, held = (
+        strong.choose(limit=10, load=beside),
+        strong.choose(limit=10, load=StepLoad(3, 3, waiting=12)),
+    )
+    assert 1 <= held < alone
+
+
+def test_a_wrong_guess_of_the_bonus_token_counts_as_a_rejected_draft():
+    """A request drafting nothing still sends rows ahead on a guess of its bonus token: the guesses
+    that fail teach it that they fail, so it stops sending rows that are dropped (worth_sending)."""
+    policy = KPolicy(_trained(slope_s=0.002, fixed_s=0.4), fixed_k=None, explore_every=1000)
+    assert worth_sending(policy.acceptance, 0, shared=True)
+    for _ in range(12):
+        policy.observe_guess(False)
+    assert not worth_sending(policy.acceptance, 0, shared=True)
+    right = KPolicy(_trained(slope_s=0.002, fixed_s=0.4), fixed_k=None, explore_every=1000)
+    for _ in range(12):
+        right.observe_guess(True)
+    assert right.acceptance > 0.9

@@ -20,7 +20,10 @@ tokens per second, not the request's alone,
 
     rate(K) = (R + E[tokens | K]) / (T(R + 1, n + K + 1) + K * t_draft)
 
-where R and n are the other sessions' rows and tokens in the step (``StepLoad``) and ``T(rows,
+where R and n are the other sessions' rows and tokens in the step (``StepLoad``; R also counts the
+rows of the steps in flight, ``waiting``: drafting runs on the coordinator's one loop, so a draft
+token delays their answers as much as this step's, and with 8 users at 100 ms the drafts of a
+step's rows took 10-320 ms) and ``T(rows,
 positions)`` the step's cost: the step keeps its rows whatever K is, a draft adds positions
 only. Both come from the engine loop (engine.py): it times every step from send to result once
 for all sessions, and drafts for a row knowing the rest of the step it is forming; so ``T`` is
@@ -89,10 +92,12 @@ def decayed_counts(kept: float, tried: float, decay: float, k: int, accepted: in
 @dataclass(frozen=True)
 class StepLoad:
     """The rest of the step a request's next row joins (the step the engine is forming): the
-    other sessions' rows and tokens."""
+    other sessions' rows and tokens; ``waiting``: the rows of the steps already in flight, whose
+    answers the coordinator's drafting holds up too (it handles them on the same loop)."""
 
     rows: int = 0
     tokens: int = 0
+    waiting: int = 0
 
 
 @dataclass(frozen=True)
@@ -323,8 +328,14 @@ class KPolicy:
         tree = self._tree(width)
         others = self._load
         t = cost.seconds(others.rows + 1, others.tokens + 1 + round(tree.per_level * depth))
-        tokens = others.rows + expected_tokens(depth, tree.acceptance)
+        tokens = others.rows + others.waiting + expected_tokens(depth, tree.acceptance)
         return cost.per_position * tokens / (t + depth * self._draft_s)
+
+    def observe_guess(self, stood: bool) -> None:
+        """A row sent ahead was built on a guess of the bonus token before it (the draft's next
+        proposal, a draft like any other): whether it was right. Without this a request drafting
+        nothing (K = 0) never learns that its guesses fail and keeps sending rows that are dropped."""
+        self._kept, self._tried = decayed_counts(self._kept, self._tried, 0.9, 1, int(stood))
 
     def _tree(self, width: int) -> TreeStats:
         """The request's measurements of trees of ``width`` paths; before any, a chain's
@@ -338,10 +349,11 @@ class KPolicy:
     def _best(self, acceptance: float, per_level: float) -> tuple[float, int]:
         """The best (tokens per second, depth) at this acceptance and positions per level."""
         others = self._load
+        held = others.rows + others.waiting  # rows whose answers this row's drafting holds up
         best = (0.0, 0)
         for k in range(self.max_k + 1):
             t = self.timing.estimate(others.tokens + 1 + round(per_level * k), rows=others.rows + 1)
-            rate = (others.rows + expected_tokens(k, acceptance)) / (t + k * self._draft_s) if t else 0.0
+            rate = (held + expected_tokens(k, acceptance)) / (t + k * self._draft_s) if t else 0.0
             if rate > best[0]:
                 best = (rate, k)
         return best
