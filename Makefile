@@ -227,7 +227,7 @@ KIND ?= token
 distil: model
 	test -f shards/$(MODEL)-1s-$(WEIGHTS)/manifest.json || $(VENV)/bin/pipeshard export --model $(MODEL) --stages 1 --weights $(WEIGHTS)
 	if [ "$(KIND)" = eagle ]; then \
-	  $(VENV)/bin/pipeshard distil --kind eagle --arch $(DRAFT_ARCH) --model $(MODEL) --target shards/$(MODEL)-1s-$(WEIGHTS) --vocab $(DRAFT_VOCAB) $(if $(filter command line,$(origin DISTIL_PROMPTS)),--prompts $(DISTIL_PROMPTS)) $(if $(DISTIL_EPOCHS),--epochs $(DISTIL_EPOCHS)); \
+	  $(VENV)/bin/pipeshard distil --kind eagle --arch $(DRAFT_ARCH) --model $(MODEL) --target shards/$(MODEL)-1s-$(WEIGHTS) --vocab $(DRAFT_VOCAB) $(if $(filter command line,$(origin DISTIL_PROMPTS)),--prompts $(DISTIL_PROMPTS)) $(if $(DISTIL_EPOCHS),--epochs $(DISTIL_EPOCHS)) $(if $(TEXTS_FILE),--texts-file $(TEXTS_FILE)); \
 	elif [ "$(KIND)" = medusa ]; then \
 	  $(VENV)/bin/pipeshard distil --kind medusa --model $(MODEL) --target shards/$(MODEL)-1s-$(WEIGHTS) --vocab $(DRAFT_VOCAB) $(if $(filter command line,$(origin DISTIL_PROMPTS)),--prompts $(DISTIL_PROMPTS)) $(if $(DISTIL_EPOCHS),--epochs $(DISTIL_EPOCHS)) $(if $(TEXTS_FILE),--texts-file $(TEXTS_FILE)); \
 	else \
