@@ -86,7 +86,6 @@ from pipeshard.services.coordinator.generation import Generation, Summary
 from pipeshard.services.coordinator.in_process import batched_ring, local_ring
 from pipeshard.services.coordinator.sampling import SamplingParams
 from pipeshard.services.coordinator.speculation.sources import DraftSources
-from pipeshard.shard.chain import LocalChain
 from pipeshard.shard.prompting import Prompter
 from pipeshard.v1 import stage_pb2, stage_pb2_grpc
 
@@ -242,12 +241,25 @@ def repetition_rate(answers: list[list[int]]) -> float:
     return sum(loops(a) for a in answers) / len(answers) if answers else 0.0
 
 
-def natural_kinds(target: Path, prompts: list[list[int]], tokens: int) -> tuple[list[int], list[list[int]]]:
+def natural_kinds(
+    loop, target: Path, prompts: list[list[int]], tokens: int
+) -> tuple[list[int], list[list[int]]]:
     """The indices of the prompts whose plain greedy answer over ``tokens`` does not loop, and
-    every prompt's answer."""
-    chain = LocalChain(target)
-    answers = [chain.generate_greedy(ids, tokens, ignore_eos=True).token_ids for ids in prompts]
+    every prompt's answer, on the backend the single part measures (paged stages at the default
+    precision, as `make up` runs them): the stateful chain's default falls back to ``exact``,
+    whose answers differ from the paged stages' bf16 rows, so it would judge other texts."""
+    prompter = Prompter.from_dir(target)
+    drafts = DraftSources(target)
+    generation = Generation(single_ring(target), prompter.tokenizer, prompter.eos_ids, drafts=drafts)
+    generate = in_process_generate(loop, generation)
+    answers = [list(generate(ids, tokens, "none", 0, "off").token_ids) for ids in prompts]
+    loop.run_until_complete(generation.close())
     return [i for i, a in enumerate(answers) if not loops(a)], answers
+
+
+def single_ring(target: Path):
+    """The single part's ring: every stage in this process on BENCH_SINGLE_KV's backend."""
+    return batched_ring(target) if SINGLE_KV == "paged" else local_ring(target)
 
 
 def spec_configs(sources: tuple[str, ...], ks: tuple[int, ...], trees: bool = True) -> dict[str, Config]:
@@ -400,7 +412,7 @@ def single_node(
     """Every stage in this process; every source's configurations against plain (the final stage
     running ``heads`` for the ``medusa`` source)."""
     prompter = Prompter.from_dir(target)
-    ring = batched_ring(target) if SINGLE_KV == "paged" else local_ring(target)
+    ring = single_ring(target)
     if heads is not None:
         ring.stages.run_heads(heads)
     ring.stages.warmup()
@@ -671,7 +683,8 @@ def main() -> int:
     prompter = Prompter.from_dir(target)
     every_prompt = [prompter.encode("", [("user", text)]) for _, text in KINDS]
     measured = max(TOKENS, WAN_TOKENS if "wan" in PARTS else 0)
-    kept, answers = natural_kinds(target, every_prompt, measured)
+    loop = asyncio.new_event_loop()
+    kept, answers = natural_kinds(loop, target, every_prompt, measured)
     if not kept:
         raise SystemExit(f"every prompt's plain answer loops within {measured} tokens")
     kinds = [KINDS[i][0] for i in kept]
@@ -709,7 +722,6 @@ def main() -> int:
             "draft_heads_cost": draft_heads_cost(target, heads),
         }
     exact: list[bool] = []
-    loop = asyncio.new_event_loop()
     single = None
     if "single" in PARTS:
         single = single_node(
@@ -717,7 +729,7 @@ def main() -> int:
         )
         chain_answers = [answers[i][:TOKENS] for i in kept][: len(prompts)]
         if single.pop("plain_tokens") != chain_answers:
-            raise RuntimeError("the ring's plain greedy differs from the chain's on the same shards")
+            raise RuntimeError("two rings of the same shards answered plain greedy differently")
         configs = single["configs"]
         exact.append(single["sequences_identical"] == single["sequences_compared"])
         result |= {
