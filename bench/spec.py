@@ -65,6 +65,7 @@ import os
 import sys
 from collections import Counter
 from collections.abc import Callable
+from contextlib import aclosing
 from pathlib import Path
 
 import grpc
@@ -391,9 +392,11 @@ def in_process_generate(loop, generation: Generation) -> Generate:
     def generate(ids, tokens: int, source: str, k: int, tree: str) -> Summary:
         async def one():
             params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-            async for event in generation.run(ids, params, speculative=source, k=k, tree=tree):
-                if isinstance(event, Summary):
-                    return event
+            # closed here, not left to the loop's end ("Task was destroyed but it is pending!")
+            async with aclosing(generation.run(ids, params, speculative=source, k=k, tree=tree)) as events:
+                async for event in events:
+                    if isinstance(event, Summary):
+                        return event
 
         return loop.run_until_complete(one())
 
