@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pipeshard import paths
 from pipeshard.errors import InvalidArgument, PipeshardError
+from pipeshard.shard.feature_draft import ARCHS, DEFAULT_ARCH
 from pipeshard.shard.manifest import WEIGHT_FORMATS
 
 
@@ -48,10 +49,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--heads", type=int, default=None, help="--kind medusa: how many heads (default 4)")
     p.add_argument(
         "--arch",
-        default="mlp",
-        choices=("decoder", "mlp"),
-        help="--kind eagle: mlp (default), one MLP block over the last position's feature; decoder, a "
-        "decoder layer attending over the accepted positions' features (EAGLE's; slower to train)",
+        default=DEFAULT_ARCH,
+        choices=tuple(ARCHS),
+        help="--kind eagle: mlp, one MLP block over the last position's feature; decoder, a decoder "
+        "layer attending over the accepted positions' features (EAGLE's; slower to train); default "
+        "%(default)s, the better one measured",
     )
     p.add_argument(
         "--layers", type=int, default=None, help="the token draft keeps the model's first K layers (required)"

@@ -274,7 +274,6 @@ def optimise(
     return step
 
 
-ARCHS = {"decoder": "eagle-decoder", "mlp": "eagle"}  # --arch -> the folder's kind
 BATCH = {"decoder": 16, "mlp": 256}  # sequences a step, positions a step
 
 
@@ -314,7 +313,7 @@ def distil_eagle(
     texts: Path | None = None,
     train_minutes: float | None = TRAIN_MINUTES,
     report: Report | None = None,
-    arch: str = "mlp",
+    arch: str = feature_draft.DEFAULT_ARCH,
     soft: float = SOFT_WEIGHT,
 ) -> EagleResult:
     """Train (or reuse) an eagle draft of ``target_export`` into ``out_dir``: a trained draft there
@@ -332,15 +331,15 @@ def distil_eagle(
     target = load_manifest(target_export).model
     if feature_draft.is_feature_draft(out_dir) and not force:
         meta = feature_draft.read_meta(out_dir)
-        if meta.model_fingerprint == target.fingerprint and meta.kind == ARCHS[arch]:
+        if meta.model_fingerprint == target.fingerprint and meta.kind == feature_draft.ARCHS[arch]:
             report("reuse", 1.0, f"{out_dir} already holds a draft for {target.fingerprint}")
             return EagleResult(out_dir, True, meta)
     if not 0 < held_out < 1:
         raise InvalidArgument("held_out", f"must be in (0, 1), got {held_out}")
     if not 0 <= soft <= 1:
         raise InvalidArgument("soft", f"must be in [0, 1], got {soft}")
-    if arch not in ARCHS:
-        raise InvalidArgument("arch", f"must be one of {', '.join(ARCHS)}, got {arch!r}")
+    if arch not in feature_draft.ARCHS:
+        raise InvalidArgument("arch", f"must be one of {', '.join(feature_draft.ARCHS)}, got {arch!r}")
     plan_draft(model_dir, 1, vocab)  # refuses a bad slice before the texts are generated
     batch = batch or BATCH[arch]
     started = time.perf_counter()
@@ -382,7 +381,7 @@ def distil_eagle(
     by_kind = {k: round(measure(draft, part)[1], 3) for k, part in parts.items() if part.ids}
     report("train", 1.0, f"held-out agreement after {after[0]:.3f} (chain of {UNROLL}: {after[1]:.2f})")
     meta = feature_draft.FeatureDraftMeta(
-        kind=ARCHS[arch],
+        kind=feature_draft.ARCHS[arch],
         model_fingerprint=target.fingerprint,
         hidden_size=int(embed.shape[1]),
         vocab_size=int(embed.shape[0]),

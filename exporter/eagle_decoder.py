@@ -1,5 +1,5 @@
-"""The ``eagle-decoder`` feature draft in torch and its training (``pipeshard distil --kind eagle``,
-the default architecture): EAGLE's decoder layer with attention over the accepted positions'
+"""The ``eagle-decoder`` feature draft in torch and its training (``pipeshard distil --kind eagle
+--arch decoder``): EAGLE's decoder layer with attention over the accepted positions'
 features, mirroring pipeshard/shard/feature_decoder.py.
 
 A text trains as one sequence from its answer's start (where serving's draft cache starts: the

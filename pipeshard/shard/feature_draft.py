@@ -31,6 +31,10 @@ META = "feature_draft.json"
 # ``eagle``: one MLP block over the last feature (this module's model); ``eagle-decoder``: a
 # decoder layer attending over every accepted position's (pipeshard/shard/feature_decoder.py).
 KINDS = ("eagle", "eagle-decoder")
+ARCHS = {"decoder": "eagle-decoder", "mlp": "eagle"}  # `pipeshard distil --arch` -> the kind it writes
+# What `pipeshard distil --kind eagle`, `make distil KIND=eagle` and `make up`'s background training
+# train: the better one measured at the default size (docs/EXPORTER.md "Feature drafts").
+DEFAULT_ARCH = "mlp"
 # The arrays of a draft, with their shapes in terms of H (hidden), I (MLP), V (vocab), S (slice).
 ARRAYS = (
     "embed",  # [V, H] the target's input embedding (fp16 on disk)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -22,6 +23,7 @@ import pytest
 from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 
+from pipeshard import paths
 from pipeshard.errors import InvalidArgument
 from pipeshard.services.coordinator.draft_watch import DraftWatch, say_default
 from pipeshard.services.coordinator.speculation.sources import DraftSources
@@ -35,7 +37,7 @@ from pipeshard.services.draft_training import (
 from pipeshard.services.launcher import feature_draft_args
 from pipeshard.shard import feature_draft
 from pipeshard.shard.draft_folder import WEIGHTS
-from pipeshard.shard.feature_draft import FeatureDraftMeta
+from pipeshard.shard.feature_draft import DEFAULT_ARCH, FeatureDraftMeta
 from pipeshard.shard.manifest import load_manifest
 
 
@@ -105,6 +107,38 @@ def test_the_trainer_is_distil_eagle_for_the_export_into_the_folder_fleets_read(
     assert command[3:6] == ["distil", "--kind", "eagle"]
     assert command[command.index("--target") + 1] == str(export)
     assert command[command.index("--out") + 1] == str(draft_folder(export))
+
+
+def _make_distil_eagle(*variables: str) -> list[str]:
+    """The `pipeshard distil --kind eagle` command `make distil KIND=eagle` runs (make -n: nothing runs)."""
+    out = subprocess.run(
+        ["make", "-n", "-s", "distil", "KIND=eagle", *variables],
+        cwd=paths.repo_root(),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    line = next(x for x in out.splitlines() if "distil --kind eagle" in x)
+    return line.split(";")[0].split()
+
+
+def test_make_distil_eagle_trains_on_the_texts_file_it_is_given(tmp_path):
+    """TEXTS_FILE reaches `--kind eagle` as it reaches `--kind medusa` (it was dropped: each kind
+    then generated its own texts, ~16 minutes each)."""
+    command = _make_distil_eagle(f"TEXTS_FILE={tmp_path / 'shared.npz'}")
+    assert command[command.index("--texts-file") + 1] == str(tmp_path / "shared.npz")
+    assert "--texts-file" not in _make_distil_eagle()  # default: beside the target's export
+
+
+def test_make_distil_and_the_background_training_default_to_the_same_arch(export):
+    """`make distil KIND=eagle`, `pipeshard distil --kind eagle` and the draft `make up` trains in
+    the background are one default architecture (the better one measured, feature_draft.DEFAULT_ARCH)."""
+    from pipeshard.cli import build_parser
+
+    command = _make_distil_eagle()
+    assert command[command.index("--arch") + 1] == DEFAULT_ARCH
+    background = build_parser().parse_args(trainer_command(export, draft_folder(export))[3:])
+    assert background.arch == DEFAULT_ARCH
 
 
 def test_tests_start_fleets_without_background_training():
