@@ -155,6 +155,8 @@ def compose(spec: FleetSpec) -> dict:
             "PIPESHARD_STAGES": stage_list,
             "PIPESHARD_SHARDS": shards,
             "PIPESHARD_EXPORTER": exporter_addr,
+            # requests that do not choose get the speculation source measured fastest on this fleet
+            "PIPESHARD_SPECULATIVE": "auto",
         },
         ["coordinator"],
     )

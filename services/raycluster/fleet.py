@@ -289,6 +289,7 @@ def up(spec: RaySpec, fp: FleetPlan) -> RayFleet:
         ends = endpoint(spec, ex_host, c_port), endpoint(spec, ex_host, exporter_port)
         fleet_topology(spec, shards, *ends, [launch.planned for launch in launched]).save(spec.topology)
         c_args = ["coordinator", "--topology", str(spec.topology.resolve()), "--log-format", "json"]
+        c_args += ["--speculative", "auto"]  # as `make up`: the source measured fastest, or plain
         c_args += [*spec.extra_coordinator_args, *_server_args(spec, c_port)]
         coordinator = launch_actor(COORDINATOR, c_args, spec, head, "coordinator")
         names.append(COORDINATOR)
