@@ -216,14 +216,14 @@ def stage_args(
 
 def feature_draft_args(shards: Path, choice: str = "auto") -> list[str]:
     """The coordinator arguments that offer a trained feature draft (``pipeshard distil --kind
-    eagle``) as ``feature`` and make it the default speculation (adaptive K: none where it does
-    not pay). ``auto``: the draft in the shards folder trained for these weights, if any (of
+    eagle``) as the sources ``feature`` and ``mix`` (``default_speculation`` says which requests
+    get by default). ``auto``: the draft in the shards folder trained for these weights, if any (of
     several, the one with the best held-out chain); ``off``:
     none; else a folder, checked by the coordinator against the export's fingerprint."""
     if choice == "off":
         return []
     if choice != "auto":
-        return ["--feature-draft", choice, "--speculative", "feature"]
+        return ["--feature-draft", choice]
     model = load_manifest(shards).model
     ours = [
         (read_meta(folder), folder)
@@ -235,7 +235,7 @@ def feature_draft_args(shards: Path, choice: str = "auto") -> list[str]:
         return []
     # Of several (architectures, trainings), the one whose held-out chain kept the most.
     _, best = max(ours, key=lambda m: held_out_chain(m[0].training))
-    return ["--feature-draft", str(best), "--speculative", "feature"]
+    return ["--feature-draft", str(best)]
 
 
 def held_out_chain(training: dict) -> float:
@@ -255,7 +255,7 @@ def default_speculation(feature_args: list[str]) -> tuple[list[str], str]:
     among = "mix (prompt lookup, else the feature draft), feature, ngram" if feature_args else "ngram"
     said = f"speculation: auto by default: the fastest measured of {among} or plain, per request"
     if feature_args:
-        return [*feature_args[:2], "--speculative", "auto"], f"{said}; the feature draft {feature_args[1]}"
+        return [*feature_args, "--speculative", "auto"], f"{said}; the feature draft {feature_args[1]}"
     return ["--speculative", "auto"], (
         f"{said}; no feature draft for these weights yet (`make distil KIND=eagle` trains one)"
     )

@@ -93,7 +93,7 @@ def test_a_fleet_without_a_draft_trains_one_in_the_background_once(export, tmp_p
 
 def test_no_training_with_a_draft_or_when_off_and_a_bad_mode_is_refused(export, tmp_path):
     ran = tmp_path / "ran.txt"
-    draft = ["--feature-draft", "somewhere", "--speculative", "feature"]
+    draft = ["--feature-draft", "somewhere"]
     assert start_background_training(export, "background", draft, _fake_trainer(ran, 0)) is None
     assert start_background_training(export, "off", [], _fake_trainer(ran, 0)) is None
     with pytest.raises(InvalidArgument, match="draft_training"):
@@ -160,7 +160,7 @@ def test_the_background_draft_is_offered_by_the_next_fleet_start(smollm2_export,
     assert training is not None
     _, status = os.waitpid(training.pid, 0)
     assert status == 0, training.log.read_text()[-3000:]
-    assert feature_draft_args(export) == ["--feature-draft", str(training.folder), "--speculative", "feature"]
+    assert feature_draft_args(export) == ["--feature-draft", str(training.folder)]
 
 
 # -- the running coordinator picks the draft up (services/coordinator/draft_watch.py) -------------
@@ -270,7 +270,7 @@ def test_a_draft_lands_whole_weights_first_then_its_meta_file(export, tmp_path, 
 
 def test_a_fleet_started_without_a_draft_watches_the_folder_its_training_writes(export):
     assert draft_watch_args(export, []) == ["--feature-draft-watch", str(draft_folder(export))]
-    assert draft_watch_args(export, ["--feature-draft", "d", "--speculative", "feature"]) == []
+    assert draft_watch_args(export, ["--feature-draft", "d"]) == []
     assert draft_watch_args(export, [], "off") == []
 
 

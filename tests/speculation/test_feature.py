@@ -335,7 +335,7 @@ def test_fleets_offer_the_draft_trained_for_their_weights_only(smollm2_export, t
     assert feature_draft_args(export) == []
     _random_draft(tmp_path / f"{model.name}-eagle-v8192", fingerprint=model.fingerprint)
     ours = str(tmp_path / f"{model.name}-eagle-v8192")
-    assert feature_draft_args(export) == ["--feature-draft", ours, "--speculative", "feature"]
+    assert feature_draft_args(export) == ["--feature-draft", ours]
     assert feature_draft_args(export, "off") == []
     # Of two drafts for these weights, the one whose held-out chain kept more.
     better = tmp_path / f"{model.name}-eagle-x-v8192"
@@ -356,7 +356,7 @@ def test_a_fleet_speculates_by_default_with_the_best_source_it_has():
     prompt lookup alone; the line printed at start names the policy and what it chooses among."""
     from pipeshard.services.launcher import default_speculation
 
-    given = ["--feature-draft", "shards/d", "--speculative", "feature"]
+    given = ["--feature-draft", "shards/d"]
     args, said = default_speculation(given)
     assert args == ["--feature-draft", "shards/d", "--speculative", "auto"]
     assert "auto" in said and "mix" in said and "shards/d" in said

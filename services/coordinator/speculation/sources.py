@@ -19,6 +19,7 @@ from pathlib import Path
 import structlog
 
 from pipeshard.errors import InvalidArgument
+from pipeshard.services.coordinator.speculation.choice import AUTO
 from pipeshard.services.coordinator.speculation.drafts import Drafter, DraftModel, NgramDrafter
 from pipeshard.services.coordinator.speculation.feature import DecoderFeatureDrafter, FeatureDrafter
 from pipeshard.services.coordinator.speculation.medusa import MedusaDrafter
@@ -30,7 +31,7 @@ from pipeshard.shard.runtime import ShardRunner
 
 log = structlog.get_logger(__name__)
 
-MODES = ("none", "auto", "self", "ngram", "feature", "mix", "medusa")
+MODES = ("none", AUTO, "self", "ngram", "feature", "mix", "medusa")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -101,7 +102,7 @@ class DraftSources:
     def validate(self, mode: str) -> None:
         """Cheap checks at request time, before any slot or session is taken (``auto``, a policy
         over the sources offered, is always valid)."""
-        if mode in (*self.names, "auto") or (self.allow_paths and mode not in MODES and Path(mode).is_dir()):
+        if mode in (*self.names, AUTO) or (self.allow_paths and mode not in MODES and Path(mode).is_dir()):
             return
         if mode == "self":
             raise InvalidArgument(
