@@ -13,8 +13,9 @@ folder, trained there when missing; BENCH_FEATURE_DRAFT=off leaves it out) and `
 stage's draft heads, `make distil KIND=medusa`; BENCH_DRAFT_HEADS=<folder> or the default folder
 when it holds heads for these weights, never trained here; every part, the WAN fleets' final
 stage started with ``--draft-heads``). Per source: chains at
-each K, adaptive K with ``tree=off`` (``-chain-auto``), trees at BENCH_TREES, adaptive K with
-``tree=auto`` (``-auto``, the default).
+each K, adaptive K with ``tree=off`` (``-chain-auto``) and trees at BENCH_TREES where the stages
+verify trees, adaptive K with ``tree=auto`` (``-auto``, the default; on stages that verify no
+trees it drafts chains, so ``-chain-auto`` would be the same requests measured twice).
 
 Parts (BENCH_PARTS, default single,exact,wan; a subset names the JSON bench/results/spec-<parts>.json):
 - single: every stage in this process (INT4 at the default precision, ``exact``) on paged stages
@@ -42,7 +43,8 @@ best configuration of any source at 3 stages, 100 ms, against plain; ``pipelined
 ``dropped_steps_share`` (of that configuration's steps sent, those dropped after a rejection),
 ``pipelined_speedup_at_25ms`` (the same at 25 ms), ``best_tokens_per_traversal_at_100ms`` (the most
 tokens per traversal any source's best configuration kept there), ``best_single_node_speedup`` (any
-source), ``batch8_spec_over_plain_at_100ms`` (BATCH_USERS users at once, each its own kind's prompt,
+source, ``mix`` among them; ``mix_single_node_speedup`` its own best),
+``batch8_spec_over_plain_at_100ms`` (BATCH_USERS users at once, each its own kind's prompt,
 every one speculating with the fleet's best source under adaptive K against every one plain: ratio
 of median aggregate tok/s over interleaved rounds, at 3 stages and 100 ms; the slowest user sets a
 round's wall time), ``batch8_steady_spec_over_plain_at_100ms`` (the same rounds' tokens per second
@@ -272,16 +274,17 @@ def single_ring(target: Path):
 
 
 def spec_configs(sources: tuple[str, ...], ks: tuple[int, ...], trees: bool = True) -> dict[str, Config]:
-    """name -> (draft source, K (0: adaptive), tree): plain, each source's chains at every K and
-    adaptive, its trees at every BENCH_TREES shape (where the stages verify trees: ``trees``), and
-    adaptive K with ``tree=auto``."""
+    """name -> (draft source, K (0: adaptive), tree): plain, each source's chains at every K,
+    adaptive K with ``tree=auto``, and where the stages verify trees (``trees``) its trees at every
+    BENCH_TREES shape and adaptive K with ``tree=off`` (elsewhere ``tree=auto`` drafts chains)."""
     configs: dict[str, Config] = {"plain": ("none", 0, "off")}
     for source in sources:
         for k in ks:
             configs[f"{source}-k{k}"] = (source, k, "off")
-        configs[f"{source}-chain-auto"] = (source, 0, "off")
-        for shape in TREES if trees else ():
-            configs[f"{source}-tree{shape}"] = (source, 0, shape)
+        if trees:
+            configs[f"{source}-chain-auto"] = (source, 0, "off")
+            for shape in TREES:
+                configs[f"{source}-tree{shape}"] = (source, 0, shape)
         configs[f"{source}-auto"] = (source, 0, "auto")
     return configs
 
@@ -438,8 +441,9 @@ def single_node(
     rows = table(configs, samples, per_prompt, last, kinds)
     return {
         "configs": rows,
-        "best": best_of(rows, configs, tuple(s for s in sources if s not in ("feature", "medusa"))),
+        "best": best_of(rows, configs, tuple(s for s in sources if s not in ("feature", "mix", "medusa"))),
         "feature_best": best_of(rows, configs, ("feature",)),
+        "mix_best": best_of(rows, configs, ("mix",)),
         "medusa_best": best_of(rows, configs, ("medusa",)),
         "plain_tokens": last["plain"]["tokens"],
         "sequences_compared": len(prompts) * (len(configs) - 1),
@@ -759,7 +763,9 @@ def main() -> int:
     hf = hf_draft_folder() if "hf" in sources else None
     feature = feature_draft(target)
     heads = draft_heads_folder(target)
-    all_sources = sources + (("feature",) if feature else ()) + (("medusa",) if heads else ())
+    # mix: prompt lookup where it matches, else the feature draft (what ``auto`` most often picks)
+    mixed = ("feature", "mix") if feature else ()
+    all_sources = sources + mixed + (("medusa",) if heads else ())
     head_count = 0
     if heads is not None:
         from pipeshard.shard.draft_heads import read_meta as read_heads
@@ -840,6 +846,9 @@ def main() -> int:
         if single["feature_best"]:
             result["feature_single_node_speedup"] = configs[single["feature_best"]]["speedup"]
             result["feature_single_node_speedup_ci95"] = configs[single["feature_best"]]["speedup_ci95"]
+        if single["mix_best"]:
+            result["mix_single_node_speedup"] = configs[single["mix_best"]]["speedup"]
+            result["mix_single_node_speedup_ci95"] = configs[single["mix_best"]]["speedup_ci95"]
         if single["medusa_best"]:
             result["medusa_single_node_speedup"] = configs[single["medusa_best"]]["speedup"]
             result["medusa_single_node_speedup_ci95"] = configs[single["medusa_best"]]["speedup_ci95"]
@@ -865,7 +874,6 @@ def main() -> int:
                 sources,
                 key=lambda s: max(rows[n]["tokens_per_verify"] or 0 for n in rows if n.startswith(f"{s}-")),
             )
-        mixed = ("feature", "mix") if feature else ()  # mix: lookup where it matches, else the feature draft
         wan_sources = (token_source, *mixed) + (("medusa",) if heads else ())
         extra = ["--step-timeout-s", "120", "--speculative", "auto"]
         extra += ["--self-draft", str(self_draft)] if self_draft else []
