@@ -493,9 +493,11 @@ class _Request:
             return False
         if self.output.qsize() + len(self.outbox) >= STREAM_EVENTS or self._pipelined_room() < 0:
             return False
-        if not worth_sending(self.policy.acceptance, len(self.ahead), not self.rode_alone):
+        context = self.context + self.ahead
+        acceptance = self.policy.acceptance_of(self.drafter.part(context))
+        if not worth_sending(acceptance, len(self.ahead), not self.rode_alone):
             return False
-        return bool(self.drafter.propose(self.context + self.ahead, 1, None, len(self.ahead)).tokens)
+        return bool(self.drafter.propose(context, 1, None, len(self.ahead)).tokens)
 
     def _pipelined_room(self) -> int:
         """Drafts a row built on the rows in flight may carry besides its guessed first token:
@@ -511,12 +513,13 @@ class _Request:
         draft's next proposal) and the drafts after it, K chosen for ``load`` within ``budget``."""
         assert self.drafter is not None
         limit = min(self._pipelined_room(), budget)
-        k = self.policy.choose(limit, load) if limit > 0 else 0
-        proposal = self.drafter.propose(self.context + self.ahead, k + 1, None, len(self.ahead))
+        context = self.context + self.ahead
+        k = self.policy.choose(limit, load, self.drafter.part(context)) if limit > 0 else 0
+        proposal = self.drafter.propose(context, k + 1, None, len(self.ahead))
         if not proposal.tokens:
             raise RuntimeError("a row was planned on the rows in flight without a guess to continue from")
         guess, *tokens = proposal.tokens
-        return guess, Draft(tokens, None, proposal.seconds)
+        return guess, Draft(tokens, None, proposal.seconds, proposal.part)
 
     def expedite(self) -> None:
         """Its next step leaves at once, not after the steps in flight (a failover's resend)."""
@@ -578,7 +581,8 @@ class _Request:
             # auto: greedy requests only (a sampled tree step ships every chain's logits back); at
             # D > 1, chains (the rows in flight take a tree's place)
             auto = self.tree.mode == "auto" and self.sampler is None and not self.pipelining
-            paths, k_step = self.policy.choose_shape(limit, self.drafter.auto_tree_width if auto else 1, load)
+            width = self.drafter.auto_tree_width if auto else 1
+            paths, k_step = self.policy.choose_shape(limit, width, load, self.drafter.part(self.context))
             if paths == 1 or not k_step:
                 if not k_step:
                     return Draft([], None, 0.0)
@@ -795,7 +799,10 @@ class _Request:
             return 0
         whole = isinstance(answered.draft, Draft) and len(new) == len(answered.draft.tokens) + 1
         if whole:  # its drafts all kept: the next row's guess of the bonus token is tested
-            self.policy.observe_guess(new == self.ahead[: len(new)])
+            guessed = self.flights[0].draft
+            self.policy.observe_guess(
+                new == self.ahead[: len(new)], guessed.part if isinstance(guessed, Draft) else ""
+            )
         if whole and new == self.ahead[: len(new)]:
             self.ahead = self.ahead[len(new) :]
             return 0
@@ -853,16 +860,16 @@ class _Request:
             main = draft.tree.main
             fed = next((i for i, n in enumerate(outcome.path) if i >= len(main) or main[i] != n), kept)
             depth, proposed, seconds = draft.depth, len(draft.tree.nodes), draft.tree.seconds
-            width = draft.width
+            width, part = draft.width, ""
         else:
             self.cursor.reject(len(draft.tokens) - kept + beyond)
             fed = kept
             depth = proposed = len(draft.tokens)
             seconds, positions = draft.seconds, None
-            width = 1
+            width, part = 1, draft.part
         if self.drafter is not None and self.generated:
             self.drafter.commit(fed)
-            self.policy.observe(depth, kept, elapsed, seconds, positions, width)
+            self.policy.observe(depth, kept, elapsed, seconds, positions, width, part)
             if proposed:
                 self.progress.verify_steps += 1
                 self.progress.draft_tokens += proposed

@@ -37,6 +37,10 @@ def test_lookup_where_it_matches_else_the_feature_draft(tmp_path):
     assert continued == alone.propose(fresh, 4, None).tokens[2:]
     assert mixed.propose_tree(fresh, TreeShape(2, 3)).nodes  # the feature draft's tree
     assert [n.token for n in mixed.propose_tree(repeats, TreeShape(2, 3)).nodes][:3] == [5, 6, 7]
+    # What each proposal rests on (adaptive K keeps an acceptance per part): lookup's match, else
+    # the feature draft
+    assert mixed.part(repeats) == mixed.propose(repeats, 3, None).part == "lookup2"
+    assert mixed.part(fresh) == mixed.propose(fresh, 3, None).part == alone.part(fresh) == ""
     mixed.observe(None)  # a step without features: only lookup drafts
     assert mixed.propose(fresh, 3, None).tokens == []
     assert mixed.propose(repeats, 3, None).tokens == [5, 6, 7]

@@ -86,6 +86,39 @@ def test_ngram_proposes_what_followed_the_latest_match():
     assert drafter.propose([7, 7], 5, None).tokens == [7]  # 1-gram: what followed the earlier 7
 
 
+def test_ngram_names_the_length_of_the_match_its_draft_rests_on():
+    drafter = NgramDrafter(max_ngram=3)
+    cases = {
+        "lookup3": [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 1, 2, 3],
+        "lookup2": [5, 2, 3, 4, 9, 2, 3],
+        "lookup1": [7, 8, 7],
+        "lookup": [1, 2, 3, 4],  # nothing matched, nothing drafted
+    }
+    for part, context in cases.items():
+        assert drafter.part(context) == part
+        assert drafter.propose(context, 3, None).part == part  # the draft carries it
+
+
+def test_adaptive_k_keeps_an_acceptance_per_part_of_a_source():
+    """Prompt lookup's 1-token matches rejected, its 3-token ones kept: one acceptance over both
+    would draft on the weak matches and too little on the strong; per part K follows each, and a
+    later request starts each part from that part's history."""
+    timing = _trained(slope_s=0.004, fixed_s=0.02)
+    memory = SourceMemory()
+    first = KPolicy(timing, fixed_k=None, max_k=10, explore_every=1000, memory=memory)
+    for _ in range(20):
+        first.observe(3, 0, timing.estimate(4), 0.0, part="lookup1")
+        first.observe(5, 5, timing.estimate(6), 0.0, part="lookup3")
+    assert first.acceptance_of("lookup1") < 0.1 < 0.9 < first.acceptance_of("lookup3")
+    assert first.choose(100, part="lookup1") == 0
+    assert first.choose(100, part="lookup3") >= 5
+    second = KPolicy(timing, fixed_k=None, max_k=10, explore_every=1000, memory=memory)
+    assert second.choose(100, part="lookup1") == 0  # from the part's history, at its first step
+    assert second.choose(100, part="lookup3") >= 5
+    # a part not seen yet starts from the source's history
+    assert second.acceptance_of("lookup2") == pytest.approx(memory.kept / memory.tried)
+
+
 def test_expected_tokens():
     assert expected_tokens(0, 0.7) == 1.0
     assert expected_tokens(3, 1.0) == 4.0
@@ -142,7 +175,7 @@ def test_plain_steps_probe_k1_rarely_and_more_rarely_with_history():
     useless = SourceMemory(kept=0.0, tried=40.0)
     new, known = (KPolicy(timing, fixed_k=None, explore_every=8, memory=m) for m in (None, useless))
     for policy in (new, known):
-        policy._kept = 0.0  # this request's acceptance: nothing kept
+        policy._counts[""] = (0.0, 5.0)  # this request's acceptance: nothing kept
     new_ks = [new.choose(100) for _ in range(64)]
     known_ks = [known.choose(100) for _ in range(64)]
     assert set(new_ks) == {0, 1} and new_ks.count(1) == 8  # one K = 1 probe per 8 steps

@@ -31,6 +31,8 @@ class Draft:
     # For sampling: the distribution each token was drawn from (None: deterministic proposals).
     probs: list[np.ndarray] | None
     seconds: float
+    # What the proposal rests on (``Drafter.part``): adaptive K keeps an acceptance per part.
+    part: str = ""
 
 
 class Drafter(Protocol):
@@ -64,6 +66,11 @@ class Drafter(Protocol):
         """Deterministic candidates after ``context``: up to ``shape.width`` paths of up to
         ``shape.depth`` tokens."""
 
+    def part(self, context: Sequence[int]) -> str:
+        """What a proposal after ``context`` would rest on, before it is drafted (K is chosen for
+        it): one name for a source with one kind of evidence (""), prompt lookup's the length of
+        the context match it found (``lookup3``...), whose drafts are kept at very different rates."""
+
     def commit(self, kept: int) -> None:
         """The target kept the first ``kept`` tokens of the last proposal (of a tree: of its
         ``main`` chain)."""
@@ -95,15 +102,26 @@ class NgramDrafter:
     def propose(self, context, k, sample, guessed: int = 0) -> Draft:
         started = time.perf_counter()  # (guesses read as any context: lookup has no state)
         ctx = np.asarray(context, dtype=np.int64)
-        tokens: list[int] = []
+        n, start = self._match(ctx)
+        tokens = ctx[start : start + k].tolist() if n else []
+        return Draft(tokens, None, time.perf_counter() - started, lookup_part(n))
+
+    def part(self, context) -> str:
+        return lookup_part(self.match_length(context))
+
+    def match_length(self, context) -> int:
+        """How many of the context's last tokens occurred before (0: none, nothing to draft)."""
+        return self._match(np.asarray(context, dtype=np.int64))[0]
+
+    def _match(self, ctx: np.ndarray) -> tuple[int, int]:
+        """The longest n-gram (up to ``max_ngram``) ending the context that occurred before, and
+        where its latest occurrence's successor starts ((0, 0): none)."""
         for n in range(min(self.max_ngram, len(ctx) - 1), 0, -1):
             windows = sliding_window_view(ctx[:-1], n)  # every n-gram that has a successor
             hits = np.flatnonzero((windows == ctx[-n:]).all(axis=1))
             if hits.size:
-                start = int(hits[-1]) + n
-                tokens = ctx[start : start + k].tolist()
-                break
-        return Draft(tokens=tokens, probs=None, seconds=time.perf_counter() - started)
+                return n, int(hits[-1]) + n
+        return 0, 0
 
     def propose_tree(self, context, shape: TreeShape) -> DraftTree:
         """Alternative continuations: what followed every earlier occurrence of the context's
@@ -144,6 +162,11 @@ class NgramDrafter:
 
 # Earlier occurrences of a suffix a tree looks at per n-gram length (the latest ones).
 _MAX_HITS = 64
+
+
+def lookup_part(n: int) -> str:
+    """Prompt lookup's part for a context match of ``n`` tokens ("lookup": none, nothing drafted)."""
+    return f"lookup{n}" if n else "lookup"
 
 
 def _add_distinct(paths: list[tuple[int, ...]], path: tuple[int, ...], width: int) -> None:
@@ -279,6 +302,9 @@ class ModelDrafter:
             self._session.invalidate(self._spec_start + keep, self._spec_start + fed)
         self._cached += keep
         self._proposed = 0
+
+    def part(self, context) -> str:
+        return ""  # one draft model
 
     def observe(self, feature: np.ndarray | None) -> None:
         pass  # reads no features (``reads_features`` is False)

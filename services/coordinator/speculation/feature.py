@@ -173,6 +173,9 @@ class _FeatureDrafting:
         tree.seconds = time.perf_counter() - started
         return tree
 
+    def part(self, context: Sequence[int]) -> str:
+        return ""  # one draft
+
     def commit(self, kept: int) -> None:
         """Nothing to realign: the next ``observe`` brings the kept positions' features."""
 

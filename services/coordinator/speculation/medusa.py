@@ -53,6 +53,9 @@ class MedusaDrafter:
         tokens = [int(t) for t in c.token_ids[: max(0, k), 0]]
         return Draft(tokens, None, time.perf_counter() - started)
 
+    def part(self, context: Sequence[int]) -> str:
+        return "" if self._candidates is not None else self._lookup.part(context)
+
     def propose_tree(self, context: Sequence[int], shape: TreeShape) -> DraftTree:
         """The best nodes by the product of their heads' probabilities, added best first while
         the tree keeps at most ``shape.width`` paths of at most ``shape.depth`` levels; the chain

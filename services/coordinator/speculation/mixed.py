@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeshard.services.coordinator.speculation.drafts import Draft, NgramDrafter
+from pipeshard.services.coordinator.speculation.drafts import Draft, NgramDrafter, lookup_part
 from pipeshard.services.coordinator.speculation.feature import DecoderFeatureDrafter, FeatureDrafter
 from pipeshard.services.coordinator.speculation.tree import DraftTree, TreeShape
 from pipeshard.shard.draft_heads import HeadCandidates
@@ -40,6 +40,12 @@ class MixedDrafter:
         drafted = self._feature.propose(context, k, sample, guessed)
         drafted.seconds += found.seconds
         return drafted
+
+    def part(self, context: Sequence[int]) -> str:
+        """Lookup's match where it has one (its long matches are kept far more often than the
+        feature draft's proposals), else the feature draft's."""
+        matched = self._lookup.match_length(context)
+        return lookup_part(matched) if matched else self._feature.part(context)
 
     def propose_tree(self, context: Sequence[int], shape: TreeShape) -> DraftTree:
         tree = self._lookup.propose_tree(context, shape)

@@ -4,14 +4,16 @@ Adaptive K maximises expected tokens per second of one verify step,
 
     rate(K) = E[tokens | K] / (T(K + 1) + K * t_draft),   E[tokens | K] = 1 + a + a^2 + ... + a^K
 
-where ``a`` is the running per-draft acceptance of this request (starting from what earlier
-requests of the same draft source learnt), ``T(n)`` the measured wall time
-of a pipeline traversal carrying n positions and ``t_draft`` the measured cost of one draft
-token. ``T`` is learned per coordinator (it is a property of the fleet and its links), so it
-holds everything the link costs: round trips, compute of n positions on every stage and the
-bytes of n positions per hop over the link's bandwidth. K = 0 is plain decoding; whenever no
-K > 0 beats it (BloomBee's break-even: the extra bytes and compute of K + 1 positions outweigh the
-round trips saved), the request falls back to plain steps, and tries K = 1 now and then so the
+where ``a`` is the running per-draft acceptance of this request for the part of its source the
+next draft rests on (``Drafter.part``: prompt lookup's long context matches are kept far more
+often than its one-token ones, so one acceptance for both drafts on the weak ones and too little
+on the strong; each starts from what earlier requests of the same draft source learnt), ``T(n)``
+the measured wall time of a pipeline traversal carrying n positions and ``t_draft`` the measured
+cost of one draft token. ``T`` is learned per coordinator (it is a property of the fleet and its
+links), so it holds everything the link costs: round trips, compute of n positions on every stage
+and the bytes of n positions per hop over the link's bandwidth. K = 0 is plain decoding; whenever
+no K > 0 beats it (BloomBee's break-even: the extra bytes and compute of K + 1 positions outweigh
+the round trips saved), the request falls back to plain steps, and tries K = 1 now and then so the
 decision follows the link.
 
 Batch-aware (continuous batching, issue #17): a verify row shares its step with other sessions'
@@ -218,15 +220,28 @@ def _least_squares(t, w, columns: dict, free: dict[str, bool], prior: dict[str, 
 @dataclass
 class SourceMemory:
     """Acceptance and draft cost of one draft source, learnt across a coordinator's requests, so
-    adaptive K does not spend each short request relearning that a draft is useless."""
+    adaptive K does not spend each short request relearning that a draft is useless: over all its
+    drafts (``kept``, ``tried``) and per part (``parts``: the evidence a draft rests on, e.g. how
+    long a context match prompt lookup found; drafts.py)."""
 
     kept: float = 0.0
     tried: float = 0.0
     draft_s: float = 0.0
+    parts: dict[str, tuple[float, float]] = field(default_factory=dict)  # part -> (kept, tried)
 
-    def observe(self, k: int, kept: int, draft_per_token_s: float) -> None:
+    def observe(self, k: int, kept: int, draft_per_token_s: float, part: str = "") -> None:
         self.kept, self.tried = decayed_counts(self.kept, self.tried, _MEMORY_DECAY, k, kept)
+        self.parts[part] = decayed_counts(*self.parts.get(part, (0.0, 0.0)), _MEMORY_DECAY, k, kept)
         self.draft_s = ema(self.draft_s, draft_per_token_s)
+
+    def start(self, part: str) -> tuple[float, float] | None:
+        """Where a request's acceptance of ``part`` starts: the part's history, else the source's,
+        with the weight of at most ``_MEMORY_WEIGHT`` drafts (None: no history)."""
+        kept, tried = self.parts.get(part, (self.kept, self.tried))
+        if tried <= 0.0:
+            return None
+        scale = min(1.0, _MEMORY_WEIGHT / tried)
+        return kept * scale, tried * scale
 
 
 @dataclass
@@ -270,15 +285,17 @@ class KPolicy:
         self.max_k = max_k
         self.initial_k = initial_k
         self.explore_every = explore_every
-        # Prior on the acceptance: the source's history, else Beta(3, 2); decayed as steps come in
-        # so it follows the text as it changes.
+        # Acceptance per part of the source (drafts.py: prompt lookup's 3-token matches are kept
+        # about 0.7-0.9 of the time, its 1-token ones 0.1-0.2 on natural text), each starting
+        # from the source's history of that part (else of the source, else Beta(3, 2)) and
+        # decayed as steps come in so it follows the text as it changes.
         self._memory = memory
-        self._kept, self._tried, self._draft_s = 3.0, 5.0, 0.0
+        self._counts: dict[str, tuple[float, float]] = {}  # part -> (kept, tried)
+        self._part = ""  # the part the last K was chosen for
+        self._draft_s = 0.0
         self._probe_backoff = 1
         if memory is not None and memory.tried > 0:
             self._probe_backoff = 1 + min(7, int(memory.tried // _MEMORY_WEIGHT))
-            scale = min(1.0, _MEMORY_WEIGHT / memory.tried)
-            self._kept, self._tried = memory.kept * scale, memory.tried * scale
             self._draft_s = memory.draft_s
         self._steps = 0
         self._load = StepLoad()  # the load the last chosen K was chosen for
@@ -286,25 +303,41 @@ class KPolicy:
 
     @property
     def acceptance(self) -> float:
-        return self._kept / self._tried
+        """The acceptance of the part the last K was chosen for."""
+        return self.acceptance_of(self._part)
 
-    def choose(self, limit: int, load: StepLoad = StepLoad()) -> int:
+    def acceptance_of(self, part: str) -> float:
+        kept, tried = self._of(part)
+        return kept / tried
+
+    def _of(self, part: str) -> tuple[float, float]:
+        if part not in self._counts:
+            start = self._memory.start(part) if self._memory is not None else None
+            self._counts[part] = start or (3.0, 5.0)
+        return self._counts[part]
+
+    def choose(self, limit: int, load: StepLoad = StepLoad(), part: str = "") -> int:
         """K for the next step, at most ``limit`` (remaining tokens, cache room, the step's budget
-        left), for a row joining ``load`` (the rest of the step being formed)."""
+        left), for a row joining ``load`` (the rest of the step being formed) whose draft rests
+        on ``part`` (the drafter's ``part``)."""
         limit = max(0, limit)
         self._load = load
+        self._part = part
         k = min(self.fixed_k if self.fixed_k is not None else self._adaptive(), limit)
         self._steps += 1
         return k
 
-    def choose_shape(self, limit: int, width: int, load: StepLoad = StepLoad()) -> tuple[int, int]:
+    def choose_shape(
+        self, limit: int, width: int, load: StepLoad = StepLoad(), part: str = ""
+    ) -> tuple[int, int]:
         """(paths, depth) for the next step of a request whose source offers trees of up to
         ``width`` paths: the best of a chain and a tree of ``width`` (module docstring); a fixed
         K keeps its chains. Now and then the other width is tried at the same depth, so both
         acceptances stay measured."""
         if width <= 1 or self.fixed_k is not None:
-            return 1, self.choose(limit, load)
+            return 1, self.choose(limit, load, part)
         self._load = load
+        self._part = part
         if not self.timing.steps:
             paths, k = width, self.initial_k
         else:
@@ -331,11 +364,12 @@ class KPolicy:
         tokens = others.rows + others.waiting + expected_tokens(depth, tree.acceptance)
         return cost.per_position * tokens / (t + depth * self._draft_s)
 
-    def observe_guess(self, stood: bool) -> None:
+    def observe_guess(self, stood: bool, part: str = "") -> None:
         """A row sent ahead was built on a guess of the bonus token before it (the draft's next
-        proposal, a draft like any other): whether it was right. Without this a request drafting
-        nothing (K = 0) never learns that its guesses fail and keeps sending rows that are dropped."""
-        self._kept, self._tried = decayed_counts(self._kept, self._tried, 0.9, 1, int(stood))
+        proposal from ``part``, a draft like any other): whether it was right. Without this a
+        request drafting nothing (K = 0) never learns that its guesses fail and keeps sending rows
+        that are dropped."""
+        self._counts[part] = decayed_counts(*self._of(part), 0.9, 1, int(stood))
 
     def _tree(self, width: int) -> TreeStats:
         """The request's measurements of trees of ``width`` paths; before any, a chain's
@@ -386,10 +420,12 @@ class KPolicy:
         draft_seconds: float,
         positions: int | None = None,
         width: int = 1,
+        part: str = "",
     ) -> None:
         """One step's outcome: ``kept`` of ``k`` drafts accepted; wall times of the traversal
         and of drafting. ``positions``: what the step computed when not k + 1 (a draft tree's
-        nodes or chains); ``width``: the tree's paths (1: a chain)."""
+        nodes or chains); ``width``: the tree's paths (1: a chain); ``part``: what the drafts
+        rested on."""
         if self.times_steps:
             computed = k + 1 if positions is None else positions
             self.timing.observe(self._load.tokens + computed, seconds, rows=self._load.rows + 1)
@@ -400,8 +436,8 @@ class KPolicy:
             tree.kept, tree.tried = decayed_counts(tree.kept, tree.tried, 0.9, k, kept)
             tree.per_level = ema(tree.per_level, ((positions or k + 1) - 1) / k)
         else:
-            self._kept, self._tried = decayed_counts(self._kept, self._tried, 0.9, k, kept)
+            self._counts[part] = decayed_counts(*self._of(part), 0.9, k, kept)
         per_token = draft_seconds / k
         self._draft_s = ema(self._draft_s, per_token)
         if self._memory is not None:
-            self._memory.observe(k, kept, per_token)
+            self._memory.observe(k, kept, per_token, part if width == 1 else "")
