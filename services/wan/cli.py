@@ -56,6 +56,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     up.set_defaults(func=run_up)
     down = wan_sub.add_parser("down", help="stop what `pipeshard wan up` started, delete its namespaces")
+    down.add_argument(
+        "--run-dir",
+        type=Path,
+        default=RUN_DIR,
+        help="the fleet's folder (a benchmark's WAN fleet, e.g. run/bench-spec-wan-3s-25ms, left up "
+        "by a killed run)",
+    )
     down.set_defaults(func=run_down)
 
 
@@ -100,7 +107,7 @@ def run_down(args: argparse.Namespace) -> int:
     except WanError as exc:
         print(f"wan down: {exc}", file=sys.stderr)
         return 1
-    stopped, names = state.teardown(RUN_DIR)
+    stopped, names = state.teardown(args.run_dir)
     leftovers = netns.orphans()
     netns.destroy(leftovers)
     print(f"stopped {', '.join(stopped)}" if stopped else "no WAN fleet was running")

@@ -66,7 +66,10 @@ class WanFleet:
         self._watchdog: subprocess.Popen | None = None
         self._stopped = False
         if state.recorded_namespaces(self.run_dir):
-            raise WanError(f"a WAN fleet is already up in {self.run_dir} (run `pipeshard wan down`)")
+            raise WanError(
+                f"a WAN fleet is already up in {self.run_dir} (run `pipeshard wan down --run-dir "
+                f"{self.run_dir}`)"
+            )
         netns.require_free()
         if not detach:
             atexit.register(self.stop)

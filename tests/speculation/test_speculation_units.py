@@ -311,6 +311,26 @@ def test_step_cost_takes_the_prior_per_position_when_every_row_is_one_position()
     assert one.seconds(1, 1) == pytest.approx(0.035)
 
 
+def test_step_cost_is_refit_once_enough_of_its_window_is_new():
+    """A long window's fit is reused until 8 steps came in since it (one step barely moves a fit
+    over hundreds, and refitting cost every speculative step half a millisecond); a short one's
+    follows every step."""
+    short = TimingModel()
+    short.observe(1, 0.010)
+    assert short.estimate(1) == pytest.approx(0.010)
+    short.observe(1, 0.020)
+    assert short.estimate(1) != pytest.approx(0.010)
+    long = TimingModel()
+    for _ in range(512):
+        long.observe(1, 0.010)
+    fit = long.cost()
+    for _ in range(7):
+        long.observe(1, 0.030)
+    assert long.cost() is fit
+    long.observe(1, 0.030)
+    assert long.cost() is not fit and long.estimate(1) > 0.010
+
+
 def _k_from(timing: TimingModel, load: StepLoad) -> int:
     """K chosen under ``load`` having kept one draft in five (four verifies of which one kept 1)."""
     policy = KPolicy(timing, fixed_k=None, explore_every=1000, times_steps=False)
