@@ -30,7 +30,10 @@ def forget(run_dir: Path) -> None:
 
 
 def teardown(run_dir: Path) -> tuple[list[str], list[str]]:
-    """Stop the recorded processes and delete the recorded namespaces; returns (processes, namespaces)."""
+    """Stop the recorded processes and delete the recorded namespaces; returns (processes, namespaces).
+
+    A record none of whose processes still runs is stale: its namespace names (one subnet per
+    machine) may be another fleet's by now, so only those no process lives in are deleted."""
     watchdog = run_dir / WATCHDOG
     pid = int(watchdog.read_text()) if watchdog.exists() else None
     if pid is not None and pid != os.getpid():  # the watchdog itself may be the one tearing down
@@ -38,6 +41,9 @@ def teardown(run_dir: Path) -> tuple[list[str], list[str]]:
             os.kill(pid, signal.SIGTERM)
     stopped = stop_recorded(run_dir)
     names = recorded_namespaces(run_dir)
+    if not stopped:
+        orphans = set(netns.orphans())
+        names = [name for name in names if name in orphans]
     netns.destroy(names)
     forget(run_dir)
     return stopped, names

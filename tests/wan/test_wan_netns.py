@@ -96,3 +96,24 @@ def test_watchdog_tears_down_when_its_owner_dies_unannounced(link, tmp_path):
 def test_refuses_while_another_emulator_is_up(link):
     with pytest.raises(netns.WanError, match="another WAN emulator"):
         netns.require_free()
+
+
+def test_a_stale_fleet_record_leaves_the_namespaces_another_fleet_now_lives_in(link, tmp_path):
+    """A killed benchmark's run folder records psw-0 and processes long gone; `wan down --run-dir`
+    on it while another fleet runs in psw-0 must not cut that fleet's network."""
+    from pipeshard.services.wan import state
+
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "pids").write_text("999999 0 stage0\n")  # not the process started (gone)
+    (stale / state.NAMESPACES).write_text(link.namespace)
+    living = subprocess.Popen([*link.exec_prefix, "sleep", "30"])
+    try:
+        assert state.teardown(stale) == ([], [])
+        assert link.namespace in netns.namespaces()
+    finally:
+        living.kill()
+        living.wait()
+    (stale / state.NAMESPACES).write_text(link.namespace)  # no process lives in it now: a leftover
+    assert state.teardown(stale) == ([], [link.namespace])
+    assert link.namespace not in netns.namespaces()
