@@ -14,10 +14,13 @@ their decode tokens per second, which holds every one of those costs.
 The arms are the offered sources among ``CANDIDATES`` and plain (``none``). Every request that
 ran one of them under adaptive K (its own or a client's choice) adds its decode rate to that arm's
 window. A new default request gets, in order: an arm neither handed out nor measured yet (each is
-measured once); every ``explore_every``-th request, the arm handed out or measured longest ago (so
-a source the link or the text made slow is probed again now and then); else the arm with the best
-mean rate over its window, recent rates weighing more (before any is measured, the first
-candidate). Plain as the best arm
+measured once); every ``explore_every``-th request, the arm handed out or measured longest ago among
+those due a probe (so a source the link or the text made slow is probed again now and then); else
+the arm with the best mean rate over its window, recent rates weighing more (before any is
+measured, the first candidate). A probe of an arm measured far slower than the best costs that
+request the gap (plain over 100 ms hops: a round of the benchmark 30% slower), so an arm is due
+only after ``explore_every`` times the square of its gap requests since it was last seen, at most
+``MAX_PROBE_SPACING`` times (arms within a few percent are probed as often as before). Plain as the best arm
 means no source pays for itself on this fleet now: the request decodes plainly, K = 0 for every
 row, and the probes tell when that changes. Within a speculating request adaptive K still drops to
 K = 0 wherever its text defeats the draft.
@@ -40,6 +43,8 @@ WINDOW = 16
 EXPLORE_EVERY = 8
 # Default requests after which a measured rate weighs half (see ``Arm.rate``).
 HALF_LIFE = 16
+# An arm far slower than the best waits at most this many times ``explore_every`` for its probe.
+MAX_PROBE_SPACING = 4.0
 
 
 def among(offered: Sequence[str]) -> list[str]:
@@ -83,16 +88,25 @@ class SourceChoice:
         measured = [a for a in arms if rates[a] is not None]
         if fresh:
             pick = fresh[0]
-        elif measured and self.chosen % self.explore_every == self.explore_every - 1:
-            pick = min(arms, key=lambda a: self.arms[a].seen)
         elif measured:
-            pick = max(measured, key=lambda a: rates[a] or 0.0)
+            best = max(measured, key=lambda a: rates[a] or 0.0)
+            pick = best
+            if self.chosen % self.explore_every == self.explore_every - 1:
+                due = [a for a in arms if a != best and self._due(a, rates[a], rates[best] or 0.0)]
+                if due:
+                    pick = min(due, key=lambda a: self.arms[a].seen)
         else:
             pick = arms[0]
         if not peek:
             self.arms[pick].seen = self.chosen
             self.chosen += 1
         return pick
+
+    def _due(self, name: str, rate: float | None, best: float) -> bool:
+        """Whether ``name`` has waited long enough for a probe: the slower it measured against the
+        best, the longer (an arm not measured yet is due at once)."""
+        spacing = 1.0 if not rate else min(MAX_PROBE_SPACING, (best / rate) ** 2)
+        return self.chosen - self.arms[name].seen >= self.explore_every * spacing
 
     def observe(self, source: str, tokens: int, tok_s: float) -> None:
         """A finished request that ran ``source`` under adaptive K: ``tokens`` generated at
