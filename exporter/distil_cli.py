@@ -91,7 +91,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         help="--kind eagle: fewer passes than --epochs where they would not fit this many minutes "
-        "(default 25: with generating the texts, about 15, within 45 on 2 cores)",
+        "(default 25: the default mlp draft takes about 9, the decoder 19, after about 28 of generating the "
+        "texts on 2 quiet cores)",
     )
     p.add_argument(
         "--lr", type=float, default=None, help="peak learning rate (token 1e-3, eagle 2e-3, medusa 1e-3)"

@@ -1,7 +1,7 @@
 """A feature draft trained in the background when a fleet starts without one (`make up`, `make wan-up`).
 
 A fleet with no draft for its weights speculates with prompt lookup; the draft that does better
-(`pipeshard distil --kind eagle`) takes about 45 minutes on 2 cores, a step a user would have to
+(`pipeshard distil --kind eagle`) takes about 40 minutes on 2 cores, a step a user would have to
 know about. So the fleet's start launches that training itself, once per export: detached (it
 outlives the command and `make down`), at the lowest CPU priority (nice 19, so serving keeps the
 cores), into the folder `launcher.feature_draft_args` looks in. The running coordinator watches
@@ -45,7 +45,7 @@ class Training:
         when = "started now" if self.started_now else "already running"
         return (
             f"draft training: a feature draft for these weights is training in the background ({when}, "
-            f"nice {NICE}, pid {self.pid}, about 45 minutes on 2 cores; log {self.log}); the running "
+            f"nice {NICE}, pid {self.pid}, about 40 minutes on 2 cores; log {self.log}); the running "
             f"fleet offers it to new requests once it is written ({self.folder})"
         )
 
@@ -57,7 +57,7 @@ def add_flag(parser: argparse.ArgumentParser) -> None:
         choices=MODES,
         default=None,
         help="background (default, or $PIPESHARD_DRAFT_TRAINING): with no feature draft for this "
-        "export's weights, train one in the background at nice 19 (about 45 minutes on 2 cores); "
+        "export's weights, train one in the background at nice 19 (about 40 minutes on 2 cores); "
         "the running fleet picks it up when it is written",
     )
 

@@ -20,7 +20,7 @@ set_offline_defaults()
 # Stage processes keep compiled models here, not inside the exports: the shared test-shard cache
 # (PIPESHARD_TEST_SHARDS) is not ours to write, and one folder lets every fleet reuse the blobs.
 os.environ.setdefault("PIPESHARD_COMPILE_CACHE_DIR", str(REPO_ROOT / "shards" / ".compile-cache"))
-# A fleet started without a feature draft trains one in the background (45 minutes of CPU): not
+# A fleet started without a feature draft trains one in the background (about 40 minutes of CPU): not
 # the fleets tests start (tests/speculation/test_draft_training.py turns it on where it checks it).
 os.environ.setdefault("PIPESHARD_DRAFT_TRAINING", "off")
 
