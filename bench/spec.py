@@ -62,8 +62,8 @@ WAN sweep at 3 stages, 0, 25 and 100 ms, the exact part on 2 and 3 stages. Runti
 (2026-12-02): 10 minutes with prompt lookup alone, 25-27 with the eagle draft and the heads
 too (their training not included: `make distil KIND=eagle|medusa`). The full size is about a day on
 2 cores (estimate from the quick run's per-answer times: the WAN sweep's 10 rounds of about 11
-configurations x 6 kinds x 128 tokens are about 6 hours at 3 stages and 100 ms alone); one WAN
-point at full length: BENCH_QUICK=1 BENCH_TOKENS=128 BENCH_WAN_DELAYS=100 (about 30 minutes a round).
+configurations x the kept kinds x 128 tokens are 4-6 hours at 3 stages and 100 ms alone); one WAN
+point at full length: BENCH_QUICK=1 BENCH_TOKENS=128 BENCH_WAN_DELAYS=100 (about 20 minutes a round).
 Sizes: BENCH_RUNS, BENCH_TOKENS (128; quick 24), BENCH_WAN_TOKENS (same), BENCH_KS (1,3,5,8,10; empty:
 adaptive only), BENCH_TREES (3x4,2x3), BENCH_WAN_STAGES (2,3), BENCH_WAN_DELAYS (0,10,25,50,100),
 BENCH_WAN_KS (5,10), BENCH_WAN_SOURCE (ngram|self|hf; default the best single-node token source),
