@@ -20,10 +20,10 @@ the arm with the best mean rate over its window, recent rates weighing more (bef
 measured, the first candidate). A probe of an arm measured far slower than the best costs that
 request the gap (plain over 100 ms hops: a round of the benchmark 30% slower), so an arm is due
 only after ``explore_every`` times the square of its gap requests since it was last seen, at most
-``MAX_PROBE_SPACING`` times (arms within a few percent are probed as often as before). Plain as the best arm
-means no source pays for itself on this fleet now: the request decodes plainly, K = 0 for every
-row, and the probes tell when that changes. Within a speculating request adaptive K still drops to
-K = 0 wherever its text defeats the draft.
+``MAX_PROBE_SPACING`` times that (one within a few percent of the best: after about
+``explore_every``). Plain as the best arm means no source pays for itself on this fleet now: the
+request decodes plainly, K = 0 for every row, and the probes tell when that changes. Within a
+speculating request adaptive K still drops to K = 0 wherever its text defeats the draft.
 """
 
 from __future__ import annotations
